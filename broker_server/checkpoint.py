@@ -1,0 +1,136 @@
+"""Per-round checkpoints in SQLite (``RUN_DIR/checkpoints.sqlite``).
+
+One row per completed round: the global model tensors (msgpack, the wire's tensor encoding),
+the strategy's state, the server RNG state and the client registry, as one transaction, so a
+killed server finds either the whole round or none of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from protocol.tensors import TensorLimits, decode_tensor, encode_tensor
+
+from .errors import FedfleetServerError
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS checkpoints (
+    round INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    tensors BLOB NOT NULL,
+    strategy_state BLOB NOT NULL,
+    rng_state TEXT NOT NULL,
+    registry TEXT NOT NULL,
+    meta TEXT NOT NULL
+);
+"""
+
+
+class CheckpointError(FedfleetServerError):
+    """A checkpoint could not be written or read back."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The server state after ``round`` (0 = the initial model).
+
+    Attributes:
+        round: last completed round.
+        tensors: global model arrays in manifest order.
+        strategy_state: the strategy's ``state_dict()`` (msgpack-able values and arrays).
+        rng_state: ``numpy.random.Generator.bit_generator.state`` of the server's selection RNG.
+        registry: per-client records (JSON-able dicts).
+        meta: free JSON-able values (accuracy, manifest hash …).
+    """
+
+    round: int
+    tensors: list[np.ndarray]
+    strategy_state: dict[str, Any]
+    rng_state: dict[str, Any]
+    registry: list[dict[str, Any]]
+    meta: dict[str, Any]
+
+
+def _pack_state(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return {"__tensor__": encode_tensor(value)}
+    if isinstance(value, dict):
+        return {str(k): _pack_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_pack_state(v) for v in value]
+    return value
+
+
+def _unpack_state(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return np.array(decode_tensor(value["__tensor__"], limits=TensorLimits(allow_nonfinite=True)))
+        return {k: _unpack_state(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpack_state(v) for v in value]
+    return value
+
+
+class CheckpointStore:
+    """Read and write the checkpoints of one run.
+
+    Raises:
+        CheckpointError: SQLite errors, converted once here.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise CheckpointError(f"cannot open checkpoint store {self.path}: {exc}") from exc
+
+    def save(self, ckpt: Checkpoint) -> None:
+        """Write (or replace) the checkpoint of ``ckpt.round`` in one transaction."""
+        tensors = msgpack.packb([encode_tensor(t) for t in ckpt.tensors], use_bin_type=True)
+        state = msgpack.packb(_pack_state(ckpt.strategy_state), use_bin_type=True)
+        try:
+            with self._db:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (ckpt.round, time.time(), tensors, state, json.dumps(ckpt.rng_state),
+                     json.dumps(ckpt.registry), json.dumps(ckpt.meta)))
+        except sqlite3.Error as exc:
+            raise CheckpointError(f"cannot write checkpoint of round {ckpt.round}: {exc}") from exc
+
+    def rounds(self) -> list[int]:
+        """Rounds that have a checkpoint, ascending."""
+        return [r for (r,) in self._db.execute("SELECT round FROM checkpoints ORDER BY round")]
+
+    def load(self, round: int | None = None) -> Checkpoint | None:
+        """The checkpoint of ``round`` (the latest when ``None``), or ``None`` when there is none."""
+        sql = "SELECT * FROM checkpoints " + ("WHERE round = ?" if round is not None else "ORDER BY round DESC LIMIT 1")
+        try:
+            row = self._db.execute(sql, (round,) if round is not None else ()).fetchone()
+        except sqlite3.Error as exc:
+            raise CheckpointError(f"cannot read {self.path}: {exc}") from exc
+        if row is None:
+            return None
+        rnd, _ts, tensors, state, rng, registry, meta = row
+        arrays = [np.array(decode_tensor(t, limits=TensorLimits(allow_nonfinite=True)))
+                  for t in msgpack.unpackb(tensors, raw=False)]
+        return Checkpoint(round=rnd, tensors=arrays, strategy_state=_unpack_state(msgpack.unpackb(state, raw=False)),
+                          rng_state=json.loads(rng), registry=json.loads(registry), meta=json.loads(meta))
+
+    def close(self) -> None:
+        """Close the database (idempotent)."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None  # type: ignore[assignment]

@@ -1,0 +1,262 @@
+"""Run configuration: a TOML file, strictly checked (unknown keys and bad values are refused).
+
+Example (``examples/mnist-fedavg.toml``)::
+
+    [run]
+    name = "mnist-fedavg"
+    seed = 0
+    rounds = 10
+
+    [data]
+    dataset = "mnist"
+    partition = "dirichlet"
+    alpha = 0.5
+    clients = 10
+
+    [train]
+    algorithm = "fedavg"
+    local_epochs = 1
+    batch_size = 32
+    lr = 0.05
+
+Every section and key is listed in :data:`SCHEMA` with its type and allowed range; the error
+for a typo names the file, the section and the key, and lists the allowed keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """[run]: name (used in the run id), seed, rounds, out (parent folder of run folders)."""
+
+    name: str = "run"
+    seed: int = 0
+    rounds: int = 10
+    out: str = "runs"
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """[data]: data set name, optional folder, partition scheme, Dirichlet α, client count."""
+
+    dataset: str = "digits"
+    data_dir: str = ""
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    clients: int = 10
+    min_samples: int = 10
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """[train]: algorithm name and local training settings."""
+
+    algorithm: str = "fedavg"
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """[server]: participation rate C, quorum, deadlines (seconds)."""
+
+    participation_rate: float = 1.0
+    quorum: int = 1
+    round_deadline_s: float = 300.0
+    join_timeout_s: float = 60.0
+    eval_batch_size: int = 1000
+
+
+@dataclass(frozen=True)
+class BrokerSection:
+    """[broker]: ``url`` empty = start an embedded broker of ``kind`` (auto/mosquitto/amqtt)."""
+
+    url: str = ""
+    kind: str = "auto"
+    username: str = ""
+    password_file: str = ""
+    ca_file: str = ""
+    keepalive_s: int = 30
+
+
+@dataclass(frozen=True)
+class ProtocolSection:
+    """[protocol]: QoS of model traffic and the tensor codec (``fp32`` in protocol v1's first cut)."""
+
+    qos: int = 1
+    codec: str = "fp32"
+
+
+@dataclass(frozen=True)
+class AgentsSection:
+    """[agents]: firmware profile of simulated agents, concurrent trainers, torch threads."""
+
+    profile: str = "x86-cpu"
+    train_slots: int = 1
+    torch_threads: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run configuration (every section with defaults)."""
+
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    broker: BrokerSection = field(default_factory=BrokerSection)
+    protocol: ProtocolSection = field(default_factory=ProtocolSection)
+    agents: AgentsSection = field(default_factory=AgentsSection)
+    source: str = "<defaults>"
+
+    def replace(self, section: str, **changes: Any) -> "Config":
+        """A copy with ``changes`` applied to one section (values re-validated)."""
+        sec = dataclasses.replace(getattr(self, section), **changes)
+        cfg = dataclasses.replace(self, **{section: sec})
+        validate(cfg)
+        return cfg
+
+    def to_toml(self) -> str:
+        """The resolved configuration as TOML text (written to the run folder)."""
+        lines = [f"# resolved fedfleet configuration (from {self.source})"]
+        for sec in _SECTIONS:
+            lines.append(f"\n[{sec}]")
+            for f in dataclasses.fields(getattr(self, sec)):
+                v = getattr(getattr(self, sec), f.name)
+                lines.append(f"{f.name} = {_toml_value(v)}")
+        return "\n".join(lines) + "\n"
+
+
+_SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents")
+
+# allowed (min, max) for numbers, or a tuple of choices for strings
+_RANGES: dict[tuple[str, str], Any] = {
+    ("run", "rounds"): (1, 100_000),
+    ("run", "seed"): (0, 2**63 - 1),
+    ("data", "alpha"): (1e-6, float("inf")),
+    ("data", "clients"): (1, 100_000),
+    ("data", "min_samples"): (1, 10**9),
+    ("data", "partition"): ("iid", "dirichlet"),
+    ("train", "local_epochs"): (1, 1000),
+    ("train", "batch_size"): (1, 1 << 20),
+    ("train", "lr"): (0.0, 100.0),
+    ("train", "momentum"): (0.0, 1.0),
+    ("train", "weight_decay"): (0.0, 1.0),
+    ("server", "participation_rate"): (1e-9, 1.0),
+    ("server", "quorum"): (1, 100_000),
+    ("server", "round_deadline_s"): (0.1, 7 * 86400.0),
+    ("server", "join_timeout_s"): (0.1, 7 * 86400.0),
+    ("server", "eval_batch_size"): (1, 1 << 20),
+    ("broker", "kind"): ("auto", "mosquitto", "amqtt"),
+    ("broker", "keepalive_s"): (5, 65535),
+    ("protocol", "qos"): (0, 1),
+    ("protocol", "codec"): ("fp32",),
+    ("agents", "train_slots"): (1, 1024),
+    ("agents", "torch_threads"): (0, 1024),
+}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, float) and v == float("inf"):
+        return "inf"
+    return repr(v)
+
+
+def _coerce(value: Any, ftype: type, where: str) -> Any:
+    if ftype is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if ftype is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if ftype is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if ftype is float and not isinstance(value, float):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if ftype is str and not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def validate(cfg: Config, source: str | None = None) -> None:
+    """Check every ranged value of ``cfg``.
+
+    Raises:
+        ConfigError: naming the source, section, key, the value and the allowed range.
+    """
+    src = source or cfg.source
+    for (sec, key), rng in _RANGES.items():
+        v = getattr(getattr(cfg, sec), key)
+        where = f"{src}: [{sec}] {key}"
+        if isinstance(rng, tuple) and rng and isinstance(rng[0], str):
+            if v not in rng:
+                raise ConfigError(f"{where} = {v!r} is not one of {', '.join(rng)}")
+        elif not rng[0] <= v <= rng[1]:
+            raise ConfigError(f"{where} = {v!r} is outside the allowed range [{rng[0]}, {rng[1]}]")
+    if cfg.server.quorum > cfg.data.clients:
+        raise ConfigError(f"{src}: [server] quorum = {cfg.server.quorum} exceeds [data] clients = {cfg.data.clients}")
+
+
+def from_dict(raw: dict, source: str = "<dict>") -> Config:
+    """Build a :class:`Config` from parsed TOML.
+
+    Raises:
+        ConfigError: unknown section or key, wrong type, value out of range.
+    """
+    sections: dict[str, Any] = {}
+    for sec, table in raw.items():
+        if sec not in _SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{sec}]; allowed: {', '.join(_SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{sec}] must be a table")
+        cls = Config.__dataclass_fields__[sec].default_factory  # type: ignore[attr-defined]
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        kw = {}
+        for key, value in table.items():
+            if key not in types:
+                raise ConfigError(f"{source}: unknown key [{sec}] {key}; allowed: {', '.join(types)}")
+            ftype = {"int": int, "float": float, "str": str, "bool": bool}[types[key]] \
+                if isinstance(types[key], str) else types[key]
+            kw[key] = _coerce(value, ftype, f"{source}: [{sec}] {key}")
+        sections[sec] = cls(**kw)
+    cfg = Config(**sections, source=source)
+    validate(cfg, source)
+    return cfg
+
+
+def load(path: str | os.PathLike) -> Config:
+    """Read and validate a TOML configuration file.
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or has an unknown key or a bad value.
+    """
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {p}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
+    return from_dict(raw, str(p))

@@ -1,0 +1,77 @@
+"""Building blocks shared by ``fedfleet simulate`` and ``fedfleet server``: transports, the
+global model, the strategy and the server, all from one :class:`~broker_server.config.Config`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from edge_agent.data import Dataset
+from edge_agent.models import build_model
+from protocol.channel import Channel
+from protocol.ledger import Ledger
+from protocol.messages import SERVER_ID
+from protocol.transport import MqttTransport, Will
+
+from .config import Config
+from .embedded_broker import parse_broker_url
+from .errors import ConfigError
+from .server import AggregationServer, ServerSettings
+from .strategies import get_strategy
+
+
+def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = None) -> MqttTransport:
+    """An unconnected MQTT transport for ``url`` with the config's credentials and TLS CA.
+
+    Raises:
+        ValueError: ``url`` is not ``mqtt://`` or ``mqtts://``.
+        ConfigError: the password file cannot be read.
+    """
+    addr = parse_broker_url(url)
+    password = addr.password
+    if cfg.broker.password_file:
+        try:
+            password = Path(cfg.broker.password_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"[broker] password_file {cfg.broker.password_file}: {exc}") from exc
+    username = addr.username or (cfg.broker.username or None)
+    return MqttTransport(client_id, addr.host, addr.port, username=username, password=password,
+                         tls_ca=(cfg.broker.ca_file or None) if addr.tls else None,
+                         keepalive_s=cfg.broker.keepalive_s, will=will)
+
+
+def device_model(ds: Dataset, seed: int) -> torch.nn.Module:
+    """The light CNN for ``ds``'s image shape, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
+
+
+def train_config(cfg: Config) -> dict:
+    """The [train] settings sent in every ``round_start``."""
+    t = cfg.train
+    return {"local_epochs": t.local_epochs, "batch_size": t.batch_size, "lr": t.lr, "momentum": t.momentum,
+            "weight_decay": t.weight_decay}
+
+
+def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir: Path, ledger: Ledger,
+                expected_clients: int, on_round: Callable[[dict], None] | None = None) -> AggregationServer:
+    """Connect the server's transport and build the :class:`AggregationServer`.
+
+    Raises:
+        ConfigError: unknown algorithm.
+        ConnectError: the broker did not accept the server.
+    """
+    strategy = get_strategy(cfg.train.algorithm, participation_rate=cfg.server.participation_rate,
+                            min_clients=cfg.server.quorum, train_config=train_config(cfg))
+    tr = open_transport(f"{federation[:40]}-server", cfg, url)
+    tr.connect()
+    ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, qos=cfg.protocol.qos)
+    return AggregationServer(
+        channel=ch, strategy=strategy, model=device_model(ds, cfg.run.seed), test=ds.test,
+        settings=ServerSettings(rounds=cfg.run.rounds, quorum=cfg.server.quorum,
+                                round_deadline_s=cfg.server.round_deadline_s, join_timeout_s=cfg.server.join_timeout_s,
+                                expected_clients=expected_clients, seed=cfg.run.seed,
+                                eval_batch_size=cfg.server.eval_batch_size),
+        run_dir=run_dir, on_round=on_round)

@@ -1,0 +1,360 @@
+"""The aggregation server: registry, round loop, evaluation, metrics and checkpoints.
+
+One driver owns the round loop and the wire; the strategy only decides (``configure_round``)
+and computes (``aggregate``). A round, as data (DESIGN.md §2):
+
+1. select clients (participation rate, at least the quorum) among the joined, online ones;
+2. publish ``global`` (the model) then ``round_start`` (who, deadline, training settings);
+3. collect ``update`` messages until every selected client reported or the deadline passed;
+   each accepted update gets a ``receipt``; duplicates (QoS 1 redelivery) are aggregated once,
+   late updates for a closed round and updates from unselected clients are rejected and counted;
+4. **quorum rule**: when fewer than ``quorum`` updates arrived by the deadline, the round is
+   closed without aggregation (the global model is unchanged) and marked ``skipped`` in
+   ``metrics.jsonl``; an aggregate with NaN/Inf is likewise discarded, never broadcast;
+5. evaluate on the held-out test split, write one ``metrics.jsonl`` line and a checkpoint.
+
+After the last round the server publishes ``finish``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edge_agent.data import ArraySplit
+from edge_agent.models import manifest_hash, model_manifest
+from edge_agent.state import load_arrays, state_arrays
+from protocol import topics
+from protocol.channel import Channel, Received, Rejected
+from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
+
+from .aggregate import all_finite
+from .checkpoint import Checkpoint, CheckpointStore
+from .strategies import ClientResult, Strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Round-loop settings.
+
+    Attributes:
+        rounds: number of rounds T.
+        quorum: least updates for a round to be aggregated.
+        round_deadline_s: seconds after ``round_start`` within which updates count.
+        join_timeout_s: seconds to wait for ``expected_clients`` joins before round 1.
+        expected_clients: start as soon as this many clients joined (``None``: wait for quorum).
+        seed: seeds the client-selection generator.
+        eval_batch_size: samples per forward pass in evaluation.
+    """
+
+    rounds: int
+    quorum: int = 1
+    round_deadline_s: float = 300.0
+    join_timeout_s: float = 60.0
+    expected_clients: int | None = None
+    seed: int = 0
+    eval_batch_size: int = 1000
+
+
+@dataclass
+class ClientRecord:
+    """What the server knows of one device (the registry)."""
+
+    client_id: str
+    profile: str = ""
+    num_samples: int = 0
+    class_histogram: list[int] = field(default_factory=list)
+    online: bool = True
+    last_seen: float = 0.0
+    joined_round: int = 0
+    updates_accepted: int = 0
+
+
+@dataclass
+class RoundStats:
+    """Counters of one round (written to ``metrics.jsonl``)."""
+
+    round: int
+    selected: int = 0
+    clients_reported: int = 0
+    duplicates: int = 0
+    late: int = 0
+    unsolicited: int = 0
+    invalid: int = 0
+    skipped: bool = False
+    skip_reason: str = ""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The outcome of :meth:`AggregationServer.run`."""
+
+    rounds_completed: int
+    final_accuracy: float
+    final_loss: float
+    metrics: list[dict]
+
+
+def evaluate(model: torch.nn.Module, split: ArraySplit, *, batch_size: int = 1000,
+             device: torch.device | None = None) -> tuple[float, float]:
+    """Accuracy (fraction 0–1) and mean cross-entropy of ``model`` on ``split``.
+
+    Args:
+        model: a classifier returning logits [N, num_classes].
+        split: ``x`` float32 [N, C, H, W], ``y`` int64 [N].
+        batch_size: samples per forward pass.
+
+    Returns:
+        ``(accuracy, loss)``; ``(0.0, 0.0)`` for an empty split.
+    """
+    n = len(split.y)
+    if n == 0:
+        return 0.0, 0.0
+    device = device or torch.device("cpu")
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    x_all = torch.from_numpy(np.array(split.x, dtype=np.float32))  # writable copy: the split is read-only
+    y_all = torch.from_numpy(np.array(split.y, dtype=np.int64))
+    with torch.inference_mode():
+        for s in range(0, n, batch_size):
+            xb, yb = x_all[s:s + batch_size].to(device), y_all[s:s + batch_size].to(device)
+            logits = model(xb)
+            loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(1) == yb).sum())
+    return correct / n, loss_sum / n
+
+
+class AggregationServer:
+    """Runs the rounds of one federation over a :class:`~protocol.channel.Channel`.
+
+    Args:
+        channel: connected server channel (its node id is ``"server"``).
+        strategy: the algorithm's server half.
+        model: the global model (its state is the initial global state).
+        test: held-out split for evaluation after each round.
+        settings: round-loop settings.
+        run_dir: where ``metrics.jsonl``, ``checkpoints.sqlite`` and ``model_final.pt`` go.
+        on_round: called with each round's metrics dict (progress display).
+    """
+
+    def __init__(self, *, channel: Channel, strategy: Strategy, model: torch.nn.Module, test: ArraySplit,
+                 settings: ServerSettings, run_dir: Path, on_round: Callable[[dict], None] | None = None) -> None:
+        self.channel = channel
+        self.strategy = strategy
+        self.model = model
+        self.test = test
+        self.settings = settings
+        self.run_dir = Path(run_dir)
+        self.on_round = on_round
+        self.manifest_hash = manifest_hash(model_manifest(model))
+        self.global_tensors: list[np.ndarray] = list(state_arrays(model))
+        self.registry: dict[str, ClientRecord] = {}
+        self.rng = np.random.default_rng(settings.seed)
+        self.round = 0
+        self._collecting: int | None = None
+        self._selected: set[str] = set()
+        self._results: dict[str, ClientResult] = {}
+        self._stats = RoundStats(round=0)
+        self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
+        self.metrics: list[dict] = []
+        self.checkpoints = CheckpointStore(self.run_dir / "checkpoints.sqlite")
+        self.fed = channel.federation
+        channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
+
+    # ------------------------------------------------------------------ message handling
+
+    def _online(self) -> list[str]:
+        return sorted(c for c, r in self.registry.items() if r.online)
+
+    def _reply(self, rec: Received, accepted: bool, reason: str = "") -> None:
+        env = rec.envelope
+        self.channel.send(topics.down_to(self.fed, env.sender, Kind.RECEIPT),
+                          Receipt(ref_kind=int(env.kind), ref_seq=env.seq, accepted=accepted, reason=reason,
+                                  sha256=rec.sha256),
+                          round=env.round, recipient=env.sender)
+
+    def _handle(self, item: Received | Rejected) -> None:
+        if isinstance(item, Rejected):
+            self.totals["rejected_invalid"] += 1
+            self._stats.invalid += 1
+            return
+        env = item.envelope
+        body = env.body
+        now = time.monotonic()
+        if isinstance(body, Join):
+            if body.manifest_hash != self.manifest_hash:
+                log.warning("join from %s refused: model manifest %s != server's %s",
+                            env.sender, body.manifest_hash, self.manifest_hash)
+                self._reply(item, False, f"model manifest {body.manifest_hash} does not match the server's "
+                                         f"{self.manifest_hash}: same model architecture and data shape needed")
+                return
+            rec = self.registry.get(env.sender) or ClientRecord(env.sender, joined_round=self.round)
+            rec.profile, rec.num_samples = body.profile, body.num_samples
+            rec.class_histogram, rec.online, rec.last_seen = list(body.class_histogram), True, now
+            self.registry[env.sender] = rec
+            log.info("join: %s (%s, %d samples)", env.sender, body.profile, body.num_samples)
+            self._reply(item, True)
+        elif isinstance(body, Status):
+            rec = self.registry.get(env.sender)
+            if rec is not None:
+                rec.online = body.state != "offline"
+                rec.last_seen = now
+                if not rec.online:
+                    log.info("%s is offline (%s)", env.sender, body.detail)
+        elif isinstance(body, Update):
+            self._on_update(item, body)
+        else:
+            self.totals["unsolicited"] += 1
+            log.warning("unexpected %s from %s ignored", env.kind.label, env.sender)
+
+    def _on_update(self, item: Received, body: Update) -> None:
+        env = item.envelope
+        if self._collecting is None or env.round != self._collecting:
+            self.totals["late"] += 1
+            self._stats.late += 1
+            log.warning("update from %s for round %d rejected: round %s is open", env.sender, env.round,
+                        self._collecting)
+            self._reply(item, False, f"round {env.round} is closed")
+            return
+        if env.sender not in self._selected:
+            self.totals["unsolicited"] += 1
+            self._stats.unsolicited += 1
+            self._reply(item, False, f"{env.sender} was not selected for round {env.round}")
+            return
+        if env.sender in self._results:
+            self.totals["duplicates"] += 1
+            self._stats.duplicates += 1
+            self._reply(item, True, "duplicate: already counted")
+            return
+        shapes_ok = len(body.tensors) == len(self.global_tensors) and all(
+            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, self.global_tensors))
+        if not shapes_ok:
+            self.totals["rejected_invalid"] += 1
+            self._stats.invalid += 1
+            self._reply(item, False, "tensors do not match the model manifest")
+            return
+        self._results[env.sender] = ClientResult(env.sender, body.tensors, body.num_samples, body.train_loss,
+                                                 dict(body.metrics))
+        rec = self.registry.get(env.sender)
+        if rec is not None:
+            rec.updates_accepted += 1
+            rec.last_seen = time.monotonic()
+        self._reply(item, True)
+
+    def pump(self, timeout_s: float) -> None:
+        """Handle every message that arrives within ``timeout_s`` seconds (at least one wait)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            item = self.channel.receive(max(0.0, deadline - time.monotonic()))
+            if item is not None:
+                self._handle(item)
+            if time.monotonic() >= deadline:
+                return
+
+    # ------------------------------------------------------------------ the run
+
+    def wait_for_clients(self) -> None:
+        """Wait until ``expected_clients`` (or the quorum) joined, or ``join_timeout_s`` passed."""
+        want = self.settings.expected_clients or self.settings.quorum
+        deadline = time.monotonic() + self.settings.join_timeout_s
+        while len(self._online()) < want and time.monotonic() < deadline:
+            self.pump(min(0.2, max(0.0, deadline - time.monotonic())))
+        log.info("%d clients joined (wanted %d)", len(self._online()), want)
+
+    def run(self) -> RunSummary:
+        """Run rounds ``round+1 … rounds``, then publish ``finish``.
+
+        Returns:
+            :class:`RunSummary` with the final accuracy and every round's metrics.
+        """
+        self.wait_for_clients()
+        if self.round == 0:
+            self._checkpoint(accuracy=None)
+        last_acc, last_loss = float("nan"), float("nan")
+        while self.round < self.settings.rounds:
+            m = self.run_round(self.round + 1)
+            last_acc, last_loss = m["accuracy"], m["loss"]
+        self.channel.send(topics.down(self.fed, Kind.FINISH),
+                          Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10)
+        self.pump(0.2)
+        torch.save(self.model.state_dict(), self.run_dir / "model_final.pt")
+        if self.channel.ledger is not None:
+            self.channel.ledger.flush()
+        return RunSummary(self.round, last_acc, last_loss, self.metrics)
+
+    def run_round(self, r: int) -> dict:
+        """Run round ``r`` (steps 1–5 of the module docstring) and return its metrics."""
+        t0 = time.monotonic()
+        sent0 = self._bytes()
+        self._stats = RoundStats(round=r)
+        available = self._online()
+        plan = self.strategy.configure_round(r, available, self.rng)
+        self._selected, self._results, self._collecting = set(plan.selected), {}, r
+        self._stats.selected = len(plan.selected)
+        self.channel.send(topics.down(self.fed, Kind.GLOBAL),
+                          Global(tensors=tuple(self.global_tensors), meta={"manifest_hash": self.manifest_hash}),
+                          round=r)
+        self.channel.send(topics.down(self.fed, Kind.ROUND_START),
+                          RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s,
+                                     config=plan.config), round=r)
+        deadline = t0 + self.settings.round_deadline_s
+        while len(self._results) < len(self._selected) and time.monotonic() < deadline:
+            self.pump(min(0.5, max(0.0, deadline - time.monotonic())))
+        self._collecting = None
+        results = [self._results[c] for c in sorted(self._results)]
+        self._stats.clients_reported = len(results)
+        if len(results) < self.settings.quorum:
+            self._stats.skipped = True
+            self._stats.skip_reason = f"{len(results)} updates < quorum {self.settings.quorum}"
+            log.warning("round %d skipped: %s", r, self._stats.skip_reason)
+        else:
+            new = self.strategy.aggregate(r, self.global_tensors, results)
+            if new is not None and not all_finite(new):
+                self._stats.skipped = True
+                self._stats.skip_reason = "aggregate contains NaN/Inf: discarded"
+                log.error("round %d: aggregate has NaN/Inf; the global model is kept", r)
+            elif new is not None:
+                self.global_tensors = list(new)
+                load_arrays(self.model, self.global_tensors)
+        acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
+        self.round = r
+        up, down = (b - a for a, b in zip(sent0, self._bytes()))
+        metrics = {
+            "round": r, "accuracy": acc, "loss": loss, "clients_selected": self._stats.selected,
+            "clients_reported": self._stats.clients_reported, "bytes_up": up, "bytes_down": down,
+            "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
+            "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
+            "train_loss": float(np.average([x.train_loss for x in results], weights=[x.num_samples for x in results]))
+            if results else None,
+        }
+        if self._stats.skip_reason:
+            metrics["skip_reason"] = self._stats.skip_reason
+        self.metrics.append(metrics)
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self._checkpoint(accuracy=acc)
+        if self.channel.ledger is not None:
+            self.channel.ledger.flush()
+        if self.on_round:
+            self.on_round(metrics)
+        return metrics
+
+    def _bytes(self) -> tuple[int, int]:
+        """(uplink, downlink) wire bytes on the server's link so far, from this side's ledger rows."""
+        return self.channel.wire_bytes_received, self.channel.wire_bytes_sent
+
+    def _checkpoint(self, accuracy: float | None) -> None:
+        self.checkpoints.save(Checkpoint(
+            round=self.round, tensors=self.global_tensors, strategy_state=self.strategy.state_dict(),
+            rng_state=self.rng.bit_generator.state, registry=[asdict(r) for r in self.registry.values()],
+            meta={"accuracy": accuracy, "manifest_hash": self.manifest_hash}))

@@ -1,0 +1,215 @@
+"""``fedfleet simulate``: a whole federation on one machine over a real MQTT broker.
+
+The server runs on the calling thread; every virtual agent runs on its own thread with its own
+MQTT connection, client id and data shard; the broker is an embedded child process (Mosquitto
+when installed, else amqtt) unless a broker URL is given. Everything goes over real MQTT.
+
+A run folder holds ``config.toml`` (resolved), ``partition.json`` (each client's shard size and
+class histogram), ``ledger.sqlite``, ``metrics.jsonl``, ``checkpoints.sqlite``,
+``model_final.pt`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+import torch
+
+from edge_agent.agent import AgentSummary, EdgeAgent
+from edge_agent.algorithms import TrainConfig, get_client_algorithm
+from edge_agent.data import load_dataset
+from edge_agent.errors import EdgeAgentError
+from edge_agent.partition import describe, partition
+from protocol import topics
+from protocol.channel import Channel
+from protocol.ledger import Ledger
+from protocol.messages import Envelope, Status, encode
+from protocol.transport import Will
+
+from .config import Config
+from .embedded_broker import EmbeddedBroker
+from .errors import ConfigError
+from .runtime import device_model, make_server, open_transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Outcome of :func:`simulate`.
+
+    Attributes:
+        run_dir: the run folder.
+        federation: federation id used in topics.
+        final_accuracy: test accuracy after the last round (fraction 0–1).
+        rounds_completed: rounds run.
+        metrics: one dict per round (as in ``metrics.jsonl``).
+        agents: per-agent summaries.
+        seconds: wall time of the whole run.
+        broker: ``"mosquitto"``, ``"amqtt"`` or the external URL.
+    """
+
+    run_dir: Path
+    federation: str
+    final_accuracy: float
+    rounds_completed: int
+    metrics: list[dict]
+    agents: list[AgentSummary]
+    seconds: float
+    broker: str
+
+
+def make_run_id(name: str, seed: int) -> str:
+    """``<name>-<YYYYmmdd-HHMMSS>-s<seed>`` squeezed to a valid topic level (≤ 64 chars)."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", name).strip("-._") or "run"
+    return f"{stem[:36]}-{time.strftime('%Y%m%d-%H%M%S')}-s{seed}"[:64]
+
+
+def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict], None]:
+    """A callback printing one line per round: round, accuracy, clients, bytes, elapsed."""
+    t0 = time.monotonic()
+
+    def show(m: dict) -> None:
+        skipped = "  SKIPPED: " + m.get("skip_reason", "") if m.get("skipped") else ""
+        stream.write(
+            f"round {m['round']:>3}/{rounds}  acc {m['accuracy']:.4f}  loss {m['loss']:.4f}  "
+            f"clients {m['clients_reported']}/{m['clients_selected']}  "
+            f"up {m['bytes_up'] / 1024:,.1f} KiB  down {m['bytes_down'] / 1024:,.1f} KiB  "
+            f"{m['seconds']:.1f} s  (elapsed {time.monotonic() - t0:.0f} s){skipped}\n")
+        stream.flush()
+
+    return show
+
+
+def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
+             on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None
+             ) -> SimulationResult:
+    """Run the federation described by ``cfg`` and return its result.
+
+    Args:
+        cfg: validated configuration.
+        broker_url: ``mqtt://host:port`` of an existing broker; ``None`` starts an embedded one
+            (``cfg.broker.url`` is used when set).
+        run_dir: the run folder (created); default ``<cfg.run.out>/<run-id>``.
+        on_round: progress callback (one dict per round).
+        agent_hook: called with (index, agent) before each agent thread starts (tests use it to
+            make agents misbehave).
+
+    Raises:
+        ConfigError: unknown algorithm, data set or partition settings.
+        DataError: the data set cannot be found.
+        BrokerStartError: the embedded broker did not start.
+        ConnectError: a client could not connect to the broker.
+    """
+    t_start = time.monotonic()
+    run_id = make_run_id(cfg.run.name, cfg.run.seed)
+    out = Path(run_dir) if run_dir is not None else Path(cfg.run.out) / run_id
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "metrics.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out")
+    federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or run_id
+    (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    if cfg.agents.torch_threads:
+        torch.set_num_threads(cfg.agents.torch_threads)
+
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+    parts = partition(ds.train.y, cfg.data.clients, scheme=cfg.data.partition, seed=cfg.run.seed,
+                      alpha=cfg.data.alpha if cfg.data.partition == "dirichlet" else None,
+                      min_samples=cfg.data.min_samples)
+    shards = describe(parts, ds.train.y, ds.num_classes)
+    (out / "partition.json").write_text(json.dumps(
+        {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
+         "seed": cfg.run.seed, "clients": shards}, indent=1), encoding="utf-8")
+    for s in shards:
+        log.info("client %d: %d samples, histogram %s", s["client"], s["samples"], s["histogram"])
+
+    try:
+        get_client_algorithm(cfg.train.algorithm)
+    except EdgeAgentError as exc:
+        raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
+
+    broker: EmbeddedBroker | None = None
+    url = broker_url or cfg.broker.url or None
+    if url is None:
+        broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
+        broker.start()
+        url = broker.url
+        broker_name = broker.kind
+    else:
+        broker_name = url.split("@")[-1]
+    ledger = Ledger(out / "ledger.sqlite")
+    ledger.set_meta("federation", federation)
+    ledger.set_meta("broker", broker_name)
+    agents: list[EdgeAgent] = []
+    threads: list[threading.Thread] = []
+    errors: list[BaseException] = []
+    summaries: list[AgentSummary] = []
+    try:
+        server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
+                             expected_clients=cfg.data.clients, on_round=on_round)
+        server_tr = server.channel.transport
+
+        slots = threading.Semaphore(cfg.agents.train_slots)
+        defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
+                               momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay, seed=cfg.run.seed)
+        for i, idx in enumerate(parts):
+            cid = f"client-{i:03d}"
+            will_payload = encode(Envelope(round=0, sender=cid, seq=0, body=Status("offline", "connection lost"))).payload
+            tr = open_transport(f"{federation[:40]}-{cid}", cfg, url,
+                            will=Will(topics.status(federation, cid), will_payload, qos=1, retain=True))
+            tr.connect()
+            ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, qos=cfg.protocol.qos)
+            agent = EdgeAgent(channel=ch, model=device_model(ds, cfg.run.seed + 1 + i),
+                              algorithm=get_client_algorithm(cfg.train.algorithm),
+                              x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
+                              train_defaults=defaults, client_index=i, profile=cfg.agents.profile,
+                              train_lock=slots, idle_timeout_s=max(120.0, 2 * cfg.server.round_deadline_s),
+                              info={"virtual": True, "torch": torch.__version__})
+            if agent_hook is not None:
+                agent_hook(i, agent)
+            agents.append(agent)
+
+        def agent_main(a: EdgeAgent) -> None:
+            try:
+                summaries.append(a.run())
+            except BaseException as exc:  # reported after the run; one agent must not stop the others
+                log.error("%s failed: %s", a.client_id, exc)
+                errors.append(exc)
+            finally:
+                a.channel.transport.close()
+
+        for a in agents:
+            t = threading.Thread(target=agent_main, args=(a,), name=a.client_id, daemon=True)
+            t.start()
+            threads.append(t)
+        summary = server.run()
+        for t in threads:
+            t.join(timeout=30)
+        server_tr.close()
+    finally:
+        for a in agents:
+            a.stop()
+        for t in threads:
+            t.join(timeout=5)
+        ledger.close()
+        if broker is not None:
+            broker.stop()
+    result = SimulationResult(run_dir=out, federation=federation, final_accuracy=summary.final_accuracy,
+                              rounds_completed=summary.rounds_completed, metrics=summary.metrics,
+                              agents=sorted(summaries, key=lambda s: s.client_id),
+                              seconds=time.monotonic() - t_start, broker=broker_name)
+    (out / "summary.json").write_text(json.dumps({
+        "federation": federation, "final_accuracy": result.final_accuracy,
+        "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
+        "dataset": ds.name, "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
+    }, indent=1), encoding="utf-8")
+    return result

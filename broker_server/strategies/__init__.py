@@ -1,0 +1,14 @@
+"""Server halves of the federated algorithms, registered by name (see ``edge_agent.algorithms``).
+
+A strategy never publishes: :meth:`configure_round` says what to send and whom to ask,
+:meth:`aggregate` turns the round's results into the next global state; the server driver owns
+the round loop and the wire.
+"""
+
+from __future__ import annotations
+
+from ._base import ClientResult, RoundPlan, Strategy
+from ._registry import get_strategy, list_strategies, register_strategy
+from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+
+__all__ = sorted(["ClientResult", "RoundPlan", "Strategy", "get_strategy", "list_strategies", "register_strategy"])

@@ -1,0 +1,56 @@
+"""The strategy interface and the records it exchanges with the server driver."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """What the driver sends for one round.
+
+    Attributes:
+        selected: client ids asked to train.
+        config: scalars for ``round_start.config`` (local_epochs, lr, …).
+    """
+
+    selected: tuple[str, ...]
+    config: Mapping[str, float | int | str | bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientResult:
+    """One accepted update.
+
+    Attributes:
+        client_id: sender.
+        tensors: arrays in manifest order (already validated: shapes, finite).
+        num_samples: the client's sample count n_k (> 0).
+        train_loss: the client's reported training loss.
+        metrics: the client's other scalars.
+    """
+
+    client_id: str
+    tensors: tuple[np.ndarray, ...]
+    num_samples: int
+    train_loss: float
+    metrics: Mapping[str, float | int | str | bool] = field(default_factory=dict)
+
+
+class Strategy(Protocol):
+    """Server half of an algorithm."""
+
+    name: str
+
+    def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan: ...
+
+    def aggregate(self, round: int, current: Sequence[np.ndarray],
+                  results: Sequence[ClientResult]) -> list[np.ndarray] | None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

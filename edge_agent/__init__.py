@@ -1,0 +1,1 @@
+"""fedfleet edge agent: data sets, partitioners, client models and the agent runtime."""

@@ -1,0 +1,184 @@
+"""The edge agent: join, wait for rounds, train locally, publish the update.
+
+The MQTT network loop runs on paho's thread; training runs on the agent's own thread (the one
+that calls :meth:`EdgeAgent.run`), never inside a message callback, so keepalive continues while
+a slow device trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol import topics
+from protocol.channel import Channel, Received, Rejected
+from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
+
+from .algorithms import ClientAlgorithm, TrainConfig
+from .data import class_histogram
+from .errors import EdgeAgentError
+from .models import manifest_hash, model_manifest
+
+log = logging.getLogger(__name__)
+
+
+class AgentError(EdgeAgentError):
+    """The agent cannot take part (join refused, server silent past the idle timeout)."""
+
+
+@dataclass(frozen=True)
+class AgentSummary:
+    """What an agent did in a run.
+
+    Attributes:
+        client_id: its id.
+        rounds_trained: rounds in which it published an update.
+        receipts_accepted: updates the server acknowledged as accepted.
+        finished: whether the run ended with the server's ``finish``.
+    """
+
+    client_id: str
+    rounds_trained: int
+    receipts_accepted: int
+    finished: bool
+
+
+class EdgeAgent:
+    """One device's side of a federation.
+
+    Args:
+        channel: connected agent channel (node id = client id).
+        model: the device model (architecture must match the server's manifest).
+        algorithm: the client half of the configured algorithm.
+        x: local training inputs, float32 [N, C, H, W].
+        y: local labels, int64 [N].
+        num_classes: classes of the task (for the join histogram).
+        train_defaults: local training settings; ``round_start.config`` overrides them per round.
+        client_index: position in the fleet (seeds private generators).
+        profile: firmware profile name announced in ``join``.
+        device: torch device to train on.
+        train_lock: shared lock/semaphore limiting concurrent trainers in a simulated fleet.
+        idle_timeout_s: give up when nothing arrives for this many seconds.
+    """
+
+    def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
+                 y: np.ndarray, num_classes: int, train_defaults: TrainConfig, client_index: int = 0,
+                 profile: str = "x86-cpu", device: torch.device | None = None,
+                 train_lock: threading.Semaphore | threading.Lock | None = None,
+                 idle_timeout_s: float = 600.0, info: dict | None = None) -> None:
+        self.channel = channel
+        self.client_id = channel.node_id
+        self.fed = channel.federation
+        self.model = model
+        self.algorithm = algorithm
+        self.device = device or torch.device("cpu")
+        self.model.to(self.device)
+        self.x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        self.y = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+        self.num_classes = num_classes
+        self.train_defaults = train_defaults
+        self.client_index = client_index
+        self.profile = profile
+        self.train_lock = train_lock
+        self.idle_timeout_s = idle_timeout_s
+        self.info = dict(info or {})
+        self.manifest_hash = manifest_hash(model_manifest(model))
+        self._global: tuple[int, tuple[np.ndarray, ...]] | None = None
+        self._pending: tuple[int, RoundStart] | None = None
+        self._stop = threading.Event()
+        self.rounds_trained = 0
+        self.receipts_accepted = 0
+        self.joined = False
+        self.finished = False
+        channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return at its next check (within about a second)."""
+        self._stop.set()
+
+    def join(self, wait_s: float = 30.0) -> None:
+        """Publish the retained ``online`` status and the ``join`` message (QoS 1, acknowledged)."""
+        self.channel.send(topics.status(self.fed, self.client_id), Status("online"), round=0, retain=True,
+                          wait_s=wait_s)
+        hist = class_histogram(self.y.numpy(), self.num_classes)
+        self.channel.send(topics.up(self.fed, self.client_id, Kind.JOIN),
+                          Join(profile=self.profile, manifest_hash=self.manifest_hash,
+                               num_samples=int(self.y.shape[0]), class_histogram=tuple(hist), info=self.info),
+                          round=0, wait_s=wait_s)
+
+    def run(self) -> AgentSummary:
+        """Join, then serve rounds until ``finish``, :meth:`stop`, or the idle timeout.
+
+        Raises:
+            AgentError: the server refused the join, or nothing arrived for ``idle_timeout_s``.
+        """
+        self.join()
+        last = time.monotonic()
+        while not self._stop.is_set():
+            item = self.channel.receive(0.5)
+            if item is None:
+                if time.monotonic() - last > self.idle_timeout_s:
+                    raise AgentError(f"{self.client_id}: nothing from the server for {self.idle_timeout_s:g} s")
+                continue
+            last = time.monotonic()
+            if isinstance(item, Rejected):
+                continue
+            if self._handle(item):
+                break
+            self._maybe_train()
+        self._leave()
+        return AgentSummary(self.client_id, self.rounds_trained, self.receipts_accepted, self.finished)
+
+    def _handle(self, item: Received) -> bool:
+        env = item.envelope
+        body = env.body
+        if env.sender != "server":
+            return False
+        if isinstance(body, Global):
+            if self._global is None or env.round >= self._global[0]:
+                self._global = (env.round, body.tensors)
+        elif isinstance(body, RoundStart):
+            if self.client_id in body.selected:
+                self._pending = (env.round, body)
+        elif isinstance(body, Receipt):
+            if body.ref_kind == Kind.JOIN:
+                if not body.accepted:
+                    raise AgentError(f"{self.client_id}: the server refused the join: {body.reason}")
+                self.joined = True
+            elif body.ref_kind == Kind.UPDATE:
+                if body.accepted:
+                    self.receipts_accepted += 1
+                else:
+                    log.warning("%s: update of round %d rejected: %s", self.client_id, env.round, body.reason)
+        elif isinstance(body, Finish):
+            self.finished = True
+            return True
+        return False
+
+    def _maybe_train(self) -> None:
+        if self._pending is None or self._global is None or self._global[0] != self._pending[0]:
+            return
+        rnd, start = self._pending
+        self._pending = None
+        cfg = TrainConfig.from_mapping(self.train_defaults, start.config)
+        with self.train_lock if self.train_lock is not None else nullcontext():
+            result = self.algorithm.local_round(self.model, self._global[1], self.x, self.y, cfg, round=rnd,
+                                                client_index=self.client_index, device=self.device)
+        self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE),
+                          Update(tensors=result.tensors, num_samples=result.num_samples,
+                                 train_loss=result.train_loss, metrics=result.metrics),
+                          round=rnd)
+        self.rounds_trained += 1
+
+    def _leave(self) -> None:
+        try:
+            self.channel.send(topics.status(self.fed, self.client_id), Status("offline", "run finished"),
+                              round=0, retain=True, wait_s=5)
+        except Exception as exc:  # leaving must not mask the run's outcome
+            log.info("%s: could not publish offline status: %s", self.client_id, exc)

@@ -1,0 +1,116 @@
+"""``fedfleet-agent``: one edge agent on a real device.
+
+Example::
+
+    fedfleet-agent --broker mqtt://192.0.2.10:1883 --federation myfed --client-id pi-07 \\
+        --dataset mnist --data /data --shard 7/10
+
+The agent loads its data set, takes shard ``i`` of ``n`` (the same seeded partition as the
+server's configuration), joins the federation and trains whenever it is selected.
+Exit codes: 0 finished; 1 failed; 2 bad arguments; 3 data not found; 4 broker unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``fedfleet-agent``."""
+    p = argparse.ArgumentParser(prog="fedfleet-agent", description="Run one fedfleet edge agent.")
+    p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
+    p.add_argument("--federation", required=True, help="federation id printed by `fedfleet server`")
+    p.add_argument("--client-id", required=True, help="unique id of this device (A-Za-z0-9_.-, ≤ 64)")
+    p.add_argument("--dataset", default="mnist", help="data set name (see edge_agent.data.list_datasets)")
+    p.add_argument("--data", help="folder holding the data set files")
+    p.add_argument("--shard", default="0/1", help="i/n: take shard i of an n-way partition (default 0/1: all)")
+    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"])
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet α for --partition dirichlet")
+    p.add_argument("--seed", type=int, default=0, help="partition seed (must match the server's config)")
+    p.add_argument("--algorithm", default="fedavg")
+    p.add_argument("--profile", default="x86-cpu", help="firmware profile name announced in join")
+    p.add_argument("--ca", help="CA file for mqtts://")
+    p.add_argument("--username")
+    p.add_argument("--password-file", help="file holding the MQTT password")
+    p.add_argument("--keepalive-s", type=int, default=30)
+    p.add_argument("--idle-timeout-s", type=float, default=3600.0)
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fedfleet-agent``; returns the exit code."""
+    from broker_server.embedded_broker import parse_broker_url  # URL parsing only
+    from protocol import topics
+    from protocol.channel import Channel
+    from protocol.errors import ConnectError, FieldError
+    from protocol.messages import Envelope, Status, encode, valid_id
+    from protocol.transport import MqttTransport, Will
+
+    from .agent import EdgeAgent
+    from .algorithms import TrainConfig, get_client_algorithm
+    from .data import load_dataset
+    from .errors import DataError, EdgeAgentError
+    from .models import build_model
+    from .partition import partition
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if not valid_id(args.client_id) or not valid_id(args.federation):
+            raise ValueError("--client-id and --federation must be 1-64 chars of A-Za-z0-9_.-")
+        i, n = (int(v) for v in args.shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError(f"--shard {args.shard}: need 0 ≤ i < n")
+        addr = parse_broker_url(args.broker)
+        password = Path(args.password_file).read_text().strip() if args.password_file else addr.password
+    except (ValueError, OSError) as exc:
+        print(f"fedfleet-agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        ds = load_dataset(args.dataset, data_dir=args.data)
+        parts = partition(ds.train.y, n, scheme=args.partition, seed=args.seed,
+                          alpha=args.alpha if args.partition == "dirichlet" else None)
+        idx = parts[i]
+    except DataError as exc:
+        print(f"fedfleet-agent: data error: {exc}", file=sys.stderr)
+        return 3
+    except EdgeAgentError as exc:
+        print(f"fedfleet-agent: {exc}", file=sys.stderr)
+        return 2
+    will = Will(topics.status(args.federation, args.client_id),
+                encode(Envelope(round=0, sender=args.client_id, seq=0, body=Status("offline", "connection lost"))).payload)
+    tr = MqttTransport(args.client_id, addr.host, addr.port, username=args.username or addr.username,
+                       password=password, tls_ca=args.ca if addr.tls else None, keepalive_s=args.keepalive_s, will=will)
+    try:
+        tr.connect()
+    except ConnectError as exc:
+        print(f"fedfleet-agent: broker error: {exc}", file=sys.stderr)
+        return 4
+    torch.manual_seed(args.seed + 1 + i)
+    model = build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
+    ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=None)
+    try:
+        agent = EdgeAgent(channel=ch, model=model, algorithm=get_client_algorithm(args.algorithm),
+                          x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
+                          train_defaults=TrainConfig(seed=args.seed), client_index=i, profile=args.profile,
+                          idle_timeout_s=args.idle_timeout_s)
+        summary = agent.run()
+    except (EdgeAgentError, FieldError) as exc:
+        print(f"fedfleet-agent: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        tr.close()
+    print(f"{summary.client_id}: trained {summary.rounds_trained} rounds, "
+          f"{summary.receipts_accepted} updates acknowledged, finished={summary.finished}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Exceptions of the wire protocol.
+
+Every error a decoder raises on bytes from a peer is a :class:`ProtocolError`; callers that
+receive from the network catch that one class, log the reason and drop the message. Transport
+failures are a separate branch because the caller's remedy differs (retry, reconnect)::
+
+    FedfleetProtocolError                 base of everything in ``protocol``
+    ├── ProtocolError                     the bytes are not a valid message: reject and log
+    │   ├── MalformedMessage              not msgpack, wrong container, wrong field type
+    │   ├── UnsupportedVersion            protocol major version this side does not speak
+    │   ├── UnknownKind                   message kind number not defined in this version
+    │   ├── FieldError                    one field out of its bounds (``field`` names it)
+    │   └── TensorError                   tensor dtype/shape/size/NaN violation (``field`` too)
+    ├── LedgerError                       the byte ledger cannot be written or read
+    └── TransportError                    MQTT connection / publish failure
+        ├── ConnectError                  the broker refused or did not answer CONNECT
+        └── PublishTimeout                a QoS 1 publish was not acknowledged in time
+
+Context is kept as attributes (``field``, ``topic``, ``client_id``) so that logs and ledger rows
+can name what was wrong without parsing the message text.
+"""
+
+from __future__ import annotations
+
+
+class FedfleetProtocolError(Exception):
+    """Base class of every exception raised by :mod:`protocol`."""
+
+
+class ProtocolError(FedfleetProtocolError):
+    """Bytes received from a peer do not form a valid message.
+
+    Attributes:
+        field: dotted name of the offending field (``"envelope.kind"``, ``"body.tensors[3]"``),
+            or ``None`` when the whole payload is unusable.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class MalformedMessage(ProtocolError):
+    """The payload is not msgpack, or a field has the wrong container or scalar type."""
+
+
+class UnsupportedVersion(ProtocolError):
+    """The envelope's protocol version is not one this implementation speaks."""
+
+
+class UnknownKind(ProtocolError):
+    """The envelope's message kind number is not defined in this protocol version."""
+
+
+class FieldError(ProtocolError):
+    """A field is present and well typed but outside its allowed range or set."""
+
+
+class TensorError(ProtocolError):
+    """A tensor has an unknown dtype, a bad shape, a size mismatch or non-finite values."""
+
+
+class LedgerError(FedfleetProtocolError):
+    """The SQLite byte ledger could not be opened, written or read."""
+
+
+class TransportError(FedfleetProtocolError):
+    """The MQTT transport failed (connection refused, lost, or a publish not acknowledged)."""
+
+    def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None) -> None:
+        super().__init__(message)
+        self.client_id = client_id
+        self.topic = topic
+
+
+class ConnectError(TransportError):
+    """The broker did not accept the MQTT CONNECT within the timeout."""
+
+
+class PublishTimeout(TransportError):
+    """A QoS 1 PUBLISH was not acknowledged (PUBACK) within the timeout."""

@@ -1,0 +1,558 @@
+"""Message kinds, the envelope, and their msgpack encoding (sans-I/O: bytes in, records out).
+
+Wire layout (protocol version 1). A payload is one msgpack array, the **envelope**::
+
+    [version, kind, round, sender, seq, timestamp_ms, body]
+
+===============  ==========  ===============================================================
+field            msgpack     meaning
+===============  ==========  ===============================================================
+version          uint        protocol major version, :data:`PROTOCOL_VERSION` (checked first)
+kind             uint        message kind, a :class:`Kind` number (checked second)
+round            uint        federated round the message belongs to (0 before round 1)
+sender           str         client id of the sender (``"server"`` for the server), ≤ 64 chars
+seq              uint        per-sender sequence number, strictly increasing from 1
+timestamp_ms     uint        sender's wall clock, ms since the Unix epoch (informational only)
+body             bin         the kind's body, itself a msgpack array (below)
+===============  ==========  ===============================================================
+
+The body is nested as ``bin`` so that its size is known exactly (the ledger's ``body_bytes``) and
+so that a signature over the envelope can be checked before the body is parsed. Decoders ignore
+extra trailing envelope and body fields (forward compatibility); new fields are only ever
+appended, with defaults.
+
+Bodies (positional arrays; ``T`` = a tensor, see :mod:`protocol.tensors`; ``M`` = a map from
+``str`` to a scalar ``int | float | str | bool``):
+
+======  =============  =====================================================================
+kind    name           body
+======  =============  =====================================================================
+1       join           ``[profile, manifest_hash, num_samples, class_histogram[uint], info M]``
+2       round_start    ``[selected[str], deadline_s float, config M]``
+3       global         ``[tensors[T], meta M]``
+4       update         ``[tensors[T], num_samples, train_loss float, metrics M]``
+5       finish         ``[reason str, rounds_completed uint]``
+6       status         ``[state str, detail str]``
+7       receipt        ``[ref_kind uint, ref_seq uint, accepted bool, reason str, sha256 bin32]``
+======  =============  =====================================================================
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+import numpy as np
+
+from .errors import FieldError, MalformedMessage, ProtocolError, UnknownKind, UnsupportedVersion
+from .tensors import DEFAULT_LIMITS, TensorLimits, decode_tensor, encode_tensor
+
+PROTOCOL_VERSION = 1
+"""Protocol major version written in every envelope."""
+
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+"""Largest payload a decoder accepts (256 MiB, the MQTT maximum packet size is 256 MiB − 1)."""
+
+MAX_TENSORS = 4096
+"""Largest number of tensors in one message."""
+
+MAX_STR = 1024
+"""Longest string field (characters) other than ids."""
+
+MAX_MAP_ENTRIES = 256
+"""Largest number of entries in a scalar map (``info``, ``config``, ``meta``, ``metrics``)."""
+
+MAX_LIST = 100_000
+"""Longest list of ids or counts (``selected``, ``class_histogram``)."""
+
+MAX_INT = (1 << 63) - 1
+
+SERVER_ID = "server"
+"""Sender id used by the aggregation server."""
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+Scalar = Union[int, float, str, bool]
+
+
+class Kind(enum.IntEnum):
+    """Message kind numbers. Numbers are never reused; retired ones stay here as comments."""
+
+    JOIN = 1
+    ROUND_START = 2
+    GLOBAL = 3
+    UPDATE = 4
+    FINISH = 5
+    STATUS = 6
+    RECEIPT = 7
+
+    @property
+    def label(self) -> str:
+        """Lower-case name used in topics and the ledger (``"round_start"``)."""
+        return self.name.lower()
+
+
+def valid_id(value: str) -> bool:
+    """True when ``value`` can be a client id: 1–64 chars of ``[A-Za-z0-9_.-]``, not starting
+    with ``.``/``-``/``_`` (so it is safe as one MQTT topic level)."""
+    return isinstance(value, str) and bool(_ID_RE.match(value))
+
+
+# --------------------------------------------------------------------------------------------
+# Message records (one frozen dataclass per kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """An agent announces itself (kind 1).
+
+    Attributes:
+        profile: firmware profile name (``"rpi4"``).
+        manifest_hash: hash of the model manifest the agent will send tensors against.
+        num_samples: training samples on the device.
+        class_histogram: samples per class, ``len == num_classes``.
+        info: free scalars (device, torch version, fallbacks).
+    """
+
+    profile: str
+    manifest_hash: str
+    num_samples: int
+    class_histogram: tuple[int, ...] = ()
+    info: Mapping[str, Scalar] = field(default_factory=dict)
+
+    KIND = Kind.JOIN
+
+
+@dataclass(frozen=True, slots=True)
+class RoundStart:
+    """The server opens a round (kind 2).
+
+    Attributes:
+        selected: client ids asked to train this round.
+        deadline_s: seconds after this message within which updates are accepted.
+        config: per-round training instructions (``local_epochs``, ``lr``, ``batch_size`` …).
+    """
+
+    selected: tuple[str, ...]
+    deadline_s: float
+    config: Mapping[str, Scalar] = field(default_factory=dict)
+
+    KIND = Kind.ROUND_START
+
+
+@dataclass(frozen=True, slots=True)
+class Global:
+    """The global state for a round (kind 3): tensors positional against the model manifest.
+
+    Attributes:
+        tensors: arrays in manifest order (float32 for model weights).
+        meta: scalars describing the state (``"manifest_hash"``, ``"accuracy"`` …).
+    """
+
+    tensors: tuple[np.ndarray, ...]
+    meta: Mapping[str, Scalar] = field(default_factory=dict)
+
+    KIND = Kind.GLOBAL
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A client's result for a round (kind 4).
+
+    Attributes:
+        tensors: arrays in manifest order (for FedAvg: the full local model, float32).
+        num_samples: training samples behind the update (FedAvg weight), > 0.
+        train_loss: mean training loss of the last local epoch (finite).
+        metrics: extra scalars (``"train_seconds"``, ``"train_accuracy"`` …).
+    """
+
+    tensors: tuple[np.ndarray, ...]
+    num_samples: int
+    train_loss: float
+    metrics: Mapping[str, Scalar] = field(default_factory=dict)
+
+    KIND = Kind.UPDATE
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The server ends the run (kind 5)."""
+
+    reason: str
+    rounds_completed: int
+
+    KIND = Kind.FINISH
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Presence of a device (kind 6), published retained; also the MQTT last will.
+
+    Attributes:
+        state: one of :data:`STATUS_STATES`.
+        detail: free text (reason for ``offline``, current round …).
+    """
+
+    state: str
+    detail: str = ""
+
+    KIND = Kind.STATUS
+
+
+STATUS_STATES = ("online", "offline", "training", "idle")
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """Application-level acknowledgement of a received message (kind 7).
+
+    Attributes:
+        ref_kind: kind number of the acknowledged message.
+        ref_seq: the acknowledged message's envelope ``seq``.
+        accepted: whether it was taken (``False``: rejected, see ``reason``).
+        reason: why it was rejected (empty when accepted).
+        sha256: SHA-256 digest (32 bytes) of the acknowledged payload as received.
+    """
+
+    ref_kind: int
+    ref_seq: int
+    accepted: bool
+    reason: str = ""
+    sha256: bytes = b""
+
+    KIND = Kind.RECEIPT
+
+
+Body = Union[Join, RoundStart, Global, Update, Finish, Status, Receipt]
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One message: header fields plus a body record.
+
+    Attributes:
+        round: federated round (0 = before the first round).
+        sender: client id of the sender, or :data:`SERVER_ID`.
+        seq: per-sender sequence number (≥ 1 when sent by fedfleet; 0 is allowed for last wills).
+        body: the kind's record; the kind number is ``type(body).KIND``.
+        timestamp_ms: sender's wall clock in ms since the epoch; informational, never trusted.
+        version: protocol major version.
+    """
+
+    round: int
+    sender: str
+    seq: int
+    body: Body
+    timestamp_ms: int = 0
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def kind(self) -> Kind:
+        """The message kind of ``body``."""
+        return type(self.body).KIND
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """An encoded payload with its exact byte split.
+
+    Attributes:
+        payload: the bytes handed to MQTT as the PUBLISH payload.
+        body_bytes: length of the nested body (the ``bin`` content).
+        envelope_bytes: ``len(payload) - body_bytes``: header fields plus msgpack framing.
+    """
+
+    payload: bytes
+    body_bytes: int
+
+    @property
+    def envelope_bytes(self) -> int:
+        return len(self.payload) - self.body_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A decoded payload: the envelope and the same byte split as :class:`Encoded`."""
+
+    envelope: Envelope
+    payload_bytes: int
+    body_bytes: int
+
+    @property
+    def envelope_bytes(self) -> int:
+        return self.payload_bytes - self.body_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _scalar_map(m: Mapping[str, Scalar], name: str) -> dict[str, Scalar]:
+    out: dict[str, Scalar] = {}
+    for k, v in m.items():
+        if not isinstance(k, str):
+            raise FieldError(f"{name}: key {k!r} is not a string", field=name)
+        if isinstance(v, (bool, int, float, str)):
+            out[k] = v
+        elif isinstance(v, np.generic):
+            out[k] = v.item()
+        else:
+            raise FieldError(f"{name}[{k!r}]: value of type {type(v).__name__} is not a scalar", field=name)
+    return out
+
+
+def _encode_body(body: Body) -> list[Any]:
+    match body:
+        case Join():
+            return [body.profile, body.manifest_hash, int(body.num_samples),
+                    [int(c) for c in body.class_histogram], _scalar_map(body.info, "info")]
+        case RoundStart():
+            return [list(body.selected), float(body.deadline_s), _scalar_map(body.config, "config")]
+        case Global():
+            return [[encode_tensor(t) for t in body.tensors], _scalar_map(body.meta, "meta")]
+        case Update():
+            return [[encode_tensor(t) for t in body.tensors], int(body.num_samples),
+                    float(body.train_loss), _scalar_map(body.metrics, "metrics")]
+        case Finish():
+            return [body.reason, int(body.rounds_completed)]
+        case Status():
+            return [body.state, body.detail]
+        case Receipt():
+            return [int(body.ref_kind), int(body.ref_seq), bool(body.accepted), body.reason, bytes(body.sha256)]
+    raise TypeError(f"not a message body: {type(body).__name__}")
+
+
+def encode(envelope: Envelope) -> Encoded:
+    """Encode one message to its MQTT payload.
+
+    Args:
+        envelope: the message. ``sender`` must satisfy :func:`valid_id`.
+
+    Returns:
+        :class:`Encoded` with the payload and its exact body/envelope byte split.
+
+    Raises:
+        FieldError: invalid sender id, negative round/seq, non-scalar map value.
+        TensorError: a tensor with an unsupported dtype.
+    """
+    if not valid_id(envelope.sender):
+        raise FieldError(f"sender {envelope.sender!r} is not a valid client id", field="envelope.sender")
+    for name in ("round", "seq", "timestamp_ms"):
+        v = getattr(envelope, name)
+        if not 0 <= v <= MAX_INT:
+            raise FieldError(f"envelope.{name} = {v} out of range", field=f"envelope.{name}")
+    body = msgpack.packb(_encode_body(envelope.body), use_bin_type=True)
+    payload = msgpack.packb(
+        [envelope.version, int(envelope.kind), envelope.round, envelope.sender, envelope.seq,
+         envelope.timestamp_ms, body],
+        use_bin_type=True,
+    )
+    return Encoded(payload=payload, body_bytes=len(body))
+
+
+def now_ms() -> int:
+    """Wall clock in ms since the Unix epoch (for ``timestamp_ms``; never used for decisions)."""
+    return int(time.time() * 1000)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding (untrusted input)
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True,
+            max_bin_len=MAX_PAYLOAD_BYTES, max_str_len=MAX_PAYLOAD_BYTES,
+            max_array_len=MAX_LIST + MAX_TENSORS, max_map_len=MAX_MAP_ENTRIES,
+            max_ext_len=0,
+        )
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError,
+            UnicodeDecodeError) as exc:
+        raise MalformedMessage(f"{what}: not a valid msgpack value ({exc.__class__.__name__}: {exc})", field=what) from exc
+
+
+def _want(value: Any, types: type | tuple[type, ...], name: str) -> Any:
+    # bool is an int subclass: never accept one where the other is declared
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise MalformedMessage(f"{name}: expected {types}, got bool", field=name)
+    if not isinstance(value, types):
+        tn = types.__name__ if isinstance(types, type) else "/".join(t.__name__ for t in types)
+        raise MalformedMessage(f"{name}: expected {tn}, got {type(value).__name__}", field=name)
+    return value
+
+
+def _uint(value: Any, name: str, maximum: int = MAX_INT) -> int:
+    _want(value, int, name)
+    if not 0 <= value <= maximum:
+        raise FieldError(f"{name}: {value} is out of range 0..{maximum}", field=name)
+    return value
+
+
+def _str(value: Any, name: str, max_len: int = MAX_STR) -> str:
+    _want(value, str, name)
+    if len(value) > max_len:
+        raise FieldError(f"{name}: string of {len(value)} chars, at most {max_len}", field=name)
+    return value
+
+
+def _finite(value: Any, name: str) -> float:
+    _want(value, (float, int), name)
+    f = float(value)
+    if not math.isfinite(f):
+        raise FieldError(f"{name}: {f} is not finite", field=name)
+    return f
+
+
+def _decode_map(value: Any, name: str) -> dict[str, Scalar]:
+    _want(value, dict, name)
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise MalformedMessage(f"{name}: key {k!r} is not a string", field=name)
+        if not isinstance(v, (bool, int, float, str)):
+            raise MalformedMessage(f"{name}[{k!r}]: {type(v).__name__} is not a scalar", field=f"{name}.{k}")
+        if isinstance(v, str) and len(v) > MAX_STR:
+            raise FieldError(f"{name}[{k!r}]: string too long", field=f"{name}.{k}")
+    return value
+
+
+def _fields(body: Any, n: int, name: str) -> list[Any]:
+    _want(body, list, name)
+    if len(body) < n:
+        raise MalformedMessage(f"{name}: expected at least {n} fields, got {len(body)}", field=name)
+    return body
+
+
+def _tensors(value: Any, name: str, limits: TensorLimits) -> tuple[np.ndarray, ...]:
+    _want(value, list, name)
+    if len(value) > MAX_TENSORS:
+        raise FieldError(f"{name}: {len(value)} tensors, at most {MAX_TENSORS}", field=name)
+    return tuple(decode_tensor(t, field=f"{name}[{i}]", limits=limits) for i, t in enumerate(value))
+
+
+def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
+    b = "body"
+    if kind is Kind.JOIN:
+        f = _fields(raw, 5, b)
+        hist = _want(f[3], list, "body.class_histogram")
+        if len(hist) > MAX_LIST:
+            raise FieldError("body.class_histogram: too long", field="body.class_histogram")
+        return Join(profile=_str(f[0], "body.profile", 64), manifest_hash=_str(f[1], "body.manifest_hash", 128),
+                    num_samples=_uint(f[2], "body.num_samples"),
+                    class_histogram=tuple(_uint(c, "body.class_histogram") for c in hist),
+                    info=_decode_map(f[4], "body.info"))
+    if kind is Kind.ROUND_START:
+        f = _fields(raw, 3, b)
+        sel = _want(f[0], list, "body.selected")
+        if len(sel) > MAX_LIST:
+            raise FieldError("body.selected: too long", field="body.selected")
+        for s in sel:
+            if not valid_id(s):
+                raise FieldError(f"body.selected: {s!r} is not a valid client id", field="body.selected")
+        deadline = _finite(f[1], "body.deadline_s")
+        if deadline <= 0:
+            raise FieldError("body.deadline_s must be > 0", field="body.deadline_s")
+        return RoundStart(selected=tuple(sel), deadline_s=deadline, config=_decode_map(f[2], "body.config"))
+    if kind is Kind.GLOBAL:
+        f = _fields(raw, 2, b)
+        return Global(tensors=_tensors(f[0], "body.tensors", limits), meta=_decode_map(f[1], "body.meta"))
+    if kind is Kind.UPDATE:
+        f = _fields(raw, 4, b)
+        n = _uint(f[1], "body.num_samples")
+        if n == 0:
+            raise FieldError("body.num_samples: an update must stand for at least one sample", field="body.num_samples")
+        return Update(tensors=_tensors(f[0], "body.tensors", limits), num_samples=n,
+                      train_loss=_finite(f[2], "body.train_loss"), metrics=_decode_map(f[3], "body.metrics"))
+    if kind is Kind.FINISH:
+        f = _fields(raw, 2, b)
+        return Finish(reason=_str(f[0], "body.reason"), rounds_completed=_uint(f[1], "body.rounds_completed"))
+    if kind is Kind.STATUS:
+        f = _fields(raw, 2, b)
+        state = _str(f[0], "body.state", 32)
+        if state not in STATUS_STATES:
+            raise FieldError(f"body.state: {state!r} is not one of {STATUS_STATES}", field="body.state")
+        return Status(state=state, detail=_str(f[1], "body.detail"))
+    if kind is Kind.RECEIPT:
+        f = _fields(raw, 5, b)
+        digest = _want(f[4], bytes, "body.sha256")
+        if len(digest) not in (0, 32):
+            raise FieldError("body.sha256: must be 32 bytes (or empty)", field="body.sha256")
+        return Receipt(ref_kind=_uint(f[0], "body.ref_kind", 255), ref_seq=_uint(f[1], "body.ref_seq"),
+                       accepted=_want(f[2], bool, "body.accepted"), reason=_str(f[3], "body.reason"),
+                       sha256=digest)
+    raise UnknownKind(f"no decoder for kind {kind}", field="envelope.kind")  # pragma: no cover
+
+
+def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
+           max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> Decoded:
+    """Decode an MQTT payload received from an untrusted peer.
+
+    Checks, in order: size bound, msgpack validity (exactly one value, nothing trailing), envelope
+    shape, protocol version, kind number, header field types, then the body.
+
+    Args:
+        payload: the PUBLISH payload bytes.
+        limits: tensor bounds (dims, elements, NaN/Inf).
+        max_payload_bytes: larger payloads are refused before parsing.
+
+    Returns:
+        :class:`Decoded`; tensors in it are read-only views on ``payload``.
+
+    Raises:
+        ProtocolError: any violation (a subclass naming the field); nothing else escapes.
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise MalformedMessage(f"payload must be bytes, got {type(payload).__name__}")
+    payload = bytes(payload)
+    if len(payload) > max_payload_bytes:
+        raise FieldError(f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", field="payload")
+    env = _unpack(payload, "envelope")
+    _want(env, list, "envelope")
+    if len(env) < 7:
+        raise MalformedMessage(f"envelope: expected 7 fields, got {len(env)}", field="envelope")
+    version = _want(env[0], int, "envelope.version")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})",
+                                 field="envelope.version")
+    kind_no = _want(env[1], int, "envelope.kind")
+    try:
+        kind = Kind(kind_no)
+    except ValueError:
+        raise UnknownKind(f"unknown message kind {kind_no}", field="envelope.kind") from None
+    rnd = _uint(env[2], "envelope.round")
+    sender = _want(env[3], str, "envelope.sender")
+    if not valid_id(sender):
+        raise FieldError(f"envelope.sender {sender[:80]!r} is not a valid client id", field="envelope.sender")
+    seq = _uint(env[4], "envelope.seq")
+    ts = _uint(env[5], "envelope.timestamp_ms")
+    body_bytes = _want(env[6], bytes, "envelope.body")
+    try:
+        body = _decode_body(kind, _unpack(body_bytes, "body"), limits)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:  # defensive: never leak another type
+        raise MalformedMessage(f"body: {exc}", field="body") from exc
+    return Decoded(envelope=Envelope(round=rnd, sender=sender, seq=seq, body=body, timestamp_ms=ts, version=version),
+                   payload_bytes=len(payload), body_bytes=len(body_bytes))
+
+
+def payload_sha256(payload: bytes) -> bytes:
+    """SHA-256 digest (32 bytes) of a payload, as carried by :class:`Receipt`."""
+    return hashlib.sha256(payload).digest()
+
+
+def kind_of(body: Body) -> Kind:
+    """Kind number of a body record."""
+    return type(body).KIND
+
+
+def tensor_list(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Tuple of arrays, for the ``tensors`` field (accepts any sequence)."""
+    return tuple(arrays)

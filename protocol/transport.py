@@ -1,0 +1,245 @@
+"""The MQTT transport seam: raw bytes in and out over paho-mqtt 2.x.
+
+This is the only module that touches a socket. It knows nothing of message kinds; the
+:class:`protocol.channel.Channel` above it encodes, decodes and keeps the ledger.
+
+Design rules (``notes/mqtt-transport-study.md``):
+
+* paho-mqtt 2.x, ``CallbackAPIVersion.VERSION2``, MQTT 3.1.1, clean sessions, ``loop_start()``:
+  the network loop runs on paho's own thread, so training on the caller's thread never starves
+  keepalive.
+* ``on_message`` only enqueues ``(topic, payload)``; all decoding happens on the consumer's thread.
+* Subscriptions are renewed in ``on_connect``, so a reconnect after a broker restart resumes
+  without relying on broker sessions.
+* ``wait_for_publish(timeout)`` returns silently on timeout: :meth:`MqttTransport.publish` checks
+  ``is_published()`` afterwards and raises :class:`~protocol.errors.PublishTimeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import paho.mqtt.client as mqtt
+
+from .errors import ConnectError, PublishTimeout, TransportError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """One PUBLISH received from the broker.
+
+    Attributes:
+        topic: the topic name.
+        payload: the payload bytes, exactly as received.
+        qos: QoS of the delivery.
+        retain: whether the broker delivered it as a retained message.
+        received_at: ``time.monotonic()`` at arrival (seconds).
+    """
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """MQTT last will: published by the broker when the connection drops without DISCONNECT."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+class Transport(Protocol):
+    """What the channel needs from a transport (a real MQTT client, or a test double)."""
+
+    client_id: str
+
+    def subscribe(self, filters: list[str], qos: int = 1) -> None: ...
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                wait_s: float | None = None) -> None: ...
+
+    def get(self, timeout_s: float | None) -> Incoming | None: ...
+
+    def close(self) -> None: ...
+
+
+class MqttTransport:
+    """A paho-mqtt client with a receive queue.
+
+    Args:
+        client_id: unique MQTT client id (two clients with one id evict each other forever).
+        host, port: broker address.
+        username, password: MQTT credentials, or ``None``.
+        tls_ca: CA file for ``mqtts://`` (``None``: plain TCP); ``tls_cert``/``tls_key`` for
+            client certificates.
+        keepalive_s: MQTT keepalive (seconds).
+        will: last will, or ``None``.
+        max_queue: bound of the receive queue (messages); when full, the network thread blocks,
+            which back-pressures the broker instead of dropping.
+
+    Raises:
+        ConnectError: from :meth:`connect`, when no CONNACK arrives in time or it refuses.
+    """
+
+    def __init__(self, client_id: str, host: str, port: int, *, username: str | None = None,
+                 password: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, keepalive_s: int = 30, will: Will | None = None,
+                 max_queue: int = 100_000) -> None:
+        self.client_id = client_id
+        self.host, self.port = host, port
+        self.keepalive_s = keepalive_s
+        self._filters: dict[str, int] = {}
+        self._queue: queue.Queue[Incoming] = queue.Queue(maxsize=max_queue)
+        self._connected = threading.Event()
+        self._closed = False
+        self._refused: str | None = None
+        self.connects = 0
+        self.disconnects = 0
+        c = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+                        protocol=mqtt.MQTTv311, clean_session=True)
+        c.reconnect_delay_set(min_delay=1, max_delay=8)
+        c.max_inflight_messages_set(20)
+        if username is not None:
+            c.username_pw_set(username, password)
+        if tls_ca is not None:
+            c.tls_set(ca_certs=tls_ca, certfile=tls_cert, keyfile=tls_key, cert_reqs=ssl.CERT_REQUIRED)
+        if will is not None:
+            c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_message = self._on_message
+        self._client = c
+
+    # paho callbacks (network thread) ---------------------------------------------------------
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._refused = str(reason_code)
+            log.warning("%s: broker refused connection: %s", self.client_id, reason_code)
+            return
+        self.connects += 1
+        for flt, qos in self._filters.items():
+            client.subscribe(flt, qos)
+        self._connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._connected.clear()
+        self.disconnects += 1
+        if not self._closed:
+            log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        self._queue.put(Incoming(msg.topic, bytes(msg.payload), msg.qos, bool(msg.retain), time.monotonic()))
+
+    # API -------------------------------------------------------------------------------------
+
+    def connect(self, timeout_s: float = 10.0) -> None:
+        """Connect and start the network thread; return once CONNACK accepted the session.
+
+        Raises:
+            ConnectError: refused, or no CONNACK within ``timeout_s`` seconds.
+        """
+        try:
+            self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s)
+        except (OSError, ValueError) as exc:
+            raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}", client_id=self.client_id) from exc
+        self._client.loop_start()
+        if not self._connected.wait(timeout_s):
+            self._client.loop_stop()
+            reason = self._refused or "no CONNACK"
+            raise ConnectError(f"{self.client_id}: broker {self.host}:{self.port} did not accept the connection "
+                               f"within {timeout_s:g} s ({reason})", client_id=self.client_id)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the MQTT session is currently up."""
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block until connected (True) or ``timeout_s`` seconds pass (False)."""
+        return self._connected.wait(timeout_s)
+
+    def subscribe(self, filters: list[str], qos: int = 1) -> None:
+        """Subscribe now and after every reconnect."""
+        for f in filters:
+            self._filters[f] = qos
+            if self.connected:
+                self._client.subscribe(f, qos)
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                wait_s: float | None = None) -> None:
+        """Hand one PUBLISH to paho.
+
+        At QoS 1 a publish made while the link is down is queued by paho and sent after the
+        reconnect. With ``wait_s`` the call blocks until the PUBACK (QoS 1) or the socket write.
+
+        Raises:
+            PublishTimeout: ``wait_s`` given and the PUBLISH not acknowledged in that time.
+            TransportError: paho refused the message (e.g. payload too large for MQTT).
+        """
+        try:
+            info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        except (ValueError, TypeError) as exc:
+            raise TransportError(f"publish to {topic} refused: {exc}", client_id=self.client_id, topic=topic) from exc
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}",
+                                 client_id=self.client_id, topic=topic)
+        if wait_s is not None:
+            deadline = time.monotonic() + wait_s
+            while not info.is_published():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within {wait_s:g} s",
+                                         client_id=self.client_id, topic=topic)
+                if self.connected:
+                    try:
+                        info.wait_for_publish(min(remaining, 0.5))
+                    except RuntimeError:  # not connected right now: wait for the reconnect
+                        time.sleep(0.05)
+                else:
+                    self._connected.wait(min(remaining, 0.5))
+
+    def get(self, timeout_s: float | None) -> Incoming | None:
+        """Next received message, or ``None`` after ``timeout_s`` seconds (``None``: wait forever)."""
+        try:
+            return self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def drop_link(self) -> None:
+        """Close the TCP socket without DISCONNECT (the broker then publishes the last will).
+
+        For tests and chaos scenarios: paho's loop sees the broken socket and reconnects.
+        """
+        sock = self._client.socket()
+        if sock is not None:
+            try:
+                import socket as _socket
+                sock.shutdown(_socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send DISCONNECT (no last will) and stop the network thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.connected:
+                info = self._client.disconnect()
+                del info
+        finally:
+            self._client.loop_stop()
