@@ -232,6 +232,19 @@ class MqttTransport:
             except OSError:
                 pass
 
+    def abort(self) -> None:
+        """Vanish like a device losing power: stop the network thread and close the socket
+        without DISCONNECT, so the broker publishes the last will. No reconnect follows."""
+        self._closed = True
+        self._client.loop_stop()
+        sock = self._client.socket()
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._connected.clear()
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Send DISCONNECT (no last will) and stop the network thread (idempotent)."""
         if self._closed:

@@ -46,3 +46,9 @@ def embedded_broker(broker_kind: str, tmp_path: Path) -> Iterator[EmbeddedBroker
     """A started ``EmbeddedBroker(kind=broker_kind)``; stopped after the test. Log in ``tmp_path``."""
     with EmbeddedBroker(kind=broker_kind, workdir=tmp_path / f"broker-{broker_kind}") as broker:
         yield broker
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never download: torchvision downloads are disabled for every test."""
+    monkeypatch.setenv("FEDFLEET_OFFLINE", "1")
