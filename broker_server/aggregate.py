@@ -25,25 +25,31 @@ class RunningWeightedSum:
         self.count = 0
 
     def add(self, arrays: Sequence[np.ndarray], weight: float) -> None:
+        """Add ``weight · arrays``; on any error nothing is added (the sum stays consistent)."""
         w = float(weight)
         if not np.isfinite(w) or w < 0:
             raise ValueError(f"weight must be finite and ≥ 0, got {weight}")
-        if self._sums is None:
-            self._sums = [np.zeros(a.shape, dtype=np.float64) for a in arrays]
-            self._dtypes = [np.asarray(a).dtype for a in arrays]
-        if len(arrays) != len(self._sums):
-            raise ValueError(f"{len(arrays)} tensors, expected {len(self._sums)}")
-        for s, a in zip(self._sums, arrays):
-            if s.shape != np.shape(a):
-                raise ValueError(f"shape {np.shape(a)} does not match {s.shape}")
-            s += w * np.asarray(a, dtype=np.float64)
+        arrs = [np.asarray(a) for a in arrays]
+        if self._sums is not None:
+            if len(arrs) != len(self._sums):
+                raise ValueError(f"{len(arrs)} tensors, expected {len(self._sums)}")
+            for i, (s, a, dt) in enumerate(zip(self._sums, arrs, self._dtypes)):
+                if s.shape != a.shape:
+                    raise ValueError(f"tensor {i}: shape {a.shape} does not match {s.shape}")
+                if a.dtype != dt:
+                    raise ValueError(f"tensor {i}: dtype {a.dtype} differs from the first client's {dt}")
+        else:
+            self._sums = [np.zeros(a.shape, dtype=np.float64) for a in arrs]
+            self._dtypes = [a.dtype for a in arrs]
+        for s, a in zip(self._sums, arrs):
+            s += w * a.astype(np.float64, copy=False)
         self.total_weight += w
         self.count += 1
 
     def mean(self) -> list[np.ndarray]:
         if self._sums is None or self.total_weight <= 0:
             raise ValueError("no weight was added: the weighted mean is undefined")
-        return [(s / self.total_weight).astype(dt, copy=False) for s, dt in zip(self._sums, self._dtypes)]
+        return [np.asarray(s / self.total_weight).astype(dt, copy=False) for s, dt in zip(self._sums, self._dtypes)]
 
 
 def weighted_average(arrays_per_client: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
@@ -57,8 +63,8 @@ def weighted_average(arrays_per_client: Sequence[Sequence[np.ndarray]], weights:
         The weighted mean of each tensor, in the input dtype.
 
     Raises:
-        ValueError: empty input, length mismatch, shape mismatch, negative/non-finite weights or
-            a zero total weight.
+        ValueError: empty input, length mismatch, shape or dtype mismatch, negative/non-finite
+            weights or a zero total weight.
     """
     if len(arrays_per_client) == 0:
         raise ValueError("no client results to aggregate")

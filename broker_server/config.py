@@ -26,6 +26,7 @@ for a typo names the file, the section and the key, and lists the allowed keys.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -178,7 +179,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
     if isinstance(v, float) and v == float("inf"):
         return "inf"
     return repr(v)

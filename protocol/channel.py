@@ -19,7 +19,7 @@ from .ledger import Ledger, LedgerRow
 from .messages import Body, Decoded, Encoded, Envelope, decode, encode, now_ms, payload_sha256
 from .mqtt_bytes import publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits
-from .transport import Incoming, Transport
+from .transport import Incoming, PacketEvent, Transport
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,10 @@ class Channel:
         self.wire_bytes_sent = 0
         self.wire_bytes_received = 0
         self._count_lock = threading.Lock()
+        self.control_bytes_sent = 0
+        self.control_bytes_received = 0
+        if hasattr(transport, "set_packet_listener"):
+            transport.set_packet_listener(self._on_packet)
 
     def next_seq(self) -> int:
         """Reserve the next sequence number."""
@@ -175,6 +179,28 @@ class Channel:
         self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
                      payload_bytes=dec.payload_bytes, body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain)
         return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload))
+
+    def _on_packet(self, ev: PacketEvent) -> None:
+        """Ledger row for an MQTT packet that is not an application PUBLISH (control packets, and
+        PUBLISH retransmissions with DUP set, which the application did not send twice)."""
+        if ev.packet_type == "PUBLISH" and not ev.dup:
+            return
+        sent = ev.direction == "out"
+        with self._count_lock:
+            if sent:
+                self.control_bytes_sent += ev.packet_bytes
+            else:
+                self.control_bytes_received += ev.packet_bytes
+        if self.ledger is None:
+            return
+        to_server = (self.side == "agent") == sent
+        kind = "PUBLISH-DUP" if ev.packet_type == "PUBLISH" else ev.packet_type
+        self.ledger.record(LedgerRow(
+            federation=self.federation, side=self.side, node=self.node_id, event="sent" if sent else "received",
+            direction="up" if to_server else "down", kind=kind, round=None,
+            client=self.node_id if self.side == "agent" else "*", sender=None, seq=None, topic="",
+            topic_bytes=0, mqtt_header_bytes=ev.packet_bytes, envelope_bytes=0, body_bytes=0, payload_bytes=0,
+            qos=0, retained=False, codec="", reason="control"))
 
     def _record(self, topic: str, event: str, kind: str, round: int | None, sender: str | None,
                 seq: int | None, *, client: str, payload_bytes: int, body_bytes: int, qos: int,

@@ -34,7 +34,13 @@ kind    name           body
 5       finish         ``[reason str, rounds_completed uint]``
 6       status         ``[state str, detail str]``
 7       receipt        ``[ref_kind uint, ref_seq uint, accepted bool, reason str, sha256 bin32]``
+8       chunk          ``[transfer_id bin16, index, count, offset, total_bytes, sha256 bin32, data bin]``
+9       resend         ``[transfer_id bin16, indices[uint]]``
 ======  =============  =====================================================================
+
+A ``chunk`` carries a slice of another message's whole payload (an envelope of its own), on
+that message's topic; the receiver reassembles by offset and decodes the result. ``resend`` asks
+the sender of a transfer for the listed chunk indices again (see :mod:`protocol.chunking`).
 """
 
 from __future__ import annotations
@@ -92,6 +98,8 @@ class Kind(enum.IntEnum):
     FINISH = 5
     STATUS = 6
     RECEIPT = 7
+    CHUNK = 8
+    RESEND = 9
 
     @property
     def label(self) -> str:
@@ -230,7 +238,54 @@ class Receipt:
     KIND = Kind.RECEIPT
 
 
-Body = Union[Join, RoundStart, Global, Update, Finish, Status, Receipt]
+TRANSFER_ID_BYTES = 16
+"""Length of a chunked transfer's id (random bytes)."""
+
+MAX_CHUNKS = 1 << 20
+"""Largest chunk count of one transfer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One slice of a large payload (kind 8).
+
+    Attributes:
+        transfer_id: 16 random bytes naming the transfer.
+        index: position of this chunk, 0 ≤ index < count.
+        count: number of chunks in the transfer.
+        offset: byte offset of ``data`` in the whole payload.
+        total_bytes: length of the whole payload (bytes).
+        sha256: SHA-256 digest of the whole payload (32 bytes).
+        data: the slice.
+    """
+
+    transfer_id: bytes
+    index: int
+    count: int
+    offset: int
+    total_bytes: int
+    sha256: bytes
+    data: bytes
+
+    KIND = Kind.CHUNK
+
+
+@dataclass(frozen=True, slots=True)
+class Resend:
+    """Ask the sender of a transfer for some of its chunks again (kind 9).
+
+    Attributes:
+        transfer_id: the transfer.
+        indices: chunk indices missing at the receiver.
+    """
+
+    transfer_id: bytes
+    indices: tuple[int, ...]
+
+    KIND = Kind.RESEND
+
+
+Body = Union[Join, RoundStart, Global, Update, Finish, Status, Receipt, Chunk, Resend]
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +381,11 @@ def _encode_body(body: Body) -> list[Any]:
             return [body.state, body.detail]
         case Receipt():
             return [int(body.ref_kind), int(body.ref_seq), bool(body.accepted), body.reason, bytes(body.sha256)]
+        case Chunk():
+            return [bytes(body.transfer_id), int(body.index), int(body.count), int(body.offset),
+                    int(body.total_bytes), bytes(body.sha256), body.data]
+        case Resend():
+            return [bytes(body.transfer_id), [int(i) for i in body.indices]]
     raise TypeError(f"not a message body: {type(body).__name__}")
 
 
@@ -487,6 +547,35 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         return Receipt(ref_kind=_uint(f[0], "body.ref_kind", 255), ref_seq=_uint(f[1], "body.ref_seq"),
                        accepted=_want(f[2], bool, "body.accepted"), reason=_str(f[3], "body.reason"),
                        sha256=digest)
+    if kind is Kind.CHUNK:
+        f = _fields(raw, 7, b)
+        tid = _want(f[0], bytes, "body.transfer_id")
+        if len(tid) != TRANSFER_ID_BYTES:
+            raise FieldError(f"body.transfer_id: must be {TRANSFER_ID_BYTES} bytes", field="body.transfer_id")
+        count = _uint(f[2], "body.count", MAX_CHUNKS)
+        if count == 0:
+            raise FieldError("body.count: a transfer has at least one chunk", field="body.count")
+        index = _uint(f[1], "body.index", count - 1)
+        total = _uint(f[4], "body.total_bytes", MAX_PAYLOAD_BYTES)
+        offset = _uint(f[3], "body.offset", total)
+        digest = _want(f[5], bytes, "body.sha256")
+        if len(digest) != 32:
+            raise FieldError("body.sha256: must be 32 bytes", field="body.sha256")
+        data = _want(f[6], bytes, "body.data")
+        if offset + len(data) > total:
+            raise FieldError(f"body.data: {len(data)} bytes at offset {offset} overrun total_bytes {total}",
+                             field="body.data")
+        return Chunk(transfer_id=tid, index=index, count=count, offset=offset, total_bytes=total, sha256=digest,
+                     data=data)
+    if kind is Kind.RESEND:
+        f = _fields(raw, 2, b)
+        tid = _want(f[0], bytes, "body.transfer_id")
+        if len(tid) != TRANSFER_ID_BYTES:
+            raise FieldError(f"body.transfer_id: must be {TRANSFER_ID_BYTES} bytes", field="body.transfer_id")
+        idx = _want(f[1], list, "body.indices")
+        if len(idx) > MAX_LIST:
+            raise FieldError("body.indices: too long", field="body.indices")
+        return Resend(transfer_id=tid, indices=tuple(_uint(i, "body.indices", MAX_CHUNKS - 1) for i in idx))
     raise UnknownKind(f"no decoder for kind {kind}", field="envelope.kind")  # pragma: no cover
 
 
@@ -503,7 +592,8 @@ def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
         max_payload_bytes: larger payloads are refused before parsing.
 
     Returns:
-        :class:`Decoded`; tensors in it are read-only views on ``payload``.
+        :class:`Decoded`; its tensors are read-only arrays over the bytes msgpack extracted for
+        each tensor (one copy of the tensor data, none after that).
 
     Raises:
         ProtocolError: any violation (a subclass naming the field); nothing else escapes.

@@ -85,9 +85,13 @@ def max_payload_for(topic: str, max_packet_bytes: int, qos: int, *, protocol: in
     Raises:
         ValueError: not even an empty payload fits.
     """
-    lo, hi = 0, max_packet_bytes
-    if publish_size(topic, 0, qos, protocol=protocol).packet_bytes > max_packet_bytes:
+    empty = publish_size(topic, 0, qos, protocol=protocol)
+    if empty.packet_bytes > max_packet_bytes:
         raise ValueError(f"max packet size {max_packet_bytes} is too small for topic {topic!r}")
+    # the remaining length (everything after the fixed header) can never exceed the MQTT maximum
+    empty_remaining = next(empty.packet_bytes - 1 - v for v in (1, 2, 3, 4)
+                           if varint_size(empty.packet_bytes - 1 - v) == v)
+    lo, hi = 0, min(max_packet_bytes, MAX_REMAINING_LENGTH - empty_remaining)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if publish_size(topic, mid, qos, protocol=protocol).packet_bytes <= max_packet_bytes:

@@ -19,6 +19,7 @@ from .errors import FieldError
 from .messages import Kind, valid_id
 
 PREFIX = "fedfleet/v1"
+_KIND_LABELS = frozenset(k.label for k in Kind)
 
 
 def _check(value: str, what: str) -> str:
@@ -92,6 +93,8 @@ def parse(topic: str) -> TopicInfo:
     if len(parts) < 4 or parts[0] != "fedfleet" or parts[1] != "v1" or not valid_id(parts[2]):
         raise FieldError(f"topic {topic!r} is not a fedfleet v1 topic", field="topic")
     fed, direction, rest = parts[2], parts[3], parts[4:]
+    if direction in ("down", "up") and (not rest or rest[-1] not in _KIND_LABELS):
+        raise FieldError(f"topic {topic!r} does not end in a message kind", field="topic")
     if direction == "down" and len(rest) == 1:
         return TopicInfo(fed, "down", None, rest[0])
     if direction == "down" and len(rest) == 2 and valid_id(rest[0]):

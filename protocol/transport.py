@@ -23,7 +23,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import paho.mqtt.client as mqtt
 
@@ -59,6 +59,69 @@ class Will:
     payload: bytes
     qos: int = 1
     retain: bool = True
+
+
+#: MQTT control packet type (upper nibble of the first byte) → name.
+PACKET_TYPES = {1: "CONNECT", 2: "CONNACK", 3: "PUBLISH", 4: "PUBACK", 5: "PUBREC", 6: "PUBREL", 7: "PUBCOMP",
+                8: "SUBSCRIBE", 9: "SUBACK", 10: "UNSUBSCRIBE", 11: "UNSUBACK", 12: "PINGREQ", 13: "PINGRESP",
+                14: "DISCONNECT", 15: "AUTH"}
+
+
+@dataclass(frozen=True, slots=True)
+class PacketEvent:
+    """One MQTT packet handed to the socket queue (``out``) or parsed from the socket (``in``).
+
+    Attributes:
+        direction: ``"out"`` (this client → broker) or ``"in"`` (broker → this client).
+        packet_type: name from :data:`PACKET_TYPES` (``"PUBACK"``).
+        packet_bytes: exact size of the whole packet: fixed header + variable header + payload.
+        dup: the DUP flag of a PUBLISH (a retransmission by paho after a reconnect).
+    """
+
+    direction: str
+    packet_type: str
+    packet_bytes: int
+    dup: bool = False
+
+
+class _CountingClient(mqtt.Client):
+    """paho Client that reports every packet and counts socket bytes.
+
+    Two paho internals are wrapped (paho-mqtt 2.x): ``_packet_queue`` (each outgoing packet, as
+    complete bytes) and ``_packet_handle`` (each complete incoming packet); ``_sock_send`` /
+    ``_sock_recv`` count the raw bytes written to / read from the socket (before TLS).
+    """
+
+    def __init__(self, *args, on_packet, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._fedfleet_on_packet = on_packet
+        self.socket_bytes_out = 0
+        self.socket_bytes_in = 0
+
+    def _packet_queue(self, command, packet, mid, qos, info=None):
+        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(command >> 4, "?"), len(packet),
+                                             bool(command & 0x08) and command >> 4 == 3))
+        return super()._packet_queue(command, packet, mid, qos, info)
+
+    def _packet_handle(self):
+        ip = self._in_packet
+        rl = ip["remaining_length"]
+        size = 1 + (1 if rl < 128 else 2 if rl < 16_384 else 3 if rl < 2_097_152 else 4) + rl
+        self._fedfleet_on_packet(PacketEvent("in", PACKET_TYPES.get(ip["command"] >> 4, "?"), size,
+                                             bool(ip["command"] & 0x08) and ip["command"] >> 4 == 3))
+        return super()._packet_handle()
+
+    def _sock_send(self, buf):
+        n = super()._sock_send(buf)
+        if n:
+            self.socket_bytes_out += n
+        return n
+
+    def _sock_recv(self, bufsize):
+        data = super()._sock_recv(bufsize)
+        if data:
+            self.socket_bytes_in += len(data)
+        return data
 
 
 class Transport(Protocol):
@@ -108,8 +171,11 @@ class MqttTransport:
         self._refused: str | None = None
         self.connects = 0
         self.disconnects = 0
-        c = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
-                        protocol=mqtt.MQTTv311, clean_session=True)
+        self._packet_listener: Callable[[PacketEvent], None] | None = None
+        self._early_packets: list[PacketEvent] = []
+        self._packet_lock = threading.Lock()
+        c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+                            protocol=mqtt.MQTTv311, clean_session=True, on_packet=self._on_packet)
         c.reconnect_delay_set(min_delay=1, max_delay=8)
         c.max_inflight_messages_set(20)
         if username is not None:
@@ -124,6 +190,29 @@ class MqttTransport:
         self._client = c
 
     # paho callbacks (network thread) ---------------------------------------------------------
+
+    def _on_packet(self, event: PacketEvent) -> None:
+        with self._packet_lock:
+            listener = self._packet_listener
+            if listener is None:
+                if len(self._early_packets) < 10_000:
+                    self._early_packets.append(event)
+                return
+        listener(event)
+
+    def set_packet_listener(self, listener: Callable[[PacketEvent], None]) -> None:
+        """Receive a :class:`PacketEvent` for every MQTT packet from now on; packets seen before
+        (CONNECT, CONNACK, SUBSCRIBE … of :meth:`connect`) are replayed first."""
+        with self._packet_lock:
+            early, self._early_packets = self._early_packets, []
+            self._packet_listener = listener
+        for ev in early:
+            listener(ev)
+
+    @property
+    def socket_bytes(self) -> tuple[int, int]:
+        """(bytes written to, bytes read from) the socket so far, MQTT layer (before TLS)."""
+        return self._client.socket_bytes_out, self._client.socket_bytes_in
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
