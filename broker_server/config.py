@@ -100,10 +100,30 @@ class BrokerSection:
 
 @dataclass(frozen=True)
 class ProtocolSection:
-    """[protocol]: QoS of model traffic and the tensor codec (``fp32`` in protocol v1's first cut)."""
+    """[protocol]: QoS, tensor codecs, deltas, chunking.
+
+    ``codec`` applies to every tensor-carrying kind; ``update_codec`` / ``global_codec``
+    override it per kind when not empty. Codec text: ``fp32``, ``fp16``, ``bf16``, ``int8``,
+    ``int8-channel``, ``topk:FRACTION`` or ``topk:K`` (optionally ``:fp16`` values), each with an
+    optional ``+zstd`` (see :class:`protocol.tensors.Codec`). ``delta`` sends updates as
+    w_local − w_global; ``error_feedback`` keeps each agent's codec error and adds it to the next
+    update (lossy codecs). ``chunk_bytes`` and ``max_packet_bytes`` (the broker's limit; 0 = none)
+    decide when a message goes as a chunked transfer.
+    """
 
     qos: int = 1
     codec: str = "fp32"
+    update_codec: str = ""
+    global_codec: str = ""
+    delta: bool = False
+    error_feedback: bool = False
+    chunk_bytes: int = 1024 * 1024
+    max_packet_bytes: int = 0
+
+    def codec_for(self, kind: str) -> str:
+        """Codec text for ``"update"`` or ``"global"`` messages."""
+        own = self.update_codec if kind == "update" else self.global_codec
+        return own or self.codec
 
 
 @dataclass(frozen=True)
@@ -169,7 +189,8 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("broker", "kind"): ("auto", "mosquitto", "amqtt"),
     ("broker", "keepalive_s"): (5, 65535),
     ("protocol", "qos"): (0, 1),
-    ("protocol", "codec"): ("fp32",),
+    ("protocol", "chunk_bytes"): (64, 256 * 1024 * 1024),
+    ("protocol", "max_packet_bytes"): (0, 268_435_460),
     ("agents", "train_slots"): (1, 1024),
     ("agents", "torch_threads"): (0, 1024),
 }
@@ -214,6 +235,18 @@ def validate(cfg: Config, source: str | None = None) -> None:
                 raise ConfigError(f"{where} = {v!r} is not one of {', '.join(rng)}")
         elif not rng[0] <= v <= rng[1]:
             raise ConfigError(f"{where} = {v!r} is outside the allowed range [{rng[0]}, {rng[1]}]")
+    from protocol.tensors import Codec
+
+    for key in ("codec", "update_codec", "global_codec"):
+        text = getattr(cfg.protocol, key)
+        if text or key == "codec":
+            try:
+                Codec.parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"{src}: [protocol] {key} = {text!r}: {exc}") from None
+    if 0 < cfg.protocol.max_packet_bytes < 1024:
+        raise ConfigError(f"{src}: [protocol] max_packet_bytes = {cfg.protocol.max_packet_bytes}: "
+                          "use 0 (no limit) or at least 1024 bytes")
     if cfg.server.quorum > cfg.data.clients:
         raise ConfigError(f"{src}: [server] quorum = {cfg.server.quorum} exceeds [data] clients = {cfg.data.clients}")
 

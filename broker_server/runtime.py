@@ -49,10 +49,17 @@ def device_model(ds: Dataset, seed: int) -> torch.nn.Module:
 
 
 def train_config(cfg: Config) -> dict:
-    """The [train] settings sent in every ``round_start``."""
+    """The [train] settings and the update encoding sent in every ``round_start``."""
     t = cfg.train
     return {"local_epochs": t.local_epochs, "batch_size": t.batch_size, "lr": t.lr, "momentum": t.momentum,
-            "weight_decay": t.weight_decay}
+            "weight_decay": t.weight_decay, "update_codec": cfg.protocol.codec_for("update"),
+            "delta": cfg.protocol.delta, "error_feedback": cfg.protocol.error_feedback}
+
+
+def channel_options(cfg: Config) -> dict:
+    """Keyword arguments of :class:`~protocol.channel.Channel` from [protocol]."""
+    return {"qos": cfg.protocol.qos, "chunk_bytes": cfg.protocol.chunk_bytes,
+            "max_packet_bytes": cfg.protocol.max_packet_bytes}
 
 
 def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir: Path, ledger: Ledger,
@@ -67,11 +74,12 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                             min_clients=cfg.server.quorum, train_config=train_config(cfg))
     tr = open_transport(f"{federation[:40]}-server", cfg, url)
     tr.connect()
-    ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, qos=cfg.protocol.qos)
+    ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, **channel_options(cfg))
     return AggregationServer(
         channel=ch, strategy=strategy, model=device_model(ds, cfg.run.seed), test=ds.test,
         settings=ServerSettings(rounds=cfg.run.rounds, quorum=cfg.server.quorum,
                                 round_deadline_s=cfg.server.round_deadline_s, join_timeout_s=cfg.server.join_timeout_s,
                                 expected_clients=expected_clients, seed=cfg.run.seed,
-                                eval_batch_size=cfg.server.eval_batch_size),
+                                eval_batch_size=cfg.server.eval_batch_size,
+                                global_codec=cfg.protocol.codec_for("global")),
         run_dir=run_dir, on_round=on_round)

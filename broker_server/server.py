@@ -35,6 +35,7 @@ from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
+from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
 from .aggregate import all_finite
 from .checkpoint import Checkpoint, CheckpointStore
@@ -55,6 +56,9 @@ class ServerSettings:
         expected_clients: start as soon as this many clients joined (``None``: wait for quorum).
         seed: seeds the client-selection generator.
         eval_batch_size: samples per forward pass in evaluation.
+        global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
+            the decoded model as its global state, so that server and fleet hold the same model
+            (deltas from the agents are then exact against it).
     """
 
     rounds: int
@@ -64,6 +68,7 @@ class ServerSettings:
     expected_clients: int | None = None
     seed: int = 0
     eval_batch_size: int = 1000
+    global_codec: str = "fp32"
 
 
 @dataclass
@@ -168,6 +173,7 @@ class AggregationServer:
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
         self.metrics: list[dict] = []
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints.sqlite")
+        self.global_codec = Codec.parse(settings.global_codec)
         self.fed = channel.federation
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
 
@@ -243,7 +249,11 @@ class AggregationServer:
             self._stats.invalid += 1
             self._reply(item, False, "tensors do not match the model manifest")
             return
-        self._results[env.sender] = ClientResult(env.sender, body.tensors, body.num_samples, body.train_loss,
+        tensors = body.tensors
+        if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole
+            tensors = tuple(g + d if np.issubdtype(g.dtype, np.floating) else d
+                            for g, d in zip(self.global_tensors, body.tensors))
+        self._results[env.sender] = ClientResult(env.sender, tensors, body.num_samples, body.train_loss,
                                                  dict(body.metrics))
         rec = self.registry.get(env.sender)
         if rec is not None:
@@ -301,9 +311,14 @@ class AggregationServer:
         plan = self.strategy.configure_round(r, available, self.rng)
         self._selected, self._results, self._collecting = set(plan.selected), {}, r
         self._stats.selected = len(plan.selected)
+        if self.global_codec.lossy:
+            self.global_tensors = [np.array(decode_tensor(encode_tensor(t, self.global_codec),
+                                                          limits=TensorLimits(allow_nonfinite=True)))
+                                   for t in self.global_tensors]
+            load_arrays(self.model, self.global_tensors)
         self.channel.send(topics.down(self.fed, Kind.GLOBAL),
                           Global(tensors=tuple(self.global_tensors), meta={"manifest_hash": self.manifest_hash}),
-                          round=r)
+                          round=r, codec=self.global_codec)
         self.channel.send(topics.down(self.fed, Kind.ROUND_START),
                           RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s,
                                      config=plan.config), round=r)

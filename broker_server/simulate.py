@@ -38,7 +38,7 @@ from protocol.transport import Will
 from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
-from .runtime import device_model, make_server, open_transport
+from .runtime import channel_options, device_model, make_server, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             tr = open_transport(f"{federation[:40]}-{cid}", cfg, url,
                             will=Will(topics.status(federation, cid), will_payload, qos=1, retain=True))
             tr.connect()
-            ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, qos=cfg.protocol.qos)
+            ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, **channel_options(cfg))
             agent = EdgeAgent(channel=ch, model=device_model(ds, cfg.run.seed + 1 + i),
                               algorithm=get_client_algorithm(cfg.train.algorithm),
                               x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,

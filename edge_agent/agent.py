@@ -19,6 +19,7 @@ import torch
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
+from protocol.tensors import Codec, ErrorFeedback
 
 from .algorithms import ClientAlgorithm, TrainConfig
 from .data import class_histogram
@@ -92,6 +93,8 @@ class EdgeAgent:
         self._global: tuple[int, tuple[np.ndarray, ...]] | None = None
         self._pending: tuple[int, RoundStart] | None = None
         self._stop = threading.Event()
+        self.forced_codec: str | None = None
+        self._ef: ErrorFeedback | None = None
         self.rounds_trained = 0
         self.receipts_accepted = 0
         self.joined = False
@@ -167,14 +170,38 @@ class EdgeAgent:
         rnd, start = self._pending
         self._pending = None
         cfg = TrainConfig.from_mapping(self.train_defaults, start.config)
+        global_tensors = self._global[1]
         with self.train_lock if self.train_lock is not None else nullcontext():
-            result = self.algorithm.local_round(self.model, self._global[1], self.x, self.y, cfg, round=rnd,
+            result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
                                                 client_index=self.client_index, device=self.device)
+        codec, tensors, delta = self._encode_update(start.config, result.tensors, global_tensors)
         self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE),
-                          Update(tensors=result.tensors, num_samples=result.num_samples,
-                                 train_loss=result.train_loss, metrics=result.metrics),
-                          round=rnd)
+                          Update(tensors=tensors, num_samples=result.num_samples,
+                                 train_loss=result.train_loss, metrics=result.metrics, delta=delta),
+                          round=rnd, codec=codec)
         self.rounds_trained += 1
+
+    def _encode_update(self, config, tensors, global_tensors):
+        """Apply the round's update encoding: codec (the firmware profile may force a cheaper
+        one), deltas against the received global model, and error feedback.
+
+        Error feedback (Seide et al., Interspeech 2014; Karimireddy et al., ICML 2019): the
+        agent sends C(x + e) and keeps e ← (x + e) − C(x + e), so the codec's error is not lost
+        but carried into the next round. The tensors returned are already C(x + e) (decoded), so
+        the channel's encoding of them reproduces the same wire values.
+        """
+        text = self.forced_codec or str(config.get("update_codec", "fp32"))
+        codec = Codec.parse(text)
+        delta = bool(config.get("delta", False))
+        out = list(tensors)
+        if delta:
+            out = [w - g if np.issubdtype(w.dtype, np.floating) else w for w, g in zip(out, global_tensors)]
+        if codec.lossy and bool(config.get("error_feedback", False)):
+            if self._ef is None:
+                self._ef = ErrorFeedback()
+            out = [self._ef.compress(i, t, codec)[1] if np.issubdtype(t.dtype, np.floating) else t
+                   for i, t in enumerate(out)]
+        return codec, tuple(np.ascontiguousarray(t) for t in out), delta
 
     def _leave(self) -> None:
         try:

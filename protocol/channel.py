@@ -9,14 +9,20 @@ never raised, so a peer cannot crash the receiver.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from . import topics
-from .errors import FieldError, ProtocolError
+from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
+from .errors import FedfleetProtocolError, FieldError, ProtocolError
 from .ledger import Ledger, LedgerRow
-from .messages import Body, Decoded, Encoded, Envelope, decode, encode, now_ms, payload_sha256
+from .messages import (Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, field_sizes, now_ms,
+                       payload_sha256)
+from .tensors import raw_nbytes
 from .mqtt_bytes import publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits
 from .transport import Incoming, PacketEvent, Transport
@@ -75,6 +81,12 @@ class Channel:
         ledger: where rows go, or ``None`` to keep no ledger on this side.
         qos: QoS of every publish (1 by default: model traffic must not be lost).
         limits: tensor bounds applied when decoding.
+        chunk_bytes: payloads longer than this (bytes) go as chunked transfers (1 MiB default).
+        max_packet_bytes: the broker's maximum packet size (whole PUBLISH, bytes); 0 = no limit.
+            paho does not enforce it; this channel does, by chunking.
+        transfer_ttl_s: an incomplete incoming transfer without a new chunk for this long is
+            dropped and reported.
+        resend_after_s: a stalled incoming transfer is asked for its missing chunks after this.
 
     Attributes:
         wire_bytes_sent, wire_bytes_received: PUBLISH packet bytes (header + topic + payload)
@@ -83,7 +95,9 @@ class Channel:
 
     def __init__(self, transport: Transport, *, node_id: str, side: str, federation: str,
                  ledger: Ledger | None, qos: int = 1, limits: TensorLimits = DEFAULT_LIMITS,
-                 first_seq: int = 1) -> None:
+                 first_seq: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_packet_bytes: int = 0,
+                 transfer_ttl_s: float = 120.0, resend_after_s: float = 5.0,
+                 reassembler: Reassembler | None = None) -> None:
         if side not in ("server", "agent"):
             raise ValueError(f"side must be 'server' or 'agent', not {side!r}")
         self.transport = transport
@@ -101,6 +115,20 @@ class Channel:
         self._count_lock = threading.Lock()
         self.control_bytes_sent = 0
         self.control_bytes_received = 0
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be ≥ 1, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.max_packet_bytes = max_packet_bytes if max_packet_bytes > 0 else _NO_LIMIT
+        self.resend_after_s = resend_after_s
+        self.reassembler = reassembler or Reassembler(
+            ttl_s=transfer_ttl_s, max_sender_transfers=4 if side == "server" else None,
+            max_bytes=512 * 1024 * 1024 if side == "server" else 128 * 1024 * 1024)
+        self.cache = TransferCache()
+        self.resent_chunks = 0
+        self.incomplete_transfers = 0
+        self._resend_asked: dict[tuple[str, bytes], float] = {}
+        self._resent_at: dict[tuple[bytes, int], float] = {}
+        self._last_maintain = 0.0
         if hasattr(transport, "set_packet_listener"):
             transport.set_packet_listener(self._on_packet)
 
@@ -110,47 +138,100 @@ class Channel:
             self._seq += 1
             return self._seq
 
+    # ------------------------------------------------------------------ sending
+
     def send(self, topic: str, body: Body, *, round: int, retain: bool = False,
-             wait_s: float | None = None, recipient: str = "*", codec: str = "fp32") -> Encoded:
-        """Encode ``body``, publish it on ``topic`` and record the ``sent`` row.
+             wait_s: float | None = None, recipient: str = "*", codec: Any = None) -> Encoded:
+        """Encode ``body``, publish it on ``topic`` (as a chunked transfer when it is larger than
+        the chunk size or the broker's maximum packet size) and record its ledger rows.
 
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
             body: the message record.
             round: round number for the envelope.
-            retain: publish as retained.
-            wait_s: block until acknowledged (QoS 1) for at most this many seconds.
+            retain: publish as retained (never for chunked transfers).
+            wait_s: block until acknowledged (QoS 1) for at most this many seconds (each chunk).
             recipient: ledger ``client`` for downloads (``"*"`` = broadcast).
-            codec: tensor codec name, for the ledger.
+            codec: tensor codec (:class:`protocol.tensors.Codec`) for ``global``/``update``;
+                ``None`` = fp32.
 
         Raises:
             PublishTimeout, TransportError: from the transport.
             FieldError, TensorError: the body cannot be encoded.
         """
         env = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=body, timestamp_ms=now_ms())
-        enc = encode(env)
-        self.transport.publish(topic, enc.payload, qos=self.qos, retain=retain, wait_s=wait_s)
-        self._record(topic, "sent", env.kind.label, round, env.sender, env.seq,
-                     client=self.node_id if self.side == "agent" else recipient,
-                     payload_bytes=len(enc.payload), body_bytes=enc.body_bytes, qos=self.qos,
-                     retain=retain, codec=codec)
+        enc = encode(env, codec)
+        client = self.node_id if self.side == "agent" else recipient
+        codec_name = str(codec) if codec is not None else ("fp32" if hasattr(body, "tensors") else "")
+        fields = json.dumps(dict(enc.field_bytes), separators=(",", ":"))
+        if not needs_chunking(topic, len(enc.payload), max_packet_bytes=self.max_packet_bytes,
+                              chunk_bytes=self.chunk_bytes, qos=self.qos):
+            self.transport.publish(topic, enc.payload, qos=self.qos, retain=retain, wait_s=wait_s)
+            self._record(topic, "sent", env.kind.label, round, env.sender, env.seq, client=client,
+                         payload_bytes=len(enc.payload), body_bytes=enc.body_bytes, qos=self.qos,
+                         retain=retain, codec=codec_name, raw_bytes=enc.raw_tensor_bytes, fields=fields)
+            return enc
+        budget = self.chunk_bytes
+        if self.max_packet_bytes < _NO_LIMIT:
+            budget = min(budget, chunk_data_budget(topic, self.max_packet_bytes, qos=self.qos,
+                                                   sender=self.node_id, round=round))
+        if budget < 1:
+            raise FieldError(f"max_packet_bytes {self.max_packet_bytes} leaves no room for chunk data on {topic}",
+                             field="max_packet_bytes")
+        chunks = split(enc.payload, chunk_bytes=budget)
+        tid = chunks[0].transfer_id
+        self.cache.put(tid, chunks, meta=(topic, round, env.kind.label, client))
+        self._record(topic, "message", env.kind.label, round, env.sender, env.seq, client=client,
+                     payload_bytes=len(enc.payload), body_bytes=enc.body_bytes, qos=self.qos, retain=False,
+                     codec=codec_name, raw_bytes=enc.raw_tensor_bytes, fields=fields, transfer_id=tid.hex(),
+                     chunk_count=len(chunks))
+        self._publish_chunks(chunks, topic, round, env.kind.label, client, wait_s)
         return enc
 
-    def receive(self, timeout_s: float | None) -> Received | Rejected | None:
-        """Next message from the transport, decoded; ``None`` after ``timeout_s`` seconds.
+    def _publish_chunks(self, chunks: list[Chunk], topic: str, round: int, kind_label: str, client: str,
+                        wait_s: float | None) -> None:
+        for c in chunks:
+            cenv = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=c, timestamp_ms=now_ms())
+            cenc = encode(cenv)
+            self.transport.publish(topic, cenc.payload, qos=self.qos, retain=False, wait_s=wait_s)
+            self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
+                         payload_bytes=len(cenc.payload), body_bytes=len(c.data), qos=self.qos, retain=False,
+                         transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count)
 
+    # ------------------------------------------------------------------ receiving
+
+    def receive(self, timeout_s: float | None) -> Received | Rejected | None:
+        """Next whole message, decoded; ``None`` after ``timeout_s`` seconds.
+
+        Chunks are reassembled here (a transfer returns one :class:`Received` when complete);
+        stalled transfers are asked for their missing chunks and dropped after their TTL.
         Empty retained payloads (a cleared retained topic) are skipped silently.
         """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            inc = self.transport.get(timeout_s)
+            self._maintain()
+            if deadline is None:
+                wait = self.resend_after_s
+            else:
+                wait = max(0.0, min(deadline - time.monotonic(), self.resend_after_s))
+            inc = self.transport.get(wait)
             if inc is None:
-                return None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
             if not inc.payload:
                 continue
-            return self.accept(inc)
+            item = self.accept(inc)
+            if item is not None:
+                return item
 
-    def accept(self, inc: Incoming) -> Received | Rejected:
-        """Decode one incoming payload and write its ledger row (never raises on bad bytes)."""
+    def accept(self, inc: Incoming) -> Received | Rejected | None:
+        """Decode one incoming payload and write its ledger row (never raises on bad bytes).
+
+        Returns:
+            the message, a :class:`Rejected` record, or ``None`` for a chunk that did not
+            complete its transfer (or a handled ``resend`` request).
+        """
         try:
             info = topics.parse(inc.topic)
             if info.federation != self.federation:
@@ -159,26 +240,130 @@ class Channel:
             if info.direction in ("up", "status") and dec.envelope.sender != info.client_id:
                 raise FieldError(f"sender {dec.envelope.sender!r} does not match topic client {info.client_id!r}",
                                  field="envelope.sender")
-            if info.kind_label != dec.envelope.kind.label:
-                raise FieldError(f"a {dec.envelope.kind.label} message on a {info.kind_label} topic",
-                                 field="envelope.kind")
+            kind = dec.envelope.kind
+            if kind is not Kind.CHUNK and info.kind_label != kind.label:
+                raise FieldError(f"a {kind.label} message on a {info.kind_label} topic", field="envelope.kind")
         except ProtocolError as exc:
-            self.rejected += 1
-            log.warning("%s: rejected message on %s (%d bytes): %s", self.node_id, inc.topic, len(inc.payload), exc)
-            client = "?"
+            return self._reject(inc, exc)
+        env = dec.envelope
+        client = info.client_id or (self.node_id if self.side == "agent" else "*")
+        if isinstance(env.body, Chunk):
+            c = env.body
+            self._record(inc.topic, "received", info.kind_label, env.round, env.sender, env.seq, client=client,
+                         payload_bytes=dec.payload_bytes, body_bytes=len(c.data), qos=inc.qos, retain=inc.retain,
+                         transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count)
             try:
-                client = topics.parse(inc.topic).client_id or "*"
-            except ProtocolError:
-                pass
+                whole = self.reassembler.add(env.sender, c)
+            except ProtocolError as exc:
+                return self._reject(inc, exc, recorded=True)
+            if whole is None:
+                return None
+            try:
+                inner = decode(whole, limits=self.limits)
+                if inner.envelope.sender != env.sender:
+                    raise FieldError(f"transfer from {env.sender!r} holds a message of {inner.envelope.sender!r}",
+                                     field="envelope.sender")
+                if inner.envelope.round != env.round:
+                    raise FieldError(f"transfer of round {env.round} holds a message of round {inner.envelope.round}",
+                                     field="envelope.round")
+                if inner.envelope.kind.label != info.kind_label:
+                    raise FieldError(f"a {inner.envelope.kind.label} message on a {info.kind_label} topic",
+                                     field="envelope.kind")
+            except ProtocolError as exc:
+                return self._reject(Incoming(inc.topic, whole, inc.qos, False, inc.received_at), exc, recorded=True)
+            ienv = inner.envelope
+            self._record(inc.topic, "message", ienv.kind.label, ienv.round, ienv.sender, ienv.seq, client=client,
+                         payload_bytes=inner.payload_bytes, body_bytes=inner.body_bytes, qos=inc.qos, retain=False,
+                         raw_bytes=_raw(ienv.body), fields=_fields_json(ienv.kind, whole, inner),
+                         transfer_id=c.transfer_id.hex(), chunk_count=c.count)
+            return Received(inc.topic, info, inner, False, payload_sha256(whole))
+        self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
+                     payload_bytes=dec.payload_bytes, body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain,
+                     raw_bytes=_raw(env.body), fields=_fields_json(env.kind, inc.payload, dec))
+        if isinstance(env.body, Resend):
+            self._answer_resend(env.sender, env.body)
+            return None
+        return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload))
+
+    def _reject(self, inc: Incoming, exc: ProtocolError, *, recorded: bool = False) -> Rejected:
+        self.rejected += 1
+        log.warning("%s: rejected message on %s (%d bytes): %s", self.node_id, inc.topic, len(inc.payload), exc)
+        client = "?"
+        try:
+            client = topics.parse(inc.topic).client_id or "*"
+        except ProtocolError:
+            pass
+        if recorded:  # the bytes were already counted as received chunks: a logical row only
+            self._record(inc.topic, "message", "invalid", None, None, None, client=client,
+                         payload_bytes=len(inc.payload), body_bytes=0, qos=inc.qos, retain=False,
+                         reason=str(exc)[:500])
+        else:
             self._record(inc.topic, "rejected", "invalid", None, None, None, client=client,
                          payload_bytes=len(inc.payload), body_bytes=0, qos=inc.qos, retain=inc.retain,
                          reason=str(exc)[:500])
-            return Rejected(inc.topic, str(exc), exc.field, len(inc.payload))
-        env = dec.envelope
-        client = info.client_id or (self.node_id if self.side == "agent" else "*")
-        self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
-                     payload_bytes=dec.payload_bytes, body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain)
-        return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload))
+        return Rejected(inc.topic, str(exc), exc.field, len(inc.payload))
+
+    # ------------------------------------------------------------------ transfers
+
+    def _resend_topic(self, peer: str) -> str:
+        if self.side == "server":
+            return topics.down_to(self.federation, peer, Kind.RESEND)
+        return topics.up(self.federation, self.node_id, Kind.RESEND)
+
+    def _answer_resend(self, requester: str, req: Resend) -> None:
+        meta = self.cache.meta(req.transfer_id)
+        chunks = self.cache.get(req.transfer_id, list(req.indices))
+        if meta is None or not chunks:
+            log.info("%s: resend of unknown transfer %s from %s ignored", self.node_id, req.transfer_id.hex(), requester)
+            return
+        topic, round, kind_label, client = meta
+        if self.side == "server" and client not in ("*", requester):
+            log.warning("%s: %s asked for chunks of a transfer addressed to %s; ignored", self.node_id, requester, client)
+            return
+        now = time.monotonic()
+        fresh = [c for c in chunks if now - self._resent_at.get((c.transfer_id, c.index), -1e9) >= 1.0]
+        for c in fresh:
+            self._resent_at[(c.transfer_id, c.index)] = now
+        if len(self._resent_at) > 100_000:
+            self._resent_at.clear()
+        chunks = fresh
+        if not chunks:
+            return
+        self.resent_chunks += len(chunks)
+        self._publish_chunks(chunks, topic, round, kind_label, client, None)
+
+    def _maintain(self) -> None:
+        """Ask for missing chunks of stalled transfers; drop and report expired ones."""
+        now = time.monotonic()
+        if now - self._last_maintain < 0.2:
+            return
+        self._last_maintain = now
+        for gone in self.reassembler.expire():
+            self.incomplete_transfers += 1
+            log.warning("%s: transfer %s from %s incomplete after %.0f s (%d/%d chunks); dropped",
+                        self.node_id, gone.transfer_id.hex(), gone.sender, gone.age_s, gone.received, gone.count)
+            if self.ledger is not None:
+                self._record("", "message", "incomplete", None, gone.sender, None, client=gone.sender, payload_bytes=0,
+                             body_bytes=0, qos=self.qos, retain=False, transfer_id=gone.transfer_id.hex(),
+                             chunk_count=gone.count, reason=f"incomplete transfer: {gone.received}/{gone.count} chunks")
+        for t in self.reassembler.pending():
+            if t.age_s < self.resend_after_s:
+                continue
+            key = (t.sender, t.transfer_id)
+            last = self._resend_asked.get(key, 0.0)
+            if now - last < self.resend_after_s:
+                continue
+            self._resend_asked[key] = now
+            missing = self.reassembler.missing(t.sender, t.transfer_id)
+            if not missing:
+                continue
+            try:
+                self.send(self._resend_topic(t.sender), Resend(t.transfer_id, tuple(missing[:MAX_RESEND])), round=0,
+                          recipient=t.sender)
+            except (ProtocolError, FedfleetProtocolError) as exc:
+                log.warning("%s: cannot ask %s for missing chunks: %s", self.node_id, t.sender, exc)
+        if len(self._resend_asked) > 4096:
+            self._resend_asked.clear()
 
     def _on_packet(self, ev: PacketEvent) -> None:
         """Ledger row for an MQTT packet that is not an application PUBLISH (control packets, and
@@ -204,12 +389,14 @@ class Channel:
 
     def _record(self, topic: str, event: str, kind: str, round: int | None, sender: str | None,
                 seq: int | None, *, client: str, payload_bytes: int, body_bytes: int, qos: int,
-                retain: bool, codec: str = "", reason: str = "") -> None:
+                retain: bool, codec: str = "", reason: str = "", raw_bytes: int = 0, fields: str = "",
+                transfer_id: str | None = None, chunk_index: int | None = None,
+                chunk_count: int | None = None) -> None:
         size = publish_size(topic, payload_bytes, qos)
         with self._count_lock:
             if event == "sent":
                 self.wire_bytes_sent += size.packet_bytes
-            else:
+            elif event != "message":
                 self.wire_bytes_received += size.packet_bytes
         if self.ledger is None:
             return
@@ -219,4 +406,19 @@ class Channel:
             kind=kind, round=round, client=client, sender=sender, seq=seq, topic=topic,
             topic_bytes=size.topic_bytes, mqtt_header_bytes=size.header_bytes,
             envelope_bytes=payload_bytes - body_bytes, body_bytes=body_bytes, payload_bytes=payload_bytes,
-            qos=qos, retained=retain, codec=codec, reason=reason))
+            qos=qos, retained=retain, codec=codec, reason=reason, raw_bytes=raw_bytes, fields=fields,
+            transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count))
+
+
+_NO_LIMIT = 1 << 62
+MAX_RESEND = 4096
+"""Most chunk indices asked for in one ``resend``."""
+
+
+def _raw(body: Body) -> int:
+    return sum(raw_nbytes(t) for t in getattr(body, "tensors", ()))
+
+
+def _fields_json(kind: Kind, payload: bytes, dec: Decoded) -> str:
+    body = payload[len(payload) - dec.body_bytes:]
+    return json.dumps(dict(field_sizes(kind, body)), separators=(",", ":"))

@@ -10,7 +10,9 @@ failures are a separate branch because the caller's remedy differs (retry, recon
     │   ├── UnsupportedVersion            protocol major version this side does not speak
     │   ├── UnknownKind                   message kind number not defined in this version
     │   ├── FieldError                    one field out of its bounds (``field`` names it)
-    │   └── TensorError                   tensor dtype/shape/size/NaN violation (``field`` too)
+    │   ├── TensorError                   tensor dtype/shape/size/NaN violation (``field`` too)
+    │   └── ChunkError                    a chunk contradicts its transfer, fails the digest, or
+    │                                     would exceed the receiver's memory bounds
     ├── LedgerError                       the byte ledger cannot be written or read
     └── TransportError                    MQTT connection / publish failure
         ├── ConnectError                  the broker refused or did not answer CONNECT
@@ -58,6 +60,23 @@ class FieldError(ProtocolError):
 
 class TensorError(ProtocolError):
     """A tensor has an unknown dtype, a bad shape, a size mismatch or non-finite values."""
+
+
+class ChunkError(ProtocolError):
+    """A chunk cannot be taken: it contradicts its transfer, breaks the layout, fails the
+    digest, or would exceed the receiver's memory bounds.
+
+    Attributes:
+        field: dotted name of the offending field (``"body.total_bytes"``), or ``None``.
+        sender: envelope sender of the chunk, when known.
+        transfer_id: the transfer's id, when known.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, sender: str | None = None,
+                 transfer_id: bytes | None = None) -> None:
+        super().__init__(message, field=field)
+        self.sender = sender
+        self.transfer_id = transfer_id
 
 
 class LedgerError(FedfleetProtocolError):

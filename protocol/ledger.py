@@ -2,7 +2,8 @@
 
 Each side that sends or receives a message writes one row. The sender writes ``event='sent'``
 when it hands the payload to the MQTT client; the receiver writes ``event='received'`` after a
-successful decode, or ``event='rejected'`` with a reason. Byte columns count exact ``len()`` of
+successful decode, or ``event='rejected'`` with a reason. Wire totals are the sums over
+``event IN ('sent', 'received', 'rejected')``. Byte columns count exact ``len()`` of
 what crossed the MQTT client API (STYLE: count bytes, don't estimate):
 
 ====================  ==========================================================================
@@ -13,7 +14,21 @@ mqtt_header_bytes     PUBLISH framing except topic and payload (:mod:`protocol.m
 envelope_bytes        payload bytes that are not body (header fields + msgpack framing)
 body_bytes            the kind's body (nested ``bin`` content)
 payload_bytes         envelope_bytes + body_bytes = the MQTT payload length
+raw_bytes             tensor values before the codec (``size × itemsize``), 0 without tensors;
+                      ``raw_bytes / body_bytes`` is the codec's compression ratio
+fields                JSON object: bytes of each body field (``{"tensors": 423412, …}``)
+codec                 tensor codec of the message (``fp32``, ``int8+zstd`` …)
+transfer_id           hex id of a chunked transfer; ``chunk_index``/``chunk_count`` locate the
+                      chunk. The chunks of a transfer are the rows that hit the wire (their
+                      ``kind`` is the kind of the message they carry; ``body_bytes`` = the
+                      slice, ``envelope_bytes`` = chunk framing). The whole message gets one
+                      more row on each side with ``event='message'``: its logical sizes,
+                      fields and codec; those bytes are already counted by the chunk rows.
 ====================  ==========================================================================
+
+Rows with ``reason='control'`` are MQTT control packets (CONNECT, CONNACK, SUBSCRIBE, SUBACK,
+PUBACK, PINGREQ, PINGRESP, DISCONNECT, and PUBLISH retransmissions as ``PUBLISH-DUP``): their
+whole packet size is in ``mqtt_header_bytes``.
 
 ``direction`` is ``up`` (agent → server: join, update, status) or ``down`` (server → agents).
 ``client`` is the agent the row concerns: the sender of an upload, the recipient of a download
@@ -35,7 +50,7 @@ from pathlib import Path
 
 from .errors import LedgerError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -44,7 +59,7 @@ CREATE TABLE IF NOT EXISTS messages (
     federation TEXT NOT NULL,
     side TEXT NOT NULL CHECK (side IN ('server', 'agent')),
     node TEXT NOT NULL,
-    event TEXT NOT NULL CHECK (event IN ('sent', 'received', 'rejected')),
+    event TEXT NOT NULL CHECK (event IN ('sent', 'received', 'rejected', 'message')),
     direction TEXT NOT NULL CHECK (direction IN ('up', 'down')),
     kind TEXT NOT NULL,
     round INTEGER,
@@ -60,7 +75,12 @@ CREATE TABLE IF NOT EXISTS messages (
     qos INTEGER NOT NULL,
     retained INTEGER NOT NULL DEFAULT 0,
     codec TEXT NOT NULL DEFAULT '',
-    reason TEXT NOT NULL DEFAULT ''
+    reason TEXT NOT NULL DEFAULT '',
+    raw_bytes INTEGER NOT NULL DEFAULT 0,
+    fields TEXT NOT NULL DEFAULT '',
+    transfer_id TEXT,
+    chunk_index INTEGER,
+    chunk_count INTEGER
 );
 CREATE INDEX IF NOT EXISTS messages_round ON messages (round);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -91,6 +111,11 @@ class LedgerRow:
     retained: bool = False
     codec: str = ""
     reason: str = ""
+    raw_bytes: int = 0
+    fields: str = ""
+    transfer_id: str | None = None
+    chunk_index: int | None = None
+    chunk_count: int | None = None
     ts: float = 0.0
 
     @property

@@ -30,7 +30,7 @@ kind    name           body
 1       join           ``[profile, manifest_hash, num_samples, class_histogram[uint], info M]``
 2       round_start    ``[selected[str], deadline_s float, config M]``
 3       global         ``[tensors[T], meta M]``
-4       update         ``[tensors[T], num_samples, train_loss float, metrics M]``
+4       update         ``[tensors[T], num_samples, train_loss float, metrics M, delta bool]``
 5       finish         ``[reason str, rounds_completed uint]``
 6       status         ``[state str, detail str]``
 7       receipt        ``[ref_kind uint, ref_seq uint, accepted bool, reason str, sha256 bin32]``
@@ -58,7 +58,7 @@ import msgpack
 import numpy as np
 
 from .errors import FieldError, MalformedMessage, ProtocolError, UnknownKind, UnsupportedVersion
-from .tensors import DEFAULT_LIMITS, TensorLimits, decode_tensor, encode_tensor
+from .tensors import DEFAULT_LIMITS, TensorLimits, decode_tensor, encode_tensor, raw_nbytes
 
 PROTOCOL_VERSION = 1
 """Protocol major version written in every envelope."""
@@ -179,12 +179,15 @@ class Update:
         num_samples: training samples behind the update (FedAvg weight), > 0.
         train_loss: mean training loss of the last local epoch (finite).
         metrics: extra scalars (``"train_seconds"``, ``"train_accuracy"`` …).
+        delta: ``tensors`` are differences to the round's global model (w_local − w_global)
+            rather than the weights themselves.
     """
 
     tensors: tuple[np.ndarray, ...]
     num_samples: int
     train_loss: float
     metrics: Mapping[str, Scalar] = field(default_factory=dict)
+    delta: bool = False
 
     KIND = Kind.UPDATE
 
@@ -322,10 +325,15 @@ class Encoded:
         payload: the bytes handed to MQTT as the PUBLISH payload.
         body_bytes: length of the nested body (the ``bin`` content).
         envelope_bytes: ``len(payload) - body_bytes``: header fields plus msgpack framing.
+        field_bytes: ``(name, bytes)`` of each body field (they add up to ``body_bytes`` minus
+            the body's 1–5 byte array header).
+        raw_tensor_bytes: bytes of the tensors' values before the codec (``size × itemsize``).
     """
 
     payload: bytes
     body_bytes: int
+    field_bytes: tuple[tuple[str, int], ...] = ()
+    raw_tensor_bytes: int = 0
 
     @property
     def envelope_bytes(self) -> int:
@@ -363,7 +371,11 @@ def _scalar_map(m: Mapping[str, Scalar], name: str) -> dict[str, Scalar]:
     return out
 
 
-def _encode_body(body: Body) -> list[Any]:
+def _tensor(t: np.ndarray, codec: Any) -> list[Any]:
+    return encode_tensor(t) if codec is None else encode_tensor(t, codec)
+
+
+def _encode_body(body: Body, codec: Any = None) -> list[Any]:
     match body:
         case Join():
             return [body.profile, body.manifest_hash, int(body.num_samples),
@@ -371,10 +383,10 @@ def _encode_body(body: Body) -> list[Any]:
         case RoundStart():
             return [list(body.selected), float(body.deadline_s), _scalar_map(body.config, "config")]
         case Global():
-            return [[encode_tensor(t) for t in body.tensors], _scalar_map(body.meta, "meta")]
+            return [[_tensor(t, codec) for t in body.tensors], _scalar_map(body.meta, "meta")]
         case Update():
-            return [[encode_tensor(t) for t in body.tensors], int(body.num_samples),
-                    float(body.train_loss), _scalar_map(body.metrics, "metrics")]
+            return [[_tensor(t, codec) for t in body.tensors], int(body.num_samples),
+                    float(body.train_loss), _scalar_map(body.metrics, "metrics"), bool(body.delta)]
         case Finish():
             return [body.reason, int(body.rounds_completed)]
         case Status():
@@ -389,18 +401,46 @@ def _encode_body(body: Body) -> list[Any]:
     raise TypeError(f"not a message body: {type(body).__name__}")
 
 
-def encode(envelope: Envelope) -> Encoded:
+#: names of each kind's body fields, in wire order (ledger ``fields`` column)
+BODY_FIELDS: dict[Kind, tuple[str, ...]] = {
+    Kind.JOIN: ("profile", "manifest_hash", "num_samples", "class_histogram", "info"),
+    Kind.ROUND_START: ("selected", "deadline_s", "config"),
+    Kind.GLOBAL: ("tensors", "meta"),
+    Kind.UPDATE: ("tensors", "num_samples", "train_loss", "metrics", "delta"),
+    Kind.FINISH: ("reason", "rounds_completed"),
+    Kind.STATUS: ("state", "detail"),
+    Kind.RECEIPT: ("ref_kind", "ref_seq", "accepted", "reason", "sha256"),
+    Kind.CHUNK: ("transfer_id", "index", "count", "offset", "total_bytes", "sha256", "data"),
+    Kind.RESEND: ("transfer_id", "indices"),
+}
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 65536:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def encode(envelope: Envelope, codec: Any = None) -> Encoded:
     """Encode one message to its MQTT payload.
+
+    The body array is packed field by field (header + concatenated elements, which is exactly
+    msgpack's array encoding), so the bytes of each field are known without a second pass.
 
     Args:
         envelope: the message. ``sender`` must satisfy :func:`valid_id`.
+        codec: tensor codec (:class:`protocol.tensors.Codec`) for ``global``/``update`` tensors;
+            ``None`` = ``fp32`` (raw).
 
     Returns:
-        :class:`Encoded` with the payload and its exact body/envelope byte split.
+        :class:`Encoded` with the payload, its exact body/envelope byte split and the bytes of
+        each body field.
 
     Raises:
         FieldError: invalid sender id, negative round/seq, non-scalar map value.
-        TensorError: a tensor with an unsupported dtype.
+        TensorError: a tensor with an unsupported dtype, or a value the codec cannot represent.
     """
     if not valid_id(envelope.sender):
         raise FieldError(f"sender {envelope.sender!r} is not a valid client id", field="envelope.sender")
@@ -408,13 +448,32 @@ def encode(envelope: Envelope) -> Encoded:
         v = getattr(envelope, name)
         if not 0 <= v <= MAX_INT:
             raise FieldError(f"envelope.{name} = {v} out of range", field=f"envelope.{name}")
-    body = msgpack.packb(_encode_body(envelope.body), use_bin_type=True)
+    fields = _encode_body(envelope.body, codec)
+    parts = [msgpack.packb(f, use_bin_type=True) for f in fields]
+    body = _array_header(len(parts)) + b"".join(parts)
     payload = msgpack.packb(
         [envelope.version, int(envelope.kind), envelope.round, envelope.sender, envelope.seq,
          envelope.timestamp_ms, body],
         use_bin_type=True,
     )
-    return Encoded(payload=payload, body_bytes=len(body))
+    names = BODY_FIELDS[envelope.kind]
+    raw = sum(raw_nbytes(t) for t in getattr(envelope.body, "tensors", ()))
+    return Encoded(payload=payload, body_bytes=len(body),
+                   field_bytes=tuple(zip(names, (len(p) for p in parts))), raw_tensor_bytes=raw)
+
+
+def field_sizes(kind: Kind, body: bytes) -> tuple[tuple[str, int], ...]:
+    """Bytes of each top-level body field of a valid body (for the receiving side's ledger row)."""
+    u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1))
+    u.feed(body)
+    n = u.read_array_header()
+    sizes, pos = [], u.tell()
+    for _ in range(n):
+        u.skip()
+        sizes.append(u.tell() - pos)
+        pos = u.tell()
+    names = BODY_FIELDS[kind] + tuple(f"field{i}" for i in range(len(BODY_FIELDS[kind]), n))
+    return tuple(zip(names, sizes))
 
 
 def now_ms() -> int:
@@ -528,8 +587,10 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         n = _uint(f[1], "body.num_samples")
         if n == 0:
             raise FieldError("body.num_samples: an update must stand for at least one sample", field="body.num_samples")
+        delta = _want(f[4], bool, "body.delta") if len(f) > 4 else False
         return Update(tensors=_tensors(f[0], "body.tensors", limits), num_samples=n,
-                      train_loss=_finite(f[2], "body.train_loss"), metrics=_decode_map(f[3], "body.metrics"))
+                      train_loss=_finite(f[2], "body.train_loss"), metrics=_decode_map(f[3], "body.metrics"),
+                      delta=delta)
     if kind is Kind.FINISH:
         f = _fields(raw, 2, b)
         return Finish(reason=_str(f[0], "body.reason"), rounds_completed=_uint(f[1], "body.rounds_completed"))

@@ -118,7 +118,7 @@ def test_wrong_type(tmp_path: Path, text: str, where: str) -> None:
     pytest.param("[server]\nparticipation_rate = 1.5\n", "[server] participation_rate", id="rate-1.5"),
     pytest.param("[server]\nparticipation_rate = 0.0\n", "[server] participation_rate", id="rate-0"),
     pytest.param("[protocol]\nqos = 2\n", "[protocol] qos", id="qos-2"),
-    pytest.param('[protocol]\ncodec = "fp16"\n', "[protocol] codec", id="unknown-codec"),
+    pytest.param('[protocol]\ncodec = "fp17"\n', "[protocol] codec", id="unknown-codec"),
     pytest.param('[data]\npartition = "shards"\n', "[data] partition", id="unknown-partition"),
     pytest.param('[broker]\nkind = "emqx"\n', "[broker] kind", id="unknown-broker-kind"),
     pytest.param("[train]\nlr = nan\n", "[train] lr", id="lr-nan"),

@@ -89,7 +89,7 @@ def hand_body(body) -> list:
             return [[hand_tensor(t) for t in body.tensors], dict(body.meta)]
         case Update():
             return [[hand_tensor(t) for t in body.tensors], body.num_samples, float(body.train_loss),
-                    dict(body.metrics)]
+                    dict(body.metrics), bool(body.delta)]
         case Finish():
             return [body.reason, body.rounds_completed]
         case Status():
@@ -228,8 +228,6 @@ def test_big_endian_and_non_contiguous_tensors_round_trip_as_little_endian_c_ord
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: encode_tensor uses np.ascontiguousarray, which returns ndim >= 1: "
-                                       "a 0-d tensor (e.g. BatchNorm num_batches_tracked) arrives with shape (1,)")
 def test_zero_dim_tensor_keeps_its_shape() -> None:
     scalar = np.array(3.5, dtype=np.float32)
     assert encode_tensor(scalar)[2] == []

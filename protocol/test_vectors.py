@@ -1,0 +1,86 @@
+"""Byte-exact test vectors of the tensor codecs (:mod:`protocol.tensors`), for PROTOCOL.md and for
+other implementations (a C decoder on a device, say).
+
+:data:`TEST_VECTORS` maps a vector name to ``(input, codec, hex, decoded)``:
+
+* ``input``: the tensor as (nested) Python floats, converted with ``np.array(input, float32)``
+  (shape from the nesting; a bare float is a 0-d tensor).
+* ``codec``: the configuration text (:meth:`protocol.tensors.Codec.parse` grammar).
+* ``hex``: the msgpack encoding (``msgpack.packb(encode_tensor(...), use_bin_type=True)``) of the
+  tensor ``[codec, dtype, shape, data, *params]``, lower-case hex.
+* ``decoded``: the values a decoder returns for ``hex`` (float32 values written exactly as Python
+  floats; ``dtype`` float32, shape as ``input``).
+
+Every vector holds in both directions (encode(input) == hex, decode(hex) == decoded) except those
+in :data:`DECODE_ONLY`: a zstd frame's bytes depend on the zstd version and level, so for those
+only decode(hex) == decoded is specified; an encoder need only produce a frame with the same
+content. Decode vectors with NaN/Inf forbidden (the default :class:`~protocol.tensors.TensorLimits`).
+
+Hand-checked reading of two of them:
+
+* ``fp16``: ``94`` array of 4, ``01`` codec fp16, ``01`` dtype float32, ``92 02 03`` shape [2, 3],
+  ``c4 0c`` bin of 12 bytes, then ``0038 00bd 0042 0000 0040 00b0`` = 0.5, -1.25, 3.0, 0.0, 2.0,
+  -0.125 as little-endian binary16.
+* ``topk-varint-fp16``: ``97`` array of 7, ``04`` topk, ``01`` float32, ``91 cc8c`` shape [140],
+  ``c4 06 003e 00c0 0044`` values 1.5, -2.0, 4.0 as fp16, ``03`` k, ``01`` value codec fp16,
+  ``c4 03 03 7f 01`` indices [3, 130, 131] as deltas 3, 127, 1 in LEB128.
+"""
+
+from __future__ import annotations
+
+_X = [[0.5, -1.25, 3.0], [0.0, 2.0, -0.125]]
+_LONG = [0.0] * 3 + [1.5] + [0.0] * 126 + [-2.0, 4.0] + [0.0] * 7 + [0.25]
+
+#: name -> (input, codec text, msgpack hex of the encoded tensor, decoded values).
+TEST_VECTORS: dict[str, tuple[object, str, str, object]] = {
+    "fp32": (_X, "fp32", "940001920203c4180000003f0000a0bf000040400000000000000040000000be", _X),
+    "fp32-scalar": (3.5, "fp32", "94000190c40400006040", 3.5),
+    "fp16": (_X, "fp16", "940101920203c40c003800bd00420000004000b0", _X),
+    # 0.1 rounds; 1 + 2**-11 is a tie and goes to even (1.0); 1 + 3 * 2**-11 goes up to 1 + 2**-9;
+    # 65504 is the largest half; 6e-8 becomes the smallest subnormal 2**-24; -0.0 keeps its sign.
+    "fp16-rounding": (
+        [0.1, 1.00048828125, 1.00146484375, 65504.0, 6e-08, -0.0], "fp16",
+        "9401019106c40c662e003c023cff7b01000080",
+        [0.0999755859375, 1.0, 1.001953125, 65504.0, 5.960464477539063e-08, -0.0],
+    ),
+    "bf16": (_X, "bf16", "940201920203c40c003fa0bf40400000004000be", _X),
+    # 1 + 2**-8 is a tie and goes to even (1.0); 1 + 3 * 2**-8 is a tie and goes up to 1 + 2**-6;
+    # 0.1 rounds up; 3e38 stays finite; the float32 subnormal 1e-40 keeps 7 mantissa bits.
+    "bf16-rounding": (
+        [1.00390625, 1.01171875, -1.01171875, 0.1, 3.0e38, 1e-40], "bf16",
+        "9402019106c40c803f823f82bfcd3d627f0100",
+        [1.0, 1.015625, -1.015625, 0.10009765625, 3.00405527047391e+38, 9.183549615799121e-41],
+    ),
+    # scale = 3 / 127; q = [21, -53, 127, 0, 85, -5]
+    "int8": (
+        _X, "int8", "960301920203c40615cb7f0055fbffc4040683c13c",
+        [[0.4960629940032959, -1.251968502998352, 3.0], [0.0, 2.007874011993408, -0.11811023950576782]],
+    ),
+    # scales = [3 / 127, 2 / 127]; q = [21, -53, 127, 0, 127, -8]
+    "int8-channel": (
+        _X, "int8-channel", "960301920203c40615cb7f007ff800c4080683c13c0402813c",
+        [[0.4960629940032959, -1.251968502998352, 3.0], [0.0, 2.0, -0.12598425149917603]],
+    ),
+    # an all-zero channel has scale 0 and decodes to zeros
+    "int8-channel-zero-row": (
+        [[0.0, 0.0], [1.0, -0.5]], "int8-channel", "960301920202c40400007fc000c408000000000402013c",
+        [[0.0, 0.0], [1.0, -0.5039370059967041]],
+    ),
+    # keeps 3.0 (index 2), 2.0 (4), -1.25 (1): indices [1, 2, 4] → deltas 01 01 02
+    "topk": (
+        _X, "topk:3", "970401920203c40c0000a0bf00004040000000400300c403010102",
+        [[0.0, -1.25, 3.0], [0.0, 2.0, 0.0]],
+    ),
+    # k = ceil(0.5 * 4) = 2 of three equal |x| = 1: the lower indices 0 and 1 win the tie
+    "topk-ties": ([1.0, -1.0, 1.0, 0.5], "topk:0.5", "9704019104c4080000803f000080bf0200c4020001",
+                  [1.0, -1.0, 0.0, 0.0]),
+    "topk-varint-fp16": (
+        _LONG, "topk:3:fp16", "97040191cc8cc406003e00c000440301c403037f01",
+        [0.0] * 3 + [1.5] + [0.0] * 126 + [-2.0, 4.0] + [0.0] * 8,
+    ),
+    # decode only (zstd frames vary across zstd versions): frame of the 12 bytes of "fp16"
+    "fp16+zstd": (_X, "fp16+zstd", "94cc8101920203c41528b52ffd200c610000003800bd00420000004000b0", _X),
+}
+
+#: Vectors whose ``hex`` is only to be decoded (their zstd frame is one valid encoding of many).
+DECODE_ONLY: frozenset[str] = frozenset(name for name, v in TEST_VECTORS.items() if "+zstd" in v[1])
