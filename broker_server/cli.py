@@ -72,9 +72,9 @@ def _cmd_server(args) -> int:
 
 
 def _cmd_audit(args) -> int:
-    from .audit import main_audit
+    from .audit import run_audit
 
-    return main_audit([args.run_dir] + (["--json"] if args.json else []))
+    return run_audit(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--clients", type=int, help="start round 1 once this many agents joined")
     s.set_defaults(func=_cmd_server)
 
-    s = sub.add_parser("audit", help="print the byte ledger of a run folder as tables")
-    s.add_argument("run_dir")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    from .audit import add_audit_arguments
+
+    s = sub.add_parser("audit", help="the byte ledger of run folders as tables, JSON, HTML or CSV; compares runs")
+    add_audit_arguments(s)
     s.set_defaults(func=_cmd_audit)
     return p
 

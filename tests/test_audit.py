@@ -8,27 +8,40 @@ Every expected number is worked out by hand from the byte columns written in ``_
 
 from __future__ import annotations
 
+import csv
+import html
 import json
 import re
 import sqlite3
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
+import matplotlib
 import pytest
 
-from broker_server.audit import (
+matplotlib.use("Agg")
+
+from broker_server.audit import (  # noqa: E402
     AuditError,
     RunAudit,
+    accuracy_curve,
     audit_report,
     by_client,
     by_kind,
     by_round,
+    bytes_to_target,
+    comparison_row,
+    cumulative_bytes,
+    link_time_s,
     load_run,
     main_audit,
     rejected,
+    render_html,
     render_text,
     totals,
+    write_html,
 )
-from protocol.ledger import Ledger, LedgerRow
+from broker_server.cli import main as fedfleet_main  # noqa: E402
+from protocol.ledger import Ledger, LedgerRow  # noqa: E402
 
 FED = "fed-test"
 T_GLOBAL = f"fedfleet/v1/{FED}/down/global"  # 32 characters
@@ -115,11 +128,13 @@ def test_totals_device_view(rows):
     up_body = 400 + 600 + 500 + 700
     down_body = 2 * 1000 + 2 * 2000  # each broadcast counted once per receiving agent
     assert t["up"] == {"messages": 4, "body_bytes": up_body, "envelope_bytes": 4 * 27,
-                       "mqtt_bytes": 4 * (5 + 33), "wire_bytes": U1A1 + U1A2 + U2A1 + U2A2,
+                       "mqtt_bytes": 4 * (5 + 33), "control_messages": 0, "control_bytes": 0,
+                       "wire_bytes": U1A1 + U1A2 + U2A1 + U2A2,
                        "overhead_share": pytest.approx((2460 - up_body) / 2460)}
     assert t["up"]["wire_bytes"] == 2460
     assert t["down"] == {"messages": 4, "body_bytes": down_body, "envelope_bytes": 4 * 25,
-                         "mqtt_bytes": 4 * (5 + 32), "wire_bytes": 2 * G1 + 2 * G2,
+                         "mqtt_bytes": 4 * (5 + 32), "control_messages": 0, "control_bytes": 0,
+                         "wire_bytes": 2 * G1 + 2 * G2,
                          "overhead_share": pytest.approx((6248 - down_body) / 6248)}
     assert t["down"]["wire_bytes"] == 6248
     assert t["all"]["messages"] == 8
@@ -132,15 +147,16 @@ def test_totals_device_view(rows):
 
 def test_totals_server_view(rows):
     t = totals(rows, "server")
-    # Broadcast once per round; the rejected upload is not in the server's counted traffic.
+    # Broadcast once per round; the rejected upload crossed the server's link too (its bytes count,
+    # all as overhead: a rejected row has no body).
     assert t["down"]["messages"] == 2
     assert t["down"]["wire_bytes"] == G1 + G2 == 3124
     assert t["down"]["body_bytes"] == 3000
-    assert t["up"]["messages"] == 3
-    assert t["up"]["wire_bytes"] == U1A1 + U1A2 + U2A1 == 1695
+    assert t["up"]["messages"] == 4
+    assert t["up"]["wire_bytes"] == U1A1 + U1A2 + U2A1 + U2A2 == 2460
     assert t["up"]["body_bytes"] == 1500
-    assert t["all"]["wire_bytes"] == 4819
-    assert t["all"]["overhead_share"] == pytest.approx((4819 - 4500) / 4819)
+    assert t["all"]["wire_bytes"] == 5584
+    assert t["all"]["overhead_share"] == pytest.approx((5584 - 4500) / 5584)
 
 
 def test_server_view_differs_from_device_view_as_defined(rows):
@@ -149,13 +165,15 @@ def test_server_view_differs_from_device_view_as_defined(rows):
     # Downloads: the device side pays each broadcast once per agent that received it.
     for key in ("messages", "body_bytes", "envelope_bytes", "mqtt_bytes", "wire_bytes"):
         assert dev["down"][key] == n_agents * srv["down"][key]
-    # Uploads: identical except for the one upload the server rejected.
-    assert dev["up"]["messages"] - srv["up"]["messages"] == 1
-    assert dev["up"]["wire_bytes"] - srv["up"]["wire_bytes"] == U2A2
+    # Uploads: the same bytes on both links (the rejected one crossed both); only its body is
+    # missing on the server side, where a rejected payload counts as overhead.
+    assert dev["up"]["messages"] == srv["up"]["messages"] == 4
+    assert dev["up"]["wire_bytes"] == srv["up"]["wire_bytes"]
+    assert dev["up"]["body_bytes"] - srv["up"]["body_bytes"] == 700
     # Per client in the server view, a broadcast is one row for client '*'.
     srv_clients = {c["client"]: c for c in by_client(rows, "server")}
     assert srv_clients["*"]["down_messages"] == 2 and srv_clients["*"]["down_bytes"] == G1 + G2
-    assert srv_clients["a2"]["up_messages"] == 1 and srv_clients["a2"]["up_bytes"] == U1A2
+    assert srv_clients["a2"]["up_messages"] == 2 and srv_clients["a2"]["up_bytes"] == U1A2 + U2A2
 
 
 def test_by_round(rows):
@@ -168,7 +186,7 @@ def test_by_round(rows):
          "overhead_share": pytest.approx((1330 + 4124 - 5200) / (1330 + 4124))},
     ]
     srv = by_round(rows, "server")
-    assert [(r["round"], r["up_messages"], r["down_messages"]) for r in srv] == [(1, 2, 1), (2, 1, 1)]
+    assert [(r["round"], r["up_messages"], r["down_messages"]) for r in srv] == [(1, 2, 1), (2, 1, 1), (None, 1, 0)]
     assert srv[1]["up_bytes"] == U2A1 and srv[1]["down_bytes"] == G2
 
 
@@ -192,9 +210,11 @@ def test_by_client(rows):
 def test_by_kind(rows):
     assert by_kind(rows) == [
         {"kind": "global", "direction": "down", "messages": 4, "body_bytes": 6000, "envelope_bytes": 100,
-         "mqtt_bytes": 148, "wire_bytes": 6248, "overhead_share": pytest.approx(248 / 6248)},
+         "mqtt_bytes": 148, "control_messages": 0, "control_bytes": 0, "wire_bytes": 6248,
+         "overhead_share": pytest.approx(248 / 6248)},
         {"kind": "update", "direction": "up", "messages": 4, "body_bytes": 2200, "envelope_bytes": 108,
-         "mqtt_bytes": 152, "wire_bytes": 2460, "overhead_share": pytest.approx(260 / 2460)},
+         "mqtt_bytes": 152, "control_messages": 0, "control_bytes": 0, "wire_bytes": 2460,
+         "overhead_share": pytest.approx(260 / 2460)},
     ]
 
 
@@ -212,7 +232,7 @@ def test_unknown_view_raises(rows, fn):
 def test_empty_ledger_totals_are_zero():
     t = totals([], "device")
     assert t["all"] == {"messages": 0, "body_bytes": 0, "envelope_bytes": 0, "mqtt_bytes": 0,
-                        "wire_bytes": 0, "overhead_share": None}
+                        "control_messages": 0, "control_bytes": 0, "wire_bytes": 0, "overhead_share": None}
     assert by_round([]) == [] and by_client([]) == [] and by_kind([]) == [] and rejected([]) == []
 
 
@@ -246,17 +266,21 @@ def test_render_text_sections(run_dir):
     assert all(len(line) <= 120 for line in text.splitlines())
 
 
+_TEXT_COLUMNS = {"messages": "messages", "body B": "body_bytes", "envelope B": "envelope_bytes",
+                 "MQTT B": "mqtt_bytes", "control B": "control_bytes", "wire B": "wire_bytes"}
+
+
 def _text_totals(text: str, section: str) -> dict[str, dict[str, int]]:
-    """Parse the up/down/total rows of one Totals table of render_text."""
+    """Parse the up/down/total rows of one Totals table of render_text (columns found by header)."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(section))
+    headers = re.split(r"\s{2,}", lines[start + 1].strip())
     out = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 2:]:
         cells = re.split(r"\s{2,}", line.strip())
         if cells and cells[0] in ("up", "down", "total"):
             out["all" if cells[0] == "total" else cells[0]] = {
-                k: int(v.replace(",", "")) for k, v in zip(
-                    ("messages", "body_bytes", "envelope_bytes", "mqtt_bytes", "wire_bytes"), cells[1:6])}
+                _TEXT_COLUMNS[h]: int(v.replace(",", "")) for h, v in zip(headers, cells) if h in _TEXT_COLUMNS}
             if cells[0] == "total":
                 return out
     raise AssertionError(f"no totals table under {section!r}")
@@ -270,7 +294,8 @@ def test_main_json_totals_equal_text_totals(run_dir, capsys):
     for view, section in (("device", "Totals: device links"), ("server", "Totals: server link")):
         parsed = _text_totals(text, section)
         for key in ("up", "down", "all"):
-            expected = {k: v for k, v in rep["totals"][view][key].items() if k != "overhead_share"}
+            expected = {k: v for k, v in rep["totals"][view][key].items()
+                        if k not in ("overhead_share", "control_messages")}
             assert parsed[key] == expected, (view, key)
     assert rep["totals"]["device"]["all"]["wire_bytes"] == 8708
 
@@ -312,3 +337,324 @@ def test_bad_metrics_line(run_dir):
         f.write("[1, 2]\n")
     with pytest.raises(AuditError, match=r"metrics.jsonl:3: expected a JSON object"):
         load_run(run_dir)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Control packets, bytes to target, transfer time, HTML, CSV, several runs
+#
+# Control-packet rows are written as protocol.channel does: reason 'control', round NULL,
+# topic '', payload 0, mqtt_header_bytes = the whole packet. Sizes used below (bytes):
+CONNECT_B, CONNACK_B, PUBACK_B, DISCONNECT_B = 14, 4, 4, 2
+
+
+def _ctrl(side: str, node: str, event: str, direction: str, kind: str, size: int) -> LedgerRow:
+    return LedgerRow(federation=FED, side=side, node=node, event=event, direction=direction, kind=kind,
+                     round=None, client=node if side == "agent" else "*", sender=None, seq=None, topic="",
+                     topic_bytes=0, mqtt_header_bytes=size, envelope_bytes=0, body_bytes=0, payload_bytes=0,
+                     qos=0, reason="control")
+
+
+def _write_run(run, rows, metrics, meta_federation: str | None = FED):
+    with Ledger(run / "ledger.sqlite") as ledger:
+        if meta_federation is not None:
+            ledger.set_meta("federation", meta_federation)
+        for r in rows:
+            ledger.record(r)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return run
+
+
+def _control_rows() -> list[LedgerRow]:
+    """The 14 rows of _rows() with control packets around them, in ledger order:
+
+    CONNECT a1, CONNECT a2 (up), CONNACK a1 (down), the server's CONNECT, then round 1, then a
+    PUBACK a2 (up), then round 2, then DISCONNECT a1 (up).
+    """
+    base = _rows()
+    return ([_ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B),
+             _ctrl("agent", "a2", "sent", "up", "CONNECT", CONNECT_B),
+             _ctrl("agent", "a1", "received", "down", "CONNACK", CONNACK_B),
+             _ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B)]
+            + base[:7]
+            + [_ctrl("agent", "a2", "sent", "up", "PUBACK", PUBACK_B)]
+            + base[7:]
+            + [_ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B)])
+
+
+METRICS = [{"round": 1, "accuracy": 0.5, "loss": 1.2, "bytes_up": 0, "bytes_down": 0},
+           {"round": 2, "accuracy": 0.75, "loss": 0.8, "bytes_up": 0, "bytes_down": 0}]
+
+
+@pytest.fixture
+def ctrl_run(tmp_path):
+    run = tmp_path / "ctrl-run"
+    return _write_run(run, _control_rows(), METRICS)
+
+
+def test_control_packets_in_by_kind_totals_and_session_row(ctrl_run):
+    rows = load_run(ctrl_run).rows
+    kinds = {(k["kind"], k["direction"]): k for k in by_kind(rows)}
+    assert kinds[("CONNECT", "up")] == {
+        "kind": "CONNECT", "direction": "up", "messages": 2, "body_bytes": 0, "envelope_bytes": 0,
+        "mqtt_bytes": 0, "control_messages": 2, "control_bytes": 28, "wire_bytes": 28, "overhead_share": 1.0}
+    assert kinds[("CONNACK", "down")]["wire_bytes"] == 4
+    assert kinds[("PUBACK", "up")]["wire_bytes"] == 4
+    assert kinds[("DISCONNECT", "up")]["wire_bytes"] == 2
+    # Application kinds are unchanged by the control rows.
+    assert kinds[("update", "up")]["wire_bytes"] == 2460 and kinds[("update", "up")]["control_bytes"] == 0
+
+    t = totals(rows, "device")
+    control_up, control_down = 28 + 4 + 2, 4
+    assert t["up"]["control_bytes"] == control_up and t["down"]["control_bytes"] == control_down
+    assert t["up"]["wire_bytes"] == 2460 + control_up and t["down"]["wire_bytes"] == 6248 + control_down
+    assert t["all"]["messages"] == 8 + 5 and t["all"]["control_messages"] == 5
+    assert t["all"]["wire_bytes"] == 8708 + 38
+    a = t["all"]
+    assert a["wire_bytes"] == a["body_bytes"] + a["envelope_bytes"] + a["mqtt_bytes"] + a["control_bytes"]
+    assert a["mqtt_bytes"] == 300  # control packets are not double-counted as PUBLISH framing
+    assert a["overhead_share"] == pytest.approx((508 + 38) / 8746)  # everything but body is overhead
+    # The server's own CONNECT is on the server link only.
+    srv = totals(rows, "server")
+    assert srv["down"]["control_bytes"] == CONNECT_B and srv["down"]["wire_bytes"] == 3124 + CONNECT_B
+
+    rounds = by_round(rows)
+    assert [r["round"] for r in rounds] == [1, 2, None]
+    assert rounds[-1] == {"round": None, "up_messages": 4, "up_bytes": control_up, "up_body_bytes": 0,
+                          "down_messages": 1, "down_bytes": control_down, "down_body_bytes": 0,
+                          "overhead_share": 1.0}
+    assert rounds[0]["up_bytes"] == U1A1 + U1A2  # round rows untouched
+
+    text = render_text(audit_report(ctrl_run))
+    assert re.search(r"^session\s+4\s+34\s+0\s+1\s+4\s+0\s+100\.0 %$", text, re.M)
+    assert re.search(r"^CONNECT\s+up\s+2\s+0\s+0\s+0\s+28\s+28\s+100\.0 %$", text, re.M)
+
+
+def test_unknown_and_missing_optional_columns_are_tolerated(ctrl_run):
+    db = sqlite3.connect(ctrl_run / "ledger.sqlite")
+    db.execute("ALTER TABLE messages ADD COLUMN zz_future_column INTEGER")
+    db.commit()
+    db.close()
+    rows = load_run(ctrl_run).rows
+    assert "zz_future_column" in rows[0]
+    assert totals(rows)["all"]["wire_bytes"] == 8746
+    # Rows without the optional columns (reason, topic, node, sender …): control kinds still known.
+    bare = [{k: v for k, v in r.items() if k not in ("reason", "topic", "node", "sender", "codec", "id")}
+            for r in rows]
+    assert totals(bare) == totals(rows)
+    assert by_kind(bare) == by_kind(rows)
+
+
+def test_bytes_to_target_exact(rows):
+    # Round 1 on the device links: 2 globals + 2 updates; round 2 adds the same for round 2.
+    r1 = 2 * G1 + U1A1 + U1A2  # 3254
+    r2 = 2 * G2 + U2A1 + U2A2  # 5454
+    assert bytes_to_target(METRICS, rows, 0.5) == r1  # round 1 reaches exactly 0.5 (≥)
+    assert bytes_to_target(METRICS, rows, 0.4) == r1
+    assert bytes_to_target(METRICS, rows, 0.6) == r1 + r2 == 8708
+    assert bytes_to_target(METRICS, rows, 0.76) is None
+    # The first round reaching the target counts, even if accuracy drops later.
+    dips = [{"round": 1, "accuracy": 0.9}, {"round": 2, "accuracy": 0.1}]
+    assert bytes_to_target(dips, rows, 0.85) == r1
+    # Records without accuracy are skipped; no metrics at all: never reached.
+    assert bytes_to_target([{"round": 1}, {"round": 2, "accuracy": 0.8}], rows, 0.7) == r1 + r2
+    assert bytes_to_target([], rows, 0.1) is None
+
+
+def test_bytes_to_target_counts_session_traffic_before_the_round_ends(ctrl_run):
+    rows = load_run(ctrl_run).rows
+    r1 = 2 * G1 + U1A1 + U1A2
+    r2 = 2 * G2 + U2A1 + U2A2
+    # Round 1: the agents' CONNECTs and CONNACK came first; the PUBACK after round 1's last row and
+    # the final DISCONNECT do not count; the server's CONNECT is not on a device link.
+    assert bytes_to_target(METRICS, rows, 0.5) == 2 * CONNECT_B + CONNACK_B + r1
+    assert bytes_to_target(METRICS, rows, 0.75) == 2 * CONNECT_B + CONNACK_B + r1 + PUBACK_B + r2
+    assert cumulative_bytes(rows, [1, 2]) == {1: 32 + r1, 2: 32 + r1 + 4 + r2}
+    curve = accuracy_curve(METRICS, rows)
+    assert curve == [{"round": 1, "accuracy": 0.5, "cumulative_bytes": 32 + r1},
+                     {"round": 2, "accuracy": 0.75, "cumulative_bytes": 32 + r1 + 4 + r2}]
+
+
+def test_round_zero_status_at_the_end_is_session_traffic(tmp_path):
+    # The protocol sends join/status with round 0 outside any round (the final 'offline' status too).
+    status = _row("agent", "a1", "sent", "up", "status", 0, "a1", f"fedfleet/v1/{FED}/status/a1", 20, 5)
+    join = replace(status, kind="join")
+    rows = load_run(_write_run(tmp_path / "r0", [join] + _rows() + [status], METRICS)).rows
+    wire0 = status.wire_bytes
+    assert bytes_to_target(METRICS, rows, 0.5) == wire0 + 2 * G1 + U1A1 + U1A2
+    assert bytes_to_target(METRICS, rows, 0.75) == wire0 + 8708  # the trailing status is not counted
+
+
+def _upload(client: str, rnd: int | None, wire: int) -> LedgerRow:
+    topic = T_UP[client]
+    return _row("agent", client, "sent", "up", "update", rnd, client, topic, 0, wire - HDR - len(topic))
+
+
+def _download(client: str, rnd: int, wire: int) -> LedgerRow:
+    return _row("agent", client, "received", "down", "global", rnd, client, T_GLOBAL, 0, wire - HDR - len(T_GLOBAL))
+
+
+@pytest.fixture
+def link_rows(tmp_path):
+    """Round 1: a1 uploads 10,000 B, a2 20,000 B; each downloads 1,000 B. Round 2: a1 uploads
+    40,000 B. Session: each agent sends a 100 B CONNECT. The server's rows must not count."""
+    rows = [_ctrl("agent", "a1", "sent", "up", "CONNECT", 100), _ctrl("agent", "a2", "sent", "up", "CONNECT", 100),
+            _download("a1", 1, 1000), _download("a2", 1, 1000), _upload("a1", 1, 10_000), _upload("a2", 1, 20_000),
+            _row("server", "server", "received", "up", "update", 1, "a2", T_UP["a2"], 0, 99_000),
+            _upload("a1", 2, 40_000)]
+    assert [r.wire_bytes for r in rows[2:6]] == [1000, 1000, 10_000, 20_000]
+    return load_run(_write_run(tmp_path / "link", rows, [])).rows
+
+
+def test_link_time_exact(link_rows):
+    t = link_time_s(link_rows, uplink_kbps=80, downlink_kbps=8)
+    # 80 kbit/s = 10,000 bytes/s: 10,000 B → 1.0 s, 20,000 B → 2.0 s, 40,000 B → 4.0 s, 100 B → 0.01 s.
+    # 8 kbit/s = 1,000 bytes/s: 1,000 B → 1.0 s.
+    assert t["per_round"][0] == {"round": 1, "up_max_s": 2.0, "up_sum_s": 3.0, "down_max_s": 1.0, "down_sum_s": 2.0}
+    assert t["per_round"][1] == {"round": 2, "up_max_s": 4.0, "up_sum_s": 4.0, "down_max_s": 0.0, "down_sum_s": 0.0}
+    session = t["per_round"][2]
+    assert session["round"] is None
+    assert session["up_max_s"] == pytest.approx(0.01) and session["up_sum_s"] == pytest.approx(0.02)
+    assert t["up_max_s"] == pytest.approx(6.01) and t["up_sum_s"] == pytest.approx(7.02)
+    assert t["down_max_s"] == 1.0 and t["down_sum_s"] == 2.0
+    assert t["max_s"] == pytest.approx(7.01) and t["sum_s"] == pytest.approx(9.02)
+    assert t["directions"] == ["up", "down"] and t["uplink_kbps"] == 80 and t["downlink_kbps"] == 8
+
+
+def test_link_time_one_direction_and_bad_speeds(link_rows):
+    t = link_time_s(link_rows, uplink_kbps=80, downlink_kbps=None)
+    assert t["directions"] == ["up"]
+    assert t["down_max_s"] is None and t["per_round"][0]["down_max_s"] is None
+    assert t["max_s"] == pytest.approx(6.01) and t["sum_s"] == pytest.approx(7.02)
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError, match="uplink_kbps"):
+            link_time_s(link_rows, bad, 8)
+
+
+def test_report_target_and_link_time(ctrl_run):
+    rep = audit_report(ctrl_run, target=0.7, uplink_kbps=100, downlink_kbps=200)
+    assert rep["target"] == {"accuracy": 0.7, "round": 2, "bytes": 32 + 8708 + 4}
+    assert rep["link_time"]["uplink_kbps"] == 100
+    assert audit_report(ctrl_run)["link_time"] is None
+    assert audit_report(ctrl_run)["target"] == {"accuracy": 0.95, "round": None, "bytes": None}
+    row = comparison_row(rep)
+    assert (row["up_bytes"], row["down_bytes"]) == (rep["totals"]["device"]["up"]["wire_bytes"],
+                                                    rep["totals"]["device"]["down"]["wire_bytes"])
+    assert row["bytes_to_target"] == 8744 and row["target_round"] == 2
+    assert row["time_max_s"] == rep["link_time"]["max_s"]
+    json.dumps(rep)
+    text = render_text(rep)
+    assert "Device-link bytes to reach accuracy ≥ 70.00 %: 8,744" in text
+    assert "Estimated transfer time" in text
+
+
+IMG = '<img src="data:image/png;base64,'
+
+
+def test_html_is_self_contained(ctrl_run, tmp_path):
+    out = write_html([audit_report(ctrl_run, uplink_kbps=64, downlink_kbps=256)], tmp_path / "report.html")
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>")
+    assert text.count(IMG) >= 4
+    assert html.escape(str(ctrl_run)) in text
+    assert "http://" not in text and "https://" not in text
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", text)  # no external resources
+    assert "<link" not in text and "<script" not in text
+    for needle in ("Totals: device links", "Totals: server link", "CONNECT", "control packets",
+                   "Rejected messages: 1", html.escape(REJECT_REASON), "not reached"):
+        assert needle in text, needle
+
+
+def test_html_escapes_run_names(tmp_path):
+    run = _write_run(tmp_path / "run-<script>alert(1)<", _control_rows(), METRICS,
+                     meta_federation='<img src=x onerror="alert(2)">')
+    text = render_html([audit_report(run)])
+    assert "<script" not in text and "onerror=\"" not in text and "<img src=x" not in text
+    assert "run-&lt;script&gt;alert(1)&lt;" in text
+    assert "&lt;img src=x onerror=&quot;alert(2)&quot;&gt;" in text
+    assert text.count(IMG) >= 4
+
+
+def _read_csv(path):
+    with path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_totals_equal_json(ctrl_run, tmp_path, capsys):
+    out = tmp_path / "csv"
+    assert main_audit([str(ctrl_run), "--json", "--csv", str(out), "--uplink-kbps", "80"]) == 0
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out)  # one run: the single report, as before
+    assert isinstance(rep, dict) and "by_round.csv" in captured.err
+    dev = rep["totals"]["device"]
+    by_round_csv = _read_csv(out / "by_round.csv")
+    assert [r["round"] for r in by_round_csv] == ["1", "2", "session"]
+    assert sum(int(r["up_bytes"]) for r in by_round_csv) == dev["up"]["wire_bytes"]
+    assert sum(int(r["down_bytes"]) for r in by_round_csv) == dev["down"]["wire_bytes"]
+    by_client_csv = _read_csv(out / "by_client.csv")
+    assert sum(int(r["up_bytes"]) + int(r["down_bytes"]) for r in by_client_csv) == dev["all"]["wire_bytes"]
+    by_kind_csv = _read_csv(out / "by_kind.csv")
+    for key in ("messages", "body_bytes", "envelope_bytes", "mqtt_bytes", "control_bytes", "wire_bytes"):
+        assert sum(int(r[key]) for r in by_kind_csv) == dev["all"][key], key
+    assert {r["kind"] for r in by_kind_csv} >= {"CONNECT", "CONNACK", "PUBACK", "DISCONNECT"}
+    (cmp,) = _read_csv(out / "comparison.csv")
+    assert cmp["run"] == str(ctrl_run)
+    assert int(cmp["up_bytes"]) == dev["up"]["wire_bytes"] and int(cmp["down_bytes"]) == dev["down"]["wire_bytes"]
+    assert float(cmp["overhead_share"]) == pytest.approx(dev["all"]["overhead_share"])
+    assert cmp["bytes_to_target"] == "" and cmp["target"] == "0.95"
+    assert float(cmp["time_max_s"]) == pytest.approx(rep["link_time"]["max_s"])
+    assert all(len(r) == len(by_kind_csv[0]) for r in by_kind_csv)
+
+
+def test_two_runs_compared_in_order(ctrl_run, run_dir, tmp_path, capsys):
+    out = tmp_path / "csv"
+    argv = ["audit", str(run_dir), str(ctrl_run), "--target", "0.7", "--csv", str(out),
+            "--html", str(tmp_path / "cmp.html"), "--uplink-kbps", "80", "--downlink-kbps", "800"]
+    assert fedfleet_main(argv + ["--json"]) == 0
+    reps = json.loads(capsys.readouterr().out)
+    assert [r["run"]["path"] for r in reps] == [str(run_dir), str(ctrl_run)]
+    assert [r["target"]["bytes"] for r in reps] == [8708, 8744]
+    cmp = _read_csv(out / "comparison.csv")
+    assert [r["run"] for r in cmp] == [str(run_dir), str(ctrl_run)]
+    assert [int(r["bytes_to_target"]) for r in cmp] == [8708, 8744]
+    assert [int(r["up_bytes"]) for r in cmp] == [r["totals"]["device"]["up"]["wire_bytes"] for r in reps]
+    assert {r["run"] for r in _read_csv(out / "by_kind.csv")} == {str(run_dir), str(ctrl_run)}
+    page = (tmp_path / "cmp.html").read_text(encoding="utf-8")
+    assert page.count(IMG) >= 2 * 4 + 1  # four per run and the overlay
+    assert page.index(html.escape(str(run_dir))) < page.index(html.escape(str(ctrl_run)))
+
+    assert fedfleet_main(argv[:3] + ["--target", "0.7"]) == 0
+    text = capsys.readouterr().out
+    first, second, table = (text.index(f"Run: {run_dir}"), text.index(f"Run: {ctrl_run}"),
+                            text.index("Comparison of 2 runs"))
+    assert first < second < table
+    lines = text[table:].splitlines()
+    rows = [line for line in lines if line.startswith(str(tmp_path))]
+    assert [r.split()[0] for r in rows] == [str(run_dir), str(ctrl_run)]
+    assert "8,708" in rows[0] and "8,744" in rows[1]
+    assert all(len(line) <= 120 for line in text.splitlines())
+
+
+def test_cli_rejects_bad_options(run_dir, capsys):
+    for bad in (["--target", "95"], ["--target", "0"], ["--uplink-kbps", "0"], ["--downlink-kbps", "fast"]):
+        with pytest.raises(SystemExit) as exc:
+            fedfleet_main(["audit", str(run_dir), *bad])
+        assert exc.value.code == 2
+        assert "error" in capsys.readouterr().err
+
+
+def test_cli_unwritable_output(run_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main_audit([str(run_dir), "--csv", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedfleet audit: error: cannot write") and "\n" not in err.strip()
+
+
+def test_logical_message_rows_are_not_counted_twice(tmp_path):
+    # Schema v2: a chunked message gets one more row per side with event='message' (its logical
+    # sizes); its bytes are already in the chunk rows that hit the wire.
+    logical = replace(_row("agent", "a1", "sent", "up", "update", 1, "a1", T_UP["a1"], 27, 400), event="message")
+    rows = load_run(_write_run(tmp_path / "logical", _rows() + [logical], METRICS)).rows
+    assert totals(rows) == totals(load_run(_write_run(tmp_path / "plain", _rows(), METRICS)).rows)
+    assert bytes_to_target(METRICS, rows, 0.75) == 8708
