@@ -34,7 +34,7 @@ from edge_agent.models import manifest_hash, model_manifest
 from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
-from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
+from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, payload_sha256
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
 from .aggregate import all_finite
@@ -96,6 +96,7 @@ class RoundStats:
     late: int = 0
     unsolicited: int = 0
     invalid: int = 0
+    global_receipts: int = 0
     skipped: bool = False
     skip_reason: str = ""
 
@@ -170,6 +171,7 @@ class AggregationServer:
         self._selected: set[str] = set()
         self._results: dict[str, ClientResult] = {}
         self._stats = RoundStats(round=0)
+        self._global_sha256 = b""
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
         self.metrics: list[dict] = []
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints.sqlite")
@@ -219,6 +221,11 @@ class AggregationServer:
                     log.info("%s is offline (%s)", env.sender, body.detail)
         elif isinstance(body, Update):
             self._on_update(item, body)
+        elif isinstance(body, Receipt) and body.ref_kind == Kind.GLOBAL:
+            if env.round == self._collecting and body.sha256 == self._global_sha256:
+                self._stats.global_receipts += 1
+            elif env.round == self._collecting:
+                log.warning("%s received a global model with another hash", env.sender)
         else:
             self.totals["unsolicited"] += 1
             log.warning("unexpected %s from %s ignored", env.kind.label, env.sender)
@@ -316,9 +323,10 @@ class AggregationServer:
                                                           limits=TensorLimits(allow_nonfinite=True)))
                                    for t in self.global_tensors]
             load_arrays(self.model, self.global_tensors)
-        self.channel.send(topics.down(self.fed, Kind.GLOBAL),
-                          Global(tensors=tuple(self.global_tensors), meta={"manifest_hash": self.manifest_hash}),
-                          round=r, codec=self.global_codec)
+        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL),
+                                Global(tensors=tuple(self.global_tensors), meta={"manifest_hash": self.manifest_hash}),
+                                round=r, codec=self.global_codec)
+        self._global_sha256 = payload_sha256(enc.payload)
         self.channel.send(topics.down(self.fed, Kind.ROUND_START),
                           RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s,
                                      config=plan.config), round=r)
@@ -349,6 +357,7 @@ class AggregationServer:
             "clients_reported": self._stats.clients_reported, "bytes_up": up, "bytes_down": down,
             "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
             "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
+            "global_receipts": self._stats.global_receipts,
             "train_loss": float(np.average([x.train_loss for x in results], weights=[x.num_samples for x in results]))
             if results else None,
         }

@@ -146,6 +146,10 @@ class EdgeAgent:
         if isinstance(body, Global):
             if self._global is None or env.round >= self._global[0]:
                 self._global = (env.round, body.tensors)
+            # confirm the (possibly chunked) transfer with its hash, as the protocol asks
+            self.channel.send(topics.up(self.fed, self.client_id, Kind.RECEIPT),
+                              Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True, sha256=item.sha256),
+                              round=env.round)
         elif isinstance(body, RoundStart):
             if self.client_id in body.selected:
                 self._pending = (env.round, body)

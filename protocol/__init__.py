@@ -7,6 +7,7 @@ in :mod:`protocol.transport`; :mod:`protocol.channel` joins them and keeps the l
 
 from .channel import Channel, Received, Rejected
 from .errors import (
+    ChunkError,
     ConnectError,
     FedfleetProtocolError,
     FieldError,
@@ -23,6 +24,7 @@ from .ledger import Ledger, LedgerRow
 from .messages import (
     PROTOCOL_VERSION,
     SERVER_ID,
+    Chunk,
     Decoded,
     Encoded,
     Envelope,
@@ -31,6 +33,7 @@ from .messages import (
     Join,
     Kind,
     Receipt,
+    Resend,
     RoundStart,
     Status,
     Update,
@@ -38,10 +41,11 @@ from .messages import (
     encode,
     valid_id,
 )
+from .tensors import Codec, ErrorFeedback
 from .transport import Incoming, MqttTransport, Will
 
 __all__ = sorted([
-    "Channel", "ConnectError", "Decoded", "Encoded", "Envelope", "FedfleetProtocolError", "FieldError",
+    "Channel", "Chunk", "ChunkError", "Codec", "ErrorFeedback", "Resend", "ConnectError", "Decoded", "Encoded", "Envelope", "FedfleetProtocolError", "FieldError",
     "Finish", "Global", "Incoming", "Join", "Kind", "Ledger", "LedgerError", "LedgerRow", "MalformedMessage",
     "MqttTransport", "PROTOCOL_VERSION", "ProtocolError", "PublishTimeout", "Receipt", "Received", "Rejected",
     "RoundStart", "SERVER_ID", "Status", "TensorError", "TransportError", "UnknownKind", "UnsupportedVersion",

@@ -84,3 +84,48 @@ TEST_VECTORS: dict[str, tuple[object, str, str, object]] = {
 
 #: Vectors whose ``hex`` is only to be decoded (their zstd frame is one valid encoding of many).
 DECODE_ONLY: frozenset[str] = frozenset(name for name, v in TEST_VECTORS.items() if "+zstd" in v[1])
+
+
+#: Whole messages (envelope + body), one per kind: name -> (codec text or None, payload hex).
+#: Built from the records in :func:`message_vector_records`; ``timestamp_ms`` = 1764420000000.
+MESSAGE_VECTORS: dict[str, tuple[str | None, str]] = {
+    "join": (None, "97010100aa636c69656e742d30303701cf0000019acfa09900c42995a472706934b033663261396330643165346235613637cd02589364ccc8cd012c81a5636f72657304"),
+    "round_start": (None, "97010203a67365727665720acf0000019acfa09900c43c9392aa636c69656e742d303031aa636c69656e742d303037cb403e00000000000082a26c72cb3fa999999999999aac6c6f63616c5f65706f63687301"),
+    "global": (None, "97010303a67365727665720bcf0000019acfa09900c4429291940001920203c4180000003f0000a0bf000040400000000000000040000000be81ad6d616e69666573745f68617368b033663261396330643165346235613637"),
+    "update": (None, "97010403aa636c69656e742d30303704cf0000019acfa09900c4479591940001920203c4180000003f0000a0bf000040400000000000000040000000becd0258cb3fd000000000000081ad747261696e5f7365636f6e6473cb3ff8000000000000c2"),
+    "update-int8-delta": ('int8', "97010403aa636c69656e742d30303705cf0000019acfa09900c4259591960301920203c40615cb7f0055fbffc4040683c13ccd0258cb3fd000000000000080c3"),
+    "finish": (None, "9701050aa673657276657228cf0000019acfa09900c40c92a9636f6d706c657465640a"),
+    "status": (None, "97010600aa636c69656e742d30303702cf0000019acfa09900c40992a66f6e6c696e65a0"),
+    "receipt": (None, "97010703a67365727665720ccf0000019acfa09900c427950404c3a0c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"),
+    "chunk": (None, "97010803aa636c69656e742d30303706cf0000019acfa09900c43d97c410000102030405060708090a0b0c0d0e0f01020406c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fc4026566"),
+    "resend": (None, "97010900a67365727665720dcf0000019acfa09900c41692c410000102030405060708090a0b0c0d0e0f920002"),
+}
+
+
+def message_vector_records() -> dict[str, object]:
+    """The :class:`~protocol.messages.Envelope` records behind :data:`MESSAGE_VECTORS`."""
+    import numpy as np
+
+    from .messages import Chunk, Envelope, Finish, Global, Join, Receipt, Resend, RoundStart, Status, Update
+
+    ts = 1764420000000
+    t = np.array(_X, np.float32)
+    return {
+        "join": Envelope(round=0, sender="client-007", seq=1, timestamp_ms=ts,
+                         body=Join("rpi4", "3f2a9c0d1e4b5a67", 600, (100, 200, 300), {"cores": 4})),
+        "round_start": Envelope(round=3, sender="server", seq=10, timestamp_ms=ts,
+                                body=RoundStart(("client-001", "client-007"), 30.0, {"lr": 0.05, "local_epochs": 1})),
+        "global": Envelope(round=3, sender="server", seq=11, timestamp_ms=ts,
+                           body=Global((t,), {"manifest_hash": "3f2a9c0d1e4b5a67"})),
+        "update": Envelope(round=3, sender="client-007", seq=4, timestamp_ms=ts,
+                           body=Update((t,), 600, 0.25, {"train_seconds": 1.5})),
+        "update-int8-delta": Envelope(round=3, sender="client-007", seq=5, timestamp_ms=ts,
+                                      body=Update((t,), 600, 0.25, {}, True)),
+        "finish": Envelope(round=10, sender="server", seq=40, timestamp_ms=ts, body=Finish("completed", 10)),
+        "status": Envelope(round=0, sender="client-007", seq=2, timestamp_ms=ts, body=Status("online", "")),
+        "receipt": Envelope(round=3, sender="server", seq=12, timestamp_ms=ts,
+                            body=Receipt(4, 4, True, "", bytes(range(32)))),
+        "chunk": Envelope(round=3, sender="client-007", seq=6, timestamp_ms=ts,
+                          body=Chunk(bytes(range(16)), 1, 2, 4, 6, bytes(range(32)), b"ef")),
+        "resend": Envelope(round=0, sender="server", seq=13, timestamp_ms=ts, body=Resend(bytes(range(16)), (0, 2))),
+    }

@@ -100,6 +100,7 @@ def _check_federation(res, spy: Spy, cfg: config_mod.Config) -> None:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["round"] for m in metrics] == [1, 2]
     assert all(m["clients_reported"] == 3 and m["clients_selected"] == 3 and not m["skipped"] for m in metrics)
+    assert all(m["global_receipts"] == 3 for m in metrics)  # every agent confirmed the model's hash
     for key in ("accuracy", "loss", "bytes_up", "bytes_down", "seconds"):
         assert key in metrics[0]
     assert all(s.rounds_trained == 2 and s.receipts_accepted == 2 and s.finished for s in res.agents)

@@ -1,0 +1,822 @@
+"""Protocol benchmark of fedfleet: codec speed, per-message overhead, update codecs on a real
+FedAvg run, and bytes on the wire against Flower. Writes a Markdown report.
+
+Usage (from the repository root, in the project venv)::
+
+    python tools/bench_protocol.py --out benchmarks/protocol.md          # the full run (~15 min, 2 cores)
+    python tools/bench_protocol.py --quick --out /tmp/protocol-quick.md   # smoke run (~3 min)
+
+Parts (every figure is measured in this run; comparisons are ratios of figures measured side by
+side, never against numbers from elsewhere):
+
+1. **Encode/decode throughput** of one float32 tensor of 10,000 values (40 KB) and of 11.2 M
+   values (44.8 MB) as an ``update`` message through :func:`protocol.messages.encode` /
+   :func:`protocol.messages.decode`, against a plain numpy copy of the same bytes (``np.copyto``
+   into a preallocated array, and ``arr.copy()`` which also allocates). Median of ``--reps``
+   repetitions (``time.perf_counter``). MB = 10^6 bytes of tensor values.
+2. **Overhead** of one soft-prediction ``update`` ([1000, 10] + [10, 64] float32 = 42,560 bytes of
+   tensor values) from ``client-007`` at QoS 1: envelope bytes, body framing bytes and MQTT
+   PUBLISH framing (:func:`protocol.mqtt_bytes.publish_size`), all counted from the encoded bytes.
+3. **Update codecs on a real FedAvg run** (``examples/mnist-fedavg.toml``: MNIST, 10 clients,
+   Dirichlet α = 0.5, 1 local epoch, same seed): one :func:`broker_server.simulate.simulate` run
+   per codec, in process, with ``delta`` and ``error_feedback`` on. Every run goes through a
+   byte-counting TCP relay in front of the embedded broker, so the ledger's device totals are
+   checked against the bytes that crossed the sockets.
+4. **Flower comparison**: the same FedAvg (same model, data, partition, seed, local training code,
+   rounds) with Flower's legacy gRPC ``start_server`` / ``start_client`` in separate processes on
+   127.0.0.1, the clients' connections routed through the same kind of relay. Flower runs from its
+   own venv (``--flower-python``; set up with ``python3.11 -m venv /tmp/flwr-venv &&
+   /tmp/flwr-venv/bin/pip install flwr``); torch and fedfleet are taken from this venv by path.
+
+The ``--flower-role`` options are internal: the Flower server and clients are this same file run
+by the Flower venv's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: make protocol/, edge_agent/, broker_server/ importable
+    sys.path.insert(0, str(REPO))
+
+EXAMPLE_CONFIG = REPO / "examples" / "mnist-fedavg.toml"
+DEFAULT_CODECS = ("fp32", "fp16", "int8", "topk:0.1", "int8+zstd")
+DEFAULT_FLOWER_PYTHON = "/tmp/flwr-venv/bin/python"
+SOFT_TOPIC = "fedfleet/v1/fed-a/up/client-007/update"
+SOFT_SENDER = "client-007"
+SOFT_TENSOR_BYTES = 42_560  # [1000, 10] + [10, 64] float32
+SMALL_FLOATS = 10_000       # 40 KB of float32
+LARGE_FLOATS = 11_200_000   # 44.8 MB of float32
+
+
+# --------------------------------------------------------------------------------------------
+# Byte-counting TCP relay (as in tests/test_wire_accounting.py)
+
+
+class CountingRelay:
+    """TCP relay ``127.0.0.1:self.port`` → ``127.0.0.1:target_port`` counting the bytes of each
+    connection in each direction (the TCP payload stream: everything the application protocol
+    wrote, framing included; not IP/TCP headers).
+
+    Attributes:
+        up: connection number → bytes client → server.
+        down: connection number → bytes server → client.
+        first: connection number → the first ≤ 512 bytes sent by the client (to read an MQTT
+            CONNECT's client id).
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self.up: dict[int, int] = defaultdict(int)
+        self.down: dict[int, int] = defaultdict(int)
+        self.first: dict[int, bytearray] = defaultdict(bytearray)
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        n = 0
+        while not self._stop:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            try:
+                b = socket.create_connection(self.target)
+            except OSError:
+                c.close()
+                continue
+            for src, dst, up in ((c, b, True), (b, c, False)):
+                t = threading.Thread(target=self._pump, args=(n, src, dst, up), daemon=True)
+                t.start()
+                self.threads.append(t)
+            n += 1
+
+    def _pump(self, n: int, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while True:
+                data = src.recv(262144)
+                if not data:
+                    break
+                with self.lock:
+                    (self.up if up else self.down)[n] += len(data)
+                    if up and len(self.first[n]) < 512:
+                        self.first[n] += data[:512]
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def mqtt_client_id(self, n: int) -> str:
+        """Client id of connection ``n`` from its MQTT 3.1.1 CONNECT packet (§3.1)."""
+        pkt = bytes(self.first[n])
+        i = 1
+        while pkt[i] & 0x80:  # remaining length varint
+            i += 1
+        i += 1 + 10  # protocol name (2 + 4), level, flags, keepalive (2)
+        ln = int.from_bytes(pkt[i:i + 2], "big")
+        return pkt[i + 2:i + 2 + ln].decode()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting and wait (≤ ``timeout_s`` per pump) for open connections to end."""
+        self._stop = True
+        self.srv.close()
+        for t in self.threads:
+            t.join(timeout=timeout_s)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _median_s(fn: Callable[[], Any], reps: int) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls after one warm-up call (seconds)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _versions() -> dict[str, str]:
+    import msgpack
+    import numpy as np
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+           "msgpack": ".".join(map(str, msgpack.version))}
+    for mod in ("zstandard", "paho.mqtt"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            out[mod] = getattr(m, "__version__", "?")
+        except ImportError:
+            out[mod] = "not installed"
+    mosq = shutil.which("mosquitto")
+    if mosq:
+        try:
+            r = subprocess.run([mosq, "-h"], capture_output=True, text=True, timeout=10)
+            line = next((x for x in (r.stdout + r.stderr).splitlines() if "version" in x), "")
+            out["mosquitto"] = line.strip()
+        except (OSError, subprocess.SubprocessError):
+            out["mosquitto"] = mosq
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _fmt_int(n: int | float) -> str:
+    return f"{int(round(n)):,}"
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1: encode/decode throughput
+
+
+def bench_throughput(reps: int) -> list[dict[str, Any]]:
+    """Encode/decode of an ``update`` with one float32 tensor, against numpy copies.
+
+    Returns:
+        One dict per size: ``floats``, ``tensor_bytes``, ``payload_bytes``, seconds (median) of
+        ``copyto_s`` (``np.copyto`` into a preallocated array), ``copy_s`` (``arr.copy()``),
+        ``encode_s``, ``decode_s``, and the breakdown ``stages`` (name → seconds) of the large case.
+    """
+    import msgpack
+    import numpy as np
+
+    from protocol.messages import Envelope, Update, decode, encode, now_ms
+    from protocol.tensors import decode_tensor, encode_tensor
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in (SMALL_FLOATS, LARGE_FLOATS):
+        arr = rng.standard_normal(n, dtype=np.float32)
+        dst = np.empty_like(arr)
+        env = Envelope(round=1, sender=SOFT_SENDER, seq=1, timestamp_ms=now_ms(),
+                       body=Update(tensors=(arr,), num_samples=6000, train_loss=0.5))
+        payload = encode(env).payload
+        back = decode(payload).envelope.body.tensors[0]
+        if not np.array_equal(back, arr):
+            raise RuntimeError("decode(encode(x)) != x")
+        # more repetitions for the small case: a single call is a few microseconds
+        r = reps if n == LARGE_FLOATS else max(reps, 200)
+        row = {
+            "floats": n, "tensor_bytes": arr.nbytes, "payload_bytes": len(payload),
+            "copyto_s": _median_s(lambda: np.copyto(dst, arr), r),
+            "copy_s": _median_s(lambda: arr.copy(), r),
+            "encode_s": _median_s(lambda: encode(env), r),
+            "decode_s": _median_s(lambda: decode(payload), r),
+        }
+        if n == LARGE_FLOATS:
+            # Where the time goes: the same calls encode()/decode() make, one at a time.
+            tensor_field = [encode_tensor(arr)]
+            field_bytes = msgpack.packb(tensor_field, use_bin_type=True)
+            parts = [field_bytes, msgpack.packb(6000), msgpack.packb(0.5), msgpack.packb({}),
+                     msgpack.packb(False)]
+            body = b"\x95" + b"".join(parts)
+            envelope_list = [1, 4, 1, SOFT_SENDER, 1, 0, body]
+            opts = dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=1 << 28,
+                        max_str_len=1 << 28, max_array_len=1 << 20, max_map_len=256, max_ext_len=0)
+            body_back = msgpack.unpackb(payload, **opts)[6]
+            tensor_obj = msgpack.unpackb(body_back, **opts)[0][0]
+            row["stages"] = {
+                "encode: msgpack.packb(tensors field) [copy]": _median_s(
+                    lambda: msgpack.packb(tensor_field, use_bin_type=True), reps),
+                "encode: body = header + b''.join(fields) [2 copies]": _median_s(
+                    lambda: b"\x95" + b"".join(parts), reps),
+                "encode: msgpack.packb(envelope) [copy]": _median_s(
+                    lambda: msgpack.packb(envelope_list, use_bin_type=True), reps),
+                "decode: msgpack.unpackb(envelope) → body bytes [copy]": _median_s(
+                    lambda: msgpack.unpackb(payload, **opts), reps),
+                "decode: msgpack.unpackb(body) → tensor bytes [copy]": _median_s(
+                    lambda: msgpack.unpackb(body_back, **opts), reps),
+                "decode: decode_tensor (frombuffer + isfinite check)": _median_s(
+                    lambda: decode_tensor(tensor_obj), reps),
+                "*reference: bytes(arr), one copy into a new bytes object*": _median_s(
+                    lambda: bytes(memoryview(arr)), reps),
+            }
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2: per-message overhead
+
+
+def bench_overhead() -> dict[str, Any]:
+    """Byte split of one soft-prediction ``update`` (two float32 tensors, 42,560 value bytes).
+
+    Returns:
+        ``payload_bytes``, ``envelope_bytes``, ``body_bytes``, ``framing_bytes`` (body − 42,560),
+        ``field_bytes`` (body field → bytes), ``mqtt_header_bytes`` (PUBLISH fixed header, topic
+        length prefix and packet id; no topic), ``topic_bytes``, ``packet_bytes`` (whole PUBLISH).
+    """
+    import numpy as np
+
+    from protocol.messages import Envelope, Update, encode, now_ms
+    from protocol.mqtt_bytes import publish_size
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((1000, 10), dtype=np.float32)
+    protos = rng.standard_normal((10, 64), dtype=np.float32)
+    if logits.nbytes + protos.nbytes != SOFT_TENSOR_BYTES:
+        raise RuntimeError("soft-prediction tensors are not 42,560 bytes")
+    env = Envelope(round=3, sender=SOFT_SENDER, seq=7, timestamp_ms=now_ms(),
+                   body=Update(tensors=(logits, protos), num_samples=1000, train_loss=0.4321))
+    enc = encode(env)
+    ps = publish_size(SOFT_TOPIC, len(enc.payload), qos=1)
+    return {"payload_bytes": len(enc.payload), "envelope_bytes": enc.envelope_bytes, "body_bytes": enc.body_bytes,
+            "framing_bytes": enc.body_bytes - SOFT_TENSOR_BYTES, "field_bytes": dict(enc.field_bytes),
+            "mqtt_header_bytes": ps.header_bytes, "topic_bytes": ps.topic_bytes, "packet_bytes": ps.packet_bytes}
+
+
+# --------------------------------------------------------------------------------------------
+# Part 3: update codecs on a real FedAvg run
+
+
+def _fedavg_config(rounds: int, codec: str, data_dir: str | None):
+    from broker_server import config as config_mod
+
+    raw = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
+    raw["run"]["rounds"] = rounds
+    raw["protocol"].update(update_codec=codec, delta=True, error_feedback=True)
+    if data_dir:
+        raw["data"]["data_dir"] = data_dir
+    return config_mod.from_dict(raw, f"{EXAMPLE_CONFIG.name} (rounds={rounds}, update_codec={codec}, delta, EF)")
+
+
+def _round_up_bytes(report: dict[str, Any], run_dir: Path, rounds: int) -> list[int]:
+    """Device-link uplink wire bytes of rounds 1..rounds (the audit's ``by_round``; the ledger
+    directly if this audit version lacks it)."""
+    per = {r.get("round"): r.get("up_bytes") for r in report.get("by_round", []) if isinstance(r, dict)}
+    if all(isinstance(per.get(r), int) for r in range(1, rounds + 1)):
+        return [per[r] for r in range(1, rounds + 1)]
+    import sqlite3
+
+    db = sqlite3.connect(run_dir / "ledger.sqlite")
+    try:
+        out = []
+        for r in range(1, rounds + 1):
+            (v,) = db.execute("SELECT COALESCE(SUM(mqtt_header_bytes + topic_bytes + payload_bytes), 0) FROM messages "
+                              "WHERE side='agent' AND event='sent' AND direction='up' AND round=?", (r,)).fetchone()
+            out.append(int(v))
+        return out
+    finally:
+        db.close()
+
+
+def bench_codecs(codecs: list[str], rounds: int, work: Path, data_dir: str | None) -> list[dict[str, Any]]:
+    """One FedAvg run per update codec through a counting relay.
+
+    Returns:
+        One dict per codec: ``codec``, ``final_accuracy`` (fraction), ``accuracy_curve``,
+        ``round_up_bytes`` (device-link uplink wire bytes of each round, from the audit),
+        ``device_up_wire_bytes`` / ``device_down_wire_bytes`` / ``device_wire_bytes`` (whole run,
+        audit device view, control packets included), ``relay_agent_bytes`` (both directions of
+        the agents' connections as counted by the relay), ``relay_server_bytes``, ``seconds``,
+        ``broker``.
+    """
+    from broker_server.audit import audit_report
+    from broker_server.embedded_broker import EmbeddedBroker
+    from broker_server.simulate import simulate
+
+    out = []
+    for codec in codecs:
+        cfg = _fedavg_config(rounds, codec, data_dir)
+        tag = codec.replace(":", "_").replace("+", "_")
+        run_dir = work / f"fedfleet-{tag}"
+        with EmbeddedBroker(kind="auto", workdir=work / f"broker-{tag}") as broker:
+            relay = CountingRelay(broker.port)
+            try:
+                t0 = time.perf_counter()
+                res = simulate(cfg, broker_url=f"mqtt://127.0.0.1:{relay.port}", run_dir=run_dir, on_round=None)
+                seconds = time.perf_counter() - t0
+            finally:
+                relay.close()
+            broker_kind = broker.kind
+        agent_bytes = server_bytes = 0
+        for n in sorted(set(relay.up) | set(relay.down)):
+            both = relay.up[n] + relay.down[n]
+            if relay.mqtt_client_id(n).endswith("-server"):
+                server_bytes += both
+            else:
+                agent_bytes += both
+        report = audit_report(run_dir)
+        dev = report["totals"]["device"]
+        row = {
+            "codec": codec, "final_accuracy": res.final_accuracy, "rounds": res.rounds_completed,
+            "accuracy_curve": [m.get("accuracy") for m in res.metrics],
+            "round_up_bytes": _round_up_bytes(report, run_dir, res.rounds_completed),
+            "device_up_wire_bytes": dev["up"]["wire_bytes"], "device_down_wire_bytes": dev["down"]["wire_bytes"],
+            "device_wire_bytes": dev["all"]["wire_bytes"], "relay_agent_bytes": agent_bytes,
+            "relay_server_bytes": server_bytes, "seconds": seconds, "broker": broker_kind,
+        }
+        print(f"  {codec:<10} acc {row['final_accuracy']:.4f}  update bytes/round "
+              f"{statistics.mean(row['round_up_bytes']):,.0f}  relay==ledger "
+              f"{agent_bytes == row['device_wire_bytes']}  {seconds:.0f} s", flush=True)
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Part 4: Flower (orchestrator side)
+
+
+def bench_flower(flower_python: str, rounds: int, work: Path, data_dir: str | None,
+                 clients: int = 10, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Flower FedAvg with its legacy gRPC server and ``clients`` client processes, the clients'
+    connections through a counting relay.
+
+    Returns:
+        ``ok`` False with ``why`` when Flower cannot run; else ``flwr_version``, ``accuracy_curve``
+        (centralised evaluation, round 0 first), ``final_accuracy``, ``relay_up_bytes`` (clients →
+        server), ``relay_down_bytes``, ``connections``, ``seconds``.
+    """
+    if not flower_python or not Path(flower_python).exists():
+        return {"ok": False, "why": f"no Flower interpreter at {flower_python!r} (create the venv: "
+                                    "python3.11 -m venv /tmp/flwr-venv && /tmp/flwr-venv/bin/pip install flwr)"}
+    site = sysconfig.get_paths()["purelib"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(FLWR_TELEMETRY_ENABLED="0", GRPC_VERBOSITY="ERROR", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    probe = subprocess.run([flower_python, "-c", "import flwr; print(flwr.__version__)"], capture_output=True,
+                           text=True, env=env, timeout=120)
+    if probe.returncode != 0:
+        return {"ok": False, "why": f"`import flwr` failed in {flower_python}: {probe.stderr.strip()[-500:]}"}
+    version = probe.stdout.strip()
+    fdir = work / "flower"
+    fdir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    relay = CountingRelay(port)
+    common = [__file__, "--fedfleet-site", site, "--rounds", str(rounds), "--flower-clients", str(clients)]
+    if data_dir:
+        common += ["--data-dir", data_dir]
+    result_path = fdir / "server.json"
+    procs: list[subprocess.Popen] = []
+    logs = []
+    t0 = time.perf_counter()
+    try:
+        log = open(fdir / "server.log", "w")
+        logs.append(log)
+        server = subprocess.Popen([flower_python, *common, "--flower-role", "server", "--flower-port", str(port),
+                                   "--flower-result", str(result_path)], cwd=REPO, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        procs.append(server)
+        deadline = time.monotonic() + 180
+        while True:  # wait for the server's port (probed directly, not through the relay)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the Flower server did not start; see " + str(fdir / "server.log"))
+                time.sleep(0.5)
+        for i in range(clients):
+            log = open(fdir / f"client-{i:03d}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen([flower_python, *common, "--flower-role", "client", "--flower-client", str(i),
+                                           "--flower-port", str(relay.port)], cwd=REPO, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+        server.wait(timeout=timeout_s)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        tail = (fdir / "server.log").read_text(errors="replace")[-1500:]
+        return {"ok": False, "why": f"{exc}; server log tail:\n{tail}"}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+        relay.close()
+    seconds = time.perf_counter() - t0
+    if server.returncode != 0 or not result_path.exists():
+        tail = (fdir / "server.log").read_text(errors="replace")[-1500:]
+        return {"ok": False, "why": f"Flower server exited with {server.returncode}; log tail:\n{tail}"}
+    res = json.loads(result_path.read_text())
+    curve = [a for _, a in sorted(res["accuracy"])]
+    return {"ok": True, "flwr_version": version, "accuracy_curve": curve, "final_accuracy": curve[-1],
+            "relay_up_bytes": sum(relay.up.values()), "relay_down_bytes": sum(relay.down.values()),
+            "connections": len(set(relay.up) | set(relay.down)), "seconds": seconds,
+            "client_exit_codes": [p.returncode for p in procs[1:]]}
+
+
+# --------------------------------------------------------------------------------------------
+# Part 4: Flower (the server and client processes, run by the Flower venv's interpreter)
+
+
+def _flower_setup(ns: argparse.Namespace):
+    """Import torch and fedfleet from the project venv (appended, so Flower's own packages win)."""
+    if ns.fedfleet_site and ns.fedfleet_site not in sys.path:
+        sys.path.append(ns.fedfleet_site)
+    import torch
+
+    torch.set_num_threads(1)
+    from edge_agent.data import load_dataset
+
+    cfg = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
+    ds = load_dataset(cfg["data"]["dataset"], data_dir=ns.data_dir)
+    return cfg, ds
+
+
+def _lightcnn(ds, seed: int):
+    """The light CNN as fedfleet builds it (``broker_server.runtime.device_model``)."""
+    import torch
+
+    from edge_agent.models import build_model
+
+    torch.manual_seed(seed)
+    return build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
+
+
+def flower_server(ns: argparse.Namespace) -> int:
+    """Flower's legacy gRPC server: FedAvg over all clients, no federated evaluation (fedfleet
+    evaluates on the server only), centralised evaluation on the MNIST test split."""
+    cfg, ds = _flower_setup(ns)
+    import flwr
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import ServerConfig, start_server
+    from flwr.server.strategy import FedAvg
+
+    from broker_server.server import evaluate
+    from edge_agent.state import load_arrays, state_arrays
+
+    seed = int(cfg["run"]["seed"])
+    model = _lightcnn(ds, seed)
+    acc: list[tuple[int, float]] = []
+
+    def evaluate_fn(server_round, parameters, config):
+        load_arrays(model, parameters)
+        a, loss = evaluate(model, ds.test)
+        acc.append((server_round, a))
+        return loss, {"accuracy": a}
+
+    n = ns.flower_clients
+    strategy = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_evaluate_clients=0,
+                      min_available_clients=n, evaluate_fn=evaluate_fn,
+                      on_fit_config_fn=lambda r: {"round": r},
+                      initial_parameters=ndarrays_to_parameters(list(state_arrays(model))))
+    start_server(server_address=f"127.0.0.1:{ns.flower_port}", config=ServerConfig(num_rounds=ns.rounds),
+                 strategy=strategy)
+    Path(ns.flower_result).write_text(json.dumps({"flwr": flwr.__version__, "accuracy": acc}))
+    return 0
+
+
+def flower_client(ns: argparse.Namespace) -> int:
+    """One Flower client: the fedfleet FedAvg client algorithm (same shard, same seeds) behind a
+    ``NumPyClient``, started with the legacy ``start_client``."""
+    cfg, ds = _flower_setup(ns)
+    import numpy as np
+    import torch
+    from flwr.client import NumPyClient, start_client
+
+    from edge_agent.algorithms import TrainConfig, get_client_algorithm
+    from edge_agent.partition import partition
+    from edge_agent.state import state_arrays
+
+    seed = int(cfg["run"]["seed"])
+    d, t = cfg["data"], cfg["train"]
+    i = ns.flower_client
+    parts = partition(ds.train.y, d["clients"], scheme=d["partition"], alpha=d["alpha"], seed=seed)
+    x = torch.from_numpy(np.ascontiguousarray(ds.train.x[parts[i]], dtype=np.float32))
+    y = torch.from_numpy(np.ascontiguousarray(ds.train.y[parts[i]], dtype=np.int64))
+    model = _lightcnn(ds, seed + 1 + i)
+    algo = get_client_algorithm("fedavg")
+    tc = TrainConfig(local_epochs=t["local_epochs"], batch_size=t["batch_size"], lr=t["lr"],
+                     momentum=t.get("momentum", 0.0), weight_decay=t.get("weight_decay", 0.0), seed=seed)
+
+    class Client(NumPyClient):
+        def get_parameters(self, config):
+            return list(state_arrays(model))
+
+        def fit(self, parameters, config):
+            r = algo.local_round(model, tuple(parameters), x, y, tc, round=int(config["round"]), client_index=i,
+                                 device=torch.device("cpu"))
+            return list(r.tensors), r.num_samples, {"train_loss": r.train_loss}
+
+    start_client(server_address=f"127.0.0.1:{ns.flower_port}", client=Client().to_client())
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codecs: list[dict] | None,
+           flower: dict | None) -> str:
+    """The Markdown report."""
+    L: list[str] = []
+    v = meta["versions"]
+    L += ["# fedfleet protocol benchmark", "",
+          f"Produced by `{meta['command']}` on {meta['date']} (total {meta['total_s']:.0f} s).", "",
+          "Benchmarks, not tests: every comparison is a ratio of figures measured side by side in this one run. "
+          "The machine was shared with other jobs while it ran, so absolute times are noisy; ratios less so.", "",
+          "| machine | |", "| --- | --- |",
+          f"| CPU | {meta['cpu']}, {meta['cores']} cores |",
+          f"| OS | {meta['os']} |",
+          f"| Python | {v['python']} |", f"| torch | {v['torch']} |", f"| numpy | {v['numpy']} |",
+          f"| msgpack | {v['msgpack']} |", f"| zstandard | {v.get('zstandard')} |",
+          f"| paho-mqtt | {v.get('paho.mqtt')} |", f"| broker | {v.get('mosquitto', 'amqtt')} |"]
+    if flower and flower.get("ok"):
+        L.append(f"| flwr (separate venv) | {flower['flwr_version']} |")
+    L.append("")
+
+    if thr is not None:
+        L += ["## 1. Encode/decode throughput", "",
+              "One `update` message carrying one float32 tensor, through `protocol.messages.encode` / `decode` "
+              f"(median of {meta['reps']} repetitions for the large tensor, ≥ 200 for the small one). "
+              "MB/s = 10⁶ tensor bytes per second. Ratios are the numpy copy's time over the codec's time "
+              "(1.0 = as fast as a copy). `np.copyto` copies into a preallocated array (a pure memcpy); "
+              "`arr.copy()` also allocates, as encode and decode must.", "",
+              "| tensor | payload bytes | np.copyto MB/s | arr.copy() MB/s | encode MB/s | decode MB/s "
+              "| encode ÷ copyto | decode ÷ copyto | encode ÷ copy() | decode ÷ copy() |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in thr:
+            mb = r["tensor_bytes"] / 1e6
+            name = f"{r['floats']:,} floats ({mb:.2f} MB)" if mb < 1 else f"{r['floats']:,} floats ({mb:.1f} MB)"
+            L.append(f"| {name} | {_fmt_int(r['payload_bytes'])} | {mb / r['copyto_s']:,.0f} | {mb / r['copy_s']:,.0f} "
+                     f"| {mb / r['encode_s']:,.0f} | {mb / r['decode_s']:,.0f} "
+                     f"| {r['copyto_s'] / r['encode_s']:.2f}× | {r['copyto_s'] / r['decode_s']:.2f}× "
+                     f"| {r['copy_s'] / r['encode_s']:.2f}× | {r['copy_s'] / r['decode_s']:.2f}× |")
+        big = thr[-1]
+        L += ["", f"Where the time goes for the {big['tensor_bytes'] / 1e6:.1f} MB tensor (the same msgpack and "
+              "numpy calls `encode`/`decode` make, timed one at a time; each `[copy]` is one full pass over the "
+              "tensor bytes):", "", "| stage | ms | ÷ np.copyto time |", "| --- | ---: | ---: |"]
+        for k, s in big["stages"].items():
+            L.append(f"| {k} | {s * 1e3:.1f} | {s / big['copyto_s']:.2f} |")
+        L.append(f"| *np.copyto (reference)* | {big['copyto_s'] * 1e3:.1f} | 1.00 |")
+        L.append(f"| *arr.copy() (reference)* | {big['copy_s'] * 1e3:.1f} | {big['copy_s'] / big['copyto_s']:.2f} |")
+        L.append("")
+        for r in thr:
+            mb = r["tensor_bytes"] / 1e6
+            ratio, ratio_alloc = r["copyto_s"] / r["decode_s"], r["copy_s"] / r["decode_s"]
+            verdict = lambda x: "met" if x >= 0.5 else "not met"  # noqa: E731
+            L.append(f"- **Target decode ≥ 0.5× memcpy, {mb:g} MB:** against `np.copyto` {verdict(ratio)} "
+                     f"({ratio:.2f}×, {ratio / 0.5:.2f} of the target); against `arr.copy()` {verdict(ratio_alloc)} "
+                     f"({ratio_alloc:.2f}×).")
+        L.append("")
+
+    if ovh is not None:
+        env_hdr = ovh["envelope_bytes"] + ovh["mqtt_header_bytes"]
+        with_topic = env_hdr + ovh["topic_bytes"]
+        L += ["## 2. Overhead of a soft-prediction message", "",
+              f"One `update` with a [1000, 10] and a [10, 64] float32 tensor ({SOFT_TENSOR_BYTES:,} tensor bytes) "
+              f"from `{SOFT_SENDER}` on `{SOFT_TOPIC}` at QoS 1 (MQTT 3.1.1; round 3, seq 7, a current "
+              "`timestamp_ms`, `num_samples` 1000, empty `metrics`). Bytes counted from the encoded payload and "
+              "`mqtt_bytes.publish_size`.", "",
+              "| part | bytes |", "| --- | ---: |",
+              f"| tensor values | {SOFT_TENSOR_BYTES:,} |",
+              f"| body framing (body − tensor values) | {ovh['framing_bytes']} |",
+              f"| envelope (payload − body) | {ovh['envelope_bytes']} |",
+              f"| MQTT header (fixed header + topic length + packet id), topic excluded | {ovh['mqtt_header_bytes']} |",
+              f"| MQTT topic | {ovh['topic_bytes']} |",
+              f"| **envelope + MQTT header, without topic** | **{env_hdr}** |",
+              f"| **envelope + MQTT header + topic** | **{with_topic}** |",
+              f"| whole PUBLISH packet | {ovh['packet_bytes']:,} |",
+              f"| all overhead (packet − tensor values) | {ovh['packet_bytes'] - SOFT_TENSOR_BYTES} "
+              f"({(ovh['packet_bytes'] - SOFT_TENSOR_BYTES) / ovh['packet_bytes']:.2%} of the packet) |", "",
+              "Body fields: " + ", ".join(f"{k} {b}" for k, b in ovh["field_bytes"].items()) +
+              f" bytes (+ 1 byte of body array header); the tensors field's {ovh['field_bytes'].get('tensors', 0) - SOFT_TENSOR_BYTES} "
+              "bytes beyond the values are each tensor's `[codec, dtype, shape, bin header]`.", "",
+              f"- **Target envelope + MQTT header ≤ 64 bytes:** without the topic {'met' if env_hdr <= 64 else 'not met'} "
+              f"({env_hdr} bytes, {64 - env_hdr:+d} to spare); with the {ovh['topic_bytes']}-byte topic counted "
+              f"{'met' if with_topic <= 64 else 'not met'} ({with_topic} bytes, {with_topic - 64:+d} over)."
+              if with_topic > 64 else
+              f"- **Target envelope + MQTT header ≤ 64 bytes:** met both without the topic ({env_hdr} bytes) and "
+              f"with it ({with_topic} bytes).", ""]
+
+    if codecs:
+        base = next((c for c in codecs if c["codec"] == "fp32"), codecs[0])
+        b_up = statistics.mean(base["round_up_bytes"])
+        rounds = base["rounds"]
+        L += ["## 3. Update codecs on a real FedAvg run", "",
+              f"`examples/mnist-fedavg.toml` (MNIST, 10 clients, Dirichlet α = 0.5, 1 local epoch, batch 32, "
+              f"lr 0.05, momentum 0.5, seed 0) for **{rounds} rounds**, one `simulate(cfg, run_dir=…, on_round=None)` "
+              f"per codec in this process, `[protocol] update_codec` as listed, `delta = true`, "
+              f"`error_feedback = true`, global model sent fp32. Broker: {base['broker']}, reached through a "
+              "byte-counting TCP relay. *Update bytes/round* = device-link uplink wire bytes (MQTT framing + topic "
+              "+ payload of the agents' uplink messages) of each round from `audit_report(run_dir)`, averaged over "
+              "the rounds: the ten `update` messages of the round.", "",
+              "| update codec | update bytes/round | per client | fp32 ÷ codec | final accuracy | Δ vs fp32 (pp) "
+              "| device wire bytes, whole run | relay = ledger | run s |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: | ---: |"]
+        for c in codecs:
+            up = statistics.mean(c["round_up_bytes"])
+            L.append(f"| {c['codec']} | {_fmt_int(up)} | {_fmt_int(up / 10)} | {b_up / up:.2f}× | "
+                     f"{c['final_accuracy']:.4f} | {(c['final_accuracy'] - base['final_accuracy']) * 100:+.2f} | "
+                     f"{_fmt_int(c['device_wire_bytes'])} | {'yes' if c['relay_agent_bytes'] == c['device_wire_bytes'] else 'NO (' + _fmt_int(c['relay_agent_bytes']) + ')'} "
+                     f"| {c['seconds']:.0f} |")
+        L += ["", "Accuracy after each round:", "", "| update codec | " + " | ".join(f"r{i + 1}" for i in range(rounds)) + " |",
+              "| --- |" + " ---: |" * rounds]
+        for c in codecs:
+            L.append(f"| {c['codec']} | " + " | ".join(f"{a:.4f}" for a in c["accuracy_curve"]) + " |")
+        L.append("")
+        i8 = next((c for c in codecs if c["codec"] == "int8"), None)
+        if i8 is not None:
+            ratio = b_up / statistics.mean(i8["round_up_bytes"])
+            dpp = (i8["final_accuracy"] - base["final_accuracy"]) * 100
+            ok_b, ok_a = ratio >= 3.9, abs(dpp) <= 0.5
+            L.append(f"- **Target int8 ≥ 3.9× fewer update bytes than fp32 within 0.5 pp:** "
+                     f"{'met' if ok_b and ok_a else 'not met'} — bytes {ratio:.3f}× "
+                     f"({'met' if ok_b else 'not met'}, {ratio - 3.9:+.3f} vs 3.9), accuracy {dpp:+.2f} pp "
+                     f"({'met' if ok_a else 'not met'}, |Δ| {abs(dpp):.2f} vs 0.5), after {rounds} rounds.")
+            L.append("")
+
+    if flower is not None:
+        L += ["## 4. Flower comparison", ""]
+        if not flower.get("ok"):
+            L += ["Not measured: " + flower["why"].replace("\n", " "), ""]
+        elif codecs:
+            ff = next((c for c in codecs if c["codec"] == "fp32"), None)
+            rounds = ff["rounds"] if ff else 0
+            f_total = flower["relay_up_bytes"] + flower["relay_down_bytes"]
+            L += [f"Flower {flower['flwr_version']} (own venv under /tmp), legacy gRPC bidi transport: "
+                  "`flwr.server.start_server` (deprecated since 1.13, still shipped in `flwr.compat`) in one process "
+                  f"and {flower['connections']} `flwr.client.start_client` processes on 127.0.0.1, each client's "
+                  "TCP connection through the same kind of counting relay. Same FedAvg: `LightCNN` from the same "
+                  "seed as the initial global model (`initial_parameters`, so no client is asked for weights), the "
+                  "same Dirichlet partition, and the fedfleet client algorithm (`FedAvgClient.local_round`, same "
+                  "shuffling seeds) inside a `NumPyClient`; `fraction_evaluate = 0` (no federated evaluation, as "
+                  "fedfleet evaluates on the server only); accuracy from centralised evaluation on the server. "
+                  f"fedfleet: the fp32 run of part 3 (delta on: same tensor sizes), bytes of the agents' MQTT "
+                  "connections counted by the relay (equal to the ledger's device-view totals, see part 3). Both "
+                  "whole-run totals (connection set-up, join/registration, teardown included) divided by the "
+                  f"{rounds} rounds; relay bytes are the TCP payload stream (MQTT, resp. HTTP/2 + gRPC + protobuf), "
+                  "not IP/TCP headers.", "",
+                  "| system | up bytes/round | down bytes/round | total bytes/round | Flower ÷ fedfleet | final accuracy |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+            if ff:
+                f_up = ff["device_up_wire_bytes"] / rounds
+                f_dn = ff["device_down_wire_bytes"] / rounds
+                L.append(f"| fedfleet fp32 (MQTT, {ff['broker']}) | {_fmt_int(f_up)} | {_fmt_int(f_dn)} | "
+                         f"{_fmt_int(ff['relay_agent_bytes'] / rounds)} | 1.00× | {ff['final_accuracy']:.4f} |")
+                L.append(f"| Flower (gRPC bidi) | {_fmt_int(flower['relay_up_bytes'] / rounds)} | "
+                         f"{_fmt_int(flower['relay_down_bytes'] / rounds)} | {_fmt_int(f_total / rounds)} | "
+                         f"{f_total / ff['relay_agent_bytes']:.3f}× | {flower['final_accuracy']:.4f} |")
+                L += ["", f"Per direction, Flower ÷ fedfleet: up {flower['relay_up_bytes'] / ff['device_up_wire_bytes']:.3f}×, "
+                      f"down {flower['relay_down_bytes'] / ff['device_down_wire_bytes']:.3f}×. Flower accuracy by round "
+                      "(round 0 = initial model): " + ", ".join(f"{a:.4f}" for a in flower["accuracy_curve"]) +
+                      f". Flower wall time {flower['seconds']:.0f} s (10 client processes training at once), "
+                      f"fedfleet {ff['seconds']:.0f} s (one trainer at a time).", ""]
+    return "\n".join(L) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke mode: few repetitions, 1 round, codecs fp32 and int8")
+    p.add_argument("--out", default="benchmarks/protocol.md", help="the Markdown report (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=None, help="FedAvg rounds for parts 3 and 4 (default 5; --quick 1)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions for part 1 (default 9; --quick 3)")
+    p.add_argument("--codecs", default=None, help=f"comma-separated update codecs (default {','.join(DEFAULT_CODECS)})")
+    p.add_argument("--parts", default="1,2,3,4", help="which parts to run (default %(default)s)")
+    p.add_argument("--flower-python", default=DEFAULT_FLOWER_PYTHON,
+                   help="python of a venv with flwr installed ('' skips part 4; default %(default)s)")
+    p.add_argument("--data-dir", default=None, help="data folder (default: fedfleet's search order)")
+    p.add_argument("--work", default=None, help="scratch folder for run folders and logs (default: a new /tmp folder)")
+    # internal: the Flower processes
+    p.add_argument("--flower-role", choices=("server", "client"), help=argparse.SUPPRESS)
+    p.add_argument("--flower-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--flower-client", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--flower-clients", type=int, default=10, help=argparse.SUPPRESS)
+    p.add_argument("--flower-result", help=argparse.SUPPRESS)
+    p.add_argument("--fedfleet-site", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+
+    if ns.flower_role == "server":
+        return flower_server(ns)
+    if ns.flower_role == "client":
+        return flower_client(ns)
+
+    rounds = ns.rounds or (1 if ns.quick else 5)
+    reps = ns.reps or (3 if ns.quick else 9)
+    codecs = ns.codecs.split(",") if ns.codecs else (["fp32", "int8"] if ns.quick else list(DEFAULT_CODECS))
+    if "fp32" not in codecs:
+        codecs.insert(0, "fp32")  # the reference of every ratio
+    parts = {int(x) for x in ns.parts.split(",") if x}
+    work = Path(ns.work) if ns.work else Path(tempfile.mkdtemp(prefix="fedfleet-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    t0 = time.perf_counter()
+    print(f"bench_protocol: scratch folder {work}", flush=True)
+    thr = ovh = codec_rows = flower = None
+    if 1 in parts:
+        print("part 1: encode/decode throughput", flush=True)
+        thr = bench_throughput(reps)
+    if 2 in parts:
+        print("part 2: overhead", flush=True)
+        ovh = bench_overhead()
+    if 3 in parts:
+        print(f"part 3: FedAvg, {rounds} rounds, codecs {', '.join(codecs)}", flush=True)
+        codec_rows = bench_codecs(codecs, rounds, work, ns.data_dir)
+    if 4 in parts:
+        print(f"part 4: Flower, {rounds} rounds", flush=True)
+        flower = bench_flower(ns.flower_python, rounds, work, ns.data_dir)
+        print("  " + (f"Flower bytes up {flower['relay_up_bytes']:,} down {flower['relay_down_bytes']:,}, "
+                      f"acc {flower['final_accuracy']:.4f}" if flower.get("ok") else "skipped: " + flower["why"]),
+              flush=True)
+    import numpy  # noqa: F401  (versions)
+
+    meta = {"command": "python tools/bench_protocol.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "total_s": time.perf_counter() - t0, "cores": os.cpu_count(),
+            "cpu": _cpu_model(), "os": f"{platform.system()} {platform.release()}", "versions": _versions(),
+            "reps": reps}
+    text = render(meta, thr, ovh, codec_rows, flower)
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    (work / "results.json").write_text(json.dumps({"meta": meta, "throughput": thr, "overhead": ovh,
+                                                   "codecs": codec_rows, "flower": flower}, indent=1, default=str))
+    print(f"bench_protocol: wrote {out} ({meta['total_s']:.0f} s; raw figures in {work / 'results.json'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
