@@ -657,7 +657,7 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         link = link_time_s(rows, uplink_kbps, downlink_kbps)
     return {
         "run": {"path": str(run.run_dir), "federation": federation,
-                "rounds": len({_round_of(r) for r in rows} - {None}),
+                "rounds": len({r for r in (_round_of(x) for x in rows) if r is not None and r > 0}),
                 "metrics_rounds": len(run.metrics)},
         "totals": {view: totals(rows, view) for view in VIEWS},
         "by_round": by_round(rows, "device"),
@@ -793,6 +793,11 @@ def render_text(report: Mapping[str, Any]) -> str:
         tot = report["totals"][view]
         console.print()
         console.print(titles[view])
+        if tot["all"]["messages"] == 0:
+            console.print("  (no rows from this side in this ledger: in a real fleet each device keeps its own "
+                          "ledger; run `fedfleet audit` on the agent's --out folder)" if view == "device" else
+                          "  (no rows from this side in this ledger)")
+            continue
         t = _table("direction", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "wire",
                    "overhead")
         for label, key in (("up", "up"), ("down", "down"), ("total", "all")):

@@ -132,5 +132,9 @@ class CheckpointStore:
     def close(self) -> None:
         """Close the database (idempotent)."""
         if self._db is not None:
+            try:  # leave a single self-contained file behind (no -wal/-shm)
+                self._db.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.Error:
+                pass
             self._db.close()
             self._db = None  # type: ignore[assignment]

@@ -20,27 +20,46 @@ EXIT_DATA = 3
 EXIT_BROKER = 4
 
 
-def _overrides(cfg, args):
+def _overrides(args) -> dict:
+    """Command-line overrides as ``{(section, key): value}``, each checked with the flag's name."""
+    out: dict = {}
     if args.rounds is not None:
-        cfg = cfg.replace("run", rounds=args.rounds)
+        if args.rounds < 1:
+            raise ConfigError(f"--rounds must be ≥ 1, got {args.rounds}")
+        out[("run", "rounds")] = args.rounds
     if args.seed is not None:
-        cfg = cfg.replace("run", seed=args.seed)
+        if args.seed < 0:
+            raise ConfigError(f"--seed must be ≥ 0, got {args.seed}")
+        out[("run", "seed")] = args.seed
     if getattr(args, "clients", None) is not None:
         if args.clients < 1:
             raise ConfigError(f"--clients must be ≥ 1, got {args.clients}")
-        cfg = cfg.replace("server", quorum=min(cfg.server.quorum, args.clients))
-        cfg = cfg.replace("data", clients=args.clients)
+        out[("data", "clients")] = args.clients
     if getattr(args, "data_dir", None):
-        cfg = cfg.replace("data", data_dir=args.data_dir)
-    return cfg
+        out[("data", "data_dir")] = args.data_dir
+    return out
+
+
+def _load(args):
+    """The configuration file with the command-line overrides; a quorum above an overridden
+    client count is lowered to it (and said so)."""
+    from . import config as config_mod
+
+    over = _overrides(args)
+    try:
+        return config_mod.load(args.config, over)
+    except ConfigError as exc:
+        if ("data", "clients") not in over or "quorum" not in str(exc):
+            raise
+        cfg = config_mod.load(args.config, {**over, ("server", "quorum"): over[("data", "clients")]})
+        print(f"fedfleet: note: [server] quorum lowered to --clients {over[('data', 'clients')]}", file=sys.stderr)
+        return cfg
 
 
 def _cmd_simulate(args) -> int:
-    from . import config as config_mod
     from .simulate import progress_printer, simulate
 
-    cfg = config_mod.load(args.config)
-    cfg = _overrides(cfg, args)
+    cfg = _load(args)
     show = None if args.quiet else progress_printer(cfg.run.rounds)
     print(f"fedfleet simulate: {cfg.data.dataset}, {cfg.data.clients} clients ({cfg.data.partition}"
           f"{f', α={cfg.data.alpha:g}' if cfg.data.partition == 'dirichlet' else ''}), {cfg.train.algorithm}, "
@@ -55,19 +74,19 @@ def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, 
 
     rep = audit_report(run_dir)
     dev = rep["totals"]["device"]
-    print(f"\nfinished {rounds} rounds in {seconds:.1f} s over {broker}; final test accuracy {accuracy:.4f}")
-    print(f"bytes on the device links: up {dev['up']['wire_bytes']:,}  down {dev['down']['wire_bytes']:,}  "
-          f"(protocol overhead {100 * (dev['all']['overhead_share'] or 0):.2f} %)")
+    print(f"\nfinished {rounds} round{'s' if rounds != 1 else ''} in {seconds:.1f} s over {broker}; "
+          f"final test accuracy {accuracy:.4f}")
+    print(f"bytes on the device links (all agents together): up {dev['up']['wire_bytes']:,}  "
+          f"down {dev['down']['wire_bytes']:,}  (protocol overhead {100 * (dev['all']['overhead_share'] or 0):.2f} %)")
     for k in rep["by_kind"]:
         print(f"  {k['kind']:<12} {k['direction']:<5} {k['messages']:>6} messages  {k['wire_bytes']:>14,} bytes")
     print(f"run folder: {run_dir}   (fedfleet audit {run_dir})")
 
 
 def _cmd_server(args) -> int:
-    from . import config as config_mod
     from .server_main import serve
 
-    cfg = _overrides(config_mod.load(args.config), args)
+    cfg = _load(args)
     return serve(cfg, broker_url=args.broker, run_dir=args.out)
 
 
@@ -115,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from edge_agent.errors import DataError
     from protocol.errors import ConnectError
 
-    from .errors import BrokerStartError
+    from .errors import BrokerStartError, FedfleetServerError
 
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
@@ -131,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BrokerStartError, ConnectError) as exc:
         print(f"fedfleet: broker error: {exc}", file=sys.stderr)
         return EXIT_BROKER
+    except FedfleetServerError as exc:
+        print(f"fedfleet: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("fedfleet: interrupted", file=sys.stderr)
         return EXIT_FAILED

@@ -278,8 +278,13 @@ def from_dict(raw: dict, source: str = "<dict>") -> Config:
     return cfg
 
 
-def load(path: str | os.PathLike) -> Config:
+def load(path: str | os.PathLike, overrides: dict[tuple[str, str], Any] | None = None) -> Config:
     """Read and validate a TOML configuration file.
+
+    Args:
+        path: the file.
+        overrides: ``{(section, key): value}`` applied before validation (command-line options),
+            so that an override can make a file consistent (``--clients 12`` with ``quorum = 9``).
 
     Raises:
         ConfigError: the file is missing, not TOML, or has an unknown key or a bad value.
@@ -293,4 +298,8 @@ def load(path: str | os.PathLike) -> Config:
         raise ConfigError(f"cannot read {p}: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
+    for (sec, key), value in (overrides or {}).items():
+        if not isinstance(raw.get(sec, {}), dict):
+            break  # from_dict reports the malformed section
+        raw.setdefault(sec, {})[key] = value
     return from_dict(raw, str(p))

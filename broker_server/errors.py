@@ -7,7 +7,8 @@ Grouped by what the caller can do about them::
     │                              port taken, crashed at start, no CONNACK in time); the
     │                              message carries the tail of the broker's log: read it,
     │                              then retry, choose another port or another broker kind
-    └── ConfigError                a configuration file or value is wrong; fix the config
+    ├── ConfigError                a configuration file or value is wrong; fix the config
+    └── RunError                   the federation could not run (no agents joined in time …)
 
 Foreign exceptions (``OSError`` from ``subprocess``, paho errors, ...) are converted once, at the
 boundary where they happen, with ``raise ... from exc``. Programming errors (a bad argument type
@@ -16,7 +17,7 @@ or value passed to a constructor) raise the usual ``ValueError`` / ``TypeError``
 
 from __future__ import annotations
 
-__all__ = ["BrokerStartError", "ConfigError", "FedfleetServerError"]
+__all__ = ["BrokerStartError", "ConfigError", "FedfleetServerError", "RunError"]
 
 
 class FedfleetServerError(Exception):
@@ -52,3 +53,7 @@ class BrokerStartError(FedfleetServerError):
 
 class ConfigError(FedfleetServerError):
     """A configuration file or value is invalid (unknown key, wrong type, out of range)."""
+
+
+class RunError(FedfleetServerError):
+    """The federation could not run: too few agents joined before the join timeout, say."""

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from edge_agent.agent import data_announcement
 from edge_agent.data import Dataset
 from edge_agent.models import build_model
 from protocol.channel import Channel
@@ -29,7 +30,10 @@ def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = No
         ValueError: ``url`` is not ``mqtt://`` or ``mqtts://``.
         ConfigError: the password file cannot be read.
     """
-    addr = parse_broker_url(url)
+    try:
+        addr = parse_broker_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"broker URL: {exc}") from None
     password = addr.password
     if cfg.broker.password_file:
         try:
@@ -46,6 +50,13 @@ def device_model(ds: Dataset, seed: int) -> torch.nn.Module:
     """The light CNN for ``ds``'s image shape, initialised from ``seed``."""
     torch.manual_seed(seed)
     return build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
+
+
+def expected_data(cfg: Config) -> dict[str, str]:
+    """The data announcement every agent of ``cfg``'s federation must make in its join."""
+    d = cfg.data
+    return data_announcement(dataset=d.dataset, partition=d.partition, alpha=d.alpha, seed=cfg.run.seed,
+                             shards=d.clients)
 
 
 def train_config(cfg: Config) -> dict:
@@ -81,5 +92,6 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                                 round_deadline_s=cfg.server.round_deadline_s, join_timeout_s=cfg.server.join_timeout_s,
                                 expected_clients=expected_clients, seed=cfg.run.seed,
                                 eval_batch_size=cfg.server.eval_batch_size,
-                                global_codec=cfg.protocol.codec_for("global")),
+                                global_codec=cfg.protocol.codec_for("global"),
+                                expected_data=tuple(expected_data(cfg).items())),
         run_dir=run_dir, on_round=on_round)

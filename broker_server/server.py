@@ -18,6 +18,7 @@ After the last round the server publishes ``finish``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
 from .aggregate import all_finite
 from .checkpoint import Checkpoint, CheckpointStore
+from .errors import RunError
 from .strategies import ClientResult, Strategy
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,10 @@ class ServerSettings:
         expected_clients: start as soon as this many clients joined (``None``: wait for quorum).
         seed: seeds the client-selection generator.
         eval_batch_size: samples per forward pass in evaluation.
+        expected_data: ``(key, value)`` pairs a joining agent must announce identically in its
+            ``join.info`` (data set, partition scheme, α, seed, shard count): a mismatch is refused
+            with a receipt naming the differences, so a device cannot silently train on another
+            split.
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
             the decoded model as its global state, so that server and fleet hold the same model
             (deltas from the agents are then exact against it).
@@ -69,6 +75,7 @@ class ServerSettings:
     seed: int = 0
     eval_batch_size: int = 1000
     global_codec: str = "fp32"
+    expected_data: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -177,6 +184,13 @@ class AggregationServer:
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints.sqlite")
         self.global_codec = Codec.parse(settings.global_codec)
         self.fed = channel.federation
+        model_bytes = sum(t.nbytes for t in self.global_tensors)
+        # what a peer may make this server hold: a few models' worth, from joined clients only
+        self.channel.limits = dataclasses.replace(self.channel.limits,
+                                                  max_total_bytes=max(64 << 20, 4 * model_bytes))
+        self.channel.reassembler.max_transfer_bytes = max(16 << 20, 4 * model_bytes + (1 << 20))
+        self.channel.transfer_filter = lambda sender: sender in self.registry
+        self._deadline = float("inf")
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
 
     # ------------------------------------------------------------------ message handling
@@ -199,12 +213,23 @@ class AggregationServer:
         env = item.envelope
         body = env.body
         now = time.monotonic()
+        rec = self.registry.get(env.sender)
+        if rec is not None and not isinstance(body, (Join, Status)):
+            if not rec.online:
+                log.info("%s is back online", env.sender)
+            rec.online, rec.last_seen = True, now
         if isinstance(body, Join):
             if body.manifest_hash != self.manifest_hash:
                 log.warning("join from %s refused: model manifest %s != server's %s",
                             env.sender, body.manifest_hash, self.manifest_hash)
                 self._reply(item, False, f"model manifest {body.manifest_hash} does not match the server's "
                                          f"{self.manifest_hash}: same model architecture and data shape needed")
+                return
+            diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
+                     if str(body.info.get(k)) != v]
+            if diffs:
+                log.warning("join from %s refused: %s", env.sender, "; ".join(diffs))
+                self._reply(item, False, "data settings differ from the server's configuration: " + "; ".join(diffs))
                 return
             rec = self.registry.get(env.sender) or ClientRecord(env.sender, joined_round=self.round)
             rec.profile, rec.num_samples = body.profile, body.num_samples
@@ -232,6 +257,16 @@ class AggregationServer:
 
     def _on_update(self, item: Received, body: Update) -> None:
         env = item.envelope
+        if self._collecting is not None and env.round == self._collecting and item.received_at > self._deadline:
+            self.totals["late"] += 1
+            self._stats.late += 1
+            self._reply(item, False, f"arrived after the deadline of round {env.round}")
+            return
+        if env.round > self.round + 1:
+            self.totals["unsolicited"] += 1
+            self._stats.unsolicited += 1
+            self._reply(item, False, f"round {env.round} has not started")
+            return
         if self._collecting is None or env.round != self._collecting:
             self.totals["late"] += 1
             self._stats.late += 1
@@ -255,6 +290,12 @@ class AggregationServer:
             self.totals["rejected_invalid"] += 1
             self._stats.invalid += 1
             self._reply(item, False, "tensors do not match the model manifest")
+            return
+        rec = self.registry.get(env.sender)
+        if rec is not None and body.num_samples > rec.num_samples:
+            self.totals["rejected_invalid"] += 1
+            self._stats.invalid += 1
+            self._reply(item, False, f"num_samples {body.num_samples} exceeds the {rec.num_samples} announced at join")
             return
         tensors = body.tensors
         if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole
@@ -295,6 +336,11 @@ class AggregationServer:
             :class:`RunSummary` with the final accuracy and every round's metrics.
         """
         self.wait_for_clients()
+        if len(self._online()) < self.settings.quorum:
+            raise RunError(
+                f"only {len(self._online())} agent(s) joined federation {self.fed!r} within "
+                f"{self.settings.join_timeout_s:g} s; the quorum is {self.settings.quorum}. Check that the agents "
+                f"use --federation {self.fed} and the same broker, or raise [server] join_timeout_s")
         if self.round == 0:
             self._checkpoint(accuracy=None)
         last_acc, last_loss = float("nan"), float("nan")
@@ -305,6 +351,7 @@ class AggregationServer:
                           Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10)
         self.pump(0.2)
         torch.save(self.model.state_dict(), self.run_dir / "model_final.pt")
+        self.checkpoints.close()
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
         return RunSummary(self.round, last_acc, last_loss, self.metrics)
@@ -331,9 +378,19 @@ class AggregationServer:
                           RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s,
                                      config=plan.config), round=r)
         deadline = t0 + self.settings.round_deadline_s
+        self._deadline = deadline
         while len(self._results) < len(self._selected) and time.monotonic() < deadline:
             self.pump(min(0.5, max(0.0, deadline - time.monotonic())))
+        # what already arrived before the deadline still counts, however busy the server was
+        for _ in range(100_000):
+            if len(self._results) >= len(self._selected):
+                break
+            item = self.channel.receive(0.0)
+            if item is None:
+                break
+            self._handle(item)
         self._collecting = None
+        self._deadline = float("inf")
         results = [self._results[c] for c in sorted(self._results)]
         self._stats.clients_reported = len(results)
         if len(results) < self.settings.quorum:
@@ -357,7 +414,7 @@ class AggregationServer:
             "clients_reported": self._stats.clients_reported, "bytes_up": up, "bytes_down": down,
             "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
             "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
-            "global_receipts": self._stats.global_receipts,
+            "global_receipts": self._stats.global_receipts, "unsolicited": self._stats.unsolicited,
             "train_loss": float(np.average([x.train_loss for x in results], weights=[x.num_samples for x in results]))
             if results else None,
         }

@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 from edge_agent.data import load_dataset
+from edge_agent.partition import describe
 from protocol.ledger import Ledger
 
 from .config import Config
 from .embedded_broker import EmbeddedBroker
-from .runtime import make_server
-from .simulate import make_run_id, progress_printer
+from .errors import ConfigError
+from .runtime import expected_data, make_server
+from .simulate import make_run_id, progress_printer, split_clients
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +34,42 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
     """
     out = Path(run_dir) if run_dir else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    if (out / "metrics.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or "fedfleet"
     ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+    shards = describe(split_clients(ds, cfg), ds.train.y, ds.num_classes)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    (out / "partition.json").write_text(json.dumps(
+        {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
+         "seed": cfg.run.seed, "clients": shards, "note": "the split each agent must take (--shard i/n)"},
+        indent=1), encoding="utf-8")
     broker = None
     url = broker_url or cfg.broker.url or None
     if url is None:
         broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
         broker.start()
         url = broker.url
+    ann = expected_data(cfg)
     print(f"fedfleet server: federation {federation!r} on {url}; waiting for {cfg.data.clients} agents "
-          f"(join timeout {cfg.server.join_timeout_s:g} s)", flush=True)
+          f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
+          f"  fedfleet-agent --broker {url} --federation {federation} --client-id DEVICE_ID "
+          f"--dataset {ann['dataset']} --shard i/{ann['shards']} --partition {ann['partition']}"
+          f"{' --alpha ' + ann['alpha'] if ann['partition'] == 'dirichlet' else ''} --seed {ann['seed']}",
+          flush=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=progress_printer(cfg.run.rounds))
+        t0 = time.monotonic()
         summary = server.run()
         server.channel.transport.close()
+        (out / "summary.json").write_text(json.dumps({
+            "federation": federation, "final_accuracy": summary.final_accuracy,
+            "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,
+            "dataset": ds.name, "clients": cfg.data.clients}, indent=1), encoding="utf-8")
         print(f"finished {summary.rounds_completed} rounds; final test accuracy {summary.final_accuracy:.4f}; "
               f"run folder {out}")
     finally:

@@ -27,7 +27,7 @@ import torch
 from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm
 from edge_agent.data import load_dataset
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import EdgeAgentError, PartitionError
 from edge_agent.partition import describe, partition
 from protocol import topics
 from protocol.channel import Channel
@@ -36,9 +36,9 @@ from protocol.messages import Envelope, Status, encode
 from protocol.transport import Will
 
 from .config import Config
-from .embedded_broker import EmbeddedBroker
+from .embedded_broker import EmbeddedBroker, parse_broker_url
 from .errors import ConfigError
-from .runtime import channel_options, device_model, make_server, open_transport
+from .runtime import channel_options, device_model, expected_data, make_server, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,23 @@ def make_run_id(name: str, seed: int) -> str:
     return f"{stem[:36]}-{time.strftime('%Y%m%d-%H%M%S')}-s{seed}"[:64]
 
 
+def split_clients(ds, cfg: Config) -> list:
+    """The configured partition of ``ds``'s training split into ``[data] clients`` shards.
+
+    Raises:
+        ConfigError: the partition is impossible (too many clients for the data, α too small).
+    """
+    try:
+        return partition(ds.train.y, cfg.data.clients, scheme=cfg.data.partition, seed=cfg.run.seed,
+                         alpha=cfg.data.alpha if cfg.data.partition == "dirichlet" else None,
+                         min_samples=cfg.data.min_samples)
+    except PartitionError as exc:
+        raise ConfigError(
+            f"cannot split {ds.name} ({len(ds.train.y):,} training samples) into {cfg.data.clients} clients "
+            f"({cfg.data.partition}, at least {cfg.data.min_samples} samples each): {exc}. Use fewer clients "
+            f"(--clients), a larger [data] alpha, or a smaller [data] min_samples") from None
+
+
 def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict], None]:
     """A callback printing one line per round: round, accuracy, clients, bytes, elapsed."""
     t0 = time.monotonic()
@@ -83,7 +100,7 @@ def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict
         stream.write(
             f"round {m['round']:>3}/{rounds}  acc {m['accuracy']:.4f}  loss {m['loss']:.4f}  "
             f"clients {m['clients_reported']}/{m['clients_selected']}  "
-            f"up {m['bytes_up'] / 1024:,.1f} KiB  down {m['bytes_down'] / 1024:,.1f} KiB  "
+            f"server link: up {m['bytes_up'] / 1024:,.1f} KiB, down {m['bytes_down'] / 1024:,.1f} KiB  "
             f"{m['seconds']:.1f} s  (elapsed {time.monotonic() - t0:.0f} s){skipped}\n")
         stream.flush()
 
@@ -113,19 +130,23 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     t_start = time.monotonic()
     run_id = make_run_id(cfg.run.name, cfg.run.seed)
     out = Path(run_dir) if run_dir is not None else Path(cfg.run.out) / run_id
-    out.mkdir(parents=True, exist_ok=True)
     if (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or run_id
-    (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     if cfg.agents.torch_threads:
         torch.set_num_threads(cfg.agents.torch_threads)
+    url = broker_url or cfg.broker.url or None
+    if url is not None:
+        try:
+            parse_broker_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"--broker / [broker] url: {exc}") from None
 
     ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
-    parts = partition(ds.train.y, cfg.data.clients, scheme=cfg.data.partition, seed=cfg.run.seed,
-                      alpha=cfg.data.alpha if cfg.data.partition == "dirichlet" else None,
-                      min_samples=cfg.data.min_samples)
+    parts = split_clients(ds, cfg)
     shards = describe(parts, ds.train.y, ds.num_classes)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
         {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
          "seed": cfg.run.seed, "clients": shards}, indent=1), encoding="utf-8")
@@ -138,7 +159,6 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
 
     broker: EmbeddedBroker | None = None
-    url = broker_url or cfg.broker.url or None
     if url is None:
         broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
         broker.start()
@@ -173,7 +193,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
                               x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
                               train_defaults=defaults, client_index=i, profile=cfg.agents.profile,
                               train_lock=slots, idle_timeout_s=max(120.0, 2 * cfg.server.round_deadline_s),
-                              info={"virtual": True, "torch": torch.__version__})
+                              info={"virtual": True, "torch": torch.__version__, **expected_data(cfg)})
             if agent_hook is not None:
                 agent_hook(i, agent)
             agents.append(agent)

@@ -12,6 +12,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,12 +22,20 @@ from protocol.channel import Channel, Received, Rejected
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
 from protocol.tensors import Codec, ErrorFeedback
 
-from .algorithms import ClientAlgorithm, TrainConfig
+from .algorithms import ClientAlgorithm, LocalResult, TrainConfig
 from .data import class_histogram
 from .errors import EdgeAgentError
 from .models import manifest_hash, model_manifest
 
 log = logging.getLogger(__name__)
+
+
+def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed: int, shards: int) -> dict[str, str]:
+    """What an agent announces about its data in ``join.info`` and the server checks against its
+    configuration (all values as text, so float formatting is the same on both sides)."""
+    return {"dataset": dataset, "partition": partition,
+            "alpha": f"{alpha:g}" if partition == "dirichlet" and alpha is not None else "-",
+            "seed": str(seed), "shards": str(shards)}
 
 
 class AgentError(EdgeAgentError):
@@ -66,13 +75,16 @@ class EdgeAgent:
         device: torch device to train on.
         train_lock: shared lock/semaphore limiting concurrent trainers in a simulated fleet.
         idle_timeout_s: give up when nothing arrives for this many seconds.
+        info: scalars announced in ``join.info`` (see :func:`data_announcement`).
+        on_trained: called with (round, result, payload bytes) after each published update.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
                  y: np.ndarray, num_classes: int, train_defaults: TrainConfig, client_index: int = 0,
                  profile: str = "x86-cpu", device: torch.device | None = None,
                  train_lock: threading.Semaphore | threading.Lock | None = None,
-                 idle_timeout_s: float = 600.0, info: dict | None = None) -> None:
+                 idle_timeout_s: float = 600.0, info: dict | None = None,
+                 on_trained: Callable[[int, LocalResult, int], None] | None = None) -> None:
         self.channel = channel
         self.client_id = channel.node_id
         self.fed = channel.federation
@@ -89,10 +101,14 @@ class EdgeAgent:
         self.train_lock = train_lock
         self.idle_timeout_s = idle_timeout_s
         self.info = dict(info or {})
+        self.on_trained = on_trained
         self.manifest_hash = manifest_hash(model_manifest(model))
         self._global: tuple[int, tuple[np.ndarray, ...]] | None = None
         self._pending: tuple[int, RoundStart] | None = None
         self._stop = threading.Event()
+        self._join_seq = -1
+        self._update_seqs: set[int] = set()
+        self._pending_at = 0.0
         self.forced_codec: str | None = None
         self._ef: ErrorFeedback | None = None
         self.rounds_trained = 0
@@ -100,6 +116,19 @@ class EdgeAgent:
         self.joined = False
         self.finished = False
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
+        channel.transfer_filter = lambda sender: sender == "server"
+        if hasattr(channel.transport, "add_connect_listener"):
+            channel.transport.add_connect_listener(self._on_connect)
+
+    def _on_connect(self, n: int) -> None:
+        """After a reconnect the broker may have published this agent's last will (offline):
+        say online again, so the server selects it again."""
+        if n > 1 and self.joined and not self._stop.is_set():
+            try:
+                self.channel.send(topics.status(self.fed, self.client_id), Status("online", "reconnected"), round=0,
+                                  retain=True)
+            except Exception as exc:  # never break paho's network thread
+                log.warning("%s: could not republish online status: %s", self.client_id, exc)
 
     def stop(self) -> None:
         """Ask :meth:`run` to return at its next check (within about a second)."""
@@ -110,10 +139,10 @@ class EdgeAgent:
         self.channel.send(topics.status(self.fed, self.client_id), Status("online"), round=0, retain=True,
                           wait_s=wait_s)
         hist = class_histogram(self.y.numpy(), self.num_classes)
-        self.channel.send(topics.up(self.fed, self.client_id, Kind.JOIN),
+        self._join_seq = self.channel.send(topics.up(self.fed, self.client_id, Kind.JOIN),
                           Join(profile=self.profile, manifest_hash=self.manifest_hash,
                                num_samples=int(self.y.shape[0]), class_histogram=tuple(hist), info=self.info),
-                          round=0, wait_s=wait_s)
+                          round=0, wait_s=wait_s).seq
 
     def run(self) -> AgentSummary:
         """Join, then serve rounds until ``finish``, :meth:`stop`, or the idle timeout.
@@ -130,9 +159,16 @@ class EdgeAgent:
                     raise AgentError(f"{self.client_id}: nothing from the server for {self.idle_timeout_s:g} s")
                 continue
             last = time.monotonic()
-            if isinstance(item, Rejected):
-                continue
-            if self._handle(item):
+            done = False
+            # take everything already queued before training, so only the newest round is trained
+            for _ in range(10_000):
+                if isinstance(item, Received) and self._handle(item):
+                    done = True
+                    break
+                item = self.channel.receive(0.0)
+                if item is None:
+                    break
+            if done:
                 break
             self._maybe_train()
         self._leave()
@@ -151,17 +187,26 @@ class EdgeAgent:
                               Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True, sha256=item.sha256),
                               round=env.round)
         elif isinstance(body, RoundStart):
-            if self.client_id in body.selected:
+            if self.client_id in body.selected and (self._pending is None or env.round >= self._pending[0]):
                 self._pending = (env.round, body)
+                self._pending_at = item.received_at or time.monotonic()
         elif isinstance(body, Receipt):
             if body.ref_kind == Kind.JOIN:
-                if not body.accepted:
+                if body.ref_seq != self._join_seq:
+                    log.warning("%s: receipt for a join it did not send (seq %d) ignored", self.client_id, body.ref_seq)
+                elif not body.accepted and not self.joined:
                     raise AgentError(f"{self.client_id}: the server refused the join: {body.reason}")
-                self.joined = True
+                else:
+                    self.joined = True
             elif body.ref_kind == Kind.UPDATE:
-                if body.accepted:
+                if body.ref_seq not in self._update_seqs:
+                    log.warning("%s: receipt for an update it did not send (seq %d) ignored", self.client_id,
+                                body.ref_seq)
+                elif body.accepted:
+                    self._update_seqs.discard(body.ref_seq)
                     self.receipts_accepted += 1
                 else:
+                    self._update_seqs.discard(body.ref_seq)
                     log.warning("%s: update of round %d rejected: %s", self.client_id, env.round, body.reason)
         elif isinstance(body, Finish):
             self.finished = True
@@ -173,17 +218,24 @@ class EdgeAgent:
             return
         rnd, start = self._pending
         self._pending = None
+        if time.monotonic() > self._pending_at + start.deadline_s:
+            log.info("%s: round %d is already over (deadline %.1f s); not training it", self.client_id, rnd,
+                     start.deadline_s)
+            return
         cfg = TrainConfig.from_mapping(self.train_defaults, start.config)
         global_tensors = self._global[1]
         with self.train_lock if self.train_lock is not None else nullcontext():
             result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
                                                 client_index=self.client_index, device=self.device)
         codec, tensors, delta = self._encode_update(start.config, result.tensors, global_tensors)
-        self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE),
-                          Update(tensors=tensors, num_samples=result.num_samples,
-                                 train_loss=result.train_loss, metrics=result.metrics, delta=delta),
-                          round=rnd, codec=codec)
+        enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE),
+                                Update(tensors=tensors, num_samples=result.num_samples,
+                                       train_loss=result.train_loss, metrics=result.metrics, delta=delta),
+                                round=rnd, codec=codec)
+        self._update_seqs.add(enc.seq)
         self.rounds_trained += 1
+        if self.on_trained is not None:
+            self.on_trained(rnd, result, len(enc.payload))
 
     def _encode_update(self, config, tensors, global_tensors):
         """Apply the round's update encoding: codec (the firmware profile may force a cheaper

@@ -22,16 +22,21 @@ import torch
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``fedfleet-agent``."""
-    p = argparse.ArgumentParser(prog="fedfleet-agent", description="Run one fedfleet edge agent.")
+    p = argparse.ArgumentParser(prog="fedfleet-agent", description="Run one fedfleet edge agent.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
     p.add_argument("--federation", required=True, help="federation id printed by `fedfleet server`")
     p.add_argument("--client-id", required=True, help="unique id of this device (A-Za-z0-9_.-, ≤ 64)")
     p.add_argument("--dataset", default="mnist", help="data set name (see edge_agent.data.list_datasets)")
-    p.add_argument("--data", help="folder holding the data set files")
-    p.add_argument("--shard", default="0/1", help="i/n: take shard i of an n-way partition (default 0/1: all)")
-    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"])
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet α for --partition dirichlet")
-    p.add_argument("--seed", type=int, default=0, help="partition seed (must match the server's config)")
+    p.add_argument("--data-dir", "--data", dest="data", help="folder holding the data set files")
+    p.add_argument("--shard", default="0/1",
+                   help="i/n: take shard i of the n-way partition; n must equal the server's [data] clients")
+    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"],
+                   help="must match the server's [data] partition (the server refuses a mismatch)")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet α; must match the server's [data] alpha")
+    p.add_argument("--seed", type=int, default=0, help="partition seed; must match the server's [run] seed")
+    p.add_argument("--out", help="folder for this device's byte ledger (ledger.sqlite; read it with "
+                                 "`fedfleet audit`); default fedfleet-agent-<client-id>")
     p.add_argument("--algorithm", default="fedavg")
     p.add_argument("--profile", default="x86-cpu", help="firmware profile name announced in join")
     p.add_argument("--ca", help="CA file for mqtts://")
@@ -52,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.messages import Envelope, Status, encode, valid_id
     from protocol.transport import MqttTransport, Will
 
-    from .agent import EdgeAgent
+    from protocol.ledger import Ledger
+
+    from .agent import EdgeAgent, data_announcement
     from .algorithms import TrainConfig, get_client_algorithm
     from .data import load_dataset
     from .errors import DataError, EdgeAgentError
@@ -95,20 +102,34 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     torch.manual_seed(args.seed + 1 + i)
     model = build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
-    ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=None)
+    out = Path(args.out or f"fedfleet-agent-{args.client_id}")
+    out.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(out / "ledger.sqlite")
+    ledger.set_meta("federation", args.federation)
+    ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger)
+    info = data_announcement(dataset=args.dataset, partition=args.partition, alpha=args.alpha, seed=args.seed,
+                             shards=n)
+    print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}); joining federation "
+          f"{args.federation!r} on {args.broker} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
     try:
         agent = EdgeAgent(channel=ch, model=model, algorithm=get_client_algorithm(args.algorithm),
                           x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
                           train_defaults=TrainConfig(seed=args.seed), client_index=i, profile=args.profile,
-                          idle_timeout_s=args.idle_timeout_s)
+                          idle_timeout_s=args.idle_timeout_s, info=info,
+                          on_trained=lambda rnd, res, nbytes: print(
+                              f"round {rnd}: trained {res.num_samples} samples in "
+                              f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "
+                              f"sent {nbytes:,} bytes", flush=True))
         summary = agent.run()
     except (EdgeAgentError, FieldError) as exc:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return 1
     finally:
         tr.close()
+        ledger.close()
     print(f"{summary.client_id}: trained {summary.rounds_trained} rounds, "
-          f"{summary.receipts_accepted} updates acknowledged, finished={summary.finished}")
+          f"{summary.receipts_accepted} updates acknowledged, finished={summary.finished}; "
+          f"byte ledger in {out}/ledger.sqlite (fedfleet audit {out})")
     return 0
 
 

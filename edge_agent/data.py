@@ -33,9 +33,16 @@ Resolution order (:func:`load_dataset`; the same list is printed in the :class:`
 3. torchvision (only for names with a torchvision class in the table above): first a torchvision
    folder layout already present under the directory of step 1 or under
    ``~/.cache/fedfleet/torchvision`` (opened with ``download=False``); then torchvision's own
-   download into the directory of step 1, else into ``~/.cache/fedfleet/torchvision`` — only when
-   ``allow_download`` is True, or when it is None and env ``FEDFLEET_OFFLINE`` is not ``"1"``;
-4. otherwise :class:`DataError`, naming every location searched and which files to put where.
+   download — only when ``allow_download`` is True, or when it is None and env
+   ``FEDFLEET_OFFLINE`` is not ``"1"``. The download goes into a fresh temporary folder under
+   ``~/.cache/fedfleet/torchvision`` that is always removed afterwards; only when it succeeds
+   (and both splits read back valid) are its files moved, one atomic rename each, into the
+   directory of step 1 if that is an existing writable folder, else into
+   ``~/.cache/fedfleet/torchvision``. A failed lookup or download therefore never creates or
+   changes anything under the user's data folder, and a missing data folder is never created;
+4. otherwise :class:`DataError`, naming every location searched and which files to put where
+   (and, when the data folder given is the set's own folder, e.g. ``/x/mnist`` holding
+   ``train.npz`` and ``test.npz``, saying to pass its parent ``/x`` instead).
 
 Sets stored as one file (``digits`` and the PACS domains) are split here into train and test with
 a stratified 80/20 split: for each class (in increasing label order) the class's indices are
@@ -58,8 +65,11 @@ writable copy with ``np.array(split.x)`` if one is needed.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import shutil
+import tempfile
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -325,7 +335,7 @@ _REGISTRY: dict[str, DatasetInfo] = {
             hint=(
                 "Only 50 SVHN images exist offline (svhn/sample50.npz); load 'svhn_sample50' "
                 "for smoke tests (test split only), or put torchvision's train_32x32.mat and "
-                "test_32x32.mat in the data directory."
+                "test_32x32.mat in the data folder."
             ),
         ),
         DatasetInfo("svhn_sample50", 10, 3, 32, None, "svhn/sample50.npz"),
@@ -378,7 +388,8 @@ def load_dataset(
             ``FEDFLEET_DATA`` if set, else only the default locations.
         allow_download: True lets torchvision download MNIST, Fashion-MNIST, USPS, CIFAR-10 or
             SVHN when no local copy is found; False forbids it; None (default) allows it unless
-            env ``FEDFLEET_OFFLINE`` is ``"1"``.
+            env ``FEDFLEET_OFFLINE`` is ``"1"``. A download lands in ``data_dir`` (when that
+            folder exists) only after it has succeeded; see step 3 of the module docstring.
 
     Returns:
         A :class:`Dataset` whose arrays are read-only and shared with other callers in this
@@ -415,9 +426,8 @@ def load_dataset(
             if _torchvision_layout_present(info.torchvision, root):
                 return _load_cached(info.name, "torchvision", (str(root.resolve()),), ())
         if _downloads_allowed(allow_download):
-            download_root = user_dir if user_dir is not None else _TORCHVISION_CACHE.expanduser()
             try:
-                return _download_torchvision(info, download_root)
+                return _download_torchvision(info, user_dir)
             except DataError as exc:
                 raise DataError(
                     _not_found_message(
@@ -558,6 +568,61 @@ def _torchvision_layout_present(tv_name: str, root: Path) -> bool:
     return all((root / rel).is_file() for rel in _TORCHVISION_MARKERS[tv_name])
 
 
+_HOW_TO_SET_DATA_DIR = (
+    "`--data-dir DIR` on the command line (fedfleet and fedfleet-agent), "
+    f"`[data] data_dir` in the config, `data_dir=` in Python, or the {ENV_DATA_DIR} environment "
+    "variable"
+)
+"""How a user sets the data folder, in every front end's own words (used in DataError texts)."""
+
+
+def _shown(path: Path) -> Path:
+    """``path`` made absolute for messages (symlinks kept as the user wrote them)."""
+    return Path(os.path.abspath(path))
+
+
+def _misplaced_hint(info: DatasetInfo, user_dir: Path | None) -> tuple[str, Path] | None:
+    """Detect the common mistake of giving the set's own folder instead of the data folder.
+
+    Returns:
+        ``(hint, folder to use instead)`` when ``user_dir`` directly holds every file of the set
+        (``<user_dir>/train.npz`` and ``test.npz`` for mnist) or torchvision's layout one level
+        too deep (``<user_dir>/raw/...`` with ``user_dir`` named ``MNIST``); else None.
+    """
+    if user_dir is None or not user_dir.is_dir():
+        return None
+    shown = _shown(user_dir)
+    names = [Path(rel).name for rel in info.files]
+    if names and all((user_dir / n).is_file() for n in names):
+        found = "/".join(names)
+        subdirs = sorted({Path(rel).parent.as_posix() for rel in info.files})
+        if len(subdirs) == 1 and shown.name == subdirs[0]:
+            return (
+                f"found {found} directly in {shown}: pass its parent folder ({shown.parent}) as "
+                "the data folder.",
+                shown.parent,
+            )
+        wanted = " and ".join(info.files)
+        return (
+            f"found {found} directly in {shown}, but the data folder must hold them as {wanted}: "
+            f"put them in a sub-folder {subdirs[0]}/ of the data folder (e.g. rename {shown} to "
+            f"{shown.parent / subdirs[0]} and pass {shown.parent} as the data folder).",
+            shown.parent,
+        )
+    if info.torchvision is not None:
+        markers = _TORCHVISION_MARKERS[info.torchvision]
+        heads = {m.split("/", 1)[0] for m in markers}
+        if len(heads) == 1 and all("/" in m for m in markers) and shown.name in heads:
+            inner = [m.split("/", 1)[1] for m in markers]
+            if all((user_dir / rel).is_file() for rel in inner):
+                return (
+                    f"found torchvision's {shown.name} layout ({inner[0]}, ...) directly in "
+                    f"{shown}: pass its parent folder ({shown.parent}) as the data folder.",
+                    shown.parent,
+                )
+    return None
+
+
 def _not_found_message(
     info: DatasetInfo,
     npz_dirs: Sequence[Path],
@@ -571,10 +636,15 @@ def _not_found_message(
     step = 1
     for folder in npz_dirs:
         if user_dir is not None and folder == user_dir:
-            origin = "data_dir argument" if data_dir is not None else f"env {ENV_DATA_DIR}"
+            origin = "the data folder you set" if data_dir is not None else f"env {ENV_DATA_DIR}"
         else:
             origin = "shared data folder"
-        state = "" if folder.is_dir() else ", does not exist"
+        if not folder.exists():
+            state = ", does not exist"
+        elif not folder.is_dir():
+            state = ", is not a folder"
+        else:
+            state = ""
         lines.append(f"  ({step}) {folder}  [{origin}{state}]")
         step += 1
     if info.torchvision is not None:
@@ -585,27 +655,52 @@ def _not_found_message(
             lines.append(f"  ({step}) torchvision:{root}  [torchvision {info.torchvision} layout]")
             step += 1
         if download_error is not None:
-            lines.append(f"  torchvision download: failed: {download_error}")
+            reason = download_error.strip().replace("\n", "\n      ")
+            lines.append(f"  torchvision download: tried (download failed: {reason})")
         else:
-            why = "allow_download=False" if allow_download is False else f"env {ENV_OFFLINE}=1"
-            lines.append(f"  torchvision download: not attempted ({why}).")
+            why = "allow_download=False" if allow_download is False else f"{ENV_OFFLINE}=1"
+            lines.append(f"  torchvision download: not attempted (downloads are off: {why}).")
+    if len(lines) == 1:
+        lines.append(
+            f"  (nothing: no data folder set, {ENV_DATA_DIR} not set, no shared data folder)"
+        )
+    misplaced = _misplaced_hint(info, user_dir)
+    if misplaced is not None:
+        lines.append(f"Hint: {misplaced[0]}")
     files = " and ".join(info.files)
     label_range = f"y int64 in [0, {info.num_classes})"
-    if len(lines) == 1:
-        lines.append("  (nothing: no data_dir, FEDFLEET_DATA not set, no shared data folder)")
-    if npz_dirs:
-        where = (
-            f"one of the directories above (e.g. {npz_dirs[0] / info.files[0]}), or set "
-            f"{ENV_DATA_DIR} (or pass data_dir=) to a directory that holds them"
+    what = f"{files} (x uint8 {info.x_shape_text}, {label_range})"
+    if misplaced is not None:
+        example = misplaced[1] / info.files[0]
+        lines.append(
+            f"The data folder must hold {what}, e.g. {example}; set the data folder with "
+            f"{_HOW_TO_SET_DATA_DIR}."
+        )
+    elif npz_dirs:
+        lines.append(
+            f"Put {what} under one of the folders above (e.g. {npz_dirs[0] / info.files[0]}), or "
+            f"under another folder and set that as the data folder: {_HOW_TO_SET_DATA_DIR}."
         )
     else:
-        where = f"a directory and set {ENV_DATA_DIR} to it (or pass data_dir=)"
-    lines.append(f"Put {files} (x uint8 {info.x_shape_text}, {label_range}) under {where}.")
-    if info.torchvision is not None:
         lines.append(
-            f"Or allow a torchvision download (allow_download=True, or unset {ENV_OFFLINE}), or "
-            f"place torchvision's {info.torchvision} folder layout in data_dir."
+            f"Put {what} under a folder and set it as the data folder: {_HOW_TO_SET_DATA_DIR}."
         )
+    if info.torchvision is not None:
+        layout = f"torchvision's {info.torchvision} folder layout " + (
+            f"({_TORCHVISION_MARKERS[info.torchvision][0]}, ...)"
+        )
+        if download_error is not None:
+            lines.append(f"Or put {layout} in the data folder, or retry the download when online.")
+        elif allow_download is False:
+            lines.append(
+                f"Or let torchvision download it (allow_download=True in Python), or put {layout} "
+                "in the data folder."
+            )
+        else:
+            lines.append(
+                f"Or let torchvision download it (unset {ENV_OFFLINE}, or allow_download=True in "
+                f"Python), or put {layout} in the data folder."
+            )
     if info.hint:
         lines.append(info.hint)
     return "\n".join(lines)
@@ -833,10 +928,92 @@ def _read_torchvision(
     return x_tr, y_tr, x_te, y_te
 
 
-def _download_torchvision(info: DatasetInfo, root: Path) -> Dataset:
-    root.mkdir(parents=True, exist_ok=True)
-    _read_torchvision(info, root, download=True)
-    return _load_cached(info.name, "torchvision", (str(root.resolve()),), ())
+def _download_root(user_dir: Path | None) -> Path:
+    """Where a successful download is placed: the user's data folder if it is an existing,
+    writable folder, else the torchvision cache (a missing data folder is never created)."""
+    if user_dir is not None and user_dir.is_dir() and os.access(user_dir, os.W_OK | os.X_OK):
+        return user_dir
+    return _TORCHVISION_CACHE.expanduser()
+
+
+def _download_torchvision(info: DatasetInfo, user_dir: Path | None) -> Dataset:
+    """Download ``info.torchvision`` into a fresh temporary folder, then move it into place.
+
+    The temporary folder lies under the torchvision cache (falling back to the system temporary
+    folder when the cache cannot be created) and is removed whatever happens, so a failed
+    download leaves nothing behind and never touches the user's data folder. Only after
+    torchvision has downloaded and both splits have been read and validated are the files moved
+    into :func:`_download_root` (one ``os.replace`` per entry, merging into folders that already
+    exist there).
+
+    Raises:
+        DataError: the download or its validation failed (the message is the reason, without
+            the temporary folder's path); or the downloaded files could not be moved into place.
+    """
+    final_root = _download_root(user_dir)
+    cache = _TORCHVISION_CACHE.expanduser()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp_parent: str | None = str(cache)
+    except OSError:
+        tmp_parent = None  # e.g. read-only home: use the system temporary folder
+    tmp = Path(tempfile.mkdtemp(prefix=f".download-{info.name}-", dir=tmp_parent))
+    try:
+        try:
+            _read_torchvision(info, tmp, download=True)
+        except DataError as exc:
+            cause = exc.__cause__
+            reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+            raise DataError(
+                f"torchvision {info.torchvision}: {reason.strip()}", dataset=info.name
+            ) from exc
+        try:
+            _install_tree(tmp, final_root)
+        except OSError as exc:
+            raise DataError(
+                f"torchvision {info.torchvision} was downloaded but could not be moved into "
+                f"{final_root} ({type(exc).__name__}: {exc})",
+                dataset=info.name,
+                path=str(final_root),
+            ) from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _load_cached(info.name, "torchvision", (str(final_root.resolve()),), ())
+
+
+def _install_tree(src: Path, dst_dir: Path) -> None:
+    """Move every entry of folder ``src`` into ``dst_dir``, which must exist (never created).
+
+    A folder that already exists at the destination is merged into (entry by entry); anything
+    else is moved with one atomic ``os.replace`` (across file systems: copied to a hidden staging
+    folder beside the destination first, then renamed), so no half-written file ever appears
+    under ``dst_dir``.
+    """
+    for entry in sorted(src.iterdir()):
+        target = dst_dir / entry.name
+        if entry.is_dir() and not entry.is_symlink() and target.is_dir():
+            _install_tree(entry, target)
+        else:
+            _atomic_move(entry, target)
+
+
+def _atomic_move(src: Path, dst: Path) -> None:
+    try:
+        os.replace(src, dst)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    staging = Path(tempfile.mkdtemp(prefix=".fedfleet-partial-", dir=dst.parent))
+    try:
+        staged = staging / src.name
+        if src.is_dir():
+            shutil.copytree(src, staged, symlinks=True)
+        else:
+            shutil.copy2(src, staged)
+        os.replace(staged, dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
@@ -40,6 +40,8 @@ class Received:
         decoded: the envelope and its byte split.
         retain: delivered as a retained message.
         sha256: digest of the payload (for receipts).
+        received_at: ``time.monotonic()`` when its (last) bytes arrived from the broker, seconds:
+            deadlines are judged by arrival, not by when the receiver got round to it.
     """
 
     topic: str
@@ -47,6 +49,7 @@ class Received:
     decoded: Decoded
     retain: bool
     sha256: bytes
+    received_at: float = 0.0
 
     @property
     def envelope(self) -> Envelope:
@@ -87,6 +90,9 @@ class Channel:
         transfer_ttl_s: an incomplete incoming transfer without a new chunk for this long is
             dropped and reported.
         resend_after_s: a stalled incoming transfer is asked for its missing chunks after this.
+        transfer_filter: senders whose chunked transfers are admitted (``None``: all). The server
+            admits only joined clients and agents only the server, so chunks from made-up ids
+            cannot occupy reassembly slots or memory.
 
     Attributes:
         wire_bytes_sent, wire_bytes_received: PUBLISH packet bytes (header + topic + payload)
@@ -97,7 +103,8 @@ class Channel:
                  ledger: Ledger | None, qos: int = 1, limits: TensorLimits = DEFAULT_LIMITS,
                  first_seq: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_packet_bytes: int = 0,
                  transfer_ttl_s: float = 120.0, resend_after_s: float = 5.0,
-                 reassembler: Reassembler | None = None) -> None:
+                 reassembler: Reassembler | None = None,
+                 transfer_filter: Callable[[str], bool] | None = None) -> None:
         if side not in ("server", "agent"):
             raise ValueError(f"side must be 'server' or 'agent', not {side!r}")
         self.transport = transport
@@ -124,6 +131,7 @@ class Channel:
             ttl_s=transfer_ttl_s, max_sender_transfers=4 if side == "server" else None,
             max_bytes=512 * 1024 * 1024 if side == "server" else 128 * 1024 * 1024)
         self.cache = TransferCache()
+        self.transfer_filter = transfer_filter
         self.resent_chunks = 0
         self.incomplete_transfers = 0
         self._resend_asked: dict[tuple[str, bytes], float] = {}
@@ -247,6 +255,9 @@ class Channel:
             return self._reject(inc, exc)
         env = dec.envelope
         client = info.client_id or (self.node_id if self.side == "agent" else "*")
+        if isinstance(env.body, Chunk) and self.transfer_filter is not None and not self.transfer_filter(env.sender):
+            return self._reject(inc, FieldError(f"chunked transfer from {env.sender!r} refused: not a member of "
+                                                f"this federation", field="envelope.sender"))
         if isinstance(env.body, Chunk):
             c = env.body
             self._record(inc.topic, "received", info.kind_label, env.round, env.sender, env.seq, client=client,
@@ -276,14 +287,14 @@ class Channel:
                          payload_bytes=inner.payload_bytes, body_bytes=inner.body_bytes, qos=inc.qos, retain=False,
                          raw_bytes=_raw(ienv.body), fields=_fields_json(ienv.kind, whole, inner),
                          transfer_id=c.transfer_id.hex(), chunk_count=c.count)
-            return Received(inc.topic, info, inner, False, payload_sha256(whole))
+            return Received(inc.topic, info, inner, False, payload_sha256(whole), inc.received_at)
         self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
                      payload_bytes=dec.payload_bytes, body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain,
                      raw_bytes=_raw(env.body), fields=_fields_json(env.kind, inc.payload, dec))
         if isinstance(env.body, Resend):
             self._answer_resend(env.sender, env.body)
             return None
-        return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload))
+        return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload), inc.received_at)
 
     def _reject(self, inc: Incoming, exc: ProtocolError, *, recorded: bool = False) -> Rejected:
         self.rejected += 1

@@ -189,6 +189,10 @@ class Ledger:
         with self._lock:
             if self._db is not None:
                 self._db.commit()
+                try:  # leave a single self-contained file behind (no -wal/-shm) for readers
+                    self._db.execute("PRAGMA journal_mode=DELETE")
+                except sqlite3.Error:
+                    pass
                 self._db.close()
                 self._db = None  # type: ignore[assignment]
 

@@ -57,8 +57,8 @@ from typing import Any, Union
 import msgpack
 import numpy as np
 
-from .errors import FieldError, MalformedMessage, ProtocolError, UnknownKind, UnsupportedVersion
-from .tensors import DEFAULT_LIMITS, TensorLimits, decode_tensor, encode_tensor, raw_nbytes
+from .errors import FieldError, MalformedMessage, ProtocolError, TensorError, UnknownKind, UnsupportedVersion
+from .tensors import DEFAULT_LIMITS, DTYPES, TensorLimits, declared_nbytes, decode_tensor, encode_tensor, raw_nbytes
 
 PROTOCOL_VERSION = 1
 """Protocol major version written in every envelope."""
@@ -328,12 +328,14 @@ class Encoded:
         field_bytes: ``(name, bytes)`` of each body field (they add up to ``body_bytes`` minus
             the body's 1–5 byte array header).
         raw_tensor_bytes: bytes of the tensors' values before the codec (``size × itemsize``).
+        seq: the envelope's sequence number (to match receipts).
     """
 
     payload: bytes
     body_bytes: int
     field_bytes: tuple[tuple[str, int], ...] = ()
     raw_tensor_bytes: int = 0
+    seq: int = 0
 
     @property
     def envelope_bytes(self) -> int:
@@ -459,7 +461,7 @@ def encode(envelope: Envelope, codec: Any = None) -> Encoded:
     names = BODY_FIELDS[envelope.kind]
     raw = sum(raw_nbytes(t) for t in getattr(envelope.body, "tensors", ()))
     return Encoded(payload=payload, body_bytes=len(body),
-                   field_bytes=tuple(zip(names, (len(p) for p in parts))), raw_tensor_bytes=raw)
+                   field_bytes=tuple(zip(names, (len(p) for p in parts))), raw_tensor_bytes=raw, seq=envelope.seq)
 
 
 def field_sizes(kind: Kind, body: bytes) -> tuple[tuple[str, int], ...]:
@@ -485,14 +487,38 @@ def now_ms() -> int:
 # Decoding (untrusted input)
 
 
+MAX_CONTAINERS = 20_000
+"""Most arrays + maps one payload (or body) may hold: a byte of msgpack (an empty array) becomes a
+Python list of ~56 bytes, so a payload of nested empty containers is refused once it has built
+this many, instead of costing ~64× its size in memory. A legitimate message holds 2–3 per tensor
+(≤ 4,096 tensors) plus a handful."""
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
 def _unpack(data: bytes, what: str) -> Any:
+    count = 0
+
+    def hook(obj: Any) -> Any:
+        nonlocal count
+        count += 1
+        if count > MAX_CONTAINERS:
+            raise _TooManyContainers
+        return obj
+
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True,
             max_bin_len=MAX_PAYLOAD_BYTES, max_str_len=MAX_PAYLOAD_BYTES,
             max_array_len=MAX_LIST + MAX_TENSORS, max_map_len=MAX_MAP_ENTRIES,
-            max_ext_len=0,
+            max_ext_len=0, list_hook=hook, object_hook=hook,
         )
+    except _TooManyContainers:
+        raise FieldError(f"{what}: more than {MAX_CONTAINERS:,} arrays and maps", field=what) from None
+    except MemoryError:
+        raise FieldError(f"{what}: too large to decode in the memory available", field=what) from None
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError,
             UnicodeDecodeError) as exc:
         raise MalformedMessage(f"{what}: not a valid msgpack value ({exc.__class__.__name__}: {exc})", field=what) from exc
@@ -553,6 +579,15 @@ def _tensors(value: Any, name: str, limits: TensorLimits) -> tuple[np.ndarray, .
     _want(value, list, name)
     if len(value) > MAX_TENSORS:
         raise FieldError(f"{name}: {len(value)} tensors, at most {MAX_TENSORS}", field=name)
+    total = 0
+    for i, t in enumerate(value):
+        nbytes = declared_nbytes(t)
+        if nbytes and nbytes // DTYPES[t[1]].itemsize > limits.max_elements:
+            decode_tensor(t, field=f"{name}[{i}]", limits=limits)  # raises, naming the tensor's shape
+        total += nbytes
+    if total > limits.max_total_bytes:
+        raise TensorError(f"{name}: the tensors claim {total:,} decoded bytes, at most {limits.max_total_bytes:,}",
+                          field=name)
     return tuple(decode_tensor(t, field=f"{name}[{i}]", limits=limits) for i, t in enumerate(value))
 
 
@@ -690,6 +725,8 @@ def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
         raise
     except (TypeError, ValueError, OverflowError) as exc:  # defensive: never leak another type
         raise MalformedMessage(f"body: {exc}", field="body") from exc
+    except MemoryError:
+        raise FieldError("body: too large to decode in the memory available", field="body") from None
     return Decoded(envelope=Envelope(round=rnd, sender=sender, seq=seq, body=body, timestamp_ms=ts, version=version),
                    payload_bytes=len(payload), body_bytes=len(body_bytes))
 

@@ -157,11 +157,31 @@ class TensorLimits:
         max_dims: largest number of dimensions.
         allow_nonfinite: whether NaN/Inf values are accepted (updates: no). Checked on the
             decoded tensor, whatever the codec.
+        max_total_bytes: largest sum of decoded tensor sizes (``n × itemsize``) in one message,
+            checked from the declared shapes **before** anything is decoded, so a small message
+            claiming huge sparse or compressed tensors is refused without allocating (bytes).
     """
 
     max_elements: int = MAX_ELEMENTS
     max_dims: int = MAX_DIMS
     allow_nonfinite: bool = False
+    max_total_bytes: int = 512 * 1024 * 1024
+
+
+def declared_nbytes(obj: Any) -> int:
+    """Decoded size (bytes) a tensor array ``[codec, dtype, shape, ...]`` claims, from its header
+    alone; 0 when the header is malformed (the decoder then rejects it with the reason)."""
+    if not isinstance(obj, (list, tuple)) or len(obj) < 3:
+        return 0
+    code, shape = obj[1], obj[2]
+    if type(code) is not int or code not in DTYPES or not isinstance(shape, (list, tuple)) or len(shape) > 64:
+        return 0
+    n = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return 0
+        n *= d
+    return n * DTYPES[code].itemsize
 
 
 DEFAULT_LIMITS = TensorLimits()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import ssl
 import threading
 import time
@@ -172,6 +173,7 @@ class MqttTransport:
         self.connects = 0
         self.disconnects = 0
         self._packet_listener: Callable[[PacketEvent], None] | None = None
+        self._connect_listeners: list[Callable[[int], None]] = []
         self._early_packets: list[PacketEvent] = []
         self._packet_lock = threading.Lock()
         c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
@@ -209,6 +211,11 @@ class MqttTransport:
         for ev in early:
             listener(ev)
 
+    def add_connect_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(n)`` on paho's network thread after the n-th accepted CONNECT (n > 1 is
+        a reconnect). It must not block: publish without waiting."""
+        self._connect_listeners.append(listener)
+
     @property
     def socket_bytes(self) -> tuple[int, int]:
         """(bytes written to, bytes read from) the socket so far, MQTT layer (before TLS)."""
@@ -223,6 +230,11 @@ class MqttTransport:
         for flt, qos in self._filters.items():
             client.subscribe(flt, qos)
         self._connected.set()
+        for listener in list(self._connect_listeners):
+            try:
+                listener(self.connects)
+            except Exception:  # a listener must never break paho's network thread
+                log.exception("%s: connect listener failed", self.client_id)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._connected.clear()
@@ -241,6 +253,12 @@ class MqttTransport:
         Raises:
             ConnectError: refused, or no CONNACK within ``timeout_s`` seconds.
         """
+        try:  # fail fast, with the reason, when nothing listens there
+            socket.create_connection((self.host, self.port), timeout=min(timeout_s, 5.0)).close()
+        except OSError as exc:
+            reason = exc.strerror or exc.__class__.__name__
+            raise ConnectError(f"cannot reach the MQTT broker at {self.host}:{self.port}: {reason}. Is the broker "
+                               f"running, and are the host and port right?", client_id=self.client_id) from exc
         try:
             self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s)
         except (OSError, ValueError) as exc:
@@ -249,8 +267,9 @@ class MqttTransport:
         if not self._connected.wait(timeout_s):
             self._client.loop_stop()
             reason = self._refused or "no CONNACK"
-            raise ConnectError(f"{self.client_id}: broker {self.host}:{self.port} did not accept the connection "
-                               f"within {timeout_s:g} s ({reason})", client_id=self.client_id)
+            raise ConnectError(f"the MQTT broker at {self.host}:{self.port} did not accept the connection of "
+                               f"{self.client_id!r} within {timeout_s:g} s ({reason}); check credentials and TLS "
+                               f"settings", client_id=self.client_id)
 
     @property
     def connected(self) -> bool:

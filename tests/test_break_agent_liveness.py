@@ -33,7 +33,7 @@ def _cfg(**over) -> config_mod.Config:
         "run": {"name": "brk", "seed": 1, "rounds": 3},
         "data": {"dataset": "digits", "partition": "iid", "clients": 3},
         "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
-        "server": {"quorum": 2, "round_deadline_s": 4.0, "join_timeout_s": 30.0},
+        "server": {"quorum": 2, "round_deadline_s": 20.0, "join_timeout_s": 30.0},
         "broker": {"kind": "amqtt"},
     }
     for sec, vals in over.items():
@@ -45,7 +45,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a forged join refusal kills a live agent (receipt ref_seq not matched)")
 def test_forged_join_with_wrong_manifest_does_not_kill_a_live_agent(tmp_path: Path) -> None:
     fed = "brk-joinspoof"
     run_dir = tmp_path / fed
@@ -81,8 +80,6 @@ def test_forged_join_with_wrong_manifest_does_not_kill_a_live_agent(tmp_path: Pa
     assert all(m["clients_reported"] == 3 for m in _metrics(run_dir))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: after a link drop the last will marks the agent offline forever; "
-                                       "it never re-announces 'online' on reconnect")
 def test_agent_is_selected_again_after_a_transient_link_drop(tmp_path: Path) -> None:
     dropped = threading.Event()
 

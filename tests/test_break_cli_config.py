@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.toml"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: PartitionError escapes the CLI as a traceback (exit 1, not 2)")
 @pytest.mark.parametrize("extra, clients", [("", 200), ("alpha_override", 10)])
 def test_impossible_partition_is_a_configuration_error(tmp_path: Path, capsys, extra: str, clients: int) -> None:
     cfg = QUICKSTART.read_text()
@@ -35,14 +34,11 @@ def test_impossible_partition_is_a_configuration_error(tmp_path: Path, capsys, e
     assert "min_samples" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: --clients override is validated against the file's client count")
 def test_clients_override_can_raise_the_client_count_above_the_file_quorum(tmp_path: Path) -> None:
-    from broker_server import config as config_mod
-    from broker_server.cli import _overrides, build_parser
+    from broker_server.cli import _load, build_parser
 
     path = tmp_path / "cfg.toml"
     path.write_text(QUICKSTART.read_text().replace("quorum = 2", "quorum = 9"))
     args = build_parser().parse_args(["simulate", "--config", str(path), "--clients", "12"])
-    # the CLI loads the file first (cli._cmd_simulate): that alone already refuses it
-    cfg = _overrides(config_mod.load(path), args)
+    cfg = _load(args)
     assert cfg.data.clients == 12 and cfg.server.quorum == 9

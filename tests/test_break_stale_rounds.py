@@ -26,8 +26,6 @@ pytestmark = pytest.mark.slow
 TRAIN_S = 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: agents train superseded rounds (and after finish) instead of "
-                                       "skipping to the newest round")
 def test_agent_does_not_train_rounds_that_are_already_over(tmp_path: Path) -> None:
     def hook(i, agent):
         original = agent.algorithm.local_round

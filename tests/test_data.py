@@ -6,8 +6,10 @@ code under test. Nothing here downloads: FEDFLEET_OFFLINE=1 is set for every tes
 
 from __future__ import annotations
 
+import hashlib
+import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +28,36 @@ SVHN50_COUNTS = [6, 4, 7, 4, 5, 6, 4, 4, 4, 6]
 DIGITS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 
 
+# FEDFLEET_DATA as the test run was started with (the autouse fixture below removes it).
+_ENV_DATA_AT_START = os.environ.get("FEDFLEET_DATA", "")
+
+
 def _shared_dir() -> Path | None:
-    for d in data._SHARED_DATA_DIRS:
+    """The folder the loader reads the MANIFEST sets from, by the loader's own resolution:
+    FEDFLEET_DATA first, then the shared data folder(s) beside the repository."""
+    for d in data._npz_search_dirs(data._user_data_dir(None)):
         if (d / "mnist" / "test.npz").is_file():
             return d
     return None
 
 
 SHARED = _shared_dir()
-needs_shared = pytest.mark.skipif(SHARED is None, reason="shared/data (MANIFEST files) not present")
+
+
+@pytest.fixture
+def _shared_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the loader see SHARED again: put back the FEDFLEET_DATA the run started with."""
+    if _ENV_DATA_AT_START:
+        monkeypatch.setenv("FEDFLEET_DATA", _ENV_DATA_AT_START)
+
+
+def needs_shared(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark a test that reads the MANIFEST files (from FEDFLEET_DATA or the shared folder)."""
+    test = pytest.mark.usefixtures("_shared_data")(test)
+    return pytest.mark.skipif(
+        SHARED is None,
+        reason="MANIFEST data files not found (set FEDFLEET_DATA or provide ../shared/data)",
+    )(test)
 
 
 @pytest.fixture(autouse=True)
@@ -299,13 +322,35 @@ def test_missing_everywhere_offline(isolated: Path) -> None:
         data.load_dataset("mnist", data_dir=missing)
     err = info.value
     msg = str(err)
-    assert str(missing) in msg and "data_dir argument" in msg
+    assert f"{missing}  [the data folder you set, does not exist]" in msg
     assert "mnist/train.npz and mnist/test.npz" in msg
     assert "x uint8 N×28×28" in msg and "FEDFLEET_DATA" in msg
-    assert "FEDFLEET_OFFLINE=1" in msg
+    assert "not attempted (downloads are off: FEDFLEET_OFFLINE=1)" in msg
     assert err.dataset == "mnist"
     assert err.searched[0] == str(missing)
     assert f"torchvision:{isolated / 'tv-cache'}" in err.searched
+    assert not missing.exists()  # a lookup never creates the data folder
+
+
+def test_message_names_every_way_to_set_the_data_folder(isolated: Path) -> None:
+    """The advice reads right for CLI, config and Python users alike (not only Python names)."""
+    with pytest.raises(DataError) as info:
+        data.load_dataset("mnist", data_dir=isolated / "nowhere")
+    msg = str(info.value)
+    for way in (
+        "`--data-dir DIR` on the command line",
+        "`[data] data_dir` in the config",
+        "`data_dir=` in Python",
+        "the FEDFLEET_DATA environment variable",
+    ):
+        assert way in msg
+    assert "pass data_dir=" not in msg and "(allow_download=True," not in msg
+    # Where to put what is still spelled out.
+    assert f"e.g. {isolated / 'nowhere' / 'mnist' / 'train.npz'}" in msg
+    assert "torchvision's MNIST folder layout (MNIST/raw/train-images-idx3-ubyte" in msg
+    with pytest.raises(DataError) as info:
+        data.load_dataset("mnist_m")
+    assert "(nothing: no data folder set, FEDFLEET_DATA not set" in str(info.value)
 
 
 def test_missing_with_env_dir_and_allow_download_false(
@@ -321,7 +366,7 @@ def test_missing_with_env_dir_and_allow_download_false(
     assert "mnist_m_regenerated/train_subset5k.npz" in str(info.value)
     with pytest.raises(DataError) as info:
         data.load_dataset("usps", allow_download=False)
-    assert "allow_download=False" in str(info.value)
+    assert "not attempted (downloads are off: allow_download=False)" in str(info.value)
 
 
 def test_data_dir_before_shared_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -454,8 +499,238 @@ def test_download_attempted_only_when_allowed(
     monkeypatch.delenv("FEDFLEET_OFFLINE")
     with pytest.raises(DataError) as info:
         data.load_dataset("usps", data_dir=isolated / "dl")
-    assert calls == [(str(isolated / "dl"), True)]
+    # One attempt, with download=True, into a fresh temporary folder under the cache root.
+    assert len(calls) == 1 and calls[0][1] is True
+    tmp_root = Path(calls[0][0])
+    assert tmp_root.parent == isolated / "tv-cache" and tmp_root.name.startswith(".download-")
+    assert not tmp_root.exists()  # removed again
+    assert not (isolated / "dl").exists()
     msg = str(info.value)
-    assert "download: failed" in msg and "network unreachable (fake)" in msg
+    assert "(download failed: " in msg and "network unreachable (fake)" in msg
+    assert str(tmp_root) not in msg  # no pointer to a folder that is gone
     assert info.value.searched[0] == str(isolated / "dl")
     assert isinstance(info.value.__cause__, DataError)
+
+
+# ---------------------------------------------------------------------------- downloads
+
+
+def _tree_listing(root: Path) -> list[tuple[object, ...]]:
+    """Every entry under ``root`` (and root itself) with its type, mode, mtime, size and
+    content hash: equal listings mean the tree is byte-for-byte unchanged, and a folder in
+    which something was created and removed again shows up through its mtime."""
+    if not root.exists():
+        return []
+    out: list[tuple[object, ...]] = []
+    for path in [root, *sorted(root.rglob("*"))]:
+        st = path.lstat()
+        rel = path.relative_to(root).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            out.append((rel, "dir", st.st_mode, st.st_mtime_ns))
+        else:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            out.append((rel, "file", st.st_mode, st.st_mtime_ns, st.st_size, digest))
+    return out
+
+
+def _offline_mnist_download(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """Make torchvision's real MNIST download fail the way it does offline.
+
+    ``MNIST.download`` creates ``<root>/MNIST/raw`` and then calls
+    ``download_and_extract_archive`` once per mirror; offline each call raises ``URLError`` and
+    MNIST finally raises ``RuntimeError("Error downloading ...")``. Only the network call is
+    replaced here; torchvision's own folder creation and error handling run unchanged.
+    """
+    import urllib.error
+
+    import torchvision.datasets.mnist as tv_mnist
+
+    def no_network(url: str, download_root: str, **kwargs: object) -> None:
+        calls.append(download_root)
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution (fake)")
+
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", no_network)
+
+
+def _partial_usps_download(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """USPS: ``download_url`` creates the root, leaves a partial file and raises URLError."""
+    import urllib.error
+
+    import torchvision.datasets.usps as tv_usps
+
+    def broken(url: str, root: str, filename: str, md5: str | None = None) -> None:
+        calls.append(root)
+        os.makedirs(root, exist_ok=True)
+        Path(root, filename).write_bytes(b"BZh91AY&SY partial")
+        raise urllib.error.URLError("connection reset (fake)")
+
+    monkeypatch.setattr(tv_usps, "download_url", broken)
+
+
+@pytest.mark.parametrize(
+    ("name", "break_download"),
+    [("mnist", _offline_mnist_download), ("usps", _partial_usps_download)],
+)
+def test_failed_download_leaves_data_dir_untouched(
+    isolated: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    break_download: Callable[[pytest.MonkeyPatch, list[str]], None],
+) -> None:
+    """A lookup that fails changes nothing under the data folder and creates no missing one."""
+    calls: list[str] = []
+    break_download(monkeypatch, calls)
+    # The reported mistake: the data folder is the set's own folder (…/mnist holding the npz).
+    own_folder = isolated / "user" / name
+    own_folder.mkdir(parents=True)
+    (own_folder / "train.npz").write_bytes(b"train bytes")
+    (own_folder / "test.npz").write_bytes(b"test bytes")
+    (own_folder / "notes").mkdir()
+    (own_folder / "notes" / "README").write_text("mine")
+    missing = isolated / "user" / "not-there"
+    before = _tree_listing(isolated / "user")
+
+    for data_dir in (own_folder, missing):
+        calls.clear()
+        with pytest.raises(DataError) as info:
+            data.load_dataset(name, data_dir=data_dir, allow_download=True)
+        assert calls, "the download was attempted"
+        assert all(Path(c).is_relative_to(isolated / "tv-cache") for c in calls)
+        assert "(download failed: " in str(info.value)
+        assert "URLError" in str(info.value) or "Error downloading" in str(info.value)
+        assert _tree_listing(isolated / "user") == before
+        assert not missing.exists()
+        # The temporary download folder is gone too; the cache root holds nothing.
+        assert list((isolated / "tv-cache").iterdir()) == []
+
+
+def _fake_mnist_mirror(
+    monkeypatch: pytest.MonkeyPatch, n_train: int = 6, n_test: int = 3
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A successful MNIST download: writes the (uncompressed) idx files torchvision expects."""
+    import torchvision.datasets.mnist as tv_mnist
+
+    rng = np.random.default_rng(11)
+    arrays = {}
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        arrays[split] = (
+            rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8),
+            rng.integers(0, 10, size=n).astype(np.uint8),
+        )
+
+    def fetch(url: str, download_root: str, filename: str, **kwargs: object) -> None:
+        split, kind = filename.split("-")[0], filename.split("-")[1]
+        x, y = arrays[split]
+        body = (
+            struct.pack(">IIII", 0x803, len(x), 28, 28) + x.tobytes()
+            if kind == "images"
+            else struct.pack(">II", 0x801, len(y)) + y.tobytes()
+        )
+        Path(download_root, filename.removesuffix(".gz")).write_bytes(body)
+
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", fetch)
+    return arrays
+
+
+@pytest.mark.parametrize("leftover", [False, True], ids=["empty_dir", "old_empty_MNIST_raw"])
+def test_successful_download_is_moved_into_data_dir(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch, leftover: bool
+) -> None:
+    arrays = _fake_mnist_mirror(monkeypatch)
+    target = isolated / "user"
+    target.mkdir()
+    if leftover:  # what the old code left behind after a failed download
+        (target / "MNIST" / "raw").mkdir(parents=True)
+    ds = data.load_dataset("mnist", data_dir=target, allow_download=True)
+    assert ds.source == f"torchvision:{target.resolve()}"
+    assert (len(ds.train), len(ds.test)) == (6, 3)
+    np.testing.assert_allclose(ds.test.x[:, 0], _expected_norm(arrays["t10k"][0]), atol=1e-6)
+    assert sorted(p.name for p in (target / "MNIST" / "raw").iterdir()) == sorted(
+        f"{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")
+    )
+    assert sorted(p.name for p in target.iterdir()) == ["MNIST"]
+    assert list((isolated / "tv-cache").iterdir()) == []  # temporary folder removed
+    data.clear_dataset_cache()  # found again without a download
+    monkeypatch.setattr(
+        "torchvision.datasets.mnist.download_and_extract_archive", None, raising=True
+    )
+    again = data.load_dataset("mnist", data_dir=target, allow_download=False)
+    np.testing.assert_array_equal(again.train.y, arrays["train"][1].astype(np.int64))
+
+
+def test_successful_download_never_creates_missing_data_dir(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_mnist_mirror(monkeypatch)
+    missing = isolated / "user" / "not-there"
+    ds = data.load_dataset("mnist", data_dir=missing, allow_download=True)
+    cache = isolated / "tv-cache"
+    assert ds.source == f"torchvision:{cache.resolve()}"
+    assert not missing.exists() and not missing.parent.exists()
+    assert sorted(p.name for p in cache.iterdir()) == ["MNIST"]
+    assert len(list((cache / "MNIST" / "raw").iterdir())) == 4
+
+
+# ---------------------------------------------------------------------------- misplaced folder
+
+
+@pytest.mark.parametrize(
+    ("name", "folder", "files"),
+    [
+        ("mnist", "mnist", ("train.npz", "test.npz")),
+        ("cifar10", "cifar10", ("train_subset10k.npz", "test.npz")),
+        ("pacs_photo", "pacs", ("photo_32.npz",)),
+    ],
+)
+def test_hint_when_data_dir_is_the_sets_own_folder(
+    isolated: Path, name: str, folder: str, files: tuple[str, ...]
+) -> None:
+    own = isolated / "x" / folder
+    own.mkdir(parents=True)
+    for f in files:
+        (own / f).write_bytes(b"")
+    with pytest.raises(DataError) as info:
+        data.load_dataset(name, data_dir=own)
+    found = "/".join(files)
+    expected = (
+        f"found {found} directly in {own}: pass its parent folder ({isolated / 'x'}) as the "
+        "data folder"
+    )
+    assert expected in str(info.value)
+    assert f"e.g. {isolated / 'x' / folder / files[0]}" in str(info.value)
+
+
+def test_hint_for_env_dir_wrongly_named_folder_and_torchvision_layout(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = isolated / "x" / "mnist"
+    own.mkdir(parents=True)
+    (own / "train.npz").write_bytes(b"")
+    (own / "test.npz").write_bytes(b"")
+    monkeypatch.setenv("FEDFLEET_DATA", str(own))  # the same mistake through the environment
+    with pytest.raises(DataError) as info:
+        data.load_dataset("mnist")
+    assert f"pass its parent folder ({isolated / 'x'}) as the data folder" in str(info.value)
+
+    odd = isolated / "y" / "my_mnist_copy"  # own folder, but not named as the loader expects
+    odd.mkdir(parents=True)
+    (odd / "train.npz").write_bytes(b"")
+    (odd / "test.npz").write_bytes(b"")
+    with pytest.raises(DataError) as info:
+        data.load_dataset("mnist", data_dir=odd)
+    msg = str(info.value)
+    assert f"found train.npz/test.npz directly in {odd}" in msg
+    assert f"rename {odd} to {isolated / 'y' / 'mnist'}" in msg
+
+    raw = isolated / "z" / "MNIST" / "raw"  # torchvision's layout, one level too deep
+    raw.mkdir(parents=True)
+    for s in ("train", "t10k"):
+        for k in ("images-idx3", "labels-idx1"):
+            (raw / f"{s}-{k}-ubyte").write_bytes(b"")
+    with pytest.raises(DataError) as info:
+        data.load_dataset("mnist", data_dir=raw.parent)
+    assert f"pass its parent folder ({isolated / 'z'}) as the data folder" in str(info.value)
+
+    with pytest.raises(DataError) as info:  # no hint when nothing is misplaced
+        data.load_dataset("mnist", data_dir=isolated / "z")
+    assert "directly in" not in str(info.value)
