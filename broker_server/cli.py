@@ -42,9 +42,17 @@ def _overrides(args) -> dict:
 
 def _load(args):
     """The configuration file with the command-line overrides; a quorum above an overridden
-    client count is lowered to it (and said so)."""
+    client count is lowered to it (and said so). With ``--resume RUN_DIR`` the run's resolved
+    ``config.toml`` is the file (and ``--out`` is the run folder)."""
     from . import config as config_mod
 
+    if getattr(args, "resume", None):
+        if args.config:
+            raise ConfigError("--resume uses the run's own config.toml: do not pass --config too")
+        args.config = str(Path(args.resume) / "config.toml")
+        args.out = args.resume
+    elif not args.config:
+        raise ConfigError("--config FILE is required (or --resume RUN_DIR)")
     over = _overrides(args)
     try:
         return config_mod.load(args.config, over)
@@ -64,7 +72,7 @@ def _cmd_simulate(args) -> int:
     print(f"fedfleet simulate: {cfg.data.dataset}, {cfg.data.clients} clients ({cfg.data.partition}"
           f"{f', α={cfg.data.alpha:g}' if cfg.data.partition == 'dirichlet' else ''}), {cfg.train.algorithm}, "
           f"{cfg.run.rounds} rounds", flush=True)
-    res = simulate(cfg, broker_url=args.broker, run_dir=args.out, on_round=show)
+    res = simulate(cfg, broker_url=args.broker, run_dir=args.out, on_round=show, resume=bool(args.resume))
     _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker)
     return EXIT_OK
 
@@ -87,13 +95,51 @@ def _cmd_server(args) -> int:
     from .server_main import serve
 
     cfg = _load(args)
-    return serve(cfg, broker_url=args.broker, run_dir=args.out)
+    return serve(cfg, broker_url=args.broker, run_dir=args.out, resume=bool(args.resume))
 
 
 def _cmd_audit(args) -> int:
     from .audit import run_audit
 
     return run_audit(args)
+
+
+def _cmd_profiles(args) -> int:
+    """``fedfleet profiles``: a table of every firmware profile found; ``fedfleet profiles show NAME``:
+    one resolved profile as TOML (``NAME`` may also be a path ending in ``.toml``). Profiles are
+    searched in ``$FEDFLEET_PROFILES`` and then the repository's ``firmware_profiles/``
+    (:func:`edge_agent.profiles.search_dirs`). An unknown name or an invalid file: exit 2."""
+    from edge_agent.profiles import ProfileError, get_profile, list_profiles, load_profile
+
+    try:
+        if args.profiles_command == "show":
+            name = args.name
+            prof = load_profile(name) if name.endswith(".toml") else get_profile(name)
+            print(prof.to_toml(), end="")
+            return EXIT_OK
+        profiles = [get_profile(n) for n in list_profiles()]
+    except ProfileError as exc:
+        print(f"fedfleet: profile error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(_profiles_table(profiles))
+    return EXIT_OK
+
+
+def _profiles_table(profiles) -> str:
+    """Profiles as a fixed-width text table (units in the header)."""
+    head = ("name", "accel", "precision", "cores/threads", "memory MiB (budget/RAM)", "up kbit/s",
+            "down kbit/s", "RTT ms", "loss %", "max packet B", "chunk B", "update codec", "rel. speed")
+    rows = [(p.name, p.accelerator, p.precision, f"{p.cpu_cores}/{p.torch_threads}",
+             f"{p.memory_budget_mb:,}/{p.ram_mb:,}", f"{p.link.uplink_kbps:,.0f}", f"{p.link.downlink_kbps:,.0f}",
+             f"{p.link.rtt_ms:g}", f"{p.link.loss_percent:g}", f"{p.mqtt.max_packet_bytes:,}",
+             f"{p.mqtt.chunk_bytes:,}", p.preferred_codecs.update_codec, f"{p.relative_compute_speed:g}")
+            for p in profiles]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    left = {0, 1, 2, 11}
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in [head, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--config", required=True, help="TOML run configuration (see examples/)")
+        sp.add_argument("--config", help="TOML run configuration (see examples/)")
+        sp.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue a run that was interrupted, from its last checkpoint")
         sp.add_argument("--broker", help="mqtt://host:port of an existing broker (default: start an embedded one)")
         sp.add_argument("--rounds", type=int, help="override [run] rounds")
         sp.add_argument("--seed", type=int, help="override [run] seed")
@@ -126,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("audit", help="the byte ledger of run folders as tables, JSON, HTML or CSV; compares runs")
     add_audit_arguments(s)
     s.set_defaults(func=_cmd_audit)
+
+    s = sub.add_parser("profiles", help="list the firmware profiles as a table; `profiles show NAME` prints one")
+    s.set_defaults(func=_cmd_profiles, profiles_command=None)
+    ps = s.add_subparsers(dest="profiles_command")
+    show = ps.add_parser("show", help="the resolved profile NAME (or a PATH.toml, validated) as TOML")
+    show.add_argument("name", metavar="NAME", help="profile name (see `fedfleet profiles`) or a .toml file")
     return p
 
 

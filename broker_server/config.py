@@ -128,11 +128,40 @@ class ProtocolSection:
 
 @dataclass(frozen=True)
 class AgentsSection:
-    """[agents]: firmware profile of simulated agents, concurrent trainers, torch threads."""
+    """[agents]: firmware profiles of the simulated fleet, concurrent trainers, torch threads.
+
+    ``profile`` is one profile name (``"rpi4"``) or a mix with fractions summing to 1
+    (``"rpi4=0.4,jetson-orin-nano=0.4,x86-cpu=0.2"``); each virtual agent gets one, seeded.
+    ``emulate_link`` makes every transfer take the time its profile's link needs.
+    """
 
     profile: str = "x86-cpu"
     train_slots: int = 1
     torch_threads: int = 0
+    emulate_link: bool = False
+
+    def profile_mix(self) -> list[tuple[str, float]]:
+        """``[(name, fraction), …]`` from ``profile``.
+
+        Raises:
+            ValueError: malformed text, a fraction outside (0, 1], or fractions not summing to 1.
+        """
+        parts = [p.strip() for p in self.profile.split(",") if p.strip()]
+        if len(parts) == 1 and "=" not in parts[0]:
+            return [(parts[0], 1.0)]
+        mix = []
+        for p in parts:
+            name, eq, frac = p.partition("=")
+            try:
+                f = float(frac)
+            except ValueError:
+                raise ValueError(f"{p!r}: expected NAME=FRACTION") from None
+            if not eq or not name or not 0 < f <= 1:
+                raise ValueError(f"{p!r}: expected NAME=FRACTION with 0 < FRACTION <= 1")
+            mix.append((name.strip(), f))
+        if abs(sum(f for _, f in mix) - 1) > 1e-6:
+            raise ValueError(f"fractions sum to {sum(f for _, f in mix):g}, not 1")
+        return mix
 
 
 @dataclass(frozen=True)
@@ -244,6 +273,17 @@ def validate(cfg: Config, source: str | None = None) -> None:
                 Codec.parse(text)
             except ValueError as exc:
                 raise ConfigError(f"{src}: [protocol] {key} = {text!r}: {exc}") from None
+    try:
+        mix = cfg.agents.profile_mix()
+    except ValueError as exc:
+        raise ConfigError(f"{src}: [agents] profile = {cfg.agents.profile!r}: {exc}") from None
+    from edge_agent.profiles import ProfileError, get_profile
+
+    for name, _ in mix:
+        try:
+            get_profile(name)
+        except ProfileError as exc:
+            raise ConfigError(f"{src}: [agents] profile: {exc}") from None
     if 0 < cfg.protocol.max_packet_bytes < 1024:
         raise ConfigError(f"{src}: [protocol] max_packet_bytes = {cfg.protocol.max_packet_bytes}: "
                           "use 0 (no limit) or at least 1024 bytes")

@@ -41,7 +41,7 @@ from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 from .aggregate import all_finite
 from .checkpoint import Checkpoint, CheckpointStore
 from .errors import RunError
-from .strategies import ClientResult, Strategy
+from .strategies import Accumulator, ClientResult, Strategy, accumulator_for
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,8 @@ class AggregationServer:
         self.round = 0
         self._collecting: int | None = None
         self._selected: set[str] = set()
-        self._results: dict[str, ClientResult] = {}
+        self._results: dict[str, tuple[int, float]] = {}  # client -> (num_samples, train_loss)
+        self._acc: Accumulator | None = None
         self._stats = RoundStats(round=0)
         self._global_sha256 = b""
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
@@ -191,6 +192,12 @@ class AggregationServer:
         self.channel.reassembler.max_transfer_bytes = max(16 << 20, 4 * model_bytes + (1 << 20))
         self.channel.transfer_filter = lambda sender: sender in self.registry
         self._deadline = float("inf")
+        self._resync = False
+        self._round_msgs: tuple[Global, RoundStart] | None = None
+        self.resyncs = 0
+        self.onnx_result: dict = {}
+        if hasattr(channel.transport, "add_connect_listener"):
+            channel.transport.add_connect_listener(self._on_reconnect)
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
 
     # ------------------------------------------------------------------ message handling
@@ -301,18 +308,43 @@ class AggregationServer:
         if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole
             tensors = tuple(g + d if np.issubdtype(g.dtype, np.floating) else d
                             for g, d in zip(self.global_tensors, body.tensors))
-        self._results[env.sender] = ClientResult(env.sender, tensors, body.num_samples, body.train_loss,
-                                                 dict(body.metrics))
+        try:
+            self._acc.add(ClientResult(env.sender, tensors, body.num_samples, body.train_loss, dict(body.metrics)))
+        except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
+            self.totals["rejected_invalid"] += 1
+            self._stats.invalid += 1
+            self._reply(item, False, f"cannot aggregate: {exc}")
+            return
+        self._results[env.sender] = (body.num_samples, body.train_loss)
         rec = self.registry.get(env.sender)
         if rec is not None:
             rec.updates_accepted += 1
             rec.last_seen = time.monotonic()
         self._reply(item, True)
 
+    def _on_reconnect(self, n: int) -> None:
+        if n > 1:
+            self._resync = True  # handled on the round-loop thread (never publish from paho's thread)
+
+    def _resync_round(self) -> None:
+        """After the server's link came back (a broker restart), publish the open round's global
+        model and round_start again: agents that missed them train now; agents that already
+        trained ignore them and re-send their update if it got no receipt."""
+        self._resync = False
+        if self._collecting is None or self._round_msgs is None:
+            return
+        log.warning("reconnected to the broker: re-sending round %d", self._collecting)
+        glob, start = self._round_msgs
+        self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=self._collecting, codec=self.global_codec)
+        self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=self._collecting)
+        self.resyncs += 1
+
     def pump(self, timeout_s: float) -> None:
         """Handle every message that arrives within ``timeout_s`` seconds (at least one wait)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if self._resync:
+                self._resync_round()
             item = self.channel.receive(max(0.0, deadline - time.monotonic()))
             if item is not None:
                 self._handle(item)
@@ -352,6 +384,7 @@ class AggregationServer:
         self.pump(0.2)
         torch.save(self.model.state_dict(), self.run_dir / "model_final.pt")
         self.checkpoints.close()
+        self.onnx_result = self._export_onnx()
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
         return RunSummary(self.round, last_acc, last_loss, self.metrics)
@@ -364,19 +397,19 @@ class AggregationServer:
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         self._selected, self._results, self._collecting = set(plan.selected), {}, r
+        self._acc = accumulator_for(self.strategy, r, self.global_tensors)
         self._stats.selected = len(plan.selected)
         if self.global_codec.lossy:
             self.global_tensors = [np.array(decode_tensor(encode_tensor(t, self.global_codec),
                                                           limits=TensorLimits(allow_nonfinite=True)))
                                    for t in self.global_tensors]
             load_arrays(self.model, self.global_tensors)
-        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL),
-                                Global(tensors=tuple(self.global_tensors), meta={"manifest_hash": self.manifest_hash}),
-                                round=r, codec=self.global_codec)
+        glob = Global(tensors=tuple(self.global_tensors), meta={"manifest_hash": self.manifest_hash})
+        start = RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s, config=plan.config)
+        self._round_msgs = (glob, start)
+        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec)
         self._global_sha256 = payload_sha256(enc.payload)
-        self.channel.send(topics.down(self.fed, Kind.ROUND_START),
-                          RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s,
-                                     config=plan.config), round=r)
+        self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
         deadline = t0 + self.settings.round_deadline_s
         self._deadline = deadline
         while len(self._results) < len(self._selected) and time.monotonic() < deadline:
@@ -390,15 +423,17 @@ class AggregationServer:
                 break
             self._handle(item)
         self._collecting = None
+        self._round_msgs = None
         self._deadline = float("inf")
         results = [self._results[c] for c in sorted(self._results)]
         self._stats.clients_reported = len(results)
+        acc_round, self._acc = self._acc, None
         if len(results) < self.settings.quorum:
             self._stats.skipped = True
             self._stats.skip_reason = f"{len(results)} updates < quorum {self.settings.quorum}"
             log.warning("round %d skipped: %s", r, self._stats.skip_reason)
         else:
-            new = self.strategy.aggregate(r, self.global_tensors, results)
+            new = acc_round.result()
             if new is not None and not all_finite(new):
                 self._stats.skipped = True
                 self._stats.skip_reason = "aggregate contains NaN/Inf: discarded"
@@ -415,7 +450,7 @@ class AggregationServer:
             "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
             "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
             "global_receipts": self._stats.global_receipts, "unsolicited": self._stats.unsolicited,
-            "train_loss": float(np.average([x.train_loss for x in results], weights=[x.num_samples for x in results]))
+            "train_loss": float(np.average([loss for _, loss in results], weights=[n for n, _ in results]))
             if results else None,
         }
         if self._stats.skip_reason:
@@ -423,9 +458,10 @@ class AggregationServer:
         self.metrics.append(metrics)
         with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
-        self._checkpoint(accuracy=acc)
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
+        self._checkpoint(accuracy=acc)
+        self.write_registry()
         if self.on_round:
             self.on_round(metrics)
         return metrics
@@ -433,6 +469,54 @@ class AggregationServer:
     def _bytes(self) -> tuple[int, int]:
         """(uplink, downlink) wire bytes on the server's link so far, from this side's ledger rows."""
         return self.channel.wire_bytes_received, self.channel.wire_bytes_sent
+
+    def _export_onnx(self) -> dict:
+        """Export the final model to ``model_final.onnx`` and evaluate it with ONNX Runtime on
+        the test split (the deployable artefact is checked, not just written)."""
+        from edge_agent.errors import EdgeAgentError
+        from edge_agent.onnx_runtime import OnnxModel, export_onnx
+
+        try:
+            path = export_onnx(self.model, self.run_dir / "model_final.onnx", input_shape=tuple(self.test.x.shape[1:]))
+            om = OnnxModel(path)
+            acc, loss = om.evaluate(np.asarray(self.test.x, dtype=np.float32), np.asarray(self.test.y))
+            return {"onnx_accuracy": acc, "onnx_loss": loss, "onnx_providers": list(om.providers_used)}
+        except (EdgeAgentError, OSError, ImportError) as exc:
+            log.warning("final model not exported to ONNX: %s", exc)
+            return {"onnx_error": str(exc)}
+
+    def write_registry(self) -> None:
+        """``registry.json`` in the run folder: every device with online/offline, seconds since it
+        was last seen, profile, samples, accepted updates (rewritten atomically each round)."""
+        now = time.monotonic()
+        rows = [{**asdict(r), "last_seen_s_ago": round(now - r.last_seen, 1) if r.last_seen else None}
+                for r in sorted(self.registry.values(), key=lambda r: r.client_id)]
+        for row in rows:
+            row.pop("last_seen", None)
+        tmp = self.run_dir / "registry.json.tmp"
+        tmp.write_text(json.dumps({"round": self.round, "devices": rows}, indent=1), encoding="utf-8")
+        tmp.replace(self.run_dir / "registry.json")
+
+    def resume(self, ckpt: Checkpoint) -> None:
+        """Continue after ``ckpt.round``: restore the global model, strategy state, the selection
+        RNG and the registry (every device offline until it joins again); drop ``metrics.jsonl``
+        lines of rounds after the checkpoint (an interrupted round is run again)."""
+        self.round = ckpt.round
+        self.global_tensors = [np.array(t) for t in ckpt.tensors]
+        load_arrays(self.model, self.global_tensors)
+        self.strategy.load_state_dict(ckpt.strategy_state)
+        self.rng.bit_generator.state = ckpt.rng_state
+        for rec in ckpt.registry:
+            r = ClientRecord(**{k: v for k, v in rec.items() if k in ClientRecord.__dataclass_fields__})
+            r.online, r.last_seen = False, 0.0
+            self.registry[r.client_id] = r
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line)["round"] <= ckpt.round]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            self.metrics = [json.loads(line) for line in kept]
+        log.info("resuming after round %d", ckpt.round)
 
     def _checkpoint(self, accuracy: float | None) -> None:
         self.checkpoints.save(Checkpoint(

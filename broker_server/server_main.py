@@ -23,7 +23,8 @@ from .simulate import make_run_id, progress_printer, split_clients
 log = logging.getLogger(__name__)
 
 
-def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None) -> int:
+def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
+          resume: bool = False) -> int:
     """Run the server of ``cfg`` until its last round; return the exit code (0).
 
     The federation id (the topic level agents must use, ``fedfleet-agent --federation``) is the
@@ -34,8 +35,10 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
     """
     out = Path(run_dir) if run_dir else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
-    if (out / "metrics.jsonl").exists():
-        raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out")
+    if resume and not (out / "checkpoints.sqlite").exists():
+        raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
+    if not resume and (out / "metrics.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or "fedfleet"
     ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
     shards = describe(split_clients(ds, cfg), ds.train.y, ds.num_classes)
@@ -63,6 +66,9 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=progress_printer(cfg.run.rounds))
+        if resume and (ckpt := server.checkpoints.load()) is not None:
+            server.resume(ckpt)
+            print(f"resuming after round {ckpt.round}", flush=True)
         t0 = time.monotonic()
         summary = server.run()
         server.channel.transport.close()

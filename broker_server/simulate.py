@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+import numpy as np
 import torch
 
 from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm
 from edge_agent.data import load_dataset
 from edge_agent.errors import EdgeAgentError, PartitionError
+from edge_agent.device import detect
 from edge_agent.partition import describe, partition
+from edge_agent.runtime import agent_runtime
 from protocol import topics
 from protocol.channel import Channel
 from protocol.ledger import Ledger
@@ -91,6 +94,18 @@ def split_clients(ds, cfg: Config) -> list:
             f"(--clients), a larger [data] alpha, or a smaller [data] min_samples") from None
 
 
+def assign_profiles(mix: list[tuple[str, float]], clients: int, seed: int) -> list[str]:
+    """Profile name of each virtual agent: counts by largest remainder of ``fraction × clients``,
+    placed in a seeded random order (the same for a given seed)."""
+    raw = [f * clients for _, f in mix]
+    counts = [int(r) for r in raw]
+    for i in sorted(range(len(mix)), key=lambda i: raw[i] - counts[i], reverse=True)[:clients - sum(counts)]:
+        counts[i] += 1
+    names = [name for (name, _), c in zip(mix, counts) for _ in range(c)]
+    order = np.random.default_rng(seed).permutation(clients)
+    return [names[i] for i in order]
+
+
 def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict], None]:
     """A callback printing one line per round: round, accuracy, clients, bytes, elapsed."""
     t0 = time.monotonic()
@@ -108,8 +123,8 @@ def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict
 
 
 def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
-             on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None
-             ) -> SimulationResult:
+             on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None,
+             resume: bool = False) -> SimulationResult:
     """Run the federation described by ``cfg`` and return its result.
 
     Args:
@@ -120,6 +135,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         on_round: progress callback (one dict per round).
         agent_hook: called with (index, agent) before each agent thread starts (tests use it to
             make agents misbehave).
+        resume: continue the run in ``run_dir`` from its last checkpoint (after a crash): same
+            federation, the ledger and metrics are appended to, the fleet joins again.
 
     Raises:
         ConfigError: unknown algorithm, data set or partition settings.
@@ -130,8 +147,10 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     t_start = time.monotonic()
     run_id = make_run_id(cfg.run.name, cfg.run.seed)
     out = Path(run_dir) if run_dir is not None else Path(cfg.run.out) / run_id
-    if (out / "metrics.jsonl").exists():
-        raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out")
+    if resume and not (out / "checkpoints.sqlite").exists():
+        raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
+    if not resume and (out / "metrics.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or run_id
     if cfg.agents.torch_threads:
         torch.set_num_threads(cfg.agents.torch_threads)
@@ -169,6 +188,9 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)
     ledger.set_meta("broker", broker_name)
+    profiles = assign_profiles(cfg.agents.profile_mix(), cfg.data.clients, cfg.run.seed)
+    hw = detect()
+    runtimes = {name: agent_runtime(name, info=hw) for name in set(profiles)}
     agents: list[EdgeAgent] = []
     threads: list[threading.Thread] = []
     errors: list[BaseException] = []
@@ -177,6 +199,14 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round)
         server_tr = server.channel.transport
+        # the broker link must carry every device's downloads: the smallest packet limit of the fleet
+        fleet = [runtimes[p] for p in set(profiles)]
+        server.channel.max_packet_bytes = min([server.channel.max_packet_bytes] + [r.max_packet_bytes for r in fleet])
+        server.channel.chunk_bytes = min([server.channel.chunk_bytes] + [r.chunk_bytes for r in fleet])
+        if resume:
+            ckpt = server.checkpoints.load()
+            if ckpt is not None:
+                server.resume(ckpt)
 
         slots = threading.Semaphore(cfg.agents.train_slots)
         defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
@@ -187,11 +217,16 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             tr = open_transport(f"{federation[:40]}-{cid}", cfg, url,
                             will=Will(topics.status(federation, cid), will_payload, qos=1, retain=True))
             tr.connect()
-            ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, **channel_options(cfg))
+            rt = runtimes[profiles[i]]
+            ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger,
+                         **{**channel_options(cfg), "chunk_bytes": min(cfg.protocol.chunk_bytes, rt.chunk_bytes),
+                            "max_packet_bytes": min(cfg.protocol.max_packet_bytes or rt.max_packet_bytes,
+                                                    rt.max_packet_bytes)})
             agent = EdgeAgent(channel=ch, model=device_model(ds, cfg.run.seed + 1 + i),
-                              algorithm=get_client_algorithm(cfg.train.algorithm),
+                              algorithm=get_client_algorithm(cfg.train.algorithm, precision=rt.plan.precision),
+                              runtime=rt, emulate_link=cfg.agents.emulate_link,
                               x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
-                              train_defaults=defaults, client_index=i, profile=cfg.agents.profile,
+                              train_defaults=defaults, client_index=i, profile=profiles[i],
                               train_lock=slots, idle_timeout_s=max(120.0, 2 * cfg.server.round_deadline_s),
                               info={"virtual": True, "torch": torch.__version__, **expected_data(cfg)})
             if agent_hook is not None:
@@ -231,5 +266,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         "federation": federation, "final_accuracy": result.final_accuracy,
         "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
         "dataset": ds.name, "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
+        "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
+        "emulated_link_s": {s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
+        **server.onnx_result,
     }, indent=1), encoding="utf-8")
     return result

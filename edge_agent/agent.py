@@ -7,18 +7,20 @@ a slow device trains.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
+from protocol.errors import TransportError
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
 from protocol.tensors import Codec, ErrorFeedback
 
@@ -26,6 +28,9 @@ from .algorithms import ClientAlgorithm, LocalResult, TrainConfig
 from .data import class_histogram
 from .errors import EdgeAgentError
 from .models import manifest_hash, model_manifest
+
+if TYPE_CHECKING:
+    from .runtime import AgentRuntime
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +56,14 @@ class AgentSummary:
         rounds_trained: rounds in which it published an update.
         receipts_accepted: updates the server acknowledged as accepted.
         finished: whether the run ended with the server's ``finish``.
+        link_s: seconds of emulated link time (uploads + downloads) when link emulation is on.
     """
 
     client_id: str
     rounds_trained: int
     receipts_accepted: int
     finished: bool
+    link_s: float = 0.0
 
 
 class EdgeAgent:
@@ -77,6 +84,13 @@ class EdgeAgent:
         idle_timeout_s: give up when nothing arrives for this many seconds.
         info: scalars announced in ``join.info`` (see :func:`data_announcement`).
         on_trained: called with (round, result, payload bytes) after each published update.
+        receipt_timeout_s: an update without a receipt after this long is sent again …
+        max_resends: … at most this many times, and only before the round's deadline.
+        runtime: the firmware profile fitted to this hardware (:mod:`edge_agent.runtime`): caps
+            the batch size, may force a cheaper update codec, and is announced in ``join``.
+        emulate_link: make each transfer take the time the profile's link needs (simulated
+            fleets): sleep ``bytes·8/uplink + RTT`` before an upload and the downlink time after a
+            download, and record those seconds in ``link_s``.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -84,7 +98,9 @@ class EdgeAgent:
                  profile: str = "x86-cpu", device: torch.device | None = None,
                  train_lock: threading.Semaphore | threading.Lock | None = None,
                  idle_timeout_s: float = 600.0, info: dict | None = None,
-                 on_trained: Callable[[int, LocalResult, int], None] | None = None) -> None:
+                 on_trained: Callable[[int, LocalResult, int], None] | None = None,
+                 receipt_timeout_s: float = 10.0, max_resends: int = 3,
+                 runtime: "AgentRuntime | None" = None, emulate_link: bool = False) -> None:
         self.channel = channel
         self.client_id = channel.node_id
         self.fed = channel.federation
@@ -100,13 +116,21 @@ class EdgeAgent:
         self.profile = profile
         self.train_lock = train_lock
         self.idle_timeout_s = idle_timeout_s
-        self.info = dict(info or {})
+        self.runtime = runtime
+        self.emulate_link = emulate_link and runtime is not None
+        self.link_s = 0.0
+        self.info = {**(runtime.join_info if runtime is not None else {}), **dict(info or {})}
         self.on_trained = on_trained
         self.manifest_hash = manifest_hash(model_manifest(model))
         self._global: tuple[int, tuple[np.ndarray, ...]] | None = None
         self._pending: tuple[int, RoundStart] | None = None
         self._stop = threading.Event()
         self._join_seq = -1
+        self._last_trained_round = 0
+        self._unacked: tuple | None = None
+        self.receipt_timeout_s = receipt_timeout_s
+        self.max_resends = max_resends
+        self.resends = 0
         self._update_seqs: set[int] = set()
         self._pending_at = 0.0
         self.forced_codec: str | None = None
@@ -157,6 +181,7 @@ class EdgeAgent:
             if item is None:
                 if time.monotonic() - last > self.idle_timeout_s:
                     raise AgentError(f"{self.client_id}: nothing from the server for {self.idle_timeout_s:g} s")
+                self._maybe_resend()
                 continue
             last = time.monotonic()
             done = False
@@ -172,7 +197,7 @@ class EdgeAgent:
                 break
             self._maybe_train()
         self._leave()
-        return AgentSummary(self.client_id, self.rounds_trained, self.receipts_accepted, self.finished)
+        return AgentSummary(self.client_id, self.rounds_trained, self.receipts_accepted, self.finished, self.link_s)
 
     def _handle(self, item: Received) -> bool:
         env = item.envelope
@@ -180,6 +205,8 @@ class EdgeAgent:
         if env.sender != "server":
             return False
         if isinstance(body, Global):
+            if self.emulate_link:
+                self._emulate("down", item.decoded.payload_bytes)
             if self._global is None or env.round >= self._global[0]:
                 self._global = (env.round, body.tensors)
             # confirm the (possibly chunked) transfer with its hash, as the protocol asks
@@ -187,6 +214,8 @@ class EdgeAgent:
                               Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True, sha256=item.sha256),
                               round=env.round)
         elif isinstance(body, RoundStart):
+            if env.round <= self._last_trained_round:
+                return False  # already trained (the server re-sent it after a reconnect)
             if self.client_id in body.selected and (self._pending is None or env.round >= self._pending[0]):
                 self._pending = (env.round, body)
                 self._pending_at = item.received_at or time.monotonic()
@@ -204,9 +233,13 @@ class EdgeAgent:
                                 body.ref_seq)
                 elif body.accepted:
                     self._update_seqs.discard(body.ref_seq)
-                    self.receipts_accepted += 1
+                    if self._unacked is not None and self._unacked[0] == env.round:
+                        self._unacked = None
+                        self.receipts_accepted += 1
                 else:
                     self._update_seqs.discard(body.ref_seq)
+                    if self._unacked is not None and self._unacked[0] == env.round:
+                        self._unacked = None  # a definite answer: do not send it again
                     log.warning("%s: update of round %d rejected: %s", self.client_id, env.round, body.reason)
         elif isinstance(body, Finish):
             self.finished = True
@@ -223,19 +256,62 @@ class EdgeAgent:
                      start.deadline_s)
             return
         cfg = TrainConfig.from_mapping(self.train_defaults, start.config)
+        if self.runtime is not None and cfg.batch_size > self.runtime.plan.batch_size:
+            cfg = dataclasses.replace(cfg, batch_size=self.runtime.plan.batch_size)  # the device's memory rule
         global_tensors = self._global[1]
         with self.train_lock if self.train_lock is not None else nullcontext():
             result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
                                                 client_index=self.client_index, device=self.device)
+        self._last_trained_round = rnd
+        if result.num_samples == 0:
+            log.warning("%s: no training samples: nothing to send for round %d", self.client_id, rnd)
+            return
         codec, tensors, delta = self._encode_update(start.config, result.tensors, global_tensors)
-        enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE),
-                                Update(tensors=tensors, num_samples=result.num_samples,
-                                       train_loss=result.train_loss, metrics=result.metrics, delta=delta),
-                                round=rnd, codec=codec)
+        update = Update(tensors=tensors, num_samples=result.num_samples, train_loss=result.train_loss,
+                        metrics=result.metrics, delta=delta)
+        deadline_at = self._pending_at + start.deadline_s
+        self._unacked = (rnd, update, codec, time.monotonic(), 0, deadline_at)
+        try:
+            if self.emulate_link:
+                self._emulate("up", self.channel.encoded_size(update, codec))
+            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec)
+        except TransportError as exc:  # e.g. offline buffer full: kept, sent again by _maybe_resend
+            log.error("%s: update of round %d not sent now: %s", self.client_id, rnd, exc)
+            self.rounds_trained += 1
+            return
         self._update_seqs.add(enc.seq)
         self.rounds_trained += 1
         if self.on_trained is not None:
             self.on_trained(rnd, result, len(enc.payload))
+
+    def _emulate(self, direction: str, nbytes: int) -> None:
+        """Take the time the profile's link needs for ``nbytes`` (simulated fleets only)."""
+        seconds = self.runtime.link_s(nbytes, direction)
+        self.link_s += seconds
+        time.sleep(seconds)
+
+    def _maybe_resend(self) -> None:
+        """Send the last update again when no receipt came back within ``receipt_timeout_s``
+        (a message lost in a broker restart, say), at most ``max_resends`` times and only while
+        its round is still open. The server counts an update once per (client, round)."""
+        if self._unacked is None:
+            return
+        rnd, update, codec, sent_at, tries, deadline_at = self._unacked
+        now = time.monotonic()
+        if now > deadline_at or tries >= self.max_resends:
+            self._unacked = None
+            return
+        if now - sent_at < self.receipt_timeout_s:
+            return
+        self._unacked = (rnd, update, codec, now, tries + 1, deadline_at)
+        log.warning("%s: no receipt for the update of round %d after %.0f s; sending it again (%d/%d)",
+                    self.client_id, rnd, now - sent_at, tries + 1, self.max_resends)
+        try:
+            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec)
+            self._update_seqs.add(enc.seq)
+            self.resends += 1
+        except TransportError as exc:
+            log.error("%s: resend of round %d failed: %s", self.client_id, rnd, exc)
 
     def _encode_update(self, config, tensors, global_tensors):
         """Apply the round's update encoding: codec (the firmware profile may force a cheaper
@@ -247,6 +323,8 @@ class EdgeAgent:
         the channel's encoding of them reproduces the same wire values.
         """
         text = self.forced_codec or str(config.get("update_codec", "fp32"))
+        if self.runtime is not None and not self.forced_codec:
+            text = self.runtime.update_codec(text)
         codec = Codec.parse(text)
         delta = bool(config.get("delta", False))
         out = list(tensors)

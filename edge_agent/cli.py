@@ -17,6 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -38,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for this device's byte ledger (ledger.sqlite; read it with "
                                  "`fedfleet audit`); default fedfleet-agent-<client-id>")
     p.add_argument("--algorithm", default="fedavg")
-    p.add_argument("--profile", default="x86-cpu", help="firmware profile name announced in join")
+    p.add_argument("--profile", default="x86-cpu",
+                   help="firmware profile (fedfleet profiles lists them; a path to a .toml file works too): "
+                        "device, precision, threads, batch size, codec and MQTT limits, fitted to this hardware")
+    p.add_argument("--onnx-eval", action="store_true",
+                   help="at the end, export the local model to ONNX and evaluate it with ONNX Runtime on the "
+                        "local data, with the profile's execution providers")
     p.add_argument("--ca", help="CA file for mqtts://")
     p.add_argument("--username")
     p.add_argument("--password-file", help="file holding the MQTT password")
@@ -63,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     from .algorithms import TrainConfig, get_client_algorithm
     from .data import load_dataset
     from .errors import DataError, EdgeAgentError
+    from .device import apply
     from .models import build_model
     from .partition import partition
+    from .profiles import ProfileError, get_profile, load_profile
+    from .runtime import agent_runtime
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO,
@@ -80,6 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return 2
+    try:
+        prof = load_profile(args.profile) if args.profile.endswith(".toml") else get_profile(args.profile)
+        rt = agent_runtime(prof)
+    except ProfileError as exc:
+        print(f"fedfleet-agent: profile error: {exc}", file=sys.stderr)
+        return 2
+    apply(rt.plan)
+    for reason in rt.plan.fallbacks:
+        print(f"fallback: {reason}", flush=True)
     try:
         ds = load_dataset(args.dataset, data_dir=args.data)
         parts = partition(ds.train.y, n, scheme=args.partition, seed=args.seed,
@@ -106,15 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", args.federation)
-    ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger)
+    ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger,
+                 chunk_bytes=rt.chunk_bytes, max_packet_bytes=rt.max_packet_bytes)
     info = data_announcement(dataset=args.dataset, partition=args.partition, alpha=args.alpha, seed=args.seed,
                              shards=n)
     print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}); joining federation "
           f"{args.federation!r} on {args.broker} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
     try:
-        agent = EdgeAgent(channel=ch, model=model, algorithm=get_client_algorithm(args.algorithm),
+        agent = EdgeAgent(channel=ch, model=model,
+                          algorithm=get_client_algorithm(args.algorithm, precision=rt.plan.precision),
                           x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
-                          train_defaults=TrainConfig(seed=args.seed), client_index=i, profile=args.profile,
+                          train_defaults=TrainConfig(seed=args.seed, batch_size=rt.plan.batch_size), client_index=i,
+                          profile=prof.name, device=rt.plan.device, runtime=rt,
                           idle_timeout_s=args.idle_timeout_s, info=info,
                           on_trained=lambda rnd, res, nbytes: print(
                               f"round {rnd}: trained {res.num_samples} samples in "
@@ -127,6 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         tr.close()
         ledger.close()
+    if args.onnx_eval:
+        from .onnx_runtime import OnnxModel, export_onnx
+
+        model.to("cpu")
+        path = export_onnx(model, out / "model.onnx", input_shape=tuple(ds.train.x.shape[1:]))
+        om = OnnxModel(path, providers=rt.plan.onnx_providers or ("CPUExecutionProvider",))
+        acc, _ = om.evaluate(np.asarray(ds.train.x[idx], np.float32), np.asarray(ds.train.y[idx]))
+        print(f"onnx: local accuracy {acc:.4f} on {len(idx)} samples via {', '.join(om.providers_used)}"
+              + (f" (fallbacks: {'; '.join(om.fallbacks)})" if om.fallbacks else ""))
     print(f"{summary.client_id}: trained {summary.rounds_trained} rounds, "
           f"{summary.receipts_accepted} updates acknowledged, finished={summary.finished}; "
           f"byte ledger in {out}/ledger.sqlite (fedfleet audit {out})")

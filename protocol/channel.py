@@ -196,6 +196,10 @@ class Channel:
         self._publish_chunks(chunks, topic, round, env.kind.label, client, wait_s)
         return enc
 
+    def encoded_size(self, body: Body, codec: Any = None) -> int:
+        """Payload bytes ``body`` would take (for link emulation; encodes once, sends nothing)."""
+        return len(encode(Envelope(round=0, sender=self.node_id, seq=1, body=body), codec).payload)
+
     def _publish_chunks(self, chunks: list[Chunk], topic: str, round: int, kind_label: str, client: str,
                         wait_s: float | None) -> None:
         for c in chunks:

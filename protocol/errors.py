@@ -16,7 +16,9 @@ failures are a separate branch because the caller's remedy differs (retry, recon
     ├── LedgerError                       the byte ledger cannot be written or read
     └── TransportError                    MQTT connection / publish failure
         ├── ConnectError                  the broker refused or did not answer CONNECT
-        └── PublishTimeout                a QoS 1 publish was not acknowledged in time
+        ├── PublishTimeout                a QoS 1 publish was not acknowledged in time
+        └── OfflineBufferFull             too many unacknowledged messages are waiting (link down):
+                                          back off and send again later; nothing was queued
 
 Context is kept as attributes (``field``, ``topic``, ``client_id``) so that logs and ledger rows
 can name what was wrong without parsing the message text.
@@ -98,3 +100,11 @@ class ConnectError(TransportError):
 
 class PublishTimeout(TransportError):
     """A QoS 1 PUBLISH was not acknowledged (PUBACK) within the timeout."""
+
+
+class OfflineBufferFull(TransportError):
+    """The bounded buffer of unacknowledged QoS 1 messages is full (typically: the link is down).
+
+    Nothing was queued: the caller keeps the message and tries again later (back-pressure), so no
+    message is silently lost and memory stays bounded on a device that is offline for long.
+    """

@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 
 import paho.mqtt.client as mqtt
 
-from .errors import ConnectError, PublishTimeout, TransportError
+from .errors import ConnectError, OfflineBufferFull, PublishTimeout, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,20 @@ class Transport(Protocol):
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
                 wait_s: float | None = None) -> None: ...
 
+    def _prune(self) -> None:
+        """Forget acknowledged messages (caller holds ``_buffer_lock``)."""
+        if self._unacked:
+            keep = [(i, n) for i, n in self._unacked if not i.is_published()]
+            self._unacked = keep
+            self._unacked_bytes = sum(n for _, n in keep)
+
+    @property
+    def buffered(self) -> tuple[int, int]:
+        """(messages, bytes) handed to paho at QoS 1 and not yet acknowledged."""
+        with self._buffer_lock:
+            self._prune()
+            return len(self._unacked), self._unacked_bytes
+
     def get(self, timeout_s: float | None) -> Incoming | None: ...
 
     def close(self) -> None: ...
@@ -153,6 +167,9 @@ class MqttTransport:
         will: last will, or ``None``.
         max_queue: bound of the receive queue (messages); when full, the network thread blocks,
             which back-pressures the broker instead of dropping.
+        max_buffered_messages, max_buffered_bytes: bounds of the offline buffer: QoS 1 messages
+            handed to paho and not yet acknowledged (all of them while the link is down). A publish
+            beyond either bound raises :class:`~protocol.errors.OfflineBufferFull`.
 
     Raises:
         ConnectError: from :meth:`connect`, when no CONNACK arrives in time or it refuses.
@@ -161,7 +178,8 @@ class MqttTransport:
     def __init__(self, client_id: str, host: str, port: int, *, username: str | None = None,
                  password: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, keepalive_s: int = 30, will: Will | None = None,
-                 max_queue: int = 100_000) -> None:
+                 max_queue: int = 100_000, max_buffered_messages: int = 1000,
+                 max_buffered_bytes: int = 256 * 1024 * 1024) -> None:
         self.client_id = client_id
         self.host, self.port = host, port
         self.keepalive_s = keepalive_s
@@ -174,6 +192,11 @@ class MqttTransport:
         self.disconnects = 0
         self._packet_listener: Callable[[PacketEvent], None] | None = None
         self._connect_listeners: list[Callable[[int], None]] = []
+        self.max_buffered_messages = max_buffered_messages
+        self.max_buffered_bytes = max_buffered_bytes
+        self._unacked: list[tuple[mqtt.MQTTMessageInfo, int]] = []
+        self._unacked_bytes = 0
+        self._buffer_lock = threading.Lock()
         self._early_packets: list[PacketEvent] = []
         self._packet_lock = threading.Lock()
         c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
@@ -298,6 +321,16 @@ class MqttTransport:
             PublishTimeout: ``wait_s`` given and the PUBLISH not acknowledged in that time.
             TransportError: paho refused the message (e.g. payload too large for MQTT).
         """
+        if qos > 0:
+            with self._buffer_lock:
+                self._prune()
+                if (len(self._unacked) + 1 > self.max_buffered_messages
+                        or self._unacked_bytes + len(payload) > self.max_buffered_bytes):
+                    raise OfflineBufferFull(
+                        f"{self.client_id}: {len(self._unacked)} messages ({self._unacked_bytes:,} bytes) wait for "
+                        f"acknowledgement (link {'up' if self.connected else 'down'}); the offline buffer holds at "
+                        f"most {self.max_buffered_messages} messages / {self.max_buffered_bytes:,} bytes",
+                        client_id=self.client_id, topic=topic)
         try:
             info = self._client.publish(topic, payload, qos=qos, retain=retain)
         except (ValueError, TypeError) as exc:
@@ -305,6 +338,10 @@ class MqttTransport:
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}",
                                  client_id=self.client_id, topic=topic)
+        if qos > 0:
+            with self._buffer_lock:
+                self._unacked.append((info, len(payload)))
+                self._unacked_bytes += len(payload)
         if wait_s is not None:
             deadline = time.monotonic() + wait_s
             while not info.is_published():
@@ -319,6 +356,20 @@ class MqttTransport:
                         time.sleep(0.05)
                 else:
                     self._connected.wait(min(remaining, 0.5))
+
+    def _prune(self) -> None:
+        """Forget acknowledged messages (caller holds ``_buffer_lock``)."""
+        if self._unacked:
+            keep = [(i, n) for i, n in self._unacked if not i.is_published()]
+            self._unacked = keep
+            self._unacked_bytes = sum(n for _, n in keep)
+
+    @property
+    def buffered(self) -> tuple[int, int]:
+        """(messages, bytes) handed to paho at QoS 1 and not yet acknowledged."""
+        with self._buffer_lock:
+            self._prune()
+            return len(self._unacked), self._unacked_bytes
 
     def get(self, timeout_s: float | None) -> Incoming | None:
         """Next received message, or ``None`` after ``timeout_s`` seconds (``None``: wait forever)."""

@@ -251,7 +251,7 @@ def test_malformed_messages_are_rejected_and_the_round_goes_on(tmp_path: Path) -
 def test_agent_that_vanishes_mid_round_is_dropped_after_the_deadline(tmp_path: Path) -> None:
     """client-002 loses power when round 1 starts: round 1 closes at the deadline with the other
     two (quorum 2), its last will marks it offline, and round 2 runs without it."""
-    cfg = small_config(server={"round_deadline_s": 4.0})
+    cfg = small_config(server={"round_deadline_s": 8.0})
 
     def hook(i, agent):
         if i != 2:
@@ -272,7 +272,7 @@ def test_agent_that_vanishes_mid_round_is_dropped_after_the_deadline(tmp_path: P
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert res.rounds_completed == 2
     assert metrics[0]["clients_selected"] == 3 and metrics[0]["clients_reported"] == 2
-    assert metrics[0]["seconds"] >= 4.0 - 0.1  # waited for the deadline
+    assert metrics[0]["seconds"] >= 8.0 - 0.1  # waited for the deadline
     assert metrics[1]["clients_selected"] == 2 and metrics[1]["clients_reported"] == 2
     assert not metrics[0]["skipped"]
     assert time.monotonic() - t0 < 60

@@ -7,8 +7,9 @@ the round loop and the wire.
 
 from __future__ import annotations
 
-from ._base import ClientResult, RoundPlan, Strategy
+from ._base import Accumulator, BufferedAccumulator, ClientResult, RoundPlan, Strategy, accumulator_for
 from ._registry import get_strategy, list_strategies, register_strategy
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
 
-__all__ = sorted(["ClientResult", "RoundPlan", "Strategy", "get_strategy", "list_strategies", "register_strategy"])
+__all__ = sorted(["Accumulator", "BufferedAccumulator", "ClientResult", "RoundPlan", "Strategy", "accumulator_for",
+                  "get_strategy", "list_strategies", "register_strategy"])

@@ -41,6 +41,37 @@ class ClientResult:
     metrics: Mapping[str, float | int | str | bool] = field(default_factory=dict)
 
 
+class Accumulator(Protocol):
+    """Collects one round's accepted results as they arrive (streaming aggregation)."""
+
+    def add(self, result: ClientResult) -> None: ...
+
+    def result(self) -> list[np.ndarray] | None: ...
+
+
+class BufferedAccumulator:
+    """For strategies without a streaming rule: keeps the results, calls ``aggregate`` at the end.
+
+    Memory grows with the number of clients; streaming strategies (FedAvg) avoid it.
+    """
+
+    def __init__(self, strategy: "Strategy", round: int, current: Sequence[np.ndarray]) -> None:
+        self.strategy, self.round, self.current = strategy, round, current
+        self.results: list[ClientResult] = []
+
+    def add(self, result: ClientResult) -> None:
+        self.results.append(result)
+
+    def result(self) -> list[np.ndarray] | None:
+        return self.strategy.aggregate(self.round, self.current, sorted(self.results, key=lambda r: r.client_id))
+
+
+def accumulator_for(strategy: "Strategy", round: int, current: Sequence[np.ndarray]) -> Accumulator:
+    """The strategy's streaming accumulator when it has one, else a :class:`BufferedAccumulator`."""
+    make = getattr(strategy, "accumulator", None)
+    return make(round, current) if make is not None else BufferedAccumulator(strategy, round, current)
+
+
 class Strategy(Protocol):
     """Server half of an algorithm."""
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..aggregate import select_clients, weighted_average
+from ..aggregate import RunningWeightedSum, select_clients, weighted_average
 from ._base import ClientResult, RoundPlan
 from ._registry import register_strategy
 
@@ -48,9 +48,28 @@ class FedAvg:
             return None
         return weighted_average([r.tensors for r in results], [r.num_samples for r in results])
 
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FedAvgAccumulator":
+        """Streaming form of :meth:`aggregate`: each update is folded into running weighted sums
+        on arrival, so server memory is one model whatever the number of clients."""
+        return FedAvgAccumulator()
+
     def state_dict(self) -> dict:
         """FedAvg keeps no state between rounds."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to restore."""
+
+
+class FedAvgAccumulator:
+    """Running Σ n_k·w_k and Σ n_k over a round's accepted updates (same result as
+    :func:`~broker_server.aggregate.weighted_average` on the whole list)."""
+
+    def __init__(self) -> None:
+        self._sum = RunningWeightedSum()
+
+    def add(self, result: ClientResult) -> None:
+        self._sum.add(result.tensors, result.num_samples)
+
+    def result(self) -> list[np.ndarray] | None:
+        return self._sum.mean() if self._sum.count else None

@@ -26,27 +26,69 @@ def shuffle_generator(seed: int, round: int, client_index: int) -> torch.Generat
     return g
 
 
+#: Training precisions: ``"fp32"``, or ``"fp16"`` = CUDA autocast with float16 and a gradient scaler.
+PRECISIONS = ("fp32", "fp16")
+
+
+def _check_precision(precision: str, device: torch.device | None = None) -> None:
+    """Raise ValueError for an unknown precision, or fp16 on a ``device`` that is not CUDA."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp16" and device is not None and torch.device(device).type != "cuda":
+        raise ValueError(f"fp16 training needs a CUDA device, got {device}: train in fp32 on the CPU "
+                         "(edge_agent.device.plan_runtime makes that fallback)")
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; the copy is asynchronous (``non_blocking``) only from pinned host
+    memory to CUDA, the one case where that is both safe and faster. A batch gathered by index
+    (``x[idx]``) is a fresh, unpinned tensor, so it is copied synchronously."""
+    non_blocking = device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()
+    return t.to(device, non_blocking=non_blocking)
+
+
 def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
-               generator: torch.Generator, device: torch.device) -> tuple[float, float]:
-    """Run ``config.local_epochs`` epochs of SGD on ``(x, y)``.
+               generator: torch.Generator, device: torch.device, *, precision: str = "fp32") -> tuple[float, float]:
+    """Run ``config.local_epochs`` epochs (at least one) of SGD on ``(x, y)``.
+
+    Each epoch visits the shard in the order of ``torch.randperm(N, generator=generator)`` in
+    batches of ``config.batch_size`` (the last batch may be smaller; a batch size larger than the
+    shard gives one batch of N). Only ``generator`` is drawn from, never the global RNG, so
+    the result depends on the seed alone. With ``precision="fp32"`` on the CPU the arithmetic is
+    exactly that of plain ``loss.backward(); opt.step()`` SGD: bit-identical for the same seed,
+    data and torch build.
 
     Args:
-        model: trained in place.
+        model: trained in place; already on ``device``.
         x: inputs, float32 [N, C, H, W] (CPU; batches are moved to ``device``).
-        y: labels, int64 [N].
+        y: labels, int64 [N]; classes absent from the shard are fine.
         config: epochs, batch size, learning rate, momentum, weight decay.
-        generator: shuffling RNG.
+        generator: shuffling RNG (CPU).
         device: where the model lives.
+        precision: ``"fp32"``, or ``"fp16"``: forward pass and loss under
+            ``torch.autocast("cuda", float16)``, backward through ``torch.amp.GradScaler("cuda")``
+            (master weights stay float32). fp16 needs a CUDA ``device``.
 
     Returns:
         (mean cross-entropy over the last epoch, training accuracy over the last epoch as a fraction).
         A shard of zero samples returns (0.0, 0.0) and leaves the model unchanged.
+
+    Raises:
+        ValueError: unknown ``precision``; ``"fp16"`` on a non-CUDA device (the runtime plan
+            falls back to fp32 there, see :func:`edge_agent.device.plan_runtime`);
+            ``config.batch_size`` < 1.
     """
+    device = torch.device(device)
+    _check_precision(precision, device)
+    if config.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {config.batch_size}")
     n = int(x.shape[0])
     if n == 0:
         return 0.0, 0.0
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                           weight_decay=config.weight_decay)
+    amp = precision == "fp16"
+    scaler = torch.amp.GradScaler("cuda") if amp else None
     model.train()
     loss_sum = 0.0
     correct = 0
@@ -55,12 +97,20 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
         loss_sum, correct = 0.0, 0
         for start in range(0, n, config.batch_size):
             idx = perm[start:start + config.batch_size]
-            xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
+            xb, yb = _to_device(x[idx], device), _to_device(y[idx], device)
             opt.zero_grad(set_to_none=True)
-            logits = model(xb)
-            loss = F.cross_entropy(logits, yb)
-            loss.backward()
-            opt.step()
+            if scaler is None:
+                logits = model(xb)
+                loss = F.cross_entropy(logits, yb)
+                loss.backward()
+                opt.step()
+            else:
+                with torch.autocast(device_type="cuda", dtype=torch.float16):
+                    logits = model(xb)
+                    loss = F.cross_entropy(logits, yb)  # autocast runs cross_entropy in float32
+                scaler.scale(loss).backward()
+                scaler.step(opt)  # skipped when the scaled gradients overflowed
+                scaler.update()
             loss_sum += float(loss.detach()) * int(yb.shape[0])
             correct += int((logits.detach().argmax(1) == yb).sum())
     return loss_sum / n, correct / n
@@ -72,23 +122,40 @@ class FedAvgClient:
 
     Upload per round: every ``state_dict`` tensor; for the light CNN on 28×28 grayscale that is
     105,216 + 650 parameters × 4 bytes = 423,464 body bytes of tensor data.
+
+    Args:
+        precision: ``"fp32"`` (default), or ``"fp16"`` (CUDA autocast; take it from
+            :attr:`edge_agent.device.RuntimePlan.precision`, which is already ``"fp32"`` on a
+            device without CUDA). Uploads are float32 either way.
+
+    Raises:
+        ValueError: unknown ``precision``.
     """
 
     name = "fedavg"
 
-    def __init__(self) -> None:
-        pass
+    def __init__(self, *, precision: str = "fp32") -> None:
+        _check_precision(precision)
+        self.precision = precision
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
                     y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
                     device: torch.device) -> LocalResult:
         """Load ``global_tensors``, train, return the new weights and ``num_samples = len(y)``.
 
+        A shard of zero samples is not an error: the model is loaded with ``global_tensors`` and
+        the result carries those weights unchanged, ``num_samples=0``, ``train_loss=0.0`` and
+        ``train_accuracy=0.0``. The protocol refuses an update with ``num_samples`` 0, so the
+        caller must not send that result (skip the round) — it is not a FedAvg contribution.
+
         Raises:
             ModelError: ``global_tensors`` do not match the model.
+            ValueError: ``precision="fp16"`` with a non-CUDA ``device``; ``config.batch_size`` < 1.
         """
+        _check_precision(self.precision, device)  # before the model is touched
         t0 = time.perf_counter()
         load_arrays(model, global_tensors)
-        loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device)
+        loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
+                               precision=self.precision)
         return LocalResult(tensors=state_arrays(model), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0})

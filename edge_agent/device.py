@@ -1,0 +1,440 @@
+"""What the hardware really offers, and how a firmware profile is fitted to it (DESIGN.md §6).
+
+Two steps, kept apart so the decision is testable without the hardware:
+
+1. :func:`detect` reads the machine: the device-tree model (Raspberry Pi, Jetson), the Jetson L4T
+   release file, CPU cores, RAM, CUDA (through torch) and the ONNX Runtime execution providers.
+   Every file is read under a ``root`` directory, so tests run it on a fake root in ``tmp_path``.
+2. :func:`plan_runtime` is pure: a profile and a :class:`DeviceInfo` in, a :class:`RuntimePlan`
+   out. Whatever the profile asks for and the device cannot give is downgraded, and every
+   downgrade is recorded as a human-readable reason in :attr:`RuntimePlan.fallbacks` — nothing
+   is changed silently. :func:`apply` then sets torch's thread count and logs each reason at
+   WARNING; :meth:`RuntimePlan.as_join_info` gives the flat scalars announced in ``join.info``.
+
+Usage (``profile`` from ``edge_agent.profiles``)::
+
+    plan = plan_runtime(profile, detect())
+    apply(plan)
+    algorithm = get_client_algorithm("fedavg", precision=plan.precision)
+    # EdgeAgent(..., device=plan.device, info={**data_info, **plan.as_join_info()})
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform as _pyplatform
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+__all__ = ["CPU_PROVIDER", "DeviceInfo", "FP16_MIN_CAPABILITY", "GPU_PROVIDERS", "ProfileLike", "RuntimePlan", "apply",
+           "detect", "plan_runtime"]
+
+log = logging.getLogger(__name__)
+
+#: ONNX Runtime's CPU execution provider: always last in a plan, the catch-all for every node.
+CPU_PROVIDER = "CPUExecutionProvider"
+
+#: ONNX Runtime execution providers that need a CUDA device at run time (an onnxruntime-gpu
+#: build lists them in ``get_available_providers()`` even on a machine without a GPU).
+GPU_PROVIDERS = frozenset({"TensorrtExecutionProvider", "CUDAExecutionProvider"})
+
+#: Lowest CUDA compute capability with native fp16 arithmetic (sm_53: Jetson TX1 / Nano; every
+#: Jetson since, and desktop GPUs from Pascal sm_60 on).
+FP16_MIN_CAPABILITY = (5, 3)
+
+_ACCELERATORS = ("cpu", "cuda")
+_PRECISIONS = ("fp32", "fp16")
+_X86 = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
+_L4T = re.compile(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*([0-9.]+)", re.IGNORECASE)
+
+
+class ProfileLike(Protocol):
+    """The firmware-profile attributes :func:`plan_runtime` reads (``edge_agent.profiles.FirmwareProfile``
+    has them; any object with these attributes will do).
+
+    Attributes:
+        name: profile name (``"jetson-orin-nano"``).
+        accelerator: ``"cpu"`` or ``"cuda"``.
+        onnx_providers: ONNX Runtime execution providers, most preferred first.
+        torch_threads: intra-op CPU threads for torch, >= 1.
+        precision: ``"fp32"``, or ``"fp16"`` (CUDA autocast).
+        batch_size: samples per SGD step, >= 1.
+        memory_budget_mb: memory the training process may use, MiB (0 = no budget).
+    """
+
+    name: str
+    accelerator: str
+    onnx_providers: Sequence[str]
+    torch_threads: int
+    precision: str
+    batch_size: int
+    memory_budget_mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """What :func:`detect` found.
+
+    Attributes:
+        platform: ``"raspberry-pi"``, ``"jetson"``, ``"x86"``, ``"arm"`` (another ARM board) or
+            ``"unknown"``.
+        model: the board model from the device tree (``"Raspberry Pi 4 Model B Rev 1.4"``,
+            ``"NVIDIA Jetson Orin Nano Developer Kit"``), else the CPU's ``model name`` from
+            ``/proc/cpuinfo``, else the machine architecture (``"x86_64"``), else ``"unknown"``.
+        l4t_release: Jetson Linux (L4T) release as ``"35.4.1"`` (from ``/etc/nv_tegra_release``),
+            the file's first line when it does not parse, ``None`` when there is no such file.
+        cpu_cores: CPUs this process may run on (affinity mask), >= 1.
+        memory_mb: total RAM (``MemTotal`` in ``/proc/meminfo``), MiB; 0 when unknown.
+        cuda_available: torch sees a usable CUDA device.
+        cuda_device: name of CUDA device 0, ``None`` without CUDA.
+        cuda_memory_mb: total memory of CUDA device 0, MiB (on a Jetson the RAM it shares with
+            the CPU), ``None`` without CUDA.
+        fp16_supported: CUDA device 0 has native fp16 (compute capability >= 5.3); ``False``
+            without CUDA (fp16 autocast is only used on CUDA).
+        torch_version: ``torch.__version__``.
+        onnx_providers_available: ``onnxruntime.get_available_providers()``, empty when
+            onnxruntime is not installed (a tuple, so the record stays immutable).
+    """
+
+    platform: str
+    model: str
+    l4t_release: str | None
+    cpu_cores: int
+    memory_mb: int
+    cuda_available: bool
+    cuda_device: str | None
+    cuda_memory_mb: int | None
+    fp16_supported: bool
+    torch_version: str
+    onnx_providers_available: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimePlan:
+    """How this device will run, after fitting the profile to :class:`DeviceInfo`.
+
+    Attributes:
+        device: torch device to train on (``cuda:0`` or ``cpu``).
+        precision: ``"fp32"`` or ``"fp16"`` (fp16 only with a CUDA ``device``).
+        torch_threads: intra-op threads for torch, 1 <= threads <= cores.
+        batch_size: samples per SGD step, >= 1 (the profile's, or less under the memory rule).
+        onnx_providers: the profile's providers that are available, order kept, with
+            ``CPUExecutionProvider`` last; empty when onnxruntime is not installed.
+        fallbacks: one human-readable reason per difference between the profile and this plan,
+            in the order device, precision, threads, providers, batch size; empty when the
+            profile was met exactly.
+        platform: :attr:`DeviceInfo.platform`.
+        model: :attr:`DeviceInfo.model`.
+    """
+
+    device: torch.device
+    precision: str
+    torch_threads: int
+    batch_size: int
+    onnx_providers: tuple[str, ...]
+    fallbacks: tuple[str, ...]
+    platform: str
+    model: str
+
+    def as_join_info(self) -> dict[str, str | int | bool]:
+        """Flat scalars for ``join.info``.
+
+        Returns:
+            ``device`` (``"cuda:0"`` / ``"cpu"``), ``precision``, ``platform``, ``model``,
+            ``torch_threads``, ``batch_size``, ``onnx_providers`` (comma-separated),
+            ``fallbacks`` (the reasons joined with ``"; "``, ``""`` when none) and
+            ``fallback_count``.
+        """
+        return {
+            "device": str(self.device),
+            "precision": self.precision,
+            "platform": self.platform,
+            "model": self.model,
+            "torch_threads": int(self.torch_threads),
+            "batch_size": int(self.batch_size),
+            "onnx_providers": ",".join(self.onnx_providers),
+            "fallbacks": "; ".join(self.fallbacks),
+            "fallback_count": len(self.fallbacks),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# detection
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text (undecodable bytes replaced), ``None`` when it cannot be read."""
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def _device_tree_model(root: Path) -> str | None:
+    for rel in ("proc/device-tree/model", "sys/firmware/devicetree/base/model"):
+        text = _read_text(root / rel)
+        if text is not None:
+            model = text.rstrip("\x00").strip()
+            if model:
+                return model
+    return None
+
+
+def _cpuinfo_model(root: Path) -> str | None:
+    text = _read_text(root / "proc/cpuinfo")
+    if text is None:
+        return None
+    for key in ("model name", "Model", "Hardware"):
+        for line in text.splitlines():
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == key and value.strip():
+                return value.strip()
+    return None
+
+
+def _l4t_release(root: Path) -> str | None:
+    text = _read_text(root / "etc/nv_tegra_release")
+    if text is None:
+        return None
+    first = text.splitlines()[0].strip() if text.strip() else ""
+    m = _L4T.search(first)
+    if m:
+        return f"{m.group(1)}.{m.group(2).strip('.')}"
+    return first.lstrip("#").strip() or None
+
+
+def _memory_mb(root: Path) -> int:
+    text = _read_text(root / "proc/meminfo")
+    if text is None:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("MemTotal:"):
+            parts = line.split()
+            try:
+                return int(parts[1]) // 1024  # the kernel always reports kB (KiB)
+            except (IndexError, ValueError):
+                return 0
+    return 0
+
+
+def _cpu_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _platform(model: str | None, l4t: str | None, machine: str) -> str:
+    if l4t is not None or (model is not None and "jetson" in model.lower()):
+        return "jetson"
+    if model is not None and model.lower().startswith("raspberry pi"):
+        return "raspberry-pi"
+    arch = machine.lower()
+    if arch in _X86:
+        return "x86"
+    if arch.startswith(("arm", "aarch64")):
+        return "arm"
+    return "unknown"
+
+
+def _cuda() -> tuple[bool, str | None, int | None, bool]:
+    """(available, name, memory MiB, fp16) of CUDA device 0 as torch sees it. A driver that
+    answers ``is_available()`` but then fails is logged and treated as no CUDA."""
+    if not torch.cuda.is_available():
+        return False, None, None, False
+    try:
+        name = str(torch.cuda.get_device_name(0))
+        memory_mb = int(torch.cuda.get_device_properties(0).total_memory) // (1024 * 1024)
+        capability = tuple(torch.cuda.get_device_capability(0))
+    except (RuntimeError, AssertionError, OSError) as exc:
+        log.warning("CUDA reports a device but querying it failed (%s): treating the device as CPU-only", exc)
+        return False, None, None, False
+    return True, name, memory_mb, capability >= FP16_MIN_CAPABILITY
+
+
+def _onnx_providers() -> tuple[str, ...]:
+    try:
+        import onnxruntime
+    except (ImportError, OSError):
+        return ()
+    return tuple(str(p) for p in onnxruntime.get_available_providers())
+
+
+def detect(root: str | Path = "/", *, machine: str | None = None) -> DeviceInfo:
+    """Detect the device.
+
+    Args:
+        root: directory under which ``proc/device-tree/model`` (or
+            ``sys/firmware/devicetree/base/model``), ``etc/nv_tegra_release``, ``proc/meminfo``
+            and ``proc/cpuinfo`` are read; ``"/"`` on a real device, a fake tree in tests.
+        machine: CPU architecture (``"x86_64"``, ``"aarch64"``) for devices without a known
+            device-tree model; ``None`` = ``platform.machine()``.
+
+    Returns:
+        A :class:`DeviceInfo`. Cores come from this process's affinity mask, CUDA from torch
+        (device 0), providers from onnxruntime; missing files give ``None`` / 0, never an error.
+    """
+    root = Path(root)
+    arch = machine if machine is not None else _pyplatform.machine()
+    tree_model = _device_tree_model(root)
+    l4t = _l4t_release(root)
+    cuda_available, cuda_device, cuda_memory_mb, fp16 = _cuda()
+    return DeviceInfo(
+        platform=_platform(tree_model, l4t, arch),
+        model=tree_model or _cpuinfo_model(root) or arch or "unknown",
+        l4t_release=l4t,
+        cpu_cores=_cpu_cores(),
+        memory_mb=_memory_mb(root),
+        cuda_available=cuda_available,
+        cuda_device=cuda_device,
+        cuda_memory_mb=cuda_memory_mb,
+        fp16_supported=fp16,
+        torch_version=str(torch.__version__),
+        onnx_providers_available=_onnx_providers(),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# planning
+
+
+def _plan_providers(requested: Sequence[str], info: DeviceInfo) -> tuple[tuple[str, ...], list[str]]:
+    """The profile's providers that can run here, order kept, CPU last; and the reasons."""
+    reasons: list[str] = []
+    wanted = list(dict.fromkeys(str(p) for p in requested))  # duplicates carry no meaning
+    available = set(info.onnx_providers_available)
+    if not available:
+        if wanted:
+            reasons.append(f"onnxruntime is not installed: none of {', '.join(wanted)} can be used")
+        return (), reasons
+    kept: list[str] = []
+    missing: list[tuple[int, str, str]] = []  # (position, provider, why)
+    for i, p in enumerate(wanted):
+        if p == CPU_PROVIDER:
+            continue
+        if p not in available:
+            missing.append((i, p, "not available"))
+        elif p in GPU_PROVIDERS and not info.cuda_available:
+            missing.append((i, p, "needs a CUDA device and none is available"))
+        else:
+            kept.append(p)
+    final = (*kept, CPU_PROVIDER) if CPU_PROVIDER in available else tuple(kept)
+    for i, p, why in missing:
+        later = [q for q in wanted[i + 1:] if q in final and q != CPU_PROVIDER]
+        instead = later[0] if later else CPU_PROVIDER if CPU_PROVIDER in final else "no other provider"
+        reasons.append(f"{p} {why}: using {instead}")
+    if CPU_PROVIDER in final:
+        if CPU_PROVIDER not in wanted:
+            reasons.append(f"{CPU_PROVIDER} appended as the last resort (the profile does not list it)")
+        elif wanted[-1] != CPU_PROVIDER:
+            reasons.append(f"{CPU_PROVIDER} moved last (the profile lists it before "
+                           f"{', '.join(wanted[wanted.index(CPU_PROVIDER) + 1:])})")
+    elif CPU_PROVIDER in wanted:
+        reasons.append(f"{CPU_PROVIDER} not available in this onnxruntime build")
+    return final, reasons
+
+
+def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
+    """Fit ``profile`` to what ``info`` says the device offers. Pure: no I/O, no logging.
+
+    Rules, each recorded in :attr:`RuntimePlan.fallbacks` when it changes something:
+
+    - **device**: ``cuda`` when the profile asks for it and ``info.cuda_available``, else ``cpu``.
+    - **precision**: ``fp16`` only on a CUDA device with ``info.fp16_supported``, else ``fp32``.
+    - **threads**: ``min(profile.torch_threads, info.cpu_cores)``.
+    - **ONNX providers**: the profile's list without those onnxruntime does not offer (and without
+      TensorRT/CUDA when there is no CUDA device), order kept, ``CPUExecutionProvider`` last
+      (appended or moved there if the profile did not put it last). Empty without onnxruntime.
+    - **batch size** (memory rule): the memory limit is ``info.memory_mb`` (total RAM), or the
+      smaller of that and ``info.cuda_memory_mb`` when training on CUDA; unknown (0 / None)
+      limits are ignored. When ``profile.memory_budget_mb`` exceeds the limit, the batch size is
+      scaled by limit / budget (activation memory grows about linearly with the batch):
+      ``max(1, profile.batch_size * limit_mb // memory_budget_mb)`` (a batch size already at
+      1 stays 1, and then nothing is recorded: the plan does not differ from the profile).
+
+    Args:
+        profile: a firmware profile (see :class:`ProfileLike`).
+        info: from :func:`detect`.
+
+    Returns:
+        The plan; ``fallbacks`` is empty exactly when the plan is what the profile asked for.
+
+    Raises:
+        ValueError: the profile's ``accelerator`` or ``precision`` is not one of the known
+            values, or ``torch_threads`` / ``batch_size`` is below 1.
+    """
+    if profile.accelerator not in _ACCELERATORS:
+        raise ValueError(f"profile {profile.name!r}: accelerator must be one of {_ACCELERATORS}, "
+                         f"got {profile.accelerator!r}")
+    if profile.precision not in _PRECISIONS:
+        raise ValueError(f"profile {profile.name!r}: precision must be one of {_PRECISIONS}, got {profile.precision!r}")
+    if int(profile.torch_threads) < 1:
+        raise ValueError(f"profile {profile.name!r}: torch_threads must be >= 1, got {profile.torch_threads}")
+    if int(profile.batch_size) < 1:
+        raise ValueError(f"profile {profile.name!r}: batch_size must be >= 1, got {profile.batch_size}")
+    fallbacks: list[str] = []
+
+    if profile.accelerator == "cuda" and info.cuda_available:
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cpu")
+        if profile.accelerator == "cuda":
+            fallbacks.append("profile asks for cuda but no CUDA device is available: training on cpu")
+
+    precision = profile.precision
+    if precision == "fp16":
+        if device.type != "cuda":
+            precision = "fp32"
+            fallbacks.append("fp16 autocast needs cuda: training in fp32")
+        elif not info.fp16_supported:
+            precision = "fp32"
+            fallbacks.append(f"fp16 autocast needs compute capability >= {FP16_MIN_CAPABILITY[0]}."
+                             f"{FP16_MIN_CAPABILITY[1]}, {info.cuda_device} lacks it: training in fp32")
+
+    cores = max(1, int(info.cpu_cores))
+    threads = int(profile.torch_threads)
+    if threads > cores:
+        fallbacks.append(f"profile torch_threads {threads} > {cores} cores: using {cores}")
+        threads = cores
+
+    providers, reasons = _plan_providers(profile.onnx_providers, info)
+    fallbacks.extend(reasons)
+
+    batch_size = int(profile.batch_size)
+    budget_mb = int(profile.memory_budget_mb or 0)
+    limits = [("RAM", int(info.memory_mb))] if info.memory_mb > 0 else []
+    if device.type == "cuda" and info.cuda_memory_mb:
+        limits.append(("CUDA device memory", int(info.cuda_memory_mb)))
+    if budget_mb > 0 and limits:
+        what, limit_mb = min(limits, key=lambda kv: kv[1])
+        if budget_mb > limit_mb:
+            reduced = max(1, batch_size * limit_mb // budget_mb)
+            if reduced < batch_size:
+                fallbacks.append(f"memory budget {budget_mb} MB > {limit_mb} MB available ({what}): batch size "
+                                 f"reduced from {batch_size} to {reduced} (scaled by {limit_mb}/{budget_mb})")
+                batch_size = reduced
+
+    return RuntimePlan(device=device, precision=precision, torch_threads=threads, batch_size=batch_size,
+                       onnx_providers=providers, fallbacks=tuple(fallbacks), platform=info.platform,
+                       model=info.model)
+
+
+def apply(plan: RuntimePlan) -> None:
+    """Put ``plan`` into effect for this process: ``torch.set_num_threads(plan.torch_threads)``,
+    and log each of ``plan.fallbacks`` at WARNING (logger ``edge_agent.device``).
+
+    The device, precision and batch size are not process settings: the caller passes
+    ``plan.device`` to the agent, ``precision=plan.precision`` to the client algorithm and
+    ``plan.batch_size`` to its training defaults.
+    """
+    torch.set_num_threads(int(plan.torch_threads))
+    for reason in plan.fallbacks:
+        log.warning("runtime fallback: %s", reason)
+    log.info("runtime: %s, %s, %d torch threads, batch size %d, ONNX providers [%s]", plan.device,
+             plan.precision, plan.torch_threads, plan.batch_size, ", ".join(plan.onnx_providers))
