@@ -80,7 +80,8 @@ class ServerSettings:
 
 @dataclass
 class ClientRecord:
-    """What the server knows of one device (the registry)."""
+    """What the server knows of one device (the registry; ``info`` is what it announced at join:
+    profile, device, precision, fallbacks …)."""
 
     client_id: str
     profile: str = ""
@@ -90,6 +91,7 @@ class ClientRecord:
     last_seen: float = 0.0
     joined_round: int = 0
     updates_accepted: int = 0
+    info: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -241,6 +243,9 @@ class AggregationServer:
             rec = self.registry.get(env.sender) or ClientRecord(env.sender, joined_round=self.round)
             rec.profile, rec.num_samples = body.profile, body.num_samples
             rec.class_histogram, rec.online, rec.last_seen = list(body.class_histogram), True, now
+            rec.info = dict(body.info)  # device, precision, fallbacks … as the agent announced them
+            if body.info.get("fallback_count"):
+                log.info("%s runs with fallbacks: %s", env.sender, body.info.get("fallbacks"))
             self.registry[env.sender] = rec
             log.info("join: %s (%s, %d samples)", env.sender, body.profile, body.num_samples)
             self._reply(item, True)
