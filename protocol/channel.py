@@ -20,7 +20,7 @@ from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
 from .errors import FedfleetProtocolError, FieldError, ProtocolError
 from .ledger import Ledger, LedgerRow
-from .messages import (Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, field_sizes, now_ms,
+from .messages import (Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms,
                        payload_sha256)
 from .tensors import raw_nbytes
 from .mqtt_bytes import publish_size
@@ -435,5 +435,4 @@ def _raw(body: Body) -> int:
 
 
 def _fields_json(kind: Kind, payload: bytes, dec: Decoded) -> str:
-    body = payload[len(payload) - dec.body_bytes:]
-    return json.dumps(dict(field_sizes(kind, body)), separators=(",", ":"))
+    return json.dumps(dict(dec.field_bytes), separators=(",", ":"))

@@ -58,6 +58,7 @@ import msgpack
 import numpy as np
 
 from .errors import FieldError, MalformedMessage, ProtocolError, TensorError, UnknownKind, UnsupportedVersion
+from ._mpread import Reader, ReadError, read_array_fields
 from .tensors import DEFAULT_LIMITS, DTYPES, TensorLimits, declared_nbytes, decode_tensor, encode_tensor, raw_nbytes
 
 PROTOCOL_VERSION = 1
@@ -344,11 +345,13 @@ class Encoded:
 
 @dataclass(frozen=True, slots=True)
 class Decoded:
-    """A decoded payload: the envelope and the same byte split as :class:`Encoded`."""
+    """A decoded payload: the envelope and the same byte split as :class:`Encoded`
+    (``field_bytes``: bytes of each body field, measured while parsing)."""
 
     envelope: Envelope
     payload_bytes: int
     body_bytes: int
+    field_bytes: tuple[tuple[str, int], ...] = ()
 
     @property
     def envelope_bytes(self) -> int:
@@ -464,20 +467,6 @@ def encode(envelope: Envelope, codec: Any = None) -> Encoded:
                    field_bytes=tuple(zip(names, (len(p) for p in parts))), raw_tensor_bytes=raw, seq=envelope.seq)
 
 
-def field_sizes(kind: Kind, body: bytes) -> tuple[tuple[str, int], ...]:
-    """Bytes of each top-level body field of a valid body (for the receiving side's ledger row)."""
-    u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1))
-    u.feed(body)
-    n = u.read_array_header()
-    sizes, pos = [], u.tell()
-    for _ in range(n):
-        u.skip()
-        sizes.append(u.tell() - pos)
-        pos = u.tell()
-    names = BODY_FIELDS[kind] + tuple(f"field{i}" for i in range(len(BODY_FIELDS[kind]), n))
-    return tuple(zip(names, sizes))
-
-
 def now_ms() -> int:
     """Wall clock in ms since the Unix epoch (for ``timestamp_ms``; never used for decisions)."""
     return int(time.time() * 1000)
@@ -496,6 +485,11 @@ this many, instead of costing ~64× its size in memory. A legitimate message hol
 
 class _TooManyContainers(Exception):
     pass
+
+
+def _set_bounds() -> None:
+    _BOUNDS.update(max_array=MAX_LIST + MAX_TENSORS, max_map=MAX_MAP_ENTRIES, max_str=MAX_PAYLOAD_BYTES,
+                   max_containers=MAX_CONTAINERS)
 
 
 def _unpack(data: bytes, what: str) -> Any:
@@ -532,6 +526,13 @@ def _want(value: Any, types: type | tuple[type, ...], name: str) -> Any:
         tn = types.__name__ if isinstance(types, type) else "/".join(t.__name__ for t in types)
         raise MalformedMessage(f"{name}: expected {tn}, got {type(value).__name__}", field=name)
     return value
+
+
+def _bin(value: Any, name: str) -> bytes:
+    """A ``bin`` field as ``bytes`` (the reader hands out memoryviews)."""
+    if isinstance(value, memoryview):
+        return value.tobytes()
+    return _want(value, bytes, name)
 
 
 def _uint(value: Any, name: str, maximum: int = MAX_INT) -> int:
@@ -637,7 +638,7 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         return Status(state=state, detail=_str(f[1], "body.detail"))
     if kind is Kind.RECEIPT:
         f = _fields(raw, 5, b)
-        digest = _want(f[4], bytes, "body.sha256")
+        digest = _bin(f[4], "body.sha256")
         if len(digest) not in (0, 32):
             raise FieldError("body.sha256: must be 32 bytes (or empty)", field="body.sha256")
         return Receipt(ref_kind=_uint(f[0], "body.ref_kind", 255), ref_seq=_uint(f[1], "body.ref_seq"),
@@ -645,7 +646,7 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
                        sha256=digest)
     if kind is Kind.CHUNK:
         f = _fields(raw, 7, b)
-        tid = _want(f[0], bytes, "body.transfer_id")
+        tid = _bin(f[0], "body.transfer_id")
         if len(tid) != TRANSFER_ID_BYTES:
             raise FieldError(f"body.transfer_id: must be {TRANSFER_ID_BYTES} bytes", field="body.transfer_id")
         count = _uint(f[2], "body.count", MAX_CHUNKS)
@@ -654,10 +655,10 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         index = _uint(f[1], "body.index", count - 1)
         total = _uint(f[4], "body.total_bytes", MAX_PAYLOAD_BYTES)
         offset = _uint(f[3], "body.offset", total)
-        digest = _want(f[5], bytes, "body.sha256")
+        digest = _bin(f[5], "body.sha256")
         if len(digest) != 32:
             raise FieldError("body.sha256: must be 32 bytes", field="body.sha256")
-        data = _want(f[6], bytes, "body.data")
+        data = _bin(f[6], "body.data")
         if offset + len(data) > total:
             raise FieldError(f"body.data: {len(data)} bytes at offset {offset} overrun total_bytes {total}",
                              field="body.data")
@@ -665,7 +666,7 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
                      data=data)
     if kind is Kind.RESEND:
         f = _fields(raw, 2, b)
-        tid = _want(f[0], bytes, "body.transfer_id")
+        tid = _bin(f[0], "body.transfer_id")
         if len(tid) != TRANSFER_ID_BYTES:
             raise FieldError(f"body.transfer_id: must be {TRANSFER_ID_BYTES} bytes", field="body.transfer_id")
         idx = _want(f[1], list, "body.indices")
@@ -688,18 +689,20 @@ def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
         max_payload_bytes: larger payloads are refused before parsing.
 
     Returns:
-        :class:`Decoded`; its tensors are read-only arrays over the bytes msgpack extracted for
-        each tensor (one copy of the tensor data, none after that).
+        :class:`Decoded`. Raw (fp32) tensors in it are read-only ``np.frombuffer`` views on
+        ``payload`` itself: no copy (the bounded reader of :mod:`protocol._mpread` hands out
+        ``bin`` values as memoryviews); lossy codecs allocate their decoded tensor.
 
     Raises:
         ProtocolError: any violation (a subclass naming the field); nothing else escapes.
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise MalformedMessage(f"payload must be bytes, got {type(payload).__name__}")
-    payload = bytes(payload)
+    if not isinstance(payload, bytes):
+        payload = bytes(payload)  # immutable: decoded tensors are read-only views on it
     if len(payload) > max_payload_bytes:
         raise FieldError(f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", field="payload")
-    env = _unpack(payload, "envelope")
+    env = _read(payload, "envelope")
     _want(env, list, "envelope")
     if len(env) < 7:
         raise MalformedMessage(f"envelope: expected 7 fields, got {len(env)}", field="envelope")
@@ -718,17 +721,38 @@ def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
         raise FieldError(f"envelope.sender {sender[:80]!r} is not a valid client id", field="envelope.sender")
     seq = _uint(env[4], "envelope.seq")
     ts = _uint(env[5], "envelope.timestamp_ms")
-    body_bytes = _want(env[6], bytes, "envelope.body")
+    body_view = _want(env[6], memoryview, "envelope.body")
     try:
-        body = _decode_body(kind, _unpack(body_bytes, "body"), limits)
+        fields, sizes = read_array_fields(body_view, **_BOUNDS)
+    except ReadError as exc:
+        raise MalformedMessage(f"body: not a valid msgpack array ({exc})", field="body") from None
+    except MemoryError:
+        raise FieldError("body: too large to decode in the memory available", field="body") from None
+    try:
+        body = _decode_body(kind, fields, limits)
     except ProtocolError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:  # defensive: never leak another type
         raise MalformedMessage(f"body: {exc}", field="body") from exc
     except MemoryError:
         raise FieldError("body: too large to decode in the memory available", field="body") from None
+    names = BODY_FIELDS[kind] + tuple(f"field{i}" for i in range(len(BODY_FIELDS[kind]), len(sizes)))
     return Decoded(envelope=Envelope(round=rnd, sender=sender, seq=seq, body=body, timestamp_ms=ts, version=version),
-                   payload_bytes=len(payload), body_bytes=len(body_bytes))
+                   payload_bytes=len(payload), body_bytes=len(body_view),
+                   field_bytes=tuple(zip(names, sizes)))
+
+
+_BOUNDS = dict(max_array=0, max_map=0, max_str=0, max_containers=0)  # filled below (after the constants)
+
+
+def _read(data: bytes, what: str) -> Any:
+    try:
+        return Reader(data, **_BOUNDS).read_one()
+    except ReadError as exc:
+        cls = FieldError if "too many" in str(exc) or "at most" in str(exc) else MalformedMessage
+        raise cls(f"{what}: not a valid msgpack value ({exc})", field=what) from None
+    except MemoryError:
+        raise FieldError(f"{what}: too large to decode in the memory available", field=what) from None
 
 
 def payload_sha256(payload: bytes) -> bytes:
@@ -744,3 +768,6 @@ def kind_of(body: Body) -> Kind:
 def tensor_list(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
     """Tuple of arrays, for the ``tensors`` field (accepts any sequence)."""
     return tuple(arrays)
+
+
+_set_bounds()

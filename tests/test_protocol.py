@@ -258,15 +258,15 @@ def test_envelope_overhead_of_a_typical_update_is_at_most_32_bytes() -> None:
 
 
 def test_decoded_tensors_are_read_only_zero_copy_views() -> None:
-    dec = decode(encode(envelope_of(SAMPLES["update"])).payload)
+    payload = encode(envelope_of(SAMPLES["update"])).payload
+    dec = decode(payload)
+    whole = np.frombuffer(payload, np.uint8)
     for arr in dec.envelope.body.tensors:
         assert arr.flags.writeable is False
         with pytest.raises(ValueError):
             arr[...] = 0
-        owner = arr
-        while isinstance(owner, np.ndarray):
-            owner = owner.base
-        assert isinstance(owner, bytes), "the array views the received bytes, it owns no copy"
+        if arr.size:
+            assert np.shares_memory(arr, whole), "the array views the received payload itself: no copy"
 
     # decode_tensor itself views exactly the bytes object it is given
     data = np.arange(12, dtype="<f4").tobytes()
@@ -371,7 +371,7 @@ MALFORMED = [
                  id="join-histogram-str"),
     pytest.param(frame(["p" * 65, "h", 1, [], {}], kind=1), FieldError, "body.profile", id="join-profile-65"),
     pytest.param(frame(update_body(metrics={1: 2})), MalformedMessage, "body", id="map-int-key"),
-    pytest.param(frame(update_body(metrics={b"k": 2})), MalformedMessage, "body.metrics", id="map-bin-key"),
+    pytest.param(frame(update_body(metrics={b"k": 2})), MalformedMessage, "body", id="map-bin-key"),
     pytest.param(frame(update_body(metrics={"k": [1, 2]})), MalformedMessage, "body.metrics.k", id="map-list-value"),
     pytest.param(frame(update_body(metrics={"k": {"a": 1}})), MalformedMessage, "body.metrics.k",
                  id="map-map-value"),
