@@ -119,6 +119,8 @@ class EdgeAgent:
         self.runtime = runtime
         self.emulate_link = emulate_link and runtime is not None
         self.link_s = 0.0
+        if runtime is not None:  # every agent-side ledger row carries its simulated link time
+            channel.link_time = runtime.link_s
         self.info = {**(runtime.join_info if runtime is not None else {}), **dict(info or {})}
         self.on_trained = on_trained
         self.manifest_hash = manifest_hash(model_manifest(model))

@@ -132,6 +132,7 @@ class Channel:
             max_bytes=512 * 1024 * 1024 if side == "server" else 128 * 1024 * 1024)
         self.cache = TransferCache()
         self.transfer_filter = transfer_filter
+        self.link_time: Callable[[int, str], float] | None = None  # (packet bytes, "up"/"down") -> s
         self.resent_chunks = 0
         self.incomplete_transfers = 0
         self._resend_asked: dict[tuple[str, bytes], float] = {}
@@ -408,6 +409,8 @@ class Channel:
                 transfer_id: str | None = None, chunk_index: int | None = None,
                 chunk_count: int | None = None) -> None:
         size = publish_size(topic, payload_bytes, qos)
+        direction = "down" if "/down/" in topic else "up"
+        link_s = self.link_time(size.packet_bytes, direction) if self.link_time and event != "message" else 0.0
         with self._count_lock:
             if event == "sent":
                 self.wire_bytes_sent += size.packet_bytes
@@ -415,14 +418,13 @@ class Channel:
                 self.wire_bytes_received += size.packet_bytes
         if self.ledger is None:
             return
-        direction = "down" if "/down/" in topic else "up"
         self.ledger.record(LedgerRow(
             federation=self.federation, side=self.side, node=self.node_id, event=event, direction=direction,
             kind=kind, round=round, client=client, sender=sender, seq=seq, topic=topic,
             topic_bytes=size.topic_bytes, mqtt_header_bytes=size.header_bytes,
             envelope_bytes=payload_bytes - body_bytes, body_bytes=body_bytes, payload_bytes=payload_bytes,
             qos=qos, retained=retain, codec=codec, reason=reason, raw_bytes=raw_bytes, fields=fields,
-            transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count))
+            transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count, link_s=link_s))
 
 
 _NO_LIMIT = 1 << 62

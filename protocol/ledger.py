@@ -17,6 +17,9 @@ payload_bytes         envelope_bytes + body_bytes = the MQTT payload length
 raw_bytes             tensor values before the codec (``size × itemsize``), 0 without tensors;
                       ``raw_bytes / body_bytes`` is the codec's compression ratio
 fields                JSON object: bytes of each body field (``{"tensors": 423412, …}``)
+link_s                simulated transfer time of the packet on the device's link (seconds:
+                      bytes·8 / kbit/s + RTT, from its firmware profile), beside ``ts`` (wall
+                      time); 0 when the side has no profile link (the server, real devices)
 codec                 tensor codec of the message (``fp32``, ``int8+zstd`` …)
 transfer_id           hex id of a chunked transfer; ``chunk_index``/``chunk_count`` locate the
                       chunk. The chunks of a transfer are the rows that hit the wire (their
@@ -50,7 +53,7 @@ from pathlib import Path
 
 from .errors import LedgerError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -80,7 +83,8 @@ CREATE TABLE IF NOT EXISTS messages (
     fields TEXT NOT NULL DEFAULT '',
     transfer_id TEXT,
     chunk_index INTEGER,
-    chunk_count INTEGER
+    chunk_count INTEGER,
+    link_s REAL NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS messages_round ON messages (round);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -116,6 +120,7 @@ class LedgerRow:
     transfer_id: str | None = None
     chunk_index: int | None = None
     chunk_count: int | None = None
+    link_s: float = 0.0
     ts: float = 0.0
 
     @property
