@@ -71,7 +71,7 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
             print(f"resuming after round {ckpt.round}", flush=True)
         t0 = time.monotonic()
         summary = server.run()
-        server.channel.transport.close()
+        server.channel.close()
         (out / "summary.json").write_text(json.dumps({
             "federation": federation, "final_accuracy": summary.final_accuracy,
             "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,

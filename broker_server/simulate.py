@@ -240,7 +240,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
                 log.error("%s failed: %s", a.client_id, exc)
                 errors.append(exc)
             finally:
-                a.channel.transport.close()
+                a.channel.close()
 
         for a in agents:
             t = threading.Thread(target=agent_main, args=(a,), name=a.client_id, daemon=True)
@@ -249,7 +249,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         summary = server.run()
         for t in threads:
             t.join(timeout=30)
-        server_tr.close()
+        server.channel.close()
     finally:
         for a in agents:
             a.stop()

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return 1
     finally:
-        tr.close()
+        ch.close()
         ledger.close()
     if args.onnx_eval:
         from .onnx_runtime import OnnxModel, export_onnx

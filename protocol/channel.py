@@ -301,6 +301,22 @@ class Channel:
             return None
         return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload), inc.received_at)
 
+    def close(self) -> None:
+        """Close the transport (DISCONNECT), then decode and ledger every message that had already
+        arrived, so the ledger holds everything the broker delivered on this connection."""
+        self.transport.close()
+        for _ in range(1_000_000):
+            inc = self.transport.get(0.0)
+            if inc is None:
+                break
+            if inc.payload:
+                try:
+                    self.accept(inc)
+                except FedfleetProtocolError as exc:  # e.g. a resend request it can no longer answer
+                    log.info("%s: after close: %s", self.node_id, exc)
+        if self.ledger is not None:
+            self.ledger.flush()
+
     def _reject(self, inc: Incoming, exc: ProtocolError, *, recorded: bool = False) -> Rejected:
         self.rejected += 1
         log.warning("%s: rejected message on %s (%d bytes): %s", self.node_id, inc.topic, len(inc.payload), exc)

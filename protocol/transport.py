@@ -85,6 +85,15 @@ class PacketEvent:
     dup: bool = False
 
 
+def _published(info: mqtt.MQTTMessageInfo) -> bool:
+    """``info.is_published()``, which paho makes raise for a message queued while the link was
+    down (it is still queued and goes out after the reconnect: not published yet)."""
+    try:
+        return info.is_published()
+    except (RuntimeError, ValueError):
+        return False
+
+
 class _CountingClient(mqtt.Client):
     """paho Client that reports every packet and counts socket bytes.
 
@@ -138,7 +147,7 @@ class Transport(Protocol):
     def _prune(self) -> None:
         """Forget acknowledged messages (caller holds ``_buffer_lock``)."""
         if self._unacked:
-            keep = [(i, n) for i, n in self._unacked if not i.is_published()]
+            keep = [(i, n) for i, n in self._unacked if not _published(i)]
             self._unacked = keep
             self._unacked_bytes = sum(n for _, n in keep)
 
@@ -344,7 +353,7 @@ class MqttTransport:
                 self._unacked_bytes += len(payload)
         if wait_s is not None:
             deadline = time.monotonic() + wait_s
-            while not info.is_published():
+            while not _published(info):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within {wait_s:g} s",
@@ -360,7 +369,7 @@ class MqttTransport:
     def _prune(self) -> None:
         """Forget acknowledged messages (caller holds ``_buffer_lock``)."""
         if self._unacked:
-            keep = [(i, n) for i, n in self._unacked if not i.is_published()]
+            keep = [(i, n) for i, n in self._unacked if not _published(i)]
             self._unacked = keep
             self._unacked_bytes = sum(n for _, n in keep)
 
@@ -405,7 +414,8 @@ class MqttTransport:
         self._connected.clear()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Send DISCONNECT (no last will) and stop the network thread (idempotent)."""
+        """Send DISCONNECT (no last will) and stop the network thread (idempotent). Messages
+        already received stay in the queue: :meth:`get` still returns them."""
         if self._closed:
             return
         self._closed = True

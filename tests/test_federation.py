@@ -41,7 +41,7 @@ def small_config(**over) -> config_mod.Config:
         "run": {"name": "t", "seed": 1, "rounds": 2},
         "data": {"dataset": "digits", "partition": "iid", "clients": 3},
         "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
-        "server": {"quorum": 2, "round_deadline_s": 30.0, "join_timeout_s": 30.0},
+        "server": {"quorum": 2, "round_deadline_s": 60.0, "join_timeout_s": 60.0},
         "broker": {"kind": "amqtt"},
     }
     for sec, vals in over.items():
