@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -165,6 +166,33 @@ def _median_s(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+def _profile_top(fn: Callable[[], Any], calls: int, top: int = 6) -> list[tuple[str, float, float]]:
+    """The functions ``fn`` spends its own time in (cProfile ``tottime``), largest first.
+
+    Returns:
+        Up to ``top`` tuples ``(function, seconds per call of fn, share of the profiled time)``.
+        Profiling inflates Python-level calls relative to C calls; shares are indicative.
+    """
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    stats = pstats.Stats(pr).stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in stats.values()) or 1.0
+    rows = []
+    for (file, _line, name), (_cc, _nc, tt, _ct, _callers) in stats.items():
+        if name == "<lambda>" or "disable" in name:
+            continue
+        where = name if file == "~" else f"{Path(file).parent.name}/{Path(file).name}:{name}"
+        rows.append((where, tt / calls, tt / total))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -195,6 +223,20 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _code_label() -> str:
+    """The commit of the code measured, and whether its packages differ from that commit."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "protocol", "edge_agent",
+                                "broker_server", "examples"], capture_output=True, text=True, timeout=30,
+                               check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return f"{REPO} (not a git checkout)"
+    return f"commit {head}" + (f" with {len(dirty)} uncommitted changes under protocol/, edge_agent/, "
+                               "broker_server/, examples/" if dirty else ", clean")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -219,13 +261,13 @@ def bench_throughput(reps: int) -> list[dict[str, Any]]:
     Returns:
         One dict per size: ``floats``, ``tensor_bytes``, ``payload_bytes``, seconds (median) of
         ``copyto_s`` (``np.copyto`` into a preallocated array), ``copy_s`` (``arr.copy()``),
-        ``encode_s``, ``decode_s``, and the breakdown ``stages`` (name → seconds) of the large case.
+        ``encode_s``, ``decode_s``; ``decoded_is_view`` (the decoded tensor shares memory with the
+        payload); ``profile`` (``"encode"``/``"decode"`` → :func:`_profile_top`); for the large
+        case ``bytes_copy_s`` (one copy into a new ``bytes`` object).
     """
-    import msgpack
     import numpy as np
 
     from protocol.messages import Envelope, Update, decode, encode, now_ms
-    from protocol.tensors import decode_tensor, encode_tensor
 
     rng = np.random.default_rng(0)
     rows = []
@@ -247,34 +289,14 @@ def bench_throughput(reps: int) -> list[dict[str, Any]]:
             "encode_s": _median_s(lambda: encode(env), r),
             "decode_s": _median_s(lambda: decode(payload), r),
         }
+        # Is the decoded tensor a view on the payload (zero-copy) or a copy?
+        row["decoded_is_view"] = bool(np.shares_memory(back, np.frombuffer(payload, dtype=np.uint8)))
+        # Where the time goes: the functions encode()/decode() spend their own time in.
+        calls = reps if n == LARGE_FLOATS else 500
+        row["profile"] = {"encode": _profile_top(lambda: encode(env), calls),
+                          "decode": _profile_top(lambda: decode(payload), calls)}
         if n == LARGE_FLOATS:
-            # Where the time goes: the same calls encode()/decode() make, one at a time.
-            tensor_field = [encode_tensor(arr)]
-            field_bytes = msgpack.packb(tensor_field, use_bin_type=True)
-            parts = [field_bytes, msgpack.packb(6000), msgpack.packb(0.5), msgpack.packb({}),
-                     msgpack.packb(False)]
-            body = b"\x95" + b"".join(parts)
-            envelope_list = [1, 4, 1, SOFT_SENDER, 1, 0, body]
-            opts = dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=1 << 28,
-                        max_str_len=1 << 28, max_array_len=1 << 20, max_map_len=256, max_ext_len=0)
-            body_back = msgpack.unpackb(payload, **opts)[6]
-            tensor_obj = msgpack.unpackb(body_back, **opts)[0][0]
-            row["stages"] = {
-                "encode: msgpack.packb(tensors field) [copy]": _median_s(
-                    lambda: msgpack.packb(tensor_field, use_bin_type=True), reps),
-                "encode: body = header + b''.join(fields) [2 copies]": _median_s(
-                    lambda: b"\x95" + b"".join(parts), reps),
-                "encode: msgpack.packb(envelope) [copy]": _median_s(
-                    lambda: msgpack.packb(envelope_list, use_bin_type=True), reps),
-                "decode: msgpack.unpackb(envelope) → body bytes [copy]": _median_s(
-                    lambda: msgpack.unpackb(payload, **opts), reps),
-                "decode: msgpack.unpackb(body) → tensor bytes [copy]": _median_s(
-                    lambda: msgpack.unpackb(body_back, **opts), reps),
-                "decode: decode_tensor (frombuffer + isfinite check)": _median_s(
-                    lambda: decode_tensor(tensor_obj), reps),
-                "*reference: bytes(arr), one copy into a new bytes object*": _median_s(
-                    lambda: bytes(memoryview(arr)), reps),
-            }
+            row["bytes_copy_s"] = _median_s(lambda: bytes(memoryview(arr)), reps)
         rows.append(row)
     return rows
 
@@ -580,6 +602,14 @@ def flower_client(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _model_bytes() -> int:
+    """Bytes of the light CNN's float32 state for MNIST (what FedAvg sends each way per client)."""
+    from edge_agent.models import build_model
+    from edge_agent.state import state_arrays
+
+    return sum(a.nbytes for a in state_arrays(build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)))
+
+
 # --------------------------------------------------------------------------------------------
 # Report
 
@@ -590,7 +620,8 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
     L: list[str] = []
     v = meta["versions"]
     L += ["# fedfleet protocol benchmark", "",
-          f"Produced by `{meta['command']}` on {meta['date']} (total {meta['total_s']:.0f} s).", "",
+          f"Produced by `{meta['command']}` on {meta['date']} (total {meta['total_s']:.0f} s), measuring "
+          f"fedfleet at {meta['code']}.", "",
           "Benchmarks, not tests: every comparison is a ratio of figures measured side by side in this one run. "
           "The machine was shared with other jobs while it ran, so absolute times are noisy; ratios less so.", "",
           "| machine | |", "| --- | --- |",
@@ -621,13 +652,21 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
                      f"| {r['copyto_s'] / r['encode_s']:.2f}× | {r['copyto_s'] / r['decode_s']:.2f}× "
                      f"| {r['copy_s'] / r['encode_s']:.2f}× | {r['copy_s'] / r['decode_s']:.2f}× |")
         big = thr[-1]
-        L += ["", f"Where the time goes for the {big['tensor_bytes'] / 1e6:.1f} MB tensor (the same msgpack and "
-              "numpy calls `encode`/`decode` make, timed one at a time; each `[copy]` is one full pass over the "
-              "tensor bytes):", "", "| stage | ms | ÷ np.copyto time |", "| --- | ---: | ---: |"]
-        for k, s in big["stages"].items():
-            L.append(f"| {k} | {s * 1e3:.1f} | {s / big['copyto_s']:.2f} |")
-        L.append(f"| *np.copyto (reference)* | {big['copyto_s'] * 1e3:.1f} | 1.00 |")
-        L.append(f"| *arr.copy() (reference)* | {big['copy_s'] * 1e3:.1f} | {big['copy_s'] / big['copyto_s']:.2f} |")
+        L += ["", "Decoded tensor a view on the payload (no copy): " +
+              ", ".join(f"{r['tensor_bytes'] / 1e6:g} MB {'yes' if r['decoded_is_view'] else 'no'}" for r in thr) +
+              f". Reference: one copy of the {big['tensor_bytes'] / 1e6:.1f} MB into a new `bytes` object "
+              f"(`bytes(arr)`) takes {big['bytes_copy_s'] * 1e3:.1f} ms = {big['bytes_copy_s'] / big['copyto_s']:.1f}× "
+              f"an `np.copyto` ({big['copyto_s'] * 1e3:.1f} ms) and {big['bytes_copy_s'] / big['copy_s']:.1f}× an "
+              f"`arr.copy()` ({big['copy_s'] * 1e3:.1f} ms).", "",
+              "Where the time goes (cProfile of the same calls, own time per call of the function named, largest "
+              "first; profiling inflates Python-level calls, so read the shares as indicative):", "",
+              "| case | function | µs per message | share |", "| --- | --- | ---: | ---: |"]
+        for r in thr:
+            size = f"{r['tensor_bytes'] / 1e6:g} MB"
+            for op in ("encode", "decode"):
+                for i, (fn_name, sec, share) in enumerate(r["profile"][op]):
+                    case = f"{op} {size}" if i == 0 else ""
+                    L.append(f"| {case} | `{fn_name}` | {sec * 1e6:,.1f} | {share:.0%} |")
         L.append("")
         for r in thr:
             mb = r["tensor_bytes"] / 1e6
@@ -673,7 +712,7 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
         rounds = base["rounds"]
         L += ["## 3. Update codecs on a real FedAvg run", "",
               f"`examples/mnist-fedavg.toml` (MNIST, 10 clients, Dirichlet α = 0.5, 1 local epoch, batch 32, "
-              f"lr 0.05, momentum 0.5, seed 0) for **{rounds} rounds**, one `simulate(cfg, run_dir=…, on_round=None)` "
+              f"lr 0.05, momentum 0.5, seed 0) for **{rounds} round{'s' if rounds != 1 else ''}**, one `simulate(cfg, run_dir=…, on_round=None)` "
               f"per codec in this process, `[protocol] update_codec` as listed, `delta = true`, "
               f"`error_feedback = true`, global model sent fp32. Broker: {base['broker']}, reached through a "
               "byte-counting TCP relay. *Update bytes/round* = device-link uplink wire bytes (MQTT framing + topic "
@@ -701,7 +740,7 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
             L.append(f"- **Target int8 ≥ 3.9× fewer update bytes than fp32 within 0.5 pp:** "
                      f"{'met' if ok_b and ok_a else 'not met'} — bytes {ratio:.3f}× "
                      f"({'met' if ok_b else 'not met'}, {ratio - 3.9:+.3f} vs 3.9), accuracy {dpp:+.2f} pp "
-                     f"({'met' if ok_a else 'not met'}, |Δ| {abs(dpp):.2f} vs 0.5), after {rounds} rounds.")
+                     f"({'met' if ok_a else 'not met'}, |Δ| {abs(dpp):.2f} vs 0.5), after {rounds} round{'s' if rounds != 1 else ''}.")
             L.append("")
 
     if flower is not None:
@@ -712,7 +751,10 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
             ff = next((c for c in codecs if c["codec"] == "fp32"), None)
             rounds = ff["rounds"] if ff else 0
             f_total = flower["relay_up_bytes"] + flower["relay_down_bytes"]
-            L += [f"Flower {flower['flwr_version']} (own venv under /tmp), legacy gRPC bidi transport: "
+            values = 2 * 10 * meta["model_bytes"]
+            L += [f"Flower {flower['flwr_version']} in its own venv (`python3.11 -m venv /tmp/flwr-venv && "
+                  "/tmp/flwr-venv/bin/pip install flwr`; torch and fedfleet imported from the project venv by path), "
+                  "legacy gRPC bidi transport: "
                   "`flwr.server.start_server` (deprecated since 1.13, still shipped in `flwr.compat`) in one process "
                   f"and {flower['connections']} `flwr.client.start_client` processes on 127.0.0.1, each client's "
                   "TCP connection through the same kind of counting relay. Same FedAvg: `LightCNN` from the same "
@@ -723,18 +765,25 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
                   f"fedfleet: the fp32 run of part 3 (delta on: same tensor sizes), bytes of the agents' MQTT "
                   "connections counted by the relay (equal to the ledger's device-view totals, see part 3). Both "
                   "whole-run totals (connection set-up, join/registration, teardown included) divided by the "
-                  f"{rounds} rounds; relay bytes are the TCP payload stream (MQTT, resp. HTTP/2 + gRPC + protobuf), "
+                  f"{rounds} round{'s' if rounds != 1 else ''}; relay bytes are the TCP payload stream (MQTT, resp. HTTP/2 + gRPC + protobuf), "
                   "not IP/TCP headers.", "",
-                  "| system | up bytes/round | down bytes/round | total bytes/round | Flower ÷ fedfleet | final accuracy |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                  "*Beyond values* = total minus the tensor values that must cross anyway: per round each of the 10 "
+                  f"clients downloads and uploads the {_fmt_int(meta['model_bytes'])} bytes of float32 weights "
+                  f"({_fmt_int(values)} bytes per round).", "",
+                  "| system | up bytes/round | down bytes/round | total bytes/round | Flower ÷ fedfleet "
+                  "| beyond values/round | Flower ÷ fedfleet | final accuracy |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             if ff:
                 f_up = ff["device_up_wire_bytes"] / rounds
                 f_dn = ff["device_down_wire_bytes"] / rounds
+                ff_tot = ff["relay_agent_bytes"] / rounds
+                fl_tot = f_total / rounds
                 L.append(f"| fedfleet fp32 (MQTT, {ff['broker']}) | {_fmt_int(f_up)} | {_fmt_int(f_dn)} | "
-                         f"{_fmt_int(ff['relay_agent_bytes'] / rounds)} | 1.00× | {ff['final_accuracy']:.4f} |")
+                         f"{_fmt_int(ff_tot)} | 1.00× | {_fmt_int(ff_tot - values)} | 1.00× | {ff['final_accuracy']:.4f} |")
                 L.append(f"| Flower (gRPC bidi) | {_fmt_int(flower['relay_up_bytes'] / rounds)} | "
-                         f"{_fmt_int(flower['relay_down_bytes'] / rounds)} | {_fmt_int(f_total / rounds)} | "
-                         f"{f_total / ff['relay_agent_bytes']:.3f}× | {flower['final_accuracy']:.4f} |")
+                         f"{_fmt_int(flower['relay_down_bytes'] / rounds)} | {_fmt_int(fl_tot)} | "
+                         f"{fl_tot / ff_tot:.3f}× | {_fmt_int(fl_tot - values)} | "
+                         f"{(fl_tot - values) / (ff_tot - values):.2f}× | {flower['final_accuracy']:.4f} |")
                 L += ["", f"Per direction, Flower ÷ fedfleet: up {flower['relay_up_bytes'] / ff['device_up_wire_bytes']:.3f}×, "
                       f"down {flower['relay_down_bytes'] / ff['device_down_wire_bytes']:.3f}×. Flower accuracy by round "
                       "(round 0 = initial model): " + ", ".join(f"{a:.4f}" for a in flower["accuracy_curve"]) +
@@ -759,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="python of a venv with flwr installed ('' skips part 4; default %(default)s)")
     p.add_argument("--data-dir", default=None, help="data folder (default: fedfleet's search order)")
     p.add_argument("--work", default=None, help="scratch folder for run folders and logs (default: a new /tmp folder)")
+    p.add_argument("--code-label", default=None,
+                   help="what code was measured, for the report (default: the git commit and its state)")
     # internal: the Flower processes
     p.add_argument("--flower-role", choices=("server", "client"), help=argparse.SUPPRESS)
     p.add_argument("--flower-port", type=int, help=argparse.SUPPRESS)
@@ -802,12 +853,10 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + (f"Flower bytes up {flower['relay_up_bytes']:,} down {flower['relay_down_bytes']:,}, "
                       f"acc {flower['final_accuracy']:.4f}" if flower.get("ok") else "skipped: " + flower["why"]),
               flush=True)
-    import numpy  # noqa: F401  (versions)
-
-    meta = {"command": "python tools/bench_protocol.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": shlex.join(["python", "tools/bench_protocol.py", *(sys.argv[1:] if argv is None else argv)]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "total_s": time.perf_counter() - t0, "cores": os.cpu_count(),
             "cpu": _cpu_model(), "os": f"{platform.system()} {platform.release()}", "versions": _versions(),
-            "reps": reps}
+            "reps": reps, "model_bytes": _model_bytes(), "code": ns.code_label or _code_label()}
     text = render(meta, thr, ovh, codec_rows, flower)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
