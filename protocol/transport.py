@@ -144,20 +144,6 @@ class Transport(Protocol):
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
                 wait_s: float | None = None) -> None: ...
 
-    def _prune(self) -> None:
-        """Forget acknowledged messages (caller holds ``_buffer_lock``)."""
-        if self._unacked:
-            keep = [(i, n) for i, n in self._unacked if not _published(i)]
-            self._unacked = keep
-            self._unacked_bytes = sum(n for _, n in keep)
-
-    @property
-    def buffered(self) -> tuple[int, int]:
-        """(messages, bytes) handed to paho at QoS 1 and not yet acknowledged."""
-        with self._buffer_lock:
-            self._prune()
-            return len(self._unacked), self._unacked_bytes
-
     def get(self, timeout_s: float | None) -> Incoming | None: ...
 
     def close(self) -> None: ...
