@@ -179,6 +179,7 @@ class AggregationServer:
         self._collecting: int | None = None
         self._selected: set[str] = set()
         self._results: dict[str, tuple[int, float]] = {}  # client -> (num_samples, train_loss)
+        self._counted: dict[int, set[str]] = {}  # round -> clients aggregated (the last few rounds)
         self._acc: Accumulator | None = None
         self._stats = RoundStats(round=0)
         self._global_sha256 = b""
@@ -269,6 +270,13 @@ class AggregationServer:
 
     def _on_update(self, item: Received, body: Update) -> None:
         env = item.envelope
+        if env.sender in self._counted.get(env.round, ()) and env.round != self._collecting:
+            # aggregated in a round that has closed since: a redelivery or a resend after a lost
+            # receipt. Acknowledge it as counted, so the agent stops re-sending; never count it again.
+            self.totals["duplicates"] += 1
+            self._stats.duplicates += 1
+            self._reply(item, True, "duplicate: already counted")
+            return
         if self._collecting is not None and env.round == self._collecting and item.received_at > self._deadline:
             self.totals["late"] += 1
             self._stats.late += 1
@@ -321,6 +329,9 @@ class AggregationServer:
             self._reply(item, False, f"cannot aggregate: {exc}")
             return
         self._results[env.sender] = (body.num_samples, body.train_loss)
+        self._counted.setdefault(env.round, set()).add(env.sender)
+        for old in [r for r in self._counted if r < env.round - 8]:
+            del self._counted[old]
         rec = self.registry.get(env.sender)
         if rec is not None:
             rec.updates_accepted += 1
@@ -340,7 +351,9 @@ class AggregationServer:
             return
         log.warning("reconnected to the broker: re-sending round %d", self._collecting)
         glob, start = self._round_msgs
-        self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=self._collecting, codec=self.global_codec)
+        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=self._collecting,
+                                codec=self.global_codec)
+        self._global_sha256 = payload_sha256(enc.payload)  # receipts now confirm the re-sent copy
         self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=self._collecting)
         self.resyncs += 1
 

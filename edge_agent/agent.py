@@ -326,7 +326,8 @@ class EdgeAgent:
         """
         text = self.forced_codec or str(config.get("update_codec", "fp32"))
         if self.runtime is not None and not self.forced_codec:
-            text = self.runtime.update_codec(text)
+            text = self.runtime.update_codec(text, n_values=sum(int(t.size) for t in tensors
+                                                                if np.issubdtype(t.dtype, np.floating)))
         codec = Codec.parse(text)
         delta = bool(config.get("delta", False))
         out = list(tensors)

@@ -18,22 +18,33 @@ from .profiles import FirmwareProfile, get_profile, link_time_s
 _BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int8-channel": 1.0}
 
 
-def codec_cost(text: str) -> float:
+def codec_cost(text: str, n_values: int | None = None) -> float:
     """Estimated wire bytes per float32 value of a codec (zstd counted at 0.9×; a rough order,
-    used only to pick the cheaper of two codecs)."""
+    used only to pick the cheaper of two codecs).
+
+    ``topk:K`` (a count) costs depend on the tensor size ``n_values``; without it the count is
+    priced as fp32, so a count is never taken for cheaper blindly.
+    """
     c = Codec.parse(text)
     if c.name == "topk":
         per_kept = (2.0 if c.topk_values == "fp16" else 4.0) + 1.5
-        cost = per_kept * (c.topk_fraction if c.topk_fraction is not None else 0.01)
+        if c.topk_fraction is not None:
+            kept = c.topk_fraction
+        elif n_values:
+            kept = min(1.0, c.topk_k / n_values)
+        else:
+            return 4.0
+        cost = per_kept * kept
     else:
         cost = _BYTES_PER_VALUE[c.name]
     return cost * (0.9 if c.zstd else 1.0)
 
 
-def cheaper_codec(server: str, device: str) -> str:
+def cheaper_codec(server: str, device: str, n_values: int | None = None) -> str:
     """The codec an agent uses: the server's, unless the firmware profile's is cheaper on the
-    wire (a device may always send less than it is asked to, never more)."""
-    return device if codec_cost(device) < codec_cost(server) else server
+    wire (a device may always send less than it is asked to, never more). ``n_values``: float
+    values in the update (prices ``topk:K`` counts)."""
+    return device if codec_cost(device, n_values) < codec_cost(server, n_values) else server
 
 
 @dataclass(frozen=True)
@@ -64,9 +75,9 @@ class AgentRuntime:
         """The largest PUBLISH packet this device's broker link takes (bytes)."""
         return self.profile.mqtt.max_packet_bytes
 
-    def update_codec(self, server_codec: str) -> str:
+    def update_codec(self, server_codec: str, n_values: int | None = None) -> str:
         """The codec for this device's updates (see :func:`cheaper_codec`)."""
-        return cheaper_codec(server_codec, self.profile.preferred_codecs.update_codec)
+        return cheaper_codec(server_codec, self.profile.preferred_codecs.update_codec, n_values)
 
     def link_s(self, nbytes: int, direction: str) -> float:
         """Seconds the profile's link needs for ``nbytes`` (``"up"`` or ``"down"``)."""

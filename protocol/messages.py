@@ -352,6 +352,7 @@ class Decoded:
     payload_bytes: int
     body_bytes: int
     field_bytes: tuple[tuple[str, int], ...] = ()
+    codec: str = ""
 
     @property
     def envelope_bytes(self) -> int:
@@ -737,9 +738,23 @@ def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
     except MemoryError:
         raise FieldError("body: too large to decode in the memory available", field="body") from None
     names = BODY_FIELDS[kind] + tuple(f"field{i}" for i in range(len(BODY_FIELDS[kind]), len(sizes)))
+    codec = _codec_text(fields[0]) if kind in (Kind.GLOBAL, Kind.UPDATE) else ""
     return Decoded(envelope=Envelope(round=rnd, sender=sender, seq=seq, body=body, timestamp_ms=ts, version=version),
                    payload_bytes=len(payload), body_bytes=len(body_view),
-                   field_bytes=tuple(zip(names, sizes)))
+                   field_bytes=tuple(zip(names, sizes)), codec=codec)
+
+
+def _codec_text(tensors: list) -> str:
+    """The codec of a (valid) tensor list as configuration text, from its first float tensor:
+    ``fp32``, ``fp16``, ``bf16``, ``int8``, ``int8-channel``, ``topk`` (+ ``+zstd``)."""
+    for t in tensors:
+        if t[1] in (1, 2, 3):  # float dtypes
+            base, zstd = t[0] & 0x7F, t[0] & 0x80
+            name = {0: "fp32", 1: "fp16", 2: "bf16", 3: "int8", 4: "topk"}.get(base, "?")
+            if base == 3 and len(t) > 4 and t[4] != -1:
+                name = "int8-channel"
+            return name + ("+zstd" if zstd else "")
+    return "fp32" if tensors else ""
 
 
 _BOUNDS = dict(max_array=0, max_map=0, max_str=0, max_containers=0)  # filled below (after the constants)

@@ -86,12 +86,14 @@ class PacketEvent:
 
 
 def _published(info: mqtt.MQTTMessageInfo) -> bool:
-    """``info.is_published()``, which paho makes raise for a message queued while the link was
-    down (it is still queued and goes out after the reconnect: not published yet)."""
+    """Whether the broker acknowledged the message. paho's ``is_published()`` raises for a message
+    queued while the link was down (its ``rc`` stays ``MQTT_ERR_NO_CONN`` even after paho re-sent it
+    and got the PUBACK), so the acknowledgement flag paho sets on PUBACK is read directly."""
     try:
         return info.is_published()
     except (RuntimeError, ValueError):
-        return False
+        with info._condition:  # paho-mqtt 2.x: set by the PUBACK handler
+            return bool(info._published)
 
 
 class _CountingClient(mqtt.Client):

@@ -13,21 +13,39 @@ itself:
   clients whose update was actually folded into each round's aggregate (``counted``);
 * it wraps each agent's ``_handle``: the rounds for which the agent's ``receipts_accepted`` grew
   (``acked``), and every receipt an agent got for an update it had sent (``answers``);
-* the byte ledger: every ``received`` row has a ``sent`` row on the other side with the same
-  ``(sender, seq)`` and the same byte sizes, and every update delivery the server ledgered is
+* the byte ledger: every ``received`` row has a ``sent`` row of another node with the same
+  ``(sender, seq)``, topic and byte sizes, and every update delivery the server ledgered is
   accounted for exactly once by the server's counters:
   ``deliveries = counted + duplicates + late + unsolicited + invalid``.
 
 The invariants: the run finished; no acknowledged update was left out of its round's aggregate
 (``lost`` = acked − counted = ∅); no client was aggregated twice in a round; ``counted`` equals
-``clients_reported``; each agent's ``receipts_accepted`` equals its acknowledged rounds.
+``clients_reported``; each agent's ``receipts_accepted`` equals its acknowledged rounds; and,
+where no receipt can be lost in flight, every aggregated update was acknowledged.
 
-The scenario drivers (``run_*``) return their figures, so ``tools/bench_reliability.py`` runs the
-very same scenarios outside pytest and tabulates them in ``benchmarks/reliability.md``.
+Defects this suite found (code at aa36118 .. 1019287), each with a test that reproduces it:
+
+* a QoS 1 message published while the link was down broke ``MqttTransport``: paho keeps
+  ``rc=MQTT_ERR_NO_CONN`` on its ``MQTTMessageInfo`` even after re-sending it, so
+  ``is_published()`` raises. First every later publish raised ``RuntimeError`` (an agent that
+  finished training during a broker outage died: scenario 1); after 117aa66 the message kept its
+  offline-buffer slot for ever (scenario 6, ``test_message_sent_after_an_outage_frees_its_buffer_slot``);
+* an update already aggregated and delivered again after its round closed was answered
+  "round N is closed" (rejected) and counted ``late``
+  (``test_counted_update_resent_after_its_round_closed_is_acknowledged``);
+* after a reconnect the server re-sent the round's global model but did not count the receipts
+  confirming the re-sent copy (``test_receipt_of_the_resent_global_counts_after_a_server_reconnect``);
+* a PUBLISH that paho re-sends after a reconnect is missing from the byte ledger: the DUP flag is
+  read from the wrong argument of paho's ``_packet_queue``
+  (``test_retransmission_after_a_reconnect_is_ledgered``, ``xfail(strict=True)`` while open).
+
+The first three are fixed in the tree these tests were last run against; their tests are
+regression tests now.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -64,7 +82,7 @@ from protocol import topics
 from protocol.channel import Channel
 from protocol.errors import OfflineBufferFull
 from protocol.ledger import Ledger
-from protocol.messages import Chunk, Envelope, Join, Kind, Receipt, RoundStart, Status, Update, decode, encode
+from protocol.messages import Chunk, Envelope, Join, Kind, Receipt, Status, Update, decode, encode
 from protocol.transport import Incoming, MqttTransport, Will
 
 pytestmark = pytest.mark.slow
@@ -228,19 +246,25 @@ class Accounting:
 
     @property
     def updates_counted(self) -> int:
-        return sum(len(v) for v in self.counted.values())
+        """Updates folded into an aggregate that became the global model (skipped rounds left out)."""
+        return sum(len(v) for r, v in self.counted.items() if not self.skipped.get(r))
 
     def figures(self) -> dict:
         return {"rounds_completed": self.rounds_completed, "updates_counted": self.updates_counted,
                 "updates_lost": len(self.lost), "duplicates_aggregated": len(self.double),
                 "duplicates_rejected": self.duplicates, "late": self.late,
                 "counted_unacked": len(self.counted_unacked), "wrongly_rejected": len(self.wrongly_rejected),
+                "acked_in_skipped_rounds": len(self.acked_in_skipped_rounds),
                 "ledger_mismatches": len(self.ledger_mismatches), **self.extra}
 
 
 def ledger_mismatches(rows: list[dict]) -> list[str]:
-    """Every ``received`` row needs a ``sent`` row on the other side with the same (sender, seq),
-    topic and byte sizes (seq 0: a last will, published by the broker, has none)."""
+    """Every ``received`` row needs a ``sent`` row of another node with the same (sender, seq),
+    topic and byte sizes (seq 0: a last will, published by the broker, has none).
+
+    "Another node", not "the other side": amqtt 0.12.1 hands a client that subscribes late the
+    retained ``status`` messages of the other agents although its filters do not match them
+    (see :func:`stray_deliveries`); those rows are true to the bytes, so they are kept."""
     sent: dict[tuple[str, int], dict] = {}
     bad: list[str] = []
     for r in rows:
@@ -258,9 +282,15 @@ def ledger_mismatches(rows: list[dict]) -> list[str]:
             continue
         same = all(r[k] == s[k] for k in ("topic", "topic_bytes", "envelope_bytes", "body_bytes", "payload_bytes",
                                           "chunk_index", "transfer_id"))
-        if not same or s["side"] == r["side"]:
+        if not same or s["node"] == r["node"]:
             bad.append(f"{r['side']} {r['node']} received ({r['sender']}, {r['seq']}) differs from its sent row")
     return bad
+
+
+def stray_deliveries(rows: list[dict]) -> int:
+    """Agent-side ``received`` rows of another agent's message (outside the agent's filters)."""
+    return sum(1 for r in rows if r["side"] == "agent" and r["event"] == "received" and r["sender"]
+               and r["sender"] != "server" and r["seq"] is not None)
 
 
 def server_update_deliveries(rows: list[dict]) -> list[dict]:
@@ -309,17 +339,19 @@ def account(run_dir: Path, rec: Recorder, rounds_completed: int, agents: list[Ag
                       acked=acked, reported=reported, skipped=skipped, lost=lost, acked_in_skipped_rounds=in_skipped,
                       double=double, counted_unacked=unacked, wrongly_rejected=wrong, deliveries=deliveries,
                       accounted=accounted, duplicates=t["duplicates"], late=t["late"],
-                      ledger_mismatches=ledger_mismatches(rows), summaries_mismatch=summaries_mismatch)
+                      ledger_mismatches=ledger_mismatches(rows), summaries_mismatch=summaries_mismatch,
+                      extra={"stray_deliveries": stray_deliveries(rows)})
 
 
 def assert_accounting(acc: Accounting, rounds: int, *, strict: bool = True) -> None:
     """The invariants every scenario ends with.
 
     ``strict``: also every aggregated update was acknowledged to its agent. Scenarios where a
-    receipt can be lost in flight (broker restart, cut connections) leave that out, because an
-    agent whose receipt was lost re-sends after its round closed and the server then answers
-    'round closed' (see ``test_counted_update_resent_after_its_round_closed_is_acknowledged``);
-    what they do assert is that every such case is one of those two.
+    receipt can be lost in flight (broker restart, cut connections) leave that out: an agent whose
+    receipt was lost re-sends after its round closed and the server then answers "round closed"
+    (``test_counted_update_resent_after_its_round_closed_is_acknowledged``), or it has moved on to
+    the next round. They still assert the converse, which is what matters for the model: nothing
+    acknowledged was left out, nothing was aggregated twice.
     """
     assert acc.rounds_completed == rounds
     assert acc.rounds == list(range(1, rounds + 1)), acc.rounds
@@ -554,20 +586,33 @@ def _simulate(cfg, run_dir: Path, rec: Recorder, **kw):
 
 
 def run_broker_restart(kind: str, tmp: Path, *, rounds: int = 4) -> tuple[Accounting, object]:
-    """Scenario 1: SIGKILL the broker 0.3 s into round 2, restart it on the same port 2 s later."""
-    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 15.0}, broker={"kind": kind})
+    """Scenario 1: SIGKILL the broker 0.3 s into round 2, restart it on the same port 2 s later.
+
+    client-002 finishes its round-2 training only once the broker is dead, so at least one update
+    is published while the link is down (paho queues it and re-sends it after the reconnect)."""
+    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 10.0}, broker={"kind": kind})
     rec = Recorder()
     round_done: dict[int, float] = {}
     chaos: dict = {}
-    r1 = threading.Event()
+    r1, killed = threading.Event(), threading.Event()
 
     def on_round(m: dict) -> None:
         round_done[m["round"]] = time.monotonic()
         if m["round"] == 1:
             r1.set()
 
-    def speedy(i: int, agent: EdgeAgent) -> None:
+    def hook(i: int, agent: EdgeAgent) -> None:
         agent.receipt_timeout_s = 4.0  # re-send an unacknowledged update after 4 s (default 10)
+        if i != 2:
+            return
+        real = agent.algorithm.local_round
+
+        def train_through_the_crash(*args, **kwargs):
+            if kwargs.get("round") == 2:
+                killed.wait(60)
+            return real(*args, **kwargs)
+
+        agent.algorithm.local_round = train_through_the_crash
 
     broker = EmbeddedBroker(kind=kind, workdir=tmp / "broker").start()
 
@@ -578,6 +623,7 @@ def run_broker_restart(kind: str, tmp: Path, *, rounds: int = 4) -> tuple[Accoun
         chaos["open_round"] = max(round_done) + 1
         chaos["t_kill"] = time.monotonic()
         broker.kill()
+        killed.set()
         time.sleep(2.0)
         broker.restart()
         chaos["t_restart"] = time.monotonic()
@@ -588,24 +634,27 @@ def run_broker_restart(kind: str, tmp: Path, *, rounds: int = 4) -> tuple[Accoun
     t = threading.Thread(target=break_it, name="chaos", daemon=True)
     t.start()
     try:
-        res = _simulate(cfg, tmp / "run", rec, broker_url=broker.url, on_round=on_round, agent_hook=rec.hook(speedy))
+        res = _simulate(cfg, tmp / "run", rec, broker_url=broker.url, on_round=on_round, agent_hook=rec.hook(hook))
     finally:
+        killed.set()
         t.join(timeout=60)
         broker.stop()
     acc = account(res.run_dir, rec, res.rounds_completed, res.agents)
-    # rounds that started (= previous round ended) after every link was back
     back = chaos.get("t_all_back", float("inf"))
+    summary = json.loads((res.run_dir / "summary.json").read_text())
     acc.extra.update(open_round=chaos.get("open_round"), resyncs=rec.server.resyncs,
                      server_connects=rec.server.channel.transport.connects,
+                     links_back=chaos.get("t_all_back") is not None,
+                     # rounds that started (= the previous round ended) after every link was back
                      rounds_after_recovery=[r for r in range(2, rounds + 1) if round_done.get(r - 1, 0) > back],
-                     resends=sum(a.resends for a in rec.agents),
+                     resends=sum(a.resends for a in rec.agents), agent_errors=summary["agent_errors"],
                      final_accuracy=res.final_accuracy)
     return acc, res
 
 
 def run_agent_dies_mid_upload(tmp: Path, *, rounds: int = 2, monkeypatch=None) -> tuple[Accounting, object]:
     """Scenario 2: client-002 loses power after half of its round-1 update's chunks went out."""
-    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 8.0}, protocol={"chunk_bytes": 4096})
+    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 15.0}, protocol={"chunk_bytes": 4096})
     rec = Recorder()
     state: dict = {"published": 0, "count": None, "dead": False}
     import broker_server.runtime as runtime_mod
@@ -613,7 +662,7 @@ def run_agent_dies_mid_upload(tmp: Path, *, rounds: int = 2, monkeypatch=None) -
     orig_opts = runtime_mod.channel_options
 
     def server_channel_options(c):  # the server's channel only (simulate holds its own reference)
-        return {**orig_opts(c), "transfer_ttl_s": 3.0, "resend_after_s": 1.0}
+        return {**orig_opts(c), "transfer_ttl_s": 2.0, "resend_after_s": 1.0}
 
     def hook(i: int, agent: EdgeAgent) -> None:
         if i != 2:
@@ -664,7 +713,7 @@ def run_faulty_relay(kind: str, tmp: Path, *, rounds: int = 3, seed: int = 7) ->
             "client-002": ("up", rng.randrange(2_000, 50_000)),     # mid its round-1 update
             "client-001": ("down", rng.randrange(60_000, 110_000)),  # mid the round-2 global download
             "server": ("down", rng.randrange(60_000, 170_000))}     # mid an update delivery to the server
-    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 12.0}, broker={"kind": kind})
+    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 10.0}, broker={"kind": kind})
     rec = Recorder()
 
     def speedy(i: int, agent: EdgeAgent) -> None:
@@ -744,20 +793,18 @@ def _checkpoint_round(path: Path) -> int:
 
 
 def run_kill_server_and_resume(tmp: Path, *, rounds: int = 5, kill_after: int = 2) -> dict:
-    """Scenario 4: ``fedfleet simulate`` SIGKILLed once its checkpoint has round 2, then
-    ``fedfleet simulate --resume``; compared with an uninterrupted run of the same config."""
+    """Scenario 4: ``fedfleet simulate`` (a subprocess) SIGKILLed once its checkpoint store has
+    round 2, then ``simulate(cfg, run_dir=RUN, resume=True)`` in this process; compared with an
+    uninterrupted in-process run of the same configuration and seed."""
     toml = tmp / "resume.toml"
     toml.write_text(RESUME_TOML.format(rounds=rounds, out=tmp / "runs"))
+    cfg = config_mod.load(toml)
     run, ref = tmp / "crashed", tmp / "reference"
     out: dict = {}
-    procs: list[subprocess.Popen] = []
+    p = _cli(["simulate", "--config", str(toml), "--out", str(run), "-q"], tmp / "crashed.log", REPO)
     try:
-        p_ref = _cli(["simulate", "--config", str(toml), "--out", str(ref), "-q"], tmp / "reference.log", REPO)
-        procs.append(p_ref)
-        p = _cli(["simulate", "--config", str(toml), "--out", str(run), "-q"], tmp / "crashed.log", REPO)
-        procs.append(p)
         if not wait_until(lambda: _checkpoint_round(run / "checkpoints.sqlite") >= kill_after or p.poll() is not None,
-                          180, 0.05):
+                          240, 0.05):
             raise AssertionError("the run never reached its checkpoint of round 2")
         assert p.poll() is None, (tmp / "crashed.log").read_text()[-3000:]
         p.send_signal(signal.SIGKILL)
@@ -768,27 +815,26 @@ def run_kill_server_and_resume(tmp: Path, *, rounds: int = 5, kill_after: int = 
         out["broker_gone"] = wait_until(lambda: not processes_mentioning(str(run)), 15, 0.1)
         out["orphans"] = processes_mentioning(str(run))
         t_resume = time.time()
-        p2 = _cli(["simulate", "--resume", str(run), "-q"], tmp / "resumed.log", REPO)
-        procs.append(p2)
-        out["resume_rc"] = p2.wait(timeout=240)
-        out["reference_rc"] = p_ref.wait(timeout=240)
+        res = simulate_mod.simulate(cfg, run_dir=run, resume=True)
+        out["resumed_seconds"] = time.time() - t_resume
+        out["resumed_accuracy"] = res.final_accuracy
+        out["rounds_completed"] = res.rounds_completed
+        ref_res = simulate_mod.simulate(cfg, run_dir=ref)
+        out["reference_accuracy"] = ref_res.final_accuracy
     finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-                q.wait(timeout=10)
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
         for pid in processes_mentioning(str(tmp)):  # never leave a broker behind, whatever failed
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
     out["orphans_after"] = processes_mentioning(str(tmp))
-    out["logs"] = {n: (tmp / f"{n}.log").read_text()[-2000:] for n in ("crashed", "resumed", "reference")}
+    out["log"] = (tmp / "crashed.log").read_text()[-2000:]
     m = read_metrics(run)
     out["metrics_rounds"] = [x["round"] for x in m]
     out["reported"] = [x["clients_reported"] for x in m]
-    out["resumed_accuracy"] = json.loads((run / "summary.json").read_text())["final_accuracy"]
-    out["reference_accuracy"] = json.loads((ref / "summary.json").read_text())["final_accuracy"]
     out["agent_errors"] = json.loads((run / "summary.json").read_text())["agent_errors"]
     rows = ledger_rows(run / "ledger.sqlite", since=t_resume)
     out["ledger_mismatches"] = ledger_mismatches(rows)
@@ -798,50 +844,52 @@ def run_kill_server_and_resume(tmp: Path, *, rounds: int = 5, kill_after: int = 
         got[r["round"]].add(r["sender"])
     out["resumed_rounds_deliveries"] = {r: len(got[r]) for r in sorted(got)}
     out["resumed_rounds"] = sorted(got)
-    out["rounds_completed"] = json.loads((run / "summary.json").read_text())["rounds_completed"]
     return out
 
 
-def run_join_mid_run(tmp: Path, *, rounds: int = 4) -> tuple[Accounting, object]:
-    """Scenario 5: a fourth device joins after round 1 (built as simulate builds its agents)."""
+def run_join_mid_run(tmp: Path, *, rounds: int = 3) -> tuple[Accounting, object]:
+    """Scenario 5: a fourth device joins after round 1 (built as simulate builds its agents).
+
+    It is started from ``on_round`` after round 1, which returns once the broker acknowledged its
+    ``join``: round 2's clients are chosen before the server reads it, so it is first asked in
+    round 3."""
     cfg = chaos_config(run={"rounds": rounds})
     rec = Recorder()
     run_dir = tmp / "join-run"
     fed = run_dir.name
     extra_ledger_path = tmp / "extra-ledger.sqlite"
     box: dict = {}
-    started = threading.Event()
 
     with EmbeddedBroker(kind="amqtt", workdir=tmp / "broker") as broker:
         url = broker.url
 
         def newcomer() -> None:
             cid = "client-003"
-            ds = load_dataset(cfg.data.dataset)
-            parts = simulate_mod.split_clients(ds, cfg)
-            idx = parts[0]  # the device holds a copy of shard 0
-            will = encode(Envelope(round=0, sender=cid, seq=0, body=Status("offline", "connection lost"))).payload
-            tr = open_transport(f"{fed[:40]}-{cid}", cfg, url,
-                                will=Will(topics.status(fed, cid), will, qos=1, retain=True))
             ledger = Ledger(extra_ledger_path)
+            tr = None
             try:
+                ds = load_dataset(cfg.data.dataset)
+                idx = simulate_mod.split_clients(ds, cfg)[0]  # the device holds a copy of shard 0
+                will = encode(Envelope(round=0, sender=cid, seq=0, body=Status("offline", "connection lost"))).payload
+                tr = open_transport(f"{fed[:40]}-{cid}", cfg, url,
+                                    will=Will(topics.status(fed, cid), will, qos=1, retain=True))
                 tr.connect()
                 ch = Channel(tr, node_id=cid, side="agent", federation=fed, ledger=ledger, **channel_options(cfg))
-                agent = EdgeAgent(channel=ch, model=device_model(ds, cfg.run.seed + 10), algorithm=get_client_algorithm(
-                    cfg.train.algorithm), x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
-                    train_defaults=TrainConfig(local_epochs=1, batch_size=16, lr=0.05, momentum=0.5,
-                                               seed=cfg.run.seed),
-                    client_index=3, idle_timeout_s=120,
+                agent = EdgeAgent(
+                    channel=ch, model=device_model(ds, cfg.run.seed + 10),
+                    algorithm=get_client_algorithm(cfg.train.algorithm), x=ds.train.x[idx], y=ds.train.y[idx],
+                    num_classes=ds.num_classes, client_index=3, idle_timeout_s=120,
+                    train_defaults=TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size,
+                                               lr=cfg.train.lr, momentum=cfg.train.momentum, seed=cfg.run.seed),
                     info={"virtual": True, **expected_data(cfg)})
                 rec.attach(agent)
                 box["agent"] = agent
-                started.set()
                 box["summary"] = agent.run()
             except BaseException as exc:  # reported by the test
                 box["error"] = exc
             finally:
-                started.set()
-                tr.close()
+                if tr is not None:
+                    tr.close()
                 ledger.close()
 
         thread = threading.Thread(target=newcomer, name="newcomer", daemon=True)
@@ -849,13 +897,14 @@ def run_join_mid_run(tmp: Path, *, rounds: int = 4) -> tuple[Accounting, object]
         def on_round(m: dict) -> None:
             if m["round"] == 1:
                 thread.start()
+                wait_until(lambda: "error" in box or ("agent" in box and box["agent"]._join_seq > 0), 60)
 
         try:
             res = _simulate(cfg, run_dir, rec, broker_url=url, on_round=on_round, agent_hook=rec.hook())
         finally:
             if "agent" in box:
                 box["agent"].stop()
-            if thread.is_alive() or thread.ident is not None:
+            if thread.ident is not None:
                 thread.join(timeout=30)
     summaries = list(res.agents) + ([box["summary"]] if "summary" in box else [])
     acc = account(res.run_dir, rec, res.rounds_completed, summaries, extra_ledgers=(extra_ledger_path,))
@@ -868,11 +917,21 @@ def run_join_mid_run(tmp: Path, *, rounds: int = 4) -> tuple[Accounting, object]
 
 def run_offline_buffer(kind: str, tmp: Path, *, limit: int = 5) -> dict:
     """Scenario 6: a bounded offline buffer across a broker crash (through a gated relay, so the
-    subscriber is back before the publisher's link)."""
-    out: dict = {}
+    subscriber is back before the publisher's link). Exceptions are recorded, not raised."""
+    out: dict = {"errors": []}
     topic = "fedfleet/v1/buf/up/client-000/update"
     got: list[bytes] = []
     lock = threading.Lock()
+
+    def attempt(what: str, fn):
+        try:
+            return fn()
+        except OfflineBufferFull:
+            raise
+        except Exception as exc:  # recorded: the test says what should have happened
+            out["errors"].append(f"{what}: {exc!r}")
+            return None
+
     with EmbeddedBroker(kind=kind, workdir=tmp / "broker") as broker:
         relay = FaultyRelay(broker.port)
         pub = MqttTransport(f"buf-pub-{time.time_ns()}", "127.0.0.1", relay.port, max_buffered_messages=limit,
@@ -884,18 +943,24 @@ def run_offline_buffer(kind: str, tmp: Path, *, limit: int = 5) -> dict:
             broker.kill()
             out["disconnected"] = wait_until(lambda: not pub.connected, 10)
             payloads = [f"message {i}".encode() * 10 for i in range(limit + 1)]
-            for p in payloads[:limit]:
-                pub.publish(topic, p, qos=1)
-            out["buffered_before"] = pub.buffered
+            out["accepted_while_down"] = 0
+            for i, p in enumerate(payloads[:limit]):
+                try:
+                    if attempt(f"publish {i + 1} while down", lambda: pub.publish(topic, p, qos=1) or True):
+                        out["accepted_while_down"] += 1
+                except OfflineBufferFull as exc:
+                    out["errors"].append(f"publish {i + 1} while down: {exc!r}")
+            out["buffered_before"] = attempt("buffered", lambda: pub.buffered)
             try:
-                pub.publish(topic, payloads[limit], qos=1)
+                attempt(f"publish {limit + 1} while down", lambda: pub.publish(topic, payloads[limit], qos=1))
                 out["overflow_raised"] = False
             except OfflineBufferFull as exc:
                 out["overflow_raised"] = True
                 out["overflow_message"] = str(exc)
-            out["buffered_after_refusal"] = pub.buffered
+            out["buffered_after_refusal"] = attempt("buffered", lambda: pub.buffered)
             broker.restart()
-            sub = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=f"buf-sub-{time.time_ns()}")
+            sub = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+                              client_id=f"buf-sub-{time.time_ns()}")
             ready = threading.Event()
 
             def on_message(c, u, msg):
@@ -909,9 +974,11 @@ def run_offline_buffer(kind: str, tmp: Path, *, limit: int = 5) -> dict:
             sub.loop_start()
             out["subscribed"] = ready.wait(10)
             relay.gate.set()  # the publisher's link comes back
-            out["drained"] = wait_until(lambda: pub.buffered[0] == 0 and len(got) >= limit, 30, 0.1)
+            out["reconnected"] = pub.wait_connected(20)
+            wait_until(lambda: len(got) >= out["accepted_while_down"], 20, 0.1)
             time.sleep(0.5)  # nothing more may arrive
-            out["buffered_final"] = pub.buffered
+            out["drained"] = attempt("buffered", lambda: pub.buffered[0] == 0)
+            out["buffered_final"] = attempt("buffered", lambda: pub.buffered)
             with lock:
                 out["received"] = list(got)
             out["expected"] = payloads[:limit]
@@ -1044,32 +1111,49 @@ def receipts_to(tr: MemoryTransport, cid: str) -> list[tuple[int, Receipt]]:
 # ============================================================================ the tests
 
 
-@pytest.mark.parametrize("kind", [pytest.param("mosquitto", marks=pytest.mark.mosquitto), "amqtt"])
-def test_broker_killed_and_restarted_mid_round(kind: str, tmp_path: Path) -> None:
+_RESTART_RUNS: dict[str, tuple[Accounting, object]] = {}
+
+
+@pytest.fixture(params=[pytest.param("mosquitto", marks=pytest.mark.mosquitto), "amqtt"])
+def broker_restart_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Scenario 1, run once per broker kind and shared by the two tests below."""
+    kind = request.param
     if kind == "mosquitto":
         from conftest import require_mosquitto
 
         require_mosquitto()
-    acc, res = run_broker_restart(kind, tmp_path)
+    if kind not in _RESTART_RUNS:
+        _RESTART_RUNS[kind] = run_broker_restart(kind, tmp_path_factory.mktemp(f"restart-{kind}"))
+    return _RESTART_RUNS[kind]
+
+
+def test_broker_killed_mid_round_nothing_acknowledged_is_lost(broker_restart_run) -> None:
+    acc, res = broker_restart_run
     x = acc.extra
     assert x["server_connects"] >= 2, "the server never saw the broker go"
-    # the run finished, nothing acknowledged was lost, nothing aggregated twice, ledger consistent
+    # the run finished, no acknowledged update was left out, none aggregated twice, the ledger
+    # matches what the broker delivered
     assert_accounting(acc, 4, strict=False)
-    # what happened to the round that was open at the kill: every agent that sent an update for it
-    # was either aggregated once, or never told 'accepted' (it knows its update did not count)
-    open_round = x["open_round"]
-    assert open_round is not None
-    for c in {"client-000", "client-001", "client-002"}:
-        if c not in acc.counted[open_round]:
-            assert c not in acc.acked[open_round]
-    # rounds that started once every link was back have every client reporting
-    assert x["rounds_after_recovery"], "no round started after the links came back"
-    assert 4 in x["rounds_after_recovery"]
+    # the round open at the kill: an agent left out of it was never told 'accepted'
+    r = x["open_round"]
+    assert r is not None
+    for c in ("client-000", "client-001", "client-002"):
+        if c not in acc.counted[r]:
+            assert c not in acc.acked[r]
+
+
+def test_broker_killed_mid_round_fleet_recovers(broker_restart_run) -> None:
+    """client-002 published its update during the outage: it must survive that (before 117aa66 it
+    died at its next publish, RuntimeError from ``MqttTransport._prune``), and every round that
+    starts once all links are back has all three clients."""
+    acc, res = broker_restart_run
+    x = acc.extra
+    assert x["agent_errors"] == [], x["agent_errors"]
+    assert x["links_back"], "not every link came back within 30 s of the restart"
+    assert x["rounds_after_recovery"] and 4 in x["rounds_after_recovery"], x
     for r in x["rounds_after_recovery"]:
         assert acc.reported[r] == 3 and not acc.skipped[r], (r, read_metrics(res.run_dir))
-    # any aggregated-but-unacknowledged update is the known 'closed round' answer, or had no answer
-    for r, c in acc.counted_unacked:
-        assert c in acc.counted[r]
+    assert_accounting(acc, 4, strict=False)
 
 
 def test_agent_killed_mid_upload(tmp_path: Path) -> None:
@@ -1081,7 +1165,7 @@ def test_agent_killed_mid_upload(tmp_path: Path) -> None:
     m = read_metrics(res.run_dir)
     # round 1 closed at the deadline with the two others (quorum 2): aggregated, not skipped
     assert m[0]["clients_selected"] == 3 and m[0]["clients_reported"] == 2 and not m[0]["skipped"]
-    assert m[0]["seconds"] >= 8.0 - 0.2
+    assert m[0]["seconds"] >= 15.0 - 0.2  # waited for the deadline
     assert sorted(acc.counted[1]) == ["client-000", "client-001"]
     # the dead agent's last will took it out of round 2
     assert m[1]["clients_selected"] == 2 and m[1]["clients_reported"] == 2
@@ -1114,12 +1198,10 @@ def test_faulty_relay_cuts_connections_and_duplicates_are_counted_once(kind: str
 
 def test_server_killed_and_resumed(tmp_path: Path) -> None:
     out = run_kill_server_and_resume(tmp_path)
-    assert out["resume_rc"] == 0, out["logs"]["resumed"]
-    assert out["reference_rc"] == 0, out["logs"]["reference"]
-    assert out["killed_at_round"] in (2, 3, 4)
+    assert out["killed_at_round"] in (2, 3, 4), out["log"]
     assert out["broker_gone"], f"broker of the killed run still alive: {out['orphans']}"
     assert out["orphans_after"] == []
-    assert out["metrics_rounds"] == [1, 2, 3, 4, 5]
+    assert out["metrics_rounds"] == [1, 2, 3, 4, 5]  # each round exactly once
     assert out["rounds_completed"] == 5 and out["agent_errors"] == []
     assert out["resumed_rounds"] == list(range(out["killed_at_round"] + 1, 6))
     m_reported = dict(zip(out["metrics_rounds"], out["reported"]))
@@ -1133,28 +1215,53 @@ def test_device_joins_mid_run(tmp_path: Path) -> None:
     acc, res = run_join_mid_run(tmp_path)
     x = acc.extra
     assert x["newcomer_error"] == "None"
-    assert x["selected"][0] == 3 and max(x["selected"]) == 4, x["selected"]
-    assert x["newcomer_rounds"] and min(x["newcomer_rounds"]) >= 2
-    assert x["newcomer_summary"].finished and x["newcomer_summary"].receipts_accepted == len(x["newcomer_rounds"])
-    assert_accounting(acc, 4)
+    assert x["selected"] == [3, 3, 4], x["selected"]
+    assert x["newcomer_rounds"] == [3]
+    assert x["newcomer_summary"].finished and x["newcomer_summary"].receipts_accepted == 1
+    assert_accounting(acc, 3)
 
 
 @pytest.mark.parametrize("kind", [pytest.param("mosquitto", marks=pytest.mark.mosquitto), "amqtt"])
 def test_offline_buffer_is_bounded_and_drains(kind: str, tmp_path: Path) -> None:
+    """Found by this suite: at aa36118 the 2nd publish during the outage raised RuntimeError (from
+    ``_prune``); at 117aa66 the buffer never drained (a message queued offline kept its slot, and
+    ``publish(wait_s=...)`` of it timed out although it was delivered)."""
     if kind == "mosquitto":
         from conftest import require_mosquitto
 
         require_mosquitto()
     out = run_offline_buffer(kind, tmp_path)
     assert out["disconnected"]
+    assert out["errors"] == [], out["errors"]
+    assert out["accepted_while_down"] == 5
     assert out["buffered_before"][0] == 5
     assert out["overflow_raised"], "the 6th message was queued silently"
     assert out["buffered_after_refusal"] == out["buffered_before"]
-    assert out["subscribed"] and out["drained"], out
+    assert out["subscribed"] and out["reconnected"] and out["drained"], out
     assert sorted(out["received"]) == sorted(out["expected"])  # all 5, each once
     assert not out["refused_payload_delivered"]
     assert out["buffered_final"] == (0, 0)
-    assert out["publisher_connects"] >= 2
+
+
+def test_message_sent_after_an_outage_frees_its_buffer_slot(tmp_path: Path) -> None:
+    """The root cause in isolation: one QoS 1 publish while the broker is down, then the broker
+    comes back and paho re-sends it (its PUBACK arrives); the transport must then forget it.
+    (paho keeps ``rc=MQTT_ERR_NO_CONN`` on such a message's ``MQTTMessageInfo`` for ever, so its
+    ``is_published()`` raises: found by this suite, see scenario 6.)"""
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        tr = MqttTransport(f"outage-{time.time_ns()}", broker.host, broker.port)
+        tr.connect()
+        try:
+            broker.kill()
+            assert wait_until(lambda: not tr.connected, 10)
+            tr.publish("fedfleet/v1/x/up/c/update", b"during the outage", qos=1)  # accepted: queued by paho
+            broker.restart()
+            assert tr.wait_connected(20)
+            assert wait_until(lambda: tr._client._out_messages == {}, 10)  # paho re-sent it, PUBACK came
+            tr.publish("fedfleet/v1/x/up/c/update", b"after the outage", qos=1)
+            assert wait_until(lambda: tr.buffered == (0, 0), 5), f"still buffered: {tr.buffered}"
+        finally:
+            tr.close()
 
 
 def test_slow_device_stays_connected_past_keepalive(tmp_path: Path) -> None:
@@ -1167,12 +1274,12 @@ def test_slow_device_stays_connected_past_keepalive(tmp_path: Path) -> None:
     assert_accounting(acc, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a counted update delivered again after its round closed (QoS 1 "
-                   "redelivery, or the agent's resend after a lost receipt) is answered 'round N is closed' "
-                   "(accepted=False) and counted as late, though the server aggregated it "
-                   "(broker_server/server.py AggregationServer._on_update, the 'round closed' branch)")
 def test_counted_update_resent_after_its_round_closed_is_acknowledged(tmp_path: Path) -> None:
-    """Round 1: client A's update is counted (its receipt is lost on the way). Round 2 is open
+    """Found by this suite (the 'round closed' branch of ``AggregationServer._on_update`` came
+    before any memory of who was counted: the answer was 'round 1 is closed', rejected, and the
+    copy was counted ``late``).
+
+    Round 1: client A's update is counted (its receipt is lost on the way). Round 2 is open
     when A's copy of the same update arrives again. What the receipt must say: accepted,
     'duplicate: already counted' — the update is in round 1's aggregate — and the metrics must
     count a duplicate, not a late update."""
@@ -1198,3 +1305,80 @@ def test_counted_update_resent_after_its_round_closed_is_acknowledged(tmp_path: 
     assert answers[0].accepted
     assert answers[1].accepted, f"the redelivered, counted update was answered: {answers[1].reason!r}"
     assert srv.totals["late"] == 0 and srv.totals["duplicates"] == 1
+
+
+def test_receipt_of_the_resent_global_counts_after_a_server_reconnect(tmp_path: Path) -> None:
+    """Found by this suite (``_resync_round`` re-encoded the model, so a new payload hash, but
+    kept the first send's ``_global_sha256``: every confirmation of the re-sent copy was logged as
+    'another hash' and left out of ``global_receipts``).
+
+    The server's link comes back mid-round (a broker restart): it re-sends the round's global
+    model; an agent confirms that copy with its hash. The confirmation must be counted."""
+    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
+    like = list(state_arrays(torch_model))
+    rng = np.random.default_rng(1)
+    fed = "mem"
+    phase = [0]
+
+    def feed() -> Incoming | None:
+        globals_ = [p for t, p in srv.channel.transport.sent if t.endswith("/down/global")]
+        if phase[0] == 0:  # the link came back: paho's thread calls this after the 2nd CONNACK
+            phase[0] = 1
+            srv._on_reconnect(2)
+        elif phase[0] == 1 and len(globals_) == 2:  # the re-sent model reached the agent: it confirms it
+            phase[0] = 2
+            env = decode(globals_[-1]).envelope
+            receipt = Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True,
+                              sha256=hashlib.sha256(globals_[-1]).digest())
+            return incoming(topics.up(fed, "client-a", Kind.RECEIPT),
+                            encode(Envelope(round=1, sender="client-a", seq=5, body=receipt)).payload)
+        elif phase[0] == 2:
+            phase[0] = 3
+            return incoming(*update_payload(fed, "client-a", 1, 6, like, rng))
+        return None
+
+    srv = memory_server(tmp_path, model=torch_model, clients=["client-a"], rounds=1, feed=feed, fed=fed)
+    tr = srv.channel.transport
+    m = srv.run_round(1)
+    assert srv.resyncs == 1
+    assert len([t for t, _ in tr.sent if t.endswith("/down/global")]) == 2
+    assert m["clients_reported"] == 1
+    assert m["global_receipts"] == 1, "the agent's confirmation of the re-sent model was not counted"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: _CountingClient._packet_queue reads the DUP flag from paho's `command` "
+                   "argument, but paho passes the bare PUBLISH type (0x30) there and sets DUP only in packet[0]: a "
+                   "PUBLISH that paho re-sends after a reconnect is neither a PUBLISH-DUP ledger row nor any other "
+                   "row, so its bytes are missing from the ledger (protocol/transport.py:113-115)")
+def test_retransmission_after_a_reconnect_is_ledgered(tmp_path: Path) -> None:
+    """A 55 KB update is cut off mid-PUBLISH by the relay; paho reconnects and sends the PUBLISH
+    again (DUP set on the wire). The ledger must show that second copy as a PUBLISH-DUP row."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        relay = FaultyRelay(broker.port, {"dup-agent": ("up", 20_000)})
+        tr = MqttTransport("dup-agent", "127.0.0.1", relay.port)
+        wire: list[tuple[int, int]] = []  # (first byte, size) of every PUBLISH paho queued
+        real_queue = tr._client._packet_queue
+
+        def spy_queue(command, packet, mid, qos, info=None):
+            if command >> 4 == 3:
+                wire.append((packet[0], len(packet)))
+            return real_queue(command, packet, mid, qos, info)
+
+        tr._client._packet_queue = spy_queue
+        try:
+            tr.connect()
+            ch = Channel(tr, node_id="client-000", side="agent", federation="dup", ledger=ledger)
+            rng = np.random.default_rng(0)
+            upd = Update(tensors=(rng.standard_normal(13_700).astype(np.float32),), num_samples=1, train_loss=0.1)
+            ch.send(topics.up("dup", "client-000", Kind.UPDATE), upd, round=1)
+            assert wait_until(lambda: tr.connects >= 2 and not tr._client._out_messages, 20), "no re-send"
+        finally:
+            tr.close()
+            relay.close()
+    ledger.flush()
+    dup_on_wire = [n for b, n in wire if b & 0x08]
+    assert relay.done and dup_on_wire, wire  # paho did re-send the PUBLISH, with DUP set
+    rows = ledger.rows("kind='PUBLISH-DUP'")
+    ledger.close()
+    assert [r.mqtt_header_bytes for r in rows] == dup_on_wire

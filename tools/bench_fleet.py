@@ -252,8 +252,9 @@ def child_main(spec_path: Path, result_path: Path) -> None:
     t0 = time.monotonic()
     res = simulate(cfg, run_dir=spec["run_dir"], agent_hook=hook, on_round=on_round)
     t_end = time.monotonic()
-    py_threads_after = threading.active_count()
     sampler.stop()
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    py_threads_after = threading.active_count()
     cpu1 = proc.cpu_times()
     vm_hwm = _vm_hwm_bytes()
     run_dir = Path(res.run_dir)
@@ -279,7 +280,7 @@ def child_main(spec_path: Path, result_path: Path) -> None:
         "rss_before_simulate": rss_before, "vm_hwm": vm_hwm, "peak_rss_sampled": sampler.peak_rss,
         "broker_peak_rss": sampler.peak_broker_rss, "broker_cpu_s": sampler.broker_cpu_s,
         "peak_py_threads": sampler.peak_py_threads, "peak_os_threads": sampler.peak_os_threads,
-        "py_threads_after": py_threads_after,
+        "py_threads_after": py_threads_after, "threads_left_after_run": left[:20],
         "peak_conns": sampler.peak_conns, "peak_broker_side_conns": sampler.peak_broker_side_conns,
         "wall_s": t_end - t0, "setup_s": setup_s, "seconds_reported": res.seconds,
         "cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
@@ -316,8 +317,9 @@ def run_case(spec: dict, work: Path, timeout_s: float) -> dict:
     t = time.monotonic()
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {spec['clients']} agents, {spec['dataset']}, "
           f"{spec['rounds']} rounds, profile {spec.get('profile', 'x86-cpu')}"
-          f"{', link emulation' if spec.get('emulate_link') else ''} …", flush=True)
-    env = {**os.environ, "FEDFLEET_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+          f"{', link emulation' if spec.get('emulate_link') else ''}"
+          f"{''.join(f', {k}={v}' for k, v in spec.get('env', {}).items())} …", flush=True)
+    env = {**os.environ, "FEDFLEET_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **spec.get("env", {})}
     try:
         with open(log_path, "w") as log:
             rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path),
@@ -394,6 +396,24 @@ def simulated_round_time(r: dict, host_rel: float) -> dict:
     emulated = r.get("emulated_link_s") or {}
     check = max((abs(link_total[c] - emulated[c]) for c in emulated), default=float("nan"))
     return {"per_round": per_round, "link_check_max_abs_diff_s": check}
+
+
+def ledger_link_s(run_dir: Path) -> dict[str, tuple[float, float]]:
+    """Per client: (Σ of the ledger's ``link_s`` over every agent-side row, Σ over the global and
+    update rows of rounds ≥ 1); empty when the ledger has no such column or the run is gone."""
+    path = run_dir / "ledger.sqlite"
+    if not path.exists():
+        return {}
+    db = sqlite3.connect(path)
+    try:
+        cols = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+        if "link_s" not in cols:
+            return {}
+        return {c: (a, g) for c, a, g in db.execute(
+            "SELECT node, sum(link_s), sum(CASE WHEN kind IN ('global', 'update') AND round >= 1 THEN link_s ELSE 0 END) "
+            "FROM messages WHERE side='agent' GROUP BY node")}
+    finally:
+        db.close()
 
 
 def per_profile(r: dict) -> dict[str, dict]:
@@ -474,12 +494,12 @@ def scale_table(rs: list[dict], base: dict | None, ref: dict | None) -> list[str
         "| agents | rounds done, clients reported | peak RSS MiB (VmHWM) | Δ vs 1 agent MiB | MiB per agent | "
         "broker RSS MiB | Python threads peak / after | OS threads peak | MQTT conns (expected) | setup s | "
         "round 1 s | rounds 2..R mean s | rounds/min (steady) | rounds/min (all) | CPU s per round | "
-        "ledger rows/round (round col) | rows/round (wall window) | shard MiB (copies) |",
+        "ledger rows/round (round col) | rows/round (wall window) | shard MiB (copies) | load avg 1 min before / after |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: |"]
+        "| ---: | ---: | ---: |"]
     for r in rs:
         if not r["ok"]:
-            lines.append(f"| {r['spec']['clients']} | FAILED ({r.get('rc')}) | | | | | | | | | | | | | | | | |")
+            lines.append(f"| {r['spec']['clients']} | FAILED ({r.get('rc')}) | | | | | | | | | | | | | | | | | |")
             continue
         n = r["clients"]
         d = r["vm_hwm"] - base["vm_hwm"] if base and base is not r else None
@@ -497,7 +517,7 @@ def scale_table(rs: list[dict], base: dict | None, ref: dict | None) -> list[str
             f"{60 / statistics.mean(st):.1f} | {60 * len(r['round_seconds']) / sum(r['round_seconds']):.1f} | "
             f"{r['cpu_s'] / len(r['round_seconds']):.1f} | {rows_col:,.0f} | {rows_win:,.0f} | "
             f"{r['shards']['bytes'] / 2**20:,.1f} ({r['shards']['agents'] - r['shards']['shares_memory_with_dataset']}"
-            f"/{r['shards']['agents']}) |")
+            f"/{r['shards']['agents']}) | {r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} |")
     if ref is not None and ref["ok"]:
         lines += ["", f"Ratios against the {ref['clients']}-agent case (side by side, same run):", "",
                   "| agents | agents × | peak RSS × | Δ RSS × | steady round time × | round time per agent × | "
@@ -578,7 +598,34 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
                 continue
             lines.append(f"| {rd} | {hr:g} | {b['client']} ({b['profile']}) | {b['down_s']:.3f} | {b['train_s']:.2f} | "
                          f"{b['up_s']:.3f} | {b['total_s']:.2f} |")
+    med = []
+    for p, s in pp.items():
+        prof = get_profile(p)
+        d, u = link_s(p, round(s["global_bytes"]), "down"), link_s(p, round(s["update_bytes"]), "up")
+        med.append((d + s["train_host_s"] / prof.relative_compute_speed + u, p, d, s["train_host_s"] /
+                    prof.relative_compute_speed, u))
+    t, p, d, tr, u = max(med)
+    lines += ["", f"With each profile's *median* host training time (rounds ≥ 2) instead of each client's own — robust to "
+                  f"a load spike on this shared machine hitting one client — the slowest profile is {p}: "
+                  f"{d:.3f} + {tr:.2f} + {u:.3f} = **{t:.2f} s** per round (host_rel = 1.0; "
+                  f"{d + tr * HOST_PEAK_REL + u:.2f} s with host_rel = {HOST_PEAK_REL})."]
     sim = simulated_round_time(r, host_rel_primary)
+    led = ledger_link_s(Path(r["spec"]["run_dir"]))
+    if led:
+        em = r["emulated_link_s"] or {}
+        lines += ["", "Two link-time figures for the same run: the seconds the agent's link emulation slept "
+                  "(`summary.json` `emulated_link_s`: whole global and update messages, payload bytes, one RTT per "
+                  "message), and the ledger's per-packet `link_s` column (every agent-side MQTT packet, whole "
+                  "packet bytes, one RTT per packet, so a chunked global pays one RTT per chunk):", "",
+                  "| profile | emulated s / client / round | ledger link_s, global + update rows, / client / round | "
+                  "ratio | ledger link_s, every agent row (joins, status, receipts included) ÷ rounds |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for p in sorted(set(r["profile_of_client"].values())):
+            cs = [c for c, q in r["profile_of_client"].items() if q == p]
+            every = statistics.mean(led.get(c, (0.0, 0.0))[0] for c in cs) / rounds
+            gu = statistics.mean(led.get(c, (0.0, 0.0))[1] for c in cs) / rounds
+            b = statistics.mean(em[c] for c in cs) / rounds if em else float("nan")
+            lines.append(f"| {p} | {b:.3f} | {gu:.3f} | {gu / b if b else float('nan'):.2f} | {every:.3f} |")
     lines += ["", f"Independent check of the link model: |Σ recomputed link s − summary.json emulated_link_s|, largest over "
                   f"clients: {sim['link_check_max_abs_diff_s']:.4f} s (summary values are rounded to 1 ms)."]
     # per-profile simulated time (the slowest client of each profile, mean over rounds ≥ 2)
@@ -602,11 +649,14 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
     return lines + [""]
 
 
-def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], args, started: str,
-                 total_s: float, machine: dict, load_start, load_end) -> None:
+def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], meta: dict) -> None:
+    """The Markdown report from the cases' results and ``meta`` (argv, started, total_s,
+    load_start, load_end, rounds, machine, code)."""
+    started, total_s, machine = meta["started"], meta["total_s"], meta["machine"]
+    load_start, load_end = meta["load_start"], meta["load_end"]
     L = ["# fedfleet fleet-simulation benchmark", "",
-         f"Produced by `python tools/bench_fleet.py {' '.join(sys.argv[1:])}` on {started} "
-         f"(total {total_s:.0f} s); code {code_label()}.", "",
+         f"Produced by `python tools/bench_fleet.py {' '.join(meta['argv'])}` on {started} "
+         f"(total {total_s:.0f} s); code {meta['code']}.", "",
          "Benchmarks, not tests. Every case is one in-process `simulate(...)` run in a fresh child process (so "
          "VmHWM is that case's own peak). The machine may be shared with other jobs: load average "
          f"{'/'.join(f'{x:.2f}' for x in load_start)} at the start, {'/'.join(f'{x:.2f}' for x in load_end)} at the "
@@ -614,13 +664,15 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], a
          "connections and ledger rows are not.", "",
          "| machine | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in machine.items()], "",
          "Settings of every case: IID partition, `local_epochs` 1, `batch_size` 32, `lr` 0.05, "
-         f"{args.rounds} rounds, `[agents] train_slots` 1 (one agent trains at a time), quorum = every client, "
-         "round deadline 900 s, `join_timeout_s` 300, `min_samples` 5 (digits has 1,437 training samples: "
-         "150 and 200 IID shards hold 9 and 7), seed 0, embedded broker (Mosquitto when installed), fp32 both ways, "
+         f"{meta['rounds']} rounds, `[agents] train_slots` 1 (one agent trains at a time), quorum = every client, "
+         "round deadline 900 s, `join_timeout_s` 300, `min_samples` 5 (the default 10 refuses IID shards of "
+         "digits beyond 143 clients), seed 0, embedded broker (Mosquitto when installed), fp32 both ways, "
          "the light CNN (`lightcnn`).", "",
          "Columns: *peak RSS* = VmHWM of the simulating process (server + every agent + paho threads; the broker "
          "is a separate process, its peak RSS sampled alongside); *Δ vs 1 agent* = peak RSS − peak RSS of the "
-         "1-agent case on the same data set; *MiB per agent* = Δ / (N − 1); *MQTT conns* = ESTABLISHED TCP "
+         "1-agent case on the same data set; *MiB per agent* = Δ / (N − 1); *Python threads peak / after* = peak "
+         "`threading.active_count()` during the run (the benchmark's sampler thread included) / threads alive "
+         "after `simulate` returned (1 = the main thread alone: nothing leaked); *MQTT conns* = ESTABLISHED TCP "
          "connections of the process to the broker port (peak, sampled every 0.5 s); *round 1* pays torch's "
          "one-time start-up (the first training call of a process takes ~5 s); *rounds/min (steady)* = 60 / mean "
          "of rounds 2..R; *CPU s per round* = process user+sys CPU over the whole run ÷ rounds (2 cores = at most "
@@ -637,12 +689,36 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], a
         ok = [r for r in rs if r["ok"]]
         if ok:
             r0 = ok[0]
-            L += [f"{r0['train_samples']:,} training samples; data set in memory (train x + y) "
+            L += [f"{r0['train_samples']:,} training samples (an IID shard of N clients holds about "
+                  f"{r0['train_samples']:,} / N); data set in memory (train x + y) "
                   f"{r0['dataset_train_bytes'] / 2**20:,.1f} MiB.", ""]
         L += scale_table(rs, base, ref) + [""]
         for r in rs:
             if r["ok"] and r["agent_errors"]:
                 L.append(f"- {r['clients']} agents: agent errors {r['agent_errors'][:3]}")
+        L.append("")
+    alloc = [(g, r) for g, rs in results.items() if "MALLOC" in g for r in rs if r["ok"]]
+    if alloc:
+        L += ["## Allocator experiment: the same cases with `MALLOC_ARENA_MAX=2`", "",
+              "glibc gives each thread that allocates its own malloc arena (up to 8 × cores); with two threads per "
+              "agent, freed model-sized buffers can stay spread over many arenas. Same cases, same settings, only "
+              "the environment variable differs:", "",
+              "| case | peak RSS MiB, default | peak RSS MiB, MALLOC_ARENA_MAX=2 | ratio | MiB per agent, default | "
+              "MiB per agent, MALLOC_ARENA_MAX=2 | steady round s, default | steady round s, arenas 2 |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for g, r in alloc:
+            ds = g.split(",")[0]
+            dflt = next((x for x in results.get(ds, []) if x["ok"] and x["clients"] == r["clients"]), None)
+            b_d = next((x for x in results.get(ds, []) if x["ok"] and x["clients"] == 1), None)
+            b_a = next((x for _, x in alloc if x["dataset"] == r["dataset"] and x["clients"] == 1), None)
+            if dflt is None:
+                continue
+            n = r["clients"]
+            per_d = (dflt["vm_hwm"] - b_d["vm_hwm"]) / (n - 1) / 2**20 if b_d and n > 1 else float("nan")
+            per_a = (r["vm_hwm"] - b_a["vm_hwm"]) / (n - 1) / 2**20 if b_a and n > 1 else float("nan")
+            L.append(f"| {r['dataset']}, {n} agents | {mib(dflt['vm_hwm'])} | {mib(r['vm_hwm'])} | "
+                     f"{r['vm_hwm'] / dflt['vm_hwm']:.2f} | {per_d:.2f} | {per_a:.2f} | "
+                     f"{statistics.mean(steady(dflt)):.2f} | {statistics.mean(steady(r)):.2f} |")
         L.append("")
     if mixed:
         L += ["## Mixed-profile fleets with link emulation", ""]
@@ -671,6 +747,20 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], a
     out.write_text("\n".join(L) + "\n", encoding="utf-8")
 
 
+def _legacy_meta(md: Path, saved: dict) -> dict:
+    """Meta of a results file written before ``meta`` was saved: from the report it produced."""
+    import re
+
+    text = md.read_text(encoding="utf-8")
+    m = re.search(r"Produced by `python tools/bench_fleet.py (.*?)` on (.*?) \(total (\d+) s\); code (.*?)\.\n", text)
+    loads = re.search(r"load average ([0-9./]+) at the start, ([0-9./]+) at the\s+end", text)
+    first = next(r for rs in saved["results"].values() for r in rs if r.get("ok"))
+    return {"argv": m.group(1).split(), "started": m.group(2), "total_s": float(m.group(3)), "code": m.group(4),
+            "load_start": [float(x) for x in loads.group(1).split("/")],
+            "load_end": [float(x) for x in loads.group(2).split("/")],
+            "rounds": first["spec"]["rounds"], "machine": machine_info()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "fleet.md")
@@ -679,22 +769,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--digits-sizes", default="1,10,50,100,150,200")
     ap.add_argument("--mnist-sizes", default="1,10,50,100")
     ap.add_argument("--mixed", default="digits:50,mnist:50", help="DATASET:N,… for the mixed-profile runs ('' = none)")
+    ap.add_argument("--malloc", default="mnist:1,mnist:50",
+                    help="DATASET:N,… rerun with MALLOC_ARENA_MAX=2 (glibc allocator experiment; '' = none)")
     ap.add_argument("--broker", default="auto", choices=("auto", "mosquitto", "amqtt"))
     ap.add_argument("--case-timeout-s", type=float, default=1800.0)
     ap.add_argument("--quick", action="store_true", help="smoke run: digits 1,10; mixed digits:10; 2 rounds")
+    ap.add_argument("--from-json", type=Path, help="rebuild the report from a saved all-results.json (no runs)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child_main(args.child, args.result)
         return 0
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        write_report(args.out, saved["results"], saved["mixed"], saved.get("meta") or _legacy_meta(args.out, saved))
+        print(args.out.read_text())
+        return 0
     if args.quick:
-        args.digits_sizes, args.mnist_sizes, args.mixed, args.rounds = "1,10", "", "digits:10", 2
+        args.digits_sizes, args.mnist_sizes, args.mixed, args.rounds, args.malloc = "1,10", "", "digits:10", 2, "digits:1,digits:10"
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")
     t0 = time.monotonic()
     load_start = os.getloadavg()
     machine = machine_info()
+    code_start = code_label()
     results: dict[str, list[dict]] = {}
     for ds, sizes in (("digits", args.digits_sizes), ("mnist", args.mnist_sizes)):
         ns = [int(x) for x in sizes.split(",") if x.strip()]
@@ -706,8 +805,18 @@ def main(argv: list[str] | None = None) -> int:
         mixed.append(run_case({"name": f"mixed-{ds}-{n}", "dataset": ds, "clients": int(n), "rounds": args.rounds,
                                "broker": args.broker, "profile": MIX, "emulate_link": True},
                               args.work, args.case_timeout_s))
-    (args.work / "all-results.json").write_text(json.dumps({"results": results, "mixed": mixed}, indent=1))
-    write_report(args.out, results, mixed, args, started, time.monotonic() - t0, machine, load_start, os.getloadavg())
+    for item in [x for x in args.malloc.split(",") if x.strip()]:
+        ds, n = item.split(":")
+        results.setdefault(f"{ds}, MALLOC_ARENA_MAX=2", []).append(run_case(
+            {"name": f"malloc-{ds}-{n}", "dataset": ds, "clients": int(n), "rounds": args.rounds, "broker": args.broker,
+             "env": {"MALLOC_ARENA_MAX": "2"}}, args.work, args.case_timeout_s))
+    code_end = code_label()
+    meta = {"argv": sys.argv[1:], "started": started, "total_s": time.monotonic() - t0, "load_start": load_start,
+            "load_end": os.getloadavg(), "rounds": args.rounds, "machine": machine,
+            "code": code_start if code_end == code_start else f"{code_start} at the start, {code_end} at the end"}
+    (args.work / "all-results.json").write_text(json.dumps({"results": results, "mixed": mixed, "meta": meta},
+                                                           indent=1))
+    write_report(args.out, results, mixed, meta)
     print(f"\nwrote {args.out}")
     print(args.out.read_text())
     return 0
