@@ -111,8 +111,9 @@ class _CountingClient(mqtt.Client):
         self.socket_bytes_in = 0
 
     def _packet_queue(self, command, packet, mid, qos, info=None):
-        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(command >> 4, "?"), len(packet),
-                                             bool(command & 0x08) and command >> 4 == 3))
+        first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
+        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet),
+                                             bool(first & 0x08) and first >> 4 == 3))
         return super()._packet_queue(command, packet, mid, qos, info)
 
     def _packet_handle(self):

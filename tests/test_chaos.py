@@ -1346,10 +1346,6 @@ def test_receipt_of_the_resent_global_counts_after_a_server_reconnect(tmp_path: 
     assert m["global_receipts"] == 1, "the agent's confirmation of the re-sent model was not counted"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _CountingClient._packet_queue reads the DUP flag from paho's `command` "
-                   "argument, but paho passes the bare PUBLISH type (0x30) there and sets DUP only in packet[0]: a "
-                   "PUBLISH that paho re-sends after a reconnect is neither a PUBLISH-DUP ledger row nor any other "
-                   "row, so its bytes are missing from the ledger (protocol/transport.py:113-115)")
 def test_retransmission_after_a_reconnect_is_ledgered(tmp_path: Path) -> None:
     """A 55 KB update is cut off mid-PUBLISH by the relay; paho reconnects and sends the PUBLISH
     again (DUP set on the wire). The ledger must show that second copy as a PUBLISH-DUP row."""
