@@ -79,9 +79,11 @@ class AgentRuntime:
         """The codec for this device's updates (see :func:`cheaper_codec`)."""
         return cheaper_codec(server_codec, self.profile.preferred_codecs.update_codec, n_values)
 
-    def link_s(self, nbytes: int, direction: str) -> float:
-        """Seconds the profile's link needs for ``nbytes`` (``"up"`` or ``"down"``)."""
-        return link_time_s(self.profile, nbytes, direction)
+    def link_s(self, nbytes: int, direction: str, round_trip: bool = True) -> float:
+        """Seconds the profile's link needs for ``nbytes`` (``"up"`` or ``"down"``); without the
+        RTT when ``round_trip`` is false (the later chunks of a pipelined transfer)."""
+        t = link_time_s(self.profile, nbytes, direction)
+        return t if round_trip else max(0.0, t - self.profile.link.rtt_ms / 1000.0)
 
 
 def agent_runtime(profile: str | FirmwareProfile, *, info: DeviceInfo | None = None) -> AgentRuntime:

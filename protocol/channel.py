@@ -132,7 +132,8 @@ class Channel:
             max_bytes=512 * 1024 * 1024 if side == "server" else 128 * 1024 * 1024)
         self.cache = TransferCache()
         self.transfer_filter = transfer_filter
-        self.link_time: Callable[[int, str], float] | None = None  # (packet bytes, "up"/"down") -> s
+        # (packet bytes, "up"/"down", pays the round trip) -> seconds on the device's link
+        self.link_time: Callable[[int, str, bool], float] | None = None
         self.resent_chunks = 0
         self.incomplete_transfers = 0
         self._resend_asked: dict[tuple[str, bytes], float] = {}
@@ -426,7 +427,9 @@ class Channel:
                 chunk_count: int | None = None) -> None:
         size = publish_size(topic, payload_bytes, qos)
         direction = "down" if "/down/" in topic else "up"
-        link_s = self.link_time(size.packet_bytes, direction) if self.link_time and event != "message" else 0.0
+        # a chunked transfer is pipelined (QoS 1 in flight): one round trip per transfer, not per chunk
+        link_s = (self.link_time(size.packet_bytes, direction, chunk_index in (None, 0))
+                  if self.link_time and event != "message" else 0.0)
         with self._count_lock:
             if event == "sent":
                 self.wire_bytes_sent += size.packet_bytes

@@ -574,7 +574,7 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
     srv = r["ledger"]["server_update_rows"]
     empty = sum(1 for s in srv if not s["codec"])
     lines += ["", f"Server-side `received` update rows with an empty `codec` column: {empty} of {len(srv)} "
-                  f"(the codec is recorded only on the sending side's rows)."]
+                  f"({'receivers record the codec as well' if empty == 0 else 'the codec is recorded only on the sending side rows'})."]
     g = r["ledger"]["global_sent"]
     if g:
         lines += [f"Global model as sent by the server: codec {sorted({x['codec'] for x in g})}, "
@@ -653,6 +653,9 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], m
     """The Markdown report from the cases' results and ``meta`` (argv, started, total_s,
     load_start, load_end, rounds, machine, code)."""
     started, total_s, machine = meta["started"], meta["total_s"], meta["machine"]
+    one = next((r for r in results.get("digits", []) if r["ok"] and r["clients"] == 1), None)
+    warmup = (f"here round 1 − mean of rounds 2..R of the 1-agent digits case = "
+              f"{one['round_seconds'][0] - statistics.mean(steady(one)):.1f} s" if one else "a few seconds")
     load_start, load_end = meta["load_start"], meta["load_end"]
     L = ["# fedfleet fleet-simulation benchmark", "",
          f"Produced by `python tools/bench_fleet.py {' '.join(meta['argv'])}` on {started} "
@@ -673,8 +676,8 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], m
          "1-agent case on the same data set; *MiB per agent* = Δ / (N − 1); *Python threads peak / after* = peak "
          "`threading.active_count()` during the run (the benchmark's sampler thread included) / threads alive "
          "after `simulate` returned (1 = the main thread alone: nothing leaked); *MQTT conns* = ESTABLISHED TCP "
-         "connections of the process to the broker port (peak, sampled every 0.5 s); *round 1* pays torch's "
-         "one-time start-up (the first training call of a process takes ~5 s); *rounds/min (steady)* = 60 / mean "
+         "connections of the process to the broker port (peak, sampled every 0.5 s); *round 1* also pays torch's "
+         f"one-time start-up in the process's first training call ({warmup}); *rounds/min (steady)* = 60 / mean "
          "of rounds 2..R; *CPU s per round* = process user+sys CPU over the whole run ÷ rounds (2 cores = at most "
          "120 CPU s per wall minute); *ledger rows/round (round col)* counts rows tagged with the round; "
          "*(wall window)* counts rows written during the round, which adds MQTT control packets (PUBACK, "
@@ -725,6 +728,23 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], m
         for r in mixed:
             L += mixed_section(r, 1.0)
     # verdict
+    L += ["## Per agent, in short", ""]
+    for ds, rs in results.items():
+        ok = [r for r in rs if r["ok"] and r["clients"] >= 10]
+        base = next((r for r in rs if r["ok"] and r["clients"] == 1), None)
+        if not ok or base is None:
+            continue
+        per = [(r["vm_hwm"] - base["vm_hwm"]) / (r["clients"] - 1) / 2**20 for r in ok]
+        thr = [(r["peak_py_threads"] - base["peak_py_threads"]) / (r["clients"] - 1) for r in ok]
+        osthr = [(r["peak_os_threads"] - base["peak_os_threads"]) / (r["clients"] - 1) for r in ok]
+        rows = [statistics.mean(r["ledger"]["rows_by_round"].get(str(k), 0) for k in range(1, len(r["round_seconds"]) + 1))
+                / r["clients"] for r in ok]
+        L.append(f"- {ds} (N = {', '.join(str(r['clients']) for r in ok)}): {min(per):.2f}–{max(per):.2f} MiB RSS, "
+                 f"{min(thr):.1f}–{max(thr):.1f} Python threads (the agent's own and paho's network thread), "
+                 f"{min(osthr):.1f}–{max(osthr):.1f} OS threads, 1 MQTT connection "
+                 f"({'every case' if all(r['peak_conns'] == r['clients'] + 1 for r in ok) else 'NOT every case'}: "
+                 f"agents + 1), {min(rows):.2f}–{max(rows):.2f} ledger rows per round (round column) per agent.")
+    L += [""]
     L += ["## Does \"≥ 100 agents on 2 cores / 24 GB\" hold?", ""]
     verdicts = []
     for ds, rs in results.items():
