@@ -23,22 +23,15 @@ import pytest
 from broker_server import config as config_mod
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
+from test_federation import small_config
 from protocol.messages import Envelope, Join, RoundStart, decode, encode
 
 pytestmark = pytest.mark.slow
 
 
 def _cfg(**over) -> config_mod.Config:
-    raw = {
-        "run": {"name": "brk", "seed": 1, "rounds": 3},
-        "data": {"dataset": "digits", "partition": "iid", "clients": 3},
-        "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
-        "server": {"quorum": 2, "round_deadline_s": 60.0, "join_timeout_s": 60.0},
-        "broker": {"kind": "amqtt"},
-    }
-    for sec, vals in over.items():
-        raw.setdefault(sec, {}).update(vals)
-    return config_mod.from_dict(raw, "<test_break>")
+    """The integration tests' small federation (tests/test_federation.py), 3 rounds."""
+    return small_config(run={"name": "brk", "rounds": 3, **over.pop("run", {})}, **over)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -84,7 +84,7 @@ def test_updates_that_arrived_before_the_deadline_are_counted(tmp_path: Path, mo
             intruder.loop_stop()
     on_time = [c for c, t in seen.items() if start and t - start[0] < DEADLINE_S - 0.5]
     if len(on_time) < 2:
-        pytest.skip(f"precondition not met: only {on_time} delivered well before the deadline")
+        pytest.skip(reason=f"precondition not met: only {on_time} delivered well before the deadline")
     m = json.loads((tmp_path / fed / "metrics.jsonl").read_text().splitlines()[0])
     # what should happen: every update the broker delivered before the deadline is aggregated
     assert m["clients_reported"] >= len(on_time) and not m["skipped"], m
