@@ -198,7 +198,6 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round)
-        server_tr = server.channel.transport
         # the broker link must carry every device's downloads: the smallest packet limit of the fleet
         fleet = [runtimes[p] for p in set(profiles)]
         server.channel.max_packet_bytes = min([server.channel.max_packet_bytes] + [r.max_packet_bytes for r in fleet])

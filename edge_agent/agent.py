@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from protocol import topics
-from protocol.channel import Channel, Received, Rejected
+from protocol.channel import Channel, Received
 from protocol.errors import TransportError
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
 from protocol.tensors import Codec, ErrorFeedback
@@ -135,7 +135,6 @@ class EdgeAgent:
         self.resends = 0
         self._update_seqs: set[int] = set()
         self._pending_at = 0.0
-        self.forced_codec: str | None = None
         self._ef: ErrorFeedback | None = None
         self.rounds_trained = 0
         self.receipts_accepted = 0
@@ -324,8 +323,8 @@ class EdgeAgent:
         but carried into the next round. The tensors returned are already C(x + e) (decoded), so
         the channel's encoding of them reproduces the same wire values.
         """
-        text = self.forced_codec or str(config.get("update_codec", "fp32"))
-        if self.runtime is not None and not self.forced_codec:
+        text = str(config.get("update_codec", "fp32"))
+        if self.runtime is not None:
             text = self.runtime.update_codec(text, n_values=sum(int(t.size) for t in tensors
                                                                 if np.issubdtype(t.dtype, np.floating)))
         codec = Codec.parse(text)

@@ -291,12 +291,12 @@ class Channel:
             ienv = inner.envelope
             self._record(inc.topic, "message", ienv.kind.label, ienv.round, ienv.sender, ienv.seq, client=client,
                          payload_bytes=inner.payload_bytes, body_bytes=inner.body_bytes, qos=inc.qos, retain=False,
-                         raw_bytes=_raw(ienv.body), fields=_fields_json(ienv.kind, whole, inner), codec=inner.codec,
+                         raw_bytes=_raw(ienv.body), fields=_fields_json(inner), codec=inner.codec,
                          transfer_id=c.transfer_id.hex(), chunk_count=c.count)
             return Received(inc.topic, info, inner, False, payload_sha256(whole), inc.received_at)
         self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
                      payload_bytes=dec.payload_bytes, body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain,
-                     raw_bytes=_raw(env.body), fields=_fields_json(env.kind, inc.payload, dec), codec=dec.codec)
+                     raw_bytes=_raw(env.body), fields=_fields_json(dec), codec=dec.codec)
         if isinstance(env.body, Resend):
             self._answer_resend(env.sender, env.body)
             return None
@@ -455,5 +455,5 @@ def _raw(body: Body) -> int:
     return sum(raw_nbytes(t) for t in getattr(body, "tensors", ()))
 
 
-def _fields_json(kind: Kind, payload: bytes, dec: Decoded) -> str:
+def _fields_json(dec: Decoded) -> str:
     return json.dumps(dict(dec.field_bytes), separators=(",", ":"))

@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ChunkError, ProtocolError  # noqa: F401  (ChunkError re-exported)
+from .errors import ChunkError  # noqa: F401  (re-exported for callers of this module)
 from .messages import (
     MAX_CHUNKS,
     MAX_PAYLOAD_BYTES,

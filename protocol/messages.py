@@ -50,7 +50,7 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -484,41 +484,6 @@ this many, instead of costing ~64× its size in memory. A legitimate message hol
 (≤ 4,096 tensors) plus a handful."""
 
 
-class _TooManyContainers(Exception):
-    pass
-
-
-def _set_bounds() -> None:
-    _BOUNDS.update(max_array=MAX_LIST + MAX_TENSORS, max_map=MAX_MAP_ENTRIES, max_str=MAX_PAYLOAD_BYTES,
-                   max_containers=MAX_CONTAINERS)
-
-
-def _unpack(data: bytes, what: str) -> Any:
-    count = 0
-
-    def hook(obj: Any) -> Any:
-        nonlocal count
-        count += 1
-        if count > MAX_CONTAINERS:
-            raise _TooManyContainers
-        return obj
-
-    try:
-        return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
-            max_bin_len=MAX_PAYLOAD_BYTES, max_str_len=MAX_PAYLOAD_BYTES,
-            max_array_len=MAX_LIST + MAX_TENSORS, max_map_len=MAX_MAP_ENTRIES,
-            max_ext_len=0, list_hook=hook, object_hook=hook,
-        )
-    except _TooManyContainers:
-        raise FieldError(f"{what}: more than {MAX_CONTAINERS:,} arrays and maps", field=what) from None
-    except MemoryError:
-        raise FieldError(f"{what}: too large to decode in the memory available", field=what) from None
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError,
-            UnicodeDecodeError) as exc:
-        raise MalformedMessage(f"{what}: not a valid msgpack value ({exc.__class__.__name__}: {exc})", field=what) from exc
-
-
 def _want(value: Any, types: type | tuple[type, ...], name: str) -> Any:
     # bool is an int subclass: never accept one where the other is declared
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
@@ -757,7 +722,9 @@ def _codec_text(tensors: list) -> str:
     return "fp32" if tensors else ""
 
 
-_BOUNDS = dict(max_array=0, max_map=0, max_str=0, max_containers=0)  # filled below (after the constants)
+_BOUNDS = dict(max_array=MAX_LIST + MAX_TENSORS, max_map=MAX_MAP_ENTRIES, max_str=MAX_PAYLOAD_BYTES,
+               max_containers=MAX_CONTAINERS)
+"""Bounds of the msgpack reader for every payload and body."""
 
 
 def _read(data: bytes, what: str) -> Any:
@@ -773,16 +740,3 @@ def _read(data: bytes, what: str) -> Any:
 def payload_sha256(payload: bytes) -> bytes:
     """SHA-256 digest (32 bytes) of a payload, as carried by :class:`Receipt`."""
     return hashlib.sha256(payload).digest()
-
-
-def kind_of(body: Body) -> Kind:
-    """Kind number of a body record."""
-    return type(body).KIND
-
-
-def tensor_list(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-    """Tuple of arrays, for the ``tensors`` field (accepts any sequence)."""
-    return tuple(arrays)
-
-
-_set_bounds()

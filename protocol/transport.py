@@ -410,7 +410,6 @@ class MqttTransport:
         self._closed = True
         try:
             if self.connected:
-                info = self._client.disconnect()
-                del info
+                self._client.disconnect()
         finally:
             self._client.loop_stop()

@@ -65,6 +65,7 @@ from typing import Callable, Iterator
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
+from test_federation import small_config
 
 import broker_server.server as server_mod
 import broker_server.simulate as simulate_mod
@@ -94,17 +95,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def chaos_config(**over) -> config_mod.Config:
-    """3 agents on digits (iid), quorum 2, 1 local epoch: a round takes about a second."""
-    raw = {
-        "run": {"name": "chaos", "seed": 1, "rounds": 3},
-        "data": {"dataset": "digits", "partition": "iid", "clients": 3},
-        "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
-        "server": {"quorum": 2, "round_deadline_s": 20.0, "join_timeout_s": 60.0},
-        "broker": {"kind": "amqtt"},
-    }
+    """The integration tests' small federation (3 agents on digits, quorum 2), 3 rounds, 20 s
+    deadline: a round takes about a second."""
+    base = {"run": {"name": "chaos", "rounds": 3}, "server": {"round_deadline_s": 20.0}}
     for sec, vals in over.items():
-        raw.setdefault(sec, {}).update(vals)
-    return config_mod.from_dict(raw, "<test_chaos>")
+        base[sec] = {**base.get(sec, {}), **vals}
+    return small_config(**base)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
