@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from . import topics
@@ -151,7 +152,8 @@ class Channel:
     # ------------------------------------------------------------------ sending
 
     def send(self, topic: str, body: Body, *, round: int, retain: bool = False,
-             wait_s: float | None = None, recipient: str = "*", codec: Any = None) -> Encoded:
+             wait_s: float | None = None, recipient: str = "*", codec: Any = None,
+             extra_codecs: Mapping[str, Any] | None = None) -> Encoded:
         """Encode ``body``, publish it on ``topic`` (as a chunked transfer when it is larger than
         the chunk size or the broker's maximum packet size) and record its ledger rows.
 
@@ -164,15 +166,20 @@ class Channel:
             recipient: ledger ``client`` for downloads (``"*"`` = broadcast).
             codec: tensor codec (:class:`protocol.tensors.Codec`) for ``global``/``update``;
                 ``None`` = fp32.
+            extra_codecs: codec per ``extras`` entry name (others use ``codec``).
 
         Raises:
             PublishTimeout, TransportError: from the transport.
             FieldError, TensorError: the body cannot be encoded.
         """
         env = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=body, timestamp_ms=now_ms())
-        enc = encode(env, codec)
+        enc = encode(env, codec, extra_codecs)
         client = self.node_id if self.side == "agent" else recipient
         codec_name = str(codec) if codec is not None else ("fp32" if hasattr(body, "tensors") else "")
+        if extra_codecs and getattr(body, "extras", None):
+            used = {n: str(extra_codecs.get(n, codec_name or "fp32")) for n in body.extras}
+            if set(used.values()) != {codec_name}:
+                codec_name = ",".join([codec_name] * bool(body.tensors) + [f"{n}={c}" for n, c in used.items()])
         fields = json.dumps(dict(enc.field_bytes), separators=(",", ":"))
         if not needs_chunking(topic, len(enc.payload), max_packet_bytes=self.max_packet_bytes,
                               chunk_bytes=self.chunk_bytes, qos=self.qos):
@@ -198,9 +205,9 @@ class Channel:
         self._publish_chunks(chunks, topic, round, env.kind.label, client, wait_s)
         return enc
 
-    def encoded_size(self, body: Body, codec: Any = None) -> int:
+    def encoded_size(self, body: Body, codec: Any = None, extra_codecs: Mapping[str, Any] | None = None) -> int:
         """Payload bytes ``body`` would take (for link emulation; encodes once, sends nothing)."""
-        return len(encode(Envelope(round=0, sender=self.node_id, seq=1, body=body), codec).payload)
+        return len(encode(Envelope(round=0, sender=self.node_id, seq=1, body=body), codec, extra_codecs).payload)
 
     def _publish_chunks(self, chunks: list[Chunk], topic: str, round: int, kind_label: str, client: str,
                         wait_s: float | None) -> None:
@@ -452,7 +459,8 @@ MAX_RESEND = 4096
 
 
 def _raw(body: Body) -> int:
-    return sum(raw_nbytes(t) for t in getattr(body, "tensors", ()))
+    return (sum(raw_nbytes(t) for t in getattr(body, "tensors", ()))
+            + sum(raw_nbytes(t) for t in (getattr(body, "extras", None) or {}).values()))
 
 
 def _fields_json(dec: Decoded) -> str:

@@ -29,14 +29,21 @@ kind    name           body
 ======  =============  =====================================================================
 1       join           ``[profile, manifest_hash, num_samples, class_histogram[uint], info M]``
 2       round_start    ``[selected[str], deadline_s float, config M]``
-3       global         ``[tensors[T], meta M]``
-4       update         ``[tensors[T], num_samples, train_loss float, metrics M, delta bool]``
+3       global         ``[tensors[T], meta M, (extras X)]``
+4       update         ``[tensors[T], num_samples, train_loss float, metrics M, delta bool, (extras X)]``
 5       finish         ``[reason str, rounds_completed uint]``
 6       status         ``[state str, detail str]``
 7       receipt        ``[ref_kind uint, ref_seq uint, accepted bool, reason str, sha256 bin32]``
 8       chunk          ``[transfer_id bin16, index, count, offset, total_bytes, sha256 bin32, data bin]``
 9       resend         ``[transfer_id bin16, indices[uint]]``
 ======  =============  =====================================================================
+
+``X`` = a map from a name (1–64 characters of ``[A-Za-z0-9_.-]``, at most 64 entries) to a
+tensor: the non-model state an algorithm exchanges (``prototypes`` [C, d] with
+``proto_classes`` [C], ``soft_predictions`` [P, C] on the proxy set, SCAFFOLD control variates
+…). It is present only when not empty, so a model-only message is byte-identical with or
+without it; each entry may use its own codec. ``tensors`` may be empty (no parameters shared,
+as in FedProto and FedMCP++). The tensors and the extras share one decoded-byte budget.
 
 A ``chunk`` carries a slice of another message's whole payload (an envelope of its own), on
 that message's topic; the receiver reassembles by offset and decodes the result. ``resend`` asks
@@ -161,12 +168,19 @@ class Global:
     """The global state for a round (kind 3): tensors positional against the model manifest.
 
     Attributes:
-        tensors: arrays in manifest order (float32 for model weights).
+        tensors: arrays in manifest order (float32 for model weights); empty when the
+            algorithm shares no parameters (FedProto, FedMCP++), or only the shared subset of
+            the manifest (FedPer/FedRep send the backbone).
         meta: scalars describing the state (``"manifest_hash"``, ``"accuracy"`` …).
+        extras: named non-model state (``"prototypes"`` float32 [C, d], ``"proto_classes"``
+            int64 [C], ``"soft_predictions"`` float32 [P, C], SCAFFOLD's ``"control.<i>"`` …).
+            Sent as a third body field only when not empty, so a model-only ``global`` is
+            byte-identical to protocol v1 without extras.
     """
 
     tensors: tuple[np.ndarray, ...]
     meta: Mapping[str, Scalar] = field(default_factory=dict)
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     KIND = Kind.GLOBAL
 
@@ -182,6 +196,9 @@ class Update:
         metrics: extra scalars (``"train_seconds"``, ``"train_accuracy"`` …).
         delta: ``tensors`` are differences to the round's global model (w_local − w_global)
             rather than the weights themselves.
+        extras: named non-model results (class prototypes, their class ids and counts, soft
+            predictions on the proxy set, control-variate deltas …), each a tensor; a sixth body
+            field sent only when not empty. Names: 1–64 characters of ``[A-Za-z0-9_.-]``.
     """
 
     tensors: tuple[np.ndarray, ...]
@@ -189,6 +206,7 @@ class Update:
     train_loss: float
     metrics: Mapping[str, Scalar] = field(default_factory=dict)
     delta: bool = False
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     KIND = Kind.UPDATE
 
@@ -381,6 +399,24 @@ def _tensor(t: np.ndarray, codec: Any) -> list[Any]:
     return encode_tensor(t) if codec is None else encode_tensor(t, codec)
 
 
+def _extras_parts(extras: Mapping[str, np.ndarray], codec: Any, extra_codecs: Mapping[str, Any] | None
+                  ) -> list[tuple[str, bytes]]:
+    """Packed ``extras`` map as ``[("extras", map header), ("extras.<name>", key + tensor), …]``:
+    the concatenation is exactly msgpack's map encoding, and each entry's bytes are known."""
+    if len(extras) > MAX_EXTRAS:
+        raise FieldError(f"extras: {len(extras)} entries, at most {MAX_EXTRAS}", field="body.extras")
+    n = len(extras)
+    header = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+    parts = [("extras", header)]
+    for name, t in extras.items():
+        if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
+            raise FieldError(f"extras: name {name!r} must be 1-64 characters of [A-Za-z0-9_.-]", field="body.extras")
+        c = (extra_codecs or {}).get(name, codec)
+        parts.append((f"extras.{name}", msgpack.packb(name, use_bin_type=True)
+                      + msgpack.packb(_tensor(t, c), use_bin_type=True)))
+    return parts
+
+
 def _encode_body(body: Body, codec: Any = None) -> list[Any]:
     match body:
         case Join():
@@ -411,8 +447,8 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
 BODY_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.JOIN: ("profile", "manifest_hash", "num_samples", "class_histogram", "info"),
     Kind.ROUND_START: ("selected", "deadline_s", "config"),
-    Kind.GLOBAL: ("tensors", "meta"),
-    Kind.UPDATE: ("tensors", "num_samples", "train_loss", "metrics", "delta"),
+    Kind.GLOBAL: ("tensors", "meta", "extras"),
+    Kind.UPDATE: ("tensors", "num_samples", "train_loss", "metrics", "delta", "extras"),
     Kind.FINISH: ("reason", "rounds_completed"),
     Kind.STATUS: ("state", "detail"),
     Kind.RECEIPT: ("ref_kind", "ref_seq", "accepted", "reason", "sha256"),
@@ -429,7 +465,7 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def encode(envelope: Envelope, codec: Any = None) -> Encoded:
+def encode(envelope: Envelope, codec: Any = None, extra_codecs: Mapping[str, Any] | None = None) -> Encoded:
     """Encode one message to its MQTT payload.
 
     The body array is packed field by field (header + concatenated elements, which is exactly
@@ -439,6 +475,8 @@ def encode(envelope: Envelope, codec: Any = None) -> Encoded:
         envelope: the message. ``sender`` must satisfy :func:`valid_id`.
         codec: tensor codec (:class:`protocol.tensors.Codec`) for ``global``/``update`` tensors;
             ``None`` = ``fp32`` (raw).
+        extra_codecs: codec per ``extras`` name (e.g. ``{"soft_predictions": Codec.parse("int8")}``);
+            a name not listed uses ``codec``. Integer tensors are always sent raw.
 
     Returns:
         :class:`Encoded` with the payload, its exact body/envelope byte split and the bytes of
@@ -456,14 +494,22 @@ def encode(envelope: Envelope, codec: Any = None) -> Encoded:
             raise FieldError(f"envelope.{name} = {v} out of range", field=f"envelope.{name}")
     fields = _encode_body(envelope.body, codec)
     parts = [msgpack.packb(f, use_bin_type=True) for f in fields]
-    body = _array_header(len(parts)) + b"".join(parts)
+    names = list(BODY_FIELDS[envelope.kind][:len(parts)])
+    extras = getattr(envelope.body, "extras", None)
+    n_fields = len(parts)
+    if extras:
+        ex = _extras_parts(extras, codec, extra_codecs)
+        names += [n for n, _ in ex]
+        parts += [p for _, p in ex]
+        n_fields += 1
+    body = _array_header(n_fields) + b"".join(parts)
     payload = msgpack.packb(
         [envelope.version, int(envelope.kind), envelope.round, envelope.sender, envelope.seq,
          envelope.timestamp_ms, body],
         use_bin_type=True,
     )
-    names = BODY_FIELDS[envelope.kind]
     raw = sum(raw_nbytes(t) for t in getattr(envelope.body, "tensors", ()))
+    raw += sum(raw_nbytes(t) for t in (extras or {}).values())
     return Encoded(payload=payload, body_bytes=len(body),
                    field_bytes=tuple(zip(names, (len(p) for p in parts))), raw_tensor_bytes=raw, seq=envelope.seq)
 
@@ -478,6 +524,11 @@ def now_ms() -> int:
 
 
 MAX_CONTAINERS = 20_000
+
+MAX_EXTRAS = 64
+"""Most named entries in a ``global``/``update`` ``extras`` map."""
+
+_EXTRA_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 """Most arrays + maps one payload (or body) may hold: a byte of msgpack (an empty array) becomes a
 Python list of ~56 bytes, so a payload of nested empty containers is refused once it has built
 this many, instead of costing ~64× its size in memory. A legitimate message holds 2–3 per tensor
@@ -558,6 +609,27 @@ def _tensors(value: Any, name: str, limits: TensorLimits) -> tuple[np.ndarray, .
     return tuple(decode_tensor(t, field=f"{name}[{i}]", limits=limits) for i, t in enumerate(value))
 
 
+def _tensors_and_extras(tensors: Any, extras: Any, limits: TensorLimits
+                        ) -> tuple[tuple[np.ndarray, ...], dict[str, np.ndarray]]:
+    """Decode the positional tensors and the optional ``extras`` map under ONE byte budget
+    (``limits.max_total_bytes`` covers both), checking names and entry count first."""
+    if extras is None:
+        return _tensors(tensors, "body.tensors", limits), {}
+    _want(extras, dict, "body.extras")
+    if len(extras) > MAX_EXTRAS:
+        raise FieldError(f"body.extras: {len(extras)} entries, at most {MAX_EXTRAS}", field="body.extras")
+    names = list(extras)
+    for name in names:
+        if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
+            raise FieldError(f"body.extras: name {name!r} is not 1-64 characters of [A-Za-z0-9_.-]",
+                             field="body.extras")
+    values = [extras[k] for k in names]
+    _want(tensors, list, "body.tensors")
+    both = _tensors(list(tensors) + values, "body.tensors+extras", limits)
+    k = len(tensors)
+    return both[:k], dict(zip(names, both[k:]))
+
+
 def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
     b = "body"
     if kind is Kind.JOIN:
@@ -583,16 +655,18 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         return RoundStart(selected=tuple(sel), deadline_s=deadline, config=_decode_map(f[2], "body.config"))
     if kind is Kind.GLOBAL:
         f = _fields(raw, 2, b)
-        return Global(tensors=_tensors(f[0], "body.tensors", limits), meta=_decode_map(f[1], "body.meta"))
+        tensors, extras = _tensors_and_extras(f[0], f[2] if len(f) > 2 else None, limits)
+        return Global(tensors=tensors, meta=_decode_map(f[1], "body.meta"), extras=extras)
     if kind is Kind.UPDATE:
         f = _fields(raw, 4, b)
         n = _uint(f[1], "body.num_samples")
         if n == 0:
             raise FieldError("body.num_samples: an update must stand for at least one sample", field="body.num_samples")
         delta = _want(f[4], bool, "body.delta") if len(f) > 4 else False
-        return Update(tensors=_tensors(f[0], "body.tensors", limits), num_samples=n,
+        tensors, extras = _tensors_and_extras(f[0], f[5] if len(f) > 5 else None, limits)
+        return Update(tensors=tensors, num_samples=n,
                       train_loss=_finite(f[2], "body.train_loss"), metrics=_decode_map(f[3], "body.metrics"),
-                      delta=delta)
+                      delta=delta, extras=extras)
     if kind is Kind.FINISH:
         f = _fields(raw, 2, b)
         return Finish(reason=_str(f[0], "body.reason"), rounds_completed=_uint(f[1], "body.rounds_completed"))
@@ -703,7 +777,11 @@ def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
     except MemoryError:
         raise FieldError("body: too large to decode in the memory available", field="body") from None
     names = BODY_FIELDS[kind] + tuple(f"field{i}" for i in range(len(BODY_FIELDS[kind]), len(sizes)))
-    codec = _codec_text(fields[0]) if kind in (Kind.GLOBAL, Kind.UPDATE) else ""
+    codec = ""
+    if kind in (Kind.GLOBAL, Kind.UPDATE):
+        extras_at = 2 if kind is Kind.GLOBAL else 5
+        extra_values = list(fields[extras_at].values()) if len(fields) > extras_at else []
+        codec = _codec_text(list(fields[0]) + extra_values)
     return Decoded(envelope=Envelope(round=rnd, sender=sender, seq=seq, body=body, timestamp_ms=ts, version=version),
                    payload_bytes=len(payload), body_bytes=len(body_view),
                    field_bytes=tuple(zip(names, sizes)), codec=codec)
