@@ -9,6 +9,7 @@ weights w_{t+1}^k together with its sample count n_k (the server's weight).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,8 +48,21 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=non_blocking)
 
 
+#: ``loss_fn(model, xb, yb) -> (loss, logits)``: the training objective of one batch (a scalar
+#: tensor to differentiate, and the logits [B, C] used for the training accuracy).
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def cross_entropy_loss(model: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default :data:`LossFn`: mean cross-entropy of ``model(xb)`` (logits [B, C]) against ``yb`` (int64 [B])."""
+    logits = model(xb)
+    return F.cross_entropy(logits, yb), logits
+
+
 def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
-               generator: torch.Generator, device: torch.device, *, precision: str = "fp32") -> tuple[float, float]:
+               generator: torch.Generator, device: torch.device, *, precision: str = "fp32",
+               loss_fn: LossFn | None = None,
+               after_backward: Callable[[torch.nn.Module], None] | None = None) -> tuple[float, float]:
     """Run ``config.local_epochs`` epochs (at least one) of SGD on ``(x, y)``.
 
     Each epoch visits the shard in the order of ``torch.randperm(N, generator=generator)`` in
@@ -68,9 +82,18 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
         precision: ``"fp32"``, or ``"fp16"``: forward pass and loss under
             ``torch.autocast("cuda", float16)``, backward through ``torch.amp.GradScaler("cuda")``
             (master weights stay float32). fp16 needs a CUDA ``device``.
+        loss_fn: the objective of one batch, ``(model, xb, yb) -> (loss, logits)`` (see
+            :data:`LossFn`); called inside autocast under fp16. ``None`` = :func:`cross_entropy_loss`,
+            the FedAvg objective (same operations, so FedAvg stays bit-identical). Algorithms with
+            an extra term (FedProx's proximal term, FedPAD's prototype term …) pass their own.
+        after_backward: called as ``after_backward(model)`` once per batch after ``backward()``
+            and before the optimizer step, to edit ``p.grad`` in place (SCAFFOLD's corrected
+            gradient g + c − c_i). Under fp16 the gradients are unscaled first
+            (``scaler.unscale_``), so the hook always sees true gradients. ``None`` = nothing.
 
     Returns:
-        (mean cross-entropy over the last epoch, training accuracy over the last epoch as a fraction).
+        (mean loss over the last epoch — cross-entropy, or ``loss_fn``'s loss when one is given —,
+        training accuracy over the last epoch as a fraction).
         A shard of zero samples returns (0.0, 0.0) and leaves the model unchanged.
 
     Raises:
@@ -87,6 +110,7 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
         return 0.0, 0.0
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                           weight_decay=config.weight_decay)
+    objective = cross_entropy_loss if loss_fn is None else loss_fn
     amp = precision == "fp16"
     scaler = torch.amp.GradScaler("cuda") if amp else None
     model.train()
@@ -100,15 +124,18 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
             xb, yb = _to_device(x[idx], device), _to_device(y[idx], device)
             opt.zero_grad(set_to_none=True)
             if scaler is None:
-                logits = model(xb)
-                loss = F.cross_entropy(logits, yb)
+                loss, logits = objective(model, xb, yb)
                 loss.backward()
+                if after_backward is not None:
+                    after_backward(model)
                 opt.step()
             else:
                 with torch.autocast(device_type="cuda", dtype=torch.float16):
-                    logits = model(xb)
-                    loss = F.cross_entropy(logits, yb)  # autocast runs cross_entropy in float32
+                    loss, logits = objective(model, xb, yb)  # autocast runs cross_entropy in float32
                 scaler.scale(loss).backward()
+                if after_backward is not None:
+                    scaler.unscale_(opt)  # the hook edits true gradients; step() does not unscale twice
+                    after_backward(model)
                 scaler.step(opt)  # skipped when the scaled gradients overflowed
                 scaler.update()
             loss_sum += float(loss.detach()) * int(yb.shape[0])
