@@ -77,13 +77,20 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class ServerSection:
-    """[server]: participation rate C, quorum, deadlines (seconds)."""
+    """[server]: participation rate C, quorum, deadlines (seconds), evaluation.
+
+    ``client_eval`` asks every agent to evaluate its own model after local training (the
+    measure for personalised methods: FedPer, FedRep, FedMCP++, Local); each uses at most
+    ``client_eval_max`` test samples (0 = the whole test split, minus a proxy set if any).
+    """
 
     participation_rate: float = 1.0
     quorum: int = 1
     round_deadline_s: float = 300.0
     join_timeout_s: float = 60.0
     eval_batch_size: int = 1000
+    client_eval: bool = False
+    client_eval_max: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,13 +115,16 @@ class ProtocolSection:
     optional ``+zstd`` (see :class:`protocol.tensors.Codec`). ``delta`` sends updates as
     w_local − w_global; ``error_feedback`` keeps each agent's codec error and adds it to the next
     update (lossy codecs). ``chunk_bytes`` and ``max_packet_bytes`` (the broker's limit; 0 = none)
-    decide when a message goes as a chunked transfer.
+    decide when a message goes as a chunked transfer. ``extras_codec`` encodes the named non-model
+    arrays of updates (prototypes, soft predictions): ``""`` = as ``update_codec``, one codec
+    for all, or per name: ``"soft_predictions=int8+zstd,prototypes=fp16+zstd"``.
     """
 
     qos: int = 1
     codec: str = "fp32"
     update_codec: str = ""
     global_codec: str = ""
+    extras_codec: str = ""
     delta: bool = False
     error_feedback: bool = False
     chunk_bytes: int = 1024 * 1024
@@ -175,6 +185,7 @@ class Config:
     broker: BrokerSection = field(default_factory=BrokerSection)
     protocol: ProtocolSection = field(default_factory=ProtocolSection)
     agents: AgentsSection = field(default_factory=AgentsSection)
+    algorithm: dict[str, Any] = field(default_factory=dict)
     source: str = "<defaults>"
 
     def replace(self, section: str, **changes: Any) -> "Config":
@@ -192,6 +203,9 @@ class Config:
             for f in dataclasses.fields(getattr(self, sec)):
                 v = getattr(getattr(self, sec), f.name)
                 lines.append(f"{f.name} = {_toml_value(v)}")
+        if self.algorithm:
+            lines.append("\n[algorithm]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(self.algorithm.items())]
         return "\n".join(lines) + "\n"
 
 
@@ -215,6 +229,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "round_deadline_s"): (0.1, 7 * 86400.0),
     ("server", "join_timeout_s"): (0.1, 7 * 86400.0),
     ("server", "eval_batch_size"): (1, 1 << 20),
+    ("server", "client_eval_max"): (0, 1 << 30),
     ("broker", "kind"): ("auto", "mosquitto", "amqtt"),
     ("broker", "keepalive_s"): (5, 65535),
     ("protocol", "qos"): (0, 1),
@@ -266,6 +281,12 @@ def validate(cfg: Config, source: str | None = None) -> None:
             raise ConfigError(f"{where} = {v!r} is outside the allowed range [{rng[0]}, {rng[1]}]")
     from protocol.tensors import Codec
 
+    text = cfg.protocol.extras_codec
+    for part in [p for p in text.split(",") if p.strip()]:
+        try:
+            Codec.parse(part.partition("=")[2] if "=" in part else part)
+        except ValueError as exc:
+            raise ConfigError(f"{src}: [protocol] extras_codec = {text!r}: {exc}") from None
     for key in ("codec", "update_codec", "global_codec"):
         text = getattr(cfg.protocol, key)
         if text or key == "codec":
@@ -299,10 +320,17 @@ def from_dict(raw: dict, source: str = "<dict>") -> Config:
     """
     sections: dict[str, Any] = {}
     for sec, table in raw.items():
-        if sec not in _SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{sec}]; allowed: {', '.join(_SECTIONS)}")
+        if sec not in _SECTIONS and sec != "algorithm":
+            raise ConfigError(f"{source}: unknown section [{sec}]; allowed: {', '.join(_SECTIONS + ('algorithm',))}")
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: [{sec}] must be a table")
+        if sec == "algorithm":  # the algorithm's hyperparameters: checked by its strategy's constructor
+            for key, value in table.items():
+                if not isinstance(value, (bool, int, float, str)):
+                    raise ConfigError(f"{source}: [algorithm] {key} = {value!r}: expected a number, string or "
+                                      "true/false")
+            sections[sec] = dict(table)
+            continue
         cls = Config.__dataclass_fields__[sec].default_factory  # type: ignore[attr-defined]
         types = {f.name: f.type for f in dataclasses.fields(cls)}
         kw = {}

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from edge_agent.agent import data_announcement
+from edge_agent.algorithms import algorithm_setup, evaluation_split, get_client_algorithm
 from edge_agent.data import Dataset
 from edge_agent.models import build_model
 from protocol.channel import Channel
@@ -20,7 +21,7 @@ from .config import Config
 from .embedded_broker import parse_broker_url
 from .errors import ConfigError
 from .server import AggregationServer, ServerSettings
-from .strategies import get_strategy
+from .strategies import get_strategy_class
 
 
 def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = None) -> MqttTransport:
@@ -64,6 +65,7 @@ def train_config(cfg: Config) -> dict:
     t = cfg.train
     return {"local_epochs": t.local_epochs, "batch_size": t.batch_size, "lr": t.lr, "momentum": t.momentum,
             "weight_decay": t.weight_decay, "update_codec": cfg.protocol.codec_for("update"),
+            "extras_codec": cfg.protocol.extras_codec,
             "delta": cfg.protocol.delta, "error_feedback": cfg.protocol.error_feedback}
 
 
@@ -71,6 +73,45 @@ def channel_options(cfg: Config) -> dict:
     """Keyword arguments of :class:`~protocol.channel.Channel` from [protocol]."""
     return {"qos": cfg.protocol.qos, "chunk_bytes": cfg.protocol.chunk_bytes,
             "max_packet_bytes": cfg.protocol.max_packet_bytes}
+
+
+def make_strategy(cfg: Config, ds: Dataset):
+    """The server half of ``[train] algorithm`` built with the ``[algorithm]`` hyperparameters.
+
+    Raises:
+        ConfigError: unknown algorithm, or a hyperparameter the algorithm does not take or
+            whose value it refuses (the message names the key).
+    """
+    cls = get_strategy_class(cfg.train.algorithm)
+    setup = getattr(cls, "setup_kwargs", None)
+    extra = dict(setup(ds, dict(cfg.algorithm), cfg.run.seed)) if setup is not None else {}
+    try:
+        return cls(participation_rate=cfg.server.participation_rate, min_clients=cfg.server.quorum,
+                   train_config=train_config(cfg), **dict(cfg.algorithm), **extra)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cfg.source}: [algorithm] for {cfg.train.algorithm!r}: {exc}") from None
+
+
+def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
+    """The client half of ``[train] algorithm`` for one device (its data-dependent setup, such
+    as a proxy set, from the class's ``setup_kwargs``)."""
+    name = cfg.train.algorithm
+    return get_client_algorithm(name, precision=precision, **algorithm_setup(name, ds, dict(cfg.algorithm), cfg.run.seed))
+
+
+def client_eval_split(cfg: Config, ds: Dataset):
+    """The split each virtual device evaluates its own model on when ``[server] client_eval``
+    is on (at most ``client_eval_max`` samples, a seeded choice), else ``None``."""
+    if not cfg.server.client_eval:
+        return None
+    split = evaluation_split(cfg.train.algorithm, ds, dict(cfg.algorithm), cfg.run.seed)
+    cap = cfg.server.client_eval_max
+    if cap and len(split.y) > cap:
+        import numpy as np
+
+        idx = np.sort(np.random.default_rng(cfg.run.seed).choice(len(split.y), cap, replace=False))
+        return type(split)(x=split.x[idx], y=split.y[idx], num_classes=split.num_classes)
+    return split
 
 
 def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir: Path, ledger: Ledger,
@@ -81,8 +122,7 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
         ConfigError: unknown algorithm.
         ConnectError: the broker did not accept the server.
     """
-    strategy = get_strategy(cfg.train.algorithm, participation_rate=cfg.server.participation_rate,
-                            min_clients=cfg.server.quorum, train_config=train_config(cfg))
+    strategy = make_strategy(cfg, ds)
     tr = open_transport(f"{federation[:40]}-server", cfg, url)
     tr.connect()
     ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, **channel_options(cfg))
@@ -91,7 +131,7 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
         settings=ServerSettings(rounds=cfg.run.rounds, quorum=cfg.server.quorum,
                                 round_deadline_s=cfg.server.round_deadline_s, join_timeout_s=cfg.server.join_timeout_s,
                                 expected_clients=expected_clients, seed=cfg.run.seed,
-                                eval_batch_size=cfg.server.eval_batch_size,
+                                eval_batch_size=cfg.server.eval_batch_size, client_eval=cfg.server.client_eval,
                                 global_codec=cfg.protocol.codec_for("global"),
                                 expected_data=tuple(expected_data(cfg).items())),
-        run_dir=run_dir, on_round=on_round)
+        run_dir=run_dir, on_round=on_round, test_domains=getattr(ds, "test_domains", None) or None)

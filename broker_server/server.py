@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edge_agent.algorithms import algorithm_share, shared_indices
 from edge_agent.data import ArraySplit
 from edge_agent.models import manifest_hash, model_manifest
 from edge_agent.state import load_arrays, state_arrays
@@ -62,6 +63,9 @@ class ServerSettings:
             ``join.info`` (data set, partition scheme, α, seed, shard count): a mismatch is refused
             with a receipt naming the differences, so a device cannot silently train on another
             split.
+        client_eval: ask every agent to evaluate its own model after local training (round
+            config ``client_eval``); the round's metrics then carry ``client_accuracy_mean``,
+            ``client_accuracy_worst`` and ``client_f1_mean``.
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
             the decoded model as its global state, so that server and fleet hold the same model
             (deltas from the agents are then exact against it).
@@ -74,6 +78,7 @@ class ServerSettings:
     expected_clients: int | None = None
     seed: int = 0
     eval_batch_size: int = 1000
+    client_eval: bool = False
     global_codec: str = "fp32"
     expected_data: tuple[tuple[str, str], ...] = ()
 
@@ -158,27 +163,34 @@ class AggregationServer:
         model: the global model (its state is the initial global state).
         test: held-out split for evaluation after each round.
         settings: round-loop settings.
+        test_domains: per-domain test splits (multi-domain data sets): the global model is also
+            evaluated on each, giving ``domain_accuracy``, ``accuracy_avg`` (mean over domains)
+            and ``accuracy_worst`` (min over domains) in every round's metrics.
         run_dir: where ``metrics.jsonl``, ``checkpoints.sqlite`` and ``model_final.pt`` go.
         on_round: called with each round's metrics dict (progress display).
     """
 
     def __init__(self, *, channel: Channel, strategy: Strategy, model: torch.nn.Module, test: ArraySplit,
-                 settings: ServerSettings, run_dir: Path, on_round: Callable[[dict], None] | None = None) -> None:
+                 settings: ServerSettings, run_dir: Path, on_round: Callable[[dict], None] | None = None,
+                 test_domains: dict[str, ArraySplit] | None = None) -> None:
         self.channel = channel
         self.strategy = strategy
         self.model = model
         self.test = test
+        self.test_domains = dict(test_domains or {})
         self.settings = settings
         self.run_dir = Path(run_dir)
         self.on_round = on_round
         self.manifest_hash = manifest_hash(model_manifest(model))
         self.global_tensors: list[np.ndarray] = list(state_arrays(model))
+        self.share = algorithm_share(strategy)
+        self.shared_idx = shared_indices(list(model.state_dict()), self.share)
         self.registry: dict[str, ClientRecord] = {}
         self.rng = np.random.default_rng(settings.seed)
         self.round = 0
         self._collecting: int | None = None
         self._selected: set[str] = set()
-        self._results: dict[str, tuple[int, float]] = {}  # client -> (num_samples, train_loss)
+        self._results: dict[str, tuple[int, float, dict]] = {}  # client -> (num_samples, train_loss, metrics)
         self._counted: dict[int, set[str]] = {}  # round -> clients aggregated (the last few rounds)
         self._acc: Accumulator | None = None
         self._stats = RoundStats(round=0)
@@ -304,8 +316,9 @@ class AggregationServer:
             self._stats.duplicates += 1
             self._reply(item, True, "duplicate: already counted")
             return
-        shapes_ok = len(body.tensors) == len(self.global_tensors) and all(
-            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, self.global_tensors))
+        shared = self._shared()
+        shapes_ok = len(body.tensors) == len(shared) and all(
+            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, shared))
         if not shapes_ok:
             self.totals["rejected_invalid"] += 1
             self._stats.invalid += 1
@@ -320,15 +333,25 @@ class AggregationServer:
         tensors = body.tensors
         if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole
             tensors = tuple(g + d if np.issubdtype(g.dtype, np.floating) else d
-                            for g, d in zip(self.global_tensors, body.tensors))
+                            for g, d in zip(shared, body.tensors))
+        result = ClientResult(env.sender, tensors, body.num_samples, body.train_loss, dict(body.metrics),
+                              extras=dict(body.extras))
+        check = getattr(self.strategy, "validate", None)
+        reason = check(result) if check is not None else None
+        if reason:
+            self.totals["rejected_invalid"] += 1
+            self._stats.invalid += 1
+            log.warning("update from %s refused: %s", env.sender, reason)
+            self._reply(item, False, reason)
+            return
         try:
-            self._acc.add(ClientResult(env.sender, tensors, body.num_samples, body.train_loss, dict(body.metrics)))
+            self._acc.add(result)
         except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
             self.totals["rejected_invalid"] += 1
             self._stats.invalid += 1
             self._reply(item, False, f"cannot aggregate: {exc}")
             return
-        self._results[env.sender] = (body.num_samples, body.train_loss)
+        self._results[env.sender] = (body.num_samples, body.train_loss, dict(body.metrics))
         self._counted.setdefault(env.round, set()).add(env.sender)
         for old in [r for r in self._counted if r < env.round - 8]:
             del self._counted[old]
@@ -415,15 +438,20 @@ class AggregationServer:
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         self._selected, self._results, self._collecting = set(plan.selected), {}, r
-        self._acc = accumulator_for(self.strategy, r, self.global_tensors)
+        self._acc = accumulator_for(self.strategy, r, self._shared())
         self._stats.selected = len(plan.selected)
         if self.global_codec.lossy:
             self.global_tensors = [np.array(decode_tensor(encode_tensor(t, self.global_codec),
                                                           limits=TensorLimits(allow_nonfinite=True)))
                                    for t in self.global_tensors]
             load_arrays(self.model, self.global_tensors)
-        glob = Global(tensors=tuple(self.global_tensors), meta={"manifest_hash": self.manifest_hash})
-        start = RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s, config=plan.config)
+        extras_of = getattr(self.strategy, "global_extras", None)
+        glob = Global(tensors=tuple(self._shared()), meta={"manifest_hash": self.manifest_hash, "share": self.share},
+                      extras=dict(extras_of()) if extras_of is not None else {})
+        config = dict(plan.config)
+        if self.settings.client_eval:
+            config["client_eval"] = True
+        start = RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s, config=config)
         self._round_msgs = (glob, start)
         enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec)
         self._global_sha256 = payload_sha256(enc.payload)
@@ -457,9 +485,14 @@ class AggregationServer:
                 self._stats.skip_reason = "aggregate contains NaN/Inf: discarded"
                 log.error("round %d: aggregate has NaN/Inf; the global model is kept", r)
             elif new is not None:
-                self.global_tensors = list(new)
+                if len(new) != len(self.shared_idx):
+                    raise RunError(f"strategy {self.strategy.name!r} returned {len(new)} tensors, "
+                                   f"{len(self.shared_idx)} expected for share={self.share!r}")
+                for i, t in zip(self.shared_idx, new):
+                    self.global_tensors[i] = t
                 load_arrays(self.model, self.global_tensors)
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
+        extra_metrics = self._extra_metrics(results)
         self.round = r
         up, down = (b - a for a, b in zip(sent0, self._bytes()))
         metrics = {
@@ -468,8 +501,9 @@ class AggregationServer:
             "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
             "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
             "global_receipts": self._stats.global_receipts, "unsolicited": self._stats.unsolicited,
-            "train_loss": float(np.average([loss for _, loss in results], weights=[n for n, _ in results]))
+            "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
             if results else None,
+            **extra_metrics,
         }
         if self._stats.skip_reason:
             metrics["skip_reason"] = self._stats.skip_reason
@@ -483,6 +517,31 @@ class AggregationServer:
         if self.on_round:
             self.on_round(metrics)
         return metrics
+
+    def _shared(self) -> list[np.ndarray]:
+        """The global model tensors the strategy exchanges (its ``share`` subset, manifest order)."""
+        return [self.global_tensors[i] for i in self.shared_idx]
+
+    def _extra_metrics(self, results: list[tuple[int, float, dict]]) -> dict:
+        """Per-domain accuracy of the global model, the clients' own-model evaluation, and the
+        strategy's ``round_metrics()`` for one round's ``metrics.jsonl`` line."""
+        out: dict = {"share": self.share}
+        if self.test_domains:
+            dom = {name: evaluate(self.model, split, batch_size=self.settings.eval_batch_size)[0]
+                   for name, split in self.test_domains.items()}
+            out["domain_accuracy"] = dom
+            out["accuracy_avg"] = float(np.mean(list(dom.values())))
+            out["accuracy_worst"] = float(min(dom.values()))
+        accs = [float(m["eval_accuracy"]) for _, _, m in results if "eval_accuracy" in m]
+        if accs:
+            f1s = [float(m["eval_macro_f1"]) for _, _, m in results if "eval_macro_f1" in m]
+            out.update(client_accuracy_mean=float(np.mean(accs)), client_accuracy_worst=float(min(accs)),
+                       client_accuracy_best=float(max(accs)), client_accuracy_std=float(np.std(accs)),
+                       client_f1_mean=float(np.mean(f1s)) if f1s else None, clients_evaluated=len(accs))
+        more = getattr(self.strategy, "round_metrics", None)
+        if more is not None:
+            out.update(more())
+        return out
 
     def _bytes(self) -> tuple[int, int]:
         """(uplink, downlink) wire bytes on the server's link so far, from this side's ledger rows."""

@@ -41,7 +41,8 @@ from protocol.transport import Will
 from .config import Config
 from .embedded_broker import EmbeddedBroker, parse_broker_url
 from .errors import ConfigError
-from .runtime import channel_options, device_model, expected_data, make_server, open_transport
+from .runtime import (channel_options, client_eval_split, device_model, expected_data, make_client_algorithm,
+                      make_server, open_transport)
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         slots = threading.Semaphore(cfg.agents.train_slots)
         defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
                                momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay, seed=cfg.run.seed)
+        eval_split = client_eval_split(cfg, ds)
         for i, idx in enumerate(parts):
             cid = f"client-{i:03d}"
             will_payload = encode(Envelope(round=0, sender=cid, seq=0, body=Status("offline", "connection lost"))).payload
@@ -222,7 +224,9 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
                             "max_packet_bytes": min(cfg.protocol.max_packet_bytes or rt.max_packet_bytes,
                                                     rt.max_packet_bytes)})
             agent = EdgeAgent(channel=ch, model=device_model(ds, cfg.run.seed + 1 + i),
-                              algorithm=get_client_algorithm(cfg.train.algorithm, precision=rt.plan.precision),
+                              algorithm=make_client_algorithm(cfg, ds, rt.plan.precision),
+                              eval_x=None if eval_split is None else eval_split.x,
+                              eval_y=None if eval_split is None else eval_split.y,
                               runtime=rt, emulate_link=cfg.agents.emulate_link,
                               x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
                               train_defaults=defaults, client_index=i, profile=profiles[i],

@@ -24,7 +24,7 @@ from protocol.errors import TransportError
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
 from protocol.tensors import Codec, ErrorFeedback
 
-from .algorithms import ClientAlgorithm, LocalResult, TrainConfig
+from .algorithms import ClientAlgorithm, LocalResult, TrainConfig, predict_scores
 from .data import class_histogram
 from .errors import EdgeAgentError
 from .models import manifest_hash, model_manifest
@@ -41,6 +41,49 @@ def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed
     return {"dataset": dataset, "partition": partition,
             "alpha": f"{alpha:g}" if partition == "dirichlet" and alpha is not None else "-",
             "seed": str(seed), "shards": str(shards)}
+
+
+def macro_f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:
+    """Unweighted mean over classes (those in ``y_true`` or ``y_pred``) of F1 = 2·TP/(2·TP+FP+FN).
+
+    Args:
+        y_true, y_pred: int labels [M].
+
+    Returns:
+        A fraction in [0, 1]; 0.0 for empty input.
+    """
+    if len(y_true) == 0:
+        return 0.0
+    classes = np.union1d(y_true, y_pred)
+    f1 = []
+    for c in classes:
+        tp = int(np.sum((y_pred == c) & (y_true == c)))
+        fp = int(np.sum((y_pred == c) & (y_true != c)))
+        fn = int(np.sum((y_pred != c) & (y_true == c)))
+        f1.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+    return float(np.mean(f1))
+
+
+def extras_codecs(text: str, extras: dict, default: Codec) -> dict[str, Codec] | None:
+    """Codec per ``extras`` entry from the round's ``extras_codec`` setting.
+
+    ``""`` = every entry uses ``default`` (the update codec); ``"int8"`` = every entry int8;
+    ``"soft_predictions=int8+zstd,prototypes=fp16"`` = per name (names not listed use ``default``).
+
+    Raises:
+        ValueError: unparsable codec text (the agent reports it and sends fp32 instead).
+    """
+    text = text.strip()
+    if not text or not extras:
+        return None
+    if "=" not in text:
+        c = Codec.parse(text)
+        return {n: c for n in extras}
+    out = {}
+    for part in text.split(","):
+        name, _, codec = part.partition("=")
+        out[name.strip()] = Codec.parse(codec.strip())
+    return {n: out.get(n, default) for n in extras}
 
 
 class AgentError(EdgeAgentError):
@@ -91,6 +134,11 @@ class EdgeAgent:
         emulate_link: make each transfer take the time the profile's link needs (simulated
             fleets): sleep ``bytes·8/uplink + RTT`` before an upload and the downlink time after a
             download, and record those seconds in ``link_s``.
+        eval_x, eval_y: the device's evaluation split (float32 [M, C, H, W], int64 [M]); when a
+            round's config has ``client_eval`` true, the agent evaluates its own model on it after
+            local training (through the algorithm's ``predict``) and adds ``eval_accuracy``,
+            ``eval_macro_f1`` and ``eval_samples`` to the update's metrics (personalised methods
+            are judged on the clients' own models).
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -100,7 +148,8 @@ class EdgeAgent:
                  idle_timeout_s: float = 600.0, info: dict | None = None,
                  on_trained: Callable[[int, LocalResult, int], None] | None = None,
                  receipt_timeout_s: float = 10.0, max_resends: int = 3,
-                 runtime: "AgentRuntime | None" = None, emulate_link: bool = False) -> None:
+                 runtime: "AgentRuntime | None" = None, emulate_link: bool = False,
+                 eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None) -> None:
         self.channel = channel
         self.client_id = channel.node_id
         self.fed = channel.federation
@@ -111,6 +160,8 @@ class EdgeAgent:
         self.x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         self.y = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
         self.num_classes = num_classes
+        self.eval_x = None if eval_x is None else torch.from_numpy(np.ascontiguousarray(eval_x, dtype=np.float32))
+        self.eval_y = None if eval_y is None else np.ascontiguousarray(eval_y, dtype=np.int64)
         self.train_defaults = train_defaults
         self.client_index = client_index
         self.profile = profile
@@ -124,7 +175,7 @@ class EdgeAgent:
         self.info = {**(runtime.join_info if runtime is not None else {}), **dict(info or {})}
         self.on_trained = on_trained
         self.manifest_hash = manifest_hash(model_manifest(model))
-        self._global: tuple[int, tuple[np.ndarray, ...]] | None = None
+        self._global: tuple[int, tuple[np.ndarray, ...], dict[str, np.ndarray]] | None = None
         self._pending: tuple[int, RoundStart] | None = None
         self._stop = threading.Event()
         self._join_seq = -1
@@ -209,7 +260,7 @@ class EdgeAgent:
             if self.emulate_link:
                 self._emulate("down", item.decoded.payload_bytes)
             if self._global is None or env.round >= self._global[0]:
-                self._global = (env.round, body.tensors)
+                self._global = (env.round, body.tensors, dict(body.extras))
             # confirm the (possibly chunked) transfer with its hash, as the protocol asks
             self.channel.send(topics.up(self.fed, self.client_id, Kind.RECEIPT),
                               Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True, sha256=item.sha256),
@@ -259,23 +310,29 @@ class EdgeAgent:
         cfg = TrainConfig.from_mapping(self.train_defaults, start.config)
         if self.runtime is not None and cfg.batch_size > self.runtime.plan.batch_size:
             cfg = dataclasses.replace(cfg, batch_size=self.runtime.plan.batch_size)  # the device's memory rule
-        global_tensors = self._global[1]
+        global_tensors, global_extras = self._global[1], self._global[2]
         with self.train_lock if self.train_lock is not None else nullcontext():
             result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
-                                                client_index=self.client_index, device=self.device)
+                                                client_index=self.client_index, device=self.device,
+                                                params=dict(start.config), global_extras=global_extras)
+            metrics = dict(result.metrics)
+            if bool(start.config.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
+                metrics.update(self.evaluate())
         self._last_trained_round = rnd
         if result.num_samples == 0:
             log.warning("%s: no training samples: nothing to send for round %d", self.client_id, rnd)
             return
         codec, tensors, delta = self._encode_update(start.config, result.tensors, global_tensors)
+        extra_codecs = extras_codecs(str(start.config.get("extras_codec", "")), result.extras, codec)
         update = Update(tensors=tensors, num_samples=result.num_samples, train_loss=result.train_loss,
-                        metrics=result.metrics, delta=delta)
+                        metrics=metrics, delta=delta, extras=result.extras)
         deadline_at = self._pending_at + start.deadline_s
-        self._unacked = (rnd, update, codec, time.monotonic(), 0, deadline_at)
+        self._unacked = (rnd, update, codec, time.monotonic(), 0, deadline_at, extra_codecs)
         try:
             if self.emulate_link:
-                self._emulate("up", self.channel.encoded_size(update, codec))
-            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec)
+                self._emulate("up", self.channel.encoded_size(update, codec, extra_codecs))
+            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
+                                    extra_codecs=extra_codecs)
         except TransportError as exc:  # e.g. offline buffer full: kept, sent again by _maybe_resend
             log.error("%s: update of round %d not sent now: %s", self.client_id, rnd, exc)
             self.rounds_trained += 1
@@ -284,6 +341,24 @@ class EdgeAgent:
         self.rounds_trained += 1
         if self.on_trained is not None:
             self.on_trained(rnd, result, len(enc.payload))
+
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy and macro-F1 of this device's own model on its evaluation split.
+
+        Returns:
+            ``{"eval_accuracy": fraction, "eval_macro_f1": fraction, "eval_samples": M}``; the
+            macro-F1 averages the per-class F1 over the classes present in the split or
+            predicted (scikit-learn's ``f1_score(average="macro")`` convention).
+        """
+        self.model.eval()
+        preds = []
+        with torch.inference_mode():
+            for s in range(0, len(self.eval_y), 1000):
+                xb = self.eval_x[s:s + 1000].to(self.device)
+                preds.append(predict_scores(self.algorithm, self.model, xb).argmax(1).cpu().numpy())
+        pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)
+        return {"eval_accuracy": float((pred == self.eval_y).mean()) if len(pred) else 0.0,
+                "eval_macro_f1": macro_f1(self.eval_y, pred), "eval_samples": int(len(pred))}
 
     def _emulate(self, direction: str, nbytes: int) -> None:
         """Take the time the profile's link needs for ``nbytes`` (simulated fleets only)."""
@@ -297,18 +372,19 @@ class EdgeAgent:
         its round is still open. The server counts an update once per (client, round)."""
         if self._unacked is None:
             return
-        rnd, update, codec, sent_at, tries, deadline_at = self._unacked
+        rnd, update, codec, sent_at, tries, deadline_at, extra_codecs = self._unacked
         now = time.monotonic()
         if now > deadline_at or tries >= self.max_resends:
             self._unacked = None
             return
         if now - sent_at < self.receipt_timeout_s:
             return
-        self._unacked = (rnd, update, codec, now, tries + 1, deadline_at)
+        self._unacked = (rnd, update, codec, now, tries + 1, deadline_at, extra_codecs)
         log.warning("%s: no receipt for the update of round %d after %.0f s; sending it again (%d/%d)",
                     self.client_id, rnd, now - sent_at, tries + 1, self.max_resends)
         try:
-            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec)
+            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
+                                    extra_codecs=extra_codecs)
             self._update_seqs.add(enc.seq)
             self.resends += 1
         except TransportError as exc:

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for this device's byte ledger (ledger.sqlite; read it with "
                                  "`fedfleet audit`); default fedfleet-agent-<client-id>")
     p.add_argument("--algorithm", default="fedavg")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="an [algorithm] setting that shapes this device's data (e.g. proxy_size=1000 for "
+                        "fedmcp); must match the server's configuration; repeatable")
     p.add_argument("--profile", default="x86-cpu",
                    help="firmware profile (fedfleet profiles lists them; a path to a .toml file works too): "
                         "device, precision, threads, batch size, codec and MQTT limits, fitted to this hardware")
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.ledger import Ledger
 
     from .agent import EdgeAgent, data_announcement
-    from .algorithms import TrainConfig, get_client_algorithm
+    from .algorithms import TrainConfig, algorithm_setup, evaluation_split, get_client_algorithm
     from .data import load_dataset
     from .errors import DataError, EdgeAgentError
     from .device import apply
@@ -130,9 +133,19 @@ def main(argv: list[str] | None = None) -> int:
                              shards=n)
     print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}); joining federation "
           f"{args.federation!r} on {args.broker} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
+    params = {}
+    for item in args.param:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            print(f"error: --param {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        params[key.strip()] = _scalar(value.strip())
     try:
+        setup = algorithm_setup(args.algorithm, ds, params, args.seed)
+        evals = evaluation_split(args.algorithm, ds, params, args.seed)
         agent = EdgeAgent(channel=ch, model=model,
-                          algorithm=get_client_algorithm(args.algorithm, precision=rt.plan.precision),
+                          algorithm=get_client_algorithm(args.algorithm, precision=rt.plan.precision, **setup),
+                          eval_x=evals.x, eval_y=evals.y,
                           x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
                           train_defaults=TrainConfig(seed=args.seed, batch_size=rt.plan.batch_size), client_index=i,
                           profile=prof.name, device=rt.plan.device, runtime=rt,
@@ -165,3 +178,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _scalar(text: str) -> bool | int | float | str:
+    """``true``/``false``, an int, a float, or the text itself (for ``--param`` values)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

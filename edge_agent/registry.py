@@ -48,8 +48,15 @@ class Registry:
         Raises:
             unknown_error: unknown name (the message lists the known ones).
         """
+        return self.get_class(name)(**config)
+
+    def get_class(self, name: str) -> type:
+        """The class registered as ``name``.
+
+        Raises:
+            unknown_error: unknown name (the message lists the known ones).
+        """
         try:
-            cls = self._classes[name]
+            return self._classes[name]
         except KeyError:
             raise self.unknown_error(f"unknown algorithm {name!r}; known: {', '.join(self.names())}") from None
-        return cls(**config)

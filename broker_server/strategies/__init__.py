@@ -8,8 +8,8 @@ the round loop and the wire.
 from __future__ import annotations
 
 from ._base import Accumulator, BufferedAccumulator, ClientResult, RoundPlan, Strategy, accumulator_for
-from ._registry import get_strategy, list_strategies, register_strategy
+from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
 
 __all__ = sorted(["Accumulator", "BufferedAccumulator", "ClientResult", "RoundPlan", "Strategy", "accumulator_for",
-                  "get_strategy", "list_strategies", "register_strategy"])
+                  "get_strategy", "get_strategy_class", "list_strategies", "register_strategy"])

@@ -28,10 +28,13 @@ class ClientResult:
 
     Attributes:
         client_id: sender.
-        tensors: arrays in manifest order (already validated: shapes, finite).
+        tensors: the shared model arrays (the strategy's ``share`` subset of the manifest, in
+            manifest order; already validated: shapes, dtypes, finite; deltas resolved).
         num_samples: the client's sample count n_k (> 0).
         train_loss: the client's reported training loss.
         metrics: the client's other scalars.
+        extras: the update's named non-model arrays (finite; checked by the strategy's
+            optional ``validate``).
     """
 
     client_id: str
@@ -39,6 +42,7 @@ class ClientResult:
     num_samples: int
     train_loss: float
     metrics: Mapping[str, float | int | str | bool] = field(default_factory=dict)
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 class Accumulator(Protocol):
@@ -66,14 +70,34 @@ class BufferedAccumulator:
         return self.strategy.aggregate(self.round, self.current, sorted(self.results, key=lambda r: r.client_id))
 
 
+def _defined_by(cls: type, attr: str) -> type | None:
+    return next((k for k in cls.__mro__ if attr in k.__dict__), None)
+
+
 def accumulator_for(strategy: "Strategy", round: int, current: Sequence[np.ndarray]) -> Accumulator:
-    """The strategy's streaming accumulator when it has one, else a :class:`BufferedAccumulator`."""
+    """The strategy's streaming accumulator when it has one, else a :class:`BufferedAccumulator`.
+
+    A streaming ``accumulator`` is used only when the class that defines it also defines the
+    strategy's ``aggregate``: a subclass that overrides ``aggregate`` (FedAdam over FedAvg, say)
+    without its own ``accumulator`` is aggregated by its own rule, from buffered results.
+    """
     make = getattr(strategy, "accumulator", None)
-    return make(round, current) if make is not None else BufferedAccumulator(strategy, round, current)
+    cls = type(strategy)
+    if make is not None and _defined_by(cls, "accumulator") is _defined_by(cls, "aggregate"):
+        return make(round, current)
+    return BufferedAccumulator(strategy, round, current)
 
 
 class Strategy(Protocol):
-    """Server half of an algorithm."""
+    """Server half of an algorithm.
+
+    Besides the methods below a strategy may declare ``share`` (``"all"``, ``"backbone"`` or
+    ``"none"``: which model tensors travel; ``current`` and every result's ``tensors`` are that
+    subset) and define ``global_extras() -> dict[str, ndarray]`` (named arrays broadcast with each
+    round's ``global``), ``round_metrics() -> dict`` (merged into the round's ``metrics.jsonl``
+    line), ``validate(result) -> str | None`` (a reason to refuse a malformed update) and
+    ``accumulator(round, current)`` (streaming aggregation).
+    """
 
     name: str
 

@@ -11,3 +11,4 @@ _REGISTRY = Registry("strategy", ConfigError)
 register_strategy = _REGISTRY.register
 list_strategies = _REGISTRY.names
 get_strategy = _REGISTRY.get
+get_strategy_class = _REGISTRY.get_class

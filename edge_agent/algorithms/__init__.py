@@ -9,9 +9,35 @@ Each algorithm has one name and two files with the same stem: ``edge_agent/algor
 
 from __future__ import annotations
 
-from ._base import ClientAlgorithm, LocalResult, TrainConfig
-from ._registry import get_client_algorithm, list_client_algorithms, register_client_algorithm
+from collections.abc import Mapping
+
+from ._base import (SHARES, ClientAlgorithm, LocalResult, TrainConfig, algorithm_share, load_shared,
+                    predict_scores, shared_arrays, shared_indices)
+from ._registry import get_client_algorithm, get_client_algorithm_class, list_client_algorithms, register_client_algorithm
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
 
-__all__ = sorted(["ClientAlgorithm", "LocalResult", "TrainConfig", "get_client_algorithm",
-                  "list_client_algorithms", "register_client_algorithm"])
+def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int) -> dict:
+    """Data-dependent constructor arguments of a client algorithm or its strategy (e.g. the
+    public proxy set of FedMCP++), from the class's optional ``setup_kwargs(dataset, params,
+    seed)`` classmethod; ``{}`` for algorithms without one.
+
+    Raises:
+        EdgeAgentError: unknown algorithm.
+    """
+    cls = get_client_algorithm_class(name)
+    make = getattr(cls, "setup_kwargs", None)
+    return dict(make(dataset, params, seed)) if make is not None else {}
+
+
+def evaluation_split(name: str, dataset, params: Mapping[str, object], seed: int):
+    """The test samples a device evaluates its own model on (``client_eval``): the data set's
+    test split, minus what the algorithm reserves (FedMCP++'s proxy set) through the class's
+    optional ``eval_split(dataset, params, seed) -> ArraySplit`` classmethod."""
+    cls = get_client_algorithm_class(name)
+    make = getattr(cls, "eval_split", None)
+    return make(dataset, params, seed) if make is not None else dataset.test
+
+
+__all__ = sorted(["SHARES", "algorithm_setup", "evaluation_split", "get_client_algorithm_class", "ClientAlgorithm", "LocalResult", "TrainConfig", "algorithm_share", "get_client_algorithm",
+                  "list_client_algorithms", "load_shared", "predict_scores", "register_client_algorithm",
+                  "shared_arrays", "shared_indices"])

@@ -2,12 +2,68 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
+
+from ..errors import ModelError
+
+#: Which model tensors an algorithm exchanges: every state entry, the feature extractor only
+#: (entries named ``backbone.*``; FedPer/FedRep keep the classifier private), or none
+#: (FedProto, FedMCP++: only prototypes / soft predictions travel).
+SHARES = ("all", "backbone", "none")
+
+
+def shared_indices(names: Sequence[str], share: str) -> tuple[int, ...]:
+    """Positions in the model manifest of the tensors an algorithm with ``share`` exchanges.
+
+    Args:
+        names: state_dict entry names in manifest order.
+        share: one of :data:`SHARES`.
+
+    Raises:
+        ValueError: unknown ``share``; ``"backbone"`` for a model without ``backbone.*`` entries.
+    """
+    if share == "all":
+        return tuple(range(len(names)))
+    if share == "none":
+        return ()
+    if share == "backbone":
+        idx = tuple(i for i, n in enumerate(names) if n.startswith("backbone."))
+        if not idx:
+            raise ValueError("share='backbone' needs a model whose feature extractor is named backbone.*")
+        return idx
+    raise ValueError(f"share must be one of {SHARES}, got {share!r}")
+
+
+def shared_arrays(model: torch.nn.Module, share: str) -> tuple[np.ndarray, ...]:
+    """Copies (CPU numpy, manifest order) of the state entries exchanged under ``share``."""
+    state = model.state_dict()
+    keep = set(shared_indices(list(state), share))
+    return tuple(t.detach().to("cpu", copy=True).numpy() for i, t in enumerate(state.values()) if i in keep)
+
+
+def load_shared(model: torch.nn.Module, arrays: Sequence[np.ndarray], share: str) -> None:
+    """Copy the exchanged subset ``arrays`` into ``model`` in place; private entries are kept.
+
+    Raises:
+        ModelError: wrong number of tensors for ``share``, or a shape that differs from the model's.
+    """
+    state = model.state_dict()
+    names = list(state)
+    idx = shared_indices(names, share)
+    if len(arrays) != len(idx):
+        raise ModelError(f"{len(arrays)} tensors received, {len(idx)} expected for share={share!r}")
+    new = {}
+    for i, arr in zip(idx, arrays):
+        ref = state[names[i]]
+        if tuple(arr.shape) != tuple(ref.shape):
+            raise ModelError(f"tensor {names[i]}: shape {tuple(arr.shape)} received, the model has {tuple(ref.shape)}")
+        new[names[i]] = torch.from_numpy(np.array(arr, dtype=ref.detach().cpu().numpy().dtype, copy=True)).to(ref.device)
+    model.load_state_dict(new, strict=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,23 +105,49 @@ class LocalResult:
     """What a client algorithm produced in one round.
 
     Attributes:
-        tensors: arrays to upload, in model-manifest order.
+        tensors: model arrays to upload: the subset the algorithm shares (:func:`shared_indices`),
+            in model-manifest order; ``()`` for algorithms that share no parameters.
         num_samples: samples trained on (the FedAvg weight).
         train_loss: mean loss over the last local epoch.
         metrics: extra scalars (``train_seconds``, ``train_accuracy`` …).
+        extras: named non-model arrays to upload (prototypes [C, d] float32 with their class
+            ids, soft predictions [P, C], control-variate deltas …).
     """
 
     tensors: tuple[np.ndarray, ...]
     num_samples: int
     train_loss: float
     metrics: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class ClientAlgorithm(Protocol):
-    """The client half of an algorithm."""
+    """The client half of an algorithm.
+
+    ``share`` (class attribute, default ``"all"``) says which model tensors travel;
+    ``global_tensors`` and :attr:`LocalResult.tensors` hold that subset only. ``params`` is the
+    round's ``round_start.config`` (the strategy puts the algorithm's hyperparameters there);
+    ``global_extras`` the named arrays of the round's ``global`` (``{}`` when none). One instance
+    serves one device for the whole run and may keep per-device state between rounds. An
+    optional ``predict(model, x) -> scores [N, C]`` replaces ``model(x)`` in client-side
+    evaluation (FedProto classifies by the nearest global prototype).
+    """
 
     name: str
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
                     y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
-                    device: torch.device) -> LocalResult: ...
+                    device: torch.device, params: Mapping[str, object] = ...,
+                    global_extras: Mapping[str, np.ndarray] = ...) -> LocalResult: ...
+
+
+def algorithm_share(algorithm: object) -> str:
+    """The ``share`` of a client algorithm or server strategy (``"all"`` when it declares none)."""
+    return str(getattr(algorithm, "share", "all"))
+
+
+def predict_scores(algorithm: object, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Class scores [N, C] of ``model`` on ``x`` through the algorithm's ``predict`` when it has
+    one, else ``model(x)`` (logits)."""
+    pred = getattr(algorithm, "predict", None)
+    return pred(model, x) if pred is not None else model(x)

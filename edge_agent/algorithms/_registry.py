@@ -10,3 +10,4 @@ _REGISTRY = Registry("client algorithm", EdgeAgentError)
 register_client_algorithm = _REGISTRY.register
 list_client_algorithms = _REGISTRY.names
 get_client_algorithm = _REGISTRY.get
+get_client_algorithm_class = _REGISTRY.get_class

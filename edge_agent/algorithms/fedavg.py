@@ -9,7 +9,7 @@ weights w_{t+1}^k together with its sample count n_k (the server's weight).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -167,7 +167,8 @@ class FedAvgClient:
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
                     y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
-                    device: torch.device) -> LocalResult:
+                    device: torch.device, params: Mapping[str, object] | None = None,
+                    global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """Load ``global_tensors``, train, return the new weights and ``num_samples = len(y)``.
 
         A shard of zero samples is not an error: the model is loaded with ``global_tensors`` and
