@@ -53,7 +53,14 @@ class RunSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    """[data]: data set name, optional folder, partition scheme, Dirichlet α, client count."""
+    """[data]: data set name, optional folder, partition scheme, Dirichlet α, client count.
+
+    ``partition = "domain-silo"`` (multi-domain sets ``pacs``, ``digits_domains``) gives each
+    client one domain: ``domain_clients`` = ``"photo=3,art_painting=4,cartoon=2,sketch=1"``
+    (names from the set; the counts sum to ``clients``; ``""`` = 3/4/2/1 by domain position, as
+    FedPAD; the stronger imbalance is 6/2/1/1). ``domain_train_cap`` / ``domain_test_cap``: at
+    most that many samples per domain (seeded, stratified; 0 = all), multi-domain sets only.
+    """
 
     dataset: str = "digits"
     data_dir: str = ""
@@ -61,6 +68,9 @@ class DataSection:
     alpha: float = 0.5
     clients: int = 10
     min_samples: int = 10
+    domain_clients: str = ""
+    domain_train_cap: int = 0
+    domain_test_cap: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,8 @@ class ServerSection:
 
     ``client_eval`` asks every agent to evaluate its own model after local training (the
     measure for personalised methods: FedPer, FedRep, FedMCP++, Local); each uses at most
-    ``client_eval_max`` test samples (0 = the whole test split, minus a proxy set if any).
+    ``client_eval_max`` test samples (0 = the whole test split, minus a proxy set if any), in
+    every ``client_eval_every``-th round and the last.
     """
 
     participation_rate: float = 1.0
@@ -91,11 +102,17 @@ class ServerSection:
     eval_batch_size: int = 1000
     client_eval: bool = False
     client_eval_max: int = 0
+    client_eval_every: int = 1
 
 
 @dataclass(frozen=True)
 class BrokerSection:
-    """[broker]: ``url`` empty = start an embedded broker of ``kind`` (auto/mosquitto/amqtt)."""
+    """[broker]: ``url`` empty = start an embedded broker of ``kind`` (auto/mosquitto/amqtt).
+
+    ``mqtts://`` URLs use TLS: ``ca_file`` is the CA that signed the broker's certificate (empty:
+    the system's CAs); ``cert_file`` + ``key_file`` (PEM) are a client certificate for brokers
+    that require one. ``username`` + ``password_file`` (a file holding the password) log in.
+    """
 
     url: str = ""
     kind: str = "auto"
@@ -103,6 +120,8 @@ class BrokerSection:
     password_file: str = ""
     ca_file: str = ""
     keepalive_s: int = 30
+    cert_file: str = ""
+    key_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,6 +194,28 @@ class AgentsSection:
 
 
 @dataclass(frozen=True)
+class SecuritySection:
+    """[security]: signed and encrypted messages (:mod:`protocol.security`).
+
+    ``sign`` puts an Ed25519 signature on every message and refuses unsigned, unenrolled,
+    forged, altered or replayed ones; ``encrypt`` (needs ``sign``) encrypts every upload's body
+    with AES-256-GCM. ``key_dir`` is the server's key folder (``fedfleet keys gen --out DIR``):
+    its keys sign, its ``enrolled/`` folder is the allow-list; required by ``fedfleet server``
+    when signing, optional for ``fedfleet simulate`` (empty: fresh keys for the server and every
+    virtual agent in ``RUN_DIR/keys``, enrolled automatically). ``replay_window``: sequence
+    numbers remembered per sender. ``clock_skew_s``: tolerance (seconds) of the start-up check
+    of certificate validity periods against this machine's clock; the protocol itself reads no
+    clock.
+    """
+
+    sign: bool = False
+    encrypt: bool = False
+    key_dir: str = ""
+    replay_window: int = 1024
+    clock_skew_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run configuration (every section with defaults)."""
 
@@ -185,6 +226,7 @@ class Config:
     broker: BrokerSection = field(default_factory=BrokerSection)
     protocol: ProtocolSection = field(default_factory=ProtocolSection)
     agents: AgentsSection = field(default_factory=AgentsSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
     algorithm: dict[str, Any] = field(default_factory=dict)
     source: str = "<defaults>"
 
@@ -209,7 +251,7 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents")
+_SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security")
 
 # allowed (min, max) for numbers, or a tuple of choices for strings
 _RANGES: dict[tuple[str, str], Any] = {
@@ -218,7 +260,9 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("data", "alpha"): (1e-6, float("inf")),
     ("data", "clients"): (1, 100_000),
     ("data", "min_samples"): (1, 10**9),
-    ("data", "partition"): ("iid", "dirichlet"),
+    ("data", "partition"): ("iid", "dirichlet", "domain-silo"),
+    ("data", "domain_train_cap"): (0, 10**9),
+    ("data", "domain_test_cap"): (0, 10**9),
     ("train", "local_epochs"): (1, 1000),
     ("train", "batch_size"): (1, 1 << 20),
     ("train", "lr"): (0.0, 100.0),
@@ -230,6 +274,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "join_timeout_s"): (0.1, 7 * 86400.0),
     ("server", "eval_batch_size"): (1, 1 << 20),
     ("server", "client_eval_max"): (0, 1 << 30),
+    ("server", "client_eval_every"): (1, 1 << 30),
     ("broker", "kind"): ("auto", "mosquitto", "amqtt"),
     ("broker", "keepalive_s"): (5, 65535),
     ("protocol", "qos"): (0, 1),
@@ -237,6 +282,8 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("protocol", "max_packet_bytes"): (0, 268_435_460),
     ("agents", "train_slots"): (1, 1024),
     ("agents", "torch_threads"): (0, 1024),
+    ("security", "replay_window"): (64, 1 << 20),
+    ("security", "clock_skew_s"): (0.0, 7 * 86400.0),
 }
 
 
@@ -310,6 +357,50 @@ def validate(cfg: Config, source: str | None = None) -> None:
                           "use 0 (no limit) or at least 1024 bytes")
     if cfg.server.quorum > cfg.data.clients:
         raise ConfigError(f"{src}: [server] quorum = {cfg.server.quorum} exceeds [data] clients = {cfg.data.clients}")
+    _validate_domains(cfg.data, src)
+    if cfg.security.encrypt and not cfg.security.sign:
+        raise ConfigError(f"{src}: [security] encrypt = true needs sign = true (bodies are encrypted, then signed)")
+    if bool(cfg.broker.cert_file) != bool(cfg.broker.key_file):
+        raise ConfigError(f"{src}: [broker] cert_file and key_file go together (a client certificate and its key)")
+
+
+def _validate_domains(d: DataSection, src: str) -> None:
+    """[data] domain keys: ``domain-silo`` needs a multi-domain set, known domain names and
+    clients per domain summing to ``clients``; ``domain_clients`` and the caps need a
+    multi-domain set (an unknown data-set name is left to the loader, which lists the names)."""
+    from edge_agent.data import dataset_info, list_datasets
+    from edge_agent.errors import DataError, PartitionError
+    from edge_agent.partition import DEFAULT_DOMAIN_CLIENTS, allocate_domain_clients
+
+    try:
+        known = dataset_info(d.dataset).known_domain_names
+    except DataError:
+        known = ()
+    multi = ", ".join(n for n in list_datasets() if dataset_info(n).domains)
+    if d.partition == "domain-silo" and not known:
+        raise ConfigError(f"{src}: [data] partition = 'domain-silo' needs a multi-domain dataset "
+                          f"({multi}), not {d.dataset!r}")
+    if d.domain_clients and d.partition != "domain-silo":
+        raise ConfigError(f"{src}: [data] domain_clients is for partition = 'domain-silo' "
+                          f"(partition is {d.partition!r})")
+    if (d.domain_train_cap or d.domain_test_cap) and not known:
+        raise ConfigError(f"{src}: [data] domain_train_cap / domain_test_cap apply to the "
+                          f"multi-domain datasets ({multi}), not to {d.dataset!r}")
+    if d.partition != "domain-silo":
+        return
+    if not d.domain_clients:
+        if sum(DEFAULT_DOMAIN_CLIENTS) != d.clients:
+            raise ConfigError(
+                f"{src}: [data] domain_clients is empty, so the default {'/'.join(map(str, DEFAULT_DOMAIN_CLIENTS))} "
+                f"clients per domain apply, which sum to {sum(DEFAULT_DOMAIN_CLIENTS)}, not [data] clients = "
+                f"{d.clients}; set domain_clients, e.g. "
+                f"{','.join(f'{n}={k}' for n, k in zip(known, DEFAULT_DOMAIN_CLIENTS))!r}")
+        return
+    try:
+        allocate_domain_clients(known, d.domain_clients, d.clients)
+    except PartitionError as exc:
+        raise ConfigError(f"{src}: [data] domain_clients = {d.domain_clients!r}: {exc}"
+                          + (" ([data] clients)" if "num_clients" in str(exc) else "")) from None
 
 
 def from_dict(raw: dict, source: str = "<dict>") -> Config:

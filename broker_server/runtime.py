@@ -132,6 +132,7 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                                 round_deadline_s=cfg.server.round_deadline_s, join_timeout_s=cfg.server.join_timeout_s,
                                 expected_clients=expected_clients, seed=cfg.run.seed,
                                 eval_batch_size=cfg.server.eval_batch_size, client_eval=cfg.server.client_eval,
+                                client_eval_every=cfg.server.client_eval_every,
                                 global_codec=cfg.protocol.codec_for("global"),
                                 expected_data=tuple(expected_data(cfg).items())),
         run_dir=run_dir, on_round=on_round, test_domains=getattr(ds, "test_domains", None) or None)

@@ -65,7 +65,8 @@ class ServerSettings:
             split.
         client_eval: ask every agent to evaluate its own model after local training (round
             config ``client_eval``); the round's metrics then carry ``client_accuracy_mean``,
-            ``client_accuracy_worst`` and ``client_f1_mean``.
+            ``client_accuracy_worst`` and ``client_f1_mean``; only every ``client_eval_every``-th
+            round and the last.
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
             the decoded model as its global state, so that server and fleet hold the same model
             (deltas from the agents are then exact against it).
@@ -79,6 +80,7 @@ class ServerSettings:
     seed: int = 0
     eval_batch_size: int = 1000
     client_eval: bool = False
+    client_eval_every: int = 1
     global_codec: str = "fp32"
     expected_data: tuple[tuple[str, str], ...] = ()
 
@@ -196,6 +198,7 @@ class AggregationServer:
         self._stats = RoundStats(round=0)
         self._global_sha256 = b""
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
+        self.rejected_by_reason: dict[str, int] = {}
         self.metrics: list[dict] = []
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints.sqlite")
         self.global_codec = Codec.parse(settings.global_codec)
@@ -231,6 +234,8 @@ class AggregationServer:
         if isinstance(item, Rejected):
             self.totals["rejected_invalid"] += 1
             self._stats.invalid += 1
+            # per reason code (security checks: protocol.security.REASONS), since the last metrics line
+            self.rejected_by_reason[item.code] = self.rejected_by_reason.get(item.code, 0) + 1
             return
         env = item.envelope
         body = env.body
@@ -449,7 +454,7 @@ class AggregationServer:
         glob = Global(tensors=tuple(self._shared()), meta={"manifest_hash": self.manifest_hash, "share": self.share},
                       extras=dict(extras_of()) if extras_of is not None else {})
         config = dict(plan.config)
-        if self.settings.client_eval:
+        if self.settings.client_eval and (r % self.settings.client_eval_every == 0 or r == self.settings.rounds):
             config["client_eval"] = True
         start = RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s, config=config)
         self._round_msgs = (glob, start)
@@ -501,10 +506,12 @@ class AggregationServer:
             "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
             "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
             "global_receipts": self._stats.global_receipts, "unsolicited": self._stats.unsolicited,
+            "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
             if results else None,
             **extra_metrics,
         }
+        self.rejected_by_reason = {}
         if self._stats.skip_reason:
             metrics["skip_reason"] = self._stats.skip_reason
         self.metrics.append(metrics)
