@@ -15,6 +15,9 @@ from ._base import (SHARES, ClientAlgorithm, LocalResult, TrainConfig, algorithm
                     predict_scores, shared_arrays, shared_indices)
 from ._registry import get_client_algorithm, get_client_algorithm_class, list_client_algorithms, register_client_algorithm
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import fedper as _fedper  # noqa: F401  (registers "fedper")
+from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
+from . import local as _local  # noqa: F401  (registers "local")
 
 def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int) -> dict:
     """Data-dependent constructor arguments of a client algorithm or its strategy (e.g. the

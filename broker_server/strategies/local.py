@@ -1,0 +1,44 @@
+"""Local, server half: no aggregation (the no-communication baseline of SPECS §5.5).
+
+Clients train alone and send tensor-less updates (``share = "none"``: no model tensors, no
+extras; only ``num_samples``, ``train_loss`` and metrics). The server still runs the rounds —
+selection, deadlines, receipts, the clients' evaluation metrics in ``metrics.jsonl`` — but its
+"global model" carries nothing: every round's aggregate is "no change".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._base import ClientResult
+from ._registry import register_strategy
+from .fedavg import FedAvg
+
+
+@register_strategy("local")
+class Local(FedAvg):
+    """Local strategy: FedAvg's client selection, nothing aggregated. Same constructor as FedAvg."""
+
+    share = "none"
+
+    def aggregate(self, round: int, current: Sequence[np.ndarray],
+                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
+        """Always ``None``: no change (there is no shared model)."""
+        return None
+
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "NoAggregation":
+        """An accumulator that keeps nothing (memory does not grow with the fleet)."""
+        return NoAggregation()
+
+
+class NoAggregation:
+    """Accumulator of a strategy without a shared model: ignores results, result ``None``."""
+
+    def add(self, result: ClientResult) -> None:
+        """Ignore ``result`` (the server has already ledgered and acknowledged it)."""
+
+    def result(self) -> list[np.ndarray] | None:
+        """``None``: no change."""
+        return None
