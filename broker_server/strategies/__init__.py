@@ -10,6 +10,8 @@ from __future__ import annotations
 from ._base import Accumulator, BufferedAccumulator, ClientResult, RoundPlan, Strategy, accumulator_for
 from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import fedproto as _fedproto  # noqa: F401  (registers "fedproto", "fedproto-avg")
+from . import fpl as _fpl  # noqa: F401  (registers "fpl")
 from . import fedper as _fedper  # noqa: F401  (registers "fedper")
 from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
 from . import local as _local  # noqa: F401  (registers "local")

@@ -15,6 +15,8 @@ from ._base import (SHARES, ClientAlgorithm, LocalResult, TrainConfig, algorithm
                     predict_scores, shared_arrays, shared_indices)
 from ._registry import get_client_algorithm, get_client_algorithm_class, list_client_algorithms, register_client_algorithm
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import fedproto as _fedproto  # noqa: F401  (registers "fedproto", "fedproto-avg")
+from . import fpl as _fpl  # noqa: F401  (registers "fpl")
 from . import fedper as _fedper  # noqa: F401  (registers "fedper")
 from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
 from . import local as _local  # noqa: F401  (registers "local")

@@ -1,0 +1,238 @@
+"""FedProto, server half (Tan et al., AAAI 2022; SPECS.md §6.1; HtFLlib/PFLlib ``serverproto.py``).
+
+Class-wise prototype aggregation: for each class c reported by at least one client,
+
+    P_c = Σ_{i ∈ N_c} w_i^c · p_i^c / Σ_{i ∈ N_c} w_i^c,     N_c = clients that sent class c,
+
+with w_i^c = 1 (``weighting = "uniform"``, the HtFLlib/PFLlib code: an unweighted mean over the
+clients having the class) or w_i^c = n_i^c, the client's sample count of class c
+(``weighting = "count"``, the paper's formula, which weights by |D_{i,c}|). A class no client
+reported in the round has no global prototype in the next one (never a zero row): the global
+prototypes are rebuilt from each round's uploads, as in HtFLlib ``serverproto``. The global prototypes are broadcast as the
+extras ``prototypes`` float32 [K, d] and ``proto_classes`` int64 [K] (ascending).
+
+``fedproto`` exchanges no model tensors (``share = "none"``); ``fedproto-avg`` (RethinkFL's
+FedProto, the variant in FedPAD's comparison) also FedAvg-averages the whole model
+(``share = "all"``, weights n_k as in :class:`~broker_server.strategies.fedavg.FedAvg`).
+Aggregation streams: per-class running sums, so server memory does not grow with the fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..aggregate import RunningWeightedSum
+from ._base import ClientResult, RoundPlan
+from ._registry import register_strategy
+from .fedavg import FedAvg, FedAvgAccumulator
+
+#: How client prototypes of one class are weighted.
+WEIGHTINGS = ("uniform", "count")
+
+
+def check_prototype_extras(extras: Mapping[str, np.ndarray], *, dim: int | None = None) -> str | None:
+    """Why an update's prototype extras are malformed, or ``None`` when they are fine.
+
+    Expected: ``prototypes`` float [k, d], ``proto_classes`` int [k] (unique, ≥ 0),
+    ``proto_counts`` int [k] (≥ 1), all finite; d = ``dim`` when given.
+    """
+    missing = [n for n in ("prototypes", "proto_classes", "proto_counts") if n not in extras]
+    if missing:
+        return f"prototype extras missing: {', '.join(missing)}"
+    p, c, n = (np.asarray(extras[k]) for k in ("prototypes", "proto_classes", "proto_counts"))
+    if p.ndim != 2 or not np.issubdtype(p.dtype, np.floating):
+        return f"prototypes must be a float [k, d] array, got {p.dtype} {p.shape}"
+    if c.shape != (p.shape[0],) or n.shape != (p.shape[0],):
+        return f"proto_classes {c.shape} and proto_counts {n.shape} must both be [{p.shape[0]}]"
+    if not (np.issubdtype(c.dtype, np.integer) and np.issubdtype(n.dtype, np.integer)):
+        return f"proto_classes and proto_counts must be integer arrays, got {c.dtype} and {n.dtype}"
+    if c.size and (c.min() < 0 or np.unique(c).size != c.size):
+        return f"proto_classes must be unique and >= 0, got {c.tolist()}"
+    if n.size and n.min() < 1:
+        return f"proto_counts must be >= 1, got {n.tolist()}"
+    if dim is not None and p.shape[0] and p.shape[1] != dim:
+        return f"prototype width {p.shape[1]} differs from the global prototypes' {dim}"
+    if not np.isfinite(p).all():
+        return "prototypes contain NaN or Inf"
+    return None
+
+
+class PrototypeAccumulator:
+    """Streaming class-wise weighted mean of client prototypes (the rule of the module docstring).
+
+    Args:
+        weighting: ``"uniform"`` (w = 1) or ``"count"`` (w = the client's class count).
+
+    Raises:
+        ValueError: unknown ``weighting``; from :meth:`add`, mismatched shapes or widths.
+    """
+
+    def __init__(self, weighting: str = "uniform") -> None:
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.weighting = weighting
+        self._sums: dict[int, RunningWeightedSum] = {}
+        self.dim: int | None = None
+
+    def add(self, prototypes: np.ndarray, classes: np.ndarray, counts: np.ndarray | None = None, *,
+            weight: float = 1.0) -> None:
+        """Fold in one client's prototypes float [k, d], classes int [k] and counts int [k]
+        (``counts`` is needed for ``"count"`` weighting only). ``weight`` (≥ 0) multiplies every
+        row's weight: a per-client weight such as FedPAD's θ_i, with ``"uniform"``."""
+        p = np.asarray(prototypes, dtype=np.float32)
+        c = np.asarray(classes).astype(np.int64)
+        if p.ndim != 2 or c.shape != (p.shape[0],):
+            raise ValueError(f"prototypes [k, d] with classes [k] expected, got {p.shape} and {c.shape}")
+        if self.weighting == "count":
+            if counts is None or np.asarray(counts).shape != c.shape:
+                raise ValueError("count weighting needs proto_counts [k]")
+            w = float(weight) * np.asarray(counts, dtype=np.float64)
+        else:
+            w = np.full(c.shape[0], float(weight))
+        if p.shape[0] and self.dim is not None and p.shape[1] != self.dim:
+            raise ValueError(f"prototype width {p.shape[1]} differs from the earlier {self.dim}")
+        for row, cls, weight in zip(p, c, w):
+            self._sums.setdefault(int(cls), RunningWeightedSum()).add([row], float(weight))
+        if p.shape[0]:
+            self.dim = p.shape[1]
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(global prototypes float32 [K, d], classes int64 [K] ascending) over the classes with a
+        positive total weight; K = 0 gives shapes [0, 0] and [0]."""
+        classes = sorted(c for c, acc in self._sums.items() if acc.total_weight > 0)
+        if not classes:
+            return np.zeros((0, 0), np.float32), np.zeros(0, np.int64)
+        protos = np.stack([self._sums[c].mean()[0] for c in classes]).astype(np.float32)
+        return protos, np.asarray(classes, dtype=np.int64)
+
+
+def aggregate_prototypes(prototypes: Sequence[np.ndarray], classes: Sequence[np.ndarray],
+                         counts: Sequence[np.ndarray] | None = None, *,
+                         weighting: str = "uniform") -> tuple[np.ndarray, np.ndarray]:
+    """FedProto's global prototypes from the clients' (module docstring formula).
+
+    Args:
+        prototypes: per client, float [k_i, d].
+        classes: per client, int [k_i], unique.
+        counts: per client, int [k_i] sample counts (needed for ``weighting="count"``).
+        weighting: ``"uniform"`` (HtFLlib code) or ``"count"`` (paper).
+
+    Returns:
+        (float32 [K, d], int64 [K] ascending) over the union of the clients' classes.
+
+    Raises:
+        ValueError: unknown weighting, mismatched lengths or shapes, missing counts.
+    """
+    if len(prototypes) != len(classes) or (counts is not None and len(counts) != len(classes)):
+        raise ValueError("prototypes, classes and counts need one entry per client")
+    acc = PrototypeAccumulator(weighting)
+    for i, (p, c) in enumerate(zip(prototypes, classes)):
+        acc.add(p, c, None if counts is None else counts[i])
+    return acc.result()
+
+
+@register_strategy("fedproto")
+class FedProto(FedAvg):
+    """FedProto strategy: class-wise prototype aggregation, no model exchange.
+
+    Args:
+        lambda_proto: λ of the client loss CE + λ·MSE(z, P_y), ≥ 0 (default 1; HtFLlib's
+            scripts use 10); sent to the clients in ``round_start.config``.
+        weighting: ``"uniform"`` (default, the code) or ``"count"`` (the paper).
+        participation_rate, min_clients, train_config: as :class:`FedAvg`.
+
+    Raises:
+        ValueError: ``lambda_proto`` < 0 or not finite; unknown ``weighting``; FedAvg's checks.
+    """
+
+    share = "none"
+
+    def __init__(self, *, lambda_proto: float = 1.0, weighting: str = "uniform", **base: object) -> None:
+        super().__init__(**base)  # type: ignore[arg-type]
+        if not (np.isfinite(lambda_proto) and lambda_proto >= 0):
+            raise ValueError(f"lambda_proto must be finite and >= 0, got {lambda_proto}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.lambda_proto = float(lambda_proto)
+        self.weighting = weighting
+        self.prototypes = np.zeros((0, 0), np.float32)
+        self.proto_classes = np.zeros(0, np.int64)
+
+    def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
+        """FedAvg's client selection; ``lambda_proto`` added to the round's config."""
+        plan = super().configure_round(round, available, rng)
+        return RoundPlan(selected=plan.selected, config={**plan.config, "lambda_proto": self.lambda_proto})
+
+    def validate(self, result: ClientResult) -> str | None:
+        """Refuse malformed prototype extras (:func:`check_prototype_extras`)."""
+        return check_prototype_extras(result.extras, dim=self.prototypes.shape[1] if self.proto_classes.size else None)
+
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FedProtoAccumulator":
+        """Streaming aggregation: prototypes by class (and, for ``share = "all"``, FedAvg sums)."""
+        return FedProtoAccumulator(self)
+
+    def aggregate(self, round: int, current: Sequence[np.ndarray],
+                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
+        """Global prototypes from ``results`` (kept for :meth:`global_extras`); returns the new
+        shared tensors (``[]`` for ``share = "none"``), or ``None`` when nothing came back (the
+        previous global prototypes are kept)."""
+        acc = self.accumulator(round, current)
+        for r in results:
+            acc.add(r)
+        return acc.result()
+
+    def global_extras(self) -> dict[str, np.ndarray]:
+        """``prototypes`` [K, d] float32 and ``proto_classes`` [K] int64; ``{}`` before the first
+        aggregation."""
+        if not self.proto_classes.size:
+            return {}
+        return {"prototypes": self.prototypes, "proto_classes": self.proto_classes}
+
+    def round_metrics(self) -> dict:
+        """``prototype_classes``: how many classes have a global prototype."""
+        return {"prototype_classes": int(self.proto_classes.size)}
+
+    def state_dict(self) -> dict:
+        """The global prototypes (restored by :meth:`load_state_dict` on ``--resume``)."""
+        return {"prototypes": self.prototypes, "proto_classes": self.proto_classes}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (an empty state keeps no prototypes)."""
+        self.prototypes = np.asarray(state.get("prototypes", np.zeros((0, 0))), dtype=np.float32)
+        self.proto_classes = np.asarray(state.get("proto_classes", np.zeros(0)), dtype=np.int64)
+
+
+class FedProtoAccumulator:
+    """One round of :class:`FedProto`: class-wise prototype sums, plus FedAvg's running weighted
+    sum of the model when the strategy shares it. :meth:`result` stores the new global
+    prototypes on the strategy."""
+
+    def __init__(self, strategy: FedProto) -> None:
+        self.strategy = strategy
+        self.protos = PrototypeAccumulator(strategy.weighting)
+        self.model = FedAvgAccumulator() if strategy.share != "none" else None
+        self.count = 0
+
+    def add(self, result: ClientResult) -> None:
+        e = result.extras
+        if self.model is not None:
+            self.model.add(result)
+        self.protos.add(e["prototypes"], e["proto_classes"], e.get("proto_counts"))
+        self.count += 1
+
+    def result(self) -> list[np.ndarray] | None:
+        if not self.count:
+            return None
+        self.strategy.prototypes, self.strategy.proto_classes = self.protos.result()
+        return self.model.result() if self.model is not None else []
+
+
+@register_strategy("fedproto-avg")
+class FedProtoAvg(FedProto):
+    """FedProto as run in RethinkFL and FedPAD's comparison: the same prototype aggregation, and
+    the whole model FedAvg-averaged (weights n_k); the server evaluates the global model with its
+    head. A separate name because ``share`` is a class attribute."""
+
+    share = "all"
