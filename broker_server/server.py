@@ -424,7 +424,8 @@ class AggregationServer:
         last_acc, last_loss = float("nan"), float("nan")
         while self.round < self.settings.rounds:
             m = self.run_round(self.round + 1)
-            last_acc, last_loss = m["accuracy"], m["loss"]
+            if m["accuracy"] is not None:
+                last_acc, last_loss = m["accuracy"], m["loss"] if m["loss"] is not None else float("nan")
         self.channel.send(topics.down(self.fed, Kind.FINISH),
                           Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10)
         self.pump(0.2)
@@ -498,10 +499,16 @@ class AggregationServer:
                 load_arrays(self.model, self.global_tensors)
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
         extra_metrics = self._extra_metrics(results)
+        if self.share != "all":
+            # the server's copy holds only the shared part (or nothing) of a model: its score means
+            # nothing. The round's accuracy is the clients' own models' (client_eval), when measured.
+            acc, loss = extra_metrics.get("client_accuracy_mean"), None
+            extra_metrics["accuracy_source"] = "clients"
         self.round = r
         up, down = (b - a for a, b in zip(sent0, self._bytes()))
         metrics = {
-            "round": r, "accuracy": acc, "loss": loss, "clients_selected": self._stats.selected,
+            "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
+            "clients_selected": self._stats.selected,
             "clients_reported": self._stats.clients_reported, "bytes_up": up, "bytes_down": down,
             "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
             "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,

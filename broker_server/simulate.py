@@ -107,6 +107,14 @@ def assign_profiles(mix: list[tuple[str, float]], clients: int, seed: int) -> li
     return [names[i] for i in order]
 
 
+def _num(value: float | None) -> str:
+    return "   n/a" if value is None else f"{value:.4f}"
+
+
+def _source(m: dict) -> str:
+    return " (clients' own models)" if m.get("accuracy_source") == "clients" else ""
+
+
 def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict], None]:
     """A callback printing one line per round: round, accuracy, clients, bytes, elapsed."""
     t0 = time.monotonic()
@@ -114,7 +122,7 @@ def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict
     def show(m: dict) -> None:
         skipped = "  SKIPPED: " + m.get("skip_reason", "") if m.get("skipped") else ""
         stream.write(
-            f"round {m['round']:>3}/{rounds}  acc {m['accuracy']:.4f}  loss {m['loss']:.4f}  "
+            f"round {m['round']:>3}/{rounds}  acc {_num(m['accuracy'])}{_source(m)}  loss {_num(m['loss'])}  "
             f"clients {m['clients_reported']}/{m['clients_selected']}  "
             f"server link: up {m['bytes_up'] / 1024:,.1f} KiB, down {m['bytes_down'] / 1024:,.1f} KiB  "
             f"{m['seconds']:.1f} s  (elapsed {time.monotonic() - t0:.0f} s){skipped}\n")
