@@ -373,9 +373,11 @@ def _validate_domains(d: DataSection, src: str) -> None:
     from edge_agent.partition import DEFAULT_DOMAIN_CLIENTS, allocate_domain_clients
 
     try:
-        known = dataset_info(d.dataset).known_domain_names
+        info = dataset_info(d.dataset)
     except DataError:
-        known = ()
+        info = None
+    known = info.known_domain_names if info is not None else ()
+    primary = [s.name for s in info.domains] if info is not None else []
     multi = ", ".join(n for n in list_datasets() if dataset_info(n).domains)
     if d.partition == "domain-silo" and not known:
         raise ConfigError(f"{src}: [data] partition = 'domain-silo' needs a multi-domain dataset "
@@ -394,13 +396,15 @@ def _validate_domains(d: DataSection, src: str) -> None:
                 f"{src}: [data] domain_clients is empty, so the default {'/'.join(map(str, DEFAULT_DOMAIN_CLIENTS))} "
                 f"clients per domain apply, which sum to {sum(DEFAULT_DOMAIN_CLIENTS)}, not [data] clients = "
                 f"{d.clients}; set domain_clients, e.g. "
-                f"{','.join(f'{n}={k}' for n, k in zip(known, DEFAULT_DOMAIN_CLIENTS))!r}")
+                f"{','.join(f'{n}={k}' for n, k in zip(primary, DEFAULT_DOMAIN_CLIENTS))!r}")
         return
     try:
-        allocate_domain_clients(known, d.domain_clients, d.clients)
+        alloc = allocate_domain_clients(known, d.domain_clients)
     except PartitionError as exc:
-        raise ConfigError(f"{src}: [data] domain_clients = {d.domain_clients!r}: {exc}"
-                          + (" ([data] clients)" if "num_clients" in str(exc) else "")) from None
+        raise ConfigError(f"{src}: [data] domain_clients = {d.domain_clients!r}: {exc}") from None
+    if sum(alloc.values()) != d.clients:
+        raise ConfigError(f"{src}: [data] domain_clients = {d.domain_clients!r} sums to "
+                          f"{sum(alloc.values())} clients, but [data] clients = {d.clients}")
 
 
 def from_dict(raw: dict, source: str = "<dict>") -> Config:

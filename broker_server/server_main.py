@@ -40,13 +40,16 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
     if not resume and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or "fedfleet"
-    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
-    shards = describe(split_clients(ds, cfg), ds.train.y, ds.num_classes)
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None,
+                      domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
+    shards = describe(split_clients(ds, cfg), ds.train.y, ds.num_classes, domains=ds.train_domains,
+                      domain_names=ds.domain_names)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
         {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
-         "seed": cfg.run.seed, "clients": shards, "note": "the split each agent must take (--shard i/n)"},
+         "seed": cfg.run.seed, "clients": shards, "note": "the split each agent must take (--shard i/n)",
+         **ds.domain_summary()},
         indent=1), encoding="utf-8")
     broker = None
     url = broker_url or cfg.broker.url or None

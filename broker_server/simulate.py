@@ -84,10 +84,13 @@ def split_clients(ds, cfg: Config) -> list:
     Raises:
         ConfigError: the partition is impossible (too many clients for the data, α too small).
     """
+    silo = cfg.data.partition == "domain-silo"
     try:
         return partition(ds.train.y, cfg.data.clients, scheme=cfg.data.partition, seed=cfg.run.seed,
                          alpha=cfg.data.alpha if cfg.data.partition == "dirichlet" else None,
-                         min_samples=cfg.data.min_samples)
+                         min_samples=cfg.data.min_samples,
+                         **({"domains": ds.train_domains, "domain_names": ds.domain_names,
+                             "domain_clients": cfg.data.domain_clients} if silo else {}))
     except PartitionError as exc:
         raise ConfigError(
             f"cannot split {ds.name} ({len(ds.train.y):,} training samples) into {cfg.data.clients} clients "
@@ -170,14 +173,17 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         except ValueError as exc:
             raise ConfigError(f"--broker / [broker] url: {exc}") from None
 
-    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None,
+                      domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
     parts = split_clients(ds, cfg)
-    shards = describe(parts, ds.train.y, ds.num_classes)
+    shards = describe(parts, ds.train.y, ds.num_classes, domains=ds.train_domains, domain_names=ds.domain_names)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
         {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
-         "seed": cfg.run.seed, "clients": shards}, indent=1), encoding="utf-8")
+         "seed": cfg.run.seed, "clients": shards, **ds.domain_summary()}, indent=1), encoding="utf-8")
+    for note in ds.substitutions:
+        log.warning("data set %s: %s", ds.name, note)
     for s in shards:
         log.info("client %d: %d samples, histogram %s", s["client"], s["samples"], s["histogram"])
 
@@ -239,7 +245,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
                               x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
                               train_defaults=defaults, client_index=i, profile=profiles[i],
                               train_lock=slots, idle_timeout_s=max(120.0, 2 * cfg.server.round_deadline_s),
-                              info={"virtual": True, "torch": torch.__version__, **expected_data(cfg)})
+                              info={"virtual": True, "torch": torch.__version__, **expected_data(cfg),
+                                    **({"domain": shards[i]["domain"]} if "domain" in shards[i] else {})})
             if agent_hook is not None:
                 agent_hook(i, agent)
             agents.append(agent)
@@ -276,7 +283,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     (out / "summary.json").write_text(json.dumps({
         "federation": federation, "final_accuracy": result.final_accuracy,
         "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
-        "dataset": ds.name, "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
+        "dataset": ds.name, "substitutions": list(ds.substitutions),
+        "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
         "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
         "emulated_link_s": {s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         **server.onnx_result,

@@ -23,6 +23,11 @@ pacs_photo          pacs/photo_32.npz (whole domain)            7        3×32×
 pacs_art_painting   pacs/art_painting_32.npz (whole domain)     7        3×32×32 —
 pacs_cartoon        pacs/cartoon_32.npz (whole domain)          7        3×32×32 —
 pacs_sketch         pacs/sketch_32.npz (whole domain)           7        3×32×32 —
+pacs                4 domains: photo, art_painting, cartoon,    7        3×32×32 —
+                    sketch (the four pacs_* sets above)
+digits_domains      4 domains: mnist, usps, svhn (only when     10       3×32×32 —
+                    present; else sklearn_digits, from
+                    ``digits``), mnist_m
 ==================  ==========================================  =======  ======  =========
 
 Resolution order (:func:`load_dataset`; the same list is printed in the :class:`DataError`):
@@ -57,6 +62,24 @@ Conversion (all sets): uint8 → float32 ``v / 255`` in [0, 1], then ``(v − 0.
 as torchvision ``ToTensor()`` followed by ``Normalize(0.5, 0.5)``), so 0 → −1.0 and 255 → 1.0;
 grayscale images get a channel axis of size 1, RGB HWC images are transposed to CHW.
 
+Multi-domain sets (``pacs``, ``digits_domains``; FedPAD's domain-silo protocol, SPECS.md §1.1)
+are built from the single-domain sets above, each keeping its own train/test split: the official
+splits of mnist, usps and mnist_m (``train_subset5k`` / ``test``), the stratified 80/20 split
+above (seed 0) for the PACS domains and for ``digits`` — PACS has no official split, so each
+PACS domain's test split is that fixed, seeded 20 %. Every domain is brought to 3×32×32:
+:func:`resize_bilinear` (PIL's bilinear rule; USPS 16→32, MNIST 28→32, 8×8 digits 8→32; the PACS
+files and SVHN are already 32×32), grey copied to three channels (:func:`to_rgb`), then the
+common conversion below. The fourth digits domain is SVHN when the full set is found (its npz
+pair, or torchvision's ``train_32x32.mat`` / ``test_32x32.mat`` in the data folder, read through
+torchvision, which needs scipy; never downloaded for this); otherwise scikit-learn's 8×8 digits
+stand in for it under the name ``sklearn_digits``, and :attr:`Dataset.substitutions` says so
+(as it says that mnist_m is regenerated). No domain is ever made up: a missing required domain
+raises :class:`DataError`. ``domain_train_cap`` / ``domain_test_cap`` keep at most that many
+samples per domain and split (:func:`stratified_subsample`, seed 0, largest-remainder class
+quotas), e.g. 5,000 to keep MNIST's 60,000 training images out of memory. The train and test
+splits are the domains' splits concatenated in domain order; ``train_domains`` gives each
+training sample's domain and ``test_domains`` each domain's test split (views into ``test``).
+
 Loaded data sets are cached in-process (keyed on the name, the resolved file paths and their
 modification times), because several virtual agents in one process load the same set; the
 arrays returned are read-only (``flags.writeable == False``) so the sharing is safe. Take a
@@ -70,9 +93,10 @@ import functools
 import os
 import shutil
 import tempfile
+import types
 import zipfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -81,18 +105,25 @@ from edge_agent.errors import DataError
 
 __all__ = [
     "ArraySplit",
+    "DOMAIN_IMAGE_SIZE",
     "Dataset",
     "DatasetInfo",
+    "DomainSpec",
     "ENV_DATA_DIR",
     "ENV_OFFLINE",
+    "PACS_DOMAINS",
     "SPLIT_SEED",
     "TEST_FRACTION",
+    "bilinear_weights",
     "class_histogram",
     "clear_dataset_cache",
     "dataset_info",
     "list_datasets",
     "load_dataset",
     "normalize_images",
+    "resize_bilinear",
+    "stratified_subsample",
+    "to_rgb",
 ]
 
 ENV_DATA_DIR = "FEDFLEET_DATA"
@@ -217,11 +248,26 @@ class Dataset:
         channels: C, 1 for grayscale, 3 for RGB.
         image_size: S, the images are S×S pixels.
         source: where it was loaded from: the folder holding the two npz files, the single npz
-            file for one-file sets, ``"sklearn"`` for ``digits``, or ``"torchvision:<root>"``.
+            file for one-file sets, ``"sklearn"`` for ``digits``, or ``"torchvision:<root>"``;
+            for a multi-domain set, ``"<domain>=<source>"`` per domain joined by ``"; "``.
+        domain_names: the domains of a multi-domain set (``pacs``, ``digits_domains``) in their
+            fixed order, e.g. ``("photo", "art_painting", "cartoon", "sketch")``; ``()`` for a
+            single-domain set.
+        train_domains: int64 ``[N_train]``, the domain of each training sample as an index into
+            ``domain_names`` (read-only); None for a single-domain set. The training samples of
+            one domain are contiguous, in ``domain_names`` order.
+        test_domains: ``{domain name: ArraySplit}``, each domain's own test split, in
+            ``domain_names`` order (read-only views into ``test``, which is their
+            concatenation); empty for a single-domain set.
+        substitutions: human-readable notes, one per domain that stands in for another or is
+            not the published data (e.g. scikit-learn's 8×8 digits for SVHN, the regenerated
+            MNIST-M); every output that reports results on this set should state them.
 
     Raises:
         DataError: on construction, if a split's class count, channels or image size disagree
-            with the fields above.
+            with the fields above; or, for a multi-domain set, if ``train_domains`` is not an
+            int64 ``[N_train]`` array of indices into ``domain_names``, or ``test_domains``
+            does not hold one split per domain (in order) whose sizes sum to ``len(test)``.
     """
 
     name: str
@@ -231,10 +277,15 @@ class Dataset:
     channels: int
     image_size: int
     source: str
+    domain_names: tuple[str, ...] = ()
+    train_domains: np.ndarray | None = None
+    test_domains: Mapping[str, ArraySplit] = field(default_factory=dict)
+    substitutions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for split_name in ("train", "test"):
-            split: ArraySplit = getattr(self, split_name)
+        named = [("train", self.train), ("test", self.test)]
+        named += [(f"test_domains[{k!r}]", v) for k, v in self.test_domains.items()]
+        for split_name, split in named:
             expected = (self.channels, self.image_size, self.image_size)
             if split.num_classes != self.num_classes or split.x.shape[1:] != expected:
                 raise DataError(
@@ -243,6 +294,51 @@ class Dataset:
                     f"{expected} and {self.num_classes}",
                     dataset=self.name,
                 )
+        self._check_domains()
+
+    @property
+    def is_multi_domain(self) -> bool:
+        """True when the set has named domains (``domain_names`` is not empty)."""
+        return bool(self.domain_names)
+
+    def domain_summary(self) -> dict[str, object]:
+        """What a run record should say about the domains (JSON-able; ``{}`` for a
+        single-domain set): ``{"domains": [names], "domain_train_samples": {name: n},
+        "domain_test_samples": {name: n}, "substitutions": [notes]}``."""
+        if not self.domain_names:
+            return {}
+        ids = self.train_domains if self.train_domains is not None else np.zeros(0, np.int64)
+        counts = np.bincount(ids, minlength=len(self.domain_names))
+        return {
+            "domains": list(self.domain_names),
+            "domain_train_samples": {n: int(c) for n, c in zip(self.domain_names, counts)},
+            "domain_test_samples": {n: len(v) for n, v in self.test_domains.items()},
+            "substitutions": list(self.substitutions),
+        }
+
+    def _check_domains(self) -> None:
+        names, ids = self.domain_names, self.train_domains
+        if not names:
+            if ids is not None or self.test_domains:
+                raise DataError(f"data set {self.name!r}: train_domains/test_domains given without "
+                                "domain_names", dataset=self.name)
+            return
+        if len(set(names)) != len(names):
+            raise DataError(f"data set {self.name!r}: repeated domain names {names}",
+                            dataset=self.name)
+        n = len(self.train)
+        if (not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.shape != (n,)
+                or (ids.size and (ids.min() < 0 or ids.max() >= len(names)))):
+            raise DataError(
+                f"data set {self.name!r}: train_domains must be int64 [{n}] with values in "
+                f"[0, {len(names)}), got {_describe_array(ids)}", dataset=self.name)
+        if tuple(self.test_domains) != names:
+            raise DataError(f"data set {self.name!r}: test_domains has domains "
+                            f"{tuple(self.test_domains)}, expected {names}", dataset=self.name)
+        total = sum(len(v) for v in self.test_domains.values())
+        if total != len(self.test):
+            raise DataError(f"data set {self.name!r}: the domain test splits hold {total} samples, "
+                            f"the test split {len(self.test)}", dataset=self.name)
 
 
 @dataclass(frozen=True)
@@ -262,6 +358,8 @@ class DatasetInfo:
             torchvision has no such set.
         sklearn: True when the set comes from scikit-learn (``digits``) and needs no file.
         hint: extra advice printed in the :class:`DataError` when the files are missing.
+        domains: for a multi-domain set (``pacs``, ``digits_domains``), its domains in their
+            fixed order, each read from a single-domain set of this table; ``()`` otherwise.
     """
 
     name: str
@@ -274,6 +372,18 @@ class DatasetInfo:
     torchvision: str | None = None
     sklearn: bool = False
     hint: str = ""
+    domains: tuple[DomainSpec, ...] = ()
+
+    @property
+    def known_domain_names(self) -> tuple[str, ...]:
+        """Every domain name a multi-domain set may have, stand-ins included, in order
+        (``digits_domains``: mnist, usps, svhn, sklearn_digits, mnist_m); ``()`` otherwise."""
+        out: list[str] = []
+        for spec in self.domains:
+            out.append(spec.name)
+            if spec.fallback is not None:
+                out.append(spec.fallback.name)
+        return tuple(out)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -289,8 +399,62 @@ class DatasetInfo:
         return f"N×{s}×{s}" if self.channels == 1 else f"N×{s}×{s}×{self.channels}"
 
 
+@dataclass(frozen=True)
+class DomainSpec:
+    """One domain of a multi-domain set.
+
+    Attributes:
+        name: the domain name used in configurations and metrics (``"photo"``, ``"mnist_m"``).
+        dataset: the single-domain set of :func:`list_datasets` it is read from
+            (``"pacs_photo"``, ``"mnist_m"``); its train/test split is kept.
+        substitution: a note stated in :attr:`Dataset.substitutions` whenever this domain is
+            loaded (the domain is not the published data), or ``""``.
+        fallback: the domain loaded instead when ``dataset`` is not found anywhere (no
+            download is attempted for a domain that has a fallback); None: the domain is
+            required and a missing ``dataset`` raises :class:`DataError`.
+    """
+
+    name: str
+    dataset: str
+    substitution: str = ""
+    fallback: DomainSpec | None = None
+
+
 def _pacs(domain: str) -> DatasetInfo:
     return DatasetInfo(f"pacs_{domain}", 7, 3, 32, whole_file=f"pacs/{domain}_32.npz")
+
+
+PACS_DOMAINS: tuple[str, ...] = ("photo", "art_painting", "cartoon", "sketch")
+"""The PACS domains in the order of FedPAD's allocation table (SPECS.md §1.1)."""
+
+DOMAIN_IMAGE_SIZE = 32
+"""S of every multi-domain set: each domain is resized to S×S and given 3 channels."""
+
+_SKLEARN_FOR_SVHN = (
+    "svhn -> sklearn_digits: the full SVHN was not found (only 50 SVHN images exist offline), so "
+    "scikit-learn's 8x8 digits (1797 images, bilinearly upsampled to 32x32, grey copied to 3 "
+    "channels, seeded stratified 80/20 split) stand in for SVHN; results on this domain are not "
+    "comparable with published SVHN numbers"
+)
+_MNIST_M_REGENERATED = (
+    "mnist_m is MNIST-M regenerated with the Ganin & Lempitsky (2015) recipe (shared/data "
+    "MANIFEST.md note 6; train is a 5,000-image subset), not the published MNIST-M release"
+)
+
+_MULTI_DOMAIN: tuple[DatasetInfo, ...] = (
+    DatasetInfo("pacs", 7, 3, DOMAIN_IMAGE_SIZE,
+                domains=tuple(DomainSpec(d, f"pacs_{d}") for d in PACS_DOMAINS)),
+    DatasetInfo(
+        "digits_domains", 10, 3, DOMAIN_IMAGE_SIZE,
+        domains=(
+            DomainSpec("mnist", "mnist"),
+            DomainSpec("usps", "usps"),
+            DomainSpec("svhn", "svhn",
+                       fallback=DomainSpec("sklearn_digits", "digits", _SKLEARN_FOR_SVHN)),
+            DomainSpec("mnist_m", "mnist_m", _MNIST_M_REGENERATED),
+        ),
+    ),
+)
 
 
 _REGISTRY: dict[str, DatasetInfo] = {
@@ -344,6 +508,7 @@ _REGISTRY: dict[str, DatasetInfo] = {
         _pacs("art_painting"),
         _pacs("cartoon"),
         _pacs("sketch"),
+        *_MULTI_DOMAIN,
     )
 }
 
@@ -378,6 +543,8 @@ def load_dataset(
     *,
     data_dir: str | os.PathLike[str] | None = None,
     allow_download: bool | None = None,
+    domain_train_cap: int = 0,
+    domain_test_cap: int = 0,
 ) -> Dataset:
     """Load data set ``name``, searching the locations in the order of the module docstring.
 
@@ -390,21 +557,55 @@ def load_dataset(
             SVHN when no local copy is found; False forbids it; None (default) allows it unless
             env ``FEDFLEET_OFFLINE`` is ``"1"``. A download lands in ``data_dir`` (when that
             folder exists) only after it has succeeded; see step 3 of the module docstring.
+            For a multi-domain set it applies to each required domain (never to SVHN, which is
+            used only when already present).
+        domain_train_cap: multi-domain sets only: keep at most this many training samples per
+            domain (a seeded stratified subsample, see "Multi-domain sets" in the module
+            docstring); 0 = keep all. It bounds memory (MNIST's 60,000 training images take
+            737 MB as float32 3×32×32) and the imbalance in data size between domains.
+        domain_test_cap: the same for each domain's test split; 0 = keep all.
 
     Returns:
         A :class:`Dataset` whose arrays are read-only and shared with other callers in this
         process (cached): ``train.x``/``test.x`` float32 ``[N, C, S, S]`` in [-1, 1],
-        ``train.y``/``test.y`` int64 ``[N]``.
+        ``train.y``/``test.y`` int64 ``[N]``. A multi-domain set also has ``domain_names``,
+        ``train_domains``, ``test_domains`` and ``substitutions`` (see :class:`Dataset`).
 
     Raises:
         DataError: unknown name; no location holds the set (the message lists every location
             searched, in order, and which files to put where; ``searched`` holds the same list);
             a file is found but unreadable or malformed (``path`` and ``field`` name it); a
-            torchvision download fails.
+            torchvision download fails; a cap that is not an int >= 0, or a non-zero cap for a
+            single-domain set.
     """
     info = dataset_info(name)
+    caps = (_check_cap("domain_train_cap", domain_train_cap),
+            _check_cap("domain_test_cap", domain_test_cap))
+    if info.domains:
+        return _load_domains(info, data_dir, allow_download, caps)
+    if any(caps):
+        raise DataError(
+            f"domain_train_cap/domain_test_cap apply only to the multi-domain sets "
+            f"({', '.join(d.name for d in _MULTI_DOMAIN)}), not to {info.name!r}",
+            dataset=info.name,
+        )
+    return _load_cached(info.name, *_locate(info, data_dir, allow_download))
+
+
+def _locate(
+    info: DatasetInfo, data_dir: str | os.PathLike[str] | None, allow_download: bool | None
+) -> tuple[str, tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """Find single-domain set ``info`` by the resolution order (downloading if allowed).
+
+    Returns:
+        ``(kind, location, stamps)``, the key of :func:`_load_cached`: kind ``"sklearn"``,
+        ``"npz"`` (location: the resolved files) or ``"torchvision"`` (location: the root).
+
+    Raises:
+        DataError: as :func:`load_dataset`.
+    """
     if info.sklearn:
-        return _load_cached(info.name, "sklearn", (), ())
+        return "sklearn", (), ()
 
     user_dir = _user_data_dir(data_dir)
     npz_dirs = _npz_search_dirs(user_dir)
@@ -415,7 +616,7 @@ def load_dataset(
         if all(p.is_file() for p in paths):
             resolved = tuple(str(p.resolve()) for p in paths)
             stamps = tuple(_file_stamp(p) for p in paths)
-            return _load_cached(info.name, "npz", resolved, stamps)
+            return "npz", resolved, stamps
 
     if info.torchvision is not None:
         tv_roots = _unique_paths(
@@ -424,10 +625,10 @@ def load_dataset(
         for root in tv_roots:
             searched.append(f"torchvision:{root}")
             if _torchvision_layout_present(info.torchvision, root):
-                return _load_cached(info.name, "torchvision", (str(root.resolve()),), ())
+                return "torchvision", (str(root.resolve()),), ()
         if _downloads_allowed(allow_download):
             try:
-                return _download_torchvision(info, user_dir)
+                return "torchvision", (_download_torchvision(info, user_dir),), ()
             except DataError as exc:
                 raise DataError(
                     _not_found_message(
@@ -448,6 +649,7 @@ def load_dataset(
 def clear_dataset_cache() -> None:
     """Drop every data set cached by :func:`load_dataset` (frees memory; next load rereads)."""
     _load_cached.cache_clear()
+    _load_domains_cached.cache_clear()
 
 
 def normalize_images(x: np.ndarray) -> np.ndarray:
@@ -718,6 +920,21 @@ def _load_cached(
     """Load and convert one data set; ``stamps`` (mtime_ns, size) only key the cache."""
     del stamps
     info = _REGISTRY[name]
+    x_tr, y_tr, x_te, y_te, source = _read_raw(info, kind, location)
+    return _make_dataset(info, x_tr, y_tr, x_te, y_te, source)
+
+
+def _read_raw(
+    info: DatasetInfo, kind: str, location: tuple[str, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
+    """Read one single-domain set found by :func:`_locate`, before any conversion.
+
+    Returns:
+        ``(x_train, y_train, x_test, y_test, source)``: uint8 images ``[N, S, S]`` or
+        ``[N, S, S, 3]`` (validated), int64 labels ``[N]``, and the text for
+        :attr:`Dataset.source`.
+    """
+    name = info.name
     if kind == "sklearn":
         x_tr, y_tr, x_te, y_te = _read_digits()
         source = "sklearn"
@@ -742,7 +959,7 @@ def _load_cached(
         source = f"torchvision:{root}"
     else:  # pragma: no cover - internal misuse
         raise DataError(f"internal error: unknown loader kind {kind!r}", dataset=name)
-    return _make_dataset(info, x_tr, y_tr, x_te, y_te, source)
+    return x_tr, y_tr, x_te, y_te, source
 
 
 def _make_dataset(
@@ -936,7 +1153,7 @@ def _download_root(user_dir: Path | None) -> Path:
     return _TORCHVISION_CACHE.expanduser()
 
 
-def _download_torchvision(info: DatasetInfo, user_dir: Path | None) -> Dataset:
+def _download_torchvision(info: DatasetInfo, user_dir: Path | None) -> str:
     """Download ``info.torchvision`` into a fresh temporary folder, then move it into place.
 
     The temporary folder lies under the torchvision cache (falling back to the system temporary
@@ -945,6 +1162,9 @@ def _download_torchvision(info: DatasetInfo, user_dir: Path | None) -> Dataset:
     torchvision has downloaded and both splits have been read and validated are the files moved
     into :func:`_download_root` (one ``os.replace`` per entry, merging into folders that already
     exist there).
+
+    Returns:
+        The resolved folder the files were moved into (a torchvision root for :func:`_locate`).
 
     Raises:
         DataError: the download or its validation failed (the message is the reason, without
@@ -978,7 +1198,7 @@ def _download_torchvision(info: DatasetInfo, user_dir: Path | None) -> Dataset:
             ) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _load_cached(info.name, "torchvision", (str(final_root.resolve()),), ())
+    return str(final_root.resolve())
 
 
 def _install_tree(src: Path, dst_dir: Path) -> None:
@@ -1014,6 +1234,234 @@ def _atomic_move(src: Path, dst: Path) -> None:
         os.replace(staged, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-domain sets
+# --------------------------------------------------------------------------------------------
+
+_DOMAIN_CACHE_SIZE = 2  # multi-domain sets are large (MNIST alone: 737 MB uncapped)
+_NORMALIZE_CHUNK = 4096  # images converted to float32 at a time (bounds the peak memory)
+
+
+def _check_cap(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise DataError(f"{name} must be an int >= 0 (0 = no cap), got {value!r}")
+    return int(value)
+
+
+def _load_domains(
+    info: DatasetInfo,
+    data_dir: str | os.PathLike[str] | None,
+    allow_download: bool | None,
+    caps: tuple[int, int],
+) -> Dataset:
+    """Find every domain of multi-domain set ``info`` (falling back where allowed), then load
+    them through the cache. Raises DataError naming the domain that is missing."""
+    found: list[tuple[str, str, str, str, tuple[str, ...], tuple[tuple[int, int], ...]]] = []
+    for spec in info.domains:
+        chosen = spec
+        try:
+            located = _locate(dataset_info(spec.dataset), data_dir,
+                              allow_download if spec.fallback is None else False)
+        except DataError as exc:
+            if spec.fallback is None:
+                raise DataError(f"data set {info.name!r}, domain {spec.name!r}: {exc}",
+                                dataset=info.name, searched=exc.searched, path=exc.path) from exc
+            chosen = spec.fallback
+            located = _locate(dataset_info(chosen.dataset), data_dir, allow_download)
+        kind, location, _ = located
+        if chosen.dataset == "svhn" and kind == "torchvision":
+            import importlib.util
+
+            if importlib.util.find_spec("scipy") is None:
+                raise DataError(
+                    f"data set {info.name!r}: SVHN's train_32x32.mat and test_32x32.mat were found "
+                    f"under {location[0]}, but reading them needs scipy (pip install scipy); or "
+                    "remove them to use the scikit-learn digits stand-in", dataset=info.name,
+                    path=location[0])
+        found.append((chosen.name, chosen.dataset, chosen.substitution, *located))
+    return _load_domains_cached(info.name, tuple(found), caps)
+
+
+@functools.lru_cache(maxsize=_DOMAIN_CACHE_SIZE)
+def _load_domains_cached(
+    name: str,
+    found: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[tuple[int, int], ...]], ...],
+    caps: tuple[int, int],
+) -> Dataset:
+    """Read, cap, resize and stack the domains in ``found`` (domain name, single-set name,
+    substitution note, and the :func:`_locate` key of that set)."""
+    info = _REGISTRY[name]
+    size = info.image_size
+    names: list[str] = []
+    train_parts: list[tuple[np.ndarray, np.ndarray]] = []
+    test_parts: list[tuple[np.ndarray, np.ndarray]] = []
+    sources: list[str] = []
+    notes: list[str] = []
+    for domain, dataset, note, kind, location, _stamps in found:
+        dinfo = _REGISTRY[dataset]
+        if dinfo.num_classes != info.num_classes:  # pragma: no cover - registry misuse
+            raise DataError(f"domain {domain!r} has {dinfo.num_classes} classes, {name!r} "
+                            f"{info.num_classes}", dataset=name)
+        x_tr, y_tr, x_te, y_te, src = _read_raw(dinfo, kind, location)
+        for (x, y), cap, parts in (((x_tr, y_tr), caps[0], train_parts),
+                                   ((x_te, y_te), caps[1], test_parts)):
+            keep = stratified_subsample(y, cap)
+            parts.append((to_rgb(resize_bilinear(x[keep], size)), np.asarray(y[keep], np.int64)))
+        names.append(domain)
+        sources.append(f"{domain}={src}")
+        if note:
+            notes.append(note)
+
+    def stack(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[ArraySplit, list[int]]:
+        n = sum(len(y) for _, y in parts)
+        x_out = np.empty((n, 3, size, size), dtype=np.float32)
+        pos = 0
+        for x, _ in parts:
+            for a in range(0, len(x), _NORMALIZE_CHUNK):
+                chunk = x[a:a + _NORMALIZE_CHUNK]
+                x_out[pos:pos + len(chunk)] = normalize_images(chunk)
+                pos += len(chunk)
+        y_out = np.concatenate([y for _, y in parts]) if parts else np.zeros(0, np.int64)
+        x_out.setflags(write=False)
+        y_out.setflags(write=False)
+        sizes = [len(y) for _, y in parts]
+        return ArraySplit(x=x_out, y=y_out, num_classes=info.num_classes), sizes
+
+    train, train_sizes = stack(train_parts)
+    del train_parts
+    test, test_sizes = stack(test_parts)
+    train_domains = np.repeat(np.arange(len(names), dtype=np.int64), train_sizes)
+    train_domains.setflags(write=False)
+    bounds = np.concatenate([[0], np.cumsum(test_sizes)]).astype(np.int64)
+    test_domains = {
+        d: ArraySplit(x=test.x[a:b], y=test.y[a:b], num_classes=info.num_classes)
+        for d, a, b in zip(names, bounds[:-1], bounds[1:])
+    }
+    return Dataset(name=name, train=train, test=test, num_classes=info.num_classes, channels=3,
+                   image_size=size, source="; ".join(sources), domain_names=tuple(names),
+                   train_domains=train_domains, test_domains=types.MappingProxyType(test_domains),
+                   substitutions=tuple(notes))
+
+
+def stratified_subsample(y: np.ndarray, cap: int, seed: int = SPLIT_SEED) -> np.ndarray:
+    """Indices of a seeded, class-stratified subsample of at most ``cap`` samples.
+
+    Class c (of the ``n_c`` samples among N) gets the quota ``floor(cap · n_c / N)``; the
+    ``cap − Σ quotas`` samples left over go one each to the classes with the largest remainders
+    ``cap · n_c mod N`` (ties: lower class id first), i.e. the largest-remainder (Hamilton)
+    apportionment, so every class keeps its share to within one sample. Then, for each class in
+    increasing label order, its indices are permuted with one ``numpy.random.default_rng(seed)``
+    and the first quota are kept.
+
+    Args:
+        y: integer labels ``[N]``.
+        cap: at most this many samples are kept (int >= 0); 0, or ``cap >= N``, keeps all.
+        seed: seed of the generator (default :data:`SPLIT_SEED`, so a capped set is fixed).
+
+    Returns:
+        int64 ``[min(cap, N)]`` (``[N]`` when ``cap`` is 0) sorted indices into ``y`` (the
+        samples keep their file order).
+
+    Raises:
+        DataError: ``cap`` is not an int >= 0, or ``y`` is not a 1-D integer array.
+    """
+    labels = np.asarray(y)
+    if labels.ndim != 1 or (labels.size and not np.issubdtype(labels.dtype, np.integer)):
+        raise DataError(f"labels must be a 1-D integer array, got {_describe_array(labels)}")
+    cap = _check_cap("cap", cap)
+    n = int(labels.size)
+    if cap == 0 or cap >= n:
+        return np.arange(n, dtype=np.int64)
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = cap * counts // n
+    remainder = cap * counts % n
+    left = cap - int(quota.sum())
+    quota[np.argsort(-remainder, kind="stable")[:left]] += 1
+    rng = np.random.default_rng(seed)
+    keep = [rng.permutation(np.flatnonzero(labels == c))[:q] for c, q in zip(classes, quota)]
+    return np.sort(np.concatenate(keep)).astype(np.int64)
+
+
+def bilinear_weights(src: int, dst: int) -> np.ndarray:
+    """The ``[dst, src]`` float64 matrix of 1-D bilinear (triangle-filter) resampling.
+
+    Row i holds the weights of output pixel i: its centre maps to ``c = (i + 0.5) · src / dst``
+    in input coordinates (pixel centres at ``j + 0.5``, as PIL and ``align_corners=False``);
+    input pixel j gets ``max(0, 1 − |j + 0.5 − c| / r)`` with radius ``r = max(1, src / dst)``
+    (widened when shrinking, as an antialiasing filter), for ``int(c − r + 0.5) <= j <
+    int(c + r + 0.5)`` clipped to ``[0, src)``; the row is then divided by its sum. This is
+    PIL's ``Image.resize(..., BILINEAR)`` coefficient rule
+    (``ImagingResample``, ``precompute_coeffs``), without PIL's fixed-point rounding.
+
+    Raises:
+        DataError: ``src`` or ``dst`` < 1.
+    """
+    if src < 1 or dst < 1:
+        raise DataError(f"bilinear_weights: sizes must be >= 1, got {src} -> {dst}")
+    scale = src / dst
+    radius = max(scale, 1.0)
+    w = np.zeros((dst, src), dtype=np.float64)
+    for i in range(dst):
+        centre = (i + 0.5) * scale
+        lo = max(int(centre - radius + 0.5), 0)
+        hi = min(int(centre + radius + 0.5), src)
+        j = np.arange(lo, hi)
+        row = np.maximum(0.0, 1.0 - np.abs((j + 0.5 - centre) / radius))
+        w[i, lo:hi] = row / row.sum()
+    return w
+
+
+def resize_bilinear(x: np.ndarray, size: int) -> np.ndarray:
+    """Resize uint8 images to ``size``×``size`` by separable bilinear resampling.
+
+    Args:
+        x: uint8 ``[N, H, W]`` or ``[N, H, W, 3]`` (HWC).
+        size: S, the output side in pixels (>= 1).
+
+    Returns:
+        uint8 ``[N, S, S]`` or ``[N, S, S, 3]``: ``rint(Wh · x · Wwᵀ)`` clipped to 0–255, with
+        ``Wh = bilinear_weights(H, S)`` and ``Ww = bilinear_weights(W, S)`` (float32
+        arithmetic); within one grey level of PIL ``Image.resize((S, S), BILINEAR)``, which
+        rounds between its two passes. ``x`` itself (not a copy) when already S×S.
+
+    Raises:
+        DataError: ``x`` is not uint8 of one of the two shapes.
+    """
+    if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or not (
+        x.ndim == 3 or (x.ndim == 4 and x.shape[3] == 3)
+    ):
+        raise DataError(f"resize_bilinear needs uint8 [N, H, W] or [N, H, W, 3], got "
+                        f"{_describe_array(x)}", field="x")
+    h, w = x.shape[1], x.shape[2]
+    if (h, w) == (size, size):
+        return x
+    wh = bilinear_weights(h, size).astype(np.float32)
+    ww_t = bilinear_weights(w, size).T.astype(np.float32)
+    planes = x if x.ndim == 3 else x.transpose(0, 3, 1, 2)  # [N, H, W] or [N, 3, H, W]
+    out = np.empty(planes.shape[:-2] + (size, size), dtype=np.uint8)
+    for a in range(0, len(planes), _NORMALIZE_CHUNK):
+        v = np.matmul(np.matmul(wh, planes[a:a + _NORMALIZE_CHUNK].astype(np.float32)), ww_t)
+        out[a:a + _NORMALIZE_CHUNK] = np.clip(np.rint(v), 0, 255).astype(np.uint8)
+    return out if x.ndim == 3 else np.ascontiguousarray(out.transpose(0, 2, 3, 1))
+
+
+def to_rgb(x: np.ndarray) -> np.ndarray:
+    """Give uint8 images 3 channels: grey ``[N, H, W]`` is copied into R, G and B
+    (``[N, H, W, 3]``, as torchvision ``Grayscale(num_output_channels=3)``); RGB
+    ``[N, H, W, 3]`` is returned as is.
+
+    Raises:
+        DataError: ``x`` is not uint8 of one of the two shapes.
+    """
+    if not isinstance(x, np.ndarray) or x.dtype != np.uint8:
+        raise DataError(f"to_rgb needs uint8 images, got {_describe_array(x)}", field="x")
+    if x.ndim == 4 and x.shape[3] == 3:
+        return x
+    if x.ndim == 3:
+        return np.repeat(x[..., None], 3, axis=3)
+    raise DataError(f"to_rgb needs [N, H, W] or [N, H, W, 3], got shape {x.shape}", field="x")
 
 
 # --------------------------------------------------------------------------------------------

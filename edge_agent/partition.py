@@ -13,21 +13,49 @@ Schemes (:func:`partition` dispatches on the name):
   (Hsu, Qi & Brown 2019, "Measuring the effects of non-identical data distribution for
   federated visual classification", arXiv:1909.06335, Sec. 3; the same redraw-until-
   ``min_samples`` loop as PFLlib ``utils/dataset_utils.py::separate_data``).
+- ``"domain-silo"``: :func:`domain_silo`, each client holds data of one domain only; a domain's
+  training split is cut into equal disjoint shards, one per client of that domain (FedPAD,
+  Zhang, Wan & Long, Neurocomputing 2026; SPECS.md §1.1). It needs each sample's domain
+  (:attr:`edge_agent.data.Dataset.train_domains`) and the clients per domain; the training
+  samples of a domain with no client are left out, so the shards then do not cover every index.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from edge_agent.errors import PartitionError
 
-__all__ = ["SCHEMES", "describe", "dirichlet", "iid", "partition"]
+__all__ = [
+    "DEFAULT_DOMAIN_CLIENTS",
+    "DomainSiloPartition",
+    "SCHEMES",
+    "STRONG_DOMAIN_CLIENTS",
+    "allocate_domain_clients",
+    "describe",
+    "dirichlet",
+    "domain_silo",
+    "iid",
+    "parse_domain_clients",
+    "partition",
+]
 
-SCHEMES: tuple[str, ...] = ("dirichlet", "iid")
+SCHEMES: tuple[str, ...] = ("dirichlet", "domain-silo", "iid")
 """Names accepted by :func:`partition`, sorted."""
+
+DEFAULT_DOMAIN_CLIENTS: tuple[int, ...] = (3, 4, 2, 1)
+"""Clients per domain, by domain position, when none are configured: FedPAD's main protocol
+(SPECS.md §1.1: PACS photo 3 / art 4 / cartoon 2 / sketch 1; Digits mnist 3 / usps 4 / svhn 2 /
+mnist-m 1), m = 10."""
+
+STRONG_DOMAIN_CLIENTS: tuple[int, ...] = (6, 2, 1, 1)
+"""FedPAD's stronger imbalance (SPECS.md §1.1, Tables 8–9: PACS 6/2/1/1), by domain position;
+configure it as e.g. ``domain_clients = "photo=6,art_painting=2,cartoon=1,sketch=1"``."""
 
 
 def iid(num_samples: int, num_clients: int, *, seed: int) -> list[np.ndarray]:
@@ -140,30 +168,53 @@ def partition(
     seed: int,
     alpha: float | None = None,
     min_samples: int = 10,
+    domains: np.ndarray | None = None,
+    domain_names: Sequence[str] = (),
+    domain_clients: str | Mapping[str, int] | None = None,
 ) -> list[np.ndarray]:
     """Partition a train split among clients by scheme name.
 
     Args:
         labels: integer class labels of the train split, shape ``[N]``.
         num_clients: K, ``1 <= K <= N``.
-        scheme: one of :data:`SCHEMES` (``"iid"``, ``"dirichlet"``).
+        scheme: one of :data:`SCHEMES` (``"iid"``, ``"dirichlet"``, ``"domain-silo"``).
         seed: seed of ``numpy.random.default_rng`` (int >= 0).
         alpha: Dirichlet concentration, required for ``"dirichlet"`` and must be None for
-            ``"iid"`` (a value there is almost certainly a configuration mistake).
+            the other schemes (a value there is almost certainly a configuration mistake).
         min_samples: smallest allowed client size. For ``"iid"`` it is checked against
-            ``N // K``; for ``"dirichlet"`` it drives the redraw loop of :func:`dirichlet`.
+            ``N // K``; for ``"dirichlet"`` it drives the redraw loop of :func:`dirichlet`;
+            for ``"domain-silo"`` it bounds every shard (:func:`domain_silo`).
+        domains, domain_names, domain_clients: ``"domain-silo"`` only (required there, refused
+            elsewhere except ``domain_clients=None``): each sample's domain index ``[N]``, the
+            domain names and the clients per domain (see :func:`domain_silo`; None or ``""``
+            = 3/4/2/1 by position). The sum of clients per domain must be K.
 
     Returns:
         K sorted, disjoint int64 index arrays covering ``0 .. N-1`` (see :func:`iid`,
-        :func:`dirichlet`).
+        :func:`dirichlet`; for ``"domain-silo"`` the samples of domains without clients are
+        not covered, and :func:`domain_silo` also gives each client's domain).
 
     Raises:
         PartitionError: unknown scheme (the message lists :data:`SCHEMES`), ``alpha`` missing
-            or superfluous, or any error of the chosen partitioner.
+            or superfluous, domain arguments missing or superfluous, or any error of the chosen
+            partitioner.
     """
     y = _check_labels(labels)
     n = int(y.shape[0])
     k = _check_num_clients(num_clients, n)
+    if scheme == "domain-silo":
+        if alpha is not None:
+            raise PartitionError(f"scheme 'domain-silo' takes no alpha (got alpha={alpha!r})")
+        if domains is None:
+            raise PartitionError("scheme 'domain-silo' needs each sample's domain (domains=, "
+                                 "from a multi-domain data set such as 'pacs' or "
+                                 "'digits_domains')")
+        _check_domains(domains, domain_names, size=n)
+        return domain_silo(domains, domain_names, domain_clients, seed=seed, num_clients=k,
+                           min_samples=min_samples).parts
+    if domains is not None or domain_clients:
+        raise PartitionError(f"scheme {scheme!r} takes no domains / domain_clients "
+                             "(those are for 'domain-silo')")
     if scheme == "iid":
         if alpha is not None:
             raise PartitionError(f"scheme 'iid' takes no alpha (got alpha={alpha!r})")
@@ -182,7 +233,12 @@ def partition(
 
 
 def describe(
-    parts: Sequence[np.ndarray], labels: np.ndarray, num_classes: int
+    parts: Sequence[np.ndarray],
+    labels: np.ndarray,
+    num_classes: int,
+    *,
+    domains: np.ndarray | None = None,
+    domain_names: Sequence[str] = (),
 ) -> list[dict[str, object]]:
     """Summarise a partition for logging.
 
@@ -190,17 +246,23 @@ def describe(
         parts: K integer index arrays into ``labels`` (as returned by :func:`partition`).
         labels: integer class labels ``[N]``, each in ``[0, num_classes)``.
         num_classes: number of classes C >= 1.
+        domains: optional domain index of each sample ``[N]`` (into ``domain_names``), e.g.
+            :attr:`edge_agent.data.Dataset.train_domains`; None for a single-domain set.
+        domain_names: the names ``domains`` indexes.
 
     Returns:
         K dicts ``{"client": i, "samples": n_i, "histogram": [count of class 0, ..., class
-        C-1]}`` with Python ints, in client order.
+        C-1]}`` with Python ints, in client order; with ``domains``, also ``"domain"``: the
+        client's domain name, or the ``"+"``-joined names when its samples span several
+        domains (any scheme other than ``"domain-silo"``), ``""`` for an empty client.
 
     Raises:
         PartitionError: an index is out of range or not an integer, a label is outside
-            ``[0, num_classes)``, or ``num_classes`` < 1.
+            ``[0, num_classes)``, ``num_classes`` < 1, or ``domains`` does not match.
     """
     y = _check_labels(labels, allow_empty=True)
     c = _check_int("num_classes", num_classes, minimum=1)
+    dom = None if domains is None else _check_domains(domains, domain_names, size=y.size)
     if y.size and (y.min() < 0 or y.max() >= c):
         raise PartitionError(f"labels lie in [{y.min()}, {y.max()}], expected [0, {c})")
     out: list[dict[str, object]] = []
@@ -211,8 +273,183 @@ def describe(
         if idx.size and (idx.min() < 0 or idx.max() >= y.size):
             raise PartitionError(f"client {i}: indices must lie in [0, {y.size})")
         hist = np.bincount(y[idx].astype(np.int64), minlength=c)
-        out.append({"client": i, "samples": int(idx.size), "histogram": [int(v) for v in hist]})
+        entry: dict[str, object] = {"client": i, "samples": int(idx.size),
+                                    "histogram": [int(v) for v in hist]}
+        if dom is not None:
+            entry["domain"] = "+".join(domain_names[d] for d in np.unique(dom[idx]))
+        out.append(entry)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Domain silos
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class DomainSiloPartition:
+    """The result of :func:`domain_silo`.
+
+    Attributes:
+        parts: K int64 index arrays into the train split, one per client, each sorted.
+        client_domains: K domain names: ``client_domains[i]`` is the domain of client i.
+        clients_per_domain: ``{domain name: number of clients}`` for every domain, in domain
+            order (0 for a domain without clients).
+    """
+
+    parts: list[np.ndarray]
+    client_domains: tuple[str, ...]
+    clients_per_domain: dict[str, int]
+
+
+_DOMAIN_ENTRY = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*=\s*([0-9]+)\s*$")
+
+
+def parse_domain_clients(text: str) -> dict[str, int]:
+    """Parse a clients-per-domain text such as ``"photo=3,art_painting=4,cartoon=2,sketch=1"``.
+
+    Args:
+        text: comma-separated ``NAME=COUNT`` entries; NAME of ``[A-Za-z0-9_.-]``, COUNT a
+            decimal int >= 0; spaces around names, counts and commas are ignored.
+
+    Returns:
+        ``{name: count}`` in the order written (``{}`` for an empty or blank text).
+
+    Raises:
+        PartitionError: an entry is not ``NAME=COUNT``, or a name appears twice.
+    """
+    if not isinstance(text, str):
+        raise PartitionError(f"domain clients must be text like 'photo=3,sketch=1', got {text!r}")
+    out: dict[str, int] = {}
+    if not text.strip():
+        return out
+    for entry in text.split(","):
+        m = _DOMAIN_ENTRY.match(entry)
+        if m is None:
+            raise PartitionError(
+                f"domain clients {text!r}: {entry.strip()!r} is not NAME=COUNT "
+                "(e.g. 'photo=3,art_painting=4,cartoon=2,sketch=1')"
+            )
+        name, count = m.group(1), int(m.group(2))
+        if name in out:
+            raise PartitionError(f"domain clients {text!r}: domain {name!r} is given twice")
+        out[name] = count
+    return out
+
+
+def allocate_domain_clients(
+    domain_names: Sequence[str],
+    domain_clients: str | Mapping[str, int] | None = None,
+    num_clients: int | None = None,
+) -> dict[str, int]:
+    """Resolve the clients of each domain.
+
+    Args:
+        domain_names: the set's domains in their fixed order (:attr:`Dataset.domain_names`).
+        domain_clients: ``{name: count}`` or its text form (:func:`parse_domain_clients`);
+            domains not named get 0 clients. None or empty: :data:`DEFAULT_DOMAIN_CLIENTS`
+            by position (3/4/2/1), which needs exactly 4 domains.
+        num_clients: K; when given, the counts must sum to it.
+
+    Returns:
+        ``{name: count}`` for every domain, in ``domain_names`` order.
+
+    Raises:
+        PartitionError: a name that is not one of ``domain_names`` (the message lists them), a
+            count < 0, no client at all, a sum that differs from ``num_clients``, or no counts
+            given for a set that does not have 4 domains.
+    """
+    names = tuple(domain_names)
+    if not names:
+        raise PartitionError("domain-silo needs a multi-domain data set (no domain names given)")
+    if domain_clients is None:
+        given: dict[str, int] = {}
+    elif isinstance(domain_clients, str):
+        given = parse_domain_clients(domain_clients)
+    else:
+        given = dict(domain_clients)
+    if not given:
+        if len(names) != len(DEFAULT_DOMAIN_CLIENTS):
+            raise PartitionError(
+                f"no clients per domain given and the default {DEFAULT_DOMAIN_CLIENTS} needs 4 "
+                f"domains; the data set has {len(names)}: {', '.join(names)}")
+        given = dict(zip(names, DEFAULT_DOMAIN_CLIENTS))
+    unknown = [n for n in given if n not in names]
+    if unknown:
+        raise PartitionError(
+            f"unknown domain(s) {', '.join(map(repr, unknown))}; this data set's domains are: "
+            f"{', '.join(names)}")
+    for name, count in given.items():
+        _check_int(f"clients of domain {name!r}", count, minimum=0)
+    alloc = {n: int(given.get(n, 0)) for n in names}
+    total = sum(alloc.values())
+    if total < 1:
+        raise PartitionError(f"no domain has a client: {alloc}")
+    if num_clients is not None and total != num_clients:
+        raise PartitionError(
+            f"the clients per domain ({', '.join(f'{n}={k}' for n, k in alloc.items())}) sum to "
+            f"{total}, but num_clients is {num_clients}")
+    return alloc
+
+
+def domain_silo(
+    domains: np.ndarray,
+    domain_names: Sequence[str],
+    domain_clients: str | Mapping[str, int] | None = None,
+    *,
+    seed: int,
+    num_clients: int | None = None,
+    min_samples: int = 1,
+) -> DomainSiloPartition:
+    """Domain-silo partition: every client holds a disjoint shard of one domain's training data.
+
+    FedPAD's protocol (Zhang, Wan & Long, Neurocomputing 2026; SPECS.md §1.1): domains are
+    unbalanced by client count, and "a domain's training split is divided uniformly into disjoint
+    shards, one per client of that domain" (SPECS.md §1.1). Clients are numbered domain by
+    domain in ``domain_names`` order (the default 3/4/2/1 on PACS: clients 0–2 photo, 3–6
+    art_painting, 7–8 cartoon, 9 sketch). With one ``numpy.random.default_rng(seed)``, for each domain with k_d >= 1 clients
+    in that order, the domain's n_d sample indices are permuted and cut by
+    ``numpy.array_split`` into k_d shards of ``n_d // k_d`` or ``n_d // k_d + 1`` samples (the
+    first ``n_d mod k_d`` shards get the extra one), each then sorted.
+
+    Args:
+        domains: int ``[N]``, the domain index (into ``domain_names``) of each training sample.
+        domain_names: the D domain names, in order.
+        domain_clients: clients per domain, see :func:`allocate_domain_clients` (default
+            3/4/2/1 by position).
+        seed: seed of ``numpy.random.default_rng`` (int >= 0).
+        num_clients: K; when given, the clients per domain must sum to it.
+        min_samples: smallest allowed shard (int >= 0).
+
+    Returns:
+        A :class:`DomainSiloPartition`: K sorted, disjoint int64 index arrays, the domain of
+        each client, and the clients per domain.
+
+    Raises:
+        PartitionError: bad ``domains`` (not a 1-D integer array of indices into
+            ``domain_names``), any error of :func:`allocate_domain_clients`, or a domain with
+            fewer than ``k_d · min_samples`` samples (the message names the domain).
+    """
+    names = tuple(domain_names)
+    alloc = allocate_domain_clients(names, domain_clients, num_clients)
+    dom = _check_domains(domains, names)
+    m = _check_int("min_samples", min_samples, minimum=0)
+    rng = _rng(seed)
+    parts: list[np.ndarray] = []
+    owners: list[str] = []
+    for d, name in enumerate(names):
+        k = alloc[name]
+        if k == 0:
+            continue
+        members = np.flatnonzero(dom == d)
+        if members.size < k * max(m, 1):
+            raise PartitionError(
+                f"domain {name!r} has {members.size} training samples, too few for {k} clients "
+                f"of at least {max(m, 1)} samples each; give it fewer clients")
+        for shard in np.array_split(rng.permutation(members), k):
+            parts.append(np.sort(shard).astype(np.int64))
+            owners.append(name)
+    return DomainSiloPartition(parts=parts, client_domains=tuple(owners), clients_per_domain=alloc)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,6 +482,19 @@ def _check_alpha(alpha: object) -> float:
     if math.isnan(a) or a <= 0:
         raise PartitionError(f"alpha must be > 0 (or math.inf), got {alpha!r}")
     return a
+
+
+def _check_domains(domains: object, names: Sequence[str], *, size: int | None = None) -> np.ndarray:
+    dom = np.asarray(domains)
+    if dom.ndim != 1 or (dom.size and not np.issubdtype(dom.dtype, np.integer)):
+        raise PartitionError(f"domains must be a 1-D integer array, got shape {dom.shape} "
+                             f"dtype {dom.dtype}")
+    if size is not None and dom.size != size:
+        raise PartitionError(f"domains has {dom.size} entries, labels {size}")
+    if dom.size and (dom.min() < 0 or dom.max() >= len(names)):
+        raise PartitionError(f"domains must lie in [0, {len(names)}) (indices into "
+                             f"{tuple(names)}), got [{dom.min()}, {dom.max()}]")
+    return dom
 
 
 def _check_labels(labels: object, *, allow_empty: bool = False) -> np.ndarray:

@@ -107,6 +107,7 @@ def test_list_datasets_names() -> None:
     assert set(names) == {
         "mnist", "fashion_mnist", "usps", "cifar10", "mnist_m", "svhn", "svhn_sample50",
         "digits", "pacs_photo", "pacs_art_painting", "pacs_cartoon", "pacs_sketch",
+        "pacs", "digits_domains",  # the multi-domain sets (tests/test_domains.py)
     }
 
 
