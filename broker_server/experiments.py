@@ -8,8 +8,10 @@ already there, so an interrupted reproduction resumes where it stopped.
 What a job reports (:func:`run_job`):
 
 - the last round's metrics line and the best round's accuracy;
-- wire bytes per client per round on the device links (``up``/``down``; MQTT headers, topic,
-  envelope and control packets included) and the mean update payload of a client;
+- wire bytes per client per round on the device links (``up``/``down``; MQTT headers, topic and
+  envelope included; control packets, which carry no round, are not), the mean payload of an
+  update and of a global, and the mean bytes of each update body field (``tensors``,
+  ``extras.prototypes`` …) from the sender's ledger rows;
 - with ``ensemble=True``: the accuracy and macro-F1 of the ensemble that averages every
   client's class probabilities (softmax of its own model's scores) on the evaluation split
   (FedMCP++'s "GAcc"/"GF1", SPECS.md §5.5).
@@ -50,6 +52,12 @@ class Job:
     tags: dict = field(default_factory=dict)
 
 
+def _whole_message(r: dict) -> bool:
+    """A sender's row standing for one whole message: ``message`` (a chunked transfer) or an
+    unchunked ``sent`` row (chunk rows of a transfer have a ``chunk_index``)."""
+    return r.get("event") == "message" or (r.get("event") == "sent" and r.get("chunk_index") is None)
+
+
 def _device_bytes_per_client_round(rows: list[dict], clients: int, rounds: int) -> dict[str, float]:
     from .audit import by_round
 
@@ -58,9 +66,18 @@ def _device_bytes_per_client_round(rows: list[dict], clients: int, rounds: int) 
     down = sum(r["down_bytes"] for r in per_round)
     denom = max(1, clients * rounds)
     updates = [r["payload_bytes"] for r in rows
-               if r.get("side") == "agent" and r.get("kind") == "update" and r.get("event") in ("sent", "message")]
+               if r.get("side") == "agent" and r.get("kind") == "update" and _whole_message(r)]
+    fields: dict[str, list[int]] = {}
+    for r in rows:
+        if r.get("side") == "agent" and r.get("kind") == "update" and _whole_message(r) and r.get("fields"):
+            for name, n in json.loads(r["fields"]).items():
+                fields.setdefault(name, []).append(int(n))
+    globals_ = [r["payload_bytes"] for r in rows
+                if r.get("side") == "server" and r.get("kind") == "global" and _whole_message(r)]
     return {"up_bytes_per_client_round": up / denom, "down_bytes_per_client_round": down / denom,
-            "update_payload_bytes_mean": float(np.mean(updates)) if updates else 0.0}
+            "update_payload_bytes_mean": float(np.mean(updates)) if updates else 0.0,
+            "global_payload_bytes_mean": float(np.mean(globals_)) if globals_ else 0.0,
+            "update_field_bytes_mean": {k: float(np.mean(v)) for k, v in sorted(fields.items())}}
 
 
 def ensemble_scores(agents: Sequence[Any], x: np.ndarray, y: np.ndarray) -> dict[str, float]:

@@ -37,6 +37,10 @@ def test_grid_runs_resumes_and_accounts(tmp_path: Path) -> None:
                      "and direction='up' and event in ('sent') and round >= 1").fetchone()[0]
     assert two["up_bytes_per_client_round"] == pytest.approx(up / (2 * 2))
     assert two["method"] == "fedavg"
+    body = con.execute("select avg(body_bytes), avg(payload_bytes) from messages where side='agent' and kind='update' "
+                       "and event='sent'").fetchone()
+    assert sum(two["update_field_bytes_mean"].values()) + 1 == pytest.approx(body[0])  # + the body array header
+    assert two["update_payload_bytes_mean"] == pytest.approx(body[1])
     # rerun: nothing new is run
     seen = []
     again = run_grid(jobs, tmp_path, workers=2, on_result=seen.append)
