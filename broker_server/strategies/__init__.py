@@ -10,6 +10,11 @@ from __future__ import annotations
 from ._base import Accumulator, BufferedAccumulator, ClientResult, RoundPlan, Strategy, accumulator_for
 from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
+from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
+from . import fedopt as _fedopt  # noqa: F401  (registers "fedopt")
+from . import fedprox as _fedprox  # noqa: F401  (registers "fedprox")
+from . import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
 from . import fedproto as _fedproto  # noqa: F401  (registers "fedproto", "fedproto-avg")
 from . import fpl as _fpl  # noqa: F401  (registers "fpl")
 from . import fedper as _fedper  # noqa: F401  (registers "fedper")

@@ -1,0 +1,105 @@
+"""FedDyn, client half: dynamic regularisation with a per-device gradient state.
+
+Acar, Zhao, Matas, Mattina, Whatmough, Saligrama, "Federated Learning Based on Dynamic
+Regularization", ICLR 2021, Algorithm 1 (SPECS §6.13). Client k, starting from the global
+weights w_g, minimises
+
+    L_k(w) − ⟨∇L_k^prev, w⟩ + (α/2)·‖w − w_g‖²
+
+(L_k = cross-entropy on its shard; the penalty is the **squared** norm as in the paper — PFLlib's
+``clientdyn`` uses the unsquared ‖·‖₂) by local SGD, and then updates its state
+
+    ∇L_k ← ∇L_k^prev − α·(w_k − w_g).
+
+∇L_k starts at zero and lives in the client object (one per device, for the whole run): it is
+per-device state that is never sent. A device that restarts, or whose update the server drops
+(late, refused, skipped round), keeps a state the server's h did not see; FedDyn has no way to
+resynchronise it. α = ``params["alpha"]`` (default :data:`ALPHA` = 0.01, the low end of the
+paper's and FedNTD's 0.01–0.1; PFLlib's shared default is 1.0). Uploads the full model; the
+server half is :class:`broker_server.strategies.feddyn.FedDyn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ._base import TrainConfig
+from ._registry import register_client_algorithm
+from .fedavg import LossFn, cross_entropy_loss
+from .fedprox import LocalSGDClient, parameter_snapshot, proximal_term, read_param
+
+#: FedDyn regulariser α when the round config has no ``alpha`` (SPECS §6.13).
+ALPHA = 0.01
+
+
+def linear_term(params, grads: list[torch.Tensor]) -> torch.Tensor:
+    """Σ_j ⟨g_j, w_j⟩ (sum of elementwise products over tensors), differentiable in ``params``.
+
+    Args:
+        params: the model's trainable parameters w_j, in ``parameters()`` order.
+        grads: detached tensors g_j of the same shapes (the state ∇L_k^prev).
+
+    Returns:
+        A float32 scalar tensor; its gradient with respect to w_j is g_j.
+    """
+    params = list(params)
+    if len(params) != len(grads):
+        raise ValueError(f"{len(params)} parameters but {len(grads)} state tensors")
+    total = params[0].new_zeros(())
+    for p, g in zip(params, grads):
+        total = total + (p * g).sum()
+    return total
+
+
+def feddyn_state_update(grad_prev: list[torch.Tensor], local: list[torch.Tensor], global_: list[torch.Tensor],
+                        alpha: float) -> list[torch.Tensor]:
+    """∇L_k ← ∇L_k^prev − α·(w_k − w_g) (Acar et al. 2021, Algorithm 1), per tensor.
+
+    Args:
+        grad_prev: the state before the round (float32 tensors, parameter shapes).
+        local: w_k after local training; global_: w_g the round started from (same shapes).
+        alpha: α ≥ 0.
+
+    Returns:
+        New state tensors (fresh, same shapes and dtypes); the inputs are not modified.
+    """
+    return [g - alpha * (w - wg) for g, w, wg in zip(grad_prev, local, global_)]
+
+
+@register_client_algorithm("feddyn")
+class FedDynClient(LocalSGDClient):
+    """FedDyn client: local SGD on CE − ⟨∇L_k^prev, w⟩ + (α/2)‖w − w_g‖², then the state update.
+
+    ``train_loss`` reports that whole objective (it includes the linear term, so it can be
+    negative). Attribute ``grad_state`` (list of float32 tensors, parameter shapes; ``None``
+    before the first round = zeros) is ∇L_k^prev. Upload: the full model, no extras.
+    """
+
+    def __init__(self, *, precision: str = "fp32") -> None:
+        super().__init__(precision=precision)
+        self.grad_state: list[torch.Tensor] | None = None
+        self._anchors: list[torch.Tensor] = []
+        self._alpha = ALPHA
+
+    def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
+                    global_extras: Mapping[str, np.ndarray]) -> tuple[LossFn, None]:
+        alpha = read_param(params, "alpha", ALPHA)
+        anchors = parameter_snapshot(model)
+        if self.grad_state is None:
+            self.grad_state = [torch.zeros_like(a) for a in anchors]
+        grads = self.grad_state = [g.to(a.device) for g, a in zip(self.grad_state, anchors)]
+        self._anchors, self._alpha = anchors, alpha
+
+        def loss_fn(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            ce, logits = cross_entropy_loss(m, xb, yb)
+            return ce - linear_term(m.parameters(), grads) + (alpha / 2) * proximal_term(m.parameters(), anchors), logits
+
+        return loss_fn, None
+
+    def end_round(self, model: torch.nn.Module, config: TrainConfig) -> dict[str, np.ndarray]:
+        local = [p.detach() for p in model.parameters()]
+        self.grad_state = feddyn_state_update(self.grad_state or [], local, self._anchors, self._alpha)
+        return {}
