@@ -141,7 +141,8 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
            "seconds": round(seconds, 1), "final": last, "best_accuracy": max(accs) if accs else None,
            **_device_bytes_per_client_round(audit.rows, cfg.data.clients, max(1, res.rounds_completed))}
     if job.ensemble:
-        ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+        ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None,
+                          domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
         split = client_eval_split(cfg.replace("server", client_eval=True), ds)
         out.update(ensemble_scores(sorted(agents, key=lambda a: a.client_id), split.x, split.y))
     return out
