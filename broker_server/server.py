@@ -444,13 +444,14 @@ class AggregationServer:
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         self._selected, self._results, self._collecting = set(plan.selected), {}, r
-        self._acc = accumulator_for(self.strategy, r, self._shared())
         self._stats.selected = len(plan.selected)
         if self.global_codec.lossy:
             self.global_tensors = [np.array(decode_tensor(encode_tensor(t, self.global_codec),
                                                           limits=TensorLimits(allow_nonfinite=True)))
                                    for t in self.global_tensors]
             load_arrays(self.model, self.global_tensors)
+        # after the lossy codec: the strategy starts from the model the clients receive
+        self._acc = accumulator_for(self.strategy, r, self._shared())
         extras_of = getattr(self.strategy, "global_extras", None)
         glob = Global(tensors=tuple(self._shared()), meta={"manifest_hash": self.manifest_hash, "share": self.share},
                       extras=dict(extras_of()) if extras_of is not None else {})
