@@ -60,6 +60,8 @@ class DataSection:
     (names from the set; the counts sum to ``clients``; ``""`` = 3/4/2/1 by domain position, as
     FedPAD; the stronger imbalance is 6/2/1/1). ``domain_train_cap`` / ``domain_test_cap``: at
     most that many samples per domain (seeded, stratified; 0 = all), multi-domain sets only.
+    ``train_samples`` partitions a seeded, class-stratified subset of that many training samples
+    (0 = the whole split): the data-scarce regime (FedMCP++'s protocol), or a quick trial.
     """
 
     dataset: str = "digits"
@@ -68,6 +70,7 @@ class DataSection:
     alpha: float = 0.5
     clients: int = 10
     min_samples: int = 10
+    train_samples: int = 0
     domain_clients: str = ""
     domain_train_cap: int = 0
     domain_test_cap: int = 0
@@ -260,6 +263,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("data", "alpha"): (1e-6, float("inf")),
     ("data", "clients"): (1, 100_000),
     ("data", "min_samples"): (1, 10**9),
+    ("data", "train_samples"): (0, 10**9),
     ("data", "partition"): ("iid", "dirichlet", "domain-silo"),
     ("data", "domain_train_cap"): (0, 10**9),
     ("data", "domain_test_cap"): (0, 10**9),

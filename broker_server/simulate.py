@@ -27,7 +27,7 @@ import torch
 
 from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm
-from edge_agent.data import load_dataset
+from edge_agent.data import load_dataset, stratified_subsample
 from edge_agent.errors import EdgeAgentError, PartitionError
 from edge_agent.device import detect
 from edge_agent.partition import describe, partition
@@ -85,12 +85,18 @@ def split_clients(ds, cfg: Config) -> list:
         ConfigError: the partition is impossible (too many clients for the data, α too small).
     """
     silo = cfg.data.partition == "domain-silo"
+    subset = None
+    if 0 < cfg.data.train_samples < len(ds.train.y):
+        subset = stratified_subsample(ds.train.y, cfg.data.train_samples, seed=cfg.run.seed)
+    y = ds.train.y if subset is None else ds.train.y[subset]
     try:
-        return partition(ds.train.y, cfg.data.clients, scheme=cfg.data.partition, seed=cfg.run.seed,
-                         alpha=cfg.data.alpha if cfg.data.partition == "dirichlet" else None,
-                         min_samples=cfg.data.min_samples,
-                         **({"domains": ds.train_domains, "domain_names": ds.domain_names,
-                             "domain_clients": cfg.data.domain_clients} if silo else {}))
+        parts = partition(y, cfg.data.clients, scheme=cfg.data.partition, seed=cfg.run.seed,
+                          alpha=cfg.data.alpha if cfg.data.partition == "dirichlet" else None,
+                          min_samples=cfg.data.min_samples,
+                          **({"domains": ds.train_domains if subset is None else ds.train_domains[subset],
+                              "domain_names": ds.domain_names,
+                              "domain_clients": cfg.data.domain_clients} if silo else {}))
+        return parts if subset is None else [subset[np.asarray(p, dtype=np.int64)] for p in parts]
     except PartitionError as exc:
         raise ConfigError(
             f"cannot split {ds.name} ({len(ds.train.y):,} training samples) into {cfg.data.clients} clients "

@@ -121,3 +121,22 @@ def test_unknown_algorithm_parameter_is_a_config_error(tmp_path: Path) -> None:
     cfg = small_config(algorithm={"no_such_knob": 1})
     with pytest.raises(ConfigError, match="no_such_knob"):
         simulate(cfg, run_dir=tmp_path / "run")
+
+
+def test_train_samples_partitions_a_stratified_subset() -> None:
+    from broker_server.config import from_dict
+    from broker_server.simulate import split_clients
+    from edge_agent.data import load_dataset
+
+    ds = load_dataset("digits")
+    cfg = from_dict({"run": {"seed": 3}, "data": {"dataset": "digits", "partition": "iid", "clients": 4,
+                                                  "train_samples": 400}})
+    parts = split_clients(ds, cfg)
+    flat = np.concatenate(parts)
+    assert [len(p) for p in parts] == [100] * 4 and len(set(flat.tolist())) == 400
+    n_c = np.bincount(ds.train.y, minlength=10)
+    got = np.bincount(ds.train.y[flat], minlength=10)
+    quota = np.floor(400 * n_c / len(ds.train.y))  # largest-remainder apportionment: each class within one
+    assert np.all((got - quota >= 0) & (got - quota <= 1)) and got.sum() == 400
+    whole = split_clients(ds, cfg.replace("data", train_samples=0))
+    assert sum(len(p) for p in whole) == len(ds.train.y)
