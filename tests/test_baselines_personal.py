@@ -398,7 +398,15 @@ def test_local_federation_sends_no_tensors(tmp_path):
     metrics = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["clients_reported"] for m in metrics] == [3, 3]
     assert all(m["share"] == "none" and m["clients_evaluated"] == 3 for m in metrics)
-    assert metrics[0]["accuracy"] == metrics[1]["accuracy"]  # the server's model is the initial one
+    # the round's accuracy is the clients' own models' (the server holds no model of its own)
+    assert all(m["accuracy"] == m["client_accuracy_mean"] and m["accuracy_source"] == "clients" for m in metrics)
+    from broker_server.checkpoint import CheckpointStore
+
+    store = CheckpointStore(res.run_dir / "checkpoints.sqlite")
+    initial, last = store.load(0).tensors, store.load().tensors
+    store.close()
+    for a, b in zip(initial, last):  # the server's copy never changed
+        np.testing.assert_array_equal(a, b)
     con = sqlite3.connect(res.run_dir / "ledger.sqlite")
     rows = con.execute("select side, kind, raw_bytes from messages where event='sent' and kind in ('update', 'global')"
                        ).fetchall()

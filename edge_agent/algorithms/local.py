@@ -7,7 +7,8 @@ nor extras. To keep the round loop uniform it still answers each ``round_start``
 ``[server] client_eval = true``, the accuracy of its own model) — so the only bytes of a Local
 run are the rounds' control traffic: ``round_start``, an empty ``global`` (metadata, no tensors),
 the tensor-less ``update``, receipts and the MQTT control packets. The server's "global model"
-carries nothing; only client-side evaluation is meaningful.
+carries nothing; the measure is client-side evaluation (``[server] client_eval = true``), which
+the server then reports as the round's accuracy.
 
 The model persists across rounds in the agent's model object (the agent keeps it for the run).
 """
@@ -15,12 +16,13 @@ The model persists across rounds in the agent's model object (the agent keeps it
 from __future__ import annotations
 
 from ._registry import register_client_algorithm
-from .fedper import FedPerClient
+from .fedprox import LocalSGDClient
 
 
 @register_client_algorithm("local")
-class LocalClient(FedPerClient):
-    """Local client: FedAvg's local SGD on the device's own model; uploads no tensors.
+class LocalClient(LocalSGDClient):
+    """Local client: FedAvg's local SGD on the device's own model (:class:`LocalSGDClient`
+    without hooks); loads and uploads no tensors (``share = "none"``).
 
     ``global_tensors`` must be ``()`` and :attr:`LocalResult.tensors` is ``()``.
 
