@@ -35,11 +35,18 @@ view like any other row: as their own kinds in :func:`by_kind`, in :func:`totals
 Byte columns, per row (all in bytes)::
 
     body_bytes       the message kind's body
-    envelope_bytes   payload bytes that are not body (envelope fields + msgpack framing)
+    envelope_bytes   payload bytes that are not body, signature or encryption (envelope fields +
+                     msgpack framing)
+    sig_bytes        the signature trailers of signed messages (``protocol.security``)
+    enc_bytes        what encryption added (AES-GCM tags)
     mqtt_bytes       mqtt_header_bytes + topic_bytes of an application PUBLISH (framing and topic)
     control_bytes    the whole packet of a control-packet row (0 for application messages)
     wire_bytes       what crossed the link: mqtt_header_bytes + topic_bytes + payload_bytes,
-                     so wire = body + envelope + mqtt + control
+                     so wire = body + envelope + sig + enc + mqtt + control
+
+``signed_messages`` / ``encrypted_messages`` count the rows that carried a signature / an
+encrypted body. A chunked transfer's chunks are each signed (and their bodies encrypted on
+uploads), so these costs are all on the wire rows.
 
 and the protocol **overhead share** = (wire_bytes − body_bytes) / wire_bytes, a fraction in [0, 1]
 (``None`` where nothing was sent: 0 / 0 has no meaning).
@@ -246,7 +253,8 @@ def _wire(row: Mapping[str, Any]) -> int:
 class _Tally:
     """Running sums of messages and byte columns (bytes)."""
 
-    __slots__ = ("messages", "body", "envelope", "mqtt", "control_messages", "control", "wire")
+    __slots__ = ("messages", "body", "envelope", "mqtt", "control_messages", "control", "wire", "sig", "enc",
+                 "signed", "encrypted")
 
     def __init__(self) -> None:
         self.messages = 0
@@ -256,6 +264,7 @@ class _Tally:
         self.control_messages = 0
         self.control = 0
         self.wire = 0
+        self.sig = self.enc = self.signed = self.encrypted = 0
 
     def add(self, row: Mapping[str, Any]) -> None:
         wire = _wire(row)
@@ -269,12 +278,18 @@ class _Tally:
             self.body += _int(row, "body_bytes")
             self.envelope += _int(row, "envelope_bytes")
             self.mqtt += _int(row, "mqtt_header_bytes") + _int(row, "topic_bytes")
+            sig, enc = _int(row, "sig_bytes"), _int(row, "enc_bytes")
+            self.sig += sig
+            self.enc += enc
+            self.signed += sig > 0
+            self.encrypted += enc > 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"messages": self.messages, "body_bytes": self.body, "envelope_bytes": self.envelope,
                 "mqtt_bytes": self.mqtt, "control_messages": self.control_messages,
                 "control_bytes": self.control, "wire_bytes": self.wire,
-                "overhead_share": _overhead(self.wire, self.body)}
+                "overhead_share": _overhead(self.wire, self.body), "sig_bytes": self.sig, "enc_bytes": self.enc,
+                "signed_messages": self.signed, "encrypted_messages": self.encrypted}
 
 
 def _overhead(wire_bytes: int, body_bytes: int) -> float | None:
@@ -808,6 +823,19 @@ def render_text(report: Mapping[str, Any]) -> str:
         console.print(t)
 
     console.print()
+    console.print("Security: bytes added by signatures and by encryption (protocol.security)")
+    t = _table("link", "direction", "signed msgs", "signature B", "encrypted msgs", "encryption B", "share of wire",
+               text_columns=2)
+    for view in VIEWS:
+        for label, key in (("up", "up"), ("down", "down"), ("total", "all")):
+            d = report["totals"][view][key]
+            t.add_row(view, label, _n(d.get("signed_messages", 0)), _n(d.get("sig_bytes", 0)),
+                      _n(d.get("encrypted_messages", 0)), _n(d.get("enc_bytes", 0)),
+                      _pct((d.get("sig_bytes", 0) + d.get("enc_bytes", 0)) / d["wire_bytes"]
+                           if d["wire_bytes"] else None))
+    console.print(t)
+
+    console.print()
     console.print("Per round (device links; bytes = wire bytes; session = traffic without a round, "
                   "control packets included)")
     t = _table("round", "up msgs", "up B", "up body B", "down msgs", "down B", "down body B", "overhead")
@@ -1062,8 +1090,11 @@ def _plot_clients(report: Mapping[str, Any]) -> str:
 
 
 def _overhead_parts(tot: Mapping[str, Any]) -> list[tuple[str, int]]:
-    return [("body", tot["body_bytes"]), ("envelope", tot["envelope_bytes"]),
-            ("MQTT header + topic", tot["mqtt_bytes"]), ("control packets", tot.get("control_bytes", 0))]
+    parts = [("body", tot["body_bytes"]), ("envelope", tot["envelope_bytes"]),
+             ("MQTT header + topic", tot["mqtt_bytes"]), ("control packets", tot.get("control_bytes", 0))]
+    if tot.get("sig_bytes") or tot.get("enc_bytes"):
+        parts[2:2] = [("signatures", tot.get("sig_bytes", 0)), ("encryption", tot.get("enc_bytes", 0))]
+    return parts
 
 
 def _plot_overhead(report: Mapping[str, Any]) -> str:

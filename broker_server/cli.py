@@ -98,6 +98,12 @@ def _cmd_server(args) -> int:
     return serve(cfg, broker_url=args.broker, run_dir=args.out, resume=bool(args.resume))
 
 
+def _cmd_keys(args) -> int:
+    from .keys import run_keys
+
+    return run_keys(args)
+
+
 def _cmd_audit(args) -> int:
     from .audit import run_audit
 
@@ -174,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("audit", help="the byte ledger of run folders as tables, JSON, HTML or CSV; compares runs")
     add_audit_arguments(s)
     s.set_defaults(func=_cmd_audit)
+
+    from .keys import add_keys_arguments
+
+    s = sub.add_parser("keys", help="device and server keys: gen, enroll, revoke, list, show")
+    add_keys_arguments(s)
+    s.set_defaults(func=_cmd_keys)
 
     s = sub.add_parser("profiles", help="list the firmware profiles as a table; `profiles show NAME` prints one")
     s.set_defaults(func=_cmd_profiles, profiles_command=None)

@@ -13,7 +13,9 @@ from edge_agent.algorithms import algorithm_setup, evaluation_split, get_client_
 from edge_agent.data import Dataset
 from edge_agent.models import build_model
 from protocol.channel import Channel
+from protocol.errors import SecurityConfigError
 from protocol.ledger import Ledger
+from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
 from protocol.messages import SERVER_ID
 from protocol.transport import MqttTransport, Will
 
@@ -25,11 +27,12 @@ from .strategies import get_strategy_class
 
 
 def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = None) -> MqttTransport:
-    """An unconnected MQTT transport for ``url`` with the config's credentials and TLS CA.
+    """An unconnected MQTT transport for ``url`` with the config's credentials and TLS settings
+    (``mqtts://``: ``[broker] ca_file``, else the system's CAs; ``cert_file`` + ``key_file``).
 
     Raises:
-        ValueError: ``url`` is not ``mqtt://`` or ``mqtts://``.
-        ConfigError: the password file cannot be read.
+        ConfigError: a malformed URL, a password file that cannot be read, TLS files that are
+            missing, mismatched or expired, or TLS files given for a plain ``mqtt://`` URL.
     """
     try:
         addr = parse_broker_url(url)
@@ -42,9 +45,46 @@ def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = No
         except OSError as exc:
             raise ConfigError(f"[broker] password_file {cfg.broker.password_file}: {exc}") from exc
     username = addr.username or (cfg.broker.username or None)
-    return MqttTransport(client_id, addr.host, addr.port, username=username, password=password,
-                         tls_ca=(cfg.broker.ca_file or None) if addr.tls else None,
-                         keepalive_s=cfg.broker.keepalive_s, will=will)
+    b = cfg.broker
+    if not addr.tls and (b.cert_file or b.ca_file) and url.lower().startswith("mqtt://"):
+        raise ConfigError(f"[broker] ca_file/cert_file are set but the broker URL {url.split('@')[-1]} is plain "
+                          f"mqtt://: use mqtts:// for TLS")
+    try:
+        return MqttTransport(client_id, addr.host, addr.port, username=username, password=password, tls=addr.tls,
+                             tls_ca=(b.ca_file or None) if addr.tls else None,
+                             tls_cert=(b.cert_file or None) if addr.tls else None,
+                             tls_key=(b.key_file or None) if addr.tls else None,
+                             clock_skew_s=cfg.security.clock_skew_s, keepalive_s=b.keepalive_s, will=will)
+    except SecurityConfigError as exc:
+        raise ConfigError(f"[broker] TLS: {exc}") from None
+
+
+def server_security(cfg: Config, *, identity: Identity | None = None,
+                    extra_peers: dict[str, PublicIdentity] | None = None) -> ChannelSecurity | None:
+    """The server channel's signing/verification state from ``[security]`` (``None`` when
+    signing is off): its keys from ``key_dir`` (or ``identity``), the allow-list from
+    ``key_dir/enrolled/`` (re-read when it changes) plus ``extra_peers``, encrypted uploads
+    required when ``encrypt`` is on. Advances the key folder's session counter.
+
+    Raises:
+        ConfigError: signing on without a key folder, or keys that cannot be used (missing,
+            readable by others, of another id).
+    """
+    s = cfg.security
+    if not s.sign:
+        return None
+    try:
+        if identity is None:
+            if not s.key_dir:
+                raise ConfigError(f"{cfg.source}: [security] sign = true needs key_dir, the server's key folder "
+                                  f"(create it with `fedfleet keys gen --out DIR --id server`, then enrol each "
+                                  f"device with `fedfleet keys enroll DEVICE.pub --server-dir DIR`)")
+            identity = load_identity(s.key_dir, expected_id=SERVER_ID)
+        allow = AllowList(s.key_dir or identity.key_dir, extra_peers)
+        return ChannelSecurity(identity, side="server", peers=allow, require_encrypted=s.encrypt,
+                               replay_window=s.replay_window)
+    except SecurityConfigError as exc:
+        raise ConfigError(f"[security]: {exc}") from None
 
 
 def device_model(ds: Dataset, seed: int) -> torch.nn.Module:
@@ -115,17 +155,25 @@ def client_eval_split(cfg: Config, ds: Dataset):
 
 
 def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir: Path, ledger: Ledger,
-                expected_clients: int, on_round: Callable[[dict], None] | None = None) -> AggregationServer:
+                expected_clients: int, on_round: Callable[[dict], None] | None = None,
+                security: ChannelSecurity | None = None) -> AggregationServer:
     """Connect the server's transport and build the :class:`AggregationServer`.
 
+    Args:
+        security: the server channel's security state; ``None``: :func:`server_security` of
+            ``cfg`` (``None`` again when signing is off).
+
     Raises:
-        ConfigError: unknown algorithm.
+        ConfigError: unknown algorithm; unusable keys or TLS files.
         ConnectError: the broker did not accept the server.
     """
     strategy = make_strategy(cfg, ds)
+    if security is None:
+        security = server_security(cfg)
     tr = open_transport(f"{federation[:40]}-server", cfg, url)
     tr.connect()
-    ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, **channel_options(cfg))
+    ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, **channel_options(cfg),
+                 security=security)
     return AggregationServer(
         channel=ch, strategy=strategy, model=device_model(ds, cfg.run.seed), test=ds.test,
         settings=ServerSettings(rounds=cfg.run.rounds, quorum=cfg.server.quorum,

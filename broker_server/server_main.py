@@ -62,7 +62,9 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
           f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
           f"  fedfleet-agent --broker {url} --federation {federation} --client-id DEVICE_ID "
           f"--dataset {ann['dataset']} --shard i/{ann['shards']} --partition {ann['partition']}"
-          f"{' --alpha ' + ann['alpha'] if ann['partition'] == 'dirichlet' else ''} --seed {ann['seed']}",
+          f"{' --alpha ' + ann['alpha'] if ann['partition'] == 'dirichlet' else ''} --seed {ann['seed']}"
+          + (f" --key-dir DEVICE_KEYS --server-pubkey {Path(cfg.security.key_dir) / 'server.pub'}"
+             + (" --encrypt" if cfg.security.encrypt else "") if cfg.security.sign else ""),
           flush=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)

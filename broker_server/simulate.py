@@ -35,14 +35,16 @@ from edge_agent.runtime import agent_runtime
 from protocol import topics
 from protocol.channel import Channel
 from protocol.ledger import Ledger
-from protocol.messages import Envelope, Status, encode
+from protocol.errors import SecurityConfigError
+from protocol.messages import SERVER_ID, Envelope, Status, encode
+from protocol.security import ChannelSecurity, Identity, enroll, generate_identity, load_identity, write_key_dir
 from protocol.transport import Will
 
 from .config import Config
 from .embedded_broker import EmbeddedBroker, parse_broker_url
 from .errors import ConfigError
 from .runtime import (channel_options, client_eval_split, device_model, expected_data, make_client_algorithm,
-                      make_server, open_transport)
+                      make_server, open_transport, server_security)
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,41 @@ def _source(m: dict) -> str:
     return " (clients' own models)" if m.get("accuracy_source") == "clients" else ""
 
 
+def fleet_security(cfg: Config, run_dir: Path, client_ids: list[str]
+                   ) -> tuple[ChannelSecurity | None, dict[str, Identity]]:
+    """Keys of a simulated fleet when ``[security] sign`` is on: ``(server channel security,
+    {client id: identity})``; ``(None, {})`` when off.
+
+    Every virtual agent gets its own key folder ``RUN_DIR/keys/<client id>`` (made on the first
+    run, reused by ``--resume``). The server's keys come from ``[security] key_dir`` when set
+    (its ``enrolled/`` folder is left as it is: the virtual agents are allowed in memory only),
+    else from ``RUN_DIR/keys/server``, into whose ``enrolled/`` the agents are enrolled.
+
+    Raises:
+        ConfigError: a key folder that cannot be read or written.
+    """
+    if not cfg.security.sign:
+        return None, {}
+    root = run_dir / "keys"
+
+    def load_or_make(node_id: str) -> Identity:
+        d = root / node_id
+        if not (d / "ed25519.key").exists():
+            write_key_dir(generate_identity(node_id), d)
+        return load_identity(d, expected_id=node_id)
+
+    try:
+        server_id = None if cfg.security.key_dir else load_or_make(SERVER_ID)
+        agents = {cid: load_or_make(cid) for cid in client_ids}
+        if server_id is not None:
+            for ident in agents.values():
+                enroll(root / SERVER_ID, ident.public, replace=True)
+            return server_security(cfg, identity=server_id), agents
+    except SecurityConfigError as exc:
+        raise ConfigError(f"[security] keys of the simulated fleet: {exc}") from None
+    return server_security(cfg, extra_peers={cid: ident.public for cid, ident in agents.items()}), agents
+
+
 def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict], None]:
     """A callback printing one line per round: round, accuracy, clients, bytes, elapsed."""
     t0 = time.monotonic()
@@ -198,6 +235,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
 
+    server_sec, fleet_keys = fleet_security(cfg, out, [f"client-{i:03d}" for i in range(len(parts))])
     broker: EmbeddedBroker | None = None
     if url is None:
         broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
@@ -218,7 +256,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     summaries: list[AgentSummary] = []
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
-                             expected_clients=cfg.data.clients, on_round=on_round)
+                             expected_clients=cfg.data.clients, on_round=on_round, security=server_sec)
         # the broker link must carry every device's downloads: the smallest packet limit of the fleet
         fleet = [runtimes[p] for p in set(profiles)]
         server.channel.max_packet_bytes = min([server.channel.max_packet_bytes] + [r.max_packet_bytes for r in fleet])
@@ -235,11 +273,17 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         for i, idx in enumerate(parts):
             cid = f"client-{i:03d}"
             will_payload = encode(Envelope(round=0, sender=cid, seq=0, body=Status("offline", "connection lost"))).payload
+            agent_sec = None
+            if server_sec is not None:  # each virtual agent signs with its own keys; the server's key is pinned
+                agent_sec = ChannelSecurity(fleet_keys[cid], side="agent",
+                                            peers={SERVER_ID: server_sec.identity.public},
+                                            encrypt=cfg.security.encrypt, replay_window=cfg.security.replay_window)
+                will_payload = agent_sec.seal(topics.status(federation, cid), will_payload).payload
             tr = open_transport(f"{federation[:40]}-{cid}", cfg, url,
                             will=Will(topics.status(federation, cid), will_payload, qos=1, retain=True))
             tr.connect()
             rt = runtimes[profiles[i]]
-            ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger,
+            ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, security=agent_sec,
                          **{**channel_options(cfg), "chunk_bytes": min(cfg.protocol.chunk_bytes, rt.chunk_bytes),
                             "max_packet_bytes": min(cfg.protocol.max_packet_bytes or rt.max_packet_bytes,
                                                     rt.max_packet_bytes)})

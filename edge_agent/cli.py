@@ -7,7 +7,12 @@ Example::
 
 The agent loads its data set, takes shard ``i`` of ``n`` (the same seeded partition as the
 server's configuration), joins the federation and trains whenever it is selected.
-Exit codes: 0 finished; 1 failed; 2 bad arguments; 3 data not found; 4 broker unreachable.
+With signing: ``--key-dir DIR --server-pubkey server.pub [--encrypt]`` (keys from ``fedfleet keys
+gen``; the device must be enrolled with the server). TLS: ``mqtts://`` with ``--ca``, optionally
+``--cert``/``--key``; ``--username``/``--password-file``.
+
+Exit codes: 0 finished; 1 failed; 2 bad arguments, or unusable keys/certificates (said at
+start-up); 3 data not found; 4 broker unreachable (TLS handshake and login refusals included).
 """
 
 from __future__ import annotations
@@ -48,9 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx-eval", action="store_true",
                    help="at the end, export the local model to ONNX and evaluate it with ONNX Runtime on the "
                         "local data, with the profile's execution providers")
-    p.add_argument("--ca", help="CA file for mqtts://")
+    p.add_argument("--ca", help="CA file of the broker's certificate for mqtts:// (default: the system's CAs)")
+    p.add_argument("--cert", help="client certificate (PEM) for brokers that require one (with --key)")
+    p.add_argument("--key", help="the client certificate's private key (PEM)")
+    p.add_argument("--tls-no-time-check", action="store_true",
+                   help="for devices without a real-time clock: do not check certificate validity periods "
+                        "(the chain and host name still are)")
+    p.add_argument("--clock-skew-s", type=float, default=300.0,
+                   help="seconds of clock skew allowed when certificate dates are checked at start-up")
     p.add_argument("--username")
     p.add_argument("--password-file", help="file holding the MQTT password")
+    p.add_argument("--key-dir", help="this device's key folder (fedfleet keys gen --out DIR --id CLIENT_ID): "
+                                     "signs every message; needs --server-pubkey")
+    p.add_argument("--server-pubkey", help="the server's public key file (server.pub), pinned: only messages "
+                                           "it signed are accepted")
+    p.add_argument("--encrypt", action="store_true",
+                   help="encrypt the body of every upload (AES-256-GCM; needs --key-dir)")
     p.add_argument("--keepalive-s", type=int, default=30)
     p.add_argument("--idle-timeout-s", type=float, default=3600.0)
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -92,6 +110,34 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return 2
+    from protocol.errors import SecurityConfigError
+    from protocol.messages import SERVER_ID
+    from protocol.security import ChannelSecurity, load_identity, load_public
+    from protocol.transport import tls_context
+
+    security = None
+    try:  # keys and certificates are checked now: a wrong file stops the agent here, not mid-round
+        if (args.ca or args.cert) and not addr.tls:
+            raise SecurityConfigError("--ca/--cert are for TLS but --broker is mqtt://: use mqtts://")
+        if addr.tls:
+            tls_context(ca_file=args.ca, cert_file=args.cert, key_file=args.key,
+                        check_time=not args.tls_no_time_check, clock_skew_s=args.clock_skew_s)
+        if args.key_dir or args.server_pubkey or args.encrypt:
+            if not args.key_dir:
+                raise SecurityConfigError("--server-pubkey/--encrypt need --key-dir (fedfleet keys gen --out DIR "
+                                          f"--id {args.client_id})")
+            if not args.server_pubkey:
+                raise SecurityConfigError("the server's public key is not pinned: pass --server-pubkey FILE (the "
+                                          "server.pub of the server's key folder)")
+            server_pub = load_public(args.server_pubkey)
+            if server_pub.id != SERVER_ID:
+                raise SecurityConfigError(f"{args.server_pubkey} holds the key of {server_pub.id!r}, not the "
+                                          f"server's", path=args.server_pubkey)
+            security = ChannelSecurity(load_identity(args.key_dir, expected_id=args.client_id), side="agent",
+                                       peers={SERVER_ID: server_pub}, encrypt=args.encrypt)
+    except SecurityConfigError as exc:
+        print(f"fedfleet-agent: security configuration error: {exc}", file=sys.stderr)
+        return 2
     try:
         prof = load_profile(args.profile) if args.profile.endswith(".toml") else get_profile(args.profile)
         rt = agent_runtime(prof)
@@ -112,10 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     except EdgeAgentError as exc:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return 2
-    will = Will(topics.status(args.federation, args.client_id),
-                encode(Envelope(round=0, sender=args.client_id, seq=0, body=Status("offline", "connection lost"))).payload)
+    will_topic = topics.status(args.federation, args.client_id)
+    will_payload = encode(Envelope(round=0, sender=args.client_id, seq=0, body=Status("offline", "connection lost"))).payload
+    if security is not None:
+        will_payload = security.seal(will_topic, will_payload).payload
+    will = Will(will_topic, will_payload)
     tr = MqttTransport(args.client_id, addr.host, addr.port, username=args.username or addr.username,
-                       password=password, tls_ca=args.ca if addr.tls else None, keepalive_s=args.keepalive_s, will=will)
+                       password=password, tls=addr.tls, tls_ca=args.ca, tls_cert=args.cert, tls_key=args.key,
+                       tls_check_time=not args.tls_no_time_check, clock_skew_s=args.clock_skew_s,
+                       keepalive_s=args.keepalive_s, will=will)
     try:
         tr.connect()
     except ConnectError as exc:
@@ -128,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", args.federation)
     ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger,
-                 chunk_bytes=rt.chunk_bytes, max_packet_bytes=rt.max_packet_bytes)
+                 chunk_bytes=rt.chunk_bytes, max_packet_bytes=rt.max_packet_bytes, security=security)
     info = data_announcement(dataset=args.dataset, partition=args.partition, alpha=args.alpha, seed=args.seed,
                              shards=n)
     print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}); joining federation "

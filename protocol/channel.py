@@ -9,13 +9,14 @@ never raised, so a peer cannot crash the receiver.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
@@ -27,6 +28,9 @@ from .tensors import raw_nbytes
 from .mqtt_bytes import publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits
 from .transport import Incoming, PacketEvent, Transport
+
+if TYPE_CHECKING:
+    from .security import ChannelSecurity
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +70,15 @@ class Rejected:
         reason: the decoder's message.
         field: the offending field, when known.
         payload_bytes: its length.
+        code: a :data:`protocol.security.REASONS` code for a security rejection, else
+            ``"invalid"`` (the bytes are not a valid message).
     """
 
     topic: str
     reason: str
     field: str | None
     payload_bytes: int
+    code: str = "invalid"
 
 
 class Channel:
@@ -94,6 +101,11 @@ class Channel:
         transfer_filter: senders whose chunked transfers are admitted (``None``: all). The server
             admits only joined clients and agents only the server, so chunks from made-up ids
             cannot occupy reassembly slots or memory.
+        security: signing/encryption/replay state (:class:`protocol.security.ChannelSecurity`), or
+            ``None``: messages go unsigned and signatures are not checked. With it, every payload
+            sent is sealed (each chunk of a chunked transfer too) and every payload received is
+            verified before its body is decoded; a refusal is a ``rejected`` row whose reason
+            starts with its code.
 
     Attributes:
         wire_bytes_sent, wire_bytes_received: PUBLISH packet bytes (header + topic + payload)
@@ -105,7 +117,8 @@ class Channel:
                  first_seq: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_packet_bytes: int = 0,
                  transfer_ttl_s: float = 120.0, resend_after_s: float = 5.0,
                  reassembler: Reassembler | None = None,
-                 transfer_filter: Callable[[str], bool] | None = None) -> None:
+                 transfer_filter: Callable[[str], bool] | None = None,
+                 security: ChannelSecurity | None = None) -> None:
         if side not in ("server", "agent"):
             raise ValueError(f"side must be 'server' or 'agent', not {side!r}")
         self.transport = transport
@@ -133,6 +146,7 @@ class Channel:
             max_bytes=512 * 1024 * 1024 if side == "server" else 128 * 1024 * 1024)
         self.cache = TransferCache()
         self.transfer_filter = transfer_filter
+        self.security = security
         # (packet bytes, "up"/"down", pays the round trip) -> seconds on the device's link
         self.link_time: Callable[[int, str, bool], float] | None = None
         self.resent_chunks = 0
@@ -181,17 +195,27 @@ class Channel:
             if set(used.values()) != {codec_name}:
                 codec_name = ",".join([codec_name] * bool(body.tensors) + [f"{n}={c}" for n, c in used.items()])
         fields = json.dumps(dict(enc.field_bytes), separators=(",", ":"))
-        if not needs_chunking(topic, len(enc.payload), max_packet_bytes=self.max_packet_bytes,
+        sec = self.security
+        if sec is not None:
+            sec.note_sent(env.kind, round)
+        seal_max = sec.max_overhead if sec is not None else 0
+        if not needs_chunking(topic, len(enc.payload) + seal_max, max_packet_bytes=self.max_packet_bytes,
                               chunk_bytes=self.chunk_bytes, qos=self.qos):
-            self.transport.publish(topic, enc.payload, qos=self.qos, retain=retain, wait_s=wait_s)
+            wire, sig_b, enc_b = enc.payload, 0, 0
+            if sec is not None:
+                sealed = sec.seal(topic, enc.payload)
+                wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
+            self.transport.publish(topic, wire, qos=self.qos, retain=retain, wait_s=wait_s)
             self._record(topic, "sent", env.kind.label, round, env.sender, env.seq, client=client,
-                         payload_bytes=len(enc.payload), body_bytes=enc.body_bytes, qos=self.qos,
-                         retain=retain, codec=codec_name, raw_bytes=enc.raw_tensor_bytes, fields=fields)
-            return enc
+                         payload_bytes=len(wire), body_bytes=enc.body_bytes, qos=self.qos,
+                         retain=retain, codec=codec_name, raw_bytes=enc.raw_tensor_bytes, fields=fields,
+                         sig_bytes=sig_b, enc_bytes=enc_b)
+            # the payload as published (receipts carry its SHA-256)
+            return enc if wire is enc.payload else dataclasses.replace(enc, payload=wire)
         budget = self.chunk_bytes
         if self.max_packet_bytes < _NO_LIMIT:
             budget = min(budget, chunk_data_budget(topic, self.max_packet_bytes, qos=self.qos,
-                                                   sender=self.node_id, round=round))
+                                                   sender=self.node_id, round=round) - seal_max)
         if budget < 1:
             raise FieldError(f"max_packet_bytes {self.max_packet_bytes} leaves no room for chunk data on {topic}",
                              field="max_packet_bytes")
@@ -214,10 +238,15 @@ class Channel:
         for c in chunks:
             cenv = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=c, timestamp_ms=now_ms())
             cenc = encode(cenv)
-            self.transport.publish(topic, cenc.payload, qos=self.qos, retain=False, wait_s=wait_s)
+            wire, sig_b, enc_b = cenc.payload, 0, 0
+            if self.security is not None:  # each chunk is sealed on its own (protocol.security)
+                sealed = self.security.seal(topic, cenc.payload)
+                wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
+            self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
             self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
-                         payload_bytes=len(cenc.payload), body_bytes=len(c.data), qos=self.qos, retain=False,
-                         transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count)
+                         payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
+                         transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
+                         sig_bytes=sig_b, enc_bytes=enc_b)
 
     # ------------------------------------------------------------------ receiving
 
@@ -257,7 +286,10 @@ class Channel:
             info = topics.parse(inc.topic)
             if info.federation != self.federation:
                 raise FieldError(f"topic {inc.topic!r} belongs to federation {info.federation!r}", field="topic")
-            dec = decode(inc.payload, limits=self.limits)
+            opened = None
+            if self.security is not None:  # verified (and decrypted) before the body is decoded
+                opened = self.security.open(inc.topic, info.client_id, info.direction, inc.payload)
+            dec = decode(opened.payload if opened is not None else inc.payload, limits=self.limits)
             if info.direction in ("up", "status") and dec.envelope.sender != info.client_id:
                 raise FieldError(f"sender {dec.envelope.sender!r} does not match topic client {info.client_id!r}",
                                  field="envelope.sender")
@@ -268,14 +300,16 @@ class Channel:
             return self._reject(inc, exc)
         env = dec.envelope
         client = info.client_id or (self.node_id if self.side == "agent" else "*")
+        sig_b, enc_b = (opened.sig_bytes, opened.enc_bytes) if opened is not None else (0, 0)
         if isinstance(env.body, Chunk) and self.transfer_filter is not None and not self.transfer_filter(env.sender):
             return self._reject(inc, FieldError(f"chunked transfer from {env.sender!r} refused: not a member of "
                                                 f"this federation", field="envelope.sender"))
         if isinstance(env.body, Chunk):
             c = env.body
             self._record(inc.topic, "received", info.kind_label, env.round, env.sender, env.seq, client=client,
-                         payload_bytes=dec.payload_bytes, body_bytes=len(c.data), qos=inc.qos, retain=inc.retain,
-                         transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count)
+                         payload_bytes=len(inc.payload), body_bytes=len(c.data), qos=inc.qos, retain=inc.retain,
+                         transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
+                         sig_bytes=sig_b, enc_bytes=enc_b)
             try:
                 whole = self.reassembler.add(env.sender, c)
             except ProtocolError as exc:
@@ -302,8 +336,9 @@ class Channel:
                          transfer_id=c.transfer_id.hex(), chunk_count=c.count)
             return Received(inc.topic, info, inner, False, payload_sha256(whole), inc.received_at)
         self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
-                     payload_bytes=dec.payload_bytes, body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain,
-                     raw_bytes=_raw(env.body), fields=_fields_json(dec), codec=dec.codec)
+                     payload_bytes=len(inc.payload), body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain,
+                     raw_bytes=_raw(env.body), fields=_fields_json(dec), codec=dec.codec, sig_bytes=sig_b,
+                     enc_bytes=enc_b)
         if isinstance(env.body, Resend):
             self._answer_resend(env.sender, env.body)
             return None
@@ -341,7 +376,7 @@ class Channel:
             self._record(inc.topic, "rejected", "invalid", None, None, None, client=client,
                          payload_bytes=len(inc.payload), body_bytes=0, qos=inc.qos, retain=inc.retain,
                          reason=str(exc)[:500])
-        return Rejected(inc.topic, str(exc), exc.field, len(inc.payload))
+        return Rejected(inc.topic, str(exc), exc.field, len(inc.payload), getattr(exc, "code", "invalid"))
 
     # ------------------------------------------------------------------ transfers
 
@@ -431,7 +466,7 @@ class Channel:
                 seq: int | None, *, client: str, payload_bytes: int, body_bytes: int, qos: int,
                 retain: bool, codec: str = "", reason: str = "", raw_bytes: int = 0, fields: str = "",
                 transfer_id: str | None = None, chunk_index: int | None = None,
-                chunk_count: int | None = None) -> None:
+                chunk_count: int | None = None, sig_bytes: int = 0, enc_bytes: int = 0) -> None:
         size = publish_size(topic, payload_bytes, qos)
         direction = "down" if "/down/" in topic else "up"
         # a chunked transfer is pipelined (QoS 1 in flight): one round trip per transfer, not per chunk
@@ -448,9 +483,10 @@ class Channel:
             federation=self.federation, side=self.side, node=self.node_id, event=event, direction=direction,
             kind=kind, round=round, client=client, sender=sender, seq=seq, topic=topic,
             topic_bytes=size.topic_bytes, mqtt_header_bytes=size.header_bytes,
-            envelope_bytes=payload_bytes - body_bytes, body_bytes=body_bytes, payload_bytes=payload_bytes,
-            qos=qos, retained=retain, codec=codec, reason=reason, raw_bytes=raw_bytes, fields=fields,
-            transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count, link_s=link_s))
+            envelope_bytes=payload_bytes - body_bytes - sig_bytes - enc_bytes, body_bytes=body_bytes,
+            payload_bytes=payload_bytes, qos=qos, retained=retain, codec=codec, reason=reason, raw_bytes=raw_bytes,
+            fields=fields, transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count, link_s=link_s,
+            sig_bytes=sig_bytes, enc_bytes=enc_bytes))
 
 
 _NO_LIMIT = 1 << 62

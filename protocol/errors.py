@@ -11,8 +11,13 @@ failures are a separate branch because the caller's remedy differs (retry, recon
     │   ├── UnknownKind                   message kind number not defined in this version
     │   ├── FieldError                    one field out of its bounds (``field`` names it)
     │   ├── TensorError                   tensor dtype/shape/size/NaN violation (``field`` too)
-    │   └── ChunkError                    a chunk contradicts its transfer, fails the digest, or
-    │                                     would exceed the receiver's memory bounds
+    │   ├── ChunkError                    a chunk contradicts its transfer, fails the digest, or
+    │   │                                 would exceed the receiver's memory bounds
+    │   └── SecurityRejection             signing/encryption/replay checks refused the message
+    │                                     (``code``: one of ``protocol.security.REASONS``)
+    ├── SecurityConfigError               keys, key files or certificates unusable at start-up
+    │                                     (missing, readable by others, mismatched, expired):
+    │                                     fix the files; nothing was sent
     ├── LedgerError                       the byte ledger cannot be written or read
     └── TransportError                    MQTT connection / publish failure
         ├── ConnectError                  the broker refused or did not answer CONNECT
@@ -79,6 +84,32 @@ class ChunkError(ProtocolError):
         super().__init__(message, field=field)
         self.sender = sender
         self.transfer_id = transfer_id
+
+
+class SecurityRejection(ProtocolError):
+    """A message refused by the security checks of :mod:`protocol.security` (signature, enrolment,
+    replay, decryption).
+
+    Attributes:
+        code: the reason code (a key of :data:`protocol.security.REASONS`); the message text
+            starts with it.
+    """
+
+    def __init__(self, message: str, *, code: str, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.code = code
+
+
+class SecurityConfigError(FedfleetProtocolError):
+    """Keys, key files or certificates cannot be used (found at start-up, before anything is sent).
+
+    Attributes:
+        path: the offending file or folder, when there is one.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class LedgerError(FedfleetProtocolError):

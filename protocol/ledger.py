@@ -11,9 +11,14 @@ column                meaning
 ====================  ==========================================================================
 topic_bytes           UTF-8 length of the PUBLISH topic
 mqtt_header_bytes     PUBLISH framing except topic and payload (:mod:`protocol.mqtt_bytes`)
-envelope_bytes        payload bytes that are not body (header fields + msgpack framing)
-body_bytes            the kind's body (nested ``bin`` content)
-payload_bytes         envelope_bytes + body_bytes = the MQTT payload length
+envelope_bytes        payload bytes that are not body, signature or encryption (header fields +
+                      msgpack framing)
+body_bytes            the kind's body (nested ``bin`` content; the plaintext when encrypted)
+sig_bytes             bytes the signature trailer ``sec`` adds (Ed25519 signature, epoch, flags,
+                      length, check; :mod:`protocol.security`); 0 for unsigned messages
+enc_bytes             bytes encryption adds (AES-GCM tag + growth of the body's ``bin`` header);
+                      0 for plain bodies
+payload_bytes         envelope_bytes + body_bytes + sig_bytes + enc_bytes = the MQTT payload length
 raw_bytes             tensor values before the codec (``size × itemsize``), 0 without tensors;
                       ``raw_bytes / body_bytes`` is the codec's compression ratio
 fields                JSON object: bytes of each body field (``{"tensors": 423412, …}``)
@@ -39,6 +44,10 @@ on the agent side, and ``'*'`` for a broadcast recorded by the server.
 
 The ledger is safe to share between threads (one connection guarded by a lock) and is written
 in WAL mode; rows are committed in batches and on :meth:`Ledger.flush`.
+
+Schema versions: 1 (first cut), 2 (``message`` event, raw/field/chunk columns), 3 (``link_s``),
+4 (``sig_bytes``, ``enc_bytes``). Opening an older file for writing migrates it in place (new
+columns read 0 in old rows); a newer file is refused.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ from pathlib import Path
 
 from .errors import LedgerError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -84,7 +93,9 @@ CREATE TABLE IF NOT EXISTS messages (
     transfer_id TEXT,
     chunk_index INTEGER,
     chunk_count INTEGER,
-    link_s REAL NOT NULL DEFAULT 0
+    link_s REAL NOT NULL DEFAULT 0,
+    sig_bytes INTEGER NOT NULL DEFAULT 0,
+    enc_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS messages_round ON messages (round);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -121,6 +132,8 @@ class LedgerRow:
     chunk_index: int | None = None
     chunk_count: int | None = None
     link_s: float = 0.0
+    sig_bytes: int = 0
+    enc_bytes: int = 0
     ts: float = 0.0
 
     @property
@@ -130,6 +143,51 @@ class LedgerRow:
 
 
 _COLUMNS = [f.name for f in fields(LedgerRow)]
+
+
+def _migrate(db: sqlite3.Connection, version: int) -> None:
+    """Bring a schema-``version`` ledger to :data:`SCHEMA_VERSION` in one transaction.
+
+    Version 1 lacks ``'message'`` in the ``event`` CHECK constraint, which SQLite cannot alter: its
+    table is rebuilt (rows copied). Later versions only lack columns, which are added with their
+    defaults.
+    """
+    try:
+        db.execute("BEGIN")
+        have = [r[1] for r in db.execute("PRAGMA table_info(messages)")]
+        if version < 2:
+            db.execute("ALTER TABLE messages RENAME TO messages_v1")
+            db.execute("DROP INDEX IF EXISTS messages_round")
+            for statement in _SCHEMA.split(";"):  # not executescript: it would commit the transaction
+                if statement.strip():
+                    db.execute(statement)
+            common = [c for c in have if c in _COLUMNS or c == "id"]
+            cols = ", ".join(common)
+            db.execute(f"INSERT INTO messages ({cols}) SELECT {cols} FROM messages_v1")
+            db.execute("DROP TABLE messages_v1")
+        else:
+            for name, decl in _ADDED_COLUMNS:
+                if name not in have:
+                    db.execute(f"ALTER TABLE messages ADD COLUMN {name} {decl}")
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('migrated_from', ?)", (str(version),))
+        db.execute("COMMIT")
+    except sqlite3.Error:
+        db.execute("ROLLBACK")
+        raise
+
+
+#: Columns added after schema 2, with their declarations (for :func:`_migrate`).
+_ADDED_COLUMNS = (
+    ("raw_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("fields", "TEXT NOT NULL DEFAULT ''"),
+    ("transfer_id", "TEXT"),
+    ("chunk_index", "INTEGER"),
+    ("chunk_count", "INTEGER"),
+    ("link_s", "REAL NOT NULL DEFAULT 0"),
+    ("sig_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("enc_bytes", "INTEGER NOT NULL DEFAULT 0"),
+)
 _INSERT = f"INSERT INTO messages ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
 
 
@@ -158,8 +216,11 @@ class Ledger:
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                 self._db.commit()
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise LedgerError(f"{self.path}: ledger schema {row[0]}, this fedfleet writes {SCHEMA_VERSION}")
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise LedgerError(f"{self.path}: ledger schema {row[0]} is newer than this fedfleet's "
+                                  f"({SCHEMA_VERSION}); upgrade fedfleet to write to it")
+            elif int(row[0]) < SCHEMA_VERSION:
+                _migrate(self._db, int(row[0]))
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open ledger {self.path}: {exc}") from exc
 

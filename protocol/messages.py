@@ -19,7 +19,9 @@ body             bin         the kind's body, itself a msgpack array (below)
 The body is nested as ``bin`` so that its size is known exactly (the ledger's ``body_bytes``) and
 so that a signature over the envelope can be checked before the body is parsed. Decoders ignore
 extra trailing envelope and body fields (forward compatibility); new fields are only ever
-appended, with defaults.
+appended, with defaults. With signing on, the envelope carries an 8th element, ``sec`` (epoch,
+flags, signature …; §5c, :mod:`protocol.security`); unsigned envelopes keep their 7 elements and
+their bytes.
 
 Bodies (positional arrays; ``T`` = a tensor, see :mod:`protocol.tensors`; ``M`` = a map from
 ``str`` to a scalar ``int | float | str | bool``):

@@ -102,6 +102,32 @@ MESSAGE_VECTORS: dict[str, tuple[str | None, str]] = {
 }
 
 
+#: Sealed messages (:mod:`protocol.security`): name -> (unsigned vector in
+#: :data:`MESSAGE_VECTORS`, topic, epoch, encrypted, sealed payload hex). Signed with the fixed
+#: keys of :func:`security_vector_keys` (Ed25519 is deterministic, RFC 8032; the GCM nonce comes
+#: from ``seq``), so every byte is reproducible. ``update-encrypted``'s AES-256-GCM key is
+#: :data:`SECURITY_VECTOR_UPLOAD_KEY` (client-007, epoch 2).
+SECURITY_VECTORS: dict[str, tuple[str, str, int, bool, str]] = {
+    "update-signed": ("update", "fedfleet/v1/fed-1/up/client-007/update", 2, False,
+                      "98010403aa636c69656e742d30303704cf0000019acfa09900c4479591940001920203c4180000003f0000a0bf000040400000000000000040000000becd0258cb3fd000000000000081ad747261696e5f7365636f6e6473cb3ff8000000000000c295020047c408c8c20bf61bab35acc4400828edd5910c81787bc7e7f759de3958ed5e5481a4baddc44d216feb0dceebc6f8cc82441e5f4091615eda7e26bc831baf435c45bbbe38ce31ec96f8cc104603"),
+    "update-encrypted": ("update", "fedfleet/v1/fed-1/up/client-007/update", 2, True,
+                         "98010403aa636c69656e742d30303704cf0000019acfa09900c45720e54da0878383e093360746bc64a490b681bc05d5b251f72293035ec9dfefe5c57e77d6b270bf8d89ecc8719af257724172774ccdb1591038b8f2366eb9663a4ef87cb6b9b78434d073fb6cd59a0c3c53ca7ac776fb7f95020157c408c8c20bf6ed84cf86c440360ae3b1e20acf0c77a3487d3bc9cf23a9edbcde671292a7fc971b29fd7cc208a841c2b402d97c1670c8416139d7320f9c8a5ef110c37527412539c4bbeca10d"),
+    "round_start-signed": ("round_start", "fedfleet/v1/fed-1/down/round_start", 1, False,
+                           "98010203a67365727665720acf0000019acfa09900c43c9392aa636c69656e742d303031aa636c69656e742d303037cb403e00000000000082a26c72cb3fa999999999999aac6c6f63616c5f65706f636873019501003cc408085b2c04de679551c440182918381830664b55a8041f6dd2863b9d5e04bc03831f100909ca5b95660c6dc858f855bc7ee6ae9f363f0566248e13b43c8dae43eefa7724d7f3882f27e703"),
+}
+
+#: The AES-256-GCM key of ``update-encrypted`` (hex), from :func:`protocol.security.upload_key`.
+SECURITY_VECTOR_UPLOAD_KEY = "627238f041c10b3f76c311cbc06b1bd537fa3363cfb2c28426ddd2a93a307590"
+
+
+def security_vector_keys() -> dict[str, bytes]:
+    """The raw private keys of :data:`SECURITY_VECTORS` (test keys only, never for real use):
+    ``device_ed25519`` = bytes 0..31, ``device_x25519`` = 32..63, ``server_ed25519`` = 64..95,
+    ``server_x25519`` = 96..127 (Ed25519 seeds, RFC 8032 §5.1.5; X25519 scalars, RFC 7748 §5)."""
+    return {"device_ed25519": bytes(range(32)), "device_x25519": bytes(range(32, 64)),
+            "server_ed25519": bytes(range(64, 96)), "server_x25519": bytes(range(96, 128))}
+
+
 def message_vector_records() -> dict[str, object]:
     """The :class:`~protocol.messages.Envelope` records behind :data:`MESSAGE_VECTORS`."""
     import numpy as np

@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 
 import paho.mqtt.client as mqtt
 
-from .errors import ConnectError, OfflineBufferFull, PublishTimeout, TransportError
+from .errors import ConnectError, OfflineBufferFull, PublishTimeout, SecurityConfigError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,89 @@ class _CountingClient(mqtt.Client):
         return data
 
 
+_NO_CHECK_TIME = 0x200000
+"""OpenSSL's ``X509_V_FLAG_NO_CHECK_TIME``: verify certificate chains without validity periods."""
+
+
+def tls_context(*, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
+                check_time: bool = True, clock_skew_s: float = 300.0, now: float | None = None) -> ssl.SSLContext:
+    """A TLS client context for ``mqtts://``, with every file checked now rather than mid-round.
+
+    The broker's certificate chain must lead to ``ca_file`` (``None``: the system's CAs) and name
+    the broker's host (hostname checking on). ``cert_file`` + ``key_file`` (PEM) are the client
+    certificate for brokers that require one.
+
+    Clock: the start-up check compares the validity periods of the client certificate and of the
+    CA certificates with this machine's clock, allowing ``clock_skew_s`` seconds either way. A
+    device without a real-time clock (a Raspberry Pi boots with a wrong one) passes
+    ``check_time=False``: the periods are then checked neither here nor in the TLS handshake
+    (OpenSSL ``X509_V_FLAG_NO_CHECK_TIME``); the chain and the host name still are.
+
+    Raises:
+        SecurityConfigError: a missing or unreadable file, a file without a PEM certificate, a
+            client certificate that does not match its key, or a certificate outside its
+            validity period (by more than ``clock_skew_s``).
+    """
+    from cryptography import x509
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    files = [("CA file", ca_file)] if ca_file else []
+    if cert_file:
+        files.append(("client certificate", cert_file))
+    for what, path in files + ([("client key", key_file)] if key_file else []):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise SecurityConfigError(f"{what} {path}: {exc.strerror or exc}", path=path) from None
+    if (cert_file is None) != (key_file is None):
+        raise SecurityConfigError("a client certificate needs both its certificate file and its key file")
+    t = time.time() if now is None else now
+    for what, path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            certs = x509.load_pem_x509_certificates(data)
+        except ValueError:
+            raise SecurityConfigError(f"{what} {path} holds no PEM certificate", path=path) from None
+        for cert in certs if what == "CA file" else certs[:1]:
+            if not check_time:
+                break
+            nb, na = cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp()
+            name = cert.subject.rfc4514_string() or "(no subject)"
+            if t > na + clock_skew_s:
+                raise SecurityConfigError(
+                    f"{what} {path}: certificate {name} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S} UTC "
+                    f"(this machine's clock: {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))} UTC, "
+                    f"{clock_skew_s:g} s of skew allowed). Renew it, or fix the clock", path=path)
+            if t < nb - clock_skew_s:
+                raise SecurityConfigError(
+                    f"{what} {path}: certificate {name} is not valid before "
+                    f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M:%S} UTC (this machine's clock: "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))} UTC, {clock_skew_s:g} s of skew "
+                    f"allowed). Fix the clock, or start without time checks on a device with no clock", path=path)
+    try:
+        if ca_file:
+            ctx.load_verify_locations(cafile=ca_file)
+        else:
+            ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    except ssl.SSLError as exc:
+        raise SecurityConfigError(f"CA file {ca_file}: {exc.reason or exc}", path=ca_file) from None
+    if cert_file:
+        try:
+            ctx.load_cert_chain(certfile=cert_file, keyfile=key_file)
+        except ssl.SSLError as exc:
+            reason = exc.reason or str(exc)
+            if "KEY_VALUES_MISMATCH" in reason.upper():
+                reason = "the key does not belong to the certificate"
+            raise SecurityConfigError(f"client certificate {cert_file} with key {key_file}: {reason}",
+                                      path=cert_file) from None
+    if not check_time:
+        ctx.verify_flags |= _NO_CHECK_TIME
+    return ctx
+
+
 class Transport(Protocol):
     """What the channel needs from a transport (a real MQTT client, or a test double)."""
 
@@ -159,8 +242,11 @@ class MqttTransport:
         client_id: unique MQTT client id (two clients with one id evict each other forever).
         host, port: broker address.
         username, password: MQTT credentials, or ``None``.
-        tls_ca: CA file for ``mqtts://`` (``None``: plain TCP); ``tls_cert``/``tls_key`` for
-            client certificates.
+        tls: connect with TLS (``mqtts://``); implied by ``tls_ca`` or ``tls_cert``.
+        tls_ca: CA file of the broker's certificate (``None`` with ``tls``: the system's CAs);
+            ``tls_cert``/``tls_key`` for a client certificate.
+        tls_check_time: check certificate validity periods (see :func:`tls_context`).
+        clock_skew_s: tolerance of the start-up certificate check (seconds).
         keepalive_s: MQTT keepalive (seconds).
         will: last will, or ``None``.
         max_queue: bound of the receive queue (messages); when full, the network thread blocks,
@@ -170,6 +256,7 @@ class MqttTransport:
             beyond either bound raises :class:`~protocol.errors.OfflineBufferFull`.
 
     Raises:
+        SecurityConfigError: unusable TLS files (see :func:`tls_context`), at construction.
         ConnectError: from :meth:`connect`, when no CONNACK arrives in time or it refuses.
     """
 
@@ -177,7 +264,8 @@ class MqttTransport:
                  password: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, keepalive_s: int = 30, will: Will | None = None,
                  max_queue: int = 100_000, max_buffered_messages: int = 1000,
-                 max_buffered_bytes: int = 256 * 1024 * 1024) -> None:
+                 max_buffered_bytes: int = 256 * 1024 * 1024, tls: bool = False, tls_check_time: bool = True,
+                 clock_skew_s: float = 300.0) -> None:
         self.client_id = client_id
         self.host, self.port = host, port
         self.keepalive_s = keepalive_s
@@ -203,8 +291,11 @@ class MqttTransport:
         c.max_inflight_messages_set(20)
         if username is not None:
             c.username_pw_set(username, password)
-        if tls_ca is not None:
-            c.tls_set(ca_certs=tls_ca, certfile=tls_cert, keyfile=tls_key, cert_reqs=ssl.CERT_REQUIRED)
+        self._tls: ssl.SSLContext | None = None
+        if tls or tls_ca is not None or tls_cert is not None:
+            self._tls = tls_context(ca_file=tls_ca, cert_file=tls_cert, key_file=tls_key,
+                                    check_time=tls_check_time, clock_skew_s=clock_skew_s)
+            c.tls_set_context(self._tls)
         if will is not None:
             c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
         c.on_connect = self._on_connect
@@ -275,22 +366,49 @@ class MqttTransport:
             ConnectError: refused, or no CONNACK within ``timeout_s`` seconds.
         """
         try:  # fail fast, with the reason, when nothing listens there
-            socket.create_connection((self.host, self.port), timeout=min(timeout_s, 5.0)).close()
+            probe = socket.create_connection((self.host, self.port), timeout=min(timeout_s, 5.0))
         except OSError as exc:
             reason = exc.strerror or exc.__class__.__name__
             raise ConnectError(f"cannot reach the MQTT broker at {self.host}:{self.port}: {reason}. Is the broker "
                                f"running, and are the host and port right?", client_id=self.client_id) from exc
+        with probe:
+            if self._tls is not None:  # a refused certificate says why now, not as "no CONNACK" later
+                self._tls_probe(probe)
         try:
             self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s)
         except (OSError, ValueError) as exc:
             raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}", client_id=self.client_id) from exc
         self._client.loop_start()
-        if not self._connected.wait(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while not self._connected.wait(0.05):  # a refusal (bad login) ends the wait at once
+            if self._refused or time.monotonic() >= deadline:
+                break
+        if not self._connected.is_set():
             self._client.loop_stop()
             reason = self._refused or "no CONNACK"
             raise ConnectError(f"the MQTT broker at {self.host}:{self.port} did not accept the connection of "
                                f"{self.client_id!r} within {timeout_s:g} s ({reason}); check credentials and TLS "
                                f"settings", client_id=self.client_id)
+
+    def _tls_probe(self, sock: socket.socket) -> None:
+        """TLS handshake on ``sock`` (then closed) with the transport's context.
+
+        Raises:
+            ConnectError: the broker's certificate is refused (expired, another CA, another host
+                name) or the handshake fails (not a TLS port, TLS version, client certificate).
+        """
+        where = f"{self.host}:{self.port}"
+        try:
+            with self._tls.wrap_socket(sock, server_hostname=self.host) as tls_sock:
+                tls_sock.settimeout(5.0)
+        except ssl.SSLCertVerificationError as exc:
+            raise ConnectError(f"TLS: the certificate of the broker at {where} was refused: {exc.verify_message}. "
+                               f"Check the CA file, the host name in the URL and the certificate's dates",
+                               client_id=self.client_id) from None
+        except (ssl.SSLError, OSError) as exc:
+            reason = getattr(exc, "reason", None) or exc.strerror or exc.__class__.__name__
+            raise ConnectError(f"TLS handshake with the broker at {where} failed: {reason}. Is it a TLS port "
+                               f"(mqtts://), and does it want a client certificate?", client_id=self.client_id) from None
 
     @property
     def connected(self) -> bool:

@@ -129,11 +129,13 @@ def test_totals_device_view(rows):
     down_body = 2 * 1000 + 2 * 2000  # each broadcast counted once per receiving agent
     assert t["up"] == {"messages": 4, "body_bytes": up_body, "envelope_bytes": 4 * 27,
                        "mqtt_bytes": 4 * (5 + 33), "control_messages": 0, "control_bytes": 0,
+                       "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
                        "wire_bytes": U1A1 + U1A2 + U2A1 + U2A2,
                        "overhead_share": pytest.approx((2460 - up_body) / 2460)}
     assert t["up"]["wire_bytes"] == 2460
     assert t["down"] == {"messages": 4, "body_bytes": down_body, "envelope_bytes": 4 * 25,
                          "mqtt_bytes": 4 * (5 + 32), "control_messages": 0, "control_bytes": 0,
+                         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
                          "wire_bytes": 2 * G1 + 2 * G2,
                          "overhead_share": pytest.approx((6248 - down_body) / 6248)}
     assert t["down"]["wire_bytes"] == 6248
@@ -211,9 +213,11 @@ def test_by_kind(rows):
     assert by_kind(rows) == [
         {"kind": "global", "direction": "down", "messages": 4, "body_bytes": 6000, "envelope_bytes": 100,
          "mqtt_bytes": 148, "control_messages": 0, "control_bytes": 0, "wire_bytes": 6248,
+         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
          "overhead_share": pytest.approx(248 / 6248)},
         {"kind": "update", "direction": "up", "messages": 4, "body_bytes": 2200, "envelope_bytes": 108,
          "mqtt_bytes": 152, "control_messages": 0, "control_bytes": 0, "wire_bytes": 2460,
+         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
          "overhead_share": pytest.approx(260 / 2460)},
     ]
 
@@ -232,7 +236,8 @@ def test_unknown_view_raises(rows, fn):
 def test_empty_ledger_totals_are_zero():
     t = totals([], "device")
     assert t["all"] == {"messages": 0, "body_bytes": 0, "envelope_bytes": 0, "mqtt_bytes": 0,
-                        "control_messages": 0, "control_bytes": 0, "wire_bytes": 0, "overhead_share": None}
+                        "control_messages": 0, "control_bytes": 0, "wire_bytes": 0, "overhead_share": None,
+                        "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0}
     assert by_round([]) == [] and by_client([]) == [] and by_kind([]) == [] and rejected([]) == []
 
 
@@ -294,8 +299,9 @@ def test_main_json_totals_equal_text_totals(run_dir, capsys):
     for view, section in (("device", "Totals: device links"), ("server", "Totals: server link")):
         parsed = _text_totals(text, section)
         for key in ("up", "down", "all"):
-            expected = {k: v for k, v in rep["totals"][view][key].items()
-                        if k not in ("overhead_share", "control_messages")}
+            expected = {k: v for k, v in rep["totals"][view][key].items()  # security costs: their own table
+                        if k not in ("overhead_share", "control_messages", "sig_bytes", "enc_bytes",
+                                     "signed_messages", "encrypted_messages")}
             assert parsed[key] == expected, (view, key)
     assert rep["totals"]["device"]["all"]["wire_bytes"] == 8708
 
@@ -397,7 +403,8 @@ def test_control_packets_in_by_kind_totals_and_session_row(ctrl_run):
     kinds = {(k["kind"], k["direction"]): k for k in by_kind(rows)}
     assert kinds[("CONNECT", "up")] == {
         "kind": "CONNECT", "direction": "up", "messages": 2, "body_bytes": 0, "envelope_bytes": 0,
-        "mqtt_bytes": 0, "control_messages": 2, "control_bytes": 28, "wire_bytes": 28, "overhead_share": 1.0}
+        "mqtt_bytes": 0, "control_messages": 2, "control_bytes": 28, "wire_bytes": 28, "overhead_share": 1.0,
+        "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0}
     assert kinds[("CONNACK", "down")]["wire_bytes"] == 4
     assert kinds[("PUBACK", "up")]["wire_bytes"] == 4
     assert kinds[("DISCONNECT", "up")]["wire_bytes"] == 2

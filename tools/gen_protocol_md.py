@@ -12,8 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from protocol import chunking, messages, tensors  # noqa: E402
-from protocol.test_vectors import DECODE_ONLY, MESSAGE_VECTORS, TEST_VECTORS  # noqa: E402
+from protocol import chunking, messages, security, tensors  # noqa: E402
+from protocol.test_vectors import (DECODE_ONLY, MESSAGE_VECTORS, SECURITY_VECTOR_UPLOAD_KEY,  # noqa: E402
+                                   SECURITY_VECTORS, TEST_VECTORS)
 
 HEAD = """# fedfleet wire protocol, version 1
 
@@ -183,6 +184,12 @@ def main() -> int:
     parts.append("\n\n## 5b. Chunked transfers\n\n")
     chunk_doc = chunking.__doc__.split("Chunking (normative, protocol version 1)\n----------------------------------------\n", 1)[1]
     parts.append(rst_to_md(chunk_doc.strip()))
+    parts.append("\n\n## 5c. Signed and encrypted messages\n\n")
+    sec_doc = security.__doc__.split("Security (normative, protocol version 1)\n----------------------------------------\n", 1)[1]
+    parts.append(rst_to_md(sec_doc.strip()))
+    parts.append("\n\nReason codes (never reused; `protocol/security.py`, `REASONS`):\n\n| code | meaning |\n| --- | --- |\n")
+    for code, text in security.REASONS.items():
+        parts.append(f"| `{code}` | {text} |\n")
     parts.append("\n\n## 10. Test vectors\n\n### Messages\n\n")
     parts.append("Each is the whole MQTT payload, lower-case hex (timestamp_ms = 1764420000000; the "
                  "records are in `protocol/test_vectors.py`, `message_vector_records()`). The "
@@ -190,6 +197,13 @@ def main() -> int:
     parts.append("| kind | tensor codec | payload (hex) |\n| --- | --- | --- |\n")
     for name, (codec, hx) in MESSAGE_VECTORS.items():
         parts.append(f"| `{name}` | {codec or 'fp32'} | `{hx}` |\n")
+    parts.append("\n### Sealed messages\n\nThe unsigned vector named, sealed for the topic given with test keys "
+                 "(private keys: the byte ranges 0..31 device Ed25519 seed, 32..63 device X25519, 64..95 server "
+                 "Ed25519 seed, 96..127 server X25519; `security_vector_keys()`). The upload key of "
+                 f"`update-encrypted` (client-007, epoch 2) is `{SECURITY_VECTOR_UPLOAD_KEY}`.\n\n")
+    parts.append("| name | unsigned vector | topic | epoch | encrypted | payload (hex) |\n| --- | --- | --- | --- | --- | --- |\n")
+    for name, (base, topic, epoch, encrypted, hx) in SECURITY_VECTORS.items():
+        parts.append(f"| `{name}` | `{base}` | `{topic}` | {epoch} | {'yes' if encrypted else 'no'} | `{hx}` |\n")
     parts.append("\n### Tensors\n\nEach is the msgpack encoding of one tensor array "
                  "`[codec, dtype, shape, data, *params]`; both directions hold except where marked "
                  "decode-only (zstd frames differ between zstd versions).\n\n")
