@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from edge_agent.agent import AgentSummary, EdgeAgent
-from edge_agent.algorithms import TrainConfig, get_client_algorithm
+from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
 from edge_agent.data import load_dataset, stratified_subsample
 from edge_agent.errors import EdgeAgentError, PartitionError
 from edge_agent.device import detect
@@ -231,7 +231,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         log.info("client %d: %d samples, histogram %s", s["client"], s["samples"], s["histogram"])
 
     try:
-        get_client_algorithm(cfg.train.algorithm)
+        get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
 

@@ -112,6 +112,7 @@ __all__ = [
     "ENV_DATA_DIR",
     "ENV_OFFLINE",
     "PACS_DOMAINS",
+    "PROXY_SIZE",
     "SPLIT_SEED",
     "TEST_FRACTION",
     "bilinear_weights",
@@ -121,6 +122,7 @@ __all__ = [
     "list_datasets",
     "load_dataset",
     "normalize_images",
+    "proxy_split",
     "resize_bilinear",
     "stratified_subsample",
     "to_rgb",
@@ -647,9 +649,11 @@ def _locate(
 
 
 def clear_dataset_cache() -> None:
-    """Drop every data set cached by :func:`load_dataset` (frees memory; next load rereads)."""
+    """Drop every data set cached by :func:`load_dataset` and every proxy split cached by
+    :func:`proxy_split` (frees memory; next load rereads)."""
     _load_cached.cache_clear()
     _load_domains_cached.cache_clear()
+    _proxy_split_cached.cache_clear()
 
 
 def normalize_images(x: np.ndarray) -> np.ndarray:
@@ -706,6 +710,69 @@ def class_histogram(y: np.ndarray, num_classes: int) -> list[int]:
     _check_label_range(labels, int(num_classes), where="labels")
     counts = np.bincount(labels.astype(np.int64, copy=False), minlength=int(num_classes))
     return [int(c) for c in counts]
+
+
+PROXY_SIZE = 1000
+"""Default size of the public proxy set (FedMCP++, SPECS.md §5.2: 1000 test samples)."""
+
+
+def proxy_split(test: ArraySplit, size: int = PROXY_SIZE, seed: int = 0) -> tuple[ArraySplit, ArraySplit]:
+    """Split a test split into a public proxy set and the rest (the samples left to evaluate on).
+
+    The proxy set of knowledge-exchange methods (FedMCP++, EnsKD; SPECS.md §5.2: "1000 random
+    samples from the dataset's test split, shared and labelled; evaluation should exclude them")
+    is drawn here so that the server and every agent derive the same one from the same seed.
+
+    Draw: ``numpy.random.default_rng(seed).permutation(N)``; its first ``size`` entries, sorted,
+    are the proxy indices, the other ``N − size``, sorted, the rest. The draw is uniform, **not
+    stratified** (the seed says "random samples"): a class may be under-represented or, for a
+    tiny ``size``, absent from the proxy set. Both parts keep the split's file order. The two
+    index sets are disjoint and together cover the split exactly once.
+
+    Results are cached per ``(test, size, seed)`` (by the identity of ``test``: loaded data
+    sets are themselves cached), so the many virtual agents of one process share one copy; the
+    arrays returned are read-only, like those of :func:`load_dataset` (take ``np.array(...)``
+    for a writable copy).
+
+    Args:
+        test: the split to draw from (normally ``Dataset.test``), N samples.
+        size: samples in the proxy set P, ``1 <= size < N`` (something must be left to
+            evaluate on).
+        seed: seed of the draw (the run seed unless the configuration names another).
+
+    Returns:
+        ``(proxy, rest)``: :class:`ArraySplit` s with ``x`` float32 ``[P, C, H, W]`` and
+        ``[N − P, C, H, W]``, ``y`` int64 ``[P]`` and ``[N − P]``, the same ``num_classes``.
+
+    Raises:
+        DataError: ``test`` is not an :class:`ArraySplit`; ``size`` or ``seed`` is not an int;
+            ``size`` is outside ``[1, N)``; ``seed`` is negative.
+    """
+    if not isinstance(test, ArraySplit):
+        raise DataError(f"proxy_split needs an ArraySplit, got {type(test).__name__}")
+    for name, value in (("size", size), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise DataError(f"proxy_split: {name} must be an int, got {value!r}")
+    if not 1 <= size < len(test):
+        raise DataError(
+            f"proxy_split: size must be in [1, {len(test)}) for a split of {len(test)} samples "
+            f"(the rest is the evaluation set), got {size}"
+        )
+    if seed < 0:
+        raise DataError(f"proxy_split: seed must be >= 0, got {seed}")
+    return _proxy_split_cached(test, int(size), int(seed))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _proxy_split_cached(test: ArraySplit, size: int, seed: int) -> tuple[ArraySplit, ArraySplit]:
+    perm = np.random.default_rng(seed).permutation(len(test))
+    parts = []
+    for idx in (np.sort(perm[:size]), np.sort(perm[size:])):
+        part = test.subset(idx)
+        part.x.flags.writeable = False
+        part.y.flags.writeable = False
+        parts.append(part)
+    return parts[0], parts[1]
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._base import Accumulator, BufferedAccumulator, ClientResult, RoundPlan, Strategy, accumulator_for
 from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
 from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
 from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
 from . import fedopt as _fedopt  # noqa: F401  (registers "fedopt")

@@ -15,6 +15,7 @@ from ._base import (SHARES, ClientAlgorithm, LocalResult, TrainConfig, algorithm
                     predict_scores, shared_arrays, shared_indices)
 from ._registry import get_client_algorithm, get_client_algorithm_class, list_client_algorithms, register_client_algorithm
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
 from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
 from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
 from . import fedopt as _fedopt  # noqa: F401  (registers "fedopt")
