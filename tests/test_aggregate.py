@@ -358,28 +358,48 @@ def test_fedavg_state_dict_round_trip() -> None:
 
 
 def test_every_algorithm_has_both_halves() -> None:
-    from edge_agent.algorithms import list_client_algorithms
+    """One algorithm = one name and two halves in files with the same stem (a registered variant
+    such as fedproto-avg lives in its base's files)."""
+    from broker_server.strategies import get_strategy_class
+    from edge_agent.algorithms import get_client_algorithm_class, list_client_algorithms
 
     assert list_strategies() == list_client_algorithms()
     assert list_strategies() == sorted(list_strategies())
     assert "fedavg" in list_strategies()
     for name in list_strategies():
-        assert (REPO / "broker_server" / "strategies" / f"{name}.py").is_file()
-        assert (REPO / "edge_agent" / "algorithms" / f"{name}.py").is_file()
+        s_mod, c_mod = get_strategy_class(name).__module__, get_client_algorithm_class(name).__module__
+        if s_mod.startswith("test_") and c_mod.startswith("test_"):
+            continue  # a probe registered by a test module
+        assert s_mod.startswith("broker_server.strategies.") and c_mod.startswith("edge_agent.algorithms."), name
+        stem = s_mod.rsplit(".", 1)[1]
+        assert c_mod.rsplit(".", 1)[1] == stem, (name, s_mod, c_mod)
+        assert (REPO / "broker_server" / "strategies" / f"{stem}.py").is_file()
+        assert (REPO / "edge_agent" / "algorithms" / f"{stem}.py").is_file()
 
 
 def test_every_registry_entry_follows_the_conventions() -> None:
-    from edge_agent.algorithms import get_client_algorithm, list_client_algorithms
+    """Every algorithm builds from a data set and an empty [algorithm] table (plus the proxy size
+    the 8x8 digits' 360 test images allow), and has the interface's methods."""
+    from broker_server.strategies import get_strategy_class
+    from edge_agent.algorithms import algorithm_setup, get_client_algorithm, list_client_algorithms
+    from edge_agent.data import load_dataset
 
+    ds = load_dataset("digits")
+    params = {"proxy_size": 100}
     for name in list_strategies():
-        strategy = get_strategy(name)
+        cls = get_strategy_class(name)
+        setup = getattr(cls, "setup_kwargs", None)
+        # as broker_server.runtime.make_strategy does: the [algorithm] table and the data setup
+        strategy = get_strategy(name, **({**params, **setup(ds, params, 0)} if setup else {}))
         assert strategy.name == name
         for method in ("configure_round", "aggregate", "state_dict", "load_state_dict"):
             assert callable(getattr(strategy, method))
+        assert getattr(strategy, "share", "all") in ("all", "backbone", "none")
     for name in list_client_algorithms():
-        algo = get_client_algorithm(name)
+        algo = get_client_algorithm(name, **algorithm_setup(name, ds, params, 0))
         assert algo.name == name
         assert callable(algo.local_round)
+        assert getattr(algo, "share", "all") == getattr(get_strategy_class(name), "share", "all"), name
 
 
 def test_get_strategy_passes_keyword_config() -> None:
