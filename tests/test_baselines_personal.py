@@ -19,7 +19,7 @@ from broker_server.strategies import ClientResult, get_strategy
 from broker_server.strategies.fedper import FedPer
 from broker_server.strategies.fedrep import FedRep
 from broker_server.strategies.local import Local
-from edge_agent.algorithms import TrainConfig, get_client_algorithm, shared_indices
+from edge_agent.algorithms import TrainConfig, get_client_algorithm, get_client_algorithm_class, shared_indices
 from edge_agent.algorithms import fedrep as fedrep_mod
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.algorithms.fedper import FedPerClient
@@ -413,3 +413,74 @@ def test_local_federation_sends_no_tensors(tmp_path):
     con.close()
     assert sorted({(s, k) for s, k, _ in rows}) == [("agent", "update"), ("server", "global")]
     assert [k for _, k, _ in rows].count("update") == 6 and {r for _, _, r in rows} == {0}
+
+
+# --------------------------------------------------------------------------------------------
+# EnsKD = FedMCP++ with a uniform teacher and distillation only
+# --------------------------------------------------------------------------------------------
+
+def _enskd_results():
+    """Three uploads on a 4-sample, 3-class proxy set (labels 0, 1, 2, 0) with proxy accuracies
+    4/4, 2/4 and 1/4 — so the accuracy weighting would give 4/7, 2/7, 1/7."""
+    labels = np.array([0, 1, 2, 0], np.int64)
+    a = np.eye(3)[labels]
+    b = a.copy()
+    b[[2, 3]] = [[1, 0, 0], [0, 1, 0]]
+    c = np.full((4, 3), 0.2)
+    c[np.arange(4), [0, 2, 0, 1]] = 0.6
+    protos = [np.arange(6, dtype=np.float32).reshape(3, 2) * k for k in (1.0, 2.0, 5.0)]
+    return labels, [ClientResult(cid, (), n, 0.1, extras={"soft_predictions": s.astype(np.float32), "prototypes": p})
+                    for cid, n, s, p in zip("ABC", (10, 30, 60), (a, b, c), protos)]
+
+
+def test_enskd_teacher_is_the_plain_mean_whatever_the_accuracies_and_sample_counts():
+    from broker_server.strategies.enskd import EnsKD
+    from broker_server.strategies.fedmcp import FedMCP
+
+    labels, results = _enskd_results()
+    s = EnsKD(proxy_y=labels, num_classes=3, proxy_size=4)
+    assert isinstance(s, FedMCP) and s.share == "none" and s.weighting == "uniform"
+    assert all(s.validate(r) is None for r in results)
+    assert s.aggregate(1, [], results) is None  # no model changes
+    teacher = s.global_extras()
+    np.testing.assert_allclose(teacher["teacher_soft_predictions"],
+                               np.mean([r.extras["soft_predictions"] for r in results], axis=0), rtol=1e-6)
+    np.testing.assert_allclose(teacher["teacher_prototypes"], np.arange(6).reshape(3, 2) * (1 + 2 + 5) / 3, rtol=1e-6)
+    assert s.round_metrics()["teacher_weights"] == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
+    config = s.configure_round(1, ["A", "B", "C"], np.random.default_rng(0)).config
+    assert (config["kd"], config["infonce"], config["proto_align"]) == (True, False, False)
+    # [algorithm] keys still override the defaults (the strategy refuses unknown ones as FedMCP++ does)
+    assert EnsKD(proxy_y=labels, num_classes=3, proxy_size=4, infonce=True).params.infonce is True
+    with pytest.raises(TypeError, match="no_such"):
+        EnsKD(proxy_y=labels, num_classes=3, proxy_size=4, no_such=1)
+
+
+def test_enskd_client_distils_only_and_equals_fedmcp_with_the_stages_off():
+    """Round 2 with a teacher: EnsKD runs the KD stage and no InfoNCE / prototype step (no
+    projections are ever built), and its result is bit-identical to FedMCP++'s client given
+    ``infonce = proto_align = false`` — EnsKD is that parameterisation, nothing else."""
+    from edge_agent.algorithms.enskd import EnsKDClient
+    from edge_agent.algorithms.fedmcp import FedMCPClient
+
+    g = torch.Generator().manual_seed(0)
+    proxy_x = torch.randn(12, 1, SIZE, SIZE, generator=g).numpy()
+    proxy_y = np.array([0, 1, 2] * 4, np.int64)
+    x, y = _shard(15, seed=30)
+    cfg = TrainConfig(local_epochs=1, batch_size=8, lr=0.05, momentum=0.9, seed=2)
+    teacher = {"teacher_soft_predictions": np.full((12, CLASSES), 1 / CLASSES, np.float32),
+               "teacher_prototypes": np.zeros((CLASSES, FEAT), np.float32)}
+    runs = []
+    for cls, params in ((EnsKDClient, {}), (FedMCPClient, {"infonce": False, "proto_align": False})):
+        algo, model = cls(proxy_x=proxy_x, proxy_y=proxy_y), _model()
+        res = algo.local_round(model, (), x, y, cfg, round=2, client_index=1, device=CPU, global_extras=teacher,
+                               params={"onnx_soft_predictions": False, "proxy_batch_size": 4, **params})
+        runs.append((algo, model, res))
+    (enskd, m_e, r_e), (_, m_f, r_f) = runs
+    assert get_client_algorithm_class("enskd") is EnsKDClient
+    assert "kd_loss" in r_e.metrics and not {"infonce_loss", "proto_loss"} & set(r_e.metrics)
+    assert enskd.proj_s is None and enskd.proj_t is None
+    assert r_e.tensors == () and set(r_e.extras) == {"soft_predictions", "prototypes"}
+    for name in r_e.extras:
+        np.testing.assert_array_equal(r_e.extras[name], r_f.extras[name])
+    for (k, a), b in zip(_state(m_e).items(), _state(m_f).values()):
+        np.testing.assert_array_equal(a, b, err_msg=k)

@@ -26,6 +26,7 @@ from . import fpl as _fpl  # noqa: F401  (registers "fpl")
 from . import fedper as _fedper  # noqa: F401  (registers "fedper")
 from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
 from . import local as _local  # noqa: F401  (registers "local")
+from . import enskd as _enskd  # noqa: F401  (registers "enskd")
 from . import fedpad as _fedpad  # noqa: F401  (registers "fedpad")
 
 def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int) -> dict:
