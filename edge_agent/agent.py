@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -160,7 +161,11 @@ class EdgeAgent:
         self.x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         self.y = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
         self.num_classes = num_classes
-        self.eval_x = None if eval_x is None else torch.from_numpy(np.ascontiguousarray(eval_x, dtype=np.float32))
+        self.eval_x = None
+        if eval_x is not None:
+            with warnings.catch_warnings():  # a fleet shares one read-only evaluation array; it is only read
+                warnings.simplefilter("ignore", UserWarning)
+                self.eval_x = torch.from_numpy(np.ascontiguousarray(eval_x, dtype=np.float32))
         self.eval_y = None if eval_y is None else np.ascontiguousarray(eval_y, dtype=np.int64)
         self.train_defaults = train_defaults
         self.client_index = client_index
