@@ -1,8 +1,9 @@
 """fedfleet's wire protocol: message kinds, envelope, tensor codecs, topics, byte ledger, MQTT.
 
-Depends on msgpack, numpy and paho-mqtt only (never on torch), so it fits the smallest device.
-The codec (:mod:`protocol.messages`, :mod:`protocol.tensors`) is sans-I/O; the MQTT session lives
-in :mod:`protocol.transport`; :mod:`protocol.channel` joins them and keeps the ledger.
+Depends on msgpack, numpy, paho-mqtt and cryptography only (never on torch), so it fits the
+smallest device. The codec (:mod:`protocol.messages`, :mod:`protocol.tensors`) is sans-I/O; the MQTT
+session lives in :mod:`protocol.transport`; :mod:`protocol.security` signs, encrypts and verifies;
+:mod:`protocol.channel` joins them and keeps the ledger.
 """
 
 from .channel import Channel, Received, Rejected
