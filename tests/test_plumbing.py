@@ -140,3 +140,19 @@ def test_train_samples_partitions_a_stratified_subset() -> None:
     assert np.all((got - quota >= 0) & (got - quota <= 1)) and got.sum() == 400
     whole = split_clients(ds, cfg.replace("data", train_samples=0))
     assert sum(len(p) for p in whole) == len(ds.train.y)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_example_config_builds_its_algorithm(path: Path) -> None:
+    """Each shipped example parses, and its [algorithm] table is accepted by both halves."""
+    from broker_server.config import load
+    from broker_server.runtime import make_client_algorithm, make_strategy
+    from edge_agent.data import load_dataset
+
+    cfg = load(path)
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None,
+                      domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
+    strategy = make_strategy(cfg, ds)
+    client = make_client_algorithm(cfg, ds)
+    assert strategy.name == client.name == cfg.train.algorithm
