@@ -32,7 +32,6 @@ from edge_agent.algorithms.fedprox import FedProxClient, proximal_term
 from edge_agent.algorithms.scaffold import CONTROL, CONTROL_DELTA, ScaffoldClient, control_variate_option2
 from edge_agent.errors import ModelError
 from edge_agent.models import build_model
-from protocol.messages import Global, Update, decode
 
 CPU = torch.device("cpu")
 
@@ -457,24 +456,9 @@ def test_state_survives_a_checkpoint(tmp_path: Path, name: str, kw: dict) -> Non
 # short federations over the embedded broker (SCAFFOLD; FedAdam)
 
 
-def spied(spy) -> tuple[dict[int, dict[str, Update]], dict[int, Global]]:
-    """(round → sender → Update, round → Global) of the payloads the spy saw (last wills skipped)."""
-    updates: dict[int, dict[str, Update]] = {}
-    globals_: dict[int, Global] = {}
-    for _, payload, _ in spy.messages:
-        if not payload:
-            continue
-        env = decode(payload).envelope
-        if isinstance(env.body, Update):
-            updates.setdefault(env.round, {})[env.sender] = env.body
-        elif isinstance(env.body, Global):
-            globals_[env.round] = env.body
-    return updates, globals_
-
-
 @pytest.mark.slow
 def test_scaffold_and_fedadam_federations(tmp_path: Path) -> None:
-    from test_federation import _run_with_spy, small_config
+    from test_federation import _run_with_spy, small_config, spied
 
     with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
         # --- SCAFFOLD: momentum 0 (option II literally), 2 rounds, all 3 clients report

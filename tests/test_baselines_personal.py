@@ -312,8 +312,7 @@ def test_fedper_federation_with_client_eval(tmp_path):
     from broker_server.embedded_broker import EmbeddedBroker
     from broker_server.simulate import simulate
     from edge_agent.data import load_dataset
-    from protocol.messages import Global
-    from test_federation import Spy, small_config
+    from test_federation import Spy, small_config, spied
 
     cfg = small_config(train={"algorithm": "fedper"}, server={"client_eval": True})
     agents = {}
@@ -330,15 +329,8 @@ def test_fedper_federation_with_client_eval(tmp_path):
     assert all(m["share"] == "backbone" and m["clients_reported"] == 3 and m["clients_evaluated"] == 3
                for m in metrics)
 
-    updates, globals_ = {}, {}
-    for _, payload, _ in spy.messages:
-        if not payload:
-            continue
-        env = decode(payload).envelope
-        if isinstance(env.body, Update):
-            updates.setdefault(env.round, {})[env.sender] = env.body
-        elif isinstance(env.body, Global):
-            globals_[env.round] = env.body.tensors
+    updates, global_msgs = spied(spy)
+    globals_ = {r: g.tensors for r, g in global_msgs.items()}
     # only the six backbone tensors travel, both ways
     assert all(len(g) == len(BACKBONE) for g in globals_.values())
     assert all(len(u.tensors) == len(BACKBONE) and u.extras == {} for r in updates.values() for u in r.values())

@@ -36,6 +36,21 @@ from protocol.messages import Global, Kind, Update, decode
 pytestmark = pytest.mark.slow
 
 
+def spied(spy) -> tuple[dict[int, dict[str, Update]], dict[int, Global]]:
+    """(round → sender → Update, round → Global) of the payloads the spy saw (last wills skipped)."""
+    updates: dict[int, dict[str, Update]] = {}
+    globals_: dict[int, Global] = {}
+    for _, payload, _ in spy.messages:
+        if not payload:
+            continue
+        env = decode(payload).envelope
+        if isinstance(env.body, Update):
+            updates.setdefault(env.round, {})[env.sender] = env.body
+        elif isinstance(env.body, Global):
+            globals_[env.round] = env.body
+    return updates, globals_
+
+
 def small_config(**over) -> config_mod.Config:
     raw = {
         "run": {"name": "t", "seed": 1, "rounds": 2},
