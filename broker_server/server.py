@@ -113,6 +113,7 @@ class RoundStats:
     unsolicited: int = 0
     invalid: int = 0
     global_receipts: int = 0
+    withdrawn: int = 0
     skipped: bool = False
     skip_reason: str = ""
 
@@ -274,6 +275,13 @@ class AggregationServer:
                 rec.last_seen = now
                 if not rec.online:
                     log.info("%s is offline (%s)", env.sender, body.detail)
+            if (body.state == "idle" and env.round and env.round == self._collecting and env.sender in self._selected
+                    and env.sender not in self._results and env.sender not in self._withdrawn):
+                # the device says it will not contribute to the open round (no samples, training
+                # diverged): the round need not wait for it until the deadline
+                self._withdrawn.add(env.sender)
+                self._stats.withdrawn += 1
+                log.warning("%s withdrew from round %d: %s", env.sender, env.round, body.detail)
         elif isinstance(body, Update):
             self._on_update(item, body)
         elif isinstance(body, Receipt) and body.ref_kind == Kind.GLOBAL:
@@ -444,6 +452,7 @@ class AggregationServer:
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         self._selected, self._results, self._collecting = set(plan.selected), {}, r
+        self._withdrawn: set[str] = set()
         self._stats.selected = len(plan.selected)
         if self.global_codec.lossy:
             self.global_tensors = [np.array(decode_tensor(encode_tensor(t, self.global_codec),
@@ -465,11 +474,11 @@ class AggregationServer:
         self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
         deadline = t0 + self.settings.round_deadline_s
         self._deadline = deadline
-        while len(self._results) < len(self._selected) and time.monotonic() < deadline:
+        while len(self._results) + len(self._withdrawn) < len(self._selected) and time.monotonic() < deadline:
             self.pump(min(0.5, max(0.0, deadline - time.monotonic())))
         # what already arrived before the deadline still counts, however busy the server was
         for _ in range(100_000):
-            if len(self._results) >= len(self._selected):
+            if len(self._results) + len(self._withdrawn) >= len(self._selected):
                 break
             item = self.channel.receive(0.0)
             if item is None:
@@ -514,6 +523,7 @@ class AggregationServer:
             "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
             "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
             "global_receipts": self._stats.global_receipts, "unsolicited": self._stats.unsolicited,
+            "withdrawn": self._stats.withdrawn,
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
             if results else None,

@@ -22,7 +22,7 @@ import torch
 from protocol import topics
 from protocol.channel import Channel, Received
 from protocol.errors import TransportError
-from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update
+from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec
 from protocol.tensors import Codec, ErrorFeedback
 
 from .algorithms import ClientAlgorithm, LocalResult, TrainConfig, predict_scores
@@ -42,6 +42,13 @@ def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed
     return {"dataset": dataset, "partition": partition,
             "alpha": f"{alpha:g}" if partition == "dirichlet" and alpha is not None else "-",
             "seed": str(seed), "shards": str(shards)}
+
+
+def _all_finite(result: LocalResult) -> bool:
+    """Whether every floating value of a local result (tensors, extras, loss) is finite."""
+    arrays = [*result.tensors, *result.extras.values()]
+    return bool(np.isfinite(result.train_loss)) and all(
+        np.isfinite(a).all() for a in arrays if np.issubdtype(np.asarray(a).dtype, np.floating))
 
 
 def macro_f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:
@@ -66,25 +73,23 @@ def macro_f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:
 
 
 def extras_codecs(text: str, extras: dict, default: Codec) -> dict[str, Codec] | None:
-    """Codec per ``extras`` entry from the round's ``extras_codec`` setting.
+    """Codec per ``extras`` entry from the round's ``extras_codec`` setting
+    (:func:`protocol.messages.parse_extras_codec`, the grammar the server's configuration is
+    checked with).
 
     ``""`` = every entry uses ``default`` (the update codec); ``"int8"`` = every entry int8;
     ``"soft_predictions=int8+zstd,prototypes=fp16"`` = per name (names not listed use ``default``).
 
     Raises:
-        ValueError: unparsable codec text (the agent reports it and sends fp32 instead).
+        ValueError: unparsable codec text (the agent reports it and sends its extras with the
+            update codec instead).
     """
-    text = text.strip()
-    if not text or not extras:
+    if not text.strip() or not extras:
         return None
-    if "=" not in text:
-        c = Codec.parse(text)
-        return {n: c for n in extras}
-    out = {}
-    for part in text.split(","):
-        name, _, codec = part.partition("=")
-        out[name.strip()] = Codec.parse(codec.strip())
-    return {n: out.get(n, default) for n in extras}
+    every, per_name = parse_extras_codec(text)
+    if every is not None:
+        return {n: every for n in extras}
+    return {n: per_name.get(n, default) for n in extras}
 
 
 class AgentError(EdgeAgentError):
@@ -326,9 +331,20 @@ class EdgeAgent:
         self._last_trained_round = rnd
         if result.num_samples == 0:
             log.warning("%s: no training samples: nothing to send for round %d", self.client_id, rnd)
+            self._withdraw(rnd, "no training samples")
+            return
+        if not _all_finite(result):
+            log.error("%s: local training of round %d diverged (NaN/Inf in the result); no update sent",
+                      self.client_id, rnd)
+            self._withdraw(rnd, "local training diverged (NaN/Inf); no update sent")
             return
         codec, tensors, delta = self._encode_update(start.config, result.tensors, global_tensors)
-        extra_codecs = extras_codecs(str(start.config.get("extras_codec", "")), result.extras, codec)
+        try:
+            extra_codecs = extras_codecs(str(start.config.get("extras_codec", "")), result.extras, codec)
+        except ValueError as exc:  # a server of another version, or a hand-made round_start
+            log.error("%s: extras_codec %r: %s; the extras go with the update codec", self.client_id,
+                      start.config.get("extras_codec"), exc)
+            extra_codecs = None
         update = Update(tensors=tensors, num_samples=result.num_samples, train_loss=result.train_loss,
                         metrics=metrics, delta=delta, extras=result.extras)
         deadline_at = self._pending_at + start.deadline_s
@@ -346,6 +362,14 @@ class EdgeAgent:
         self.rounds_trained += 1
         if self.on_trained is not None:
             self.on_trained(rnd, result, len(enc.payload))
+
+    def _withdraw(self, rnd: int, why: str) -> None:
+        """Tell the server this device will not contribute to round ``rnd`` (a non-retained
+        ``idle`` status carrying the round), so the round need not wait for its deadline."""
+        try:
+            self.channel.send(topics.status(self.fed, self.client_id), Status("idle", f"round {rnd}: {why}"), round=rnd)
+        except TransportError as exc:
+            log.warning("%s: could not say it withdrew from round %d: %s", self.client_id, rnd, exc)
 
     def evaluate(self) -> dict[str, float]:
         """Accuracy and macro-F1 of this device's own model on its evaluation split.

@@ -156,3 +156,38 @@ def test_every_example_config_builds_its_algorithm(path: Path) -> None:
     strategy = make_strategy(cfg, ds)
     client = make_client_algorithm(cfg, ds)
     assert strategy.name == client.name == cfg.train.algorithm
+
+
+@register_client_algorithm("plumbing-nan")
+class DivergingClient(FedAvgClient):
+    """Client 0's local training 'diverges' (NaN weights); the others are FedAvg."""
+
+    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, params=None,
+                    global_extras=None):
+        res = super().local_round(model, global_tensors, x, y, config, round=round, client_index=client_index,
+                                  device=device)
+        if client_index == 0:
+            return LocalResult(tensors=tuple(np.full_like(t, np.nan) for t in res.tensors),
+                               num_samples=res.num_samples, train_loss=float("nan"))
+        return res
+
+
+@register_strategy("plumbing-nan")
+class DivergingStrategy(FedAvg):
+    pass
+
+
+def test_a_diverged_client_withdraws_and_the_round_does_not_wait_for_the_deadline(tmp_path: Path) -> None:
+    cfg = small_config(run={"rounds": 2}, server={"round_deadline_s": 120.0}, train={"algorithm": "plumbing-nan"})
+    res = simulate(cfg, run_dir=tmp_path / "run")
+    assert res.rounds_completed == 2
+    for m in res.metrics:
+        assert m["withdrawn"] == 1 and m["clients_reported"] == 2 and m["invalid"] == 0
+        assert m["seconds"] < 60  # closed when the two others reported, not at the 120 s deadline
+        assert m["accuracy"] > 0.3  # the NaN update was never aggregated
+    import sqlite3
+
+    con = sqlite3.connect(tmp_path / "run" / "ledger.sqlite")
+    n = con.execute("select count(*) from messages where side='agent' and kind='update' and client='client-000' "
+                    "and event='sent'").fetchone()[0]
+    assert n == 0  # nothing non-finite went on the wire
