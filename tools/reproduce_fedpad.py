@@ -73,13 +73,13 @@ def job_config(bench: str, algorithm: str, params: dict, seed: int, *, rounds: i
     data = {"dataset": b.pop("dataset"), "partition": "domain-silo", "clients": 10, **b}
     if domain_clients is not None:
         data["domain_clients"] = domain_clients
-    quorum = max(1, int(round(10 * participation)))
+    # quorum 1: a round aggregates whoever reported (a device whose training diverged withdraws)
     return {
         "run": {"name": f"fedpad-{bench}", "seed": seed, "rounds": rounds},
         "data": data,
         "train": {"algorithm": algorithm, "local_epochs": epochs, "batch_size": 64, "lr": LR, "momentum": 0.9,
                   "weight_decay": 5e-4},
-        "server": {"participation_rate": participation, "quorum": quorum, "round_deadline_s": 3600.0,
+        "server": {"participation_rate": participation, "quorum": 1, "round_deadline_s": 900.0,
                    "join_timeout_s": 120.0},
         "broker": {"kind": "auto"},
         "agents": {"train_slots": 1, "torch_threads": 1},
