@@ -8,6 +8,8 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
 3. collect ``update`` messages until every selected client reported or the deadline passed;
    each accepted update gets a ``receipt``; duplicates (QoS 1 redelivery) are aggregated once,
    late updates for a closed round and updates from unselected clients are rejected and counted;
+   a selected device that has nothing to send (no samples, diverged training) withdraws with an
+   ``idle`` status for the round, and the round does not wait for it;
 4. **quorum rule**: when fewer than ``quorum`` updates arrived by the deadline, the round is
    closed without aggregation (the global model is unchanged) and marked ``skipped`` in
    ``metrics.jsonl``; an aggregate with NaN/Inf is likewise discarded, never broadcast;
