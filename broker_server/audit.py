@@ -51,8 +51,15 @@ uploads), so these costs are all on the wire rows.
 and the protocol **overhead share** = (wire_bytes − body_bytes) / wire_bytes, a fraction in [0, 1]
 (``None`` where nothing was sent: 0 / 0 has no meaning).
 
+**Body fields.** :func:`body_fields` shows what ``global`` and ``update`` bodies are made of:
+model ``tensors``, each named ``extras.<name>`` entry, and the rest, with the tensor values'
+bytes before the codec (``raw_bytes``). It reads each message once, as its **sender** encoded it
+(the sender's ``fields`` column breaks ``extras`` down per entry; the receiver's holds one lump):
+the agents' rows for uploads, the server's for downloads, whole-message rows only
+(:func:`whole_message`: a chunked transfer's ``event='message'`` row, never its chunk rows).
+
 The summary functions (:func:`by_round`, :func:`by_round_kind`, :func:`by_client`,
-:func:`by_kind`, :func:`totals`, :func:`rejected`, :func:`bytes_to_target`,
+:func:`by_kind`, :func:`body_fields`, :func:`totals`, :func:`rejected`, :func:`bytes_to_target`,
 :func:`cumulative_bytes`, :func:`link_time_s`, :func:`comparison_row`) are pure: ledger rows
 (mappings with the columns of the ``messages`` table, as :func:`protocol.ledger.read_rows` yields
 them, in ledger order) and metrics records in, plain JSON-serialisable lists and dicts out. Rows
@@ -89,6 +96,7 @@ __all__ = [
     "accuracy_curve",
     "add_audit_arguments",
     "audit_report",
+    "body_fields",
     "by_client",
     "by_kind",
     "by_round",
@@ -96,6 +104,8 @@ __all__ = [
     "bytes_to_target",
     "comparison_row",
     "cumulative_bytes",
+    "field_bytes_per_client_round",
+    "field_codecs",
     "link_time_s",
     "load_run",
     "main_audit",
@@ -105,6 +115,7 @@ __all__ = [
     "render_text",
     "run_audit",
     "totals",
+    "whole_message",
     "write_csv",
     "write_html",
 ]
@@ -456,6 +467,217 @@ def rejected(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------------------------
+# What the messages are made of: body fields
+
+
+#: The side that sends each direction (its rows break the body down per ``extras`` entry).
+_SENDER_SIDE = {"up": "agent", "down": "server"}
+_RECEIVER_SIDE = {"up": "server", "down": "agent"}
+
+
+def whole_message(row: Mapping[str, Any]) -> bool:
+    """Whether a ledger row stands for one whole message, once: an unchunked ``sent`` or
+    ``received`` row, or the ``event='message'`` row of a chunked transfer. The chunk rows of a
+    transfer (``chunk_index`` set) and ``rejected`` rows are not."""
+    event = row.get("event")
+    return event == "message" or (event in ("sent", "received") and row.get("chunk_index") is None)
+
+
+def field_codecs(codec: str) -> dict[str, str]:
+    """The codec of each tensor-bearing body field from a sender's ``codec`` column.
+
+    The column holds one codec for the whole message (``"fp32"``, ``"int8+zstd"``, ``"topk:0.01"``),
+    or, when ``extras`` entries use other codecs (``[protocol] extras_codec``), the model
+    tensors' codec (only when the message has model tensors) followed by ``name=codec`` pairs:
+    ``"fp32,soft_predictions=int8+zstd"`` (see :meth:`protocol.channel.Channel.send`).
+
+    Returns:
+        ``{field: codec}`` with the keys ``"tensors"`` and ``"extras.<name>"``; ``"*"`` maps to
+        the codec of every field not listed ({} for an empty column). Integer arrays always travel
+        raw whatever the codec says (:func:`protocol.tensors.encode_tensor`).
+    """
+    codec = codec.strip()
+    if not codec:
+        return {}
+    if "=" not in codec:
+        return {"*": codec}
+    out: dict[str, str] = {}
+    for part in codec.split(","):
+        name, eq, value = part.partition("=")
+        if eq:
+            out[f"extras.{name.strip()}"] = value.strip()
+        elif part.strip():
+            out["tensors"] = part.strip()
+    return out
+
+
+def _field_parts(fields_json: str) -> tuple[list[tuple[str, int]], bool]:
+    """The ``tensors`` and extras fields of one row's ``fields`` column as (name, bytes), in wire
+    order, and whether the row breaks ``extras`` down per entry (an unreadable column: none). A sender's row has ``extras.<name>`` entries and an
+    ``extras`` map header (framing); a receiver's row has one lump ``extras`` (entries and
+    header), which is then a field of its own."""
+    try:
+        fields = json.loads(fields_json) if fields_json else {}
+    except json.JSONDecodeError:
+        return [], False
+    if not isinstance(fields, dict):
+        return [], False
+    per_entry = any(str(k).startswith("extras.") for k in fields)
+    out = []
+    for name, value in fields.items():
+        if name == "tensors" or str(name).startswith("extras.") or (name == "extras" and not per_entry):
+            try:
+                out.append((str(name), int(value)))
+            except (TypeError, ValueError):
+                continue
+    return out, per_entry
+
+
+def _bearing(name: str, n_bytes: int) -> bool:
+    """Whether a field carries tensor values (an empty ``tensors`` list is 1 byte: 0x90)."""
+    return not (name == "tensors" and n_bytes <= 1)
+
+
+class _FieldTally:
+    """Running sums of one (kind, direction): messages, bytes per field, raw bytes."""
+
+    def __init__(self, kind: str, direction: str, source: str) -> None:
+        self.kind, self.direction, self.source = kind, direction, source
+        self.messages = self.chunked = self.message_bytes = self.body = self.raw = 0
+        self.client_rounds: set[tuple[str, int | None]] = set()
+        self.bytes: dict[str, int] = {}
+        self.count: dict[str, int] = {}
+        self.codecs: dict[str, set[str]] = {}
+        self.field_raw: dict[str, int | None] = {}
+        self.per_entry = False
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        parts, per_entry = _field_parts(_str(row, "fields"))
+        self.per_entry = self.per_entry or per_entry
+        message = _int(row, "envelope_bytes") + _int(row, "body_bytes")
+        raw = _int(row, "raw_bytes")
+        self.messages += 1
+        self.chunked += row.get("transfer_id") is not None
+        self.message_bytes += message
+        self.body += _int(row, "body_bytes")
+        self.raw += raw
+        self.client_rounds.add((_str(row, "client"), _round_of(row)))
+        codecs = field_codecs(_str(row, "codec")) if self.source == "sender" else {}
+        bearing = [name for name, n in parts if _bearing(name, n)]
+        for name, n in parts:
+            self.bytes[name] = self.bytes.get(name, 0) + n
+            self.count[name] = self.count.get(name, 0) + 1
+            codec = codecs.get(name, codecs.get("*", _str(row, "codec") if self.source == "receiver" else ""))
+            if codec and _bearing(name, n):
+                self.codecs.setdefault(name, set()).add(codec)
+            # The ledger has one raw_bytes per message: it belongs to a field only when that field
+            # is the message's one tensor-bearing field (an empty tensor list holds none).
+            if not _bearing(name, n):
+                share: int | None = 0
+            else:
+                share = raw if len(bearing) == 1 else None
+            known = self.field_raw.get(name, 0)
+            self.field_raw[name] = None if known is None or share is None else known + share
+
+    def as_dict(self) -> dict[str, Any]:
+        msgs = self.messages
+        tensor = sum(n for k, n in self.bytes.items() if k == "tensors")
+        extras = sum(n for k, n in self.bytes.items() if k != "tensors")
+        other = self.message_bytes - tensor - extras
+        fields = [{"field": name, "messages": self.count[name], "bytes": n, "mean_bytes": n / msgs,
+                   "share": n / self.message_bytes if self.message_bytes else None,
+                   "codec": ",".join(sorted(self.codecs.get(name, ()))), "raw_bytes": self.field_raw[name]}
+                  for name, n in sorted(self.bytes.items(), key=lambda kv: kv[0] != "tensors")]
+        fields.append({"field": "other", "messages": msgs, "bytes": other, "mean_bytes": other / msgs,
+                       "share": other / self.message_bytes if self.message_bytes else None, "codec": "",
+                       "raw_bytes": None})
+        return {"kind": self.kind, "direction": self.direction, "source": self.source,
+                "extras_per_entry": self.per_entry, "messages": msgs, "chunked_messages": self.chunked,
+                "client_rounds": len(self.client_rounds), "message_bytes": self.message_bytes,
+                "body_bytes": self.body, "tensor_bytes": tensor, "extras_bytes": extras, "other_bytes": other,
+                "raw_bytes": self.raw, "encoded_bytes": tensor + extras,
+                "mean_message_bytes": self.message_bytes / msgs, "fields": fields}
+
+
+def body_fields(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What ``global`` and ``update`` messages are made of, field by field, from the ledger.
+
+    Each message counts **once, as its sender encoded it**: uploads (``update``, up) from the
+    agents' rows, downloads (``global``, down) from the server's rows, so a broadcast counts once,
+    whatever the number of agents that received it. Only whole-message rows count
+    (:func:`whole_message`): the ``event='message'`` row of a chunked transfer (its chunk rows
+    carry no fields) or the unchunked ``sent`` row. A ledger without the sender's rows (an
+    agent's own ledger has no server rows) falls back to the receiver's whole-message rows
+    (``source='receiver'``): their ``extras`` is one lump (entries and map header).
+
+    Bytes are those of the encoded message, before signing, encryption and chunking:
+    ``message_bytes`` = envelope_bytes + body_bytes = ``tensor_bytes`` (model ``tensors``) +
+    ``extras_bytes`` (every ``extras.<name>`` entry: key + encoded array) + ``other_bytes``
+    (everything else: envelope header and msgpack framing, the scalar body fields such as
+    ``num_samples``, ``metrics``, ``meta``, and the 1–3 byte ``extras`` map header). The MQTT
+    framing, chunk framing, signatures and encryption of each packet are in :func:`by_kind`.
+
+    Returns:
+        One dict per (kind, direction) that has messages, ``global`` first: ``kind``,
+        ``direction``, ``source`` (``'sender'``/``'receiver'``), ``extras_per_entry`` (bool),
+        ``messages``, ``chunked_messages``, ``client_rounds`` (distinct (client, round) pairs;
+        a broadcast's client is ``'*'``), ``message_bytes``, ``body_bytes``, ``tensor_bytes``,
+        ``extras_bytes``, ``other_bytes``, ``raw_bytes`` (the ledger's ``raw_bytes``: tensor and
+        extras values before the codec, ``size × itemsize``), ``encoded_bytes`` (tensor_bytes +
+        extras_bytes: what ``raw_bytes`` became), ``mean_message_bytes``, and ``fields``: one
+        dict per field — ``tensors`` first, then each ``extras.<name>`` in order of first
+        appearance (or the lump ``extras``), then ``other`` — with ``field``, ``messages`` (that
+        carried it), ``bytes``, ``mean_bytes`` (per message of the kind, so the means add up to
+        ``mean_message_bytes``), ``share`` (of ``message_bytes``), ``codec`` (as configured,
+        from the sender's ``codec`` column — :func:`field_codecs`; on a receiver's row the codec
+        of its first float tensor; several joined by commas; '' for ``other`` and an empty
+        ``tensors`` list) and ``raw_bytes``: the field's bytes before the codec where the
+        ledger tells them apart — the message's ``raw_bytes`` when the field is its only
+        tensor-bearing field, 0 for an empty ``tensors`` list — else None (several tensor-bearing
+        fields share one ``raw_bytes``; see the kind's ``raw_bytes`` and ``encoded_bytes``).
+    """
+    rows = list(rows)
+    out = []
+    for kind, direction in (("global", "down"), ("update", "up")):
+        mine = [r for r in rows if _str(r, "kind") == kind and r.get("direction") == direction and whole_message(r)]
+        source = "sender"
+        chosen = [r for r in mine if r.get("side") == _SENDER_SIDE[direction] and r.get("event") != "received"]
+        if not chosen:
+            source = "receiver"
+            chosen = [r for r in mine if r.get("side") == _RECEIVER_SIDE[direction] and r.get("event") != "sent"]
+        if not chosen:
+            continue
+        tally = _FieldTally(kind, direction, source)
+        for r in chosen:
+            tally.add(r)
+        out.append(tally.as_dict())
+    return out
+
+
+def field_bytes_per_client_round(fields: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """Model-tensor and extras bytes per client per round, from :func:`body_fields`.
+
+    For each direction, the group's ``tensor_bytes`` and ``extras_bytes`` divided by its
+    ``client_rounds``: per update a client sent in a round (up), and per global a client
+    received in a round (down: a broadcast, client ``'*'``, is one per round and reaches every
+    client whole).
+
+    Returns:
+        ``up_tensor_bytes_per_client_round``, ``up_extras_bytes_per_client_round``,
+        ``down_tensor_bytes_per_client_round``, ``down_extras_bytes_per_client_round`` (bytes;
+        None where the direction has no message).
+    """
+    out: dict[str, float | None] = {f"{d}_{p}_bytes_per_client_round": None
+                                    for d in ("up", "down") for p in ("tensor", "extras")}
+    for g in fields:
+        n = g.get("client_rounds") or 0
+        if n:
+            out[f"{g['direction']}_tensor_bytes_per_client_round"] = g["tensor_bytes"] / n
+            out[f"{g['direction']}_extras_bytes_per_client_round"] = g["extras_bytes"] / n
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Accuracy against bytes, and transfer time
 
 
@@ -642,6 +864,8 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         ``metrics_rounds`` (records in ``metrics.jsonl``).
         ``totals``: ``{"device": totals(rows, "device"), "server": totals(rows, "server")}``.
         ``by_round``, ``by_round_kind``, ``by_client``, ``by_kind``: device view.
+        ``fields``: :func:`body_fields` (what ``global``/``update`` bodies are made of, each
+        message once as its sender encoded it).
         ``rejected``: :func:`rejected`; ``rejected_totals``: ``messages``, ``payload_bytes``,
         ``wire_bytes``.
         ``final_accuracy``: fraction in [0, 1] from the last metrics record with an ``accuracy``,
@@ -679,6 +903,7 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         "by_round_kind": by_round_kind(rows, "device"),
         "by_client": by_client(rows, "device"),
         "by_kind": by_kind(rows, "device"),
+        "fields": body_fields(rows),
         "rejected": rejected(rows),
         "rejected_totals": {
             "messages": len(rejected_rows),
@@ -702,7 +927,10 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         ``target`` (fraction), ``target_round`` and ``bytes_to_target`` (None: not reached),
         and from ``link_time`` (None without link speeds): ``uplink_kbps``, ``downlink_kbps``,
         ``up_max_s``, ``down_max_s``, ``time_max_s`` (parallel clients), ``up_sum_s``,
-        ``down_sum_s``, ``time_sum_s`` (sum over clients).
+        ``down_sum_s``, ``time_sum_s`` (sum over clients); and from ``fields``
+        (:func:`field_bytes_per_client_round`; None without it): ``up_tensor_bytes_per_client_round``,
+        ``up_extras_bytes_per_client_round``, ``down_tensor_bytes_per_client_round``,
+        ``down_extras_bytes_per_client_round``.
     """
     dev = report["totals"]["device"]
     tgt = report.get("target") or {}
@@ -718,6 +946,7 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         "time_max_s": link.get("max_s"),
         "up_sum_s": link.get("up_sum_s"), "down_sum_s": link.get("down_sum_s"),
         "time_sum_s": link.get("sum_s"),
+        **field_bytes_per_client_round(report.get("fields") or []),
     }
 
 
@@ -791,8 +1020,8 @@ def render_text(report: Mapping[str, Any]) -> str:
     """Human tables of an :func:`audit_report` for a terminal (plain text, 120 columns).
 
     Sections: Totals (device links, server link), Per round (control packets and other traffic
-    without a round in the ``session`` row), Per client, Per kind and direction, Rejected
-    messages, and, when the report has them, bytes to reach the target accuracy and the
+    without a round in the ``session`` row), Per client, Per kind and direction, Body fields
+    (:func:`body_fields`), Rejected messages, and, when the report has them, bytes to reach the target accuracy and the
     estimated transfer time. Counts use thousands separators; byte columns are in bytes, and the
     totals add the wire bytes in KiB/MiB.
     """
@@ -863,6 +1092,16 @@ def render_text(report: Mapping[str, Any]) -> str:
                   _pct(k["overhead_share"]))
     console.print(t)
 
+    if report.get("fields"):
+        console.print()
+        console.print(_FIELDS_TITLE)
+        t = _table("kind", "dir", "field", "codec", "msgs", "bytes", "mean B/msg", "share", "raw B", text_columns=4)
+        for cells in _field_cells(report["fields"]):
+            t.add_row(*cells)
+        console.print(t)
+        for line in _field_notes(report["fields"]):
+            console.print(line)
+
     console.print()
     rt = report.get("rejected_totals") or {
         "messages": len(report["rejected"]),
@@ -891,8 +1130,49 @@ def _kbps(value: float | None) -> str:
     return "—" if value is None else f"{value:g} kbit/s"
 
 
+_FIELDS_TITLE = ("Body fields of global and update messages (each message once, as its sender encoded it: "
+                 "uploads from the agents' rows, downloads from the server's, so a broadcast counts once; "
+                 "a chunked message once, not per chunk)")
+
+
+def _mean(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def _field_cells(fields: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """Table cells of :func:`body_fields`: one row per field, then the whole message."""
+    out = []
+    for g in fields:
+        for f in g["fields"]:
+            out.append([g["kind"], g["direction"], f["field"], f["codec"], _n(f["messages"]), _n(f["bytes"]),
+                        _mean(f["mean_bytes"]), _pct(f["share"]),
+                        "—" if f["raw_bytes"] is None else _n(f["raw_bytes"])])
+        out.append([g["kind"], g["direction"], "= message", "", _n(g["messages"]), _n(g["message_bytes"]),
+                    _mean(g["mean_message_bytes"]), _pct(1.0 if g["message_bytes"] else None), _n(g["raw_bytes"])])
+    return out
+
+
+def _field_notes(fields: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per kind: messages, chunked ones, and the tensor values before and after the codec."""
+    out = []
+    for g in fields:
+        ratio = f" ({_pct(g['encoded_bytes'] / g['raw_bytes'])} of raw)" if g["raw_bytes"] else ""
+        source = ("" if g["source"] == "sender" else
+                  "; receiver's rows (no sender rows in this ledger): extras counted as one lump")
+        out.append(f"{g['kind']} ({g['direction']}): {_n(g['messages'])} messages, {_n(g['chunked_messages'])} "
+                   f"chunked; tensors + extras {_n(g['encoded_bytes'])} B encoded from {_n(g['raw_bytes'])} B "
+                   f"raw{ratio}{source}")
+    out.append("other = envelope, msgpack framing, scalar body fields (num_samples, metrics, meta …), extras map "
+               "header.")
+    out.append("raw B = tensor values before the codec; per field only where it is a message's one tensor-bearing "
+               "field (else —).")
+    return out
+
+
 def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
-    """The comparison of several runs as one text table (one row per run, in the order given)."""
+    """The comparison of several runs as text: one table of bytes, accuracy and transfer time, then
+    one of model-tensor and extras bytes per client per round (see :func:`comparison_row`); one
+    row per run in each, in the order given."""
     console, buf = _console()
     rows = [comparison_row(r) for r in reports]
     target = next((r["target"] for r in rows if r["target"] is not None), None)
@@ -913,6 +1193,13 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     console.print(t)
     console.print(f"B to {_acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target.")
+    console.print()
+    console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it)")
+    t = _table("run", "up tensors B", "up extras B", "down tensors B", "down extras B")
+    for r in rows:
+        t.add_row(r["run"], *(_mean(r[f"{d}_{p}_bytes_per_client_round"])
+                              for d in ("up", "down") for p in ("tensor", "extras")))
+    console.print(t)
     if link:
         console.print(f"Transfer time ({_directions_label(link)}): uplink {_kbps(link['uplink_kbps'])}, downlink "
                       f"{_kbps(link['downlink_kbps'])} per client (1 kbit/s = 1000 bit/s); parallel = slowest "
@@ -1141,20 +1428,25 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
     target = next((r["target"] for r in rows if r["target"] is not None), None)
     headers = ["run", "federation", "rounds", "final accuracy", "up B", "down B", "overhead",
-               f"bytes to {_acc(target)}" if target is not None else "bytes to target"]
+               f"bytes to {_acc(target)}" if target is not None else "bytes to target",
+               "up tensors B/client/round", "up extras B/client/round", "down tensors B/client/round",
+               "down extras B/client/round"]
     if link:
         headers += [f"transfer time {_directions_label(link)}, clients in parallel",
                     "transfer time, sum over clients"]
     body = []
     for r in rows:
         cells = [r["run"], r["federation"], r["rounds"], _acc(r["final_accuracy"]), _n(r["up_bytes"]),
-                 _n(r["down_bytes"]), _pct(r["overhead_share"]), _target_text(r)]
+                 _n(r["down_bytes"]), _pct(r["overhead_share"]), _target_text(r),
+                 *(_mean(r[f"{d}_{p}_bytes_per_client_round"]) for d in ("up", "down") for p in ("tensor", "extras"))]
         if link:
             cells += [_secs(r["time_max_s"]), _secs(r["time_sum_s"])]
         body.append(cells)
     note = ("<p class=\"note\">Device links (what the agents sent and received). Bytes to target: cumulative "
             "device-link wire bytes up to and including the first round whose test accuracy reached the "
-            "target (session traffic recorded before then included).")
+            "target (session traffic recorded before then included). Tensors/extras per client per round: "
+            "bytes of the model tensors and of the named extras of the updates a client sent and the globals it "
+            "received, as their sender encoded them.")
     if link:
         note += (f" Transfer time: uplink {_esc(_kbps(link['uplink_kbps']))}, downlink "
                  f"{_esc(_kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "
@@ -1170,8 +1462,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
     from the reports is escaped with :func:`html.escape`. Contents: a comparison table (one row
     per run; with several runs also an overlay of accuracy against cumulative bytes), then per
     run: totals (device links, server link), per kind, bytes per round by kind and direction,
-    cumulative bytes against accuracy, bytes per client, protocol overhead share, and the
-    rejected messages.
+    cumulative bytes against accuracy, bytes per client, protocol overhead share, the body
+    fields of global/update messages (:func:`body_fields`), and the rejected messages.
     """
     parts = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
              f"<title>{_esc(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
@@ -1214,6 +1506,11 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
             [[k["kind"], k["direction"], _n(k["messages"]), _n(k["body_bytes"]), _n(k["envelope_bytes"]),
               _n(k["mqtt_bytes"]), _n(k.get("control_bytes", 0)), _n(k["wire_bytes"]), _pct(k["overhead_share"])]
              for k in rep["by_kind"]], text_columns=2))
+        if rep.get("fields"):
+            parts.append("<h3>" + _esc(_FIELDS_TITLE) + "</h3>")
+            parts.append(_html_table(["kind", "dir", "field", "codec", "messages", "bytes", "mean B/message",
+                                      "share", "raw B"], _field_cells(rep["fields"]), text_columns=4))
+            parts.append('<p class="note">' + "<br>".join(_esc(n) for n in _field_notes(rep["fields"])) + "</p>")
         rt = rep.get("rejected_totals") or {"messages": len(rep["rejected"]),
                                             "payload_bytes": sum(r["payload_bytes"] for r in rep["rejected"])}
         parts.append(f"<h3>Rejected messages: {_esc(_n(rt['messages']))} "
@@ -1257,19 +1554,26 @@ _BY_KIND_FIELDS = ["run", "kind", "direction", "messages", "body_bytes", "envelo
 _COMPARISON_FIELDS = ["run", "federation", "rounds", "final_accuracy", "up_bytes", "down_bytes", "wire_bytes",
                       "overhead_share", "target", "target_round", "bytes_to_target", "uplink_kbps",
                       "downlink_kbps", "up_max_s", "down_max_s", "time_max_s", "up_sum_s", "down_sum_s",
-                      "time_sum_s"]
+                      "time_sum_s", "up_tensor_bytes_per_client_round", "up_extras_bytes_per_client_round",
+                      "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round"]
+_FIELDS_FIELDS = ["run", "kind", "direction", "source", "field", "codec", "messages", "bytes", "mean_bytes", "share",
+                  "raw_bytes", "kind_messages", "kind_message_bytes", "kind_raw_bytes", "kind_encoded_bytes"]
 
 
 def write_csv(reports: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
-    """Write ``by_round.csv``, ``by_client.csv``, ``by_kind.csv`` and ``comparison.csv`` to ``out_dir``.
+    """Write ``by_round.csv``, ``by_client.csv``, ``by_kind.csv``, ``comparison.csv`` and
+    ``fields.csv`` to ``out_dir``.
 
     Device view; bytes in bytes, shares as fractions, times in seconds, empty cells for None.
     Every file has a ``run`` column (the run path); ``by_round.csv`` writes the session row's
     round as ``session``; ``comparison.csv`` has one row per run, in the order given (see
-    :func:`comparison_row`).
+    :func:`comparison_row`); ``fields.csv`` has one row per body field of :func:`body_fields`
+    (``other`` included, so a kind's ``bytes`` add up to its ``kind_message_bytes``), with the
+    kind's ``kind_messages``, ``kind_message_bytes``, ``kind_raw_bytes`` and
+    ``kind_encoded_bytes`` repeated on each.
 
     Returns:
-        The four paths written.
+        The five paths written.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -1282,6 +1586,12 @@ def write_csv(reports: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list
     _write_rows(paths[2], _BY_KIND_FIELDS, ({**k, "run": rep["run"]["path"]}
                                             for rep in reports for k in rep["by_kind"]))
     _write_rows(paths[3], _COMPARISON_FIELDS, (comparison_row(rep) for rep in reports))
+    paths.append(out / "fields.csv")
+    _write_rows(paths[4], _FIELDS_FIELDS,
+                ({**f, "run": rep["run"]["path"], "kind": g["kind"], "direction": g["direction"],
+                  "source": g["source"], "kind_messages": g["messages"], "kind_message_bytes": g["message_bytes"],
+                  "kind_raw_bytes": g["raw_bytes"], "kind_encoded_bytes": g["encoded_bytes"]}
+                 for rep in reports for g in rep.get("fields") or [] for f in g["fields"]))
     return paths
 
 
@@ -1317,7 +1627,7 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--html", metavar="OUT.html",
                         help="also write a self-contained HTML report with plots to this file")
     parser.add_argument("--csv", metavar="DIR",
-                        help="also write by_round.csv, by_client.csv, by_kind.csv, comparison.csv to this folder")
+                        help="also write by_round.csv, by_client.csv, by_kind.csv, comparison.csv, fields.csv to this folder")
     parser.add_argument("--target", type=_fraction, default=DEFAULT_TARGET, metavar="ACC",
                         help=f"test accuracy (fraction) for 'bytes to reach the target' (default {DEFAULT_TARGET})")
     parser.add_argument("--uplink-kbps", type=_positive, metavar="K",

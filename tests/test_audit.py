@@ -25,19 +25,24 @@ from broker_server.audit import (  # noqa: E402
     RunAudit,
     accuracy_curve,
     audit_report,
+    body_fields,
     by_client,
     by_kind,
     by_round,
     bytes_to_target,
     comparison_row,
     cumulative_bytes,
+    field_bytes_per_client_round,
+    field_codecs,
     link_time_s,
     load_run,
     main_audit,
     rejected,
+    render_comparison_text,
     render_html,
     render_text,
     totals,
+    whole_message,
     write_html,
 )
 from broker_server.cli import main as fedfleet_main  # noqa: E402
@@ -249,6 +254,7 @@ def test_audit_report(run_dir, rows):
     assert rep["by_round"] == by_round(rows) and rep["by_client"] == by_client(rows)
     assert rep["by_kind"] == by_kind(rows)
     assert rep["rejected"] == rejected(rows)
+    assert rep["fields"] == body_fields(rows)
     assert rep["rejected_totals"] == {"messages": 1, "payload_bytes": 727, "wire_bytes": U2A2}
     assert rep["final_accuracy"] == 0.75
     json.dumps(rep)  # serialisable
@@ -635,9 +641,13 @@ def test_two_runs_compared_in_order(ctrl_run, run_dir, tmp_path, capsys):
     first, second, table = (text.index(f"Run: {run_dir}"), text.index(f"Run: {ctrl_run}"),
                             text.index("Comparison of 2 runs"))
     assert first < second < table
-    lines = text[table:].splitlines()
+    composition = text.index("Model tensors vs extras per client per round")
+    lines = text[table:composition].splitlines()
     rows = [line for line in lines if line.startswith(str(tmp_path))]
     assert [r.split()[0] for r in rows] == [str(run_dir), str(ctrl_run)]
+    # The hand-made ledgers have no body fields: no model tensor or extras bytes.
+    assert [line.split() for line in text[composition:].splitlines() if line.startswith(str(tmp_path))] == [
+        [str(run_dir), "0", "0", "0", "0"], [str(ctrl_run), "0", "0", "0", "0"]]
     assert "8,708" in rows[0] and "8,744" in rows[1]
     assert all(len(line) <= 120 for line in text.splitlines())
 
@@ -665,3 +675,298 @@ def test_logical_message_rows_are_not_counted_twice(tmp_path):
     rows = load_run(_write_run(tmp_path / "logical", _rows() + [logical], METRICS)).rows
     assert totals(rows) == totals(load_run(_write_run(tmp_path / "plain", _rows(), METRICS)).rows)
     assert bytes_to_target(METRICS, rows, 0.75) == 8708
+
+
+# --------------------------------------------------------------------------------------------
+# Body fields: what global/update messages are made of
+#
+# A hand-made ledger (dicts, as read_rows yields them). Sizes in bytes, worked out by hand:
+#
+# update, a1, round 1, unchunked 'sent': body = 1 (array header) + tensors 1 (empty list) +
+#   num_samples 3 + train_loss 9 + metrics 10 + delta 1 + extras map header 1 +
+#   extras.soft_predictions 500 + extras.prototypes 300 = 826; envelope 28 → message 854.
+# update, a2, round 1, chunked: the 'message' row (soft_predictions 520 → body 846, message 874)
+#   plus two chunk 'sent' rows (no fields) that must not count again.
+# Both: raw 5,200 (soft predictions 1,000 fp32 values + prototypes 300 fp32 values).
+# The server's 'received' rows lump extras into one 'extras' field: ignored (the sender's count).
+# global: no server rows (an agent's own ledger), so the agents' 'received' rows are used:
+#   round 1 to a1 and a2: tensors 2,001 (fp16, raw 1,960), meta 40 → body 2,042, envelope 24;
+#   round 2 to a1: tensors 1 (empty), meta 40, extras 700 (one lump, raw 640) → body 742.
+
+UP_CODEC = "soft_predictions=int8+zstd,prototypes=fp16"  # what Channel.send writes without model tensors
+
+
+def _fields_row(side, node, event, direction, kind, rnd, client, envelope, body, fields=None, raw=0, codec="",
+                **extra):
+    row = {"side": side, "node": node, "event": event, "direction": direction, "kind": kind, "round": rnd,
+           "client": client, "topic": "t", "topic_bytes": 1, "mqtt_header_bytes": 2, "envelope_bytes": envelope,
+           "body_bytes": body, "payload_bytes": envelope + body, "raw_bytes": raw, "codec": codec,
+           "fields": json.dumps(fields) if fields else "", "transfer_id": None, "chunk_index": None,
+           "chunk_count": None, "reason": ""}
+    row.update(extra)
+    return row
+
+
+def _update_fields(soft: int) -> dict:
+    return {"tensors": 1, "num_samples": 3, "train_loss": 9, "metrics": 10, "delta": 1, "extras": 1,
+            "extras.soft_predictions": soft, "extras.prototypes": 300}
+
+
+def _field_rows() -> list[dict]:
+    up_a1 = _fields_row("agent", "a1", "sent", "up", "update", 1, "a1", 28, 826, _update_fields(500), 5200, UP_CODEC)
+    up_a2 = _fields_row("agent", "a2", "message", "up", "update", 1, "a2", 28, 846, _update_fields(520), 5200,
+                        UP_CODEC, transfer_id="ab", chunk_count=2)
+    chunks = [_fields_row("agent", "a2", "sent", "up", "update", 1, "a2", 90, n, transfer_id="ab", chunk_index=i,
+                          chunk_count=2) for i, n in enumerate((500, 374))]
+    lump = {"tensors": 1, "num_samples": 3, "train_loss": 9, "metrics": 10, "delta": 1, "extras": 801}
+    srv = [_fields_row("server", "server", "received", "up", "update", 1, "a1", 28, 826, lump, 5200, "int8+zstd"),
+           *[_fields_row("server", "server", "received", "up", "update", 1, "a2", 90, n, transfer_id="ab",
+                         chunk_index=i, chunk_count=2) for i, n in enumerate((500, 374))],
+           _fields_row("server", "server", "message", "up", "update", 1, "a2", 28, 846, lump, 5200, "int8+zstd",
+                       transfer_id="ab", chunk_count=2),
+           _fields_row("server", "server", "rejected", "up", "invalid", None, "a2", 900, 0, reason="bad")]
+    down = [_fields_row("agent", c, "received", "down", "global", 1, c, 24, 2042, {"tensors": 2001, "meta": 40},
+                        1960, "fp16") for c in ("a1", "a2")]
+    down.append(_fields_row("agent", "a1", "received", "down", "global", 2, "a1", 24, 742,
+                            {"tensors": 1, "meta": 40, "extras": 700}, 640, "fp32"))
+    return [up_a1, *chunks, up_a2, *srv, *down]
+
+
+def test_whole_message():
+    rows = _field_rows()
+    assert [whole_message(r) for r in rows[:4]] == [True, False, False, True]  # sent, 2 chunks, message
+    assert not whole_message(rows[8])  # rejected
+
+
+def test_field_codecs():
+    assert field_codecs("") == {}
+    assert field_codecs("fp32") == {"*": "fp32"}
+    assert field_codecs("topk:0.01:fp16+zstd:3") == {"*": "topk:0.01:fp16+zstd:3"}
+    assert field_codecs("fp32,soft_predictions=int8+zstd") == {"tensors": "fp32",
+                                                               "extras.soft_predictions": "int8+zstd"}
+    assert field_codecs(UP_CODEC) == {"extras.soft_predictions": "int8+zstd", "extras.prototypes": "fp16"}
+
+
+def test_body_fields_by_hand():
+    down, up = body_fields(_field_rows())
+    assert {k: v for k, v in up.items() if k != "fields"} == {
+        "kind": "update", "direction": "up", "source": "sender", "extras_per_entry": True, "messages": 2,
+        "chunked_messages": 1, "client_rounds": 2, "message_bytes": 854 + 874, "body_bytes": 826 + 846,
+        "tensor_bytes": 2, "extras_bytes": 1020 + 600, "other_bytes": 1728 - 2 - 1620, "raw_bytes": 10_400,
+        "encoded_bytes": 1622, "mean_message_bytes": 864.0}
+    # other per message: envelope 28 + body array header 1 + scalars 3 + 9 + 10 + 1 + extras header 1 = 53
+    assert up["other_bytes"] == 2 * 53
+    assert up["fields"] == [
+        {"field": "tensors", "messages": 2, "bytes": 2, "mean_bytes": 1.0, "share": pytest.approx(2 / 1728),
+         "codec": "", "raw_bytes": 0},
+        {"field": "extras.soft_predictions", "messages": 2, "bytes": 1020, "mean_bytes": 510.0,
+         "share": pytest.approx(1020 / 1728), "codec": "int8+zstd", "raw_bytes": None},
+        {"field": "extras.prototypes", "messages": 2, "bytes": 600, "mean_bytes": 300.0,
+         "share": pytest.approx(600 / 1728), "codec": "fp16", "raw_bytes": None},
+        {"field": "other", "messages": 2, "bytes": 106, "mean_bytes": 53.0, "share": pytest.approx(106 / 1728),
+         "codec": "", "raw_bytes": None},
+    ]
+    assert sum(f["bytes"] for f in up["fields"]) == up["message_bytes"]
+    assert sum(f["mean_bytes"] for f in up["fields"]) == up["mean_message_bytes"]
+
+    # No server rows for the globals: the agents' received rows, one per agent, extras as one lump.
+    assert (down["source"], down["extras_per_entry"], down["messages"], down["chunked_messages"],
+            down["client_rounds"]) == ("receiver", False, 3, 0, 3)
+    assert down["message_bytes"] == 2 * (24 + 2042) + (24 + 742) == 4898
+    assert (down["tensor_bytes"], down["extras_bytes"], down["raw_bytes"]) == (4003, 700, 2 * 1960 + 640)
+    assert [(f["field"], f["messages"], f["bytes"], f["codec"], f["raw_bytes"]) for f in down["fields"]] == [
+        ("tensors", 3, 4003, "fp16", 2 * 1960),  # one tensor-bearing field per message (0 raw when empty)
+        ("extras", 1, 700, "fp32", 640),
+        ("other", 3, 4898 - 4003 - 700, "", None)]
+    assert down["fields"][-1]["bytes"] == 3 * (24 + 1 + 40)
+
+    assert field_bytes_per_client_round([down, up]) == {
+        "up_tensor_bytes_per_client_round": 1.0, "up_extras_bytes_per_client_round": 810.0,
+        "down_tensor_bytes_per_client_round": 4003 / 3, "down_extras_bytes_per_client_round": 700 / 3}
+    assert field_bytes_per_client_round([]) == dict.fromkeys(
+        ["up_tensor_bytes_per_client_round", "up_extras_bytes_per_client_round",
+         "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round"])
+    assert body_fields([]) == []
+
+
+def test_body_fields_prefers_the_sender_and_attributes_raw_to_a_lone_field():
+    rows = _field_rows()
+    # A server 'sent' global beside the agents' received copies: the server's row counts, once.
+    glob = _fields_row("server", "server", "sent", "down", "global", 1, "*", 24, 2042 + 5,
+                       {"tensors": 2001, "meta": 40, "extras": 1, "extras.prototypes": 4}, 1964, "fp16")
+    down = body_fields(rows + [glob])[0]
+    assert (down["source"], down["messages"], down["client_rounds"]) == ("sender", 1, 1)
+    assert [(f["field"], f["bytes"], f["raw_bytes"]) for f in down["fields"]] == [
+        ("tensors", 2001, None), ("extras.prototypes", 4, None), ("other", 24 + 2047 - 2005, None)]
+    # The same message with model tensors only: the tensors field gets the message's raw bytes.
+    lone = dict(glob, fields=json.dumps({"tensors": 2001, "meta": 40}), body_bytes=2042, raw_bytes=1960)
+    assert body_fields([lone])[0]["fields"][0]["raw_bytes"] == 1960
+
+
+def test_body_fields_in_text_json_csv_and_html(tmp_path, capsys):
+    run = tmp_path / "fields-run"
+    run.mkdir()
+    with Ledger(run / "ledger.sqlite") as ledger:
+        for r in _field_rows():
+            ledger.record(LedgerRow(**{k: v for k, v in r.items() if k != "id"}, federation=FED, sender=None,
+                                    seq=None, qos=1))
+    assert main_audit([str(run), "--json", "--csv", str(tmp_path / "csv"), "--html", str(tmp_path / "r.html")]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["fields"] == body_fields(load_run(run).rows)
+    text = render_text(rep)
+    assert "Body fields of global and update messages" in text
+    assert re.search(r"^update\s+up\s+extras\.soft_predictions\s+int8\+zstd\s+2\s+1,020\s+510\s+59\.0 %\s+—$",
+                     text, re.M)
+    assert re.search(r"^update\s+up\s+= message\s+2\s+1,728\s+864\s+100\.0 %\s+10,400$", text, re.M)
+    assert "update (up): 2 messages, 1 chunked; tensors + extras 1,622 B encoded from 10,400 B raw" in text
+    assert all(len(line) <= 120 for line in text.splitlines())
+    csv_rows = _read_csv(tmp_path / "csv" / "fields.csv")
+    assert [(r["kind"], r["field"]) for r in csv_rows] == [
+        ("global", "tensors"), ("global", "extras"), ("global", "other"),
+        ("update", "tensors"), ("update", "extras.soft_predictions"), ("update", "extras.prototypes"),
+        ("update", "other")]
+    for kind in ("global", "update"):
+        mine = [r for r in csv_rows if r["kind"] == kind]
+        assert sum(int(r["bytes"]) for r in mine) == int(mine[0]["kind_message_bytes"])
+    assert csv_rows[4]["raw_bytes"] == "" and csv_rows[4]["codec"] == "int8+zstd"
+    (cmp,) = _read_csv(tmp_path / "csv" / "comparison.csv")
+    assert float(cmp["up_extras_bytes_per_client_round"]) == 810.0
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "extras.soft_predictions" in page and html.escape("= message") in page
+
+
+# --------------------------------------------------------------------------------------------
+# Body fields of real federations, against sums computed with SQLite straight from the ledger.
+#
+# Two tiny runs (scikit-learn digits, 2 rounds, 2 clients) over the embedded broker: FedProto with
+# share none (updates carry only extras) and FedAvg (only model tensors), with chunk sizes small
+# enough that messages travel as chunked transfers.
+
+_SENDER = {"update": ("agent", "up"), "global": ("server", "down")}
+_WHOLE = "m.event IN ('sent', 'message') AND m.chunk_index IS NULL"
+
+
+@pytest.fixture(scope="module")
+def fed_runs(tmp_path_factory):
+    import torch
+
+    from broker_server.simulate import simulate
+    from test_federation import small_config
+
+    torch.set_num_threads(1)
+    out = {}
+    for alg, chunk in (("fedproto", 1024), ("fedavg", 4096)):
+        cfg = small_config(train={"algorithm": alg}, data={"clients": 2}, protocol={"chunk_bytes": chunk})
+        run = tmp_path_factory.mktemp(alg) / "run"
+        assert simulate(cfg, run_dir=run).rounds_completed == 2
+        out[alg] = run
+    return out
+
+
+def tmp_path_root(run):
+    """The folder that holds every run of :func:`fed_runs` (the base temporary folder)."""
+    return run.parent.parent
+
+
+def _sql(run, query, *params):
+    db = sqlite3.connect(run / "ledger.sqlite")
+    try:
+        return db.execute(query, params).fetchall()
+    finally:
+        db.close()
+
+
+def _sql_fields(run, kind):
+    """{field: (total bytes, messages carrying it)} of the sender's whole-message rows, by json_each."""
+    side, direction = _SENDER[kind]
+    return {k: (n, c) for k, n, c in _sql(
+        run, f"SELECT j.key, SUM(j.value), COUNT(*) FROM messages m, json_each(m.fields) j WHERE m.side = ? "
+             f"AND m.kind = ? AND m.direction = ? AND {_WHOLE} GROUP BY j.key", side, kind, direction)}
+
+
+def _sql_message(run, kind):
+    """(messages, Σ envelope + body, Σ raw, distinct (client, round)) of the sender's whole messages."""
+    side, direction = _SENDER[kind]
+    return _sql(run, f"SELECT COUNT(*), SUM(envelope_bytes + body_bytes), SUM(raw_bytes), "
+                     f"COUNT(DISTINCT client || '/' || round) FROM messages m WHERE side = ? AND kind = ? "
+                     f"AND direction = ? AND {_WHOLE}", side, kind, direction)[0]
+
+
+def _check_against_sql(run, group):
+    kind = group["kind"]
+    sql = _sql_fields(run, kind)
+    n, message_bytes, raw, client_rounds = _sql_message(run, kind)
+    assert group["source"] == "sender"
+    assert (group["messages"], group["message_bytes"], group["raw_bytes"], group["client_rounds"]) == (
+        n, message_bytes, raw, client_rounds)
+    tensor_like = {k: v for k, v in sql.items() if k == "tensors" or k.startswith("extras.")}
+    got = {f["field"]: (f["bytes"], f["messages"]) for f in group["fields"] if f["field"] != "other"}
+    assert got == tensor_like
+    other = message_bytes - sum(b for b, _ in tensor_like.values())
+    assert group["fields"][-1] == {"field": "other", "messages": n, "bytes": other, "mean_bytes": other / n,
+                                   "share": pytest.approx(other / message_bytes), "codec": "", "raw_bytes": None}
+    for f in group["fields"]:
+        assert f["mean_bytes"] == pytest.approx(f["bytes"] / n)
+    assert group["tensor_bytes"] == sql.get("tensors", (0, 0))[0]
+    assert group["extras_bytes"] == sum(b for k, (b, _) in tensor_like.items() if k.startswith("extras."))
+
+
+def _audited(fed_runs, alg):
+    """(run folder, audit report, global group, update group) of one run, both groups checked
+    against the SQLite sums."""
+    run = fed_runs[alg]
+    rep = audit_report(run)
+    down, up = rep["fields"]
+    for group in (down, up):
+        _check_against_sql(run, group)
+    return run, rep, down, up
+
+
+@pytest.mark.slow
+def test_fedproto_fields_equal_sqlite_sums(fed_runs):
+    _, rep, down, up = _audited(fed_runs, "fedproto")
+    # share none: every update's model-tensor list is empty (1 byte), its payload is the extras.
+    k, d = 10, 64  # iid digits: both clients hold all 10 classes; LightCNN features are 64-d
+    assert [f["field"] for f in up["fields"]] == ["tensors", "extras.prototypes", "extras.proto_classes",
+                                                  "extras.proto_counts", "other"]
+    assert up["messages"] == 4 and up["tensor_bytes"] == 4 and up["fields"][0]["raw_bytes"] == 0
+    assert up["raw_bytes"] == 4 * (k * d * 4 + k * 8 + k * 8)  # float32 prototypes, int64 classes and counts
+    # The round-1 global carries no prototypes yet, round 2's does: 1 of 2 messages.
+    assert [(f["field"], f["messages"]) for f in down["fields"]] == [
+        ("tensors", 2), ("extras.prototypes", 1), ("extras.proto_classes", 1), ("other", 2)]
+    # chunk_bytes 1024: the updates and round 2's global were chunked, each counted once.
+    assert up["chunked_messages"] == 4 and down["chunked_messages"] == 1
+    row = comparison_row(rep)
+    assert row["up_tensor_bytes_per_client_round"] == 1.0
+    assert row["up_extras_bytes_per_client_round"] == up["extras_bytes"] / 4
+    assert row["down_extras_bytes_per_client_round"] == down["extras_bytes"] / 2  # one broadcast per round
+
+
+@pytest.mark.slow
+def test_fedavg_fields_equal_sqlite_sums_and_chunks_count_once(fed_runs):
+    from edge_agent.models import build_model
+
+    run, rep, down, up = _audited(fed_runs, "fedavg")
+    n_model = sum(t.numel() for t in build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+                  .state_dict().values())
+    for group, n in ((down, 2), (up, 4)):
+        assert [f["field"] for f in group["fields"]] == ["tensors", "other"]
+        assert group["messages"] == group["chunked_messages"] == n
+        assert group["fields"][0]["raw_bytes"] == group["raw_bytes"] == n * 4 * n_model  # the fp32 model
+        assert group["fields"][0]["codec"] == "fp32" and group["extras_bytes"] == 0
+    # Chunked (chunk_bytes 4096): many chunk rows per message, which the view must not count. The
+    # chunks' data add up to exactly the whole messages once.
+    (n_chunks, chunk_data), = _sql(run, "SELECT COUNT(*), SUM(body_bytes) FROM messages WHERE side = 'agent' "
+                                        "AND kind = 'update' AND event = 'sent' AND chunk_index IS NOT NULL")
+    assert n_chunks > 4 * 10
+    assert chunk_data == up["message_bytes"]
+    # Two runs compared: model tensors vs extras per client per round, in the order given.
+    other = fed_runs["fedproto"]
+    reps = [rep, audit_report(other)]
+    table = render_comparison_text(reps).splitlines()
+    start = next(i for i, ln in enumerate(table) if ln.startswith("Model tensors vs extras per client per round"))
+    rows = [ln.split() for ln in table[start:] if ln.startswith(str(tmp_path_root(run)))]
+    per = [comparison_row(r) for r in reps]
+    assert rows == [[str(r), *(f"{p[f'{d}_{k}_bytes_per_client_round']:,.0f}" for d in ("up", "down")
+                               for k in ("tensor", "extras"))] for r, p in zip((run, other), per)]
+    assert rows[0][1:] == [f"{up['tensor_bytes'] // 4:,}", "0", f"{down['tensor_bytes'] // 2:,}", "0"]
