@@ -330,14 +330,14 @@ def validate(cfg: Config, source: str | None = None) -> None:
                 raise ConfigError(f"{where} = {v!r} is not one of {', '.join(rng)}")
         elif not rng[0] <= v <= rng[1]:
             raise ConfigError(f"{where} = {v!r} is outside the allowed range [{rng[0]}, {rng[1]}]")
+    from protocol.messages import parse_extras_codec
     from protocol.tensors import Codec
 
     text = cfg.protocol.extras_codec
-    for part in [p for p in text.split(",") if p.strip()]:
-        try:
-            Codec.parse(part.partition("=")[2] if "=" in part else part)
-        except ValueError as exc:
-            raise ConfigError(f"{src}: [protocol] extras_codec = {text!r}: {exc}") from None
+    try:
+        parse_extras_codec(text)  # the agents' grammar: what passes here, every agent can read
+    except ValueError as exc:
+        raise ConfigError(f"{src}: [protocol] extras_codec = {text!r}: {exc}") from None
     for key in ("codec", "update_codec", "global_codec"):
         text = getattr(cfg.protocol, key)
         if text or key == "codec":

@@ -52,28 +52,22 @@ class Job:
     tags: dict = field(default_factory=dict)
 
 
-def _whole_message(r: dict) -> bool:
-    """A sender's row standing for one whole message: ``message`` (a chunked transfer) or an
-    unchunked ``sent`` row (chunk rows of a transfer have a ``chunk_index``)."""
-    return r.get("event") == "message" or (r.get("event") == "sent" and r.get("chunk_index") is None)
-
-
 def _device_bytes_per_client_round(rows: list[dict], clients: int, rounds: int) -> dict[str, float]:
-    from .audit import by_round
+    from .audit import by_round, whole_message
 
     per_round = [r for r in by_round(rows, "device") if r["round"] is not None and r["round"] >= 1]
     up = sum(r["up_bytes"] for r in per_round)
     down = sum(r["down_bytes"] for r in per_round)
     denom = max(1, clients * rounds)
     updates = [r["payload_bytes"] for r in rows
-               if r.get("side") == "agent" and r.get("kind") == "update" and _whole_message(r)]
+               if r.get("side") == "agent" and r.get("kind") == "update" and whole_message(r)]
     fields: dict[str, list[int]] = {}
     for r in rows:
-        if r.get("side") == "agent" and r.get("kind") == "update" and _whole_message(r) and r.get("fields"):
+        if r.get("side") == "agent" and r.get("kind") == "update" and whole_message(r) and r.get("fields"):
             for name, n in json.loads(r["fields"]).items():
                 fields.setdefault(name, []).append(int(n))
     globals_ = [r["payload_bytes"] for r in rows
-                if r.get("side") == "server" and r.get("kind") == "global" and _whole_message(r)]
+                if r.get("side") == "server" and r.get("kind") == "global" and whole_message(r)]
     return {"up_bytes_per_client_round": up / denom, "down_bytes_per_client_round": down / denom,
             "update_payload_bytes_mean": float(np.mean(updates)) if updates else 0.0,
             "global_payload_bytes_mean": float(np.mean(globals_)) if globals_ else 0.0,

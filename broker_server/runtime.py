@@ -124,8 +124,9 @@ def make_strategy(cfg: Config, ds: Dataset):
     """
     cls = get_strategy_class(cfg.train.algorithm)
     setup = getattr(cls, "setup_kwargs", None)
-    extra = dict(setup(ds, dict(cfg.algorithm), cfg.run.seed)) if setup is not None else {}
     try:
+        # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
+        extra = dict(setup(ds, dict(cfg.algorithm), cfg.run.seed)) if setup is not None else {}
         return cls(participation_rate=cfg.server.participation_rate, min_clients=cfg.server.quorum,
                    train_config=train_config(cfg), **dict(cfg.algorithm), **extra)
     except (TypeError, ValueError) as exc:

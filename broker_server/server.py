@@ -49,6 +49,15 @@ from .strategies import Accumulator, ClientResult, Strategy, accumulator_for
 log = logging.getLogger(__name__)
 
 
+#: Update metrics the server aggregates (client-side evaluation): each must be a number in [0, 1].
+EVAL_METRICS = ("eval_accuracy", "eval_macro_f1")
+
+
+def _is_fraction(value: object) -> bool:
+    """True for an int or float (not a bool) in [0, 1] (NaN is not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """Round-loop settings.
@@ -344,6 +353,12 @@ class AggregationServer:
             self.totals["rejected_invalid"] += 1
             self._stats.invalid += 1
             self._reply(item, False, f"num_samples {body.num_samples} exceeds the {rec.num_samples} announced at join")
+            return
+        bad = [k for k in EVAL_METRICS if k in body.metrics and not _is_fraction(body.metrics[k])]
+        if bad:  # the round's client_accuracy_* figures are computed from these (float() of any scalar)
+            self.totals["rejected_invalid"] += 1
+            self._stats.invalid += 1
+            self._reply(item, False, f"metrics {bad[0]} = {body.metrics[bad[0]]!r} is not a number in [0, 1]")
             return
         tensors = body.tensors
         if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole

@@ -68,7 +68,7 @@ import numpy as np
 
 from .errors import FieldError, MalformedMessage, ProtocolError, TensorError, UnknownKind, UnsupportedVersion
 from ._mpread import Reader, ReadError, read_array_fields
-from .tensors import DEFAULT_LIMITS, DTYPES, TensorLimits, declared_nbytes, decode_tensor, encode_tensor, raw_nbytes
+from .tensors import DEFAULT_LIMITS, DTYPES, Codec, TensorLimits, declared_nbytes, decode_tensor, encode_tensor, raw_nbytes
 
 PROTOCOL_VERSION = 1
 """Protocol major version written in every envelope."""
@@ -611,11 +611,16 @@ def _tensors(value: Any, name: str, limits: TensorLimits) -> tuple[np.ndarray, .
     return tuple(decode_tensor(t, field=f"{name}[{i}]", limits=limits) for i, t in enumerate(value))
 
 
+_ABSENT = object()
+"""Marks a body without its optional ``extras`` field (a present field must be a map: nil is refused)."""
+
+
 def _tensors_and_extras(tensors: Any, extras: Any, limits: TensorLimits
                         ) -> tuple[tuple[np.ndarray, ...], dict[str, np.ndarray]]:
     """Decode the positional tensors and the optional ``extras`` map under ONE byte budget
-    (``limits.max_total_bytes`` covers both), checking names and entry count first."""
-    if extras is None:
+    (``limits.max_total_bytes`` covers both), checking names and entry count first. ``extras``
+    is :data:`_ABSENT` when the body has no such field."""
+    if extras is _ABSENT:
         return _tensors(tensors, "body.tensors", limits), {}
     _want(extras, dict, "body.extras")
     if len(extras) > MAX_EXTRAS:
@@ -657,7 +662,7 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         return RoundStart(selected=tuple(sel), deadline_s=deadline, config=_decode_map(f[2], "body.config"))
     if kind is Kind.GLOBAL:
         f = _fields(raw, 2, b)
-        tensors, extras = _tensors_and_extras(f[0], f[2] if len(f) > 2 else None, limits)
+        tensors, extras = _tensors_and_extras(f[0], f[2] if len(f) > 2 else _ABSENT, limits)
         return Global(tensors=tensors, meta=_decode_map(f[1], "body.meta"), extras=extras)
     if kind is Kind.UPDATE:
         f = _fields(raw, 4, b)
@@ -665,7 +670,7 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         if n == 0:
             raise FieldError("body.num_samples: an update must stand for at least one sample", field="body.num_samples")
         delta = _want(f[4], bool, "body.delta") if len(f) > 4 else False
-        tensors, extras = _tensors_and_extras(f[0], f[5] if len(f) > 5 else None, limits)
+        tensors, extras = _tensors_and_extras(f[0], f[5] if len(f) > 5 else _ABSENT, limits)
         return Update(tensors=tensors, num_samples=n,
                       train_loss=_finite(f[2], "body.train_loss"), metrics=_decode_map(f[3], "body.metrics"),
                       delta=delta, extras=extras)
@@ -820,3 +825,35 @@ def _read(data: bytes, what: str) -> Any:
 def payload_sha256(payload: bytes) -> bytes:
     """SHA-256 digest (32 bytes) of a payload, as carried by :class:`Receipt`."""
     return hashlib.sha256(payload).digest()
+
+
+def parse_extras_codec(text: str) -> tuple[Codec | None, dict[str, Codec]]:
+    """The ``[protocol] extras_codec`` setting: ``""`` (every entry uses the update codec), one
+    codec for every entry (``"int8+zstd"``), or ``name=codec`` pairs separated by commas
+    (``"soft_predictions=int8+zstd,prototypes=fp16"``; names not listed use the update codec).
+
+    Returns:
+        (the codec for every entry or ``None``, {name: codec}); one of them is empty.
+
+    Raises:
+        ValueError: an unparsable codec, a pair without ``=`` beside other pairs, an empty part,
+            a name that is not an extras name (1–64 characters of ``[A-Za-z0-9_.-]``) or a name
+            given twice.
+    """
+    text = text.strip()
+    if not text:
+        return None, {}
+    if "=" not in text:
+        return Codec.parse(text), {}
+    out: dict[str, Codec] = {}
+    for part in text.split(","):
+        name, eq, codec = part.partition("=")
+        name = name.strip()
+        if not eq:
+            raise ValueError(f"{part.strip()!r}: use name=codec for every entry (or one codec for all)")
+        if not _EXTRA_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an extras name (1-64 characters of [A-Za-z0-9_.-])")
+        if name in out:
+            raise ValueError(f"{name!r} is given twice")
+        out[name] = Codec.parse(codec.strip())
+    return None, out

@@ -521,9 +521,27 @@ class AllowList:
             mtime = None
         if mtime == self._mtime and not force:
             return
-        self._mtime = mtime
-        keys = {p.id: p for p in list_enrolled(self.dir.parent)} if mtime is not None else {}
+        if force:  # the first read: a malformed file is the operator's to fix before start-up
+            self._keys = {p.id: p for p in list_enrolled(self.dir.parent)} if mtime is not None else {}
+            self._mtime = mtime
+            return
+        # a live re-read: one malformed or half-written file must not freeze the list (a revocation
+        # or an enrolment made next to it would silently not apply): it is skipped, and the folder
+        # is read again a second later until every file parses
+        keys: dict[str, PublicIdentity] = {}
+        clean = True
+        for path in sorted(self.dir.glob("*.pub")) if mtime is not None else []:
+            try:
+                pub = load_public(path)
+            except SecurityConfigError:
+                clean = False
+                continue
+            if path.name != f"{pub.id}.pub":
+                clean = False
+                continue
+            keys[pub.id] = pub
         self._keys = keys
+        self._mtime = mtime if clean else None
 
     def get(self, node_id: str) -> PublicIdentity | None:
         """The enrolled identity of ``node_id``, or ``None``."""
@@ -927,7 +945,9 @@ class ChannelSecurity:
         self.epoch = epoch
         self._verifiers: dict[bytes, Ed25519PublicKey] = {}
         self._ciphers: dict[tuple[str, int, bytes], AESGCM] = {}
-        self._state: dict[str, tuple[int, ReplayWindow]] = {}
+        # replay state per (sender, its Ed25519 key): a device re-keyed under the same id
+        # (fedfleet keys enroll --replace) starts its sessions at epoch 1 again
+        self._state: dict[tuple[str, bytes], tuple[int, ReplayWindow]] = {}
         self._round = 0
         self._lock = threading.Lock()
         self.rejections: dict[str, int] = {}
@@ -1039,7 +1059,7 @@ class ChannelSecurity:
         if self.require_encrypted and not encrypted:
             raise _reject("unencrypted", f"{kind.label} from {parts.sender!r} is not encrypted")
         with self._lock:
-            state = self._state.get(parts.sender)
+            state = self._state.get((parts.sender, pub.ed25519))
             if state is not None and sec.epoch < state[0]:
                 raise _reject("stale_epoch", f"{parts.sender!r} session {sec.epoch}, session {state[0]} already seen",
                               field="envelope.sec.epoch")
@@ -1066,7 +1086,7 @@ class ChannelSecurity:
                     raise _reject("decrypt_failed", str(exc)) from None
             if not will:
                 window.add(parts.seq)
-            self._state[parts.sender] = (sec.epoch, window)
+            self._state[(parts.sender, pub.ed25519)] = (sec.epoch, window)
             if self.side == "agent" and kind in _ROUND_OPENERS:
                 self._round = max(self._round, parts.round)
         sig_bytes = len(payload) - parts.body_end

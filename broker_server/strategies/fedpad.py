@@ -354,8 +354,9 @@ class FedPAD(FedAvg):
             return f"prototype width {p.shape[1]} differs from the global prototypes' {self.prototypes.shape[1]}"
         if head is not None and c.max() >= head[0]:
             return f"proto_classes out of range [0, {head[0]}): {c.tolist()}"
-        if int(n.sum()) > result.num_samples:
-            return f"proto_counts sum to {int(n.sum())}, more than num_samples={result.num_samples}"
+        total = sum(int(x) for x in n)  # Python ints: numpy's int64 sum wraps (4 × 2**62 → 0)
+        if total > result.num_samples:
+            return f"proto_counts sum to {total}, more than num_samples={result.num_samples}"
         return None
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],

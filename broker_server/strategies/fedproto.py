@@ -35,12 +35,15 @@ WEIGHTINGS = ("uniform", "count")
 def check_prototype_extras(extras: Mapping[str, np.ndarray], *, dim: int | None = None) -> str | None:
     """Why an update's prototype extras are malformed, or ``None`` when they are fine.
 
-    Expected: ``prototypes`` float [k, d], ``proto_classes`` int [k] (unique, ≥ 0),
+    Expected: exactly ``prototypes`` float [k, d], ``proto_classes`` int [k] (unique, ≥ 0),
     ``proto_counts`` int [k] (≥ 1), all finite; d = ``dim`` when given.
     """
     missing = [n for n in ("prototypes", "proto_classes", "proto_counts") if n not in extras]
     if missing:
         return f"prototype extras missing: {', '.join(missing)}"
+    unknown = sorted(set(extras) - {"prototypes", "proto_classes", "proto_counts"})
+    if unknown:  # nothing else is read: refused rather than carried (FedPAD buffers whole updates)
+        return f"unexpected extras {unknown}: prototype updates carry prototypes, proto_classes, proto_counts"
     p, c, n = (np.asarray(extras[k]) for k in ("prototypes", "proto_classes", "proto_counts"))
     if p.ndim != 2 or not np.issubdtype(p.dtype, np.floating):
         return f"prototypes must be a float [k, d] array, got {p.dtype} {p.shape}"
@@ -217,9 +220,11 @@ class FedProtoAccumulator:
 
     def add(self, result: ClientResult) -> None:
         e = result.extras
+        # prototypes first: their add can refuse the update (a width clash) and adds nothing then;
+        # the model's shapes were checked by the server, so once the prototypes are in, it goes in too
+        self.protos.add(e["prototypes"], e["proto_classes"], e.get("proto_counts"))
         if self.model is not None:
             self.model.add(result)
-        self.protos.add(e["prototypes"], e["proto_classes"], e.get("proto_counts"))
         self.count += 1
 
     def result(self) -> list[np.ndarray] | None:

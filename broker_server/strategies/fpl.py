@@ -139,9 +139,18 @@ class FPL(FedAvg):
         return RoundPlan(selected=plan.selected, config={**plan.config, "tau": self.tau})
 
     def validate(self, result: ClientResult) -> str | None:
-        """Refuse malformed prototype extras (:func:`~broker_server.strategies.fedproto.check_prototype_extras`)."""
-        dim = self.extras["cluster_protos"].shape[1] if self.extras else None
-        return check_prototype_extras(result.extras, dim=dim)
+        """Refuse malformed prototype extras (:func:`~broker_server.strategies.fedproto.check_prototype_extras`):
+        the width must be the classifier's input width F and the class ids lie in [0, C), with
+        [C, F] the shape of the update's classifier weight (its last 2-D tensor; the model is
+        shared, so these are known from round 1 on, before any prototype was broadcast)."""
+        head = next((t.shape for t in reversed(result.tensors) if np.ndim(t) == 2), None)
+        dim = head[1] if head is not None else (self.extras["cluster_protos"].shape[1] if self.extras else None)
+        reason = check_prototype_extras(result.extras, dim=dim)
+        if reason is None and head is not None:
+            c = np.asarray(result.extras["proto_classes"])
+            if c.size and c.max() >= head[0]:
+                return f"proto_classes out of range [0, {head[0]}): {c.tolist()}"
+        return reason
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FPLAccumulator":
         """Streams the model (FedAvg running sums); keeps the round's prototypes (k_i × d floats
