@@ -94,10 +94,15 @@ def device_model(ds: Dataset, seed: int) -> torch.nn.Module:
 
 
 def expected_data(cfg: Config) -> dict[str, str]:
-    """The data announcement every agent of ``cfg``'s federation must make in its join."""
+    """The data and algorithm announcement every agent of ``cfg``'s federation must make in its
+    join (:func:`edge_agent.agent.data_announcement`): data set, partition and its settings,
+    seed, shard count, ``[train] algorithm`` and the ``[algorithm]`` table."""
     d = cfg.data
     return data_announcement(dataset=d.dataset, partition=d.partition, alpha=d.alpha, seed=cfg.run.seed,
-                             shards=d.clients)
+                             shards=d.clients, min_samples=d.min_samples, train_samples=d.train_samples,
+                             domain_clients=d.domain_clients, domain_train_cap=d.domain_train_cap,
+                             domain_test_cap=d.domain_test_cap, algorithm=cfg.train.algorithm,
+                             algorithm_params=dict(cfg.algorithm))
 
 
 def train_config(cfg: Config) -> dict:

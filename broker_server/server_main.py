@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -17,10 +18,41 @@ from protocol.ledger import Ledger
 from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
-from .runtime import expected_data, make_server
+from .runtime import make_server
 from .simulate import make_run_id, progress_printer, split_clients
 
 log = logging.getLogger(__name__)
+
+
+def agent_command(cfg: Config, url: str, federation: str) -> str:
+    """The ``fedfleet-agent`` command line (one line, shell-quoted) that joins ``cfg``'s federation
+    as device ``i``: every option whose value the server checks at join
+    (:func:`~broker_server.runtime.expected_data`: data set, partition and its settings, seed,
+    shard count, ``--algorithm`` and one ``--param KEY=VALUE`` per ``[algorithm]`` key), plus the
+    key options when ``[security] sign`` is on. ``DEVICE_ID``, ``DEVICE_KEYS`` and the ``i`` of
+    ``--shard i/K`` are placeholders the operator fills in."""
+    d = cfg.data
+    q = shlex.quote
+    words = ["fedfleet-agent", "--broker", url, "--federation", federation, "--client-id", "DEVICE_ID",
+             "--dataset", d.dataset, "--shard", f"i/{d.clients}", "--partition", d.partition]
+    if d.partition == "dirichlet":
+        words += ["--alpha", repr(float(d.alpha)), "--min-samples", str(d.min_samples)]
+    if d.partition == "domain-silo" and d.domain_clients:
+        words += ["--domain-clients", d.domain_clients]
+    for flag, value in (("--domain-train-cap", d.domain_train_cap), ("--domain-test-cap", d.domain_test_cap),
+                        ("--train-samples", d.train_samples)):
+        if value:
+            words += [flag, str(value)]
+    words += ["--seed", str(cfg.run.seed), "--algorithm", cfg.train.algorithm]
+    for key, value in cfg.algorithm.items():
+        text = ("true" if value else "false") if isinstance(value, bool) else (
+            repr(value) if isinstance(value, float) else str(value))
+        words += ["--param", f"{key}={text}"]
+    if cfg.security.sign:
+        words += ["--key-dir", "DEVICE_KEYS", "--server-pubkey", str(Path(cfg.security.key_dir) / "server.pub")]
+        if cfg.security.encrypt:
+            words.append("--encrypt")
+    return " ".join(q(w) for w in words)
 
 
 def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
@@ -57,15 +89,9 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
         broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
         broker.start()
         url = broker.url
-    ann = expected_data(cfg)
     print(f"fedfleet server: federation {federation!r} on {url}; waiting for {cfg.data.clients} agents "
           f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
-          f"  fedfleet-agent --broker {url} --federation {federation} --client-id DEVICE_ID "
-          f"--dataset {ann['dataset']} --shard i/{ann['shards']} --partition {ann['partition']}"
-          f"{' --alpha ' + ann['alpha'] if ann['partition'] == 'dirichlet' else ''} --seed {ann['seed']}"
-          + (f" --key-dir DEVICE_KEYS --server-pubkey {Path(cfg.security.key_dir) / 'server.pub'}"
-             + (" --encrypt" if cfg.security.encrypt else "") if cfg.security.sign else ""),
-          flush=True)
+          f"  {agent_command(cfg, url, federation)}", flush=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)
     try:

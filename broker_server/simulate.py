@@ -27,10 +27,10 @@ import torch
 
 from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
-from edge_agent.data import load_dataset, stratified_subsample
+from edge_agent.data import load_dataset
 from edge_agent.errors import EdgeAgentError, PartitionError
 from edge_agent.device import detect
-from edge_agent.partition import describe, partition
+from edge_agent.partition import describe, split_dataset
 from edge_agent.runtime import agent_runtime
 from protocol import topics
 from protocol.channel import Channel
@@ -81,24 +81,17 @@ def make_run_id(name: str, seed: int) -> str:
 
 
 def split_clients(ds, cfg: Config) -> list:
-    """The configured partition of ``ds``'s training split into ``[data] clients`` shards.
+    """The configured partition of ``ds``'s training split into ``[data] clients`` shards
+    (:func:`edge_agent.partition.split_dataset` of the ``[data]`` settings and ``[run] seed``).
 
     Raises:
         ConfigError: the partition is impossible (too many clients for the data, α too small).
     """
-    silo = cfg.data.partition == "domain-silo"
-    subset = None
-    if 0 < cfg.data.train_samples < len(ds.train.y):
-        subset = stratified_subsample(ds.train.y, cfg.data.train_samples, seed=cfg.run.seed)
-    y = ds.train.y if subset is None else ds.train.y[subset]
-    try:
-        parts = partition(y, cfg.data.clients, scheme=cfg.data.partition, seed=cfg.run.seed,
-                          alpha=cfg.data.alpha if cfg.data.partition == "dirichlet" else None,
-                          min_samples=cfg.data.min_samples,
-                          **({"domains": ds.train_domains if subset is None else ds.train_domains[subset],
-                              "domain_names": ds.domain_names,
-                              "domain_clients": cfg.data.domain_clients} if silo else {}))
-        return parts if subset is None else [subset[np.asarray(p, dtype=np.int64)] for p in parts]
+    d = cfg.data
+    try:  # the same function fedfleet-agent splits with
+        return split_dataset(ds, d.clients, scheme=d.partition, seed=cfg.run.seed, alpha=d.alpha,
+                             min_samples=d.min_samples, train_samples=d.train_samples,
+                             domain_clients=d.domain_clients)
     except PartitionError as exc:
         raise ConfigError(
             f"cannot split {ds.name} ({len(ds.train.y):,} training samples) into {cfg.data.clients} clients "

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -27,8 +28,9 @@ from protocol.tensors import Codec, ErrorFeedback
 
 from .algorithms import ClientAlgorithm, LocalResult, TrainConfig, predict_scores
 from .data import class_histogram
-from .errors import EdgeAgentError
+from .errors import EdgeAgentError, ModelError, PartitionError
 from .models import manifest_hash, model_manifest
+from .partition import parse_domain_clients
 
 if TYPE_CHECKING:
     from .runtime import AgentRuntime
@@ -36,12 +38,77 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed: int, shards: int) -> dict[str, str]:
-    """What an agent announces about its data in ``join.info`` and the server checks against its
-    configuration (all values as text, so float formatting is the same on both sides)."""
+def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed: int, shards: int,
+                      min_samples: int = 10, train_samples: int = 0, domain_clients: str = "",
+                      domain_train_cap: int = 0, domain_test_cap: int = 0, algorithm: str = "fedavg",
+                      algorithm_params: Mapping[str, object] | None = None) -> dict[str, str]:
+    """What an agent announces about its data and algorithm in ``join.info`` and the server
+    checks against its configuration (:func:`broker_server.runtime.expected_data`): every
+    setting that shapes the device's shard or its model share, so a device that would train on
+    another split, or run another algorithm (whose global it could not load), is refused at join
+    with the differing keys named.
+
+    Args:
+        dataset, partition, seed, shards: ``[data] dataset``/``partition``, ``[run] seed``,
+            ``[data] clients``.
+        alpha: Dirichlet α (announced for ``"dirichlet"`` only, else ``"-"``).
+        min_samples: ``[data] min_samples``; announced for ``"dirichlet"`` only (its redraw loop
+            depends on it), else ``"-"``.
+        train_samples: ``[data] train_samples`` (0 = the whole split).
+        domain_clients: ``[data] domain_clients`` (``"domain-silo"`` only, else ``"-"``), as
+            sorted ``name=count`` entries without the zero counts, so spelling and order do not
+            matter (``""`` = the default 3/4/2/1).
+        domain_train_cap, domain_test_cap: ``[data]`` caps per domain (0 = none).
+        algorithm: ``[train] algorithm``.
+        algorithm_params: the ``[algorithm]`` table (``--param KEY=VALUE``), as sorted
+            ``key=value`` entries of :func:`param_text` values.
+
+    Returns:
+        ``{key: text}`` (all values text, so number formatting is the same on both sides).
+    """
+    if partition == "domain-silo":
+        try:
+            alloc = parse_domain_clients(domain_clients or "")
+            domain_text = ",".join(f"{k}={v}" for k, v in sorted(alloc.items()) if v)
+        except PartitionError:
+            domain_text = str(domain_clients).strip()  # refused where the partition is made
+    else:
+        domain_text = "-"
+    params = dict(algorithm_params or {})
     return {"dataset": dataset, "partition": partition,
             "alpha": f"{alpha:g}" if partition == "dirichlet" and alpha is not None else "-",
-            "seed": str(seed), "shards": str(shards)}
+            "seed": str(seed), "shards": str(shards),
+            "min_samples": str(min_samples) if partition == "dirichlet" else "-",
+            "train_samples": str(train_samples), "domain_clients": domain_text,
+            "domain_train_cap": str(domain_train_cap), "domain_test_cap": str(domain_test_cap),
+            "algorithm": algorithm,
+            "algorithm_params": ",".join(f"{k}={param_text(params[k])}" for k in sorted(params))}
+
+
+def param_value(text: str) -> bool | int | float | str:
+    """An ``[algorithm]`` value from its command-line text (``fedfleet-agent --param KEY=VALUE``):
+    ``true``/``false``, an int, a float, or the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def param_text(value: object) -> str:
+    """The canonical text of an ``[algorithm]`` value in a join announcement: a TOML value and
+    the same value given as ``--param`` text read alike (``1``, ``1.0`` and ``"1"`` →
+    ``"1.0"``; ``true`` → ``"true"``; floats by ``repr``, so no digits are lost)."""
+    if isinstance(value, str):
+        value = param_value(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(float(value))
+    return str(value)
 
 
 def _all_finite(result: LocalResult) -> bool:
@@ -200,6 +267,7 @@ class EdgeAgent:
         self.rounds_trained = 0
         self.receipts_accepted = 0
         self.joined = False
+        self.join_refused: str | None = None  # the server's reason when it refused the join
         self.finished = False
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
         channel.transfer_filter = lambda sender: sender == "server"
@@ -286,6 +354,7 @@ class EdgeAgent:
                 if body.ref_seq != self._join_seq:
                     log.warning("%s: receipt for a join it did not send (seq %d) ignored", self.client_id, body.ref_seq)
                 elif not body.accepted and not self.joined:
+                    self.join_refused = body.reason or "refused"
                     raise AgentError(f"{self.client_id}: the server refused the join: {body.reason}")
                 else:
                     self.joined = True
@@ -322,9 +391,12 @@ class EdgeAgent:
             cfg = dataclasses.replace(cfg, batch_size=self.runtime.plan.batch_size)  # the device's memory rule
         global_tensors, global_extras = self._global[1], self._global[2]
         with self.train_lock if self.train_lock is not None else nullcontext():
-            result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
-                                                client_index=self.client_index, device=self.device,
-                                                params=dict(start.config), global_extras=global_extras)
+            try:
+                result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
+                                                    client_index=self.client_index, device=self.device,
+                                                    params=dict(start.config), global_extras=global_extras)
+            except ModelError as exc:  # e.g. a server of another algorithm: its global is another share
+                raise self._not_my_model(rnd, global_tensors, exc) from exc
             metrics = dict(result.metrics)
             if bool(start.config.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
                 metrics.update(self.evaluate())
@@ -362,6 +434,21 @@ class EdgeAgent:
         self.rounds_trained += 1
         if self.on_trained is not None:
             self.on_trained(rnd, result, len(enc.payload))
+
+    def _not_my_model(self, rnd: int, global_tensors: tuple[np.ndarray, ...], exc: ModelError) -> AgentError:
+        """When round ``rnd``'s global does not fit this device's model share (the server runs
+        another algorithm or model): log it, withdraw from the round so the server need not wait
+        for its deadline, say offline; returns the :class:`AgentError` to raise, which names the
+        algorithm, its share and what arrived."""
+        name = getattr(self.algorithm, "name", type(self.algorithm).__name__)
+        share = getattr(self.algorithm, "share", "all")
+        why = (f"the global model of round {rnd} ({len(global_tensors)} tensors) does not fit this device's "
+               f"algorithm {name!r} (share={share!r}): {exc}")
+        log.error("%s: %s; stopping", self.client_id, why)
+        self._withdraw(rnd, why)
+        self._leave()
+        return AgentError(f"{self.client_id}: {why}. The server runs another algorithm or model: start the agent "
+                          f"with the --algorithm and --param options `fedfleet server` printed")
 
     def _withdraw(self, rnd: int, why: str) -> None:
         """Tell the server this device will not contribute to round ``rnd`` (a non-retained

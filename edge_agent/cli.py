@@ -11,8 +11,18 @@ With signing: ``--key-dir DIR --server-pubkey server.pub [--encrypt]`` (keys fro
 gen``; the device must be enrolled with the server). TLS: ``mqtts://`` with ``--ca``, optionally
 ``--cert``/``--key``; ``--username``/``--password-file``.
 
-Exit codes: 0 finished; 1 failed; 2 bad arguments, or unusable keys/certificates (said at
-start-up); 3 data not found; 4 broker unreachable (TLS handshake and login refusals included).
+The data and algorithm options must be the server's (``fedfleet server`` prints the whole
+command): ``--partition domain-silo --domain-clients photo=3,art_painting=4,...`` (with
+``--domain-train-cap``/``--domain-test-cap``) for a multi-domain set, ``--train-samples`` for a
+data-scarce run, ``--algorithm NAME`` and one ``--param KEY=VALUE`` per ``[algorithm]`` key. The
+agent announces them in its join and the server refuses a join whose settings differ, naming
+them.
+
+Exit codes (never reused): 0 finished; 1 failed (join refused, the server's model does not fit
+this device's algorithm, nothing heard for ``--idle-timeout-s``); 2 bad arguments, or unusable
+keys/certificates (said at start-up); 3 data not found; 4 broker unreachable (TLS handshake and
+login refusals included); 5 the server never acknowledged the join and nothing was trained (not
+enrolled on a signing server, a wrong ``--server-pubkey``, or another federation).
 """
 
 from __future__ import annotations
@@ -20,14 +30,32 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_DATA = 3
+EXIT_BROKER = 4
+EXIT_NOT_JOINED = 5
+
+JOIN_WARN_S = 30.0
+"""Seconds after which an unanswered join is warned about (the run goes on)."""
+
+NOT_JOINED_HINT = ("the likely causes: this device is not enrolled on a signing server (fedfleet keys enroll), "
+                   "--server-pubkey is not that server's key, or --federation / --broker name another "
+                   "federation (the server prints its own)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``fedfleet-agent``."""
+    from .partition import SCHEMES
+
     p = argparse.ArgumentParser(prog="fedfleet-agent", description="Run one fedfleet edge agent.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
@@ -37,16 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", "--data", dest="data", help="folder holding the data set files")
     p.add_argument("--shard", default="0/1",
                    help="i/n: take shard i of the n-way partition; n must equal the server's [data] clients")
-    p.add_argument("--partition", default="iid", choices=["iid", "dirichlet"],
+    p.add_argument("--partition", default="iid", choices=SCHEMES,
                    help="must match the server's [data] partition (the server refuses a mismatch)")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet α; must match the server's [data] alpha")
+    p.add_argument("--min-samples", type=int, default=10,
+                   help="smallest shard; drives Dirichlet's redraws: must match the server's [data] min_samples")
+    p.add_argument("--domain-clients", default="", metavar="TEXT",
+                   help="domain-silo: clients per domain, e.g. photo=3,art_painting=4,cartoon=2,sketch=1 "
+                        "('' = 3/4/2/1 by domain position); must match the server's [data] domain_clients")
+    p.add_argument("--domain-train-cap", type=int, default=0, metavar="N",
+                   help="multi-domain sets: at most N training samples per domain (0 = all); [data] domain_train_cap")
+    p.add_argument("--domain-test-cap", type=int, default=0, metavar="N",
+                   help="multi-domain sets: at most N test samples per domain (0 = all); [data] domain_test_cap")
+    p.add_argument("--train-samples", type=int, default=0, metavar="N",
+                   help="partition a seeded class-stratified subset of N training samples (0 = all); "
+                        "[data] train_samples")
     p.add_argument("--seed", type=int, default=0, help="partition seed; must match the server's [run] seed")
     p.add_argument("--out", help="folder for this device's byte ledger (ledger.sqlite; read it with "
                                  "`fedfleet audit`); default fedfleet-agent-<client-id>")
-    p.add_argument("--algorithm", default="fedavg")
+    p.add_argument("--algorithm", default="fedavg",
+                   help="the server's [train] algorithm (the server refuses another one at join)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="an [algorithm] setting that shapes this device's data (e.g. proxy_size=1000 for "
-                        "fedmcp); must match the server's configuration; repeatable")
+                   help="one [algorithm] setting of the server's configuration (e.g. proxy_size=1000 for "
+                        "fedmcp), repeated for each key: the server refuses a join whose settings differ")
     p.add_argument("--profile", default="x86-cpu",
                    help="firmware profile (fedfleet profiles lists them; a path to a .toml file works too): "
                         "device, precision, threads, batch size, codec and MQTT limits, fitted to this hardware")
@@ -70,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encrypt", action="store_true",
                    help="encrypt the body of every upload (AES-256-GCM; needs --key-dir)")
     p.add_argument("--keepalive-s", type=int, default=30)
-    p.add_argument("--idle-timeout-s", type=float, default=3600.0)
+    p.add_argument("--idle-timeout-s", type=float, default=3600.0,
+                   help="give up when nothing arrives from the server for this many seconds (exit 1; 5 when "
+                        "the join was never answered)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 
@@ -86,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from protocol.ledger import Ledger
 
-    from .agent import EdgeAgent, data_announcement
+    from .agent import EdgeAgent, data_announcement, param_value
     from .algorithms import TrainConfig, algorithm_setup, evaluation_split, get_client_algorithm
     from .data import load_dataset
     from .errors import DataError, EdgeAgentError
     from .device import apply
     from .models import build_model
-    from .partition import partition
+    from .partition import split_dataset
     from .profiles import ProfileError, get_profile, load_profile
     from .runtime import agent_runtime
 
@@ -109,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         password = Path(args.password_file).read_text().strip() if args.password_file else addr.password
     except (ValueError, OSError) as exc:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     from protocol.errors import SecurityConfigError
     from protocol.messages import SERVER_ID
     from protocol.security import ChannelSecurity, load_identity, load_public
@@ -137,27 +180,44 @@ def main(argv: list[str] | None = None) -> int:
                                        peers={SERVER_ID: server_pub}, encrypt=args.encrypt)
     except SecurityConfigError as exc:
         print(f"fedfleet-agent: security configuration error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         prof = load_profile(args.profile) if args.profile.endswith(".toml") else get_profile(args.profile)
         rt = agent_runtime(prof)
     except ProfileError as exc:
         print(f"fedfleet-agent: profile error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     apply(rt.plan)
     for reason in rt.plan.fallbacks:
         print(f"fallback: {reason}", flush=True)
+    params = {}
+    for item in args.param:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            print(f"fedfleet-agent: --param {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return EXIT_USAGE
+        params[key.strip()] = param_value(value.strip())
     try:
-        ds = load_dataset(args.dataset, data_dir=args.data)
-        parts = partition(ds.train.y, n, scheme=args.partition, seed=args.seed,
-                          alpha=args.alpha if args.partition == "dirichlet" else None)
-        idx = parts[i]
+        ds = load_dataset(args.dataset, data_dir=args.data, domain_train_cap=args.domain_train_cap,
+                          domain_test_cap=args.domain_test_cap)
+        idx = split_dataset(ds, n, scheme=args.partition, seed=args.seed, alpha=args.alpha,
+                            min_samples=args.min_samples, train_samples=args.train_samples,
+                            domain_clients=args.domain_clients)[i]
+        setup = algorithm_setup(args.algorithm, ds, params, args.seed)
+        evals = evaluation_split(args.algorithm, ds, params, args.seed)
     except DataError as exc:
         print(f"fedfleet-agent: data error: {exc}", file=sys.stderr)
-        return 3
-    except EdgeAgentError as exc:
+        return EXIT_DATA
+    except (EdgeAgentError, TypeError, ValueError) as exc:  # a partition, algorithm or --param the code refuses
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    info = data_announcement(dataset=args.dataset, partition=args.partition, alpha=args.alpha, seed=args.seed,
+                             shards=n, min_samples=args.min_samples, train_samples=args.train_samples,
+                             domain_clients=args.domain_clients, domain_train_cap=args.domain_train_cap,
+                             domain_test_cap=args.domain_test_cap, algorithm=args.algorithm,
+                             algorithm_params=params)
+    if args.partition == "domain-silo" and len(idx):
+        info["domain"] = ds.domain_names[int(ds.train_domains[idx[0]])]
     will_topic = topics.status(args.federation, args.client_id)
     will_payload = encode(Envelope(round=0, sender=args.client_id, seq=0, body=Status("offline", "connection lost"))).payload
     if security is not None:
@@ -171,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         tr.connect()
     except ConnectError as exc:
         print(f"fedfleet-agent: broker error: {exc}", file=sys.stderr)
-        return 4
+        return EXIT_BROKER
     torch.manual_seed(args.seed + 1 + i)
     model = build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
     out = Path(args.out or f"fedfleet-agent-{args.client_id}")
@@ -180,20 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     ledger.set_meta("federation", args.federation)
     ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger,
                  chunk_bytes=rt.chunk_bytes, max_packet_bytes=rt.max_packet_bytes, security=security)
-    info = data_announcement(dataset=args.dataset, partition=args.partition, alpha=args.alpha, seed=args.seed,
-                             shards=n)
-    print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}); joining federation "
-          f"{args.federation!r} on {args.broker} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
-    params = {}
-    for item in args.param:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            print(f"error: --param {item!r}: expected KEY=VALUE", file=sys.stderr)
-            return 2
-        params[key.strip()] = _scalar(value.strip())
+    print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}"
+          + (f", domain {info['domain']}" if "domain" in info else "")
+          + f"), algorithm {args.algorithm}; joining federation {args.federation!r} on {args.broker} "
+          f"(idle timeout {args.idle_timeout_s:g} s)", flush=True)
+    agent = None
+    warn = None
     try:
-        setup = algorithm_setup(args.algorithm, ds, params, args.seed)
-        evals = evaluation_split(args.algorithm, ds, params, args.seed)
         agent = EdgeAgent(channel=ch, model=model,
                           algorithm=get_client_algorithm(args.algorithm, precision=rt.plan.precision, **setup),
                           eval_x=evals.x, eval_y=evals.y,
@@ -205,11 +258,19 @@ def main(argv: list[str] | None = None) -> int:
                               f"round {rnd}: trained {res.num_samples} samples in "
                               f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "
                               f"sent {nbytes:,} bytes", flush=True))
+        warn = threading.Timer(JOIN_WARN_S, _warn_unanswered, args=(agent,))
+        warn.daemon = True
+        warn.start()
         summary = agent.run()
     except (EdgeAgentError, FieldError) as exc:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
-        return 1
+        if agent is not None and not agent.joined and agent.join_refused is None:
+            print(f"fedfleet-agent: the server never acknowledged the join; {NOT_JOINED_HINT}", file=sys.stderr)
+            return EXIT_NOT_JOINED if agent.rounds_trained == 0 else EXIT_FAILED
+        return EXIT_FAILED
     finally:
+        if warn is not None:
+            warn.cancel()
         ch.close()
         ledger.close()
     if args.onnx_eval:
@@ -224,20 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{summary.client_id}: trained {summary.rounds_trained} rounds, "
           f"{summary.receipts_accepted} updates acknowledged, finished={summary.finished}; "
           f"byte ledger in {out}/ledger.sqlite (fedfleet audit {out})")
-    return 0
+    if not agent.joined:
+        print(f"fedfleet-agent: warning: the server never acknowledged the join of {args.client_id} "
+              f"(trained {summary.rounds_trained} rounds); {NOT_JOINED_HINT}", file=sys.stderr)
+        if summary.rounds_trained == 0:
+            return EXIT_NOT_JOINED
+    return EXIT_OK
+
+
+def _warn_unanswered(agent) -> None:
+    """Timer callback: warn (once, the run goes on) when the join is still unanswered."""
+    if not agent.joined and agent.join_refused is None:
+        print(f"fedfleet-agent: warning: no answer to the join of {agent.client_id} after {JOIN_WARN_S:g} s "
+              f"(still waiting); {NOT_JOINED_HINT}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
-
-def _scalar(text: str) -> bool | int | float | str:
-    """``true``/``false``, an int, a float, or the text itself (for ``--param`` values)."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text

@@ -43,6 +43,7 @@ __all__ = [
     "iid",
     "parse_domain_clients",
     "partition",
+    "split_dataset",
 ]
 
 SCHEMES: tuple[str, ...] = ("dirichlet", "domain-silo", "iid")
@@ -230,6 +231,60 @@ def partition(
             raise PartitionError("scheme 'dirichlet' needs alpha (> 0, or math.inf)")
         return dirichlet(y, k, alpha=alpha, seed=seed, min_samples=min_samples)
     raise PartitionError(f"unknown partition scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
+
+
+def split_dataset(
+    ds,
+    num_clients: int,
+    *,
+    scheme: str,
+    seed: int,
+    alpha: float | None = None,
+    min_samples: int = 10,
+    train_samples: int = 0,
+    domain_clients: str | Mapping[str, int] | None = "",
+) -> list[np.ndarray]:
+    """The configured partition of a loaded data set's training split: what a federation's server
+    (``[data]`` settings) and each real agent (``fedfleet-agent`` options) must compute alike.
+
+    With ``0 < train_samples < N`` the partition is of a seeded, class-stratified subset of
+    ``train_samples`` samples (:func:`edge_agent.data.stratified_subsample` with ``seed``), and
+    the returned indices point into the whole split again; otherwise of all N samples. The
+    scheme then splits it by :func:`partition` (``"domain-silo"`` with ``ds.train_domains``,
+    ``ds.domain_names`` and ``domain_clients``).
+
+    Args:
+        ds: a :class:`edge_agent.data.Dataset` (``train.y`` int64 ``[N]``; for ``"domain-silo"``
+            also ``train_domains`` int ``[N]`` and ``domain_names``).
+        num_clients: K, the shard count (``[data] clients``, ``--shard i/K``).
+        scheme, seed, min_samples: as :func:`partition`.
+        alpha: Dirichlet α; used only for ``"dirichlet"`` (ignored otherwise).
+        train_samples: size of the stratified subset (``[data] train_samples``); 0 = all.
+        domain_clients: clients per domain (:func:`allocate_domain_clients`); ``"domain-silo"``
+            only (ignored otherwise); ``""``/None = 3/4/2/1 by position.
+
+    Returns:
+        K sorted int64 index arrays into ``ds.train``.
+
+    Raises:
+        PartitionError: any error of :func:`partition` (too many clients, α too small, an
+            unknown domain, clients per domain that do not sum to K, a single-domain set for
+            ``"domain-silo"``).
+    """
+    from edge_agent.data import stratified_subsample
+
+    y_all = np.asarray(ds.train.y)
+    subset = None
+    if 0 < train_samples < len(y_all):
+        subset = stratified_subsample(y_all, train_samples, seed=seed)
+    silo = {}
+    if scheme == "domain-silo":
+        domains = getattr(ds, "train_domains", None)
+        silo = {"domains": domains if domains is None or subset is None else domains[subset],
+                "domain_names": tuple(getattr(ds, "domain_names", ()) or ()), "domain_clients": domain_clients}
+    parts = partition(y_all if subset is None else y_all[subset], num_clients, scheme=scheme, seed=seed,
+                      alpha=alpha if scheme == "dirichlet" else None, min_samples=min_samples, **silo)
+    return parts if subset is None else [subset[np.asarray(p, dtype=np.int64)] for p in parts]
 
 
 def describe(
