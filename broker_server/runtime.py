@@ -148,7 +148,8 @@ def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
 def client_eval_split(cfg: Config, ds: Dataset):
     """The split each virtual device evaluates its own model on when ``[server] client_eval``
     is on (at most ``client_eval_max`` samples, a seeded choice), else ``None``."""
-    if not cfg.server.client_eval:
+    share = getattr(get_strategy_class(cfg.train.algorithm), "share", "all")
+    if not cfg.server.client_eval and share == "all":  # partial sharing: always on (the server says so)
         return None
     split = evaluation_split(cfg.train.algorithm, ds, dict(cfg.algorithm), cfg.run.seed)
     cap = cfg.server.client_eval_max
@@ -187,6 +188,6 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                                 expected_clients=expected_clients, seed=cfg.run.seed,
                                 eval_batch_size=cfg.server.eval_batch_size, client_eval=cfg.server.client_eval,
                                 client_eval_every=cfg.server.client_eval_every,
-                                global_codec=cfg.protocol.codec_for("global"),
+                                global_codec=cfg.protocol.codec_for("global"), extras_codec=cfg.protocol.extras_codec,
                                 expected_data=tuple(expected_data(cfg).items())),
         run_dir=run_dir, on_round=on_round, test_domains=getattr(ds, "test_domains", None) or None)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edge_agent.agent import extras_codecs
 from edge_agent.algorithms import algorithm_share, shared_indices
 from edge_agent.data import ArraySplit
 from edge_agent.models import manifest_hash, model_manifest
@@ -78,6 +79,8 @@ class ServerSettings:
             config ``client_eval``); the round's metrics then carry ``client_accuracy_mean``,
             ``client_accuracy_worst`` and ``client_f1_mean``; only every ``client_eval_every``-th
             round and the last.
+        extras_codec: codec text of the named arrays a ``global`` carries (``[protocol]
+            extras_codec``: one codec for all, or per name; ``""`` = ``global_codec``).
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
             the decoded model as its global state, so that server and fleet hold the same model
             (deltas from the agents are then exact against it).
@@ -93,6 +96,7 @@ class ServerSettings:
     client_eval: bool = False
     client_eval_every: int = 1
     global_codec: str = "fp32"
+    extras_codec: str = ""
     expected_data: tuple[tuple[str, str], ...] = ()
 
 
@@ -199,6 +203,11 @@ class AggregationServer:
         self.global_tensors: list[np.ndarray] = list(state_arrays(model))
         self.share = algorithm_share(strategy)
         self.shared_idx = shared_indices(list(model.state_dict()), self.share)
+        if self.share != "all" and not settings.client_eval:
+            # the server holds no complete model: the devices' own models are the only measure
+            log.info("%s shares %s of the model: client-side evaluation switched on", strategy.name,
+                     "only the backbone" if self.share == "backbone" else "none")
+            self.settings = settings = dataclasses.replace(settings, client_eval=True)
         self.registry: dict[str, ClientRecord] = {}
         self.rng = np.random.default_rng(settings.seed)
         self.round = 0
@@ -222,6 +231,8 @@ class AggregationServer:
         self.channel.reassembler.max_transfer_bytes = max(16 << 20, 4 * model_bytes + (1 << 20))
         self.channel.transfer_filter = lambda sender: sender in self.registry
         self._deadline = float("inf")
+        self._extra_codecs = None
+        self._withdrawn: set[str] = set()
         self._resync = False
         self._round_msgs: tuple[Global, RoundStart] | None = None
         self.resyncs = 0
@@ -344,15 +355,12 @@ class AggregationServer:
         shapes_ok = len(body.tensors) == len(shared) and all(
             t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, shared))
         if not shapes_ok:
-            self.totals["rejected_invalid"] += 1
-            self._stats.invalid += 1
-            self._reply(item, False, "tensors do not match the model manifest")
+            self._refuse(item, f"tensors do not match the model manifest (share={self.share!r}: "
+                               f"{len(shared)} tensors expected, {len(body.tensors)} received)")
             return
         rec = self.registry.get(env.sender)
         if rec is not None and body.num_samples > rec.num_samples:
-            self.totals["rejected_invalid"] += 1
-            self._stats.invalid += 1
-            self._reply(item, False, f"num_samples {body.num_samples} exceeds the {rec.num_samples} announced at join")
+            self._refuse(item, f"num_samples {body.num_samples} exceeds the {rec.num_samples} announced at join")
             return
         bad = [k for k in EVAL_METRICS if k in body.metrics and not _is_fraction(body.metrics[k])]
         if bad:  # the round's client_accuracy_* figures are computed from these (float() of any scalar)
@@ -369,19 +377,15 @@ class AggregationServer:
         check = getattr(self.strategy, "validate", None)
         reason = check(result) if check is not None else None
         if reason:
-            self.totals["rejected_invalid"] += 1
-            self._stats.invalid += 1
-            log.warning("update from %s refused: %s", env.sender, reason)
-            self._reply(item, False, reason)
+            self._refuse(item, reason)
             return
         try:
             self._acc.add(result)
         except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
-            self.totals["rejected_invalid"] += 1
-            self._stats.invalid += 1
-            self._reply(item, False, f"cannot aggregate: {exc}")
+            self._refuse(item, f"cannot aggregate: {exc}")
             return
         self._results[env.sender] = (body.num_samples, body.train_loss, dict(body.metrics))
+        self._withdrawn.discard(env.sender)  # a corrected update after a refusal counts
         self._counted.setdefault(env.round, set()).add(env.sender)
         for old in [r for r in self._counted if r < env.round - 8]:
             del self._counted[old]
@@ -390,6 +394,16 @@ class AggregationServer:
             rec.updates_accepted += 1
             rec.last_seen = time.monotonic()
         self._reply(item, True)
+
+    def _refuse(self, item: Received, reason: str) -> None:
+        """Refuse a selected client's update for the open round as invalid: counted, answered with
+        the reason, and the client no longer awaited this round (its receipt is definite, it will
+        not send the same update again)."""
+        self.totals["rejected_invalid"] += 1
+        self._stats.invalid += 1
+        log.warning("update from %s refused: %s", item.envelope.sender, reason)
+        self._withdrawn.add(item.envelope.sender)
+        self._reply(item, False, reason)
 
     def _on_reconnect(self, n: int) -> None:
         if n > 1:
@@ -405,7 +419,7 @@ class AggregationServer:
         log.warning("reconnected to the broker: re-sending round %d", self._collecting)
         glob, start = self._round_msgs
         enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=self._collecting,
-                                codec=self.global_codec)
+                                codec=self.global_codec, extra_codecs=self._extra_codecs)
         self._global_sha256 = payload_sha256(enc.payload)  # receipts now confirm the re-sent copy
         self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=self._collecting)
         self.resyncs += 1
@@ -454,9 +468,14 @@ class AggregationServer:
         self.channel.send(topics.down(self.fed, Kind.FINISH),
                           Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10)
         self.pump(0.2)
-        torch.save(self.model.state_dict(), self.run_dir / "model_final.pt")
         self.checkpoints.close()
-        self.onnx_result = self._export_onnx()
+        if self.share != "none":  # with share="backbone" its shared entries are the global backbone
+            torch.save(self.model.state_dict(), self.run_dir / "model_final.pt")
+        if self.share == "all":
+            self.onnx_result = self._export_onnx()
+        else:  # the server's copy is not a model anyone trained end to end: nothing to deploy
+            self.onnx_result = {"onnx_skipped": f"{self.strategy.name} shares {self.share} of the model: the "
+                                                "trained models stay on the devices"}
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
         return RunSummary(self.round, last_acc, last_loss, self.metrics)
@@ -486,7 +505,9 @@ class AggregationServer:
             config["client_eval"] = True
         start = RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s, config=config)
         self._round_msgs = (glob, start)
-        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec)
+        self._extra_codecs = extras_codecs(self.settings.extras_codec, glob.extras, self.global_codec)
+        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
+                                extra_codecs=self._extra_codecs)
         self._global_sha256 = payload_sha256(enc.payload)
         self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
         deadline = t0 + self.settings.round_deadline_s

@@ -44,7 +44,7 @@ from .config import Config
 from .embedded_broker import EmbeddedBroker, parse_broker_url
 from .errors import ConfigError
 from .runtime import (channel_options, client_eval_split, device_model, expected_data, make_client_algorithm,
-                      make_server, open_transport, server_security)
+                      make_server, make_strategy, open_transport, server_security)
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,11 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
                       domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
     parts = split_clients(ds, cfg)
     shards = describe(parts, ds.train.y, ds.num_classes, domains=ds.train_domains, domain_names=ds.domain_names)
+    try:
+        get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
+    except EdgeAgentError as exc:
+        raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
+    make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
@@ -222,11 +227,6 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         log.warning("data set %s: %s", ds.name, note)
     for s in shards:
         log.info("client %d: %d samples, histogram %s", s["client"], s["samples"], s["histogram"])
-
-    try:
-        get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
-    except EdgeAgentError as exc:
-        raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
 
     server_sec, fleet_keys = fleet_security(cfg, out, [f"client-{i:03d}" for i in range(len(parts))])
     broker: EmbeddedBroker | None = None

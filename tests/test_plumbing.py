@@ -191,3 +191,54 @@ def test_a_diverged_client_withdraws_and_the_round_does_not_wait_for_the_deadlin
     n = con.execute("select count(*) from messages where side='agent' and kind='update' and client='client-000' "
                     "and event='sent'").fetchone()[0]
     assert n == 0  # nothing non-finite went on the wire
+
+
+@register_client_algorithm("plumbing-refused")
+class RefusedClient(FedAvgClient):
+    pass
+
+
+@register_strategy("plumbing-refused")
+class RefusingStrategy(FedAvg):
+    """Refuses client-000's updates (as a strategy's validate does for a malformed upload)."""
+
+    def validate(self, result):
+        return "refused by the test" if result.client_id == "client-000" else None
+
+
+def test_a_refused_update_is_not_awaited_until_the_deadline(tmp_path: Path) -> None:
+    cfg = small_config(run={"rounds": 2}, server={"round_deadline_s": 120.0}, train={"algorithm": "plumbing-refused"})
+    res = simulate(cfg, run_dir=tmp_path / "run")
+    for m in res.metrics:
+        assert m["invalid"] == 1 and m["clients_reported"] == 2 and m["seconds"] < 60
+
+
+def test_partial_share_switches_client_eval_on_and_skips_the_onnx_export(tmp_path: Path) -> None:
+    res = simulate(small_config(run={"rounds": 1}, train={"algorithm": "local"}), run_dir=tmp_path / "run")
+    m = res.metrics[-1]
+    assert m["accuracy_source"] == "clients" and m["clients_evaluated"] == 3
+    assert m["accuracy"] == pytest.approx(m["client_accuracy_mean"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "onnx_skipped" in summary and "onnx_accuracy" not in summary
+    assert not (tmp_path / "run" / "model_final.pt").exists()  # share = none: the server trained nothing
+
+
+def test_extras_codec_applies_to_the_global_extras_too(tmp_path: Path) -> None:
+    import sqlite3
+
+    cfg = small_config(run={"rounds": 2}, train={"algorithm": "fedmcp"}, algorithm={"proxy_size": 100},
+                       protocol={"extras_codec": "int8"})
+    simulate(cfg, run_dir=tmp_path / "run")
+    con = sqlite3.connect(tmp_path / "run" / "ledger.sqlite")
+    rows = con.execute("select fields, codec from messages where side='server' and kind='global' and event='sent' "
+                       "and round=2").fetchall()
+    fields = json.loads(rows[0][0])
+    # teacher soft predictions [100, 10]: 1,000 int8 values + a scale, not 4,000 fp32 bytes
+    assert 1000 < fields["extras.teacher_soft_predictions"] < 1100
+    assert "teacher_soft_predictions=int8" in rows[0][1]
+
+
+def test_a_bad_algorithm_table_leaves_no_run_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        simulate(small_config(algorithm={"no_such_knob": 1}), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
