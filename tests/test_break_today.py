@@ -603,8 +603,6 @@ def test_a_device_re_keyed_under_its_id_is_not_locked_out_by_its_old_epoch(tmp_p
     assert err.value.code == "bad_signature"
 
 
-@pytest.mark.xfail(strict=True, reason="the server's replay state (newest epoch, seq window per device) lives in "
-                                       "memory only and is lost when the server restarts")
 def test_a_device_message_from_before_its_restart_is_refused_by_a_restarted_server(tmp_path: Path) -> None:
     """README: "a restarted device is accepted while its old messages are not". That holds while
     the server runs; a server restarted (or resumed) after the device's restart has forgotten

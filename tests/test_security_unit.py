@@ -6,6 +6,7 @@ chunked transfers through a channel (no broker)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sqlite3
@@ -255,15 +256,245 @@ def test_replay_window_accepts_reordering_and_refuses_the_too_old():
     assert w.seen(136) and not w.seen(137) and w.seen(10)
 
 
-def test_last_will_at_seq_0_may_arrive_once_per_lost_connection():
+def _will(agent, sender="client-007"):
+    st = topics.status(FED, sender)
+    return agent.seal(st, encode(Envelope(round=0, sender=sender, seq=0, body=Status("offline"))).payload).payload
+
+
+def _online(agent, seq, sender="client-007"):
+    st = topics.status(FED, sender)
+    return agent.seal(st, encode(Envelope(round=0, sender=sender, seq=seq, body=Status("online"))).payload).payload
+
+
+def test_last_will_at_seq_0_is_taken_once_per_lost_connection_of_the_newest_session():
     dev, srv, agent, server = _pair(encrypt=False)
     st = topics.status(FED, "client-007")
-    will = agent.seal(st, encode(Envelope(round=0, sender="client-007", seq=0, body=Status("offline"))).payload)
-    for _ in range(2):
-        _open(server, st, will.payload)
-    online = agent.seal(st, encode(Envelope(round=0, sender="client-007", seq=7, body=Status("online"))).payload)
-    _open(server, st, online.payload)
-    assert _code(server, st, online.payload) == "replayed"
+    will = _will(agent)
+    _open(server, st, will)  # the connection dropped: the broker delivers the will
+    assert _code(server, st, will) == "replayed"  # replayed while the device has said nothing since
+    online = _online(agent, 7)
+    _open(server, st, online)  # it reconnected and said so ...
+    _open(server, st, will)  # ... and dropped again: the same will, legitimately
+    assert _code(server, st, online) == "replayed"
+    assert _code(server, st, will) == "replayed"
+    # a will of a newer session (restarted, dropped before saying anything) is taken, once; the
+    # older session's will is now stale
+    newer = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=6)
+    _open(server, st, _will(newer))
+    assert _code(server, st, _will(newer)) == "replayed"
+    assert _code(server, st, will) == "stale_epoch"
+    assert server.rejections == {"replayed": 4, "stale_epoch": 1}
+
+
+# ------------------------------------------------------------------------------------------ replay state on disk
+
+
+def _fleet(tmp_path):
+    """A server and a device, each with a key folder (so each keeps its replay state there)."""
+    S.write_key_dir(S.generate_identity("server"), tmp_path / "server")
+    S.write_key_dir(S.generate_identity("client-007"), tmp_path / "dev")
+    srv, dev = S.load_identity(tmp_path / "server"), S.load_identity(tmp_path / "dev")
+    S.enroll(tmp_path / "server", dev.public)
+    return srv, dev
+
+
+def _server(tmp_path, srv, **kw):
+    return S.ChannelSecurity(srv, side="server", peers=S.AllowList(tmp_path / "server"), **kw)
+
+
+def _state(tmp_path, node="server"):
+    return json.loads((tmp_path / node / S.REPLAY_STATE_FILE).read_text())
+
+
+def test_a_restarted_server_refuses_replays_and_accepts_the_continuing_and_the_restarted_device(tmp_path):
+    srv, dev = _fleet(tmp_path)
+    server1 = _server(tmp_path, srv)
+    boot1 = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public})
+    st = topics.status(FED, "client-007")
+    sent = {s: boot1.seal(UP, _upd(seq=s)).payload for s in (1, 2, 3, 5)}
+    for s in (1, 2, 3, 5):
+        _open(server1, UP, sent[s])
+    will = _will(boot1)
+    _open(server1, st, will)
+    # what the journal says, line by line (PROTOCOL of ReplayStore): the header, the sender's
+    # index line, one line per accepted message, "w" for the will
+    lines = (tmp_path / "server" / S.REPLAY_JOURNAL_FILE).read_text().splitlines()
+    assert lines[0].split()[:4] == ["fedfleet", "replay", "journal", "v1"]
+    assert lines[1:] == [f"+ 0 client-007 {dev.public.ed25519.hex()}", "0 1 1", "0 1 2", "0 1 3", "0 1 5", "0 1 w"]
+
+    server2 = _server(tmp_path, srv)  # the server restarts (same host: nothing may be lost)
+    assert not server2.replay_store.margin_applied
+    doc = _state(tmp_path)
+    # seen {1, 2, 3, 5}: top 5, bit d set for seq 5 - d → d = 0, 2, 3, 4 → 0b11101 = 0x1d
+    assert doc["sessions"] == [{"id": "client-007", "ed25519": dev.public.ed25519.hex(), "epoch": 1, "top": 5,
+                                "bits": "1d", "will_taken": True}]
+    assert (tmp_path / "server" / S.REPLAY_JOURNAL_FILE).read_text().count("\n") == 1  # compacted: header only
+    assert [_code(server2, UP, sent[s]) for s in (1, 2, 3, 5)] == ["replayed"] * 4
+    assert _code(server2, st, will) == "replayed"
+    assert _open(server2, UP, boot1.seal(UP, _upd(seq=4)).payload).epoch == 1  # not seen before: the device goes on
+    _open(server2, st, will)  # it said something since, so its will may come again
+    boot2 = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public})  # the device restarts
+    assert _open(server2, UP, boot2.seal(UP, _upd(seq=1)).payload).epoch == 2
+    server3 = _server(tmp_path, srv)  # and the server again
+    assert _code(server3, UP, sent[5]) == "stale_epoch"
+    assert _code(server3, st, will) == "stale_epoch"
+    assert _code(server3, UP, boot2.seal(UP, _upd(seq=1)).payload) == "replayed"
+    assert _open(server3, UP, boot2.seal(UP, _upd(seq=2)).payload).epoch == 2
+
+
+def test_a_restarted_device_refuses_the_servers_old_messages(tmp_path):
+    srv, dev = _fleet(tmp_path)
+    server = _server(tmp_path, srv)
+    down = topics.down(FED, Kind.ROUND_START)
+    rs = server.seal(down, encode(Envelope(round=1, sender="server", seq=1,
+                                           body=RoundStart(("client-007",), 30.0))).payload).payload
+    _open(S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}), down, rs)
+    again = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public})  # the device restarts
+    assert _code(again, down, rs) == "replayed"
+    assert _state(tmp_path, "dev")["sessions"][0]["id"] == "server"
+
+
+def test_journal_is_synced_at_new_sessions_and_every_n_records_and_compacted(tmp_path, monkeypatch):
+    srv, dev = _fleet(tmp_path)
+    monkeypatch.setattr(S, "REPLAY_SYNC_EVERY", 4)
+    monkeypatch.setattr(S, "REPLAY_COMPACT_EVERY", 10)
+    server = _server(tmp_path, srv, epoch=1)
+    agent = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=3, replay_state=None)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    _open(server, UP, agent.seal(UP, _upd(seq=1)).payload)  # record 1: a new session → synced
+    assert len(synced) == 1
+    for s in range(2, 6):  # records 2..5: the 4th record since the last sync is synced
+        _open(server, UP, agent.seal(UP, _upd(seq=s)).payload)
+    assert len(synced) == 2
+    gen = _state(tmp_path)["generation"]
+    for s in range(6, 11):  # records 6..10: the 10th compacts (snapshot + fresh journal)
+        _open(server, UP, agent.seal(UP, _upd(seq=s)).payload)
+    assert _state(tmp_path)["generation"] == gen + 1 and _state(tmp_path)["sessions"][0]["top"] == 10
+    assert (tmp_path / "server" / S.REPLAY_JOURNAL_FILE).read_text().count("\n") == 1
+    _open(server, UP, agent.seal(UP, _upd(seq=11)).payload)
+    again = _server(tmp_path, srv, epoch=2)
+    assert [_code(again, UP, agent.seal(UP, _upd(seq=s)).payload) for s in (1, 10, 11)] == ["replayed"] * 3
+
+
+@pytest.mark.parametrize(("boot", "closed"), [("another-boot", False), ("another-boot", True), ("-", False)])
+def test_after_a_host_restart_an_unclosed_journal_refuses_a_margin_above_the_saved_seq(tmp_path, monkeypatch,
+                                                                                      boot, closed, caplog):
+    """Another boot id, or none to compare ("-": not Linux), and no clean close: the journal's
+    unsynced tail may be lost, so seq ≤ saved top + REPLAY_SYNC_EVERY is refused."""
+    srv, dev = _fleet(tmp_path)
+    server = _server(tmp_path, srv, epoch=1)
+    agent = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=3, replay_state=None)
+    for s in (1, 2, 3):
+        _open(server, UP, agent.seal(UP, _upd(seq=s)).payload)
+    if closed:
+        server.close()
+    if boot == "-":
+        monkeypatch.setattr(S, "_boot_id_cache", ["-"])
+        server.replay_store._compact()  # files written where the boot cannot be told
+        _open(server, UP, agent.seal(UP, _upd(seq=0)).payload)  # (a journal record after it)
+    else:
+        monkeypatch.setattr(S, "_boot_id_cache", [boot])  # the host restarted
+    with caplog.at_level(logging.WARNING, logger="protocol.security"):
+        again = _server(tmp_path, srv, epoch=2)
+    assert again.replay_store.margin_applied is not closed
+    first_ok = 3 + 1 if closed else 3 + S.REPLAY_SYNC_EVERY + 1
+    if not closed:
+        assert "host restarted" in caplog.text
+        assert _code(again, UP, agent.seal(UP, _upd(seq=first_ok - 1)).payload) == "replayed"
+    assert _code(again, UP, agent.seal(UP, _upd(seq=3)).payload) == "replayed"
+    assert _open(again, UP, agent.seal(UP, _upd(seq=first_ok)).payload).epoch == 3
+    restarted = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=4, replay_state=None)
+    assert _open(again, UP, restarted.seal(UP, _upd(seq=1)).payload).epoch == 4  # a new session: never affected
+
+
+@pytest.mark.parametrize("damage", ["garbage-state", "unknown-key", "both-garbage", "bad-journal-line", "torn-tail",
+                                    "missing"])
+def test_damaged_or_missing_replay_state_is_logged_never_a_crash(tmp_path, caplog, damage):
+    srv, dev = _fleet(tmp_path)
+    server = _server(tmp_path, srv, epoch=1)
+    agent = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=3, replay_state=None)
+    old = [agent.seal(UP, _upd(seq=s)).payload for s in (1, 2)]
+    for p in old:
+        _open(server, UP, p)
+    d = tmp_path / "server"
+    state, journal = d / S.REPLAY_STATE_FILE, d / S.REPLAY_JOURNAL_FILE
+    if damage == "garbage-state":
+        state.write_bytes(b"\x00not json")
+    elif damage == "unknown-key":
+        doc = _state(tmp_path)
+        doc["extra"] = 1
+        state.write_text(json.dumps(doc))
+    elif damage == "both-garbage":
+        state.write_text("{")
+        journal.write_bytes(b"\xff\xfe garbage\n")
+    elif damage == "bad-journal-line":
+        journal.write_text(journal.read_text().replace("0 3 1\n", "0 three 1\n"))
+    elif damage == "torn-tail":
+        with open(journal, "a") as f:
+            f.write("0 3 99")  # no newline: cut by a crash; never handed on, so it is not replayed
+    else:
+        state.unlink()
+        journal.unlink()
+    with caplog.at_level(logging.INFO, logger="protocol.security"):
+        again = _server(tmp_path, srv, epoch=2)
+    expect = {"garbage-state": "is damaged", "unknown-key": "unexpected keys ['extra'], missing keys []",
+              "both-garbage": "no valid header", "bad-journal-line": "skipped 1 unreadable line",
+              "torn-tail": "cut short", "missing": "first start"}[damage]
+    assert expect in caplog.text and str(d) in caplog.text
+    if damage in ("garbage-state", "unknown-key", "both-garbage"):
+        assert (d / (S.REPLAY_STATE_FILE + ".corrupt")).exists()
+    # what is still known is still refused; what was lost is accepted (and recorded afresh)
+    refused = {"garbage-state": [1, 2], "unknown-key": [1, 2], "both-garbage": [], "bad-journal-line": [2],
+               "torn-tail": [1, 2], "missing": []}[damage]
+    for s, p in zip((1, 2), old):
+        if s in refused:
+            assert _code(again, UP, p) == "replayed"
+        else:
+            assert _open(again, UP, p).epoch == 3
+    later = _server(tmp_path, srv, epoch=4)  # sound files again: the next restart refuses both
+    assert [_code(later, UP, p) for p in old] == ["replayed", "replayed"]
+    assert _state(tmp_path)["sessions"][0]["top"] == 2
+
+
+def test_an_unwritable_replay_folder_falls_back_to_memory_with_one_warning(tmp_path, caplog):
+    srv, dev = _fleet(tmp_path)
+    (tmp_path / "not-a-folder").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="protocol.security"):
+        server = _server(tmp_path, srv, epoch=1, replay_state=tmp_path / "not-a-folder")
+        agent = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=3, replay_state=None)
+        sealed = agent.seal(UP, _upd(seq=1)).payload
+        _open(server, UP, sealed)
+    assert _code(server, UP, sealed) == "replayed"  # still refused in memory
+    assert caplog.text.count("no longer saved") == 1
+
+
+def test_a_second_receiver_on_the_same_folder_takes_the_state_over(tmp_path, caplog, monkeypatch):
+    srv, dev = _fleet(tmp_path)
+    monkeypatch.setattr(S, "REPLAY_COMPACT_EVERY", 3)
+    first = _server(tmp_path, srv, epoch=1)
+    agent = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=3, replay_state=None)
+    _open(first, UP, agent.seal(UP, _upd(seq=1)).payload)
+    second = _server(tmp_path, srv, epoch=2)
+    assert _code(second, UP, agent.seal(UP, _upd(seq=1)).payload) == "replayed"
+    with caplog.at_level(logging.WARNING, logger="protocol.security"):
+        for s in (2, 3):  # the first one's compaction notices it lost the folder and stops writing
+            _open(first, UP, agent.seal(UP, _upd(seq=s)).payload)
+    assert "another process" in caplog.text
+    _open(second, UP, agent.seal(UP, _upd(seq=9)).payload)
+    assert _state(tmp_path)["owner"] == second.replay_store._owner
+    assert _code(_server(tmp_path, srv, epoch=3), UP, agent.seal(UP, _upd(seq=9)).payload) == "replayed"
+
+
+def test_restored_window_counts_bits_it_did_not_keep_as_seen():
+    # saved with a window of 8: seen 10 (bit 0) and 8 (bit 2); restored into a window of 16
+    w = S.ReplayWindow.restored(16, 10, 0b101, 8)
+    assert w.bits == 0xFF05
+    # the 8 kept (seq 3..10) as they were; seq 0..2 (beyond them, inside the new window) refused
+    assert [s for s in range(0, 12) if not w.seen(s)] == [3, 4, 5, 6, 7, 9, 11]
+    narrow = S.ReplayWindow.restored(2, 10, 0b101, 8)
+    assert narrow.bits == 0b01 and not narrow.seen(11) and narrow.seen(8) and not narrow.seen(9)
 
 
 def test_agent_verifies_the_pinned_server_key_and_tracks_rounds():
