@@ -177,7 +177,7 @@ class AggregationServer:
 
     Args:
         channel: connected server channel (its node id is ``"server"``).
-        strategy: the algorithm's server half.
+        strategy: the algorithm's server half (its optional ``bind_model`` is called here with ``model``).
         model: the global model (its state is the initial global state).
         test: held-out split for evaluation after each round.
         settings: round-loop settings.
@@ -194,6 +194,9 @@ class AggregationServer:
         self.channel = channel
         self.strategy = strategy
         self.model = model
+        bind = getattr(strategy, "bind_model", None)
+        if bind is not None:  # shapes of shared non-model arrays come from the model, not round 1
+            bind(model)
         self.test = test
         self.test_domains = dict(test_domains or {})
         self.settings = settings

@@ -20,6 +20,7 @@ import msgpack
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
+import torch
 from test_federation import small_config
 
 from broker_server.embedded_broker import EmbeddedBroker
@@ -88,6 +89,13 @@ def _rogue_on_round_start(broker: EmbeddedBroker, fed: str, payloads: list[tuple
 
 def _result(cid: str, tensors=(), n: int = 10, **extras) -> ClientResult:
     return ClientResult(cid, tuple(tensors), n, 0.5, {}, extras=extras)
+
+
+def _lightcnn():
+    """The server's model of the digits tests: LightCNN 1×8×8, classifier [10, 64]."""
+    from edge_agent.models import build_model
+
+    return build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
 
 
 def _protos(k: int, d: int, classes=None, counts=None) -> dict:
@@ -162,12 +170,12 @@ def test_fpl_refuses_class_ids_outside_the_model() -> None:
     assert s.validate(_result("a", head, **_protos(2, 64, [0, 9]))) is None
 
 
-@pytest.mark.xfail(strict=True, reason="FedProto (share = none) does not know C: validate accepts any class id >= 0")
 def test_fedproto_class_id_out_of_range_does_not_kill_the_honest_agents(tmp_path: Path) -> None:
     """FedProto (no model shared): a client adds a prototype for class 10 (the task has 10
     classes). The server accepted it and broadcast it in round 2's global prototypes; every honest
     agent then raised ModelError in prototype_table ("classes must be ... in [0, 10)") and its
-    thread died: one device took the whole federation down."""
+    thread died: one device took the whole federation down. Fixed: the server binds its model,
+    FedProto refuses class ids outside [0, C)."""
     cfg = small_config(run={"rounds": 2}, data={"clients": 3}, train={"algorithm": "fedproto"},
                        server={"client_eval": True, "client_eval_max": 50, "round_deadline_s": 12.0})
 
@@ -185,14 +193,14 @@ def test_fedproto_class_id_out_of_range_does_not_kill_the_honest_agents(tmp_path
     assert m[0]["invalid"] >= 1 and m[1]["clients_reported"] == 3
 
 
-@pytest.mark.xfail(strict=True, reason="FedProto (share = none) does not know the feature width before round 1 ends")
 def test_fedproto_round1_width_is_not_decided_by_the_first_reporter() -> None:
-    """FedProto knows no width before its first aggregate: the first update of round 1 fixed it,
+    """FedProto knew no width before its first aggregate: the first update of round 1 fixed it,
     so a 3-d upload arriving first made every honest 64-d upload "cannot aggregate" (and the
-    next round's global prototypes 3-d)."""
+    next round's global prototypes 3-d). Fixed: the server binds its model (d = 64)."""
     from broker_server.strategies.fedproto import FedProto
 
     s = FedProto()
+    s.bind_model(_lightcnn())
     acc = accumulator_for(s, 1, [])
     evil, good = _result("evil", **_protos(2, 3)), _result("good", **_protos(2, 64))
     for r in (evil, good):
@@ -229,12 +237,11 @@ def test_fedpad_proto_counts_that_overflow_int64_are_refused() -> None:
     assert reason is not None and "num_samples" in reason
 
 
-@pytest.mark.xfail(strict=True, reason="FedProto validate does not bound proto_counts (used as weights with "
-                                       "weighting = 'count')")
 def test_fedproto_count_weighting_is_not_owned_by_one_client_claiming_huge_counts() -> None:
     """weighting = "count" (the paper's |D_i,c|): a client that claims 10**15 samples of every
     class (num_samples = 10) owns every global prototype. Counts should be bounded by what the
-    update stands for (num_samples × local_epochs: the client counts features over all epochs)."""
+    update stands for (num_samples × local_epochs: the client counts features over all epochs);
+    fixed: FedProto.validate refuses a larger Σ proto_counts."""
     from broker_server.strategies.fedproto import FedProto
 
     s = FedProto(weighting="count", train_config={"local_epochs": 1})
@@ -243,18 +250,19 @@ def test_fedproto_count_weighting_is_not_owned_by_one_client_claiming_huge_count
     assert s.validate(evil) is not None
 
 
-# ----------------------------------------------------- round 1: nothing pins the extras' shapes yet
+# ------------------------------------------ round 1: the bound model pins the extras' shapes
 
 
-@pytest.mark.xfail(strict=True, reason="SCAFFOLD learns P (the size of c) from the first control_delta of round 1")
 def test_scaffold_first_reporter_does_not_decide_the_control_variate_size() -> None:
-    """Round 1, c is still None: validate accepts a control_delta of any length, the first one
+    """Round 1, c is still None: validate accepted a control_delta of any length, the first one
     folded in fixes the size, every honest update is then refused ("cannot aggregate") and c of
     the wrong size is broadcast; every honest client's begin_round raises ModelError next round
-    (unflatten: "the model has P parameters"). P is the model's parameter count, known up front."""
+    (unflatten: "the model has P parameters"). P is the model's parameter count, known up front:
+    fixed by the server's bind_model."""
     from broker_server.strategies.scaffold import Scaffold
 
     s = Scaffold()
+    s.bind_model(torch.nn.Linear(4, 1))  # P = 4 weights + 1 bias = 5
     model = [np.zeros(5, np.float32)]
     acc = accumulator_for(s, 1, model)
     evil = _result("evil", [np.ones(5, np.float32)], control_delta=np.ones(3, np.float32))
@@ -269,15 +277,15 @@ def test_scaffold_first_reporter_does_not_decide_the_control_variate_size() -> N
     assert s.control is not None and s.control.shape == (5,)
 
 
-@pytest.mark.xfail(strict=True, reason="FedMCP learns the prototype width d from the first upload of round 1")
 def test_fedmcp_first_reporter_does_not_decide_the_teacher_prototype_width() -> None:
-    """Round 1 (no teacher yet): validate accepts prototypes [C, d] for any d, the first one
+    """Round 1 (no teacher yet): validate accepted prototypes [C, d] for any d, the first one
     folded in fixes d, honest [C, 64] uploads are refused and the [C, 3] teacher is broadcast
-    (the honest clients' alignment then raises on the shape)."""
+    (the honest clients' alignment then raises on the shape). Fixed: d from the bound model."""
     from broker_server.strategies.fedmcp import FedMCP
 
     P, C = 50, 10
     s = FedMCP(proxy_y=np.arange(P, dtype=np.int64) % C, num_classes=C, proxy_size=P)
+    s.bind_model(_lightcnn())
     soft = np.full((P, C), 0.1, np.float32)
     acc = accumulator_for(s, 1, [])
     for cid, d in (("evil", 3), ("good", 64)):

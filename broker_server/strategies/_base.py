@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,22 @@ def accumulator_for(strategy: "Strategy", round: int, current: Sequence[np.ndarr
     return BufferedAccumulator(strategy, round, current)
 
 
+def classifier_shape(model: "torch.nn.Module") -> tuple[int, int] | None:
+    """(C, d) of the model's classifier: the shape of its ``classifier.weight`` state entry
+    (the light CNN's head ``Linear(d, C)``: C classes, feature width d); ``None`` when the model
+    has no 2-D ``classifier.weight``. For :meth:`Strategy.bind_model` implementations."""
+    w = model.state_dict().get("classifier.weight")
+    if w is None or w.dim() != 2:
+        return None
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def parameter_count(model: "torch.nn.Module") -> int:
+    """P, the model's trainable parameter count (Σ numel over ``model.parameters()``, the layout of
+    flat control variates: :mod:`edge_agent.algorithms.scaffold`). For ``bind_model``."""
+    return sum(int(p.numel()) for p in model.parameters())
+
+
 class Strategy(Protocol):
     """Server half of an algorithm.
 
@@ -95,8 +114,13 @@ class Strategy(Protocol):
     ``"none"``: which model tensors travel; ``current`` and every result's ``tensors`` are that
     subset) and define ``global_extras() -> dict[str, ndarray]`` (named arrays broadcast with each
     round's ``global``), ``round_metrics() -> dict`` (merged into the round's ``metrics.jsonl``
-    line), ``validate(result) -> str | None`` (a reason to refuse a malformed update) and
-    ``accumulator(round, current)`` (streaming aggregation).
+    line), ``validate(result) -> str | None`` (a reason to refuse a malformed update),
+    ``accumulator(round, current)`` (streaming aggregation) and ``bind_model(model) -> None``:
+    called once by the server (``AggregationServer.__init__``) with its global ``torch.nn.Module``,
+    before any round, so that the shapes of shared non-model arrays (a parameter count P, the
+    feature width d and class count C of :func:`classifier_shape`) come from the model and are
+    never learnt from the first update of round 1; a strategy that was never bound (a unit test)
+    keeps its unbound behaviour.
     """
 
     name: str

@@ -17,6 +17,7 @@ tensor ever travels (``share = "none"``). With ``weighting = "uniform"`` the wei
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,9 +25,12 @@ from edge_agent.algorithms.fedmcp import TEACHER_EXTRAS, UPLOAD_EXTRAS, FedMCPPa
 from edge_agent.data import PROXY_SIZE, Dataset
 
 from ..aggregate import RunningWeightedSum
-from ._base import ClientResult, RoundPlan
+from ._base import ClientResult, RoundPlan, classifier_shape
 from ._registry import register_strategy
 from .fedavg import FedAvg
+
+if TYPE_CHECKING:
+    import torch
 
 #: Teacher weightings: ``"accuracy"`` (FedMCP++, ω_i ∝ a_i) and ``"uniform"`` (EnsKD, ω_i = 1/K).
 WEIGHTINGS = ("accuracy", "uniform")
@@ -100,6 +104,9 @@ class FedMCP(FedAvg):
         TypeError: an unknown keyword (a typo in ``[algorithm]``).
         ValueError: a bad hyperparameter; labels that are not int64 ``[P]``; ``proxy_size``
             different from P.
+
+    The prototype width d is the bound model's feature width (:meth:`bind_model`, called by the
+    server before round 1); unbound, it is the current teacher's (in round 1 any d is accepted).
     """
 
     name = "fedmcp"
@@ -135,7 +142,23 @@ class FedMCP(FedAvg):
         self.digest = proxy_digest(proxy_y)
         self.teacher_soft: np.ndarray | None = None
         self.teacher_protos: np.ndarray | None = None
+        self.feature_dim: int | None = None  # d of the bound model
         self._round_metrics: dict = {}
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """d = the input width of the model's classifier ``[C, d]``
+        (:func:`~broker_server.strategies._base.classifier_shape`; a model without one leaves d
+        unbound). Called by the server before round 1.
+
+        Raises:
+            ValueError: the classifier has a C other than ``num_classes``.
+        """
+        head = classifier_shape(model)
+        if head is None:
+            return
+        if head[0] != self.num_classes:
+            raise ValueError(f"the model's classifier has {head[0]} classes, the data set {self.num_classes}")
+        self.feature_dim = head[1]
 
     @classmethod
     def setup_kwargs(cls, dataset: Dataset, params: Mapping[str, object], seed: int) -> dict:
@@ -153,8 +176,8 @@ class FedMCP(FedAvg):
     def validate(self, result: ClientResult) -> str | None:
         """A reason to refuse a malformed upload, or None. Checks: no model tensors; exactly
         the extras ``soft_predictions`` ``[P, C]`` (values in [0, 1], each row summing to 1
-        within ``row_sum_tolerance``) and ``prototypes`` ``[C, d]`` (d as the current teacher's
-        when there is one). Finiteness was checked by the server."""
+        within ``row_sum_tolerance``) and ``prototypes`` ``[C, d]`` (d the bound model's feature
+        width, else the current teacher's when there is one). Finiteness was checked by the server."""
         if len(result.tensors):
             return f"{self.name} shares no model tensors, got {len(result.tensors)}"
         names = set(result.extras)
@@ -170,7 +193,8 @@ class FedMCP(FedAvg):
         err = float(np.abs(soft.sum(axis=1, dtype=np.float64) - 1).max())
         if err > self.row_sum_tolerance:
             return f"soft_predictions rows must sum to 1 (off by up to {err:.4f} > {self.row_sum_tolerance})"
-        d = None if self.teacher_protos is None else self.teacher_protos.shape[1]
+        d = self.feature_dim if self.feature_dim is not None else (
+            None if self.teacher_protos is None else self.teacher_protos.shape[1])
         if protos.ndim != 2 or protos.shape[0] != self.num_classes or protos.shape[1] < 1 or d not in (None, protos.shape[1]):
             return f"prototypes {list(protos.shape)}, expected [{self.num_classes}, {d or 'd'}]"
         return None

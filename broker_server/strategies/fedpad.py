@@ -344,16 +344,15 @@ class FedPAD(FedAvg):
         ex = result.extras
         head = _head_shape(result.tensors)
         width = head[1] if head else (self.prototypes.shape[1] if self.prototypes is not None else None)
-        reason = check_prototype_extras(ex, dim=width)  # names, dtypes, lengths, unique ids ≥ 0, counts ≥ 1
+        # names, dtypes, lengths, unique ids in [0, C), counts ≥ 1
+        reason = check_prototype_extras(ex, dim=width, num_classes=head[0] if head else None)
         if reason:
             return reason
-        p, c, n = np.asarray(ex[PROTOTYPES]), np.asarray(ex[PROTO_CLASSES]), np.asarray(ex[PROTO_COUNTS])
+        p, n = np.asarray(ex[PROTOTYPES]), np.asarray(ex[PROTO_COUNTS])
         if p.shape[0] < 1:
             return "no prototypes: a client with samples has at least one class"
         if self.prototypes is not None and self.prototypes.shape[0] and p.shape[1] != self.prototypes.shape[1]:
             return f"prototype width {p.shape[1]} differs from the global prototypes' {self.prototypes.shape[1]}"
-        if head is not None and c.max() >= head[0]:
-            return f"proto_classes out of range [0, {head[0]}): {c.tolist()}"
         total = sum(int(x) for x in n)  # Python ints: numpy's int64 sum wraps (4 × 2**62 → 0)
         if total > result.num_samples:
             return f"proto_counts sum to {total}, more than num_samples={result.num_samples}"

@@ -20,23 +20,29 @@ Aggregation streams: per-class running sums, so server memory does not grow with
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..aggregate import RunningWeightedSum
-from ._base import ClientResult, RoundPlan
+from ._base import ClientResult, RoundPlan, classifier_shape
 from ._registry import register_strategy
 from .fedavg import FedAvg, FedAvgAccumulator
+
+if TYPE_CHECKING:
+    import torch
 
 #: How client prototypes of one class are weighted.
 WEIGHTINGS = ("uniform", "count")
 
 
-def check_prototype_extras(extras: Mapping[str, np.ndarray], *, dim: int | None = None) -> str | None:
+def check_prototype_extras(extras: Mapping[str, np.ndarray], *, dim: int | None = None,
+                           num_classes: int | None = None) -> str | None:
     """Why an update's prototype extras are malformed, or ``None`` when they are fine.
 
-    Expected: exactly ``prototypes`` float [k, d], ``proto_classes`` int [k] (unique, ≥ 0),
-    ``proto_counts`` int [k] (≥ 1), all finite; d = ``dim`` when given.
+    Expected: exactly ``prototypes`` float [k, d], ``proto_classes`` int [k] (unique, ≥ 0, and
+    < ``num_classes`` when given), ``proto_counts`` int [k] (≥ 1), all finite; d = ``dim`` when
+    given.
     """
     missing = [n for n in ("prototypes", "proto_classes", "proto_counts") if n not in extras]
     if missing:
@@ -53,6 +59,8 @@ def check_prototype_extras(extras: Mapping[str, np.ndarray], *, dim: int | None 
         return f"proto_classes and proto_counts must be integer arrays, got {c.dtype} and {n.dtype}"
     if c.size and (c.min() < 0 or np.unique(c).size != c.size):
         return f"proto_classes must be unique and >= 0, got {c.tolist()}"
+    if num_classes is not None and c.size and c.max() >= num_classes:
+        return f"proto_classes out of range [0, {num_classes}): {c.tolist()}"
     if n.size and n.min() < 1:
         return f"proto_counts must be >= 1, got {n.tolist()}"
     if dim is not None and p.shape[0] and p.shape[1] != dim:
@@ -148,6 +156,10 @@ class FedProto(FedAvg):
 
     Raises:
         ValueError: ``lambda_proto`` < 0 or not finite; unknown ``weighting``; FedAvg's checks.
+
+    The server binds its model (:meth:`bind_model`): from then on the prototype width d and the
+    class count C are the model's, from round 1 on. Unbound, d is the last global prototypes'
+    (none in round 1: any width) and class ids are only checked ≥ 0.
     """
 
     share = "none"
@@ -162,6 +174,13 @@ class FedProto(FedAvg):
         self.weighting = weighting
         self.prototypes = np.zeros((0, 0), np.float32)
         self.proto_classes = np.zeros(0, np.int64)
+        self.head: tuple[int, int] | None = None  # (C, d) of the bound model's classifier
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Take the class count C and the prototype width d from the model's classifier
+        ``[C, d]`` (:func:`~broker_server.strategies._base.classifier_shape`; a model without
+        one leaves the strategy unbound). Called by the server before round 1."""
+        self.head = classifier_shape(model)
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's client selection; ``lambda_proto`` added to the round's config."""
@@ -169,8 +188,29 @@ class FedProto(FedAvg):
         return RoundPlan(selected=plan.selected, config={**plan.config, "lambda_proto": self.lambda_proto})
 
     def validate(self, result: ClientResult) -> str | None:
-        """Refuse malformed prototype extras (:func:`check_prototype_extras`)."""
-        return check_prototype_extras(result.extras, dim=self.prototypes.shape[1] if self.proto_classes.size else None)
+        """Refuse malformed prototype extras (:func:`check_prototype_extras`): width d and class
+        ids in [0, C) from the bound model (:meth:`bind_model`), else the width of the last
+        global prototypes; and counts that stand for more samples than the update does.
+
+        The client counts every feature it averaged, over all the round's epochs (SPECS §6.1;
+        :class:`~edge_agent.algorithms.fedproto.PrototypeClient`), so Σ_c n_i^c =
+        num_samples × max(1, E) with E = the ``local_epochs`` this strategy sends; a larger sum
+        is refused (with ``weighting = "count"`` it would buy the client the global prototypes).
+        No count bound when the strategy sends no ``local_epochs`` (the device's default applies).
+        """
+        if self.head is not None:
+            num_classes, dim = self.head
+        else:
+            num_classes, dim = None, self.prototypes.shape[1] if self.proto_classes.size else None
+        reason = check_prototype_extras(result.extras, dim=dim, num_classes=num_classes)
+        epochs = self.train_config.get("local_epochs")
+        if reason is None and epochs is not None:
+            bound = result.num_samples * max(1, int(epochs))
+            total = sum(int(x) for x in np.asarray(result.extras["proto_counts"]))  # Python ints: no int64 wrap
+            if total > bound:
+                return (f"proto_counts sum to {total}, more than num_samples × local_epochs = "
+                        f"{result.num_samples} × {max(1, int(epochs))} = {bound}")
+        return reason
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FedProtoAccumulator":
         """Streaming aggregation: prototypes by class (and, for ``share = "all"``, FedAvg sums)."""

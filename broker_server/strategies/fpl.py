@@ -145,12 +145,7 @@ class FPL(FedAvg):
         shared, so these are known from round 1 on, before any prototype was broadcast)."""
         head = next((t.shape for t in reversed(result.tensors) if np.ndim(t) == 2), None)
         dim = head[1] if head is not None else (self.extras["cluster_protos"].shape[1] if self.extras else None)
-        reason = check_prototype_extras(result.extras, dim=dim)
-        if reason is None and head is not None:
-            c = np.asarray(result.extras["proto_classes"])
-            if c.size and c.max() >= head[0]:
-                return f"proto_classes out of range [0, {head[0]}): {c.tolist()}"
-        return reason
+        return check_prototype_extras(result.extras, dim=dim, num_classes=head[0] if head is not None else None)
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FPLAccumulator":
         """Streams the model (FedAvg running sums); keeps the round's prototypes (k_i × d floats

@@ -23,14 +23,18 @@ the model's trainable parameters, broadcast as the ``global`` extras entry ``con
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_agent.algorithms.scaffold import CONTROL, CONTROL_DELTA
 
-from ._base import ClientResult
+from ._base import ClientResult, parameter_count
 from ._registry import register_strategy
 from .fedopt import ServerStepStrategy, check_range, step_floats, update_norm
+
+if TYPE_CHECKING:
+    import torch
 
 #: SCAFFOLD global step size η_g (SPECS §6.12).
 SERVER_LR = 1.0
@@ -81,6 +85,9 @@ class Scaffold(ServerStepStrategy):
         ValueError: a hyperparameter out of range.
 
     State (``state_dict``): c (float32 [P], ``None`` until the first update) and ``clients_seen``.
+
+    P is the bound model's parameter count (:meth:`bind_model`, called by the server before
+    round 1); unbound, P is c's size once c exists (in round 1 any size is accepted).
     """
 
     def __init__(self, *, server_lr: float = SERVER_LR, num_clients: int = 0, weighting: str = "uniform",
@@ -89,6 +96,12 @@ class Scaffold(ServerStepStrategy):
         self.server_lr = check_range("server_lr", server_lr, 0.0, np.inf, low_open=True)
         self.set_fleet_options(num_clients, weighting)
         self.control: np.ndarray | None = None
+        self.num_params: int | None = None  # P of the bound model
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """P = the model's parameter count (:func:`~broker_server.strategies._base.parameter_count`,
+        the client's layout of c and Δc_i). Called by the server before round 1."""
+        self.num_params = parameter_count(model)
 
     def global_extras(self) -> dict[str, np.ndarray]:
         """``{"control": c}`` (float32 [P]); ``{}`` while c is still the initial zero vector of unknown size."""
@@ -96,14 +109,16 @@ class Scaffold(ServerStepStrategy):
 
     def validate(self, result: ClientResult) -> str | None:
         """Refuse an update without exactly one extras entry ``control_delta``, float32 [P],
-        finite, with P = the size of c (once known)."""
+        finite, with P = the bound model's parameter count, else the size of c (once known)."""
         if set(result.extras) != {CONTROL_DELTA}:
             return f"SCAFFOLD updates carry exactly one extras entry {CONTROL_DELTA!r}, got {sorted(result.extras)}"
         dc = np.asarray(result.extras[CONTROL_DELTA])
         if dc.dtype != np.float32 or dc.ndim != 1:
             return f"{CONTROL_DELTA} must be a float32 vector, got {dc.dtype} {dc.shape}"
-        if self.control is not None and dc.shape != self.control.shape:
-            return f"{CONTROL_DELTA} has {dc.shape[0]} entries, the control variate {self.control.shape[0]}"
+        size = self.num_params if self.num_params is not None else (
+            None if self.control is None else self.control.shape[0])
+        if size is not None and dc.shape != (size,):
+            return f"{CONTROL_DELTA} has {dc.shape[0]} entries, the control variate {size}"
         if not np.isfinite(dc).all():
             return f"{CONTROL_DELTA} holds NaN/Inf"
         return None
