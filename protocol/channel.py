@@ -357,6 +357,8 @@ class Channel:
                     self.accept(inc)
                 except FedfleetProtocolError as exc:  # e.g. a resend request it can no longer answer
                     log.info("%s: after close: %s", self.node_id, exc)
+        if self.security is not None:  # a clean close: the replay journal needs no margin at the next start
+            self.security.close()
         if self.ledger is not None:
             self.ledger.flush()
 
