@@ -359,8 +359,12 @@ class MqttTransport:
 
     # API -------------------------------------------------------------------------------------
 
-    def connect(self, timeout_s: float = 10.0) -> None:
+    def connect(self, timeout_s: float = 30.0) -> None:
         """Connect and start the network thread; return once CONNACK accepted the session.
+
+        An unreachable broker fails at once (a TCP probe) and a refused login as soon as the
+        CONNACK says so; ``timeout_s`` only bounds the wait of an accepted TCP connection for its
+        CONNACK, which a broker serving many connects at once on a loaded machine may take a while to send.
 
         Raises:
             ConnectError: refused, or no CONNACK within ``timeout_s`` seconds.
