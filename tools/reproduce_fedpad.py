@@ -162,6 +162,15 @@ def report(results: dict[str, dict], *, out: str | Path = ".", benches: list[str
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {_pm([r['final']['accuracy_avg'] for r in rs])} | "
                          f"**{_pm([r['final']['accuracy_worst'] for r in rs])}** | {len(rs)} | "
                          f"{', '.join(str(rounds_aggregated(out, r['key']) if rounds_aggregated(out, r['key']) is not None else '–') for r in rs)} of {rs[0]['rounds']} |")
+        worst = {label: mean_std([r["final"]["accuracy_worst"] for r in recs if r["method"] == label])
+                 for label in methods if any(r["method"] == label for r in recs)}
+        if "FedPAD" in worst:
+            best = max(worst, key=lambda k: worst[k][0])
+            fp = worst["FedPAD"][0]
+            cmp = ", ".join(f"{k} {100 * (fp - worst[k][0]):+.2f} pp" for k in ("FedAvg", "FedAdam", "FedProto")
+                            if k in worst)
+            lines += ["", f"Reading: the best worst-domain accuracy here is {best}'s ({100 * worst[best][0]:.2f} %). "
+                          f"FedPAD's worst-domain accuracy minus the others': {cmp} (positive = FedPAD better)."]
         lines += ["", "*rounds aggregated*: per seed, the rounds whose aggregate was applied. A round is skipped "
                   "when every device's local training diverged to NaN/Inf (each then withdraws and sends nothing) "
                   "or the aggregate is not finite; a run with 0 keeps its initial model, which is why such rows "
