@@ -173,8 +173,10 @@ def report(results: dict[str, dict], *, out: str | Path = ".", benches: list[str
                           f"FedPAD's worst-domain accuracy minus the others': {cmp} (positive = FedPAD better)."]
         lines += ["", "*rounds aggregated*: per seed, the rounds whose aggregate was applied. A round is skipped "
                   "when every device's local training diverged to NaN/Inf (each then withdraws and sends nothing) "
-                  "or the aggregate is not finite; a run with 0 keeps its initial model, which is why such rows "
-                  "show the same chance-level figures.", "",
+                  "or the aggregate is not finite. A run at chance level with every round aggregated has collapsed "
+                  "instead: its training loss jumped when the prototype terms first applied (round 2) and the model "
+                  "then predicts one class, which is why such runs of different methods show identical figures "
+                  "(see each run's metrics.jsonl `train_loss`).", "",
                   "Bytes per client per round on the device links (from the ledger, MQTT framing included), "
                   "and the parts of one update body:", "",
                   "| method | up B/client/round | down B/client/round | update: model tensors B | update: prototypes "
