@@ -371,20 +371,7 @@ def _spy(broker: EmbeddedBroker, fed: str):
     return Spy(broker.host, broker.port)
 
 
-def _checkpoint_round(path: Path) -> int:
-    import sqlite3
-
-    if not path.exists():
-        return -1
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)
-        try:
-            row = db.execute("SELECT MAX(round) FROM checkpoints").fetchone()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return -1
-    return -1 if row is None or row[0] is None else int(row[0])
+from test_chaos import _checkpoint_round  # noqa: E402  (one reader of a run's checkpoint round)
 
 
 def _kill_and_resume(tmp_path: Path, cfg, *, kill_after: int = 1):
