@@ -192,6 +192,14 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     return {k: v for k, v in done.items() if k in keys}
 
 
+def failed_runs_section(results: dict[str, dict]) -> list[str]:
+    """Markdown lines listing the runs whose record holds an ``error`` (``[]`` when none)."""
+    errors = [r for r in results.values() if "error" in r]
+    if not errors:
+        return []
+    return ["## Runs that failed", ""] + [f"- {r['key']}: {r['error']}" for r in errors] + [""]
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and population standard deviation (``np.std``, ddof 0) of ``values``; NaN for none."""
     if not values:

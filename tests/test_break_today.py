@@ -49,10 +49,9 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _tamper(index: int, mutate):
-    """agent_hook: agent ``index`` uploads ``mutate(extras, round) -> extras`` instead of its
-    algorithm's extras (a malicious but protocol-conforming device: signed, right topic, right
-    round)."""
+def _tamper_result(index: int, change):
+    """agent_hook: agent ``index`` uploads ``change(result, round)`` instead of its algorithm's
+    local result (a malicious but protocol-conforming device: signed, right topic, right round)."""
 
     def hook(i, agent):
         if i != index:
@@ -60,12 +59,16 @@ def _tamper(index: int, mutate):
         real = agent.algorithm.local_round
 
         def local_round(*a, **kw):
-            res = real(*a, **kw)
-            return dataclasses.replace(res, extras=mutate(dict(res.extras), kw["round"]))
+            return change(real(*a, **kw), kw["round"])
 
         agent.algorithm.local_round = local_round
 
     return hook
+
+
+def _tamper(index: int, mutate):
+    """Agent ``index`` uploads ``mutate(extras, round) -> extras`` instead of its extras."""
+    return _tamper_result(index, lambda res, rnd: dataclasses.replace(res, extras=mutate(dict(res.extras), rnd)))
 
 
 def _rogue_on_round_start(broker: EmbeddedBroker, fed: str, payloads: list[tuple[str, bytes]]):
@@ -459,7 +462,7 @@ def test_resume_broadcasts_the_restored_state(tmp_path: Path, algorithm: str, ov
     res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg(algorithm, **over))
     _check_resumed(res, ckpt, run)
     if ckpt.round >= 2:
-        pytest.skip("killed after the last round")
+        pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
     g = _globals(msgs, 2)
     assert g, "no round-2 global seen"
     from broker_server.runtime import make_strategy
@@ -502,7 +505,7 @@ def test_resume_feddyn_keeps_h(tmp_path: Path) -> None:
     res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg("feddyn"))
     _check_resumed(res, ckpt, run)
     if ckpt.round >= 2:
-        pytest.skip("killed after the last round")
+        pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
     store = CheckpointStore(run / "checkpoints.sqlite")
     final = store.load(2).strategy_state
     store.close()
@@ -665,18 +668,8 @@ def test_prototype_updates_with_unknown_extras_are_refused(name: str) -> None:
 
 
 def _tamper_metrics(index: int, metrics: dict):
-    def hook(i, agent):
-        if i != index:
-            return
-        real = agent.algorithm.local_round
-
-        def local_round(*a, **kw):
-            res = real(*a, **kw)
-            return dataclasses.replace(res, metrics={**res.metrics, **metrics})
-
-        agent.algorithm.local_round = local_round
-
-    return hook
+    """Agent ``index`` adds ``metrics`` to its update's metrics."""
+    return _tamper_result(index, lambda res, rnd: dataclasses.replace(res, metrics={**res.metrics, **metrics}))
 
 
 @pytest.mark.parametrize("bad", [{"eval_accuracy": "high"}, {"eval_accuracy": 0.5, "eval_macro_f1": float("nan")}],

@@ -290,7 +290,7 @@ def test_pacs_allocation_gives_the_shard_sizes_from_the_manifest(alloc: tuple, t
 @pytest.fixture(scope="module")
 def digits_ds() -> data.Dataset:
     if SHARED is None:
-        pytest.skip("MANIFEST data files not found")
+        pytest.skip(reason="shared/data (MANIFEST.md files) not found beside the repository")
     return data.load_dataset("digits_domains", domain_train_cap=300, domain_test_cap=100)
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker_server.experiments import Job, load_results, mean_std, run_grid  # noqa: E402
+from broker_server.experiments import Job, failed_runs_section, load_results, mean_std, run_grid  # noqa: E402
 
 #: method label → (registered algorithm, [algorithm] table)
 METHODS: dict[str, tuple[str, dict]] = {
@@ -190,10 +190,7 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
             ratio = fedavg[0]["update_payload_bytes_mean"] / wire["fp32"]["update_payload_bytes_mean"]
             lines += [f"FedAvg's update on MNIST (full model, fp32) is {fedavg[0]['update_payload_bytes_mean']:,.0f} "
                       f"bytes: {ratio:.1f}× FedMCP++'s fp32 upload (the paper: 9.9× against the backbone alone).", ""]
-    errors = [r for r in results.values() if "error" in r]
-    if errors:
-        lines += ["## Runs that failed", ""] + [f"- {r['key']}: {r['error']}" for r in errors] + [""]
-    return "\n".join(lines)
+    return "\n".join(lines + failed_runs_section(results))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker_server.experiments import Job, load_results, mean_std, run_grid  # noqa: E402
+from broker_server.experiments import Job, failed_runs_section, load_results, mean_std, run_grid  # noqa: E402
 
 #: method label → (registered algorithm, [algorithm] table)
 METHODS: dict[str, tuple[str, dict]] = {
@@ -201,10 +201,7 @@ def report(results: dict[str, dict], *, out: str | Path = ".", benches: list[str
                           f"d = {[round(d, 2) for d in (fa.get('fedpad_d') or [])]}, "
                           f"drift ‖α^t − α^(t−1)‖₁ = {fa.get('fedpad_alpha_drift')}."]
         lines.append("")
-    errors = [r for r in results.values() if "error" in r]
-    if errors:
-        lines += ["## Runs that failed", ""] + [f"- {r['key']}: {r['error']}" for r in errors] + [""]
-    return "\n".join(lines)
+    return "\n".join(lines + failed_runs_section(results))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ SCAFFOLD, FedDyn), and :func:`pseudo_gradient`.
 
 from __future__ import annotations
 
+import abc
+
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -127,7 +129,7 @@ class SumsAccumulator:
         return self._finish(self._sums)
 
 
-class ServerStepStrategy(FedAvg):
+class ServerStepStrategy(FedAvg, abc.ABC):
     """FedAvg's client selection and configuration; aggregation = running sums of the round's
     updates (by default the sample-weighted sum of the models, ``"model"``) followed by the
     subclass's :meth:`finish_round`, which returns the new global model and updates the server
@@ -162,12 +164,12 @@ class ServerStepStrategy(FedAvg):
         """The running sums the round keeps (override to add more, e.g. SCAFFOLD's Δc)."""
         return {"model": lambda r: (r.tensors, self.model_weight(r))}
 
+    @abc.abstractmethod
     def finish_round(self, current: Sequence[np.ndarray],
                      sums: dict[str, RunningWeightedSum]) -> tuple[list[np.ndarray], dict]:
         """(new shared tensors, {attribute: new value}) from the round's sums. Pure (reads
         ``self``, never assigns): :meth:`_finish` sets the attributes when every array in the new
         model and state is finite (``_metrics``, a dict of scalars, is set along with them)."""
-        raise NotImplementedError
 
     def _finish(self, current: Sequence[np.ndarray], sums: dict[str, RunningWeightedSum]) -> list[np.ndarray]:
         new, state = self.finish_round(current, sums)
@@ -246,9 +248,9 @@ class ServerOptimizer(ServerStepStrategy):
     pseudo-gradient Δ = mean − w, and :meth:`optimizer_step` turns (w, Δ) into the new model.
     Floating-point tensors are stepped; integer state takes the mean."""
 
+    @abc.abstractmethod
     def optimizer_step(self, current: list[np.ndarray], delta: list[np.ndarray]) -> tuple[list[np.ndarray], dict]:
         """(w_{t+1}, {attribute: new optimizer state}) for the floating tensors; pure."""
-        raise NotImplementedError
 
     def finish_round(self, current, sums):
         out: dict = {}

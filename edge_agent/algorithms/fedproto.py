@@ -30,6 +30,8 @@ Hyperparameter (``round_start.config``): ``lambda_proto`` (λ, default 1.0; HtFL
 
 from __future__ import annotations
 
+import abc
+
 import time
 from collections.abc import Mapping
 
@@ -170,7 +172,7 @@ def _num_classes(model: torch.nn.Module) -> int:
     return n
 
 
-class PrototypeClient:
+class PrototypeClient(abc.ABC):
     """Shared client loop of the prototype methods (FedProto, FPL): load the shared tensors, run
     :func:`~edge_agent.algorithms.fedavg.sgd_epochs` on CE + the method's feature term, collect
     the class prototypes from the training forward passes, upload them as extras.
@@ -194,11 +196,11 @@ class PrototypeClient:
         self.precision = precision
         self.local_prototypes: tuple[np.ndarray, np.ndarray] | None = None
 
+    @abc.abstractmethod
     def feature_loss(self, global_extras: Mapping[str, np.ndarray], params: Mapping[str, object],
                      num_classes: int, device: torch.device):
         """The method's term added to CE, as ``term(z [B, d], y int64 [B]) -> scalar tensor``,
         or ``None`` for CE alone (e.g. round 1, before any global prototype)."""
-        raise NotImplementedError
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
                     y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
