@@ -73,26 +73,32 @@ def job_config(dataset: str, clients: int, algorithm: str, params: dict, seed: i
     }
 
 
+#: the default training budget (images per data set); runs at another budget carry it in their key
+DEFAULT_TRAIN_SAMPLES = 6000
+
+
 def make_jobs(datasets: list[str], clients: list[int], methods: list[str], seeds: list[int], *, rounds: int,
-              train_samples: int, dirichlet: bool, wire: bool) -> list[Job]:
+              train_samples: int, dirichlet: bool, wire: bool, iid: bool = True) -> list[Job]:
+    """The grid's jobs: IID shards for every data set × client count (unless ``iid`` is False),
+    Dirichlet(0.3) label skew for every data set at the first client count (``dirichlet``), each
+    for every method and seed, plus the two wire runs (``wire``). A run's key names its data set,
+    partition, client count, method and seed, and the training budget when it is not
+    :data:`DEFAULT_TRAIN_SAMPLES`."""
+    budget = "" if train_samples == DEFAULT_TRAIN_SAMPLES else f"/n{train_samples}"
+    configs = [(ds, n, "iid") for ds in datasets for n in clients] if iid else []
+    configs += [(ds, clients[0], "dirichlet") for ds in datasets] if dirichlet else []
     jobs = []
     for seed in seeds:
-        for ds in datasets:
-            for n in clients:
-                for label in methods:
-                    algo, params = METHODS[label]
-                    jobs.append(Job(f"{ds}/c{n}/{label}/s{seed}".replace("+", "p"),
-                                    job_config(ds, n, algo, params, seed, rounds=rounds, train_samples=train_samples),
-                                    ensemble=True, tags={"dataset": ds, "clients": n, "method": label, "seed": seed,
-                                                         "partition": "iid"}))
-        if dirichlet:
+        for ds, n, scheme in configs:
+            part = "iid" if scheme == "iid" else "dirichlet(0.3)"
+            where = f"{ds}{budget}/c{n}" if scheme == "iid" else f"{ds}{budget}/dir0.3/c{n}"
             for label in methods:
                 algo, params = METHODS[label]
-                jobs.append(Job(f"{datasets[0]}/dir0.3/c{clients[0]}/{label}/s{seed}".replace("+", "p"),
-                                job_config(datasets[0], clients[0], algo, params, seed, rounds=rounds,
-                                           train_samples=train_samples, partition="dirichlet"),
-                                ensemble=True, tags={"dataset": datasets[0], "clients": clients[0], "method": label,
-                                                     "seed": seed, "partition": "dirichlet(0.3)"}))
+                jobs.append(Job(f"{where}/{label}/s{seed}".replace("+", "p"),
+                                job_config(ds, n, algo, params, seed, rounds=rounds, train_samples=train_samples,
+                                           partition=scheme),
+                                ensemble=True, tags={"dataset": ds, "clients": n, "method": label, "seed": seed,
+                                                     "partition": part, "train_samples": train_samples}))
     if wire:
         for name, codec in (("fp32", ""), ("compact", COMPACT)):
             jobs.append(Job(f"wire/mnist/c10/{name}",
@@ -134,22 +140,26 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
     if wall_s is not None:
         lines += [f"Wall time: {wall_s / 60:.1f} min ({platform.machine()}, 2 worker processes, 1 torch thread each).",
                   ""]
-    configs = sorted({(r["dataset"], r.get("partition", "iid"), r["clients"]) for r in ok if "method" in r},
-                     key=lambda c: (c[0], c[1] != "iid", c[2]))
+    def budget(r: dict) -> int:
+        return int(r.get("train_samples", DEFAULT_TRAIN_SAMPLES))
+
+    configs = sorted({(r["dataset"], r.get("partition", "iid"), r["clients"], budget(r)) for r in ok if "method" in r},
+                     key=lambda c: (c[0], c[1] != "iid", c[3], c[2]))
     if configs:
         lines += ["## Accuracy", "",
-                  "| data set | partition | clients | method | CAcc | CF1 | worst | GAcc | up B/client/round | "
-                  "down B/client/round | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| data set | partition | train images | clients | method | CAcc | CF1 | worst | GAcc | "
+                  "up B/client/round | down B/client/round | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         wins = []
-        for ds, part, n in configs:
+        for ds, part, n, nt in configs:
             rows = {label: [r for r in ok if r.get("dataset") == ds and r.get("partition", "iid") == part
-                            and r.get("clients") == n and r.get("method") == label] for label in METHODS}
+                            and r.get("clients") == n and budget(r) == nt and r.get("method") == label]
+                    for label in METHODS}
             for label, rs in rows.items():
                 if not rs:
                     continue
                 f = [r["final"] for r in rs]
                 lines.append(
-                    f"| {ds} | {part} | {n} | {label} | {_pm([x.get('client_accuracy_mean') for x in f])} | "
+                    f"| {ds} | {part} | {nt:,} | {n} | {label} | {_pm([x.get('client_accuracy_mean') for x in f])} | "
                     f"{_pm([x.get('client_f1_mean') for x in f])} | {_pm([x.get('client_accuracy_worst') for x in f])} | "
                     f"{_pm([r.get('ensemble_accuracy') for r in rs])} | "
                     f"{mean_std([r['up_bytes_per_client_round'] for r in rs])[0]:,.0f} | "
@@ -158,7 +168,7 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
             if mcp and loc:
                 a = mean_std([r["final"]["client_accuracy_mean"] for r in mcp])[0]
                 b = mean_std([r["final"]["client_accuracy_mean"] for r in loc])[0]
-                wins.append((ds, part, n, a - b))
+                wins.append((ds if nt == DEFAULT_TRAIN_SAMPLES else f"{ds}({nt:,})", part, n, a - b))
         lines.append("")
         if wins:
             better = [w for w in wins if w[3] > 0]
@@ -203,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--train-samples", type=int, default=6000)
-    p.add_argument("--dirichlet", action="store_true", help="also Dirichlet(0.3) on the first data set and client count")
+    p.add_argument("--dirichlet", action="store_true", help="also Dirichlet(0.3) on every data set, at the first client count")
     p.add_argument("--no-wire", action="store_true", help="skip the two fp32/compact wire runs")
+    p.add_argument("--no-iid", action="store_true", help="skip the IID configurations (e.g. only --dirichlet)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="digits-sized smoke run: mnist, 3 clients, 2 rounds")
     p.add_argument("--report-only", action="store_true")
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         results, wall = load_results(a.out), None
     else:
         jobs = make_jobs(datasets, clients, methods, seeds, rounds=a.rounds, train_samples=a.train_samples,
-                         dirichlet=a.dirichlet, wire=not a.no_wire)
+                         dirichlet=a.dirichlet, wire=not a.no_wire, iid=not a.no_iid)
         results = run_grid(jobs, a.out, workers=a.workers, on_result=lambda r: print(
             f"{r['key']}: " + (r["error"] if "error" in r else
                                f"CAcc {r['final'].get('client_accuracy_mean')} GAcc {r.get('ensemble_accuracy')} "
