@@ -39,7 +39,8 @@ from edge_agent.models import manifest_hash, model_manifest
 from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
-from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, payload_sha256
+from protocol.messages import (Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec,
+                               payload_sha256)
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
 from .aggregate import all_finite
@@ -235,6 +236,8 @@ class AggregationServer:
         self.channel.transfer_filter = lambda sender: sender in self.registry
         self._deadline = float("inf")
         self._extra_codecs = None
+        self._extras_seen: set[str] = set()  # names carried by a global or an accepted update
+        self._extras_codec_checked = False
         self._withdrawn: set[str] = set()
         self._resync = False
         self._round_msgs: tuple[Global, RoundStart] | None = None
@@ -382,6 +385,7 @@ class AggregationServer:
         if reason:
             self._refuse(item, reason)
             return
+        self._extras_seen.update(result.extras)
         try:
             self._acc.add(result)
         except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
@@ -509,6 +513,7 @@ class AggregationServer:
         start = RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s, config=config)
         self._round_msgs = (glob, start)
         self._extra_codecs = extras_codecs(self.settings.extras_codec, glob.extras, self.global_codec)
+        self._extras_seen.update(glob.extras)
         enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
                                 extra_codecs=self._extra_codecs)
         self._global_sha256 = payload_sha256(enc.payload)
@@ -556,6 +561,8 @@ class AggregationServer:
             acc, loss = extra_metrics.get("client_accuracy_mean"), None
             extra_metrics["accuracy_source"] = "clients"
         self.round = r
+        if r >= 2 or r >= self.settings.rounds:
+            self._check_extras_codec_names()
         up, down = (b - a for a, b in zip(sent0, self._bytes()))
         metrics = {
             "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
@@ -587,6 +594,23 @@ class AggregationServer:
     def _shared(self) -> list[np.ndarray]:
         """The global model tensors the strategy exchanges (its ``share`` subset, manifest order)."""
         return [self.global_tensors[i] for i in self.shared_idx]
+
+    def _check_extras_codec_names(self) -> None:
+        """Warn once when ``extras_codec`` names an entry that no global or accepted update of
+        this run has carried (checked from round 2, when both directions have had a turn, or
+        after a 1-round run): a typo there silently leaves that entry on the update codec."""
+        if self._extras_codec_checked:
+            return
+        self._extras_codec_checked = True
+        try:
+            _, per_name = parse_extras_codec(self.settings.extras_codec)
+        except ValueError:  # checked when the configuration was loaded; a direct caller's text
+            return
+        unknown = sorted(set(per_name) - self._extras_seen)
+        if unknown:
+            log.warning("[protocol] extras_codec names %s, which no message of this run carried (extras seen: %s): "
+                        "a typo? Those codecs have no effect", ", ".join(map(repr, unknown)),
+                        ", ".join(sorted(self._extras_seen)) or "none")
 
     def _extra_metrics(self, results: list[tuple[int, float, dict]]) -> dict:
         """Per-domain accuracy of the global model, the clients' own-model evaluation, and the

@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -102,6 +103,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.errors import DataError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ArraySplit",
@@ -781,11 +784,22 @@ def _proxy_split_cached(test: ArraySplit, size: int, seed: int) -> tuple[ArraySp
 
 
 def _user_data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
-    """Step 1: the ``data_dir`` argument, else env ``FEDFLEET_DATA``, else None."""
+    """Step 1: the ``data_dir`` argument, else env ``FEDFLEET_DATA``, else None.
+
+    A folder that does not exist is still returned (a download may go elsewhere, see step 3),
+    but logged as a warning: a typo there would otherwise fall back to the shared data
+    folder without a word."""
     if data_dir is not None:
-        return Path(data_dir).expanduser()
-    env = os.environ.get(ENV_DATA_DIR, "")
-    return Path(env).expanduser() if env else None
+        folder, origin = Path(data_dir).expanduser(), "the data folder you set"
+    else:
+        env = os.environ.get(ENV_DATA_DIR, "")
+        if not env:
+            return None
+        folder, origin = Path(env).expanduser(), f"env {ENV_DATA_DIR}"
+    if not folder.is_dir():
+        log.warning("%s, %s, is not an existing folder: looking in the shared data folder and the "
+                    "torchvision cache instead", origin, folder)
+    return folder
 
 
 def _npz_search_dirs(user_dir: Path | None) -> list[Path]:

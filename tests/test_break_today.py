@@ -352,6 +352,28 @@ def test_agent_survives_an_unreadable_extras_codec_in_round_start(tmp_path: Path
     assert res.metrics[0]["clients_reported"] == 2
 
 
+@pytest.mark.parametrize("text, unknown", [("prototypes=fp16,protoypes=int8", ["'protoypes'"]),
+                                           ("prototypes=fp16,proto_classes=fp32", [])])
+def test_extras_codec_name_that_nothing_carries_is_warned_about(tmp_path: Path, caplog, text: str,
+                                                                unknown: list[str]) -> None:
+    """A per-name extras_codec entry with a typo used to be silently ignored (that entry kept the
+    update codec). FedProto's updates carry prototypes, proto_classes and proto_counts, its
+    globals prototypes and proto_classes: a name outside those is warned about once, by name."""
+    import logging
+
+    cfg = small_config(run={"rounds": 2}, data={"clients": 2}, train={"algorithm": "fedproto"},
+                       protocol={"extras_codec": text}, server={"round_deadline_s": 20.0})
+    with caplog.at_level(logging.WARNING, logger="broker_server.server"):
+        res = simulate(cfg, run_dir=tmp_path / "run")
+    assert res.metrics[1]["clients_reported"] == 2
+    warned = [r.getMessage() for r in caplog.records if "extras_codec names" in r.getMessage()]
+    if unknown:
+        assert len(warned) == 1 and "'protoypes'" in warned[0] and "'prototypes'" not in warned[0]
+        assert "proto_classes, proto_counts, prototypes" in warned[0]  # what the run did carry
+    else:
+        assert warned == []
+
+
 @pytest.mark.parametrize("params", [{"proxy_size": "x"}, {"proxy_size": 100, "proxy_seed": "x"}])
 def test_fedmcp_bad_proxy_keys_are_a_config_error_not_a_traceback(params: dict) -> None:
     """make_strategy ran the strategy's data setup (which reads [algorithm] proxy_size and

@@ -659,6 +659,34 @@ def test_successful_download_is_moved_into_data_dir(
     np.testing.assert_array_equal(again.train.y, arrays["train"][1].astype(np.int64))
 
 
+def test_missing_data_dir_is_warned_about_before_the_fallback(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A data folder that does not exist (a typo) used to fall back to the shared folder without a
+    word. The fallback stays (the documented order), but the missing folder is named in a warning;
+    an existing folder gives none."""
+    import logging
+
+    shared = isolated / "shared"
+    _write_mnist_like(shared, n_train=6, n_test=4)
+    monkeypatch.setattr(data, "_SHARED_DATA_DIRS", (shared,))
+    typo = isolated / "dtaa"
+    with caplog.at_level(logging.WARNING, logger="edge_agent.data"):
+        ds = data.load_dataset("mnist", data_dir=typo, allow_download=False)
+    assert Path(ds.source) == (shared / "mnist").resolve()  # the fallback still works
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(f"the data folder you set, {typo}, is not an existing folder" in m for m in msgs), msgs
+    caplog.clear()
+    monkeypatch.setenv("FEDFLEET_DATA", str(typo))
+    with caplog.at_level(logging.WARNING, logger="edge_agent.data"):
+        data.load_dataset("mnist", allow_download=False)
+    assert any(f"env FEDFLEET_DATA, {typo}, is not an existing folder" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edge_agent.data"):
+        data.load_dataset("mnist", data_dir=shared, allow_download=False)
+    assert not [r for r in caplog.records if "not an existing folder" in r.getMessage()]
+
+
 def test_successful_download_never_creates_missing_data_dir(
     isolated: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
