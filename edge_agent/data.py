@@ -18,6 +18,10 @@ mnist_m             mnist_m_regenerated/train_subset5k.npz;     10       3×28×
 svhn                svhn/train.npz; svhn/test.npz (not in the   10       3×32×32 SVHN
                     offline set: only 50 images exist offline)
 svhn_sample50       (no train: empty); svhn/sample50.npz        10       3×32×32 —
+kmnist              kmnist/train.npz; kmnist/test.npz (not in   10       1×28×28 KMNIST
+                    the offline set: a user's own copy)
+stl10               stl10/train.npz; stl10/test.npz (not in     10       3×32×32 STL10
+                    the offline set; 96×96 resized to 32×32)
 digits              sklearn.datasets.load_digits (no file)      10       1×8×8   —
 pacs_photo          pacs/photo_32.npz (whole domain)            7        3×32×32 —
 pacs_art_painting   pacs/art_painting_32.npz (whole domain)     7        3×32×32 —
@@ -508,6 +512,34 @@ _REGISTRY: dict[str, DatasetInfo] = {
             ),
         ),
         DatasetInfo("svhn_sample50", 10, 3, 32, None, "svhn/sample50.npz"),
+        DatasetInfo(
+            "kmnist",
+            10,
+            1,
+            28,
+            "kmnist/train.npz",
+            "kmnist/test.npz",
+            torchvision="KMNIST",
+            hint=(
+                "KMNIST is not in the offline data set: put torchvision's KMNIST/raw/*-ubyte files "
+                "(or kmnist/train.npz and test.npz, x uint8 N×28×28, y int64) in the data folder."
+            ),
+        ),
+        DatasetInfo(
+            "stl10",
+            10,
+            3,
+            32,
+            "stl10/train.npz",
+            "stl10/test.npz",
+            torchvision="STL10",
+            hint=(
+                "STL-10 is not in the offline data set: put torchvision's whole stl10_binary/ "
+                "folder (train_X.bin, train_y.bin, test_X.bin, test_y.bin and unlabeled_X.bin, "
+                "which torchvision checks too; the 96×96 images are resized to 32×32 on loading) or stl10/train.npz and test.npz (x uint8 N×32×32×3) in the "
+                "data folder."
+            ),
+        ),
         DatasetInfo("digits", 10, 1, 8, sklearn=True),
         _pacs("photo"),
         _pacs("art_painting"),
@@ -558,8 +590,8 @@ def load_dataset(
         data_dir: a directory laid out like ``shared/data`` (``<dir>/mnist/train.npz``, ...),
             or holding torchvision's layout (``<dir>/MNIST/raw/...``). None: use env
             ``FEDFLEET_DATA`` if set, else only the default locations.
-        allow_download: True lets torchvision download MNIST, Fashion-MNIST, USPS, CIFAR-10 or
-            SVHN when no local copy is found; False forbids it; None (default) allows it unless
+        allow_download: True lets torchvision download MNIST, Fashion-MNIST, USPS, CIFAR-10,
+            SVHN, KMNIST or STL-10 when no local copy is found; False forbids it; None (default) allows it unless
             env ``FEDFLEET_OFFLINE`` is ``"1"``. A download lands in ``data_dir`` (when that
             folder exists) only after it has succeeded; see step 3 of the module docstring.
             For a multi-domain set it applies to each required domain (never to SVHN, which is
@@ -844,6 +876,14 @@ _TORCHVISION_MARKERS: dict[str, tuple[str, ...]] = {
     "USPS": ("usps.bz2", "usps.t.bz2"),
     "CIFAR10": ("cifar-10-batches-py/data_batch_1", "cifar-10-batches-py/test_batch"),
     "SVHN": ("train_32x32.mat", "test_32x32.mat"),
+    "KMNIST": tuple(
+        f"KMNIST/raw/{s}-{k}-ubyte"
+        for s in ("train", "t10k")
+        for k in ("images-idx3", "labels-idx1")
+    ),
+    # torchvision's STL10 checks the MD5 of all five files (unlabeled_X.bin too) before opening
+    "STL10": tuple(f"stl10_binary/{s}_{k}.bin" for s in ("train", "test") for k in ("X", "y"))
+    + ("stl10_binary/unlabeled_X.bin",),
 }
 
 
@@ -1199,10 +1239,13 @@ def _read_torchvision(
         cls = getattr(tvd, str(info.torchvision))
         out: list[np.ndarray] = []
         for train in (True, False):
-            if info.torchvision == "SVHN":
+            if info.torchvision in ("SVHN", "STL10"):
                 ds = cls(str(root), split="train" if train else "test", download=download)
                 x = np.asarray(ds.data, dtype=np.uint8).transpose(0, 2, 3, 1)  # NCHW -> NHWC
                 y = np.asarray(ds.labels)
+                # STL-10 is 96×96: resized to the table's 32×32 (SPECS §5.1: the light CNN's
+                # RGB figures assume 32×32 input)
+                x = resize_bilinear(np.ascontiguousarray(x), info.image_size)
             else:
                 ds = cls(str(root), train=train, download=download)
                 data = ds.data.numpy() if hasattr(ds.data, "numpy") else ds.data

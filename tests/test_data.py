@@ -106,6 +106,7 @@ def test_list_datasets_names() -> None:
     assert names == sorted(names)
     assert set(names) == {
         "mnist", "fashion_mnist", "usps", "cifar10", "mnist_m", "svhn", "svhn_sample50",
+        "kmnist", "stl10",  # read only from a user's own copy (not in the offline set)
         "digits", "pacs_photo", "pacs_art_painting", "pacs_cartoon", "pacs_sketch",
         "pacs", "digits_domains",  # the multi-domain sets (tests/test_domains.py)
     }
@@ -763,3 +764,64 @@ def test_hint_for_env_dir_wrongly_named_folder_and_torchvision_layout(
     with pytest.raises(DataError) as info:  # no hint when nothing is misplaced
         data.load_dataset("mnist", data_dir=isolated / "z")
     assert "directly in" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------- KMNIST and STL-10 (user-supplied)
+
+
+def test_kmnist_from_a_torchvision_layout(isolated: Path) -> None:
+    """KMNIST is not in the offline set: a user's torchvision KMNIST/raw folder is read as is."""
+    rng = np.random.default_rng(11)
+    raw = isolated / "KMNIST" / "raw"
+    raw.mkdir(parents=True)
+    arrays = {}
+    for split, n in (("train", 8), ("t10k", 5)):
+        x = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        y = rng.integers(0, 10, size=n).astype(np.uint8)
+        arrays[split] = (x, y)
+        (raw / f"{split}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) + x.tobytes())
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + y.tobytes())
+    ds = data.load_dataset("kmnist", data_dir=isolated, allow_download=False)
+    assert (ds.channels, ds.image_size, len(ds.train), len(ds.test)) == (1, 28, 8, 5)
+    np.testing.assert_allclose(ds.train.x[:, 0], _expected_norm(arrays["train"][0]), atol=1e-6)
+    np.testing.assert_array_equal(ds.test.y, arrays["t10k"][1].astype(np.int64))
+
+
+def test_stl10_from_a_torchvision_layout_is_resized_to_32(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STL-10's binary files (column-major 3×96×96 images, labels 1–10) come back as 32×32 RGB
+    with labels 0–9, each image within one grey level of PIL's bilinear resize."""
+    import torchvision.datasets as tvd
+    from PIL import Image
+
+    # the real files are checked against their published MD5s; these are made here
+    monkeypatch.setattr(tvd.STL10, "_check_integrity", lambda self: True)
+    rng = np.random.default_rng(12)
+    folder = isolated / "stl10_binary"
+    folder.mkdir()
+    images = {}
+    for split, n in (("train", 4), ("test", 3)):
+        # smooth images (a gradient plus noise) so bilinear rounding differences stay small
+        base = np.linspace(0, 200, 96, dtype=np.float64)
+        img = (base[None, :, None, None] + base[None, None, :, None] * 0.2
+               + rng.integers(0, 40, size=(n, 96, 96, 3))).clip(0, 255).astype(np.uint8)  # NHWC
+        labels = rng.integers(1, 11, size=n).astype(np.uint8)
+        images[split] = (img, labels)
+        # the file stores each image channel by channel, each channel column-major
+        (folder / f"{split}_X.bin").write_bytes(img.transpose(0, 3, 2, 1).tobytes())
+        (folder / f"{split}_y.bin").write_bytes(labels.tobytes())
+    (folder / "unlabeled_X.bin").write_bytes(b"")
+    ds = data.load_dataset("stl10", data_dir=isolated, allow_download=False)
+    assert (ds.channels, ds.image_size, len(ds.train), len(ds.test)) == (3, 32, 4, 3)
+    assert ds.train.x.shape == (4, 3, 32, 32)
+    for split, got in (("train", ds.train), ("test", ds.test)):
+        img, labels = images[split]
+        np.testing.assert_array_equal(got.y, labels.astype(np.int64) - 1)
+        pil = np.stack([np.asarray(Image.fromarray(im).resize((32, 32), Image.BILINEAR)) for im in img])
+        np.testing.assert_allclose(got.x.transpose(0, 2, 3, 1), _expected_norm(pil), atol=2 / 127.5 + 1e-6)
+
+
+def test_kmnist_and_stl10_missing_say_what_to_supply(isolated: Path) -> None:
+    for name, needle in (("kmnist", "KMNIST/raw"), ("stl10", "stl10_binary")):
+        with pytest.raises(DataError) as info:
+            data.load_dataset(name, data_dir=isolated, allow_download=False)
+        assert needle in str(info.value) and "not in the offline data set" in str(info.value)
