@@ -12,7 +12,10 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    ``idle`` status for the round, and the round does not wait for it;
 4. **quorum rule**: when fewer than ``quorum`` updates arrived by the deadline, the round is
    closed without aggregation (the global model is unchanged) and marked ``skipped`` in
-   ``metrics.jsonl``; an aggregate with NaN/Inf is likewise discarded, never broadcast;
+   ``metrics.jsonl``; the updates it accepted were acknowledged, so a strategy that mirrors
+   per-device state (SCAFFOLD's c, FedDyn's h) takes them into that state through its optional
+   ``skipped_round`` (before the round's checkpoint); an aggregate with NaN/Inf is likewise
+   discarded, never broadcast;
 5. evaluate on the held-out test split, write one ``metrics.jsonl`` line and a checkpoint.
 
 After the last round the server publishes ``finish``.
@@ -540,6 +543,11 @@ class AggregationServer:
             self._stats.skipped = True
             self._stats.skip_reason = f"{len(results)} updates < quorum {self.settings.quorum}"
             log.warning("round %d skipped: %s", r, self._stats.skip_reason)
+            keep_state = getattr(self.strategy, "skipped_round", None)
+            if keep_state is not None and results:
+                # these updates got accepted receipts and their devices kept the state they
+                # produced: the strategy's mirror of that state must count them too
+                keep_state(r, acc_round)
         else:
             new = acc_round.result()
             if new is not None and not all_finite(new):

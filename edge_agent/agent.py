@@ -212,6 +212,12 @@ class EdgeAgent:
             local training (through the algorithm's ``predict``) and adds ``eval_accuracy``,
             ``eval_macro_f1`` and ``eval_samples`` to the update's metrics (personalised methods
             are judged on the clients' own models).
+
+    Each update's definite answer reaches the algorithm's optional ``on_update_receipt(round,
+    accepted)`` once: an accepted or refused receipt, ``accepted=False`` when nothing was sent
+    (no samples, non-finite result), and ``accepted=False`` with a warning when the device is
+    about to train again and the previous update still has no definite receipt. Algorithms
+    with per-device state (SCAFFOLD, FedDyn) keep a round's new state only when it was accepted.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -258,6 +264,7 @@ class EdgeAgent:
         self._join_seq = -1
         self._last_trained_round = 0
         self._unacked: tuple | None = None
+        self._unsettled: int | None = None  # round whose update awaits a definite receipt (algorithm state)
         self.receipt_timeout_s = receipt_timeout_s
         self.max_resends = max_resends
         self.resends = 0
@@ -367,11 +374,13 @@ class EdgeAgent:
                     if self._unacked is not None and self._unacked[0] == env.round:
                         self._unacked = None
                         self.receipts_accepted += 1
+                    self._settle(env.round, True)
                 else:
                     self._update_seqs.discard(body.ref_seq)
                     if self._unacked is not None and self._unacked[0] == env.round:
                         self._unacked = None  # a definite answer: do not send it again
                     log.warning("%s: update of round %d rejected: %s", self.client_id, env.round, body.reason)
+                    self._settle(env.round, False)
         elif isinstance(body, Finish):
             self.finished = True
             return True
@@ -390,6 +399,10 @@ class EdgeAgent:
         if self.runtime is not None and cfg.batch_size > self.runtime.plan.batch_size:
             cfg = dataclasses.replace(cfg, batch_size=self.runtime.plan.batch_size)  # the device's memory rule
         global_tensors, global_extras = self._global[1], self._global[2]
+        if self._unsettled is not None:
+            log.warning("%s: no definite receipt for the update of round %d before round %d: the device state "
+                        "it produced is discarded", self.client_id, self._unsettled, rnd)
+            self._settle(self._unsettled, False)
         with self.train_lock if self.train_lock is not None else nullcontext():
             try:
                 result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
@@ -401,13 +414,16 @@ class EdgeAgent:
             if bool(start.config.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
                 metrics.update(self.evaluate())
         self._last_trained_round = rnd
+        self._unsettled = rnd
         if result.num_samples == 0:
             log.warning("%s: no training samples: nothing to send for round %d", self.client_id, rnd)
+            self._settle(rnd, False)
             self._withdraw(rnd, "no training samples")
             return
         if not _all_finite(result):
             log.error("%s: local training of round %d diverged (NaN/Inf in the result); no update sent",
                       self.client_id, rnd)
+            self._settle(rnd, False)
             self._withdraw(rnd, "local training diverged (NaN/Inf); no update sent")
             return
         codec, tensors, delta = self._encode_update(start.config, result.tensors, global_tensors)
@@ -434,6 +450,17 @@ class EdgeAgent:
         self.rounds_trained += 1
         if self.on_trained is not None:
             self.on_trained(rnd, result, len(enc.payload))
+
+    def _settle(self, rnd: int, accepted: bool) -> None:
+        """Pass the definite answer for the update of round ``rnd`` to the algorithm's optional
+        ``on_update_receipt`` (commit or roll back its per-device state), once per round and
+        only for the round awaiting one."""
+        if self._unsettled != rnd:
+            return
+        self._unsettled = None
+        hook = getattr(self.algorithm, "on_update_receipt", None)
+        if hook is not None:
+            hook(rnd, accepted)
 
     def _not_my_model(self, rnd: int, global_tensors: tuple[np.ndarray, ...], exc: ModelError) -> AgentError:
         """When round ``rnd``'s global does not fit this device's model share (the server runs

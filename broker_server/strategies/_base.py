@@ -115,7 +115,12 @@ class Strategy(Protocol):
     subset) and define ``global_extras() -> dict[str, ndarray]`` (named arrays broadcast with each
     round's ``global``), ``round_metrics() -> dict`` (merged into the round's ``metrics.jsonl``
     line), ``validate(result) -> str | None`` (a reason to refuse a malformed update),
-    ``accumulator(round, current)`` (streaming aggregation) and ``bind_model(model) -> None``:
+    ``accumulator(round, current)`` (streaming aggregation), ``skipped_round(round, accumulator)
+    -> None`` (called when a round with accepted updates is closed without aggregation for want
+    of a quorum, with the round's :class:`Accumulator`, which holds those updates: a strategy
+    whose state mirrors per-device state, SCAFFOLD's c or FedDyn's h, takes them into that state,
+    since their devices got accepted receipts and kept theirs; the global model stays as it is)
+    and ``bind_model(model) -> None``:
     called once by the server (``AggregationServer.__init__``) with its global ``torch.nn.Module``,
     before any round, so that the shapes of shared non-model arrays (a parameter count P, the
     feature width d and class count C of :func:`classifier_shape`) come from the model and are

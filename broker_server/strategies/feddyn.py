@@ -15,6 +15,19 @@ round. α = ``[algorithm] alpha`` (default 0.01), also sent to the clients in
 ``round_start.config``. h covers every floating-point tensor of the model (the light CNN has
 parameters only; a model with BatchNorm would have its running statistics treated likewise);
 integer state takes the mean.
+
+**Dropped updates.** h must stay (1/N)·Σ_k ∇L_k, the devices' gradient states (a client never
+heard from counts as zero): both sides add −α·(w_k − w_g) for the updates the server counted.
+The devices commit their new state only on an accepted receipt
+(:mod:`edge_agent.algorithms.feddyn`), so an update the server refuses or never sees leaves both
+sides as they were; a round skipped for want of a quorum did accept (and acknowledge) its
+updates, so :meth:`FedDyn.skipped_round` applies the h update with their models while w_g stays
+as it is, and the round's checkpoint holds that h. The equality holds with N fixed for the run
+(``num_clients``, or the whole fleet present from round 1) and a lossless update codec (with a
+lossy one h adds the decoded w_i, the device its exact w_k). Not covered: an accepted update
+whose receipt never reaches its device before it trains again (the device rolls back what h
+counted), and a round whose aggregate is non-finite (the server discards it whole, h included,
+after its devices committed).
 """
 
 from __future__ import annotations
@@ -101,6 +114,18 @@ class FedDyn(ServerStepStrategy):
         out["_metrics"] = {"server_update_norm": update_norm(current, new), "num_clients": n,
                            "h_norm": float(np.sqrt(sum(float(np.sum(a * a)) for a in out["h"])))}
         return new, out
+
+    def skipped_round(self, round: int, accumulator) -> None:
+        """A round closed without aggregation (quorum missed) whose accepted updates' devices kept
+        their new ∇L_k: h ← h − α·(1/N)·Σ_{i∈S}(w_i − w_g) over those updates, w_g unchanged.
+
+        This is the round's own :meth:`finish_round` (``accumulator.result()``: the same
+        :func:`feddyn_server_update`; the model it returns is dropped by the server), so h is
+        committed only when finite, as in an aggregated round. The round's metrics keep
+        ``h_norm`` and ``num_clients``, not the update norm of a model never applied.
+        """
+        accumulator.result()
+        self._metrics.pop("server_update_norm", None)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "h": self.h}

@@ -18,6 +18,19 @@ the model's trainable parameters, broadcast as the ``global`` extras entry ``con
 2 on (before any client reported, c = 0 and nothing is sent); clients send Δc_i as
 ``control_delta`` (see :mod:`edge_agent.algorithms.scaffold` for the layout and the bytes).
 η_g = ``server_lr``, default 1 (the paper's and SPECS').
+
+**Dropped updates.** c must stay (1/N)·Σ_i c_i over the N clients, each device's c_i counting
+what the server counted (a client never heard from has c_i = 0). The devices commit c_i⁺ only
+on an accepted receipt (:mod:`edge_agent.algorithms.scaffold`, "State"), so an update the server
+refuses or never sees leaves both sides as they were; a round skipped for want of a quorum did
+accept (and acknowledge) its updates, so :meth:`Scaffold.skipped_round` adds their Σ Δc_i / N to
+c while the model stays as it is, and the round's checkpoint holds that c. The equality holds
+up to c's float32 rounding, with N fixed for the run (``num_clients``, or the whole fleet
+present from round 1: N = the most clients offered a round grows when a device joins late) and
+a lossless extras codec (a lossy one makes c add the decoded Δc_i, the device the exact one).
+Not covered: an accepted update whose receipt never reaches its device before it trains again
+(the device rolls back what c counted), and a round whose aggregate is non-finite (the server
+discards it whole, c included, after its devices committed).
 """
 
 from __future__ import annotations
@@ -141,6 +154,18 @@ class Scaffold(ServerStepStrategy):
         out["_metrics"] = {"server_update_norm": update_norm(current, new), "num_clients": n,
                            "control_norm": float(np.linalg.norm(out["control"]))}
         return new, out
+
+    def skipped_round(self, round: int, accumulator) -> None:
+        """A round closed without aggregation (quorum missed) whose accepted updates' devices kept
+        their c_i⁺: c ← c + (1/N)·Σ_{i∈S} Δc_i over those updates, the model unchanged.
+
+        This is the round's own :meth:`finish_round` (``accumulator.result()``: the same
+        :func:`scaffold_server_update`; the model it returns is dropped by the server), so c is
+        committed only when finite, as in an aggregated round. The round's metrics keep
+        ``control_norm`` and ``num_clients``, not the update norm of a model never applied.
+        """
+        accumulator.result()
+        self._metrics.pop("server_update_norm", None)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "control": self.control}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -10,6 +11,8 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
+
+log = logging.getLogger(__name__)
 
 #: Which model tensors an algorithm exchanges: every state entry, the feature extractor only
 #: (entries named ``backbone.*``; FedPer/FedRep keep the classifier private), or none
@@ -131,6 +134,15 @@ class ClientAlgorithm(Protocol):
     serves one device for the whole run and may keep per-device state between rounds. An
     optional ``predict(model, x) -> scores [N, C]`` replaces ``model(x)`` in client-side
     evaluation (FedProto classifies by the nearest global prototype).
+
+    An optional ``on_update_receipt(round, accepted) -> None`` hears the server's definite
+    answer to the update of ``round``: the agent (:class:`edge_agent.agent.EdgeAgent`) calls it
+    at most once per round it sent, with ``accepted=True`` on an accepted receipt and
+    ``accepted=False`` on a refusal, when the update was never sent (no samples, non-finite
+    result) or when no definite receipt came before the device trains its next round (logged
+    as a warning). Algorithms whose per-device state mirrors server state (SCAFFOLD's c_i,
+    FedDyn's ∇L_k) keep a round's new state only when the server took the update
+    (:class:`StateOnReceipt`); the others do not define it.
     """
 
     name: str
@@ -151,3 +163,52 @@ def predict_scores(algorithm: object, model: torch.nn.Module, x: torch.Tensor) -
     one, else ``model(x)`` (logits)."""
     pred = getattr(algorithm, "predict", None)
     return pred(model, x) if pred is not None else model(x)
+
+
+class StateOnReceipt:
+    """Mixin for a client algorithm whose per-device state must match what the server counted
+    (SCAFFOLD's c_i, FedDyn's ∇L_k): the state a round produces stands only if the server
+    accepted that round's update.
+
+    The attribute named :attr:`state_attr` holds the state after the last local round, and the
+    state before it is kept as ``(round, previous)`` until :meth:`on_update_receipt` settles the
+    round: accepted → the new state is committed; refused (or never answered, which the agent
+    reports as refused before the next round) → the previous state is restored. The delta a
+    round sends is always taken against the committed state, since the agent settles every
+    round before it trains the next. Used without receipts (a unit test calling
+    ``local_round`` directly), each round's state stands, as under reliable delivery. Put the
+    mixin before the algorithm's base class (it wraps ``local_round``).
+    """
+
+    #: name of the attribute holding the per-device state (``None`` = zeros, before round 1).
+    state_attr: str = ""
+
+    _unsettled: tuple[int, object] | None = None
+
+    def local_round(self, *args, round: int, **kw) -> LocalResult:
+        """The base class's round; the state it leaves awaits :meth:`on_update_receipt` for ``round``."""
+        before = getattr(self, self.state_attr)
+        result = super().local_round(*args, round=round, **kw)  # type: ignore[misc]
+        self._unsettled = (round, before)
+        return result
+
+    @property
+    def pending_round(self) -> int | None:
+        """The round whose new state awaits the server's answer (``None`` when settled)."""
+        return None if self._unsettled is None else self._unsettled[0]
+
+    @property
+    def committed_state(self) -> object:
+        """The state as of the last update the server accepted (the current one when settled)."""
+        return getattr(self, self.state_attr) if self._unsettled is None else self._unsettled[1]
+
+    def on_update_receipt(self, round: int, accepted: bool) -> None:
+        """Commit (``accepted``) or roll back the state of ``round``; a round that is not the
+        one awaiting an answer (already settled, or superseded) is ignored."""
+        if self._unsettled is None or self._unsettled[0] != round:
+            log.debug("%s: answer for round %d ignored (awaiting %s)", type(self).__name__, round,
+                      self.pending_round)
+            return
+        if not accepted:
+            setattr(self, self.state_attr, self._unsettled[1])
+        self._unsettled = None

@@ -12,11 +12,20 @@ weights w_g, minimises
     ∇L_k ← ∇L_k^prev − α·(w_k − w_g).
 
 ∇L_k starts at zero and lives in the client object (one per device, for the whole run): it is
-per-device state that is never sent. A device that restarts, or whose update the server drops
-(late, refused, skipped round), keeps a state the server's h did not see; FedDyn has no way to
-resynchronise it. α = ``params["alpha"]`` (default :data:`ALPHA` = 0.01, the low end of the
-paper's and FedNTD's 0.01–0.1; PFLlib's shared default is 1.0). Uploads the full model; the
-server half is :class:`broker_server.strategies.feddyn.FedDyn`.
+per-device state that is never sent, and the server's h tracks it, h = (1/N)·Σ_k ∇L_k over the
+N clients (those never heard from count as zero), because both add −α·(w_k − w_g) for the same
+updates. The state is committed on receipt (:class:`~edge_agent.algorithms._base.StateOnReceipt`):
+a round's new ∇L_k stands only once the server's receipt says it accepted the update; when the
+server refuses it (late, invalid) or no definite answer comes before the device trains again,
+∇L_k goes back to its committed value. A round the server skips for want of a quorum still
+updates h with the models it accepted
+(:meth:`broker_server.strategies.feddyn.FedDyn.skipped_round`). Not covered: an update the
+server took whose receipt never reaches the device before it trains again, and a device that
+restarts (it starts again from zero).
+
+α = ``params["alpha"]`` (default :data:`ALPHA` = 0.01, the low end of the paper's and FedNTD's
+0.01–0.1; PFLlib's shared default is 1.0). Uploads the full model; the server half is
+:class:`broker_server.strategies.feddyn.FedDyn`.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ._base import TrainConfig
+from ._base import StateOnReceipt, TrainConfig
 from ._registry import register_client_algorithm
 from .fedavg import LossFn, cross_entropy_loss
 from .fedprox import LocalSGDClient, parameter_snapshot, proximal_term, read_param
@@ -70,13 +79,17 @@ def feddyn_state_update(grad_prev: list[torch.Tensor], local: list[torch.Tensor]
 
 
 @register_client_algorithm("feddyn")
-class FedDynClient(LocalSGDClient):
+class FedDynClient(StateOnReceipt, LocalSGDClient):
     """FedDyn client: local SGD on CE − ⟨∇L_k^prev, w⟩ + (α/2)‖w − w_g‖², then the state update.
 
     ``train_loss`` reports that whole objective (it includes the linear term, so it can be
     negative). Attribute ``grad_state`` (list of float32 tensors, parameter shapes; ``None``
-    before the first round = zeros) is ∇L_k^prev. Upload: the full model, no extras.
+    before the first round = zeros) is ∇L_k after the last local round; ``on_update_receipt``
+    rolls it back when the server does not take that round's update (``committed_state``: the
+    value the server has counted). Upload: the full model, no extras.
     """
+
+    state_attr = "grad_state"
 
     def __init__(self, *, precision: str = "fp32") -> None:
         super().__init__(precision=precision)

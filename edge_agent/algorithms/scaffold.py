@@ -34,10 +34,17 @@ the client uses what option II estimates for plain SGD instead: the mean, over t
 the uncorrected mini-batch gradients plus the weight-decay term (g + λ·y). For plain SGD (β = 0)
 that mean equals option II exactly in exact arithmetic; the formula is used literally then.
 
-**State.** c_i lives in the client object (one per device, for the whole run). If the server
-drops this client's update (late, refused, skipped round) the client's c_i has moved while c has
-not, so c is no longer the mean of the c_i; the paper assumes reliable delivery, and nothing
-here resynchronises it (a device that restarts starts again from c_i = 0 likewise).
+**State.** c_i lives in the client object (one per device, for the whole run) and is committed
+on receipt (:class:`~edge_agent.algorithms._base.StateOnReceipt`): a round's c_i⁺ stands only
+once the server's receipt says it accepted the update; when the server refuses it (late,
+invalid) or no definite answer comes before the device trains again, c_i goes back to its
+committed value, so the next Δc_i is taken against what the server has counted. On the server,
+a round skipped for want of a quorum still adds the Δc_i of the updates it accepted
+(:meth:`broker_server.strategies.scaffold.Scaffold.skipped_round`). Together these keep
+c = (1/N)·Σ_i c_i over the N clients (those never heard from count as c_i = 0) whatever the
+server drops. Not covered: an update the server took whose receipt never reaches the device
+before it trains again (the device rolls back, the server has counted it), and a device that
+restarts (it starts again from c_i = 0).
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ._base import TrainConfig
+from ._base import StateOnReceipt, TrainConfig
 from ._registry import register_client_algorithm
 from .fedprox import LocalSGDClient, parameter_snapshot
 
@@ -103,13 +110,18 @@ def control_variate_option2(c_i: np.ndarray, c: np.ndarray, x: np.ndarray, y: np
 
 
 @register_client_algorithm("scaffold")
-class ScaffoldClient(LocalSGDClient):
-    """SCAFFOLD client (option II; see the module docstring for the wire format and momentum).
+class ScaffoldClient(StateOnReceipt, LocalSGDClient):
+    """SCAFFOLD client (option II; see the module docstring for the wire format, momentum and
+    the state).
 
     Attributes:
-        control: c_i, float64 [P] (``None`` before the first round = zeros).
+        control: c_i after the last local round, float64 [P] (``None`` before the first round =
+            zeros); rolled back by ``on_update_receipt`` when the server does not take that
+            round's update (``committed_control``: the value the server has counted).
         steps: K of the last round (optimizer steps taken).
     """
+
+    state_attr = "control"
 
     def __init__(self, *, precision: str = "fp32") -> None:
         super().__init__(precision=precision)
@@ -160,3 +172,8 @@ class ScaffoldClient(LocalSGDClient):
         delta = (new - old).astype(np.float32)
         self.control = old + delta  # exactly what the server adds up, so c stays the mean of the c_i
         return {CONTROL_DELTA: delta}
+
+    @property
+    def committed_control(self) -> np.ndarray | None:
+        """c_i as of the last update the server accepted (:attr:`control` once the round is settled)."""
+        return self.committed_state  # type: ignore[return-value]
