@@ -62,3 +62,45 @@ def test_report_groups_runs_by_training_budget() -> None:
     # gains over Local per configuration: 40 − 60 = −20 at 6,000; 90 − 80 = +10 at 30,000
     assert "mnist/dirichlet(0.3)/10: -20.00" in text and "mnist(30,000)/dirichlet(0.3)/10: +10.00" in text
     assert "better in 1 of 2 configurations" in text
+
+
+def _diag():
+    spec = importlib.util.spec_from_file_location("diagnose_fedmcp_skew", ROOT / "tools" / "diagnose_fedmcp_skew.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trace_record(n: int, variant: str, rnd: int, acc: float, *, top: float = 0.2, after: float | None = None) -> dict:
+    return {"dataset": "mnist", "train_samples": n, "variant": variant, "round": rnd, "client_acc_mean": acc,
+            "client_acc_min": acc / 2, "teacher_acc": 0.75, "teacher_top_prob": top,
+            "after_align_acc_mean": after, "after_align_max_logit": None if after is None else 1.5}
+
+
+def test_skew_trace_reading_is_computed_from_the_records() -> None:
+    diag = _diag()
+    records = [_trace_record(600, "none", 1, 0.20), _trace_record(600, "none", 2, 0.40),
+               _trace_record(600, "kd", 1, 0.20), _trace_record(600, "kd", 2, 0.15, after=0.12),
+               _trace_record(3000, "none", 1, 0.50, top=0.47), _trace_record(3000, "none", 2, 0.60),
+               _trace_record(3000, "kd", 1, 0.50, top=0.47), _trace_record(3000, "kd", 2, 0.65, after=0.55)]
+    text = diag.report(records, dataset="mnist", clients=10, alpha=0.3, lr=0.05, seed=0, wall_s=None)
+    assert "| 600 | kd | 2 | 15.0 | 7.5 | 75.0 | 0.200 | 12.0 | 1.50 |" in text
+    # round 2 (the last): 15 − 40 = −25 pp at 600 images, 65 − 60 = +5 pp at 3,000
+    assert "distillation gives 15.0 % after CE against 40.0 % without it (-25.0 pp)" in text
+    assert "distillation gives 65.0 % after CE against 60.0 % without it (+5.0 pp)" in text
+    assert "When the round-1 clients are weak" in text  # hurts at the small budget, helps at the large one
+    flipped = [dict(r, client_acc_mean=0.9) if r["variant"] == "kd" else r for r in records]
+    assert "When the round-1 clients are weak" not in diag.report(flipped, dataset="mnist", clients=10, alpha=0.3,
+                                                                  lr=0.05, seed=0, wall_s=None)
+
+
+def test_skew_trace_round_one_is_the_same_with_and_without_alignment() -> None:
+    """Round 1 has no teacher: every variant trains the same clients from the same seeds, so the
+    round-1 records agree exactly; in round 2 distillation changes what the clients upload."""
+    diag = _diag()
+    none = diag.trace("mnist", 3, 600, "none", rounds=2, alpha=0.3, lr=0.05, seed=0)
+    kd = diag.trace("mnist", 3, 600, "kd", rounds=2, alpha=0.3, lr=0.05, seed=0)
+    assert none[0] == kd[0]
+    assert kd[1]["after_align_acc_mean"] is not None and none[1]["after_align_acc_mean"] is None
+    assert kd[1]["client_acc_mean"] != none[1]["client_acc_mean"]
+    assert 0.0 < kd[0]["teacher_top_prob"] <= 1.0 and kd[0]["teacher_top_prob"] >= 0.1  # ≥ 1/C for C = 10
