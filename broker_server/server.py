@@ -326,9 +326,11 @@ class AggregationServer:
 
     def _on_update(self, item: Received, body: Update) -> None:
         env = item.envelope
-        if env.sender in self._counted.get(env.round, ()) and env.round != self._collecting:
-            # aggregated in a round that has closed since: a redelivery or a resend after a lost
-            # receipt. Acknowledge it as counted, so the agent stops re-sending; never count it again.
+        if env.sender in self._counted.get(env.round, ()):
+            # counted in this round (still open, perhaps past its deadline) or in one that has
+            # closed since: a redelivery or a resend after a lost receipt. Acknowledge it as
+            # counted, so the agent stops re-sending and keeps the state the server counted
+            # (never "late": that would make it roll back); never count it again.
             self.totals["duplicates"] += 1
             self._stats.duplicates += 1
             self._reply(item, True, "duplicate: already counted")
