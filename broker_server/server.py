@@ -424,7 +424,8 @@ class AggregationServer:
     def _resync_round(self) -> None:
         """After the server's link came back (a broker restart), publish the open round's global
         model and round_start again: agents that missed them train now; agents that already
-        trained ignore them and re-send their update if it got no receipt."""
+        trained send their update again unless it was refused (answered as a duplicate when
+        counted)."""
         self._resync = False
         if self._collecting is None or self._round_msgs is None:
             return

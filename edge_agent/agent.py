@@ -218,6 +218,10 @@ class EdgeAgent:
     (no samples, non-finite result), and ``accepted=False`` with a warning when the device is
     about to train again and the previous update still has no definite receipt. Algorithms
     with per-device state (SCAFFOLD, FedDyn) keep a round's new state only when it was accepted.
+    When a round it already trained is started again (the server re-sends it after a reconnect,
+    or a server resumed from the checkpoint before that round runs it again) and its update
+    was not refused, the agent sends that update again: counted once either way, so a resumed
+    server's c / h again holds what the device committed.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -265,6 +269,9 @@ class EdgeAgent:
         self._last_trained_round = 0
         self._unacked: tuple | None = None
         self._unsettled: int | None = None  # round whose update awaits a definite receipt (algorithm state)
+        # (round, update, codec, extra codecs) of the last update sent, until the server refuses it: sent
+        # again when that round is started again (a resumed server lost what it had counted)
+        self._last_update: tuple | None = None
         self.receipt_timeout_s = receipt_timeout_s
         self.max_resends = max_resends
         self.resends = 0
@@ -352,7 +359,12 @@ class EdgeAgent:
                               round=env.round)
         elif isinstance(body, RoundStart):
             if env.round <= self._last_trained_round:
-                return False  # already trained (the server re-sent it after a reconnect)
+                # already trained: the server re-sent it after a reconnect, or a server resumed
+                # from an older checkpoint runs it again
+                if (self._last_update is not None and self._last_update[0] == env.round
+                        and self.client_id in body.selected):
+                    self._send_again(env.round)
+                return False
             if self.client_id in body.selected and (self._pending is None or env.round >= self._pending[0]):
                 self._pending = (env.round, body)
                 self._pending_at = item.received_at or time.monotonic()
@@ -381,6 +393,8 @@ class EdgeAgent:
                         self._unacked = None  # a definite answer: do not send it again
                     log.warning("%s: update of round %d rejected: %s", self.client_id, env.round, body.reason)
                     self._settle(env.round, False)
+                    if self._last_update is not None and self._last_update[0] == env.round:
+                        self._last_update = None  # rolled back: never offered again
         elif isinstance(body, Finish):
             self.finished = True
             return True
@@ -437,6 +451,7 @@ class EdgeAgent:
                         metrics=metrics, delta=delta, extras=result.extras)
         deadline_at = self._pending_at + start.deadline_s
         self._unacked = (rnd, update, codec, time.monotonic(), 0, deadline_at, extra_codecs)
+        self._last_update = (rnd, update, codec, extra_codecs)
         try:
             if self.emulate_link:
                 self._emulate("up", self.channel.encoded_size(update, codec, extra_codecs))
@@ -508,6 +523,22 @@ class EdgeAgent:
         seconds = self.runtime.link_s(nbytes, direction)
         self.link_s += seconds
         time.sleep(seconds)
+
+    def _send_again(self, rnd: int) -> None:
+        """Send the update of round ``rnd`` again because the server started that round again.
+
+        The server that counted it answers "duplicate: already counted"; a server resumed from
+        a checkpoint older than that round has lost it and counts it now, so its state (SCAFFOLD's
+        c, FedDyn's h) again holds what this device committed on the first receipt."""
+        _, update, codec, extra_codecs = self._last_update
+        log.warning("%s: round %d started again: sending its update again", self.client_id, rnd)
+        try:
+            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
+                                    extra_codecs=extra_codecs)
+            self._update_seqs.add(enc.seq)
+            self.resends += 1
+        except TransportError as exc:
+            log.error("%s: resend of round %d failed: %s", self.client_id, rnd, exc)
 
     def _maybe_resend(self) -> None:
         """Send the last update again when no receipt came back within ``receipt_timeout_s``
