@@ -104,3 +104,27 @@ def test_skew_trace_round_one_is_the_same_with_and_without_alignment() -> None:
     assert kd[1]["after_align_acc_mean"] is not None and none[1]["after_align_acc_mean"] is None
     assert kd[1]["client_acc_mean"] != none[1]["client_acc_mean"]
     assert 0.0 < kd[0]["teacher_top_prob"] <= 1.0 and kd[0]["teacher_top_prob"] >= 0.1  # ≥ 1/C for C = 10
+
+
+def test_keys_name_a_round_count_other_than_15_and_the_wire_runs_name_the_budget() -> None:
+    tool = _tool()
+    jobs = tool.make_jobs(["mnist"], [3], ["Local"], [0], rounds=2, train_samples=600, dirichlet=False, wire=True)
+    assert [j.key for j in jobs] == ["mnist/n600/r2/c3/Local/s0", "wire/n600/r2/mnist/c10/fp32",
+                                     "wire/n600/r2/mnist/c10/compact"]
+    default = tool.make_jobs(["mnist"], [3], ["Local"], [0], rounds=15, train_samples=6000, dirichlet=False, wire=True)
+    assert [j.key for j in default][1:] == ["wire/mnist/c10/fp32", "wire/mnist/c10/compact"]  # the records on file
+
+
+def test_summary_survives_missing_figures_and_shares_ties() -> None:
+    tool = _tool()
+    skipped = _record("mnist/c10/Local/s0", 0.5)
+    del skipped["final"]["client_accuracy_mean"]  # a run whose last round was skipped measured none
+    rows = {"FedMCP++": [_record("mnist/c10/FedMCPpp/s0", 0.8)], "EnsKD": [_record("mnist/c10/EnsKD/s0", 0.8)],
+            "Local": [skipped], "FedAvg": [], "FedPer": [], "FedRep": []}
+    for r in rows["FedMCP++"]:
+        r["update_payload_bytes_mean"] = 100.0
+    s = tool._config_summary(rows)
+    assert (s["rank"], s["methods"], s["gain_over_local"]) == (1, 2, None)  # a tie with EnsKD: both first
+    assert s["best_other_worst_method"] == "EnsKD" and s["upload_ratio"] is None
+    alone = tool._config_summary({"FedMCP++": rows["FedMCP++"], "Local": []})
+    assert alone["best_other_worst"] is None and alone["rank"] == 1
