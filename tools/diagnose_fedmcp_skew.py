@@ -42,6 +42,7 @@ from broker_server.strategies.fedmcp import proxy_accuracy, teacher_weights  # n
 from edge_agent.algorithms._base import TrainConfig  # noqa: E402
 from edge_agent.algorithms.fedmcp import FedMCPClient, FedMCPParams  # noqa: E402
 from edge_agent.data import load_dataset  # noqa: E402
+from edge_agent.errors import DataError, PartitionError  # noqa: E402
 from edge_agent.partition import split_dataset  # noqa: E402
 
 #: variant name → the client's [algorithm] switches
@@ -54,9 +55,15 @@ VARIANTS: dict[str, dict] = {
 
 
 def trace(dataset: str, clients: int, train_samples: int, variant: str, *, rounds: int, alpha: float, lr: float,
-          seed: int) -> list[dict]:
-    """One run's per-round records (see the module docstring); fractions in [0, 1]."""
-    ds = load_dataset(dataset)
+          seed: int, data_dir: str | None = None) -> list[dict]:
+    """One run's per-round records (see the module docstring); fractions in [0, 1].
+
+    Raises:
+        DataError: the data set is not found (``data_dir``, then the usual search order).
+        PartitionError: more clients than the budget can give ``min_samples`` = 5 each.
+        ValueError: a bad FedMCP++ hyperparameter or proxy size.
+    """
+    ds = load_dataset(dataset, data_dir=data_dir)
     params = dict(VARIANTS[variant], onnx_soft_predictions=False)
     hp = FedMCPParams.from_mapping(params)
     parts = split_dataset(ds, clients, scheme="dirichlet", seed=seed, alpha=alpha, min_samples=5,
@@ -177,7 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", default="", help="write the markdown report here")
     p.add_argument("--records", default="", help="write the per-round records here (JSON lines)")
     p.add_argument("--report-only", action="store_true", help="rebuild --report from --records, run nothing")
+    p.add_argument("--data-dir", default="", help="a data folder of your own (default: $FEDFLEET_DATA, then shared/data)")
     a = p.parse_args(argv)
+    try:
+        budgets = [int(v) for v in a.train_samples.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--train-samples takes comma-separated integers, got {a.train_samples!r}")
+    if not a.report_only and (not budgets or min(budgets) < 0 or a.rounds < 1 or a.clients < 1):
+        p.error("--train-samples needs at least one budget >= 0 (0 = the whole split); --rounds, --clients >= 1")
+    for target in [a.report] + ([] if a.report_only else [a.records]):  # fail now, not after the training
+        if target and not Path(target).resolve().parent.is_dir():
+            p.error(f"the folder of {target} does not exist")
     variants = [v for v in a.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -185,17 +202,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.report_only:
         if not a.records or not a.report:
             p.error("--report-only needs --records (to read) and --report (to write)")
-        records = [json.loads(line) for line in Path(a.records).read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            text = Path(a.records).read_text(encoding="utf-8")
+        except OSError as exc:
+            p.error(f"cannot read --records {a.records}: {exc.strerror or exc}")
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
         wall = None
     else:
         torch.set_num_threads(1)
         t0 = time.monotonic()
         records = []
-        for n in [int(s) for s in a.train_samples.split(",")]:
+        for n in budgets:
             for v in variants:
-                records += [{"dataset": a.dataset, "train_samples": n, "variant": v, **r}
-                            for r in trace(a.dataset, a.clients, n, v, rounds=a.rounds, alpha=a.alpha, lr=a.lr,
-                                           seed=a.seed)]
+                try:
+                    records += [{"dataset": a.dataset, "train_samples": n, "variant": v, **r}
+                                for r in trace(a.dataset, a.clients, n, v, rounds=a.rounds, alpha=a.alpha, lr=a.lr,
+                                               seed=a.seed, data_dir=a.data_dir or None)]
+                except (DataError, PartitionError, ValueError) as exc:
+                    p.error(f"{a.dataset}, {n} images, variant {v}: {exc}")
         wall = time.monotonic() - t0
         if a.records:
             Path(a.records).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
