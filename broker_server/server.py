@@ -241,6 +241,7 @@ class AggregationServer:
         self._extra_codecs = None
         self._extras_seen: set[str] = set()  # names carried by a global or an accepted update
         self._extras_codec_checked = False
+        self._extras_update_seen = False  # an update was accepted: the upload names are known
         self._withdrawn: set[str] = set()
         self._resync = False
         self._round_msgs: tuple[Global, RoundStart] | None = None
@@ -391,6 +392,7 @@ class AggregationServer:
             self._refuse(item, reason)
             return
         self._extras_seen.update(result.extras)
+        self._extras_update_seen = True
         try:
             self._acc.add(result)
         except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
@@ -572,7 +574,7 @@ class AggregationServer:
             acc, loss = extra_metrics.get("client_accuracy_mean"), None
             extra_metrics["accuracy_source"] = "clients"
         self.round = r
-        if r >= 2 or r >= self.settings.rounds:
+        if (r >= 2 and self._extras_update_seen) or r >= self.settings.rounds:
             self._check_extras_codec_names()
         up, down = (b - a for a, b in zip(sent0, self._bytes()))
         metrics = {
@@ -608,8 +610,9 @@ class AggregationServer:
 
     def _check_extras_codec_names(self) -> None:
         """Warn once when ``extras_codec`` names an entry that no global or accepted update of
-        this run has carried (checked from round 2, when both directions have had a turn, or
-        after a 1-round run): a typo there silently leaves that entry on the update codec."""
+        this run has carried (checked from the first round ≥ 2 that closes with an update
+        accepted so far, when both directions have had a turn, else after the last round): a
+        typo there silently leaves that entry on the update codec."""
         if self._extras_codec_checked:
             return
         self._extras_codec_checked = True
