@@ -1001,13 +1001,15 @@ def _console() -> tuple[Any, io.StringIO]:
 
 
 def _table(*headers: str, text_columns: int = 1) -> Any:
-    """Counts right-aligned; the first ``text_columns`` columns are left-aligned text."""
+    """Counts right-aligned; the first ``text_columns`` columns are left-aligned text. Counts never
+    wrap (a number split over two lines reads as two numbers); when the table is too wide, the
+    text columns fold instead (a long run path in a comparison)."""
     from rich import box
     from rich.table import Table
 
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for i, h in enumerate(headers):
-        t.add_column(h, justify="left" if i < text_columns else "right", no_wrap=(i == 0),
+        t.add_column(h, justify="left" if i < text_columns else "right", no_wrap=(i >= text_columns),
                      overflow="fold")
     return t
 
@@ -1095,7 +1097,7 @@ def render_text(report: Mapping[str, Any]) -> str:
     if report.get("fields"):
         console.print()
         console.print(_FIELDS_TITLE)
-        t = _table("kind", "dir", "field", "codec", "msgs", "bytes", "mean B/msg", "share", "raw B", text_columns=4)
+        t = _table(*_FIELD_COLUMNS, text_columns=4)
         for cells in _field_cells(report["fields"]):
             t.add_row(*cells)
         console.print(t)
@@ -1139,16 +1141,27 @@ def _mean(value: float | None) -> str:
     return "—" if value is None else f"{value:,.0f}"
 
 
+#: Columns of the body-fields table: *msgs* = messages that carried the field, *B/msg carrying* =
+#: its bytes per such message, *B/msg of kind* = its bytes per message of the kind (these add up
+#: to the whole message's mean; a field that only some messages carry, e.g. a teacher absent in
+#: round 1, is smaller here than in the column before).
+_FIELD_COLUMNS = ("kind", "dir", "field", "codec", "msgs", "bytes", "B/msg carrying", "B/msg of kind", "share",
+                  "raw B")
+
+
 def _field_cells(fields: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """Table cells of :func:`body_fields`: one row per field, then the whole message."""
+    """Table cells of :func:`body_fields` (columns :data:`_FIELD_COLUMNS`): one row per field,
+    then the whole message."""
     out = []
     for g in fields:
         for f in g["fields"]:
             out.append([g["kind"], g["direction"], f["field"], f["codec"], _n(f["messages"]), _n(f["bytes"]),
-                        _mean(f["mean_bytes"]), _pct(f["share"]),
+                        _mean(f["bytes"] / f["messages"] if f["messages"] else None), _mean(f["mean_bytes"]),
+                        _pct(f["share"]),
                         "—" if f["raw_bytes"] is None else _n(f["raw_bytes"])])
         out.append([g["kind"], g["direction"], "= message", "", _n(g["messages"]), _n(g["message_bytes"]),
-                    _mean(g["mean_message_bytes"]), _pct(1.0 if g["message_bytes"] else None), _n(g["raw_bytes"])])
+                    _mean(g["mean_message_bytes"]), _mean(g["mean_message_bytes"]),
+                    _pct(1.0 if g["message_bytes"] else None), _n(g["raw_bytes"])])
     return out
 
 
@@ -1169,12 +1182,24 @@ def _field_notes(fields: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
+def _short_run_labels(paths: Sequence[str]) -> list[str]:
+    """Short, distinct names for run folders in a table: each path's last component, or its last
+    two, three … when those collide (the full paths are listed under the table)."""
+    parts = [Path(p).parts or (p,) for p in paths]
+    for depth in range(1, max(len(x) for x in parts) + 1 if parts else 1):
+        labels = [str(Path(*x[-depth:])) for x in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return list(paths)
+
+
 def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     """The comparison of several runs as text: one table of bytes, accuracy and transfer time, then
     one of model-tensor and extras bytes per client per round (see :func:`comparison_row`); one
     row per run in each, in the order given."""
     console, buf = _console()
     rows = [comparison_row(r) for r in reports]
+    labels = _short_run_labels([str(r["run"]) for r in rows])
     target = next((r["target"] for r in rows if r["target"] is not None), None)
     link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
     console.print(f"Comparison of {len(rows)} runs (device links; bytes = wire bytes)")
@@ -1182,9 +1207,9 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     if link:
         headers += ["time parallel", "time summed"]
     t = _table(*headers)
-    for r in rows:
+    for label, r in zip(labels, rows):
         reached = r["bytes_to_target"] is not None
-        cells = [r["run"], _acc(r["final_accuracy"]), _n(r["up_bytes"]), _n(r["down_bytes"]),
+        cells = [label, _acc(r["final_accuracy"]), _n(r["up_bytes"]), _n(r["down_bytes"]),
                  _pct(r["overhead_share"]), _n(r["bytes_to_target"]) if reached else "not reached",
                  str(r["target_round"]) if reached else "—"]
         if link:
@@ -1196,10 +1221,13 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     console.print()
     console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it)")
     t = _table("run", "up tensors B", "up extras B", "down tensors B", "down extras B")
-    for r in rows:
-        t.add_row(r["run"], *(_mean(r[f"{d}_{p}_bytes_per_client_round"])
-                              for d in ("up", "down") for p in ("tensor", "extras")))
+    for label, r in zip(labels, rows):
+        t.add_row(label, *(_mean(r[f"{d}_{p}_bytes_per_client_round"])
+                           for d in ("up", "down") for p in ("tensor", "extras")))
     console.print(t)
+    if any(label != str(r["run"]) for label, r in zip(labels, rows)):
+        for label, r in zip(labels, rows):
+            console.print(f"{label} = {r['run']}", overflow="fold")
     if link:
         console.print(f"Transfer time ({_directions_label(link)}): uplink {_kbps(link['uplink_kbps'])}, downlink "
                       f"{_kbps(link['downlink_kbps'])} per client (1 kbit/s = 1000 bit/s); parallel = slowest "
@@ -1508,8 +1536,7 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
              for k in rep["by_kind"]], text_columns=2))
         if rep.get("fields"):
             parts.append("<h3>" + _esc(_FIELDS_TITLE) + "</h3>")
-            parts.append(_html_table(["kind", "dir", "field", "codec", "messages", "bytes", "mean B/message",
-                                      "share", "raw B"], _field_cells(rep["fields"]), text_columns=4))
+            parts.append(_html_table(list(_FIELD_COLUMNS), _field_cells(rep["fields"]), text_columns=4))
             parts.append('<p class="note">' + "<br>".join(_esc(n) for n in _field_notes(rep["fields"])) + "</p>")
         rt = rep.get("rejected_totals") or {"messages": len(rep["rejected"]),
                                             "payload_bytes": sum(r["payload_bytes"] for r in rep["rejected"])}

@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 
 from broker_server.audit import (  # noqa: E402
     AuditError,
+    _short_run_labels,
     RunAudit,
     accuracy_curve,
     audit_report,
@@ -643,11 +644,15 @@ def test_two_runs_compared_in_order(ctrl_run, run_dir, tmp_path, capsys):
     assert first < second < table
     composition = text.index("Model tensors vs extras per client per round")
     lines = text[table:composition].splitlines()
-    rows = [line for line in lines if line.startswith(str(tmp_path))]
-    assert [r.split()[0] for r in rows] == [str(run_dir), str(ctrl_run)]
+    # rows are labelled by the run folders' names (distinct here), the full paths listed below
+    names = [run_dir.name, ctrl_run.name]
+    rows = [line for line in lines if line.split() and line.split()[0] in names and " = " not in line]
+    assert [r.split()[0] for r in rows] == names
     # The hand-made ledgers have no body fields: no model tensor or extras bytes.
-    assert [line.split() for line in text[composition:].splitlines() if line.startswith(str(tmp_path))] == [
-        [str(run_dir), "0", "0", "0", "0"], [str(ctrl_run), "0", "0", "0", "0"]]
+    assert [line.split() for line in text[composition:].splitlines()
+            if line.split()[:1] in ([n] for n in names) and " = " not in line] == [
+        [run_dir.name, "0", "0", "0", "0"], [ctrl_run.name, "0", "0", "0", "0"]]
+    assert f"{run_dir.name} = {run_dir}" in text and f"{ctrl_run.name} = {ctrl_run}" in text
     assert "8,708" in rows[0] and "8,744" in rows[1]
     assert all(len(line) <= 120 for line in text.splitlines())
 
@@ -815,9 +820,10 @@ def test_body_fields_in_text_json_csv_and_html(tmp_path, capsys):
     assert rep["fields"] == body_fields(load_run(run).rows)
     text = render_text(rep)
     assert "Body fields of global and update messages" in text
-    assert re.search(r"^update\s+up\s+extras\.soft_predictions\s+int8\+zstd\s+2\s+1,020\s+510\s+59\.0 %\s+—$",
+    # msgs carrying, bytes, B per message carrying it, B per message of the kind, share, raw B
+    assert re.search(r"^update\s+up\s+extras\.soft_predictions\s+int8\+zstd\s+2\s+1,020\s+510\s+510\s+59\.0 %\s+—$",
                      text, re.M)
-    assert re.search(r"^update\s+up\s+= message\s+2\s+1,728\s+864\s+100\.0 %\s+10,400$", text, re.M)
+    assert re.search(r"^update\s+up\s+= message\s+2\s+1,728\s+864\s+864\s+100\.0 %\s+10,400$", text, re.M)
     assert "update (up): 2 messages, 1 chunked; tensors + extras 1,622 B encoded from 10,400 B raw" in text
     assert all(len(line) <= 120 for line in text.splitlines())
     csv_rows = _read_csv(tmp_path / "csv" / "fields.csv")
@@ -965,8 +971,16 @@ def test_fedavg_fields_equal_sqlite_sums_and_chunks_count_once(fed_runs):
     reps = [rep, audit_report(other)]
     table = render_comparison_text(reps).splitlines()
     start = next(i for i, ln in enumerate(table) if ln.startswith("Model tensors vs extras per client per round"))
-    rows = [ln.split() for ln in table[start:] if ln.startswith(str(tmp_path_root(run)))]
+    labels = _short_run_labels([str(run), str(other)])  # distinct folder names, full paths listed below
+    rows = [ln.split() for ln in table[start:] if ln.split()[:1] in ([x] for x in labels) and " = " not in ln]
     per = [comparison_row(r) for r in reps]
-    assert rows == [[str(r), *(f"{p[f'{d}_{k}_bytes_per_client_round']:,.0f}" for d in ("up", "down")
-                               for k in ("tensor", "extras"))] for r, p in zip((run, other), per)]
+    assert rows == [[lab, *(f"{p[f'{d}_{k}_bytes_per_client_round']:,.0f}" for d in ("up", "down")
+                            for k in ("tensor", "extras"))] for lab, p in zip(labels, per)]
     assert rows[0][1:] == [f"{up['tensor_bytes'] // 4:,}", "0", f"{down['tensor_bytes'] // 2:,}", "0"]
+
+
+def test_short_run_labels_are_distinct_folder_names() -> None:
+    assert _short_run_labels(["/a/runs/x-1", "/b/y"]) == ["x-1", "y"]
+    # same last component: one more level each, until they differ
+    assert _short_run_labels(["/a/one/run", "/a/two/run"]) == ["one/run", "two/run"]
+    assert _short_run_labels(["/p/q/r", "/z/q/r"]) == ["p/q/r", "z/q/r"]
