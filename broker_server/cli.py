@@ -73,17 +73,22 @@ def _cmd_simulate(args) -> int:
           f"{f', α={cfg.data.alpha:g}' if cfg.data.partition == 'dirichlet' else ''}), {cfg.train.algorithm}, "
           f"{cfg.run.rounds} rounds", flush=True)
     res = simulate(cfg, broker_url=args.broker, run_dir=args.out, on_round=show, resume=bool(args.resume))
-    _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker)
+    source = next((m.get("accuracy_source") for m in reversed(res.metrics) if m.get("accuracy_source")), "global")
+    _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker,
+                   accuracy_source=source)
     return EXIT_OK
 
 
-def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, broker: str) -> None:
+def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, broker: str, *,
+                   accuracy_source: str = "global") -> None:
     from .audit import audit_report
 
     rep = audit_report(run_dir)
     dev = rep["totals"]["device"]
+    what = ("final test accuracy" if accuracy_source == "global" else
+            "final test accuracy of the devices' own models (mean over clients)")
     print(f"\nfinished {rounds} round{'s' if rounds != 1 else ''} in {seconds:.1f} s over {broker}; "
-          f"final test accuracy {accuracy:.4f}")
+          f"{what} {accuracy:.4f}")
     print(f"bytes on the device links (all agents together): up {dev['up']['wire_bytes']:,}  "
           f"down {dev['down']['wire_bytes']:,}  (protocol overhead {100 * (dev['all']['overhead_share'] or 0):.2f} %)")
     for k in rep["by_kind"]:

@@ -329,6 +329,11 @@ def test_cli_simulate_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert f"final test accuracy {m['accuracy']:.4f}" in out
     rep = audit_report(tmp_path / "cli")
     assert f"up {rep['totals']['device']['up']['wire_bytes']:,}" in out
+    # an algorithm without a global model (FedMCP++, Local, FedPer …) reports the devices' own models
+    from broker_server.cli import _print_summary
+
+    _print_summary(tmp_path / "cli", 0.8125, 1, 1.0, "amqtt", accuracy_source="clients")
+    assert "final test accuracy of the devices' own models (mean over clients) 0.8125" in capsys.readouterr().out
 
     bad = tmp_path / "bad.toml"
     bad.write_text("[data]\nclinets = 3\n")

@@ -86,8 +86,8 @@ def test_skew_trace_reading_is_computed_from_the_records() -> None:
     text = diag.report(records, dataset="mnist", clients=10, alpha=0.3, lr=0.05, seed=0, wall_s=None)
     assert "| 600 | kd | 2 | 15.0 | 7.5 | 75.0 | 0.200 | 12.0 | 1.50 |" in text
     # round 2 (the last): 15 − 40 = −25 pp at 600 images, 65 − 60 = +5 pp at 3,000
-    assert "distillation gives 15.0 % after CE against 40.0 % without it (-25.0 pp)" in text
-    assert "distillation gives 65.0 % after CE against 60.0 % without it (+5.0 pp)" in text
+    assert "`kd` gives 15.0 % after CE against 40.0 % without it (-25.0 pp)" in text
+    assert "`kd` gives 65.0 % after CE against 60.0 % without it (+5.0 pp)" in text
     assert "When the round-1 clients are weak" in text  # hurts at the small budget, helps at the large one
     flipped = [dict(r, client_acc_mean=0.9) if r["variant"] == "kd" else r for r in records]
     assert "When the round-1 clients are weak" not in diag.report(flipped, dataset="mnist", clients=10, alpha=0.3,
@@ -128,3 +128,12 @@ def test_summary_survives_missing_figures_and_shares_ties() -> None:
     assert s["best_other_worst_method"] == "EnsKD" and s["upload_ratio"] is None
     alone = tool._config_summary({"FedMCP++": rows["FedMCP++"], "Local": []})
     assert alone["best_other_worst"] is None and alone["rank"] == 1
+
+
+def test_proxy_size_other_than_1000_reaches_the_proxy_methods_and_the_key() -> None:
+    tool = _tool()
+    jobs = tool.make_jobs(["kmnist"], [3], ["Local", "FedMCP++", "EnsKD"], [0], rounds=15, train_samples=6000,
+                          dirichlet=False, wire=False, proxy_size=200)
+    assert [j.key for j in jobs] == ["kmnist/p200/c3/Local/s0", "kmnist/p200/c3/FedMCPpp/s0",
+                                     "kmnist/p200/c3/EnsKD/s0"]
+    assert [j.config["algorithm"].get("proxy_size") for j in jobs] == [None, 200, 200]

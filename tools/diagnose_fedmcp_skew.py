@@ -147,16 +147,17 @@ def report(records: list[dict], *, dataset: str, clients: int, alpha: float, lr:
                         None)
 
         last = max((r["round"] for r in records if r["train_samples"] == n), default=0)
-        first, kd2, none_last, kd_last = at("none", 1) or at("kd", 1), at("kd", 2), at("none", last), at("kd", last)
-        if not (first and kd2 and none_last and kd_last):
-            continue
+        aligned = next((v for v in ("kd", "full", "kd0.1") if at(v, 2) and at(v, last)), None)
+        if aligned is None or not at("none", last) or last < 2:
+            continue  # needs 'none' and an alignment variant over at least 2 rounds
+        first, kd2, none_last, kd_last = at("none", 1), at(aligned, 2), at("none", last), at(aligned, last)
         gains[n] = kd_last["client_acc_mean"] - none_last["client_acc_mean"]
         lines.append(
             f"- **{n:,} training images**: after round 1 the clients' mean proxy accuracy is "
             f"{_fmt(first['client_acc_mean'])} % and the teacher's top probability {first['teacher_top_prob']:.3f} "
-            f"(its argmax is right {_fmt(first['teacher_acc'])} % of the time). One distillation pass on it leaves "
+            f"(its argmax is right {_fmt(first['teacher_acc'])} % of the time). One alignment pass (`{aligned}`) on it leaves "
             f"the students at {_fmt(kd2['after_align_acc_mean'])} % (largest |logit| {kd2['after_align_max_logit']:.2f}); "
-            f"by round {last} distillation gives {_fmt(kd_last['client_acc_mean'])} % after CE against "
+            f"by round {last} `{aligned}` gives {_fmt(kd_last['client_acc_mean'])} % after CE against "
             f"{_fmt(none_last['client_acc_mean'])} % without it "
             f"({100 * (kd_last['client_acc_mean'] - none_last['client_acc_mean']):+.1f} pp).")
     if len(gains) >= 2 and gains[min(gains)] < 0 <= gains[max(gains)]:  # the pattern this tool was written for

@@ -23,7 +23,10 @@ and with the compact codecs (int8+zstd soft predictions, fp16+zstd prototypes), 
 with the per-upload bytes read from the ledger.
 
 Every run is a real federation over an embedded broker (:mod:`broker_server.experiments`);
-results go to ``OUT/results.jsonl`` and an interrupted reproduction resumes.
+results go to ``OUT/results.jsonl`` and an interrupted reproduction resumes. A run's key names
+its data set, partition, clients, method, seed and any non-default budget, round count or proxy
+size, but not the data files: after changing a data folder's contents, use a fresh ``--out``.
+The script exits 1 when a run failed (the report lists it), 2 on a usage error.
 
 Usage::
 
@@ -75,21 +78,31 @@ def job_config(dataset: str, clients: int, algorithm: str, params: dict, seed: i
     }
 
 
+def _with_proxy(algorithm: str, params: dict, proxy_size: int) -> dict:
+    """``params`` with ``proxy_size`` for the proxy-set methods when it is not the default."""
+    if algorithm in ("fedmcp", "enskd") and proxy_size != DEFAULT_PROXY_SIZE:
+        return {**params, "proxy_size": proxy_size}
+    return params
+
+
 #: the default training budget (images per data set); runs at another budget carry it in their key
 DEFAULT_TRAIN_SAMPLES = 6000
 #: the paper's round count; runs of another count carry it in their key
 DEFAULT_ROUNDS = 15
+#: the paper's proxy-set size; runs with another carry it in their key
+DEFAULT_PROXY_SIZE = 1000
 
 
 def make_jobs(datasets: list[str], clients: list[int], methods: list[str], seeds: list[int], *, rounds: int,
-              train_samples: int, dirichlet: bool, wire: bool, iid: bool = True) -> list[Job]:
+              train_samples: int, dirichlet: bool, wire: bool, iid: bool = True,
+              proxy_size: int = DEFAULT_PROXY_SIZE) -> list[Job]:
     """The grid's jobs: IID shards for every data set × client count (unless ``iid`` is False),
     Dirichlet(0.3) label skew for every data set at the first client count (``dirichlet``), each
     for every method and seed, plus the two wire runs (``wire``). A run's key names its data set,
     partition, client count, method and seed, and the training budget when it is not
     :data:`DEFAULT_TRAIN_SAMPLES`."""
     budget = ("" if train_samples == DEFAULT_TRAIN_SAMPLES else f"/n{train_samples}") + \
-        ("" if rounds == DEFAULT_ROUNDS else f"/r{rounds}")
+        ("" if rounds == DEFAULT_ROUNDS else f"/r{rounds}") + ("" if proxy_size == DEFAULT_PROXY_SIZE else f"/p{proxy_size}")
     configs = [(ds, n, "iid") for ds in datasets for n in clients] if iid else []
     configs += [(ds, clients[0], "dirichlet") for ds in datasets] if dirichlet else []
     jobs = []
@@ -100,14 +113,15 @@ def make_jobs(datasets: list[str], clients: list[int], methods: list[str], seeds
             for label in methods:
                 algo, params = METHODS[label]
                 jobs.append(Job(f"{where}/{label}/s{seed}".replace("+", "p"),
-                                job_config(ds, n, algo, params, seed, rounds=rounds, train_samples=train_samples,
-                                           partition=scheme),
+                                job_config(ds, n, algo, _with_proxy(algo, params, proxy_size), seed, rounds=rounds,
+                                           train_samples=train_samples, partition=scheme),
                                 ensemble=True, tags={"dataset": ds, "clients": n, "method": label, "seed": seed,
                                                      "partition": part, "train_samples": train_samples}))
     if wire:
         for name, codec in (("fp32", ""), ("compact", COMPACT)):
             jobs.append(Job(f"wire{budget}/mnist/c10/{name}",
-                            job_config("mnist", 10, "fedmcp", {"onnx_soft_predictions": True}, 0, rounds=rounds,
+                            job_config("mnist", 10, "fedmcp", _with_proxy("fedmcp", {"onnx_soft_predictions": True},
+                                                                         proxy_size), 0, rounds=rounds,
                                        train_samples=train_samples, extras_codec=codec),
                             ensemble=True, tags={"wire": name, "codec": codec or "fp32"}))
     return jobs
@@ -166,10 +180,11 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
              "- Public proxy set: 1,000 seeded test images, excluded from evaluation. FedMCP++ defaults: T = 1.5, "
              "KL(p_T‖p_i), InfoNCE τ = 1.5, prototype step α = 0.01, one pass per stage with batch 64; EnsKD = "
              "uniform teacher, distillation only. FedRep: 1 head epoch then 1 body epoch.",
-             "- Metrics after the last round: **CAcc** = mean accuracy of the clients' own models on 2,000 test images "
-             "outside the proxy set (the same images for every client), **CF1** = their mean macro-F1, **worst** = "
+             "- Metrics after the last round: **CAcc** = mean accuracy of the clients' own models on up to 2,000 "
+             "test images outside the proxy set (the same images for every client), **CF1** = their mean macro-F1, **worst** = "
              "the lowest client accuracy, **GAcc** = accuracy of the ensemble averaging every client's class "
-             "probabilities. In % (mean ± std over seeds when there are several).",
+             "probabilities, **server model** = accuracy of the aggregated global model on the whole test split "
+             "(only where the method has one: FedAvg). In % (mean ± std over seeds when there are several).",
              "- Soft predictions in the grid come from torch (the ONNX Runtime path agrees to 1e-5 and is used in "
              "the wire runs).",
              "- Label skew: rows with partition dirichlet(0.3) split the same budget by a Dirichlet(0.3) draw of "
@@ -189,7 +204,8 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
     if configs:
         lines += ["## Accuracy", "",
                   "| data set | partition | train images | clients | method | CAcc | CF1 | worst | GAcc | "
-                  "up B/client/round | down B/client/round | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "up B/client/round | down B/client/round | seeds | server model |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         wins = []
         for ds, part, n, nt in configs:
             rows = {label: [r for r in ok if r.get("dataset") == ds and r.get("partition", "iid") == part
@@ -204,7 +220,8 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
                     f"{_pm([x.get('client_f1_mean') for x in f])} | {_pm([x.get('client_accuracy_worst') for x in f])} | "
                     f"{_pm([r.get('ensemble_accuracy') for r in rs])} | "
                     f"{mean_std([r['up_bytes_per_client_round'] for r in rs])[0]:,.0f} | "
-                    f"{mean_std([r['down_bytes_per_client_round'] for r in rs])[0]:,.0f} | {len(rs)} |")
+                    f"{mean_std([r['down_bytes_per_client_round'] for r in rs])[0]:,.0f} | {len(rs)} | "
+                    f"{_pm([x.get('accuracy') for x in f if x.get('accuracy_source', 'global') == 'global'])} |")
             summary = _config_summary(rows)
             if summary is not None:
                 name = ds if nt == DEFAULT_TRAIN_SAMPLES else f"{ds}({nt:,})"
@@ -266,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", default="benchmarks/fedmcp.md")
     p.add_argument("--datasets", default="mnist,cifar10")
     p.add_argument("--clients", default="10,30")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated, of " + ", ".join(METHODS) + " (or the algorithm names: "
+                   + ", ".join(algo for algo, _ in METHODS.values()) + ")")
     p.add_argument("--seeds", default="0")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--train-samples", type=int, default=6000)
@@ -274,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-wire", action="store_true", help="skip the two fp32/compact wire runs")
     p.add_argument("--no-iid", action="store_true", help="skip the IID configurations (e.g. only --dirichlet)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--proxy-size", type=int, default=DEFAULT_PROXY_SIZE,
+                   help="public proxy images drawn from the test split (FedMCP++/EnsKD; the rest is the "
+                   "evaluation set); must be smaller than the test split")
     p.add_argument("--data-dir", default="", help="a data folder of your own (KMNIST, STL-10, full SVHN); "
                    "default: $FEDFLEET_DATA, then shared/data")
     p.add_argument("--quick", action="store_true", help="digits-sized smoke run: mnist, 3 clients, 2 rounds")
@@ -292,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
 
     datasets = [d for d in a.datasets.split(",") if d.strip()]
     clients, seeds = int_list("--clients", a.clients, 1), int_list("--seeds", a.seeds, 0)
-    methods = [m for m in a.methods.split(",") if m]
+    by_name = {k.lower(): k for k in METHODS} | {algo: k for k, (algo, _) in METHODS.items()}
+    methods = [by_name.get(m.strip().lower(), m.strip()) for m in a.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         p.error(f"unknown methods {unknown}; known: {list(METHODS)}")
@@ -317,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         results, wall = load_results(a.out), None
     else:
         jobs = make_jobs(datasets, clients, methods, seeds, rounds=a.rounds, train_samples=a.train_samples,
-                         dirichlet=a.dirichlet, wire=not a.no_wire, iid=not a.no_iid)
+                         dirichlet=a.dirichlet, wire=not a.no_wire, iid=not a.no_iid, proxy_size=a.proxy_size)
         for job in jobs if a.data_dir else ():
             job.config["data"]["data_dir"] = a.data_dir
         on_record = {k for k, r in load_results(a.out).items() if "error" not in r}  # failed runs run again
@@ -332,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.report).parent.mkdir(parents=True, exist_ok=True)
     Path(a.report).write_text(text, encoding="utf-8")
     print(f"wrote {a.report}")
+    failed = sorted(k for k, r in results.items() if "error" in r)
+    if failed:
+        print(f"{len(failed)} run(s) failed (listed in the report): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
