@@ -192,6 +192,9 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
              f"{train_samples:,} ran with that budget instead (`--train-samples`). Why the distillation methods "
              "collapse under skew at the small budget is traced round by round in `benchmarks/fedmcp-skew.md` "
              "(`tools/diagnose_fedmcp_skew.py`).", ""]
+    if ok:
+        lines += [f"Runs on record: {len(ok)}; their run times add up to "
+                  f"{sum(float(r.get('seconds', 0.0)) for r in ok) / 3600:.1f} h (each run in one worker process).", ""]
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min ({platform.machine()}, {workers} worker "
                   f"process{'es' if workers != 1 else ''}, 1 torch thread each).",
