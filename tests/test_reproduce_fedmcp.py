@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -94,6 +96,18 @@ def test_skew_trace_reading_is_computed_from_the_records() -> None:
                                                                   lr=0.05, seed=0, wall_s=None)
 
 
+def _mnist_available() -> bool:
+    from edge_agent.data import load_dataset
+    from edge_agent.errors import DataError
+
+    try:
+        load_dataset("mnist", allow_download=False)
+    except DataError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _mnist_available(), reason="MNIST files not found (../shared/data or FEDFLEET_DATA)")
 def test_skew_trace_round_one_is_the_same_with_and_without_alignment() -> None:
     """Round 1 has no teacher: every variant trains the same clients from the same seeds, so the
     round-1 records agree exactly; in round 2 distillation changes what the clients upload."""
