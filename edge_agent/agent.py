@@ -532,6 +532,11 @@ class EdgeAgent:
         c, FedDyn's h) again holds what this device committed on the first receipt."""
         _, update, codec, extra_codecs = self._last_update
         log.warning("%s: round %d started again: sending its update again", self.client_id, rnd)
+        self._resend_update(rnd, update, codec, extra_codecs)
+
+    def _resend_update(self, rnd: int, update, codec, extra_codecs) -> None:
+        """Publish an update of round ``rnd`` once more (its receipt is matched by the new seq);
+        a transport failure is logged, not raised: the caller's next chance retries."""
         try:
             enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
                                     extra_codecs=extra_codecs)
@@ -556,13 +561,7 @@ class EdgeAgent:
         self._unacked = (rnd, update, codec, now, tries + 1, deadline_at, extra_codecs)
         log.warning("%s: no receipt for the update of round %d after %.0f s; sending it again (%d/%d)",
                     self.client_id, rnd, now - sent_at, tries + 1, self.max_resends)
-        try:
-            enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
-                                    extra_codecs=extra_codecs)
-            self._update_seqs.add(enc.seq)
-            self.resends += 1
-        except TransportError as exc:
-            log.error("%s: resend of round %d failed: %s", self.client_id, rnd, exc)
+        self._resend_update(rnd, update, codec, extra_codecs)
 
     def _encode_update(self, config, tensors, global_tensors):
         """Apply the round's update encoding: codec (the firmware profile may force a cheaper
