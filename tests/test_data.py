@@ -432,20 +432,25 @@ def test_malformed_npz_names_file_and_field(
         assert f"'{field}'" in str(err)
 
 
-def test_torchvision_layout_found_without_download(isolated: Path) -> None:
-    """A torchvision MNIST folder (raw idx files) under data_dir is used, download=False."""
-    rng = np.random.default_rng(5)
-    raw = isolated / "MNIST" / "raw"
+def _write_idx_layout(raw: Path, sizes: dict[str, int], *, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Write torchvision's MNIST-family raw files (``{split}-images-idx3-ubyte`` and
+    ``{split}-labels-idx1-ubyte``, big-endian idx headers) of random 28×28 images into ``raw``;
+    return split → (x uint8 [n, 28, 28], y uint8 [n])."""
+    rng = np.random.default_rng(seed)
     raw.mkdir(parents=True)
     arrays = {}
-    for split, n in (("train", 9), ("t10k", 4)):
+    for split, n in sizes.items():
         x = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
         y = rng.integers(0, 10, size=n).astype(np.uint8)
         arrays[split] = (x, y)
-        (raw / f"{split}-images-idx3-ubyte").write_bytes(
-            struct.pack(">IIII", 0x803, n, 28, 28) + x.tobytes()
-        )
+        (raw / f"{split}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) + x.tobytes())
         (raw / f"{split}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + y.tobytes())
+    return arrays
+
+
+def test_torchvision_layout_found_without_download(isolated: Path) -> None:
+    """A torchvision MNIST folder (raw idx files) under data_dir is used, download=False."""
+    arrays = _write_idx_layout(isolated / "MNIST" / "raw", {"train": 9, "t10k": 4}, seed=5)
     ds = data.load_dataset("mnist", data_dir=isolated, allow_download=False)
     assert ds.source == f"torchvision:{isolated.resolve()}"
     assert (len(ds.train), len(ds.test)) == (9, 4)
@@ -771,16 +776,7 @@ def test_hint_for_env_dir_wrongly_named_folder_and_torchvision_layout(
 
 def test_kmnist_from_a_torchvision_layout(isolated: Path) -> None:
     """KMNIST is not in the offline set: a user's torchvision KMNIST/raw folder is read as is."""
-    rng = np.random.default_rng(11)
-    raw = isolated / "KMNIST" / "raw"
-    raw.mkdir(parents=True)
-    arrays = {}
-    for split, n in (("train", 8), ("t10k", 5)):
-        x = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
-        y = rng.integers(0, 10, size=n).astype(np.uint8)
-        arrays[split] = (x, y)
-        (raw / f"{split}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) + x.tobytes())
-        (raw / f"{split}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + y.tobytes())
+    arrays = _write_idx_layout(isolated / "KMNIST" / "raw", {"train": 8, "t10k": 5}, seed=11)
     ds = data.load_dataset("kmnist", data_dir=isolated, allow_download=False)
     assert (ds.channels, ds.image_size, len(ds.train), len(ds.test)) == (1, 28, 8, 5)
     np.testing.assert_allclose(ds.train.x[:, 0], _expected_norm(arrays["train"][0]), atol=1e-6)
