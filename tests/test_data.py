@@ -72,8 +72,8 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture
 def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No shared folder and an empty torchvision cache: only what the test writes exists."""
-    monkeypatch.setattr(data, "_SHARED_DATA_DIRS", ())
-    monkeypatch.setattr(data, "_TORCHVISION_CACHE", tmp_path / "tv-cache")
+    monkeypatch.setattr(data._folders, "_SHARED_DATA_DIRS", ())
+    monkeypatch.setattr(data._folders, "_TORCHVISION_CACHE", tmp_path / "tv-cache")
     return tmp_path
 
 
@@ -675,7 +675,7 @@ def test_missing_data_dir_is_warned_about_before_the_fallback(
 
     shared = isolated / "shared"
     _write_mnist_like(shared, n_train=6, n_test=4)
-    monkeypatch.setattr(data, "_SHARED_DATA_DIRS", (shared,))
+    monkeypatch.setattr(data._folders, "_SHARED_DATA_DIRS", (shared,))
     typo = isolated / "dtaa"
     with caplog.at_level(logging.WARNING, logger="edge_agent.data"):
         ds = data.load_dataset("mnist", data_dir=typo, allow_download=False)

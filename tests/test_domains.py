@@ -338,7 +338,7 @@ def test_digits_domain_images_match_an_independent_conversion(digits_ds: data.Da
 @needs_shared
 def test_full_svhn_replaces_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An SVHN npz pair in the data folder becomes the svhn domain; no substitution for it."""
-    monkeypatch.setattr(data, "_SHARED_DATA_DIRS", (SHARED,))  # the other domains come from there
+    monkeypatch.setattr(data._folders, "_SHARED_DATA_DIRS", (SHARED,))  # the other domains come from there
     rng = np.random.default_rng(1)
     (tmp_path / "svhn").mkdir()
     raw = {}
@@ -361,7 +361,7 @@ def test_svhn_in_torchvision_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     import torchvision.datasets.svhn as tv_svhn
 
     monkeypatch.setattr(tv_svhn.SVHN, "_check_integrity", lambda self: True)
-    monkeypatch.setattr(data, "_SHARED_DATA_DIRS", (SHARED,))
+    monkeypatch.setattr(data._folders, "_SHARED_DATA_DIRS", (SHARED,))
     rng = np.random.default_rng(2)
     x = {}
     for split, n in (("train", 12), ("test", 10)):
@@ -383,8 +383,8 @@ def test_svhn_in_torchvision_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_missing_domain_and_bad_caps_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data, "_SHARED_DATA_DIRS", ())
-    monkeypatch.setattr(data, "_TORCHVISION_CACHE", tmp_path / "tv")
+    monkeypatch.setattr(data._folders, "_SHARED_DATA_DIRS", ())
+    monkeypatch.setattr(data._folders, "_TORCHVISION_CACHE", tmp_path / "tv")
     monkeypatch.delenv("FEDFLEET_DATA", raising=False)
     with pytest.raises(DataError, match="domain 'photo'") as info:
         data.load_dataset("pacs", data_dir=tmp_path)
