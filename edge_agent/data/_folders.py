@@ -63,9 +63,10 @@ def locate(
     if info.sklearn:
         return "sklearn", (), ()
 
-    user_dir = user_data_dir(data_dir)
     if info.factory is not None:
+        user_dir = user_data_dir(data_dir, then=f"the factory of {info.name!r} is given it all the same")
         return "factory", (str(user_dir),) if user_dir is not None else (), ()
+    user_dir = user_data_dir(data_dir)
     npz_dirs = npz_search_dirs(user_dir)
     searched: list[str] = []
     for folder in npz_dirs:
@@ -104,12 +105,16 @@ def locate(
     )
 
 
-def user_data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
+def user_data_dir(
+    data_dir: str | os.PathLike[str] | None,
+    *,
+    then: str = "looking in the shared data folder and the torchvision cache instead",
+) -> Path | None:
     """Step 1: the ``data_dir`` argument, else env ``FEDFLEET_DATA``, else None.
 
     A folder that does not exist is still returned (a download may go elsewhere, see step 3),
-    but logged as a warning: a typo there would otherwise fall back to the shared data
-    folder without a word."""
+    but logged as a warning ending in ``then`` (what happens next): a typo there would otherwise
+    fall back to the shared data folder without a word."""
     if data_dir is not None:
         folder, origin = Path(data_dir).expanduser(), "the data folder you set"
     else:
@@ -118,8 +123,7 @@ def user_data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
             return None
         folder, origin = Path(env).expanduser(), f"env {ENV_DATA_DIR}"
     if not folder.is_dir():
-        log.warning("%s, %s, is not an existing folder: looking in the shared data folder and the "
-                    "torchvision cache instead", origin, folder)
+        log.warning("%s, %s, is not an existing folder: %s", origin, folder, then)
     return folder
 
 
@@ -129,6 +133,7 @@ def npz_search_dirs(user_dir: Path | None) -> list[Path]:
 
 
 def _unique_paths(paths: Sequence[Path]) -> list[Path]:
+    """``paths`` in order without those that resolve to a folder already listed."""
     seen: set[Path] = set()
     out: list[Path] = []
     for p in paths:
@@ -140,11 +145,13 @@ def _unique_paths(paths: Sequence[Path]) -> list[Path]:
 
 
 def _file_stamp(path: Path) -> tuple[int, int]:
+    """``(mtime_ns, size in bytes)`` of ``path``: part of the cache key of a loaded set."""
     st = path.stat()
     return (st.st_mtime_ns, st.st_size)
 
 
 def _downloads_allowed(allow_download: bool | None) -> bool:
+    """The download policy: ``allow_download`` if given, else not when env ``FEDFLEET_OFFLINE`` is ``"1"``."""
     if allow_download is None:
         return os.environ.get(ENV_OFFLINE, "") != "1"
     return bool(allow_download)
@@ -214,6 +221,9 @@ def _not_found_message(
     *,
     download_error: str | None = None,
 ) -> str:
+    """The text of the :class:`DataError` of step 4: every location searched, in order, with its
+    state; a hint when the data folder given is the set's own folder; which files to put where;
+    how to get torchvision's layout; and the set's own ``hint``."""
     lines = [f"data set {info.name!r} not found. Searched, in order:"]
     step = 1
     for folder in npz_dirs:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +20,7 @@ RawSplits = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """``(x_train, y_train, x_test, y_test)`` as a reader returns them, before conversion: uint8 images
 ``[N, S, S]`` (grey) or ``[N, S, S, 3]`` (RGB, HWC) and int64 labels ``[N]``."""
 
-DatasetFactory = Callable[[Any], RawSplits]
+DatasetFactory = Callable[[Path | None], RawSplits]
 """A user's data-set factory (see :func:`edge_agent.data.register_dataset`): called with the data
 folder (a :class:`pathlib.Path`, or None when none is set), returns :data:`RawSplits`."""
 
@@ -341,12 +341,15 @@ def validate_raw(x: np.ndarray, y: np.ndarray, info: DatasetInfo, where: str) ->
 
 
 def empty_raw(info: DatasetInfo) -> tuple[np.ndarray, np.ndarray]:
+    """An empty split of ``info``'s shape: uint8 ``[0, S, S]`` (or ``[0, S, S, C]``), int64 ``[0]``."""
     s = info.image_size
     shape = (0, s, s) if info.channels == 1 else (0, s, s, info.channels)
     return np.zeros(shape, dtype=np.uint8), np.zeros(0, dtype=np.int64)
 
 
 def check_label_range(y: np.ndarray, num_classes: int, *, where: str) -> None:
+    """Raise :class:`DataError` (``field="y"``, message starting ``where``) unless every label of
+    the integer array ``y`` lies in ``[0, num_classes)``."""
     if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise DataError(
             f"{where}: labels lie in [{y.min()}, {y.max()}], expected [0, {num_classes})",
@@ -355,6 +358,7 @@ def check_label_range(y: np.ndarray, num_classes: int, *, where: str) -> None:
 
 
 def describe_array(a: object) -> str:
+    """``"ndarray dtype=float32 shape=(2, 3)"`` for an array, else the type name (for messages)."""
     if isinstance(a, np.ndarray):
         return f"ndarray dtype={a.dtype} shape={a.shape}"
     return type(a).__name__

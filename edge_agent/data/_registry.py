@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
-from edge_agent.data._records import DatasetInfo, DomainSpec
+from edge_agent.data._records import DatasetFactory, DatasetInfo, DomainSpec
 from edge_agent.errors import DataError
 
 
@@ -250,7 +250,7 @@ def register_dataset(
             raise DataError(f"register_dataset({name!r}): the factory must be callable, got "
                             f"{type(factory).__name__}", dataset=name)
         _REGISTRY[name] = DatasetInfo(name, num_classes, channels, image_size,
-                                      factory=factory)
+                                      factory=cast(DatasetFactory, factory))  # checked when called
         return factory
 
     return decorate

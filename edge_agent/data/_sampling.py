@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from edge_agent.data._records import ArraySplit, check_label_range, describe_array
+from edge_agent.data._records import ArraySplit, RawSplits, check_label_range, describe_array
 from edge_agent.errors import DataError
 
 TEST_FRACTION = 0.2
@@ -51,6 +51,7 @@ def class_histogram(y: np.ndarray, num_classes: int) -> list[int]:
 
 
 def check_cap(name: str, value: object) -> int:
+    """Return ``value`` as an int; :class:`DataError` naming ``name`` unless it is an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise DataError(f"{name} must be an int >= 0 (0 = no cap), got {value!r}")
     return int(value)
@@ -96,7 +97,14 @@ def stratified_subsample(y: np.ndarray, cap: int, seed: int = SPLIT_SEED) -> np.
 
 
 def stratified_split(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded stratified split of ``y`` (see module docstring); returns sorted int64 indices."""
+    """The fixed 80/20 split of a one-file set (digits, PACS), as the docstring of
+    :mod:`edge_agent.data` writes it: per class in increasing label order, the class's indices
+    permuted by one ``numpy.random.default_rng(SPLIT_SEED)``, the first
+    ``floor(TEST_FRACTION · n_class + 0.5)`` to test.
+
+    Returns:
+        ``(train, test)``: sorted int64 indices into ``y``, disjoint, together all of it.
+    """
     rng = np.random.default_rng(SPLIT_SEED)
     train: list[np.ndarray] = []
     test: list[np.ndarray] = []
@@ -110,9 +118,9 @@ def stratified_split(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return tr, te
 
 
-def split_whole(
-    x: np.ndarray, y: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def split_whole(x: np.ndarray, y: np.ndarray) -> RawSplits:
+    """``(x_train, y_train, x_test, y_test)`` of a one-file set by :func:`stratified_split`
+    (``x`` ``[N, ...]`` and ``y`` ``[N]``, indexed, so the samples keep their file order)."""
     tr, te = stratified_split(y)
     return x[tr], y[tr], x[te], y[te]
 
