@@ -131,7 +131,7 @@ def report(results: dict[str, dict], *, out: str | Path = ".", benches: list[str
               "lr 0.001 on PACS — so absolute accuracies are far below the paper's. lr 0.05 was chosen by a 6-round "
               "FedAvg probe (PACS avg/worst 48.5/29.0 % against 38.5/23.7 % with 0.01; Digits 90.4/85.9 against 75.3/58.7).",
               "- PACS: photo 3, art_painting 4, cartoon 2, sketch 1 clients; a seeded stratified test split "
-              "per domain (PACS has no official split), see `edge_agent/data.py`.",
+              "per domain (PACS has no official split), see `edge_agent/data/`.",
               "- Digits: mnist 3, usps 4, sklearn_digits 2, mnist_m 1 clients. **scikit-learn's 8×8 digits stand "
               "in for SVHN** (only 50 SVHN images exist offline) and **MNIST-M is the regenerated version**; every "
               "image is brought to 3×32×32. At most 2,000 training and 1,000 test samples per domain (seeded).",
