@@ -87,4 +87,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
+    """The module's names, the lazily loaded ones included (without loading them)."""
     return sorted(set(globals()) | set(_LAZY))
