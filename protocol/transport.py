@@ -266,6 +266,7 @@ class MqttTransport:
                 name) or the handshake fails (not a TLS port, TLS version, client certificate).
         """
         where = f"{self.host}:{self.port}"
+        assert self._tls is not None  # called only when connecting with TLS
         try:
             with self._tls.wrap_socket(sock, server_hostname=self.host) as tls_sock:
                 tls_sock.settimeout(5.0)
@@ -372,7 +373,7 @@ class MqttTransport:
         if sock is not None:
             try:
                 import socket as _socket
-                sock.shutdown(_socket.SHUT_RDWR)
+                sock.shutdown(_socket.SHUT_RDWR)  # type: ignore[attr-defined]  # a socket.socket here
             except OSError:
                 pass
 

@@ -257,7 +257,7 @@ class ChannelSecurity:
                 except SecurityConfigError as exc:
                     raise _reject("decrypt_failed", str(exc)) from None
             new_session = session is None
-            if new_session:
+            if session is None:
                 session = self._state[peer] = Session(sec.epoch, window)
             if will:
                 session.will_taken = True

@@ -337,7 +337,7 @@ class AllowList:
         self.dir = Path(server_dir) / ENROLLED_DIR if server_dir is not None else None
         self.extra = dict(extra or {})
         self._keys: dict[str, PublicIdentity] = {}
-        self._mtime = None
+        self._mtime: int | None = None
         self._checked = 0.0
         self._lock = threading.Lock()
         self._reload(force=True)

@@ -238,7 +238,8 @@ class ReplayStore:
             log.warning("replay state: cannot read %s (%s); starting with no sender seen", path, exc)
             return None
         except UnicodeDecodeError:
-            return self._corrupt("not UTF-8 text")
+            self._corrupt("not UTF-8 text")
+            return None
         try:
             doc = json.loads(text)
             if not isinstance(doc, dict) or doc.get("format") != _STATE_FORMAT:
@@ -263,7 +264,8 @@ class ReplayStore:
                 w = ReplayWindow.restored(self.window_size, s["top"], int(s["bits"] or "0", 16), saved_size)
                 sessions[(s["id"], key)] = Session(s["epoch"], w, s["will_taken"])
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            return self._corrupt(str(exc)[:200])
+            self._corrupt(str(exc)[:200])
+            return None
         self.sessions = sessions
         self._generation = doc["generation"]
         return doc
