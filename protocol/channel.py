@@ -14,20 +14,18 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
 from .errors import FedfleetProtocolError, FieldError, ProtocolError
 from .ledger import Ledger, LedgerRow
-from .messages import (Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms,
-                       payload_sha256)
-from .tensors import raw_nbytes
+from .messages import Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms, payload_sha256
 from .mqtt_bytes import publish_size
-from .tensors import DEFAULT_LIMITS, TensorLimits
-from .transport import Incoming, PacketEvent, Transport
+from .tensors import DEFAULT_LIMITS, TensorLimits, raw_nbytes
+from .transport_base import Incoming, PacketEvent, Transport
 
 if TYPE_CHECKING:
     from .security import ChannelSecurity
@@ -85,7 +83,7 @@ class Channel:
     """Messages over one transport, with sequence numbers and ledger rows.
 
     Args:
-        transport: a connected :class:`~protocol.transport.Transport`.
+        transport: a connected :class:`~protocol.transport_base.Transport`.
         node_id: this side's id (``"server"`` or the client id); used as envelope ``sender``.
         side: ``"server"`` or ``"agent"`` (ledger column).
         federation: federation id (topic level and ledger column).

@@ -13,6 +13,11 @@ Design rules (``notes/mqtt-transport-study.md``):
   without relying on broker sessions.
 * ``wait_for_publish(timeout)`` returns silently on timeout: :meth:`MqttTransport.publish` checks
   ``is_published()`` afterwards and raises :class:`~protocol.errors.PublishTimeout`.
+
+The paho-free parts live beside it and are re-exported here: the seam's types in
+:mod:`protocol.transport_base` (``Transport``, ``Incoming``, ``Will``, ``PacketEvent``) and the TLS
+checks in :mod:`protocol.transport_tls` (``tls_context``). Importing this module without paho-mqtt
+raises an :class:`ImportError` that says so.
 """
 
 from __future__ import annotations
@@ -23,66 +28,23 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from collections.abc import Callable
 
-import paho.mqtt.client as mqtt
+try:
+    import paho.mqtt.client as mqtt
+except ImportError as exc:  # the codec works without paho; only the MQTT transport needs it
+    raise ImportError(f"protocol.transport (MqttTransport, the MQTT client) needs paho-mqtt 2.x, which cannot be "
+                      f"imported ({exc}): pip install 'paho-mqtt>=2.0,<3'. The codec (protocol.messages, "
+                      f"protocol.tensors, protocol.chunking, protocol.channel) works without it",
+                      name="paho") from exc
 
-from .errors import ConnectError, OfflineBufferFull, PublishTimeout, SecurityConfigError, TransportError
+from .errors import ConnectError, OfflineBufferFull, PublishTimeout, TransportError
+from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
+from .transport_tls import tls_context
+
+__all__ = ["PACKET_TYPES", "Incoming", "MqttTransport", "PacketEvent", "Transport", "Will", "tls_context"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Incoming:
-    """One PUBLISH received from the broker.
-
-    Attributes:
-        topic: the topic name.
-        payload: the payload bytes, exactly as received.
-        qos: QoS of the delivery.
-        retain: whether the broker delivered it as a retained message.
-        received_at: ``time.monotonic()`` at arrival (seconds).
-    """
-
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-    received_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Will:
-    """MQTT last will: published by the broker when the connection drops without DISCONNECT."""
-
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = True
-
-
-#: MQTT control packet type (upper nibble of the first byte) → name.
-PACKET_TYPES = {1: "CONNECT", 2: "CONNACK", 3: "PUBLISH", 4: "PUBACK", 5: "PUBREC", 6: "PUBREL", 7: "PUBCOMP",
-                8: "SUBSCRIBE", 9: "SUBACK", 10: "UNSUBSCRIBE", 11: "UNSUBACK", 12: "PINGREQ", 13: "PINGRESP",
-                14: "DISCONNECT", 15: "AUTH"}
-
-
-@dataclass(frozen=True, slots=True)
-class PacketEvent:
-    """One MQTT packet handed to the socket queue (``out``) or parsed from the socket (``in``).
-
-    Attributes:
-        direction: ``"out"`` (this client → broker) or ``"in"`` (broker → this client).
-        packet_type: name from :data:`PACKET_TYPES` (``"PUBACK"``).
-        packet_bytes: exact size of the whole packet: fixed header + variable header + payload.
-        dup: the DUP flag of a PUBLISH (a retransmission by paho after a reconnect).
-    """
-
-    direction: str
-    packet_type: str
-    packet_bytes: int
-    dup: bool = False
 
 
 def _published(info: mqtt.MQTTMessageInfo) -> bool:
@@ -135,104 +97,6 @@ class _CountingClient(mqtt.Client):
         if data:
             self.socket_bytes_in += len(data)
         return data
-
-
-_NO_CHECK_TIME = 0x200000
-"""OpenSSL's ``X509_V_FLAG_NO_CHECK_TIME``: verify certificate chains without validity periods."""
-
-
-def tls_context(*, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
-                check_time: bool = True, clock_skew_s: float = 300.0, now: float | None = None) -> ssl.SSLContext:
-    """A TLS client context for ``mqtts://``, with every file checked now rather than mid-round.
-
-    The broker's certificate chain must lead to ``ca_file`` (``None``: the system's CAs) and name
-    the broker's host (hostname checking on). ``cert_file`` + ``key_file`` (PEM) are the client
-    certificate for brokers that require one.
-
-    Clock: the start-up check compares the validity periods of the client certificate and of the
-    CA certificates with this machine's clock, allowing ``clock_skew_s`` seconds either way. A
-    device without a real-time clock (a Raspberry Pi boots with a wrong one) passes
-    ``check_time=False``: the periods are then checked neither here nor in the TLS handshake
-    (OpenSSL ``X509_V_FLAG_NO_CHECK_TIME``); the chain and the host name still are.
-
-    Raises:
-        SecurityConfigError: a missing or unreadable file, a file without a PEM certificate, a
-            client certificate that does not match its key, or a certificate outside its
-            validity period (by more than ``clock_skew_s``).
-    """
-    from cryptography import x509
-
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    files = [("CA file", ca_file)] if ca_file else []
-    if cert_file:
-        files.append(("client certificate", cert_file))
-    for what, path in files + ([("client key", key_file)] if key_file else []):
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as exc:
-            raise SecurityConfigError(f"{what} {path}: {exc.strerror or exc}", path=path) from None
-    if (cert_file is None) != (key_file is None):
-        raise SecurityConfigError("a client certificate needs both its certificate file and its key file")
-    t = time.time() if now is None else now
-    for what, path in files:
-        with open(path, "rb") as f:
-            data = f.read()
-        try:
-            certs = x509.load_pem_x509_certificates(data)
-        except ValueError:
-            raise SecurityConfigError(f"{what} {path} holds no PEM certificate", path=path) from None
-        for cert in certs if what == "CA file" else certs[:1]:
-            if not check_time:
-                break
-            nb, na = cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp()
-            name = cert.subject.rfc4514_string() or "(no subject)"
-            if t > na + clock_skew_s:
-                raise SecurityConfigError(
-                    f"{what} {path}: certificate {name} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S} UTC "
-                    f"(this machine's clock: {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))} UTC, "
-                    f"{clock_skew_s:g} s of skew allowed). Renew it, or fix the clock", path=path)
-            if t < nb - clock_skew_s:
-                raise SecurityConfigError(
-                    f"{what} {path}: certificate {name} is not valid before "
-                    f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M:%S} UTC (this machine's clock: "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))} UTC, {clock_skew_s:g} s of skew "
-                    f"allowed). Fix the clock, or start without time checks on a device with no clock", path=path)
-    try:
-        if ca_file:
-            ctx.load_verify_locations(cafile=ca_file)
-        else:
-            ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
-    except ssl.SSLError as exc:
-        raise SecurityConfigError(f"CA file {ca_file}: {exc.reason or exc}", path=ca_file) from None
-    if cert_file:
-        try:
-            ctx.load_cert_chain(certfile=cert_file, keyfile=key_file)
-        except ssl.SSLError as exc:
-            reason = exc.reason or str(exc)
-            if "KEY_VALUES_MISMATCH" in reason.upper():
-                reason = "the key does not belong to the certificate"
-            raise SecurityConfigError(f"client certificate {cert_file} with key {key_file}: {reason}",
-                                      path=cert_file) from None
-    if not check_time:
-        ctx.verify_flags |= _NO_CHECK_TIME
-    return ctx
-
-
-class Transport(Protocol):
-    """What the channel needs from a transport (a real MQTT client, or a test double)."""
-
-    client_id: str
-
-    def subscribe(self, filters: list[str], qos: int = 1) -> None: ...
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                wait_s: float | None = None) -> None: ...
-
-    def get(self, timeout_s: float | None) -> Incoming | None: ...
-
-    def close(self) -> None: ...
 
 
 class MqttTransport:
@@ -402,6 +266,7 @@ class MqttTransport:
                 name) or the handshake fails (not a TLS port, TLS version, client certificate).
         """
         where = f"{self.host}:{self.port}"
+        assert self._tls is not None  # called only when connecting with TLS
         try:
             with self._tls.wrap_socket(sock, server_hostname=self.host) as tls_sock:
                 tls_sock.settimeout(5.0)
@@ -412,7 +277,8 @@ class MqttTransport:
         except (ssl.SSLError, OSError) as exc:
             reason = getattr(exc, "reason", None) or exc.strerror or exc.__class__.__name__
             raise ConnectError(f"TLS handshake with the broker at {where} failed: {reason}. Is it a TLS port "
-                               f"(mqtts://), and does it want a client certificate?", client_id=self.client_id) from None
+                               f"(mqtts://), and does it want a client certificate?",
+                               client_id=self.client_id) from None
 
     @property
     def connected(self) -> bool:
@@ -507,7 +373,7 @@ class MqttTransport:
         if sock is not None:
             try:
                 import socket as _socket
-                sock.shutdown(_socket.SHUT_RDWR)
+                sock.shutdown(_socket.SHUT_RDWR)  # type: ignore[attr-defined]  # a socket.socket here
             except OSError:
                 pass
 

@@ -25,7 +25,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from broker_server import config as config_mod
 from broker_server.cli import main as fedfleet_main
 from broker_server.errors import ConfigError
 from protocol import security as S
@@ -34,8 +33,8 @@ from protocol.channel import Channel, Received, Rejected
 from protocol.errors import SecurityConfigError, SecurityRejection
 from protocol.ledger import SCHEMA_VERSION, Ledger, LedgerRow
 from protocol.messages import Envelope, Kind, Receipt, RoundStart, Status, Update, decode, encode
-from protocol.test_vectors import (MESSAGE_VECTORS, SECURITY_VECTOR_UPLOAD_KEY, SECURITY_VECTORS,
-                                   security_vector_keys)
+from protocol.security import replay as replay_mod
+from protocol.test_vectors import MESSAGE_VECTORS, SECURITY_VECTOR_UPLOAD_KEY, SECURITY_VECTORS, security_vector_keys
 from protocol.transport import Incoming, tls_context
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +44,10 @@ FED = "fed-sec"
 
 def _keys():
     k = security_vector_keys()
-    return (Ed25519PrivateKey.from_private_bytes(k["device_ed25519"]), X25519PrivateKey.from_private_bytes(k["device_x25519"]),
-            Ed25519PrivateKey.from_private_bytes(k["server_ed25519"]), X25519PrivateKey.from_private_bytes(k["server_x25519"]))
+    return (Ed25519PrivateKey.from_private_bytes(k["device_ed25519"]),
+            X25519PrivateKey.from_private_bytes(k["device_x25519"]),
+            Ed25519PrivateKey.from_private_bytes(k["server_ed25519"]),
+            X25519PrivateKey.from_private_bytes(k["server_x25519"]))
 
 
 def _independent_tbs(topic: str, sealed: bytes, body: bytes) -> bytes:
@@ -356,8 +357,8 @@ def test_a_restarted_device_refuses_the_servers_old_messages(tmp_path):
 
 def test_journal_is_synced_at_new_sessions_and_every_n_records_and_compacted(tmp_path, monkeypatch):
     srv, dev = _fleet(tmp_path)
-    monkeypatch.setattr(S, "REPLAY_SYNC_EVERY", 4)
-    monkeypatch.setattr(S, "REPLAY_COMPACT_EVERY", 10)
+    monkeypatch.setattr(replay_mod, "REPLAY_SYNC_EVERY", 4)
+    monkeypatch.setattr(replay_mod, "REPLAY_COMPACT_EVERY", 10)
     server = _server(tmp_path, srv, epoch=1)
     agent = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=3, replay_state=None)
     synced = []
@@ -391,11 +392,11 @@ def test_after_a_host_restart_an_unclosed_journal_refuses_a_margin_above_the_sav
     if closed:
         server.close()
     if boot == "-":
-        monkeypatch.setattr(S, "_boot_id_cache", ["-"])
+        monkeypatch.setattr(replay_mod, "_boot_id_cache", ["-"])
         server.replay_store._compact()  # files written where the boot cannot be told
         _open(server, UP, agent.seal(UP, _upd(seq=0)).payload)  # (a journal record after it)
     else:
-        monkeypatch.setattr(S, "_boot_id_cache", [boot])  # the host restarted
+        monkeypatch.setattr(replay_mod, "_boot_id_cache", [boot])  # the host restarted
     with caplog.at_level(logging.WARNING, logger="protocol.security"):
         again = _server(tmp_path, srv, epoch=2)
     assert again.replay_store.margin_applied is not closed
@@ -448,7 +449,7 @@ def test_damaged_or_missing_replay_state_is_logged_never_a_crash(tmp_path, caplo
     # what is still known is still refused; what was lost is accepted (and recorded afresh)
     refused = {"garbage-state": [1, 2], "unknown-key": [1, 2], "both-garbage": [], "bad-journal-line": [2],
                "torn-tail": [1, 2], "missing": []}[damage]
-    for s, p in zip((1, 2), old):
+    for s, p in zip((1, 2), old, strict=True):
         if s in refused:
             assert _code(again, UP, p) == "replayed"
         else:
@@ -472,7 +473,7 @@ def test_an_unwritable_replay_folder_falls_back_to_memory_with_one_warning(tmp_p
 
 def test_a_second_receiver_on_the_same_folder_takes_the_state_over(tmp_path, caplog, monkeypatch):
     srv, dev = _fleet(tmp_path)
-    monkeypatch.setattr(S, "REPLAY_COMPACT_EVERY", 3)
+    monkeypatch.setattr(replay_mod, "REPLAY_COMPACT_EVERY", 3)
     first = _server(tmp_path, srv, epoch=1)
     agent = S.ChannelSecurity(dev, side="agent", peers={"server": srv.public}, epoch=3, replay_state=None)
     _open(first, UP, agent.seal(UP, _upd(seq=1)).payload)
@@ -557,7 +558,8 @@ def test_key_folder_problems_are_clear_config_errors(tmp_path, problem):
     elif problem == "altered-pub":
         text = (d / "pi-07.pub").read_text()
         other = S.generate_identity("pi-07").public
-        (d / "pi-07.pub").write_text(text.replace(S._b64(S.load_public(d / "pi-07.pub").ed25519), S._b64(other.ed25519)))
+        mine = S._b64(S.load_public(d / "pi-07.pub").ed25519)
+        (d / "pi-07.pub").write_text(text.replace(mine, S._b64(other.ed25519)))
     elif problem == "not-a-key":
         (d / "ed25519.key").write_text("hello\n")
     with pytest.raises(SecurityConfigError, match=expected):

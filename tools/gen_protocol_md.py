@@ -187,7 +187,7 @@ def main() -> int:
     parts.append("\n\n## 5c. Signed and encrypted messages\n\n")
     sec_doc = security.__doc__.split("Security (normative, protocol version 1)\n----------------------------------------\n", 1)[1]
     parts.append(rst_to_md(sec_doc.strip()))
-    parts.append("\n\nReason codes (never reused; `protocol/security.py`, `REASONS`):\n\n| code | meaning |\n| --- | --- |\n")
+    parts.append("\n\nReason codes (never reused; `protocol/security/reasons.py`, `REASONS`):\n\n| code | meaning |\n| --- | --- |\n")
     for code, text in security.REASONS.items():
         parts.append(f"| `{code}` | {text} |\n")
     parts.append("\n\n## 10. Test vectors\n\n### Messages\n\n")

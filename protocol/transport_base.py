@@ -1,0 +1,79 @@
+"""The transport seam without paho: what a channel needs from a transport, and the values that
+cross it (received messages, last wills, packet events).
+
+:class:`Transport` is the interface :class:`protocol.channel.Channel` depends on; the real MQTT
+implementation is :class:`protocol.transport.MqttTransport` (paho-mqtt 2.x), loaded only by
+those who use it, so the codec and the channel import without paho.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """One PUBLISH received from the broker.
+
+    Attributes:
+        topic: the topic name.
+        payload: the payload bytes, exactly as received.
+        qos: QoS of the delivery.
+        retain: whether the broker delivered it as a retained message.
+        received_at: ``time.monotonic()`` at arrival (seconds).
+    """
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """MQTT last will: published by the broker when the connection drops without DISCONNECT."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+#: MQTT control packet type (upper nibble of the first byte) → name.
+PACKET_TYPES = {1: "CONNECT", 2: "CONNACK", 3: "PUBLISH", 4: "PUBACK", 5: "PUBREC", 6: "PUBREL", 7: "PUBCOMP",
+                8: "SUBSCRIBE", 9: "SUBACK", 10: "UNSUBSCRIBE", 11: "UNSUBACK", 12: "PINGREQ", 13: "PINGRESP",
+                14: "DISCONNECT", 15: "AUTH"}
+
+
+@dataclass(frozen=True, slots=True)
+class PacketEvent:
+    """One MQTT packet handed to the socket queue (``out``) or parsed from the socket (``in``).
+
+    Attributes:
+        direction: ``"out"`` (this client → broker) or ``"in"`` (broker → this client).
+        packet_type: name from :data:`PACKET_TYPES` (``"PUBACK"``).
+        packet_bytes: exact size of the whole packet: fixed header + variable header + payload.
+        dup: the DUP flag of a PUBLISH (a retransmission by paho after a reconnect).
+    """
+
+    direction: str
+    packet_type: str
+    packet_bytes: int
+    dup: bool = False
+
+
+class Transport(Protocol):
+    """What the channel needs from a transport (a real MQTT client, or a test double)."""
+
+    client_id: str
+
+    def subscribe(self, filters: list[str], qos: int = 1) -> None: ...
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                wait_s: float | None = None) -> None: ...
+
+    def get(self, timeout_s: float | None) -> Incoming | None: ...
+
+    def close(self) -> None: ...
