@@ -43,7 +43,8 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--html", metavar="OUT.html",
                         help="also write a self-contained HTML report with plots to this file")
     parser.add_argument("--csv", metavar="DIR",
-                        help="also write by_round.csv, by_client.csv, by_kind.csv, comparison.csv, fields.csv to this folder")
+                        help="also write by_round.csv, by_client.csv, by_kind.csv, comparison.csv, fields.csv "
+                             "to this folder")
     parser.add_argument("--target", type=_fraction, default=DEFAULT_TARGET, metavar="ACC",
                         help=f"test accuracy (fraction) for 'bytes to reach the target' (default {DEFAULT_TARGET})")
     parser.add_argument("--uplink-kbps", type=_positive, metavar="K",

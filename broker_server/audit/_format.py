@@ -54,8 +54,8 @@ def directions_label(link: Mapping[str, Any] | None) -> str:
 
 
 FIELDS_TITLE = ("Body fields of global and update messages (each message once, as its sender encoded it: "
-                 "uploads from the agents' rows, downloads from the server's, so a broadcast counts once; "
-                 "a chunked message once, not per chunk)")
+                "uploads from the agents' rows, downloads from the server's, so a broadcast counts once; "
+                "a chunked message once, not per chunk)")
 
 
 #: Columns of the body-fields table: *msgs* = messages that carried the field, *B/msg carrying* =
@@ -63,7 +63,7 @@ FIELDS_TITLE = ("Body fields of global and update messages (each message once, a
 #: to the whole message's mean; a field that only some messages carry, e.g. a teacher absent in
 #: round 1, is smaller here than in the column before).
 FIELD_COLUMNS = ("kind", "dir", "field", "codec", "msgs", "bytes", "B/msg carrying", "B/msg of kind", "share",
-                  "raw B")
+                 "raw B")
 
 
 def field_cells(fields: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -120,5 +120,5 @@ def short_run_labels(paths: Sequence[str]) -> list[str]:
 
 
 #: The line of a report whose ledger its writer did not close (``ledger_closed`` False).
-UNCLEAN_CLOSE = ("Warning: the ledger was not closed cleanly (its writer crashed, was killed or is still running); "
-                 "rows it had not committed are missing.")
+UNCLEAN_CLOSE = ("Ledger not closed cleanly (its writer crashed, was killed or is still running): rows it had not "
+                 "committed are missing")

@@ -61,9 +61,9 @@ def _totals_html(tot: Mapping[str, Any]) -> str:
     rows = []
     for label, key in (("up", "up"), ("down", "down"), ("total", "all")):
         d = tot[key]
-        rows.append([label, count(d["messages"]), count(d["body_bytes"]), count(d["envelope_bytes"]), count(d["mqtt_bytes"]),
-                     count(d.get("control_bytes", 0)), count(d["wire_bytes"]), human(d["wire_bytes"]),
-                     pct(d["overhead_share"])])
+        rows.append([label, count(d["messages"]), count(d["body_bytes"]), count(d["envelope_bytes"]),
+                     count(d["mqtt_bytes"]), count(d.get("control_bytes", 0)), count(d["wire_bytes"]),
+                     human(d["wire_bytes"]), pct(d["overhead_share"])])
     return _html_table(["direction", "messages", "body B", "envelope B", "MQTT header+topic B", "control B",
                         "wire B", "wire", "overhead"], rows)
 
@@ -120,8 +120,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         names = [Path(r["run"]["path"]).name or r["run"]["path"] for r in reports]
         if len(set(names)) < len(names):
             names = [r["run"]["path"] for r in reports]
-        parts.append(plot_curves([(n, r.get("accuracy_curve") or []) for n, r in zip(names, reports)], target,
-                                  "Test accuracy against cumulative device-link bytes, all runs"))
+        curves = [(n, r.get("accuracy_curve") or []) for n, r in zip(names, reports, strict=True)]
+        parts.append(plot_curves(curves, target, "Test accuracy against cumulative device-link bytes, all runs"))
     for i, rep in enumerate(reports, start=1):
         run = rep["run"]
         parts.append(f"<h2>Run {i}: {esc(run['path'])}</h2>")
@@ -151,7 +151,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         parts.append(_html_table(
             ["kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead"],
             [[k["kind"], k["direction"], count(k["messages"]), count(k["body_bytes"]), count(k["envelope_bytes"]),
-              count(k["mqtt_bytes"]), count(k.get("control_bytes", 0)), count(k["wire_bytes"]), pct(k["overhead_share"])]
+              count(k["mqtt_bytes"]), count(k.get("control_bytes", 0)), count(k["wire_bytes"]),
+              pct(k["overhead_share"])]
              for k in rep["by_kind"]], text_columns=2))
         if rep.get("fields"):
             parts.append("<h3>" + esc(FIELDS_TITLE) + "</h3>")

@@ -69,8 +69,8 @@ def plot_by_round(report: Mapping[str, Any]) -> str:
                        for r in rounds]
             if any(heights):
                 ax.bar(xs, heights, bottom=bottom, color=colors[kind], label=_mpl_text(kind), width=0.7)
-                bottom = [b + h for b, h in zip(bottom, heights)]
-        for x, r, top in zip(xs, rounds, bottom):
+                bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        for x, r, top in zip(xs, rounds, bottom, strict=True):
             total = sum(e["wire_bytes"] for e in entries if e["round"] == r and e["direction"] == direction)
             if total:
                 ax.annotate(human(total), (x, top), xytext=(0, 2), textcoords="offset points", ha="center",
@@ -85,7 +85,7 @@ def plot_by_round(report: Mapping[str, Any]) -> str:
     axes[1].set_xlabel("round (session = traffic without a round: control packets …)")
     handles, labels = {}, []
     for ax in axes:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
@@ -96,7 +96,7 @@ def plot_by_round(report: Mapping[str, Any]) -> str:
 
 
 def plot_curves(curves: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], target: float | None,
-                 title: str) -> str:
+                title: str) -> str:
     """Accuracy (y) against cumulative device-link MiB (x), one line per curve."""
     fig = _figure(9, 4.5)
     ax = fig.subplots()
@@ -165,7 +165,7 @@ def plot_overhead(report: Mapping[str, Any]) -> str:
         ax.set_yticks(ys, names)
         top = max(values or [0]) or 1
         ax.set_xlim(0, top * 1.6)
-        for y, v in zip(ys, values):
+        for y, v in zip(ys, values, strict=True):
             share = f"{100 * v / wire:.2f} %" if wire else "—"
             ax.text(v + top * 0.02, y, f"{v:,} B ({share})", va="center", fontsize=8)
         ax.set_xlabel("bytes")

@@ -77,7 +77,7 @@ def query(db: sqlite3.Connection, sql: str, params: Iterable[Any] = ()) -> list[
     """Rows of an SQL query as dicts keyed by the result's column names."""
     cur = db.execute(sql, tuple(params))
     names = [d[0] for d in cur.description]
-    return [dict(zip(names, r)) for r in cur.fetchall()]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
 def _view(view: str) -> tuple[str, tuple[str]]:

@@ -101,7 +101,7 @@ def render_text(report: Mapping[str, Any]) -> str:
             t.add_row(view, label, count(d.get("signed_messages", 0)), count(d.get("sig_bytes", 0)),
                       count(d.get("encrypted_messages", 0)), count(d.get("enc_bytes", 0)),
                       pct((d.get("sig_bytes", 0) + d.get("enc_bytes", 0)) / d["wire_bytes"]
-                           if d["wire_bytes"] else None))
+                          if d["wire_bytes"] else None))
     console.print(t)
 
     console.print()
@@ -180,7 +180,7 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     if link:
         headers += ["time parallel", "time summed"]
     t = _table(*headers)
-    for label, r in zip(labels, rows):
+    for label, r in zip(labels, rows, strict=True):
         reached = r["bytes_to_target"] is not None
         cells = [label, acc(r["final_accuracy"]), count(r["up_bytes"]), count(r["down_bytes"]),
                  pct(r["overhead_share"]), count(r["bytes_to_target"]) if reached else "not reached",
@@ -194,12 +194,12 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     console.print()
     console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it)")
     t = _table("run", "up tensors B", "up extras B", "down tensors B", "down extras B")
-    for label, r in zip(labels, rows):
+    for label, r in zip(labels, rows, strict=True):
         t.add_row(label, *(mean(r[f"{d}_{p}_bytes_per_client_round"])
                            for d in ("up", "down") for p in ("tensor", "extras")))
     console.print(t)
-    if any(label != str(r["run"]) for label, r in zip(labels, rows)):
-        for label, r in zip(labels, rows):
+    if any(label != str(r["run"]) for label, r in zip(labels, rows, strict=True)):
+        for label, r in zip(labels, rows, strict=True):
             console.print(f"{label} = {r['run']}", overflow="fold")
     if link:
         console.print(f"Transfer time ({directions_label(link)}): uplink {kbps(link['uplink_kbps'])}, downlink "
