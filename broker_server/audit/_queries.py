@@ -319,14 +319,20 @@ def cumulative_bytes(rows: LedgerSource, rounds: Iterable[int]) -> dict[int, int
     """
     with_v, params = _view("device")
     with ledger_db(rows, ordered=True) as db:
-        # Per known round k: bytes of rounds 1..k and the id of the last row of those rounds
-        # (running SUM and MAX over the rounds ascending), plus the session rows before that row.
+        # pre: per known round k, the bytes of rounds 1..k and the id of the last row of those
+        # rounds (running SUM and MAX over the rounds ascending). Then one running sum in id order
+        # over the session rows (round NULL or < 1) with a mark at each of those last rows: at a
+        # mark it holds the session bytes recorded before that row.
         prefix = db.execute(
             f"{with_v}, per AS (SELECT round, SUM(wire) AS b, MAX(id) AS last FROM v WHERE round >= 1 GROUP BY round),"
             " pre AS (SELECT round, SUM(b) OVER w AS cb, MAX(last) OVER w AS cl FROM per"
-            " WINDOW w AS (ORDER BY round ROWS UNBOUNDED PRECEDING))"
-            " SELECT round, cb + COALESCE((SELECT SUM(wire) FROM v WHERE (round IS NULL OR round < 1)"
-            " AND id < pre.cl), 0) FROM pre ORDER BY round", params).fetchall()
+            " WINDOW w AS (ORDER BY round ROWS UNBOUNDED PRECEDING)),"
+            " marks AS (SELECT cl AS id, round, cb, 1 AS mark, 0 AS wire FROM pre"
+            " UNION ALL SELECT id, NULL, 0, 0, wire FROM v WHERE round IS NULL OR round < 1),"
+            " run AS (SELECT round, cb, mark, SUM(wire) OVER (ORDER BY id, mark ROWS UNBOUNDED PRECEDING) AS before"
+            " FROM marks)"
+            " SELECT round, cb + before FROM run WHERE mark ORDER BY round",
+            params).fetchall()
     known = [r for r, _ in prefix]
     out: dict[int, int] = {}
     for target_round in rounds:

@@ -18,7 +18,6 @@ from ._queries import (
     by_kind,
     by_round,
     by_round_kind,
-    cumulative_bytes,
     federations,
     rejected,
     rejected_totals,
@@ -73,6 +72,7 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
             names = federations(db)
             federation = ", ".join(names) if names else None
         target_round = first_round_reaching(metrics, target)
+        curve = accuracy_curve(metrics, db)  # its rounds include target_round (the same metrics records)
         link = None
         if uplink_kbps is not None or downlink_kbps is not None:
             link = link_time_s(db, uplink_kbps, downlink_kbps)
@@ -88,9 +88,9 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
             "rejected": rejected(db),
             "rejected_totals": rejected_totals(db),
             "final_accuracy": final_accuracy(metrics),
-            "accuracy_curve": accuracy_curve(metrics, db),
+            "accuracy_curve": curve,
             "target": {"accuracy": target, "round": target_round,
-                       "bytes": None if target_round is None else cumulative_bytes(db, [target_round])[target_round]},
+                       "bytes": next((p["cumulative_bytes"] for p in curve if p["round"] == target_round), None)},
             "link_time": link,
             "ledger_closed": clean_close(db),
         }
