@@ -81,8 +81,10 @@ The summary functions (:func:`by_round`, :func:`by_round_kind`, :func:`by_client
 them, in ledger order) and metrics records in, plain JSON-serialisable lists and dicts out. Rows
 are read by column name; columns the audit does not know are ignored, and optional ones that are
 missing (``reason``, ``topic``, ``node`` …) read as empty. The sums are SQL ``GROUP BY`` queries:
-the rows are loaded into an in-memory SQLite table first; :func:`audit_report` runs the same
-queries on the ledger file itself.
+the rows are loaded into an in-memory SQLite table first (:func:`memory_ledger`). Each of these
+functions also takes, instead of rows, an open connection from :func:`open_ledger` (read-only,
+on ``RUN_DIR/ledger.sqlite``), which :func:`audit_report` uses: the queries then run on the
+ledger file itself, without loading its rows into Python.
 
 **Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
 returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the
@@ -95,7 +97,7 @@ from ._csv import write_csv
 from ._fields import body_fields, field_bytes_per_client_round, field_codecs
 from ._format import short_run_labels as _short_run_labels  # noqa: F401  (tests import it)
 from ._html import render_html, write_html
-from ._load import LEDGER_NAME, METRICS_NAME, AuditError, RunAudit, load_run
+from ._load import LEDGER_NAME, METRICS_NAME, AuditError, RunAudit, load_run, memory_ledger, open_ledger
 from ._queries import (
     CONTROL_KINDS,
     VIEWS,
@@ -139,6 +141,8 @@ __all__ = [
     "link_time_s",
     "load_run",
     "main_audit",
+    "memory_ledger",
+    "open_ledger",
     "rejected",
     "render_comparison_text",
     "render_html",

@@ -59,8 +59,18 @@ _EMPTY_TALLY = {"messages": 0, "body": 0, "envelope": 0, "mqtt": 0, "control_mes
 def ledger_db(ledger: LedgerSource, *, ordered: bool = False) -> Iterator[sqlite3.Connection]:
     """The connection to query: ``ledger`` itself when it is one, else an in-memory ledger of the
     rows (closed on exit). ``ordered``: rows that all have an ``id`` are put in ``id`` order first
-    (what :func:`cumulative_bytes` needs); otherwise they keep the order given."""
+    (what :func:`cumulative_bytes` needs); otherwise they keep the order given.
+
+    Raises:
+        ValueError: ``ledger`` is a connection without the ``ledger`` relation (not one from
+            :func:`._load.open_ledger` or :func:`._load.memory_ledger`).
+    """
     if isinstance(ledger, sqlite3.Connection):
+        try:
+            ledger.execute("SELECT id FROM ledger LIMIT 0")
+        except sqlite3.Error as exc:
+            raise ValueError("the connection has no 'ledger' relation: open the ledger file with open_ledger(run_dir) "
+                             f"or load rows with memory_ledger(rows) ({exc})") from exc
         yield ledger
         return
     rows = list(ledger)

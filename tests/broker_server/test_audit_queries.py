@@ -30,12 +30,12 @@ from broker_server.audit import (
     cumulative_bytes,
     link_time_s,
     load_run,
+    open_ledger,
     rejected,
     render_html,
     render_text,
     totals,
 )
-from broker_server.audit._load import open_ledger
 from protocol.ledger import Ledger, LedgerRow
 
 FED = "fed-sql"
@@ -386,3 +386,12 @@ def test_dict_rows_and_ledger_rows_agree(ledger):
     _, rows, dict_rows = ledger
     plain = [asdict(r) for r in rows]  # no id: the order given
     assert totals(plain) == totals(dict_rows) and body_fields(plain) == body_fields(dict_rows)
+
+
+def test_a_connection_without_the_ledger_relation_is_refused(ledger):
+    db = sqlite3.connect(ledger[0] / "ledger.sqlite")  # the raw file: a messages table, no 'ledger' view
+    try:
+        with pytest.raises(ValueError, match="open_ledger"):
+            totals(db)
+    finally:
+        db.close()
