@@ -9,6 +9,7 @@ from typing import Any
 
 
 def count(value: int) -> str:
+    """An integer with thousands separators: ``8708`` → ``'8,708'``."""
     return f"{value:,}"
 
 
@@ -23,32 +24,39 @@ def human(n_bytes: int) -> str:
 
 
 def pct(share: float | None) -> str:
+    """A fraction as a percentage with one decimal (``'—'`` for None)."""
     return "—" if share is None else f"{100 * share:.1f} %"
 
 
-def acc(acc: float | None) -> str:
-    return "—" if acc is None else f"{100 * acc:.2f} %"
+def acc(value: float | None) -> str:
+    """An accuracy (fraction) as a percentage with two decimals (``'—'`` for None)."""
+    return "—" if value is None else f"{100 * value:.2f} %"
 
 
 def secs(value: float | None) -> str:
+    """Seconds with one decimal (``'—'`` for None)."""
     return "—" if value is None else f"{value:,.1f} s"
 
 
 def kbps(value: float | None) -> str:
+    """A link speed in kbit/s (``'—'`` for None)."""
     return "—" if value is None else f"{value:g} kbit/s"
 
 
 def mean(value: float | None) -> str:
+    """A mean number of bytes, rounded to whole bytes, with thousands separators (``'—'`` for None)."""
     return "—" if value is None else f"{value:,.0f}"
 
 
 def target_text(row: Mapping[str, Any]) -> str:
+    """Bytes to the target of a :func:`comparison_row`, with the round that reached it, or ``'not reached'``."""
     if row.get("bytes_to_target") is None:
         return "not reached"
     return f"{count(row['bytes_to_target'])} ({human(row['bytes_to_target'])}, round {row['target_round']})"
 
 
 def directions_label(link: Mapping[str, Any] | None) -> str:
+    """The estimated directions of a ``link_time`` (``'up+down'``, ``'up'`` …; ``'—'`` for none)."""
     dirs = (link or {}).get("directions") or []
     return "+".join(dirs) if dirs else "—"
 
@@ -100,6 +108,8 @@ def field_notes(fields: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def overhead_parts(tot: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(part, bytes) of one totals dict: body, envelope, signatures and encryption (when any), MQTT
+    header + topic, control packets; they add up to its ``wire_bytes``."""
     parts = [("body", tot["body_bytes"]), ("envelope", tot["envelope_bytes"]),
              ("MQTT header + topic", tot["mqtt_bytes"]), ("control packets", tot.get("control_bytes", 0))]
     if tot.get("sig_bytes") or tot.get("enc_bytes"):

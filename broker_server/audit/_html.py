@@ -42,16 +42,16 @@ p.note { color: #555; font-size: .9em; }
 """
 
 
-def esc(value: Any) -> str:
+def _esc(value: Any) -> str:
     return html.escape("—" if value is None else str(value), quote=True)
 
 
 def _html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], text_columns: int = 1) -> str:
     """An HTML table; every cell is escaped. The first ``text_columns`` columns are text."""
-    out = ["<table>", "<tr>" + "".join(f"<th>{esc(h)}</th>" for h in headers) + "</tr>"]
+    out = ["<table>", "<tr>" + "".join(f"<th>{_esc(h)}</th>" for h in headers) + "</tr>"]
     for row in rows:
         out.append("<tr>" + "".join(
-            f'<td class="{"text" if i < text_columns else "num"}">{esc(c)}</td>' for i, c in enumerate(row))
+            f'<td class="{"text" if i < text_columns else "num"}">{_esc(c)}</td>' for i, c in enumerate(row))
             + "</tr>")
     out.append("</table>")
     return "\n".join(out)
@@ -93,8 +93,8 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
             "bytes of the model tensors and of the named extras of the updates a client sent and the globals it "
             "received, as their sender encoded them.")
     if link:
-        note += (f" Transfer time: uplink {esc(kbps(link['uplink_kbps']))}, downlink "
-                 f"{esc(kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "
+        note += (f" Transfer time: uplink {_esc(kbps(link['uplink_kbps']))}, downlink "
+                 f"{_esc(kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "
                  "slowest client (parallel links), or the sum over clients (one shared link); session "
                  "traffic counted as one more phase.")
     return _html_table(headers, body, text_columns=2) + "\n" + note + "</p>"
@@ -111,8 +111,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
     fields of global/update messages (:func:`body_fields`), and the rejected messages.
     """
     parts = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-             f"<title>{esc(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
-             f"<h1>{esc(title)}</h1>"]
+             f"<title>{_esc(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
+             f"<h1>{_esc(title)}</h1>"]
     target = next(((r.get("target") or {}).get("accuracy") for r in reports if r.get("target")), None)
     parts.append("<h2>Comparison</h2>" if len(reports) > 1 else "<h2>Summary</h2>")
     parts.append(_comparison_html(reports))
@@ -124,12 +124,12 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         parts.append(plot_curves(curves, target, "Test accuracy against cumulative device-link bytes, all runs"))
     for i, rep in enumerate(reports, start=1):
         run = rep["run"]
-        parts.append(f"<h2>Run {i}: {esc(run['path'])}</h2>")
-        parts.append(f"<p>Federation: {esc(run.get('federation'))} &nbsp; rounds: {esc(run['rounds'])} &nbsp; "
-                     f"metrics records: {esc(run.get('metrics_rounds'))} &nbsp; "
-                     f"final accuracy: {esc(acc(rep.get('final_accuracy')))}</p>")
+        parts.append(f"<h2>Run {i}: {_esc(run['path'])}</h2>")
+        parts.append(f"<p>Federation: {_esc(run.get('federation'))} &nbsp; rounds: {_esc(run['rounds'])} &nbsp; "
+                     f"metrics records: {_esc(run.get('metrics_rounds'))} &nbsp; "
+                     f"final accuracy: {_esc(acc(rep.get('final_accuracy')))}</p>")
         if rep.get("ledger_closed") is False:
-            parts.append(f'<p class="note">{esc(UNCLEAN_CLOSE)}</p>')
+            parts.append(f'<p class="note">{_esc(UNCLEAN_CLOSE)}</p>')
         parts.append("<h3>Totals: device links (uploads sent + downloads received by each agent)</h3>")
         parts.append(_totals_html(rep["totals"]["device"]))
         parts.append("<h3>Totals: server link (a broadcast counts once)</h3>")
@@ -155,13 +155,13 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
               pct(k["overhead_share"])]
              for k in rep["by_kind"]], text_columns=2))
         if rep.get("fields"):
-            parts.append("<h3>" + esc(FIELDS_TITLE) + "</h3>")
+            parts.append("<h3>" + _esc(FIELDS_TITLE) + "</h3>")
             parts.append(_html_table(list(FIELD_COLUMNS), field_cells(rep["fields"]), text_columns=4))
-            parts.append('<p class="note">' + "<br>".join(esc(n) for n in field_notes(rep["fields"])) + "</p>")
+            parts.append('<p class="note">' + "<br>".join(_esc(n) for n in field_notes(rep["fields"])) + "</p>")
         rt = rep.get("rejected_totals") or {"messages": len(rep["rejected"]),
                                             "payload_bytes": sum(r["payload_bytes"] for r in rep["rejected"])}
-        parts.append(f"<h3>Rejected messages: {esc(count(rt['messages']))} "
-                     f"({esc(count(rt['payload_bytes']))} payload bytes)</h3>")
+        parts.append(f"<h3>Rejected messages: {_esc(count(rt['messages']))} "
+                     f"({_esc(count(rt['payload_bytes']))} payload bytes)</h3>")
         if rep["rejected"]:
             parts.append(_html_table(["side", "node", "topic", "reason", "payload B"],
                                      [[r["side"], r["node"], r["topic"], r["reason"], count(r["payload_bytes"])]
