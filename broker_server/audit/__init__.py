@@ -1,0 +1,156 @@
+"""The communication audit of run folders: what every link carried, from the byte ledger.
+
+``fedfleet audit RUN_DIR [RUN_DIR ...] [--json] [--html OUT.html] [--csv DIR] [--target 0.95]
+[--uplink-kbps K] [--downlink-kbps K]`` reads ``RUN_DIR/ledger.sqlite`` (see :mod:`protocol.ledger`)
+and ``RUN_DIR/metrics.jsonl`` and reports, in bytes, what the federation cost on the wire: as text
+tables (default), JSON, a self-contained HTML report with plots, and CSV files. Given several run
+folders it also compares them (final accuracy, bytes, overhead, bytes to reach a target accuracy,
+estimated transfer time on a given link).
+
+The package, one job per module:
+
+================  ==========================================================================
+``_load``         the run folder: ledger rows (:func:`load_run`), the ledger as an SQLite
+                  relation for the queries, ``meta``, ``metrics.jsonl``
+``_queries``      totals per link, round, client, kind and direction; rejected messages;
+                  bytes paid up to a round — ``GROUP BY`` queries in SQLite
+``_fields``       what ``global``/``update`` bodies are made of (``fields`` column, ``json_each``)
+``_cost``         bytes to reach a target accuracy, accuracy against bytes, transfer time
+``_report``       the report model: :func:`audit_report` (a plain dict) and :func:`comparison_row`
+``_format``       table cells shared by the renderers
+``_text``         text tables (rich);  ``_html``: the HTML page;  ``_plots``: its matplotlib
+                  figures;  ``_csv``: CSV files
+``_cli``          ``fedfleet audit`` (a thin layer over the above)
+================  ==========================================================================
+
+Each message appears in the ledger up to twice: once written by the server (``side='server'``)
+and once by each agent that sent or received it (``side='agent'``). The audit therefore looks at
+the ledger through one of two **views**:
+
+``"device"`` (the default: *device links*)
+    ``side='agent' AND event IN ('sent', 'received', 'rejected')``: uploads as sent by the agents and
+    downloads as received by each agent, so a broadcast counts once **per agent that received
+    it**. This is what the fleet pays on its (often metered, slow) links.
+``"server"`` (the *server link*)
+    ``side='server' AND event IN ('sent', 'received', 'rejected')``: what crossed the server's own
+    connection to the broker, so a broadcast counts **once**.
+
+Rows with ``event='rejected'`` count in their side's view (the bytes crossed that link, even
+though the receiver refused them); :func:`rejected` also lists them with their reasons. Rows with
+``event='message'`` (the logical record of a chunked message, whose bytes the chunk rows already
+count) belong to no view.
+
+**Control packets.** The ledger also holds one row per MQTT packet that is not an application
+PUBLISH (CONNECT, CONNACK, SUBSCRIBE, SUBACK, PUBACK, PINGREQ, PINGRESP, DISCONNECT, and
+PUBLISH-DUP for a retransmission): ``reason='control'``, ``round`` NULL, payload 0 and
+``mqtt_header_bytes`` = the whole packet. They are real bytes on the link, so they count in every
+view like any other row: as their own kinds in :func:`by_kind`, in :func:`totals` (in
+``control_bytes`` and ``wire_bytes``), in the overhead share (they carry no body), and in
+:func:`by_round` under the *session* row (``round`` None: traffic not tied to one round).
+
+Byte columns, per row (all in bytes)::
+
+    body_bytes       the message kind's body
+    envelope_bytes   payload bytes that are not body, signature or encryption (envelope fields +
+                     msgpack framing)
+    sig_bytes        the signature trailers of signed messages (``protocol.security``)
+    enc_bytes        what encryption added (AES-GCM tags)
+    mqtt_bytes       mqtt_header_bytes + topic_bytes of an application PUBLISH (framing and topic)
+    control_bytes    the whole packet of a control-packet row (0 for application messages)
+    wire_bytes       what crossed the link: mqtt_header_bytes + topic_bytes + payload_bytes,
+                     so wire = body + envelope + sig + enc + mqtt + control
+
+``signed_messages`` / ``encrypted_messages`` count the rows that carried a signature / an
+encrypted body. A chunked transfer's chunks are each signed (and their bodies encrypted on
+uploads), so these costs are all on the wire rows.
+
+and the protocol **overhead share** = (wire_bytes − body_bytes) / wire_bytes, a fraction in [0, 1]
+(``None`` where nothing was sent: 0 / 0 has no meaning).
+
+**Body fields.** :func:`body_fields` shows what ``global`` and ``update`` bodies are made of:
+model ``tensors``, each named ``extras.<name>`` entry, and the rest, with the tensor values'
+bytes before the codec (``raw_bytes``). It reads each message once, as its **sender** encoded it
+(the sender's ``fields`` column breaks ``extras`` down per entry; the receiver's holds one lump):
+the agents' rows for uploads, the server's for downloads, whole-message rows only
+(:func:`whole_message`: a chunked transfer's ``event='message'`` row, never its chunk rows).
+
+The summary functions (:func:`by_round`, :func:`by_round_kind`, :func:`by_client`,
+:func:`by_kind`, :func:`body_fields`, :func:`totals`, :func:`rejected`, :func:`bytes_to_target`,
+:func:`cumulative_bytes`, :func:`link_time_s`, :func:`comparison_row`) are pure: ledger rows
+(mappings with the columns of the ``messages`` table, as :func:`protocol.ledger.read_rows` yields
+them, in ledger order) and metrics records in, plain JSON-serialisable lists and dicts out. Rows
+are read by column name; columns the audit does not know are ignored, and optional ones that are
+missing (``reason``, ``topic``, ``node`` …) read as empty. The sums are SQL ``GROUP BY`` queries:
+the rows are loaded into an in-memory SQLite table first (:func:`memory_ledger`). Each of these
+functions also takes, instead of rows, an open connection from :func:`open_ledger` (read-only,
+on ``RUN_DIR/ledger.sqlite``), which :func:`audit_report` uses: the queries then run on the
+ledger file itself, without loading its rows into Python.
+
+**Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
+returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the
+report, and one line in the text and HTML.
+"""
+
+from ._cli import add_audit_arguments, main_audit, run_audit
+from ._cost import accuracy_curve, bytes_to_target, first_round_reaching, link_time_s
+from ._csv import write_csv
+from ._fields import body_fields, field_bytes_per_client_round, field_codecs
+from ._format import short_run_labels as _short_run_labels  # noqa: F401  (tests import it)
+from ._html import render_html, write_html
+from ._load import LEDGER_NAME, METRICS_NAME, AuditError, RunAudit, load_run, memory_ledger, open_ledger
+from ._queries import (
+    CONTROL_KINDS,
+    VIEWS,
+    by_client,
+    by_kind,
+    by_round,
+    by_round_kind,
+    cumulative_bytes,
+    is_control,
+    rejected,
+    round_label,
+    totals,
+    whole_message,
+)
+from ._report import DEFAULT_TARGET, audit_report, comparison_row
+from ._text import render_comparison_text, render_text
+
+__all__ = [
+    "CONTROL_KINDS",
+    "DEFAULT_TARGET",
+    "LEDGER_NAME",
+    "METRICS_NAME",
+    "VIEWS",
+    "AuditError",
+    "RunAudit",
+    "accuracy_curve",
+    "add_audit_arguments",
+    "audit_report",
+    "body_fields",
+    "by_client",
+    "by_kind",
+    "by_round",
+    "by_round_kind",
+    "bytes_to_target",
+    "comparison_row",
+    "cumulative_bytes",
+    "field_bytes_per_client_round",
+    "field_codecs",
+    "first_round_reaching",
+    "is_control",
+    "link_time_s",
+    "load_run",
+    "main_audit",
+    "memory_ledger",
+    "open_ledger",
+    "rejected",
+    "render_comparison_text",
+    "render_html",
+    "render_text",
+    "round_label",
+    "run_audit",
+    "totals",
+    "whole_message",
+    "write_csv",
+    "write_html",
+]

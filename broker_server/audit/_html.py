@@ -1,0 +1,178 @@
+"""The audit as one self-contained HTML page: inline CSS, tables, and the plots of :mod:`._plots`."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._format import (
+    FIELD_COLUMNS,
+    FIELDS_TITLE,
+    UNCLEAN_CLOSE,
+    acc,
+    count,
+    directions_label,
+    field_cells,
+    field_notes,
+    human,
+    kbps,
+    mean,
+    overhead_parts,
+    pct,
+    secs,
+    target_text,
+)
+from ._plots import plot_by_round, plot_clients, plot_curves, plot_overhead
+from ._report import comparison_row
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1100px;
+       color: #222; padding: 0 1em; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.3em; border-bottom: 2px solid #ccc; padding-bottom: .2em;
+     margin-top: 2.5em; word-break: break-all; } h3 { font-size: 1.05em; margin-top: 1.5em; }
+table { border-collapse: collapse; margin: .5em 0 1em; font-size: .9em; }
+th, td { border-bottom: 1px solid #ddd; padding: .25em .7em; }
+th { background: #f3f3f3; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td.text { word-break: break-all; }
+img { max-width: 100%; display: block; margin: .5em 0 1.5em; }
+p.note { color: #555; font-size: .9em; }
+"""
+
+
+def _esc(value: Any) -> str:
+    return html.escape("—" if value is None else str(value), quote=True)
+
+
+def _html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], text_columns: int = 1) -> str:
+    """An HTML table; every cell is escaped. The first ``text_columns`` columns are text."""
+    out = ["<table>", "<tr>" + "".join(f"<th>{_esc(h)}</th>" for h in headers) + "</tr>"]
+    for row in rows:
+        out.append("<tr>" + "".join(
+            f'<td class="{"text" if i < text_columns else "num"}">{_esc(c)}</td>' for i, c in enumerate(row))
+            + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _totals_html(tot: Mapping[str, Any]) -> str:
+    rows = []
+    for label, key in (("up", "up"), ("down", "down"), ("total", "all")):
+        d = tot[key]
+        rows.append([label, count(d["messages"]), count(d["body_bytes"]), count(d["envelope_bytes"]),
+                     count(d["mqtt_bytes"]), count(d.get("control_bytes", 0)), count(d["wire_bytes"]),
+                     human(d["wire_bytes"]), pct(d["overhead_share"])])
+    return _html_table(["direction", "messages", "body B", "envelope B", "MQTT header+topic B", "control B",
+                        "wire B", "wire", "overhead"], rows)
+
+
+def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
+    rows = [comparison_row(r) for r in reports]
+    link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
+    target = next((r["target"] for r in rows if r["target"] is not None), None)
+    headers = ["run", "federation", "rounds", "final accuracy", "up B", "down B", "overhead",
+               f"bytes to {acc(target)}" if target is not None else "bytes to target",
+               "up tensors B/client/round", "up extras B/client/round", "down tensors B/client/round",
+               "down extras B/client/round"]
+    if link:
+        headers += [f"transfer time {directions_label(link)}, clients in parallel",
+                    "transfer time, sum over clients"]
+    body = []
+    for r in rows:
+        cells = [r["run"], r["federation"], r["rounds"], acc(r["final_accuracy"]), count(r["up_bytes"]),
+                 count(r["down_bytes"]), pct(r["overhead_share"]), target_text(r),
+                 *(mean(r[f"{d}_{p}_bytes_per_client_round"]) for d in ("up", "down") for p in ("tensor", "extras"))]
+        if link:
+            cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
+        body.append(cells)
+    note = ("<p class=\"note\">Device links (what the agents sent and received). Bytes to target: cumulative "
+            "device-link wire bytes up to and including the first round whose test accuracy reached the "
+            "target (session traffic recorded before then included). Tensors/extras per client per round: "
+            "bytes of the model tensors and of the named extras of the updates a client sent and the globals it "
+            "received, as their sender encoded them.")
+    if link:
+        note += (f" Transfer time: uplink {_esc(kbps(link['uplink_kbps']))}, downlink "
+                 f"{_esc(kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "
+                 "slowest client (parallel links), or the sum over clients (one shared link); session "
+                 "traffic counted as one more phase.")
+    return _html_table(headers, body, text_columns=2) + "\n" + note + "</p>"
+
+
+def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet communication audit") -> str:
+    """A self-contained HTML report of one or more :func:`audit_report` dicts.
+
+    No external resources: inline CSS, plots as base64 PNG (matplotlib, Agg canvas). Every string
+    from the reports is escaped with :func:`html.escape`. Contents: a comparison table (one row
+    per run; with several runs also an overlay of accuracy against cumulative bytes), then per
+    run: totals (device links, server link), per kind, bytes per round by kind and direction,
+    cumulative bytes against accuracy, bytes per client, protocol overhead share, the body
+    fields of global/update messages (:func:`body_fields`), and the rejected messages.
+    """
+    parts = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+             f"<title>{_esc(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
+             f"<h1>{_esc(title)}</h1>"]
+    target = next(((r.get("target") or {}).get("accuracy") for r in reports if r.get("target")), None)
+    parts.append("<h2>Comparison</h2>" if len(reports) > 1 else "<h2>Summary</h2>")
+    parts.append(_comparison_html(reports))
+    if len(reports) > 1:
+        names = [Path(r["run"]["path"]).name or r["run"]["path"] for r in reports]
+        if len(set(names)) < len(names):
+            names = [r["run"]["path"] for r in reports]
+        curves = [(n, r.get("accuracy_curve") or []) for n, r in zip(names, reports, strict=True)]
+        parts.append(plot_curves(curves, target, "Test accuracy against cumulative device-link bytes, all runs"))
+    for i, rep in enumerate(reports, start=1):
+        run = rep["run"]
+        parts.append(f"<h2>Run {i}: {_esc(run['path'])}</h2>")
+        parts.append(f"<p>Federation: {_esc(run.get('federation'))} &nbsp; rounds: {_esc(run['rounds'])} &nbsp; "
+                     f"metrics records: {_esc(run.get('metrics_rounds'))} &nbsp; "
+                     f"final accuracy: {_esc(acc(rep.get('final_accuracy')))}</p>")
+        if rep.get("ledger_closed") is False:
+            parts.append(f'<p class="note">{_esc(UNCLEAN_CLOSE)}</p>')
+        parts.append("<h3>Totals: device links (uploads sent + downloads received by each agent)</h3>")
+        parts.append(_totals_html(rep["totals"]["device"]))
+        parts.append("<h3>Totals: server link (a broadcast counts once)</h3>")
+        parts.append(_totals_html(rep["totals"]["server"]))
+        parts.append("<h3>Bytes per round, by kind and direction</h3>")
+        parts.append(plot_by_round(rep))
+        parts.append("<h3>Cumulative device-link bytes and test accuracy</h3>")
+        parts.append(plot_curves([(Path(run["path"]).name or run["path"], rep.get("accuracy_curve") or [])],
+                                  (rep.get("target") or {}).get("accuracy"), "Test accuracy against bytes paid"))
+        parts.append("<h3>Bytes per client</h3>")
+        parts.append(plot_clients(rep))
+        parts.append("<h3>Protocol overhead</h3>")
+        parts.append(plot_overhead(rep))
+        tot = rep["totals"]["device"]["all"]
+        parts.append(_html_table(["part", "bytes", "share of wire bytes"],
+                                 [[n, count(v), pct(v / tot["wire_bytes"] if tot["wire_bytes"] else None)]
+                                  for n, v in overhead_parts(tot)]))
+        parts.append("<h3>Per kind and direction (device links; upper-case kinds are MQTT control packets)</h3>")
+        parts.append(_html_table(
+            ["kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead"],
+            [[k["kind"], k["direction"], count(k["messages"]), count(k["body_bytes"]), count(k["envelope_bytes"]),
+              count(k["mqtt_bytes"]), count(k.get("control_bytes", 0)), count(k["wire_bytes"]),
+              pct(k["overhead_share"])]
+             for k in rep["by_kind"]], text_columns=2))
+        if rep.get("fields"):
+            parts.append("<h3>" + _esc(FIELDS_TITLE) + "</h3>")
+            parts.append(_html_table(list(FIELD_COLUMNS), field_cells(rep["fields"]), text_columns=4))
+            parts.append('<p class="note">' + "<br>".join(_esc(n) for n in field_notes(rep["fields"])) + "</p>")
+        rt = rep.get("rejected_totals") or {"messages": len(rep["rejected"]),
+                                            "payload_bytes": sum(r["payload_bytes"] for r in rep["rejected"])}
+        parts.append(f"<h3>Rejected messages: {_esc(count(rt['messages']))} "
+                     f"({_esc(count(rt['payload_bytes']))} payload bytes)</h3>")
+        if rep["rejected"]:
+            parts.append(_html_table(["side", "node", "topic", "reason", "payload B"],
+                                     [[r["side"], r["node"], r["topic"], r["reason"], count(r["payload_bytes"])]
+                                      for r in rep["rejected"]], text_columns=4))
+    parts += ["</body>", "</html>", ""]
+    return "\n".join(parts)
+
+
+def write_html(reports: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Write :func:`render_html` to ``path`` (UTF-8); returns the path."""
+    out = Path(path)
+    out.write_text(render_html(reports), encoding="utf-8")
+    return out
+

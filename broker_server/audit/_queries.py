@@ -1,0 +1,369 @@
+"""The ledger's totals, in SQL: ``GROUP BY`` queries over the ``ledger`` relation of :mod:`._load`.
+
+Every function takes the ledger as **rows** (mappings with the ``messages`` columns, as
+:func:`protocol.ledger.read_rows` yields them, in ledger order; they are loaded into an in-memory
+SQLite table first) or as an open **connection** from :func:`._load.open_ledger` /
+:func:`._load.memory_ledger`, and returns plain JSON-serialisable lists and dicts. Byte counts
+are in bytes. The two views, control packets and the byte columns are described in the package
+docstring (:mod:`broker_server.audit`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import sqlite3
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from ._load import memory_ledger
+
+#: The two ways to look at the ledger (see the package docstring).
+VIEWS = ("device", "server")
+
+#: Kinds of the ledger's MQTT control-packet rows (they also carry ``reason='control'``).
+CONTROL_KINDS = frozenset({"CONNECT", "CONNACK", "SUBSCRIBE", "SUBACK", "UNSUBSCRIBE", "UNSUBACK", "PUBACK",
+                           "PUBREC", "PUBREL", "PUBCOMP", "PINGREQ", "PINGRESP", "DISCONNECT", "AUTH",
+                           "PUBLISH-DUP"})
+
+#: Rows or an open ledger connection (see the module docstring).
+LedgerSource = Iterable[Mapping[str, Any]] | sqlite3.Connection
+
+_VIEW_SIDE = {"device": "agent", "server": "server"}
+
+#: SQL: a row is an MQTT control packet (same test as :func:`is_control`).
+IS_CONTROL = "(reason = 'control' OR kind IN ({}))".format(", ".join(f"'{k}'" for k in sorted(CONTROL_KINDS)))
+#: SQL: the bytes the row's packet took on the link (header + topic + payload).
+WIRE = "(mqtt_header_bytes + topic_bytes + payload_bytes)"
+#: SQL: a row stands for one whole message, once (same test as :func:`whole_message`).
+WHOLE_MESSAGE = "(event = 'message' OR (event IN ('sent', 'received') AND chunk_index IS NULL))"
+
+#: Sums of one group of view rows (see :func:`_tally`); ``ctl`` and ``wire`` come from :func:`_view`.
+_TALLY = """COUNT(*) AS messages,
+    COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE body_bytes END), 0) AS body,
+    COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE envelope_bytes END), 0) AS envelope,
+    COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE mqtt_header_bytes + topic_bytes END), 0) AS mqtt,
+    COALESCE(SUM(ctl), 0) AS control_messages,
+    COALESCE(SUM(CASE WHEN ctl THEN wire ELSE 0 END), 0) AS control,
+    COALESCE(SUM(wire), 0) AS wire,
+    COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE sig_bytes END), 0) AS sig,
+    COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE enc_bytes END), 0) AS enc,
+    COALESCE(SUM(NOT ctl AND sig_bytes > 0), 0) AS signed,
+    COALESCE(SUM(NOT ctl AND enc_bytes > 0), 0) AS encrypted"""
+
+_EMPTY_TALLY = {"messages": 0, "body": 0, "envelope": 0, "mqtt": 0, "control_messages": 0, "control": 0,
+                "wire": 0, "sig": 0, "enc": 0, "signed": 0, "encrypted": 0}
+
+
+@contextmanager
+def ledger_db(ledger: LedgerSource, *, ordered: bool = False) -> Iterator[sqlite3.Connection]:
+    """The connection to query: ``ledger`` itself when it is one, else an in-memory ledger of the
+    rows (closed on exit). ``ordered``: rows that all have an ``id`` are put in ``id`` order first
+    (what :func:`cumulative_bytes` needs); otherwise they keep the order given.
+
+    Raises:
+        ValueError: ``ledger`` is a connection without the ``ledger`` relation (not one from
+            :func:`._load.open_ledger` or :func:`._load.memory_ledger`).
+    """
+    if isinstance(ledger, sqlite3.Connection):
+        try:
+            ledger.execute("SELECT id FROM ledger LIMIT 0")
+        except sqlite3.Error as exc:
+            raise ValueError("the connection has no 'ledger' relation: open the ledger file with open_ledger(run_dir) "
+                             f"or load rows with memory_ledger(rows) ({exc})") from exc
+        yield ledger
+        return
+    rows = list(ledger)
+    if ordered and rows and all(r.get("id") is not None for r in rows):
+        rows.sort(key=lambda r: int(r["id"]))
+    db = memory_ledger(rows)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def query(db: sqlite3.Connection, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """Rows of an SQL query as dicts keyed by the result's column names."""
+    cur = db.execute(sql, tuple(params))
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def _view(view: str) -> tuple[str, tuple[str]]:
+    """A ``WITH v AS (…)`` clause selecting the rows of ``view``, with ``wire`` (bytes), ``ctl``
+    (0/1: a control packet) and ``dir`` (``'up'``, else ``'down'``) added; and its parameters.
+
+    Raises:
+        ValueError: ``view`` is not one of :data:`VIEWS`.
+    """
+    if view not in _VIEW_SIDE:
+        raise ValueError(f"view must be one of {', '.join(map(repr, VIEWS))}, got {view!r}")
+    return (f"WITH v AS (SELECT *, {WIRE} AS wire, {IS_CONTROL} AS ctl, "
+            "CASE WHEN direction = 'up' THEN 'up' ELSE 'down' END AS dir "
+            "FROM ledger WHERE side = ? AND event IN ('sent', 'received', 'rejected')) "), (_VIEW_SIDE[view],)
+
+
+def _overhead(wire_bytes: int, body_bytes: int) -> float | None:
+    """(wire − body) / wire, or None when wire is 0."""
+    return (wire_bytes - body_bytes) / wire_bytes if wire_bytes else None
+
+
+def _tally(t: Mapping[str, Any]) -> dict[str, Any]:
+    """The public dict of one :data:`_TALLY` result."""
+    return {"messages": t["messages"], "body_bytes": t["body"], "envelope_bytes": t["envelope"],
+            "mqtt_bytes": t["mqtt"], "control_messages": t["control_messages"], "control_bytes": t["control"],
+            "wire_bytes": t["wire"], "overhead_share": _overhead(t["wire"], t["body"]), "sig_bytes": t["sig"],
+            "enc_bytes": t["enc"], "signed_messages": t["signed"], "encrypted_messages": t["encrypted"]}
+
+
+def round_key(value: int | None) -> tuple[bool, int]:
+    """Sort rounds ascending, rows without a round (the session) last."""
+    return (value is None, value if value is not None else 0)
+
+
+def _up_down(groups: list[dict[str, Any]], key: str) -> dict[Any, dict[str, dict[str, Any]]]:
+    """``{key value: {"up": tally, "down": tally}}`` of rows grouped by (``key``, ``dir``), in
+    the order of ``groups``; a direction without rows gets zero sums."""
+    out: dict[Any, dict[str, dict[str, Any]]] = {}
+    for g in groups:
+        out.setdefault(g[key], {"up": dict(_EMPTY_TALLY), "down": dict(_EMPTY_TALLY)})[g["dir"]] = g
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Row predicates (the same tests as the SQL constants above, for callers holding rows)
+
+
+def _str(row: Mapping[str, Any], key: str) -> str:
+    value = row.get(key)
+    return "" if value is None else str(value)
+
+
+def is_control(row: Mapping[str, Any]) -> bool:
+    """Whether a ledger row is an MQTT control packet (``reason='control'``, or a control kind)."""
+    return _str(row, "reason") == "control" or _str(row, "kind") in CONTROL_KINDS
+
+
+def whole_message(row: Mapping[str, Any]) -> bool:
+    """Whether a ledger row stands for one whole message, once: an unchunked ``sent`` or
+    ``received`` row, or the ``event='message'`` row of a chunked transfer. The chunk rows of a
+    transfer (``chunk_index`` set) and ``rejected`` rows are not."""
+    event = row.get("event")
+    return event == "message" or (event in ("sent", "received") and row.get("chunk_index") is None)
+
+
+def round_label(value: int | None) -> str:
+    """``'session'`` for traffic without a round (round NULL), else the round number."""
+    return "session" if value is None else str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Totals per link, round, client, kind
+
+
+def totals(rows: LedgerSource, view: str = "device") -> dict[str, Any]:
+    """Totals of ``view`` by direction and overall, control packets included.
+
+    Returns:
+        ``{"view": view, "up": T, "down": T, "all": T}`` where each ``T`` holds ``messages``
+        (control packets included), ``body_bytes``, ``envelope_bytes``, ``mqtt_bytes``,
+        ``control_messages``, ``control_bytes``, ``wire_bytes`` (= body + envelope + sig + enc +
+        mqtt + control), ``overhead_share``, ``sig_bytes``, ``enc_bytes``, ``signed_messages``
+        and ``encrypted_messages``.
+
+    Raises:
+        ValueError: unknown ``view``.
+    """
+    with_v, params = _view(view)
+    with ledger_db(rows) as db:
+        groups = query(db, f"{with_v} SELECT dir AS k, {_TALLY} FROM v GROUP BY dir "
+                           f"UNION ALL SELECT 'all' AS k, {_TALLY} FROM v", params)
+    by = {g["k"]: g for g in groups}
+    return {"view": view, **{k: _tally(by.get(k, _EMPTY_TALLY)) for k in ("up", "down", "all")}}
+
+
+def by_round(rows: LedgerSource, view: str = "device") -> list[dict[str, Any]]:
+    """Traffic per round in ``view``, rounds ascending; rows without a round (control packets and
+    any other traffic not tied to a round) form the last, *session* row with ``round`` None.
+
+    Returns:
+        One dict per round: ``round`` (int or None), ``up_messages``, ``up_bytes`` (wire bytes),
+        ``up_body_bytes``, ``down_messages``, ``down_bytes`` (wire bytes), ``down_body_bytes``,
+        ``overhead_share`` (both directions together; None when no bytes).
+
+    Raises:
+        ValueError: unknown ``view``.
+    """
+    with_v, params = _view(view)
+    with ledger_db(rows) as db:
+        groups = query(db, f"{with_v} SELECT round, dir, {_TALLY} FROM v GROUP BY round, dir "
+                           "ORDER BY round IS NULL, round", params)
+    out = []
+    for rnd, t in _up_down(groups, "round").items():
+        up, down = t["up"], t["down"]
+        out.append({"round": rnd, "up_messages": up["messages"], "up_bytes": up["wire"], "up_body_bytes": up["body"],
+                    "down_messages": down["messages"], "down_bytes": down["wire"], "down_body_bytes": down["body"],
+                    "overhead_share": _overhead(up["wire"] + down["wire"], up["body"] + down["body"])})
+    return out
+
+
+def by_round_kind(rows: LedgerSource, view: str = "device") -> list[dict[str, Any]]:
+    """Traffic per (round, kind, direction) in ``view``: rounds ascending with the session
+    (``round`` None) last, then kind, then direction.
+
+    Returns:
+        One dict per triple: ``round``, ``kind``, ``direction``, ``control`` (bool: a control
+        packet kind), ``messages``, ``wire_bytes`` (bytes).
+
+    Raises:
+        ValueError: unknown ``view``.
+    """
+    with_v, params = _view(view)
+    with ledger_db(rows) as db:
+        groups = query(db, f"{with_v} SELECT round, kind, direction, MAX(ctl) AS control, COUNT(*) AS messages, "
+                           "SUM(wire) AS wire_bytes FROM v GROUP BY round, kind, direction "
+                           "ORDER BY round IS NULL, round, kind, direction", params)
+    return [{**g, "control": bool(g["control"])} for g in groups]
+
+
+def by_client(rows: LedgerSource, view: str = "device") -> list[dict[str, Any]]:
+    """Traffic per client in ``view``, sorted by client id.
+
+    ``client`` is the agent a row concerns; in the server view a broadcast (and the server's own
+    control packets) is recorded with client ``'*'``.
+
+    Returns:
+        One dict per client: ``client``, ``up_messages``, ``up_bytes``, ``down_messages``,
+        ``down_bytes`` (wire bytes), ``body_bytes`` (both directions).
+
+    Raises:
+        ValueError: unknown ``view``.
+    """
+    with_v, params = _view(view)
+    with ledger_db(rows) as db:
+        groups = query(db, f"{with_v} SELECT client, dir, {_TALLY} FROM v GROUP BY client, dir ORDER BY client",
+                       params)
+    return [{"client": c, "up_messages": t["up"]["messages"], "up_bytes": t["up"]["wire"],
+             "down_messages": t["down"]["messages"], "down_bytes": t["down"]["wire"],
+             "body_bytes": t["up"]["body"] + t["down"]["body"]}
+            for c, t in _up_down(groups, "client").items()]
+
+
+def by_kind(rows: LedgerSource, view: str = "device") -> list[dict[str, Any]]:
+    """Traffic per (message kind, direction) in ``view``, sorted by kind then direction.
+
+    Control packets appear under their own kinds (``CONNECT``, ``PUBACK`` …), with all their
+    bytes in ``control_bytes``.
+
+    Returns:
+        One dict per pair: ``kind``, ``direction`` (``'up'``/``'down'``), and the sums of
+        :func:`totals` (``messages``, ``body_bytes``, ``envelope_bytes``, ``mqtt_bytes`` (header +
+        topic), ``control_messages``, ``control_bytes``, ``wire_bytes``, ``overhead_share`` …).
+
+    Raises:
+        ValueError: unknown ``view``.
+    """
+    with_v, params = _view(view)
+    with ledger_db(rows) as db:
+        groups = query(db, f"{with_v} SELECT kind, direction, {_TALLY} FROM v GROUP BY kind, direction "
+                           "ORDER BY kind, direction", params)
+    return [{"kind": g["kind"], "direction": g["direction"], **_tally(g)} for g in groups]
+
+
+# --------------------------------------------------------------------------------------------
+# Rejected messages; the run's rounds and federation
+
+
+def rejected(rows: LedgerSource) -> list[dict[str, Any]]:
+    """Rejected messages (either side), in ledger order.
+
+    Returns:
+        One dict per rejected row: ``side``, ``node`` (who rejected it), ``topic``, ``reason``,
+        ``payload_bytes`` (the MQTT payload length, bytes).
+    """
+    with ledger_db(rows) as db:
+        return query(db, "SELECT side, node, topic, reason, payload_bytes FROM ledger WHERE event = 'rejected' "
+                         "ORDER BY id")
+
+
+def rejected_totals(rows: LedgerSource) -> dict[str, int]:
+    """Rejected rows of either side: ``messages``, ``payload_bytes``, ``wire_bytes`` (bytes)."""
+    with ledger_db(rows) as db:
+        (out,) = query(db, f"SELECT COUNT(*) AS messages, COALESCE(SUM(payload_bytes), 0) AS payload_bytes, "
+                           f"COALESCE(SUM({WIRE}), 0) AS wire_bytes FROM ledger WHERE event = 'rejected'")
+    return out
+
+
+def training_rounds(rows: LedgerSource) -> int:
+    """Distinct round numbers ≥ 1 in the ledger (any side, any event)."""
+    with ledger_db(rows) as db:
+        return db.execute("SELECT COUNT(DISTINCT round) FROM ledger WHERE round > 0").fetchone()[0]
+
+
+def federations(rows: LedgerSource) -> list[str]:
+    """The distinct non-empty federation names of the rows, sorted."""
+    with ledger_db(rows) as db:
+        return [r[0] for r in db.execute("SELECT DISTINCT federation FROM ledger WHERE federation != '' "
+                                         "ORDER BY federation")]
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes paid up to a round; bytes per client per round
+
+
+def cumulative_bytes(rows: LedgerSource, rounds: Iterable[int]) -> dict[int, int]:
+    """Device-link wire bytes (bytes) paid by the fleet up to and including each round in ``rounds``.
+
+    For training round ``R`` (≥ 1): every device-view row of a round 1 … ``R``, plus every
+    *session* row recorded in the ledger **before** the last row of those rounds. Session rows
+    are the ones not tied to a training round: ``round`` NULL (MQTT control packets: CONNECT,
+    SUBSCRIBE, PUBACK …) or ``round`` 0 (what the protocol sends outside a round: join, status,
+    resend). So the connection set-up and the acknowledgements exchanged up to the end of round
+    ``R`` count, the final ``offline`` status and DISCONNECT do not. Rows are taken in ledger
+    order (by ``id`` where every row has one); rows of later rounds never count, even when they
+    interleave.
+
+    Returns:
+        ``{R: bytes}`` for every ``R`` in ``rounds`` (0 where the ledger has nothing up to ``R``).
+    """
+    with_v, params = _view("device")
+    with ledger_db(rows, ordered=True) as db:
+        # pre: per known round k, the bytes of rounds 1..k and the id of the last row of those
+        # rounds (running SUM and MAX over the rounds ascending). Then one running sum in id order
+        # over the session rows (round NULL or < 1) with a mark at each of those last rows: at a
+        # mark it holds the session bytes recorded before that row.
+        prefix = db.execute(
+            f"{with_v}, per AS (SELECT round, SUM(wire) AS b, MAX(id) AS last FROM v WHERE round >= 1 GROUP BY round),"
+            " pre AS (SELECT round, SUM(b) OVER w AS cb, MAX(last) OVER w AS cl FROM per"
+            " WINDOW w AS (ORDER BY round ROWS UNBOUNDED PRECEDING)),"
+            " marks AS (SELECT cl AS id, round, cb, 1 AS mark, 0 AS wire FROM pre"
+            " UNION ALL SELECT id, NULL, 0, 0, wire FROM v WHERE round IS NULL OR round < 1),"
+            " run AS (SELECT round, cb, mark, SUM(wire) OVER (ORDER BY id, mark ROWS UNBOUNDED PRECEDING) AS before"
+            " FROM marks)"
+            " SELECT round, cb + before FROM run WHERE mark ORDER BY round",
+            params).fetchall()
+    known = [r for r, _ in prefix]
+    out: dict[int, int] = {}
+    for target_round in rounds:
+        i = bisect.bisect_right(known, target_round)
+        out[target_round] = prefix[i - 1][1] if i else 0
+    return out
+
+
+def client_bytes_per_round(rows: LedgerSource, view: str = "device") -> list[dict[str, Any]]:
+    """Wire bytes per (round, direction, client) in ``view``: rounds ascending with the session
+    (``round`` None) last, then direction (``'down'``, ``'up'``), then clients in the order of
+    their first row in that round and direction.
+
+    Returns:
+        One dict per triple: ``round``, ``direction`` (``'up'``, else ``'down'``), ``client``,
+        ``wire_bytes``.
+
+    Raises:
+        ValueError: unknown ``view``.
+    """
+    with_v, params = _view(view)
+    with ledger_db(rows) as db:
+        return query(db, f"{with_v} SELECT round, dir AS direction, client, SUM(wire) AS wire_bytes FROM v "
+                         "GROUP BY round, dir, client ORDER BY round IS NULL, round, dir, MIN(id)", params)

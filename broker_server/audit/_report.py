@@ -1,0 +1,130 @@
+"""The report model: :func:`audit_report` gathers every query of one run folder into a plain,
+JSON-serialisable dict, and :func:`comparison_row` flattens one report into a line of the
+comparison of several runs. The renderers (:mod:`._text`, :mod:`._html`, :mod:`._csv`) read
+only these dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ._cost import accuracy_curve, final_accuracy, first_round_reaching, link_time_s
+from ._fields import body_fields, field_bytes_per_client_round
+from ._load import METRICS_NAME, clean_close, open_ledger, read_meta, read_metrics
+from ._queries import (
+    VIEWS,
+    by_client,
+    by_kind,
+    by_round,
+    by_round_kind,
+    federations,
+    rejected,
+    rejected_totals,
+    totals,
+    training_rounds,
+)
+
+#: Default target accuracy (a fraction) for "bytes to reach the target".
+DEFAULT_TARGET = 0.95
+
+
+def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_kbps: float | None = None,
+                 downlink_kbps: float | None = None) -> dict[str, Any]:
+    """The whole audit of a run folder as a JSON-serialisable dict (byte counts in bytes), queried
+    straight from ``RUN_DIR/ledger.sqlite`` (read-only).
+
+    Args:
+        run_dir: the run folder.
+        target: accuracy (fraction) for ``target`` below.
+        uplink_kbps, downlink_kbps: link speeds (kbit/s) for ``link_time``; both None: no estimate.
+
+    Keys:
+        ``run``: ``path``, ``federation`` (the ledger's ``meta`` value, else the federation(s)
+        named in the rows, else None), ``rounds`` (distinct round numbers in the ledger),
+        ``metrics_rounds`` (records in ``metrics.jsonl``).
+        ``totals``: ``{"device": totals(rows, "device"), "server": totals(rows, "server")}``.
+        ``by_round``, ``by_round_kind``, ``by_client``, ``by_kind``: device view.
+        ``fields``: :func:`body_fields` (what ``global``/``update`` bodies are made of, each
+        message once as its sender encoded it).
+        ``rejected``: :func:`rejected`; ``rejected_totals``: ``messages``, ``payload_bytes``,
+        ``wire_bytes``.
+        ``final_accuracy``: fraction in [0, 1] from the last metrics record with an ``accuracy``,
+        or None.
+        ``accuracy_curve``: :func:`accuracy_curve`.
+        ``target``: ``accuracy`` (the target), ``round`` (first round reaching it, or None),
+        ``bytes`` (:func:`bytes_to_target`, or None: not reached).
+        ``link_time``: :func:`link_time_s`, or None when no speed was given.
+        ``ledger_closed``: False when the ledger file was not closed by its writer (still in WAL
+        mode: the writer crashed, was killed or is still running; see :func:`._load.clean_close`).
+
+    Raises:
+        AuditError: see :func:`load_run`.
+        ValueError: a link speed is not positive.
+    """
+    run = Path(run_dir)
+    db = open_ledger(run)
+    try:
+        meta = read_meta(db)
+        metrics = read_metrics(run / METRICS_NAME)
+        federation = meta.get("federation")
+        if federation is None:
+            names = federations(db)
+            federation = ", ".join(names) if names else None
+        target_round = first_round_reaching(metrics, target)
+        curve = accuracy_curve(metrics, db)  # its rounds include target_round (the same metrics records)
+        link = None
+        if uplink_kbps is not None or downlink_kbps is not None:
+            link = link_time_s(db, uplink_kbps, downlink_kbps)
+        return {
+            "run": {"path": str(run), "federation": federation, "rounds": training_rounds(db),
+                    "metrics_rounds": len(metrics)},
+            "totals": {view: totals(db, view) for view in VIEWS},
+            "by_round": by_round(db, "device"),
+            "by_round_kind": by_round_kind(db, "device"),
+            "by_client": by_client(db, "device"),
+            "by_kind": by_kind(db, "device"),
+            "fields": body_fields(db),
+            "rejected": rejected(db),
+            "rejected_totals": rejected_totals(db),
+            "final_accuracy": final_accuracy(metrics),
+            "accuracy_curve": curve,
+            "target": {"accuracy": target, "round": target_round,
+                       "bytes": next((p["cumulative_bytes"] for p in curve if p["round"] == target_round), None)},
+            "link_time": link,
+            "ledger_closed": clean_close(db),
+        }
+    finally:
+        db.close()
+
+
+def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
+    """One run's line of the comparison (device links; bytes in bytes, times in seconds).
+
+    Returns:
+        ``run`` (path), ``federation``, ``rounds``, ``final_accuracy`` (fraction or None),
+        ``up_bytes``, ``down_bytes``, ``wire_bytes`` (device-link wire bytes), ``overhead_share``,
+        ``target`` (fraction), ``target_round`` and ``bytes_to_target`` (None: not reached),
+        and from ``link_time`` (None without link speeds): ``uplink_kbps``, ``downlink_kbps``,
+        ``up_max_s``, ``down_max_s``, ``time_max_s`` (parallel clients), ``up_sum_s``,
+        ``down_sum_s``, ``time_sum_s`` (sum over clients); and from ``fields``
+        (:func:`field_bytes_per_client_round`; None without it): ``up_tensor_bytes_per_client_round``,
+        ``up_extras_bytes_per_client_round``, ``down_tensor_bytes_per_client_round``,
+        ``down_extras_bytes_per_client_round``.
+    """
+    dev = report["totals"]["device"]
+    tgt = report.get("target") or {}
+    link = report.get("link_time") or {}
+    return {
+        "run": report["run"]["path"], "federation": report["run"].get("federation"),
+        "rounds": report["run"].get("rounds"), "final_accuracy": report.get("final_accuracy"),
+        "up_bytes": dev["up"]["wire_bytes"], "down_bytes": dev["down"]["wire_bytes"],
+        "wire_bytes": dev["all"]["wire_bytes"], "overhead_share": dev["all"]["overhead_share"],
+        "target": tgt.get("accuracy"), "target_round": tgt.get("round"), "bytes_to_target": tgt.get("bytes"),
+        "uplink_kbps": link.get("uplink_kbps"), "downlink_kbps": link.get("downlink_kbps"),
+        "up_max_s": link.get("up_max_s"), "down_max_s": link.get("down_max_s"),
+        "time_max_s": link.get("max_s"),
+        "up_sum_s": link.get("up_sum_s"), "down_sum_s": link.get("down_sum_s"),
+        "time_sum_s": link.get("sum_s"),
+        **field_bytes_per_client_round(report.get("fields") or []),
+    }

@@ -1,0 +1,209 @@
+"""The audit as text tables for a terminal (rich, plain text, 120 columns)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._format import (
+    FIELD_COLUMNS,
+    FIELDS_TITLE,
+    UNCLEAN_CLOSE,
+    acc,
+    count,
+    directions_label,
+    field_cells,
+    field_notes,
+    human,
+    kbps,
+    mean,
+    pct,
+    secs,
+    short_run_labels,
+    target_text,
+)
+from ._queries import VIEWS, round_label
+from ._report import comparison_row
+
+
+def _console() -> tuple[Any, io.StringIO]:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, force_terminal=False, color_system=None, highlight=False,
+                      emoji=False, soft_wrap=False)
+    return console, buf
+
+
+def _table(*headers: str, text_columns: int = 1) -> Any:
+    """Counts right-aligned; the first ``text_columns`` columns are left-aligned text. Counts never
+    wrap (a number split over two lines reads as two numbers); when the table is too wide, the
+    text columns fold instead (a long run path in a comparison)."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for i, h in enumerate(headers):
+        t.add_column(h, justify="left" if i < text_columns else "right", no_wrap=(i >= text_columns),
+                     overflow="fold")
+    return t
+
+
+def _lines(buf: io.StringIO) -> str:
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
+
+
+def render_text(report: Mapping[str, Any]) -> str:
+    """Human tables of an :func:`audit_report` for a terminal (plain text, 120 columns).
+
+    Sections: Totals (device links, server link), Per round (control packets and other traffic
+    without a round in the ``session`` row), Per client, Per kind and direction, Body fields
+    (:func:`body_fields`), Rejected messages, and, when the report has them, bytes to reach the target accuracy and the
+    estimated transfer time. Counts use thousands separators; byte columns are in bytes, and the
+    totals add the wire bytes in KiB/MiB.
+    """
+    console, buf = _console()
+    run = report["run"]
+    console.print(f"Run: {run['path']}")
+    console.print(f"Federation: {run.get('federation') or '—'}   rounds: {run['rounds']}   "
+                  f"final accuracy: {acc(report.get('final_accuracy'))}")
+    if report.get("ledger_closed") is False:
+        console.print(UNCLEAN_CLOSE)
+
+    titles = {"device": "Totals: device links (agent side: uploads sent + downloads received by each agent)",
+              "server": "Totals: server link (server side: sent + received; a broadcast counts once)"}
+    for view in VIEWS:
+        tot = report["totals"][view]
+        console.print()
+        console.print(titles[view])
+        if tot["all"]["messages"] == 0:
+            console.print("  (no rows from this side in this ledger: in a real fleet each device keeps its own "
+                          "ledger; run `fedfleet audit` on the agent's --out folder)" if view == "device" else
+                          "  (no rows from this side in this ledger)")
+            continue
+        t = _table("direction", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "wire",
+                   "overhead")
+        for label, key in (("up", "up"), ("down", "down"), ("total", "all")):
+            d = tot[key]
+            t.add_row(label, count(d["messages"]), count(d["body_bytes"]), count(d["envelope_bytes"]),
+                      count(d["mqtt_bytes"]), count(d.get("control_bytes", 0)), count(d["wire_bytes"]),
+                      human(d["wire_bytes"]), pct(d["overhead_share"]))
+        console.print(t)
+
+    console.print()
+    console.print("Security: bytes added by signatures and by encryption (protocol.security)")
+    t = _table("link", "direction", "signed msgs", "signature B", "encrypted msgs", "encryption B", "share of wire",
+               text_columns=2)
+    for view in VIEWS:
+        for label, key in (("up", "up"), ("down", "down"), ("total", "all")):
+            d = report["totals"][view][key]
+            t.add_row(view, label, count(d.get("signed_messages", 0)), count(d.get("sig_bytes", 0)),
+                      count(d.get("encrypted_messages", 0)), count(d.get("enc_bytes", 0)),
+                      pct((d.get("sig_bytes", 0) + d.get("enc_bytes", 0)) / d["wire_bytes"]
+                          if d["wire_bytes"] else None))
+    console.print(t)
+
+    console.print()
+    console.print("Per round (device links; bytes = wire bytes; session = traffic without a round, "
+                  "control packets included)")
+    t = _table("round", "up msgs", "up B", "up body B", "down msgs", "down B", "down body B", "overhead")
+    for r in report["by_round"]:
+        t.add_row(round_label(r["round"]), count(r["up_messages"]), count(r["up_bytes"]),
+                  count(r["up_body_bytes"]), count(r["down_messages"]), count(r["down_bytes"]),
+                  count(r["down_body_bytes"]), pct(r["overhead_share"]))
+    console.print(t)
+
+    console.print()
+    console.print("Per client (device links; bytes = wire bytes)")
+    t = _table("client", "up msgs", "up B", "down msgs", "down B", "body B")
+    for c in report["by_client"]:
+        t.add_row(c["client"], count(c["up_messages"]), count(c["up_bytes"]), count(c["down_messages"]),
+                  count(c["down_bytes"]), count(c["body_bytes"]))
+    console.print(t)
+
+    console.print()
+    console.print("Per kind and direction (device links; upper-case kinds are MQTT control packets)")
+    t = _table("kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead",
+               text_columns=2)
+    for k in report["by_kind"]:
+        t.add_row(k["kind"], k["direction"], count(k["messages"]), count(k["body_bytes"]), count(k["envelope_bytes"]),
+                  count(k["mqtt_bytes"]), count(k.get("control_bytes", 0)), count(k["wire_bytes"]),
+                  pct(k["overhead_share"]))
+    console.print(t)
+
+    if report.get("fields"):
+        console.print()
+        console.print(FIELDS_TITLE)
+        t = _table(*FIELD_COLUMNS, text_columns=4)
+        for cells in field_cells(report["fields"]):
+            t.add_row(*cells)
+        console.print(t)
+        for line in field_notes(report["fields"]):
+            console.print(line)
+
+    console.print()
+    rt = report.get("rejected_totals") or {
+        "messages": len(report["rejected"]),
+        "payload_bytes": sum(r["payload_bytes"] for r in report["rejected"])}
+    console.print(f"Rejected messages: {count(rt['messages'])} ({count(rt['payload_bytes'])} payload bytes)")
+    if report["rejected"]:
+        t = _table("side", "node", "topic", "reason", "payload B", text_columns=4)
+        for r in report["rejected"]:
+            t.add_row(r["side"], r["node"], r["topic"], r["reason"], count(r["payload_bytes"]))
+        console.print(t)
+
+    if report.get("target") is not None:
+        row = comparison_row(report)
+        console.print()
+        console.print(f"Device-link bytes to reach accuracy ≥ {acc(row['target'])}: {target_text(row)}")
+    link = report.get("link_time")
+    if link:
+        console.print(f"Estimated transfer time ({directions_label(link)}; uplink "
+                      f"{kbps(link['uplink_kbps'])}, downlink {kbps(link['downlink_kbps'])}): "
+                      f"{secs(link['max_s'])} with clients in parallel (slowest client per round), "
+                      f"{secs(link['sum_s'])} summed over clients")
+    return _lines(buf)
+
+
+def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
+    """The comparison of several runs as text: one table of bytes, accuracy and transfer time, then
+    one of model-tensor and extras bytes per client per round (see :func:`comparison_row`); one
+    row per run in each, in the order given."""
+    console, buf = _console()
+    rows = [comparison_row(r) for r in reports]
+    labels = short_run_labels([str(r["run"]) for r in rows])
+    target = next((r["target"] for r in rows if r["target"] is not None), None)
+    link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
+    console.print(f"Comparison of {len(rows)} runs (device links; bytes = wire bytes)")
+    headers = ["run", "final acc", "up B", "down B", "overhead", f"B to {acc(target)}", "at round"]
+    if link:
+        headers += ["time parallel", "time summed"]
+    t = _table(*headers)
+    for label, r in zip(labels, rows, strict=True):
+        reached = r["bytes_to_target"] is not None
+        cells = [label, acc(r["final_accuracy"]), count(r["up_bytes"]), count(r["down_bytes"]),
+                 pct(r["overhead_share"]), count(r["bytes_to_target"]) if reached else "not reached",
+                 str(r["target_round"]) if reached else "—"]
+        if link:
+            cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
+        t.add_row(*cells)
+    console.print(t)
+    console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
+                  "accuracy reached the target.")
+    console.print()
+    console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it)")
+    t = _table("run", "up tensors B", "up extras B", "down tensors B", "down extras B")
+    for label, r in zip(labels, rows, strict=True):
+        t.add_row(label, *(mean(r[f"{d}_{p}_bytes_per_client_round"])
+                           for d in ("up", "down") for p in ("tensor", "extras")))
+    console.print(t)
+    if any(label != str(r["run"]) for label, r in zip(labels, rows, strict=True)):
+        for label, r in zip(labels, rows, strict=True):
+            console.print(f"{label} = {r['run']}", overflow="fold")
+    if link:
+        console.print(f"Transfer time ({directions_label(link)}): uplink {kbps(link['uplink_kbps'])}, downlink "
+                      f"{kbps(link['downlink_kbps'])} per client (1 kbit/s = 1000 bit/s); parallel = slowest "
+                      "client per round, summed = sum over clients.")
+    return _lines(buf)
+
