@@ -298,6 +298,11 @@ class MemoryTransport:
         self._connected = False
         self.broker._gone(self, publish_will=False)
 
+    def deliver(self, inc: Incoming) -> None:
+        """Hand ``inc`` to this client as if the broker had delivered it, subscriptions aside (a
+        scripted arrival time in ``inc.received_at``, bytes no client of this broker sent)."""
+        self._deliver(inc)
+
     # ------------------------------------------------------------------ link events, as MqttTransport
 
     def add_connect_listener(self, listener: Callable[[int], None]) -> None:

@@ -458,7 +458,8 @@ def test_state_survives_a_checkpoint(tmp_path: Path, name: str, kw: dict) -> Non
 
 @pytest.mark.slow
 def test_scaffold_and_fedadam_federations(tmp_path: Path) -> None:
-    from test_federation import _run_with_spy, small_config, spied
+    from helpers.federation import run_with_spy as _run_with_spy
+    from helpers.federation import small_config, spied
 
     with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
         # --- SCAFFOLD: momentum 0 (option II literally), 2 rounds, all 3 clients report

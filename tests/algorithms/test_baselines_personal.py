@@ -312,7 +312,7 @@ def test_fedper_federation_with_client_eval(tmp_path):
     from broker_server.embedded_broker import EmbeddedBroker
     from broker_server.simulate import simulate
     from edge_agent.data import load_dataset
-    from test_federation import Spy, small_config, spied
+    from helpers.federation import Spy, small_config, spied
 
     cfg = small_config(train={"algorithm": "fedper"}, server={"client_eval": True})
     agents = {}
@@ -384,7 +384,7 @@ def test_local_federation_sends_no_tensors(tmp_path):
     import sqlite3
 
     from broker_server.simulate import simulate
-    from test_federation import small_config
+    from helpers.federation import small_config
 
     res = simulate(small_config(train={"algorithm": "local"}, server={"client_eval": True}), run_dir=tmp_path / "run")
     metrics = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]

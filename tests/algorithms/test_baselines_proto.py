@@ -345,7 +345,7 @@ def test_fedproto_federation_exchanges_prototypes_only(tmp_path) -> None:
     import sqlite3
 
     from broker_server.simulate import simulate
-    from test_federation import small_config
+    from helpers.federation import small_config
 
     cfg = small_config(train={"algorithm": "fedproto"}, algorithm={"lambda_proto": 1.0},
                        server={"client_eval": True})
@@ -378,7 +378,7 @@ def test_fpl_federation_broadcasts_cluster_and_unbiased_prototypes(tmp_path) -> 
     import sqlite3
 
     from broker_server.simulate import simulate
-    from test_federation import small_config
+    from helpers.federation import small_config
 
     res = simulate(small_config(train={"algorithm": "fpl"}), run_dir=tmp_path / "run")
     assert res.rounds_completed == 2

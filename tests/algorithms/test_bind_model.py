@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_chaos import memory_server
+from helpers.memory_server import memory_server
 
 from broker_server.strategies import ClientResult, get_strategy
 from broker_server.strategies._base import classifier_shape, parameter_count

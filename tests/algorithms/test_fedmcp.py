@@ -24,7 +24,6 @@ from edge_agent.errors import DataError, ModelError
 from edge_agent.models import build_model
 from protocol.messages import Envelope, Update, decode, encode
 from protocol.tensors import Codec
-from test_onnx import digits, digits_model  # noqa: F401  (shared fixtures)
 
 CPU = torch.device("cpu")
 
@@ -457,7 +456,7 @@ def test_fedmcp_federation_over_a_broker(tmp_path) -> None:
     from broker_server.embedded_broker import EmbeddedBroker
     from broker_server.simulate import simulate
     from protocol.messages import Global
-    from test_federation import Spy, small_config
+    from helpers.federation import Spy, small_config
 
     cfg = small_config(train={"algorithm": "fedmcp"}, server={"client_eval": True},
                        algorithm={"proxy_size": 100, "alpha_proto": 0.5})

@@ -530,7 +530,7 @@ def test_after_backward_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.M
 @pytest.mark.slow
 def test_fedpad_federation_over_the_broker_with_partial_participation(tmp_path: Path) -> None:
     from broker_server.simulate import simulate
-    from test_federation import small_config
+    from helpers.federation import small_config
 
     cfg = small_config(data={"clients": 5}, server={"participation_rate": 0.4, "quorum": 2},
                        train={"algorithm": "fedpad"}, algorithm={"gamma": 1.0, "lambda_proto": 0.1})

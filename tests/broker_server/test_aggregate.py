@@ -16,7 +16,7 @@ from broker_server.errors import ConfigError
 from broker_server.strategies import ClientResult, RoundPlan, get_strategy, list_strategies, register_strategy
 from broker_server.strategies.fedavg import FedAvg
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHAPES = [(7,), (3, 4), (2, 3, 5), (1, 1, 1, 6)]
 
 

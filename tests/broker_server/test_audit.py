@@ -857,7 +857,7 @@ def fed_runs(tmp_path_factory):
     import torch
 
     from broker_server.simulate import simulate
-    from test_federation import small_config
+    from helpers.federation import small_config
 
     torch.set_num_threads(1)
     out = {}

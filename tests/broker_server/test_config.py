@@ -11,7 +11,7 @@ import pytest
 from broker_server import config as C
 from broker_server.errors import ConfigError, FedfleetServerError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
 SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security")
 

@@ -33,9 +33,9 @@ from broker_server.embedded_broker import (
     parse_broker_url,
 )
 from broker_server.errors import BrokerStartError, FedfleetServerError
-from conftest import require_mosquitto
+from helpers.brokers import require_mosquitto
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 5.0
 
 

@@ -14,9 +14,6 @@ ort = pytest.importorskip("onnxruntime")
 
 import onnx  # noqa: E402
 
-from edge_agent.algorithms._base import TrainConfig  # noqa: E402
-from edge_agent.algorithms.fedavg import sgd_epochs  # noqa: E402
-from edge_agent.data import load_dataset  # noqa: E402
 from edge_agent.errors import DataError, ModelError  # noqa: E402
 from edge_agent.models import build_model  # noqa: E402
 from edge_agent.onnx_runtime import OnnxModel, export_onnx  # noqa: E402
@@ -31,29 +28,6 @@ MODEL_KINDS = ("gray28", "rgb32", "digits")
 def _random_model(channels: int, size: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return build_model("lightcnn", in_channels=channels, image_size=size, num_classes=10).eval()
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def digits_model(digits) -> torch.nn.Module:
-    """A LightCNN (1×8×8) trained for two epochs on the digits train split (~0.9 accuracy)."""
-    torch.manual_seed(0)
-    model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
-    config = TrainConfig(local_epochs=2, batch_size=32, lr=0.05, momentum=0.9)
-    generator = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: one thread is fastest, and immune to a busy machine
-    try:
-        sgd_epochs(model, torch.from_numpy(np.array(digits.train.x)),
-                   torch.from_numpy(np.array(digits.train.y)), config, generator,
-                   torch.device("cpu"))
-    finally:
-        torch.set_num_threads(threads)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ MNIST_TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949
 @pytest.fixture(scope="module")
 def mnist_labels() -> np.ndarray:
     """The MNIST train labels (from the shared npz if present, else the same class counts)."""
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[2]
     for folder in (here.parent / "shared" / "data", here / "shared" / "data"):
         path = folder / "mnist" / "train.npz"
         if path.is_file():

@@ -24,7 +24,7 @@ from edge_agent.algorithms import load_shared, register_client_algorithm, shared
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.algorithms._base import LocalResult
 from edge_agent.models import build_model
-from test_federation import small_config
+from helpers.federation import small_config
 
 
 @register_client_algorithm("plumbing-probe")
@@ -142,7 +142,7 @@ def test_train_samples_partitions_a_stratified_subset() -> None:
     assert sum(len(p) for p in whole) == len(ds.train.y)
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml")),
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml")),
                          ids=lambda p: p.name)
 def test_every_example_config_builds_its_algorithm(path: Path) -> None:
     """Each shipped example parses, and its [algorithm] table is accepted by both halves."""

@@ -65,25 +65,26 @@ from typing import Callable, Iterator
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from test_federation import small_config
+from helpers.checkpoints import checkpoint_round
+from helpers.federation import small_config
+from helpers.memory_server import incoming, memory_server, receipts_to, update_payload
 
 import broker_server.server as server_mod
 import broker_server.simulate as simulate_mod
 from broker_server import config as config_mod
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.runtime import channel_options, device_model, expected_data, open_transport
-from broker_server.server import AggregationServer, ServerSettings
-from broker_server.strategies import get_strategy
+from broker_server.server import AggregationServer
 from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm
-from edge_agent.data import ArraySplit, load_dataset
+from edge_agent.data import load_dataset
 from edge_agent.models import build_model
 from edge_agent.state import state_arrays
 from protocol import topics
 from protocol.channel import Channel
 from protocol.errors import OfflineBufferFull
 from protocol.ledger import Ledger
-from protocol.messages import Chunk, Envelope, Join, Kind, Receipt, Status, Update, decode, encode
+from protocol.messages import Chunk, Envelope, Kind, Receipt, Status, Update, decode, encode
 from protocol.transport import Incoming, MqttTransport, Will
 
 pytestmark = pytest.mark.slow
@@ -775,20 +776,6 @@ def _cli(args: list[str], log: Path, cwd: Path) -> subprocess.Popen:
         fh.close()
 
 
-def _checkpoint_round(path: Path) -> int:
-    if not path.exists():
-        return -1
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)
-        try:
-            row = db.execute("SELECT MAX(round) FROM checkpoints").fetchone()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return -1
-    return -1 if row is None or row[0] is None else int(row[0])
-
-
 def run_kill_server_and_resume(tmp: Path, *, rounds: int = 5, kill_after: int = 2) -> dict:
     """Scenario 4: ``fedfleet simulate`` (a subprocess) SIGKILLed once its checkpoint store has
     round 2, then ``simulate(cfg, run_dir=RUN, resume=True)`` in this process; compared with an
@@ -800,13 +787,13 @@ def run_kill_server_and_resume(tmp: Path, *, rounds: int = 5, kill_after: int = 
     out: dict = {}
     p = _cli(["simulate", "--config", str(toml), "--out", str(run), "-q"], tmp / "crashed.log", REPO)
     try:
-        if not wait_until(lambda: _checkpoint_round(run / "checkpoints.sqlite") >= kill_after or p.poll() is not None,
+        if not wait_until(lambda: checkpoint_round(run / "checkpoints.sqlite") >= kill_after or p.poll() is not None,
                           240, 0.05):
             raise AssertionError("the run never reached its checkpoint of round 2")
         assert p.poll() is None, (tmp / "crashed.log").read_text()[-3000:]
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
-        out["killed_at_round"] = _checkpoint_round(run / "checkpoints.sqlite")
+        out["killed_at_round"] = checkpoint_round(run / "checkpoints.sqlite")
         out["metrics_lines_at_kill"] = len(read_metrics(run)) if (run / "metrics.jsonl").exists() else 0
         # the embedded broker's watchdog must stop the broker of the dead parent
         out["broker_gone"] = wait_until(lambda: not processes_mentioning(str(run)), 15, 0.1)
@@ -1023,88 +1010,6 @@ def run_slow_device(tmp: Path, *, rounds: int = 2, sleep_s: float = 8.0) -> tupl
 # ============================================================================ in-memory server path
 
 
-class MemoryTransport:
-    """A transport double for :class:`AggregationServer` without a broker: ``publish`` counts (and
-    optionally keeps) what the server sends; ``get`` hands out queued messages, then asks
-    ``feed()`` for the next one (generated lazily, so the caller holds one message at a time)."""
-
-    def __init__(self, client_id: str = "server", feed: Callable[[], Incoming | None] | None = None,
-                 keep: bool = True) -> None:
-        self.client_id = client_id
-        self.inbox: deque[Incoming] = deque()
-        self.feed = feed
-        self.keep = keep
-        self.sent: list[tuple[str, bytes]] = []
-        self.sent_count = 0
-        self.sent_bytes = 0
-        self.filters: list[str] = []
-
-    def subscribe(self, filters: list[str], qos: int = 1) -> None:
-        self.filters += list(filters)
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                wait_s: float | None = None) -> None:
-        self.sent_count += 1
-        self.sent_bytes += len(payload)
-        if self.keep:
-            self.sent.append((topic, payload))
-
-    def get(self, timeout_s: float | None) -> Incoming | None:
-        if self.inbox:
-            return self.inbox.popleft()
-        if self.feed is not None:
-            item = self.feed()
-            if item is not None:
-                return item
-        time.sleep(min(0.005, timeout_s or 0.0))
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-def incoming(topic: str, payload: bytes) -> Incoming:
-    return Incoming(topic, payload, 1, False, time.monotonic())
-
-
-def memory_server(tmp: Path, *, model, clients: list[str], rounds: int = 2, feed=None, keep: bool = True,
-                  strategy=None, test: ArraySplit | None = None, num_samples: int = 100,
-                  fed: str = "mem") -> AggregationServer:
-    """An :class:`AggregationServer` on a :class:`MemoryTransport` with ``clients`` joined
-    through the real handling path (``channel.accept`` → ``server._handle``)."""
-    tr = MemoryTransport(feed=feed, keep=keep)
-    ch = Channel(tr, node_id="server", side="server", federation=fed, ledger=None)
-    if test is None:
-        test = ArraySplit(np.zeros((4, 1, 28, 28), np.float32), np.zeros(4, np.int64), 10)
-    srv = AggregationServer(channel=ch, strategy=strategy or get_strategy("fedavg", min_clients=1), model=model,
-                            test=test, settings=ServerSettings(rounds=rounds, quorum=1, round_deadline_s=600.0,
-                                                               expected_clients=len(clients)),
-                            run_dir=tmp)
-    for cid in clients:
-        join = Join(profile="x86-cpu", manifest_hash=srv.manifest_hash, num_samples=num_samples,
-                    class_histogram=tuple([num_samples] + [0] * 9))
-        payload = encode(Envelope(round=0, sender=cid, seq=1, body=join)).payload
-        srv._handle(ch.accept(incoming(topics.up(fed, cid, Kind.JOIN), payload)))
-    return srv
-
-
-def update_payload(fed: str, cid: str, rnd: int, seq: int, like: list[np.ndarray], rng: np.random.Generator,
-                   num_samples: int = 100) -> tuple[str, bytes]:
-    tensors = tuple((rng.standard_normal(t.shape) * 0.01).astype(t.dtype) if np.issubdtype(t.dtype, np.floating)
-                    else np.array(t) for t in like)
-    upd = Update(tensors=tensors, num_samples=num_samples, train_loss=0.5)
-    return topics.up(fed, cid, Kind.UPDATE), encode(Envelope(round=rnd, sender=cid, seq=seq, body=upd)).payload
-
-
-def receipts_to(tr: MemoryTransport, cid: str) -> list[tuple[int, Receipt]]:
-    out = []
-    for topic, payload in tr.sent:
-        if topic.endswith(f"/{cid}/receipt"):
-            env = decode(payload).envelope
-            out.append((env.round, env.body))
-    return out
-
-
 # ============================================================================ the tests
 
 
@@ -1116,7 +1021,7 @@ def broker_restart_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.
     """Scenario 1, run once per broker kind and shared by the two tests below."""
     kind = request.param
     if kind == "mosquitto":
-        from conftest import require_mosquitto
+        from helpers.brokers import require_mosquitto
 
         require_mosquitto()
     if kind not in _RESTART_RUNS:
@@ -1177,7 +1082,7 @@ def test_agent_killed_mid_upload(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", [pytest.param("mosquitto", marks=pytest.mark.mosquitto), "amqtt"])
 def test_faulty_relay_cuts_connections_and_duplicates_are_counted_once(kind: str, tmp_path: Path) -> None:
     if kind == "mosquitto":
-        from conftest import require_mosquitto
+        from helpers.brokers import require_mosquitto
 
         require_mosquitto()
     acc, res = run_faulty_relay(kind, tmp_path)
@@ -1224,7 +1129,7 @@ def test_offline_buffer_is_bounded_and_drains(kind: str, tmp_path: Path) -> None
     ``_prune``); at 117aa66 the buffer never drained (a message queued offline kept its slot, and
     ``publish(wait_s=...)`` of it timed out although it was delivered)."""
     if kind == "mosquitto":
-        from conftest import require_mosquitto
+        from helpers.brokers import require_mosquitto
 
         require_mosquitto()
     out = run_offline_buffer(kind, tmp_path)

@@ -18,7 +18,7 @@ from protocol.channel import Channel, Received
 from protocol.ledger import Ledger
 from protocol.messages import Chunk, Kind, Update, decode
 from protocol.transport import MqttTransport
-from test_federation import small_config
+from helpers.federation import small_config
 
 FED = "fed-xfer"
 
@@ -116,7 +116,7 @@ def test_broker_max_packet_size_is_enforced_by_chunking(tmp_path: Path) -> None:
     """Mosquitto drops any client that sends a packet above max_packet_size (paho ignores the
     limit). With [protocol] max_packet_bytes set, the 423 KB model goes in chunks whose PUBLISH
     packets all fit, and no client is ever disconnected (one CONNECT per connection)."""
-    from conftest import require_mosquitto
+    from helpers.brokers import require_mosquitto
 
     require_mosquitto()
     limit = 16_384  # the digits model is 54,824 bytes of float32: every global and update is chunked

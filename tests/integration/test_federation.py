@@ -20,6 +20,8 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 import torch
+from helpers.federation import Spy, small_config
+from helpers.federation import run_with_spy as _run_with_spy
 
 from broker_server import config as config_mod
 from broker_server.audit import audit_report
@@ -31,63 +33,9 @@ from broker_server.simulate import simulate
 from edge_agent.data import load_dataset
 from edge_agent.models import build_model
 from edge_agent.state import load_arrays
-from protocol.messages import Global, Kind, Update, decode
+from protocol.messages import Global, Update, decode
 
 pytestmark = pytest.mark.slow
-
-
-def spied(spy) -> tuple[dict[int, dict[str, Update]], dict[int, Global]]:
-    """(round → sender → Update, round → Global) of the payloads the spy saw (last wills skipped)."""
-    updates: dict[int, dict[str, Update]] = {}
-    globals_: dict[int, Global] = {}
-    for _, payload, _ in spy.messages:
-        if not payload:
-            continue
-        env = decode(payload).envelope
-        if isinstance(env.body, Update):
-            updates.setdefault(env.round, {})[env.sender] = env.body
-        elif isinstance(env.body, Global):
-            globals_[env.round] = env.body
-    return updates, globals_
-
-
-def small_config(**over) -> config_mod.Config:
-    raw = {
-        "run": {"name": "t", "seed": 1, "rounds": 2},
-        "data": {"dataset": "digits", "partition": "iid", "clients": 3},
-        "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
-        "server": {"quorum": 2, "round_deadline_s": 60.0, "join_timeout_s": 60.0},
-        "broker": {"kind": "amqtt"},
-    }
-    for sec, vals in over.items():
-        raw.setdefault(sec, {}).update(vals)
-    return config_mod.from_dict(raw, "<test>")
-
-
-class Spy:
-    """A paho client subscribed to ``fedfleet/#`` recording (topic, payload, retain) of every delivery."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.messages: list[tuple[str, bytes, bool]] = []
-        self._lock = threading.Lock()
-        self._ready = threading.Event()
-        c = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=f"spy-{time.time_ns()}")
-        c.on_connect = lambda cl, *_: cl.subscribe("fedfleet/#", qos=1)
-        c.on_subscribe = lambda *_: self._ready.set()
-        c.on_message = self._on_message
-        c.connect(host, port)
-        c.loop_start()
-        if not self._ready.wait(10):
-            raise RuntimeError("spy did not subscribe")
-        self.client = c
-
-    def _on_message(self, client, userdata, msg) -> None:
-        with self._lock:
-            self.messages.append((msg.topic, bytes(msg.payload), bool(msg.retain)))
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
 
 
 def _ledger(run_dir: Path) -> list[dict]:
@@ -96,16 +44,6 @@ def _ledger(run_dir: Path) -> list[dict]:
     rows = [dict(r) for r in db.execute("SELECT * FROM messages ORDER BY id")]
     db.close()
     return rows
-
-
-def _run_with_spy(broker: EmbeddedBroker, tmp_path: Path, cfg: config_mod.Config):
-    spy = Spy(broker.host, broker.port)
-    try:
-        res = simulate(cfg, broker_url=broker.url, run_dir=tmp_path / "run")
-        time.sleep(0.3)  # let the last deliveries reach the spy
-    finally:
-        spy.close()
-    return res, spy
 
 
 def _check_federation(res, spy: Spy, cfg: config_mod.Config) -> None:
@@ -212,7 +150,7 @@ def test_federation_over_amqtt(tmp_path: Path) -> None:
 
 @pytest.mark.mosquitto
 def test_federation_over_mosquitto(tmp_path: Path) -> None:
-    from conftest import require_mosquitto
+    from helpers.brokers import require_mosquitto
 
     require_mosquitto()
     with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker") as broker:

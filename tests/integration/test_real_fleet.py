@@ -41,7 +41,7 @@ from protocol.channel import Channel, Received
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status
 from protocol.transport import MqttTransport
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "FEDFLEET_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 TOML = """\

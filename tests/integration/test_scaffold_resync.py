@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_federation import small_config
+from helpers.federation import small_config
 
 from broker_server.checkpoint import CheckpointStore
 from broker_server.simulate import simulate

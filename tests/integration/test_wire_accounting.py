@@ -15,7 +15,7 @@ import pytest
 
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
-from test_federation import small_config
+from helpers.federation import small_config
 
 
 class CountingRelay:
@@ -90,7 +90,7 @@ class CountingRelay:
 @pytest.mark.parametrize("kind", [pytest.param("mosquitto", marks=pytest.mark.mosquitto), "amqtt"])
 def test_ledger_equals_bytes_on_the_wire(kind: str, tmp_path: Path) -> None:
     if kind == "mosquitto":
-        from conftest import require_mosquitto
+        from helpers.brokers import require_mosquitto
 
         require_mosquitto()
     with EmbeddedBroker(kind=kind, workdir=tmp_path / "broker") as broker:

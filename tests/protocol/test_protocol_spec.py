@@ -14,7 +14,7 @@ from protocol.messages import decode, encode
 from protocol.tensors import Codec
 from protocol.test_vectors import MESSAGE_VECTORS, message_vector_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "protocol" / "PROTOCOL.md").read_text(encoding="utf-8")
 
 

@@ -38,7 +38,7 @@ from protocol.test_vectors import (MESSAGE_VECTORS, SECURITY_VECTOR_UPLOAD_KEY, 
                                    security_vector_keys)
 from protocol.transport import Incoming, tls_context
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RAW = (ser.Encoding.Raw, ser.PublicFormat.Raw)
 FED = "fed-sec"
 
@@ -594,7 +594,7 @@ def test_agent_without_pinned_server_key_is_refused(tmp_path):
 
 
 def test_config_security_section_is_validated():
-    from test_federation import small_config
+    from helpers.federation import small_config
 
     cfg = small_config(security={"sign": True, "encrypt": True})
     assert cfg.security.sign and "[security]" in cfg.to_toml()
