@@ -31,14 +31,16 @@ def incoming(topic: str, payload: bytes) -> Incoming:
 
 
 def memory_server(tmp: Path, *, model, clients: list[str], rounds: int = 2,
-                  feed: Callable[[], Incoming | None] | None = None, keep: bool = True, strategy=None,
-                  test: ArraySplit | None = None, num_samples: int = 100, fed: str = "mem") -> AggregationServer:
-    """An :class:`AggregationServer` (quorum 1, deadline 600 s, run folder ``tmp``) on a memory
-    broker, with ``clients`` joined (``num_samples`` each, all of class 0).
+                  feed: Callable[[], Incoming | list[Incoming] | None] | None = None, keep: bool = True,
+                  strategy=None, test: ArraySplit | None = None, num_samples: int = 100, fed: str = "mem",
+                  deadline_s: float = 600.0) -> AggregationServer:
+    """An :class:`AggregationServer` (quorum 1, round deadline ``deadline_s`` seconds, run folder
+    ``tmp``) on a memory broker, with ``clients`` joined (``num_samples`` each, all of class 0).
 
     Args:
-        feed: called when the server's queue is empty; an :class:`Incoming` it returns is
-            published on the broker by its sender's connection (``None``: nothing to send now).
+        feed: called when the server's queue is empty; each :class:`Incoming` it returns (one, or
+            a list published at once) is published on the broker by its sender's connection
+            (``None``: nothing to send now).
         keep: keep every message the server sends in ``srv.channel.transport.sent``.
         strategy: default FedAvg (``min_clients = 1``); test: default four blank 1×28×28 images.
     """
@@ -52,20 +54,19 @@ def memory_server(tmp: Path, *, model, clients: list[str], rounds: int = 2,
         return devices[cid]
 
     def on_idle() -> None:
-        item = feed() if feed is not None else None
-        if item is None:
-            return
-        if item.received_at > time.monotonic():  # an arrival scripted for later: handed over as is
-            tr.deliver(item)
-        else:
-            device(item.topic).publish(item.topic, item.payload, qos=item.qos)
+        got = feed() if feed is not None else None
+        for item in [] if got is None else got if isinstance(got, list) else [got]:
+            if item.received_at > time.monotonic():  # an arrival scripted for later: handed over as is
+                tr.deliver(item)
+            else:
+                device(item.topic).publish(item.topic, item.payload, qos=item.qos)
 
     tr = broker.connect("server", keep_sent=keep, on_idle=on_idle if feed is not None else None)
     ch = Channel(tr, node_id="server", side="server", federation=fed, ledger=None)
     if test is None:
         test = ArraySplit(np.zeros((4, 1, 28, 28), np.float32), np.zeros(4, np.int64), 10)
     srv = AggregationServer(channel=ch, strategy=strategy or get_strategy("fedavg", min_clients=1), model=model,
-                            test=test, settings=ServerSettings(rounds=rounds, quorum=1, round_deadline_s=600.0,
+                            test=test, settings=ServerSettings(rounds=rounds, quorum=1, round_deadline_s=deadline_s,
                                                                expected_clients=len(clients)),
                             run_dir=tmp)
     for cid in clients:

@@ -23,29 +23,19 @@ The invariants: the run finished; no acknowledged update was left out of its rou
 ``clients_reported``; each agent's ``receipts_accepted`` equals its acknowledged rounds; and,
 where no receipt can be lost in flight, every aggregated update was acknowledged.
 
-Defects this suite found (code at aa36118 .. 1019287), each with a test that reproduces it:
+Besides the scenarios, narrower behaviours under the same faults:
 
-* a QoS 1 message published while the link was down broke ``MqttTransport``: paho keeps
-  ``rc=MQTT_ERR_NO_CONN`` on its ``MQTTMessageInfo`` even after re-sending it, so
-  ``is_published()`` raises. First every later publish raised ``RuntimeError`` (an agent that
-  finished training during a broker outage died: scenario 1); after 117aa66 the message kept its
-  offline-buffer slot for ever (scenario 6, ``test_message_sent_after_an_outage_frees_its_buffer_slot``);
-* an update already aggregated and delivered again after its round closed was answered
-  "round N is closed" (rejected) and counted ``late``
-  (``test_counted_update_resent_after_its_round_closed_is_acknowledged``);
-* after a reconnect the server re-sent the round's global model but did not count the receipts
-  confirming the re-sent copy (``test_receipt_of_the_resent_global_counts_after_a_server_reconnect``);
-* a PUBLISH that paho re-sends after a reconnect is missing from the byte ledger: the DUP flag is
-  read from the wrong argument of paho's ``_packet_queue``
-  (``test_retransmission_after_a_reconnect_is_ledgered``, ``xfail(strict=True)`` while open).
+* a QoS 1 message published while the link is down is sent after the reconnect and then frees
+  its offline-buffer slot (``test_message_sent_after_an_outage_frees_its_buffer_slot``);
+* a PUBLISH that paho re-sends after a reconnect is a ``PUBLISH-DUP`` row of the ledger
+  (``test_retransmission_after_a_reconnect_is_ledgered``).
 
-The first three are fixed in the tree these tests were last run against; their tests are
-regression tests now.
+The server's answers to copies of updates (after their round closed, after a reconnect) are
+tested message by message in tests/broker_server/test_server_rounds.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -56,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +57,6 @@ import paho.mqtt.client as mqtt
 import pytest
 from helpers.checkpoints import checkpoint_round
 from helpers.federation import small_config
-from helpers.memory_server import incoming, memory_server, receipts_to, update_payload
 
 import broker_server.server as server_mod
 import broker_server.simulate as simulate_mod
@@ -78,14 +67,12 @@ from broker_server.server import AggregationServer
 from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm
 from edge_agent.data import load_dataset
-from edge_agent.models import build_model
-from edge_agent.state import state_arrays
 from protocol import topics
 from protocol.channel import Channel
 from protocol.errors import OfflineBufferFull
 from protocol.ledger import Ledger
 from protocol.messages import Chunk, Envelope, Kind, Receipt, Status, Update, decode, encode
-from protocol.transport import Incoming, MqttTransport, Will
+from protocol.transport import MqttTransport, Will
 
 pytestmark = pytest.mark.slow
 
@@ -1007,9 +994,6 @@ def run_slow_device(tmp: Path, *, rounds: int = 2, sleep_s: float = 8.0) -> tupl
     return acc, res
 
 
-# ============================================================================ in-memory server path
-
-
 # ============================================================================ the tests
 
 
@@ -1125,9 +1109,9 @@ def test_device_joins_mid_run(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", [pytest.param("mosquitto", marks=pytest.mark.mosquitto), "amqtt"])
 def test_offline_buffer_is_bounded_and_drains(kind: str, tmp_path: Path) -> None:
-    """Found by this suite: at aa36118 the 2nd publish during the outage raised RuntimeError (from
-    ``_prune``); at 117aa66 the buffer never drained (a message queued offline kept its slot, and
-    ``publish(wait_s=...)`` of it timed out although it was delivered)."""
+    """While the broker is gone, publishes fill the bounded offline buffer (no error before it is
+    full, ``OfflineBufferFull`` after); once the broker is back, every queued message is delivered,
+    its slot freed, and ``publish(wait_s=...)`` of it returns."""
     if kind == "mosquitto":
         from helpers.brokers import require_mosquitto
 
@@ -1146,10 +1130,10 @@ def test_offline_buffer_is_bounded_and_drains(kind: str, tmp_path: Path) -> None
 
 
 def test_message_sent_after_an_outage_frees_its_buffer_slot(tmp_path: Path) -> None:
-    """The root cause in isolation: one QoS 1 publish while the broker is down, then the broker
-    comes back and paho re-sends it (its PUBACK arrives); the transport must then forget it.
-    (paho keeps ``rc=MQTT_ERR_NO_CONN`` on such a message's ``MQTTMessageInfo`` for ever, so its
-    ``is_published()`` raises: found by this suite, see scenario 6.)"""
+    """One QoS 1 publish while the broker is down; the broker comes back, paho re-sends it and its
+    PUBACK arrives: the transport then forgets it (its offline-buffer slot is free), although
+    paho keeps ``rc=MQTT_ERR_NO_CONN`` on such a message's ``MQTTMessageInfo`` (whose
+    ``is_published()`` then raises)."""
     with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
         tr = MqttTransport(f"outage-{time.time_ns()}", broker.host, broker.port)
         tr.connect()
@@ -1174,78 +1158,6 @@ def test_slow_device_stays_connected_past_keepalive(tmp_path: Path) -> None:
     assert x["pings"].get("client-001", 0) >= 1  # keepalive ran while it trained
     assert "client-001" in acc.counted[1] and "client-001" in acc.acked[1]
     assert_accounting(acc, 2)
-
-
-def test_counted_update_resent_after_its_round_closed_is_acknowledged(tmp_path: Path) -> None:
-    """Found by this suite (the 'round closed' branch of ``AggregationServer._on_update`` came
-    before any memory of who was counted: the answer was 'round 1 is closed', rejected, and the
-    copy was counted ``late``).
-
-    Round 1: client A's update is counted (its receipt is lost on the way). Round 2 is open
-    when A's copy of the same update arrives again. What the receipt must say: accepted,
-    'duplicate: already counted' — the update is in round 1's aggregate — and the metrics must
-    count a duplicate, not a late update."""
-    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
-    like = list(state_arrays(torch_model))
-    rng = np.random.default_rng(0)
-    fed = "mem"
-    feed: deque[Incoming] = deque()
-    srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=2,
-                        feed=lambda: feed.popleft() if feed else None, fed=fed)
-    tr = srv.channel.transport
-    a1 = update_payload(fed, "client-a", 1, 2, like, rng)
-    feed.extend([incoming(*a1), incoming(*update_payload(fed, "client-b", 1, 2, like, rng))])
-    m1 = srv.run_round(1)
-    assert m1["clients_reported"] == 2 and not m1["skipped"]
-    feed.extend([incoming(*a1),  # the same bytes again: round 1 is closed, round 2 open
-                 incoming(*update_payload(fed, "client-a", 2, 3, like, rng)),
-                 incoming(*update_payload(fed, "client-b", 2, 3, like, rng))])
-    m2 = srv.run_round(2)
-    assert m2["clients_reported"] == 2
-    answers = [b for r, b in receipts_to(tr, "client-a") if r == 1 and b.ref_kind == Kind.UPDATE]
-    assert len(answers) == 2
-    assert answers[0].accepted
-    assert answers[1].accepted, f"the redelivered, counted update was answered: {answers[1].reason!r}"
-    assert srv.totals["late"] == 0 and srv.totals["duplicates"] == 1
-
-
-def test_receipt_of_the_resent_global_counts_after_a_server_reconnect(tmp_path: Path) -> None:
-    """Found by this suite (``_resync_round`` re-encoded the model, so a new payload hash, but
-    kept the first send's ``_global_sha256``: every confirmation of the re-sent copy was logged as
-    'another hash' and left out of ``global_receipts``).
-
-    The server's link comes back mid-round (a broker restart): it re-sends the round's global
-    model; an agent confirms that copy with its hash. The confirmation must be counted."""
-    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
-    like = list(state_arrays(torch_model))
-    rng = np.random.default_rng(1)
-    fed = "mem"
-    phase = [0]
-
-    def feed() -> Incoming | None:
-        globals_ = [p for t, p in srv.channel.transport.sent if t.endswith("/down/global")]
-        if phase[0] == 0:  # the link came back: paho's thread calls this after the 2nd CONNACK
-            phase[0] = 1
-            srv._on_reconnect(2)
-        elif phase[0] == 1 and len(globals_) == 2:  # the re-sent model reached the agent: it confirms it
-            phase[0] = 2
-            env = decode(globals_[-1]).envelope
-            receipt = Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True,
-                              sha256=hashlib.sha256(globals_[-1]).digest())
-            return incoming(topics.up(fed, "client-a", Kind.RECEIPT),
-                            encode(Envelope(round=1, sender="client-a", seq=5, body=receipt)).payload)
-        elif phase[0] == 2:
-            phase[0] = 3
-            return incoming(*update_payload(fed, "client-a", 1, 6, like, rng))
-        return None
-
-    srv = memory_server(tmp_path, model=torch_model, clients=["client-a"], rounds=1, feed=feed, fed=fed)
-    tr = srv.channel.transport
-    m = srv.run_round(1)
-    assert srv.resyncs == 1
-    assert len([t for t, _ in tr.sent if t.endswith("/down/global")]) == 2
-    assert m["clients_reported"] == 1
-    assert m["global_receipts"] == 1, "the agent's confirmation of the re-sent model was not counted"
 
 
 def test_retransmission_after_a_reconnect_is_ledgered(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ import torch
 from helpers.federation import small_config
 
 from broker_server.checkpoint import CheckpointStore
+from broker_server.server import AggregationServer
 from broker_server.simulate import simulate
 from broker_server.strategies.feddyn import FedDyn
 from broker_server.strategies.scaffold import Scaffold
@@ -261,3 +262,56 @@ def test_lost_receipt_is_the_case_still_not_covered(tmp_path: Path, caplog) -> N
     lost = fleet.sent_extras[(2, 1)][CONTROL_DELTA].astype(np.float64)
     assert np.abs(lost).max() > 1e-4
     np.testing.assert_allclose(server - fleet.mean_committed(2, size), lost / 3, atol=TOL)
+
+
+# ------------------------------------------------------------------ a server resumed mid-round
+
+
+def _crash_and_resume_before_checkpoint(monkeypatch: pytest.MonkeyPatch, crash_round: int) -> None:
+    """Emulate ``kill -9`` of the server after round ``crash_round``'s updates were accepted and
+    acknowledged but before that round's checkpoint, then ``fedfleet server --resume`` with the
+    agents still running: the server's state goes back to the checkpoint of the round before
+    (as :meth:`AggregationServer.resume` of a fresh process loads it; a fresh process also has
+    no memory of whom it counted), the agents' retained ``online`` statuses mark them online,
+    and the run loop runs ``crash_round`` again."""
+    real = AggregationServer._checkpoint
+    crashed: list[bool] = []
+
+    def checkpoint(self: AggregationServer, accuracy) -> None:
+        if self.round == crash_round and not crashed:
+            crashed.append(True)
+            self.resume(self.checkpoints.load(crash_round - 1))
+            self._counted.clear()
+            for rec in self.registry.values():
+                rec.online = True
+            return
+        real(self, accuracy)
+
+    monkeypatch.setattr(AggregationServer, "_checkpoint", checkpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["scaffold", "feddyn"])
+def test_server_resumed_mid_round_keeps_the_devices_committed_state(tmp_path: Path, monkeypatch,
+                                                                    algorithm: str) -> None:
+    """The server dies during round 2 after accepting (and acknowledging) every update, before its
+    round-2 checkpoint; the resumed server runs round 2 again from round 1's checkpoint. The
+    devices committed their round-2 c_i / ∇L_k on the accepted receipts; each sends its update
+    again when round 2 starts again (it was not refused), the resumed server counts them, and
+    c / h is again the mean of the committed device states (gap < TOL every round)."""
+    _crash_and_resume_before_checkpoint(monkeypatch, 2)
+    fleet = Fleet()
+    cfg = _cfg(algorithm, clients=3, quorum=2, rounds=3).replace("server", round_deadline_s=10.0)
+    res = simulate(cfg, run_dir=tmp_path / "run", agent_hook=fleet)
+    m = res.metrics
+    assert [x["round"] for x in m] == [1, 2, 3]
+    # the resumed round 2 is made of the devices' counted round-2 updates, sent again
+    assert [x["clients_reported"] for x in m] == [3, 3, 3] and not any(x["skipped"] for x in m)
+    assert all(a.pending_round is None for a in fleet.algs.values())
+    size = _size(fleet)
+    assert np.abs(fleet.mean_committed(2, size) - fleet.mean_committed(1, size)).max() > 1e-4  # round 2 moved them
+    gaps = [_gap(res.run_dir, algorithm, fleet, r, size) for r in (1, 2, 3)]
+    assert max(gaps) < TOL, gaps
+    server2, n = _server_state(res.run_dir, algorithm, 2)
+    assert n == 3
+    np.testing.assert_allclose(server2, fleet.mean_committed(2, size), atol=TOL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import random
 import tracemalloc
 
@@ -12,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocol import topics
+from protocol.channel import Channel, Received, Rejected
 from protocol.chunking import (
     DEFAULT_CHUNK_BYTES,
     ChunkError,
@@ -33,6 +36,7 @@ from protocol.messages import (
     decode,
     encode,
 )
+from protocol.memory_transport import MemoryBroker, MemoryTransport
 from protocol.mqtt_bytes import MQTT_V5, max_payload_for, publish_size
 
 TOPIC = "fedfleet/v1/fed-a/up/client-007/update"
@@ -632,3 +636,68 @@ def test_property_any_order_with_duplicates_reassembles(size: int, chunk_bytes: 
     assert feed(r, "client-x", sequence) == [p]
     assert r.completed == 1 and r.duplicates == len(sequence) - len(chunks)
     assert r.buffered_bytes == 0 and r.pending() == []
+
+
+# --------------------------------------------------------------------------------------------
+# The server's channel under forged chunks (configured as AggregationServer configures its own)
+
+SERVER_FED = "fed-chunks"
+
+
+def _server_channel() -> tuple[Channel, MemoryTransport]:
+    """A server channel on a memory broker: transfers admitted only from joined clients (here
+    client-000) and bounded by the model size (16 MiB), at most 4 open per sender."""
+    broker = MemoryBroker()
+    tr = broker.connect("server")
+    tr.subscribe(topics.server_filters(SERVER_FED))
+    ch = Channel(tr, node_id="server", side="server", federation=SERVER_FED, ledger=None,
+                 transfer_filter=lambda sender: sender == "client-000",
+                 reassembler=Reassembler(max_transfer_bytes=16 * 1024 * 1024, max_sender_transfers=4))
+    return ch, broker.connect("anyone")
+
+
+def _publish_update(client: MemoryTransport, sender: str, body, seq: int = 1) -> None:
+    payload = encode(Envelope(round=1, sender=sender, seq=seq, body=body)).payload
+    client.publish(topics.up(SERVER_FED, sender, Kind.UPDATE), payload)
+
+
+def _legit_update_arrives(ch: Channel, client: MemoryTransport) -> bool:
+    """client-000 sends a 3.2 MB update in 1 MiB chunks; True when the server channel reassembles
+    it and refuses none of its chunks."""
+    upd = Update(tensors=(np.ones(800_000, np.float32),), num_samples=10, train_loss=0.1)
+    whole = encode(Envelope(round=1, sender="client-000", seq=1, body=upd)).payload
+    chunks = split(whole, chunk_bytes=1024 * 1024)
+    for i, c in enumerate(chunks):
+        _publish_update(client, "client-000", c, seq=2 + i)
+    results = list(iter(lambda: ch.receive(0.0), None))  # chunks are taken in; whole messages come out
+    return len(results) == 1 and isinstance(results[0], Received)
+
+
+def test_server_channel_reassembles_a_chunked_update_of_a_joined_client() -> None:
+    assert _legit_update_arrives(*_server_channel())
+
+
+def test_chunks_from_senders_outside_the_federation_hold_no_reassembly_slot() -> None:
+    """64 one-byte chunks from 64 made-up ids (enough to fill every slot of an unfiltered
+    reassembler) are each refused, and a joined client's chunked update still gets through."""
+    ch, client = _server_channel()
+    for i in range(64):
+        forged = Chunk(transfer_id=os.urandom(16), index=0, count=2, offset=0, total_bytes=2, sha256=bytes(32),
+                       data=b"x")
+        _publish_update(client, f"made-up-{i}", forged)
+        assert isinstance(ch.receive(0.0), Rejected)
+    assert ch.reassembler.pending() == []
+    assert _legit_update_arrives(ch, client)
+
+
+def test_declared_transfer_sizes_reserve_no_memory_before_the_bytes_arrive() -> None:
+    """Two 1 MiB chunks declaring 256 MiB transfers each leave at most 64 MiB buffered (not the
+    512 MiB declared), and a joined client's chunked update still gets through."""
+    ch, client = _server_channel()
+    for s in ("made-up-1", "made-up-2"):
+        forged = Chunk(transfer_id=os.urandom(16), index=0, count=256, offset=0, total_bytes=256 * 1024 * 1024,
+                       sha256=bytes(32), data=b"x" * (1024 * 1024))
+        _publish_update(client, s, forged)
+        ch.receive(0.0)
+    assert ch.reassembler.buffered_bytes <= 64 * 1024 * 1024
+    assert _legit_update_arrives(ch, client)

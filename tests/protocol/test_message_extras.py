@@ -105,3 +105,16 @@ def test_extras_must_be_a_map() -> None:
     payload = pack([1, 4, 1, "c", 1, 0, pack([[], 1, 0.0, {}, False, [1, 2]])])
     with pytest.raises(MalformedMessage, match="body.extras"):
         decode(payload)
+
+
+def test_nil_extras_in_an_update_is_a_protocol_error() -> None:
+    """An update whose 6th body field (extras) is msgpack nil is refused with a ProtocolError
+    ("nothing else escapes"), not an AttributeError."""
+    payload = pack([1, 4, 1, "client-000", 1_000, 0, pack([[], 10, 0.5, {}, False, None])])
+    with pytest.raises(ProtocolError):
+        decode(payload)
+
+
+def test_nil_extras_in_a_global_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError):
+        decode(pack([1, 3, 1, "server", 7, 0, pack([[], {}, None])]))
