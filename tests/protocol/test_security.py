@@ -12,7 +12,6 @@ import os
 import sqlite3
 import stat
 import time
-from collections import deque
 from pathlib import Path
 
 import msgpack
@@ -33,6 +32,7 @@ from protocol import topics
 from protocol.channel import Channel, Received, Rejected
 from protocol.errors import SecurityConfigError, SecurityRejection
 from protocol.ledger import SCHEMA_VERSION, Ledger, LedgerRow
+from protocol.memory_transport import MemoryBroker
 from protocol.messages import Envelope, Kind, Receipt, RoundStart, Status, Update, decode, encode
 from protocol.test_vectors import (MESSAGE_VECTORS, SECURITY_VECTOR_UPLOAD_KEY, SECURITY_VECTORS,
                                    security_vector_keys)
@@ -678,33 +678,12 @@ def test_schema_1_ledger_is_rebuilt_and_a_newer_one_refused(tmp_path):
 # ------------------------------------------------------------------------------------------ channel
 
 
-class _Loop:
-    """Two in-memory transports: what one publishes the other gets (topic filters ignored)."""
-
-    def __init__(self, client_id: str) -> None:
-        self.client_id = client_id
-        self.inbox: deque[Incoming] = deque()
-        self.peer: _Loop | None = None
-        self.published: list[tuple[str, bytes]] = []
-
-    def subscribe(self, filters, qos=1):
-        pass
-
-    def publish(self, topic, payload, *, qos=1, retain=False, wait_s=None):
-        self.published.append((topic, payload))
-        self.peer.inbox.append(Incoming(topic, bytes(payload), qos, retain, time.monotonic()))
-
-    def get(self, timeout_s):
-        return self.inbox.popleft() if self.inbox else None
-
-    def close(self):
-        pass
-
-
 def test_chunked_transfer_signed_and_encrypted_through_channels(tmp_path):
     dev, srv, agent_sec, server_sec = _pair()
-    a, s = _Loop("a"), _Loop("s")
-    a.peer, s.peer = s, a
+    broker = MemoryBroker()
+    a, s = broker.connect("client-007"), broker.connect("server")
+    a.subscribe(topics.agent_filters(FED, "client-007"))
+    s.subscribe(topics.server_filters(FED))
     ledger = Ledger(tmp_path / "ledger.sqlite")
     agent = Channel(a, node_id="client-007", side="agent", federation=FED, ledger=ledger, chunk_bytes=256 * 1024,
                     security=agent_sec)
@@ -712,24 +691,24 @@ def test_chunked_transfer_signed_and_encrypted_through_channels(tmp_path):
     rng = np.random.default_rng(1)
     big = Update((rng.standard_normal(300_000).astype(np.float32),), 10, 0.25)  # 1.2 MB: 5 chunks
     enc = agent.send(topics.up(FED, "client-007", Kind.UPDATE), big, round=0)
-    got = [server.accept(inc) for inc in list(s.inbox)]
+    got = [server.accept(inc) for inc in iter(lambda: s.get(0), None)]
     whole = [g for g in got if isinstance(g, Received)]
     assert len(whole) == 1 and not [g for g in got if isinstance(g, Rejected)]
     np.testing.assert_array_equal(whole[0].envelope.body.tensors[0], big.tensors[0])
     assert whole[0].sha256 == hashlib.sha256(enc.payload).digest()
     # every chunk on the wire is sealed and its body encrypted: no float of the model in clear
     probe = big.tensors[0][1000:1004].tobytes()
-    assert all(p[0] == 0x98 and probe not in p for _, p in a.published)
+    assert all(p[0] == 0x98 and probe not in p for _, p in a.sent)
     rows = ledger.rows("side='agent' AND event='sent'")
     assert len(rows) == 5 and all(r.sig_bytes > 60 and r.enc_bytes == 16 for r in rows)
     assert all(r.payload_bytes == r.envelope_bytes + r.body_bytes + r.sig_bytes + r.enc_bytes for r in rows)
     # the same chunks again: each one is a replay
-    replays = [server.accept(Incoming(t, p, 1, False, time.monotonic())) for t, p in a.published]
+    replays = [server.accept(Incoming(t, p, 1, False, time.monotonic())) for t, p in a.sent]
     assert [r.code for r in replays] == ["replayed"] * 5
     assert server.ledger.rows("event='rejected'")[0].reason.startswith("replayed:")
     # a small message to the agent: signed by the server, verified by the agent
     server.send(topics.down_to(FED, "client-007", Kind.RECEIPT), Receipt(4, enc.seq, True), round=0)
-    assert isinstance(agent.accept(a.inbox.popleft()), Received)
+    assert isinstance(agent.accept(a.get(0)), Received)
     ledger.close()
 
 
