@@ -178,12 +178,14 @@ class DivergingStrategy(FedAvg):
 
 
 def test_a_diverged_client_withdraws_and_the_round_does_not_wait_for_the_deadline(tmp_path: Path) -> None:
-    cfg = small_config(run={"rounds": 2}, server={"round_deadline_s": 120.0}, train={"algorithm": "plumbing-nan"})
+    """A client whose training diverges withdraws (``idle``) instead of uploading NaN: each round
+    closes on the other two reports. The deadline (1 h) is far beyond pytest's timeout, so the
+    run finishing at all shows that no round waited for it."""
+    cfg = small_config(run={"rounds": 2}, server={"round_deadline_s": 3600.0}, train={"algorithm": "plumbing-nan"})
     res = simulate(cfg, run_dir=tmp_path / "run")
     assert res.rounds_completed == 2
     for m in res.metrics:
         assert m["withdrawn"] == 1 and m["clients_reported"] == 2 and m["invalid"] == 0
-        assert m["seconds"] < 60  # closed when the two others reported, not at the 120 s deadline
         assert m["accuracy"] > 0.3  # the NaN update was never aggregated
     import sqlite3
 
@@ -207,10 +209,14 @@ class RefusingStrategy(FedAvg):
 
 
 def test_a_refused_update_is_not_awaited_until_the_deadline(tmp_path: Path) -> None:
-    cfg = small_config(run={"rounds": 2}, server={"round_deadline_s": 120.0}, train={"algorithm": "plumbing-refused"})
+    """A refused update settles its client for the round: each round closes on the other two
+    reports. The deadline (1 h) is far beyond pytest's timeout, so the run finishing at all
+    shows that no round waited for it."""
+    cfg = small_config(run={"rounds": 2}, server={"round_deadline_s": 3600.0}, train={"algorithm": "plumbing-refused"})
     res = simulate(cfg, run_dir=tmp_path / "run")
+    assert res.rounds_completed == 2
     for m in res.metrics:
-        assert m["invalid"] == 1 and m["clients_reported"] == 2 and m["seconds"] < 60
+        assert m["invalid"] == 1 and m["clients_reported"] == 2
 
 
 def test_partial_share_switches_client_eval_on_and_skips_the_onnx_export(tmp_path: Path) -> None:

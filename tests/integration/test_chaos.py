@@ -1051,7 +1051,6 @@ def test_agent_killed_mid_upload(tmp_path: Path) -> None:
     m = read_metrics(res.run_dir)
     # round 1 closed at the deadline with the two others (quorum 2): aggregated, not skipped
     assert m[0]["clients_selected"] == 3 and m[0]["clients_reported"] == 2 and not m[0]["skipped"]
-    assert m[0]["seconds"] >= 15.0 - 0.2  # waited for the deadline
     assert sorted(acc.counted[1]) == ["client-000", "client-001"]
     # the dead agent's last will took it out of round 2
     assert m[1]["clients_selected"] == 2 and m[1]["clients_reported"] == 2

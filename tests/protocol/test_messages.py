@@ -245,8 +245,9 @@ def test_numpy_scalars_in_maps_are_sent_as_plain_scalars() -> None:
 
 
 def test_envelope_overhead_of_a_typical_update_is_at_most_32_bytes() -> None:
+    before = int(time.time() * 1000)
     ts = now_ms()
-    assert abs(ts - time.time() * 1000) < 60_000
+    assert before <= ts <= int(time.time() * 1000) + 1  # milliseconds since the epoch, now
     for n in (1_000, 100_000):  # body in a bin16 and in a bin32
         body = Update(tensors=(np.zeros(n, np.float32),), num_samples=600, train_loss=0.4)
         enc = encode(Envelope(round=3, sender="client-007", seq=5, body=body, timestamp_ms=ts))
@@ -397,14 +398,11 @@ def test_huge_shape_fails_fast_without_allocating() -> None:
     payload = frame(tensor_body([0, 1, [2**40], bytes(16)]))
     tracemalloc.start()
     try:
-        t0 = time.perf_counter()
         with pytest.raises(TensorError):
             decode(payload)
-        elapsed = time.perf_counter() - t0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 0.5
     assert peak < 1 << 20, f"peak allocation {peak} bytes"
 
 
