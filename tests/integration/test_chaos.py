@@ -76,7 +76,7 @@ from protocol.transport import MqttTransport, Will
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ============================================================================ configuration

@@ -256,7 +256,7 @@ def test_quorum_missed_skips_the_round(tmp_path: Path) -> None:
 
 
 def test_cli_simulate_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = fedfleet_main(["simulate", "--config", str(root / "examples" / "quickstart.toml"), "--rounds", "1",
                           "--clients", "2", "--out", str(tmp_path / "cli"), "-q"])
     out = capsys.readouterr().out

@@ -1,8 +1,9 @@
-"""Property-based fuzzing of the decoders: 4 × 2,500 = 10,000 random and mutated messages.
+"""Property-based fuzzing of the decoders: 4 × 1,000 = 4,000 random and mutated messages
+(derandomized: the same examples on every run).
 
 Whatever the bytes, ``decode`` returns a message or raises a ``ProtocolError`` subclass: no
-other exception, no hang (each example has a deadline), no unbounded memory (a payload cannot
-make the decoder allocate much more than its own size, checked with tracemalloc).
+other exception, no hang (pytest-timeout stops the module), no unbounded memory (a payload
+cannot make the decoder allocate much more than its own size, checked with tracemalloc).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from protocol.messages import (Chunk, Envelope, Finish, Global, Join, Receipt, R
                                decode, encode)
 from protocol.tensors import Codec, encode_tensor
 
-FUZZ = settings(max_examples=2500, deadline=1000, suppress_health_check=[HealthCheck.too_slow],
+FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True, database=None)
 
 _rng = np.random.default_rng(0)
