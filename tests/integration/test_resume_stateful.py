@@ -137,9 +137,9 @@ def test_resume_fedadam_keeps_its_moments(tmp_path: Path) -> None:
         n = sum(u.num_samples for u in ups.values())
         mean = [sum(u.num_samples * np.asarray(u.tensors[i], np.float64) for u in ups.values()) / n
                 for i in range(len(ckpt.tensors))]
-        delta = [m - np.asarray(w, np.float64) for m, w in zip(mean, ckpt.tensors)]
-        m2 = [0.9 * m1 + 0.1 * d for m1, d in zip(ckpt.strategy_state["m"], delta)]
-        for a, b in zip(m2, final["m"]):
+        delta = [m - np.asarray(w, np.float64) for m, w in zip(mean, ckpt.tensors, strict=True)]
+        m2 = [0.9 * m1 + 0.1 * d for m1, d in zip(ckpt.strategy_state["m"], delta, strict=True)]
+        for a, b in zip(m2, final["m"], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
 
 
@@ -154,6 +154,6 @@ def test_resume_feddyn_keeps_h(tmp_path: Path) -> None:
     store.close()
     ups = [env.body for _, env in msgs if type(env.body).__name__ == "Update" and env.round == 2]
     alpha, N = 0.01, final["clients_seen"]
-    for i, (h1, h2) in enumerate(zip(ckpt.strategy_state["h"], final["h"])):
+    for i, (h1, h2) in enumerate(zip(ckpt.strategy_state["h"], final["h"], strict=True)):
         s = sum(np.asarray(u.tensors[i], np.float64) - ckpt.tensors[i] for u in ups)
         np.testing.assert_allclose(h2, h1 - alpha / N * s, rtol=1e-5, atol=1e-9)
