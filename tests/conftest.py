@@ -1,33 +1,25 @@
-"""Shared pytest helpers and fixtures for the fedfleet test suite.
+"""Shared pytest fixtures for the fedfleet test suite (plain helpers are in tests/helpers/).
 
-- ``require_mosquitto()``: skip a test when the ``mosquitto`` binary is missing, but FAIL it when
-  the environment variable ``CI`` is ``"true"`` (Mosquitto is required in CI, DESIGN.md §8).
-- ``broker_kind``: parametrized over ``"mosquitto"`` (marked ``mosquitto``) and ``"amqtt"``.
+- ``broker_kind``: parametrized over ``"mosquitto"`` (marked ``mosquitto``) and ``"amqtt"``; the
+  Mosquitto case goes through ``helpers.brokers.require_mosquitto()`` (skip without the binary,
+  fail when CI == "true").
 - ``embedded_broker``: a running ``EmbeddedBroker`` of ``broker_kind``, logging under ``tmp_path``.
+- ``digits`` / ``digits_model``: scikit-learn's digits, and a LightCNN (1×8×8) trained two epochs
+  on its train split (≈ 0.9 accuracy); one of each per test module.
+- ``_offline`` (autouse): torchvision downloads are disabled for every test.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from helpers.brokers import BROKER_KINDS, require_mosquitto
 
-from broker_server.embedded_broker import EmbeddedBroker, mosquitto_available
-
-#: Broker implementations the integration tests run against.
-BROKER_KINDS = ("mosquitto", "amqtt")
-
-
-def require_mosquitto() -> None:
-    """Skip the calling test when no ``mosquitto`` binary is installed; fail it when CI == "true"."""
-    if mosquitto_available():
-        return
-    reason = "mosquitto binary not found on PATH or in /usr/sbin (apt-get install mosquitto)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; Mosquitto is required when CI=true", pytrace=False)
-    pytest.skip(reason=reason)
+from broker_server.embedded_broker import EmbeddedBroker
 
 
 @pytest.fixture(
@@ -46,6 +38,36 @@ def embedded_broker(broker_kind: str, tmp_path: Path) -> Iterator[EmbeddedBroker
     """A started ``EmbeddedBroker(kind=broker_kind)``; stopped after the test. Log in ``tmp_path``."""
     with EmbeddedBroker(kind=broker_kind, workdir=tmp_path / f"broker-{broker_kind}") as broker:
         yield broker
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """scikit-learn's digits as a fedfleet data set (1×8×8 images, 10 classes; offline)."""
+    from edge_agent.data import load_dataset
+
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def digits_model(digits) -> torch.nn.Module:
+    """A LightCNN (1×8×8) trained for two epochs on the digits train split (~0.9 accuracy)."""
+    from edge_agent.algorithms import TrainConfig
+    from edge_agent.algorithms.fedavg import sgd_epochs
+    from edge_agent.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+    config = TrainConfig(local_epochs=2, batch_size=32, lr=0.05, momentum=0.9)
+    generator = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: one thread is fastest, and immune to a busy machine
+    try:
+        sgd_epochs(model, torch.from_numpy(np.array(digits.train.x)),
+                   torch.from_numpy(np.array(digits.train.y)), config, generator,
+                   torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,986 @@
+"""Tests of the communication audit (broker_server.audit) against a hand-made ledger.
+
+The ledger below describes 2 rounds, 2 agents (a1, a2). In each round the server broadcasts one
+``global`` (received by both agents) and each agent uploads one ``update``. In round 2 the server
+rejects a2's update, so that upload is paid by a2's link but never counted on the server's.
+Every expected number is worked out by hand from the byte columns written in ``_rows``.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import re
+import sqlite3
+from dataclasses import asdict, replace
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from broker_server.audit import (  # noqa: E402
+    AuditError,
+    _short_run_labels,
+    RunAudit,
+    accuracy_curve,
+    audit_report,
+    body_fields,
+    by_client,
+    by_kind,
+    by_round,
+    bytes_to_target,
+    comparison_row,
+    cumulative_bytes,
+    field_bytes_per_client_round,
+    field_codecs,
+    link_time_s,
+    load_run,
+    main_audit,
+    rejected,
+    render_comparison_text,
+    render_html,
+    render_text,
+    totals,
+    whole_message,
+    write_html,
+)
+from broker_server.cli import main as fedfleet_main  # noqa: E402
+from protocol.ledger import Ledger, LedgerRow  # noqa: E402
+
+FED = "fed-test"
+T_GLOBAL = f"fedfleet/v1/{FED}/down/global"  # 32 characters
+T_UP = {c: f"fedfleet/v1/{FED}/up/{c}/update" for c in ("a1", "a2")}  # 33 characters each
+HDR = 5  # MQTT fixed + variable header bytes, same for every packet here
+ENV_G, ENV_U = 25, 27  # envelope bytes of a global / an update
+BODY_G = {1: 1000, 2: 2000}  # global body bytes per round
+BODY_U = {(1, "a1"): 400, (1, "a2"): 600, (2, "a1"): 500, (2, "a2"): 700}  # update body bytes
+REJECT_REASON = "sender 'a3' does not match topic client 'a2'"
+
+# Wire bytes per packet, by hand: header + topic + (envelope + body).
+G1 = 5 + 32 + (25 + 1000)  # 1062
+G2 = 5 + 32 + (25 + 2000)  # 2062
+U1A1 = 5 + 33 + (27 + 400)  # 465
+U1A2 = 5 + 33 + (27 + 600)  # 665
+U2A1 = 5 + 33 + (27 + 500)  # 565
+U2A2 = 5 + 33 + (27 + 700)  # 765 (rejected by the server)
+
+
+def _row(side: str, node: str, event: str, direction: str, kind: str, rnd: int | None, client: str,
+         topic: str, envelope: int, body: int, reason: str = "") -> LedgerRow:
+    return LedgerRow(federation=FED, side=side, node=node, event=event, direction=direction, kind=kind,
+                     round=rnd, client=client, sender=None, seq=None, topic=topic,
+                     topic_bytes=len(topic.encode()), mqtt_header_bytes=HDR, envelope_bytes=envelope,
+                     body_bytes=body, payload_bytes=envelope + body, qos=1, reason=reason)
+
+
+def _rows() -> list[LedgerRow]:
+    rows = []
+    for rnd in (1, 2):
+        rows.append(_row("server", "server", "sent", "down", "global", rnd, "*", T_GLOBAL, ENV_G, BODY_G[rnd]))
+        for c in ("a1", "a2"):
+            rows.append(_row("agent", c, "received", "down", "global", rnd, c, T_GLOBAL, ENV_G, BODY_G[rnd]))
+        for c in ("a1", "a2"):
+            body = BODY_U[(rnd, c)]
+            rows.append(_row("agent", c, "sent", "up", "update", rnd, c, T_UP[c], ENV_U, body))
+            if (rnd, c) == (2, "a2"):
+                # What channel.accept writes: kind 'invalid', no round, all payload counted as envelope.
+                rows.append(_row("server", "server", "rejected", "up", "invalid", None, c, T_UP[c],
+                                 ENV_U + body, 0, reason=REJECT_REASON))
+            else:
+                rows.append(_row("server", "server", "received", "up", "update", rnd, c, T_UP[c], ENV_U, body))
+    return rows
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "run-1"
+    with Ledger(run / "ledger.sqlite") as ledger:
+        ledger.set_meta("federation", FED)
+        for r in _rows():
+            ledger.record(r)
+    metrics = [
+        {"round": 1, "accuracy": 0.5, "loss": 1.2, "clients_reported": 2, "bytes_up": 0, "bytes_down": 0,
+         "seconds": 1.0},
+        {"round": 2, "accuracy": 0.75, "loss": 0.8, "clients_reported": 1, "bytes_up": 0, "bytes_down": 0,
+         "seconds": 1.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return run
+
+
+@pytest.fixture
+def rows(run_dir):
+    return load_run(run_dir).rows
+
+
+def test_hand_numbers_are_consistent():
+    assert len(T_GLOBAL) == 32 and all(len(t) == 33 for t in T_UP.values())
+    assert (G1, G2, U1A1, U1A2, U2A1, U2A2) == (1062, 2062, 465, 665, 565, 765)
+
+
+def test_load_run(run_dir):
+    run = load_run(run_dir)
+    assert isinstance(run, RunAudit)
+    assert len(run.rows) == 14  # 7 per round
+    assert run.meta["federation"] == FED
+    assert [m["round"] for m in run.metrics] == [1, 2]
+
+
+def test_totals_device_view(rows):
+    t = totals(rows, "device")
+    assert t["view"] == "device"
+    up_body = 400 + 600 + 500 + 700
+    down_body = 2 * 1000 + 2 * 2000  # each broadcast counted once per receiving agent
+    assert t["up"] == {"messages": 4, "body_bytes": up_body, "envelope_bytes": 4 * 27,
+                       "mqtt_bytes": 4 * (5 + 33), "control_messages": 0, "control_bytes": 0,
+                       "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
+                       "wire_bytes": U1A1 + U1A2 + U2A1 + U2A2,
+                       "overhead_share": pytest.approx((2460 - up_body) / 2460)}
+    assert t["up"]["wire_bytes"] == 2460
+    assert t["down"] == {"messages": 4, "body_bytes": down_body, "envelope_bytes": 4 * 25,
+                         "mqtt_bytes": 4 * (5 + 32), "control_messages": 0, "control_bytes": 0,
+                         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
+                         "wire_bytes": 2 * G1 + 2 * G2,
+                         "overhead_share": pytest.approx((6248 - down_body) / 6248)}
+    assert t["down"]["wire_bytes"] == 6248
+    assert t["all"]["messages"] == 8
+    assert t["all"]["body_bytes"] == 8200
+    assert t["all"]["envelope_bytes"] == 208
+    assert t["all"]["mqtt_bytes"] == 300
+    assert t["all"]["wire_bytes"] == 8708 == 8200 + 208 + 300
+    assert t["all"]["overhead_share"] == pytest.approx(508 / 8708)
+
+
+def test_totals_server_view(rows):
+    t = totals(rows, "server")
+    # Broadcast once per round; the rejected upload crossed the server's link too (its bytes count,
+    # all as overhead: a rejected row has no body).
+    assert t["down"]["messages"] == 2
+    assert t["down"]["wire_bytes"] == G1 + G2 == 3124
+    assert t["down"]["body_bytes"] == 3000
+    assert t["up"]["messages"] == 4
+    assert t["up"]["wire_bytes"] == U1A1 + U1A2 + U2A1 + U2A2 == 2460
+    assert t["up"]["body_bytes"] == 1500
+    assert t["all"]["wire_bytes"] == 5584
+    assert t["all"]["overhead_share"] == pytest.approx((5584 - 4500) / 5584)
+
+
+def test_server_view_differs_from_device_view_as_defined(rows):
+    dev, srv = totals(rows, "device"), totals(rows, "server")
+    n_agents = 2
+    # Downloads: the device side pays each broadcast once per agent that received it.
+    for key in ("messages", "body_bytes", "envelope_bytes", "mqtt_bytes", "wire_bytes"):
+        assert dev["down"][key] == n_agents * srv["down"][key]
+    # Uploads: the same bytes on both links (the rejected one crossed both); only its body is
+    # missing on the server side, where a rejected payload counts as overhead.
+    assert dev["up"]["messages"] == srv["up"]["messages"] == 4
+    assert dev["up"]["wire_bytes"] == srv["up"]["wire_bytes"]
+    assert dev["up"]["body_bytes"] - srv["up"]["body_bytes"] == 700
+    # Per client in the server view, a broadcast is one row for client '*'.
+    srv_clients = {c["client"]: c for c in by_client(rows, "server")}
+    assert srv_clients["*"]["down_messages"] == 2 and srv_clients["*"]["down_bytes"] == G1 + G2
+    assert srv_clients["a2"]["up_messages"] == 2 and srv_clients["a2"]["up_bytes"] == U1A2 + U2A2
+
+
+def test_by_round(rows):
+    assert by_round(rows) == [
+        {"round": 1, "up_messages": 2, "up_bytes": U1A1 + U1A2, "up_body_bytes": 1000,
+         "down_messages": 2, "down_bytes": 2 * G1, "down_body_bytes": 2000,
+         "overhead_share": pytest.approx((1130 + 2124 - 3000) / (1130 + 2124))},
+        {"round": 2, "up_messages": 2, "up_bytes": U2A1 + U2A2, "up_body_bytes": 1200,
+         "down_messages": 2, "down_bytes": 2 * G2, "down_body_bytes": 4000,
+         "overhead_share": pytest.approx((1330 + 4124 - 5200) / (1330 + 4124))},
+    ]
+    srv = by_round(rows, "server")
+    assert [(r["round"], r["up_messages"], r["down_messages"]) for r in srv] == [(1, 2, 1), (2, 1, 1), (None, 1, 0)]
+    assert srv[1]["up_bytes"] == U2A1 and srv[1]["down_bytes"] == G2
+
+
+def test_by_round_without_round_sorted_last():
+    base = _row("agent", "a1", "sent", "up", "status", None, "a1", f"fedfleet/v1/{FED}/status/a1", 10, 0)
+    later = _row("agent", "a1", "sent", "up", "update", 3, "a1", T_UP["a1"], ENV_U, 1)
+    out = by_round([asdict(base), asdict(later)])
+    assert [r["round"] for r in out] == [3, None]
+    assert out[1]["overhead_share"] == 1.0  # no body at all
+
+
+def test_by_client(rows):
+    assert by_client(rows) == [
+        {"client": "a1", "up_messages": 2, "up_bytes": U1A1 + U2A1, "down_messages": 2,
+         "down_bytes": G1 + G2, "body_bytes": 400 + 500 + 1000 + 2000},
+        {"client": "a2", "up_messages": 2, "up_bytes": U1A2 + U2A2, "down_messages": 2,
+         "down_bytes": G1 + G2, "body_bytes": 600 + 700 + 1000 + 2000},
+    ]
+
+
+def test_by_kind(rows):
+    assert by_kind(rows) == [
+        {"kind": "global", "direction": "down", "messages": 4, "body_bytes": 6000, "envelope_bytes": 100,
+         "mqtt_bytes": 148, "control_messages": 0, "control_bytes": 0, "wire_bytes": 6248,
+         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
+         "overhead_share": pytest.approx(248 / 6248)},
+        {"kind": "update", "direction": "up", "messages": 4, "body_bytes": 2200, "envelope_bytes": 108,
+         "mqtt_bytes": 152, "control_messages": 0, "control_bytes": 0, "wire_bytes": 2460,
+         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
+         "overhead_share": pytest.approx(260 / 2460)},
+    ]
+
+
+def test_rejected(rows):
+    assert rejected(rows) == [{"side": "server", "node": "server", "topic": T_UP["a2"],
+                               "reason": REJECT_REASON, "payload_bytes": 27 + 700}]
+
+
+@pytest.mark.parametrize("fn", [by_round, by_client, by_kind, totals])
+def test_unknown_view_raises(rows, fn):
+    with pytest.raises(ValueError, match="view"):
+        fn(rows, "broker")
+
+
+def test_empty_ledger_totals_are_zero():
+    t = totals([], "device")
+    assert t["all"] == {"messages": 0, "body_bytes": 0, "envelope_bytes": 0, "mqtt_bytes": 0,
+                        "control_messages": 0, "control_bytes": 0, "wire_bytes": 0, "overhead_share": None,
+                        "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0}
+    assert by_round([]) == [] and by_client([]) == [] and by_kind([]) == [] and rejected([]) == []
+
+
+def test_audit_report(run_dir, rows):
+    rep = audit_report(run_dir)
+    assert rep["run"] == {"path": str(run_dir), "federation": FED, "rounds": 2, "metrics_rounds": 2}
+    assert rep["totals"]["device"] == totals(rows, "device")
+    assert rep["totals"]["server"] == totals(rows, "server")
+    assert rep["by_round"] == by_round(rows) and rep["by_client"] == by_client(rows)
+    assert rep["by_kind"] == by_kind(rows)
+    assert rep["rejected"] == rejected(rows)
+    assert rep["fields"] == body_fields(rows)
+    assert rep["rejected_totals"] == {"messages": 1, "payload_bytes": 727, "wire_bytes": U2A2}
+    assert rep["final_accuracy"] == 0.75
+    json.dumps(rep)  # serialisable
+
+
+def test_audit_report_without_metrics(run_dir):
+    (run_dir / "metrics.jsonl").unlink()
+    rep = audit_report(run_dir)
+    assert rep["final_accuracy"] is None and rep["run"]["metrics_rounds"] == 0
+
+
+def test_render_text_sections(run_dir):
+    text = render_text(audit_report(run_dir))
+    for section in ("Totals: device links", "Totals: server link", "Per round", "Per client",
+                    "Per kind and direction", "Rejected messages: 1"):
+        assert section in text
+    assert "8,708" in text and "8.5 KiB" in text  # thousands separators, binary units
+    assert REJECT_REASON in text
+    assert "75.00 %" in text
+    assert all(len(line) <= 120 for line in text.splitlines())
+
+
+_TEXT_COLUMNS = {"messages": "messages", "body B": "body_bytes", "envelope B": "envelope_bytes",
+                 "MQTT B": "mqtt_bytes", "control B": "control_bytes", "wire B": "wire_bytes"}
+
+
+def _text_totals(text: str, section: str) -> dict[str, dict[str, int]]:
+    """Parse the up/down/total rows of one Totals table of render_text (columns found by header)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(section))
+    headers = re.split(r"\s{2,}", lines[start + 1].strip())
+    out = {}
+    for line in lines[start + 2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0] in ("up", "down", "total"):
+            out["all" if cells[0] == "total" else cells[0]] = {
+                _TEXT_COLUMNS[h]: int(v.replace(",", "")) for h, v in zip(headers, cells) if h in _TEXT_COLUMNS}
+            if cells[0] == "total":
+                return out
+    raise AssertionError(f"no totals table under {section!r}")
+
+
+def test_main_json_totals_equal_text_totals(run_dir, capsys):
+    assert main_audit([str(run_dir), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert main_audit([str(run_dir)]) == 0
+    text = capsys.readouterr().out
+    for view, section in (("device", "Totals: device links"), ("server", "Totals: server link")):
+        parsed = _text_totals(text, section)
+        for key in ("up", "down", "all"):
+            expected = {k: v for k, v in rep["totals"][view][key].items()  # security costs: their own table
+                        if k not in ("overhead_share", "control_messages", "sig_bytes", "enc_bytes",
+                                     "signed_messages", "encrypted_messages")}
+            assert parsed[key] == expected, (view, key)
+    assert rep["totals"]["device"]["all"]["wire_bytes"] == 8708
+
+
+def test_main_missing_run_dir(tmp_path, capsys):
+    missing = tmp_path / "no-such-run"
+    assert main_audit([str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert "\n" not in err
+    assert err.startswith("fedfleet audit: error:") and "does not exist" in err and str(missing) in err
+
+
+def test_missing_ledger(tmp_path, capsys):
+    with pytest.raises(AuditError, match="no ledger.sqlite"):
+        load_run(tmp_path)
+    assert main_audit([str(tmp_path), "--json"]) == 2
+    assert "no ledger.sqlite" in capsys.readouterr().err
+
+
+def test_not_a_ledger(tmp_path):
+    (tmp_path / "ledger.sqlite").write_bytes(b"this is not sqlite at all, just text" * 10)
+    with pytest.raises(AuditError, match="not a readable fedfleet ledger"):
+        load_run(tmp_path)
+
+
+def test_sqlite_without_messages_table(tmp_path):
+    db = sqlite3.connect(tmp_path / "ledger.sqlite")
+    db.execute("CREATE TABLE other (x INTEGER)")
+    db.commit()
+    db.close()
+    with pytest.raises(AuditError, match="not a readable fedfleet ledger"):
+        load_run(tmp_path)
+
+
+def test_bad_metrics_line(run_dir):
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write("[1, 2]\n")
+    with pytest.raises(AuditError, match=r"metrics.jsonl:3: expected a JSON object"):
+        load_run(run_dir)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Control packets, bytes to target, transfer time, HTML, CSV, several runs
+#
+# Control-packet rows are written as protocol.channel does: reason 'control', round NULL,
+# topic '', payload 0, mqtt_header_bytes = the whole packet. Sizes used below (bytes):
+CONNECT_B, CONNACK_B, PUBACK_B, DISCONNECT_B = 14, 4, 4, 2
+
+
+def _ctrl(side: str, node: str, event: str, direction: str, kind: str, size: int) -> LedgerRow:
+    return LedgerRow(federation=FED, side=side, node=node, event=event, direction=direction, kind=kind,
+                     round=None, client=node if side == "agent" else "*", sender=None, seq=None, topic="",
+                     topic_bytes=0, mqtt_header_bytes=size, envelope_bytes=0, body_bytes=0, payload_bytes=0,
+                     qos=0, reason="control")
+
+
+def _write_run(run, rows, metrics, meta_federation: str | None = FED):
+    with Ledger(run / "ledger.sqlite") as ledger:
+        if meta_federation is not None:
+            ledger.set_meta("federation", meta_federation)
+        for r in rows:
+            ledger.record(r)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return run
+
+
+def _control_rows() -> list[LedgerRow]:
+    """The 14 rows of _rows() with control packets around them, in ledger order:
+
+    CONNECT a1, CONNECT a2 (up), CONNACK a1 (down), the server's CONNECT, then round 1, then a
+    PUBACK a2 (up), then round 2, then DISCONNECT a1 (up).
+    """
+    base = _rows()
+    return ([_ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B),
+             _ctrl("agent", "a2", "sent", "up", "CONNECT", CONNECT_B),
+             _ctrl("agent", "a1", "received", "down", "CONNACK", CONNACK_B),
+             _ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B)]
+            + base[:7]
+            + [_ctrl("agent", "a2", "sent", "up", "PUBACK", PUBACK_B)]
+            + base[7:]
+            + [_ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B)])
+
+
+METRICS = [{"round": 1, "accuracy": 0.5, "loss": 1.2, "bytes_up": 0, "bytes_down": 0},
+           {"round": 2, "accuracy": 0.75, "loss": 0.8, "bytes_up": 0, "bytes_down": 0}]
+
+
+@pytest.fixture
+def ctrl_run(tmp_path):
+    run = tmp_path / "ctrl-run"
+    return _write_run(run, _control_rows(), METRICS)
+
+
+def test_control_packets_in_by_kind_totals_and_session_row(ctrl_run):
+    rows = load_run(ctrl_run).rows
+    kinds = {(k["kind"], k["direction"]): k for k in by_kind(rows)}
+    assert kinds[("CONNECT", "up")] == {
+        "kind": "CONNECT", "direction": "up", "messages": 2, "body_bytes": 0, "envelope_bytes": 0,
+        "mqtt_bytes": 0, "control_messages": 2, "control_bytes": 28, "wire_bytes": 28, "overhead_share": 1.0,
+        "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0}
+    assert kinds[("CONNACK", "down")]["wire_bytes"] == 4
+    assert kinds[("PUBACK", "up")]["wire_bytes"] == 4
+    assert kinds[("DISCONNECT", "up")]["wire_bytes"] == 2
+    # Application kinds are unchanged by the control rows.
+    assert kinds[("update", "up")]["wire_bytes"] == 2460 and kinds[("update", "up")]["control_bytes"] == 0
+
+    t = totals(rows, "device")
+    control_up, control_down = 28 + 4 + 2, 4
+    assert t["up"]["control_bytes"] == control_up and t["down"]["control_bytes"] == control_down
+    assert t["up"]["wire_bytes"] == 2460 + control_up and t["down"]["wire_bytes"] == 6248 + control_down
+    assert t["all"]["messages"] == 8 + 5 and t["all"]["control_messages"] == 5
+    assert t["all"]["wire_bytes"] == 8708 + 38
+    a = t["all"]
+    assert a["wire_bytes"] == a["body_bytes"] + a["envelope_bytes"] + a["mqtt_bytes"] + a["control_bytes"]
+    assert a["mqtt_bytes"] == 300  # control packets are not double-counted as PUBLISH framing
+    assert a["overhead_share"] == pytest.approx((508 + 38) / 8746)  # everything but body is overhead
+    # The server's own CONNECT is on the server link only.
+    srv = totals(rows, "server")
+    assert srv["down"]["control_bytes"] == CONNECT_B and srv["down"]["wire_bytes"] == 3124 + CONNECT_B
+
+    rounds = by_round(rows)
+    assert [r["round"] for r in rounds] == [1, 2, None]
+    assert rounds[-1] == {"round": None, "up_messages": 4, "up_bytes": control_up, "up_body_bytes": 0,
+                          "down_messages": 1, "down_bytes": control_down, "down_body_bytes": 0,
+                          "overhead_share": 1.0}
+    assert rounds[0]["up_bytes"] == U1A1 + U1A2  # round rows untouched
+
+    text = render_text(audit_report(ctrl_run))
+    assert re.search(r"^session\s+4\s+34\s+0\s+1\s+4\s+0\s+100\.0 %$", text, re.M)
+    assert re.search(r"^CONNECT\s+up\s+2\s+0\s+0\s+0\s+28\s+28\s+100\.0 %$", text, re.M)
+
+
+def test_unknown_and_missing_optional_columns_are_tolerated(ctrl_run):
+    db = sqlite3.connect(ctrl_run / "ledger.sqlite")
+    db.execute("ALTER TABLE messages ADD COLUMN zz_future_column INTEGER")
+    db.commit()
+    db.close()
+    rows = load_run(ctrl_run).rows
+    assert "zz_future_column" in rows[0]
+    assert totals(rows)["all"]["wire_bytes"] == 8746
+    # Rows without the optional columns (reason, topic, node, sender …): control kinds still known.
+    bare = [{k: v for k, v in r.items() if k not in ("reason", "topic", "node", "sender", "codec", "id")}
+            for r in rows]
+    assert totals(bare) == totals(rows)
+    assert by_kind(bare) == by_kind(rows)
+
+
+def test_bytes_to_target_exact(rows):
+    # Round 1 on the device links: 2 globals + 2 updates; round 2 adds the same for round 2.
+    r1 = 2 * G1 + U1A1 + U1A2  # 3254
+    r2 = 2 * G2 + U2A1 + U2A2  # 5454
+    assert bytes_to_target(METRICS, rows, 0.5) == r1  # round 1 reaches exactly 0.5 (≥)
+    assert bytes_to_target(METRICS, rows, 0.4) == r1
+    assert bytes_to_target(METRICS, rows, 0.6) == r1 + r2 == 8708
+    assert bytes_to_target(METRICS, rows, 0.76) is None
+    # The first round reaching the target counts, even if accuracy drops later.
+    dips = [{"round": 1, "accuracy": 0.9}, {"round": 2, "accuracy": 0.1}]
+    assert bytes_to_target(dips, rows, 0.85) == r1
+    # Records without accuracy are skipped; no metrics at all: never reached.
+    assert bytes_to_target([{"round": 1}, {"round": 2, "accuracy": 0.8}], rows, 0.7) == r1 + r2
+    assert bytes_to_target([], rows, 0.1) is None
+
+
+def test_bytes_to_target_counts_session_traffic_before_the_round_ends(ctrl_run):
+    rows = load_run(ctrl_run).rows
+    r1 = 2 * G1 + U1A1 + U1A2
+    r2 = 2 * G2 + U2A1 + U2A2
+    # Round 1: the agents' CONNECTs and CONNACK came first; the PUBACK after round 1's last row and
+    # the final DISCONNECT do not count; the server's CONNECT is not on a device link.
+    assert bytes_to_target(METRICS, rows, 0.5) == 2 * CONNECT_B + CONNACK_B + r1
+    assert bytes_to_target(METRICS, rows, 0.75) == 2 * CONNECT_B + CONNACK_B + r1 + PUBACK_B + r2
+    assert cumulative_bytes(rows, [1, 2]) == {1: 32 + r1, 2: 32 + r1 + 4 + r2}
+    curve = accuracy_curve(METRICS, rows)
+    assert curve == [{"round": 1, "accuracy": 0.5, "cumulative_bytes": 32 + r1},
+                     {"round": 2, "accuracy": 0.75, "cumulative_bytes": 32 + r1 + 4 + r2}]
+
+
+def test_round_zero_status_at_the_end_is_session_traffic(tmp_path):
+    # The protocol sends join/status with round 0 outside any round (the final 'offline' status too).
+    status = _row("agent", "a1", "sent", "up", "status", 0, "a1", f"fedfleet/v1/{FED}/status/a1", 20, 5)
+    join = replace(status, kind="join")
+    rows = load_run(_write_run(tmp_path / "r0", [join] + _rows() + [status], METRICS)).rows
+    wire0 = status.wire_bytes
+    assert bytes_to_target(METRICS, rows, 0.5) == wire0 + 2 * G1 + U1A1 + U1A2
+    assert bytes_to_target(METRICS, rows, 0.75) == wire0 + 8708  # the trailing status is not counted
+
+
+def _upload(client: str, rnd: int | None, wire: int) -> LedgerRow:
+    topic = T_UP[client]
+    return _row("agent", client, "sent", "up", "update", rnd, client, topic, 0, wire - HDR - len(topic))
+
+
+def _download(client: str, rnd: int, wire: int) -> LedgerRow:
+    return _row("agent", client, "received", "down", "global", rnd, client, T_GLOBAL, 0, wire - HDR - len(T_GLOBAL))
+
+
+@pytest.fixture
+def link_rows(tmp_path):
+    """Round 1: a1 uploads 10,000 B, a2 20,000 B; each downloads 1,000 B. Round 2: a1 uploads
+    40,000 B. Session: each agent sends a 100 B CONNECT. The server's rows must not count."""
+    rows = [_ctrl("agent", "a1", "sent", "up", "CONNECT", 100), _ctrl("agent", "a2", "sent", "up", "CONNECT", 100),
+            _download("a1", 1, 1000), _download("a2", 1, 1000), _upload("a1", 1, 10_000), _upload("a2", 1, 20_000),
+            _row("server", "server", "received", "up", "update", 1, "a2", T_UP["a2"], 0, 99_000),
+            _upload("a1", 2, 40_000)]
+    assert [r.wire_bytes for r in rows[2:6]] == [1000, 1000, 10_000, 20_000]
+    return load_run(_write_run(tmp_path / "link", rows, [])).rows
+
+
+def test_link_time_exact(link_rows):
+    t = link_time_s(link_rows, uplink_kbps=80, downlink_kbps=8)
+    # 80 kbit/s = 10,000 bytes/s: 10,000 B → 1.0 s, 20,000 B → 2.0 s, 40,000 B → 4.0 s, 100 B → 0.01 s.
+    # 8 kbit/s = 1,000 bytes/s: 1,000 B → 1.0 s.
+    assert t["per_round"][0] == {"round": 1, "up_max_s": 2.0, "up_sum_s": 3.0, "down_max_s": 1.0, "down_sum_s": 2.0}
+    assert t["per_round"][1] == {"round": 2, "up_max_s": 4.0, "up_sum_s": 4.0, "down_max_s": 0.0, "down_sum_s": 0.0}
+    session = t["per_round"][2]
+    assert session["round"] is None
+    assert session["up_max_s"] == pytest.approx(0.01) and session["up_sum_s"] == pytest.approx(0.02)
+    assert t["up_max_s"] == pytest.approx(6.01) and t["up_sum_s"] == pytest.approx(7.02)
+    assert t["down_max_s"] == 1.0 and t["down_sum_s"] == 2.0
+    assert t["max_s"] == pytest.approx(7.01) and t["sum_s"] == pytest.approx(9.02)
+    assert t["directions"] == ["up", "down"] and t["uplink_kbps"] == 80 and t["downlink_kbps"] == 8
+
+
+def test_link_time_one_direction_and_bad_speeds(link_rows):
+    t = link_time_s(link_rows, uplink_kbps=80, downlink_kbps=None)
+    assert t["directions"] == ["up"]
+    assert t["down_max_s"] is None and t["per_round"][0]["down_max_s"] is None
+    assert t["max_s"] == pytest.approx(6.01) and t["sum_s"] == pytest.approx(7.02)
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError, match="uplink_kbps"):
+            link_time_s(link_rows, bad, 8)
+
+
+def test_report_target_and_link_time(ctrl_run):
+    rep = audit_report(ctrl_run, target=0.7, uplink_kbps=100, downlink_kbps=200)
+    assert rep["target"] == {"accuracy": 0.7, "round": 2, "bytes": 32 + 8708 + 4}
+    assert rep["link_time"]["uplink_kbps"] == 100
+    assert audit_report(ctrl_run)["link_time"] is None
+    assert audit_report(ctrl_run)["target"] == {"accuracy": 0.95, "round": None, "bytes": None}
+    row = comparison_row(rep)
+    assert (row["up_bytes"], row["down_bytes"]) == (rep["totals"]["device"]["up"]["wire_bytes"],
+                                                    rep["totals"]["device"]["down"]["wire_bytes"])
+    assert row["bytes_to_target"] == 8744 and row["target_round"] == 2
+    assert row["time_max_s"] == rep["link_time"]["max_s"]
+    json.dumps(rep)
+    text = render_text(rep)
+    assert "Device-link bytes to reach accuracy ≥ 70.00 %: 8,744" in text
+    assert "Estimated transfer time" in text
+
+
+IMG = '<img src="data:image/png;base64,'
+
+
+def test_html_is_self_contained(ctrl_run, tmp_path):
+    out = write_html([audit_report(ctrl_run, uplink_kbps=64, downlink_kbps=256)], tmp_path / "report.html")
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>")
+    assert text.count(IMG) >= 4
+    assert html.escape(str(ctrl_run)) in text
+    assert "http://" not in text and "https://" not in text
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", text)  # no external resources
+    assert "<link" not in text and "<script" not in text
+    for needle in ("Totals: device links", "Totals: server link", "CONNECT", "control packets",
+                   "Rejected messages: 1", html.escape(REJECT_REASON), "not reached"):
+        assert needle in text, needle
+
+
+def test_html_escapes_run_names(tmp_path):
+    run = _write_run(tmp_path / "run-<script>alert(1)<", _control_rows(), METRICS,
+                     meta_federation='<img src=x onerror="alert(2)">')
+    text = render_html([audit_report(run)])
+    assert "<script" not in text and "onerror=\"" not in text and "<img src=x" not in text
+    assert "run-&lt;script&gt;alert(1)&lt;" in text
+    assert "&lt;img src=x onerror=&quot;alert(2)&quot;&gt;" in text
+    assert text.count(IMG) >= 4
+
+
+def _read_csv(path):
+    with path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_totals_equal_json(ctrl_run, tmp_path, capsys):
+    out = tmp_path / "csv"
+    assert main_audit([str(ctrl_run), "--json", "--csv", str(out), "--uplink-kbps", "80"]) == 0
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out)  # one run: the single report, as before
+    assert isinstance(rep, dict) and "by_round.csv" in captured.err
+    dev = rep["totals"]["device"]
+    by_round_csv = _read_csv(out / "by_round.csv")
+    assert [r["round"] for r in by_round_csv] == ["1", "2", "session"]
+    assert sum(int(r["up_bytes"]) for r in by_round_csv) == dev["up"]["wire_bytes"]
+    assert sum(int(r["down_bytes"]) for r in by_round_csv) == dev["down"]["wire_bytes"]
+    by_client_csv = _read_csv(out / "by_client.csv")
+    assert sum(int(r["up_bytes"]) + int(r["down_bytes"]) for r in by_client_csv) == dev["all"]["wire_bytes"]
+    by_kind_csv = _read_csv(out / "by_kind.csv")
+    for key in ("messages", "body_bytes", "envelope_bytes", "mqtt_bytes", "control_bytes", "wire_bytes"):
+        assert sum(int(r[key]) for r in by_kind_csv) == dev["all"][key], key
+    assert {r["kind"] for r in by_kind_csv} >= {"CONNECT", "CONNACK", "PUBACK", "DISCONNECT"}
+    (cmp,) = _read_csv(out / "comparison.csv")
+    assert cmp["run"] == str(ctrl_run)
+    assert int(cmp["up_bytes"]) == dev["up"]["wire_bytes"] and int(cmp["down_bytes"]) == dev["down"]["wire_bytes"]
+    assert float(cmp["overhead_share"]) == pytest.approx(dev["all"]["overhead_share"])
+    assert cmp["bytes_to_target"] == "" and cmp["target"] == "0.95"
+    assert float(cmp["time_max_s"]) == pytest.approx(rep["link_time"]["max_s"])
+    assert all(len(r) == len(by_kind_csv[0]) for r in by_kind_csv)
+
+
+def test_two_runs_compared_in_order(ctrl_run, run_dir, tmp_path, capsys):
+    out = tmp_path / "csv"
+    argv = ["audit", str(run_dir), str(ctrl_run), "--target", "0.7", "--csv", str(out),
+            "--html", str(tmp_path / "cmp.html"), "--uplink-kbps", "80", "--downlink-kbps", "800"]
+    assert fedfleet_main(argv + ["--json"]) == 0
+    reps = json.loads(capsys.readouterr().out)
+    assert [r["run"]["path"] for r in reps] == [str(run_dir), str(ctrl_run)]
+    assert [r["target"]["bytes"] for r in reps] == [8708, 8744]
+    cmp = _read_csv(out / "comparison.csv")
+    assert [r["run"] for r in cmp] == [str(run_dir), str(ctrl_run)]
+    assert [int(r["bytes_to_target"]) for r in cmp] == [8708, 8744]
+    assert [int(r["up_bytes"]) for r in cmp] == [r["totals"]["device"]["up"]["wire_bytes"] for r in reps]
+    assert {r["run"] for r in _read_csv(out / "by_kind.csv")} == {str(run_dir), str(ctrl_run)}
+    page = (tmp_path / "cmp.html").read_text(encoding="utf-8")
+    assert page.count(IMG) >= 2 * 4 + 1  # four per run and the overlay
+    assert page.index(html.escape(str(run_dir))) < page.index(html.escape(str(ctrl_run)))
+
+    assert fedfleet_main(argv[:3] + ["--target", "0.7"]) == 0
+    text = capsys.readouterr().out
+    first, second, table = (text.index(f"Run: {run_dir}"), text.index(f"Run: {ctrl_run}"),
+                            text.index("Comparison of 2 runs"))
+    assert first < second < table
+    composition = text.index("Model tensors vs extras per client per round")
+    lines = text[table:composition].splitlines()
+    # rows are labelled by the run folders' names (distinct here), the full paths listed below
+    names = [run_dir.name, ctrl_run.name]
+    rows = [line for line in lines if line.split() and line.split()[0] in names and " = " not in line]
+    assert [r.split()[0] for r in rows] == names
+    # The hand-made ledgers have no body fields: no model tensor or extras bytes.
+    assert [line.split() for line in text[composition:].splitlines()
+            if line.split()[:1] in ([n] for n in names) and " = " not in line] == [
+        [run_dir.name, "0", "0", "0", "0"], [ctrl_run.name, "0", "0", "0", "0"]]
+    assert f"{run_dir.name} = {run_dir}" in text and f"{ctrl_run.name} = {ctrl_run}" in text
+    assert "8,708" in rows[0] and "8,744" in rows[1]
+    assert all(len(line) <= 120 for line in text.splitlines())
+
+
+def test_cli_rejects_bad_options(run_dir, capsys):
+    for bad in (["--target", "95"], ["--target", "0"], ["--uplink-kbps", "0"], ["--downlink-kbps", "fast"]):
+        with pytest.raises(SystemExit) as exc:
+            fedfleet_main(["audit", str(run_dir), *bad])
+        assert exc.value.code == 2
+        assert "error" in capsys.readouterr().err
+
+
+def test_cli_unwritable_output(run_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main_audit([str(run_dir), "--csv", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedfleet audit: error: cannot write") and "\n" not in err.strip()
+
+
+def test_logical_message_rows_are_not_counted_twice(tmp_path):
+    # Schema v2: a chunked message gets one more row per side with event='message' (its logical
+    # sizes); its bytes are already in the chunk rows that hit the wire.
+    logical = replace(_row("agent", "a1", "sent", "up", "update", 1, "a1", T_UP["a1"], 27, 400), event="message")
+    rows = load_run(_write_run(tmp_path / "logical", _rows() + [logical], METRICS)).rows
+    assert totals(rows) == totals(load_run(_write_run(tmp_path / "plain", _rows(), METRICS)).rows)
+    assert bytes_to_target(METRICS, rows, 0.75) == 8708
+
+
+# --------------------------------------------------------------------------------------------
+# Body fields: what global/update messages are made of
+#
+# A hand-made ledger (dicts, as read_rows yields them). Sizes in bytes, worked out by hand:
+#
+# update, a1, round 1, unchunked 'sent': body = 1 (array header) + tensors 1 (empty list) +
+#   num_samples 3 + train_loss 9 + metrics 10 + delta 1 + extras map header 1 +
+#   extras.soft_predictions 500 + extras.prototypes 300 = 826; envelope 28 → message 854.
+# update, a2, round 1, chunked: the 'message' row (soft_predictions 520 → body 846, message 874)
+#   plus two chunk 'sent' rows (no fields) that must not count again.
+# Both: raw 5,200 (soft predictions 1,000 fp32 values + prototypes 300 fp32 values).
+# The server's 'received' rows lump extras into one 'extras' field: ignored (the sender's count).
+# global: no server rows (an agent's own ledger), so the agents' 'received' rows are used:
+#   round 1 to a1 and a2: tensors 2,001 (fp16, raw 1,960), meta 40 → body 2,042, envelope 24;
+#   round 2 to a1: tensors 1 (empty), meta 40, extras 700 (one lump, raw 640) → body 742.
+
+UP_CODEC = "soft_predictions=int8+zstd,prototypes=fp16"  # what Channel.send writes without model tensors
+
+
+def _fields_row(side, node, event, direction, kind, rnd, client, envelope, body, fields=None, raw=0, codec="",
+                **extra):
+    row = {"side": side, "node": node, "event": event, "direction": direction, "kind": kind, "round": rnd,
+           "client": client, "topic": "t", "topic_bytes": 1, "mqtt_header_bytes": 2, "envelope_bytes": envelope,
+           "body_bytes": body, "payload_bytes": envelope + body, "raw_bytes": raw, "codec": codec,
+           "fields": json.dumps(fields) if fields else "", "transfer_id": None, "chunk_index": None,
+           "chunk_count": None, "reason": ""}
+    row.update(extra)
+    return row
+
+
+def _update_fields(soft: int) -> dict:
+    return {"tensors": 1, "num_samples": 3, "train_loss": 9, "metrics": 10, "delta": 1, "extras": 1,
+            "extras.soft_predictions": soft, "extras.prototypes": 300}
+
+
+def _field_rows() -> list[dict]:
+    up_a1 = _fields_row("agent", "a1", "sent", "up", "update", 1, "a1", 28, 826, _update_fields(500), 5200, UP_CODEC)
+    up_a2 = _fields_row("agent", "a2", "message", "up", "update", 1, "a2", 28, 846, _update_fields(520), 5200,
+                        UP_CODEC, transfer_id="ab", chunk_count=2)
+    chunks = [_fields_row("agent", "a2", "sent", "up", "update", 1, "a2", 90, n, transfer_id="ab", chunk_index=i,
+                          chunk_count=2) for i, n in enumerate((500, 374))]
+    lump = {"tensors": 1, "num_samples": 3, "train_loss": 9, "metrics": 10, "delta": 1, "extras": 801}
+    srv = [_fields_row("server", "server", "received", "up", "update", 1, "a1", 28, 826, lump, 5200, "int8+zstd"),
+           *[_fields_row("server", "server", "received", "up", "update", 1, "a2", 90, n, transfer_id="ab",
+                         chunk_index=i, chunk_count=2) for i, n in enumerate((500, 374))],
+           _fields_row("server", "server", "message", "up", "update", 1, "a2", 28, 846, lump, 5200, "int8+zstd",
+                       transfer_id="ab", chunk_count=2),
+           _fields_row("server", "server", "rejected", "up", "invalid", None, "a2", 900, 0, reason="bad")]
+    down = [_fields_row("agent", c, "received", "down", "global", 1, c, 24, 2042, {"tensors": 2001, "meta": 40},
+                        1960, "fp16") for c in ("a1", "a2")]
+    down.append(_fields_row("agent", "a1", "received", "down", "global", 2, "a1", 24, 742,
+                            {"tensors": 1, "meta": 40, "extras": 700}, 640, "fp32"))
+    return [up_a1, *chunks, up_a2, *srv, *down]
+
+
+def test_whole_message():
+    rows = _field_rows()
+    assert [whole_message(r) for r in rows[:4]] == [True, False, False, True]  # sent, 2 chunks, message
+    assert not whole_message(rows[8])  # rejected
+
+
+def test_field_codecs():
+    assert field_codecs("") == {}
+    assert field_codecs("fp32") == {"*": "fp32"}
+    assert field_codecs("topk:0.01:fp16+zstd:3") == {"*": "topk:0.01:fp16+zstd:3"}
+    assert field_codecs("fp32,soft_predictions=int8+zstd") == {"tensors": "fp32",
+                                                               "extras.soft_predictions": "int8+zstd"}
+    assert field_codecs(UP_CODEC) == {"extras.soft_predictions": "int8+zstd", "extras.prototypes": "fp16"}
+
+
+def test_body_fields_by_hand():
+    down, up = body_fields(_field_rows())
+    assert {k: v for k, v in up.items() if k != "fields"} == {
+        "kind": "update", "direction": "up", "source": "sender", "extras_per_entry": True, "messages": 2,
+        "chunked_messages": 1, "client_rounds": 2, "message_bytes": 854 + 874, "body_bytes": 826 + 846,
+        "tensor_bytes": 2, "extras_bytes": 1020 + 600, "other_bytes": 1728 - 2 - 1620, "raw_bytes": 10_400,
+        "encoded_bytes": 1622, "mean_message_bytes": 864.0}
+    # other per message: envelope 28 + body array header 1 + scalars 3 + 9 + 10 + 1 + extras header 1 = 53
+    assert up["other_bytes"] == 2 * 53
+    assert up["fields"] == [
+        {"field": "tensors", "messages": 2, "bytes": 2, "mean_bytes": 1.0, "share": pytest.approx(2 / 1728),
+         "codec": "", "raw_bytes": 0},
+        {"field": "extras.soft_predictions", "messages": 2, "bytes": 1020, "mean_bytes": 510.0,
+         "share": pytest.approx(1020 / 1728), "codec": "int8+zstd", "raw_bytes": None},
+        {"field": "extras.prototypes", "messages": 2, "bytes": 600, "mean_bytes": 300.0,
+         "share": pytest.approx(600 / 1728), "codec": "fp16", "raw_bytes": None},
+        {"field": "other", "messages": 2, "bytes": 106, "mean_bytes": 53.0, "share": pytest.approx(106 / 1728),
+         "codec": "", "raw_bytes": None},
+    ]
+    assert sum(f["bytes"] for f in up["fields"]) == up["message_bytes"]
+    assert sum(f["mean_bytes"] for f in up["fields"]) == up["mean_message_bytes"]
+
+    # No server rows for the globals: the agents' received rows, one per agent, extras as one lump.
+    assert (down["source"], down["extras_per_entry"], down["messages"], down["chunked_messages"],
+            down["client_rounds"]) == ("receiver", False, 3, 0, 3)
+    assert down["message_bytes"] == 2 * (24 + 2042) + (24 + 742) == 4898
+    assert (down["tensor_bytes"], down["extras_bytes"], down["raw_bytes"]) == (4003, 700, 2 * 1960 + 640)
+    assert [(f["field"], f["messages"], f["bytes"], f["codec"], f["raw_bytes"]) for f in down["fields"]] == [
+        ("tensors", 3, 4003, "fp16", 2 * 1960),  # one tensor-bearing field per message (0 raw when empty)
+        ("extras", 1, 700, "fp32", 640),
+        ("other", 3, 4898 - 4003 - 700, "", None)]
+    assert down["fields"][-1]["bytes"] == 3 * (24 + 1 + 40)
+
+    assert field_bytes_per_client_round([down, up]) == {
+        "up_tensor_bytes_per_client_round": 1.0, "up_extras_bytes_per_client_round": 810.0,
+        "down_tensor_bytes_per_client_round": 4003 / 3, "down_extras_bytes_per_client_round": 700 / 3}
+    assert field_bytes_per_client_round([]) == dict.fromkeys(
+        ["up_tensor_bytes_per_client_round", "up_extras_bytes_per_client_round",
+         "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round"])
+    assert body_fields([]) == []
+
+
+def test_body_fields_prefers_the_sender_and_attributes_raw_to_a_lone_field():
+    rows = _field_rows()
+    # A server 'sent' global beside the agents' received copies: the server's row counts, once.
+    glob = _fields_row("server", "server", "sent", "down", "global", 1, "*", 24, 2042 + 5,
+                       {"tensors": 2001, "meta": 40, "extras": 1, "extras.prototypes": 4}, 1964, "fp16")
+    down = body_fields(rows + [glob])[0]
+    assert (down["source"], down["messages"], down["client_rounds"]) == ("sender", 1, 1)
+    assert [(f["field"], f["bytes"], f["raw_bytes"]) for f in down["fields"]] == [
+        ("tensors", 2001, None), ("extras.prototypes", 4, None), ("other", 24 + 2047 - 2005, None)]
+    # The same message with model tensors only: the tensors field gets the message's raw bytes.
+    lone = dict(glob, fields=json.dumps({"tensors": 2001, "meta": 40}), body_bytes=2042, raw_bytes=1960)
+    assert body_fields([lone])[0]["fields"][0]["raw_bytes"] == 1960
+
+
+def test_body_fields_in_text_json_csv_and_html(tmp_path, capsys):
+    run = tmp_path / "fields-run"
+    run.mkdir()
+    with Ledger(run / "ledger.sqlite") as ledger:
+        for r in _field_rows():
+            ledger.record(LedgerRow(**{k: v for k, v in r.items() if k != "id"}, federation=FED, sender=None,
+                                    seq=None, qos=1))
+    assert main_audit([str(run), "--json", "--csv", str(tmp_path / "csv"), "--html", str(tmp_path / "r.html")]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["fields"] == body_fields(load_run(run).rows)
+    text = render_text(rep)
+    assert "Body fields of global and update messages" in text
+    # msgs carrying, bytes, B per message carrying it, B per message of the kind, share, raw B
+    assert re.search(r"^update\s+up\s+extras\.soft_predictions\s+int8\+zstd\s+2\s+1,020\s+510\s+510\s+59\.0 %\s+—$",
+                     text, re.M)
+    assert re.search(r"^update\s+up\s+= message\s+2\s+1,728\s+864\s+864\s+100\.0 %\s+10,400$", text, re.M)
+    assert "update (up): 2 messages, 1 chunked; tensors + extras 1,622 B encoded from 10,400 B raw" in text
+    assert all(len(line) <= 120 for line in text.splitlines())
+    csv_rows = _read_csv(tmp_path / "csv" / "fields.csv")
+    assert [(r["kind"], r["field"]) for r in csv_rows] == [
+        ("global", "tensors"), ("global", "extras"), ("global", "other"),
+        ("update", "tensors"), ("update", "extras.soft_predictions"), ("update", "extras.prototypes"),
+        ("update", "other")]
+    for kind in ("global", "update"):
+        mine = [r for r in csv_rows if r["kind"] == kind]
+        assert sum(int(r["bytes"]) for r in mine) == int(mine[0]["kind_message_bytes"])
+    assert csv_rows[4]["raw_bytes"] == "" and csv_rows[4]["codec"] == "int8+zstd"
+    (cmp,) = _read_csv(tmp_path / "csv" / "comparison.csv")
+    assert float(cmp["up_extras_bytes_per_client_round"]) == 810.0
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "extras.soft_predictions" in page and html.escape("= message") in page
+
+
+# --------------------------------------------------------------------------------------------
+# Body fields of real federations, against sums computed with SQLite straight from the ledger.
+#
+# Two tiny runs (scikit-learn digits, 2 rounds, 2 clients) over the embedded broker: FedProto with
+# share none (updates carry only extras) and FedAvg (only model tensors), with chunk sizes small
+# enough that messages travel as chunked transfers.
+
+_SENDER = {"update": ("agent", "up"), "global": ("server", "down")}
+_WHOLE = "m.event IN ('sent', 'message') AND m.chunk_index IS NULL"
+
+
+@pytest.fixture(scope="module")
+def fed_runs(tmp_path_factory):
+    import torch
+
+    from broker_server.simulate import simulate
+    from helpers.federation import small_config
+
+    torch.set_num_threads(1)
+    out = {}
+    for alg, chunk in (("fedproto", 1024), ("fedavg", 4096)):
+        cfg = small_config(train={"algorithm": alg}, data={"clients": 2}, protocol={"chunk_bytes": chunk})
+        run = tmp_path_factory.mktemp(alg) / "run"
+        assert simulate(cfg, run_dir=run).rounds_completed == 2
+        out[alg] = run
+    return out
+
+
+def tmp_path_root(run):
+    """The folder that holds every run of :func:`fed_runs` (the base temporary folder)."""
+    return run.parent.parent
+
+
+def _sql(run, query, *params):
+    db = sqlite3.connect(run / "ledger.sqlite")
+    try:
+        return db.execute(query, params).fetchall()
+    finally:
+        db.close()
+
+
+def _sql_fields(run, kind):
+    """{field: (total bytes, messages carrying it)} of the sender's whole-message rows, by json_each."""
+    side, direction = _SENDER[kind]
+    return {k: (n, c) for k, n, c in _sql(
+        run, f"SELECT j.key, SUM(j.value), COUNT(*) FROM messages m, json_each(m.fields) j WHERE m.side = ? "
+             f"AND m.kind = ? AND m.direction = ? AND {_WHOLE} GROUP BY j.key", side, kind, direction)}
+
+
+def _sql_message(run, kind):
+    """(messages, Σ envelope + body, Σ raw, distinct (client, round)) of the sender's whole messages."""
+    side, direction = _SENDER[kind]
+    return _sql(run, f"SELECT COUNT(*), SUM(envelope_bytes + body_bytes), SUM(raw_bytes), "
+                     f"COUNT(DISTINCT client || '/' || round) FROM messages m WHERE side = ? AND kind = ? "
+                     f"AND direction = ? AND {_WHOLE}", side, kind, direction)[0]
+
+
+def _check_against_sql(run, group):
+    kind = group["kind"]
+    sql = _sql_fields(run, kind)
+    n, message_bytes, raw, client_rounds = _sql_message(run, kind)
+    assert group["source"] == "sender"
+    assert (group["messages"], group["message_bytes"], group["raw_bytes"], group["client_rounds"]) == (
+        n, message_bytes, raw, client_rounds)
+    tensor_like = {k: v for k, v in sql.items() if k == "tensors" or k.startswith("extras.")}
+    got = {f["field"]: (f["bytes"], f["messages"]) for f in group["fields"] if f["field"] != "other"}
+    assert got == tensor_like
+    other = message_bytes - sum(b for b, _ in tensor_like.values())
+    assert group["fields"][-1] == {"field": "other", "messages": n, "bytes": other, "mean_bytes": other / n,
+                                   "share": pytest.approx(other / message_bytes), "codec": "", "raw_bytes": None}
+    for f in group["fields"]:
+        assert f["mean_bytes"] == pytest.approx(f["bytes"] / n)
+    assert group["tensor_bytes"] == sql.get("tensors", (0, 0))[0]
+    assert group["extras_bytes"] == sum(b for k, (b, _) in tensor_like.items() if k.startswith("extras."))
+
+
+def _audited(fed_runs, alg):
+    """(run folder, audit report, global group, update group) of one run, both groups checked
+    against the SQLite sums."""
+    run = fed_runs[alg]
+    rep = audit_report(run)
+    down, up = rep["fields"]
+    for group in (down, up):
+        _check_against_sql(run, group)
+    return run, rep, down, up
+
+
+@pytest.mark.slow
+def test_fedproto_fields_equal_sqlite_sums(fed_runs):
+    _, rep, down, up = _audited(fed_runs, "fedproto")
+    # share none: every update's model-tensor list is empty (1 byte), its payload is the extras.
+    k, d = 10, 64  # iid digits: both clients hold all 10 classes; LightCNN features are 64-d
+    assert [f["field"] for f in up["fields"]] == ["tensors", "extras.prototypes", "extras.proto_classes",
+                                                  "extras.proto_counts", "other"]
+    assert up["messages"] == 4 and up["tensor_bytes"] == 4 and up["fields"][0]["raw_bytes"] == 0
+    assert up["raw_bytes"] == 4 * (k * d * 4 + k * 8 + k * 8)  # float32 prototypes, int64 classes and counts
+    # The round-1 global carries no prototypes yet, round 2's does: 1 of 2 messages.
+    assert [(f["field"], f["messages"]) for f in down["fields"]] == [
+        ("tensors", 2), ("extras.prototypes", 1), ("extras.proto_classes", 1), ("other", 2)]
+    # chunk_bytes 1024: the updates and round 2's global were chunked, each counted once.
+    assert up["chunked_messages"] == 4 and down["chunked_messages"] == 1
+    row = comparison_row(rep)
+    assert row["up_tensor_bytes_per_client_round"] == 1.0
+    assert row["up_extras_bytes_per_client_round"] == up["extras_bytes"] / 4
+    assert row["down_extras_bytes_per_client_round"] == down["extras_bytes"] / 2  # one broadcast per round
+
+
+@pytest.mark.slow
+def test_fedavg_fields_equal_sqlite_sums_and_chunks_count_once(fed_runs):
+    from edge_agent.models import build_model
+
+    run, rep, down, up = _audited(fed_runs, "fedavg")
+    n_model = sum(t.numel() for t in build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+                  .state_dict().values())
+    for group, n in ((down, 2), (up, 4)):
+        assert [f["field"] for f in group["fields"]] == ["tensors", "other"]
+        assert group["messages"] == group["chunked_messages"] == n
+        assert group["fields"][0]["raw_bytes"] == group["raw_bytes"] == n * 4 * n_model  # the fp32 model
+        assert group["fields"][0]["codec"] == "fp32" and group["extras_bytes"] == 0
+    # Chunked (chunk_bytes 4096): many chunk rows per message, which the view must not count. The
+    # chunks' data add up to exactly the whole messages once.
+    (n_chunks, chunk_data), = _sql(run, "SELECT COUNT(*), SUM(body_bytes) FROM messages WHERE side = 'agent' "
+                                        "AND kind = 'update' AND event = 'sent' AND chunk_index IS NOT NULL")
+    assert n_chunks > 4 * 10
+    assert chunk_data == up["message_bytes"]
+    # Two runs compared: model tensors vs extras per client per round, in the order given.
+    other = fed_runs["fedproto"]
+    reps = [rep, audit_report(other)]
+    table = render_comparison_text(reps).splitlines()
+    start = next(i for i, ln in enumerate(table) if ln.startswith("Model tensors vs extras per client per round"))
+    labels = _short_run_labels([str(run), str(other)])  # distinct folder names, full paths listed below
+    rows = [ln.split() for ln in table[start:] if ln.split()[:1] in ([x] for x in labels) and " = " not in ln]
+    per = [comparison_row(r) for r in reps]
+    assert rows == [[lab, *(f"{p[f'{d}_{k}_bytes_per_client_round']:,.0f}" for d in ("up", "down")
+                            for k in ("tensor", "extras"))] for lab, p in zip(labels, per)]
+    assert rows[0][1:] == [f"{up['tensor_bytes'] // 4:,}", "0", f"{down['tensor_bytes'] // 2:,}", "0"]
+
+
+def test_short_run_labels_are_distinct_folder_names() -> None:
+    assert _short_run_labels(["/a/runs/x-1", "/b/y"]) == ["x-1", "y"]
+    # same last component: one more level each, until they differ
+    assert _short_run_labels(["/a/one/run", "/a/two/run"]) == ["one/run", "two/run"]
+    assert _short_run_labels(["/p/q/r", "/z/q/r"]) == ["p/q/r", "z/q/r"]

@@ -1,0 +1,75 @@
+"""Configuration problems are configuration errors: ``ConfigError`` from the checks, exit code 2
+with a message from the ``fedfleet`` CLI (broker_server/cli.py's contract), never a traceback;
+and what the checks accept, the agents can use.
+
+Cases: partitions that cannot be made, ``--clients`` overrides checked after they apply, the
+``[protocol] extras_codec`` text (parsed as the agent parses it), FedMCP's ``[algorithm]`` keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.federation import small_config
+
+from broker_server.cli import _load, build_parser
+from broker_server.cli import main as fedfleet_main
+from broker_server.errors import ConfigError
+from broker_server.runtime import make_strategy
+from edge_agent.agent import extras_codecs
+from edge_agent.data import load_dataset
+from protocol.tensors import Codec
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "examples" / "quickstart.toml"
+
+
+@pytest.mark.parametrize("extra, clients", [("", 200), ("alpha_override", 10)])
+def test_impossible_partition_is_a_configuration_error(tmp_path: Path, capsys, extra: str, clients: int) -> None:
+    """200 clients with ``min_samples = 10`` of digits, or Dirichlet ``alpha = 0.01``: exit code 2
+    and a message naming ``min_samples``."""
+    cfg = QUICKSTART.read_text()
+    if extra == "alpha_override":
+        cfg = cfg.replace("alpha = 1.0", "alpha = 0.01")
+    path = tmp_path / "cfg.toml"
+    path.write_text(cfg)
+    code = fedfleet_main(["simulate", "--config", str(path), "--clients", str(clients), "--rounds", "1",
+                          "--out", str(tmp_path / "run"), "-q"])
+    assert code == 2
+    assert "min_samples" in capsys.readouterr().err
+
+
+def test_clients_override_is_applied_before_the_quorum_is_checked(tmp_path: Path) -> None:
+    """``quorum = 9`` in a 4-client file plus ``--clients 12`` is a valid 12-client configuration."""
+    path = tmp_path / "cfg.toml"
+    path.write_text(QUICKSTART.read_text().replace("quorum = 2", "quorum = 9"))
+    args = build_parser().parse_args(["simulate", "--config", str(path), "--clients", "12"])
+    cfg = _load(args)
+    assert cfg.data.clients == 12 and cfg.server.quorum == 9
+
+
+@pytest.mark.parametrize("text", ["int8,soft_predictions=fp16", "int8,fp16", " , ", "prototypes=int8, ",
+                                  "soft_predictions=int8,=fp16", "a/b=int8", "p=int8,p=fp16"])
+def test_extras_codec_the_agents_cannot_read_is_refused_by_the_config(text: str) -> None:
+    """The whole text is parsed as the agent parses it: a second default, an empty entry, a bad
+    name or a repeated name is a ConfigError naming ``extras_codec``."""
+    with pytest.raises(ConfigError, match="extras_codec"):
+        small_config(protocol={"extras_codec": text})
+
+
+@pytest.mark.parametrize("text", ["", "int8", "fp16+zstd", "soft_predictions=int8+zstd,prototypes=fp16+zstd",
+                                  " prototypes = fp16 "])
+def test_extras_codec_that_the_config_accepts_the_agent_reads(text: str) -> None:
+    small_config(protocol={"extras_codec": text})
+    ex = {"soft_predictions": np.zeros(2, np.float32), "prototypes": np.zeros(2, np.float32)}
+    extras_codecs(text, ex, Codec.parse("fp32"))
+
+
+@pytest.mark.parametrize("params", [{"proxy_size": "x"}, {"proxy_size": 100, "proxy_seed": "x"}])
+def test_fedmcp_bad_proxy_keys_are_a_config_error(params: dict) -> None:
+    """FedMCP's data setup reads ``[algorithm] proxy_size`` / ``proxy_seed``: a value of the wrong
+    type is a ConfigError naming the section."""
+    cfg = small_config(train={"algorithm": "fedmcp"}, algorithm=params)
+    with pytest.raises(ConfigError, match=r"\[algorithm\]"):
+        make_strategy(cfg, load_dataset("digits"))

@@ -1,0 +1,386 @@
+"""A real fleet with the algorithms: one ``fedfleet server`` process and ``fedfleet-agent``
+processes started with the very command line the server prints.
+
+- domain-silo data (``digits_domains``, small caps) with FedPAD: the agents take the server's
+  shards (size, class histogram and domain each announced at join = ``partition.json``) and every
+  round completes;
+- FedMCP++ with ``--param proxy_size=100`` on a 200-sample ``[data] train_samples`` subset
+  (``--train-samples``): the agents given the printed ``--algorithm``/``--param``
+  finish; an agent left on FedAvg is refused at join with the differing keys named, and the run
+  does not wait for it;
+- an agent whose join is never answered exits 5 with the likely causes; an agent handed a global
+  that does not fit its algorithm's share withdraws from the round and exits 1 with a clear
+  message (a scripted server channel over the embedded broker);
+- the printed command, parsed by ``fedfleet-agent``'s own parser, announces exactly what the
+  server expects (:func:`broker_server.runtime.expected_data`), for every option it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from broker_server import config as config_mod
+from broker_server.embedded_broker import EmbeddedBroker
+from broker_server.runtime import expected_data
+from broker_server.server_main import agent_command
+from edge_agent.agent import data_announcement, param_value
+from edge_agent.cli import EXIT_FAILED, EXIT_NOT_JOINED, build_parser
+from edge_agent.cli import main as agent_main
+from protocol import topics
+from protocol.channel import Channel, Received
+from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status
+from protocol.transport import MqttTransport
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "FEDFLEET_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+TOML = """\
+[run]
+name = "{name}"
+seed = 3
+rounds = 2
+out = "{out}"
+
+[data]
+dataset = "{dataset}"
+partition = "{partition}"
+clients = {clients}
+{data_extra}
+
+[train]
+algorithm = "{algorithm}"
+local_epochs = 1
+batch_size = 16
+lr = 0.05
+momentum = 0.5
+
+[algorithm]
+{algorithm_table}
+
+[server]
+quorum = {clients}
+round_deadline_s = 60.0
+join_timeout_s = 60.0
+"""
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    """One embedded broker for the module (each run has its own federation id)."""
+    with EmbeddedBroker(kind="auto", workdir=tmp_path_factory.mktemp("broker")) as b:
+        yield b
+
+
+def _write_config(tmp: Path, **fields) -> Path:
+    path = tmp / f"{fields['name']}.toml"
+    path.write_text(TOML.format(out=tmp / "runs", **fields), encoding="utf-8")
+    return path
+
+
+def _popen(argv: list[str], log: Path, cwd: Path) -> subprocess.Popen:
+    with open(log, "wb") as fh:
+        return subprocess.Popen(argv, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=ENV)
+
+
+def _start_server(tmp: Path, config: Path, broker_url: str, run_dir: Path) -> tuple[subprocess.Popen, list[str]]:
+    """``fedfleet server`` as a process; returns it and the agent command it printed, as words."""
+    log = tmp / "server.log"
+    proc = _popen([sys.executable, "-m", "broker_server.cli", "server", "--config", str(config), "--broker",
+                   broker_url, "--out", str(run_dir)], log, tmp)
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        m = re.search(r"^  (fedfleet-agent .*)$", log.read_text(errors="replace"), re.M)
+        if m:
+            return proc, shlex.split(m.group(1))
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the server printed no agent command:\n{log.read_text(errors='replace')}")
+
+
+def _agent_argv(words: list[str], client_id: str, shard: int, out: Path) -> list[str]:
+    """The printed command with its placeholders filled in, run as ``python -m edge_agent.cli``."""
+    assert words[0] == "fedfleet-agent"
+    argv = [w.replace("DEVICE_ID", client_id) for w in words[1:]]
+    argv = [f"{shard}/{w.split('/')[1]}" if w.startswith("i/") else w for w in argv]
+    return [sys.executable, "-m", "edge_agent.cli", *argv, "--out", str(out / client_id), "--idle-timeout-s", "90"]
+
+
+def _wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], timeout_s: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    codes = {}
+    try:
+        for name, p in procs.items():
+            codes[name] = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        text = "\n".join(f"--- {n}\n{logs[n].read_text(errors='replace')[-3000:]}" for n in procs)
+        raise AssertionError(f"a process did not finish in {timeout_s:g} s:\n{text}") from None
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return codes
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _option(words: list[str], flag: str) -> list[str]:
+    return [words[k + 1] for k, w in enumerate(words) if w == flag]
+
+
+# ------------------------------------------------------------------------ the printed command
+
+
+@pytest.mark.parametrize("over", [
+    {"data": {"dataset": "digits_domains", "partition": "domain-silo", "clients": 3,
+              "domain_clients": "usps=1, mnist=2", "domain_train_cap": 60, "domain_test_cap": 30},
+     "train": {"algorithm": "fedpad"}, "algorithm": {"tau": 0.5, "fixed_alpha": True}},
+    {"data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.1234567, "min_samples": 4,
+              "train_samples": 500, "clients": 3},
+     "train": {"algorithm": "fedmcp"}, "algorithm": {"proxy_size": 100, "proxy_seed": 7}},
+    {"data": {"dataset": "digits", "partition": "iid", "clients": 2}},
+], ids=["domain-silo-fedpad", "dirichlet-subset-fedmcp", "iid-fedavg"])
+def test_the_printed_command_announces_what_the_server_expects(over) -> None:
+    raw = {"run": {"name": "t", "seed": 5, "rounds": 1}, "server": {"quorum": 1}}
+    for sec, vals in over.items():
+        raw.setdefault(sec, {}).update(vals)
+    cfg = config_mod.from_dict(raw, "<test>")
+    words = shlex.split(agent_command(cfg, "mqtt://127.0.0.1:1883", "fed-x"))
+    args = build_parser().parse_args([w.replace("i/", "0/") for w in words[1:]])
+    params = {k: param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
+    ann = data_announcement(dataset=args.dataset, partition=args.partition, alpha=args.alpha, seed=args.seed,
+                            shards=int(args.shard.split("/")[1]), min_samples=args.min_samples,
+                            train_samples=args.train_samples, domain_clients=args.domain_clients,
+                            domain_train_cap=args.domain_train_cap, domain_test_cap=args.domain_test_cap,
+                            algorithm=args.algorithm, algorithm_params=params)
+    assert ann == expected_data(cfg)
+    assert args.algorithm == cfg.train.algorithm
+    assert params == dict(cfg.algorithm)  # every [algorithm] key, same value and type
+    if cfg.data.partition == "dirichlet":
+        assert args.alpha == cfg.data.alpha  # all digits (an α printed with %g would be 0.123457)
+
+
+def test_the_announcement_ignores_spelling_but_not_values() -> None:
+    """Two spellings of one allocation or one number read alike; another value does not."""
+    base = dict(dataset="pacs", partition="domain-silo", alpha=None, seed=0, shards=4)
+    a = data_announcement(**base, domain_clients="photo=3,sketch=1,cartoon=0")
+    b = data_announcement(**base, domain_clients=" sketch = 1 , photo=3")
+    c = data_announcement(**base, domain_clients="photo=2,sketch=2")
+    assert a["domain_clients"] == b["domain_clients"] == "photo=3,sketch=1"
+    assert c["domain_clients"] == "photo=2,sketch=2"
+    one = dict(dataset="digits", partition="iid", alpha=None, seed=0, shards=2, algorithm="fedmcp")
+    toml_side = data_announcement(**one, algorithm_params={"proxy_size": 100, "lam": 1.0, "hard": True})
+    cli_side = data_announcement(**one, algorithm_params={"hard": param_value("true"), "lam": param_value("1"),
+                                                          "proxy_size": param_value("100")})
+    assert toml_side == cli_side
+    assert toml_side["algorithm_params"] == "hard=true,lam=1.0,proxy_size=100.0"
+    other = data_announcement(**one, algorithm_params={"proxy_size": 101, "lam": 1.0, "hard": True})
+    assert other["algorithm_params"] != toml_side["algorithm_params"]
+
+
+def test_every_agent_exit_code_is_explained_in_the_module_docstring() -> None:
+    import edge_agent.cli as cli
+
+    codes = {k: v for k, v in vars(cli).items() if k.startswith("EXIT_")}
+    assert sorted(codes.values()) == list(range(6))
+    for value in codes.values():
+        assert f"; {value} " in cli.__doc__ or f": {value} " in cli.__doc__, value
+
+
+def test_split_dataset_takes_the_subset_then_the_domain_silos() -> None:
+    """``[data] train_samples`` with domain-silo: a seeded stratified subset of the whole split,
+    then each domain's silo shards of that subset, mapped back to whole-split indices (composed
+    here from the two documented steps)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from edge_agent.data import stratified_subsample
+    from edge_agent.partition import domain_silo, split_dataset
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 90)
+    dom = np.repeat([0, 1, 2], 30)
+    ds = SimpleNamespace(train=SimpleNamespace(y=y), train_domains=dom, domain_names=("a", "b", "c"))
+    parts = split_dataset(ds, 3, scheme="domain-silo", seed=4, min_samples=1, train_samples=60,
+                          domain_clients="c=1,a=2")
+    sub = stratified_subsample(y, 60, seed=4)
+    want = domain_silo(dom[sub], ("a", "b", "c"), {"a": 2, "c": 1}, seed=4, num_clients=3, min_samples=1)
+    assert len(parts) == 3
+    for got, w in zip(parts, want.parts):
+        np.testing.assert_array_equal(got, sub[w])
+    assert [set(dom[p]) for p in parts] == [{0}, {0}, {2}]
+    assert sum(len(p) for p in parts) == int(np.isin(sub, np.flatnonzero(dom != 1)).sum())
+
+
+# ------------------------------------------------------------------------ real processes
+
+
+def test_domain_silo_fedpad_fleet_finishes_every_round(tmp_path: Path, broker) -> None:
+    """(i) domain-silo + FedPAD with the printed command (clients per domain written out of the
+    domains' order: the clients are numbered in domain order): shards equal the server's
+    partition.json, both rounds collect both updates."""
+    config = _write_config(tmp_path, name="silo", dataset="digits_domains", partition="domain-silo", clients=2,
+                           data_extra='domain_clients = "usps=1,mnist=1"\ndomain_train_cap = 40\n'
+                                      'domain_test_cap = 20',
+                           algorithm="fedpad", algorithm_table="tau = 0.5")
+    run = tmp_path / "run-silo"
+    server, words = _start_server(tmp_path, config, broker.url, run)
+    assert _option(words, "--partition") == ["domain-silo"]
+    assert _option(words, "--domain-clients") == ["usps=1,mnist=1"]
+    assert _option(words, "--algorithm") == ["fedpad"] and _option(words, "--param") == ["tau=0.5"]
+    procs, logs = {"server": server}, {"server": tmp_path / "server.log"}
+    for i in range(2):
+        logs[f"d{i}"] = tmp_path / f"d{i}.log"
+        procs[f"d{i}"] = _popen(_agent_argv(words, f"d{i}", i, tmp_path), logs[f"d{i}"], tmp_path)
+    codes = _wait(procs, logs, 120)
+    assert codes == {n: 0 for n in procs}, {n: logs[n].read_text()[-2000:] for n in procs}
+    m = _metrics(run)
+    assert [r["clients_reported"] for r in m] == [2, 2]
+    shards = json.loads((run / "partition.json").read_text())["clients"]
+    joined = {d["client_id"]: d for d in json.loads((run / "registry.json").read_text())["devices"]}
+    assert [(s["domain"], s["samples"]) for s in shards] == [("mnist", 40), ("usps", 40)]
+    for i in range(2):  # what each device announced at join = the server's shard i
+        dev = joined[f"d{i}"]
+        assert (dev["num_samples"], dev["class_histogram"], dev["info"]["domain"]) == \
+            (shards[i]["samples"], shards[i]["histogram"], shards[i]["domain"])
+        assert "trained 2 rounds, 2 updates acknowledged, finished=True" in logs[f"d{i}"].read_text()
+
+
+def test_fedmcp_fleet_with_param_finishes_and_a_fedavg_agent_is_refused(tmp_path: Path, broker) -> None:
+    """(ii) FedMCP++ agents with ``--param proxy_size=100`` finish both rounds; (iii) an agent
+    started without ``--algorithm``/``--param`` (FedAvg) is refused at join with the keys named and
+    exits 1, and no round waits for it."""
+    config = _write_config(tmp_path, name="mcp", dataset="digits", partition="iid", clients=2,
+                           data_extra="train_samples = 200", algorithm="fedmcp", algorithm_table="proxy_size = 100")
+    run = tmp_path / "run-mcp"
+    server, words = _start_server(tmp_path, config, broker.url, run)
+    assert _option(words, "--algorithm") == ["fedmcp"] and _option(words, "--param") == ["proxy_size=100"]
+    assert _option(words, "--train-samples") == ["200"]
+    wrong = [w for k, w in enumerate(words) if w not in ("--algorithm", "--param")
+             and words[k - 1] not in ("--algorithm", "--param")]
+    procs, logs = {"server": server}, {"server": tmp_path / "server.log"}
+    logs["wrong"] = tmp_path / "wrong.log"
+    procs["wrong"] = _popen(_agent_argv(wrong, "wrong", 0, tmp_path), logs["wrong"], tmp_path)
+    for i in range(2):
+        logs[f"d{i}"] = tmp_path / f"d{i}.log"
+        procs[f"d{i}"] = _popen(_agent_argv(words, f"d{i}", i, tmp_path), logs[f"d{i}"], tmp_path)
+    codes = _wait(procs, logs, 120)
+    assert codes == {"server": 0, "wrong": EXIT_FAILED, "d0": 0, "d1": 0}, \
+        {n: logs[n].read_text()[-2000:] for n in procs}
+    # the refused agent was never selected, so every round closed on the two reports (quorum 2)
+    # instead of waiting out its 60 s deadline
+    assert [(m["clients_selected"], m["clients_reported"]) for m in _metrics(run)] == [(2, 2), (2, 2)]
+    refused = logs["wrong"].read_text()
+    assert "refused the join" in refused
+    assert "algorithm 'fedavg' (server: 'fedmcp')" in refused
+    assert "algorithm_params '' (server: 'proxy_size=100.0')" in refused
+    assert "Traceback" not in refused
+    assert [r["clients_reported"] for r in _metrics(run)] == [2, 2]
+    shards = json.loads((run / "partition.json").read_text())["clients"]
+    joined = {d["client_id"]: d for d in json.loads((run / "registry.json").read_text())["devices"]}
+    assert set(joined) == {"d0", "d1"} and sum(s["samples"] for s in shards) == 200
+    for i in range(2):  # shards of the 200-sample subset
+        assert (joined[f"d{i}"]["num_samples"], joined[f"d{i}"]["class_histogram"]) == \
+            (shards[i]["samples"], shards[i]["histogram"])
+        assert "trained 2 rounds, 2 updates acknowledged, finished=True" in logs[f"d{i}"].read_text()
+
+
+# ------------------------------------------------------------------------ a scripted server
+
+
+class ScriptedServer:
+    """A server channel over the broker that answers each join as ``mode`` says:
+    ``"silent"``: never acknowledge it, end the run with ``finish``; ``"mismatch"``: accept it,
+    then send round 1 with a global of 0 tensors (what a FedMCP++ server sends) selecting the
+    agent. Records the agents' status messages as ``(round, state, detail)``."""
+
+    def __init__(self, port: int, federation: str, mode: str) -> None:
+        self.fed, self.mode = federation, mode
+        tr = MqttTransport(f"{federation}-scripted", "127.0.0.1", port)
+        tr.connect()
+        tr.subscribe(topics.server_filters(federation), qos=1)
+        self.ch = Channel(tr, node_id="server", side="server", federation=federation, ledger=None)
+        self.statuses: list[tuple[int, str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            item = self.ch.receive(0.2)
+            if not isinstance(item, Received):
+                continue
+            env = item.envelope
+            if isinstance(env.body, Status):
+                self.statuses.append((env.round, env.body.state, env.body.detail))
+            elif isinstance(env.body, Join) and self.mode == "silent":
+                self.ch.send(topics.down(self.fed, Kind.FINISH), Finish("done", 1), round=1)
+            elif isinstance(env.body, Join):
+                self.ch.send(topics.down_to(self.fed, env.sender, Kind.RECEIPT),
+                             Receipt(ref_kind=int(Kind.JOIN), ref_seq=env.seq, accepted=True), round=0)
+                self.ch.send(topics.down(self.fed, Kind.GLOBAL), Global(tensors=()), round=1)
+                self.ch.send(topics.down(self.fed, Kind.ROUND_START), RoundStart((env.sender,), 30.0, {}), round=1)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.ch.close()
+
+
+def _agent(broker, fed: str, tmp: Path, *extra: str) -> list[str]:
+    return ["--broker", broker.url, "--federation", fed, "--client-id", "dev-1", "--dataset", "digits",
+            "--shard", "0/2", "--seed", "3", "--out", str(tmp / "dev-1"), *extra]
+
+
+def test_an_unanswered_join_exits_5_with_the_likely_causes(tmp_path: Path, broker, capsys) -> None:
+    """The server drops the join (as a signing server drops a device it has not enrolled) but ends
+    the run: before, the agent said "trained 0 rounds … finished=True" and exited 0."""
+    srv = ScriptedServer(broker.port, "fed-silent", "silent")
+    try:
+        code = agent_main(_agent(broker, "fed-silent", tmp_path))
+    finally:
+        srv.close()
+    err = capsys.readouterr().err
+    assert code == EXIT_NOT_JOINED == 5
+    assert "never acknowledged the join" in err
+    assert "not enrolled" in err and "--server-pubkey" in err and "--federation" in err
+
+
+def test_no_server_at_all_exits_5_after_the_idle_timeout(tmp_path: Path, broker, capsys) -> None:
+    code = agent_main(_agent(broker, "fed-nobody", tmp_path, "--idle-timeout-s", "1"))
+    err = capsys.readouterr().err
+    assert code == EXIT_NOT_JOINED
+    assert "nothing from the server for 1 s" in err and "never acknowledged the join" in err
+
+
+def test_a_global_that_does_not_fit_the_algorithm_stops_the_agent_clearly(tmp_path: Path, broker, capsys) -> None:
+    """A FedAvg device (8 tensors) handed a 0-tensor global: it withdraws from round 1 (so the
+    server need not wait for the deadline), says offline, and exits 1 naming the algorithm."""
+    srv = ScriptedServer(broker.port, "fed-mismatch", "mismatch")
+    try:
+        code = agent_main(_agent(broker, "fed-mismatch", tmp_path))
+        time.sleep(0.5)
+    finally:
+        srv.close()
+    err = capsys.readouterr().err
+    assert code == EXIT_FAILED
+    assert "does not fit this device's algorithm 'fedavg' (share='all')" in err
+    assert "0 tensors received, the model has 8" in err and "--algorithm" in err
+    assert "Traceback" not in err
+    idle = [s for s in srv.statuses if s[1] == "idle"]
+    assert len(idle) == 1 and idle[0][0] == 1 and "does not fit" in idle[0][2]
+    assert srv.statuses[-1][1] == "offline"

@@ -1,0 +1,159 @@
+"""kill -9 and ``--resume`` of the stateful strategies: the resumed server continues from the
+checkpoint's strategy state, checked against the messages a spy saw on the broker.
+
+- SCAFFOLD's c, FedPAD's global prototypes, FedMCP's teacher: the resumed round-2 global
+  carries exactly the extras the checkpoint's state yields;
+- FedAdam: m_2 = β1·m_1 + (1−β1)·Δ_2 from the checkpoint's m_1 and the resumed round's updates;
+- FedDyn: h_2 = h_1 − (α/N)·Σ_i (w_i − w_g) from the checkpoint's h_1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.checkpoints import checkpoint_round
+from helpers.federation import Spy, small_config
+from helpers.federation import read_metrics as _metrics
+from helpers.federation import read_summary as _summary
+
+from broker_server.checkpoint import CheckpointStore
+from broker_server.embedded_broker import EmbeddedBroker
+from broker_server.runtime import make_strategy
+from broker_server.simulate import simulate
+from edge_agent.data import load_dataset
+from protocol.errors import ProtocolError
+from protocol.messages import decode
+
+pytestmark = pytest.mark.slow
+
+
+def _kill_and_resume(tmp_path: Path, cfg, *, kill_after: int = 1):
+    """Run ``fedfleet simulate`` in a subprocess against a broker of this process, SIGKILL it once
+    its checkpoint of round ``kill_after`` is written, then ``simulate(..., resume=True)`` here
+    with a spy on the broker. Returns (result, checkpoint at the kill, the spied messages of the
+    resumed session, the run folder). A subprocess that ends before that checkpoint fails the
+    test with its log; one that never writes it is stopped by pytest-timeout."""
+    repo = Path(__file__).resolve().parents[2]
+    toml = tmp_path / "cfg.toml"
+    toml.write_text(cfg.to_toml(), encoding="utf-8")
+    run = tmp_path / "run"
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        log = open(tmp_path / "crashed.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "simulate", "--config", str(toml), "--out",
+                              str(run), "--broker", broker.url, "-q"], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "FEDFLEET_OFFLINE": "1"})
+        log.close()
+        try:
+            while checkpoint_round(run / "checkpoints.sqlite") < kill_after and p.poll() is None:
+                time.sleep(0.05)
+            assert p.poll() is None, (tmp_path / "crashed.log").read_text()[-3000:]
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        store = CheckpointStore(run / "checkpoints.sqlite")
+        ckpt = store.load()
+        store.close()
+        spy = Spy(broker.host, broker.port)
+        try:
+            res = simulate(cfg, broker_url=broker.url, run_dir=run, resume=True)
+            time.sleep(0.3)
+        finally:
+            spy.close()
+    msgs = []
+    for topic, payload, _ in spy.messages:
+        if payload:
+            try:
+                msgs.append((topic, decode(payload).envelope))
+            except ProtocolError:
+                pass
+    return res, ckpt, msgs, run
+
+
+def _resume_cfg(name: str, **over):
+    sections = {"run": {"rounds": 2}, "data": {"clients": 2}, "train": {"algorithm": name},
+                "server": {"quorum": 2, "round_deadline_s": 30.0}}
+    for k, v in over.items():
+        sections.setdefault(k, {}).update(v)
+    return small_config(**sections)
+
+
+def _globals(msgs, rnd):
+    return [env.body for _, env in msgs if type(env.body).__name__ == "Global" and env.round == rnd]
+
+
+def _check_resumed(res, ckpt, run):
+    assert ckpt.round >= 1
+    assert res.rounds_completed == 2
+    assert [m["round"] for m in _metrics(run)] == [1, 2]
+    assert _summary(run)["agent_errors"] == []
+    assert all(m["clients_reported"] == 2 and not m["skipped"] for m in _metrics(run))
+
+
+@pytest.mark.parametrize("algorithm,over,extras", [
+    ("scaffold", {}, ("control",)),
+    ("fedpad", {}, ("prototypes", "proto_classes")),
+    ("fedmcp", {"algorithm": {"proxy_size": 100}, "server": {"client_eval": True, "client_eval_max": 50}},
+     ("teacher_soft_predictions", "teacher_prototypes")),
+])
+def test_resume_broadcasts_the_restored_state(tmp_path: Path, algorithm: str, over: dict, extras: tuple) -> None:
+    """kill -9 after round 1's checkpoint; the resumed server's round-2 global carries exactly the
+    strategy state of that checkpoint (SCAFFOLD c, FedPAD's global prototypes, FedMCP's teacher)."""
+    res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg(algorithm, **over))
+    _check_resumed(res, ckpt, run)
+    if ckpt.round >= 2:
+        pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
+    g = _globals(msgs, 2)
+    assert g, "no round-2 global seen"
+
+    s = make_strategy(_resume_cfg(algorithm, **over), load_dataset("digits"))
+    s.load_state_dict(ckpt.strategy_state)
+    want = s.global_extras()
+    assert set(want) == set(extras) and set(g[-1].extras) == set(extras)
+    for name in extras:
+        np.testing.assert_array_equal(g[-1].extras[name], want[name])
+
+
+def test_resume_fedadam_keeps_its_moments(tmp_path: Path) -> None:
+    """FedAdam after kill -9 + resume: the step count and the moments continue from the checkpoint
+    (m_2 = β1·m_1 + (1−β1)·Δ_2 with Δ_2 from the resumed round's updates)."""
+    res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg("fedadam"))
+    _check_resumed(res, ckpt, run)
+    store = CheckpointStore(run / "checkpoints.sqlite")
+    final = store.load(2).strategy_state
+    store.close()
+    assert final["steps"] == 2 and ckpt.strategy_state["steps"] == ckpt.round
+    if ckpt.round == 1:
+        ups = {env.sender: env.body for _, env in msgs if type(env.body).__name__ == "Update" and env.round == 2}
+        n = sum(u.num_samples for u in ups.values())
+        mean = [sum(u.num_samples * np.asarray(u.tensors[i], np.float64) for u in ups.values()) / n
+                for i in range(len(ckpt.tensors))]
+        delta = [m - np.asarray(w, np.float64) for m, w in zip(mean, ckpt.tensors, strict=True)]
+        m2 = [0.9 * m1 + 0.1 * d for m1, d in zip(ckpt.strategy_state["m"], delta, strict=True)]
+        for a, b in zip(m2, final["m"], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+
+
+def test_resume_feddyn_keeps_h(tmp_path: Path) -> None:
+    """FedDyn after kill -9 + resume: h_2 = h_1 − (α/N)·Σ_i (w_i − w_g) from the checkpoint's h_1."""
+    res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg("feddyn"))
+    _check_resumed(res, ckpt, run)
+    if ckpt.round >= 2:
+        pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
+    store = CheckpointStore(run / "checkpoints.sqlite")
+    final = store.load(2).strategy_state
+    store.close()
+    ups = [env.body for _, env in msgs if type(env.body).__name__ == "Update" and env.round == 2]
+    alpha, N = 0.01, final["clients_seen"]
+    for i, (h1, h2) in enumerate(zip(ckpt.strategy_state["h"], final["h"], strict=True)):
+        s = sum(np.asarray(u.tensors[i], np.float64) - ckpt.tensors[i] for u in ups)
+        np.testing.assert_allclose(h2, h1 - alpha / N * s, rtol=1e-5, atol=1e-9)

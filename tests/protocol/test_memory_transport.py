@@ -1,0 +1,177 @@
+"""protocol.memory_transport: MQTT 3.1.1 topic matching, retained messages, QoS, last wills, and a
+Channel pair talking through it.
+
+Every expected match is read off MQTT 3.1.1 §4.7 (its own examples where it gives them), not off
+the code under test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocol import topics
+from protocol.channel import Channel, Received
+from protocol.errors import TransportError
+from protocol.memory_transport import MemoryBroker, check_filter, topic_matches
+from protocol.messages import Kind, Update
+from protocol.transport import Will
+
+# (filter, topic, matches): MQTT 3.1.1 §4.7.1.2, §4.7.1.3 and §4.7.2 examples, and fedfleet's filters
+CASES = [
+    ("sport/tennis/player1/#", "sport/tennis/player1", True),
+    ("sport/tennis/player1/#", "sport/tennis/player1/ranking", True),
+    ("sport/tennis/player1/#", "sport/tennis/player1/score/wimbledon", True),
+    ("sport/#", "sport", True),
+    ("#", "sport/tennis", True),
+    ("#", "/", True),
+    ("sport/tennis/+", "sport/tennis/player1", True),
+    ("sport/tennis/+", "sport/tennis/player1/ranking", False),
+    ("sport/+", "sport", False),
+    ("sport/+", "sport/", True),
+    ("+/+", "/finance", True),
+    ("/+", "/finance", True),
+    ("+", "/finance", False),
+    ("+/monitor/Clients", "$SYS/monitor/Clients", False),
+    ("#", "$SYS/broker", False),
+    ("$SYS/#", "$SYS/broker", True),
+    ("$SYS/monitor/+", "$SYS/monitor/Clients", True),
+    ("sport/tennis", "sport/Tennis", False),
+    ("fedfleet/v1/f/up/+/+", "fedfleet/v1/f/up/pi-1/update", True),
+    ("fedfleet/v1/f/up/+/+", "fedfleet/v1/f/up/pi-1", False),
+    ("fedfleet/v1/f/down/+", "fedfleet/v1/f/down/pi-1/receipt", False),
+    ("fedfleet/v1/f/down/pi-1/+", "fedfleet/v1/f/down/pi-1/receipt", True),
+    ("fedfleet/v1/f/down/pi-1/+", "fedfleet/v1/f/down/pi-2/receipt", False),
+]
+
+
+@pytest.mark.parametrize(("flt", "topic", "want"), CASES)
+def test_topic_filters_match_as_mqtt_specifies(flt: str, topic: str, want: bool) -> None:
+    assert topic_matches(flt, topic) is want
+
+
+@pytest.mark.parametrize("bad", ["", "sport/tennis#", "sport/#/ranking", "sport+", "a/b+/c", "a\x00b"])
+def test_invalid_filters_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        check_filter(bad)
+
+
+def test_publishing_to_a_wildcard_topic_is_refused() -> None:
+    client = MemoryBroker().connect("c")
+    for bad in ("a/+", "a/#", ""):
+        with pytest.raises(ValueError):
+            client.publish(bad, b"x")
+
+
+def test_delivery_to_matching_subscribers_only_once_each_at_the_granted_qos() -> None:
+    broker = MemoryBroker()
+    a, b, c = broker.connect("a"), broker.connect("b"), broker.connect("c")
+    a.subscribe(["x/+", "x/#"], qos=1)  # overlapping: one copy at the highest granted QoS (1)
+    b.subscribe(["x/y"], qos=0)
+    c.subscribe(["z/#"])
+    c.publish("x/y", b"hello", qos=1)
+    got_a, got_b = a.get(0), b.get(0)
+    assert (got_a.topic, got_a.payload, got_a.qos, got_a.retain) == ("x/y", b"hello", 1, False)
+    assert (got_b.payload, got_b.qos) == (b"hello", 0)  # min(PUBLISH 1, subscription 0)
+    assert a.get(0) is None and b.get(0) is None and c.get(0) is None  # c's filter does not match
+    assert (c.sent, c.sent_count, c.sent_bytes) == ([("x/y", b"hello")], 1, 5)
+
+
+def test_retained_message_reaches_later_subscribers_and_empty_payload_clears_it() -> None:
+    broker = MemoryBroker()
+    pub = broker.connect("pub")
+    pub.publish("s/dev1", b"online", retain=True)
+    pub.publish("s/dev1", b"busy", retain=True)  # replaces the first
+    pub.publish("s/dev2", b"idle", retain=False)  # not kept
+    late = broker.connect("late")
+    late.subscribe(["s/+"])
+    inc = late.get(0)
+    assert (inc.topic, inc.payload, inc.retain) == ("s/dev1", b"busy", True)
+    assert late.get(0) is None
+    assert broker.retained == {"s/dev1": b"busy"}
+    pub.publish("s/dev1", b"", retain=True)  # live subscribers still get it, with retain = 0
+    inc = late.get(0)
+    assert (inc.payload, inc.retain) == (b"", False)
+    assert broker.retained == {}
+    later = broker.connect("later")
+    later.subscribe(["s/#"])
+    assert later.get(0) is None
+
+
+def test_abort_publishes_the_will_close_does_not() -> None:
+    broker = MemoryBroker()
+    watcher = broker.connect("w")
+    watcher.subscribe(["status/+"])
+    polite = broker.connect("p", will=Will("status/p", b"offline"))
+    polite.close()
+    assert watcher.get(0) is None
+    gone = broker.connect("g", will=Will("status/g", b"offline"))
+    gone.abort()
+    inc = watcher.get(0)
+    assert (inc.topic, inc.payload) == ("status/g", b"offline")
+    assert broker.retained == {"status/g": b"offline"}  # Will retains by default, as in transport.Will
+    with pytest.raises(TransportError):
+        gone.publish("status/g", b"back")
+    assert broker.clients == ["w"]
+
+
+def test_drop_link_renews_subscriptions_and_calls_connect_listeners() -> None:
+    broker = MemoryBroker()
+    a = broker.connect("a", will=Will("status/a", b"offline", retain=False))
+    seen: list[int] = []
+    a.add_connect_listener(seen.append)
+    a.subscribe(["cfg"])
+    watcher = broker.connect("w")
+    watcher.subscribe(["status/#"])
+    broker.connect("admin").publish("cfg", b"v1", retain=True)
+    assert a.get(0).retain is False  # a live delivery
+    a.drop_link()
+    assert (a.connects, seen) == (2, [2])
+    assert watcher.get(0).payload == b"offline"
+    again = a.get(0)  # re-subscribed: the retained message comes again, flagged retained
+    assert (again.payload, again.retain) == (b"v1", True)
+
+
+def test_takeover_disconnects_the_older_client_with_the_same_id() -> None:
+    broker = MemoryBroker()
+    old = broker.connect("dev")
+    new = broker.connect("dev")
+    assert not old.connected and new.connected
+    with pytest.raises(TransportError):
+        old.publish("t", b"x")
+
+
+def test_on_idle_supplies_one_message_at_a_time() -> None:
+    broker = MemoryBroker()
+    device = broker.connect("dev")
+    queue = [b"1", b"2"]
+    server = broker.connect("srv", on_idle=lambda: queue and device.publish("t", queue.pop(0)))
+    server.subscribe(["t"])
+    assert [server.get(0).payload, server.get(0).payload, server.get(0)] == [b"1", b"2", None]
+
+
+def test_get_waits_for_a_message_from_another_thread() -> None:
+    import threading
+
+    broker = MemoryBroker()
+    rx, tx = broker.connect("rx"), broker.connect("tx")
+    rx.subscribe(["t"])
+    threading.Timer(0.05, lambda: tx.publish("t", b"late")).start()
+    assert rx.get(10.0).payload == b"late"
+
+
+def test_two_channels_exchange_a_chunked_update_through_the_broker() -> None:
+    """A 1.2 MB update in 256 KiB chunks crosses the memory broker whole, byte for byte."""
+    broker = MemoryBroker()
+    fed = "mem"
+    agent_tr, server_tr = broker.connect("client-1"), broker.connect("server")
+    server_tr.subscribe(topics.server_filters(fed))
+    agent_tr.subscribe(topics.agent_filters(fed, "client-1"))
+    agent = Channel(agent_tr, node_id="client-1", side="agent", federation=fed, ledger=None, chunk_bytes=256 * 1024)
+    server = Channel(server_tr, node_id="server", side="server", federation=fed, ledger=None)
+    x = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+    agent.send(topics.up(fed, "client-1", Kind.UPDATE), Update((x,), 10, 0.5), round=1)
+    assert agent_tr.sent_count == 5  # ceil(1.2 MB / 256 KiB) chunks
+    got = [server.receive(0.0) for _ in range(5)]
+    whole = [g for g in got if isinstance(g, Received)]
+    assert len(whole) == 1
+    np.testing.assert_array_equal(whole[0].envelope.body.tensors[0], x)
