@@ -25,7 +25,7 @@ from test_federation import small_config
 
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
-from broker_server.strategies import ClientResult, accumulator_for
+from broker_server.strategies import ClientResult, accumulator_for, apply_update
 from protocol.errors import ProtocolError
 from protocol.messages import Kind, decode
 from protocol.tensors import encode_tensor
@@ -212,7 +212,7 @@ def test_fedproto_round1_width_is_not_decided_by_the_first_reporter() -> None:
                 acc.add(r)
             except ValueError:
                 pass
-    acc.result()
+    apply_update(s, 1, acc.result())
     assert s.prototypes.shape[1] == 64
 
 
@@ -227,7 +227,7 @@ def test_fedproto_avg_does_not_aggregate_the_model_of_a_refused_update() -> None
     acc.add(_result("a", [np.ones((2, 2), np.float32)], **_protos(2, 3)))
     with pytest.raises(ValueError):
         acc.add(_result("b", [np.full((2, 2), 100.0, np.float32)], **_protos(2, 64)))
-    np.testing.assert_array_equal(acc.result()[0], np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(apply_update(s, 1, acc.result())[0], np.ones((2, 2), np.float32))
 
 
 def test_fedpad_proto_counts_that_overflow_int64_are_refused() -> None:
@@ -276,7 +276,7 @@ def test_scaffold_first_reporter_does_not_decide_the_control_variate_size() -> N
                 acc.add(r)
             except ValueError:
                 pass
-    acc.result()
+    apply_update(s, 1, acc.result())
     assert s.control is not None and s.control.shape == (5,)
 
 
@@ -298,7 +298,7 @@ def test_fedmcp_first_reporter_does_not_decide_the_teacher_prototype_width() -> 
                 acc.add(r)
             except ValueError:
                 pass
-    acc.result()
+    apply_update(s, 1, acc.result())
     assert s.teacher_protos.shape == (C, 64)
 
 

@@ -91,8 +91,12 @@ class FedRepClient(FedPerClient):
         ValueError: unknown ``precision``.
     """
 
+    name = "fedrep"
+    share = "backbone"
+    buffers = "average"
+
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
                     global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """Load the global backbone, train head then backbone, return the backbone.
