@@ -263,7 +263,7 @@ def predict_scores(algorithm: ClientAlgorithm, model: torch.nn.Module, x: torch.
     return algorithm.predict(model, x)
 
 
-class StateOnReceipt:
+class StateOnReceipt(ClientAlgorithm):
     """Mixin for a client algorithm whose per-device state must match what the server counted
     (SCAFFOLD's c_i, FedDyn's ∇L_k): the state a round produces stands only if the server
     accepted that round's update.
