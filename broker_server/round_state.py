@@ -74,6 +74,10 @@ class CountedUpdates:
         round, client = key
         return client in self._by_round.get(round, ())
 
+    def clear(self) -> None:
+        """Forget every count (what a freshly started process knows)."""
+        self._by_round.clear()
+
     def add(self, round: int, client: str) -> None:
         self._by_round.setdefault(round, set()).add(client)
         for old in [r for r in self._by_round if r < round - self.keep_rounds]:
