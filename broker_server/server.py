@@ -48,8 +48,18 @@ from edge_agent.models import manifest_hash, model_manifest
 from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
-from protocol.messages import (Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec,
-                               payload_sha256)
+from protocol.messages import (
+    Finish,
+    Global,
+    Join,
+    Kind,
+    Receipt,
+    RoundStart,
+    Status,
+    Update,
+    parse_extras_codec,
+    payload_sha256,
+)
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
 from .checkpoint import Checkpoint
@@ -338,7 +348,7 @@ class AggregationServer:
             return
         shared = self._shared()
         shapes_ok = len(body.tensors) == len(shared) and all(
-            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, shared))
+            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, shared, strict=False))
         if not shapes_ok:
             self._refuse(item, f"tensors do not match the model manifest (share={self.share!r}: "
                                f"{len(shared)} tensors expected, {len(body.tensors)} received)")
@@ -356,7 +366,7 @@ class AggregationServer:
         tensors = body.tensors
         if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole
             tensors = tuple(g + d if np.issubdtype(g.dtype, np.floating) else d
-                            for g, d in zip(shared, body.tensors))
+                            for g, d in zip(shared, body.tensors, strict=True))
         result = ClientResult(env.sender, tensors, body.num_samples, body.train_loss, dict(body.metrics),
                               extras=dict(body.extras))
         reason = self.strategy.validate(result)
@@ -543,7 +553,7 @@ class AggregationServer:
         self.round = r
         if (r >= 2 and self._extras_update_seen) or r >= self.settings.rounds:
             self._check_extras_codec_names()
-        up, down = (b - a for a, b in zip(sent0, self._bytes()))
+        up, down = (b - a for a, b in zip(sent0, self._bytes(), strict=True))
         st = o.stats
         metrics = {
             "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
@@ -593,7 +603,7 @@ class AggregationServer:
             return False
         self.strategy.commit(r, update)
         if update.tensors is not None:
-            for i, t in zip(self.shared_idx, update.tensors):
+            for i, t in zip(self.shared_idx, update.tensors, strict=True):
                 self.global_tensors[i] = np.asarray(t)
             load_arrays(self.model, self.global_tensors)
         return True

@@ -269,7 +269,7 @@ def apply_update(strategy: Strategy, round: int, update: GlobalUpdate | None) ->
     return None if update.tensors is None else list(update.tensors)
 
 
-def classifier_shape(model: "torch.nn.Module") -> tuple[int, int] | None:
+def classifier_shape(model: torch.nn.Module) -> tuple[int, int] | None:
     """(C, d) of the model's classifier: the shape of its ``classifier.weight`` state entry
     (the light CNN's head ``Linear(d, C)``: C classes, feature width d); ``None`` when the model
     has no 2-D ``classifier.weight``. For :meth:`Strategy.bind_model` implementations."""
@@ -279,7 +279,7 @@ def classifier_shape(model: "torch.nn.Module") -> tuple[int, int] | None:
     return int(w.shape[0]), int(w.shape[1])
 
 
-def parameter_count(model: "torch.nn.Module") -> int:
+def parameter_count(model: torch.nn.Module) -> int:
     """P, the model's trainable parameter count (Σ numel over ``model.parameters()``, the layout of
     flat control variates: :mod:`edge_agent.algorithms.scaffold`). For ``bind_model``."""
     return sum(int(p.numel()) for p in model.parameters())

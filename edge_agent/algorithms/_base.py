@@ -84,10 +84,11 @@ def load_shared(model: torch.nn.Module, arrays: Sequence[np.ndarray], share: str
     if len(arrays) != len(idx):
         raise ModelError(f"{len(arrays)} tensors received, {len(idx)} expected for share={share!r}")
     new = {}
-    for i, arr in zip(idx, arrays):
+    for i, arr in zip(idx, arrays, strict=True):
         ref = state[names[i]]
         if tuple(arr.shape) != tuple(ref.shape):
-            raise ModelError(f"tensor {names[i]}: shape {tuple(arr.shape)} received, the model has {tuple(ref.shape)}")
+            raise ModelError(f"tensor {names[i]}: shape {tuple(arr.shape)} received, "
+                             f"the model has {tuple(ref.shape)}")
         new[names[i]] = torch.from_numpy(np.array(arr, dtype=ref.detach().cpu().numpy().dtype, copy=True)).to(ref.device)
     model.load_state_dict(new, strict=False)
 
@@ -113,7 +114,7 @@ class TrainConfig:
     seed: int = 0
 
     @classmethod
-    def from_mapping(cls, base: "TrainConfig", overrides: Mapping[str, object]) -> "TrainConfig":
+    def from_mapping(cls, base: TrainConfig, overrides: Mapping[str, object]) -> TrainConfig:
         """``base`` with the known keys of ``overrides`` applied (unknown keys are ignored:
         tolerant on the wire)."""
         kw = {}

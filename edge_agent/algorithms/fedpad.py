@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays
+from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
 from ._registry import register_client_algorithm
-from ._base import step_hook
 from .fedavg import FedAvgClient, _check_precision, _to_device, sgd_epochs, shuffle_generator
 from .fedproto import PrototypeSums, prototype_mse, prototype_table
 

@@ -31,7 +31,6 @@ Hyperparameter (``round_start.config``): ``lambda_proto`` (λ, default 1.0; HtFL
 from __future__ import annotations
 
 import abc
-
 import time
 from collections.abc import Mapping
 
@@ -40,10 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import ClientAlgorithm, LocalResult, TrainConfig, load_shared, shared_arrays
+from ._base import ClientAlgorithm, LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
 from ._registry import register_client_algorithm
-from ._base import step_hook
 from .fedavg import _check_precision, sgd_epochs, shuffle_generator
+
 
 class PrototypeSums:
     """Per-class running sums of features: the local prototypes p_c = (1/n_c) Σ_{i: y_i = c} z_i.

@@ -25,9 +25,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays
+from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
 from ._registry import register_client_algorithm
-from ._base import step_hook
 from .fedavg import FedAvgClient, LossFn, _check_precision, cross_entropy_loss, sgd_epochs, shuffle_generator
 
 #: FedProx proximal coefficient μ when the round config has no ``mu`` (RethinkFL best_args; SPECS §6.17).

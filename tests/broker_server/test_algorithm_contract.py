@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from broker_server.strategies import (BUFFERS, MODEL_REQUIREMENTS, SHARES, Strategy, get_strategy_class,
-                                      list_strategies)
+from broker_server.strategies import BUFFERS, MODEL_REQUIREMENTS, SHARES, Strategy, get_strategy_class, list_strategies
 from edge_agent.algorithms import ClientAlgorithm, get_client_algorithm_class, list_client_algorithms
 
 SERVER_HOOKS = ("setup_kwargs", "bind_model", "configure_round", "global_extras", "validate", "accumulator",

@@ -66,7 +66,7 @@ def test_driver_refuses_an_fp16_overflow_and_records_why(memory_hub, tmp_path) -
     assert srv._commit(1, _update(np.full((2, 2), 1e5, np.float32), tensors=new)) is False
     assert "fp16" in srv.open.stats.skip_reason and srv.open.stats.skipped
     np.testing.assert_array_equal(s.prototypes, PROTOS)  # the strategy's state is as it was
-    for a, b in zip(srv.global_tensors, before):  # and so is the model
+    for a, b in zip(srv.global_tensors, before, strict=True):  # and so is the model
         np.testing.assert_array_equal(a, b)
     assert srv._commit(1, _update(PROTOS + 1, tensors=new)) is True
     np.testing.assert_array_equal(s.prototypes, PROTOS + 1)

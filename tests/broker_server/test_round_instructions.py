@@ -114,7 +114,8 @@ def test_each_device_trains_its_own_epochs(memory_hub, tmp_path) -> None:
     # the ledger prices each of them, with the instructions field
     rows = ledger.rows("side = 'server' AND kind = 'round_start' AND event = 'sent'")
     assert sorted((r.round, r.client) for r in rows) == [(1, "dev-a"), (1, "dev-b"), (2, "dev-a"), (2, "dev-b")]
-    by_payload = {(env.round, env.body.selected[0]): len(p) for (_, p), (_, env) in zip(published, starts)}
+    by_payload = {(env.round, env.body.selected[0]): len(p)
+                  for (_, p), (_, env) in zip(published, starts, strict=True)}
     for r in rows:
         assert r.payload_bytes == by_payload[(r.round, r.client)]
         assert "instructions" in r.fields
