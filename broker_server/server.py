@@ -499,6 +499,10 @@ class AggregationServer:
         sent0 = self._bytes()
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
+        undeclared = sorted({k for ins in plan.instructions.values() for k in ins} - set(self.strategy.instructions))
+        if undeclared:
+            raise RunError(f"strategy {self.strategy.name!r} sent instructions {undeclared} it does not declare in "
+                           f"its class attribute instructions = {self.strategy.instructions!r}")
         o = self.open = RoundState(collecting=r, selected=set(plan.selected), stats=RoundStats(round=r))
         o.stats.selected = len(plan.selected)
         if self.global_codec.lossy:

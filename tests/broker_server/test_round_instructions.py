@@ -9,6 +9,8 @@ import threading
 import numpy as np
 import pytest
 
+from broker_server.errors import RunError
+from broker_server.registry import ClientRecord
 from broker_server.round_state import RoundState
 from broker_server.server import AggregationServer, ServerSettings
 from broker_server.strategies import RoundPlan
@@ -148,3 +150,19 @@ def test_a_plan_cannot_instruct_an_unselected_device() -> None:
         RoundPlan(("a",), {}, {"b": {"local_epochs": 2}})
     with pytest.raises(ValueError, match="scalar"):
         RoundPlan(("a",), {}, {"a": {"local_epochs": [2]}})
+
+
+def test_an_undeclared_instruction_stops_the_run(memory_hub, tmp_path) -> None:
+    class Undeclared(PerDeviceEpochs):
+        instructions = ()
+
+
+    server = AggregationServer(
+        channel=Channel(memory_hub.transport("server"), node_id="server", side="server", federation="mem",
+                        ledger=None),
+        strategy=Undeclared(), model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+        test=ArraySplit(np.zeros((2, 1, 8, 8), np.float32), np.zeros(2, np.int64), 10),
+        settings=ServerSettings(rounds=1), run_dir=tmp_path)
+    server.devices.records.update({c: ClientRecord(c) for c in EPOCHS})
+    with pytest.raises(RunError, match="local_epochs"):
+        server.run_round(1)
