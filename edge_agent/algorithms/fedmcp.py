@@ -62,7 +62,7 @@ from torch import nn
 
 from ..data import PROXY_SIZE, ArraySplit, Dataset, proxy_split
 from ..errors import ModelError
-from ._base import ClientAlgorithm, LocalResult, TrainConfig
+from ._base import ClientAlgorithm, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, _to_device, sgd_epochs, shuffle_generator
 
@@ -470,7 +470,8 @@ class FedMCPClient(ClientAlgorithm):
         teacher = self._teacher(model, global_extras or {}, device)
         if teacher is not None:
             metrics.update(self._align(model, teacher, config, hp, generator, device, client_index))
-        loss, acc = sgd_epochs(model, x, y, config, generator, device, precision=self.precision)
+        loss, acc = sgd_epochs(model, x, y, config, generator, device, precision=self.precision,
+                               before_step=step_hook(self), step_round=round)
         soft, protos, backend = self.proxy_outputs(model, hp.temperature, use_onnx=hp.onnx_soft_predictions,
                                                    device=device)
         metrics.update(train_accuracy=acc, train_seconds=time.perf_counter() - t0, soft_predictions_backend=backend,

@@ -58,3 +58,45 @@ def test_the_base_defaults_are_the_documented_ones() -> None:
     plan = b.configure_round(1, ["b", "a"], None)
     assert plan.selected == ("a", "b") and dict(plan.config) == {} and dict(plan.instructions) == {}
     assert ClientAlgorithm.share == "all" and ClientAlgorithm.buffers == "average"
+
+
+def test_the_training_step_hook_sees_every_step_of_every_shared_loop() -> None:
+    """before_step runs once per optimizer step with the epoch and step numbers, in the loops of
+    FedAvg and FedProx; an algorithm without one
+    trains exactly as before (same weights, bit for bit)."""
+    import numpy as np
+    import torch
+
+    from edge_agent.algorithms import TrainConfig
+    from edge_agent.algorithms.fedavg import FedAvgClient
+    from edge_agent.algorithms.fedprox import FedProxClient
+    from edge_agent.models import build_model
+    from edge_agent.state import state_arrays
+
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((12, 1, 8, 8)).astype(np.float32))
+    y = torch.from_numpy(np.arange(12) % 10)
+    cfg = TrainConfig(local_epochs=2, batch_size=5)  # 3 steps per epoch (5, 5, 2)
+
+    def run(algo):
+        torch.manual_seed(0)
+        m = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+        g = state_arrays(m)
+        algo.local_round(m, g, x, y, cfg, round=4, client_id="d", client_index=0, device=torch.device("cpu"),
+                         params={"mu": 0.01})
+        return state_arrays(m)
+
+    for base in (FedAvgClient, FedProxClient):
+        class Counting(base):
+            def __init__(self):
+                super().__init__()
+                self.steps = []
+
+            def before_step(self, model, context):
+                assert all(p.grad is not None for p in model.parameters())
+                self.steps.append((context.round, context.epoch, context.step))
+
+        counting = Counting()
+        with_hook, without = run(counting), run(base())
+        assert counting.steps == [(4, e, s) for e, s in [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]]
+        for a, b in zip(with_hook, without, strict=True):  # a hook that edits nothing changes nothing
+            np.testing.assert_array_equal(a, b)
