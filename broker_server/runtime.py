@@ -128,10 +128,9 @@ def make_strategy(cfg: Config, ds: Dataset):
             whose value it refuses (the message names the key).
     """
     cls = get_strategy_class(cfg.train.algorithm)
-    setup = getattr(cls, "setup_kwargs", None)
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
-        extra = dict(setup(ds, dict(cfg.algorithm), cfg.run.seed)) if setup is not None else {}
+        extra = dict(cls.setup_kwargs(ds, dict(cfg.algorithm), cfg.run.seed))
         return cls(participation_rate=cfg.server.participation_rate, min_clients=cfg.server.quorum,
                    train_config=train_config(cfg), **dict(cfg.algorithm), **extra)
     except (TypeError, ValueError) as exc:
@@ -148,7 +147,7 @@ def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
 def client_eval_split(cfg: Config, ds: Dataset):
     """The split each virtual device evaluates its own model on when ``[server] client_eval``
     is on (at most ``client_eval_max`` samples, a seeded choice), else ``None``."""
-    share = getattr(get_strategy_class(cfg.train.algorithm), "share", "all")
+    share = get_strategy_class(cfg.train.algorithm).share
     if not cfg.server.client_eval and share == "all":  # partial sharing: always on (the server says so)
         return None
     split = evaluation_split(cfg.train.algorithm, ds, dict(cfg.algorithm), cfg.run.seed)

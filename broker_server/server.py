@@ -13,22 +13,28 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
 4. **quorum rule**: when fewer than ``quorum`` updates arrived by the deadline, the round is
    closed without aggregation (the global model is unchanged) and marked ``skipped`` in
    ``metrics.jsonl``; the updates it accepted were acknowledged, so a strategy that mirrors
-   per-device state (SCAFFOLD's c, FedDyn's h) takes them into that state through its optional
-   ``skipped_round`` (before the round's checkpoint); an aggregate with NaN/Inf is likewise
-   discarded, never broadcast;
-5. evaluate on the held-out test split, write one ``metrics.jsonl`` line and a checkpoint.
+   per-device state (SCAFFOLD's c, FedDyn's h) returns that state from ``skipped_round``
+   (committed before the round's checkpoint);
+5. **commit rule**: the round's new global state comes back as ONE
+   :class:`~broker_server.strategies.GlobalUpdate` (the accumulator's ``result()``); the driver
+   commits it (``strategy.commit``) only when every array is finite and encodable with the
+   round's global/extras codecs (:func:`~broker_server.strategies.update_problem`), for every
+   strategy alike; otherwise the old state stays and ``skip_reason`` says why;
+6. evaluate on the held-out test split, write one ``metrics.jsonl`` line and a checkpoint.
 
-After the last round the server publishes ``finish``.
+After the last round the server publishes ``finish``. The device registry
+(:mod:`broker_server.registry`), the open round's state (:mod:`broker_server.round_state`) and
+the run folder (:mod:`broker_server.persistence`) live in their own modules; this one holds the
+loop and the message handling.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,20 +42,35 @@ import torch
 import torch.nn.functional as F
 
 from edge_agent.agent import extras_codecs
-from edge_agent.algorithms import algorithm_share, shared_indices
+from edge_agent.algorithms import local_entries, shared_indices
 from edge_agent.data import ArraySplit
 from edge_agent.models import manifest_hash, model_manifest
 from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
-from protocol.messages import (Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec,
-                               payload_sha256)
+from protocol.messages import (
+    Finish,
+    Global,
+    Join,
+    Kind,
+    Receipt,
+    RoundStart,
+    Status,
+    Update,
+    parse_extras_codec,
+    payload_sha256,
+)
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
-from .aggregate import all_finite
-from .checkpoint import Checkpoint, CheckpointStore
+from .checkpoint import Checkpoint
 from .errors import RunError
-from .strategies import Accumulator, ClientResult, Strategy, accumulator_for
+from .persistence import RunStore
+from .registry import ClientRecord, DeviceRegistry
+from .round_state import CountedUpdates, RoundState, RoundStats
+from .strategies import ClientResult, GlobalUpdate, Strategy, accumulator_for, update_problem
+
+__all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
+           "evaluate"]
 
 log = logging.getLogger(__name__)
 
@@ -104,39 +125,6 @@ class ServerSettings:
     expected_data: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass
-class ClientRecord:
-    """What the server knows of one device (the registry; ``info`` is what it announced at join:
-    profile, device, precision, fallbacks …)."""
-
-    client_id: str
-    profile: str = ""
-    num_samples: int = 0
-    class_histogram: list[int] = field(default_factory=list)
-    online: bool = True
-    last_seen: float = 0.0
-    joined_round: int = 0
-    updates_accepted: int = 0
-    info: dict = field(default_factory=dict)
-
-
-@dataclass
-class RoundStats:
-    """Counters of one round (written to ``metrics.jsonl``)."""
-
-    round: int
-    selected: int = 0
-    clients_reported: int = 0
-    duplicates: int = 0
-    late: int = 0
-    unsolicited: int = 0
-    invalid: int = 0
-    global_receipts: int = 0
-    withdrawn: int = 0
-    skipped: bool = False
-    skip_reason: str = ""
-
-
 @dataclass(frozen=True)
 class RunSummary:
     """The outcome of :meth:`AggregationServer.run`."""
@@ -181,7 +169,8 @@ class AggregationServer:
 
     Args:
         channel: connected server channel (its node id is ``"server"``).
-        strategy: the algorithm's server half (its optional ``bind_model`` is called here with ``model``).
+        strategy: the algorithm's server half (a :class:`~broker_server.strategies.Strategy`;
+            its ``bind_model`` is called here with ``model``).
         model: the global model (its state is the initial global state).
         test: held-out split for evaluation after each round.
         settings: round-loop settings.
@@ -198,9 +187,7 @@ class AggregationServer:
         self.channel = channel
         self.strategy = strategy
         self.model = model
-        bind = getattr(strategy, "bind_model", None)
-        if bind is not None:  # shapes of shared non-model arrays come from the model, not round 1
-            bind(model)
+        strategy.bind_model(model)  # shapes of shared non-model arrays come from the model, not round 1
         self.test = test
         self.test_domains = dict(test_domains or {})
         self.settings = settings
@@ -208,27 +195,25 @@ class AggregationServer:
         self.on_round = on_round
         self.manifest_hash = manifest_hash(model_manifest(model))
         self.global_tensors: list[np.ndarray] = list(state_arrays(model))
-        self.share = algorithm_share(strategy)
-        self.shared_idx = shared_indices(list(model.state_dict()), self.share)
+        self.share = strategy.share
+        # with buffers = "local" the model's buffers (BatchNorm statistics) stay on the devices
+        self.shared_idx = shared_indices(list(model.state_dict()), self.share,
+                                         local_entries(model, strategy.buffers))
         if self.share != "all" and not settings.client_eval:
             # the server holds no complete model: the devices' own models are the only measure
             log.info("%s shares %s of the model: client-side evaluation switched on", strategy.name,
                      "only the backbone" if self.share == "backbone" else "none")
             self.settings = settings = dataclasses.replace(settings, client_eval=True)
-        self.registry: dict[str, ClientRecord] = {}
+        self.devices = DeviceRegistry()
         self.rng = np.random.default_rng(settings.seed)
         self.round = 0
-        self._collecting: int | None = None
-        self._selected: set[str] = set()
-        self._results: dict[str, tuple[int, float, dict]] = {}  # client -> (num_samples, train_loss, metrics)
-        self._counted: dict[int, set[str]] = {}  # round -> clients aggregated (the last few rounds)
-        self._acc: Accumulator | None = None
-        self._stats = RoundStats(round=0)
-        self._global_sha256 = b""
+        self.open = RoundState()
+        self._counted = CountedUpdates()
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
         self.rejected_by_reason: dict[str, int] = {}
         self.metrics: list[dict] = []
-        self.checkpoints = CheckpointStore(self.run_dir / "checkpoints.sqlite")
+        self.store = RunStore(self.run_dir)
+        self.checkpoints = self.store.checkpoints
         self.global_codec = Codec.parse(settings.global_codec)
         self.fed = channel.federation
         model_bytes = sum(t.nbytes for t in self.global_tensors)
@@ -236,25 +221,27 @@ class AggregationServer:
         self.channel.limits = dataclasses.replace(self.channel.limits,
                                                   max_total_bytes=max(64 << 20, 4 * model_bytes))
         self.channel.reassembler.max_transfer_bytes = max(16 << 20, 4 * model_bytes + (1 << 20))
-        self.channel.transfer_filter = lambda sender: sender in self.registry
-        self._deadline = float("inf")
+        self.channel.transfer_filter = lambda sender: sender in self.devices
         self._extra_codecs = None
         self._extras_seen: set[str] = set()  # names carried by a global or an accepted update
         self._extras_codec_checked = False
         self._extras_update_seen = False  # an update was accepted: the upload names are known
-        self._withdrawn: set[str] = set()
         self._resync = False
-        self._round_msgs: tuple[Global, RoundStart] | None = None
         self.resyncs = 0
         self.onnx_result: dict = {}
         if hasattr(channel.transport, "add_connect_listener"):
             channel.transport.add_connect_listener(self._on_reconnect)
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
 
+    @property
+    def registry(self) -> dict[str, ClientRecord]:
+        """Client id → :class:`ClientRecord` (the device registry's records)."""
+        return self.devices.records
+
     # ------------------------------------------------------------------ message handling
 
     def _online(self) -> list[str]:
-        return sorted(c for c, r in self.registry.items() if r.online)
+        return self.devices.online()
 
     def _reply(self, rec: Received, accepted: bool, reason: str = "") -> None:
         env = rec.envelope
@@ -263,63 +250,58 @@ class AggregationServer:
                                   sha256=rec.sha256),
                           round=env.round, recipient=env.sender)
 
+    def _admission_problem(self, body: Join) -> str | None:
+        """Why a join is refused (model manifest, data settings), or ``None``."""
+        if body.manifest_hash != self.manifest_hash:
+            return (f"model manifest {body.manifest_hash} does not match the server's "
+                    f"{self.manifest_hash}: same model architecture and data shape needed")
+        diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
+                 if str(body.info.get(k)) != v]
+        if diffs:
+            return "data settings differ from the server's configuration: " + "; ".join(diffs)
+        return None
+
     def _handle(self, item: Received | Rejected) -> None:
         if isinstance(item, Rejected):
             self.totals["rejected_invalid"] += 1
-            self._stats.invalid += 1
+            self.open.stats.invalid += 1
             # per reason code (security checks: protocol.security.REASONS), since the last metrics line
             self.rejected_by_reason[item.code] = self.rejected_by_reason.get(item.code, 0) + 1
             return
         env = item.envelope
         body = env.body
         now = time.monotonic()
-        rec = self.registry.get(env.sender)
-        if rec is not None and not isinstance(body, (Join, Status)):
-            if not rec.online:
-                log.info("%s is back online", env.sender)
-            rec.online, rec.last_seen = True, now
+        if not isinstance(body, (Join, Status)) and self.devices.seen(env.sender, now):
+            log.info("%s is back online", env.sender)
         if isinstance(body, Join):
-            if body.manifest_hash != self.manifest_hash:
-                log.warning("join from %s refused: model manifest %s != server's %s",
-                            env.sender, body.manifest_hash, self.manifest_hash)
-                self._reply(item, False, f"model manifest {body.manifest_hash} does not match the server's "
-                                         f"{self.manifest_hash}: same model architecture and data shape needed")
+            reason = self._admission_problem(body)
+            if reason:
+                log.warning("join from %s refused: %s", env.sender, reason)
+                self._reply(item, False, reason)
                 return
-            diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
-                     if str(body.info.get(k)) != v]
-            if diffs:
-                log.warning("join from %s refused: %s", env.sender, "; ".join(diffs))
-                self._reply(item, False, "data settings differ from the server's configuration: " + "; ".join(diffs))
-                return
-            rec = self.registry.get(env.sender) or ClientRecord(env.sender, joined_round=self.round)
-            rec.profile, rec.num_samples = body.profile, body.num_samples
-            rec.class_histogram, rec.online, rec.last_seen = list(body.class_histogram), True, now
-            rec.info = dict(body.info)  # device, precision, fallbacks … as the agent announced them
+            self.devices.admit(env.sender, body, round=self.round, now=now)
             if body.info.get("fallback_count"):
                 log.info("%s runs with fallbacks: %s", env.sender, body.info.get("fallbacks"))
-            self.registry[env.sender] = rec
             log.info("join: %s (%s, %d samples)", env.sender, body.profile, body.num_samples)
             self._reply(item, True)
         elif isinstance(body, Status):
-            rec = self.registry.get(env.sender)
-            if rec is not None:
-                rec.online = body.state != "offline"
-                rec.last_seen = now
-                if not rec.online:
-                    log.info("%s is offline (%s)", env.sender, body.detail)
-            if (body.state == "idle" and env.round and env.round == self._collecting and env.sender in self._selected
-                    and env.sender not in self._results and env.sender not in self._withdrawn):
+            rec = self.devices.set_status(env.sender, body.state, now)
+            if rec is not None and not rec.online:
+                log.info("%s is offline (%s)", env.sender, body.detail)
+            o = self.open
+            if (body.state == "idle" and env.round and env.round == o.collecting and env.sender in o.selected
+                    and env.sender not in o.results and env.sender not in o.withdrawn):
                 # the device says it will not contribute to the open round (no samples, training
                 # diverged): the round need not wait for it until the deadline
-                self._withdrawn.add(env.sender)
-                self._stats.withdrawn += 1
+                o.withdrawn.add(env.sender)
+                o.stats.withdrawn += 1
                 log.warning("%s withdrew from round %d: %s", env.sender, env.round, body.detail)
         elif isinstance(body, Update):
             self._on_update(item, body)
         elif isinstance(body, Receipt) and body.ref_kind == Kind.GLOBAL:
-            if env.round == self._collecting and body.sha256 == self._global_sha256:
-                self._stats.global_receipts += 1
-            elif env.round == self._collecting:
+            if env.round == self.open.collecting and body.sha256 == self.open.global_sha256:
+                self.open.stats.global_receipts += 1
+            elif env.round == self.open.collecting:
                 log.warning("%s received a global model with another hash", env.sender)
         else:
             self.totals["unsolicited"] += 1
@@ -327,86 +309,81 @@ class AggregationServer:
 
     def _on_update(self, item: Received, body: Update) -> None:
         env = item.envelope
-        if env.sender in self._counted.get(env.round, ()):
+        o = self.open
+        if (env.round, env.sender) in self._counted:
             # counted in this round (still open, perhaps past its deadline) or in one that has
             # closed since: a redelivery or a resend after a lost receipt. Acknowledge it as
             # counted, so the agent stops re-sending and keeps the state the server counted
             # (never "late": that would make it roll back); never count it again.
             self.totals["duplicates"] += 1
-            self._stats.duplicates += 1
+            o.stats.duplicates += 1
             self._reply(item, True, "duplicate: already counted")
             return
-        if self._collecting is not None and env.round == self._collecting and item.received_at > self._deadline:
+        if o.collecting is not None and env.round == o.collecting and item.received_at > o.deadline:
             self.totals["late"] += 1
-            self._stats.late += 1
+            o.stats.late += 1
             self._reply(item, False, f"arrived after the deadline of round {env.round}")
             return
         if env.round > self.round + 1:
             self.totals["unsolicited"] += 1
-            self._stats.unsolicited += 1
+            o.stats.unsolicited += 1
             self._reply(item, False, f"round {env.round} has not started")
             return
-        if self._collecting is None or env.round != self._collecting:
+        if o.collecting is None or env.round != o.collecting:
             self.totals["late"] += 1
-            self._stats.late += 1
+            o.stats.late += 1
             log.warning("update from %s for round %d rejected: round %s is open", env.sender, env.round,
-                        self._collecting)
+                        o.collecting)
             self._reply(item, False, f"round {env.round} is closed")
             return
-        if env.sender not in self._selected:
+        if env.sender not in o.selected:
             self.totals["unsolicited"] += 1
-            self._stats.unsolicited += 1
+            o.stats.unsolicited += 1
             self._reply(item, False, f"{env.sender} was not selected for round {env.round}")
             return
-        if env.sender in self._results:
+        if env.sender in o.results:
             self.totals["duplicates"] += 1
-            self._stats.duplicates += 1
+            o.stats.duplicates += 1
             self._reply(item, True, "duplicate: already counted")
             return
         shared = self._shared()
         shapes_ok = len(body.tensors) == len(shared) and all(
-            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, shared))
+            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, shared, strict=False))
         if not shapes_ok:
             self._refuse(item, f"tensors do not match the model manifest (share={self.share!r}: "
                                f"{len(shared)} tensors expected, {len(body.tensors)} received)")
             return
-        rec = self.registry.get(env.sender)
+        rec = self.devices.get(env.sender)
         if rec is not None and body.num_samples > rec.num_samples:
             self._refuse(item, f"num_samples {body.num_samples} exceeds the {rec.num_samples} announced at join")
             return
         bad = [k for k in EVAL_METRICS if k in body.metrics and not _is_fraction(body.metrics[k])]
         if bad:  # the round's client_accuracy_* figures are computed from these (float() of any scalar)
             self.totals["rejected_invalid"] += 1
-            self._stats.invalid += 1
+            o.stats.invalid += 1
             self._reply(item, False, f"metrics {bad[0]} = {body.metrics[bad[0]]!r} is not a number in [0, 1]")
             return
         tensors = body.tensors
         if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole
             tensors = tuple(g + d if np.issubdtype(g.dtype, np.floating) else d
-                            for g, d in zip(shared, body.tensors))
+                            for g, d in zip(shared, body.tensors, strict=True))
         result = ClientResult(env.sender, tensors, body.num_samples, body.train_loss, dict(body.metrics),
                               extras=dict(body.extras))
-        check = getattr(self.strategy, "validate", None)
-        reason = check(result) if check is not None else None
+        reason = self.strategy.validate(result)
         if reason:
             self._refuse(item, reason)
             return
         self._extras_seen.update(result.extras)
         self._extras_update_seen = True
         try:
-            self._acc.add(result)
+            o.accumulator.add(result)
         except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
             self._refuse(item, f"cannot aggregate: {exc}")
             return
-        self._results[env.sender] = (body.num_samples, body.train_loss, dict(body.metrics))
-        self._withdrawn.discard(env.sender)  # a corrected update after a refusal counts
-        self._counted.setdefault(env.round, set()).add(env.sender)
-        for old in [r for r in self._counted if r < env.round - 8]:
-            del self._counted[old]
-        rec = self.registry.get(env.sender)
-        if rec is not None:
-            rec.updates_accepted += 1
-            rec.last_seen = time.monotonic()
+        o.results[env.sender] = (body.num_samples, body.train_loss, dict(body.metrics))
+        o.withdrawn.discard(env.sender)  # a corrected update after a refusal counts
+        self._counted.add(env.round, env.sender)
+        self.devices.count_update(env.sender)
         self._reply(item, True)
 
     def _refuse(self, item: Received, reason: str) -> None:
@@ -414,29 +391,40 @@ class AggregationServer:
         the reason, and the client no longer awaited this round (its receipt is definite, it will
         not send the same update again)."""
         self.totals["rejected_invalid"] += 1
-        self._stats.invalid += 1
+        self.open.stats.invalid += 1
         log.warning("update from %s refused: %s", item.envelope.sender, reason)
-        self._withdrawn.add(item.envelope.sender)
+        self.open.withdrawn.add(item.envelope.sender)
         self._reply(item, False, reason)
 
     def _on_reconnect(self, n: int) -> None:
         if n > 1:
             self._resync = True  # handled on the round-loop thread (never publish from paho's thread)
 
+    def _publish_round(self, r: int) -> None:
+        """Publish the open round's ``global`` then its ``round_start`` message(s): one broadcast
+        on ``down/round_start``, or, when the plan has per-device instructions, one per selected
+        device on ``down/{client}/round_start`` carrying only that device's instructions."""
+        glob, starts = self.open.messages
+        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
+                                extra_codecs=self._extra_codecs)
+        self.open.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
+        for client, start in starts:
+            if client is None:
+                self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
+            else:
+                self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START), start, round=r,
+                                  recipient=client)
+
     def _resync_round(self) -> None:
         """After the server's link came back (a broker restart), publish the open round's global
-        model and round_start again: agents that missed them train now; agents that already
-        trained send their update again unless it was refused (answered as a duplicate when
-        counted)."""
+        model and round_start message(s) again (per-device ones included): agents that missed them
+        train now; agents that already trained send their update again unless it was refused
+        (answered as a duplicate when counted)."""
         self._resync = False
-        if self._collecting is None or self._round_msgs is None:
+        if self.open.collecting is None or self.open.messages is None:
             return
-        log.warning("reconnected to the broker: re-sending round %d", self._collecting)
-        glob, start = self._round_msgs
-        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=self._collecting,
-                                codec=self.global_codec, extra_codecs=self._extra_codecs)
-        self._global_sha256 = payload_sha256(enc.payload)  # receipts now confirm the re-sent copy
-        self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=self._collecting)
+        log.warning("reconnected to the broker: re-sending round %d", self.open.collecting)
+        self._publish_round(self.open.collecting)
         self.resyncs += 1
 
     def pump(self, timeout_s: float) -> None:
@@ -483,9 +471,9 @@ class AggregationServer:
         self.channel.send(topics.down(self.fed, Kind.FINISH),
                           Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10)
         self.pump(0.2)
-        self.checkpoints.close()
+        self.store.close()
         if self.share != "none":  # with share="backbone" its shared entries are the global backbone
-            torch.save(self.model.state_dict(), self.run_dir / "model_final.pt")
+            self.store.save_final_model(self.model)
         if self.share == "all":
             self.onnx_result = self._export_onnx()
         else:  # the server's copy is not a model anyone trained end to end: nothing to deploy
@@ -495,77 +483,70 @@ class AggregationServer:
             self.channel.ledger.flush()
         return RunSummary(self.round, last_acc, last_loss, self.metrics)
 
+    def _round_starts(self, selected: tuple[str, ...], config: dict,
+                      instructions: dict) -> list[tuple[str | None, RoundStart]]:
+        """The round's ``round_start`` messages: ``[(None, broadcast)]`` without instructions,
+        else one ``(client, message)`` per selected client naming only it, with its instructions."""
+        deadline = self.settings.round_deadline_s
+        if not instructions:
+            return [(None, RoundStart(selected=selected, deadline_s=deadline, config=config))]
+        return [(c, RoundStart(selected=(c,), deadline_s=deadline, config=config,
+                               instructions=dict(instructions.get(c, {})))) for c in selected]
+
     def run_round(self, r: int) -> dict:
-        """Run round ``r`` (steps 1–5 of the module docstring) and return its metrics."""
+        """Run round ``r`` (steps 1–6 of the module docstring) and return its metrics."""
         t0 = time.monotonic()
         sent0 = self._bytes()
-        self._stats = RoundStats(round=r)
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
-        self._selected, self._results, self._collecting = set(plan.selected), {}, r
-        self._withdrawn: set[str] = set()
-        self._stats.selected = len(plan.selected)
+        undeclared = sorted({k for ins in plan.instructions.values() for k in ins} - set(self.strategy.instructions))
+        if undeclared:
+            raise RunError(f"strategy {self.strategy.name!r} sent instructions {undeclared} it does not declare in "
+                           f"its class attribute instructions = {self.strategy.instructions!r}")
+        o = self.open = RoundState(collecting=r, selected=set(plan.selected), stats=RoundStats(round=r))
+        o.stats.selected = len(plan.selected)
         if self.global_codec.lossy:
             self.global_tensors = [np.array(decode_tensor(encode_tensor(t, self.global_codec),
                                                           limits=TensorLimits(allow_nonfinite=True)))
                                    for t in self.global_tensors]
             load_arrays(self.model, self.global_tensors)
         # after the lossy codec: the strategy starts from the model the clients receive
-        self._acc = accumulator_for(self.strategy, r, self._shared())
-        extras_of = getattr(self.strategy, "global_extras", None)
+        o.accumulator = accumulator_for(self.strategy, r, self._shared())
         glob = Global(tensors=tuple(self._shared()), meta={"manifest_hash": self.manifest_hash, "share": self.share},
-                      extras=dict(extras_of()) if extras_of is not None else {})
+                      extras=dict(self.strategy.global_extras()))
         config = dict(plan.config)
         if self.settings.client_eval and (r % self.settings.client_eval_every == 0 or r == self.settings.rounds):
             config["client_eval"] = True
-        start = RoundStart(selected=plan.selected, deadline_s=self.settings.round_deadline_s, config=config)
-        self._round_msgs = (glob, start)
+        o.messages = (glob, self._round_starts(tuple(plan.selected), config, dict(plan.instructions)))
         self._extra_codecs = extras_codecs(self.settings.extras_codec, glob.extras, self.global_codec)
         self._extras_seen.update(glob.extras)
-        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
-                                extra_codecs=self._extra_codecs)
-        self._global_sha256 = payload_sha256(enc.payload)
-        self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
+        self._publish_round(r)
         deadline = t0 + self.settings.round_deadline_s
-        self._deadline = deadline
-        while len(self._results) + len(self._withdrawn) < len(self._selected) and time.monotonic() < deadline:
+        o.deadline = deadline
+        while o.awaiting() and time.monotonic() < deadline:
             self.pump(min(0.5, max(0.0, deadline - time.monotonic())))
         # what already arrived before the deadline still counts, however busy the server was
         for _ in range(100_000):
-            if len(self._results) + len(self._withdrawn) >= len(self._selected):
+            if not o.awaiting():
                 break
             item = self.channel.receive(0.0)
             if item is None:
                 break
             self._handle(item)
-        self._collecting = None
-        self._round_msgs = None
-        self._deadline = float("inf")
-        results = [self._results[c] for c in sorted(self._results)]
-        self._stats.clients_reported = len(results)
-        acc_round, self._acc = self._acc, None
+        o.close()
+        results = [o.results[c] for c in sorted(o.results)]
+        o.stats.clients_reported = len(results)
+        acc_round, o.accumulator = o.accumulator, None
         if len(results) < self.settings.quorum:
-            self._stats.skipped = True
-            self._stats.skip_reason = f"{len(results)} updates < quorum {self.settings.quorum}"
-            log.warning("round %d skipped: %s", r, self._stats.skip_reason)
-            keep_state = getattr(self.strategy, "skipped_round", None)
-            if keep_state is not None and results:
+            o.stats.skipped = True
+            o.stats.skip_reason = f"{len(results)} updates < quorum {self.settings.quorum}"
+            log.warning("round %d skipped: %s", r, o.stats.skip_reason)
+            if results:
                 # these updates got accepted receipts and their devices kept the state they
                 # produced: the strategy's mirror of that state must count them too
-                keep_state(r, acc_round)
+                self._commit(r, self.strategy.skipped_round(r, acc_round))
         else:
-            new = acc_round.result()
-            if new is not None and not all_finite(new):
-                self._stats.skipped = True
-                self._stats.skip_reason = "aggregate contains NaN/Inf: discarded"
-                log.error("round %d: aggregate has NaN/Inf; the global model is kept", r)
-            elif new is not None:
-                if len(new) != len(self.shared_idx):
-                    raise RunError(f"strategy {self.strategy.name!r} returned {len(new)} tensors, "
-                                   f"{len(self.shared_idx)} expected for share={self.share!r}")
-                for i, t in zip(self.shared_idx, new):
-                    self.global_tensors[i] = t
-                load_arrays(self.model, self.global_tensors)
+            self._commit(r, acc_round.result())
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
         extra_metrics = self._extra_metrics(results)
         if self.share != "all":
@@ -576,26 +557,26 @@ class AggregationServer:
         self.round = r
         if (r >= 2 and self._extras_update_seen) or r >= self.settings.rounds:
             self._check_extras_codec_names()
-        up, down = (b - a for a, b in zip(sent0, self._bytes()))
+        up, down = (b - a for a, b in zip(sent0, self._bytes(), strict=True))
+        st = o.stats
         metrics = {
             "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
-            "clients_selected": self._stats.selected,
-            "clients_reported": self._stats.clients_reported, "bytes_up": up, "bytes_down": down,
-            "seconds": time.monotonic() - t0, "skipped": self._stats.skipped,
-            "duplicates": self._stats.duplicates, "late": self._stats.late, "invalid": self._stats.invalid,
-            "global_receipts": self._stats.global_receipts, "unsolicited": self._stats.unsolicited,
-            "withdrawn": self._stats.withdrawn,
+            "clients_selected": st.selected,
+            "clients_reported": st.clients_reported, "bytes_up": up, "bytes_down": down,
+            "seconds": time.monotonic() - t0, "skipped": st.skipped,
+            "duplicates": st.duplicates, "late": st.late, "invalid": st.invalid,
+            "global_receipts": st.global_receipts, "unsolicited": st.unsolicited,
+            "withdrawn": st.withdrawn,
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
             if results else None,
             **extra_metrics,
         }
         self.rejected_by_reason = {}
-        if self._stats.skip_reason:
-            metrics["skip_reason"] = self._stats.skip_reason
+        if st.skip_reason:
+            metrics["skip_reason"] = st.skip_reason
         self.metrics.append(metrics)
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
+        self.store.append_metrics(metrics)
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
         self._checkpoint(accuracy=acc)
@@ -603,6 +584,33 @@ class AggregationServer:
         if self.on_round:
             self.on_round(metrics)
         return metrics
+
+    def _commit(self, r: int, update: GlobalUpdate | None) -> bool:
+        """Adopt round ``r``'s ``update`` when :func:`~broker_server.strategies.update_problem`
+        finds nothing wrong with it under this round's codecs: the strategy commits its state and
+        the driver its shared tensors. Otherwise the round is marked skipped with the reason and
+        everything stays as it was. Returns whether it was adopted (``None``: nothing to adopt)."""
+        if update is None:
+            return False
+        try:
+            extra = extras_codecs(self.settings.extras_codec, dict(update.extras), self.global_codec)
+        except ValueError:  # checked when the configuration was loaded; a direct caller's text
+            extra = None
+        if update.tensors is not None and len(update.tensors) != len(self.shared_idx):
+            raise RunError(f"strategy {self.strategy.name!r} returned {len(update.tensors)} tensors, "
+                           f"{len(self.shared_idx)} expected for share={self.share!r}")
+        reason = update_problem(update, codec=self.global_codec, extra_codecs=extra)
+        if reason:
+            self.open.stats.skipped = True
+            self.open.stats.skip_reason = reason
+            log.error("round %d: %s; the global state is kept", r, reason)
+            return False
+        self.strategy.commit(r, update)
+        if update.tensors is not None:
+            for i, t in zip(self.shared_idx, update.tensors, strict=True):
+                self.global_tensors[i] = np.asarray(t)
+            load_arrays(self.model, self.global_tensors)
+        return True
 
     def _shared(self) -> list[np.ndarray]:
         """The global model tensors the strategy exchanges (its ``share`` subset, manifest order)."""
@@ -642,9 +650,7 @@ class AggregationServer:
             out.update(client_accuracy_mean=float(np.mean(accs)), client_accuracy_worst=float(min(accs)),
                        client_accuracy_best=float(max(accs)), client_accuracy_std=float(np.std(accs)),
                        client_f1_mean=float(np.mean(f1s)) if f1s else None, clients_evaluated=len(accs))
-        more = getattr(self.strategy, "round_metrics", None)
-        if more is not None:
-            out.update(more())
+        out.update(self.strategy.round_metrics())
         return out
 
     def _bytes(self) -> tuple[int, int]:
@@ -667,16 +673,8 @@ class AggregationServer:
             return {"onnx_error": str(exc)}
 
     def write_registry(self) -> None:
-        """``registry.json`` in the run folder: every device with online/offline, seconds since it
-        was last seen, profile, samples, accepted updates (rewritten atomically each round)."""
-        now = time.monotonic()
-        rows = [{**asdict(r), "last_seen_s_ago": round(now - r.last_seen, 1) if r.last_seen else None}
-                for r in sorted(self.registry.values(), key=lambda r: r.client_id)]
-        for row in rows:
-            row.pop("last_seen", None)
-        tmp = self.run_dir / "registry.json.tmp"
-        tmp.write_text(json.dumps({"round": self.round, "devices": rows}, indent=1), encoding="utf-8")
-        tmp.replace(self.run_dir / "registry.json")
+        """``registry.json`` in the run folder (:meth:`DeviceRegistry.write`), rewritten each round."""
+        self.devices.write(self.run_dir, self.round)
 
     def resume(self, ckpt: Checkpoint) -> None:
         """Continue after ``ckpt.round``: restore the global model, strategy state, the selection
@@ -687,20 +685,13 @@ class AggregationServer:
         load_arrays(self.model, self.global_tensors)
         self.strategy.load_state_dict(ckpt.strategy_state)
         self.rng.bit_generator.state = ckpt.rng_state
-        for rec in ckpt.registry:
-            r = ClientRecord(**{k: v for k, v in rec.items() if k in ClientRecord.__dataclass_fields__})
-            r.online, r.last_seen = False, 0.0
-            self.registry[r.client_id] = r
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line)["round"] <= ckpt.round]
-            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-            self.metrics = [json.loads(line) for line in kept]
+        self.devices.restore(ckpt.registry)
+        if self.store.metrics_path.exists():
+            self.metrics = self.store.keep_metrics_until(ckpt.round)
         log.info("resuming after round %d", ckpt.round)
 
     def _checkpoint(self, accuracy: float | None) -> None:
-        self.checkpoints.save(Checkpoint(
+        self.store.save_checkpoint(Checkpoint(
             round=self.round, tensors=self.global_tensors, strategy_state=self.strategy.state_dict(),
-            rng_state=self.rng.bit_generator.state, registry=[asdict(r) for r in self.registry.values()],
+            rng_state=self.rng.bit_generator.state, registry=self.devices.rows(),
             meta={"accuracy": accuracy, "manifest_hash": self.manifest_hash}))

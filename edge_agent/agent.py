@@ -111,6 +111,12 @@ def param_text(value: object) -> str:
     return str(value)
 
 
+def round_params(start: RoundStart) -> dict:
+    """The round's settings for this device: ``round_start.config`` with the device's own
+    ``instructions`` merged over it (an instruction wins over a shared key of the same name)."""
+    return {**start.config, **start.instructions}
+
+
 def _all_finite(result: LocalResult) -> bool:
     """Whether every floating value of a local result (tensors, extras, loss) is finite."""
     arrays = [*result.tensors, *result.extras.values()]
@@ -213,7 +219,12 @@ class EdgeAgent:
             ``eval_macro_f1`` and ``eval_samples`` to the update's metrics (personalised methods
             are judged on the clients' own models).
 
-    Each update's definite answer reaches the algorithm's optional ``on_update_receipt(round,
+    A ``round_start`` may come broadcast or on this device's own topic with its ``instructions``
+    (named scalars for this device only), which are merged over the round's ``config``
+    (:func:`round_params`) before training: ``local_epochs`` there trains this device that many
+    epochs. The algorithm's ``local_round`` is told this device's client id.
+
+    Each update's definite answer reaches the algorithm's ``on_update_receipt(round,
     accepted)`` once: an accepted or refused receipt, ``accepted=False`` when nothing was sent
     (no samples, non-finite result), and ``accepted=False`` with a warning when the device is
     about to train again and the previous update still has no definite receipt. Algorithms
@@ -409,7 +420,10 @@ class EdgeAgent:
             log.info("%s: round %d is already over (deadline %.1f s); not training it", self.client_id, rnd,
                      start.deadline_s)
             return
-        cfg = TrainConfig.from_mapping(self.train_defaults, start.config)
+        # this device's instructions over the round's shared config: a TrainConfig key among
+        # them (local_epochs …) applies to this device only
+        params = round_params(start)
+        cfg = TrainConfig.from_mapping(self.train_defaults, params)
         if self.runtime is not None and cfg.batch_size > self.runtime.plan.batch_size:
             cfg = dataclasses.replace(cfg, batch_size=self.runtime.plan.batch_size)  # the device's memory rule
         global_tensors, global_extras = self._global[1], self._global[2]
@@ -420,12 +434,12 @@ class EdgeAgent:
         with self.train_lock if self.train_lock is not None else nullcontext():
             try:
                 result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
-                                                    client_index=self.client_index, device=self.device,
-                                                    params=dict(start.config), global_extras=global_extras)
+                                                    client_id=self.client_id, client_index=self.client_index,
+                                                    device=self.device, params=params, global_extras=global_extras)
             except ModelError as exc:  # e.g. a server of another algorithm: its global is another share
                 raise self._not_my_model(rnd, global_tensors, exc) from exc
             metrics = dict(result.metrics)
-            if bool(start.config.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
+            if bool(params.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
                 metrics.update(self.evaluate())
         self._last_trained_round = rnd
         self._unsettled = rnd
@@ -440,12 +454,12 @@ class EdgeAgent:
             self._settle(rnd, False)
             self._withdraw(rnd, "local training diverged (NaN/Inf); no update sent")
             return
-        codec, tensors, delta = self._encode_update(start.config, result.tensors, global_tensors)
+        codec, tensors, delta = self._encode_update(params, result.tensors, global_tensors)
         try:
-            extra_codecs = extras_codecs(str(start.config.get("extras_codec", "")), result.extras, codec)
+            extra_codecs = extras_codecs(str(params.get("extras_codec", "")), result.extras, codec)
         except ValueError as exc:  # a server of another version, or a hand-made round_start
             log.error("%s: extras_codec %r: %s; the extras go with the update codec", self.client_id,
-                      start.config.get("extras_codec"), exc)
+                      params.get("extras_codec"), exc)
             extra_codecs = None
         update = Update(tensors=tensors, num_samples=result.num_samples, train_loss=result.train_loss,
                         metrics=metrics, delta=delta, extras=result.extras)
@@ -467,23 +481,21 @@ class EdgeAgent:
             self.on_trained(rnd, result, len(enc.payload))
 
     def _settle(self, rnd: int, accepted: bool) -> None:
-        """Pass the definite answer for the update of round ``rnd`` to the algorithm's optional
+        """Pass the definite answer for the update of round ``rnd`` to the algorithm's
         ``on_update_receipt`` (commit or roll back its per-device state), once per round and
         only for the round awaiting one."""
         if self._unsettled != rnd:
             return
         self._unsettled = None
-        hook = getattr(self.algorithm, "on_update_receipt", None)
-        if hook is not None:
-            hook(rnd, accepted)
+        self.algorithm.on_update_receipt(rnd, accepted)
 
     def _not_my_model(self, rnd: int, global_tensors: tuple[np.ndarray, ...], exc: ModelError) -> AgentError:
         """When round ``rnd``'s global does not fit this device's model share (the server runs
         another algorithm or model): log it, withdraw from the round so the server need not wait
         for its deadline, say offline; returns the :class:`AgentError` to raise, which names the
         algorithm, its share and what arrived."""
-        name = getattr(self.algorithm, "name", type(self.algorithm).__name__)
-        share = getattr(self.algorithm, "share", "all")
+        name = self.algorithm.name or type(self.algorithm).__name__
+        share = self.algorithm.share
         why = (f"the global model of round {rnd} ({len(global_tensors)} tensors) does not fit this device's "
                f"algorithm {name!r} (share={share!r}): {exc}")
         log.error("%s: %s; stopping", self.client_id, why)

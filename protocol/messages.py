@@ -155,12 +155,18 @@ class RoundStart:
     Attributes:
         selected: client ids asked to train this round.
         deadline_s: seconds after this message within which updates are accepted.
-        config: per-round training instructions (``local_epochs``, ``lr``, ``batch_size`` …).
+        config: per-round training instructions (``local_epochs``, ``lr``, ``batch_size`` …),
+            the same for every selected device.
+        instructions: named scalars for ONE device (a per-device ``round_start`` on
+            ``down/{client}/round_start``: its data ratio, its epochs …), merged by the agent over
+            ``config``. A fourth body field sent only when not empty, so a ``round_start``
+            without instructions is byte-identical to protocol v1 before this field.
     """
 
     selected: tuple[str, ...]
     deadline_s: float
     config: Mapping[str, Scalar] = field(default_factory=dict)
+    instructions: Mapping[str, Scalar] = field(default_factory=dict)
 
     KIND = Kind.ROUND_START
 
@@ -425,7 +431,10 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
             return [body.profile, body.manifest_hash, int(body.num_samples),
                     [int(c) for c in body.class_histogram], _scalar_map(body.info, "info")]
         case RoundStart():
-            return [list(body.selected), float(body.deadline_s), _scalar_map(body.config, "config")]
+            fields = [list(body.selected), float(body.deadline_s), _scalar_map(body.config, "config")]
+            if body.instructions:
+                fields.append(_scalar_map(body.instructions, "instructions"))
+            return fields
         case Global():
             return [[_tensor(t, codec) for t in body.tensors], _scalar_map(body.meta, "meta")]
         case Update():
@@ -448,7 +457,7 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
 #: names of each kind's body fields, in wire order (ledger ``fields`` column)
 BODY_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.JOIN: ("profile", "manifest_hash", "num_samples", "class_histogram", "info"),
-    Kind.ROUND_START: ("selected", "deadline_s", "config"),
+    Kind.ROUND_START: ("selected", "deadline_s", "config", "instructions"),
     Kind.GLOBAL: ("tensors", "meta", "extras"),
     Kind.UPDATE: ("tensors", "num_samples", "train_loss", "metrics", "delta", "extras"),
     Kind.FINISH: ("reason", "rounds_completed"),
@@ -659,7 +668,9 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         deadline = _finite(f[1], "body.deadline_s")
         if deadline <= 0:
             raise FieldError("body.deadline_s must be > 0", field="body.deadline_s")
-        return RoundStart(selected=tuple(sel), deadline_s=deadline, config=_decode_map(f[2], "body.config"))
+        instructions = _decode_map(f[3], "body.instructions") if len(f) > 3 else {}
+        return RoundStart(selected=tuple(sel), deadline_s=deadline, config=_decode_map(f[2], "body.config"),
+                          instructions=instructions)
     if kind is Kind.GLOBAL:
         f = _fields(raw, 2, b)
         tensors, extras = _tensors_and_extras(f[0], f[2] if len(f) > 2 else _ABSENT, limits)

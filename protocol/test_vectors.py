@@ -91,6 +91,7 @@ DECODE_ONLY: frozenset[str] = frozenset(name for name, v in TEST_VECTORS.items()
 MESSAGE_VECTORS: dict[str, tuple[str | None, str]] = {
     "join": (None, "97010100aa636c69656e742d30303701cf0000019acfa09900c42995a472706934b033663261396330643165346235613637cd02589364ccc8cd012c81a5636f72657304"),
     "round_start": (None, "97010203a67365727665720acf0000019acfa09900c43c9392aa636c69656e742d303031aa636c69656e742d303037cb403e00000000000082a26c72cb3fa999999999999aac6c6f63616c5f65706f63687301"),
+    "round_start-instructions": (None, "97010203a67365727665720ecf0000019acfa09900c4329491aa636c69656e742d303037cb403e00000000000081a26c72cb3fa999999999999a81ac6c6f63616c5f65706f63687303"),
     "global": (None, "97010303a67365727665720bcf0000019acfa09900c4429291940001920203c4180000003f0000a0bf000040400000000000000040000000be81ad6d616e69666573745f68617368b033663261396330643165346235613637"),
     "update": (None, "97010403aa636c69656e742d30303704cf0000019acfa09900c4479591940001920203c4180000003f0000a0bf000040400000000000000040000000becd0258cb3fd000000000000081ad747261696e5f7365636f6e6473cb3ff8000000000000c2"),
     "update-int8-delta": ('int8', "97010403aa636c69656e742d30303705cf0000019acfa09900c4259591960301920203c40615cb7f0055fbffc4040683c13ccd0258cb3fd000000000000080c3"),
@@ -141,6 +142,9 @@ def message_vector_records() -> dict[str, object]:
                          body=Join("rpi4", "3f2a9c0d1e4b5a67", 600, (100, 200, 300), {"cores": 4})),
         "round_start": Envelope(round=3, sender="server", seq=10, timestamp_ms=ts,
                                 body=RoundStart(("client-001", "client-007"), 30.0, {"lr": 0.05, "local_epochs": 1})),
+        "round_start-instructions": Envelope(round=3, sender="server", seq=14, timestamp_ms=ts,
+                                             body=RoundStart(("client-007",), 30.0, {"lr": 0.05},
+                                                             {"local_epochs": 3})),
         "global": Envelope(round=3, sender="server", seq=11, timestamp_ms=ts,
                            body=Global((t,), {"manifest_hash": "3f2a9c0d1e4b5a67"})),
         "update": Envelope(round=3, sender="client-007", seq=4, timestamp_ms=ts,

@@ -6,6 +6,7 @@
 - ``embedded_broker``: a running ``EmbeddedBroker`` of ``broker_kind``, logging under ``tmp_path``.
 - ``digits`` / ``digits_model``: scikit-learn's digits, and a LightCNN (1×8×8) trained two epochs
   on its train split (≈ 0.9 accuracy); one of each per test module.
+- ``memory_hub``: a fresh in-memory MQTT broker (:class:`protocol.memory_transport.MemoryBroker`).
 - ``_offline`` (autouse): torchvision downloads are disabled for every test.
 """
 
@@ -20,6 +21,7 @@ import torch
 from helpers.brokers import BROKER_KINDS, require_mosquitto
 
 from broker_server.embedded_broker import EmbeddedBroker
+from protocol.memory_transport import MemoryBroker
 
 
 @pytest.fixture(
@@ -74,3 +76,9 @@ def digits_model(digits) -> torch.nn.Module:
 def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests never download: torchvision downloads are disabled for every test."""
     monkeypatch.setenv("FEDFLEET_OFFLINE", "1")
+
+
+@pytest.fixture
+def memory_hub() -> MemoryBroker:
+    """A fresh in-memory MQTT broker for a whole federation in one process."""
+    return MemoryBroker()

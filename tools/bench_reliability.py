@@ -49,6 +49,8 @@ for p in (REPO, REPO / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from broker_server.strategies import Strategy  # noqa: E402  (after the path set-up)
+
 MEMORY_NS = (10, 100, 1000)
 MODEL_PARAMS = 105_866
 
@@ -265,7 +267,7 @@ def run_scenarios(work: Path, kinds: list[str], log) -> list[dict]:
 # ============================================================================ part 2: memory
 
 
-class BufferedFedAvg:
+class BufferedFedAvg(Strategy):
     """FedAvg without its streaming ``accumulator``: the server falls back to
     :class:`~broker_server.strategies.BufferedAccumulator` (every update kept until the round ends)."""
 

@@ -39,7 +39,7 @@ code's own documentation: edit the docstrings, then regenerate.
 
 ```
 fedfleet/v1/{federation}/down/{kind}                server → all agents   round_start, global, finish
-fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent    receipt, resend
+fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent    receipt, resend, round_start (per device)
 fedfleet/v1/{federation}/up/{client_id}/{kind}      agent → server        join, update, resend
 fedfleet/v1/{federation}/status/{client_id}         agent presence        status (retained; last will)
 ```
@@ -72,6 +72,15 @@ is rejected with a receipt.
   selected clients, the deadline in seconds, training settings such as `lr`, `local_epochs`,
   `update_codec`, `delta`, `error_feedback`). An agent trains once it holds both for the same
   round and it is selected.
+* **Per-device instructions.** When a round's plan gives devices their own settings (a data
+  ratio, a number of epochs …), the server sends no broadcast `round_start` for that round:
+  each selected device gets its own on `down/{client_id}/round_start`, whose `selected` names
+  only it and whose optional fourth body field `instructions` (a scalar map, like `config`)
+  carries only what concerns it; the agent merges it over `config` (a key in both takes the
+  instruction's value, for that device alone). Without instructions the field is absent and
+  the message is byte-identical to the three-field `round_start`; a decoder that does not know
+  the field ignores it (§7). After a reconnect the server re-sends every per-device
+  `round_start` of the open round. Each is a message of its own in the ledger.
 * Each `update` is answered with a `receipt` to `down/{client_id}/receipt` carrying the SHA-256
   of the update's whole payload as received (after reassembly): `accepted` = true, or false with
   the reason (round closed, not selected, manifest mismatch). A second update from the same

@@ -1,13 +1,16 @@
 """Server halves of the federated algorithms, registered by name (see ``edge_agent.algorithms``).
 
 A strategy never publishes: :meth:`configure_round` says what to send and whom to ask,
-:meth:`aggregate` turns the round's results into the next global state; the server driver owns
-the round loop and the wire.
+:meth:`aggregate` (or the round's accumulator) turns the round's results into ONE
+:class:`GlobalUpdate`, which the server driver commits (:meth:`Strategy.commit`) only when it is
+finite and encodable; the driver owns the round loop and the wire. Every hook is declared, with
+its default, on :class:`Strategy` (``_base.py``).
 """
 
 from __future__ import annotations
 
-from ._base import Accumulator, BufferedAccumulator, ClientResult, RoundPlan, Strategy, accumulator_for
+from ._base import (BUFFERS, MODEL_REQUIREMENTS, SHARES, Accumulator, BufferedAccumulator, ClientResult, GlobalUpdate,
+                    RoundPlan, Strategy, accumulator_for, apply_update, update_problem)
 from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
 from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
@@ -24,5 +27,6 @@ from . import local as _local  # noqa: F401  (registers "local")
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
 from . import fedpad as _fedpad  # noqa: F401  (registers "fedpad")
 
-__all__ = sorted(["Accumulator", "BufferedAccumulator", "ClientResult", "RoundPlan", "Strategy", "accumulator_for",
+__all__ = sorted(["BUFFERS", "MODEL_REQUIREMENTS", "SHARES", "Accumulator", "BufferedAccumulator", "ClientResult",
+                  "GlobalUpdate", "RoundPlan", "Strategy", "accumulator_for", "apply_update", "update_problem",
                   "get_strategy", "get_strategy_class", "list_strategies", "register_strategy"])

@@ -1,15 +1,62 @@
-"""The strategy interface and the records it exchanges with the server driver."""
+"""The strategy contract: one base class declaring every hook the server driver calls, and the
+records it exchanges with the driver (:class:`RoundPlan`, :class:`ClientResult`,
+:class:`GlobalUpdate`).
+
+Which hook the driver (:class:`broker_server.server.AggregationServer`) calls when:
+
+1. once, before round 1: :meth:`Strategy.bind_model` with the server's model;
+2. each round: :meth:`Strategy.configure_round` → :class:`RoundPlan` (who, shared config,
+   per-device instructions); :meth:`Strategy.global_extras` for the round's ``global``;
+   :meth:`Strategy.accumulator` for the round's results;
+3. each update that passed the driver's checks: :meth:`Strategy.validate`, then
+   :meth:`Accumulator.add`;
+4. at the close: :meth:`Accumulator.result` (quorum met) or :meth:`Strategy.skipped_round`
+   (quorum missed, some updates accepted) → a :class:`GlobalUpdate` or ``None``; the driver
+   checks it (:func:`update_problem`: every array finite and encodable with the round's codecs)
+   and only then calls :meth:`Strategy.commit`; then :meth:`Strategy.round_metrics` and
+   :meth:`Strategy.state_dict` (checkpoint).
+
+Nothing is found by ``getattr``: every hook has a default here.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
+
+    from protocol.tensors import Codec
+
+#: Scalar types allowed in a round's config and in per-device instructions (the wire's scalars).
+Scalar = float | int | str | bool
+
+#: ``share``: which model tensors travel (``edge_agent.algorithms.SHARES``).
+SHARES = ("all", "backbone", "none")
+#: ``buffers``: registered buffers (BatchNorm running statistics …) averaged with the model
+#: (``"average"``) or kept on each device and never sent, in either direction (``"local"``, FedBN).
+BUFFERS = ("average", "local")
+#: ``model_requirement``: ``"manifest"`` = every device runs the assigned architecture (parameter
+#: averaging); ``"prototype"`` = any architecture with the agreed prototype width and class count.
+MODEL_REQUIREMENTS = ("manifest", "prototype")
+
+
+def _check_scalars(m: Mapping[str, object], what: str) -> dict[str, Scalar]:
+    out: dict[str, Scalar] = {}
+    for k, v in m.items():
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"{what}: key {k!r} is not a non-empty string")
+        if isinstance(v, np.generic):
+            v = v.item()
+        if not isinstance(v, (bool, int, float, str)):
+            raise ValueError(f"{what}[{k!r}] = {v!r} is not a scalar (int, float, str, bool)")
+        out[k] = v
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,11 +65,27 @@ class RoundPlan:
 
     Attributes:
         selected: client ids asked to train.
-        config: scalars for ``round_start.config`` (local_epochs, lr, …).
+        config: scalars for every selected device's ``round_start.config`` (local_epochs, lr, …).
+        instructions: client id → a few named scalars for that device only (its
+            ``round_start.instructions``; the agent merges them over ``config``, so a
+            ``local_epochs`` there applies to that device alone). Every key must be a selected
+            client. Empty (the default): one broadcast ``round_start`` as in protocol v1; non-empty:
+            each selected device gets its own ``round_start`` on ``down/{client}/round_start``.
+
+    Raises:
+        ValueError: an instruction for a client that is not selected, or a non-scalar value.
     """
 
     selected: tuple[str, ...]
-    config: Mapping[str, float | int | str | bool] = field(default_factory=dict)
+    config: Mapping[str, Scalar] = field(default_factory=dict)
+    instructions: Mapping[str, Mapping[str, Scalar]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.instructions) - set(self.selected))
+        if unknown:
+            raise ValueError(f"instructions for clients that are not selected: {unknown}")
+        for cid, ins in self.instructions.items():
+            _check_scalars(ins, f"instructions[{cid!r}]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +100,7 @@ class ClientResult:
         train_loss: the client's reported training loss.
         metrics: the client's other scalars.
         extras: the update's named non-model arrays (finite; checked by the strategy's
-            optional ``validate``).
+            :meth:`Strategy.validate`).
     """
 
     client_id: str
@@ -48,28 +111,54 @@ class ClientResult:
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class GlobalUpdate:
+    """The new global state of one round, as ONE value, not yet adopted.
+
+    Attributes:
+        tensors: the new shared model tensors (the ``share`` subset, manifest order, each in its
+            input dtype); ``None`` = the model stays as it is (``()`` for ``share = "none"``).
+        extras: the named arrays :meth:`Strategy.global_extras` returns once this update is
+            committed (the next ``global``'s extras; checked against the extras codec).
+        state: strategy attributes to set on :meth:`Strategy.commit` (name → new value; arrays,
+            lists of arrays, scalars).
+        metrics: the round's scalars for ``metrics.jsonl`` (:meth:`Strategy.round_metrics`
+            returns them after the commit).
+    """
+
+    tensors: Sequence[np.ndarray] | None = None
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
+    state: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+
 class Accumulator(Protocol):
-    """Collects one round's accepted results as they arrive (streaming aggregation)."""
+    """Collects one round's accepted results as they arrive (streaming aggregation).
+
+    ``add(result)`` may raise ValueError (the driver then refuses that update and nothing of it
+    must remain in the sums); ``result()`` returns the round's :class:`GlobalUpdate` (``None``:
+    nothing to change) and never mutates the strategy."""
 
     def add(self, result: ClientResult) -> None: ...
 
-    def result(self) -> list[np.ndarray] | None: ...
+    def result(self) -> GlobalUpdate | None: ...
 
 
 class BufferedAccumulator:
-    """For strategies without a streaming rule: keeps the results, calls ``aggregate`` at the end.
+    """For strategies without a streaming rule: keeps the results, calls ``aggregate`` at the end
+    (in client-id order).
 
     Memory grows with the number of clients; streaming strategies (FedAvg) avoid it.
     """
 
-    def __init__(self, strategy: "Strategy", round: int, current: Sequence[np.ndarray]) -> None:
+    def __init__(self, strategy: Strategy, round: int, current: Sequence[np.ndarray]) -> None:
         self.strategy, self.round, self.current = strategy, round, current
         self.results: list[ClientResult] = []
 
     def add(self, result: ClientResult) -> None:
         self.results.append(result)
 
-    def result(self) -> list[np.ndarray] | None:
+    def result(self) -> GlobalUpdate | None:
         return self.strategy.aggregate(self.round, self.current, sorted(self.results, key=lambda r: r.client_id))
 
 
@@ -77,21 +166,110 @@ def _defined_by(cls: type, attr: str) -> type | None:
     return next((k for k in cls.__mro__ if attr in k.__dict__), None)
 
 
-def accumulator_for(strategy: "Strategy", round: int, current: Sequence[np.ndarray]) -> Accumulator:
-    """The strategy's streaming accumulator when it has one, else a :class:`BufferedAccumulator`.
-
-    A streaming ``accumulator`` is used only when the class that defines it also defines the
-    strategy's ``aggregate``: a subclass that overrides ``aggregate`` (FedAdam over FedAvg, say)
-    without its own ``accumulator`` is aggregated by its own rule, from buffered results.
-    """
-    make = getattr(strategy, "accumulator", None)
+def accumulator_for(strategy: Strategy, round: int, current: Sequence[np.ndarray]) -> Accumulator:
+    """The strategy's :meth:`Strategy.accumulator`, unless a subclass overrides ``aggregate``
+    without its own ``accumulator`` (FedAdam over FedAvg, say): then it is aggregated by its own
+    rule, from buffered results (:class:`BufferedAccumulator`)."""
     cls = type(strategy)
-    if make is not None and _defined_by(cls, "accumulator") is _defined_by(cls, "aggregate"):
-        return make(round, current)
+    if _defined_by(cls, "accumulator") is _defined_by(cls, "aggregate"):
+        return strategy.accumulator(round, current)
     return BufferedAccumulator(strategy, round, current)
 
 
-def classifier_shape(model: "torch.nn.Module") -> tuple[int, int] | None:
+def _arrays(value: Any) -> list[np.ndarray]:
+    """Every ndarray inside ``value`` (an array, or lists/tuples/dicts of them)."""
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, Mapping):
+        return [a for v in value.values() for a in _arrays(v)]
+    if isinstance(value, (list, tuple)):
+        return [a for v in value for a in _arrays(v)]
+    return []
+
+
+def _finite_number(value: Any) -> bool:
+    """False for a float NaN/±Inf anywhere inside ``value`` (numbers, lists, dicts)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, Mapping):
+        return all(_finite_number(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite_number(v) for v in value)
+    return True
+
+
+def _not_finite(arrays: Sequence[np.ndarray]) -> bool:
+    return any(np.issubdtype(np.asarray(a).dtype, np.floating) and not np.isfinite(a).all() for a in arrays)
+
+
+def _codec_problem(name: str, array: np.ndarray, codec: Codec | None) -> str | None:
+    """Why ``array`` cannot travel with ``codec`` (raises on encode, or NaN/Inf after decode)."""
+    from protocol.errors import ProtocolError
+    from protocol.tensors import TensorLimits, decode_tensor, encode_tensor
+
+    if codec is None or not codec.lossy:
+        return None
+    try:
+        back = decode_tensor(encode_tensor(array, codec, field=name), field=name,
+                             limits=TensorLimits(allow_nonfinite=True))
+    except (ProtocolError, ValueError, OverflowError) as exc:
+        return f"{name} cannot be encoded with codec {codec.name}: {exc}"
+    if _not_finite([np.asarray(back)]):
+        return f"{name} holds NaN/Inf once encoded with codec {codec.name}"
+    return None
+
+
+def update_problem(update: GlobalUpdate, *, n_tensors: int | None = None, codec: Codec | None = None,
+                   extra_codecs: Mapping[str, Codec] | None = None) -> str | None:
+    """Why the driver must not commit ``update``, or ``None`` when it may.
+
+    Checks, in this order: the tensor count (``n_tensors``, the ``share`` subset's length), every
+    floating array of ``tensors``, ``extras`` and ``state`` finite, every float in ``metrics``
+    finite, and ``tensors`` / ``extras`` encodable with the round's ``codec`` / ``extra_codecs``
+    (name → codec; names not listed use ``codec``): encoded, decoded, and still finite — an
+    fp16 overflow (|x| > 65504) is refused here, not adopted.
+
+    Returns:
+        A reason for ``metrics.jsonl``'s ``skip_reason``, or ``None``.
+    """
+    tensors = [] if update.tensors is None else list(update.tensors)
+    if update.tensors is not None and n_tensors is not None and len(tensors) != n_tensors:
+        return f"{len(tensors)} tensors returned, {n_tensors} expected"
+    if _not_finite(tensors):
+        return "aggregate contains NaN/Inf: discarded"
+    bad = [k for k, v in update.extras.items() if _not_finite([v])]
+    if bad:
+        return f"global extras {bad} contain NaN/Inf: discarded"
+    bad = [k for k, v in update.state.items() if _not_finite(_arrays(v))]
+    if bad:
+        return f"strategy state {bad} contains NaN/Inf: discarded"
+    bad = [k for k, v in update.metrics.items() if not _finite_number(v)]
+    if bad:
+        return f"round metrics {bad} are NaN/Inf: discarded"
+    for i, t in enumerate(tensors):
+        reason = _codec_problem(f"tensor {i}", np.asarray(t), codec)
+        if reason:
+            return reason + ": discarded"
+    for k, v in update.extras.items():
+        reason = _codec_problem(f"extras {k!r}", np.asarray(v), (extra_codecs or {}).get(k, codec))
+        if reason:
+            return reason + ": discarded"
+    return None
+
+
+def apply_update(strategy: Strategy, round: int, update: GlobalUpdate | None) -> list[np.ndarray] | None:
+    """Commit ``update`` when :func:`update_problem` (no codec: fp32) finds nothing, and return its
+    tensors (``None`` when ``update`` is ``None`` or keeps the model). What the driver does minus
+    the codec check; for offline callers and tests. A refused update's tensors are still returned
+    (so a caller can see what was discarded); the strategy is left as it was."""
+    if update is None:
+        return None
+    if update_problem(update) is None:
+        strategy.commit(round, update)
+    return None if update.tensors is None else list(update.tensors)
+
+
+def classifier_shape(model: torch.nn.Module) -> tuple[int, int] | None:
     """(C, d) of the model's classifier: the shape of its ``classifier.weight`` state entry
     (the light CNN's head ``Linear(d, C)``: C classes, feature width d); ``None`` when the model
     has no 2-D ``classifier.weight``. For :meth:`Strategy.bind_model` implementations."""
@@ -101,40 +279,134 @@ def classifier_shape(model: "torch.nn.Module") -> tuple[int, int] | None:
     return int(w.shape[0]), int(w.shape[1])
 
 
-def parameter_count(model: "torch.nn.Module") -> int:
+def parameter_count(model: torch.nn.Module) -> int:
     """P, the model's trainable parameter count (Σ numel over ``model.parameters()``, the layout of
     flat control variates: :mod:`edge_agent.algorithms.scaffold`). For ``bind_model``."""
     return sum(int(p.numel()) for p in model.parameters())
 
 
-class Strategy(Protocol):
-    """Server half of an algorithm.
 
-    Besides the methods below a strategy may declare ``share`` (``"all"``, ``"backbone"`` or
-    ``"none"``: which model tensors travel; ``current`` and every result's ``tensors`` are that
-    subset) and define ``global_extras() -> dict[str, ndarray]`` (named arrays broadcast with each
-    round's ``global``), ``round_metrics() -> dict`` (merged into the round's ``metrics.jsonl``
-    line), ``validate(result) -> str | None`` (a reason to refuse a malformed update),
-    ``accumulator(round, current)`` (streaming aggregation), ``skipped_round(round, accumulator)
-    -> None`` (called when a round with accepted updates is closed without aggregation for want
-    of a quorum, with the round's :class:`Accumulator`, which holds those updates: a strategy
-    whose state mirrors per-device state, SCAFFOLD's c or FedDyn's h, takes them into that state,
-    since their devices got accepted receipts and kept theirs; the global model stays as it is)
-    and ``bind_model(model) -> None``:
-    called once by the server (``AggregationServer.__init__``) with its global ``torch.nn.Module``,
-    before any round, so that the shapes of shared non-model arrays (a parameter count P, the
-    feature width d and class count C of :func:`classifier_shape`) come from the model and are
-    never learnt from the first update of round 1; a strategy that was never bound (a unit test)
-    keeps its unbound behaviour.
+
+class Strategy:
+    """Server half of an algorithm: the base every strategy subclasses.
+
+    Class attributes (declare them on every strategy; the join admission and the model groups
+    read ``model_requirement`` and ``buffers`` from the class):
+
+    * ``name``: the registry name.
+    * ``share``: which model tensors travel, one of :data:`SHARES`; ``current`` and every result's
+      ``tensors`` are that subset.
+    * ``buffers``: one of :data:`BUFFERS`: registered buffers (BatchNorm running statistics)
+      averaged with the model, or kept on the device (``"local"``: excluded from what travels,
+      both directions).
+    * ``model_requirement``: one of :data:`MODEL_REQUIREMENTS`.
+    * ``instructions``: names of the per-device instruction keys the strategy may put in a
+      :class:`RoundPlan` (``()`` for the strategies shipped today).
+
+    A strategy never publishes and never commits its own aggregate: :meth:`aggregate` and the
+    accumulator's ``result()`` return a :class:`GlobalUpdate`; the driver adopts it through
+    :meth:`commit` only when it is finite and encodable (:func:`update_problem`).
     """
 
-    name: str
+    name: ClassVar[str] = ""
+    share: ClassVar[str] = "all"
+    buffers: ClassVar[str] = "average"
+    model_requirement: ClassVar[str] = "manifest"
+    instructions: ClassVar[tuple[str, ...]] = ()
 
-    def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan: ...
+    #: the metrics of the last committed update (:meth:`round_metrics`); replaced, never mutated.
+    _metrics: dict = {}
+
+    # ------------------------------------------------------------------ setup
+
+    @classmethod
+    def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int) -> dict:
+        """Data-dependent constructor arguments (FedMCP++'s proxy labels), called by the runtime
+        before the strategy is built, with the loaded data set, the ``[algorithm]`` table and the
+        run seed. Default ``{}``."""
+        return {}
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Called once by the driver (``AggregationServer.__init__``) with its global model,
+        before any round, so that the shapes of shared non-model arrays (a parameter count P,
+        the feature width d and class count C of :func:`classifier_shape`) come from the model,
+        never from the first update of round 1. Default: nothing."""
+
+    # ------------------------------------------------------------------ each round
+
+    def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
+        """Called at the start of each round with the online, joined client ids (sorted) and the
+        server's seeded generator (checkpointed); returns who trains, the shared config and any
+        per-device instructions. Default: every available client, empty config."""
+        return RoundPlan(selected=tuple(sorted(available)))
+
+    def global_extras(self) -> dict[str, np.ndarray]:
+        """Named arrays broadcast with each round's ``global`` (from the committed state).
+        Called once per round after :meth:`configure_round`. Default ``{}``."""
+        return {}
+
+    def validate(self, result: ClientResult) -> str | None:
+        """Called for each update that passed the driver's checks (selected, shapes and dtypes of
+        the ``share`` subset, finite, deltas resolved), before it is added to the round: a reason
+        to refuse a malformed update (answered to the device), or ``None``. Default ``None``."""
+        return None
+
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> Accumulator:
+        """The round's :class:`Accumulator`, made after :meth:`configure_round` with the shared
+        tensors the clients receive (``current``, after a lossy global codec). Default: a
+        :class:`BufferedAccumulator` that calls :meth:`aggregate` at the close; streaming
+        strategies (FedAvg) return one whose memory does not grow with the fleet."""
+        return BufferedAccumulator(self, round, current)
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> list[np.ndarray] | None: ...
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
+        """The round's new global state from all its results at once (pure: reads ``self``,
+        never assigns). ``None`` = nothing changes. Called by :class:`BufferedAccumulator`
+        (client-id order) and by :meth:`step`.
 
-    def state_dict(self) -> dict: ...
+        Raises:
+            NotImplementedError: the base class has no aggregation rule.
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no aggregate()")
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def skipped_round(self, round: int, accumulator: Accumulator) -> GlobalUpdate | None:
+        """Called when a round with accepted updates closes without aggregation for want of a
+        quorum, with the round's :class:`Accumulator` holding them. A strategy whose state
+        mirrors per-device state (SCAFFOLD's c, FedDyn's h) returns an update with
+        ``tensors=None`` and that state, since those devices got accepted receipts and kept
+        theirs; the driver commits it like any other (finite, encodable). Default ``None``."""
+        return None
+
+    def commit(self, round: int, update: GlobalUpdate) -> None:
+        """Adopt ``update`` (the driver calls this only when :func:`update_problem` found
+        nothing): set each ``state`` attribute and keep ``metrics`` for :meth:`round_metrics`.
+
+        Raises:
+            AttributeError: a state name the strategy does not have (a typo).
+        """
+        for key, value in update.state.items():
+            if not hasattr(self, key):
+                raise AttributeError(f"{type(self).__name__} has no attribute {key!r} to commit")
+            setattr(self, key, value)
+        self._metrics = dict(update.metrics)
+
+    def round_metrics(self) -> dict:
+        """Scalars merged into the round's ``metrics.jsonl`` line, called after the round closed.
+        Default: the metrics of the last committed update (strategies reset them in
+        :meth:`configure_round` when a skipped round must log none)."""
+        return dict(self._metrics)
+
+    def step(self, round: int, current: Sequence[np.ndarray],
+             results: Sequence[ClientResult]) -> list[np.ndarray] | None:
+        """:meth:`aggregate` then :func:`apply_update` (commit when finite): a whole round at once,
+        for offline callers and tests; returns the new tensors (``None``: unchanged)."""
+        return apply_update(self, round, self.aggregate(round, current, results))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The strategy's state for the round's checkpoint (``--resume``). Default ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (``{}`` = the start of a run). Default: nothing."""

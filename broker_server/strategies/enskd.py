@@ -20,5 +20,11 @@ class EnsKD(FedMCP):
     (``infonce = false``, ``proto_align = false``), which every round's config carries to the
     clients. Same constructor; ``[algorithm]`` keys override the defaults."""
 
+    name = "enskd"
+    share = "none"
+    buffers = "average"
+    model_requirement = "prototype"
+    instructions: tuple[str, ...] = ()
+
     default_weighting = "uniform"
     hyperparameter_defaults = ENSKD_DEFAULTS

@@ -78,6 +78,12 @@ class FedAdam(ServerOptimizer):
     shapes; ``None`` before the first step) and the step count t.
     """
 
+    name = "fedadam"
+    share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+
     def __init__(self, *, server_lr: float = SERVER_LR, beta1: float = BETA1, beta2: float = BETA2, tau: float = TAU,
                  bias_correction: bool = False, **kw) -> None:
         super().__init__(**kw)

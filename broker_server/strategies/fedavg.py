@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..aggregate import RunningWeightedSum, select_clients, weighted_average
-from ._base import ClientResult, RoundPlan
+from ._base import ClientResult, GlobalUpdate, RoundPlan, Strategy
 from ._registry import register_strategy
 
 
 @register_strategy("fedavg")
-class FedAvg:
+class FedAvg(Strategy):
     """FedAvg strategy.
 
     Args:
@@ -27,6 +27,10 @@ class FedAvg:
     """
 
     name = "fedavg"
+    share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
 
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
@@ -42,11 +46,11 @@ class FedAvg:
         return RoundPlan(selected=tuple(selected), config=dict(self.train_config))
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """Sample-weighted mean of the reported models; ``None`` (no change) when nothing came back."""
         if not results:
             return None
-        return weighted_average([r.tensors for r in results], [r.num_samples for r in results])
+        return GlobalUpdate(tensors=weighted_average([r.tensors for r in results], [r.num_samples for r in results]))
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FedAvgAccumulator":
         """Streaming form of :meth:`aggregate`: each update is folded into running weighted sums
@@ -71,5 +75,5 @@ class FedAvgAccumulator:
     def add(self, result: ClientResult) -> None:
         self._sum.add(result.tensors, result.num_samples)
 
-    def result(self) -> list[np.ndarray] | None:
-        return self._sum.mean() if self._sum.count else None
+    def result(self) -> GlobalUpdate | None:
+        return GlobalUpdate(tensors=self._sum.mean()) if self._sum.count else None

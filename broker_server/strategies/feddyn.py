@@ -38,8 +38,10 @@ import numpy as np
 
 from edge_agent.algorithms.feddyn import ALPHA
 
+from ._base import Accumulator, GlobalUpdate
 from ._registry import register_strategy
 from .fedopt import ServerStepStrategy, check_range, step_floats, update_norm
+from .scaffold import _state_only
 
 
 def feddyn_server_update(w_g: Sequence[np.ndarray], mean_w: Sequence[np.ndarray], sum_diff: Sequence[np.ndarray],
@@ -85,6 +87,12 @@ class FedDyn(ServerStepStrategy):
     the first aggregation) and ``clients_seen``.
     """
 
+    name = "feddyn"
+    share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+
     def __init__(self, *, alpha: float = ALPHA, num_clients: int = 0, weighting: str = "uniform", **kw) -> None:
         super().__init__(**kw)
         self.alpha = check_range("alpha", alpha, 0.0, np.inf, low_open=True)
@@ -115,17 +123,16 @@ class FedDyn(ServerStepStrategy):
                            "h_norm": float(np.sqrt(sum(float(np.sum(a * a)) for a in out["h"])))}
         return new, out
 
-    def skipped_round(self, round: int, accumulator) -> None:
+    def skipped_round(self, round: int, accumulator: Accumulator) -> GlobalUpdate | None:
         """A round closed without aggregation (quorum missed) whose accepted updates' devices kept
         their new ∇L_k: h ← h − α·(1/N)·Σ_{i∈S}(w_i − w_g) over those updates, w_g unchanged.
 
         This is the round's own :meth:`finish_round` (``accumulator.result()``: the same
-        :func:`feddyn_server_update`; the model it returns is dropped by the server), so h is
-        committed only when finite, as in an aggregated round. The round's metrics keep
-        ``h_norm`` and ``num_clients``, not the update norm of a model never applied.
+        :func:`feddyn_server_update`) with its model dropped (``tensors=None``), so h is
+        committed by the driver only when finite, as in an aggregated round. The round's
+        metrics keep ``h_norm`` and ``num_clients``, not the update norm of a model never applied.
         """
-        accumulator.result()
-        self._metrics.pop("server_update_norm", None)
+        return _state_only(accumulator.result())
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "h": self.h}

@@ -25,7 +25,7 @@ from edge_agent.algorithms.fedmcp import TEACHER_EXTRAS, UPLOAD_EXTRAS, FedMCPPa
 from edge_agent.data import PROXY_SIZE, Dataset
 
 from ..aggregate import RunningWeightedSum
-from ._base import ClientResult, RoundPlan, classifier_shape
+from ._base import ClientResult, GlobalUpdate, RoundPlan, classifier_shape
 from ._registry import register_strategy
 from .fedavg import FedAvg
 
@@ -111,6 +111,9 @@ class FedMCP(FedAvg):
 
     name = "fedmcp"
     share = "none"
+    buffers = "average"
+    model_requirement = "prototype"
+    instructions: tuple[str, ...] = ()
     #: Teacher weighting when the configuration names none (EnsKD: ``"uniform"``).
     default_weighting = "accuracy"
     #: Defaults of :class:`~edge_agent.algorithms.fedmcp.FedMCPParams` that a subclass changes.
@@ -143,7 +146,7 @@ class FedMCP(FedAvg):
         self.teacher_soft: np.ndarray | None = None
         self.teacher_protos: np.ndarray | None = None
         self.feature_dim: int | None = None  # d of the bound model
-        self._round_metrics: dict = {}
+        self._metrics: dict = {}
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """d = the input width of the model's classifier ``[C, d]``
@@ -169,7 +172,7 @@ class FedMCP(FedAvg):
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's selection; the config adds the hyperparameters, ``proxy_size`` and ``proxy_digest``."""
         plan = super().configure_round(round, available, rng)
-        self._round_metrics = {}
+        self._metrics = {}
         return RoundPlan(selected=plan.selected, config={**plan.config, **self.params.as_config(),
                                                          "proxy_size": len(self.proxy_y), "proxy_digest": self.digest})
 
@@ -199,10 +202,11 @@ class FedMCP(FedAvg):
             return f"prototypes {list(protos.shape)}, expected [{self.num_classes}, {d or 'd'}]"
         return None
 
-    def aggregate(self, round: int, current: Sequence[np.ndarray], results: Sequence[ClientResult]) -> None:
-        """Form the teacher from ``results`` (in the given order) and keep it for
-        :meth:`global_extras`; the model (nothing shared) never changes, so the return is
-        always ``None``. No results: the previous teacher is kept."""
+    def aggregate(self, round: int, current: Sequence[np.ndarray],
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
+        """The teacher from ``results`` (in the given order), as the update's ``extras`` and
+        ``state``; the model (nothing shared) never changes (``tensors=None``). No results:
+        ``None``, the previous teacher is kept."""
         acc = self.accumulator(round, current)
         for r in results:
             acc.add(r)
@@ -223,7 +227,7 @@ class FedMCP(FedAvg):
         """This round's ``teacher_weights`` {client: ω_i}, ``client_proxy_accuracy`` {client: a_i}
         and ``teacher_proxy_accuracy`` (argmax p_T vs the proxy labels); ``{}`` when no teacher
         was formed in the round."""
-        return dict(self._round_metrics)
+        return dict(self._metrics)
 
     def state_dict(self) -> dict:
         """The current teacher (for ``--resume``)."""
@@ -242,7 +246,7 @@ class TeacherAccumulator:
 
     :meth:`result` divides by ``Σ a_i`` (accuracy weighting) or K (uniform weighting, or all
     ``a_i`` = 0) — ``p_T = Σ_i ω_i p_i``, ``P_T = Σ_i ω_i P_i`` with ω of :func:`teacher_weights`
-    (SPECS §5.3) — and stores the teacher and the round's metrics in the strategy.
+    (SPECS §5.3) — and returns the teacher and the round's metrics as one :class:`GlobalUpdate`.
     """
 
     def __init__(self, strategy: FedMCP) -> None:
@@ -258,14 +262,15 @@ class TeacherAccumulator:
         self._weighted.add(arrays, a)
         self._accuracy[result.client_id] = a
 
-    def result(self) -> None:
+    def result(self) -> GlobalUpdate | None:
         if not self._accuracy:
             return None
         s = self.strategy
         use = self._weighted if s.weighting == "accuracy" and self._weighted.total_weight > 0 else self._uniform
-        s.teacher_soft, s.teacher_protos = use.mean()
+        soft, protos = use.mean()
         omega = teacher_weights(list(self._accuracy.values()), s.weighting)
-        s._round_metrics = {"teacher_weights": dict(zip(self._accuracy, omega.tolist())),
-                            "client_proxy_accuracy": dict(self._accuracy),
-                            "teacher_proxy_accuracy": proxy_accuracy(s.teacher_soft, s.proxy_y)}
-        return None
+        metrics = {"teacher_weights": dict(zip(self._accuracy, omega.tolist())),
+                   "client_proxy_accuracy": dict(self._accuracy),
+                   "teacher_proxy_accuracy": proxy_accuracy(soft, s.proxy_y)}
+        return GlobalUpdate(tensors=None, extras=dict(zip(TEACHER_EXTRAS, (soft, protos))),
+                            state={"teacher_soft": soft, "teacher_protos": protos}, metrics=metrics)

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..aggregate import RunningWeightedSum, all_finite
-from ._base import ClientResult, RoundPlan
+from ..aggregate import RunningWeightedSum
+from ._base import ClientResult, GlobalUpdate, RoundPlan
 from ._registry import register_strategy
 from .fedavg import FedAvg
 
@@ -102,7 +102,7 @@ class SumsAccumulator:
 
     Args:
         parts: name → :data:`SumPart`: what each result adds to the sum of that name.
-        finish: ``{name: RunningWeightedSum} -> list[ndarray] | None``, called by :meth:`result`
+        finish: ``{name: RunningWeightedSum} -> GlobalUpdate | None``, called by :meth:`result`
             once at least one result was added.
 
     Raises:
@@ -112,7 +112,7 @@ class SumsAccumulator:
     """
 
     def __init__(self, parts: Mapping[str, SumPart],
-                 finish: Callable[[dict[str, RunningWeightedSum]], list[np.ndarray] | None]) -> None:
+                 finish: Callable[[dict[str, RunningWeightedSum]], GlobalUpdate | None]) -> None:
         self._parts = dict(parts)
         self._sums = {name: RunningWeightedSum() for name in self._parts}
         self._finish = finish
@@ -122,8 +122,8 @@ class SumsAccumulator:
             arrays, weight = part(result)
             self._sums[name].add(arrays, weight)
 
-    def result(self) -> list[np.ndarray] | None:
-        """The new shared tensors, or ``None`` (keep the model) when no result was added."""
+    def result(self) -> GlobalUpdate | None:
+        """The round's update, or ``None`` (keep the model) when no result was added."""
         if not all(s.count for s in self._sums.values()):
             return None
         return self._finish(self._sums)
@@ -132,10 +132,11 @@ class SumsAccumulator:
 class ServerStepStrategy(FedAvg, abc.ABC):
     """FedAvg's client selection and configuration; aggregation = running sums of the round's
     updates (by default the sample-weighted sum of the models, ``"model"``) followed by the
-    subclass's :meth:`finish_round`, which returns the new global model and updates the server
+    subclass's :meth:`finish_round`, which returns the new global model and the new server
     state. :meth:`aggregate` (all results at once) and :meth:`accumulator` (streaming) run the
-    same code. The state is committed only when the new model and state are all finite, so an
-    aggregate with NaN/Inf (which the server discards) leaves the strategy as it was.
+    same code and return one :class:`GlobalUpdate`; the driver commits it only when the new model
+    and state are all finite and encodable, so an aggregate with NaN/Inf (which the server
+    discards) leaves the strategy as it was.
 
     Also tracks ``clients_seen``: the most clients ever offered in one round (N, the fleet
     size, for the SCAFFOLD and FedDyn server rules), and exposes :meth:`round_metrics`.
@@ -143,6 +144,8 @@ class ServerStepStrategy(FedAvg, abc.ABC):
 
     #: how each client's model is weighted in the mean: ``"samples"`` (n_i) or ``"uniform"`` (1).
     weighting = "samples"
+    #: N for the SCAFFOLD/FedDyn rules; 0 = automatic (:meth:`fleet_size`).
+    num_clients = 0
 
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
@@ -168,24 +171,26 @@ class ServerStepStrategy(FedAvg, abc.ABC):
     def finish_round(self, current: Sequence[np.ndarray],
                      sums: dict[str, RunningWeightedSum]) -> tuple[list[np.ndarray], dict]:
         """(new shared tensors, {attribute: new value}) from the round's sums. Pure (reads
-        ``self``, never assigns): :meth:`_finish` sets the attributes when every array in the new
-        model and state is finite (``_metrics``, a dict of scalars, is set along with them)."""
+        ``self``, never assigns): :meth:`_finish` wraps them in a :class:`GlobalUpdate`
+        (the entry ``_metrics``, a dict of scalars, becomes its ``metrics``)."""
 
-    def _finish(self, current: Sequence[np.ndarray], sums: dict[str, RunningWeightedSum]) -> list[np.ndarray]:
+    def extras_of(self, state: Mapping[str, object]) -> dict[str, np.ndarray]:
+        """The global extras the strategy broadcasts once ``state`` is committed (default ``{}``;
+        SCAFFOLD: its control variate)."""
+        return {}
+
+    def _finish(self, current: Sequence[np.ndarray], sums: dict[str, RunningWeightedSum]) -> GlobalUpdate:
         new, state = self.finish_round(current, sums)
-        flat = [a for v in state.values() if v is not None for a in (v if isinstance(v, list) else [v])
-                if isinstance(a, np.ndarray)]
-        if all_finite(new) and all_finite(flat):
-            for key, value in state.items():
-                setattr(self, key, value)
-        return new
+        state = dict(state)
+        metrics = state.pop("_metrics", {})
+        return GlobalUpdate(tensors=new, extras=self.extras_of(state), state=state, metrics=metrics)
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> SumsAccumulator:
         """Streaming form: each update is folded into the running sums on arrival."""
         return SumsAccumulator(self.sum_parts(), lambda sums: self._finish(current, sums))
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """The same rule as :meth:`accumulator` on a whole list; ``None`` (no change) when empty."""
         acc = self.accumulator(round, current)
         for r in results:
@@ -207,12 +212,8 @@ class ServerStepStrategy(FedAvg, abc.ABC):
 
     def fleet_size(self, reported: int) -> int:
         """N: ``num_clients`` when > 0, else the most clients ever offered a round (at least ``reported``)."""
-        fixed = getattr(self, "num_clients", 0)
+        fixed = self.num_clients
         return fixed if fixed > 0 else max(self.clients_seen, reported)
-
-    def round_metrics(self) -> dict:
-        """Scalars of the last aggregation for the round's ``metrics.jsonl`` line (``{}`` when none)."""
-        return dict(self._metrics)
 
     def state_dict(self) -> dict:
         """``clients_seen``; subclasses add their optimizer state."""
@@ -280,6 +281,12 @@ class FedOpt(ServerOptimizer):
     State (``state_dict``): the momentum buffer b (float64 arrays, the floating tensors' shapes;
     ``None`` before the first step).
     """
+
+    name = "fedopt"
+    share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
 
     def __init__(self, *, server_lr: float = SERVER_LR, server_momentum: float = SERVER_MOMENTUM, **kw) -> None:
         super().__init__(**kw)

@@ -37,7 +37,7 @@ import numpy as np
 from edge_agent.algorithms.fedpad import DEFAULT_LAMBDA_PROTO, PROTO_CLASSES, PROTO_COUNTS, PROTOTYPES
 
 from ..aggregate import weighted_average
-from ._base import BufferedAccumulator, ClientResult, RoundPlan
+from ._base import BufferedAccumulator, ClientResult, GlobalUpdate, RoundPlan
 from ._registry import register_strategy
 from .fedavg import FedAvg
 from .fedproto import PrototypeAccumulator, check_prototype_extras
@@ -294,6 +294,9 @@ class FedPAD(FedAvg):
 
     name = "fedpad"
     share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
 
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None, tau: float = DEFAULT_TAU,
@@ -359,7 +362,7 @@ class FedPAD(FedAvg):
         return None
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """One FedPAD server step (module docstring): d → θ → (P_g, α) → w = Σ α_i w_i.
 
         Args:
@@ -368,8 +371,11 @@ class FedPAD(FedAvg):
             results: validated updates (any order; processed in client-id order).
 
         Returns:
-            The new global model (each entry in its input dtype), or ``None`` (no change, state
-            untouched) when ``results`` is empty.
+            The round's :class:`GlobalUpdate`: the new global model (each entry in its input
+            dtype), the new global prototypes (``extras`` and ``state``, with this round's clients
+            and α) and the round's metrics, committed by the driver only when finite and
+            encodable; ``None`` (no change) when ``results`` is empty. The strategy is not
+            modified.
 
         Raises:
             ValueError: an update without valid prototype extras (call :meth:`validate` first),
@@ -394,16 +400,17 @@ class FedPAD(FedAvg):
             if not np.issubdtype(np.asarray(t).dtype, np.floating):
                 new_model[j] = np.array(t, copy=True)
         previous = (self.prototypes, self.proto_classes) if has_global else None
-        self.prototypes, self.proto_classes = aggregate_prototypes(protos, classes, theta, previous=previous)
+        gp, gc = aggregate_prototypes(protos, classes, theta, previous=previous)
         drift, common = alpha_drift(self.prev_clients, self.prev_alpha, clients, alpha)
-        self.prev_clients, self.prev_alpha = clients, alpha
-        self._metrics = {
+        metrics = {
             "fedpad_round": round, "fedpad_clients": clients,
             "fedpad_d": None if d is None else d.tolist(), "fedpad_theta": theta.tolist(),
             "fedpad_alpha": alpha.tolist(), "fedpad_alpha_drift": drift, "fedpad_alpha_drift_clients": common,
-            "fedpad_global_classes": self.proto_classes.tolist(),
+            "fedpad_global_classes": gc.tolist(),
         }
-        return new_model
+        extras = {PROTOTYPES: gp.copy(), PROTO_CLASSES: gc.copy()} if gc.size else {}
+        return GlobalUpdate(tensors=new_model, extras=extras, metrics=metrics,
+                            state={"prototypes": gp, "proto_classes": gc, "prev_clients": clients, "prev_alpha": alpha})
 
     def round_metrics(self) -> dict:
         """This round's FedPAD quantities for ``metrics.jsonl`` (``{}`` when the round was not

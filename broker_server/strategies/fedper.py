@@ -21,4 +21,9 @@ class FedPer(FedAvg):
     is the new global backbone. Same constructor as FedAvg.
     """
 
+    name = "fedper"
     share = "backbone"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..aggregate import RunningWeightedSum
-from ._base import ClientResult, RoundPlan, classifier_shape
+from ._base import ClientResult, GlobalUpdate, RoundPlan, classifier_shape
 from ._registry import register_strategy
 from .fedavg import FedAvg, FedAvgAccumulator
 
@@ -162,7 +162,12 @@ class FedProto(FedAvg):
     (none in round 1: any width) and class ids are only checked ≥ 0.
     """
 
+    name = "fedproto"
     share = "none"
+    buffers = "average"
+    model_requirement = "prototype"
+    instructions: tuple[str, ...] = ()
+
 
     def __init__(self, *, lambda_proto: float = 1.0, weighting: str = "uniform", **base: object) -> None:
         super().__init__(**base)  # type: ignore[arg-type]
@@ -217,8 +222,8 @@ class FedProto(FedAvg):
         return FedProtoAccumulator(self)
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
-        """Global prototypes from ``results`` (kept for :meth:`global_extras`); returns the new
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
+        """Global prototypes from ``results`` (the update's ``extras`` and ``state``) and the new
         shared tensors (``[]`` for ``share = "none"``), or ``None`` when nothing came back (the
         previous global prototypes are kept)."""
         acc = self.accumulator(round, current)
@@ -249,8 +254,8 @@ class FedProto(FedAvg):
 
 class FedProtoAccumulator:
     """One round of :class:`FedProto`: class-wise prototype sums, plus FedAvg's running weighted
-    sum of the model when the strategy shares it. :meth:`result` stores the new global
-    prototypes on the strategy."""
+    sum of the model when the strategy shares it. :meth:`result` returns the new global
+    prototypes (and model) as one :class:`GlobalUpdate`."""
 
     def __init__(self, strategy: FedProto) -> None:
         self.strategy = strategy
@@ -267,11 +272,15 @@ class FedProtoAccumulator:
             self.model.add(result)
         self.count += 1
 
-    def result(self) -> list[np.ndarray] | None:
+    def result(self) -> GlobalUpdate | None:
         if not self.count:
             return None
-        self.strategy.prototypes, self.strategy.proto_classes = self.protos.result()
-        return self.model.result() if self.model is not None else []
+        protos, classes = self.protos.result()
+        model = self.model.result() if self.model is not None else GlobalUpdate(tensors=[])
+        extras = {"prototypes": protos, "proto_classes": classes} if classes.size else {}
+        return GlobalUpdate(tensors=None if model is None else model.tensors, extras=extras,
+                            state={"prototypes": protos, "proto_classes": classes},
+                            metrics={"prototype_classes": int(classes.size)})
 
 
 @register_strategy("fedproto-avg")
@@ -280,4 +289,9 @@ class FedProtoAvg(FedProto):
     the whole model FedAvg-averaged (weights n_k); the server evaluates the global model with its
     head. A separate name because ``share`` is a class attribute."""
 
+    name = "fedproto-avg"
     share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+

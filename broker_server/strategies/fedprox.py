@@ -29,6 +29,12 @@ class FedProx(FedAvg):
         ValueError: ``mu`` negative or not finite.
     """
 
+    name = "fedprox"
+    share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+
     def __init__(self, *, mu: float = MU, **kw) -> None:
         super().__init__(**kw)
         self.mu = check_range("mu", mu, 0.0, np.inf)

@@ -34,6 +34,12 @@ class FedRep(FedPer):
         ValueError: ``head_epochs`` not an int ≥ 1; a bad ``participation_rate``.
     """
 
+    name = "fedrep"
+    share = "backbone"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+
     def __init__(self, *, head_epochs: int = HEAD_EPOCHS, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
         if isinstance(head_epochs, bool) or not isinstance(head_epochs, int) or head_epochs < 1:

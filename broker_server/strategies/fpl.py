@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._base import ClientResult, RoundPlan
+from ._base import ClientResult, GlobalUpdate, RoundPlan
 from ._registry import register_strategy
 from .fedavg import FedAvg, FedAvgAccumulator
 from .fedproto import check_prototype_extras
@@ -124,7 +124,12 @@ class FPL(FedAvg):
         ValueError: ``tau`` not > 0; FedAvg's checks.
     """
 
+    name = "fpl"
     share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+
 
     def __init__(self, *, tau: float = 0.02, **base: object) -> None:
         super().__init__(**base)  # type: ignore[arg-type]
@@ -153,9 +158,9 @@ class FPL(FedAvg):
         return FPLAccumulator(self)
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
-        """FedAvg of the models; the new prototypes are kept for :meth:`global_extras`. ``None``
-        (model and prototypes unchanged) when nothing came back."""
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
+        """FedAvg of the models and the new prototypes (the update's ``extras`` and ``state``).
+        ``None`` (model and prototypes unchanged) when nothing came back."""
         acc = self.accumulator(round, current)
         for r in results:
             acc.add(r)
@@ -168,10 +173,7 @@ class FPL(FedAvg):
 
     def round_metrics(self) -> dict:
         """``fpl_clusters``: the number of cluster prototypes per class, {class id (str): J_c}."""
-        if not self.extras:
-            return {}
-        cls, n = np.unique(self.extras["cluster_classes"], return_counts=True)
-        return {"fpl_clusters": {str(int(c)): int(k) for c, k in zip(cls, n)}}
+        return fpl_metrics(self.extras)
 
     def state_dict(self) -> dict:
         """The last broadcast prototypes (for ``--resume``)."""
@@ -184,7 +186,7 @@ class FPL(FedAvg):
 
 class FPLAccumulator:
     """One round of :class:`FPL`: FedAvg running sums of the model plus the clients' prototypes;
-    :meth:`result` runs :func:`fpl_prototypes` and stores the broadcast extras on the strategy."""
+    :meth:`result` runs :func:`fpl_prototypes` and returns the new model and broadcast extras."""
 
     def __init__(self, strategy: FPL) -> None:
         self.strategy = strategy
@@ -197,10 +199,21 @@ class FPLAccumulator:
         self.prototypes.append(np.asarray(result.extras["prototypes"]))
         self.classes.append(np.asarray(result.extras["proto_classes"]))
 
-    def result(self) -> list[np.ndarray] | None:
+    def result(self) -> GlobalUpdate | None:
         if not self.prototypes:
             return None
         cp, cc, up, uc = fpl_prototypes(self.prototypes, self.classes)
-        self.strategy.extras = {"cluster_protos": cp, "cluster_classes": cc, "unbiased_protos": up,
-                                "unbiased_classes": uc} if cc.size else {}
-        return self.model.result()
+        extras = {"cluster_protos": cp, "cluster_classes": cc, "unbiased_protos": up,
+                  "unbiased_classes": uc} if cc.size else {}
+        model = self.model.result()
+        return GlobalUpdate(tensors=None if model is None else model.tensors, extras=extras,
+                            state={"extras": extras}, metrics=fpl_metrics(extras))
+
+
+def fpl_metrics(extras: dict[str, np.ndarray]) -> dict:
+    """``{"fpl_clusters": {class id (str): J_c}}``, the number of cluster prototypes per class
+    in FPL's broadcast ``extras`` (``{}`` when there are none)."""
+    if not extras:
+        return {}
+    cls, n = np.unique(extras["cluster_classes"], return_counts=True)
+    return {"fpl_clusters": {str(int(c)): int(k) for c, k in zip(cls, n)}}

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._base import ClientResult
+from ._base import ClientResult, GlobalUpdate
 from ._registry import register_strategy
 from .fedavg import FedAvg
 
@@ -21,10 +21,15 @@ from .fedavg import FedAvg
 class Local(FedAvg):
     """Local strategy: FedAvg's client selection, nothing aggregated. Same constructor as FedAvg."""
 
+    name = "local"
     share = "none"
+    buffers = "average"
+    model_requirement = "prototype"
+    instructions: tuple[str, ...] = ()
+
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> list[np.ndarray] | None:
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """Always ``None``: no change (there is no shared model)."""
         return None
 
@@ -39,6 +44,6 @@ class NoAggregation:
     def add(self, result: ClientResult) -> None:
         """Ignore ``result`` (the server has already ledgered and acknowledged it)."""
 
-    def result(self) -> list[np.ndarray] | None:
+    def result(self) -> GlobalUpdate | None:
         """``None``: no change."""
         return None

@@ -42,7 +42,7 @@ import numpy as np
 
 from edge_agent.algorithms.scaffold import CONTROL, CONTROL_DELTA
 
-from ._base import ClientResult, parameter_count
+from ._base import Accumulator, ClientResult, GlobalUpdate, parameter_count
 from ._registry import register_strategy
 from .fedopt import ServerStepStrategy, check_range, step_floats, update_norm
 
@@ -51,6 +51,15 @@ if TYPE_CHECKING:
 
 #: SCAFFOLD global step size η_g (SPECS §6.12).
 SERVER_LR = 1.0
+
+
+def _state_only(update: GlobalUpdate | None) -> GlobalUpdate | None:
+    """``update`` without its model (``tensors=None``) and without ``server_update_norm``: the
+    part of a skipped round's aggregate that mirrors the devices' committed state."""
+    if update is None:
+        return None
+    return GlobalUpdate(tensors=None, extras=update.extras, state=update.state,
+                        metrics={k: v for k, v in update.metrics.items() if k != "server_update_norm"})
 
 
 def scaffold_server_update(x: Sequence[np.ndarray], mean_y: Sequence[np.ndarray], c: np.ndarray | None,
@@ -103,6 +112,12 @@ class Scaffold(ServerStepStrategy):
     round 1); unbound, P is c's size once c exists (in round 1 any size is accepted).
     """
 
+    name = "scaffold"
+    share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions: tuple[str, ...] = ()
+
     def __init__(self, *, server_lr: float = SERVER_LR, num_clients: int = 0, weighting: str = "uniform",
                  **kw) -> None:
         super().__init__(**kw)
@@ -118,7 +133,12 @@ class Scaffold(ServerStepStrategy):
 
     def global_extras(self) -> dict[str, np.ndarray]:
         """``{"control": c}`` (float32 [P]); ``{}`` while c is still the initial zero vector of unknown size."""
-        return {} if self.control is None else {CONTROL: self.control}
+        return self.extras_of({"control": self.control})
+
+    def extras_of(self, state) -> dict[str, np.ndarray]:
+        """``{"control": c}`` of a prospective state (``{}`` without a c)."""
+        c = state.get("control")
+        return {} if c is None else {CONTROL: c}
 
     def validate(self, result: ClientResult) -> str | None:
         """Refuse an update without exactly one extras entry ``control_delta``, float32 [P],
@@ -155,17 +175,17 @@ class Scaffold(ServerStepStrategy):
                            "control_norm": float(np.linalg.norm(out["control"]))}
         return new, out
 
-    def skipped_round(self, round: int, accumulator) -> None:
+    def skipped_round(self, round: int, accumulator: Accumulator) -> GlobalUpdate | None:
         """A round closed without aggregation (quorum missed) whose accepted updates' devices kept
         their c_i⁺: c ← c + (1/N)·Σ_{i∈S} Δc_i over those updates, the model unchanged.
 
         This is the round's own :meth:`finish_round` (``accumulator.result()``: the same
-        :func:`scaffold_server_update`; the model it returns is dropped by the server), so c is
-        committed only when finite, as in an aggregated round. The round's metrics keep
-        ``control_norm`` and ``num_clients``, not the update norm of a model never applied.
+        :func:`scaffold_server_update`) with its model dropped (``tensors=None``), so c is
+        committed by the driver only when finite and encodable, as in an aggregated round. The
+        round's metrics keep ``control_norm`` and ``num_clients``, not the update norm of a
+        model never applied.
         """
-        accumulator.result()
-        self._metrics.pop("server_update_norm", None)
+        return _state_only(accumulator.result())
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "control": self.control}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._base import (SHARES, ClientAlgorithm, LocalResult, TrainConfig, algorithm_share, load_shared,
+from ._base import (BUFFERS, SHARES, ClientAlgorithm, StepContext, LocalResult, TrainConfig, algorithm_share, load_shared, local_entries,
                     predict_scores, shared_arrays, shared_indices)
 from ._registry import get_client_algorithm, get_client_algorithm_class, list_client_algorithms, register_client_algorithm
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
@@ -37,20 +37,16 @@ def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int)
     Raises:
         EdgeAgentError: unknown algorithm.
     """
-    cls = get_client_algorithm_class(name)
-    make = getattr(cls, "setup_kwargs", None)
-    return dict(make(dataset, params, seed)) if make is not None else {}
+    return dict(get_client_algorithm_class(name).setup_kwargs(dataset, params, seed))
 
 
 def evaluation_split(name: str, dataset, params: Mapping[str, object], seed: int):
     """The test samples a device evaluates its own model on (``client_eval``): the data set's
     test split, minus what the algorithm reserves (FedMCP++'s proxy set) through the class's
     optional ``eval_split(dataset, params, seed) -> ArraySplit`` classmethod."""
-    cls = get_client_algorithm_class(name)
-    make = getattr(cls, "eval_split", None)
-    return make(dataset, params, seed) if make is not None else dataset.test
+    return get_client_algorithm_class(name).eval_split(dataset, params, seed)
 
 
-__all__ = sorted(["SHARES", "algorithm_setup", "evaluation_split", "get_client_algorithm_class", "ClientAlgorithm", "LocalResult", "TrainConfig", "algorithm_share", "get_client_algorithm",
+__all__ = sorted(["StepContext", "BUFFERS", "local_entries", "SHARES", "algorithm_setup", "evaluation_split", "get_client_algorithm_class", "ClientAlgorithm", "LocalResult", "TrainConfig", "algorithm_share", "get_client_algorithm",
                   "list_client_algorithms", "load_shared", "predict_scores", "register_client_algorithm",
                   "shared_arrays", "shared_indices"])

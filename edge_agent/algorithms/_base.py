@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -20,51 +20,75 @@ log = logging.getLogger(__name__)
 SHARES = ("all", "backbone", "none")
 
 
-def shared_indices(names: Sequence[str], share: str) -> tuple[int, ...]:
+#: What happens to registered buffers (BatchNorm running statistics …): averaged with the model
+#: (``"average"``) or kept on the device and never sent, either direction (``"local"``, FedBN).
+BUFFERS = ("average", "local")
+
+
+def shared_indices(names: Sequence[str], share: str, exclude: Collection[str] = ()) -> tuple[int, ...]:
     """Positions in the model manifest of the tensors an algorithm with ``share`` exchanges.
 
     Args:
         names: state_dict entry names in manifest order.
         share: one of :data:`SHARES`.
+        exclude: entry names that never travel (the model's buffers under ``buffers = "local"``,
+            :func:`local_entries`).
 
     Raises:
         ValueError: unknown ``share``; ``"backbone"`` for a model without ``backbone.*`` entries.
     """
     if share == "all":
-        return tuple(range(len(names)))
-    if share == "none":
+        idx = tuple(range(len(names)))
+    elif share == "none":
         return ()
-    if share == "backbone":
+    elif share == "backbone":
         idx = tuple(i for i, n in enumerate(names) if n.startswith("backbone."))
         if not idx:
             raise ValueError("share='backbone' needs a model whose feature extractor is named backbone.*")
-        return idx
-    raise ValueError(f"share must be one of {SHARES}, got {share!r}")
+    else:
+        raise ValueError(f"share must be one of {SHARES}, got {share!r}")
+    return tuple(i for i in idx if names[i] not in exclude) if exclude else idx
 
 
-def shared_arrays(model: torch.nn.Module, share: str) -> tuple[np.ndarray, ...]:
-    """Copies (CPU numpy, manifest order) of the state entries exchanged under ``share``."""
+def local_entries(model: torch.nn.Module, buffers: str) -> frozenset[str]:
+    """State entry names kept on the device under ``buffers``: every registered buffer of
+    ``model`` (BatchNorm ``running_mean``/``running_var``/``num_batches_tracked``) for
+    ``"local"``, none for ``"average"``.
+
+    Raises:
+        ValueError: ``buffers`` not one of :data:`BUFFERS`.
+    """
+    if buffers not in BUFFERS:
+        raise ValueError(f"buffers must be one of {BUFFERS}, got {buffers!r}")
+    return frozenset(n for n, _ in model.named_buffers()) if buffers == "local" else frozenset()
+
+
+def shared_arrays(model: torch.nn.Module, share: str, buffers: str = "average") -> tuple[np.ndarray, ...]:
+    """Copies (CPU numpy, manifest order) of the state entries exchanged under ``share`` and
+    ``buffers``."""
     state = model.state_dict()
-    keep = set(shared_indices(list(state), share))
+    keep = set(shared_indices(list(state), share, local_entries(model, buffers)))
     return tuple(t.detach().to("cpu", copy=True).numpy() for i, t in enumerate(state.values()) if i in keep)
 
 
-def load_shared(model: torch.nn.Module, arrays: Sequence[np.ndarray], share: str) -> None:
-    """Copy the exchanged subset ``arrays`` into ``model`` in place; private entries are kept.
+def load_shared(model: torch.nn.Module, arrays: Sequence[np.ndarray], share: str, buffers: str = "average") -> None:
+    """Copy the exchanged subset ``arrays`` into ``model`` in place; private entries (and, with
+    ``buffers="local"``, the buffers) are kept.
 
     Raises:
         ModelError: wrong number of tensors for ``share``, or a shape that differs from the model's.
     """
     state = model.state_dict()
     names = list(state)
-    idx = shared_indices(names, share)
+    idx = shared_indices(names, share, local_entries(model, buffers))
     if len(arrays) != len(idx):
         raise ModelError(f"{len(arrays)} tensors received, {len(idx)} expected for share={share!r}")
     new = {}
-    for i, arr in zip(idx, arrays):
+    for i, arr in zip(idx, arrays, strict=True):
         ref = state[names[i]]
         if tuple(arr.shape) != tuple(ref.shape):
-            raise ModelError(f"tensor {names[i]}: shape {tuple(arr.shape)} received, the model has {tuple(ref.shape)}")
+            raise ModelError(f"tensor {names[i]}: shape {tuple(arr.shape)} received, "
+                             f"the model has {tuple(ref.shape)}")
         new[names[i]] = torch.from_numpy(np.array(arr, dtype=ref.detach().cpu().numpy().dtype, copy=True)).to(ref.device)
     model.load_state_dict(new, strict=False)
 
@@ -90,7 +114,7 @@ class TrainConfig:
     seed: int = 0
 
     @classmethod
-    def from_mapping(cls, base: "TrainConfig", overrides: Mapping[str, object]) -> "TrainConfig":
+    def from_mapping(cls, base: TrainConfig, overrides: Mapping[str, object]) -> TrainConfig:
         """``base`` with the known keys of ``overrides`` applied (unknown keys are ignored:
         tolerant on the wire)."""
         kw = {}
@@ -124,48 +148,123 @@ class LocalResult:
     extras: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-class ClientAlgorithm(Protocol):
-    """The client half of an algorithm.
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What the shared local SGD loop (:func:`edge_agent.algorithms.fedavg.sgd_epochs`) tells
+    :meth:`ClientAlgorithm.before_step` about the step about to be taken.
 
-    ``share`` (class attribute, default ``"all"``) says which model tensors travel;
-    ``global_tensors`` and :attr:`LocalResult.tensors` hold that subset only. ``params`` is the
-    round's ``round_start.config`` (the strategy puts the algorithm's hyperparameters there);
-    ``global_extras`` the named arrays of the round's ``global`` (``{}`` when none). One instance
-    serves one device for the whole run and may keep per-device state between rounds. An
-    optional ``predict(model, x) -> scores [N, C]`` replaces ``model(x)`` in client-side
-    evaluation (FedProto classifies by the nearest global prototype).
-
-    An optional ``on_update_receipt(round, accepted) -> None`` hears the server's definite
-    answer to the update of ``round``: the agent (:class:`edge_agent.agent.EdgeAgent`) calls it
-    at most once per round it sent, with ``accepted=True`` on an accepted receipt and
-    ``accepted=False`` on a refusal, when the update was never sent (no samples, non-finite
-    result) or when no definite receipt came before the device trains its next round (logged
-    as a warning). Algorithms whose per-device state mirrors server state (SCAFFOLD's c_i,
-    FedDyn's ∇L_k) keep a round's new state only when the server took the update
-    (:class:`StateOnReceipt`); the others do not define it.
+    Attributes:
+        epoch: local epoch, from 0.
+        step: optimizer step within the round, from 0.
+        loss: this batch's loss (a detached scalar tensor).
+        round: the federated round.
     """
 
-    name: str
+    epoch: int
+    step: int
+    loss: torch.Tensor
+    round: int = 0
+
+
+class ClientAlgorithm:
+    """The client half of an algorithm: the base every client algorithm subclasses. Every hook the
+    agent (:class:`edge_agent.agent.EdgeAgent`) or the shared training loop calls is declared
+    here with its default; nothing is found by ``getattr``.
+
+    Class attributes (must equal the server half's, checked by the registry test):
+
+    * ``name``: the registry name.
+    * ``share``: which model tensors travel (:data:`SHARES`); ``global_tensors`` and
+      :attr:`LocalResult.tensors` hold that subset only.
+    * ``buffers``: registered buffers averaged with the model (``"average"``) or kept on the
+      device (``"local"``, FedBN; :func:`local_entries`).
+
+    One instance serves one device for the whole run and may keep per-device state between
+    rounds.
+    """
+
+    name: ClassVar[str] = ""
+    share: ClassVar[str] = "all"
+    buffers: ClassVar[str] = "average"
+
+    @classmethod
+    def setup_kwargs(cls, dataset, params: Mapping[str, object], seed: int) -> dict:
+        """Data-dependent constructor arguments (FedMCP++'s public proxy set), called before the
+        algorithm is built with the data set, the ``[algorithm]`` table and the run seed.
+        Default ``{}``."""
+        return {}
+
+    @classmethod
+    def eval_split(cls, dataset, params: Mapping[str, object], seed: int):
+        """The test samples a device evaluates its own model on (``client_eval``). Default: the
+        data set's test split (FedMCP++ removes its proxy set)."""
+        return dataset.test
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
-                    device: torch.device, params: Mapping[str, object] = ...,
-                    global_extras: Mapping[str, np.ndarray] = ...) -> LocalResult: ...
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
+                    device: torch.device, params: Mapping[str, object] | None = None,
+                    global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
+        """One round of local work, called by the agent once it holds the round's ``global`` and
+        its ``round_start``.
+
+        Args:
+            model: the device's model (on ``device``), trained in place.
+            global_tensors: the ``share`` subset of the global model (``()`` for ``"none"``).
+            x, y: the local shard, float32 [N, C, H, W] and int64 [N] (CPU).
+            config: training settings: ``round_start.config`` and this device's instructions
+                over the device's defaults.
+            round: the round number.
+            client_id: this device's id (the agent's node id).
+            client_index: its position in the fleet (seeds private generators).
+            device: where to train.
+            params: the round's config merged with this device's instructions (the strategy's
+                hyperparameters, ``client_eval`` …).
+            global_extras: the named arrays of the round's ``global`` (``{}`` when none).
+
+        Returns:
+            A :class:`LocalResult`; ``num_samples`` 0 means nothing to send.
+
+        Raises:
+            NotImplementedError: the base class trains nothing.
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no local_round()")
+
+    def before_step(self, model: torch.nn.Module, context: StepContext) -> None:
+        """Called by the shared local SGD loop once per batch, after ``backward()`` and before
+        ``optimizer.step()``, with true (unscaled) gradients in ``p.grad``, to edit them in place
+        (SCAFFOLD's correction, a gradient projection). Default: nothing."""
+
+    def predict(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Class scores [N, C] for client-side evaluation. Default ``model(x)`` (logits);
+        FedProto classifies by the nearest global prototype."""
+        return model(x)
+
+    def on_update_receipt(self, round: int, accepted: bool) -> None:
+        """The server's definite answer to the update of ``round``: the agent calls it at most
+        once per round it trained, with ``accepted=True`` on an accepted receipt and ``False`` on
+        a refusal, when nothing was sent (no samples, non-finite result) or when no definite
+        receipt came before the next round. Default: nothing (:class:`StateOnReceipt` keeps or
+        rolls back per-device state)."""
 
 
-def algorithm_share(algorithm: object) -> str:
-    """The ``share`` of a client algorithm or server strategy (``"all"`` when it declares none)."""
-    return str(getattr(algorithm, "share", "all"))
+def step_hook(algorithm: ClientAlgorithm):
+    """``algorithm.before_step`` when its class overrides the base's no-op, else ``None``: what
+    the local loops pass to :func:`~edge_agent.algorithms.fedavg.sgd_epochs` as ``before_step``
+    (so an algorithm without a step hook trains exactly as before, with no fp16 unscale)."""
+    return None if type(algorithm).before_step is ClientAlgorithm.before_step else algorithm.before_step
 
 
-def predict_scores(algorithm: object, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Class scores [N, C] of ``model`` on ``x`` through the algorithm's ``predict`` when it has
-    one, else ``model(x)`` (logits)."""
-    pred = getattr(algorithm, "predict", None)
-    return pred(model, x) if pred is not None else model(x)
+def algorithm_share(algorithm: ClientAlgorithm) -> str:
+    """The declared ``share`` of a client algorithm or server strategy."""
+    return str(algorithm.share)
 
 
-class StateOnReceipt:
+def predict_scores(algorithm: ClientAlgorithm, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Class scores [N, C] of ``model`` on ``x`` through the algorithm's :meth:`~ClientAlgorithm.predict`."""
+    return algorithm.predict(model, x)
+
+
+class StateOnReceipt(ClientAlgorithm):
     """Mixin for a client algorithm whose per-device state must match what the server counted
     (SCAFFOLD's c_i, FedDyn's ∇L_k): the state a round produces stands only if the server
     accepted that round's update.

@@ -31,4 +31,8 @@ class EnsKDClient(FedMCPClient):
     :data:`ENSKD_DEFAULTS` (KD and local CE only). Same constructor and round; a round config
     that names ``infonce`` / ``proto_align`` still wins (the server's always does)."""
 
+    name = "enskd"
+    share = "none"
+    buffers = "average"
+
     hyperparameter_defaults = ENSKD_DEFAULTS

@@ -16,3 +16,7 @@ from .fedavg import FedAvgClient
 class FedAdamClient(FedAvgClient):
     """FedAdam client: identical to :class:`~edge_agent.algorithms.fedavg.FedAvgClient` (local SGD,
     full model upload); only the server's step differs."""
+
+    name = "fedadam"
+    share = "all"
+    buffers = "average"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import load_arrays, state_arrays
-from ._base import LocalResult, TrainConfig
+from ._base import ClientAlgorithm, LocalResult, StepContext, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 
 
@@ -62,7 +62,9 @@ def cross_entropy_loss(model: torch.nn.Module, xb: torch.Tensor, yb: torch.Tenso
 def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
                generator: torch.Generator, device: torch.device, *, precision: str = "fp32",
                loss_fn: LossFn | None = None,
-               after_backward: Callable[[torch.nn.Module], None] | None = None) -> tuple[float, float]:
+               after_backward: Callable[[torch.nn.Module], None] | None = None,
+               before_step: Callable[[torch.nn.Module, StepContext], None] | None = None,
+               step_round: int = 0) -> tuple[float, float]:
     """Run ``config.local_epochs`` epochs (at least one) of SGD on ``(x, y)``.
 
     Each epoch visits the shard in the order of ``torch.randperm(N, generator=generator)`` in
@@ -90,6 +92,10 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
             and before the optimizer step, to edit ``p.grad`` in place (SCAFFOLD's corrected
             gradient g + c − c_i). Under fp16 the gradients are unscaled first
             (``scaler.unscale_``), so the hook always sees true gradients. ``None`` = nothing.
+        before_step: the algorithm's training-step hook (:meth:`ClientAlgorithm.before_step`),
+            called as ``before_step(model, StepContext(epoch, step, loss, step_round))`` after
+            ``after_backward`` and before the optimizer step, on true gradients likewise.
+        step_round: the federated round, passed on in the :class:`StepContext`.
 
     Returns:
         (mean loss over the last epoch — cross-entropy, or ``loss_fn``'s loss when one is given —,
@@ -116,7 +122,15 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
     model.train()
     loss_sum = 0.0
     correct = 0
-    for _ in range(max(1, config.local_epochs)):
+    step = 0
+
+    def hooks(loss: torch.Tensor, epoch: int) -> None:
+        if after_backward is not None:
+            after_backward(model)
+        if before_step is not None:
+            before_step(model, StepContext(epoch, step, loss.detach(), step_round))
+
+    for epoch in range(max(1, config.local_epochs)):
         perm = torch.randperm(n, generator=generator)
         loss_sum, correct = 0.0, 0
         for start in range(0, n, config.batch_size):
@@ -126,25 +140,25 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
             if scaler is None:
                 loss, logits = objective(model, xb, yb)
                 loss.backward()
-                if after_backward is not None:
-                    after_backward(model)
+                hooks(loss, epoch)
                 opt.step()
             else:
                 with torch.autocast(device_type="cuda", dtype=torch.float16):
                     loss, logits = objective(model, xb, yb)  # autocast runs cross_entropy in float32
                 scaler.scale(loss).backward()
-                if after_backward is not None:
-                    scaler.unscale_(opt)  # the hook edits true gradients; step() does not unscale twice
-                    after_backward(model)
+                if after_backward is not None or before_step is not None:
+                    scaler.unscale_(opt)  # the hooks edit true gradients; step() does not unscale twice
+                    hooks(loss, epoch)
                 scaler.step(opt)  # skipped when the scaled gradients overflowed
                 scaler.update()
+            step += 1
             loss_sum += float(loss.detach()) * int(yb.shape[0])
             correct += int((logits.detach().argmax(1) == yb).sum())
     return loss_sum / n, correct / n
 
 
 @register_client_algorithm("fedavg")
-class FedAvgClient:
+class FedAvgClient(ClientAlgorithm):
     """FedAvg client: local SGD from the global model; uploads the full local model (float32).
 
     Upload per round: every ``state_dict`` tensor; for the light CNN on 28×28 grayscale that is
@@ -160,13 +174,16 @@ class FedAvgClient:
     """
 
     name = "fedavg"
+    share = "all"
+    buffers = "average"
+
 
     def __init__(self, *, precision: str = "fp32") -> None:
         _check_precision(precision)
         self.precision = precision
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
                     global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """Load ``global_tensors``, train, return the new weights and ``num_samples = len(y)``.
@@ -184,6 +201,6 @@ class FedAvgClient:
         t0 = time.perf_counter()
         load_arrays(model, global_tensors)
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
-                               precision=self.precision)
+                               precision=self.precision, before_step=step_hook(self), step_round=round)
         return LocalResult(tensors=state_arrays(model), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0})

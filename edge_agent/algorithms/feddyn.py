@@ -89,6 +89,10 @@ class FedDynClient(StateOnReceipt, LocalSGDClient):
     value the server has counted). Upload: the full model, no extras.
     """
 
+    name = "feddyn"
+    share = "all"
+    buffers = "average"
+
     state_attr = "grad_state"
 
     def __init__(self, *, precision: str = "fp32") -> None:

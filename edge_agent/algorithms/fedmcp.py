@@ -62,7 +62,7 @@ from torch import nn
 
 from ..data import PROXY_SIZE, ArraySplit, Dataset, proxy_split
 from ..errors import ModelError
-from ._base import LocalResult, TrainConfig
+from ._base import ClientAlgorithm, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, _to_device, sgd_epochs, shuffle_generator
 
@@ -361,7 +361,7 @@ def _seeded_linear(fan_in: int, fan_out: int, generator: torch.Generator) -> nn.
 
 
 @register_client_algorithm("fedmcp")
-class FedMCPClient:
+class FedMCPClient(ClientAlgorithm):
     """FedMCP++ client (see the module docstring for the round).
 
     Args:
@@ -384,6 +384,8 @@ class FedMCPClient:
 
     name = "fedmcp"
     share = "none"
+    buffers = "average"
+
     #: Defaults of :class:`FedMCPParams` that a subclass (EnsKD) changes.
     hyperparameter_defaults: Mapping[str, object] = {}
 
@@ -425,7 +427,7 @@ class FedMCPClient:
     # ---------------------------------------------------------------- the round
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
                     global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """One FedMCP++ round: alignment to last round's teacher (when there is one), local CE,
@@ -468,7 +470,8 @@ class FedMCPClient:
         teacher = self._teacher(model, global_extras or {}, device)
         if teacher is not None:
             metrics.update(self._align(model, teacher, config, hp, generator, device, client_index))
-        loss, acc = sgd_epochs(model, x, y, config, generator, device, precision=self.precision)
+        loss, acc = sgd_epochs(model, x, y, config, generator, device, precision=self.precision,
+                               before_step=step_hook(self), step_round=round)
         soft, protos, backend = self.proxy_outputs(model, hp.temperature, use_onnx=hp.onnx_soft_predictions,
                                                    device=device)
         metrics.update(train_accuracy=acc, train_seconds=time.perf_counter() - t0, soft_predictions_backend=backend,

@@ -17,3 +17,7 @@ from .fedavg import FedAvgClient
 class FedOptClient(FedAvgClient):
     """FedOpt client: identical to :class:`~edge_agent.algorithms.fedavg.FedAvgClient` (local SGD,
     full model upload); only the server's step differs."""
+
+    name = "fedopt"
+    share = "all"
+    buffers = "average"

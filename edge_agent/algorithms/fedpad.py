@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays
+from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import FedAvgClient, _check_precision, _to_device, sgd_epochs, shuffle_generator
 from .fedproto import PrototypeSums, prototype_mse, prototype_table
@@ -123,9 +123,11 @@ class FedPADClient(FedAvgClient):
 
     name = "fedpad"
     share = "all"
+    buffers = "average"
+
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
                     global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """Load the global model, train on CE + λ·L_proto, compute prototypes, return both.
@@ -167,7 +169,8 @@ class FedPADClient(FedAvgClient):
                 return F.cross_entropy(logits, yb) + lam * prototype_alignment_loss(z, yb, table, has), logits
 
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
-                               precision=self.precision, loss_fn=loss_fn)
+                               precision=self.precision, loss_fn=loss_fn,
+                               before_step=step_hook(self), step_round=round)
         protos, classes, counts = model_prototypes(model, x, y, device, batch_size=max(config.batch_size, 256))
         return LocalResult(
             tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=loss,

@@ -33,4 +33,7 @@ class FedPerClient(LocalSGDClient):
         ValueError: unknown ``precision``.
     """
 
+    name = "fedper"
     share = "backbone"
+    buffers = "average"
+

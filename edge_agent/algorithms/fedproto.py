@@ -31,7 +31,6 @@ Hyperparameter (``round_start.config``): ``lambda_proto`` (λ, default 1.0; HtFL
 from __future__ import annotations
 
 import abc
-
 import time
 from collections.abc import Mapping
 
@@ -40,9 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays
+from ._base import ClientAlgorithm, LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, sgd_epochs, shuffle_generator
+
 
 class PrototypeSums:
     """Per-class running sums of features: the local prototypes p_c = (1/n_c) Σ_{i: y_i = c} z_i.
@@ -172,7 +172,7 @@ def _num_classes(model: torch.nn.Module) -> int:
     return n
 
 
-class PrototypeClient(abc.ABC):
+class PrototypeClient(ClientAlgorithm, abc.ABC):
     """Shared client loop of the prototype methods (FedProto, FPL): load the shared tensors, run
     :func:`~edge_agent.algorithms.fedavg.sgd_epochs` on CE + the method's feature term, collect
     the class prototypes from the training forward passes, upload them as extras.
@@ -203,7 +203,7 @@ class PrototypeClient(abc.ABC):
         or ``None`` for CE alone (e.g. round 1, before any global prototype)."""
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
                     global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """Load the shared tensors, train on CE + :meth:`feature_loss`, return the local
@@ -245,7 +245,8 @@ class PrototypeClient(abc.ABC):
             return loss, logits
 
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
-                               precision=self.precision, loss_fn=loss_fn)
+                               precision=self.precision, loss_fn=loss_fn,
+                               before_step=step_hook(self), step_round=round)
         protos, classes, counts = sums.result()
         if protos.shape[0]:
             self.local_prototypes = (protos, classes)
@@ -271,6 +272,8 @@ class FedProtoClient(PrototypeClient):
 
     name = "fedproto"
     share = "none"
+    buffers = "average"
+
 
     def __init__(self, *, precision: str = "fp32") -> None:
         super().__init__(precision=precision)
@@ -325,6 +328,8 @@ class FedProtoAvgClient(FedProtoClient):
 
     name = "fedproto-avg"
     share = "all"
+    buffers = "average"
+
 
     def predict(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Logits ``model(x)`` [N, C] (the global model evaluated with its head)."""

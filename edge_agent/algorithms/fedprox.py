@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays
+from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import FedAvgClient, LossFn, _check_precision, cross_entropy_loss, sgd_epochs, shuffle_generator
 
@@ -90,7 +90,7 @@ class LocalSGDClient(FedAvgClient):
         return {}
 
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
                     global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """Load ``global_tensors``, train with the algorithm's hooks, return the shared tensors
@@ -109,7 +109,8 @@ class LocalSGDClient(FedAvgClient):
         load_shared(model, global_tensors, self.share)
         loss_fn, after_backward = self.begin_round(model, config, dict(params or {}), dict(global_extras or {}))
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
-                               precision=self.precision, loss_fn=loss_fn, after_backward=after_backward)
+                               precision=self.precision, loss_fn=loss_fn, after_backward=after_backward,
+                               before_step=step_hook(self), step_round=round)
         extras = self.end_round(model, config) if int(y.shape[0]) else {}
         return LocalResult(tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0}, extras=extras)
@@ -134,6 +135,10 @@ class FedProxClient(LocalSGDClient):
     ``train_loss`` reports that whole objective (the FedProx h_k). Upload: the full model, as
     FedAvg (no extras). μ = ``params["mu"]`` (default :data:`MU`), ≥ 0.
     """
+
+    name = "fedprox"
+    share = "all"
+    buffers = "average"
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
                     global_extras: Mapping[str, np.ndarray]) -> tuple[LossFn, None]:

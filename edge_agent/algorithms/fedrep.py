@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays
+from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, sgd_epochs, shuffle_generator
 from .fedper import FedPerClient
@@ -91,8 +91,12 @@ class FedRepClient(FedPerClient):
         ValueError: unknown ``precision``.
     """
 
+    name = "fedrep"
+    share = "backbone"
+    buffers = "average"
+
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
-                    y: torch.Tensor, config: TrainConfig, *, round: int, client_index: int,
+                    y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
                     global_extras: Mapping[str, np.ndarray] | None = None) -> LocalResult:
         """Load the global backbone, train head then backbone, return the backbone.
@@ -119,9 +123,11 @@ class FedRepClient(FedPerClient):
         gen = shuffle_generator(config.seed, round, client_index)
         with frozen(model, is_backbone):
             head_loss, head_acc = sgd_epochs(model, x, y, dataclasses.replace(config, local_epochs=head_epochs),
-                                             gen, device, precision=self.precision)
+                                             gen, device, precision=self.precision, before_step=step_hook(self),
+                                             step_round=round)
         with frozen(model, lambda name: not is_backbone(name)):
-            loss, acc = sgd_epochs(model, x, y, config, gen, device, precision=self.precision)
+            loss, acc = sgd_epochs(model, x, y, config, gen, device, precision=self.precision,
+                                   before_step=step_hook(self), step_round=round)
         return LocalResult(tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "head_train_loss": head_loss,
                                     "head_train_accuracy": head_acc, "train_seconds": time.perf_counter() - t0})

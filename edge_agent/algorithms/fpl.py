@@ -82,6 +82,8 @@ class FPLClient(PrototypeClient):
 
     name = "fpl"
     share = "all"
+    buffers = "average"
+
     prototypes_from_last_epoch = True
 
     def feature_loss(self, global_extras: Mapping[str, np.ndarray], params: Mapping[str, object],

@@ -33,4 +33,7 @@ class LocalClient(LocalSGDClient):
         ValueError: unknown ``precision``.
     """
 
+    name = "local"
     share = "none"
+    buffers = "average"
+

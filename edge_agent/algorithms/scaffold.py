@@ -121,6 +121,10 @@ class ScaffoldClient(StateOnReceipt, LocalSGDClient):
         steps: K of the last round (optimizer steps taken).
     """
 
+    name = "scaffold"
+    share = "all"
+    buffers = "average"
+
     state_attr = "control"
 
     def __init__(self, *, precision: str = "fp32") -> None:

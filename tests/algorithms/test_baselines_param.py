@@ -19,7 +19,7 @@ import torch
 
 from broker_server.checkpoint import Checkpoint, CheckpointStore
 from broker_server.embedded_broker import EmbeddedBroker
-from broker_server.strategies import ClientResult, get_strategy
+from broker_server.strategies import ClientResult, apply_update, get_strategy
 from broker_server.strategies.fedadam import FedAdam, adam_server_step
 from broker_server.strategies.feddyn import FedDyn
 from broker_server.strategies.fedopt import FedOpt
@@ -137,7 +137,7 @@ def test_fedprox_strategy_sends_mu_and_aggregates_as_fedavg() -> None:
     assert FedProx().train_config["mu"] == 0.01  # SPECS §6.17 default
     res = [ClientResult("a", (np.array([1.0, 2.0], np.float32),), 1, 0.0),
            ClientResult("b", (np.array([4.0, 8.0], np.float32),), 3, 0.0)]
-    np.testing.assert_allclose(s.aggregate(1, [np.zeros(2, np.float32)], res)[0], [3.25, 6.5])
+    np.testing.assert_allclose(s.step(1, [np.zeros(2, np.float32)], res)[0], [3.25, 6.5])
     with pytest.raises(ValueError, match="mu"):
         FedProx(mu=-1.0)
 
@@ -175,7 +175,7 @@ def test_fedadam_two_rounds_against_numpy(bias_correction: bool) -> None:
     current = list(CUR)
     for t in (1, 2):
         results = client_models(t)
-        new = s.aggregate(t, current, results)
+        new = s.step(t, current, results)
         lr = eta * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) if bias_correction else eta
         for i in range(2):
             d = weighted_mean(results, i) - w[i]
@@ -220,7 +220,7 @@ def test_fedopt_matches_torch_sgd_momentum() -> None:
     current = list(CUR)
     for t in (1, 2, 3):
         results = client_models(t)
-        new = s.aggregate(t, current, results)
+        new = s.step(t, current, results)
         opt.zero_grad()
         for i, p in enumerate(params):
             p.grad = p.detach() - torch.from_numpy(weighted_mean(results, i))
@@ -239,8 +239,8 @@ def test_streaming_equals_aggregate_and_nan_is_not_committed() -> None:
     acc = a.accumulator(1, CUR)
     for r in client_models(1):
         acc.add(r)
-    streamed = acc.result()
-    whole = b.aggregate(1, CUR, client_models(1))
+    streamed = apply_update(a, 1, acc.result())
+    whole = b.step(1, CUR, client_models(1))
     for x, y in zip(streamed, whole):
         np.testing.assert_array_equal(x, y)
     assert a.accumulator(2, CUR).result() is None  # nothing arrived: keep the model
@@ -248,7 +248,7 @@ def test_streaming_equals_aggregate_and_nan_is_not_committed() -> None:
     bad = client_models(2)
     bad[0] = ClientResult("c0", (np.full((2, 3), np.inf, np.float32),) + bad[0].tensors[1:], 10, 0.0)
     with np.errstate(invalid="ignore"):  # inf/inf in the Adam step
-        out = a.aggregate(2, streamed, bad)
+        out = a.step(2, streamed, bad)
     assert not np.isfinite(out[0]).all()  # the server discards it ...
     for x, y in zip(a.m, m_before):  # ... and the strategy's state did not move
         np.testing.assert_array_equal(x, y)
@@ -319,7 +319,7 @@ def test_scaffold_one_round_on_a_quadratic_client_and_server() -> None:
         np.testing.assert_allclose(client.control, c_i, rtol=1e-5)
         results.append(ClientResult(f"k{k}", res.tensors, 3, 0.0, extras=res.extras))
         ref[k] = (y, c_i)
-    new = s.aggregate(1, [x.reshape(1, 2).astype(np.float32)], results)
+    new = s.step(1, [x.reshape(1, 2).astype(np.float32)], results)
     c_ref = (ref[0][1] + ref[1][1]) / 3  # c ← 0 + Σ Δc_i / N with N = 3
     np.testing.assert_allclose(s.control, c_ref, rtol=1e-5)
     np.testing.assert_allclose(new[0].reshape(-1), (ref[0][0] + ref[1][0]) / 2, rtol=1e-6)
@@ -366,7 +366,7 @@ def test_scaffold_validate_and_weighting() -> None:
     res = [ClientResult("a", (np.array([[1.0, 1.0]], np.float32),), 1, 0.0, extras={CONTROL_DELTA: np.ones(2, np.float32)}),
            ClientResult("b", (np.array([[5.0, 9.0]], np.float32),), 3, 0.0,
                         extras={CONTROL_DELTA: np.array([2.0, -4.0], np.float32)})]
-    new = s.aggregate(1, [np.zeros((1, 2), np.float32)], res)
+    new = s.step(1, [np.zeros((1, 2), np.float32)], res)
     np.testing.assert_allclose(new[0], 0.5 * np.array([[4.0, 7.0]]))  # x + η_g·(Σ n_i y_i / n − x)
     np.testing.assert_allclose(s.control, [3.0 / 4, -3.0 / 4])  # Σ Δc / N, N fixed at 4
     assert s.validate(ClientResult("a", t, 1, 0.0, extras={CONTROL_DELTA: np.ones(3, np.float32)}))
@@ -410,7 +410,7 @@ def test_feddyn_server_h_and_model_two_rounds(weighting: str) -> None:
     current = list(CUR)
     for t in (1, 2):
         results = client_models(t)
-        new = s.aggregate(t, current, results)
+        new = s.step(t, current, results)
         weights = None if weighting == "samples" else [1, 1, 1]
         for i in range(2):
             diff = sum(r.tensors[i].astype(np.float64) - current[i] for r in results)
@@ -440,13 +440,13 @@ def test_state_survives_a_checkpoint(tmp_path: Path, name: str, kw: dict) -> Non
 
     a = get_strategy(name, **kw)
     a.configure_round(1, ["c0", "c1", "c2", "c3"], np.random.default_rng(0))
-    w1 = a.aggregate(1, CUR, results(1))
+    w1 = a.step(1, CUR, results(1))
     store = CheckpointStore(tmp_path / "ck.sqlite")
     store.save(Checkpoint(round=1, tensors=w1, strategy_state=a.state_dict(), rng_state={}, registry={}, meta={}))
     b = get_strategy(name, **kw)
     b.load_state_dict(store.load().strategy_state)
     store.close()
-    for x, y in zip(a.aggregate(2, w1, results(2)), b.aggregate(2, w1, results(2))):
+    for x, y in zip(a.step(2, w1, results(2)), b.step(2, w1, results(2))):
         np.testing.assert_array_equal(x, y)
     if name == "scaffold":
         np.testing.assert_array_equal(a.global_extras()[CONTROL], b.global_extras()[CONTROL])

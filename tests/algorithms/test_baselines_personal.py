@@ -103,7 +103,7 @@ def test_fedper_round_keeps_heads_private_and_backbones_equal_to_the_server_aver
 
     strategy = FedPer()
     assert strategy.share == "backbone" == algos[0].share
-    new = strategy.aggregate(1, list(g0), [ClientResult(f"c{i}", r.tensors, r.num_samples, r.train_loss)
+    new = strategy.step(1, list(g0), [ClientResult(f"c{i}", r.tensors, r.num_samples, r.train_loss)
                                           for i, r in enumerate(results)])
     expected = [np.average(np.stack([results[0].tensors[j], results[1].tensors[j]]), axis=0, weights=[12, 20])
                 for j in range(len(BACKBONE))]
@@ -237,7 +237,7 @@ def test_fedrep_strategy_sends_head_epochs_and_averages_the_backbone():
     assert s.share == FedRepClient.share == "backbone"
     r = [ClientResult("a", (np.array([1.0, 2.0], np.float32),), 1, 0.0),
          ClientResult("b", (np.array([4.0, 8.0], np.float32),), 3, 0.0)]
-    np.testing.assert_allclose(s.aggregate(1, [np.zeros(2, np.float32)], r)[0], [3.25, 6.5])  # (1·x_a + 3·x_b)/4
+    np.testing.assert_allclose(s.step(1, [np.zeros(2, np.float32)], r)[0], [3.25, 6.5])  # (1·x_a + 3·x_b)/4
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def test_local_update_without_tensors_round_trips_through_the_protocol():
 def test_local_strategy_never_changes_anything():
     s = Local()
     r = ClientResult("a", (), 5, 0.3, {"eval_accuracy": 0.9})
-    assert s.aggregate(1, [], [r]) is None
+    assert s.step(1, [], [r]) is None
     acc = s.accumulator(1, [])
     acc.add(r)
     assert acc.result() is None
@@ -433,7 +433,7 @@ def test_enskd_teacher_is_the_plain_mean_whatever_the_accuracies_and_sample_coun
     s = EnsKD(proxy_y=labels, num_classes=3, proxy_size=4)
     assert isinstance(s, FedMCP) and s.share == "none" and s.weighting == "uniform"
     assert all(s.validate(r) is None for r in results)
-    assert s.aggregate(1, [], results) is None  # no model changes
+    assert s.step(1, [], results) is None  # no model changes
     teacher = s.global_extras()
     np.testing.assert_allclose(teacher["teacher_soft_predictions"],
                                np.mean([r.extras["soft_predictions"] for r in results], axis=0), rtol=1e-6)

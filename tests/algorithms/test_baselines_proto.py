@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from broker_server.strategies import ClientResult
+from broker_server.strategies import ClientResult, apply_update
 from broker_server.strategies.fedproto import (FedProto, FedProtoAvg, PrototypeAccumulator, aggregate_prototypes,
                                               check_prototype_extras)
 from broker_server.strategies.fpl import FPL, finch_partition, fpl_prototypes
@@ -132,13 +132,13 @@ def test_fedproto_strategy_round_no_model_tensors() -> None:
     assert s.share == "none" and s.global_extras() == {}
     plan = s.configure_round(1, ["a", "b"], np.random.default_rng(0))
     assert plan.config == {"lr": 0.1, "lambda_proto": 10.0} and plan.selected == ("a", "b")
-    assert s.aggregate(1, [], []) is None
+    assert s.step(1, [], []) is None
     results = [_result("a", [[1, 2], [3, 4]], [0, 1], [1, 3]), _result("b", [[5, 6], [7, 8]], [1, 2], [1, 1])]
     assert all(s.validate(r) is None for r in results)
     acc = s.accumulator(1, [])
     for r in results:
         acc.add(r)
-    assert acc.result() == []  # share "none": the new shared subset is empty
+    assert apply_update(s, 1, acc.result()) == []  # share "none": the new shared subset is empty
     g = s.global_extras()
     np.testing.assert_allclose(g["prototypes"], [[1, 2], [4, 5], [7, 8]])
     np.testing.assert_array_equal(g["proto_classes"], [0, 1, 2])
@@ -146,7 +146,7 @@ def test_fedproto_strategy_round_no_model_tensors() -> None:
     s2 = FedProto()
     s2.load_state_dict(s.state_dict())
     np.testing.assert_array_equal(s2.global_extras()["prototypes"], g["prototypes"])
-    assert s.aggregate(2, [], []) is None and s.global_extras()["prototypes"] is g["prototypes"]  # kept
+    assert s.step(2, [], []) is None and s.global_extras()["prototypes"] is g["prototypes"]  # kept
     with pytest.raises(TypeError):
         FedProto(mu=1)  # unknown key
     with pytest.raises(ValueError):
@@ -158,7 +158,7 @@ def test_fedproto_avg_also_averages_the_model() -> None:
     assert s.share == "all"
     r1 = _result("a", [[1, 0]], [0], [4], tensors=[[1.0, 2.0]], n=1)
     r2 = _result("b", [[0, 1]], [0], [4], tensors=[[4.0, 8.0]], n=3)
-    new = s.aggregate(1, [np.zeros(2, np.float32)], [r1, r2])
+    new = s.step(1, [np.zeros(2, np.float32)], [r1, r2])
     np.testing.assert_allclose(new[0], [(1 + 3 * 4) / 4, (2 + 3 * 8) / 4])
     np.testing.assert_allclose(s.global_extras()["prototypes"], [[0.5, 0.5]])
 
@@ -179,7 +179,7 @@ def test_malformed_prototype_extras_are_refused(extras, fragment) -> None:
 
 def test_prototype_width_must_match_the_global_prototypes() -> None:
     s = FedProto()
-    s.aggregate(1, [], [_result("a", [[1, 2]], [0], [1])])
+    s.step(1, [], [_result("a", [[1, 2]], [0], [1])])
     assert "width 3" in s.validate(_result("b", [[1, 2, 3]], [0], [1]))
 
 
@@ -223,7 +223,7 @@ def test_fpl_strategy_fedavg_plus_prototypes() -> None:
     assert s.configure_round(1, ["a"], np.random.default_rng(0)).config == {"lr": 0.01, "tau": 0.02}
     r1 = _result("a", [[1, 0]], [0], [5], tensors=[[2.0]], n=1)
     r2 = _result("b", [[0, 1]], [0], [5], tensors=[[6.0]], n=3)
-    new = s.aggregate(1, [np.zeros(1, np.float32)], [r1, r2])
+    new = s.step(1, [np.zeros(1, np.float32)], [r1, r2])
     np.testing.assert_allclose(new[0], [(2 + 3 * 6) / 4])
     g = s.global_extras()
     assert set(g) == {"cluster_protos", "cluster_classes", "unbiased_protos", "unbiased_classes"}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker_server.strategies._base import ClientResult
+from broker_server.strategies._base import ClientResult, apply_update
 from broker_server.strategies.fedmcp import FedMCP, TeacherAccumulator, proxy_accuracy, teacher_weights
 from edge_agent.algorithms._base import TrainConfig
 from edge_agent.algorithms.fedmcp import (FedMCPClient, FedMCPParams, class_prototypes, distillation_loss,
@@ -202,7 +202,7 @@ def test_teacher_weights_by_hand() -> None:
     np.testing.assert_allclose(teacher_weights([1.0, 0.5, 0.25]), [4 / 7, 2 / 7, 1 / 7])
     s = _strategy()
     assert s.global_extras() == {}
-    assert s.aggregate(1, [], clients) is None  # the model never changes
+    assert s.step(1, [], clients) is None  # the model never changes
     ex = s.global_extras()
     # P_T = (4·1 + 2·2 + 1·3) / 7 = 11/7 in every entry
     np.testing.assert_allclose(ex["teacher_prototypes"], np.full((3, 2), 11 / 7), rtol=1e-6)
@@ -220,7 +220,7 @@ def test_teacher_weights_by_hand() -> None:
 def test_uniform_weighting_is_enskd_and_zero_accuracy_falls_back_to_uniform() -> None:
     clients = _three_clients()
     s = _strategy(weighting="uniform")
-    s.aggregate(1, [], clients)
+    s.step(1, [], clients)
     np.testing.assert_allclose(s.global_extras()["teacher_prototypes"], np.full((3, 2), 2.0), rtol=1e-6)
     assert s.round_metrics()["teacher_weights"] == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
 
@@ -228,12 +228,12 @@ def test_uniform_weighting_is_enskd_and_zero_accuracy_falls_back_to_uniform() ->
         default_weighting = "uniform"
 
     e = EnsKDLike(proxy_y=LABELS, num_classes=3, proxy_size=4)
-    e.aggregate(1, [], clients)
+    e.step(1, [], clients)
     np.testing.assert_array_equal(e.global_extras()["teacher_prototypes"], s.global_extras()["teacher_prototypes"])
 
     wrong = np.eye(3)[[1, 2, 0, 1]]  # every sample wrong: a_i = 0 for both
     z = _strategy()
-    z.aggregate(1, [], [_result("A", wrong, 1.0), _result("B", wrong, 3.0)])
+    z.step(1, [], [_result("A", wrong, 1.0), _result("B", wrong, 3.0)])
     np.testing.assert_allclose(z.global_extras()["teacher_prototypes"], np.full((3, 2), 2.0))
     assert z.round_metrics()["teacher_weights"] == {"A": 0.5, "B": 0.5}
 
@@ -244,7 +244,7 @@ def test_streaming_accumulator_state_and_empty_round() -> None:
     assert isinstance(acc, TeacherAccumulator)
     for r in _three_clients():
         acc.add(r)
-    assert acc.result() is None
+    assert apply_update(s, 1, acc.result()) is None
     saved = s.state_dict()
     fresh = _strategy()
     fresh.load_state_dict(saved)
@@ -252,7 +252,7 @@ def test_streaming_accumulator_state_and_empty_round() -> None:
         np.testing.assert_array_equal(fresh.global_extras()[k], v)
     # a round where nobody reported keeps the teacher and reports no weights
     s.configure_round(2, ["A"], np.random.default_rng(0))
-    assert s.aggregate(2, [], []) is None and s.round_metrics() == {}
+    assert s.step(2, [], []) is None and s.round_metrics() == {}
     np.testing.assert_array_equal(s.global_extras()["teacher_prototypes"], saved["teacher_prototypes"])
     fresh.load_state_dict({})
     assert fresh.global_extras() == {}
@@ -293,7 +293,7 @@ def test_validate_refuses_malformed_uploads() -> None:
     assert s.validate(with_extras(soft_predictions=soft * 0.96)) is None  # within int8 rounding
     assert "prototypes" in s.validate(with_extras(prototypes=np.zeros((2, 2), np.float32)))
     assert "shares no model tensors" in s.validate(dataclasses.replace(good, tensors=(np.zeros(1, np.float32),)))
-    s.aggregate(1, [], [good])
+    s.step(1, [], [good])
     assert "[3, 2]" in s.validate(with_extras(prototypes=np.zeros((3, 5), np.float32)))  # d fixed by the teacher
 
 
@@ -353,7 +353,7 @@ def test_local_round_stages(digits) -> None:
     s = FedMCP(proxy_y=client.proxy_y_np, num_classes=10, proxy_size=100)
     res = ClientResult("c", (), r1.num_samples, r1.train_loss, extras=r1.extras)
     assert s.validate(res) is None
-    s.aggregate(1, [], [res])
+    s.step(1, [], [res])
     teacher = s.global_extras()
     config = s.configure_round(2, ["c"], np.random.default_rng(0)).config
     r2 = _round(client, model, digits, 2, config, teacher)

@@ -175,7 +175,7 @@ def test_strategy_round_one_then_round_two_by_hand() -> None:
     assert s.global_extras() == {}
     plan = s.configure_round(1, ["C", "A", "B"], np.random.default_rng(0))
     assert plan.config["lambda_proto"] == DEFAULT_LAMBDA_PROTO
-    out = s.aggregate(1, [], list(reversed(_results())))
+    out = s.step(1, [], list(reversed(_results())))
     # round 1: θ = α = 1/3, plain mean of the models; integer entry from the first client in id order (A)
     np.testing.assert_allclose(out[0], _head(7 / 3), rtol=1e-6)
     assert out[0].dtype == np.float32 and out[1].dtype == np.int64 and int(out[1]) == 7
@@ -191,7 +191,7 @@ def test_strategy_round_one_then_round_two_by_hand() -> None:
     # d_B = ||(4,4)−(2.5,2.5)|| + ||(9,9)−(9,9)|| = 1.5√2, d_C = 0
     s.configure_round(2, ["A", "B", "C"], np.random.default_rng(0))
     assert s.round_metrics() == {}  # nothing aggregated yet this round
-    out2 = s.aggregate(2, out, _results())
+    out2 = s.step(2, out, _results())
     m2 = s.round_metrics()
     d = [1.5 * math.sqrt(2), 1.5 * math.sqrt(2), 0.0]
     assert m2["fedpad_d"] == pytest.approx(d)
@@ -210,8 +210,8 @@ def test_strategy_round_one_then_round_two_by_hand() -> None:
 
 def test_fixed_alpha_is_plain_unweighted_averaging() -> None:
     s = FedPAD(gamma=LN2, tau=0.1, fixed_alpha=True)
-    s.aggregate(1, [], _results())
-    out = s.aggregate(2, [], _results(ws=(1.0, 2.0, 6.0), ns=(5, 50, 100)))
+    s.step(1, [], _results())
+    out = s.step(2, [], _results(ws=(1.0, 2.0, 6.0), ns=(5, 50, 100)))
     np.testing.assert_allclose(out[0], _head(3.0), rtol=1e-6)  # (1 + 2 + 6) / 3, not sample-weighted
     m = s.round_metrics()
     assert m["fedpad_alpha"] == pytest.approx([1 / 3] * 3)
@@ -222,8 +222,8 @@ def test_partial_participation_keeps_unreported_classes_and_weights_the_reporter
     s = FedPAD(participation_rate=0.2, min_clients=1)
     plan = s.configure_round(1, [f"c{i}" for i in range(10)], np.random.default_rng(3))
     assert len(plan.selected) == 2
-    s.aggregate(1, [], _results())
-    out = s.aggregate(2, [], [_result("C", 5.0)])  # one reporter: α = 1, its model
+    s.step(1, [], _results())
+    out = s.step(2, [], [_result("C", 5.0)])  # one reporter: α = 1, its model
     np.testing.assert_allclose(out[0], _head(5.0))
     m = s.round_metrics()
     assert m["fedpad_alpha"] == [1.0] and m["fedpad_alpha_drift"] is None and m["fedpad_alpha_drift_clients"] == 1
@@ -232,9 +232,9 @@ def test_partial_participation_keeps_unreported_classes_and_weights_the_reporter
 
 def test_empty_round_changes_nothing() -> None:
     s = FedPAD()
-    s.aggregate(1, [], _results())
+    s.step(1, [], _results())
     before = s.state_dict()
-    assert s.aggregate(2, [], []) is None
+    assert s.step(2, [], []) is None
     after = s.state_dict()
     np.testing.assert_array_equal(before["prototypes"], after["prototypes"])
 
@@ -266,12 +266,12 @@ def test_validate_refuses_malformed_extras(change: dict, match: str) -> None:
     reason = s.validate(r)
     assert reason is not None and __import__("re").search(match, reason), reason
     with pytest.raises(ValueError, match="update of A"):
-        s.aggregate(1, [], [r])
+        s.step(1, [], [r])
 
 
 def test_validate_checks_feature_width_against_global_prototypes_without_a_head() -> None:
     s = FedPAD()
-    s.aggregate(1, [], _results())  # global prototypes are 2-d
+    s.step(1, [], _results())  # global prototypes are 2-d
     r = ClientResult("A", (np.zeros(3, np.float32),), 10, 0.5, {},
                      extras={"prototypes": np.zeros((1, 5), np.float32), "proto_classes": np.array([0]),
                              "proto_counts": np.array([1])})
@@ -293,14 +293,14 @@ def test_constructor_parameters_and_defaults() -> None:
 
 def test_state_dict_survives_a_checkpoint_and_resumes_identically(tmp_path: Path) -> None:
     a = FedPAD(gamma=LN2)
-    a.aggregate(1, [], _results())
+    a.step(1, [], _results())
     store = CheckpointStore(tmp_path / "c.sqlite")
     store.save(Checkpoint(1, [np.zeros(1, np.float32)], a.state_dict(), {}, [], {}))
     b = FedPAD(gamma=LN2)
     b.load_state_dict(store.load().strategy_state)
     store.close()
     np.testing.assert_array_equal(b.global_extras()["prototypes"], a.global_extras()["prototypes"])
-    out_a, out_b = a.aggregate(2, [], _results()), b.aggregate(2, [], _results())
+    out_a, out_b = a.step(2, [], _results()), b.step(2, [], _results())
     np.testing.assert_array_equal(out_a[0], out_b[0])
     assert a.round_metrics() == b.round_metrics()  # same d, θ, α and drift (previous α restored)
     fresh = FedPAD()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker_server.strategies import ClientResult, accumulator_for, get_strategy
+from broker_server.strategies import ClientResult, accumulator_for, apply_update, get_strategy
 from broker_server.strategies.fedmcp import FedMCP
 from broker_server.strategies.fedpad import FedPAD
 from broker_server.strategies.fedproto import FedProto, FedProtoAvg
@@ -57,7 +57,7 @@ def test_fedproto_round1_width_is_not_decided_by_the_first_reporter() -> None:
                 acc.add(r)
             except ValueError:
                 pass
-    acc.result()
+    apply_update(s, 1, acc.result())
     assert s.prototypes.shape[1] == 64
 
 
@@ -69,7 +69,7 @@ def test_fedproto_avg_does_not_aggregate_the_model_of_a_refused_update() -> None
     acc.add(_result("a", [np.ones((2, 2), np.float32)], **_protos(2, 3)))
     with pytest.raises(ValueError):
         acc.add(_result("b", [np.full((2, 2), 100.0, np.float32)], **_protos(2, 64)))
-    np.testing.assert_array_equal(acc.result()[0], np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(apply_update(s, 1, acc.result())[0], np.ones((2, 2), np.float32))
 
 
 def test_fedpad_proto_counts_that_overflow_int64_are_refused() -> None:
@@ -106,7 +106,7 @@ def test_scaffold_first_reporter_does_not_decide_the_control_variate_size() -> N
                 acc.add(r)
             except ValueError:
                 pass
-    acc.result()
+    apply_update(s, 1, acc.result())
     assert s.control is not None and s.control.shape == (5,)
 
 
@@ -125,7 +125,7 @@ def test_fedmcp_first_reporter_does_not_decide_the_teacher_prototype_width() -> 
                 acc.add(r)
             except ValueError:
                 pass
-    acc.result()
+    apply_update(s, 1, acc.result())
     assert s.teacher_protos.shape == (C, 64)
 
 

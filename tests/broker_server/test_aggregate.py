@@ -307,7 +307,7 @@ def test_configure_round_config_is_a_copy() -> None:
 
 def test_fedavg_aggregate_without_results_is_no_change() -> None:
     current = [np.ones(3, np.float32)]
-    assert FedAvg().aggregate(1, current, []) is None
+    assert FedAvg().step(1, current, []) is None
 
 
 def test_fedavg_aggregate_is_weighted_by_num_samples() -> None:
@@ -319,7 +319,7 @@ def test_fedavg_aggregate_is_weighted_by_num_samples() -> None:
     before_current = [a.copy() for a in current]
     before_clients = copies(clients)
 
-    out = FedAvg().aggregate(1, current, results)
+    out = FedAvg().step(1, current, results)
 
     assert out is not None
     for got, want, ref in zip(out, weighted_average(clients, ns), reference_mean(clients, ns), strict=True):
@@ -335,7 +335,7 @@ def test_fedavg_aggregate_is_weighted_by_num_samples() -> None:
 
 def test_fedavg_hand_worked_through_the_strategy() -> None:
     results = [result("a", [np.array([0.0, 4.0], np.float32)], 1), result("b", [np.array([4.0, 8.0], np.float32)], 3)]
-    out = FedAvg().aggregate(2, [np.zeros(2, np.float32)], results)
+    out = FedAvg().step(2, [np.zeros(2, np.float32)], results)
     np.testing.assert_array_equal(out[0], [3.0, 7.0])
 
 
@@ -388,9 +388,9 @@ def test_every_registry_entry_follows_the_conventions() -> None:
     params = {"proxy_size": 100}
     for name in list_strategies():
         cls = get_strategy_class(name)
-        setup = getattr(cls, "setup_kwargs", None)
+        extra = cls.setup_kwargs(ds, params, 0)  # the base's default: {}
         # as broker_server.runtime.make_strategy does: the [algorithm] table and the data setup
-        strategy = get_strategy(name, **({**params, **setup(ds, params, 0)} if setup else {}))
+        strategy = get_strategy(name, **({**params, **extra} if extra else {}))
         assert strategy.name == name
         for method in ("configure_round", "aggregate", "state_dict", "load_state_dict"):
             assert callable(getattr(strategy, method))

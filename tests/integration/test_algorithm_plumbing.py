@@ -31,7 +31,7 @@ from helpers.federation import small_config
 class ProbeClient(FedAvgClient):
     share = "backbone"
 
-    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, params=None,
+    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="", params=None,
                     global_extras=None):
         load_shared(model, global_tensors, self.share)
         echo = np.asarray(global_extras.get("total", np.zeros(1, np.int64)), dtype=np.int64)
@@ -162,7 +162,7 @@ def test_every_example_config_builds_its_algorithm(path: Path) -> None:
 class DivergingClient(FedAvgClient):
     """Client 0's local training 'diverges' (NaN weights); the others are FedAvg."""
 
-    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, params=None,
+    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="", params=None,
                     global_extras=None):
         res = super().local_round(model, global_tensors, x, y, config, round=round, client_index=client_index,
                                   device=device)

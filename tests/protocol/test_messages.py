@@ -467,8 +467,9 @@ def test_map_entry_count_at_size_class_boundaries(n: int) -> None:
 @pytest.mark.parametrize("name", list(SAMPLES))
 def test_unknown_trailing_envelope_and_body_fields_are_ignored(name: str) -> None:
     body = SAMPLES[name]
-    # global/update: the optional extras map comes first (empty = none), then fields of the future
-    extras = [{}] if SAMPLE_KIND[name].name in ("GLOBAL", "UPDATE") else []
+    # global/update/round_start: the optional map (extras, instructions) comes first (empty = none), then
+    # fields of the future
+    extras = [{}] if SAMPLE_KIND[name].name in ("GLOBAL", "UPDATE", "ROUND_START") else []
     raw_body = pack([*hand_body(body), *extras, "future-field", {"x": 1}])
     payload = pack([1, KIND_NUMBERS[SAMPLE_KIND[name].name], 3, CLIENT, 5, 0, raw_body, b"signature", 42])
     dec = decode(payload)

@@ -1,0 +1,108 @@
+"""The server's device registry: what it knows of each device, join bookkeeping, ``registry.json``."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from protocol.messages import Join
+
+
+@dataclass
+class ClientRecord:
+    """What the server knows of one device (the registry; ``info`` is what it announced at join:
+    profile, device, precision, fallbacks …)."""
+
+    client_id: str
+    profile: str = ""
+    num_samples: int = 0
+    class_histogram: list[int] = field(default_factory=list)
+    online: bool = True
+    last_seen: float = 0.0
+    joined_round: int = 0
+    updates_accepted: int = 0
+    info: dict = field(default_factory=dict)
+
+
+class DeviceRegistry:
+    """Client id → :class:`ClientRecord` (``records``), with the bookkeeping the driver needs.
+
+    Times are ``time.monotonic()`` seconds."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, ClientRecord] = {}
+
+    def __contains__(self, client_id: object) -> bool:
+        return client_id in self.records
+
+    def get(self, client_id: str) -> ClientRecord | None:
+        """The record of ``client_id``, or ``None`` for a device that never joined."""
+        return self.records.get(client_id)
+
+    def online(self) -> list[str]:
+        """Ids of the joined devices currently online, sorted."""
+        return sorted(c for c, r in self.records.items() if r.online)
+
+    def seen(self, client_id: str, now: float) -> bool:
+        """A message other than join/status came from ``client_id``: online, last seen ``now``.
+        Returns True when the device was offline before (it is back)."""
+        rec = self.records.get(client_id)
+        if rec is None:
+            return False
+        back = not rec.online
+        rec.online, rec.last_seen = True, now
+        return back
+
+    def admit(self, client_id: str, join: Join, *, round: int, now: float) -> ClientRecord:
+        """Record an accepted ``join`` (a device joining again keeps its counters and joined round)."""
+        rec = self.records.get(client_id) or ClientRecord(client_id, joined_round=round)
+        rec.profile, rec.num_samples = join.profile, join.num_samples
+        rec.class_histogram, rec.online, rec.last_seen = list(join.class_histogram), True, now
+        rec.info = dict(join.info)  # device, precision, fallbacks … as the agent announced them
+        self.records[client_id] = rec
+        return rec
+
+    def set_status(self, client_id: str, state: str, now: float) -> ClientRecord | None:
+        """Apply a ``status`` message: online unless ``state`` is ``"offline"``."""
+        rec = self.records.get(client_id)
+        if rec is not None:
+            rec.online = state != "offline"
+            rec.last_seen = now
+        return rec
+
+    def count_update(self, client_id: str) -> None:
+        """One more accepted update from ``client_id``."""
+        rec = self.records.get(client_id)
+        if rec is not None:
+            rec.updates_accepted += 1
+            rec.last_seen = time.monotonic()
+
+    def rows(self) -> list[dict]:
+        """Every record as a dict (the checkpoint's registry)."""
+        return [asdict(r) for r in self.records.values()]
+
+    def restore(self, rows: list[dict]) -> None:
+        """Records from a checkpoint, every device offline until it joins again."""
+        for row in rows:
+            r = ClientRecord(**{k: v for k, v in row.items() if k in ClientRecord.__dataclass_fields__})
+            r.online, r.last_seen = False, 0.0
+            self.records[r.client_id] = r
+
+    def write(self, run_dir: Path, round: int) -> None:
+        """``registry.json`` in ``run_dir``: every device with online/offline, seconds since it
+        was last seen, profile, samples, accepted updates (rewritten atomically)."""
+        now = time.monotonic()
+        rows = [{**asdict(r), "last_seen_s_ago": round_(now - r.last_seen) if r.last_seen else None}
+                for r in sorted(self.records.values(), key=lambda r: r.client_id)]
+        for row in rows:
+            row.pop("last_seen", None)
+        tmp = Path(run_dir) / "registry.json.tmp"
+        tmp.write_text(json.dumps({"round": round, "devices": rows}, indent=1), encoding="utf-8")
+        tmp.replace(Path(run_dir) / "registry.json")
+
+
+def round_(x: float) -> float:
+    """``x`` to one decimal (seconds in ``registry.json``)."""
+    return round(x, 1)

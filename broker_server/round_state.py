@@ -1,0 +1,84 @@
+"""The state of the open round: who was asked, what came back, who withdrew, its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import Global, RoundStart
+
+from .strategies import Accumulator
+
+
+@dataclass
+class RoundStats:
+    """Counters of one round (written to ``metrics.jsonl``)."""
+
+    round: int
+    selected: int = 0
+    clients_reported: int = 0
+    duplicates: int = 0
+    late: int = 0
+    unsolicited: int = 0
+    invalid: int = 0
+    global_receipts: int = 0
+    withdrawn: int = 0
+    skipped: bool = False
+    skip_reason: str = ""
+
+
+@dataclass
+class RoundState:
+    """One round while it is open (``collecting`` is its number; ``None`` between rounds).
+
+    Attributes:
+        collecting: the open round, or ``None``.
+        selected: the client ids asked to train.
+        results: client → (num_samples, train_loss, metrics) of each accepted update.
+        withdrawn: selected clients that will not report (idle status, refused update).
+        stats: the round's counters.
+        accumulator: the strategy's accumulator for the round.
+        deadline: ``time.monotonic()`` after which updates are late (``inf`` between rounds).
+        messages: the round's ``global`` and its ``round_start`` messages as (client or ``None``
+            for the broadcast, message), kept for a resync after a reconnect.
+        global_sha256: the hash of the round's global payload (receipts confirm it).
+    """
+
+    collecting: int | None = None
+    selected: set[str] = field(default_factory=set)
+    results: dict[str, tuple[int, float, dict]] = field(default_factory=dict)
+    withdrawn: set[str] = field(default_factory=set)
+    stats: RoundStats = field(default_factory=lambda: RoundStats(round=0))
+    accumulator: Accumulator | None = None
+    deadline: float = float("inf")
+    messages: tuple[Global, list[tuple[str | None, RoundStart]]] | None = None
+    global_sha256: bytes = b""
+
+    def awaiting(self) -> bool:
+        """Whether some selected client has neither reported nor withdrawn."""
+        return len(self.results) + len(self.withdrawn) < len(self.selected)
+
+    def close(self) -> None:
+        """Between rounds: nothing is collected, no deadline, no messages to resend."""
+        self.collecting, self.messages, self.deadline = None, None, float("inf")
+
+
+class CountedUpdates:
+    """Client ids whose update was counted, per round, for the last few rounds (duplicates and
+    resends after a lost receipt are acknowledged as counted, never counted again)."""
+
+    def __init__(self, keep_rounds: int = 8) -> None:
+        self.keep_rounds = keep_rounds
+        self._by_round: dict[int, set[str]] = {}
+
+    def __contains__(self, key: tuple[int, str]) -> bool:
+        round, client = key
+        return client in self._by_round.get(round, ())
+
+    def clear(self) -> None:
+        """Forget every count (what a freshly started process knows)."""
+        self._by_round.clear()
+
+    def add(self, round: int, client: str) -> None:
+        self._by_round.setdefault(round, set()).add(client)
+        for old in [r for r in self._by_round if r < round - self.keep_rounds]:
+            del self._by_round[old]
