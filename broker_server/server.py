@@ -46,10 +46,12 @@ from protocol.messages import (Finish, Global, Join, Kind, Receipt, RoundStart, 
                                payload_sha256)
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
+from .admission import admit, model_requirement
 from .aggregate import all_finite
 from .checkpoint import Checkpoint, CheckpointStore
 from .errors import RunError
 from .strategies import Accumulator, ClientResult, Strategy, accumulator_for
+from .strategies._base import classifier_shape
 
 log = logging.getLogger(__name__)
 
@@ -279,11 +281,12 @@ class AggregationServer:
                 log.info("%s is back online", env.sender)
             rec.online, rec.last_seen = True, now
         if isinstance(body, Join):
-            if body.manifest_hash != self.manifest_hash:
-                log.warning("join from %s refused: model manifest %s != server's %s",
-                            env.sender, body.manifest_hash, self.manifest_hash)
-                self._reply(item, False, f"model manifest {body.manifest_hash} does not match the server's "
-                                         f"{self.manifest_hash}: same model architecture and data shape needed")
+            shape = classifier_shape(self.model) or (0, 0)  # (C, d) of the agreed head
+            refusal = admit(body, requirement=model_requirement(type(self.strategy)),
+                            expected_manifest_hash=self.manifest_hash, feature_dim=shape[1], num_classes=shape[0])
+            if refusal is not None:
+                log.warning("join from %s refused: %s", env.sender, refusal)
+                self._reply(item, False, refusal)
                 return
             diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
                      if str(body.info.get(k)) != v]
