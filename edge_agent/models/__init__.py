@@ -22,7 +22,7 @@ from ._registry import (MODEL_KEYWORDS, build_model, check_model, is_factory_pat
 from .group import assign_model, group_architectures
 from .lightcnn import LightCNN
 from .manifest import Manifest, manifest_hash, model_manifest
-from .training import train_mode
+from .training import drop_batch_counters, train_mode
 
 __all__ = [
     "MODEL_KEYWORDS",
@@ -31,6 +31,7 @@ __all__ = [
     "assign_model",
     "build_model",
     "check_model",
+    "drop_batch_counters",
     "group_architectures",
     "is_factory_path",
     "list_models",

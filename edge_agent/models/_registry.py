@@ -12,6 +12,8 @@ from torch import nn
 
 from edge_agent.errors import ModelError
 
+from .training import drop_batch_counters
+
 __all__ = [
     "MODEL_KEYWORDS",
     "build_model",
@@ -204,6 +206,10 @@ def make_model(name: str = "lightcnn", *, in_channels: int, image_size: int, num
         seed: when given, ``torch.manual_seed(seed)`` right before construction (the same
             initial weights for the same seed).
 
+    Returns:
+        The model; BatchNorm layers with a momentum lose their int64 ``num_batches_tracked``
+        counter (:func:`~edge_agent.models.training.drop_batch_counters`).
+
     Raises:
         ModelError: as :func:`build_model` and :func:`check_model`.
     """
@@ -211,6 +217,7 @@ def make_model(name: str = "lightcnn", *, in_channels: int, image_size: int, num
         torch.manual_seed(seed)
     model = build_model(name, in_channels=in_channels, image_size=image_size, num_classes=num_classes,
                         feature_dim=feature_dim)
+    drop_batch_counters(model)  # an all-float32 state (a user's BatchNorm layers too)
     check_model(model, in_channels=in_channels, image_size=image_size, num_classes=num_classes,
                 feature_dim=feature_dim, name=f"model {name!r}")
     return model

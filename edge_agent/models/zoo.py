@@ -3,8 +3,10 @@
 Every net here has the interface of :class:`~edge_agent.models.LightCNN`: ``features(x)`` ->
 ``[N, feature_dim]`` (global average pooling, then a ``Linear`` projection to ``feature_dim`` and a
 ReLU), ``head(z)`` -> logits (``classifier``, ``Linear(feature_dim, num_classes)``); every feature
-extractor parameter is named ``backbone.*``. All have BatchNorm (``running_mean``,
-``running_var`` and the int64 ``num_batches_tracked`` are state entries, so in the manifest).
+extractor parameter is named ``backbone.*``. All have BatchNorm: ``running_mean`` and
+``running_var`` are state entries (so in the manifest, and exchanged like weights unless the
+strategy keeps buffers local); the int64 ``num_batches_tracked`` counters, unused with a momentum,
+are dropped (:func:`~edge_agent.models.training.drop_batch_counters`), so the state is all float32.
 No weights are downloaded (``weights=None``): torchvision's own initialisation.
 
 ========================  =======================================================  ==========
@@ -32,6 +34,7 @@ from edge_agent.errors import ModelError
 
 from ._registry import register_model
 from .lightcnn import _check_int
+from .training import drop_batch_counters
 
 __all__ = ["PooledNet"]
 
@@ -64,6 +67,7 @@ class PooledNet(nn.Module):
         self.backbone = nn.Sequential(OrderedDict([*body, ("pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten()),
                                                    ("fc", nn.Linear(width, feature_dim)), ("relu_out", nn.ReLU())]))
         self.classifier = nn.Linear(feature_dim, num_classes)
+        drop_batch_counters(self)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Prototype features: float32 ``[N, C, S, S]`` -> ``[N, feature_dim]`` (non-negative).
