@@ -125,6 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def agent_spec(args: argparse.Namespace, params: dict[str, object]):
+    """The :class:`~edge_agent.assembly.AgentSpec` of parsed ``fedfleet-agent`` arguments (``params``:
+    the ``--param`` values, parsed).
+
+    Raises:
+        ValueError: a malformed ``--shard``, or ``i`` outside ``0 <= i < n``.
+    """
+    from .assembly import AgentSpec
+
+    i, n = (int(v) for v in args.shard.split("/"))
+    return AgentSpec(client_id=args.client_id, shard=i, shards=n, dataset=args.dataset, partition=args.partition,
+                     alpha=args.alpha, min_samples=args.min_samples, train_samples=args.train_samples,
+                     domain_clients=args.domain_clients, domain_train_cap=args.domain_train_cap,
+                     domain_test_cap=args.domain_test_cap, seed=args.seed, algorithm=args.algorithm,
+                     algorithm_params=params, model=args.model, feature_dim=args.feature_dim,
+                     idle_timeout_s=args.idle_timeout_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fedfleet-agent``; returns the exit code."""
     from protocol.broker_url import parse_broker_url
@@ -135,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.transport import MqttTransport
 
     from .agent import param_value
-    from .assembly import AgentSpec, build_agent, channel_limits, offline_will, prepare_agent
+    from .assembly import build_agent, channel_limits, offline_will, prepare_agent
     from .device import apply
     from .errors import DataError, EdgeAgentError
     from .profiles import ProfileError, get_profile, load_profile
@@ -201,12 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedfleet-agent: --param {item!r}: expected KEY=VALUE", file=sys.stderr)
             return EXIT_USAGE
         params[key.strip()] = param_value(value.strip())
-    spec = AgentSpec(client_id=args.client_id, shard=i, shards=n, dataset=args.dataset, partition=args.partition,
-                     alpha=args.alpha, min_samples=args.min_samples, train_samples=args.train_samples,
-                     domain_clients=args.domain_clients, domain_train_cap=args.domain_train_cap,
-                     domain_test_cap=args.domain_test_cap, seed=args.seed, algorithm=args.algorithm,
-                     algorithm_params=params, model=args.model, feature_dim=args.feature_dim,
-                     idle_timeout_s=args.idle_timeout_s)
+    spec = agent_spec(args, params)
     try:
         ds = spec.load_dataset(args.data)
         prepared = prepare_agent(spec, ds, precision=rt.plan.precision)
