@@ -272,7 +272,7 @@ class Config:
     algorithm: dict[str, Any] = field(default_factory=dict)
     source: str = "<defaults>"
 
-    def replace(self, section: str, **changes: Any) -> "Config":
+    def replace(self, section: str, **changes: Any) -> Config:
         """A copy with ``changes`` applied to one section (values re-validated)."""
         sec = dataclasses.replace(getattr(self, section), **changes)
         cfg = dataclasses.replace(self, **{section: sec})
@@ -445,7 +445,7 @@ def _validate_domains(d: DataSection, src: str) -> None:
                 f"{src}: [data] domain_clients is empty, so the default {'/'.join(map(str, DEFAULT_DOMAIN_CLIENTS))} "
                 f"clients per domain apply, which sum to {sum(DEFAULT_DOMAIN_CLIENTS)}, not [data] clients = "
                 f"{d.clients}; set domain_clients, e.g. "
-                f"{','.join(f'{n}={k}' for n, k in zip(primary, DEFAULT_DOMAIN_CLIENTS))!r}")
+                f"{','.join(f'{n}={k}' for n, k in zip(primary, DEFAULT_DOMAIN_CLIENTS, strict=False))!r}")
         return
     try:
         alloc = allocate_domain_clients(known, d.domain_clients)

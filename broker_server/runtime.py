@@ -3,8 +3,8 @@ global model, the strategy and the server, all from one :class:`~broker_server.c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -18,8 +18,8 @@ from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
 from protocol.errors import SecurityConfigError
 from protocol.ledger import Ledger
-from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
 from protocol.messages import SERVER_ID
+from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
 from protocol.transport import MqttTransport, Will
 
 from .config import Config
@@ -176,7 +176,8 @@ def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
     """The client half of ``[train] algorithm`` for one device (its data-dependent setup, such
     as a proxy set, from the class's ``setup_kwargs``)."""
     name = cfg.train.algorithm
-    return get_client_algorithm(name, precision=precision, **algorithm_setup(name, ds, dict(cfg.algorithm), cfg.run.seed))
+    setup = algorithm_setup(name, ds, dict(cfg.algorithm), cfg.run.seed)
+    return get_client_algorithm(name, precision=precision, **setup)
 
 
 def client_eval_split(cfg: Config, ds: Dataset):

@@ -18,9 +18,10 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -29,8 +30,8 @@ from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
 from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
-from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
 from edge_agent.device import detect
+from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
 from edge_agent.partition import describe, split_dataset
 from edge_agent.runtime import agent_runtime
 from protocol.broker_url import parse_broker_url
@@ -43,8 +44,16 @@ from protocol.security import ChannelSecurity, Identity, enroll, generate_identi
 from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
-from .runtime import (agent_spec, channel_options, client_eval_split, device_model, make_server, make_strategy,
-                      open_transport, server_security)
+from .runtime import (
+    agent_spec,
+    channel_options,
+    client_eval_split,
+    device_model,
+    make_server,
+    make_strategy,
+    open_transport,
+    server_security,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +115,7 @@ def assign_profiles(mix: list[tuple[str, float]], clients: int, seed: int) -> li
     counts = [int(r) for r in raw]
     for i in sorted(range(len(mix)), key=lambda i: raw[i] - counts[i], reverse=True)[:clients - sum(counts)]:
         counts[i] += 1
-    names = [name for (name, _), c in zip(mix, counts) for _ in range(c)]
+    names = [name for (name, _), c in zip(mix, counts, strict=True) for _ in range(c)]
     order = np.random.default_rng(seed).permutation(clients)
     return [names[i] for i in order]
 

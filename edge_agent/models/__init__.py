@@ -17,8 +17,16 @@ agent and the server can check, before exchanging tensors, that they hold the sa
 from __future__ import annotations
 
 from . import zoo  # noqa: F401  (registers the torchvision-based nets)
-from ._registry import (MODEL_KEYWORDS, build_model, check_model, is_factory_path, list_models, make_model,
-                        register_model, resolve_model)
+from ._registry import (
+    MODEL_KEYWORDS,
+    build_model,
+    check_model,
+    is_factory_path,
+    list_models,
+    make_model,
+    register_model,
+    resolve_model,
+)
 from .group import assign_model, group_architectures
 from .lightcnn import LightCNN
 from .manifest import Manifest, manifest_hash, model_manifest
