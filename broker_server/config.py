@@ -219,6 +219,44 @@ class SecuritySection:
 
 
 @dataclass(frozen=True)
+class ModelSection:
+    """[model]: the devices' architecture(s) (:mod:`edge_agent.models`).
+
+    ``name`` is a zoo name (``lightcnn``, ``resnet18``, ``resnet8``, ``mobilenet_v2``,
+    ``inception_small``) or a user's factory ``"package.module:function"``; it is also the
+    server's model. ``feature_dim`` is the agreed prototype width d (``features(x)`` is
+    ``[N, d]``). ``group`` makes a *model group*: a list of architectures assigned round-robin by
+    shard index (device ``i`` runs ``group[i % len(group)]``), or a table by firmware profile
+    (``{rpi4 = "lightcnn", "jetson-orin-nano" = "resnet18"}``; profiles it does not name run
+    ``name``). Several architectures need a prototype-only algorithm (FedProto): parameter
+    averaging needs one architecture on every device. Stored as a tuple of names, or of
+    ``(profile, name)`` pairs.
+    """
+
+    name: str = "lightcnn"
+    feature_dim: int = 64
+    group: tuple = ()
+
+    def group_spec(self) -> list[str] | dict[str, str]:
+        """``group`` as :func:`edge_agent.models.assign_model` takes it: a list, or a dict by profile."""
+        if self.group and isinstance(self.group[0], tuple):
+            return dict(self.group)
+        return list(self.group)
+
+    def architecture(self, shard: int, profile: str) -> str:
+        """The architecture of device ``shard`` (0-based) running firmware ``profile``."""
+        from edge_agent.models import assign_model
+
+        return assign_model(self.name, self.group_spec(), shard=shard, profile=profile)
+
+    def architectures(self) -> list[str]:
+        """Every architecture of the fleet, distinct, ``name`` first."""
+        from edge_agent.models import group_architectures
+
+        return group_architectures(self.name, self.group_spec())
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run configuration (every section with defaults)."""
 
@@ -230,10 +268,11 @@ class Config:
     protocol: ProtocolSection = field(default_factory=ProtocolSection)
     agents: AgentsSection = field(default_factory=AgentsSection)
     security: SecuritySection = field(default_factory=SecuritySection)
+    model: ModelSection = field(default_factory=ModelSection)
     algorithm: dict[str, Any] = field(default_factory=dict)
     source: str = "<defaults>"
 
-    def replace(self, section: str, **changes: Any) -> "Config":
+    def replace(self, section: str, **changes: Any) -> Config:
         """A copy with ``changes`` applied to one section (values re-validated)."""
         sec = dataclasses.replace(getattr(self, section), **changes)
         cfg = dataclasses.replace(self, **{section: sec})
@@ -254,7 +293,7 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security")
+_SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security", "model")
 
 # allowed (min, max) for numbers, or a tuple of choices for strings
 _RANGES: dict[tuple[str, str], Any] = {
@@ -288,10 +327,15 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("agents", "torch_threads"): (0, 1024),
     ("security", "replay_window"): (64, 1 << 20),
     ("security", "clock_skew_s"): (0.0, 7 * 86400.0),
+    ("model", "feature_dim"): (1, 1 << 16),
 }
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, tuple) and v and isinstance(v[0], tuple):  # [model] group by profile: an inline table
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v) + "}"
+    if isinstance(v, tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
@@ -366,6 +410,7 @@ def validate(cfg: Config, source: str | None = None) -> None:
         raise ConfigError(f"{src}: [security] encrypt = true needs sign = true (bodies are encrypted, then signed)")
     if bool(cfg.broker.cert_file) != bool(cfg.broker.key_file):
         raise ConfigError(f"{src}: [broker] cert_file and key_file go together (a client certificate and its key)")
+    _validate_model(cfg, src)
 
 
 def _validate_domains(d: DataSection, src: str) -> None:
@@ -400,7 +445,7 @@ def _validate_domains(d: DataSection, src: str) -> None:
                 f"{src}: [data] domain_clients is empty, so the default {'/'.join(map(str, DEFAULT_DOMAIN_CLIENTS))} "
                 f"clients per domain apply, which sum to {sum(DEFAULT_DOMAIN_CLIENTS)}, not [data] clients = "
                 f"{d.clients}; set domain_clients, e.g. "
-                f"{','.join(f'{n}={k}' for n, k in zip(primary, DEFAULT_DOMAIN_CLIENTS))!r}")
+                f"{','.join(f'{n}={k}' for n, k in zip(primary, DEFAULT_DOMAIN_CLIENTS, strict=False))!r}")
         return
     try:
         alloc = allocate_domain_clients(known, d.domain_clients)
@@ -409,6 +454,63 @@ def _validate_domains(d: DataSection, src: str) -> None:
     if sum(alloc.values()) != d.clients:
         raise ConfigError(f"{src}: [data] domain_clients = {d.domain_clients!r} sums to "
                           f"{sum(alloc.values())} clients, but [data] clients = {d.clients}")
+
+
+def _model_group(value: Any, where: str) -> tuple:
+    """``[model] group`` from TOML: a list of names -> a tuple of names; a table profile -> name
+    -> a tuple of ``(profile, name)`` pairs.
+
+    Raises:
+        ConfigError: another type, a non-string or empty entry.
+    """
+    if isinstance(value, list):
+        if not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{where} = {value!r}: expected a list of model names (strings)")
+        return tuple(value)
+    if isinstance(value, dict):
+        if not all(isinstance(v, str) and v for v in value.values()):
+            raise ConfigError(f"{where} = {value!r}: expected a table of profile = model name (strings)")
+        return tuple((str(k), v) for k, v in value.items())
+    raise ConfigError(f"{where} = {value!r}: expected a list of model names (round-robin by shard index) or a "
+                      "table of firmware profile = model name")
+
+
+def _validate_model(cfg: Config, src: str) -> None:
+    """[model]: every architecture is a zoo name or an importable factory; profile names are
+    known; several architectures only with an algorithm whose ``model_requirement`` is
+    ``"prototype"`` (an unknown algorithm is left to the strategy registry, which lists them)."""
+    from edge_agent.errors import ModelError
+    from edge_agent.models import resolve_model
+    from edge_agent.profiles import ProfileError, get_profile
+
+    m = cfg.model
+    for name in m.architectures():
+        try:
+            resolve_model(name)
+        except ModelError as exc:
+            raise ConfigError(f"{src}: [model]: {exc}") from None
+    if m.group and isinstance(m.group[0], tuple):
+        for profile, _ in m.group:
+            try:
+                get_profile(profile)
+            except ProfileError as exc:
+                raise ConfigError(f"{src}: [model] group by profile: {exc}") from None
+    archs = m.architectures()
+    if len(archs) < 2:
+        return
+    from .admission import model_requirement
+    from .strategies import get_strategy_class, list_strategies
+
+    try:
+        cls = get_strategy_class(cfg.train.algorithm)
+    except ConfigError:
+        return
+    if model_requirement(cls) == "manifest":
+        prototype_only = [n for n in list_strategies() if model_requirement(get_strategy_class(n)) == "prototype"]
+        raise ConfigError(
+            f"{src}: [model] assigns several architectures ({', '.join(archs)}) but [train] algorithm = "
+            f"{cfg.train.algorithm!r} averages parameters, which needs one architecture on every device: give one "
+            f"[model] name (no group), or use a prototype-only algorithm ({', '.join(prototype_only)})")
 
 
 def from_dict(raw: dict, source: str = "<dict>") -> Config:
@@ -436,6 +538,9 @@ def from_dict(raw: dict, source: str = "<dict>") -> Config:
         for key, value in table.items():
             if key not in types:
                 raise ConfigError(f"{source}: unknown key [{sec}] {key}; allowed: {', '.join(types)}")
+            if (sec, key) == ("model", "group"):
+                kw[key] = _model_group(value, f"{source}: [model] group")
+                continue
             ftype = {"int": int, "float": float, "str": str, "bool": bool}[types[key]] \
                 if isinstance(types[key], str) else types[key]
             kw[key] = _coerce(value, ftype, f"{source}: [{sec}] {key}")

@@ -3,24 +3,26 @@ global model, the strategy and the server, all from one :class:`~broker_server.c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from edge_agent.agent import data_announcement
 from edge_agent.algorithms import algorithm_setup, evaluation_split, get_client_algorithm
+from edge_agent.assembly import AgentSpec
 from edge_agent.data import Dataset
-from edge_agent.models import build_model
+from edge_agent.errors import ModelError
+from edge_agent.models import make_model
+from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
 from protocol.errors import SecurityConfigError
 from protocol.ledger import Ledger
-from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
 from protocol.messages import SERVER_ID
+from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
 from protocol.transport import MqttTransport, Will
 
 from .config import Config
-from .embedded_broker import parse_broker_url
 from .errors import ConfigError
 from .server import AggregationServer, ServerSettings
 from .strategies import get_strategy_class
@@ -87,10 +89,28 @@ def server_security(cfg: Config, *, identity: Identity | None = None,
         raise ConfigError(f"[security]: {exc}") from None
 
 
-def device_model(ds: Dataset, seed: int) -> torch.nn.Module:
-    """The light CNN for ``ds``'s image shape, initialised from ``seed``."""
-    torch.manual_seed(seed)
-    return build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
+def device_model(ds: Dataset, seed: int, name: str = "lightcnn", feature_dim: int = 64) -> torch.nn.Module:
+    """The model ``name`` (zoo name or ``package.module:function``) for ``ds``'s image shape and
+    class count with prototype width ``feature_dim``, initialised from ``seed``
+    (:func:`edge_agent.models.make_model`, the one place models are made).
+
+    Raises:
+        ConfigError: the model is unknown or does not fit (the message names what).
+    """
+    try:
+        return make_model(name, in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes,
+                          feature_dim=feature_dim, seed=seed)
+    except ModelError as exc:
+        raise ConfigError(f"[model]: {exc}") from None
+
+
+def server_model(cfg: Config, ds: Dataset) -> torch.nn.Module:
+    """The server's model: ``[model] name`` with ``feature_dim``, initialised from ``[run] seed``.
+
+    Raises:
+        ConfigError: as :func:`device_model`.
+    """
+    return device_model(ds, cfg.run.seed, cfg.model.name, cfg.model.feature_dim)
 
 
 def expected_data(cfg: Config) -> dict[str, str]:
@@ -103,6 +123,20 @@ def expected_data(cfg: Config) -> dict[str, str]:
                              domain_clients=d.domain_clients, domain_train_cap=d.domain_train_cap,
                              domain_test_cap=d.domain_test_cap, algorithm=cfg.train.algorithm,
                              algorithm_params=dict(cfg.algorithm))
+
+
+def agent_spec(cfg: Config, *, client_id: str, shard: int, profile: str, idle_timeout_s: float = 3600.0,
+               info: dict | None = None) -> AgentSpec:
+    """The :class:`~edge_agent.assembly.AgentSpec` of device ``shard`` of ``cfg``'s fleet: the
+    ``[data]`` settings, ``[run] seed``, ``[train] algorithm`` with ``[algorithm]``, and the
+    architecture ``[model]`` assigns to that shard and firmware ``profile``."""
+    d = cfg.data
+    return AgentSpec(client_id=client_id, shard=shard, shards=d.clients, dataset=d.dataset, partition=d.partition,
+                     alpha=d.alpha, min_samples=d.min_samples, train_samples=d.train_samples,
+                     domain_clients=d.domain_clients, domain_train_cap=d.domain_train_cap,
+                     domain_test_cap=d.domain_test_cap, seed=cfg.run.seed, algorithm=cfg.train.algorithm,
+                     algorithm_params=dict(cfg.algorithm), model=cfg.model.architecture(shard, profile),
+                     feature_dim=cfg.model.feature_dim, idle_timeout_s=idle_timeout_s, info=dict(info or {}))
 
 
 def train_config(cfg: Config) -> dict:
@@ -141,7 +175,8 @@ def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
     """The client half of ``[train] algorithm`` for one device (its data-dependent setup, such
     as a proxy set, from the class's ``setup_kwargs``)."""
     name = cfg.train.algorithm
-    return get_client_algorithm(name, precision=precision, **algorithm_setup(name, ds, dict(cfg.algorithm), cfg.run.seed))
+    setup = algorithm_setup(name, ds, dict(cfg.algorithm), cfg.run.seed)
+    return get_client_algorithm(name, precision=precision, **setup)
 
 
 def client_eval_split(cfg: Config, ds: Dataset):
@@ -181,7 +216,7 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
     ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, **channel_options(cfg),
                  security=security)
     return AggregationServer(
-        channel=ch, strategy=strategy, model=device_model(ds, cfg.run.seed), test=ds.test,
+        channel=ch, strategy=strategy, model=server_model(cfg, ds), test=ds.test,
         settings=ServerSettings(rounds=cfg.run.rounds, quorum=cfg.server.quorum,
                                 round_deadline_s=cfg.server.round_deadline_s, join_timeout_s=cfg.server.join_timeout_s,
                                 expected_clients=expected_clients, seed=cfg.run.seed,

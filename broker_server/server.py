@@ -62,12 +62,14 @@ from protocol.messages import (
 )
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
+from .admission import admit, model_requirement
 from .checkpoint import Checkpoint
 from .errors import RunError
 from .persistence import RunStore
 from .registry import ClientRecord, DeviceRegistry
 from .round_state import CountedUpdates, RoundState, RoundStats
 from .strategies import ClientResult, GlobalUpdate, Strategy, accumulator_for, update_problem
+from .strategies._base import classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
            "evaluate"]
@@ -252,9 +254,11 @@ class AggregationServer:
 
     def _admission_problem(self, body: Join) -> str | None:
         """Why a join is refused (model manifest, data settings), or ``None``."""
-        if body.manifest_hash != self.manifest_hash:
-            return (f"model manifest {body.manifest_hash} does not match the server's "
-                    f"{self.manifest_hash}: same model architecture and data shape needed")
+        shape = classifier_shape(self.model) or (0, 0)  # (C, d) of the agreed head
+        refusal = admit(body, requirement=model_requirement(type(self.strategy)),
+                        expected_manifest_hash=self.manifest_hash, feature_dim=shape[1], num_classes=shape[0])
+        if refusal is not None:
+            return refusal
         diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
                  if str(body.info.get(k)) != v]
         if diffs:

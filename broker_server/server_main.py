@@ -29,8 +29,10 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
     as device ``i``: every option whose value the server checks at join
     (:func:`~broker_server.runtime.expected_data`: data set, partition and its settings, seed,
     shard count, ``--algorithm`` and one ``--param KEY=VALUE`` per ``[algorithm]`` key), plus the
-    key options when ``[security] sign`` is on. ``DEVICE_ID``, ``DEVICE_KEYS`` and the ``i`` of
-    ``--shard i/K`` are placeholders the operator fills in."""
+    key options when ``[security] sign`` is on, and ``--model`` / ``--feature-dim`` when ``[model]``
+    is not the default light CNN. ``DEVICE_ID``, ``DEVICE_KEYS``, the ``i`` of ``--shard i/K`` and,
+    for a model group of several architectures, ``MODEL`` (see :func:`model_assignment`) are
+    placeholders the operator fills in."""
     d = cfg.data
     q = shlex.quote
     words = ["fedfleet-agent", "--broker", url, "--federation", federation, "--client-id", "DEVICE_ID",
@@ -44,6 +46,11 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
         if value:
             words += [flag, str(value)]
     words += ["--seed", str(cfg.run.seed), "--algorithm", cfg.train.algorithm]
+    m = cfg.model
+    if m.group or m.name != "lightcnn":  # a model group: the operator fills in each device's MODEL
+        words += ["--model", "MODEL" if len(m.architectures()) > 1 else m.name]
+    if m.feature_dim != 64:
+        words += ["--feature-dim", str(m.feature_dim)]
     for key, value in cfg.algorithm.items():
         text = ("true" if value else "false") if isinstance(value, bool) else (
             repr(value) if isinstance(value, float) else str(value))
@@ -53,6 +60,19 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
         if cfg.security.encrypt:
             words.append("--encrypt")
     return " ".join(q(w) for w in words)
+
+
+def model_assignment(cfg: Config) -> str:
+    """One line saying which ``--model`` each device runs under ``cfg``'s model group (``""``
+    when every device runs ``[model] name``)."""
+    m = cfg.model
+    if len(m.architectures()) < 2:
+        return ""
+    spec = m.group_spec()
+    if isinstance(spec, dict):
+        pairs = ", ".join(f"--profile {p} -> --model {a}" for p, a in spec.items())
+        return f"MODEL by firmware profile: {pairs}; any other profile -> --model {m.name}"
+    return "MODEL by shard index i: " + ", ".join(f"i % {len(spec)} = {k} -> --model {a}" for k, a in enumerate(spec))
 
 
 def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
@@ -92,6 +112,8 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
     print(f"fedfleet server: federation {federation!r} on {url}; waiting for {cfg.data.clients} agents "
           f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
           f"  {agent_command(cfg, url, federation)}", flush=True)
+    if (assignment := model_assignment(cfg)):
+        print(f"  {assignment}", flush=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)
     try:

@@ -18,33 +18,42 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 import numpy as np
 import torch
 
 from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
+from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
-from edge_agent.errors import EdgeAgentError, PartitionError
 from edge_agent.device import detect
+from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
 from edge_agent.partition import describe, split_dataset
 from edge_agent.runtime import agent_runtime
-from protocol import topics
+from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
-from protocol.ledger import Ledger
 from protocol.errors import SecurityConfigError
-from protocol.messages import SERVER_ID, Envelope, Status, encode
+from protocol.ledger import Ledger
+from protocol.messages import SERVER_ID
 from protocol.security import ChannelSecurity, Identity, enroll, generate_identity, load_identity, write_key_dir
-from protocol.transport import Will
 
 from .config import Config
-from .embedded_broker import EmbeddedBroker, parse_broker_url
+from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
-from .runtime import (channel_options, client_eval_split, device_model, expected_data, make_client_algorithm,
-                      make_server, make_strategy, open_transport, server_security)
+from .runtime import (
+    agent_spec,
+    channel_options,
+    client_eval_split,
+    device_model,
+    make_server,
+    make_strategy,
+    open_transport,
+    server_security,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +115,7 @@ def assign_profiles(mix: list[tuple[str, float]], clients: int, seed: int) -> li
     counts = [int(r) for r in raw]
     for i in sorted(range(len(mix)), key=lambda i: raw[i] - counts[i], reverse=True)[:clients - sum(counts)]:
         counts[i] += 1
-    names = [name for (name, _), c in zip(mix, counts) for _ in range(c)]
+    names = [name for (name, _), c in zip(mix, counts, strict=True) for _ in range(c)]
     order = np.random.default_rng(seed).permutation(clients)
     return [names[i] for i in order]
 
@@ -218,6 +227,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
     make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written
+    for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once
+        device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
@@ -265,31 +276,26 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         eval_split = client_eval_split(cfg, ds)
         for i, idx in enumerate(parts):
             cid = f"client-{i:03d}"
-            will_payload = encode(Envelope(round=0, sender=cid, seq=0, body=Status("offline", "connection lost"))).payload
             agent_sec = None
             if server_sec is not None:  # each virtual agent signs with its own keys; the server's key is pinned
                 agent_sec = ChannelSecurity(fleet_keys[cid], side="agent",
                                             peers={SERVER_ID: server_sec.identity.public},
                                             encrypt=cfg.security.encrypt, replay_window=cfg.security.replay_window)
-                will_payload = agent_sec.seal(topics.status(federation, cid), will_payload).payload
-            tr = open_transport(f"{federation[:40]}-{cid}", cfg, url,
-                            will=Will(topics.status(federation, cid), will_payload, qos=1, retain=True))
-            tr.connect()
             rt = runtimes[profiles[i]]
+            spec = agent_spec(cfg, client_id=cid, shard=i, profile=profiles[i],
+                              idle_timeout_s=max(120.0, 2 * cfg.server.round_deadline_s),
+                              info={"virtual": True, "torch": torch.__version__})
+            try:
+                prepared = prepare_agent(spec, ds, precision=rt.plan.precision, indices=idx, eval_split=eval_split)
+            except ModelError as exc:
+                raise ConfigError(f"{cfg.source}: [model] for {cid}: {exc}") from None
+            tr = open_transport(f"{federation[:40]}-{cid}", cfg, url, will=offline_will(federation, cid, agent_sec))
+            tr.connect()
             ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, security=agent_sec,
-                         **{**channel_options(cfg), "chunk_bytes": min(cfg.protocol.chunk_bytes, rt.chunk_bytes),
-                            "max_packet_bytes": min(cfg.protocol.max_packet_bytes or rt.max_packet_bytes,
-                                                    rt.max_packet_bytes)})
-            agent = EdgeAgent(channel=ch, model=device_model(ds, cfg.run.seed + 1 + i),
-                              algorithm=make_client_algorithm(cfg, ds, rt.plan.precision),
-                              eval_x=None if eval_split is None else eval_split.x,
-                              eval_y=None if eval_split is None else eval_split.y,
-                              runtime=rt, emulate_link=cfg.agents.emulate_link,
-                              x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
-                              train_defaults=defaults, client_index=i, profile=profiles[i],
-                              train_lock=slots, idle_timeout_s=max(120.0, 2 * cfg.server.round_deadline_s),
-                              info={"virtual": True, "torch": torch.__version__, **expected_data(cfg),
-                                    **({"domain": shards[i]["domain"]} if "domain" in shards[i] else {})})
+                         **{**channel_options(cfg), **channel_limits(rt, chunk_bytes=cfg.protocol.chunk_bytes,
+                                                                     max_packet_bytes=cfg.protocol.max_packet_bytes)})
+            agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, train_lock=slots,
+                                emulate_link=cfg.agents.emulate_link)
             if agent_hook is not None:
                 agent_hook(i, agent)
             agents.append(agent)

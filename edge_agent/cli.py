@@ -3,7 +3,7 @@
 Example::
 
     fedfleet-agent --broker mqtt://192.0.2.10:1883 --federation myfed --client-id pi-07 \\
-        --dataset mnist --data /data --shard 7/10
+        --dataset mnist --data /data --shard 7/10 --model lightcnn
 
 The agent loads its data set, takes shard ``i`` of ``n`` (the same seeded partition as the
 server's configuration), joins the federation and trains whenever it is selected.
@@ -16,7 +16,10 @@ command): ``--partition domain-silo --domain-clients photo=3,art_painting=4,...`
 ``--domain-train-cap``/``--domain-test-cap``) for a multi-domain set, ``--train-samples`` for a
 data-scarce run, ``--algorithm NAME`` and one ``--param KEY=VALUE`` per ``[algorithm]`` key. The
 agent announces them in its join and the server refuses a join whose settings differ, naming
-them.
+them. ``--model NAME|package.module:function`` and ``--feature-dim D`` choose the device's
+architecture (the one the server's ``[model]`` table assigns it); the join carries its manifest
+hash, name, feature width and class count. The agent is put together by
+:mod:`edge_agent.assembly`, as every virtual agent of ``fedfleet simulate`` is.
 
 Exit codes (never reused): 0 finished; 1 failed (join refused, the server's model does not fit
 this device's algorithm, nothing heard for ``--idle-timeout-s``); 2 bad arguments, or unusable
@@ -34,8 +37,6 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import torch
-
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="one [algorithm] setting of the server's configuration (e.g. proxy_size=1000 for "
                         "fedmcp), repeated for each key: the server refuses a join whose settings differ")
+    p.add_argument("--model", default="lightcnn", metavar="NAME|pkg.mod:fn",
+                   help="this device's architecture: a zoo name (lightcnn, resnet18, resnet8, mobilenet_v2, "
+                        "inception_small) or your own factory package.module:function; the one the server assigned "
+                        "to this device (its [model] table; `fedfleet server` prints it)")
+    p.add_argument("--feature-dim", type=int, default=64, metavar="D",
+                   help="prototype width d of the model (features(x) is [N, d]); the server's [model] feature_dim")
     p.add_argument("--profile", default="x86-cpu",
                    help="firmware profile (fedfleet profiles lists them; a path to a .toml file works too): "
                         "device, precision, threads, batch size, codec and MQTT limits, fitted to this hardware")
@@ -118,24 +125,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def agent_spec(args: argparse.Namespace, params: dict[str, object]):
+    """The :class:`~edge_agent.assembly.AgentSpec` of parsed ``fedfleet-agent`` arguments (``params``:
+    the ``--param`` values, parsed).
+
+    Raises:
+        ValueError: a malformed ``--shard``, or ``i`` outside ``0 <= i < n``.
+    """
+    from .assembly import AgentSpec
+
+    i, n = (int(v) for v in args.shard.split("/"))
+    return AgentSpec(client_id=args.client_id, shard=i, shards=n, dataset=args.dataset, partition=args.partition,
+                     alpha=args.alpha, min_samples=args.min_samples, train_samples=args.train_samples,
+                     domain_clients=args.domain_clients, domain_train_cap=args.domain_train_cap,
+                     domain_test_cap=args.domain_test_cap, seed=args.seed, algorithm=args.algorithm,
+                     algorithm_params=params, model=args.model, feature_dim=args.feature_dim,
+                     idle_timeout_s=args.idle_timeout_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fedfleet-agent``; returns the exit code."""
-    from broker_server.embedded_broker import parse_broker_url  # URL parsing only
-    from protocol import topics
+    from protocol.broker_url import parse_broker_url
     from protocol.channel import Channel
     from protocol.errors import ConnectError, FieldError
-    from protocol.messages import Envelope, Status, encode, valid_id
-    from protocol.transport import MqttTransport, Will
-
     from protocol.ledger import Ledger
+    from protocol.messages import valid_id
+    from protocol.transport import MqttTransport
 
-    from .agent import EdgeAgent, data_announcement, param_value
-    from .algorithms import TrainConfig, algorithm_setup, evaluation_split, get_client_algorithm
-    from .data import load_dataset
-    from .errors import DataError, EdgeAgentError
+    from .agent import param_value
+    from .assembly import build_agent, channel_limits, offline_will, prepare_agent
     from .device import apply
-    from .models import build_model
-    from .partition import split_dataset
+    from .errors import DataError, EdgeAgentError
     from .profiles import ProfileError, get_profile, load_profile
     from .runtime import agent_runtime
 
@@ -148,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         i, n = (int(v) for v in args.shard.split("/"))
         if not 0 <= i < n:
             raise ValueError(f"--shard {args.shard}: need 0 ≤ i < n")
+        if args.feature_dim < 1:
+            raise ValueError(f"--feature-dim {args.feature_dim}: need d >= 1")
         addr = parse_broker_url(args.broker)
         password = Path(args.password_file).read_text().strip() if args.password_file else addr.password
     except (ValueError, OSError) as exc:
@@ -197,67 +219,44 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedfleet-agent: --param {item!r}: expected KEY=VALUE", file=sys.stderr)
             return EXIT_USAGE
         params[key.strip()] = param_value(value.strip())
+    spec = agent_spec(args, params)
     try:
-        ds = load_dataset(args.dataset, data_dir=args.data, domain_train_cap=args.domain_train_cap,
-                          domain_test_cap=args.domain_test_cap)
-        idx = split_dataset(ds, n, scheme=args.partition, seed=args.seed, alpha=args.alpha,
-                            min_samples=args.min_samples, train_samples=args.train_samples,
-                            domain_clients=args.domain_clients)[i]
-        setup = algorithm_setup(args.algorithm, ds, params, args.seed)
-        evals = evaluation_split(args.algorithm, ds, params, args.seed)
+        ds = spec.load_dataset(args.data)
+        prepared = prepare_agent(spec, ds, precision=rt.plan.precision)
     except DataError as exc:
         print(f"fedfleet-agent: data error: {exc}", file=sys.stderr)
         return EXIT_DATA
-    except (EdgeAgentError, TypeError, ValueError) as exc:  # a partition, algorithm or --param the code refuses
+    except (EdgeAgentError, TypeError, ValueError) as exc:  # a partition, model, algorithm or --param refused
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    info = data_announcement(dataset=args.dataset, partition=args.partition, alpha=args.alpha, seed=args.seed,
-                             shards=n, min_samples=args.min_samples, train_samples=args.train_samples,
-                             domain_clients=args.domain_clients, domain_train_cap=args.domain_train_cap,
-                             domain_test_cap=args.domain_test_cap, algorithm=args.algorithm,
-                             algorithm_params=params)
-    if args.partition == "domain-silo" and len(idx):
-        info["domain"] = ds.domain_names[int(ds.train_domains[idx[0]])]
-    will_topic = topics.status(args.federation, args.client_id)
-    will_payload = encode(Envelope(round=0, sender=args.client_id, seq=0, body=Status("offline", "connection lost"))).payload
-    if security is not None:
-        will_payload = security.seal(will_topic, will_payload).payload
-    will = Will(will_topic, will_payload)
+    info, idx, model = prepared.info, prepared.indices, prepared.model
     tr = MqttTransport(args.client_id, addr.host, addr.port, username=args.username or addr.username,
                        password=password, tls=addr.tls, tls_ca=args.ca, tls_cert=args.cert, tls_key=args.key,
                        tls_check_time=not args.tls_no_time_check, clock_skew_s=args.clock_skew_s,
-                       keepalive_s=args.keepalive_s, will=will)
+                       keepalive_s=args.keepalive_s, will=offline_will(args.federation, args.client_id, security))
     try:
         tr.connect()
     except ConnectError as exc:
         print(f"fedfleet-agent: broker error: {exc}", file=sys.stderr)
         return EXIT_BROKER
-    torch.manual_seed(args.seed + 1 + i)
-    model = build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
     out = Path(args.out or f"fedfleet-agent-{args.client_id}")
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", args.federation)
     ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger,
-                 chunk_bytes=rt.chunk_bytes, max_packet_bytes=rt.max_packet_bytes, security=security)
+                 security=security, **channel_limits(rt))
     print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}"
           + (f", domain {info['domain']}" if "domain" in info else "")
-          + f"), algorithm {args.algorithm}; joining federation {args.federation!r} on {args.broker} "
-          f"(idle timeout {args.idle_timeout_s:g} s)", flush=True)
+          + f"), model {args.model} (d = {args.feature_dim}), algorithm {args.algorithm}; joining federation "
+          f"{args.federation!r} on {args.broker} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
     agent = None
     warn = None
     try:
-        agent = EdgeAgent(channel=ch, model=model,
-                          algorithm=get_client_algorithm(args.algorithm, precision=rt.plan.precision, **setup),
-                          eval_x=evals.x, eval_y=evals.y,
-                          x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
-                          train_defaults=TrainConfig(seed=args.seed, batch_size=rt.plan.batch_size), client_index=i,
-                          profile=prof.name, device=rt.plan.device, runtime=rt,
-                          idle_timeout_s=args.idle_timeout_s, info=info,
-                          on_trained=lambda rnd, res, nbytes: print(
-                              f"round {rnd}: trained {res.num_samples} samples in "
-                              f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "
-                              f"sent {nbytes:,} bytes", flush=True))
+        agent = build_agent(prepared, ch, runtime=rt, device=rt.plan.device,
+                            on_trained=lambda rnd, res, nbytes: print(
+                                f"round {rnd}: trained {res.num_samples} samples in "
+                                f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "
+                                f"sent {nbytes:,} bytes", flush=True))
         warn = threading.Timer(JOIN_WARN_S, _warn_unanswered, args=(agent,))
         warn.daemon = True
         warn.start()

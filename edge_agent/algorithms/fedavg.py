@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..models.training import train_mode
 from ..state import load_arrays, state_arrays
 from ._base import ClientAlgorithm, LocalResult, StepContext, TrainConfig, step_hook
 from ._registry import register_client_algorithm
@@ -119,7 +120,7 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
     objective = cross_entropy_loss if loss_fn is None else loss_fn
     amp = precision == "fp16"
     scaler = torch.amp.GradScaler("cuda") if amp else None
-    model.train()
+    train_mode(model)  # frozen layers (BatchNorm included) stay in eval mode
     loss_sum = 0.0
     correct = 0
     step = 0

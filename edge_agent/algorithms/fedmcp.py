@@ -62,6 +62,7 @@ from torch import nn
 
 from ..data import PROXY_SIZE, ArraySplit, Dataset, proxy_split
 from ..errors import ModelError
+from ..models.training import train_mode
 from ._base import ClientAlgorithm, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, _to_device, sgd_epochs, shuffle_generator
@@ -545,7 +546,7 @@ class FedMCPClient(ClientAlgorithm):
             out["infonce_loss"], _ = sgd_epochs(joint, self.proxy_x, index, stage_cfg, generator, device,
                                                 precision=self.precision, loss_fn=nce_loss)
         if hp.proto_align:
-            model.train()
+            train_mode(model)
             opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                                   weight_decay=config.weight_decay)
             opt.zero_grad(set_to_none=True)

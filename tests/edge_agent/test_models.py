@@ -110,8 +110,8 @@ def test_registry() -> None:
     assert model.backbone_parameter_count() == 136_224
     assert isinstance(models.build_model(), models.LightCNN)
     with pytest.raises(ModelError) as info:
-        models.build_model("resnet18")
-    assert "lightcnn" in str(info.value)
+        models.build_model("no-such-net")
+    assert "lightcnn" in str(info.value) and "resnet18" in str(info.value)
     assert isinstance(info.value, EdgeAgentError)
     with pytest.raises(ModelError):
         models.build_model("lightcnn", channels=3)

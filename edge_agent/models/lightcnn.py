@@ -1,90 +1,18 @@
-"""Client models and their parameter manifests.
-
-The one architecture so far is :class:`LightCNN`, the light CNN of SPECS §5.1 (FedMCP++ client
-model, reconstructed from the paper's parameter, MAC and byte counts). Models are registered by
-name (:func:`register_model`, :func:`build_model`, :func:`list_models`).
-
-A *manifest* (:func:`model_manifest`) lists a model's ``state_dict`` entries as
-``(name, shape, dtype)``; :func:`manifest_hash` condenses it to 16 hex characters so that an
-agent and the server can check, before exchanging tensors, that they hold the same architecture.
-"""
+"""The light CNN of SPECS §5.1 (FedMCP++ client model, reconstructed from the paper's parameter,
+MAC and byte counts): the zoo's ``lightcnn``."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from edge_agent.errors import ModelError
 
-__all__ = [
-    "LightCNN",
-    "Manifest",
-    "build_model",
-    "list_models",
-    "manifest_hash",
-    "model_manifest",
-    "register_model",
-]
+from ._registry import register_model
 
-Manifest = list[tuple[str, tuple[int, ...], str]]
-"""``[(state_dict name, shape, dtype name such as "float32"), ...]`` in state_dict order."""
-
-_MODELS: dict[str, Callable[..., nn.Module]] = {}
-
-
-def register_model(name: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
-    """Class/function decorator that registers a model constructor under ``name``.
-
-    Raises:
-        ModelError: ``name`` is already registered, or is not a non-empty lower-case string.
-    """
-    if not isinstance(name, str) or not name or name != name.lower():
-        raise ModelError(f"model names must be non-empty lower-case strings, got {name!r}")
-
-    def decorator(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _MODELS:
-            raise ModelError(f"model name {name!r} is already registered")
-        _MODELS[name] = factory
-        return factory
-
-    return decorator
-
-
-def list_models() -> list[str]:
-    """Return the registered model names, sorted."""
-    return sorted(_MODELS)
-
-
-def build_model(name: str = "lightcnn", **kwargs: object) -> nn.Module:
-    """Construct a registered model by name.
-
-    Args:
-        name: one of :func:`list_models` (default ``"lightcnn"``).
-        **kwargs: keyword arguments of the model's constructor (e.g. ``in_channels=3,
-            image_size=32, num_classes=10`` for :class:`LightCNN`).
-
-    Returns:
-        A freshly initialised model (float32 parameters, on the CPU, in training mode).
-
-    Raises:
-        ModelError: unknown name (the message lists the known ones), an unknown keyword, or
-            invalid architecture arguments.
-    """
-    try:
-        factory = _MODELS[name]
-    except (KeyError, TypeError):
-        raise ModelError(
-            f"unknown model {name!r}; known models: {', '.join(list_models())}"
-        ) from None
-    try:
-        return factory(**kwargs)
-    except TypeError as exc:
-        raise ModelError(f"bad arguments for model {name!r}: {exc}") from exc
+__all__ = ["LightCNN"]
 
 
 @register_model("lightcnn")
@@ -216,55 +144,6 @@ class LightCNN(nn.Module):
         conv2 = (s // 2) ** 2 * 9 * 16 * 32
         fc = 32 * (s // 4) ** 2 * self.feature_dim
         return conv1 + conv2 + fc
-
-
-def model_manifest(model: nn.Module) -> Manifest:
-    """List a model's ``state_dict`` entries.
-
-    Args:
-        model: any ``torch.nn.Module``.
-
-    Returns:
-        ``[(name, shape, dtype), ...]`` in ``state_dict`` order; ``shape`` a tuple of Python
-        ints, ``dtype`` the torch dtype name without the ``torch.`` prefix (``"float32"``).
-        Buffers (e.g. BatchNorm running stats) are included, as they are in the state dict.
-    """
-    return [
-        (name, tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch."))
-        for name, tensor in model.state_dict().items()
-    ]
-
-
-def manifest_hash(manifest: Sequence[tuple[str, Sequence[int], str]]) -> str:
-    """Short fingerprint of a manifest.
-
-    Canonical form: ``json.dumps([[name, [dims...], dtype], ...], separators=(",", ":"),
-    ensure_ascii=True)`` encoded as UTF-8, in the manifest's order (order matters). The result
-    is the **first 16 hex characters** (64 bits) of the SHA-256 of those bytes.
-
-    Args:
-        manifest: as returned by :func:`model_manifest`.
-
-    Returns:
-        16 lower-case hex characters.
-
-    Raises:
-        ModelError: an entry is not ``(str, sequence of int, str)``.
-    """
-    canonical: list[list[object]] = []
-    for entry in manifest:
-        try:
-            name, shape, dtype = entry
-            dims = [int(d) for d in shape]
-        except (TypeError, ValueError) as exc:
-            raise ModelError(
-                f"bad manifest entry {entry!r}: expected (name, shape, dtype)"
-            ) from exc
-        if not isinstance(name, str) or not isinstance(dtype, str):
-            raise ModelError(f"bad manifest entry {entry!r}: name and dtype must be strings")
-        canonical.append([name, dims, dtype])
-    text = json.dumps(canonical, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
