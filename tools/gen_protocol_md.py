@@ -25,8 +25,14 @@ import numpy as np  # noqa: E402
 
 from protocol import chunking, messages, security, tensors  # noqa: E402
 from protocol.security import sealing  # noqa: E402
-from protocol.test_vectors import (DECODE_ONLY, MESSAGE_VECTORS, SECURITY_VECTOR_UPLOAD_KEY,  # noqa: E402
-                                   SECURITY_VECTORS, TEST_VECTORS, message_vector_records)
+from protocol.test_vectors import (  # noqa: E402
+    DECODE_ONLY,
+    MESSAGE_VECTORS,
+    SECURITY_VECTOR_UPLOAD_KEY,
+    SECURITY_VECTORS,
+    TEST_VECTORS,
+    message_vector_records,
+)
 
 #: the manifest of the canonical-JSON example (§7); its hash is computed below, and checked
 #: against the agent's implementation by tests/protocol/test_protocol_spec_rules.py
@@ -108,8 +114,8 @@ def _json_value(v: object) -> object:
     if isinstance(v, (bytes, bytearray, memoryview)):
         return {"bin": bytes(v).hex()}
     if isinstance(v, np.ndarray):
-        return {"dtype": tensors.dtype_code(v.dtype), "shape": list(v.shape), "values": v.astype(np.float64).ravel().tolist()
-                if v.dtype.kind == "f" else v.ravel().tolist()}
+        values = v.astype(np.float64).ravel().tolist() if v.dtype.kind == "f" else v.ravel().tolist()
+        return {"dtype": tensors.dtype_code(v.dtype), "shape": list(v.shape), "values": values}
     if isinstance(v, (list, tuple)):
         return [_json_value(x) for x in v]
     if isinstance(v, dict):
@@ -209,12 +215,14 @@ fedfleet/v1/{federation}/status/{client_id}         agent presence        status
 | message | topic | from → to |
 | --- | --- | --- |
 | `join` | `up/{client_id}/join` | agent → server |
-| `round_start` | `down/round_start`; or `down/{client_id}/round_start` when the round has per-device instructions (§8) | server → agents |
+| `round_start` | `down/round_start`; or `down/{client_id}/round_start` when the round has per-device instructions \
+(§8) | server → agents |
 | `global` | `down/global` | server → all agents |
 | `update` | `up/{client_id}/update` | agent → server |
 | `finish` | `down/finish` | server → all agents |
 | `status` | `status/{client_id}` (retained when `online`; the last will) | agent → server |
-| `receipt` | `down/{client_id}/receipt` (answers a `join` or an `update`); `up/{client_id}/receipt` (answers a `global`) | both |
+| `receipt` | `down/{client_id}/receipt` (answers a `join` or an `update`); `up/{client_id}/receipt` (answers a \
+`global`) | both |
 | `chunk` | the topic of the message it carries (§5) | both |
 | `resend` | `down/{client_id}/resend` (server asks an agent); `up/{client_id}/resend` (agent asks the server) | both |
 
@@ -257,10 +265,11 @@ A payload is one msgpack value (msgpack spec, 2017 revision with `bin` and `str8
 The body is nested as `bin` so that its size is known exactly (the ledger's body bytes) and so
 that a signature over the envelope can be checked before the body is parsed.
 
-**The envelope is closed.** In version {v} element 8, when present, is always `sec`; the
-envelope never gains another element (an envelope of more than 8 elements is reserved for a
-later version, and decoders ignore elements after the 8th). New data is added inside a body, or
-inside `sec` (§6), never as a new envelope element (§9).
+**The envelope is closed.** In version {v} element 8, when present, is always `sec`, and
+senders never put more than 8 elements (a sealed envelope's signature is its last 66 bytes, so
+nothing can follow `sec`; a receiver may ignore elements after the 8th of an unsigned envelope or
+refuse the message). New data is added inside a body, or inside `sec` (§6), never as a new
+envelope element (§9).
 
 **Sequence numbers.** Each sender numbers its messages 1, 2, 3, … per connection session; the
 last will carries 0. A chunked message (§5) takes a number for its own (inner) envelope, and each
@@ -313,15 +322,23 @@ in parentheses below is optional: absent (the array is shorter), never `nil`. `T
 | join | manifest_hash | str ≤ 128 | 16 lower-case hex characters: the hash of the device's model manifest (§7) |
 | join | num_samples | uint | training examples on the device |
 | join | class_histogram | array of uint | examples per class, class 0 first (≤ {messages.MAX_LIST:,} entries) |
-| join | info | M | what the device announces about itself: hardware (`cores`, `ram_mb` …), its data settings (`dataset`, `partition` …), its algorithm and software versions; informational, except that a server may refuse a join whose data settings differ from its own (receipt `accepted` = false) |
+| join | info | M | what the device announces about itself: hardware (`cores`, `ram_mb` …), its data settings \
+(`dataset`, `partition` …), its algorithm and software versions; informational, except that a server may refuse a \
+join whose data settings differ from its own (receipt `accepted` = false) |
 | round_start | selected | array of str | ids of the agents asked to train this round |
 | round_start | deadline_s | float64 > 0 | seconds after this message within which updates are accepted |
-| round_start | config | M | training settings for every selected agent: `lr`, `local_epochs`, `batch_size`, `update_codec` (codec setting text, §4), `delta` (bool), `error_feedback` (bool), `client_eval` (bool) and algorithm parameters |
-| round_start | (instructions) | M | per-device settings (a data ratio, a number of epochs …) for the one agent this `round_start` is addressed to (§8); sent only when not empty, so a `round_start` without it is byte-identical to the three-field form |
+| round_start | config | M | training settings for every selected agent: `lr`, `local_epochs`, `batch_size`, \
+`update_codec` (codec setting text, §4), `delta` (bool), `error_feedback` (bool), `client_eval` (bool) and algorithm \
+parameters |
+| round_start | (instructions) | M | per-device settings (a data ratio, a number of epochs …) for the one agent this \
+`round_start` is addressed to (§8); sent only when not empty, so a `round_start` without it is byte-identical to the \
+three-field form |
 | global | tensors | array of T | the shared model tensors for this round, in manifest order (§7) |
-| global | meta | M | `manifest_hash` (str, the server's manifest hash) and `share` (str: `all` = every manifest entry, `backbone` = the entries whose name starts with `backbone.`, `none` = no entry: `tensors` is empty) |
+| global | meta | M | `manifest_hash` (str, the server's manifest hash) and `share` (str: `all` = every manifest \
+entry, `backbone` = the entries whose name starts with `backbone.`, `none` = no entry: `tensors` is empty) |
 | global | (extras) | X | non-model state of the algorithm (below) |
-| update | tensors | array of T | the agent's tensors, same positions, shapes and dtypes as the round's `global` (or their deltas, §8) |
+| update | tensors | array of T | the agent's tensors, same positions, shapes and dtypes as the round's `global` (or \
+their deltas, §8) |
 | update | num_samples | uint ≥ 1 | examples the update stands for (the aggregation weight) |
 | update | train_loss | float64, finite | mean training loss of the round |
 | update | metrics | M | numbers the agent measured (`train_seconds`, `eval_accuracy` in [0, 1] …) |
@@ -332,10 +349,13 @@ in parentheses below is optional: absent (the array is shorter), never `nil`. `T
 | status | state | str | one of {states} |
 | status | detail | str | free text (why offline; for `idle`, `round r: why`) |
 | receipt | ref_kind | uint ≤ 255 | kind number of the acknowledged message |
-| receipt | ref_seq | uint | envelope `seq` of the acknowledged message; for a chunked message, the inner message's `seq` (§2), never a chunk's |
+| receipt | ref_seq | uint | envelope `seq` of the acknowledged message; for a chunked message, the inner message's \
+`seq` (§2), never a chunk's |
 | receipt | accepted | bool | taken (true) or refused (false) |
 | receipt | reason | str | why refused; on an accepted duplicate `duplicate: already counted`; else empty |
-| receipt | sha256 | bin (32 or 0 bytes) | SHA-256 of the acknowledged payload as the receiver got it: the whole PUBLISH payload (the sealed bytes, `sec` included, when signed) for a message sent whole; for a chunked message the reassembled (unsealed) inner payload |
+| receipt | sha256 | bin (32 or 0 bytes) | SHA-256 of the acknowledged payload as the receiver got it: the whole \
+PUBLISH payload (the sealed bytes, `sec` included, when signed) for a message sent whole; for a chunked message the \
+reassembled (unsealed) inner payload |
 | chunk | transfer_id | bin 16 | random id of the transfer (§5) |
 | chunk | index | uint | 0 … count − 1 |
 | chunk | count | uint | chunks in the transfer, 1 … {messages.MAX_CHUNKS:,} |
@@ -493,11 +513,14 @@ sec = [epoch, flags, body_bytes, check, signature]
 
 | field | msgpack | meaning |
 | --- | --- | --- |
-| epoch | uint | the sender's session number, ≥ 1; strictly increasing across the sender's restarts (a counter the node keeps on disk) |
+| epoch | uint | the sender's session number, ≥ 1; strictly increasing across the sender's restarts (a counter the \
+node keeps on disk) |
 | flags | uint | bit 0 (`0x{sealing.FLAG_ENCRYPTED:02x}`): `body` is encrypted (AES-256-GCM); other bits are 0 |
 | body_bytes | uint | length of `body` as sent (the ciphertext when encrypted) |
-| check | bin8 ({sealing.CHECK_BYTES}) | SHA-256(topic)[0:4] ‖ SHA-256(body)[0:4]; lets a receiver say *what* changed when a signature fails (diagnostic only; it is signed) |
-| signature | bin8 ({sealing.SIGNATURE_BYTES}) | Ed25519 signature (RFC 8032), always the last 66 bytes of the payload (`c4 40` + 64 bytes) |
+| check | bin8 ({sealing.CHECK_BYTES}) | SHA-256(topic)[0:4] ‖ SHA-256(body)[0:4]; lets a receiver say *what* \
+changed when a signature fails (diagnostic only; it is signed) |
+| signature | bin8 ({sealing.SIGNATURE_BYTES}) | Ed25519 signature (RFC 8032), always the last 66 bytes of the \
+payload (`c4 40` + 64 bytes) |
 
 **Evolution of `sec`.** Elements a later version adds to `sec` go between `check` and
 `signature` (so `signature` stays last); receivers ignore them (they are signed). An unsigned
@@ -752,8 +775,8 @@ def vectors_section() -> str:
     for name, (inp, codec, hx, dec) in TEST_VECTORS.items():
         mark = " (decode-only)" if name in DECODE_ONLY else ""
         parts.append(f"| `{name}`{mark} | `{codec}` | `{inp}` | `{hx}` | `{dec}` |\n")
-    parts.append(f"\n### Chunk data budget\n\n`B` of §5 for topic `fedfleet/v1/fed-1/up/client-007/update`, sender "
-                 f"`client-007`, round 3, QoS 1, MQTT 3.1.1:\n\n| max_packet | B |\n| --- | --- |\n")
+    parts.append("\n### Chunk data budget\n\n`B` of §5 for topic `fedfleet/v1/fed-1/up/client-007/update`, sender "
+                 "`client-007`, round 3, QoS 1, MQTT 3.1.1:\n\n| max_packet | B |\n| --- | --- |\n")
     for mp in (256, 1024, 65_536, 1_048_576):
         b = chunking.chunk_data_budget("fedfleet/v1/fed-1/up/client-007/update", mp, qos=1, sender="client-007",
                                        round=3)
