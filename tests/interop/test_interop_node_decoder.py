@@ -4,17 +4,15 @@ alone), decodes the spec's test vectors and a captured federation of every messa
 instructions), and what it decodes equals what Python sent. A change to the wire that the spec
 does not describe fails here.
 
-Skips with a reason where node or tests/interop/node_modules is missing (``npm ci`` in
-tests/interop installs it), except under CI=true, where it must run.
+Skips with a reason where node or tests/interop/node_modules is missing, except under CI=true
+(conftest.py, ``node_decoder``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -48,24 +46,6 @@ ROOT = HERE.parents[1]
 SPEC = ROOT / "protocol" / "PROTOCOL.md"
 CODECS = ["fp32", "fp16", "bf16", "int8", "int8-channel", "topk:0.5", "topk:3:fp16", "fp16+zstd",
           "int8-channel+zstd", "fp32+zstd"]
-
-
-def _node() -> str:
-    node = shutil.which("node")
-    why = None
-    if node is None:
-        why = "node is not installed"
-    elif not all((HERE / "node_modules" / pkg).is_dir() for pkg in ("@msgpack/msgpack", "fzstd")):
-        why = "tests/interop/node_modules is missing (run npm ci in tests/interop)"
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: the interop decoder must run, but {why}")
-        pytest.skip(why)
-    return node
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_node(), str(HERE / "decode.js"), *args], capture_output=True, text=True, timeout=300)
 
 
 # ------------------------------------------------------------------ an in-memory broker
@@ -271,10 +251,9 @@ def _federation(bus: _Bus, fed: str, cid: str, *, secure: bool, expected: dict) 
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
+def capture(tmp_path_factory, node_decoder):
     """Two federations over an in-memory broker (signed + encrypted, and plain), every PUBLISH logged;
     ``expected`` maps (sender, seq) to the Python view of every envelope Python encoded."""
-    _node()
     expected: dict = {}
     codecs: set[int] = set()
     real_encode = channel_mod.encode
@@ -312,16 +291,16 @@ def capture(tmp_path_factory):
     return out
 
 
-def test_node_decodes_every_spec_vector() -> None:
-    r = _run("spec", str(SPEC))
+def test_node_decodes_every_spec_vector(node_decoder) -> None:
+    r = node_decoder("spec", str(SPEC))
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout) == {"checks": 38, "failures": 0}
 
 
 @pytest.mark.parametrize("fed", ["fed-sec", "fed-plain"])
-def test_node_decodes_the_captured_federation_as_python_sent_it(capture, fed: str) -> None:
+def test_node_decodes_the_captured_federation_as_python_sent_it(capture, node_decoder, fed: str) -> None:
     d, log, expected, codecs = capture[fed]
-    r = _run("capture", str(d))
+    r = node_decoder("capture", str(d))
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads(r.stdout)
     got = json.loads((d / "decoded.json").read_text())
@@ -369,7 +348,8 @@ WHY = {"kind": "envelope.kind: unknown kind 10", "deadline_str": "body.deadline_
 
 
 @pytest.mark.parametrize("change", ["kind", "deadline_str", "dtype", "trailing", "element8", "signature", "ciphertext"])
-def test_a_wire_change_the_spec_does_not_describe_fails_the_decoder(capture, tmp_path, change: str) -> None:
+def test_a_wire_change_the_spec_does_not_describe_fails_the_decoder(capture, node_decoder, tmp_path,
+                                                                   change: str) -> None:
     d, log, _, _ = capture["fed-sec" if change in ("signature", "ciphertext") else "fed-plain"]
     packets = [(t, bytearray(p)) for t, p in log]
     i = next(k for k, (t, p) in enumerate(packets) if t.endswith("/up/client-002/receipt") or
@@ -411,16 +391,16 @@ def test_a_wire_change_the_spec_does_not_describe_fails_the_decoder(capture, tmp
         for t, q in packets:
             fh.write(json.dumps({"topic": t, "payload": bytes(q).hex()}) + "\n")
     shutil.copy(d / "keys.json", tmp_path / "keys.json")
-    r = _run("capture", str(tmp_path))
+    r = node_decoder("capture", str(tmp_path))
     assert r.returncode == 1 and "spec violation" in r.stderr, (r.returncode, r.stdout, r.stderr)
     assert WHY[change] in r.stderr, r.stderr
 
 
-def test_a_changed_vector_in_the_spec_fails_the_decoder(tmp_path) -> None:
+def test_a_changed_vector_in_the_spec_fails_the_decoder(node_decoder, tmp_path) -> None:
     text = SPEC.read_text(encoding="utf-8")
     # the join vector's num_samples 600 (cd 0258) changed to 601 without changing its printed fields
     bad = text.replace("cd02589364ccc8cd012c81a5636f72657304", "cd02599364ccc8cd012c81a5636f72657304", 1)
     assert bad != text
     (tmp_path / "PROTOCOL.md").write_text(bad, encoding="utf-8")
-    r = _run("spec", str(tmp_path / "PROTOCOL.md"))
+    r = node_decoder("spec", str(tmp_path / "PROTOCOL.md"))
     assert r.returncode == 1 and "message join" in r.stderr
