@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from protocol import chunking, messages, security, tensors  # noqa: E402
+from protocol.channel import MAX_RESEND  # noqa: E402
 from protocol.security import sealing  # noqa: E402
 from protocol.test_vectors import (  # noqa: E402
     DECODE_ONLY,
@@ -484,7 +485,7 @@ transfer that got no chunk for 120 s (default) is dropped and reported, never wa
 The server admits chunks only from joined agents; an agent only from the server.
 
 **Resend.** While a transfer stalls (no chunk for 5 s by default), the receiver may send
-`resend` (kind 9, round 0) with the `transfer_id` and up to {4096:,} missing indices to the transfer's
+`resend` (kind 9, round 0) with the `transfer_id` and up to {MAX_RESEND:,} missing indices to the transfer's
 sender. The sender answers from a bounded cache of its recent transfers by publishing those chunk
 records again (same bodies, new envelopes with fresh `seq`). It honours a request only from a
 peer it knows (the server: a joined agent, verified when signing is on; an agent: the server),
