@@ -22,7 +22,8 @@ from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
 from .errors import FedfleetProtocolError, FieldError, ProtocolError
 from .ledger import Ledger, LedgerRow
-from .messages import Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms, payload_sha256
+from .messages import (SERVER_ID, Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms,
+                       payload_sha256)
 from .mqtt_bytes import publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits, raw_nbytes
 from .transport_base import Incoming, PacketEvent, Transport
@@ -31,6 +32,13 @@ if TYPE_CHECKING:
     from .security import ChannelSecurity
 
 log = logging.getLogger(__name__)
+
+
+class ResendRefused(FieldError):
+    """A well-formed ``resend`` request this side does not honour (unknown peer, a transfer it
+    was not sent, indices the transfer lacks, or over the peer's resend budget)."""
+
+    code = "resend_refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +76,9 @@ class Rejected:
         reason: the decoder's message.
         field: the offending field, when known.
         payload_bytes: its length.
-        code: a :data:`protocol.security.REASONS` code for a security rejection, else
-            ``"invalid"`` (the bytes are not a valid message).
+        code: a :data:`protocol.security.REASONS` code for a security rejection,
+            ``"resend_refused"`` for a ``resend`` request not honoured (:class:`ResendRefused`),
+            else ``"invalid"`` (the bytes are not a valid message).
     """
 
     topic: str
@@ -104,6 +113,10 @@ class Channel:
             sent is sealed (each chunk of a chunked transfer too) and every payload received is
             verified before its body is decoded; a refusal is a ``rejected`` row whose reason
             starts with its code.
+        resend_burst_bytes, resend_rate_bytes_s: each peer's budget of chunk data this side
+            resends on its requests (bytes; refilled at bytes per second). A ``resend`` request
+            is honoured only from a known peer, for a transfer sent to it, for indices it has and
+            within this budget; a refused one is a ``rejected`` row with the reason.
 
     Attributes:
         wire_bytes_sent, wire_bytes_received: PUBLISH packet bytes (header + topic + payload)
@@ -116,7 +129,8 @@ class Channel:
                  transfer_ttl_s: float = 120.0, resend_after_s: float = 5.0,
                  reassembler: Reassembler | None = None,
                  transfer_filter: Callable[[str], bool] | None = None,
-                 security: ChannelSecurity | None = None) -> None:
+                 security: ChannelSecurity | None = None,
+                 resend_burst_bytes: int = 64 * 1024 * 1024, resend_rate_bytes_s: float = 16 * 1024 * 1024) -> None:
         if side not in ("server", "agent"):
             raise ValueError(f"side must be 'server' or 'agent', not {side!r}")
         self.transport = transport
@@ -151,6 +165,12 @@ class Channel:
         self.incomplete_transfers = 0
         self._resend_asked: dict[tuple[str, bytes], float] = {}
         self._resent_at: dict[tuple[bytes, int], float] = {}
+        if resend_burst_bytes < 0 or resend_rate_bytes_s < 0:
+            raise ValueError(f"resend_burst_bytes and resend_rate_bytes_s must be >= 0, got {resend_burst_bytes}, "
+                             f"{resend_rate_bytes_s}")
+        self.resend_burst_bytes = resend_burst_bytes
+        self.resend_rate_bytes_s = resend_rate_bytes_s
+        self._resend_budget: dict[str, tuple[float, float]] = {}  # requester -> (bytes left, when)
         self._last_maintain = 0.0
         if hasattr(transport, "set_packet_listener"):
             transport.set_packet_listener(self._on_packet)
@@ -333,12 +353,17 @@ class Channel:
                          raw_bytes=_raw(ienv.body), fields=_fields_json(inner), codec=inner.codec,
                          transfer_id=c.transfer_id.hex(), chunk_count=c.count)
             return Received(inc.topic, info, inner, False, payload_sha256(whole), inc.received_at)
+        if isinstance(env.body, Resend):
+            # decided before the row is written: a refused request is a ``rejected`` row, not a received one
+            plan = self._plan_resend(env.sender, info, env.body)
+            if isinstance(plan, str):
+                return self._reject(inc, ResendRefused(plan, field="body"))
         self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
                      payload_bytes=len(inc.payload), body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain,
                      raw_bytes=_raw(env.body), fields=_fields_json(dec), codec=dec.codec, sig_bytes=sig_b,
                      enc_bytes=enc_b)
         if isinstance(env.body, Resend):
-            self._answer_resend(env.sender, env.body)
+            self._publish_resend(plan)
             return None
         return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload), inc.received_at)
 
@@ -385,23 +410,60 @@ class Channel:
             return topics.down_to(self.federation, peer, Kind.RESEND)
         return topics.up(self.federation, self.node_id, Kind.RESEND)
 
-    def _answer_resend(self, requester: str, req: Resend) -> None:
+    def _plan_resend(self, requester: str, info: topics.TopicInfo, req: Resend) -> tuple | str:
+        """What to publish again for a ``resend`` request, or why the request is refused.
+
+        Honoured only from a known peer (an agent: the server, on a ``down`` topic; the server: a
+        member admitted by ``transfer_filter``, i.e. a joined agent; with signing on the request
+        was verified before it got here), for a transfer this side still holds and sent to that
+        peer (a broadcast, or one addressed to it), for indices the transfer has, and within the
+        requester's budget of resent bytes (``resend_burst_bytes``, refilled at
+        ``resend_rate_bytes_s``). A chunk already resent less than a second ago is not sent again
+        (the request is still honoured).
+
+        Returns:
+            ``(chunks, meta)`` to hand to :meth:`_publish_resend` (``chunks`` may be empty), or
+            the reason of the refusal (a sentence naming the requester and the transfer).
+        """
+        tid = req.transfer_id.hex()
+        if self.side == "agent":
+            if requester != SERVER_ID or info.direction != "down":
+                return f"resend request from {requester!r} refused: only the server may ask an agent for chunks"
+        elif self.transfer_filter is not None and not self.transfer_filter(requester):
+            return f"resend request from {requester!r} refused: not a member of this federation (never joined)"
         meta = self.cache.meta(req.transfer_id)
-        chunks = self.cache.get(req.transfer_id, list(req.indices))
-        if meta is None or not chunks:
-            log.info("%s: resend of unknown transfer %s from %s ignored", self.node_id, req.transfer_id.hex(), requester)
-            return
+        held = self.cache.get(req.transfer_id, [0]) if meta is not None else []
+        if not held:
+            return f"resend request from {requester!r} refused: transfer {tid} is not held here (unknown or expired)"
         topic, round, kind_label, client = meta
         if self.side == "server" and client not in ("*", requester):
-            log.warning("%s: %s asked for chunks of a transfer addressed to %s; ignored", self.node_id, requester, client)
-            return
+            return f"resend request from {requester!r} refused: transfer {tid} was sent to {client!r}, not to it"
+        count = held[0].count
+        bad = [i for i in req.indices if i >= count]
+        if not req.indices or bad:
+            what = f"chunk {bad[0]}" if bad else "no chunk"
+            return f"resend request from {requester!r} refused: asks for {what} of transfer {tid} ({count} chunks)"
         now = time.monotonic()
-        fresh = [c for c in chunks if now - self._resent_at.get((c.transfer_id, c.index), -1e9) >= 1.0]
-        for c in fresh:
+        chunks = [c for c in self.cache.get(req.transfer_id, list(req.indices))
+                  if now - self._resent_at.get((c.transfer_id, c.index), -1e9) >= 1.0]
+        cost = sum(len(c.data) for c in chunks)
+        tokens, last = self._resend_budget.get(requester, (float(self.resend_burst_bytes), now))
+        tokens = min(float(self.resend_burst_bytes), tokens + (now - last) * self.resend_rate_bytes_s)
+        if cost > tokens:
+            self._resend_budget[requester] = (tokens, now)
+            return (f"resend request from {requester!r} refused: rate limit ({cost:,} bytes asked, {int(tokens):,} "
+                    f"left of {self.resend_burst_bytes:,}, refilled at {self.resend_rate_bytes_s:,.0f} B/s)")
+        if len(self._resend_budget) > 100_000:
+            self._resend_budget.clear()
+        self._resend_budget[requester] = (tokens - cost, now)
+        for c in chunks:
             self._resent_at[(c.transfer_id, c.index)] = now
         if len(self._resent_at) > 100_000:
             self._resent_at.clear()
-        chunks = fresh
+        return chunks, meta
+
+    def _publish_resend(self, plan: tuple) -> None:
+        chunks, (topic, round, kind_label, client) = plan
         if not chunks:
             return
         self.resent_chunks += len(chunks)

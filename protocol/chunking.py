@@ -43,8 +43,11 @@ mismatch drops the whole transfer. A transfer that received no chunk for ``ttl_s
 **Resend.** While a transfer stalls, the receiver may send ``resend`` (kind 9) with the
 ``transfer_id`` and the missing indices to the transfer's sender; the sender answers from a
 bounded cache of its recent transfers (:class:`TransferCache`) by publishing the same chunk
-records again (new envelopes, fresh ``seq``). A sender that no longer holds the transfer ignores
-the request; the receiver's transfer then expires. Resent chunks are ordinary chunks to the
+records again (new envelopes, fresh ``seq``). It honours a request only from a known peer (the
+server: a joined agent, verified when signing is on; an agent: the server), for a transfer sent
+to that peer, for indices the transfer has, and within a per-peer budget of resent bytes; a
+refused request (a sender that no longer holds the transfer included) is a ``rejected`` ledger
+row with its reason, and the receiver's transfer then expires. Resent chunks are ordinary chunks to the
 receiver (duplicates included).
 
 Units: bytes for every size, seconds for every duration.
