@@ -94,6 +94,7 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
           f"  {agent_command(cfg, url, federation)}", flush=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)
+    server = None
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=progress_printer(cfg.run.rounds))
@@ -110,6 +111,8 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
         print(f"finished {summary.rounds_completed} rounds; final test accuracy {summary.final_accuracy:.4f}; "
               f"run folder {out}")
     finally:
+        if server is not None:  # every exit path closes what it opened (issue 14); a second close is a no-op
+            server.channel.close()
         ledger.close()
         if broker is not None:
             broker.stop()

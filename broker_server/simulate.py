@@ -247,6 +247,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     threads: list[threading.Thread] = []
     errors: list[BaseException] = []
     summaries: list[AgentSummary] = []
+    server = None
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round, security=server_sec)
@@ -316,6 +317,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             a.stop()
         for t in threads:
             t.join(timeout=5)
+        for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):
+            ch.close()  # every exit path closes what it opened (issue 14); a second close is a no-op
         ledger.close()
         if broker is not None:
             broker.stop()
