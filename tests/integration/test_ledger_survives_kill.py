@@ -229,3 +229,28 @@ def test_streaming_device_killed_loses_only_its_last_second(broker: EmbeddedBrok
     first = min(s for _, _, s in relay.snapshot())
     assert seqs == list(range(first, first + len(seqs)))  # a prefix of what was sent
     assert ledger_closed_cleanly(ledger) is False
+
+
+def test_simulate_stopped_with_sigterm_closes_its_ledger(broker: EmbeddedBroker, relay: Relay,
+                                                        tmp_path: Path) -> None:
+    """``fedfleet simulate`` (server and agents in one process, one ledger) stopped mid-run."""
+    out = tmp_path / FED  # the run folder's name is the federation id
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker_server.cli", "simulate", "--config", "examples/quickstart.toml",
+         "--rounds", "200", "--clients", "2", "--broker", broker.url, "--out", str(out), "-q"],
+        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        assert _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, bound_s=300,
+                         proc=proc), proc.stderr.read() if proc.poll() is not None else "no round finished"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        _stop(proc)
+    ledger = out / "ledger.sqlite"
+    assert ledger_closed_cleanly(ledger) is True
+    assert read_meta(ledger)["stop_signal"] == "SIGTERM"
+    assert {k for _, k, _ in _ledger_sent(ledger)} >= {"join", "global", "round_start", "update", "receipt"}
+    rows = {(n, s) for n, _, s in _ledger_sent(ledger)}  # chunks: the relay sees kind "chunk", the ledger the kind carried
+    assert _wait_for(lambda: {(n, s) for n, _, s in relay.snapshot()} >= rows, bound_s=30)
+    assert rows == {(n, s) for n, _, s in relay.snapshot()}
