@@ -251,6 +251,7 @@ def test_simulate_stopped_with_sigterm_closes_its_ledger(broker: EmbeddedBroker,
     assert ledger_closed_cleanly(ledger) is True
     assert read_meta(ledger)["stop_signal"] == "SIGTERM"
     assert {k for _, k, _ in _ledger_sent(ledger)} >= {"join", "global", "round_start", "update", "receipt"}
-    rows = {(n, s) for n, _, s in _ledger_sent(ledger)}  # chunks: the relay sees kind "chunk", the ledger the kind carried
+    # (sender, seq) only: for a chunk the relay sees kind "chunk", the ledger the kind it carries
+    rows = {(n, s) for n, _, s in _ledger_sent(ledger)}
     assert _wait_for(lambda: {(n, s) for n, _, s in relay.snapshot()} >= rows, bound_s=30)
     assert rows == {(n, s) for n, _, s in relay.snapshot()}
