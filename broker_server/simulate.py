@@ -29,6 +29,7 @@ from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
 from edge_agent.data import load_dataset
 from edge_agent.errors import EdgeAgentError, PartitionError
+from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.device import detect
 from edge_agent.partition import describe, split_dataset
 from edge_agent.runtime import agent_runtime
@@ -331,6 +332,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
         "dataset": ds.name, "substitutions": list(ds.substitutions),
         "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
+        "optional_runtimes": optional_runtimes(),
         "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
         "emulated_link_s": {s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         **server.onnx_result,

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from .models import build_model
     from .partition import split_dataset
     from .profiles import ProfileError, get_profile, load_profile
+    from .optional_runtime import unavailable
     from .runtime import agent_runtime
 
     args = build_parser().parse_args(argv)
@@ -275,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             warn.cancel()
         ch.close()
         ledger.close()
-    if args.onnx_eval:
+    if args.onnx_eval and (why := unavailable("onnx", "onnxruntime")):  # probed in a child: cannot crash us
+        print(f"onnx: --onnx-eval skipped: {why}", file=sys.stderr)
+    elif args.onnx_eval:
         from .onnx_runtime import OnnxModel, export_onnx
 
         model.to("cpu")
