@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,9 @@ import pytest
 
 import broker_server.cli as cli
 import broker_server.simulate as simulate_mod
+from broker_server import config as config_mod
+from broker_server.embedded_broker import EmbeddedBroker
+from broker_server.server_main import agent_command
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +102,44 @@ def test_simulate_exits_nonzero_when_agents_failed(tmp_path: Path, monkeypatch: 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["rounds_completed"] == 1  # the other two made the quorum of 2
     assert summary["agent_errors"] == ["RuntimeError('simulated device failure')"]
+
+
+def test_real_server_and_agents_finish_when_onnxruntime_aborts(tmp_path: Path) -> None:
+    """``fedfleet server`` + two ``fedfleet-agent`` processes: the server used to exit 1 without
+    summary.json after the federation, the agents to crash in device detection."""
+    shim = tmp_path / "shim" / "onnxruntime"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(SHIM["abort"][0] + "\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cfg_path = tmp_path / "quick.toml"
+    cfg_path.write_text((ROOT / "examples" / "quickstart.toml").read_text().replace("clients = 4", "clients = 2"),
+                        encoding="utf-8")
+    cfg = config_mod.load(cfg_path)
+    run = tmp_path / "fed"
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        server = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "server", "--config", str(cfg_path),
+                                   "--rounds", "2", "--broker", broker.url, "--out", str(run)],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        words = shlex.split(agent_command(cfg, broker.url, "fed"))[1:]
+        agents = [subprocess.Popen(
+            [sys.executable, "-m", "edge_agent.cli",
+             *[w.replace("DEVICE_ID", f"client-{i:03d}").replace("i/2", f"{i}/2") for w in words],
+             "--out", str(tmp_path / f"agent-{i}")],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        try:
+            server_out, _ = server.communicate(timeout=600)
+            agent_outs = [a.communicate(timeout=120)[0] for a in agents]
+        finally:
+            for p in (server, *agents):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert server.returncode == 0, server_out[-3000:]
+    assert [a.returncode for a in agents] == [0, 0], agent_outs
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds_completed"] == 2
+    assert summary["optional_runtimes"]["onnxruntime"]["reason"] == SHIM["abort"][1]
+    assert summary["onnx_error"] == f"onnxruntime unavailable: {SHIM['abort'][1]}"
+    for out in agent_outs:  # the reason the device plan fell back, as its join carries it
+        assert f"fallback: onnxruntime cannot be used ({SHIM['abort'][1]})" in out
+
