@@ -213,3 +213,21 @@ def test_sigterm_commits_and_closes_a_real_process(tmp_path: Path, ending: str) 
     assert _committed(path) == 7
     assert read_meta(path)["stop_signal"] == "SIGTERM"
     assert ledger_closed_cleanly(path) is (ending == "close")
+
+
+def test_interpreter_exit_commits_a_ledger_left_open(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    code = textwrap.dedent("""
+        import sys
+        from protocol.ledger import Ledger, LedgerRow
+        led = Ledger(sys.argv[1], commit_interval_s=3600.0)
+        for i in range(5):
+            led.record(LedgerRow(federation="f", side="agent", node="c0", event="sent", direction="up",
+                                 kind="status", round=0, client="c0", sender="c0", seq=i, topic="t", topic_bytes=1,
+                                 mqtt_header_bytes=4, envelope_bytes=10, body_bytes=5, payload_bytes=15, qos=1))
+        sys.exit(3)  # never closed: the atexit hook commits, but it was not a clean close
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    assert subprocess.run([sys.executable, "-c", code, str(path)], env=env, timeout=120).returncode == 3
+    assert _committed(path) == 5
+    assert ledger_closed_cleanly(path) is False
