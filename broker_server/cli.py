@@ -7,6 +7,7 @@ message says what to fix); 3 data set not found; 4 broker not reachable or not s
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -76,7 +77,9 @@ def _cmd_simulate(args) -> int:
     source = next((m.get("accuracy_source") for m in reversed(res.metrics) if m.get("accuracy_source")), "global")
     _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker,
                    accuracy_source=source)
-    return EXIT_OK
+    if failed := json.loads((res.run_dir / "summary.json").read_text()).get("agent_errors"):
+        print(f"fedfleet simulate: {len(failed)} agent(s) failed: {'; '.join(failed)}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, broker: str, *,
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from protocol.lifecycle import install_signal_handlers
+    install_signal_handlers()  # SIGTERM/SIGINT: ledgers committed, run folders closed in order (issue 14)
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -665,9 +665,10 @@ class AggregationServer:
         """Export the final model to ``model_final.onnx`` and evaluate it with ONNX Runtime on
         the test split (the deployable artefact is checked, not just written)."""
         from edge_agent.errors import EdgeAgentError
-        from edge_agent.onnx_runtime import OnnxModel, export_onnx
 
         try:
+            from edge_agent.onnx_runtime import OnnxModel, export_onnx  # ImportError: onnx(runtime) unavailable
+
             path = export_onnx(self.model, self.run_dir / "model_final.onnx", input_shape=tuple(self.test.x.shape[1:]))
             om = OnnxModel(path)
             acc, loss = om.evaluate(np.asarray(self.test.x, dtype=np.float32), np.asarray(self.test.y))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from edge_agent.data import load_dataset
+from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import describe
 from protocol.ledger import Ledger
 
@@ -116,6 +117,7 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
         print(f"  {assignment}", flush=True)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)
+    server = None
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=progress_printer(cfg.run.rounds))
@@ -128,10 +130,13 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
         (out / "summary.json").write_text(json.dumps({
             "federation": federation, "final_accuracy": summary.final_accuracy,
             "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,
-            "dataset": ds.name, "clients": cfg.data.clients}, indent=1), encoding="utf-8")
+            "dataset": ds.name, "clients": cfg.data.clients,
+            "optional_runtimes": optional_runtimes(), **server.onnx_result}, indent=1), encoding="utf-8")
         print(f"finished {summary.rounds_completed} rounds; final test accuracy {summary.final_accuracy:.4f}; "
               f"run folder {out}")
     finally:
+        if server is not None:  # every exit path closes what it opened (issue 14); a second close is a no-op
+            server.channel.close()
         ledger.close()
         if broker is not None:
             broker.stop()

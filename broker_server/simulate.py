@@ -30,6 +30,7 @@ from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
 from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
+from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.device import detect
 from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
 from edge_agent.partition import describe, split_dataset
@@ -258,6 +259,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     threads: list[threading.Thread] = []
     errors: list[BaseException] = []
     summaries: list[AgentSummary] = []
+    server = None
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round, security=server_sec)
@@ -322,6 +324,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             a.stop()
         for t in threads:
             t.join(timeout=5)
+        for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):
+            ch.close()  # every exit path closes what it opened (issue 14); a second close is a no-op
         ledger.close()
         if broker is not None:
             broker.stop()
@@ -334,6 +338,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
         "dataset": ds.name, "substitutions": list(ds.substitutions),
         "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
+        "optional_runtimes": optional_runtimes(),
         "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
         "emulated_link_s": {s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         **server.onnx_result,

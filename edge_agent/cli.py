@@ -157,11 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     from .device import apply
     from .errors import DataError, EdgeAgentError
     from .profiles import ProfileError, get_profile, load_profile
+    from .optional_runtime import unavailable
     from .runtime import agent_runtime
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from protocol.lifecycle import install_signal_handlers
+    install_signal_handlers()  # SIGTERM/SIGINT: ledger committed, channel and ledger closed in order (issue 14)
     try:
         if not valid_id(args.client_id) or not valid_id(args.federation):
             raise ValueError("--client-id and --federation must be 1-64 chars of A-Za-z0-9_.-")
@@ -272,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             warn.cancel()
         ch.close()
         ledger.close()
-    if args.onnx_eval:
+    if args.onnx_eval and (why := unavailable("onnx", "onnxruntime")):  # probed in a child: cannot crash us
+        print(f"onnx: --onnx-eval skipped: {why}", file=sys.stderr)
+    elif args.onnx_eval:
         from .onnx_runtime import OnnxModel, export_onnx
 
         model.to("cpu")

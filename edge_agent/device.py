@@ -99,7 +99,11 @@ class DeviceInfo:
             without CUDA (fp16 autocast is only used on CUDA).
         torch_version: ``torch.__version__``.
         onnx_providers_available: ``onnxruntime.get_available_providers()``, empty when
-            onnxruntime is not installed (a tuple, so the record stays immutable).
+            onnxruntime is not installed or cannot be loaded (a tuple, so the record stays
+            immutable); from the probe of :mod:`edge_agent.optional_runtime` (a child process),
+            so a broken onnxruntime cannot crash detection.
+        onnx_unavailable: why onnxruntime cannot be used (``"OSError: …"``, ``"import killed the
+            probe process (SIGABRT)"``), "" when it can or when the reason is unknown.
     """
 
     platform: str
@@ -113,6 +117,7 @@ class DeviceInfo:
     fp16_supported: bool
     torch_version: str
     onnx_providers_available: tuple[str, ...]
+    onnx_unavailable: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,12 +263,12 @@ def _cuda() -> tuple[bool, str | None, int | None, bool]:
     return True, name, memory_mb, capability >= FP16_MIN_CAPABILITY
 
 
-def _onnx_providers() -> tuple[str, ...]:
-    try:
-        import onnxruntime
-    except (ImportError, OSError):
-        return ()
-    return tuple(str(p) for p in onnxruntime.get_available_providers())
+def _onnx_providers() -> tuple[tuple[str, ...], str]:
+    """ONNX Runtime's providers and, when it cannot be used, why (probed once, in a child)."""
+    from .optional_runtime import probe
+
+    st = probe("onnxruntime")
+    return (st.providers, "") if st.available else ((), st.reason)
 
 
 def detect(root: str | Path = "/", *, machine: str | None = None) -> DeviceInfo:
@@ -285,6 +290,7 @@ def detect(root: str | Path = "/", *, machine: str | None = None) -> DeviceInfo:
     tree_model = _device_tree_model(root)
     l4t = _l4t_release(root)
     cuda_available, cuda_device, cuda_memory_mb, fp16 = _cuda()
+    providers, no_onnx = _onnx_providers()
     return DeviceInfo(
         platform=_platform(tree_model, l4t, arch),
         model=tree_model or _cpuinfo_model(root) or arch or "unknown",
@@ -296,7 +302,8 @@ def detect(root: str | Path = "/", *, machine: str | None = None) -> DeviceInfo:
         cuda_memory_mb=cuda_memory_mb,
         fp16_supported=fp16,
         torch_version=str(torch.__version__),
-        onnx_providers_available=_onnx_providers(),
+        onnx_providers_available=providers,
+        onnx_unavailable=no_onnx,
     )
 
 
@@ -311,7 +318,10 @@ def _plan_providers(requested: Sequence[str], info: DeviceInfo) -> tuple[tuple[s
     available = set(info.onnx_providers_available)
     if not available:
         if wanted:
-            reasons.append(f"onnxruntime is not installed: none of {', '.join(wanted)} can be used")
+            why = info.onnx_unavailable
+            what = ("onnxruntime is not installed" if not why or why.startswith("ModuleNotFoundError")
+                    else f"onnxruntime cannot be used ({why})")
+            reasons.append(f"{what}: none of {', '.join(wanted)} can be used")
         return (), reasons
     kept: list[str] = []
     missing: list[tuple[int, str, str]] = []  # (position, provider, why)

@@ -28,7 +28,10 @@ ONNX Runtime exceptions (and ``OSError`` when reading the file) are converted on
 and the providers in use.
 
 Requires the ``onnx`` and ``onnxruntime`` packages (``pip install onnx onnxruntime``; on a
-Jetson, NVIDIA's ``onnxruntime-gpu`` wheel).
+Jetson, NVIDIA's ``onnxruntime-gpu`` wheel). Both are optional native extensions: before they are
+imported here, :func:`edge_agent.optional_runtime.require` checks (once per process, in a child
+process) that they import without raising or killing the interpreter; otherwise importing this
+module raises ``ImportError`` with the reason, which every caller treats as "use torch".
 """
 
 from __future__ import annotations
@@ -42,12 +45,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
 from torch import nn
 
 from edge_agent.errors import DataError, ModelError
+from edge_agent.optional_runtime import require
+
+require("onnx", "onnxruntime")  # ImportError with the reason: a broken install must not kill this process
+
+import onnx  # noqa: E402  (only once the probe said it imports)
+import onnxruntime as ort  # noqa: E402
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -466,7 +473,7 @@ class OnnxModel:
                     f"ONNX Runtime failed on {self.path} (providers {self.providers_used}) "
                     f"for a batch of shape {list(batch.shape)}: {exc}"
                 ) from exc
-            for name, value in zip(self.output_names, values):
+            for name, value in zip(self.output_names, values, strict=True):
                 chunks[name].append(value)
         return {name: np.concatenate(parts, axis=0) for name, parts in chunks.items()}
 

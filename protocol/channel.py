@@ -22,6 +22,7 @@ from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
 from .errors import FedfleetProtocolError, FieldError, ProtocolError
 from .ledger import Ledger, LedgerRow
+from .lifecycle import atomic
 from .messages import (SERVER_ID, Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms,
                        payload_sha256)
 from .mqtt_bytes import publish_size
@@ -183,6 +184,7 @@ class Channel:
 
     # ------------------------------------------------------------------ sending
 
+    @atomic
     def send(self, topic: str, body: Body, *, round: int, retain: bool = False,
              wait_s: float | None = None, recipient: str = "*", codec: Any = None,
              extra_codecs: Mapping[str, Any] | None = None) -> Encoded:
@@ -251,6 +253,7 @@ class Channel:
         """Payload bytes ``body`` would take (for link emulation; encodes once, sends nothing)."""
         return len(encode(Envelope(round=0, sender=self.node_id, seq=1, body=body), codec, extra_codecs).payload)
 
+    @atomic
     def _publish_chunks(self, chunks: list[Chunk], topic: str, round: int, kind_label: str, client: str,
                         wait_s: float | None) -> None:
         for c in chunks:
@@ -293,6 +296,7 @@ class Channel:
             if item is not None:
                 return item
 
+    @atomic
     def accept(self, inc: Incoming) -> Received | Rejected | None:
         """Decode one incoming payload and write its ledger row (never raises on bad bytes).
 

@@ -43,7 +43,21 @@ whole packet size is in ``mqtt_header_bytes``.
 on the agent side, and ``'*'`` for a broadcast recorded by the server.
 
 The ledger is safe to share between threads (one connection guarded by a lock) and is written
-in WAL mode; rows are committed in batches and on :meth:`Ledger.flush`.
+in WAL mode (``synchronous=NORMAL``: a committed row survives the writing process being killed,
+SIGKILL included; only a power loss can take the last commits). Durability (issue 14):
+
+- rows are committed at most ``commit_interval_s`` (1 s) after they were recorded: on the next
+  write once the interval has passed, else by one idle-waiting committer thread per process
+  (:class:`_Committer`, started on first use, it sleeps without a timeout while nothing is
+  pending); also every ``batch`` rows, on :meth:`Ledger.flush` (the server calls it at each
+  round's end) and at once for the rows that end a round on either side (:data:`COMMIT_AT_ONCE`);
+- after ``kill -9`` the file holds every row recorded more than about ``commit_interval_s``
+  earlier; :mod:`protocol.lifecycle` turns SIGTERM/SIGINT into a commit of every open ledger and
+  an orderly exit, and at interpreter exit pending rows are committed (:func:`flush_open_ledgers`);
+- the ``meta`` table says how the last writer ended: ``closed_cleanly`` is ``'0'`` while a writer
+  has the file open and ``'1'`` after :meth:`Ledger.close` (with ``closed_at``, Unix seconds);
+  ``stop_signal`` names a signal that stopped the writer (``SIGTERM``). Read it with
+  :func:`ledger_closed_cleanly`.
 
 Schema versions: 1 (first cut), 2 (``message`` event, raw/field/chunk columns), 3 (``link_s``),
 4 (``sig_bytes``, ``enc_bytes``). Opening an older file for writing migrates it in place (new
@@ -52,10 +66,14 @@ columns read 0 in old rows); a newer file is refused.
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import logging
 import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -63,6 +81,16 @@ from pathlib import Path
 from .errors import LedgerError
 
 SCHEMA_VERSION = 4
+
+log = logging.getLogger(__name__)
+
+#: Seconds a recorded row may wait for its commit (the most a ``kill -9`` can take from a ledger).
+COMMIT_INTERVAL_S = 1.0
+
+#: ``(event, kind)`` of rows committed at once: the ends of a round on each side (the agent's
+#: ``update`` sent, the ``round_start`` that opens the next round, ``finish``) and ``join``.
+COMMIT_AT_ONCE = frozenset({("sent", "update"), ("sent", "round_start"), ("received", "round_start"),
+                            ("sent", "finish"), ("received", "finish"), ("sent", "join")})
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -191,26 +219,123 @@ _ADDED_COLUMNS = (
 _INSERT = f"INSERT INTO messages ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
 
 
+class _Committer:
+    """One daemon thread per process that commits ledgers whose oldest pending row is due.
+
+    It waits on a condition without a timeout while no ledger has pending rows, so an idle process
+    has no thread waking up; :meth:`due` is called by a ledger when it records the first row after a
+    commit, with the time (``time.monotonic()``) by which that row must be committed.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[int, tuple[float, weakref.ref]] = {}  # ledger token -> (deadline, ledger)
+        self._thread: threading.Thread | None = None
+
+    def due(self, token: int, ledger: Ledger, deadline: float) -> None:
+        with self._cond:
+            if token in self._due:
+                return
+            self._due[token] = (deadline, weakref.ref(ledger))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ledger-commit", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due:
+                    self._cond.wait()
+                token, (deadline, ref) = min(self._due.items(), key=lambda kv: kv[1][0])
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                del self._due[token]
+            ledger = ref()
+            if ledger is not None:
+                try:
+                    ledger._commit_due()
+                except Exception as exc:  # a closed or broken file: the writer sees it on its next row
+                    log.warning("ledger %s: timed commit failed: %s", ledger.path, exc)
+
+
+_committer = _Committer()
+_tokens = itertools.count(1)
+_open: weakref.WeakSet[Ledger] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:  # the parent's thread and lock states do not cross a fork
+    global _committer, _open
+    _committer = _Committer()
+    _open = weakref.WeakSet()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def open_ledgers() -> list[Ledger]:
+    """The ledgers of this process that are open for writing (for :mod:`protocol.lifecycle`)."""
+    return list(_open)
+
+
+def flush_open_ledgers(*, stop_signal: str | None = None) -> int:
+    """Commit the pending rows of every open ledger of this process; return how many ledgers.
+
+    Args:
+        stop_signal: name of the signal that is stopping the process (``"SIGTERM"``); stored in
+            each ledger's ``meta`` as ``stop_signal``. ``None`` stores nothing.
+
+    Never raises: a ledger that cannot commit is logged and skipped (this runs in signal handlers
+    and at interpreter exit).
+    """
+    n = 0
+    for ledger in open_ledgers():
+        try:
+            if stop_signal is not None:
+                ledger.set_meta("stop_signal", stop_signal)
+            ledger.flush()
+            n += 1
+        except Exception as exc:
+            log.warning("ledger %s: final commit failed: %s", ledger.path, exc)
+    return n
+
+
+atexit.register(flush_open_ledgers)
+
+
 class Ledger:
     """SQLite byte ledger in ``path`` (created with its schema when missing).
 
     Args:
         path: the database file, normally ``RUN_DIR/ledger.sqlite``.
         batch: rows kept before an automatic commit.
+        commit_interval_s: longest time (seconds) a recorded row waits for its commit; > 0.
 
     Raises:
         LedgerError: the file cannot be opened or has an incompatible schema.
+        ValueError: ``batch`` < 1 or ``commit_interval_s`` <= 0.
     """
 
-    def __init__(self, path: str | os.PathLike, *, batch: int = 256) -> None:
+    def __init__(self, path: str | os.PathLike, *, batch: int = 256,
+                 commit_interval_s: float = COMMIT_INTERVAL_S) -> None:
+        if batch < 1:
+            raise ValueError(f"Ledger batch={batch!r}: need at least 1 row per commit")
+        if not commit_interval_s > 0:
+            raise ValueError(f"Ledger commit_interval_s={commit_interval_s!r}: need a positive number of seconds")
         self.path = Path(path)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a signal handler may commit while the main thread records
         self._pending = 0
         self._batch = batch
+        self._interval = float(commit_interval_s)
+        self._last_commit = time.monotonic()
+        self._token = next(_tokens)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
             self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
@@ -221,8 +346,26 @@ class Ledger:
                                   f"({SCHEMA_VERSION}); upgrade fedfleet to write to it")
             elif int(row[0]) < SCHEMA_VERSION:
                 _migrate(self._db, int(row[0]))
+            self._db.execute("DELETE FROM meta WHERE key IN ('closed_at', 'stop_signal')")
+            self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                 [("closed_cleanly", "0"), ("opened_at", repr(time.time())),
+                                  ("writer_pid", str(os.getpid()))])
+            self._db.commit()
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open ledger {self.path}: {exc}") from exc
+        _open.add(self)
+
+    def _commit(self) -> None:
+        """Commit now (caller holds the lock and has checked the connection is open)."""
+        self._db.commit()
+        self._pending = 0
+        self._last_commit = time.monotonic()
+
+    def _commit_due(self) -> None:
+        """The committer thread's call: commit rows that have waited their interval."""
+        with self._lock:
+            if self._db is not None and self._pending:
+                self._commit()
 
     def record(self, row: LedgerRow) -> None:
         """Append one row (``ts`` is filled with the current time when 0).
@@ -235,26 +378,49 @@ class Ledger:
             values["ts"] = time.time()
         values["retained"] = int(values["retained"])
         with self._lock:
+            if self._db is None:
+                raise LedgerError(f"cannot write ledger row ({row.kind}, {row.topic}): {self.path} is closed "
+                                  "(a connection outlived its run?)")
             try:
                 self._db.execute(_INSERT, [values[c] for c in _COLUMNS])
+                self._pending += 1
+                if (self._pending >= self._batch or (row.event, row.kind) in COMMIT_AT_ONCE
+                        or time.monotonic() - self._last_commit >= self._interval):
+                    self._commit()
+                    return
             except sqlite3.Error as exc:
                 raise LedgerError(f"cannot write ledger row ({row.kind}, {row.topic}): {exc}") from exc
-            self._pending += 1
-            if self._pending >= self._batch:
-                self._db.commit()
-                self._pending = 0
+            if self._pending == 1:  # the first row since the last commit: it is due one interval from now
+                _committer.due(self._token, self, time.monotonic() + self._interval)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._db is None
 
     def flush(self) -> None:
-        """Commit pending rows."""
+        """Commit pending rows (a no-op on a closed ledger).
+
+        Raises:
+            LedgerError: SQLite refused the commit (disk full, file removed …).
+        """
         with self._lock:
-            self._db.commit()
-            self._pending = 0
+            if self._db is None:
+                return
+            try:
+                self._commit()
+            except sqlite3.Error as exc:
+                raise LedgerError(f"cannot commit ledger {self.path}: {exc}") from exc
 
     def close(self) -> None:
-        """Commit and close (idempotent)."""
+        """Commit, record the clean close in ``meta`` (``closed_cleanly='1'``, ``closed_at``) and
+        close (idempotent)."""
         with self._lock:
             if self._db is not None:
-                self._db.commit()
+                _open.discard(self)
+                self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                     [("closed_cleanly", "1"), ("closed_at", repr(time.time()))])
+                self._commit()
                 try:  # leave a single self-contained file behind (no -wal/-shm) for readers
                     self._db.execute("PRAGMA journal_mode=DELETE")
                 except sqlite3.Error:
@@ -263,18 +429,34 @@ class Ledger:
                 self._db = None  # type: ignore[assignment]
 
     def set_meta(self, key: str, value: str) -> None:
-        """Store one key/value pair describing the run (federation, protocol version …)."""
+        """Store one key/value pair describing the run (federation, protocol version …); commits.
+
+        Raises:
+            LedgerError: the ledger is closed or SQLite refused the write.
+        """
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-            self._db.commit()
+            if self._db is None:
+                raise LedgerError(f"cannot set {key!r} in {self.path}: the ledger is closed")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+                self._commit()
+            except sqlite3.Error as exc:
+                raise LedgerError(f"cannot set {key!r} in {self.path}: {exc}") from exc
 
     def rows(self, where: str = "", params: tuple = ()) -> list[LedgerRow]:
-        """Rows matching an optional SQL ``where`` clause (without the keyword), in insertion order."""
+        """Rows matching an optional SQL ``where`` clause (without the keyword), in insertion order.
+
+        Raises:
+            LedgerError: the ledger is closed (read the file with :func:`read_rows`).
+        """
         self.flush()
         sql = f"SELECT {', '.join(_COLUMNS)} FROM messages" + (f" WHERE {where}" if where else "") + " ORDER BY id"
         with self._lock:
+            if self._db is None:
+                raise LedgerError(f"{self.path} is closed: read it with protocol.ledger.read_rows")
             cur = self._db.execute(sql, params)
-            return [LedgerRow(**{**dict(zip(_COLUMNS, r)), "retained": bool(r[_COLUMNS.index("retained")])})
+            retained = _COLUMNS.index("retained")
+            return [LedgerRow(**{**dict(zip(_COLUMNS, r, strict=True)), "retained": bool(r[retained])})
                     for r in cur.fetchall()]
 
     def __enter__(self) -> Ledger:
@@ -303,3 +485,39 @@ def read_rows(path: str | os.PathLike) -> Iterator[dict]:
             db.close()
     except sqlite3.Error as exc:
         raise LedgerError(f"{p} is not a readable fedfleet ledger: {exc}") from exc
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, str]:
+    """The ``meta`` table of a ledger file as a dict (read-only; a file a writer still has open, or
+    one left behind by a killed writer with its ``-wal`` file, reads with every committed row).
+
+    Raises:
+        LedgerError: the file is missing or not a fedfleet ledger.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise LedgerError(f"no ledger at {p}")
+    try:
+        db = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            return {str(k): str(v) for k, v in db.execute("SELECT key, value FROM meta")}
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise LedgerError(f"{p} is not a readable fedfleet ledger: {exc}") from exc
+
+
+def ledger_closed_cleanly(path: str | os.PathLike) -> bool | None:
+    """Whether the last writer of the ledger at ``path`` closed it (:meth:`Ledger.close`).
+
+    Returns:
+        ``True`` after a clean close (also after SIGTERM/SIGINT, which :mod:`protocol.lifecycle`
+        turns into one: see ``meta.stop_signal``); ``False`` while a writer has it open or when the
+        writer ended without closing it (killed, crashed: rows of its last second may be missing);
+        ``None`` for a ledger written before fedfleet recorded closes (no ``closed_cleanly`` key).
+
+    Raises:
+        LedgerError: the file is missing or not a fedfleet ledger.
+    """
+    flag = read_meta(path).get("closed_cleanly")
+    return None if flag is None else flag == "1"

@@ -218,7 +218,16 @@ def clean_close(db: sqlite3.Connection) -> bool:
     A ledger is written in WAL mode and :meth:`~protocol.ledger.Ledger.close` switches it back to
     a rollback journal (``journal_mode=DELETE``) as it closes, so a file still in WAL mode was
     not closed: its writer crashed, was killed, or is still running, and rows it had not yet
-    committed are missing. An in-memory ledger (:func:`memory_ledger`) counts as closed.
+    committed are missing. The ledger's own record (``meta.closed_cleanly``, written by
+    :class:`protocol.ledger.Ledger` since it records closes: '0' while open, '1' after a close)
+    decides where it exists; the journal mode decides for older ledgers. An in-memory ledger
+    (:func:`memory_ledger`) counts as closed.
     """
+    try:
+        flag = db.execute("SELECT value FROM main.meta WHERE key = 'closed_cleanly'").fetchone()
+    except sqlite3.Error:  # no meta table: an in-memory or pre-meta ledger
+        flag = None
+    if flag is not None:
+        return str(flag[0]) == "1"
     mode = db.execute("PRAGMA main.journal_mode").fetchone()
     return not (mode and str(mode[0]).lower() == "wal")

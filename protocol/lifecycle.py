@@ -1,0 +1,109 @@
+"""How a fedfleet process stops: SIGTERM and SIGINT end it in order, with every ledger committed.
+
+``fedfleet-agent``, ``fedfleet server`` and ``fedfleet simulate`` call :func:`install_signal_handlers`
+once at start. On the first SIGTERM or SIGINT the handler
+
+1. commits every open :class:`~protocol.ledger.Ledger` of the process and stores the signal's name
+   in its ``meta`` table (``stop_signal``), so the rows are on disk even if what follows hangs;
+2. unwinds the main thread: ``SystemExit(128 + signum)`` for SIGTERM (exit status 143, as a shell
+   reports a process that SIGTERM ended), ``KeyboardInterrupt`` for SIGINT (Python's default), so
+   the program's ``finally`` blocks close the channels (DISCONNECT, the messages that had arrived
+   are ledgered) and the ledger (``closed_cleanly='1'``).
+
+A signal that arrives while the main thread is inside a function marked :func:`atomic` (a
+message being published and ledgered, or decoded and ledgered) is held until that function
+returns, so that no message the process handed to the broker misses its ledger row. A second
+signal while the first is being handled commits the ledgers again and ends the process at once
+(``os._exit``) — the way out of a shutdown that hangs.
+
+Only the main thread can install handlers (a Python rule); elsewhere :func:`install_signal_handlers`
+does nothing and returns ``False``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .ledger import flush_open_ledgers
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The signals :func:`install_signal_handlers` handles by default.
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+
+_MAIN = threading.main_thread().ident
+_state = threading.local()  # depth of atomic() calls on this thread
+_held: list[int] = []  # a signal that arrived inside atomic(), raised when the outermost call returns
+_received: list[int] = []  # every stop signal handled so far
+
+
+def _depth() -> int:
+    return getattr(_state, "depth", 0)
+
+
+def _unwind(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+def _handler(signum: int, frame: object) -> None:
+    name = signal.Signals(signum).name
+    _received.append(signum)
+    flush_open_ledgers(stop_signal=name)
+    if len(_received) > 1:  # the orderly stop did not finish: leave now
+        log.warning("second %s: exiting at once (ledgers committed)", name)
+        os._exit(128 + signum)
+    log.warning("%s received: committing the ledgers and stopping", name)
+    if _depth() > 0:
+        _held.append(signum)
+        return
+    _unwind(signum)
+
+
+def install_signal_handlers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> bool:
+    """Handle ``signals`` as the module docstring says (idempotent).
+
+    Args:
+        signals: the signals to handle (SIGTERM and SIGINT).
+
+    Returns:
+        ``True`` when the handlers are installed, ``False`` when called from a thread other than
+        the main thread (a Python rule: nothing is changed then).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for sig in signals:
+        signal.signal(sig, _handler)
+    return True
+
+
+def stop_signals_received() -> tuple[str, ...]:
+    """Names of the stop signals this process has handled, in order (``("SIGTERM",)``)."""
+    return tuple(signal.Signals(s).name for s in _received)
+
+
+def atomic(fn: F) -> F:
+    """Decorator: a stop signal arriving while ``fn`` runs on the main thread takes effect when
+    ``fn`` returns (or raises), never half-way through it. Costs one attribute read and write per
+    call; calls on other threads are never interrupted anyway (signals run on the main thread)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _state.depth = _depth() + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _state.depth -= 1
+            if _state.depth == 0 and _held and threading.get_ident() == _MAIN:
+                _unwind(_held.pop())
+
+    return wrapper  # type: ignore[return-value]
