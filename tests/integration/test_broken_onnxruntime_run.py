@@ -44,7 +44,9 @@ def _simulate(tmp_path: Path, mode: str, *extra: str) -> tuple[subprocess.Comple
     return proc, out
 
 
-@pytest.mark.parametrize("mode", sorted(SHIM))
+# every failure kind is probed in tests/edge_agent/test_optional_runtime_probe.py; a whole run is
+# repeated for the two ways the probe ends (an exception it reports, a killed child process)
+@pytest.mark.parametrize("mode", ["RuntimeError", "abort"])
 def test_quickstart_completes_without_onnxruntime(tmp_path: Path, mode: str) -> None:
     proc, out = _simulate(tmp_path, mode, "--config", "examples/quickstart.toml")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,7 +120,7 @@ def test_real_server_and_agents_finish_when_onnxruntime_aborts(tmp_path: Path) -
     run = tmp_path / "fed"
     with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
         server = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "server", "--config", str(cfg_path),
-                                   "--rounds", "2", "--broker", broker.url, "--out", str(run)],
+                                   "--rounds", "1", "--broker", broker.url, "--out", str(run)],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         words = shlex.split(agent_command(cfg, broker.url, "fed"))[1:]
         agents = [subprocess.Popen(
