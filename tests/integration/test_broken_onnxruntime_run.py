@@ -120,7 +120,7 @@ def test_real_server_and_agents_finish_when_onnxruntime_aborts(tmp_path: Path) -
     run = tmp_path / "fed"
     with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
         server = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "server", "--config", str(cfg_path),
-                                   "--rounds", "1", "--broker", broker.url, "--out", str(run)],
+                                   "--rounds", "2", "--broker", broker.url, "--out", str(run)],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         words = shlex.split(agent_command(cfg, broker.url, "fed"))[1:]
         agents = [subprocess.Popen(
