@@ -36,10 +36,10 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-from protocol.broker_url import DEFAULT_PORTS, BrokerAddress, parse_broker_url  # the URL parser lives in protocol
+from protocol.broker_url import BrokerAddress, parse_broker_url  # the URL parser lives in protocol
 
 from .errors import BrokerStartError
 

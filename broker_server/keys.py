@@ -24,8 +24,15 @@ from pathlib import Path
 
 from protocol.errors import SecurityConfigError
 from protocol.messages import SERVER_ID
-from protocol.security import (enroll, generate_identity, list_enrolled, load_identity, load_public, revoke,
-                               write_key_dir)
+from protocol.security import (
+    enroll,
+    generate_identity,
+    list_enrolled,
+    load_identity,
+    load_public,
+    revoke,
+    write_key_dir,
+)
 
 from .errors import ConfigError
 

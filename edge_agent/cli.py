@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     from .assembly import build_agent, channel_limits, offline_will, prepare_agent
     from .device import apply
     from .errors import DataError, EdgeAgentError
-    from .profiles import ProfileError, get_profile, load_profile
     from .optional_runtime import unavailable
+    from .profiles import ProfileError, get_profile, load_profile
     from .runtime import agent_runtime
 
     args = build_parser().parse_args(argv)

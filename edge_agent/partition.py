@@ -462,8 +462,8 @@ def domain_silo(
     unbalanced by client count, and "a domain's training split is divided uniformly into disjoint
     shards, one per client of that domain" (SPECS.md §1.1). Clients are numbered domain by
     domain in ``domain_names`` order (the default 3/4/2/1 on PACS: clients 0–2 photo, 3–6
-    art_painting, 7–8 cartoon, 9 sketch). With one ``numpy.random.default_rng(seed)``, for each domain with k_d >= 1 clients
-    in that order, the domain's n_d sample indices are permuted and cut by
+    art_painting, 7–8 cartoon, 9 sketch). With one ``numpy.random.default_rng(seed)``, for each
+    domain with k_d >= 1 clients in that order, the domain's n_d sample indices are permuted and cut by
     ``numpy.array_split`` into k_d shards of ``n_d // k_d`` or ``n_d // k_d + 1`` samples (the
     first ``n_d mod k_d`` shards get the extra one), each then sorted.
 

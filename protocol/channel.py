@@ -23,8 +23,20 @@ from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_dat
 from .errors import FedfleetProtocolError, FieldError, ProtocolError
 from .ledger import Ledger, LedgerRow
 from .lifecycle import atomic
-from .messages import (SERVER_ID, Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms,
-                       payload_sha256)
+from .messages import (
+    SERVER_ID,
+    Body,
+    Chunk,
+    Decoded,
+    Encoded,
+    Envelope,
+    Kind,
+    Resend,
+    decode,
+    encode,
+    now_ms,
+    payload_sha256,
+)
 from .mqtt_bytes import publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits, raw_nbytes
 from .transport_base import Incoming, PacketEvent, Transport

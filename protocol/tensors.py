@@ -679,7 +679,8 @@ def decode_tensor(obj: Any, *, field: str = "tensor", limits: TensorLimits = DEF
         raise TensorError(f"{field}.codec: unknown codec {codec!r}; known: {sorted(CODECS)}, each optionally "
                           f"| {ZSTD_FLAG:#x} (zstd)", field=f"{field}.codec")
     if type(code) is not int or code not in DTYPES:
-        raise TensorError(f"{field}.dtype: unknown dtype number {code!r}; known: {sorted(DTYPES)}", field=f"{field}.dtype")
+        raise TensorError(f"{field}.dtype: unknown dtype number {code!r}; known: {sorted(DTYPES)}",
+                          field=f"{field}.dtype")
     if base != CODEC_RAW and code not in _FLOAT_CODES:
         raise TensorError(f"{field}.codec: codec {CODECS[base]} applies to float dtypes only, not "
                           f"{DTYPES[code].name}", field=f"{field}.codec")

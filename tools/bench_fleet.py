@@ -211,8 +211,8 @@ def child_main(spec_path: Path, result_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     cfg = case_config(spec)
 
-    from broker_server.simulate import assign_profiles, simulate
     from broker_server.server import evaluate
+    from broker_server.simulate import assign_profiles, simulate
     from edge_agent.data import load_dataset
 
     proc = psutil.Process()

@@ -48,10 +48,12 @@ import sysconfig
 import tempfile
 import threading
 import time
-import tomllib
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make protocol/, edge_agent/, broker_server/ importable

@@ -301,10 +301,11 @@ def _status_kib(field: str) -> int | None:
 
 def memory_child(n: int, mode: str, out_path: Path) -> None:
     """One measurement (runs in its own process)."""
-    import numpy as np
     import tracemalloc
 
+    import numpy as np
     import test_chaos as tc
+
     from broker_server.strategies import get_strategy
     from edge_agent.models import build_model
     from edge_agent.state import state_arrays

@@ -233,7 +233,7 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
         if wins:
             better = [w for w in wins if w[3]["gain_over_local"] is not None and w[3]["gain_over_local"] > 0]
             with_local = [w for w in wins if w[3]["gain_over_local"] is not None]
-            lines += [f"FedMCP++ CAcc minus Local CAcc (pp): " + ", ".join(
+            lines += ["FedMCP++ CAcc minus Local CAcc (pp): " + ", ".join(
                 f"{d}/{p}/{n}: {100 * w['gain_over_local']:+.2f}" for d, p, n, w in with_local) +
                 f" — better in {len(better)} of {len(with_local)} configurations (the paper: 12 of 18).", "",
                 "## Summary per configuration", "",

@@ -17,8 +17,16 @@ import torch
 from broker_server.strategies._base import ClientResult, apply_update
 from broker_server.strategies.fedmcp import FedMCP, TeacherAccumulator, proxy_accuracy, teacher_weights
 from edge_agent.algorithms._base import TrainConfig
-from edge_agent.algorithms.fedmcp import (FedMCPClient, FedMCPParams, class_prototypes, distillation_loss,
-                                          info_nce_loss, prototype_alignment_backward, proxy_digest, proxy_sets)
+from edge_agent.algorithms.fedmcp import (
+    FedMCPClient,
+    FedMCPParams,
+    class_prototypes,
+    distillation_loss,
+    info_nce_loss,
+    prototype_alignment_backward,
+    proxy_digest,
+    proxy_sets,
+)
 from edge_agent.data import ArraySplit, Dataset, load_dataset, proxy_split
 from edge_agent.errors import DataError, ModelError
 from edge_agent.models import build_model
@@ -453,10 +461,11 @@ def test_fedmcp_federation_over_a_broker(tmp_path) -> None:
     import sqlite3
     import time
 
+    from helpers.federation import Spy, small_config
+
     from broker_server.embedded_broker import EmbeddedBroker
     from broker_server.simulate import simulate
     from protocol.messages import Global
-    from helpers.federation import Spy, small_config
 
     cfg = small_config(train={"algorithm": "fedmcp"}, server={"client_eval": True},
                        algorithm={"proxy_size": 100, "alpha_proto": 0.5})

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.federation import small_config
 
 from broker_server.errors import ConfigError
 from broker_server.simulate import simulate
 from broker_server.strategies import register_strategy
 from broker_server.strategies.fedavg import FedAvg
 from edge_agent.algorithms import load_shared, register_client_algorithm, shared_arrays, shared_indices
-from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.algorithms._base import LocalResult
+from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.models import build_model
-from helpers.federation import small_config
 
 
 @register_client_algorithm("plumbing-probe")

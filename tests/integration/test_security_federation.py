@@ -37,12 +37,12 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives import serialization as ser
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from helpers.brokers import require_mosquitto
 from helpers.federation import small_config
 
 from broker_server.audit import audit_report, render_text
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
-from helpers.brokers import require_mosquitto
 from edge_agent.cli import main as agent_main
 from protocol import security as S
 from protocol import topics
