@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     apply(rt.plan)
     for reason in rt.plan.fallbacks:
         print(f"fallback: {reason}", flush=True)
-    params = {}
+    params: dict[str, object] = {}
     for item in args.param:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():

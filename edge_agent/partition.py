@@ -26,6 +26,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -277,7 +278,7 @@ def split_dataset(
     subset = None
     if 0 < train_samples < len(y_all):
         subset = stratified_subsample(y_all, train_samples, seed=seed)
-    silo = {}
+    silo: dict[str, Any] = {}  # partition()'s domain keywords, for "domain-silo" only
     if scheme == "domain-silo":
         domains = getattr(ds, "train_domains", None)
         silo = {"domains": domains if domains is None or subset is None else domains[subset],

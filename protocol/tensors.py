@@ -90,12 +90,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from .errors import MalformedMessage, TensorError
 
+_zstd: ModuleType | None
 try:  # optional: only the "+zstd" codecs need it
     import zstandard as _zstd
 except ImportError:  # pragma: no cover - exercised by monkeypatching _zstd in the tests
@@ -350,7 +352,7 @@ def dtype_code(dtype: np.dtype | str) -> int:
 
 def _bin(arr: np.ndarray) -> memoryview | bytes:
     """The bytes of a C-contiguous array without a copy (``b""`` when empty)."""
-    return memoryview(arr).cast("B") if arr.size else b""
+    return arr.data.cast("B") if arr.size else b""
 
 
 def _fp16(x: np.ndarray, field: str) -> np.ndarray:
@@ -586,7 +588,8 @@ def encode_tensor(array: np.ndarray, codec: Codec | None = None, *, field: str =
             n = flat.size
             if codec.topk_k is not None:
                 k = min(codec.topk_k, n)
-            else:
+            else:  # Codec.__post_init__: exactly one of topk_k and topk_fraction is set
+                assert codec.topk_fraction is not None
                 k = max(1, math.ceil(codec.topk_fraction * n)) if n else 0
             idx = _topk_select(flat, k)
             values = flat[idx]
