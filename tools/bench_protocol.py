@@ -284,21 +284,23 @@ def bench_throughput(reps: int) -> list[dict[str, Any]]:
             raise RuntimeError("decode(encode(x)) != x")
         # more repetitions for the small case: a single call is a few microseconds
         r = reps if n == LARGE_FLOATS else max(reps, 200)
+        # the lambdas run inside _median_s/_profile_top, within this iteration; the defaults bind
+        # this iteration's arrays explicitly all the same
         row = {
             "floats": n, "tensor_bytes": arr.nbytes, "payload_bytes": len(payload),
-            "copyto_s": _median_s(lambda: np.copyto(dst, arr), r),
-            "copy_s": _median_s(lambda: arr.copy(), r),
-            "encode_s": _median_s(lambda: encode(env), r),
-            "decode_s": _median_s(lambda: decode(payload), r),
+            "copyto_s": _median_s(lambda dst=dst, arr=arr: np.copyto(dst, arr), r),
+            "copy_s": _median_s(lambda arr=arr: arr.copy(), r),
+            "encode_s": _median_s(lambda env=env: encode(env), r),
+            "decode_s": _median_s(lambda payload=payload: decode(payload), r),
         }
         # Is the decoded tensor a view on the payload (zero-copy) or a copy?
         row["decoded_is_view"] = bool(np.shares_memory(back, np.frombuffer(payload, dtype=np.uint8)))
         # Where the time goes: the functions encode()/decode() spend their own time in.
         calls = reps if n == LARGE_FLOATS else 500
-        row["profile"] = {"encode": _profile_top(lambda: encode(env), calls),
-                          "decode": _profile_top(lambda: decode(payload), calls)}
+        row["profile"] = {"encode": _profile_top(lambda env=env: encode(env), calls),
+                          "decode": _profile_top(lambda payload=payload: decode(payload), calls)}
         if n == LARGE_FLOATS:
-            row["bytes_copy_s"] = _median_s(lambda: bytes(memoryview(arr)), reps)
+            row["bytes_copy_s"] = _median_s(lambda arr=arr: bytes(memoryview(arr)), reps)
         rows.append(row)
     return rows
 
@@ -473,7 +475,7 @@ def bench_flower(flower_python: str, rounds: int, work: Path, data_dir: str | No
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the Flower server did not start; see " + str(fdir / "server.log"))
+                    raise RuntimeError("the Flower server did not start; see " + str(fdir / "server.log")) from None
                 time.sleep(0.5)
         for i in range(clients):
             log = open(fdir / f"client-{i:03d}.log", "w")

@@ -457,7 +457,7 @@ def write_report(path: Path, machine: dict, command: str, scen: list[dict] | Non
         L.append("| # | scenario | broker | rounds | aggregated | lost | dup. aggregated | refused | agents failed "
                  "| ledger consistent | final accuracy | fault-free | Δ | wall s |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for i, r in enumerate(scen, 1):
+        for r in scen:
             if "error" in r:
                 L.append(f"| {r['scenario'].split()[0]} | {r['scenario'][2:]} | {r['broker']} | ERROR: {r['error']} "
                          f"| | | | | | | | | | {r['seconds']:.0f} |")

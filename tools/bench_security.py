@@ -105,7 +105,7 @@ def render(results: dict[str, dict], repeats: int) -> str:
     for name, r in results.items():
         lines.append(f"| {name} | {r['payload_bytes']:,} B | {r['sig_bytes']} B | {r['enc_bytes']} B | "
                      f"{r['signed_payload']:,} B | {r['sealed_payload']:,} B |")
-    for name, r in results.items():
+    for r in results.values():
         if "chunked" in r:
             c = r["chunked"]
             lines += ["", f"As a chunked transfer ({c['chunks']} chunks of 1 MiB, each sealed): "

@@ -142,7 +142,7 @@ def report(records: list[dict], *, dataset: str, clients: int, alpha: float, lr:
     lines += ["", "## Reading (computed from the table)", ""]
     gains: dict[int, float] = {}
     for n in budgets:
-        def at(v: str, rnd: int) -> dict | None:
+        def at(v: str, rnd: int, n: int = n) -> dict | None:  # called within this iteration only
             return next((r for r in records if r["train_samples"] == n and r["variant"] == v and r["round"] == rnd),
                         None)
 

@@ -546,7 +546,7 @@ def test_fedpad_federation_over_the_broker_with_partial_participation(tmp_path: 
                        train={"algorithm": "fedpad"}, algorithm={"gamma": 1.0, "lambda_proto": 0.1})
     res = simulate(cfg, run_dir=tmp_path / "run")
     assert res.rounds_completed == 2
-    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2
     for m in lines:
         assert m["clients_reported"] == 2 and not m["skipped"]

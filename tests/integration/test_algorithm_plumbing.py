@@ -88,7 +88,7 @@ def test_probe_federation(tmp_path: Path) -> None:
                        algorithm={"probe_scale": 2.5}, train={"algorithm": "plumbing-probe"})
     res = simulate(cfg, run_dir=tmp_path / "run")
     assert res.rounds_completed == 3
-    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     parts = json.loads((tmp_path / "run" / "partition.json").read_text())
     n_total = sum(c["samples"] for c in parts["clients"])
     for m in metrics:

@@ -917,7 +917,7 @@ def run_offline_buffer(kind: str, tmp: Path, *, limit: int = 5) -> dict:
             out["accepted_while_down"] = 0
             for i, p in enumerate(payloads[:limit]):
                 try:
-                    if attempt(f"publish {i + 1} while down", lambda: pub.publish(topic, p, qos=1) or True):
+                    if attempt(f"publish {i + 1} while down", lambda p=p: pub.publish(topic, p, qos=1) or True):
                         out["accepted_while_down"] += 1
                 except OfflineBufferFull as exc:
                     out["errors"].append(f"publish {i + 1} while down: {exc!r}")
