@@ -428,7 +428,8 @@ def test_fp32_upload_is_exactly_42560_tensor_bytes(digits, trained) -> None:
         arr = up.extras[name]
         hand = msgpack.packb(name) + msgpack.packb([0, 1, shape, arr.astype("<f4").tobytes()], use_bin_type=True)
         assert fb[f"extras.{name}"] == len(hand)
-    assert fb["extras.soft_predictions"] + fb["extras.prototypes"] == 42_560 + (17 + 11) + (11 + 9)  # (key + tensor header) per entry
+    # (key + tensor header) per entry
+    assert fb["extras.soft_predictions"] + fb["extras.prototypes"] == 42_560 + (17 + 11) + (11 + 9)
     assert fb["tensors"] == 1  # an empty array: no model parameter travels
     got = decode(enc.payload).envelope.body
     np.testing.assert_array_equal(got.extras["soft_predictions"], up.extras["soft_predictions"])

@@ -31,8 +31,8 @@ from edge_agent.models import build_model
 class ProbeClient(FedAvgClient):
     share = "backbone"
 
-    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="", params=None,
-                    global_extras=None):
+    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="",
+                    params=None, global_extras=None):
         load_shared(model, global_tensors, self.share)
         echo = np.asarray(global_extras.get("total", np.zeros(1, np.int64)), dtype=np.int64)
         return LocalResult(tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=0.0,
@@ -162,8 +162,8 @@ def test_every_example_config_builds_its_algorithm(path: Path) -> None:
 class DivergingClient(FedAvgClient):
     """Client 0's local training 'diverges' (NaN weights); the others are FedAvg."""
 
-    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="", params=None,
-                    global_extras=None):
+    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="",
+                    params=None, global_extras=None):
         res = super().local_round(model, global_tensors, x, y, config, round=round, client_index=client_index,
                                   device=device)
         if client_index == 0:
