@@ -542,7 +542,8 @@ def write_report(path: Path, machine: dict, command: str, scen: list[dict] | Non
             ratio = st[1000]["tracemalloc_peak"] / st[10]["tracemalloc_peak"]
             L.append(f"- **Streaming aggregation is flat in N**: {'met' if ratio < 1.5 else 'MISSED'} — the "
                      f"round's peak at N = 1000 is {ratio:.2f}× the peak at N = 10 "
-                     f"({st[1000]['tracemalloc_peak'] / 2**20:.1f} MiB vs {st[10]['tracemalloc_peak'] / 2**20:.1f} MiB).")
+                     f"({st[1000]['tracemalloc_peak'] / 2**20:.1f} MiB vs {st[10]['tracemalloc_peak'] / 2**20:.1f} "
+                     "MiB).")
         if 10 in st and 1000 in st:
             per = (st[1000]["tracemalloc_peak"] - st[10]["tracemalloc_peak"]) / 990
             L.append(f"- What streaming still grows by is per-client bookkeeping, not models: "

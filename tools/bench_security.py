@@ -94,7 +94,8 @@ def render(results: dict[str, dict], repeats: int) -> str:
              "Measured by `python tools/bench_security.py` (one run, side by side: every figure below comes from the "
              f"same process, the same bodies; median of {repeats} repeats; 1 MB = 10^6 bytes).",
              f"Machine: {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
-             f"cryptography {cryptography.__version__}, {ssl.OPENSSL_VERSION} (Python's; cryptography bundles its own).",
+             f"cryptography {cryptography.__version__}, {ssl.OPENSSL_VERSION} "
+             "(Python's; cryptography bundles its own).",
              "",
              "Signing = Ed25519 (RFC 8032) over the topic, the header fields, SHA-256 of the body and the security "
              "trailer; encryption = AES-256-GCM (NIST SP 800-38D) of the body with a per-session key from "
