@@ -14,15 +14,19 @@ Two requirements (a strategy's ``model_requirement``):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from protocol.messages import Join
+
+if TYPE_CHECKING:
+    from .strategies import Strategy
 
 __all__ = ["REQUIREMENTS", "admit", "model_requirement"]
 
 REQUIREMENTS = ("manifest", "prototype")
 
 
-def model_requirement(strategy_cls: type) -> str:
+def model_requirement(strategy_cls: type[Strategy]) -> str:
     """The strategy class's declared ``model_requirement`` (:class:`broker_server.strategies.Strategy`).
 
     Raises:
@@ -37,10 +41,11 @@ def model_requirement(strategy_cls: type) -> str:
 
 def _announced_int(info: Mapping[str, object], key: str) -> int | None:
     value = info.get(key)
-    if isinstance(value, bool):
+    # an int, or its decimal text (the msgpack types int() takes; a bool is no count)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, bytes)):
         return None
     try:
-        return int(value)  # type: ignore[arg-type]  (an int, or its decimal text)
+        return int(value)
     except (TypeError, ValueError):
         return None
 

@@ -31,7 +31,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -532,7 +532,9 @@ def from_dict(raw: dict, source: str = "<dict>") -> Config:
                                       "true/false")
             sections[sec] = dict(table)
             continue
-        cls = Config.__dataclass_fields__[sec].default_factory  # type: ignore[attr-defined]
+        factory = Config.__dataclass_fields__[sec].default_factory
+        assert factory is not dataclasses.MISSING, f"Config.{sec} has no default_factory"
+        cls = cast(type[Any], factory)  # every section field's default_factory is the section's dataclass
         types = {f.name: f.type for f in dataclasses.fields(cls)}
         kw = {}
         for key, value in table.items():
@@ -541,8 +543,9 @@ def from_dict(raw: dict, source: str = "<dict>") -> Config:
             if (sec, key) == ("model", "group"):
                 kw[key] = _model_group(value, f"{source}: [model] group")
                 continue
-            ftype = {"int": int, "float": float, "str": str, "bool": bool}[types[key]] \
-                if isinstance(types[key], str) else types[key]
+            declared = types[key]  # text under ``from __future__ import annotations``
+            ftype = {"int": int, "float": float, "str": str, "bool": bool}[declared] \
+                if isinstance(declared, str) else declared
             kw[key] = _coerce(value, ftype, f"{source}: [{sec}] {key}")
         sections[sec] = cls(**kw)
     cfg = Config(**sections, source=source)

@@ -36,10 +36,10 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-from protocol.broker_url import DEFAULT_PORTS, BrokerAddress, parse_broker_url  # the URL parser lives in protocol
+from protocol.broker_url import BrokerAddress, parse_broker_url  # the URL parser lives in protocol
 
 from .errors import BrokerStartError
 
@@ -503,9 +503,11 @@ class EmbeddedBroker:
                         break
                     continue
                 self._port = real_port
-                self._children.watchdog = _spawn_watchdog(self._children.broker.pid)
+                broker = self._children.broker
+                assert broker is not None, "_start_once returned without a broker process"
+                self._children.watchdog = _spawn_watchdog(broker.pid)
                 _log.info("%s broker running on %s:%d (pid %d)", self._kind, LOOPBACK_HOST,
-                          real_port, self._children.broker.pid)
+                          real_port, broker.pid)
                 return self
             raise BrokerStartError(
                 f"{self._kind} could not bind 127.0.0.1:{port}: address already in use "

@@ -84,6 +84,9 @@ def ensemble_scores(agents: Sequence[Any], x: np.ndarray, y: np.ndarray) -> dict
 
     Returns:
         ``{"ensemble_accuracy": fraction, "ensemble_macro_f1": fraction}``.
+
+    Raises:
+        ValueError: ``agents`` is empty.
     """
     import torch
 
@@ -98,6 +101,8 @@ def ensemble_scores(agents: Sequence[Any], x: np.ndarray, y: np.ndarray) -> dict
             probs = torch.cat([torch.softmax(predict_scores(a.algorithm, a.model, xt[s:s + 1000]), 1)
                                for s in range(0, len(xt), 1000)])
             total = probs if total is None else total + probs
+    if total is None:
+        raise ValueError("ensemble_scores: no agents to ensemble")
     pred = total.argmax(1).numpy()
     return {"ensemble_accuracy": float((pred == y).mean()), "ensemble_macro_f1": macro_f1(y, pred)}
 

@@ -24,8 +24,15 @@ from pathlib import Path
 
 from protocol.errors import SecurityConfigError
 from protocol.messages import SERVER_ID
-from protocol.security import (enroll, generate_identity, list_enrolled, load_identity, load_public, revoke,
-                               write_key_dir)
+from protocol.security import (
+    enroll,
+    generate_identity,
+    list_enrolled,
+    load_identity,
+    load_public,
+    revoke,
+    write_key_dir,
+)
 
 from .errors import ConfigError
 
@@ -74,14 +81,14 @@ def _run(args: argparse.Namespace) -> int:
     cmd = args.keys_command
     if cmd == "gen":
         ident = generate_identity(args.id)
-        pub = write_key_dir(ident, args.out, force=args.force)
+        pub_file = write_key_dir(ident, args.out, force=args.force)
         print(f"keys of {ident.id!r} in {args.out} (private keys mode 0600: keep them there)")
-        print(f"public key: {pub}  fingerprint {ident.public.fingerprint}")
+        print(f"public key: {pub_file}  fingerprint {ident.public.fingerprint}")
         if ident.id == SERVER_ID:
             print(f"next: enrol each device with `fedfleet keys enroll DEVICE.pub --server-dir {args.out}`; copy "
-                  f"{pub} to the devices (fedfleet-agent --server-pubkey)")
+                  f"{pub_file} to the devices (fedfleet-agent --server-pubkey)")
         else:
-            print(f"next: on the server, `fedfleet keys enroll {pub.name} --server-dir DIR`")
+            print(f"next: on the server, `fedfleet keys enroll {pub_file.name} --server-dir DIR`")
         return 0
     if cmd == "enroll":
         if not Path(args.server_dir).is_dir():

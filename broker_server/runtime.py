@@ -25,7 +25,7 @@ from protocol.transport import MqttTransport, Will
 from .config import Config
 from .errors import ConfigError
 from .server import AggregationServer, ServerSettings
-from .strategies import get_strategy_class
+from .strategies import Strategy, get_strategy_class
 
 
 def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = None) -> MqttTransport:
@@ -161,10 +161,11 @@ def make_strategy(cfg: Config, ds: Dataset):
         ConfigError: unknown algorithm, or a hyperparameter the algorithm does not take or
             whose value it refuses (the message names the key).
     """
-    cls = get_strategy_class(cfg.train.algorithm)
+    cls = get_strategy_class(cfg.train.algorithm)  # a Strategy subclass; its constructor takes the keywords below
+    declared: type[Strategy] = cls
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
-        extra = dict(cls.setup_kwargs(ds, dict(cfg.algorithm), cfg.run.seed))
+        extra = dict(declared.setup_kwargs(ds, dict(cfg.algorithm), cfg.run.seed))
         return cls(participation_rate=cfg.server.participation_rate, min_clients=cfg.server.quorum,
                    train_config=train_config(cfg), **dict(cfg.algorithm), **extra)
     except (TypeError, ValueError) as exc:
@@ -182,7 +183,8 @@ def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
 def client_eval_split(cfg: Config, ds: Dataset):
     """The split each virtual device evaluates its own model on when ``[server] client_eval``
     is on (at most ``client_eval_max`` samples, a seeded choice), else ``None``."""
-    share = get_strategy_class(cfg.train.algorithm).share
+    strategy_cls: type[Strategy] = get_strategy_class(cfg.train.algorithm)
+    share = strategy_cls.share
     if not cfg.server.client_eval and share == "all":  # partial sharing: always on (the server says so)
         return None
     split = evaluation_split(cfg.train.algorithm, ds, dict(cfg.algorithm), cfg.run.seed)

@@ -30,9 +30,9 @@ from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
 from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
-from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.device import detect
 from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
+from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import describe, split_dataset
 from edge_agent.runtime import agent_runtime
 from protocol.broker_url import parse_broker_url

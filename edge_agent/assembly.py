@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -242,8 +242,15 @@ def offline_will(federation: str, client_id: str, security: ChannelSecurity | No
     return Will(topic, payload, qos=1, retain=True)
 
 
-def channel_limits(runtime: AgentRuntime, *, chunk_bytes: int = 0, max_packet_bytes: int = 0) -> dict[str, int]:
+class ChannelLimits(TypedDict):
+    """Keyword arguments of :class:`~protocol.channel.Channel` set by :func:`channel_limits` (bytes)."""
+
+    chunk_bytes: int
+    max_packet_bytes: int
+
+
+def channel_limits(runtime: AgentRuntime, *, chunk_bytes: int = 0, max_packet_bytes: int = 0) -> ChannelLimits:
     """``chunk_bytes`` and ``max_packet_bytes`` (bytes) for an agent's channel: the configured
     ones (0 = none given) but never above the firmware profile's."""
-    return {"chunk_bytes": min(chunk_bytes or runtime.chunk_bytes, runtime.chunk_bytes),
-            "max_packet_bytes": min(max_packet_bytes or runtime.max_packet_bytes, runtime.max_packet_bytes)}
+    return ChannelLimits(chunk_bytes=min(chunk_bytes or runtime.chunk_bytes, runtime.chunk_bytes),
+                         max_packet_bytes=min(max_packet_bytes or runtime.max_packet_bytes, runtime.max_packet_bytes))

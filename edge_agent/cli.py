@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     from .assembly import build_agent, channel_limits, offline_will, prepare_agent
     from .device import apply
     from .errors import DataError, EdgeAgentError
-    from .profiles import ProfileError, get_profile, load_profile
     from .optional_runtime import unavailable
+    from .profiles import ProfileError, get_profile, load_profile
     from .runtime import agent_runtime
 
     args = build_parser().parse_args(argv)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     apply(rt.plan)
     for reason in rt.plan.fallbacks:
         print(f"fallback: {reason}", flush=True)
-    params = {}
+    params: dict[str, object] = {}
     for item in args.param:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():

@@ -68,13 +68,22 @@ class ProfileLike(Protocol):
         memory_budget_mb: memory the training process may use, MiB (0 = no budget).
     """
 
-    name: str
-    accelerator: str
-    onnx_providers: Sequence[str]
-    torch_threads: int
-    precision: str
-    batch_size: int
-    memory_budget_mb: int
+    # read-only members, so that frozen dataclasses such as FirmwareProfile fit
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def accelerator(self) -> str: ...
+    @property
+    def onnx_providers(self) -> Sequence[str]: ...
+    @property
+    def torch_threads(self) -> int: ...
+    @property
+    def precision(self) -> str: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def memory_budget_mb(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

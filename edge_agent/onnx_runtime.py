@@ -41,8 +41,9 @@ import math
 import os
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -113,10 +114,12 @@ class _LogitsAndFeatures(nn.Module):
         self.outputs = outputs
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        z = self.model.features(x)
+        # nn.Module's __getattr__ types submodule attributes as Tensor | Module; check_model
+        # established that both are callables Tensor -> Tensor
+        z = cast(Callable[[torch.Tensor], torch.Tensor], self.model.features)(x)
         values = {"features": z}
         if "logits" in self.outputs:
-            values["logits"] = self.model.head(z)
+            values["logits"] = cast(Callable[[torch.Tensor], torch.Tensor], self.model.head)(z)
         return tuple(values[name] for name in self.outputs)
 
 
@@ -197,7 +200,9 @@ def export_onnx(
             torch.onnx.export(
                 module,
                 (x,),
-                buffer,
+                # the TorchScript exporter (dynamo=False) writes to a file-like object too; the
+                # annotation names paths only
+                buffer,  # type: ignore[arg-type]
                 dynamo=False,
                 input_names=[INPUT_NAME],
                 output_names=list(names),

@@ -26,6 +26,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -277,7 +278,7 @@ def split_dataset(
     subset = None
     if 0 < train_samples < len(y_all):
         subset = stratified_subsample(y_all, train_samples, seed=seed)
-    silo = {}
+    silo: dict[str, Any] = {}  # partition()'s domain keywords, for "domain-silo" only
     if scheme == "domain-silo":
         domains = getattr(ds, "train_domains", None)
         silo = {"domains": domains if domains is None or subset is None else domains[subset],
@@ -462,8 +463,8 @@ def domain_silo(
     unbalanced by client count, and "a domain's training split is divided uniformly into disjoint
     shards, one per client of that domain" (SPECS.md §1.1). Clients are numbered domain by
     domain in ``domain_names`` order (the default 3/4/2/1 on PACS: clients 0–2 photo, 3–6
-    art_painting, 7–8 cartoon, 9 sketch). With one ``numpy.random.default_rng(seed)``, for each domain with k_d >= 1 clients
-    in that order, the domain's n_d sample indices are permuted and cut by
+    art_painting, 7–8 cartoon, 9 sketch). With one ``numpy.random.default_rng(seed)``, for each
+    domain with k_d >= 1 clients in that order, the domain's n_d sample indices are permuted and cut by
     ``numpy.array_split`` into k_d shards of ``n_d // k_d`` or ``n_d // k_d + 1`` samples (the
     first ``n_d mod k_d`` shards get the extra one), each then sorted.
 

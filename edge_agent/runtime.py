@@ -30,7 +30,7 @@ def codec_cost(text: str, n_values: int | None = None) -> float:
         per_kept = (2.0 if c.topk_values == "fp16" else 4.0) + 1.5
         if c.topk_fraction is not None:
             kept = c.topk_fraction
-        elif n_values:
+        elif n_values and c.topk_k is not None:  # Codec.parse: topk has a fraction or a count
             kept = min(1.0, c.topk_k / n_values)
         else:
             return 4.0

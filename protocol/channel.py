@@ -23,8 +23,22 @@ from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_dat
 from .errors import FedfleetProtocolError, FieldError, ProtocolError
 from .ledger import Ledger, LedgerRow
 from .lifecycle import atomic
-from .messages import (SERVER_ID, Body, Chunk, Decoded, Encoded, Envelope, Kind, Resend, decode, encode, now_ms,
-                       payload_sha256)
+from .messages import (
+    SERVER_ID,
+    Body,
+    Chunk,
+    Decoded,
+    Encoded,
+    Envelope,
+    Global,
+    Kind,
+    Resend,
+    Update,
+    decode,
+    encode,
+    now_ms,
+    payload_sha256,
+)
 from .mqtt_bytes import publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits, raw_nbytes
 from .transport_base import Incoming, PacketEvent, Transport
@@ -210,7 +224,7 @@ class Channel:
         enc = encode(env, codec, extra_codecs)
         client = self.node_id if self.side == "agent" else recipient
         codec_name = str(codec) if codec is not None else ("fp32" if hasattr(body, "tensors") else "")
-        if extra_codecs and getattr(body, "extras", None):
+        if extra_codecs and isinstance(body, (Global, Update)) and body.extras:  # the kinds with extras
             used = {n: str(extra_codecs.get(n, codec_name or "fp32")) for n in body.extras}
             if set(used.values()) != {codec_name}:
                 codec_name = ",".join([codec_name] * bool(body.tensors) + [f"{n}={c}" for n, c in used.items()])
@@ -357,17 +371,19 @@ class Channel:
                          raw_bytes=_raw(ienv.body), fields=_fields_json(inner), codec=inner.codec,
                          transfer_id=c.transfer_id.hex(), chunk_count=c.count)
             return Received(inc.topic, info, inner, False, payload_sha256(whole), inc.received_at)
+        resend_plan: tuple | None = None  # set for a resend request only
         if isinstance(env.body, Resend):
             # decided before the row is written: a refused request is a ``rejected`` row, not a received one
             plan = self._plan_resend(env.sender, info, env.body)
             if isinstance(plan, str):
                 return self._reject(inc, ResendRefused(plan, field="body"))
+            resend_plan = plan
         self._record(inc.topic, "received", env.kind.label, env.round, env.sender, env.seq, client=client,
                      payload_bytes=len(inc.payload), body_bytes=dec.body_bytes, qos=inc.qos, retain=inc.retain,
                      raw_bytes=_raw(env.body), fields=_fields_json(dec), codec=dec.codec, sig_bytes=sig_b,
                      enc_bytes=enc_b)
-        if isinstance(env.body, Resend):
-            self._publish_resend(plan)
+        if resend_plan is not None:
+            self._publish_resend(resend_plan)
             return None
         return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload), inc.received_at)
 

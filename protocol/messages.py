@@ -61,14 +61,23 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 import numpy as np
 
-from .errors import FieldError, MalformedMessage, ProtocolError, TensorError, UnknownKind, UnsupportedVersion
 from ._mpread import Reader, ReadError, read_array_fields
-from .tensors import DEFAULT_LIMITS, DTYPES, Codec, TensorLimits, declared_nbytes, decode_tensor, encode_tensor, raw_nbytes
+from .errors import FieldError, MalformedMessage, ProtocolError, TensorError, UnknownKind, UnsupportedVersion
+from .tensors import (
+    DEFAULT_LIMITS,
+    DTYPES,
+    Codec,
+    TensorLimits,
+    declared_nbytes,
+    decode_tensor,
+    encode_tensor,
+    raw_nbytes,
+)
 
 PROTOCOL_VERSION = 1
 """Protocol major version written in every envelope."""
@@ -95,7 +104,7 @@ SERVER_ID = "server"
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
-Scalar = Union[int, float, str, bool]
+Scalar = int | float | str | bool
 
 
 class Kind(enum.IntEnum):
@@ -315,7 +324,7 @@ class Resend:
     KIND = Kind.RESEND
 
 
-Body = Union[Join, RoundStart, Global, Update, Finish, Status, Receipt, Chunk, Resend]
+Body = Join | RoundStart | Global | Update | Finish | Status | Receipt | Chunk | Resend
 
 
 @dataclass(frozen=True, slots=True)

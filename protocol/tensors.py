@@ -90,12 +90,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from .errors import MalformedMessage, TensorError
 
+_zstd: ModuleType | None
 try:  # optional: only the "+zstd" codecs need it
     import zstandard as _zstd
 except ImportError:  # pragma: no cover - exercised by monkeypatching _zstd in the tests
@@ -350,7 +352,7 @@ def dtype_code(dtype: np.dtype | str) -> int:
 
 def _bin(arr: np.ndarray) -> memoryview | bytes:
     """The bytes of a C-contiguous array without a copy (``b""`` when empty)."""
-    return memoryview(arr).cast("B") if arr.size else b""
+    return arr.data.cast("B") if arr.size else b""
 
 
 def _fp16(x: np.ndarray, field: str) -> np.ndarray:
@@ -586,7 +588,8 @@ def encode_tensor(array: np.ndarray, codec: Codec | None = None, *, field: str =
             n = flat.size
             if codec.topk_k is not None:
                 k = min(codec.topk_k, n)
-            else:
+            else:  # Codec.__post_init__: exactly one of topk_k and topk_fraction is set
+                assert codec.topk_fraction is not None
                 k = max(1, math.ceil(codec.topk_fraction * n)) if n else 0
             idx = _topk_select(flat, k)
             values = flat[idx]
@@ -679,7 +682,8 @@ def decode_tensor(obj: Any, *, field: str = "tensor", limits: TensorLimits = DEF
         raise TensorError(f"{field}.codec: unknown codec {codec!r}; known: {sorted(CODECS)}, each optionally "
                           f"| {ZSTD_FLAG:#x} (zstd)", field=f"{field}.codec")
     if type(code) is not int or code not in DTYPES:
-        raise TensorError(f"{field}.dtype: unknown dtype number {code!r}; known: {sorted(DTYPES)}", field=f"{field}.dtype")
+        raise TensorError(f"{field}.dtype: unknown dtype number {code!r}; known: {sorted(DTYPES)}",
+                          field=f"{field}.dtype")
     if base != CODEC_RAW and code not in _FLOAT_CODES:
         raise TensorError(f"{field}.codec: codec {CODECS[base]} applies to float dtypes only, not "
                           f"{DTYPES[code].name}", field=f"{field}.codec")

@@ -190,7 +190,8 @@ def ledger_stats(run_dir: Path, windows: dict[int, tuple[float, float]]) -> dict
     out["globals_received"] = [dict(zip(("client", "round", "payload_bytes", "chunks"), r)) for r in db.execute(
         "SELECT client, round, payload_bytes, chunk_count FROM messages WHERE side='agent' AND kind='global' "
         "AND ((event='received' AND transfer_id IS NULL) OR event='message') ORDER BY client, round")]
-    out["server_update_rows"] = [dict(zip(("client", "round", "event", "codec", "payload_bytes"), r)) for r in db.execute(
+    update_cols = ("client", "round", "event", "codec", "payload_bytes")
+    out["server_update_rows"] = [dict(zip(update_cols, r)) for r in db.execute(
         "SELECT client, round, event, codec, payload_bytes FROM messages WHERE side='server' AND kind='update' "
         "AND ((event='received' AND transfer_id IS NULL) OR event='message')")]
     out["global_sent"] = [dict(zip(("round", "codec", "payload_bytes", "chunks"), r)) for r in db.execute(
@@ -211,8 +212,8 @@ def child_main(spec_path: Path, result_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     cfg = case_config(spec)
 
-    from broker_server.simulate import assign_profiles, simulate
     from broker_server.server import evaluate
+    from broker_server.simulate import assign_profiles, simulate
     from edge_agent.data import load_dataset
 
     proc = psutil.Process()
@@ -410,7 +411,8 @@ def ledger_link_s(run_dir: Path) -> dict[str, tuple[float, float]]:
         if "link_s" not in cols:
             return {}
         return {c: (a, g) for c, a, g in db.execute(
-            "SELECT node, sum(link_s), sum(CASE WHEN kind IN ('global', 'update') AND round >= 1 THEN link_s ELSE 0 END) "
+            "SELECT node, sum(link_s), sum(CASE WHEN kind IN ('global', 'update') AND round >= 1 THEN link_s ELSE 0 "
+            "END) "
             "FROM messages WHERE side='agent' GROUP BY node")}
     finally:
         db.close()
@@ -483,7 +485,8 @@ def code_label() -> str:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "protocol", "edge_agent", "broker_server",
-                                "firmware_profiles"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+                                "firmware_profiles"], cwd=REPO, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
         return f"{head}{' + uncommitted changes in the packages' if dirty else ' (packages as committed)'}"
     except (OSError, subprocess.SubprocessError):
         return "?"
@@ -494,7 +497,8 @@ def scale_table(rs: list[dict], base: dict | None, ref: dict | None) -> list[str
         "| agents | rounds done, clients reported | peak RSS MiB (VmHWM) | Δ vs 1 agent MiB | MiB per agent | "
         "broker RSS MiB | Python threads peak / after | OS threads peak | MQTT conns (expected) | setup s | "
         "round 1 s | rounds 2..R mean s | rounds/min (steady) | rounds/min (all) | CPU s per round | "
-        "ledger rows/round (round col) | rows/round (wall window) | shard MiB (copies) | load avg 1 min before / after |",
+        "ledger rows/round (round col) | rows/round (wall window) | shard MiB (copies) | load avg 1 min before / "
+        "after |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
         "| ---: | ---: | ---: |"]
     for r in rs:
@@ -521,7 +525,8 @@ def scale_table(rs: list[dict], base: dict | None, ref: dict | None) -> list[str
     if ref is not None and ref["ok"]:
         lines += ["", f"Ratios against the {ref['clients']}-agent case (side by side, same run):", "",
                   "| agents | agents × | peak RSS × | Δ RSS × | steady round time × | round time per agent × | "
-                  "ledger rows/round × | Python threads × |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "ledger rows/round × | Python threads × |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+                                                              "---: |"]
         rref = statistics.mean(steady(ref))
         dref = ref["vm_hwm"] - base["vm_hwm"] if base else None
         rowsref = statistics.mean(ref["ledger"]["rows_by_round"].get(str(k), 0)
@@ -563,7 +568,8 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
         lk = prof.link
         lines.append(
             f"| {p} | {s['agents']} | {', '.join(s['codecs'])} | {s['update_bytes']:,.0f} | "
-            f"{s['update_bytes'] / s['update_raw']:.3f} | {', '.join('none' if c is None else str(c) for c in s['update_chunks'])} | "
+            f"{s['update_bytes'] / s['update_raw']:.3f} | "
+            f"{', '.join('none' if c is None else str(c) for c in s['update_chunks'])} | "
             f"{s['global_bytes']:,.0f} | {', '.join('none' if c is None else str(c) for c in s['global_chunks'])} | "
             f"{s['link_mean']:.3f} ({s['link_min']:.3f}–{s['link_max']:.3f}) | "
             f"{lk.uplink_kbps:g}, {lk.downlink_kbps:g}, {lk.rtt_ms:g}, {lk.loss_percent:g} | {s['train_host_s']:.3f} | "
@@ -574,11 +580,13 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
     srv = r["ledger"]["server_update_rows"]
     empty = sum(1 for s in srv if not s["codec"])
     lines += ["", f"Server-side `received` update rows with an empty `codec` column: {empty} of {len(srv)} "
-                  f"({'receivers record the codec as well' if empty == 0 else 'the codec is recorded only on the sending side rows'})."]
+                  + ("(receivers record the codec as well)." if empty == 0
+                     else "(the codec is recorded only on the sending side rows).")]
     g = r["ledger"]["global_sent"]
     if g:
         lines += [f"Global model as sent by the server: codec {sorted({x['codec'] for x in g})}, "
-                  f"{g[0]['payload_bytes']:,} payload bytes, chunks {g[0]['chunks'] or 'none'} (the server's chunk size "
+                  f"{g[0]['payload_bytes']:,} payload bytes, chunks {g[0]['chunks'] or 'none'} (the server's chunk "
+                  "size "
                   f"is the smallest of the fleet's profiles)."]
     lines += ["", "**Simulated round time** (\"how long would a round take on this fleet?\"): for each round r ≥ 2, "
               "T_r = max over clients of down_s + train_s + up_s, where down_s / up_s = `link_time_s(profile, "
@@ -605,7 +613,8 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
         med.append((d + s["train_host_s"] / prof.relative_compute_speed + u, p, d, s["train_host_s"] /
                     prof.relative_compute_speed, u))
     t, p, d, tr, u = max(med)
-    lines += ["", f"With each profile's *median* host training time (rounds ≥ 2) instead of each client's own — robust to "
+    lines += ["", "With each profile's *median* host training time (rounds ≥ 2) instead of each client's own — "
+                  "robust to "
                   f"a load spike on this shared machine hitting one client — the slowest profile is {p}: "
                   f"{d:.3f} + {tr:.2f} + {u:.3f} = **{t:.2f} s** per round (host_rel = 1.0; "
                   f"{d + tr * HOST_PEAK_REL + u:.2f} s with host_rel = {HOST_PEAK_REL})."]
@@ -626,7 +635,8 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
             gu = statistics.mean(led.get(c, (0.0, 0.0))[1] for c in cs) / rounds
             b = statistics.mean(em[c] for c in cs) / rounds if em else float("nan")
             lines.append(f"| {p} | {b:.3f} | {gu:.3f} | {gu / b if b else float('nan'):.2f} | {every:.3f} |")
-    lines += ["", f"Independent check of the link model: |Σ recomputed link s − summary.json emulated_link_s|, largest over "
+    lines += ["", "Independent check of the link model: |Σ recomputed link s − summary.json emulated_link_s|, "
+                  "largest over "
                   f"clients: {sim['link_check_max_abs_diff_s']:.4f} s (summary values are rounded to 1 ms)."]
     # per-profile simulated time (the slowest client of each profile, mean over rounds ≥ 2)
     prof = r["profile_of_client"]
@@ -638,7 +648,8 @@ def mixed_section(r: dict, host_rel_primary: float) -> list[str]:
         speed = get_profile(p).relative_compute_speed
         acc = []
         for rd in range(2, rounds + 1):
-            worst = max(((link_s(p, down[(c, rd)], "down"), r["train_s"].get(f"{c}/{rd}", 0.0) * host_rel_primary / speed,
+            worst = max(((link_s(p, down[(c, rd)], "down"),
+                          r["train_s"].get(f"{c}/{rd}", 0.0) * host_rel_primary / speed,
                           link_s(p, up[(c, rd)], "up")) for c, q in prof.items()
                          if q == p and (c, rd) in down and (c, rd) in up), key=sum, default=None)
             if worst:
@@ -737,7 +748,8 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], m
         per = [(r["vm_hwm"] - base["vm_hwm"]) / (r["clients"] - 1) / 2**20 for r in ok]
         thr = [(r["peak_py_threads"] - base["peak_py_threads"]) / (r["clients"] - 1) for r in ok]
         osthr = [(r["peak_os_threads"] - base["peak_os_threads"]) / (r["clients"] - 1) for r in ok]
-        rows = [statistics.mean(r["ledger"]["rows_by_round"].get(str(k), 0) for k in range(1, len(r["round_seconds"]) + 1))
+        rows = [statistics.mean(r["ledger"]["rows_by_round"].get(str(k), 0)
+                                for k in range(1, len(r["round_seconds"]) + 1))
                 / r["clients"] for r in ok]
         L.append(f"- {ds} (N = {', '.join(str(r['clients']) for r in ok)}): {min(per):.2f}–{max(per):.2f} MiB RSS, "
                  f"{min(thr):.1f}–{max(thr):.1f} Python threads (the agent's own and paho's network thread), "
@@ -760,9 +772,11 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], m
             verdicts.append(
                 f"- {ds}, {n} agents: {'**yes**' if full and total < 24 * 2**30 else '**no**'} — "
                 f"{len(r['round_seconds'])} rounds, every round with {'all' if full else 'NOT all'} {n} clients, "
-                f"{r['peak_conns']} MQTT connections, peak RSS {mib(r['vm_hwm'])} MiB + broker {mib(r['broker_peak_rss'])} "
+                f"{r['peak_conns']} MQTT connections, peak RSS {mib(r['vm_hwm'])} MiB + broker "
+                f"{mib(r['broker_peak_rss'])} "
                 f"MiB = {total / 2**30:.2f} GiB of 24 GiB ({100 * total / (24 * 2**30):.1f} %), "
-                f"{statistics.mean(steady(r)):.1f} s per steady round ({60 / statistics.mean(steady(r)):.1f} rounds/min).")
+                f"{statistics.mean(steady(r)):.1f} s per steady round ({60 / statistics.mean(steady(r)):.1f} "
+                "rounds/min).")
     L += verdicts + [""]
     out.write_text("\n".join(L) + "\n", encoding="utf-8")
 
@@ -782,7 +796,8 @@ def _legacy_meta(md: Path, saved: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "fleet.md")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-fleet"))
     ap.add_argument("--rounds", type=int, default=3)
@@ -807,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
         print(args.out.read_text())
         return 0
     if args.quick:
-        args.digits_sizes, args.mnist_sizes, args.mixed, args.rounds, args.malloc = "1,10", "", "digits:10", 2, "digits:1,digits:10"
+        args.digits_sizes, args.mnist_sizes, args.mixed = "1,10", "", "digits:10"
+        args.rounds, args.malloc = 2, "digits:1,digits:10"
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")
     t0 = time.monotonic()

@@ -48,10 +48,12 @@ import sysconfig
 import tempfile
 import threading
 import time
-import tomllib
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make protocol/, edge_agent/, broker_server/ importable
@@ -282,21 +284,23 @@ def bench_throughput(reps: int) -> list[dict[str, Any]]:
             raise RuntimeError("decode(encode(x)) != x")
         # more repetitions for the small case: a single call is a few microseconds
         r = reps if n == LARGE_FLOATS else max(reps, 200)
+        # the lambdas run inside _median_s/_profile_top, within this iteration; the defaults bind
+        # this iteration's arrays explicitly all the same
         row = {
             "floats": n, "tensor_bytes": arr.nbytes, "payload_bytes": len(payload),
-            "copyto_s": _median_s(lambda: np.copyto(dst, arr), r),
-            "copy_s": _median_s(lambda: arr.copy(), r),
-            "encode_s": _median_s(lambda: encode(env), r),
-            "decode_s": _median_s(lambda: decode(payload), r),
+            "copyto_s": _median_s(lambda dst=dst, arr=arr: np.copyto(dst, arr), r),
+            "copy_s": _median_s(lambda arr=arr: arr.copy(), r),
+            "encode_s": _median_s(lambda env=env: encode(env), r),
+            "decode_s": _median_s(lambda payload=payload: decode(payload), r),
         }
         # Is the decoded tensor a view on the payload (zero-copy) or a copy?
         row["decoded_is_view"] = bool(np.shares_memory(back, np.frombuffer(payload, dtype=np.uint8)))
         # Where the time goes: the functions encode()/decode() spend their own time in.
         calls = reps if n == LARGE_FLOATS else 500
-        row["profile"] = {"encode": _profile_top(lambda: encode(env), calls),
-                          "decode": _profile_top(lambda: decode(payload), calls)}
+        row["profile"] = {"encode": _profile_top(lambda env=env: encode(env), calls),
+                          "decode": _profile_top(lambda payload=payload: decode(payload), calls)}
         if n == LARGE_FLOATS:
-            row["bytes_copy_s"] = _median_s(lambda: bytes(memoryview(arr)), reps)
+            row["bytes_copy_s"] = _median_s(lambda arr=arr: bytes(memoryview(arr)), reps)
         rows.append(row)
     return rows
 
@@ -471,7 +475,7 @@ def bench_flower(flower_python: str, rounds: int, work: Path, data_dir: str | No
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the Flower server did not start; see " + str(fdir / "server.log"))
+                    raise RuntimeError("the Flower server did not start; see " + str(fdir / "server.log")) from None
                 time.sleep(0.5)
         for i in range(clients):
             log = open(fdir / f"client-{i:03d}.log", "w")
@@ -697,9 +701,11 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
               f"| all overhead (packet − tensor values) | {ovh['packet_bytes'] - SOFT_TENSOR_BYTES} "
               f"({(ovh['packet_bytes'] - SOFT_TENSOR_BYTES) / ovh['packet_bytes']:.2%} of the packet) |", "",
               "Body fields: " + ", ".join(f"{k} {b}" for k, b in ovh["field_bytes"].items()) +
-              f" bytes (+ 1 byte of body array header); the tensors field's {ovh['field_bytes'].get('tensors', 0) - SOFT_TENSOR_BYTES} "
+              " bytes (+ 1 byte of body array header); the tensors field's "
+              f"{ovh['field_bytes'].get('tensors', 0) - SOFT_TENSOR_BYTES} "
               "bytes beyond the values are each tensor's `[codec, dtype, shape, bin header]`.", "",
-              f"- **Target envelope + MQTT header ≤ 64 bytes:** without the topic {'met' if env_hdr <= 64 else 'not met'} "
+              "- **Target envelope + MQTT header ≤ 64 bytes:** without the topic "
+              f"{'met' if env_hdr <= 64 else 'not met'} "
               f"({env_hdr} bytes, {64 - env_hdr:+d} to spare); with the {ovh['topic_bytes']}-byte topic counted "
               f"{'met' if with_topic <= 64 else 'not met'} ({with_topic} bytes, {with_topic - 64:+d} over)."
               if with_topic > 64 else
@@ -712,7 +718,8 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
         rounds = base["rounds"]
         L += ["## 3. Update codecs on a real FedAvg run", "",
               f"`examples/mnist-fedavg.toml` (MNIST, 10 clients, Dirichlet α = 0.5, 1 local epoch, batch 32, "
-              f"lr 0.05, momentum 0.5, seed 0) for **{rounds} round{'s' if rounds != 1 else ''}**, one `simulate(cfg, run_dir=…, on_round=None)` "
+              f"lr 0.05, momentum 0.5, seed 0) for **{rounds} round{'s' if rounds != 1 else ''}**, one `simulate(cfg, "
+              "run_dir=…, on_round=None)` "
               f"per codec in this process, `[protocol] update_codec` as listed, `delta = true`, "
               f"`error_feedback = true`, global model sent fp32. Broker: {base['broker']}, reached through a "
               "byte-counting TCP relay. *Update bytes/round* = device-link uplink wire bytes (MQTT framing + topic "
@@ -725,9 +732,12 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
             up = statistics.mean(c["round_up_bytes"])
             L.append(f"| {c['codec']} | {_fmt_int(up)} | {_fmt_int(up / 10)} | {b_up / up:.2f}× | "
                      f"{c['final_accuracy']:.4f} | {(c['final_accuracy'] - base['final_accuracy']) * 100:+.2f} | "
-                     f"{_fmt_int(c['device_wire_bytes'])} | {'yes' if c['relay_agent_bytes'] == c['device_wire_bytes'] else 'NO (' + _fmt_int(c['relay_agent_bytes']) + ')'} "
+                     f"{_fmt_int(c['device_wire_bytes'])} | "
+                     + ("yes" if c["relay_agent_bytes"] == c["device_wire_bytes"]
+                        else "NO (" + _fmt_int(c["relay_agent_bytes"]) + ")") + " "
                      f"| {c['seconds']:.0f} |")
-        L += ["", "Accuracy after each round:", "", "| update codec | " + " | ".join(f"r{i + 1}" for i in range(rounds)) + " |",
+        L += ["", "Accuracy after each round:", "",
+              "| update codec | " + " | ".join(f"r{i + 1}" for i in range(rounds)) + " |",
               "| --- |" + " ---: |" * rounds]
         for c in codecs:
             L.append(f"| {c['codec']} | " + " | ".join(f"{a:.4f}" for a in c["accuracy_curve"]) + " |")
@@ -740,7 +750,8 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
             L.append(f"- **Target int8 ≥ 3.9× fewer update bytes than fp32 within 0.5 pp:** "
                      f"{'met' if ok_b and ok_a else 'not met'} — bytes {ratio:.3f}× "
                      f"({'met' if ok_b else 'not met'}, {ratio - 3.9:+.3f} vs 3.9), accuracy {dpp:+.2f} pp "
-                     f"({'met' if ok_a else 'not met'}, |Δ| {abs(dpp):.2f} vs 0.5), after {rounds} round{'s' if rounds != 1 else ''}.")
+                     f"({'met' if ok_a else 'not met'}, |Δ| {abs(dpp):.2f} vs 0.5), after {rounds} "
+                     f"round{'s' if rounds != 1 else ''}.")
             L.append("")
 
     if flower is not None:
@@ -765,7 +776,8 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
                   f"fedfleet: the fp32 run of part 3 (delta on: same tensor sizes), bytes of the agents' MQTT "
                   "connections counted by the relay (equal to the ledger's device-view totals, see part 3). Both "
                   "whole-run totals (connection set-up, join/registration, teardown included) divided by the "
-                  f"{rounds} round{'s' if rounds != 1 else ''}; relay bytes are the TCP payload stream (MQTT, resp. HTTP/2 + gRPC + protobuf), "
+                  f"{rounds} round{'s' if rounds != 1 else ''}; relay bytes are the TCP payload stream (MQTT, resp. "
+                  "HTTP/2 + gRPC + protobuf), "
                   "not IP/TCP headers.", "",
                   "*Beyond values* = total minus the tensor values that must cross anyway: per round each of the 10 "
                   f"clients downloads and uploads the {_fmt_int(meta['model_bytes'])} bytes of float32 weights "
@@ -779,13 +791,16 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
                 ff_tot = ff["relay_agent_bytes"] / rounds
                 fl_tot = f_total / rounds
                 L.append(f"| fedfleet fp32 (MQTT, {ff['broker']}) | {_fmt_int(f_up)} | {_fmt_int(f_dn)} | "
-                         f"{_fmt_int(ff_tot)} | 1.00× | {_fmt_int(ff_tot - values)} | 1.00× | {ff['final_accuracy']:.4f} |")
+                         f"{_fmt_int(ff_tot)} | 1.00× | {_fmt_int(ff_tot - values)} | 1.00× | "
+                         f"{ff['final_accuracy']:.4f} |")
                 L.append(f"| Flower (gRPC bidi) | {_fmt_int(flower['relay_up_bytes'] / rounds)} | "
                          f"{_fmt_int(flower['relay_down_bytes'] / rounds)} | {_fmt_int(fl_tot)} | "
                          f"{fl_tot / ff_tot:.3f}× | {_fmt_int(fl_tot - values)} | "
                          f"{(fl_tot - values) / (ff_tot - values):.2f}× | {flower['final_accuracy']:.4f} |")
-                L += ["", f"Per direction, Flower ÷ fedfleet: up {flower['relay_up_bytes'] / ff['device_up_wire_bytes']:.3f}×, "
-                      f"down {flower['relay_down_bytes'] / ff['device_down_wire_bytes']:.3f}×. Flower accuracy by round "
+                L += ["", "Per direction, Flower ÷ fedfleet: up "
+                          f"{flower['relay_up_bytes'] / ff['device_up_wire_bytes']:.3f}×, "
+                      f"down {flower['relay_down_bytes'] / ff['device_down_wire_bytes']:.3f}×. Flower accuracy by "
+                      "round "
                       "(round 0 = initial model): " + ", ".join(f"{a:.4f}" for a in flower["accuracy_curve"]) +
                       f". Flower wall time {flower['seconds']:.0f} s (10 client processes training at once), "
                       f"fedfleet {ff['seconds']:.0f} s (one trainer at a time).", ""]
@@ -797,7 +812,8 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke mode: few repetitions, 1 round, codecs fp32 and int8")
     p.add_argument("--out", default="benchmarks/protocol.md", help="the Markdown report (default %(default)s)")
     p.add_argument("--rounds", type=int, default=None, help="FedAvg rounds for parts 3 and 4 (default 5; --quick 1)")

@@ -301,10 +301,11 @@ def _status_kib(field: str) -> int | None:
 
 def memory_child(n: int, mode: str, out_path: Path) -> None:
     """One measurement (runs in its own process)."""
-    import numpy as np
     import tracemalloc
 
+    import numpy as np
     import test_chaos as tc
+
     from broker_server.strategies import get_strategy
     from edge_agent.models import build_model
     from edge_agent.state import state_arrays
@@ -456,7 +457,7 @@ def write_report(path: Path, machine: dict, command: str, scen: list[dict] | Non
         L.append("| # | scenario | broker | rounds | aggregated | lost | dup. aggregated | refused | agents failed "
                  "| ledger consistent | final accuracy | fault-free | Δ | wall s |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for i, r in enumerate(scen, 1):
+        for r in scen:
             if "error" in r:
                 L.append(f"| {r['scenario'].split()[0]} | {r['scenario'][2:]} | {r['broker']} | ERROR: {r['error']} "
                          f"| | | | | | | | | | {r['seconds']:.0f} |")
@@ -541,7 +542,8 @@ def write_report(path: Path, machine: dict, command: str, scen: list[dict] | Non
             ratio = st[1000]["tracemalloc_peak"] / st[10]["tracemalloc_peak"]
             L.append(f"- **Streaming aggregation is flat in N**: {'met' if ratio < 1.5 else 'MISSED'} — the "
                      f"round's peak at N = 1000 is {ratio:.2f}× the peak at N = 10 "
-                     f"({st[1000]['tracemalloc_peak'] / 2**20:.1f} MiB vs {st[10]['tracemalloc_peak'] / 2**20:.1f} MiB).")
+                     f"({st[1000]['tracemalloc_peak'] / 2**20:.1f} MiB vs {st[10]['tracemalloc_peak'] / 2**20:.1f} "
+                     "MiB).")
         if 10 in st and 1000 in st:
             per = (st[1000]["tracemalloc_peak"] - st[10]["tracemalloc_peak"]) / 990
             L.append(f"- What streaming still grows by is per-client bookkeeping, not models: "

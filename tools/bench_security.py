@@ -94,7 +94,8 @@ def render(results: dict[str, dict], repeats: int) -> str:
              "Measured by `python tools/bench_security.py` (one run, side by side: every figure below comes from the "
              f"same process, the same bodies; median of {repeats} repeats; 1 MB = 10^6 bytes).",
              f"Machine: {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
-             f"cryptography {cryptography.__version__}, {ssl.OPENSSL_VERSION} (Python's; cryptography bundles its own).",
+             f"cryptography {cryptography.__version__}, {ssl.OPENSSL_VERSION} "
+             "(Python's; cryptography bundles its own).",
              "",
              "Signing = Ed25519 (RFC 8032) over the topic, the header fields, SHA-256 of the body and the security "
              "trailer; encryption = AES-256-GCM (NIST SP 800-38D) of the body with a per-session key from "
@@ -105,7 +106,7 @@ def render(results: dict[str, dict], repeats: int) -> str:
     for name, r in results.items():
         lines.append(f"| {name} | {r['payload_bytes']:,} B | {r['sig_bytes']} B | {r['enc_bytes']} B | "
                      f"{r['signed_payload']:,} B | {r['sealed_payload']:,} B |")
-    for name, r in results.items():
+    for r in results.values():
         if "chunked" in r:
             c = r["chunked"]
             lines += ["", f"As a chunked transfer ({c['chunks']} chunks of 1 MiB, each sealed): "

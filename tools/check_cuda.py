@@ -195,9 +195,8 @@ def _project_fp16_loop(model: Any, x: Any, y: Any, seed: int) -> dict[str, Any]:
 
 def _stage_onnx(results: dict[str, Any], model: Any, folder: Path, seed: int) -> None:
     import numpy as np
-    import torch
-
     import onnxruntime as ort
+    import torch
 
     from edge_agent.onnx_runtime import OnnxModel, export_onnx
 

@@ -142,7 +142,7 @@ def report(records: list[dict], *, dataset: str, clients: int, alpha: float, lr:
     lines += ["", "## Reading (computed from the table)", ""]
     gains: dict[int, float] = {}
     for n in budgets:
-        def at(v: str, rnd: int) -> dict | None:
+        def at(v: str, rnd: int, n: int = n) -> dict | None:  # called within this iteration only
             return next((r for r in records if r["train_samples"] == n and r["variant"] == v and r["round"] == rnd),
                         None)
 
@@ -155,14 +155,18 @@ def report(records: list[dict], *, dataset: str, clients: int, alpha: float, lr:
         lines.append(
             f"- **{n:,} training images**: after round 1 the clients' mean proxy accuracy is "
             f"{_fmt(first['client_acc_mean'])} % and the teacher's top probability {first['teacher_top_prob']:.3f} "
-            f"(its argmax is right {_fmt(first['teacher_acc'])} % of the time). One alignment pass (`{aligned}`) on it leaves "
-            f"the students at {_fmt(kd2['after_align_acc_mean'])} % (largest |logit| {kd2['after_align_max_logit']:.2f}); "
+            f"(its argmax is right {_fmt(first['teacher_acc'])} % of the time). One alignment pass (`{aligned}`) on "
+            "it leaves "
+            f"the students at {_fmt(kd2['after_align_acc_mean'])} % (largest |logit| "
+            f"{kd2['after_align_max_logit']:.2f}); "
             f"by round {last} `{aligned}` gives {_fmt(kd_last['client_acc_mean'])} % after CE against "
             f"{_fmt(none_last['client_acc_mean'])} % without it "
             f"({100 * (kd_last['client_acc_mean'] - none_last['client_acc_mean']):+.1f} pp).")
     if len(gains) >= 2 and gains[min(gains)] < 0 <= gains[max(gains)]:  # the pattern this tool was written for
-        lines += ["", "When the round-1 clients are weak, the accuracy-weighted teacher is right but nearly flat at T = 1.5; "
-                  "matching its probabilities pulls the students' logits together until their argmax is noise, the next "
+        lines += ["", "When the round-1 clients are weak, the accuracy-weighted teacher is right but nearly flat at T "
+                      "= 1.5; "
+                  "matching its probabilities pulls the students' logits together until their argmax is noise, the "
+                  "next "
                   "teacher is built from those students, and one local epoch per round does not climb out. With more "
                   "data per client the first teacher is sharp enough and distillation helps. See the rows of the "
                   "same budgets in `benchmarks/fedmcp.md` for the full federations."]
@@ -185,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", default="", help="write the markdown report here")
     p.add_argument("--records", default="", help="write the per-round records here (JSON lines)")
     p.add_argument("--report-only", action="store_true", help="rebuild --report from --records, run nothing")
-    p.add_argument("--data-dir", default="", help="a data folder of your own (default: $FEDFLEET_DATA, then shared/data)")
+    p.add_argument("--data-dir", default="", help="a data folder of your own (default: $FEDFLEET_DATA, then "
+                                                  "shared/data)")
     a = p.parse_args(argv)
     try:
         budgets = [int(v) for v in a.train_samples.split(",") if v.strip()]

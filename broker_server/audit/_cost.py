@@ -119,10 +119,11 @@ def link_time_s(rows: LedgerSource, uplink_kbps: float | None, downlink_kbps: fl
                 entry[f"{d}_max_s"] = entry[f"{d}_sum_s"] = None
                 continue
             times = [n * 8 / (kbps * 1000) for n in clients[d]]
-            entry[f"{d}_max_s"] = max(times, default=0.0)
-            entry[f"{d}_sum_s"] = sum(times)
-            sums[f"{d}_max_s"] += entry[f"{d}_max_s"]  # type: ignore[operator]
-            sums[f"{d}_sum_s"] += entry[f"{d}_sum_s"]  # type: ignore[operator]
+            t_max, t_sum = max(times, default=0.0), sum(times)
+            entry[f"{d}_max_s"], entry[f"{d}_sum_s"] = t_max, t_sum
+            # a direction with a speed starts its sums at 0.0 (None only for directions without one)
+            sums[f"{d}_max_s"] = (sums[f"{d}_max_s"] or 0.0) + t_max
+            sums[f"{d}_sum_s"] = (sums[f"{d}_sum_s"] or 0.0) + t_sum
         out["per_round"].append(entry)
     out.update(sums)
     out["max_s"] = sum(sums[f"{d}_max_s"] or 0.0 for d in ("up", "down"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -167,8 +168,11 @@ def check_model(model: nn.Module, *, in_channels: int, image_size: int, num_clas
         with torch.no_grad():
             x = torch.zeros(2, in_channels, image_size, image_size)
             where = f"[2, {in_channels}, {image_size}, {image_size}]"
+            # nn.Module's __getattr__ types these as Tensor | Module; callable() was checked above
+            features = cast(Callable[[torch.Tensor], torch.Tensor], model.features)
+            head = cast(Callable[[torch.Tensor], torch.Tensor], model.head)
             try:
-                z = model.features(x)
+                z = features(x)
             except Exception as exc:  # noqa: BLE001 — any failure of user code is reported as a misfit
                 raise ModelError(f"{name}: features(x) failed on a dummy batch {where}: {exc}") from exc
             if not isinstance(z, torch.Tensor) or tuple(z.shape) != (2, feature_dim):
@@ -176,7 +180,7 @@ def check_model(model: nn.Module, *, in_channels: int, image_size: int, num_clas
                 raise ModelError(f"{name}: features(x) gave {_shape_text(z)}{width} for x {where}; expected "
                                  f"[2, {feature_dim}], the agreed feature width ([model] feature_dim)")
             try:
-                logits = model.head(z)
+                logits = head(z)
                 out = model(x)
             except Exception as exc:  # noqa: BLE001
                 raise ModelError(f"{name}: head(z) or forward(x) failed on a dummy batch: {exc}") from exc

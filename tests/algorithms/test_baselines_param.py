@@ -363,7 +363,8 @@ def test_scaffold_validate_and_weighting() -> None:
     for extras in ({}, {CONTROL_DELTA: np.ones(2, np.float64)}, {CONTROL_DELTA: np.ones((1, 2), np.float32)},
                    {CONTROL_DELTA: np.array([np.nan, 0], np.float32)}, {**ok, "other": np.ones(1, np.float32)}):
         assert s.validate(ClientResult("a", t, 1, 0.0, extras=extras))
-    res = [ClientResult("a", (np.array([[1.0, 1.0]], np.float32),), 1, 0.0, extras={CONTROL_DELTA: np.ones(2, np.float32)}),
+    res = [ClientResult("a", (np.array([[1.0, 1.0]], np.float32),), 1, 0.0,
+                        extras={CONTROL_DELTA: np.ones(2, np.float32)}),
            ClientResult("b", (np.array([[5.0, 9.0]], np.float32),), 3, 0.0,
                         extras={CONTROL_DELTA: np.array([2.0, -4.0], np.float32)})]
     new = s.step(1, [np.zeros((1, 2), np.float32)], res)

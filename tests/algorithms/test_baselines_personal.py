@@ -309,10 +309,11 @@ def test_fedper_federation_with_client_eval(tmp_path):
     import sqlite3
     import time
 
+    from helpers.federation import Spy, small_config, spied
+
     from broker_server.embedded_broker import EmbeddedBroker
     from broker_server.simulate import simulate
     from edge_agent.data import load_dataset
-    from helpers.federation import Spy, small_config, spied
 
     cfg = small_config(train={"algorithm": "fedper"}, server={"client_eval": True})
     agents = {}
@@ -383,8 +384,9 @@ def test_local_federation_sends_no_tensors(tmp_path):
     import json
     import sqlite3
 
-    from broker_server.simulate import simulate
     from helpers.federation import small_config
+
+    from broker_server.simulate import simulate
 
     res = simulate(small_config(train={"algorithm": "local"}, server={"client_eval": True}), run_dir=tmp_path / "run")
     metrics = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]

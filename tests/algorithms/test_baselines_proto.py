@@ -11,12 +11,23 @@ import torch
 import torch.nn.functional as F
 
 from broker_server.strategies import ClientResult, apply_update
-from broker_server.strategies.fedproto import (FedProto, FedProtoAvg, PrototypeAccumulator, aggregate_prototypes,
-                                              check_prototype_extras)
+from broker_server.strategies.fedproto import (
+    FedProto,
+    FedProtoAvg,
+    PrototypeAccumulator,
+    aggregate_prototypes,
+    check_prototype_extras,
+)
 from broker_server.strategies.fpl import FPL, finch_partition, fpl_prototypes
 from edge_agent.algorithms import TrainConfig
-from edge_agent.algorithms.fedproto import (FedProtoAvgClient, FedProtoClient, PrototypeSums, nearest_prototype_scores,
-                                            prototype_mse, prototype_table)
+from edge_agent.algorithms.fedproto import (
+    FedProtoAvgClient,
+    FedProtoClient,
+    PrototypeSums,
+    nearest_prototype_scores,
+    prototype_mse,
+    prototype_table,
+)
 from edge_agent.algorithms.fpl import FPLClient, fpl_prototype_loss
 from edge_agent.models import build_model
 
@@ -344,8 +355,9 @@ def test_fedproto_federation_exchanges_prototypes_only(tmp_path) -> None:
     import json
     import sqlite3
 
-    from broker_server.simulate import simulate
     from helpers.federation import small_config
+
+    from broker_server.simulate import simulate
 
     cfg = small_config(train={"algorithm": "fedproto"}, algorithm={"lambda_proto": 1.0},
                        server={"client_eval": True})
@@ -377,8 +389,9 @@ def test_fpl_federation_broadcasts_cluster_and_unbiased_prototypes(tmp_path) -> 
     import json
     import sqlite3
 
-    from broker_server.simulate import simulate
     from helpers.federation import small_config
+
+    from broker_server.simulate import simulate
 
     res = simulate(small_config(train={"algorithm": "fpl"}), run_dir=tmp_path / "run")
     assert res.rounds_completed == 2

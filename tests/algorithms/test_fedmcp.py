@@ -17,8 +17,16 @@ import torch
 from broker_server.strategies._base import ClientResult, apply_update
 from broker_server.strategies.fedmcp import FedMCP, TeacherAccumulator, proxy_accuracy, teacher_weights
 from edge_agent.algorithms._base import TrainConfig
-from edge_agent.algorithms.fedmcp import (FedMCPClient, FedMCPParams, class_prototypes, distillation_loss,
-                                          info_nce_loss, prototype_alignment_backward, proxy_digest, proxy_sets)
+from edge_agent.algorithms.fedmcp import (
+    FedMCPClient,
+    FedMCPParams,
+    class_prototypes,
+    distillation_loss,
+    info_nce_loss,
+    prototype_alignment_backward,
+    proxy_digest,
+    proxy_sets,
+)
 from edge_agent.data import ArraySplit, Dataset, load_dataset, proxy_split
 from edge_agent.errors import DataError, ModelError
 from edge_agent.models import build_model
@@ -420,7 +428,8 @@ def test_fp32_upload_is_exactly_42560_tensor_bytes(digits, trained) -> None:
         arr = up.extras[name]
         hand = msgpack.packb(name) + msgpack.packb([0, 1, shape, arr.astype("<f4").tobytes()], use_bin_type=True)
         assert fb[f"extras.{name}"] == len(hand)
-    assert fb["extras.soft_predictions"] + fb["extras.prototypes"] == 42_560 + (17 + 11) + (11 + 9)  # (key + tensor header) per entry
+    # (key + tensor header) per entry
+    assert fb["extras.soft_predictions"] + fb["extras.prototypes"] == 42_560 + (17 + 11) + (11 + 9)
     assert fb["tensors"] == 1  # an empty array: no model parameter travels
     got = decode(enc.payload).envelope.body
     np.testing.assert_array_equal(got.extras["soft_predictions"], up.extras["soft_predictions"])
@@ -453,10 +462,11 @@ def test_fedmcp_federation_over_a_broker(tmp_path) -> None:
     import sqlite3
     import time
 
+    from helpers.federation import Spy, small_config
+
     from broker_server.embedded_broker import EmbeddedBroker
     from broker_server.simulate import simulate
     from protocol.messages import Global
-    from helpers.federation import Spy, small_config
 
     cfg = small_config(train={"algorithm": "fedmcp"}, server={"client_eval": True},
                        algorithm={"proxy_size": 100, "alpha_proto": 0.5})

@@ -17,8 +17,17 @@ import torch.nn.functional as F
 
 from broker_server.checkpoint import Checkpoint, CheckpointStore
 from broker_server.strategies._base import ClientResult
-from broker_server.strategies.fedpad import (DEFAULT_GAMMA, DEFAULT_TAU, FedPAD, aggregate_prototypes, alpha_drift,
-                                             fedpad_weights, model_weights, prototype_deviation, prototype_weights)
+from broker_server.strategies.fedpad import (
+    DEFAULT_GAMMA,
+    DEFAULT_TAU,
+    FedPAD,
+    aggregate_prototypes,
+    alpha_drift,
+    fedpad_weights,
+    model_weights,
+    prototype_deviation,
+    prototype_weights,
+)
 from edge_agent.algorithms import TrainConfig
 from edge_agent.algorithms import fedavg as fedavg_mod
 from edge_agent.algorithms.fedavg import sgd_epochs, shuffle_generator
@@ -529,14 +538,15 @@ def test_after_backward_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.M
 
 @pytest.mark.slow
 def test_fedpad_federation_over_the_broker_with_partial_participation(tmp_path: Path) -> None:
-    from broker_server.simulate import simulate
     from helpers.federation import small_config
+
+    from broker_server.simulate import simulate
 
     cfg = small_config(data={"clients": 5}, server={"participation_rate": 0.4, "quorum": 2},
                        train={"algorithm": "fedpad"}, algorithm={"gamma": 1.0, "lambda_proto": 0.1})
     res = simulate(cfg, run_dir=tmp_path / "run")
     assert res.rounds_completed == 2
-    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2
     for m in lines:
         assert m["clients_reported"] == 2 and not m["skipped"]

@@ -22,8 +22,8 @@ matplotlib.use("Agg")
 
 from broker_server.audit import (  # noqa: E402
     AuditError,
-    _short_run_labels,
     RunAudit,
+    _short_run_labels,
     accuracy_curve,
     audit_report,
     body_fields,
@@ -855,9 +855,9 @@ _WHOLE = "m.event IN ('sent', 'message') AND m.chunk_index IS NULL"
 @pytest.fixture(scope="module")
 def fed_runs(tmp_path_factory):
     import torch
+    from helpers.federation import small_config
 
     from broker_server.simulate import simulate
-    from helpers.federation import small_config
 
     torch.set_num_threads(1)
     out = {}

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from broker_server import config as C
 from broker_server.errors import ConfigError, FedfleetServerError

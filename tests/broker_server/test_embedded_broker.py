@@ -24,6 +24,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from helpers.brokers import require_mosquitto
 
 from broker_server import embedded_broker as eb_module
 from broker_server.embedded_broker import (
@@ -33,7 +34,6 @@ from broker_server.embedded_broker import (
     parse_broker_url,
 )
 from broker_server.errors import BrokerStartError, FedfleetServerError
-from helpers.brokers import require_mosquitto
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 5.0

@@ -3,7 +3,6 @@ and the ensemble (GAcc) score checked against a second computation."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 

@@ -376,7 +376,8 @@ def test_mixed_fleet_codecs_and_joins(mixed_run) -> None:
     assert x86[0] >= ups[0]["raw_bytes"]  # fp32 carries every raw byte
     assert pi[0] / x86[0] == pytest.approx(0.25, abs=0.03)  # 1 byte per value + per-channel scales
     # the server received exactly these payloads
-    got = {r["client"]: r["payload_bytes"] for r in _rows(run_dir, "side='server' AND kind='update' AND event='received'")}
+    received = _rows(run_dir, "side='server' AND kind='update' AND event='received'")
+    got = {r["client"]: r["payload_bytes"] for r in received}
     assert got == {u["client"]: u["payload_bytes"] for u in ups}
 
     # the server kept what each device announced in its join: registry.json and the checkpoint
@@ -398,7 +399,8 @@ def test_mixed_fleet_codecs_and_joins(mixed_run) -> None:
     finally:
         store.close()
     saved = {r["client_id"]: r for r in ckpt.registry}
-    assert {cid: saved[cid]["info"]["fallbacks"] for cid in of} == {cid: registry[cid]["info"]["fallbacks"] for cid in of}
+    assert ({cid: saved[cid]["info"]["fallbacks"] for cid in of}
+            == {cid: registry[cid]["info"]["fallbacks"] for cid in of})
 
 
 @pytest.mark.slow

@@ -20,8 +20,15 @@ from broker_server import config as config_mod
 from broker_server.errors import ConfigError
 from edge_agent import data
 from edge_agent.errors import DataError, PartitionError
-from edge_agent.partition import (DEFAULT_DOMAIN_CLIENTS, STRONG_DOMAIN_CLIENTS, allocate_domain_clients,
-                                  describe, domain_silo, parse_domain_clients, partition)
+from edge_agent.partition import (
+    DEFAULT_DOMAIN_CLIENTS,
+    STRONG_DOMAIN_CLIENTS,
+    allocate_domain_clients,
+    describe,
+    domain_silo,
+    parse_domain_clients,
+    partition,
+)
 
 # MANIFEST.md per-class counts of the PACS domain files (class 0 first).
 PACS_COUNTS = {

@@ -243,7 +243,7 @@ class _Autocast:
 class _Scaler:
     """GradScaler stand-in with scale 1: scale → backward, step → optimizer.step, update."""
 
-    made: list["_Scaler"] = []
+    made: list[_Scaler] = []
 
     def __init__(self, device: str = "cuda") -> None:
         self.device = device

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 from broker_server.cli import main

@@ -15,24 +15,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.federation import small_config
 
 from broker_server.errors import ConfigError
 from broker_server.simulate import simulate
 from broker_server.strategies import register_strategy
 from broker_server.strategies.fedavg import FedAvg
 from edge_agent.algorithms import load_shared, register_client_algorithm, shared_arrays, shared_indices
-from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.algorithms._base import LocalResult
+from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.models import build_model
-from helpers.federation import small_config
 
 
 @register_client_algorithm("plumbing-probe")
 class ProbeClient(FedAvgClient):
     share = "backbone"
 
-    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="", params=None,
-                    global_extras=None):
+    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="",
+                    params=None, global_extras=None):
         load_shared(model, global_tensors, self.share)
         echo = np.asarray(global_extras.get("total", np.zeros(1, np.int64)), dtype=np.int64)
         return LocalResult(tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=0.0,
@@ -88,7 +88,7 @@ def test_probe_federation(tmp_path: Path) -> None:
                        algorithm={"probe_scale": 2.5}, train={"algorithm": "plumbing-probe"})
     res = simulate(cfg, run_dir=tmp_path / "run")
     assert res.rounds_completed == 3
-    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     parts = json.loads((tmp_path / "run" / "partition.json").read_text())
     n_total = sum(c["samples"] for c in parts["clients"])
     for m in metrics:
@@ -162,8 +162,8 @@ def test_every_example_config_builds_its_algorithm(path: Path) -> None:
 class DivergingClient(FedAvgClient):
     """Client 0's local training 'diverges' (NaN weights); the others are FedAvg."""
 
-    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="", params=None,
-                    global_extras=None):
+    def local_round(self, model, global_tensors, x, y, config, *, round, client_index, device, client_id="",
+                    params=None, global_extras=None):
         res = super().local_round(model, global_tensors, x, y, config, round=round, client_index=client_index,
                                   device=device)
         if client_index == 0:

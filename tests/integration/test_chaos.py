@@ -47,10 +47,10 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -124,7 +124,7 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, step_s: float = 0.05)
 class _CountingAccumulator:
     """Wraps the server's accumulator: records each update folded into the round's aggregate."""
 
-    def __init__(self, inner, round: int, rec: "Recorder") -> None:
+    def __init__(self, inner, round: int, rec: Recorder) -> None:
         self.inner, self.round, self.rec = inner, round, rec
 
     def add(self, result) -> None:
@@ -148,7 +148,7 @@ class Recorder:
         self.agents: list[EdgeAgent] = []
 
     @contextmanager
-    def installed(self) -> Iterator["Recorder"]:
+    def installed(self) -> Iterator[Recorder]:
         """Patch the server's ``accumulator_for`` and ``simulate``'s ``make_server`` (restored after)."""
         orig_acc, orig_make = server_mod.accumulator_for, simulate_mod.make_server
 
@@ -405,7 +405,7 @@ class FaultyRelay:
         while not self._stop.is_set():
             try:
                 c, _ = self.srv.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -917,7 +917,7 @@ def run_offline_buffer(kind: str, tmp: Path, *, limit: int = 5) -> dict:
             out["accepted_while_down"] = 0
             for i, p in enumerate(payloads[:limit]):
                 try:
-                    if attempt(f"publish {i + 1} while down", lambda: pub.publish(topic, p, qos=1) or True):
+                    if attempt(f"publish {i + 1} while down", lambda p=p: pub.publish(topic, p, qos=1) or True):
                         out["accepted_while_down"] += 1
                 except OfflineBufferFull as exc:
                     out["errors"].append(f"publish {i + 1} while down: {exc!r}")

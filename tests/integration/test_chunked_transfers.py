@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.federation import small_config
 
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
@@ -18,7 +19,6 @@ from protocol.channel import Channel, Received
 from protocol.ledger import Ledger
 from protocol.messages import Chunk, Kind, Update, decode
 from protocol.transport import MqttTransport
-from helpers.federation import small_config
 
 FED = "fed-xfer"
 

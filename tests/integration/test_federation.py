@@ -62,7 +62,7 @@ def _check_federation(res, spy: Spy, cfg: config_mod.Config) -> None:
     delivered = [(t, decode(p)) for t, p, _ in spy.messages if p]
     updates = {}
     globals_ = {}
-    for topic, d in delivered:
+    for _topic, d in delivered:
         env = d.envelope
         if isinstance(env.body, Update):
             updates.setdefault(env.round, {})[env.sender] = env.body

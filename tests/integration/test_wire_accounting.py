@@ -12,10 +12,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from helpers.federation import small_config
 
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
-from helpers.federation import small_config
 
 
 class CountingRelay:

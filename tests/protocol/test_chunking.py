@@ -26,6 +26,7 @@ from protocol.chunking import (
     split,
 )
 from protocol.errors import ProtocolError
+from protocol.memory_transport import MemoryBroker, MemoryTransport
 from protocol.messages import (
     MAX_CHUNKS,
     MAX_PAYLOAD_BYTES,
@@ -36,7 +37,6 @@ from protocol.messages import (
     decode,
     encode,
 )
-from protocol.memory_transport import MemoryBroker, MemoryTransport
 from protocol.mqtt_bytes import MQTT_V5, max_payload_for, publish_size
 
 TOPIC = "fedfleet/v1/fed-a/up/client-007/update"

@@ -17,8 +17,20 @@ from hypothesis import strategies as st
 
 from protocol.chunking import Reassembler
 from protocol.errors import ProtocolError
-from protocol.messages import (Chunk, Envelope, Finish, Global, Join, Receipt, Resend, RoundStart, Status, Update,
-                               decode, encode)
+from protocol.messages import (
+    Chunk,
+    Envelope,
+    Finish,
+    Global,
+    Join,
+    Receipt,
+    Resend,
+    RoundStart,
+    Status,
+    Update,
+    decode,
+    encode,
+)
 from protocol.tensors import Codec, encode_tensor
 
 FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
