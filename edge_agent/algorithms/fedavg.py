@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from ..models.training import train_mode
-from ..state import load_arrays, state_arrays
 from ._base import ClientAlgorithm, LocalResult, StepContext, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 
@@ -160,7 +159,8 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
 
 @register_client_algorithm("fedavg")
 class FedAvgClient(ClientAlgorithm):
-    """FedAvg client: local SGD from the global model; uploads the full local model (float32).
+    """FedAvg client: local SGD from the global model; uploads the full local model (float32)
+    (without its buffers when a subclass declares ``buffers = "local"``).
 
     Upload per round: every ``state_dict`` tensor; for the light CNN on 28×28 grayscale that is
     105,216 + 650 parameters × 4 bytes = 423,464 body bytes of tensor data.
@@ -200,8 +200,8 @@ class FedAvgClient(ClientAlgorithm):
         """
         _check_precision(self.precision, device)  # before the model is touched
         t0 = time.perf_counter()
-        load_arrays(model, global_tensors)
+        self.load_global(model, global_tensors)
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
                                precision=self.precision, before_step=step_hook(self), step_round=round)
-        return LocalResult(tensors=state_arrays(model), num_samples=int(y.shape[0]), train_loss=loss,
+        return LocalResult(tensors=self.upload_tensors(model), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0})

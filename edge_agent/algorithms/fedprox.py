@@ -25,9 +25,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
+from ._base import LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
-from .fedavg import FedAvgClient, LossFn, _check_precision, cross_entropy_loss, sgd_epochs, shuffle_generator
+from .fedavg import (
+    FedAvgClient,
+    LossFn,
+    _check_precision,
+    cross_entropy_loss,
+    sgd_epochs,
+    shuffle_generator,
+)
 
 #: FedProx proximal coefficient μ when the round config has no ``mu`` (RethinkFL best_args; SPECS §6.17).
 MU = 0.01
@@ -64,7 +71,7 @@ class LocalSGDClient(FedAvgClient):
     """FedAvg's client round (load the global model, E epochs of SGD, upload the model) with the
     algorithm's hooks in between; subclasses override :meth:`begin_round` / :meth:`end_round`.
 
-    Per round: ``load_shared(global_tensors)`` → ``loss_fn, after_backward = begin_round(...)``
+    Per round: ``self.load_global(model, global_tensors)`` → ``loss_fn, after_backward = begin_round(...)``
     → :func:`~edge_agent.algorithms.fedavg.sgd_epochs` with those hooks and the FedAvg
     shuffling generator → ``extras = end_round(...)`` (called only when the shard is non-empty,
     i.e. when an update will be sent) → :class:`LocalResult` with the shared model tensors.
@@ -106,13 +113,13 @@ class LocalSGDClient(FedAvgClient):
         """
         _check_precision(self.precision, device)  # before the model is touched
         t0 = time.perf_counter()
-        load_shared(model, global_tensors, self.share)
+        self.load_global(model, global_tensors)
         loss_fn, after_backward = self.begin_round(model, config, dict(params or {}), dict(global_extras or {}))
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
                                precision=self.precision, loss_fn=loss_fn, after_backward=after_backward,
                                before_step=step_hook(self), step_round=round)
         extras = self.end_round(model, config) if int(y.shape[0]) else {}
-        return LocalResult(tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=loss,
+        return LocalResult(tensors=self.upload_tensors(model), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0}, extras=extras)
 
 
