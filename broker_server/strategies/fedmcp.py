@@ -146,7 +146,6 @@ class FedMCP(FedAvg):
         self.teacher_soft: np.ndarray | None = None
         self.teacher_protos: np.ndarray | None = None
         self.feature_dim: int | None = None  # d of the bound model
-        self._metrics: dict = {}
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """d = the input width of the model's classifier ``[C, d]``
@@ -172,7 +171,6 @@ class FedMCP(FedAvg):
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's selection; the config adds the hyperparameters, ``proxy_size`` and ``proxy_digest``."""
         plan = super().configure_round(round, available, rng)
-        self._metrics = {}
         return RoundPlan(selected=plan.selected, config={**plan.config, **self.params.as_config(),
                                                          "proxy_size": len(self.proxy_y), "proxy_digest": self.digest})
 
@@ -223,12 +221,6 @@ class FedMCP(FedAvg):
             return {}
         return dict(zip(TEACHER_EXTRAS, (self.teacher_soft, self.teacher_protos)))
 
-    def round_metrics(self) -> dict:
-        """This round's ``teacher_weights`` {client: ω_i}, ``client_proxy_accuracy`` {client: a_i}
-        and ``teacher_proxy_accuracy`` (argmax p_T vs the proxy labels); ``{}`` when no teacher
-        was formed in the round."""
-        return dict(self._metrics)
-
     def state_dict(self) -> dict:
         """The current teacher (for ``--resume``)."""
         return dict(self.global_extras())
@@ -246,7 +238,10 @@ class TeacherAccumulator:
 
     :meth:`result` divides by ``Σ a_i`` (accuracy weighting) or K (uniform weighting, or all
     ``a_i`` = 0) — ``p_T = Σ_i ω_i p_i``, ``P_T = Σ_i ω_i P_i`` with ω of :func:`teacher_weights`
-    (SPECS §5.3) — and returns the teacher and the round's metrics as one :class:`GlobalUpdate`.
+    (SPECS §5.3) — and returns the teacher and the round's metrics as one :class:`GlobalUpdate`:
+    ``teacher_weights`` {client: ω_i}, ``client_proxy_accuracy`` {client: a_i} and
+    ``teacher_proxy_accuracy`` (argmax p_T vs the proxy labels, a fraction), logged for the round
+    that commits it only.
     """
 
     def __init__(self, strategy: FedMCP) -> None:

@@ -139,7 +139,8 @@ class ServerStepStrategy(FedAvg, abc.ABC):
     discards) leaves the strategy as it was.
 
     Also tracks ``clients_seen``: the most clients ever offered in one round (N, the fleet
-    size, for the SCAFFOLD and FedDyn server rules), and exposes :meth:`round_metrics`.
+    size, for the SCAFFOLD and FedDyn server rules); the round's figures (``server_update_norm``
+    …) travel in the :class:`GlobalUpdate`'s ``metrics``.
     """
 
     #: how each client's model is weighted in the mean: ``"samples"`` (n_i) or ``"uniform"`` (1).
@@ -151,12 +152,10 @@ class ServerStepStrategy(FedAvg, abc.ABC):
                  train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
         super().__init__(participation_rate=participation_rate, min_clients=min_clients, train_config=train_config)
         self.clients_seen = 0
-        self._metrics: dict = {}
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's selection and config; also records N = max(N, number available)."""
         self.clients_seen = max(self.clients_seen, len(available))
-        self._metrics = {}
         return super().configure_round(round, available, rng)
 
     def model_weight(self, result: ClientResult) -> float:

@@ -316,12 +316,10 @@ class FedPAD(FedAvg):
         self.proto_classes: np.ndarray | None = None     # int64 [K]
         self.prev_clients: list[str] = []                # clients of the last aggregated round
         self.prev_alpha = np.zeros(0)                    # their α
-        self._metrics: dict = {}
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's client selection; the config also carries ``lambda_proto`` for the clients."""
         plan = super().configure_round(round, available, rng)
-        self._metrics = {}  # a round that is skipped (no aggregate) logs no stale θ/α
         return RoundPlan(selected=plan.selected, config={**plan.config, "lambda_proto": self.lambda_proto})
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> BufferedAccumulator:
@@ -375,7 +373,13 @@ class FedPAD(FedAvg):
             dtype), the new global prototypes (``extras`` and ``state``, with this round's clients
             and α) and the round's metrics, committed by the driver only when finite and
             encodable; ``None`` (no change) when ``results`` is empty. The strategy is not
-            modified.
+            modified. The metrics (logged for the round that commits them only; lists in
+            client-id order): ``fedpad_clients`` (ids), ``fedpad_d`` (deviations, feature units;
+            ``null`` in round 1), ``fedpad_theta``, ``fedpad_alpha`` (weights summing to 1),
+            ``fedpad_alpha_drift`` (||α^t − α^{t−1}||₁ over the clients of both rounds, see
+            :func:`alpha_drift`; ``null`` in the first aggregated round or with < 2 common
+            clients), ``fedpad_alpha_drift_clients``, ``fedpad_global_classes`` (classes holding
+            a global prototype) and ``fedpad_round``.
 
         Raises:
             ValueError: an update without valid prototype extras (call :meth:`validate` first),
@@ -411,18 +415,6 @@ class FedPAD(FedAvg):
         extras = {PROTOTYPES: gp.copy(), PROTO_CLASSES: gc.copy()} if gc.size else {}
         return GlobalUpdate(tensors=new_model, extras=extras, metrics=metrics,
                             state={"prototypes": gp, "proto_classes": gc, "prev_clients": clients, "prev_alpha": alpha})
-
-    def round_metrics(self) -> dict:
-        """This round's FedPAD quantities for ``metrics.jsonl`` (``{}`` when the round was not
-        aggregated). Lists are in client-id order:
-
-        ``fedpad_clients`` (ids), ``fedpad_d`` (deviations, feature units; ``null`` in round 1),
-        ``fedpad_theta``, ``fedpad_alpha`` (weights summing to 1), ``fedpad_alpha_drift``
-        (||α^t − α^{t−1}||₁ over the clients of both rounds, see :func:`alpha_drift`; ``null`` in
-        the first aggregated round or with < 2 common clients), ``fedpad_alpha_drift_clients``,
-        ``fedpad_global_classes`` (classes holding a global prototype) and ``fedpad_round``.
-        """
-        return dict(self._metrics)
 
     def state_dict(self) -> dict:
         """Global prototypes, their classes, and the last round's clients and α (for resume)."""

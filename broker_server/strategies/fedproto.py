@@ -238,10 +238,6 @@ class FedProto(FedAvg):
             return {}
         return {"prototypes": self.prototypes, "proto_classes": self.proto_classes}
 
-    def round_metrics(self) -> dict:
-        """``prototype_classes``: how many classes have a global prototype."""
-        return {"prototype_classes": int(self.proto_classes.size)}
-
     def state_dict(self) -> dict:
         """The global prototypes (restored by :meth:`load_state_dict` on ``--resume``)."""
         return {"prototypes": self.prototypes, "proto_classes": self.proto_classes}
@@ -255,7 +251,8 @@ class FedProto(FedAvg):
 class FedProtoAccumulator:
     """One round of :class:`FedProto`: class-wise prototype sums, plus FedAvg's running weighted
     sum of the model when the strategy shares it. :meth:`result` returns the new global
-    prototypes (and model) as one :class:`GlobalUpdate`."""
+    prototypes (and model) as one :class:`GlobalUpdate`, whose metrics ``prototype_classes`` (how
+    many classes have a global prototype) are logged for the round that commits it."""
 
     def __init__(self, strategy: FedProto) -> None:
         self.strategy = strategy

@@ -171,10 +171,6 @@ class FPL(FedAvg):
         ``{}`` before the first aggregation."""
         return dict(self.extras)
 
-    def round_metrics(self) -> dict:
-        """``fpl_clusters``: the number of cluster prototypes per class, {class id (str): J_c}."""
-        return fpl_metrics(self.extras)
-
     def state_dict(self) -> dict:
         """The last broadcast prototypes (for ``--resume``)."""
         return dict(self.extras)
@@ -186,7 +182,8 @@ class FPL(FedAvg):
 
 class FPLAccumulator:
     """One round of :class:`FPL`: FedAvg running sums of the model plus the clients' prototypes;
-    :meth:`result` runs :func:`fpl_prototypes` and returns the new model and broadcast extras."""
+    :meth:`result` runs :func:`fpl_prototypes` and returns the new model and broadcast extras,
+    with the metrics ``fpl_clusters`` (:func:`fpl_metrics`) for the round that commits them."""
 
     def __init__(self, strategy: FPL) -> None:
         self.strategy = strategy
