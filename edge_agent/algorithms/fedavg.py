@@ -62,7 +62,6 @@ def cross_entropy_loss(model: torch.nn.Module, xb: torch.Tensor, yb: torch.Tenso
 def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
                generator: torch.Generator, device: torch.device, *, precision: str = "fp32",
                loss_fn: LossFn | None = None,
-               after_backward: Callable[[torch.nn.Module], None] | None = None,
                before_step: Callable[[torch.nn.Module, StepContext], None] | None = None,
                step_round: int = 0) -> tuple[float, float]:
     """Run ``config.local_epochs`` epochs (at least one) of SGD on ``(x, y)``.
@@ -88,13 +87,13 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
             :data:`LossFn`); called inside autocast under fp16. ``None`` = :func:`cross_entropy_loss`,
             the FedAvg objective (same operations, so FedAvg stays bit-identical). Algorithms with
             an extra term (FedProx's proximal term, FedPAD's prototype term …) pass their own.
-        after_backward: called as ``after_backward(model)`` once per batch after ``backward()``
-            and before the optimizer step, to edit ``p.grad`` in place (SCAFFOLD's corrected
-            gradient g + c − c_i). Under fp16 the gradients are unscaled first
-            (``scaler.unscale_``), so the hook always sees true gradients. ``None`` = nothing.
-        before_step: the algorithm's training-step hook (:meth:`ClientAlgorithm.before_step`),
-            called as ``before_step(model, StepContext(epoch, step, loss, step_round))`` after
-            ``after_backward`` and before the optimizer step, on true gradients likewise.
+        before_step: the algorithm's one training-step hook (:meth:`ClientAlgorithm.before_step`,
+            passed through :func:`~edge_agent.algorithms._base.step_hook`), called as
+            ``before_step(model, StepContext(epoch, step, loss, step_round))`` once per batch
+            after ``backward()`` and before the optimizer step, to edit ``p.grad`` in place
+            (SCAFFOLD's corrected gradient g + c − c_i). Under fp16 the gradients are unscaled
+            first (``scaler.unscale_``), so the hook always sees true gradients. ``None`` =
+            nothing (and no unscale).
         step_round: the federated round, passed on in the :class:`StepContext`.
 
     Returns:
@@ -124,12 +123,6 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
     correct = 0
     step = 0
 
-    def hooks(loss: torch.Tensor, epoch: int) -> None:
-        if after_backward is not None:
-            after_backward(model)
-        if before_step is not None:
-            before_step(model, StepContext(epoch, step, loss.detach(), step_round))
-
     for epoch in range(max(1, config.local_epochs)):
         perm = torch.randperm(n, generator=generator)
         loss_sum, correct = 0.0, 0
@@ -140,15 +133,16 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
             if scaler is None:
                 loss, logits = objective(model, xb, yb)
                 loss.backward()
-                hooks(loss, epoch)
+                if before_step is not None:
+                    before_step(model, StepContext(epoch, step, loss.detach(), step_round))
                 opt.step()
             else:
                 with torch.autocast(device_type="cuda", dtype=torch.float16):
                     loss, logits = objective(model, xb, yb)  # autocast runs cross_entropy in float32
                 scaler.scale(loss).backward()
-                if after_backward is not None or before_step is not None:
-                    scaler.unscale_(opt)  # the hooks edit true gradients; step() does not unscale twice
-                    hooks(loss, epoch)
+                if before_step is not None:
+                    scaler.unscale_(opt)  # the hook edits true gradients; step() does not unscale twice
+                    before_step(model, StepContext(epoch, step, loss.detach(), step_round))
                 scaler.step(opt)  # skipped when the scaled gradients overflowed
                 scaler.update()
             step += 1

@@ -102,7 +102,7 @@ class FedDynClient(StateOnReceipt, LocalSGDClient):
         self._alpha = ALPHA
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
-                    global_extras: Mapping[str, np.ndarray]) -> tuple[LossFn, None]:
+                    global_extras: Mapping[str, np.ndarray]) -> LossFn:
         alpha = read_param(params, "alpha", ALPHA)
         anchors = parameter_snapshot(model)
         if self.grad_state is None:
@@ -114,7 +114,7 @@ class FedDynClient(StateOnReceipt, LocalSGDClient):
             ce, logits = cross_entropy_loss(m, xb, yb)
             return ce - linear_term(m.parameters(), grads) + (alpha / 2) * proximal_term(m.parameters(), anchors), logits
 
-        return loss_fn, None
+        return loss_fn
 
     def end_round(self, model: torch.nn.Module, config: TrainConfig) -> dict[str, np.ndarray]:
         local = [p.detach() for p in model.parameters()]

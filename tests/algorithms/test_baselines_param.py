@@ -271,13 +271,13 @@ class QuadraticScaffold(ScaffoldClient):
         self.a, self.b = torch.tensor(A[k], dtype=torch.float32), torch.tensor(B[k], dtype=torch.float32)
 
     def begin_round(self, model, config, params, global_extras):
-        _, hook = super().begin_round(model, config, params, global_extras)
+        super().begin_round(model, config, params, global_extras)  # c − c_i for before_step
 
         def loss_fn(m, xb, yb):
             w = m.weight.reshape(-1)
             return 0.5 * (self.a * (w - self.b) ** 2).sum(), torch.zeros(len(yb), 2)
 
-        return loss_fn, hook
+        return loss_fn
 
 
 def quad_round(client, x, c, *, lr, momentum=0.0, wd=0.0, rnd=1):

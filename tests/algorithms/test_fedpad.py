@@ -460,20 +460,20 @@ def test_loss_fn_hook_with_cross_entropy_is_bit_identical_to_the_default() -> No
         np.testing.assert_array_equal(u, v)
 
 
-def test_after_backward_edits_the_gradient_before_each_step() -> None:
+def test_before_step_edits_the_gradient_before_each_step() -> None:
     """A hook adding a constant c to every gradient: one full-batch step gives w − η(g + c)
     (SCAFFOLD's corrected gradient g + c − c_i has this form)."""
     x, y = _shard(10)
     cfg = TrainConfig(local_epochs=1, batch_size=10, lr=0.1, momentum=0.0, seed=0)
     calls = []
 
-    def hook(m):
+    def hook(m, context):
         calls.append(all(p.grad is not None for p in m.parameters()))
         for p in m.parameters():
             p.grad.add_(0.5)
 
     model = _model()
-    sgd_epochs(model, x, y, cfg, shuffle_generator(0, 1, 0), CPU, after_backward=hook)
+    sgd_epochs(model, x, y, cfg, shuffle_generator(0, 1, 0), CPU, before_step=hook)
     assert calls == [True]
     ref = _model()
     grads = torch.autograd.grad(F.cross_entropy(ref(x), y), list(ref.parameters()))
@@ -512,7 +512,7 @@ class _NoAutocast:
         return False
 
 
-def test_after_backward_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_before_step_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp16 branch (faked without a GPU): per batch scale → unscale_ → hook → step → update."""
     monkeypatch.setattr(torch, "autocast", _NoAutocast)
     monkeypatch.setattr(torch.amp, "GradScaler", _Scaler)
@@ -520,7 +520,7 @@ def test_after_backward_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.M
     x, y = _shard(8)
     cfg = TrainConfig(local_epochs=1, batch_size=4, lr=0.1, seed=0)
     sgd_epochs(_model(), x, y, cfg, shuffle_generator(0, 1, 0), torch.device("cuda", 0), precision="fp16",
-               after_backward=lambda m: _Scaler.last.calls.append("hook"))
+               before_step=lambda m, context: _Scaler.last.calls.append("hook"))
     assert _Scaler.last.calls == ["scale", "unscale_", "hook", "step", "update"] * 2
 
 
