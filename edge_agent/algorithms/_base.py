@@ -92,7 +92,8 @@ def load_shared(model: torch.nn.Module, arrays: Sequence[np.ndarray], share: str
         if tuple(arr.shape) != tuple(ref.shape):
             raise ModelError(f"tensor {names[i]}: shape {tuple(arr.shape)} received, "
                              f"the model has {tuple(ref.shape)}")
-        new[names[i]] = torch.from_numpy(np.array(arr, dtype=ref.detach().cpu().numpy().dtype, copy=True)).to(ref.device)
+        dtype = ref.detach().cpu().numpy().dtype
+        new[names[i]] = torch.from_numpy(np.array(arr, dtype=dtype, copy=True)).to(ref.device)
     model.load_state_dict(new, strict=False)
 
 

@@ -293,7 +293,8 @@ class FedProtoClient(PrototypeClient):
             raise ValueError(f"lambda_proto must be >= 0, got {lam}")
         self.global_prototypes = None
         if "prototypes" in global_extras and "proto_classes" in global_extras and len(global_extras["proto_classes"]):
-            self.global_prototypes = (np.asarray(global_extras["prototypes"]), np.asarray(global_extras["proto_classes"]))
+            self.global_prototypes = (np.asarray(global_extras["prototypes"]),
+                                      np.asarray(global_extras["proto_classes"]))
         if self.global_prototypes is None or lam == 0:
             return None
         table, mask = prototype_table(*self.global_prototypes, num_classes, device)

@@ -58,7 +58,7 @@ def proximal_term(params: Iterable[torch.Tensor], anchors: Sequence[torch.Tensor
     if len(params) != len(anchors):
         raise ValueError(f"{len(params)} parameters but {len(anchors)} anchors")
     total = params[0].new_zeros(())
-    for p, a in zip(params, anchors):
+    for p, a in zip(params, anchors, strict=False):
         total = total + (p - a).pow(2).sum()
     return total
 

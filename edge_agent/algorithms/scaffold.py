@@ -163,7 +163,7 @@ class ScaffoldClient(StateOnReceipt, LocalSGDClient):
         Under momentum it first adds g + λ·y to the round's gradient sum (module docstring).
         A parameter without a gradient is left alone."""
         wd = self._weight_decay
-        for j, (param, corr) in enumerate(zip(model.parameters(), self._correction)):
+        for j, (param, corr) in enumerate(zip(model.parameters(), self._correction, strict=False)):
             if param.grad is None:
                 continue
             if self._grad_sum:  # momentum: remember g + λ·y before the correction
