@@ -41,6 +41,8 @@ class RoundState:
         messages: the round's ``global`` and its ``round_start`` messages as (client or ``None``
             for the broadcast, message), kept for a resync after a reconnect.
         global_sha256: the hash of the round's global payload (receipts confirm it).
+        strategy_metrics: the ``metrics`` of the :class:`~broker_server.strategies.GlobalUpdate`
+            the driver committed in this round (``{}``: none committed), for its metrics line.
     """
 
     collecting: int | None = None
@@ -52,6 +54,7 @@ class RoundState:
     deadline: float = float("inf")
     messages: tuple[Global, list[tuple[str | None, RoundStart]]] | None = None
     global_sha256: bytes = b""
+    strategy_metrics: dict = field(default_factory=dict)
 
     def awaiting(self) -> bool:
         """Whether some selected client has neither reported nor withdrawn."""

@@ -19,7 +19,9 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    :class:`~broker_server.strategies.GlobalUpdate` (the accumulator's ``result()``); the driver
    commits it (``strategy.commit``) only when every array is finite and encodable with the
    round's global/extras codecs (:func:`~broker_server.strategies.update_problem`), for every
-   strategy alike; otherwise the old state stays and ``skip_reason`` says why;
+   strategy alike; otherwise the old state stays and ``skip_reason`` says why. The round's
+   strategy figures are the committed update's ``metrics`` (none when nothing was committed),
+   so a skipped round never repeats the round before's;
 6. evaluate on the held-out test split, write one ``metrics.jsonl`` line and a checkpoint.
 
 After the last round the server publishes ``finish``. The device registry
@@ -552,7 +554,7 @@ class AggregationServer:
         else:
             self._commit(r, acc_round.result())
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
-        extra_metrics = self._extra_metrics(results)
+        extra_metrics = self._extra_metrics(results, o.strategy_metrics)
         if self.share != "all":
             # the server's copy holds only the shared part (or nothing) of a model: its score means
             # nothing. The round's accuracy is the clients' own models' (client_eval), when measured.
@@ -610,6 +612,7 @@ class AggregationServer:
             log.error("round %d: %s; the global state is kept", r, reason)
             return False
         self.strategy.commit(r, update)
+        self.open.strategy_metrics = dict(update.metrics)  # this round's figures, logged with it only
         if update.tensors is not None:
             for i, t in zip(self.shared_idx, update.tensors, strict=True):
                 self.global_tensors[i] = np.asarray(t)
@@ -638,9 +641,11 @@ class AggregationServer:
                         "a typo? Those codecs have no effect", ", ".join(map(repr, unknown)),
                         ", ".join(sorted(self._extras_seen)) or "none")
 
-    def _extra_metrics(self, results: list[tuple[int, float, dict]]) -> dict:
-        """Per-domain accuracy of the global model, the clients' own-model evaluation, and the
-        strategy's ``round_metrics()`` for one round's ``metrics.jsonl`` line."""
+    def _extra_metrics(self, results: list[tuple[int, float, dict]], committed: dict | None = None) -> dict:
+        """Per-domain accuracy of the global model, the clients' own-model evaluation, the
+        ``metrics`` of the :class:`GlobalUpdate` committed in this round (``committed``; ``{}``
+        when the round committed none: skipped, refused) and the strategy's standing
+        ``round_metrics()``, for one round's ``metrics.jsonl`` line."""
         out: dict = {"share": self.share}
         if self.test_domains:
             dom = {name: evaluate(self.model, split, batch_size=self.settings.eval_batch_size)[0]
@@ -654,6 +659,7 @@ class AggregationServer:
             out.update(client_accuracy_mean=float(np.mean(accs)), client_accuracy_worst=float(min(accs)),
                        client_accuracy_best=float(max(accs)), client_accuracy_std=float(np.std(accs)),
                        client_f1_mean=float(np.mean(f1s)) if f1s else None, clients_evaluated=len(accs))
+        out.update(committed or {})
         out.update(self.strategy.round_metrics())
         return out
 

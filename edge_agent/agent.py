@@ -12,10 +12,10 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -242,7 +242,7 @@ class EdgeAgent:
                  idle_timeout_s: float = 600.0, info: dict | None = None,
                  on_trained: Callable[[int, LocalResult, int], None] | None = None,
                  receipt_timeout_s: float = 10.0, max_resends: int = 3,
-                 runtime: "AgentRuntime | None" = None, emulate_link: bool = False,
+                 runtime: AgentRuntime | None = None, emulate_link: bool = False,
                  eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None) -> None:
         self.channel = channel
         self.client_id = channel.node_id
@@ -592,7 +592,8 @@ class EdgeAgent:
         delta = bool(config.get("delta", False))
         out = list(tensors)
         if delta:
-            out = [w - g if np.issubdtype(w.dtype, np.floating) else w for w, g in zip(out, global_tensors)]
+            out = [w - g if np.issubdtype(w.dtype, np.floating) else w
+                   for w, g in zip(out, global_tensors, strict=False)]
         if codec.lossy and bool(config.get("error_feedback", False)):
             if self._ef is None:
                 self._ef = ErrorFeedback()

@@ -9,24 +9,38 @@ its default, on :class:`Strategy` (``_base.py``).
 
 from __future__ import annotations
 
-from ._base import (BUFFERS, MODEL_REQUIREMENTS, SHARES, Accumulator, BufferedAccumulator, ClientResult, GlobalUpdate,
-                    RoundPlan, Strategy, accumulator_for, apply_update, update_problem)
-from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
-from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
-from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
-from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
-from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
-from . import fedopt as _fedopt  # noqa: F401  (registers "fedopt")
-from . import fedprox as _fedprox  # noqa: F401  (registers "fedprox")
-from . import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
-from . import fedproto as _fedproto  # noqa: F401  (registers "fedproto", "fedproto-avg")
-from . import fpl as _fpl  # noqa: F401  (registers "fpl")
-from . import fedper as _fedper  # noqa: F401  (registers "fedper")
-from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
-from . import local as _local  # noqa: F401  (registers "local")
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
+from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
+from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
+from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
+from . import fedopt as _fedopt  # noqa: F401  (registers "fedopt")
 from . import fedpad as _fedpad  # noqa: F401  (registers "fedpad")
+from . import fedper as _fedper  # noqa: F401  (registers "fedper")
+from . import fedproto as _fedproto  # noqa: F401  (registers "fedproto", "fedproto-avg")
+from . import fedprox as _fedprox  # noqa: F401  (registers "fedprox")
+from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
+from . import fpl as _fpl  # noqa: F401  (registers "fpl")
+from . import local as _local  # noqa: F401  (registers "local")
+from . import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
+from ._base import (
+    BUFFERS,
+    MODEL_REQUIREMENTS,
+    SHARES,
+    Accumulator,
+    BufferedAccumulator,
+    ClientResult,
+    GlobalUpdate,
+    RoundPlan,
+    Strategy,
+    accumulator_for,
+    apply_update,
+    update_problem,
+)
+from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
 
-__all__ = sorted(["BUFFERS", "MODEL_REQUIREMENTS", "SHARES", "Accumulator", "BufferedAccumulator", "ClientResult",
-                  "GlobalUpdate", "RoundPlan", "Strategy", "accumulator_for", "apply_update", "update_problem",
-                  "get_strategy", "get_strategy_class", "list_strategies", "register_strategy"])
+__all__ = [
+    "Accumulator", "BUFFERS", "BufferedAccumulator", "ClientResult", "GlobalUpdate", "MODEL_REQUIREMENTS",
+    "RoundPlan", "SHARES", "Strategy", "accumulator_for", "apply_update", "get_strategy", "get_strategy_class",
+    "list_strategies", "register_strategy", "update_problem",
+]

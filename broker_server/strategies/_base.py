@@ -13,7 +13,9 @@ Which hook the driver (:class:`broker_server.server.AggregationServer`) calls wh
 4. at the close: :meth:`Accumulator.result` (quorum met) or :meth:`Strategy.skipped_round`
    (quorum missed, some updates accepted) → a :class:`GlobalUpdate` or ``None``; the driver
    checks it (:func:`update_problem`: every array finite and encodable with the round's codecs)
-   and only then calls :meth:`Strategy.commit`; then :meth:`Strategy.round_metrics` and
+   and only then calls :meth:`Strategy.commit`; the round's ``metrics.jsonl`` line carries that
+   committed update's ``metrics`` (none when nothing was committed in the round) and
+   :meth:`Strategy.round_metrics` (standing figures, default none); then
    :meth:`Strategy.state_dict` (checkpoint).
 
 Nothing is found by ``getattr``: every hook has a default here.
@@ -122,8 +124,10 @@ class GlobalUpdate:
             committed (the next ``global``'s extras; checked against the extras codec).
         state: strategy attributes to set on :meth:`Strategy.commit` (name → new value; arrays,
             lists of arrays, scalars).
-        metrics: the round's scalars for ``metrics.jsonl`` (:meth:`Strategy.round_metrics`
-            returns them after the commit).
+        metrics: the round's figures for ``metrics.jsonl`` (scalars, lists, string-keyed maps):
+            the driver logs them for the round in which it commits this update, and only then
+            (a skipped or refused round logs none of them); :attr:`Strategy.committed_metrics`
+            keeps them after :meth:`Strategy.commit`.
     """
 
     tensors: Sequence[np.ndarray] | None = None
@@ -314,8 +318,10 @@ class Strategy:
     model_requirement: ClassVar[str] = "manifest"
     instructions: ClassVar[tuple[str, ...]] = ()
 
-    #: the metrics of the last committed update (:meth:`round_metrics`); replaced, never mutated.
-    _metrics: dict = {}
+    #: the ``metrics`` of the last update :meth:`commit` adopted (``{}`` before any), for offline
+    #: callers of :meth:`step` and tests; replaced on each commit, never mutated. The driver does
+    #: not read it: it logs the metrics of the update it commits in the round itself.
+    committed_metrics: Mapping[str, Any] = {}
 
     # ------------------------------------------------------------------ setup
 
@@ -379,7 +385,7 @@ class Strategy:
 
     def commit(self, round: int, update: GlobalUpdate) -> None:
         """Adopt ``update`` (the driver calls this only when :func:`update_problem` found
-        nothing): set each ``state`` attribute and keep ``metrics`` for :meth:`round_metrics`.
+        nothing): set each ``state`` attribute and keep ``metrics`` in :attr:`committed_metrics`.
 
         Raises:
             AttributeError: a state name the strategy does not have (a typo).
@@ -388,13 +394,15 @@ class Strategy:
             if not hasattr(self, key):
                 raise AttributeError(f"{type(self).__name__} has no attribute {key!r} to commit")
             setattr(self, key, value)
-        self._metrics = dict(update.metrics)
+        self.committed_metrics = dict(update.metrics)
 
     def round_metrics(self) -> dict:
-        """Scalars merged into the round's ``metrics.jsonl`` line, called after the round closed.
-        Default: the metrics of the last committed update (strategies reset them in
-        :meth:`configure_round` when a skipped round must log none)."""
-        return dict(self._metrics)
+        """Figures of the strategy's standing state (not of one aggregation) added to every
+        round's ``metrics.jsonl`` line, skipped rounds included; called by the driver after the
+        round closed and after the round's :class:`GlobalUpdate.metrics` were merged (a key here
+        wins). Per-aggregation figures (weights, norms) belong in :attr:`GlobalUpdate.metrics`,
+        which the driver logs only for the round that committed them. Default ``{}``."""
+        return {}
 
     def step(self, round: int, current: Sequence[np.ndarray],
              results: Sequence[ClientResult]) -> list[np.ndarray] | None:

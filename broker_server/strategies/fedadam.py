@@ -52,11 +52,11 @@ def adam_server_step(current: Sequence[np.ndarray], delta: Sequence[np.ndarray],
     """
     m0 = [np.zeros_like(d) for d in delta] if m is None else [np.asarray(a, np.float64) for a in m]
     v0 = [np.zeros_like(d) for d in delta] if v is None else [np.asarray(a, np.float64) for a in v]
-    m1 = [beta1 * a + (1 - beta1) * d for a, d in zip(m0, delta)]
-    v1 = [beta2 * a + (1 - beta2) * d * d for a, d in zip(v0, delta)]
+    m1 = [beta1 * a + (1 - beta1) * d for a, d in zip(m0, delta, strict=False)]
+    v1 = [beta2 * a + (1 - beta2) * d * d for a, d in zip(v0, delta, strict=False)]
     eta = lr * np.sqrt(1 - beta2 ** step) / (1 - beta1 ** step) if bias_correction else lr
     new = [(np.asarray(w, np.float64) + eta * a / (np.sqrt(b) + tau)).astype(np.asarray(w).dtype)
-           for w, a, b in zip(current, m1, v1)]
+           for w, a, b in zip(current, m1, v1, strict=False)]
     return new, m1, v1
 
 

@@ -52,7 +52,7 @@ class FedAvg(Strategy):
             return None
         return GlobalUpdate(tensors=weighted_average([r.tensors for r in results], [r.num_samples for r in results]))
 
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FedAvgAccumulator":
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FedAvgAccumulator:
         """Streaming form of :meth:`aggregate`: each update is folded into running weighted sums
         on arrival, so server memory is one model whatever the number of clients."""
         return FedAvgAccumulator()

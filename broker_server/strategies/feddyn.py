@@ -65,8 +65,9 @@ def feddyn_server_update(w_g: Sequence[np.ndarray], mean_w: Sequence[np.ndarray]
     if not alpha > 0 or num_clients < 1:
         raise ValueError(f"FedDyn needs alpha > 0 and N >= 1, got alpha={alpha}, N={num_clients}")
     h0 = [np.zeros(np.shape(d)) for d in sum_diff] if h is None else [np.asarray(a, np.float64) for a in h]
-    h1 = [a - alpha / num_clients * np.asarray(d, np.float64) for a, d in zip(h0, sum_diff)]
-    new = [(np.asarray(m, np.float64) - a / alpha).astype(np.asarray(w).dtype) for w, m, a in zip(w_g, mean_w, h1)]
+    h1 = [a - alpha / num_clients * np.asarray(d, np.float64) for a, d in zip(h0, sum_diff, strict=False)]
+    new = [(np.asarray(m, np.float64) - a / alpha).astype(np.asarray(w).dtype)
+           for w, m, a in zip(w_g, mean_w, h1, strict=False)]
     return new, h1
 
 
@@ -110,7 +111,7 @@ class FedDyn(ServerStepStrategy):
         mean = sums["model"].mean()
         uniform = sums.get("sum", sums["model"])
         mean_u = mean if uniform is sums["model"] else uniform.mean()
-        sum_diff = [uniform.count * (np.asarray(m, np.float64) - w) for w, m in zip(current, mean_u)]
+        sum_diff = [uniform.count * (np.asarray(m, np.float64) - w) for w, m in zip(current, mean_u, strict=False)]
         n = self.fleet_size(uniform.count)
         out: dict = {}
 

@@ -126,8 +126,10 @@ class FedMCP(FedAvg):
         super().__init__(participation_rate=participation_rate, min_clients=min_clients, train_config=train_config)
         unknown = set(hyperparameters) - set(FedMCPParams.__dataclass_fields__)
         if unknown:
+            known = sorted([*FedMCPParams.__dataclass_fields__, "weighting", "proxy_size", "proxy_seed",
+                            "row_sum_tolerance"])
             raise TypeError(f"unknown {self.name} parameter(s): {', '.join(sorted(unknown))}; known: "
-                            f"{', '.join(sorted([*FedMCPParams.__dataclass_fields__, 'weighting', 'proxy_size', 'proxy_seed', 'row_sum_tolerance']))}")
+                            f"{', '.join(known)}")
         self.params = FedMCPParams.from_mapping(hyperparameters, self.hyperparameter_defaults)
         self.weighting = self.default_weighting if weighting is None else weighting
         if self.weighting not in WEIGHTINGS:
@@ -146,7 +148,6 @@ class FedMCP(FedAvg):
         self.teacher_soft: np.ndarray | None = None
         self.teacher_protos: np.ndarray | None = None
         self.feature_dim: int | None = None  # d of the bound model
-        self._metrics: dict = {}
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """d = the input width of the model's classifier ``[C, d]``
@@ -172,7 +173,6 @@ class FedMCP(FedAvg):
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's selection; the config adds the hyperparameters, ``proxy_size`` and ``proxy_digest``."""
         plan = super().configure_round(round, available, rng)
-        self._metrics = {}
         return RoundPlan(selected=plan.selected, config={**plan.config, **self.params.as_config(),
                                                          "proxy_size": len(self.proxy_y), "proxy_digest": self.digest})
 
@@ -198,7 +198,8 @@ class FedMCP(FedAvg):
             return f"soft_predictions rows must sum to 1 (off by up to {err:.4f} > {self.row_sum_tolerance})"
         d = self.feature_dim if self.feature_dim is not None else (
             None if self.teacher_protos is None else self.teacher_protos.shape[1])
-        if protos.ndim != 2 or protos.shape[0] != self.num_classes or protos.shape[1] < 1 or d not in (None, protos.shape[1]):
+        if (protos.ndim != 2 or protos.shape[0] != self.num_classes or protos.shape[1] < 1
+                or d not in (None, protos.shape[1])):
             return f"prototypes {list(protos.shape)}, expected [{self.num_classes}, {d or 'd'}]"
         return None
 
@@ -212,7 +213,7 @@ class FedMCP(FedAvg):
             acc.add(r)
         return acc.result()
 
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "TeacherAccumulator":
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> TeacherAccumulator:
         """Streaming form of :meth:`aggregate` (memory: two teachers, whatever the fleet size)."""
         return TeacherAccumulator(self)
 
@@ -221,13 +222,7 @@ class FedMCP(FedAvg):
         or ``{}`` before the first aggregation."""
         if self.teacher_soft is None or self.teacher_protos is None:
             return {}
-        return dict(zip(TEACHER_EXTRAS, (self.teacher_soft, self.teacher_protos)))
-
-    def round_metrics(self) -> dict:
-        """This round's ``teacher_weights`` {client: ω_i}, ``client_proxy_accuracy`` {client: a_i}
-        and ``teacher_proxy_accuracy`` (argmax p_T vs the proxy labels); ``{}`` when no teacher
-        was formed in the round."""
-        return dict(self._metrics)
+        return dict(zip(TEACHER_EXTRAS, (self.teacher_soft, self.teacher_protos), strict=False))
 
     def state_dict(self) -> dict:
         """The current teacher (for ``--resume``)."""
@@ -246,7 +241,10 @@ class TeacherAccumulator:
 
     :meth:`result` divides by ``Σ a_i`` (accuracy weighting) or K (uniform weighting, or all
     ``a_i`` = 0) — ``p_T = Σ_i ω_i p_i``, ``P_T = Σ_i ω_i P_i`` with ω of :func:`teacher_weights`
-    (SPECS §5.3) — and returns the teacher and the round's metrics as one :class:`GlobalUpdate`.
+    (SPECS §5.3) — and returns the teacher and the round's metrics as one :class:`GlobalUpdate`:
+    ``teacher_weights`` {client: ω_i}, ``client_proxy_accuracy`` {client: a_i} and
+    ``teacher_proxy_accuracy`` (argmax p_T vs the proxy labels, a fraction), logged for the round
+    that commits it only.
     """
 
     def __init__(self, strategy: FedMCP) -> None:
@@ -269,8 +267,8 @@ class TeacherAccumulator:
         use = self._weighted if s.weighting == "accuracy" and self._weighted.total_weight > 0 else self._uniform
         soft, protos = use.mean()
         omega = teacher_weights(list(self._accuracy.values()), s.weighting)
-        metrics = {"teacher_weights": dict(zip(self._accuracy, omega.tolist())),
+        metrics = {"teacher_weights": dict(zip(self._accuracy, omega.tolist(), strict=False)),
                    "client_proxy_accuracy": dict(self._accuracy),
                    "teacher_proxy_accuracy": proxy_accuracy(soft, s.proxy_y)}
-        return GlobalUpdate(tensors=None, extras=dict(zip(TEACHER_EXTRAS, (soft, protos))),
+        return GlobalUpdate(tensors=None, extras=dict(zip(TEACHER_EXTRAS, (soft, protos), strict=False)),
                             state={"teacher_soft": soft, "teacher_protos": protos}, metrics=metrics)

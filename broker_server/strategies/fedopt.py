@@ -21,7 +21,6 @@ SCAFFOLD, FedDyn), and :func:`pseudo_gradient`.
 from __future__ import annotations
 
 import abc
-
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -58,7 +57,7 @@ def pseudo_gradient(current: Sequence[np.ndarray], mean: Sequence[np.ndarray]) -
     Returns:
         float64 arrays of the same shapes.
     """
-    return [np.asarray(m, np.float64) - np.asarray(w, np.float64) for w, m in zip(current, mean)]
+    return [np.asarray(m, np.float64) - np.asarray(w, np.float64) for w, m in zip(current, mean, strict=False)]
 
 
 def momentum_server_step(current: Sequence[np.ndarray], delta: Sequence[np.ndarray],
@@ -74,8 +73,8 @@ def momentum_server_step(current: Sequence[np.ndarray], delta: Sequence[np.ndarr
         (w_{t+1} in each tensor's dtype, b_t in float64). Inputs are not modified.
     """
     prev = [np.zeros_like(d) for d in delta] if buffer is None else [np.asarray(bb, np.float64) for bb in buffer]
-    b = [momentum * p + d for p, d in zip(prev, delta)]
-    new = [(np.asarray(w, np.float64) + lr * bb).astype(np.asarray(w).dtype) for w, bb in zip(current, b)]
+    b = [momentum * p + d for p, d in zip(prev, delta, strict=False)]
+    new = [(np.asarray(w, np.float64) + lr * bb).astype(np.asarray(w).dtype) for w, bb in zip(current, b, strict=False)]
     return new, b
 
 
@@ -139,7 +138,8 @@ class ServerStepStrategy(FedAvg, abc.ABC):
     discards) leaves the strategy as it was.
 
     Also tracks ``clients_seen``: the most clients ever offered in one round (N, the fleet
-    size, for the SCAFFOLD and FedDyn server rules), and exposes :meth:`round_metrics`.
+    size, for the SCAFFOLD and FedDyn server rules); the round's figures (``server_update_norm``
+    …) travel in the :class:`GlobalUpdate`'s ``metrics``.
     """
 
     #: how each client's model is weighted in the mean: ``"samples"`` (n_i) or ``"uniform"`` (1).
@@ -151,12 +151,10 @@ class ServerStepStrategy(FedAvg, abc.ABC):
                  train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
         super().__init__(participation_rate=participation_rate, min_clients=min_clients, train_config=train_config)
         self.clients_seen = 0
-        self._metrics: dict = {}
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's selection and config; also records N = max(N, number available)."""
         self.clients_seen = max(self.clients_seen, len(available))
-        self._metrics = {}
         return super().configure_round(round, available, rng)
 
     def model_weight(self, result: ClientResult) -> float:
@@ -233,7 +231,7 @@ def step_floats(current: Sequence[np.ndarray], mean: Sequence[np.ndarray], step:
     idx = [i for i, w in enumerate(current) if is_float(w)]
     stepped = step(*([seq[i] for i in idx] for seq in (current, mean, *aligned)))
     out = list(mean)
-    for i, t in zip(idx, stepped):
+    for i, t in zip(idx, stepped, strict=False):
         out[i] = t
     return out
 
@@ -241,7 +239,7 @@ def step_floats(current: Sequence[np.ndarray], mean: Sequence[np.ndarray], step:
 def update_norm(current: Sequence[np.ndarray], new: Sequence[np.ndarray]) -> float:
     """‖w_{t+1} − w_t‖₂ over the floating-point tensors (a per-round diagnostic)."""
     return float(np.sqrt(sum(float(np.sum((np.asarray(n, np.float64) - w) ** 2))
-                             for w, n in zip(current, new) if is_float(w))))
+                             for w, n in zip(current, new, strict=False) if is_float(w))))
 
 
 class ServerOptimizer(ServerStepStrategy):

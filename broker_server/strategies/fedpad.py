@@ -48,8 +48,8 @@ DEFAULT_TAU = 0.1
 #: γ, the inverse temperature of θ = softmax(γ·d). SPECS §1.4: not given in the paper (only a
 #: sensitivity plot), so this default is ours, set from the scale of d we measured: d_i is a sum
 #: over up to C classes of L2 distances between 64-d light-CNN features, and on the domain-silo
-#: benchmarks (10 clients 3/4/2/1, ≤ 800 training images per domain, rounds 2–5, 2 local epochs) d_i was 4–8 on PACS (spread
-#: max − min ≈ 2.5–3.6) and 10–31 on Digits (spread 8–21). θ and α recomputed from those d:
+#: benchmarks (10 clients 3/4/2/1, ≤ 800 training images per domain, rounds 2–5, 2 local epochs)
+#: d_i was 4–8 on PACS (spread max − min ≈ 2.5–3.6) and 10–31 on Digits (spread 8–21). θ and α recomputed from those d:
 #:
 #: ====  =======================================  ==========================================
 #: γ     PACS: θ_max / α_min–α_max                 Digits: θ_max / α_min–α_max
@@ -102,7 +102,8 @@ def prototype_deviation(prototypes: np.ndarray, classes: np.ndarray, global_prot
     p, c = np.asarray(prototypes, np.float64), np.asarray(classes)
     g, gc = np.asarray(global_prototypes, np.float64), np.asarray(global_classes)
     if p.ndim != 2 or g.ndim != 2 or p.shape[0] != c.shape[0] or g.shape[0] != gc.shape[0]:
-        raise ValueError(f"prototypes [k, F] with classes [k] expected, got {p.shape}/{c.shape} and {g.shape}/{gc.shape}")
+        raise ValueError(f"prototypes [k, F] with classes [k] expected, got {p.shape}/{c.shape} and "
+                         f"{g.shape}/{gc.shape}")
     shared, i_local, i_global = np.intersect1d(c, gc, assume_unique=True, return_indices=True)
     if shared.size == 0:
         return 0.0
@@ -215,13 +216,13 @@ def aggregate_prototypes(prototypes: Sequence[np.ndarray], classes: Sequence[np.
     if (th < 0).any() or not np.isfinite(th).all():
         raise ValueError("theta must be finite and ≥ 0")
     acc = PrototypeAccumulator("uniform")
-    for p, c, t in zip(prototypes, classes, th):
+    for p, c, t in zip(prototypes, classes, th, strict=False):
         acc.add(p, c, weight=float(t))
     if previous is not None and np.asarray(previous[1]).size:
         gp, gc = np.asarray(previous[0], np.float32), np.asarray(previous[1], np.int64)
         if acc.dim is not None and gp.shape[1] != acc.dim:
             raise ValueError(f"previous prototypes have {gp.shape[1]} features, the clients' {acc.dim}")
-        sent = [np.asarray(c) for c, t in zip(classes, th) if t > 0]
+        sent = [np.asarray(c) for c, t in zip(classes, th, strict=False) if t > 0]
         keep = ~np.isin(gc, np.concatenate(sent) if sent else np.zeros(0, np.int64))
         if keep.any():
             acc.add(gp[keep], gc[keep], weight=1.0)  # alone in their class: the same rows come back
@@ -250,8 +251,8 @@ def alpha_drift(previous_clients: Sequence[str], previous_alpha: Sequence[float]
     """
     if len(previous_clients) != len(previous_alpha) or len(clients) != len(alpha):
         raise ValueError("client ids and weights differ in length")
-    prev = dict(zip(previous_clients, np.asarray(previous_alpha, np.float64)))
-    now = dict(zip(clients, np.asarray(alpha, np.float64)))
+    prev = dict(zip(previous_clients, np.asarray(previous_alpha, np.float64), strict=False))
+    now = dict(zip(clients, np.asarray(alpha, np.float64), strict=False))
     common = sorted(set(prev) & set(now))
     if len(common) < 2:
         return None, len(common)
@@ -311,17 +312,16 @@ class FedPAD(FedAvg):
             raise ValueError(f"lambda_proto must be finite and ≥ 0, got {lambda_proto}")
         if not isinstance(fixed_alpha, bool):
             raise ValueError(f"fixed_alpha must be true or false, got {fixed_alpha!r}")
-        self.tau, self.gamma, self.lambda_proto, self.fixed_alpha = float(tau), float(gamma), float(lambda_proto), fixed_alpha
+        self.tau, self.gamma = float(tau), float(gamma)
+        self.lambda_proto, self.fixed_alpha = float(lambda_proto), fixed_alpha
         self.prototypes: np.ndarray | None = None        # P_g: float32 [K, F]
         self.proto_classes: np.ndarray | None = None     # int64 [K]
         self.prev_clients: list[str] = []                # clients of the last aggregated round
         self.prev_alpha = np.zeros(0)                    # their α
-        self._metrics: dict = {}
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's client selection; the config also carries ``lambda_proto`` for the clients."""
         plan = super().configure_round(round, available, rng)
-        self._metrics = {}  # a round that is skipped (no aggregate) logs no stale θ/α
         return RoundPlan(selected=plan.selected, config={**plan.config, "lambda_proto": self.lambda_proto})
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> BufferedAccumulator:
@@ -375,7 +375,13 @@ class FedPAD(FedAvg):
             dtype), the new global prototypes (``extras`` and ``state``, with this round's clients
             and α) and the round's metrics, committed by the driver only when finite and
             encodable; ``None`` (no change) when ``results`` is empty. The strategy is not
-            modified.
+            modified. The metrics (logged for the round that commits them only; lists in
+            client-id order): ``fedpad_clients`` (ids), ``fedpad_d`` (deviations, feature units;
+            ``null`` in round 1), ``fedpad_theta``, ``fedpad_alpha`` (weights summing to 1),
+            ``fedpad_alpha_drift`` (||α^t − α^{t−1}||₁ over the clients of both rounds, see
+            :func:`alpha_drift`; ``null`` in the first aggregated round or with < 2 common
+            clients), ``fedpad_alpha_drift_clients``, ``fedpad_global_classes`` (classes holding
+            a global prototype) and ``fedpad_round``.
 
         Raises:
             ValueError: an update without valid prototype extras (call :meth:`validate` first),
@@ -392,7 +398,8 @@ class FedPAD(FedAvg):
         protos = [np.asarray(r.extras[PROTOTYPES]) for r in ordered]
         classes = [np.asarray(r.extras[PROTO_CLASSES]) for r in ordered]
         has_global = self.prototypes is not None and self.proto_classes is not None and self.proto_classes.size > 0
-        d = (np.array([prototype_deviation(p, c, self.prototypes, self.proto_classes) for p, c in zip(protos, classes)])
+        d = (np.array([prototype_deviation(p, c, self.prototypes, self.proto_classes)
+                       for p, c in zip(protos, classes, strict=False)])
              if has_global else None)
         theta, alpha = fedpad_weights(d, len(ordered), gamma=self.gamma, tau=self.tau, fixed_alpha=self.fixed_alpha)
         new_model = weighted_average([r.tensors for r in ordered], alpha)
@@ -411,18 +418,6 @@ class FedPAD(FedAvg):
         extras = {PROTOTYPES: gp.copy(), PROTO_CLASSES: gc.copy()} if gc.size else {}
         return GlobalUpdate(tensors=new_model, extras=extras, metrics=metrics,
                             state={"prototypes": gp, "proto_classes": gc, "prev_clients": clients, "prev_alpha": alpha})
-
-    def round_metrics(self) -> dict:
-        """This round's FedPAD quantities for ``metrics.jsonl`` (``{}`` when the round was not
-        aggregated). Lists are in client-id order:
-
-        ``fedpad_clients`` (ids), ``fedpad_d`` (deviations, feature units; ``null`` in round 1),
-        ``fedpad_theta``, ``fedpad_alpha`` (weights summing to 1), ``fedpad_alpha_drift``
-        (||α^t − α^{t−1}||₁ over the clients of both rounds, see :func:`alpha_drift`; ``null`` in
-        the first aggregated round or with < 2 common clients), ``fedpad_alpha_drift_clients``,
-        ``fedpad_global_classes`` (classes holding a global prototype) and ``fedpad_round``.
-        """
-        return dict(self._metrics)
 
     def state_dict(self) -> dict:
         """Global prototypes, their classes, and the last round's clients and α (for resume)."""

@@ -8,8 +8,8 @@ with w_i^c = 1 (``weighting = "uniform"``, the HtFLlib/PFLlib code: an unweighte
 clients having the class) or w_i^c = n_i^c, the client's sample count of class c
 (``weighting = "count"``, the paper's formula, which weights by |D_{i,c}|). A class no client
 reported in the round has no global prototype in the next one (never a zero row): the global
-prototypes are rebuilt from each round's uploads, as in HtFLlib ``serverproto``. The global prototypes are broadcast as the
-extras ``prototypes`` float32 [K, d] and ``proto_classes`` int64 [K] (ascending).
+prototypes are rebuilt from each round's uploads, as in HtFLlib ``serverproto``. The global
+prototypes are broadcast as the extras ``prototypes`` float32 [K, d] and ``proto_classes`` int64 [K] (ascending).
 
 ``fedproto`` exchanges no model tensors (``share = "none"``); ``fedproto-avg`` (RethinkFL's
 FedProto, the variant in FedPAD's comparison) also FedAvg-averages the whole model
@@ -104,7 +104,7 @@ class PrototypeAccumulator:
             w = np.full(c.shape[0], float(weight))
         if p.shape[0] and self.dim is not None and p.shape[1] != self.dim:
             raise ValueError(f"prototype width {p.shape[1]} differs from the earlier {self.dim}")
-        for row, cls, weight in zip(p, c, w):
+        for row, cls, weight in zip(p, c, w, strict=False):
             self._sums.setdefault(int(cls), RunningWeightedSum()).add([row], float(weight))
         if p.shape[0]:
             self.dim = p.shape[1]
@@ -139,7 +139,7 @@ def aggregate_prototypes(prototypes: Sequence[np.ndarray], classes: Sequence[np.
     if len(prototypes) != len(classes) or (counts is not None and len(counts) != len(classes)):
         raise ValueError("prototypes, classes and counts need one entry per client")
     acc = PrototypeAccumulator(weighting)
-    for i, (p, c) in enumerate(zip(prototypes, classes)):
+    for i, (p, c) in enumerate(zip(prototypes, classes, strict=False)):
         acc.add(p, c, None if counts is None else counts[i])
     return acc.result()
 
@@ -217,7 +217,7 @@ class FedProto(FedAvg):
                         f"{result.num_samples} × {max(1, int(epochs))} = {bound}")
         return reason
 
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FedProtoAccumulator":
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FedProtoAccumulator:
         """Streaming aggregation: prototypes by class (and, for ``share = "all"``, FedAvg sums)."""
         return FedProtoAccumulator(self)
 
@@ -238,10 +238,6 @@ class FedProto(FedAvg):
             return {}
         return {"prototypes": self.prototypes, "proto_classes": self.proto_classes}
 
-    def round_metrics(self) -> dict:
-        """``prototype_classes``: how many classes have a global prototype."""
-        return {"prototype_classes": int(self.proto_classes.size)}
-
     def state_dict(self) -> dict:
         """The global prototypes (restored by :meth:`load_state_dict` on ``--resume``)."""
         return {"prototypes": self.prototypes, "proto_classes": self.proto_classes}
@@ -255,7 +251,8 @@ class FedProto(FedAvg):
 class FedProtoAccumulator:
     """One round of :class:`FedProto`: class-wise prototype sums, plus FedAvg's running weighted
     sum of the model when the strategy shares it. :meth:`result` returns the new global
-    prototypes (and model) as one :class:`GlobalUpdate`."""
+    prototypes (and model) as one :class:`GlobalUpdate`, whose metrics ``prototype_classes`` (how
+    many classes have a global prototype) are logged for the round that commits it."""
 
     def __init__(self, strategy: FedProto) -> None:
         self.strategy = strategy

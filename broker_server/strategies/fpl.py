@@ -88,14 +88,14 @@ def fpl_prototypes(prototypes: Sequence[np.ndarray], classes: Sequence[np.ndarra
         raise ValueError(f"{len(prototypes)} prototype arrays but {len(classes)} class arrays")
     by_class: dict[int, list[np.ndarray]] = {}
     dim = None
-    for p, c in zip(prototypes, classes):
+    for p, c in zip(prototypes, classes, strict=False):
         p, c = np.asarray(p, dtype=np.float32), np.asarray(c)
         if p.ndim != 2 or c.shape != (p.shape[0],):
             raise ValueError(f"prototypes [k, d] with classes [k] expected, got {p.shape} and {c.shape}")
         if p.shape[0] and dim is not None and p.shape[1] != dim:
             raise ValueError(f"prototype width {p.shape[1]} differs from {dim}")
         dim = p.shape[1] if p.shape[0] else dim
-        for row, cls in zip(p, c):
+        for row, cls in zip(p, c, strict=False):
             by_class.setdefault(int(cls), []).append(row)
     if not by_class:
         e = np.zeros((0, 0), np.float32), np.zeros(0, np.int64)
@@ -152,7 +152,7 @@ class FPL(FedAvg):
         dim = head[1] if head is not None else (self.extras["cluster_protos"].shape[1] if self.extras else None)
         return check_prototype_extras(result.extras, dim=dim, num_classes=head[0] if head is not None else None)
 
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "FPLAccumulator":
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FPLAccumulator:
         """Streams the model (FedAvg running sums); keeps the round's prototypes (k_i × d floats
         per client) for FINCH at the end."""
         return FPLAccumulator(self)
@@ -171,10 +171,6 @@ class FPL(FedAvg):
         ``{}`` before the first aggregation."""
         return dict(self.extras)
 
-    def round_metrics(self) -> dict:
-        """``fpl_clusters``: the number of cluster prototypes per class, {class id (str): J_c}."""
-        return fpl_metrics(self.extras)
-
     def state_dict(self) -> dict:
         """The last broadcast prototypes (for ``--resume``)."""
         return dict(self.extras)
@@ -186,7 +182,8 @@ class FPL(FedAvg):
 
 class FPLAccumulator:
     """One round of :class:`FPL`: FedAvg running sums of the model plus the clients' prototypes;
-    :meth:`result` runs :func:`fpl_prototypes` and returns the new model and broadcast extras."""
+    :meth:`result` runs :func:`fpl_prototypes` and returns the new model and broadcast extras,
+    with the metrics ``fpl_clusters`` (:func:`fpl_metrics`) for the round that commits them."""
 
     def __init__(self, strategy: FPL) -> None:
         self.strategy = strategy
@@ -216,4 +213,4 @@ def fpl_metrics(extras: dict[str, np.ndarray]) -> dict:
     if not extras:
         return {}
     cls, n = np.unique(extras["cluster_classes"], return_counts=True)
-    return {"fpl_clusters": {str(int(c)): int(k) for c, k in zip(cls, n)}}
+    return {"fpl_clusters": {str(int(c)): int(k) for c, k in zip(cls, n, strict=False)}}

@@ -33,7 +33,7 @@ class Local(FedAvg):
         """Always ``None``: no change (there is no shared model)."""
         return None
 
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> "NoAggregation":
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> NoAggregation:
         """An accumulator that keeps nothing (memory does not grow with the fleet)."""
         return NoAggregation()
 

@@ -88,7 +88,7 @@ def scaffold_server_update(x: Sequence[np.ndarray], mean_y: Sequence[np.ndarray]
     if c0.shape != sum_dc.shape:
         raise ValueError(f"control variate of shape {c0.shape} but Σ Δc of shape {sum_dc.shape}")
     new_x = [(np.asarray(w, np.float64) + server_lr * (np.asarray(m, np.float64) - w)).astype(np.asarray(w).dtype)
-             for w, m in zip(x, mean_y)]
+             for w, m in zip(x, mean_y, strict=False)]
     return new_x, (c0 + sum_dc / num_clients).astype(np.float32)
 
 

@@ -11,23 +11,41 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._base import (BUFFERS, SHARES, ClientAlgorithm, StepContext, LocalResult, TrainConfig, algorithm_share, load_shared, local_entries,
-                    predict_scores, shared_arrays, shared_indices)
-from ._registry import get_client_algorithm, get_client_algorithm_class, list_client_algorithms, register_client_algorithm
-from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
-from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
-from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
-from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
-from . import fedopt as _fedopt  # noqa: F401  (registers "fedopt")
-from . import fedprox as _fedprox  # noqa: F401  (registers "fedprox")
-from . import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
-from . import fedproto as _fedproto  # noqa: F401  (registers "fedproto", "fedproto-avg")
-from . import fpl as _fpl  # noqa: F401  (registers "fpl")
-from . import fedper as _fedper  # noqa: F401  (registers "fedper")
-from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
-from . import local as _local  # noqa: F401  (registers "local")
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
+from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
+from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
+from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
+from . import fedopt as _fedopt  # noqa: F401  (registers "fedopt")
 from . import fedpad as _fedpad  # noqa: F401  (registers "fedpad")
+from . import fedper as _fedper  # noqa: F401  (registers "fedper")
+from . import fedproto as _fedproto  # noqa: F401  (registers "fedproto", "fedproto-avg")
+from . import fedprox as _fedprox  # noqa: F401  (registers "fedprox")
+from . import fedrep as _fedrep  # noqa: F401  (registers "fedrep")
+from . import fpl as _fpl  # noqa: F401  (registers "fpl")
+from . import local as _local  # noqa: F401  (registers "local")
+from . import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
+from ._base import (
+    BUFFERS,
+    SHARES,
+    ClientAlgorithm,
+    LocalResult,
+    StepContext,
+    TrainConfig,
+    algorithm_share,
+    load_shared,
+    local_entries,
+    predict_scores,
+    shared_arrays,
+    shared_indices,
+)
+from ._registry import (
+    get_client_algorithm,
+    get_client_algorithm_class,
+    list_client_algorithms,
+    register_client_algorithm,
+)
+
 
 def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int) -> dict:
     """Data-dependent constructor arguments of a client algorithm or its strategy (e.g. the
@@ -47,6 +65,9 @@ def evaluation_split(name: str, dataset, params: Mapping[str, object], seed: int
     return get_client_algorithm_class(name).eval_split(dataset, params, seed)
 
 
-__all__ = sorted(["StepContext", "BUFFERS", "local_entries", "SHARES", "algorithm_setup", "evaluation_split", "get_client_algorithm_class", "ClientAlgorithm", "LocalResult", "TrainConfig", "algorithm_share", "get_client_algorithm",
-                  "list_client_algorithms", "load_shared", "predict_scores", "register_client_algorithm",
-                  "shared_arrays", "shared_indices"])
+__all__ = [
+    "BUFFERS", "ClientAlgorithm", "LocalResult", "SHARES", "StepContext", "TrainConfig", "algorithm_setup",
+    "algorithm_share", "evaluation_split", "get_client_algorithm", "get_client_algorithm_class",
+    "list_client_algorithms", "load_shared", "local_entries", "predict_scores", "register_client_algorithm",
+    "shared_arrays", "shared_indices",
+]

@@ -82,14 +82,18 @@ def load_shared(model: torch.nn.Module, arrays: Sequence[np.ndarray], share: str
     names = list(state)
     idx = shared_indices(names, share, local_entries(model, buffers))
     if len(arrays) != len(idx):
-        raise ModelError(f"{len(arrays)} tensors received, {len(idx)} expected for share={share!r}")
+        if len(idx) == len(names):
+            raise ModelError(f"{len(arrays)} tensors received, the model has {len(names)}")
+        raise ModelError(f"{len(arrays)} tensors received, {len(idx)} expected for share={share!r}"
+                         + (", buffers='local'" if buffers == "local" else ""))
     new = {}
     for i, arr in zip(idx, arrays, strict=True):
         ref = state[names[i]]
         if tuple(arr.shape) != tuple(ref.shape):
             raise ModelError(f"tensor {names[i]}: shape {tuple(arr.shape)} received, "
                              f"the model has {tuple(ref.shape)}")
-        new[names[i]] = torch.from_numpy(np.array(arr, dtype=ref.detach().cpu().numpy().dtype, copy=True)).to(ref.device)
+        dtype = ref.detach().cpu().numpy().dtype
+        new[names[i]] = torch.from_numpy(np.array(arr, dtype=dtype, copy=True)).to(ref.device)
     model.load_state_dict(new, strict=False)
 
 
@@ -228,6 +232,23 @@ class ClientAlgorithm:
             NotImplementedError: the base class trains nothing.
         """
         raise NotImplementedError(f"{type(self).__name__} defines no local_round()")
+
+    def load_global(self, model: torch.nn.Module, global_tensors: Sequence[np.ndarray]) -> None:
+        """Copy the round's ``global_tensors`` into ``model`` in place under this algorithm's
+        declared ``share`` and ``buffers`` (:func:`load_shared`): what every ``local_round``
+        calls first, so that an algorithm declaring ``buffers = "local"`` keeps its BatchNorm
+        statistics without saying so again.
+
+        Raises:
+            ModelError: not the tensor count of the declared subset, or a shape that differs.
+        """
+        load_shared(model, global_tensors, self.share, self.buffers)
+
+    def upload_tensors(self, model: torch.nn.Module) -> tuple[np.ndarray, ...]:
+        """The model arrays to upload (:attr:`LocalResult.tensors`): copies of the declared
+        ``share`` subset without the buffers under ``buffers = "local"`` (:func:`shared_arrays`),
+        manifest order, each in its state dtype."""
+        return shared_arrays(model, self.share, self.buffers)
 
     def before_step(self, model: torch.nn.Module, context: StepContext) -> None:
         """Called by the shared local SGD loop once per batch, after ``backward()`` and before

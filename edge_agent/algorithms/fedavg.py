@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from ..models.training import train_mode
-from ..state import load_arrays, state_arrays
 from ._base import ClientAlgorithm, LocalResult, StepContext, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 
@@ -63,7 +62,6 @@ def cross_entropy_loss(model: torch.nn.Module, xb: torch.Tensor, yb: torch.Tenso
 def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
                generator: torch.Generator, device: torch.device, *, precision: str = "fp32",
                loss_fn: LossFn | None = None,
-               after_backward: Callable[[torch.nn.Module], None] | None = None,
                before_step: Callable[[torch.nn.Module, StepContext], None] | None = None,
                step_round: int = 0) -> tuple[float, float]:
     """Run ``config.local_epochs`` epochs (at least one) of SGD on ``(x, y)``.
@@ -89,13 +87,13 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
             :data:`LossFn`); called inside autocast under fp16. ``None`` = :func:`cross_entropy_loss`,
             the FedAvg objective (same operations, so FedAvg stays bit-identical). Algorithms with
             an extra term (FedProx's proximal term, FedPAD's prototype term …) pass their own.
-        after_backward: called as ``after_backward(model)`` once per batch after ``backward()``
-            and before the optimizer step, to edit ``p.grad`` in place (SCAFFOLD's corrected
-            gradient g + c − c_i). Under fp16 the gradients are unscaled first
-            (``scaler.unscale_``), so the hook always sees true gradients. ``None`` = nothing.
-        before_step: the algorithm's training-step hook (:meth:`ClientAlgorithm.before_step`),
-            called as ``before_step(model, StepContext(epoch, step, loss, step_round))`` after
-            ``after_backward`` and before the optimizer step, on true gradients likewise.
+        before_step: the algorithm's one training-step hook (:meth:`ClientAlgorithm.before_step`,
+            passed through :func:`~edge_agent.algorithms._base.step_hook`), called as
+            ``before_step(model, StepContext(epoch, step, loss, step_round))`` once per batch
+            after ``backward()`` and before the optimizer step, to edit ``p.grad`` in place
+            (SCAFFOLD's corrected gradient g + c − c_i). Under fp16 the gradients are unscaled
+            first (``scaler.unscale_``), so the hook always sees true gradients. ``None`` =
+            nothing (and no unscale).
         step_round: the federated round, passed on in the :class:`StepContext`.
 
     Returns:
@@ -125,12 +123,6 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
     correct = 0
     step = 0
 
-    def hooks(loss: torch.Tensor, epoch: int) -> None:
-        if after_backward is not None:
-            after_backward(model)
-        if before_step is not None:
-            before_step(model, StepContext(epoch, step, loss.detach(), step_round))
-
     for epoch in range(max(1, config.local_epochs)):
         perm = torch.randperm(n, generator=generator)
         loss_sum, correct = 0.0, 0
@@ -141,15 +133,16 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
             if scaler is None:
                 loss, logits = objective(model, xb, yb)
                 loss.backward()
-                hooks(loss, epoch)
+                if before_step is not None:
+                    before_step(model, StepContext(epoch, step, loss.detach(), step_round))
                 opt.step()
             else:
                 with torch.autocast(device_type="cuda", dtype=torch.float16):
                     loss, logits = objective(model, xb, yb)  # autocast runs cross_entropy in float32
                 scaler.scale(loss).backward()
-                if after_backward is not None or before_step is not None:
-                    scaler.unscale_(opt)  # the hooks edit true gradients; step() does not unscale twice
-                    hooks(loss, epoch)
+                if before_step is not None:
+                    scaler.unscale_(opt)  # the hook edits true gradients; step() does not unscale twice
+                    before_step(model, StepContext(epoch, step, loss.detach(), step_round))
                 scaler.step(opt)  # skipped when the scaled gradients overflowed
                 scaler.update()
             step += 1
@@ -160,7 +153,8 @@ def sgd_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, config:
 
 @register_client_algorithm("fedavg")
 class FedAvgClient(ClientAlgorithm):
-    """FedAvg client: local SGD from the global model; uploads the full local model (float32).
+    """FedAvg client: local SGD from the global model; uploads the full local model (float32)
+    (without its buffers when a subclass declares ``buffers = "local"``).
 
     Upload per round: every ``state_dict`` tensor; for the light CNN on 28×28 grayscale that is
     105,216 + 650 parameters × 4 bytes = 423,464 body bytes of tensor data.
@@ -200,8 +194,8 @@ class FedAvgClient(ClientAlgorithm):
         """
         _check_precision(self.precision, device)  # before the model is touched
         t0 = time.perf_counter()
-        load_arrays(model, global_tensors)
+        self.load_global(model, global_tensors)
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
                                precision=self.precision, before_step=step_hook(self), step_round=round)
-        return LocalResult(tensors=state_arrays(model), num_samples=int(y.shape[0]), train_loss=loss,
+        return LocalResult(tensors=self.upload_tensors(model), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0})

@@ -58,7 +58,7 @@ def linear_term(params, grads: list[torch.Tensor]) -> torch.Tensor:
     if len(params) != len(grads):
         raise ValueError(f"{len(params)} parameters but {len(grads)} state tensors")
     total = params[0].new_zeros(())
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=False):
         total = total + (p * g).sum()
     return total
 
@@ -75,7 +75,7 @@ def feddyn_state_update(grad_prev: list[torch.Tensor], local: list[torch.Tensor]
     Returns:
         New state tensors (fresh, same shapes and dtypes); the inputs are not modified.
     """
-    return [g - alpha * (w - wg) for g, w, wg in zip(grad_prev, local, global_)]
+    return [g - alpha * (w - wg) for g, w, wg in zip(grad_prev, local, global_, strict=False)]
 
 
 @register_client_algorithm("feddyn")
@@ -102,19 +102,20 @@ class FedDynClient(StateOnReceipt, LocalSGDClient):
         self._alpha = ALPHA
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
-                    global_extras: Mapping[str, np.ndarray]) -> tuple[LossFn, None]:
+                    global_extras: Mapping[str, np.ndarray]) -> LossFn:
         alpha = read_param(params, "alpha", ALPHA)
         anchors = parameter_snapshot(model)
         if self.grad_state is None:
             self.grad_state = [torch.zeros_like(a) for a in anchors]
-        grads = self.grad_state = [g.to(a.device) for g, a in zip(self.grad_state, anchors)]
+        grads = self.grad_state = [g.to(a.device) for g, a in zip(self.grad_state, anchors, strict=False)]
         self._anchors, self._alpha = anchors, alpha
 
         def loss_fn(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             ce, logits = cross_entropy_loss(m, xb, yb)
-            return ce - linear_term(m.parameters(), grads) + (alpha / 2) * proximal_term(m.parameters(), anchors), logits
+            prox = (alpha / 2) * proximal_term(m.parameters(), anchors)
+            return ce - linear_term(m.parameters(), grads) + prox, logits
 
-        return loss_fn, None
+        return loss_fn
 
     def end_round(self, model: torch.nn.Module, config: TrainConfig) -> dict[str, np.ndarray]:
         local = [p.detach() for p in model.parameters()]

@@ -141,7 +141,7 @@ class FedMCPParams:
             raise ValueError(f"kd_direction must be one of {KD_DIRECTIONS}, got {self.kd_direction!r}")
 
     @classmethod
-    def from_mapping(cls, params: Mapping[str, object], defaults: Mapping[str, object] | None = None) -> "FedMCPParams":
+    def from_mapping(cls, params: Mapping[str, object], defaults: Mapping[str, object] | None = None) -> FedMCPParams:
         """The hyperparameters named in ``params`` over ``defaults`` over the class defaults;
         other keys (the round's ``lr``, ``update_codec`` …) are ignored. Integers are accepted
         for float fields and 0/1 for booleans (a round config may carry either).
@@ -268,7 +268,8 @@ def info_nce_loss(anchors: torch.Tensor, positives: torch.Tensor, tau: float) ->
     return F.cross_entropy(sim, torch.arange(anchors.shape[0], device=anchors.device))
 
 
-def class_prototypes(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def class_prototypes(features: torch.Tensor, labels: torch.Tensor,
+                     num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-class mean feature (FedProto, Tan et al., AAAI 2022, eq. 5:
     ``c_k = (1/|D_k|) Σ_{(x,y)∈D_k} f(x)``); differentiable with respect to ``features``.
 
@@ -285,7 +286,8 @@ def class_prototypes(features: torch.Tensor, labels: torch.Tensor, num_classes: 
         ValueError: shapes, or a label out of range.
     """
     if features.dim() != 2 or labels.dim() != 1 or labels.shape[0] != features.shape[0]:
-        raise ValueError(f"features [N, d] and labels [N] expected, got {list(features.shape)} and {list(labels.shape)}")
+        raise ValueError(f"features [N, d] and labels [N] expected, got {list(features.shape)} and "
+                         f"{list(labels.shape)}")
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes})")
     counts = torch.bincount(labels, minlength=num_classes)

@@ -28,9 +28,15 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
+from ._base import LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
-from .fedavg import FedAvgClient, _check_precision, _to_device, sgd_epochs, shuffle_generator
+from .fedavg import (
+    FedAvgClient,
+    _check_precision,
+    _to_device,
+    sgd_epochs,
+    shuffle_generator,
+)
 from .fedproto import PrototypeSums, prototype_mse, prototype_table
 
 #: λ, the weight of the prototype-alignment term (SPECS §1.4, from the paper; the code uses 1).
@@ -159,7 +165,7 @@ class FedPADClient(FedAvgClient):
             table, has = prototype_table(extras[PROTOTYPES], extras[PROTO_CLASSES], int(model.num_classes), device)
             if table.shape[1] != int(model.feature_dim):
                 raise ModelError(f"global prototypes have {table.shape[1]} features, the model has {model.feature_dim}")
-        load_shared(model, global_tensors, self.share)
+        self.load_global(model, global_tensors)
 
         loss_fn = None
         if table is not None and lam > 0 and bool(has.any()):
@@ -173,7 +179,7 @@ class FedPADClient(FedAvgClient):
                                before_step=step_hook(self), step_round=round)
         protos, classes, counts = model_prototypes(model, x, y, device, batch_size=max(config.batch_size, 256))
         return LocalResult(
-            tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=loss,
+            tensors=self.upload_tensors(model), num_samples=int(y.shape[0]), train_loss=loss,
             metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0,
                      "proto_classes_aligned": int(has.sum()) if has is not None and loss_fn is not None else 0},
             extras={PROTOTYPES: protos, PROTO_CLASSES: classes, PROTO_COUNTS: counts})

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import ClientAlgorithm, LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
+from ._base import ClientAlgorithm, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, sgd_epochs, shuffle_generator
 
@@ -224,7 +224,7 @@ class PrototypeClient(ClientAlgorithm, abc.ABC):
         _check_precision(self.precision, device)
         t0 = time.perf_counter()
         num_classes = _num_classes(model)
-        load_shared(model, global_tensors, self.share)
+        self.load_global(model, global_tensors)
         term = self.feature_loss(global_extras or {}, params or {}, num_classes, torch.device(device))
         n = int(y.shape[0])
         steps_per_epoch = -(-n // max(1, config.batch_size))
@@ -250,7 +250,7 @@ class PrototypeClient(ClientAlgorithm, abc.ABC):
         protos, classes, counts = sums.result()
         if protos.shape[0]:
             self.local_prototypes = (protos, classes)
-        return LocalResult(tensors=shared_arrays(model, self.share), num_samples=n, train_loss=loss,
+        return LocalResult(tensors=self.upload_tensors(model), num_samples=n, train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0},
                            extras={"prototypes": protos, "proto_classes": classes, "proto_counts": counts})
 
@@ -293,7 +293,8 @@ class FedProtoClient(PrototypeClient):
             raise ValueError(f"lambda_proto must be >= 0, got {lam}")
         self.global_prototypes = None
         if "prototypes" in global_extras and "proto_classes" in global_extras and len(global_extras["proto_classes"]):
-            self.global_prototypes = (np.asarray(global_extras["prototypes"]), np.asarray(global_extras["proto_classes"]))
+            self.global_prototypes = (np.asarray(global_extras["prototypes"]),
+                                      np.asarray(global_extras["proto_classes"]))
         if self.global_prototypes is None or lam == 0:
             return None
         table, mask = prototype_table(*self.global_prototypes, num_classes, device)

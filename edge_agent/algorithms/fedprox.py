@@ -12,22 +12,30 @@ bit for bit (the term is still formed: it adds exactly 0 to the loss and to ever
 Uploads the full model like FedAvg; the server half is FedAvg's weighted mean
 (:class:`broker_server.strategies.fedprox.FedProx`).
 
-This module also holds :class:`LocalSGDClient`, FedAvg's client round with the two hooks of
-:func:`~edge_agent.algorithms.fedavg.sgd_epochs` (``loss_fn``, ``after_backward``) exposed as
-methods, which the other parameter-averaging baselines (FedDyn, SCAFFOLD) extend.
+This module also holds :class:`LocalSGDClient`, FedAvg's client round with the objective of
+:func:`~edge_agent.algorithms.fedavg.sgd_epochs` (``loss_fn``) and per-device state exposed as
+methods, which the other parameter-averaging baselines (FedDyn, SCAFFOLD) extend; a gradient
+edit goes in the one training-step hook, :meth:`~edge_agent.algorithms.ClientAlgorithm.before_step`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
+from ._base import LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
-from .fedavg import FedAvgClient, LossFn, _check_precision, cross_entropy_loss, sgd_epochs, shuffle_generator
+from .fedavg import (
+    FedAvgClient,
+    LossFn,
+    _check_precision,
+    cross_entropy_loss,
+    sgd_epochs,
+    shuffle_generator,
+)
 
 #: FedProx proximal coefficient μ when the round config has no ``mu`` (RethinkFL best_args; SPECS §6.17).
 MU = 0.01
@@ -50,7 +58,7 @@ def proximal_term(params: Iterable[torch.Tensor], anchors: Sequence[torch.Tensor
     if len(params) != len(anchors):
         raise ValueError(f"{len(params)} parameters but {len(anchors)} anchors")
     total = params[0].new_zeros(())
-    for p, a in zip(params, anchors):
+    for p, a in zip(params, anchors, strict=False):
         total = total + (p - a).pow(2).sum()
     return total
 
@@ -64,8 +72,9 @@ class LocalSGDClient(FedAvgClient):
     """FedAvg's client round (load the global model, E epochs of SGD, upload the model) with the
     algorithm's hooks in between; subclasses override :meth:`begin_round` / :meth:`end_round`.
 
-    Per round: ``load_shared(global_tensors)`` → ``loss_fn, after_backward = begin_round(...)``
-    → :func:`~edge_agent.algorithms.fedavg.sgd_epochs` with those hooks and the FedAvg
+    Per round: ``self.load_global(model, global_tensors)`` → ``loss_fn = begin_round(...)``
+    → :func:`~edge_agent.algorithms.fedavg.sgd_epochs` with that objective, the algorithm's
+    :meth:`~edge_agent.algorithms.ClientAlgorithm.before_step` (when it has one) and the FedAvg
     shuffling generator → ``extras = end_round(...)`` (called only when the shard is non-empty,
     i.e. when an update will be sent) → :class:`LocalResult` with the shared model tensors.
     Without overrides the result equals :class:`FedAvgClient`'s bit for bit.
@@ -80,10 +89,11 @@ class LocalSGDClient(FedAvgClient):
     share = "all"
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
-                    global_extras: Mapping[str, np.ndarray]) -> tuple[LossFn | None, Callable[[torch.nn.Module], None] | None]:
-        """Called after the global model is loaded, before training: returns ``(loss_fn,
-        after_backward)`` for :func:`sgd_epochs` (``None`` = cross-entropy / no gradient edit)."""
-        return None, None
+                    global_extras: Mapping[str, np.ndarray]) -> LossFn | None:
+        """Called after the global model is loaded, before training: returns the ``loss_fn`` for
+        :func:`sgd_epochs` (``None`` = cross-entropy) and prepares whatever the algorithm's
+        :meth:`~edge_agent.algorithms.ClientAlgorithm.before_step` needs this round."""
+        return None
 
     def end_round(self, model: torch.nn.Module, config: TrainConfig) -> dict[str, np.ndarray]:
         """Called after training on a non-empty shard: update per-device state, return the extras to upload."""
@@ -106,13 +116,13 @@ class LocalSGDClient(FedAvgClient):
         """
         _check_precision(self.precision, device)  # before the model is touched
         t0 = time.perf_counter()
-        load_shared(model, global_tensors, self.share)
-        loss_fn, after_backward = self.begin_round(model, config, dict(params or {}), dict(global_extras or {}))
+        self.load_global(model, global_tensors)
+        loss_fn = self.begin_round(model, config, dict(params or {}), dict(global_extras or {}))
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
-                               precision=self.precision, loss_fn=loss_fn, after_backward=after_backward,
-                               before_step=step_hook(self), step_round=round)
+                               precision=self.precision, loss_fn=loss_fn, before_step=step_hook(self),
+                               step_round=round)
         extras = self.end_round(model, config) if int(y.shape[0]) else {}
-        return LocalResult(tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=loss,
+        return LocalResult(tensors=self.upload_tensors(model), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "train_seconds": time.perf_counter() - t0}, extras=extras)
 
 
@@ -141,7 +151,7 @@ class FedProxClient(LocalSGDClient):
     buffers = "average"
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
-                    global_extras: Mapping[str, np.ndarray]) -> tuple[LossFn, None]:
+                    global_extras: Mapping[str, np.ndarray]) -> LossFn:
         mu = read_param(params, "mu", MU)
         anchors = parameter_snapshot(model)
 
@@ -149,4 +159,4 @@ class FedProxClient(LocalSGDClient):
             ce, logits = cross_entropy_loss(m, xb, yb)
             return ce + (mu / 2) * proximal_term(m.parameters(), anchors), logits
 
-        return loss_fn, None
+        return loss_fn

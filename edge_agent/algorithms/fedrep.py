@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ._base import LocalResult, TrainConfig, load_shared, shared_arrays, step_hook
+from ._base import LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, sgd_epochs, shuffle_generator
 from .fedper import FedPerClient
@@ -119,7 +119,7 @@ class FedRepClient(FedPerClient):
         _check_precision(self.precision, device)
         head_epochs = head_epochs_param(params)
         t0 = time.perf_counter()
-        load_shared(model, global_tensors, self.share)
+        self.load_global(model, global_tensors)
         gen = shuffle_generator(config.seed, round, client_index)
         with frozen(model, is_backbone):
             head_loss, head_acc = sgd_epochs(model, x, y, dataclasses.replace(config, local_epochs=head_epochs),
@@ -128,6 +128,6 @@ class FedRepClient(FedPerClient):
         with frozen(model, lambda name: not is_backbone(name)):
             loss, acc = sgd_epochs(model, x, y, config, gen, device, precision=self.precision,
                                    before_step=step_hook(self), step_round=round)
-        return LocalResult(tensors=shared_arrays(model, self.share), num_samples=int(y.shape[0]), train_loss=loss,
+        return LocalResult(tensors=self.upload_tensors(model), num_samples=int(y.shape[0]), train_loss=loss,
                            metrics={"train_accuracy": acc, "head_train_loss": head_loss,
                                     "head_train_accuracy": head_acc, "train_seconds": time.perf_counter() - t0})

@@ -87,7 +87,8 @@ class FPLClient(PrototypeClient):
     prototypes_from_last_epoch = True
 
     def feature_loss(self, global_extras: Mapping[str, np.ndarray], params: Mapping[str, object],
-                     num_classes: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+                     num_classes: int,
+                     device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """:func:`fpl_prototype_loss` with the round's cluster and unbiased prototypes; ``None``
         in round 1 (no ``cluster_protos``).
 

@@ -5,8 +5,9 @@ Federated Learning", ICML 2020, Algorithm 1 (SPECS §6.12). Client i receives th
 and the server control variate c, keeps its own c_i (zero at first), and
 
 1. runs K local steps ``y ← y − η_l·(g_i(y) + c − c_i)`` from y = x (here: the round's SGD
-   epochs, the correction added to each mini-batch gradient by the ``after_backward`` hook of
-   :func:`~edge_agent.algorithms.fedavg.sgd_epochs`; K = the number of mini-batch steps, also
+   epochs, the correction added to each mini-batch gradient by the training-step hook
+   :meth:`ScaffoldClient.before_step`, which :func:`~edge_agent.algorithms.fedavg.sgd_epochs`
+   calls between ``backward()`` and the optimizer step; K = the number of mini-batch steps, also
    counting a step that fp16's gradient scaler skips on overflow),
 2. sets ``c_i⁺ = c_i − c + (x − y)/(K·η_l)`` (option II, η_l = the round's ``lr``),
 3. uploads y (the model, like FedAvg) and ``Δc_i = c_i⁺ − c_i`` in the update's extras.
@@ -55,7 +56,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ._base import StateOnReceipt, TrainConfig
+from ._base import StateOnReceipt, StepContext, TrainConfig
 from ._registry import register_client_algorithm
 from .fedprox import LocalSGDClient, parameter_snapshot
 
@@ -134,10 +135,13 @@ class ScaffoldClient(StateOnReceipt, LocalSGDClient):
         self._x = np.zeros(0)
         self._c = np.zeros(0)
         self._grad_sum: list[torch.Tensor] = []
+        self._correction: list[torch.Tensor] = []  # c − c_i per parameter tensor, this round
+        self._weight_decay = 0.0
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
-                    global_extras: Mapping[str, np.ndarray]):
-        """Read c (zeros when the global carries none), build the gradient-correcting hook.
+                    global_extras: Mapping[str, np.ndarray]) -> None:
+        """Read c (zeros when the global carries none) and prepare this round's correction
+        c − c_i for :meth:`before_step`; the objective stays cross-entropy (returns ``None``).
 
         Raises:
             ModelError: ``control`` in the global extras does not have one entry per parameter.
@@ -149,20 +153,23 @@ class ScaffoldClient(StateOnReceipt, LocalSGDClient):
         if self.control is None or self.control.shape != (p,):
             self.control = np.zeros(p)
         self._x, self._c, self.steps = flatten(anchors), c, 0
-        correction = unflatten(c - self.control, anchors)  # c − c_i per parameter tensor
-        momentum, wd = config.momentum, config.weight_decay
-        self._grad_sum = [torch.zeros_like(a) for a in anchors] if momentum > 0 else []
+        self._correction = unflatten(c - self.control, anchors)  # c − c_i per parameter tensor
+        self._weight_decay = config.weight_decay
+        self._grad_sum = [torch.zeros_like(a) for a in anchors] if config.momentum > 0 else []
 
-        def after_backward(m: torch.nn.Module) -> None:
-            for j, (param, corr) in enumerate(zip(m.parameters(), correction)):
-                if param.grad is None:
-                    continue
-                if self._grad_sum:  # momentum: remember g + λ·y before the correction
-                    self._grad_sum[j] += param.grad + wd * param.detach()
-                param.grad.add_(corr)
-            self.steps += 1
-
-        return None, after_backward
+    def before_step(self, model: torch.nn.Module, context: StepContext) -> None:
+        """The corrected gradient g + c − c_i, in place, once per mini-batch step (between
+        ``backward()`` and the optimizer step, true gradients under fp16); counts the step (K).
+        Under momentum it first adds g + λ·y to the round's gradient sum (module docstring).
+        A parameter without a gradient is left alone."""
+        wd = self._weight_decay
+        for j, (param, corr) in enumerate(zip(model.parameters(), self._correction, strict=False)):
+            if param.grad is None:
+                continue
+            if self._grad_sum:  # momentum: remember g + λ·y before the correction
+                self._grad_sum[j] += param.grad + wd * param.detach()
+            param.grad.add_(corr)
+        self.steps += 1
 
     def end_round(self, model: torch.nn.Module, config: TrainConfig) -> dict[str, np.ndarray]:
         """c_i⁺ (option II, or the mean gradient under momentum), Δc_i = c_i⁺ − c_i to upload."""

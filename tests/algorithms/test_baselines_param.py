@@ -191,7 +191,7 @@ def test_fedadam_two_rounds_against_numpy(bias_correction: bool) -> None:
         current = new
         w = [a.astype(np.float64) for a in new[:2]]  # the server's model is float32
     assert s.steps == 2
-    assert s.round_metrics()["server_update_norm"] > 0
+    assert s.committed_metrics["server_update_norm"] > 0
 
 
 def test_fedadam_defaults_are_specs() -> None:
@@ -271,13 +271,13 @@ class QuadraticScaffold(ScaffoldClient):
         self.a, self.b = torch.tensor(A[k], dtype=torch.float32), torch.tensor(B[k], dtype=torch.float32)
 
     def begin_round(self, model, config, params, global_extras):
-        _, hook = super().begin_round(model, config, params, global_extras)
+        super().begin_round(model, config, params, global_extras)  # c − c_i for before_step
 
         def loss_fn(m, xb, yb):
             w = m.weight.reshape(-1)
             return 0.5 * (self.a * (w - self.b) ** 2).sum(), torch.zeros(len(yb), 2)
 
-        return loss_fn, hook
+        return loss_fn
 
 
 def quad_round(client, x, c, *, lr, momentum=0.0, wd=0.0, rnd=1):
@@ -323,7 +323,7 @@ def test_scaffold_one_round_on_a_quadratic_client_and_server() -> None:
     c_ref = (ref[0][1] + ref[1][1]) / 3  # c ← 0 + Σ Δc_i / N with N = 3
     np.testing.assert_allclose(s.control, c_ref, rtol=1e-5)
     np.testing.assert_allclose(new[0].reshape(-1), (ref[0][0] + ref[1][0]) / 2, rtol=1e-6)
-    assert s.round_metrics()["num_clients"] == 3
+    assert s.committed_metrics["num_clients"] == 3
 
     # round 2: c travels in the global extras and corrects each step by c − c_i
     x2 = new[0].reshape(-1).astype(np.float64)

@@ -440,7 +440,7 @@ def test_enskd_teacher_is_the_plain_mean_whatever_the_accuracies_and_sample_coun
     np.testing.assert_allclose(teacher["teacher_soft_predictions"],
                                np.mean([r.extras["soft_predictions"] for r in results], axis=0), rtol=1e-6)
     np.testing.assert_allclose(teacher["teacher_prototypes"], np.arange(6).reshape(3, 2) * (1 + 2 + 5) / 3, rtol=1e-6)
-    assert s.round_metrics()["teacher_weights"] == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
+    assert s.committed_metrics["teacher_weights"] == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
     config = s.configure_round(1, ["A", "B", "C"], np.random.default_rng(0)).config
     assert (config["kd"], config["infonce"], config["proto_align"]) == (True, False, False)
     # [algorithm] keys still override the defaults (the strategy refuses unknown ones as FedMCP++ does)

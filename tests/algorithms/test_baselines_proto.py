@@ -153,7 +153,7 @@ def test_fedproto_strategy_round_no_model_tensors() -> None:
     g = s.global_extras()
     np.testing.assert_allclose(g["prototypes"], [[1, 2], [4, 5], [7, 8]])
     np.testing.assert_array_equal(g["proto_classes"], [0, 1, 2])
-    assert s.round_metrics() == {"prototype_classes": 3}
+    assert s.committed_metrics == {"prototype_classes": 3}
     s2 = FedProto()
     s2.load_state_dict(s.state_dict())
     np.testing.assert_array_equal(s2.global_extras()["prototypes"], g["prototypes"])
@@ -239,7 +239,7 @@ def test_fpl_strategy_fedavg_plus_prototypes() -> None:
     g = s.global_extras()
     assert set(g) == {"cluster_protos", "cluster_classes", "unbiased_protos", "unbiased_classes"}
     np.testing.assert_allclose(g["cluster_protos"], [[0.5, 0.5]])  # two prototypes: one cluster
-    assert s.round_metrics() == {"fpl_clusters": {"0": 1}}
+    assert s.committed_metrics == {"fpl_clusters": {"0": 1}}
     s2 = FPL()
     s2.load_state_dict(s.state_dict())
     np.testing.assert_array_equal(s2.global_extras()["unbiased_protos"], g["unbiased_protos"])

@@ -219,7 +219,7 @@ def test_teacher_weights_by_hand() -> None:
     expected = sum(w * r.extras["soft_predictions"] for w, r in zip([4 / 7, 2 / 7, 1 / 7], clients))
     np.testing.assert_allclose(ex["teacher_soft_predictions"], expected, rtol=1e-6)
     assert ex["teacher_soft_predictions"].dtype == np.float32
-    m = s.round_metrics()
+    m = s.committed_metrics
     assert m["teacher_weights"] == pytest.approx({"A": 4 / 7, "B": 2 / 7, "C": 1 / 7})
     assert m["client_proxy_accuracy"] == {"A": 1.0, "B": 0.5, "C": 0.25}
     assert m["teacher_proxy_accuracy"] == 1.0  # argmax of p_T is right on all four samples
@@ -230,7 +230,7 @@ def test_uniform_weighting_is_enskd_and_zero_accuracy_falls_back_to_uniform() ->
     s = _strategy(weighting="uniform")
     s.step(1, [], clients)
     np.testing.assert_allclose(s.global_extras()["teacher_prototypes"], np.full((3, 2), 2.0), rtol=1e-6)
-    assert s.round_metrics()["teacher_weights"] == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
+    assert s.committed_metrics["teacher_weights"] == pytest.approx({"A": 1 / 3, "B": 1 / 3, "C": 1 / 3})
 
     class EnsKDLike(FedMCP):  # what the EnsKD baseline needs to change
         default_weighting = "uniform"
@@ -243,7 +243,7 @@ def test_uniform_weighting_is_enskd_and_zero_accuracy_falls_back_to_uniform() ->
     z = _strategy()
     z.step(1, [], [_result("A", wrong, 1.0), _result("B", wrong, 3.0)])
     np.testing.assert_allclose(z.global_extras()["teacher_prototypes"], np.full((3, 2), 2.0))
-    assert z.round_metrics()["teacher_weights"] == {"A": 0.5, "B": 0.5}
+    assert z.committed_metrics["teacher_weights"] == {"A": 0.5, "B": 0.5}
 
 
 def test_streaming_accumulator_state_and_empty_round() -> None:

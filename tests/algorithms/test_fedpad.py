@@ -188,7 +188,7 @@ def test_strategy_round_one_then_round_two_by_hand() -> None:
     # round 1: θ = α = 1/3, plain mean of the models; integer entry from the first client in id order (A)
     np.testing.assert_allclose(out[0], _head(7 / 3), rtol=1e-6)
     assert out[0].dtype == np.float32 and out[1].dtype == np.int64 and int(out[1]) == 7
-    m1 = s.round_metrics()
+    m1 = s.committed_metrics
     assert m1["fedpad_clients"] == ["A", "B", "C"] and m1["fedpad_d"] is None
     assert m1["fedpad_theta"] == pytest.approx([1 / 3] * 3) and m1["fedpad_alpha_drift"] is None
     # round-1 global prototypes = unweighted per-class means over the clients having the class
@@ -201,7 +201,7 @@ def test_strategy_round_one_then_round_two_by_hand() -> None:
     s.configure_round(2, ["A", "B", "C"], np.random.default_rng(0))
     assert s.round_metrics() == {}  # nothing aggregated yet this round
     out2 = s.step(2, out, _results())
-    m2 = s.round_metrics()
+    m2 = s.committed_metrics
     d = [1.5 * math.sqrt(2), 1.5 * math.sqrt(2), 0.0]
     assert m2["fedpad_d"] == pytest.approx(d)
     e = [math.exp(LN2 * x) for x in d]
@@ -222,7 +222,7 @@ def test_fixed_alpha_is_plain_unweighted_averaging() -> None:
     s.step(1, [], _results())
     out = s.step(2, [], _results(ws=(1.0, 2.0, 6.0), ns=(5, 50, 100)))
     np.testing.assert_allclose(out[0], _head(3.0), rtol=1e-6)  # (1 + 2 + 6) / 3, not sample-weighted
-    m = s.round_metrics()
+    m = s.committed_metrics
     assert m["fedpad_alpha"] == pytest.approx([1 / 3] * 3)
     assert m["fedpad_theta"][2] < m["fedpad_theta"][0]  # θ is still computed (and mixes prototypes)
 
@@ -234,7 +234,7 @@ def test_partial_participation_keeps_unreported_classes_and_weights_the_reporter
     s.step(1, [], _results())
     out = s.step(2, [], [_result("C", 5.0)])  # one reporter: α = 1, its model
     np.testing.assert_allclose(out[0], _head(5.0))
-    m = s.round_metrics()
+    m = s.committed_metrics
     assert m["fedpad_alpha"] == [1.0] and m["fedpad_alpha_drift"] is None and m["fedpad_alpha_drift_clients"] == 1
     np.testing.assert_array_equal(s.global_extras()["proto_classes"], [0, 1, 2, 3])  # 0, 1, 3 carried over
 
@@ -311,7 +311,7 @@ def test_state_dict_survives_a_checkpoint_and_resumes_identically(tmp_path: Path
     np.testing.assert_array_equal(b.global_extras()["prototypes"], a.global_extras()["prototypes"])
     out_a, out_b = a.step(2, [], _results()), b.step(2, [], _results())
     np.testing.assert_array_equal(out_a[0], out_b[0])
-    assert a.round_metrics() == b.round_metrics()  # same d, θ, α and drift (previous α restored)
+    assert a.committed_metrics == b.committed_metrics  # same d, θ, α and drift (previous α restored)
     fresh = FedPAD()
     fresh.load_state_dict(FedPAD().state_dict())
     assert fresh.global_extras() == {}
@@ -469,20 +469,20 @@ def test_loss_fn_hook_with_cross_entropy_is_bit_identical_to_the_default() -> No
         np.testing.assert_array_equal(u, v)
 
 
-def test_after_backward_edits_the_gradient_before_each_step() -> None:
+def test_before_step_edits_the_gradient_before_each_step() -> None:
     """A hook adding a constant c to every gradient: one full-batch step gives w − η(g + c)
     (SCAFFOLD's corrected gradient g + c − c_i has this form)."""
     x, y = _shard(10)
     cfg = TrainConfig(local_epochs=1, batch_size=10, lr=0.1, momentum=0.0, seed=0)
     calls = []
 
-    def hook(m):
+    def hook(m, context):
         calls.append(all(p.grad is not None for p in m.parameters()))
         for p in m.parameters():
             p.grad.add_(0.5)
 
     model = _model()
-    sgd_epochs(model, x, y, cfg, shuffle_generator(0, 1, 0), CPU, after_backward=hook)
+    sgd_epochs(model, x, y, cfg, shuffle_generator(0, 1, 0), CPU, before_step=hook)
     assert calls == [True]
     ref = _model()
     grads = torch.autograd.grad(F.cross_entropy(ref(x), y), list(ref.parameters()))
@@ -521,7 +521,7 @@ class _NoAutocast:
         return False
 
 
-def test_after_backward_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_before_step_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp16 branch (faked without a GPU): per batch scale → unscale_ → hook → step → update."""
     monkeypatch.setattr(torch, "autocast", _NoAutocast)
     monkeypatch.setattr(torch.amp, "GradScaler", _Scaler)
@@ -529,7 +529,7 @@ def test_after_backward_sees_unscaled_gradients_under_fp16(monkeypatch: pytest.M
     x, y = _shard(8)
     cfg = TrainConfig(local_epochs=1, batch_size=4, lr=0.1, seed=0)
     sgd_epochs(_model(), x, y, cfg, shuffle_generator(0, 1, 0), torch.device("cuda", 0), precision="fp16",
-               after_backward=lambda m: _Scaler.last.calls.append("hook"))
+               before_step=lambda m, context: _Scaler.last.calls.append("hook"))
     assert _Scaler.last.calls == ["scale", "unscale_", "hook", "step", "update"] * 2
 
 
