@@ -52,7 +52,8 @@ class RunningWeightedSum:
         return [np.asarray(s / self.total_weight).astype(dt, copy=False) for s, dt in zip(self._sums, self._dtypes)]
 
 
-def weighted_average(arrays_per_client: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
+def weighted_average(arrays_per_client: Sequence[Sequence[np.ndarray]],
+                     weights: Sequence[float] | np.ndarray) -> list[np.ndarray]:
     """FedAvg aggregation: w = Σ_k (n_k / n) · w_k (McMahan et al., AISTATS 2017, Algorithm 1).
 
     Args:

@@ -161,8 +161,8 @@ def make_strategy(cfg: Config, ds: Dataset):
         ConfigError: unknown algorithm, or a hyperparameter the algorithm does not take or
             whose value it refuses (the message names the key).
     """
-    cls = get_strategy_class(cfg.train.algorithm)  # a Strategy subclass; its constructor takes the keywords below
-    declared: type[Strategy] = cls
+    declared: type[Strategy] = get_strategy_class(cfg.train.algorithm)
+    cls: Callable[..., Strategy] = declared  # a Strategy subclass; its constructor takes the keywords below
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
         extra = dict(declared.setup_kwargs(ds, dict(cfg.algorithm), cfg.run.seed))

@@ -226,7 +226,7 @@ class AggregationServer:
                                                   max_total_bytes=max(64 << 20, 4 * model_bytes))
         self.channel.reassembler.max_transfer_bytes = max(16 << 20, 4 * model_bytes + (1 << 20))
         self.channel.transfer_filter = lambda sender: sender in self.devices
-        self._extra_codecs = None
+        self._extra_codecs: dict[str, Codec] | None = None
         self._extras_seen: set[str] = set()  # names carried by a global or an accepted update
         self._extras_codec_checked = False
         self._extras_update_seen = False  # an update was accepted: the upload names are known
@@ -381,6 +381,7 @@ class AggregationServer:
             return
         self._extras_seen.update(result.extras)
         self._extras_update_seen = True
+        assert o.accumulator is not None  # an update reaches here only while a round collects
         try:
             o.accumulator.add(result)
         except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
@@ -410,6 +411,7 @@ class AggregationServer:
         """Publish the open round's ``global`` then its ``round_start`` message(s): one broadcast
         on ``down/round_start``, or, when the plan has per-device instructions, one per selected
         device on ``down/{client}/round_start`` carrying only that device's instructions."""
+        assert self.open.messages is not None  # called only for the open round, after its messages are made
         glob, starts = self.open.messages
         enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
                                 extra_codecs=self._extra_codecs)
@@ -524,7 +526,7 @@ class AggregationServer:
         if self.settings.client_eval and (r % self.settings.client_eval_every == 0 or r == self.settings.rounds):
             config["client_eval"] = True
         o.messages = (glob, self._round_starts(tuple(plan.selected), config, dict(plan.instructions)))
-        self._extra_codecs = extras_codecs(self.settings.extras_codec, glob.extras, self.global_codec)
+        self._extra_codecs = extras_codecs(self.settings.extras_codec, dict(glob.extras), self.global_codec)
         self._extras_seen.update(glob.extras)
         self._publish_round(r)
         deadline = t0 + self.settings.round_deadline_s
@@ -553,6 +555,8 @@ class AggregationServer:
                 self._commit(r, self.strategy.skipped_round(r, acc_round))
         else:
             self._commit(r, acc_round.result())
+        acc: float | None
+        loss: float | None
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
         extra_metrics = self._extra_metrics(results, o.strategy_metrics)
         if self.share != "all":
@@ -704,5 +708,5 @@ class AggregationServer:
     def _checkpoint(self, accuracy: float | None) -> None:
         self.store.save_checkpoint(Checkpoint(
             round=self.round, tensors=self.global_tensors, strategy_state=self.strategy.state_dict(),
-            rng_state=self.rng.bit_generator.state, registry=self.devices.rows(),
+            rng_state=dict(self.rng.bit_generator.state), registry=self.devices.rows(),
             meta={"accuracy": accuracy, "manifest_hash": self.manifest_hash}))

@@ -24,7 +24,7 @@ class EnsKD(FedMCP):
     share = "none"
     buffers = "average"
     model_requirement = "prototype"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     default_weighting = "uniform"
     hyperparameter_defaults = ENSKD_DEFAULTS

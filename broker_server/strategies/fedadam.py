@@ -82,7 +82,7 @@ class FedAdam(ServerOptimizer):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, server_lr: float = SERVER_LR, beta1: float = BETA1, beta2: float = BETA2, tau: float = TAU,
                  bias_correction: bool = False, **kw) -> None:

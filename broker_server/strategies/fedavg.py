@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..aggregate import RunningWeightedSum, select_clients, weighted_average
-from ._base import ClientResult, GlobalUpdate, RoundPlan, Strategy
+from ._base import Accumulator, ClientResult, GlobalUpdate, RoundPlan, Strategy
 from ._registry import register_strategy
 
 
@@ -30,7 +30,7 @@ class FedAvg(Strategy):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
@@ -52,7 +52,7 @@ class FedAvg(Strategy):
             return None
         return GlobalUpdate(tensors=weighted_average([r.tensors for r in results], [r.num_samples for r in results]))
 
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FedAvgAccumulator:
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> Accumulator:
         """Streaming form of :meth:`aggregate`: each update is folded into running weighted sums
         on arrival, so server memory is one model whatever the number of clients."""
         return FedAvgAccumulator()

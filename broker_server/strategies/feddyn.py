@@ -92,7 +92,7 @@ class FedDyn(ServerStepStrategy):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, alpha: float = ALPHA, num_clients: int = 0, weighting: str = "uniform", **kw) -> None:
         super().__init__(**kw)

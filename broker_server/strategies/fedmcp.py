@@ -113,7 +113,7 @@ class FedMCP(FedAvg):
     share = "none"
     buffers = "average"
     model_requirement = "prototype"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
     #: Teacher weighting when the configuration names none (EnsKD: ``"uniform"``).
     default_weighting = "accuracy"
     #: Defaults of :class:`~edge_agent.algorithms.fedmcp.FedMCPParams` that a subclass changes.

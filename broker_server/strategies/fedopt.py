@@ -284,7 +284,7 @@ class FedOpt(ServerOptimizer):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, server_lr: float = SERVER_LR, server_momentum: float = SERVER_MOMENTUM, **kw) -> None:
         super().__init__(**kw)

@@ -297,7 +297,7 @@ class FedPAD(FedAvg):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None, tau: float = DEFAULT_TAU,
@@ -397,16 +397,17 @@ class FedPAD(FedAvg):
         clients = [r.client_id for r in ordered]
         protos = [np.asarray(r.extras[PROTOTYPES]) for r in ordered]
         classes = [np.asarray(r.extras[PROTO_CLASSES]) for r in ordered]
-        has_global = self.prototypes is not None and self.proto_classes is not None and self.proto_classes.size > 0
-        d = (np.array([prototype_deviation(p, c, self.prototypes, self.proto_classes)
+        g_protos, g_classes = self.prototypes, self.proto_classes
+        previous = ((g_protos, g_classes) if g_protos is not None and g_classes is not None and g_classes.size > 0
+                    else None)
+        d = (np.array([prototype_deviation(p, c, previous[0], previous[1])
                        for p, c in zip(protos, classes, strict=False)])
-             if has_global else None)
+             if previous is not None else None)
         theta, alpha = fedpad_weights(d, len(ordered), gamma=self.gamma, tau=self.tau, fixed_alpha=self.fixed_alpha)
         new_model = weighted_average([r.tensors for r in ordered], alpha)
         for j, t in enumerate(ordered[0].tensors):  # integer entries: the first client's (module docstring)
             if not np.issubdtype(np.asarray(t).dtype, np.floating):
                 new_model[j] = np.array(t, copy=True)
-        previous = (self.prototypes, self.proto_classes) if has_global else None
         gp, gc = aggregate_prototypes(protos, classes, theta, previous=previous)
         drift, common = alpha_drift(self.prev_clients, self.prev_alpha, clients, alpha)
         metrics = {
@@ -421,7 +422,7 @@ class FedPAD(FedAvg):
 
     def state_dict(self) -> dict:
         """Global prototypes, their classes, and the last round's clients and α (for resume)."""
-        if self.prototypes is None:
+        if self.prototypes is None or self.proto_classes is None:
             return {"prev_clients": list(self.prev_clients), "prev_alpha": np.asarray(self.prev_alpha, np.float64)}
         return {"prototypes": self.prototypes.copy(), "proto_classes": self.proto_classes.copy(),
                 "prev_clients": list(self.prev_clients), "prev_alpha": np.asarray(self.prev_alpha, np.float64)}

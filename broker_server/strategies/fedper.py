@@ -25,5 +25,5 @@ class FedPer(FedAvg):
     share = "backbone"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 

@@ -166,7 +166,7 @@ class FedProto(FedAvg):
     share = "none"
     buffers = "average"
     model_requirement = "prototype"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
 
     def __init__(self, *, lambda_proto: float = 1.0, weighting: str = "uniform", **base: object) -> None:
@@ -203,6 +203,8 @@ class FedProto(FedAvg):
         is refused (with ``weighting = "count"`` it would buy the client the global prototypes).
         No count bound when the strategy sends no ``local_epochs`` (the device's default applies).
         """
+        num_classes: int | None
+        dim: int | None
         if self.head is not None:
             num_classes, dim = self.head
         else:
@@ -290,5 +292,5 @@ class FedProtoAvg(FedProto):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 

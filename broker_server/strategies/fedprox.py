@@ -33,7 +33,7 @@ class FedProx(FedAvg):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, mu: float = MU, **kw) -> None:
         super().__init__(**kw)

@@ -38,7 +38,7 @@ class FedRep(FedPer):
     share = "backbone"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, head_epochs: int = HEAD_EPOCHS, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None) -> None:

@@ -128,7 +128,7 @@ class FPL(FedAvg):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
 
     def __init__(self, *, tau: float = 0.02, **base: object) -> None:

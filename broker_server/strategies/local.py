@@ -25,7 +25,7 @@ class Local(FedAvg):
     share = "none"
     buffers = "average"
     model_requirement = "prototype"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],

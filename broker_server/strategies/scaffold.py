@@ -116,7 +116,7 @@ class Scaffold(ServerStepStrategy):
     share = "all"
     buffers = "average"
     model_requirement = "manifest"
-    instructions: tuple[str, ...] = ()
+    instructions = ()
 
     def __init__(self, *, server_lr: float = SERVER_LR, num_clients: int = 0, weighting: str = "uniform",
                  **kw) -> None:
