@@ -519,19 +519,26 @@ class EdgeAgent:
             ``{"eval_accuracy": fraction, "eval_macro_f1": fraction, "eval_samples": M}``; the
             macro-F1 averages the per-class F1 over the classes present in the split or
             predicted (scikit-learn's ``f1_score(average="macro")`` convention).
+
+        Raises:
+            AgentError: the agent was built without ``eval_x`` and ``eval_y``.
         """
+        eval_x, eval_y = self.eval_x, self.eval_y
+        if eval_x is None or eval_y is None:
+            raise AgentError(f"{self.client_id}: no evaluation split (build the agent with eval_x and eval_y)")
         self.model.eval()
         preds = []
         with torch.inference_mode():
-            for s in range(0, len(self.eval_y), 1000):
-                xb = self.eval_x[s:s + 1000].to(self.device)
+            for s in range(0, len(eval_y), 1000):
+                xb = eval_x[s:s + 1000].to(self.device)
                 preds.append(predict_scores(self.algorithm, self.model, xb).argmax(1).cpu().numpy())
         pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)
-        return {"eval_accuracy": float((pred == self.eval_y).mean()) if len(pred) else 0.0,
-                "eval_macro_f1": macro_f1(self.eval_y, pred), "eval_samples": int(len(pred))}
+        return {"eval_accuracy": float((pred == eval_y).mean()) if len(pred) else 0.0,
+                "eval_macro_f1": macro_f1(eval_y, pred), "eval_samples": int(len(pred))}
 
     def _emulate(self, direction: str, nbytes: int) -> None:
         """Take the time the profile's link needs for ``nbytes`` (simulated fleets only)."""
+        assert self.runtime is not None, "emulate_link is only set with a runtime"
         seconds = self.runtime.link_s(nbytes, direction)
         self.link_s += seconds
         time.sleep(seconds)
@@ -542,6 +549,7 @@ class EdgeAgent:
         The server that counted it answers "duplicate: already counted"; a server resumed from
         a checkpoint older than that round has lost it and counts it now, so its state (SCAFFOLD's
         c, FedDyn's h) again holds what this device committed on the first receipt."""
+        assert self._last_update is not None, "called only when an update of rnd was sent"
         _, update, codec, extra_codecs = self._last_update
         log.warning("%s: round %d started again: sending its update again", self.client_id, rnd)
         self._resend_update(rnd, update, codec, extra_codecs)

@@ -10,6 +10,7 @@ Each algorithm has one name and two files with the same stem: ``edge_agent/algor
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
 from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
@@ -47,6 +48,11 @@ from ._registry import (
 )
 
 
+def _algorithm_class(name: str) -> type[ClientAlgorithm]:
+    # the registry is untyped (it returns ``type``); it holds only ClientAlgorithm subclasses
+    return cast("type[ClientAlgorithm]", get_client_algorithm_class(name))
+
+
 def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int) -> dict:
     """Data-dependent constructor arguments of a client algorithm or its strategy (e.g. the
     public proxy set of FedMCP++), from the class's optional ``setup_kwargs(dataset, params,
@@ -55,14 +61,14 @@ def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int)
     Raises:
         EdgeAgentError: unknown algorithm.
     """
-    return dict(get_client_algorithm_class(name).setup_kwargs(dataset, params, seed))
+    return dict(_algorithm_class(name).setup_kwargs(dataset, params, seed))
 
 
 def evaluation_split(name: str, dataset, params: Mapping[str, object], seed: int):
     """The test samples a device evaluates its own model on (``client_eval``): the data set's
     test split, minus what the algorithm reserves (FedMCP++'s proxy set) through the class's
     optional ``eval_split(dataset, params, seed) -> ArraySplit`` classmethod."""
-    return get_client_algorithm_class(name).eval_split(dataset, params, seed)
+    return _algorithm_class(name).eval_split(dataset, params, seed)
 
 
 __all__ = [

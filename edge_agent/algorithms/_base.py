@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol, SupportsFloat, SupportsIndex, SupportsInt, cast
 
 import numpy as np
 import torch
@@ -23,6 +23,28 @@ SHARES = ("all", "backbone", "none")
 #: What happens to registered buffers (BatchNorm running statistics …): averaged with the model
 #: (``"average"``) or kept on the device and never sent, either direction (``"local"``, FedBN).
 BUFFERS = ("average", "local")
+
+#: What ``int()`` / ``float()`` accept. A hyperparameter from the wire is a plain ``object``; it is
+#: converted by ``int()`` / ``float()``, whose TypeError/ValueError is the error for a bad value.
+IntLike = str | SupportsInt | SupportsIndex
+FloatLike = str | SupportsFloat | SupportsIndex
+
+
+class FeatureModel(Protocol):
+    """The model interface of the prototype and distillation methods (FedProto, FPL, FedPAD,
+    FedMCP++), met by :class:`~edge_agent.models.LightCNN` and the zoo models: ``features`` float32
+    ``[N, C, H, W]`` -> ``[N, feature_dim]``, ``head`` ``[N, feature_dim]`` -> logits
+    ``[N, num_classes]``, ``classifier`` the ``Linear(feature_dim, num_classes)`` of the head.
+    ``nn.Module`` types its attributes as ``Tensor | Module``; ``typing.cast(FeatureModel, model)``
+    names the ones these methods use (no runtime check)."""
+
+    num_classes: int
+    feature_dim: int
+    classifier: torch.nn.Linear
+
+    def features(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self, z: torch.Tensor) -> torch.Tensor: ...
 
 
 def shared_indices(names: Sequence[str], share: str, exclude: Collection[str] = ()) -> tuple[int, ...]:
@@ -121,13 +143,13 @@ class TrainConfig:
     def from_mapping(cls, base: TrainConfig, overrides: Mapping[str, object]) -> TrainConfig:
         """``base`` with the known keys of ``overrides`` applied (unknown keys are ignored:
         tolerant on the wire)."""
-        kw = {}
+        kw: dict[str, int | float] = {}
         for name in ("local_epochs", "batch_size", "seed"):
             if name in overrides:
-                kw[name] = int(overrides[name])  # type: ignore[arg-type]
+                kw[name] = int(cast(IntLike, overrides[name]))
         for name in ("lr", "momentum", "weight_decay"):
             if name in overrides:
-                kw[name] = float(overrides[name])  # type: ignore[arg-type]
+                kw[name] = float(cast(FloatLike, overrides[name]))
         return TrainConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **kw})
 
 
@@ -140,7 +162,8 @@ class LocalResult:
             in model-manifest order; ``()`` for algorithms that share no parameters.
         num_samples: samples trained on (the FedAvg weight).
         train_loss: mean loss over the last local epoch.
-        metrics: extra scalars (``train_seconds``, ``train_accuracy`` …).
+        metrics: extra scalars (``train_seconds``, ``train_accuracy`` …; FedMCP++ adds the string
+            ``soft_predictions_backend``).
         extras: named non-model arrays to upload (prototypes [C, d] float32 with their class
             ids, soft predictions [P, C], control-variate deltas …).
     """
@@ -148,7 +171,7 @@ class LocalResult:
     tensors: tuple[np.ndarray, ...]
     num_samples: int
     train_loss: float
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | str] = field(default_factory=dict)
     extras: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -308,7 +331,7 @@ class StateOnReceipt(ClientAlgorithm):
     def local_round(self, *args, round: int, **kw) -> LocalResult:
         """The base class's round; the state it leaves awaits :meth:`on_update_receipt` for ``round``."""
         before = getattr(self, self.state_attr)
-        result = super().local_round(*args, round=round, **kw)  # type: ignore[misc]
+        result = super().local_round(*args, round=round, **kw)
         self._unsettled = (round, before)
         return result
 

@@ -54,6 +54,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ from torch import nn
 from ..data import PROXY_SIZE, ArraySplit, Dataset, proxy_split
 from ..errors import ModelError
 from ..models.training import train_mode
-from ._base import ClientAlgorithm, LocalResult, TrainConfig, step_hook
+from ._base import ClientAlgorithm, FeatureModel, IntLike, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, _to_device, sgd_epochs, shuffle_generator
 
@@ -149,7 +150,7 @@ class FedMCPParams:
         Raises:
             ValueError: as the constructor.
         """
-        kw: dict[str, object] = {}
+        kw: dict[str, Any] = {}  # values as they came; __post_init__ checks each field's type
         for f in dataclasses.fields(cls):
             for source in (defaults or {}, params):
                 if f.name in source:
@@ -176,11 +177,16 @@ def proxy_sets(dataset: Dataset, params: Mapping[str, object], seed: int) -> tup
         DataError: a size outside ``[1, len(test))``.
         ValueError: ``proxy_size`` / ``proxy_seed`` not integers.
     """
-    size, pseed = params.get("proxy_size", PROXY_SIZE), params.get("proxy_seed", seed)
-    for name, v in (("proxy_size", size), ("proxy_seed", pseed)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name} must be an integer, got {v!r}")
-    return proxy_split(dataset.test, int(size), int(pseed))
+    size = _int_param("proxy_size", params.get("proxy_size", PROXY_SIZE))
+    pseed = _int_param("proxy_seed", params.get("proxy_seed", seed))
+    return proxy_split(dataset.test, size, pseed)
+
+
+def _int_param(name: str, v: object) -> int:
+    """``v`` as an ``int``; ValueError naming ``name`` when it is not an integer (a bool is not)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    return int(v)
 
 
 def proxy_digest(proxy_y: np.ndarray) -> str:
@@ -484,7 +490,7 @@ class FedMCPClient(ClientAlgorithm):
 
     def _check_proxy(self, params: Mapping[str, object]) -> None:
         size, digest = params.get("proxy_size"), params.get("proxy_digest")
-        if size is not None and int(size) != len(self.proxy_y_np):  # type: ignore[arg-type]
+        if size is not None and int(cast(IntLike, size)) != len(self.proxy_y_np):
             raise ModelError(f"the server's proxy set has {size} samples, this device's {len(self.proxy_y_np)}: "
                              "use the same [algorithm] proxy_size and proxy_seed on both sides")
         if digest is not None and str(digest) != self.digest:
@@ -500,7 +506,8 @@ class FedMCPClient(ClientAlgorithm):
             return None
         soft = np.asarray(extras["teacher_soft_predictions"], dtype=np.float32)
         protos = np.asarray(extras["teacher_prototypes"], dtype=np.float32)
-        num_classes, feature_dim = int(model.classifier.out_features), int(model.classifier.in_features)
+        head = cast(FeatureModel, model).classifier
+        num_classes, feature_dim = int(head.out_features), int(head.in_features)
         if soft.shape != (len(self.proxy_y_np), num_classes):
             raise ModelError(f"teacher_soft_predictions {list(soft.shape)}, expected "
                              f"[{len(self.proxy_y_np)}, {num_classes}] (proxy samples × classes)")
@@ -511,14 +518,17 @@ class FedMCPClient(ClientAlgorithm):
         p = torch.where(total > 0, p / total.clamp_min(1e-12), torch.full_like(p, 1.0 / num_classes))
         return p.to(device), torch.from_numpy(protos).to(device)
 
-    def _projections(self, model: nn.Module, seed: int, client_index: int, device: torch.device) -> None:
-        """Create ``P_s`` and ``P_t`` on first use (seeded by the run seed and client index)."""
+    def _projections(self, model: nn.Module, seed: int, client_index: int,
+                     device: torch.device) -> tuple[nn.Linear, nn.Linear]:
+        """``(P_s, P_t)`` on ``device``, created on first use (seeded by the run seed and client index)."""
         if self.proj_s is None or self.proj_t is None:
+            head = cast(FeatureModel, model).classifier
             g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + 7_919 * (client_index + 1)) % (2**63 - 1))
-            self.proj_s = _seeded_linear(int(model.classifier.in_features), self.projection_dim, g)
-            self.proj_t = _seeded_linear(int(model.classifier.out_features), self.projection_dim, g)
+            self.proj_s = _seeded_linear(int(head.in_features), self.projection_dim, g)
+            self.proj_t = _seeded_linear(int(head.out_features), self.projection_dim, g)
         self.proj_s.to(device)
         self.proj_t.to(device)
+        return self.proj_s, self.proj_t
 
     def _align(self, model: nn.Module, teacher: tuple[torch.Tensor, torch.Tensor], config: TrainConfig,
                hp: FedMCPParams, generator: torch.Generator, device: torch.device,
@@ -537,12 +547,12 @@ class FedMCPClient(ClientAlgorithm):
             out["kd_loss"], _ = sgd_epochs(model, self.proxy_x, index, stage_cfg, generator, device,
                                            precision=self.precision, loss_fn=kd_loss)
         if hp.infonce:
-            self._projections(model, config.seed, client_index, device)
-            joint = _AlignedModel(model, self.proj_s, self.proj_t)
+            joint = _AlignedModel(model, *self._projections(model, config.seed, client_index, device))
 
             def nce_loss(m: nn.Module, xb: torch.Tensor, ib: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                z = m.model.features(xb)
-                loss = info_nce_loss(m.proj_s(z), m.proj_t(p_t[ib]), hp.tau_nce)
+                aligned = cast(_AlignedModel, m)  # sgd_epochs passes back the module it trains: joint
+                z = cast(FeatureModel, aligned.model).features(xb)
+                loss = info_nce_loss(aligned.proj_s(z), aligned.proj_t(p_t[ib]), hp.tau_nce)
                 return hp.infonce_weight * loss, z
 
             out["infonce_loss"], _ = sgd_epochs(joint, self.proxy_x, index, stage_cfg, generator, device,
@@ -583,7 +593,8 @@ class FedMCPClient(ClientAlgorithm):
             ``backend`` ``"onnxruntime"`` or ``"torch"``. A class absent from the proxy set has a
             zero prototype row.
         """
-        num_classes = int(model.classifier.out_features)
+        fm = cast(FeatureModel, model)
+        num_classes = int(fm.classifier.out_features)
         if use_onnx:
             try:
                 from ..onnx_runtime import OnnxModel, export_onnx
@@ -605,11 +616,11 @@ class FedMCPClient(ClientAlgorithm):
             logits, feats = [], []
             with torch.inference_mode():
                 for s in range(0, len(self.proxy_x), 512):
-                    z = model.features(self.proxy_x[s:s + 512].to(device))
+                    z = fm.features(self.proxy_x[s:s + 512].to(device))
                     feats.append(z.double().cpu())
-                    logits.append(model.head(z).double().cpu())
+                    logits.append(fm.head(z).double().cpu())
             soft = torch.softmax(torch.cat(logits) / temperature, dim=1).float().numpy()
-            protos, _ = class_prototypes(torch.cat(feats), self.proxy_y, num_classes)
+            class_means, _ = class_prototypes(torch.cat(feats), self.proxy_y, num_classes)
         finally:
             model.train(was_training)
-        return soft, protos.float().numpy(), "torch"
+        return soft, class_means.float().numpy(), "torch"

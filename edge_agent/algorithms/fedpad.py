@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import LocalResult, TrainConfig, step_hook
+from ._base import FeatureModel, FloatLike, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import (
     FedAvgClient,
@@ -71,9 +72,10 @@ def model_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, d
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     model.eval()
     device = torch.device(device)
-    sums = PrototypeSums(int(model.num_classes))
+    fm = cast(FeatureModel, model)
+    sums = PrototypeSums(int(fm.num_classes))
     for s in range(0, int(x.shape[0]), batch_size):
-        sums.add(model.features(_to_device(x[s:s + batch_size], device)), _to_device(y[s:s + batch_size], device))
+        sums.add(fm.features(_to_device(x[s:s + batch_size], device)), _to_device(y[s:s + batch_size], device))
     return sums.result()
 
 
@@ -157,21 +159,24 @@ class FedPADClient(FedAvgClient):
         device = torch.device(device)
         params = params or {}
         extras = global_extras or {}
-        lam = float(params.get("lambda_proto", DEFAULT_LAMBDA_PROTO))  # type: ignore[arg-type]
+        lam = float(cast(FloatLike, params.get("lambda_proto", DEFAULT_LAMBDA_PROTO)))
         if not np.isfinite(lam) or lam < 0:
             raise ValueError(f"lambda_proto must be finite and ≥ 0, got {lam}")
-        table = has = None
+        fm = cast(FeatureModel, model)
+        table: torch.Tensor | None = None
+        has: torch.Tensor | None = None  # set together with table
         if PROTOTYPES in extras and PROTO_CLASSES in extras:
-            table, has = prototype_table(extras[PROTOTYPES], extras[PROTO_CLASSES], int(model.num_classes), device)
-            if table.shape[1] != int(model.feature_dim):
-                raise ModelError(f"global prototypes have {table.shape[1]} features, the model has {model.feature_dim}")
+            table, has = prototype_table(extras[PROTOTYPES], extras[PROTO_CLASSES], int(fm.num_classes), device)
+            if table.shape[1] != int(fm.feature_dim):
+                raise ModelError(f"global prototypes have {table.shape[1]} features, the model has {fm.feature_dim}")
         self.load_global(model, global_tensors)
 
         loss_fn = None
-        if table is not None and lam > 0 and bool(has.any()):
+        if table is not None and has is not None and lam > 0 and bool(has.any()):
             def loss_fn(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                z = m.features(xb)
-                logits = m.head(z)
+                net = cast(FeatureModel, m)
+                z = net.features(xb)
+                logits = net.head(z)
                 return F.cross_entropy(logits, yb) + lam * prototype_alignment_loss(z, yb, table, has), logits
 
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,

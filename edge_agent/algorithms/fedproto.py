@@ -33,13 +33,14 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ._base import ClientAlgorithm, LocalResult, TrainConfig, step_hook
+from ._base import ClientAlgorithm, FeatureModel, FloatLike, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import _check_precision, sgd_epochs, shuffle_generator
 
@@ -74,7 +75,7 @@ class PrototypeSums:
             raise ValueError(f"labels must lie in [0, {self.num_classes}), got [{int(labels.min())}, "
                              f"{int(labels.max())}]")
         z = features.detach().to(torch.float64)
-        if self._sums is None:
+        if self._sums is None or self._counts is None:  # both are set together, on the first batch
             self._sums = torch.zeros(self.num_classes, z.shape[1], dtype=torch.float64, device=z.device)
             self._counts = torch.zeros(self.num_classes, dtype=torch.int64, device=z.device)
         elif z.shape[1] != self._sums.shape[1]:
@@ -89,7 +90,7 @@ class PrototypeSums:
             (prototypes float32 [k, d], classes int64 [k] ascending, counts int64 [k] ≥ 1); k = 0
             (shapes [0, 0], [0], [0]) when nothing was added.
         """
-        if self._sums is None:
+        if self._sums is None or self._counts is None:  # both are set together, on the first batch
             return np.zeros((0, 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
         counts = self._counts.cpu()
         present = torch.nonzero(counts > 0).flatten()
@@ -234,8 +235,9 @@ class PrototypeClient(ClientAlgorithm, abc.ABC):
 
         def loss_fn(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             nonlocal step
-            z = m.features(xb)
-            logits = m.head(z)
+            fm = cast(FeatureModel, m)
+            z = fm.features(xb)
+            logits = fm.head(z)
             loss = F.cross_entropy(logits, yb)
             if term is not None:
                 loss = loss + term(z, yb)
@@ -288,7 +290,7 @@ class FedProtoClient(PrototypeClient):
             ValueError: ``params["lambda_proto"]`` (default 1.0) < 0.
             ModelError: malformed global prototypes.
         """
-        lam = float(params.get("lambda_proto", 1.0))  # type: ignore[arg-type]
+        lam = float(cast(FloatLike, params.get("lambda_proto", 1.0)))
         if not lam >= 0:
             raise ValueError(f"lambda_proto must be >= 0, got {lam}")
         self.global_prototypes = None
@@ -318,7 +320,7 @@ class FedProtoClient(PrototypeClient):
             return torch.full((int(x.shape[0]), num_classes), float("-inf"), device=dev)
         table, mask = prototype_table(*protos, num_classes, dev)
         with torch.no_grad():
-            return nearest_prototype_scores(model.features(x.to(dev)), table, mask)
+            return nearest_prototype_scores(cast(FeatureModel, model).features(x.to(dev)), table, mask)
 
 
 @register_client_algorithm("fedproto-avg")

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import torch
 
-from ._base import LocalResult, TrainConfig, step_hook
+from ._base import FloatLike, LocalResult, TrainConfig, step_hook
 from ._registry import register_client_algorithm
 from .fedavg import (
     FedAvgClient,
@@ -132,7 +133,7 @@ def read_param(params: Mapping[str, object], key: str, default: float, *, minimu
     Raises:
         ValueError: not a number, not finite, or below ``minimum``.
     """
-    value = float(params.get(key, default))  # type: ignore[arg-type]
+    value = float(cast(FloatLike, params.get(key, default)))
     if not np.isfinite(value) or value < minimum:
         raise ValueError(f"{key} must be a finite number >= {minimum}, got {params.get(key)!r}")
     return value

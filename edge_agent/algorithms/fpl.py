@@ -26,12 +26,14 @@ Hyperparameter (``round_start.config``): ``tau`` (τ, default 0.02).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
+from ._base import FloatLike
 from ._registry import register_client_algorithm
 from .fedproto import PrototypeClient, prototype_table
 
@@ -96,7 +98,7 @@ class FPLClient(PrototypeClient):
             ValueError: ``params["tau"]`` (default 0.02) not > 0.
             ModelError: malformed or inconsistent global extras.
         """
-        tau = float(params.get("tau", DEFAULT_TAU))  # type: ignore[arg-type]
+        tau = float(cast(FloatLike, params.get("tau", DEFAULT_TAU)))
         if not tau > 0:
             raise ValueError(f"tau must be > 0, got {tau}")
         names = ("cluster_protos", "cluster_classes", "unbiased_protos", "unbiased_classes")
