@@ -80,9 +80,10 @@ def test_an_announced_width_that_is_no_integer_never_counts(width) -> None:
 
 
 def test_a_join_announcing_an_infinite_width_is_refused_and_the_server_keeps_running(tmp_path) -> None:
+    from helpers.memory_server import memory_server
+
     from broker_server.strategies import get_strategy
     from edge_agent.models import build_model
-    from helpers.memory_server import memory_server
     from protocol import topics
     from protocol.messages import Envelope, Kind, Receipt, decode, encode
 
