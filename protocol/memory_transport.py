@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .errors import TransportError
-from .transport import Incoming, Will
+from .transport_base import Incoming, Will
 
 log = logging.getLogger(__name__)
 
