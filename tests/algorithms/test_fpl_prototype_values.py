@@ -37,7 +37,7 @@ def _round(value: float) -> tuple[str | None, object]:
 
 @pytest.mark.xfail(strict=True, reason="broker_server/strategies/fpl.py: FINCH raises 'Input contains infinity' "
                    "on prototypes near float32's max; neither FPL.validate (check_prototype_extras) nor the "
-                   "driver's _close_round guards it")
+                   "driver (AggregationServer.run_round → _commit) guards it")
 def test_prototypes_near_float32_max_never_raise_from_the_round() -> None:
     """Two devices' prototypes of 3e38 (finite; their mean overflows float32)."""
     refused, update = _round(3e38)  # must not raise
