@@ -13,6 +13,8 @@ Two requirements (a strategy's ``model_requirement``):
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -40,14 +42,23 @@ def model_requirement(strategy_cls: type[Strategy]) -> str:
 
 
 def _announced_int(info: Mapping[str, object], key: str) -> int | None:
+    """An announced count: an int, an integral finite float, or an int's decimal text; else
+    ``None`` (a bool, NaN, ±Inf, 64.9 or other text is no count: never truncated, never raised)."""
     value = info.get(key)
-    # an int, or its decimal text (the msgpack types int() takes; a bool is no count)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str, bytes)):
+    if isinstance(value, bool):
         return None
-    try:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]{1,18}", value.strip()):
         return int(value)
-    except (TypeError, ValueError):
-        return None
+    return None
 
 
 def admit(join: Join, *, requirement: str, expected_manifest_hash: str, feature_dim: int,

@@ -48,18 +48,24 @@ _MARK = "FEDFLEET-PROBE "
 
 # The child: import each named module in order; one JSON line per module, flushed before the next.
 _CHILD = r"""
-import json, sys
+import json, os, sys
 sys.path[:] = json.loads(sys.argv[1])
+# the answers go to a private copy of stdout, each on a line of its own: a runtime that prints
+# at import (without a newline), or replaces / closes sys.stdout, cannot garble or swallow them
+out = open(os.dup(1), "w", buffering=1)
+def say(rec):
+    out.write("\nFEDFLEET-PROBE " + json.dumps(rec) + "\n")
+    out.flush()
 for name in sys.argv[2:]:
-    print("FEDFLEET-PROBE " + json.dumps({"name": name, "started": True}), flush=True)
+    say({"name": name, "started": True})
     try:
         mod = __import__(name)
-        out = {"name": name, "ok": True, "version": str(getattr(mod, "__version__", ""))}
+        rec = {"name": name, "ok": True, "version": str(getattr(mod, "__version__", ""))}
         if name == "onnxruntime":
-            out["providers"] = [str(p) for p in mod.get_available_providers()]
+            rec["providers"] = [str(p) for p in mod.get_available_providers()]
     except BaseException as exc:
-        out = {"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    print("FEDFLEET-PROBE " + json.dumps(out), flush=True)
+        rec = {"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    say(rec)
 """
 
 
@@ -124,6 +130,22 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
+def _record(line: str, names: list[str]) -> dict | None:
+    """One answer line of the child as a dict, or ``None`` for any other line (the runtime's own
+    output, even one that imitates the marker with no valid answer after it)."""
+    if not line.startswith(_MARK):
+        return None
+    try:
+        rec = json.loads(line[len(_MARK):])
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or rec.get("name") not in names:
+        return None
+    if rec.get("started") is True or isinstance(rec.get("ok"), bool):
+        return rec
+    return None
+
+
 def _run_child(names: list[str], timeout_s: float) -> dict[str, RuntimeStatus]:
     """Probe ``names`` in one child; the result holds the names it got to (at least the first)."""
     try:
@@ -142,16 +164,16 @@ def _run_child(names: list[str], timeout_s: float) -> dict[str, RuntimeStatus]:
     found: dict[str, RuntimeStatus] = {}
     started: str | None = None
     for line in stdout.splitlines():
-        if not line.startswith(_MARK):
+        rec = _record(line, names)
+        if rec is None:
             continue
-        rec = json.loads(line[len(_MARK):])
         if rec.get("started"):
             started = rec["name"]
             continue
         started = None
         found[rec["name"]] = (RuntimeStatus(rec["name"], True, version=rec.get("version", ""),
                                             providers=tuple(rec.get("providers", ())))
-                              if rec["ok"] else RuntimeStatus(rec["name"], False, reason=rec["error"]))
+                              if rec["ok"] else RuntimeStatus(rec["name"], False, reason=str(rec.get("error", ""))))
     culprit = started if started is not None else next((n for n in names if n not in found), None)
     if culprit is not None and culprit not in found:
         tail = stderr.strip().splitlines()[-1:] if stderr.strip() else []

@@ -55,7 +55,10 @@ SIGKILL included; only a power loss can take the last commits). Durability (issu
   earlier; :mod:`protocol.lifecycle` turns SIGTERM/SIGINT into a commit of every open ledger and
   an orderly exit, and at interpreter exit pending rows are committed (:func:`flush_open_ledgers`);
 - the ``meta`` table says how the last writer ended: ``closed_cleanly`` is ``'0'`` while a writer
-  has the file open and ``'1'`` after :meth:`Ledger.close` (with ``closed_at``, Unix seconds);
+  has the file open and ``'1'`` after :meth:`Ledger.close` (with ``closed_at``, Unix seconds) of
+  the last writer that had it open (each open writer is a ``writer:<pid>:<n>`` key, removed by its
+  close; a killed writer's key is dropped by the next writer to open the file, once its
+  process is gone);
   ``stop_signal`` names a signal that stopped the writer (``SIGTERM``). Read it with
   :func:`ledger_closed_cleanly`.
 
@@ -347,9 +350,14 @@ class Ledger:
             elif int(row[0]) < SCHEMA_VERSION:
                 _migrate(self._db, int(row[0]))
             self._db.execute("DELETE FROM meta WHERE key IN ('closed_at', 'stop_signal')")
+            # writers of earlier sessions that are gone (killed: never closed) no longer count
+            for (key,) in self._db.execute("SELECT key FROM meta WHERE key LIKE 'writer:%'").fetchall():
+                if not _pid_alive(key):
+                    self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
+            self._writer_key = f"writer:{os.getpid()}:{self._token}"
             self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                                  [("closed_cleanly", "0"), ("opened_at", repr(time.time())),
-                                  ("writer_pid", str(os.getpid()))])
+                                  ("writer_pid", str(os.getpid())), (self._writer_key, repr(time.time()))])
             self._db.commit()
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open ledger {self.path}: {exc}") from exc
@@ -418,11 +426,15 @@ class Ledger:
         with self._lock:
             if self._db is not None:
                 _open.discard(self)
-                self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                                     [("closed_cleanly", "1"), ("closed_at", repr(time.time()))])
+                self._db.execute("DELETE FROM meta WHERE key = ?", (self._writer_key,))
+                others = self._db.execute("SELECT COUNT(*) FROM meta WHERE key LIKE 'writer:%'").fetchone()[0]
+                if not others:  # another writer still open (or killed) keeps the file unclean
+                    self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                         [("closed_cleanly", "1"), ("closed_at", repr(time.time()))])
                 self._commit()
                 try:  # leave a single self-contained file behind (no -wal/-shm) for readers
-                    self._db.execute("PRAGMA journal_mode=DELETE")
+                    if not others:
+                        self._db.execute("PRAGMA journal_mode=DELETE")
                 except sqlite3.Error:
                     pass
                 self._db.close()
@@ -505,6 +517,23 @@ def read_meta(path: str | os.PathLike) -> dict[str, str]:
             db.close()
     except sqlite3.Error as exc:
         raise LedgerError(f"{p} is not a readable fedfleet ledger: {exc}") from exc
+
+
+def _pid_alive(writer_key: str) -> bool:
+    """Whether the process of a ``meta`` writer key (``writer:<pid>:<token>``) still runs here."""
+    try:
+        pid = int(writer_key.split(":")[1])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def ledger_closed_cleanly(path: str | os.PathLike) -> bool | None:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .errors import TransportError
-from .transport import Incoming, Will
+from .transport_base import Incoming, Will
 
 log = logging.getLogger(__name__)
 
@@ -320,9 +320,17 @@ class MemoryTransport:
     def drop_link(self) -> None:
         """The link breaks and comes back: the broker publishes the last will, the client
         reconnects (``connects`` + 1), renews its subscriptions (retained messages are delivered
-        again) and calls the connect listeners with the new count."""
+        again) and calls the connect listeners with the new count.
+
+        Raises:
+            TransportError: the client is closed, or was taken over by a newer connection under
+                its id (which keeps receiving).
+        """
         if self._closed:
             raise TransportError(f"{self.client_id}: closed", client_id=self.client_id)
+        if not self._connected:  # taken over by a newer connection under this id: it keeps the id
+            raise TransportError(f"{self.client_id}: not connected (taken over by a newer connection)",
+                                 client_id=self.client_id)
         self.broker._gone(self, publish_will=True)
         with self.broker._lock:
             self.broker._clients[self.client_id] = self

@@ -441,6 +441,9 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
                     [int(c) for c in body.class_histogram], _scalar_map(body.info, "info")]
         case RoundStart():
             fields = [list(body.selected), float(body.deadline_s), _scalar_map(body.config, "config")]
+            if body.instructions and len(body.selected) != 1:
+                raise FieldError(f"instructions are for one device, but selected names {len(body.selected)}",
+                                 field="instructions")
             if body.instructions:
                 fields.append(_scalar_map(body.instructions, "instructions"))
             return fields
@@ -678,6 +681,9 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         if deadline <= 0:
             raise FieldError("body.deadline_s must be > 0", field="body.deadline_s")
         instructions = _decode_map(f[3], "body.instructions") if len(f) > 3 else {}
+        if instructions and len(sel) != 1:  # one device's settings: never applied by several
+            raise FieldError(f"body.instructions: for one device, but body.selected names {len(sel)}",
+                             field="body.instructions")
         return RoundStart(selected=tuple(sel), deadline_s=deadline, config=_decode_map(f[2], "body.config"),
                           instructions=instructions)
     if kind is Kind.GLOBAL:

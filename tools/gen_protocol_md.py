@@ -332,7 +332,8 @@ join whose data settings differ from its own (receipt `accepted` = false) |
 `update_codec` (codec setting text, §4), `delta` (bool), `error_feedback` (bool), `client_eval` (bool) and algorithm \
 parameters |
 | round_start | (instructions) | M | per-device settings (a data ratio, a number of epochs …) for the one agent this \
-`round_start` is addressed to (§8); sent only when not empty, so a `round_start` without it is byte-identical to the \
+`round_start` is addressed to (§8), so `selected` then names exactly that one agent (else the message is \
+refused); sent only when not empty, so a `round_start` without it is byte-identical to the \
 three-field form |
 | global | tensors | array of T | the shared model tensors for this round, in manifest order (§7) |
 | global | meta | M | `manifest_hash` (str, the server's manifest hash) and `share` (str: `all` = every manifest \

@@ -83,6 +83,9 @@ def resolve_model(name: str) -> Callable[..., nn.Module]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ModelError(f"model factory {name!r}: cannot import module {module_name!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 — user code failing at import (SyntaxError, RuntimeError …)
+        raise ModelError(f"model factory {name!r}: importing module {module_name!r} failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
     obj = module
     for part in attr.split("."):
         try:
@@ -129,8 +132,14 @@ def build_model(name: str = "lightcnn", **kwargs: object) -> nn.Module:
         kwargs = _accepted(factory, kwargs)
     try:
         model = factory(**kwargs)
+    except ModelError:
+        raise
     except TypeError as exc:
         raise ModelError(f"bad arguments for model {name!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 — a user's factory failing is reported as a misfit
+        if not is_factory_path(name):
+            raise
+        raise ModelError(f"model factory {name!r} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise ModelError(f"model {name!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model

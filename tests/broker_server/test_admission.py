@@ -68,3 +68,32 @@ def test_model_requirement_is_what_the_strategy_class_declares() -> None:
                 "fedrep": "manifest", "fedpad": "manifest", "fedproto-avg": "manifest", "fpl": "manifest",
                 "fedproto": "prototype", "fedmcp": "prototype", "enskd": "prototype", "local": "prototype"}
     assert {n: model_requirement(get_strategy_class(n)) for n in expected} == expected
+
+
+@pytest.mark.parametrize("width", [float("inf"), float("-inf"), float("nan"), 64.9, "6_4", "64.0x", b"\xff"])
+def test_an_announced_width_that_is_no_integer_never_counts(width) -> None:
+    """A non-finite, fractional or malformed ``feature_dim`` is no announced width: the join
+    falls back to the manifest (refused with another one), never truncated or raised."""
+    assert _admit(_join(OTHER, feature_dim=width, num_classes=10), "prototype") is not None
+    assert _admit(_join(SERVER, feature_dim=width, num_classes=10), "prototype") is None
+    assert _admit(_join(OTHER, feature_dim=64.0, num_classes=10), "prototype") is None  # integral float
+
+
+def test_a_join_announcing_an_infinite_width_is_refused_and_the_server_keeps_running(tmp_path) -> None:
+    from helpers.memory_server import memory_server
+
+    from broker_server.strategies import get_strategy
+    from edge_agent.models import build_model
+    from protocol import topics
+    from protocol.messages import Envelope, Kind, Receipt, decode, encode
+
+    srv = memory_server(tmp_path, model=build_model("lightcnn", in_channels=1, image_size=28, num_classes=10),
+                        clients=[], strategy=get_strategy("fedproto", min_clients=1))
+    join = _join(OTHER, feature_dim=float("inf"), num_classes=10)
+    topic = topics.up("mem", "evil", Kind.JOIN)
+    srv.channel.transport.broker.connect("evil").publish(
+        topic, encode(Envelope(round=0, sender="evil", seq=1, body=join)).payload, qos=1)
+    srv._handle(srv.channel.receive(1.0))
+    assert "evil" not in srv.devices.records
+    replies = [decode(payload).envelope.body for _, payload in srv.channel.transport.sent]
+    assert any(isinstance(b, Receipt) and not b.accepted for b in replies)

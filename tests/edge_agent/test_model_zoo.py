@@ -4,6 +4,8 @@ LightCNN interface on every net, the factory checks' errors."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -149,6 +151,10 @@ def wrong_logits_factory(num_classes, in_channels, image_size, feature_dim):
     return _Net(in_channels, image_size, num_classes + 1, feature_dim)
 
 
+def raising_factory(**kw):
+    raise RuntimeError("simulated: out of memory while building")
+
+
 not_callable = 42
 HERE = __name__
 
@@ -165,6 +171,7 @@ def test_a_factory_gets_the_keywords_it_accepts() -> None:
     ("wrong_logits_factory", r"gave \[2, 11\]; expected \[2, 10\]"),
     ("not_callable", "not callable"),
     ("missing", "has no attribute 'missing'"),
+    ("raising_factory", "failed: RuntimeError: simulated: out of memory while building"),
 ])
 def test_a_factory_that_does_not_fit_is_named(fn: str, pattern: str) -> None:
     with pytest.raises(ModelError, match=pattern) as info:
@@ -179,6 +186,22 @@ def test_unknown_names_and_modules() -> None:
         models.resolve_model("no_such_pkg.mod:fn")
     with pytest.raises(ModelError, match="expected 'package.module:function'"):
         models.resolve_model(":fn")
+
+
+@pytest.mark.parametrize(("source", "pattern"), [
+    ('raise RuntimeError("simulated: no GPU at import")', "failed: RuntimeError: simulated: no GPU at import"),
+    ("def make(:\n", "failed: SyntaxError"),
+])
+def test_a_factory_module_that_fails_at_import_is_a_model_error(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                               source: str, pattern: str) -> None:
+    """A factory module whose import raises anything (not only ImportError) is refused with a
+    ModelError naming it, so ``[model] name`` gives a configuration error, not a traceback."""
+    (tmp_path / "broken_factory_mod.py").write_text(source, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_factory_mod", raising=False)
+    with pytest.raises(ModelError, match=pattern) as info:
+        models.resolve_model("broken_factory_mod:make")
+    assert "broken_factory_mod" in str(info.value)
 
 
 # --------------------------------------------------------------------------- groups, train mode

@@ -168,3 +168,26 @@ def test_bad_arguments_are_refused() -> None:
         probe("torch")
     with pytest.raises(ValueError, match="timeout_s"):
         probe("onnx", timeout_s=0)
+
+
+_WORKING = 'def get_available_providers():\n    return ["CPUExecutionProvider"]\n__version__ = "9.9"\n'
+
+
+@pytest.mark.parametrize("noise", [
+    'import sys\nsys.stdout.write("onnxruntime banner without a newline")',
+    'print("FEDFLEET-PROBE not json")',
+    'print("FEDFLEET-PROBE 42")',
+    'import sys, io\nsys.stdout = io.StringIO()',
+])
+def test_a_working_runtime_that_prints_at_import_is_found_available(tmp_path: Path, noise: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a runtime prints on stdout at import (a banner with no newline, text imitating the
+    probe's marker, a replaced ``sys.stdout``) neither hides its answer nor breaks the probe."""
+    from edge_agent.optional_runtime import _run_child
+
+    pkg = tmp_path / "onnxruntime"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(noise + "\n" + _WORKING, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))  # seen by the child only: this process never imports it
+    got = _run_child(["onnxruntime"], 120.0)["onnxruntime"]
+    assert (got.available, got.version, got.providers) == (True, "9.9", ("CPUExecutionProvider",)), got.reason

@@ -22,7 +22,7 @@ from protocol import topics
 from protocol.channel import Channel
 from protocol.memory_transport import MemoryBroker, MemoryTransport
 from protocol.messages import Envelope, Join, Kind, Receipt, Update, decode, encode
-from protocol.transport import Incoming
+from protocol.transport_base import Incoming
 
 
 def incoming(topic: str, payload: bytes) -> Incoming:

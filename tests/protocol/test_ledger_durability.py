@@ -231,3 +231,43 @@ def test_interpreter_exit_commits_a_ledger_left_open(tmp_path: Path) -> None:
     assert subprocess.run([sys.executable, "-c", code, str(path)], env=env, timeout=120).returncode == 3
     assert _committed(path) == 5
     assert ledger_closed_cleanly(path) is False
+
+
+def test_a_ledger_two_writers_share_reads_clean_only_once_both_closed(tmp_path: Path) -> None:
+    """The first of two writers to close does not mark the file clean while the other still
+    writes (it may yet be killed, losing its last rows)."""
+    path = tmp_path / "ledger.sqlite"
+    first, second = Ledger(path), Ledger(path)
+    first.close()
+    assert ledger_closed_cleanly(path) is False  # the second writer has it open
+    second.close()
+    assert ledger_closed_cleanly(path) is True
+
+
+def test_a_second_writer_killed_after_the_first_closed_leaves_the_ledger_unclean(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    first = Ledger(path)
+    code = f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from protocol.ledger import Ledger
+        led = Ledger({str(path)!r})
+        print("open", flush=True)
+        sys.stdin.readline()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+        first.close()  # while the other process still has it open
+        proc.stdin.write("\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.wait(timeout=120) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ledger_closed_cleanly(path) is False
+    again = Ledger(path)  # a later session: the killed writer no longer counts once it is gone
+    again.close()
+    assert ledger_closed_cleanly(path) is True

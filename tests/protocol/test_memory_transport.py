@@ -14,7 +14,7 @@ from protocol.channel import Channel, Received
 from protocol.errors import TransportError
 from protocol.memory_transport import MemoryBroker, check_filter, topic_matches
 from protocol.messages import Kind, Update
-from protocol.transport import Will
+from protocol.transport_base import Will
 
 # (filter, topic, matches): MQTT 3.1.1 §4.7.1.2, §4.7.1.3 and §4.7.2 examples, and fedfleet's filters
 CASES = [
@@ -175,3 +175,20 @@ def test_two_channels_exchange_a_chunked_update_through_the_broker() -> None:
     whole = [g for g in got if isinstance(g, Received)]
     assert len(whole) == 1
     np.testing.assert_array_equal(whole[0].envelope.body.tensors[0], x)
+
+
+def test_a_taken_over_client_cannot_drop_the_link_of_the_connection_that_replaced_it() -> None:
+    """After a second connection took the id over, a link event of the old one is refused and
+    the new one keeps receiving (before, the old one re-registered itself, disconnected, and
+    every message to that id was delivered to no one)."""
+    broker = MemoryBroker()
+    old = broker.connect("dev")
+    old.subscribe(["t/#"], qos=1)
+    new = broker.connect("dev")
+    new.subscribe(["t/#"], qos=1)
+    with pytest.raises(TransportError, match="taken over"):
+        old.drop_link()
+    broker.connect("pub").publish("t/x", b"hi")
+    got = new.get(0.0)
+    assert got is not None and got.payload == b"hi"
+    assert old.get(0.0) is None and broker.clients == ["dev", "pub"]

@@ -801,3 +801,23 @@ def test_mutated_valid_payloads_raise_only_protocol_error(which: int, mutations:
         else:
             data[i % len(data)] = byte
     _decode_only_protocol_errors(bytes(data))
+
+
+def test_instructions_are_refused_on_a_round_start_naming_several_devices() -> None:
+    """Instructions are one device's settings: a ``round_start`` carrying them must select
+    exactly that device — else every selected agent would apply another's instructions."""
+    with pytest.raises(FieldError, match="one device"):
+        encode(Envelope(round=1, sender="server", seq=1,
+                        body=RoundStart(selected=("a", "b"), deadline_s=30.0, instructions={"local_epochs": 9})))
+    one = encode(Envelope(round=1, sender="server", seq=1,
+                          body=RoundStart(selected=("a",), deadline_s=30.0, instructions={"local_epochs": 9}))).payload
+    assert decode(one).envelope.body.instructions == {"local_epochs": 9}
+    env = msgpack.unpackb(one, raw=False)
+    body = msgpack.unpackb(env[6], raw=False)
+    body[0] = ["a", "b"]  # the same message, hand-made for two devices
+    env[6] = msgpack.packb(body, use_bin_type=True)
+    with pytest.raises(FieldError, match="one device"):
+        decode(msgpack.packb(env, use_bin_type=True))
+    # without instructions several devices are the broadcast of protocol v1, as before
+    body[0], env[6] = ["a", "b"], msgpack.packb(body[:3], use_bin_type=True)
+    assert decode(msgpack.packb(env, use_bin_type=True)).envelope.body.selected == ("a", "b")

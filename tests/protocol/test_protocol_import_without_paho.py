@@ -146,3 +146,39 @@ def test_no_protocol_module_imports_torch(how: str) -> None:
     # the walk reached the leaves, the transport (with paho) and the security package included
     assert {"protocol.messages", "protocol.transport", "protocol.transport_base",
             "protocol.security.sealing", "protocol.security.replay"} <= set(out["modules"])
+
+
+_MEMORY_BROKER_WITHOUT_PAHO = """
+import json, pkgutil, importlib
+import numpy as np
+import protocol
+from protocol import topics
+from protocol.channel import Channel, Received
+from protocol.memory_transport import MemoryBroker
+from protocol.messages import Kind, Update
+failed = []
+for m in pkgutil.walk_packages(protocol.__path__, "protocol."):
+    if m.name != "protocol.transport":  # the MQTT client itself: needs paho by design
+        try:
+            importlib.import_module(m.name)
+        except ImportError as exc:
+            failed.append([m.name, str(exc)[:120]])
+hub = MemoryBroker()
+server = Channel(hub.connect("server"), node_id="server", side="server", federation="fed-1", ledger=None)
+agent = Channel(hub.connect("client-007"), node_id="client-007", side="agent", federation="fed-1", ledger=None)
+server.transport.subscribe(topics.server_filters("fed-1"), qos=1)
+agent.send(topics.up("fed-1", "client-007", Kind.UPDATE),
+           Update(tensors=(np.ones(3, np.float32),), num_samples=4, train_loss=0.5), round=1)
+got = server.receive(5.0)
+print(json.dumps({"failed": failed, "got": type(got).__name__, "paho_loaded": _loaded("paho"),
+                  "protocol_file": protocol.__file__}))
+"""
+
+
+@pytest.mark.parametrize("how", ["finder", "sys.modules"])
+def test_every_protocol_module_but_the_mqtt_client_and_the_memory_broker_work_without_paho(how: str) -> None:
+    """The in-memory transport double lives beside the seam, not the MQTT client: a federation in
+    one process runs over it on a machine without paho-mqtt."""
+    out = _run(["paho"], how, _MEMORY_BROKER_WITHOUT_PAHO)
+    assert out["failed"] == []
+    assert out["got"] == "Received" and out["paho_loaded"] == []
