@@ -70,7 +70,7 @@ from .errors import RunError
 from .persistence import RunStore
 from .registry import ClientRecord, DeviceRegistry
 from .round_state import CountedUpdates, RoundState, RoundStats
-from .strategies import ClientResult, GlobalUpdate, Strategy, accumulator_for, update_problem
+from .strategies import ClientResult, GlobalUpdate, Strategy, accumulator_for, round_result, update_problem
 from .strategies._base import classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
@@ -552,9 +552,9 @@ class AggregationServer:
             if results:
                 # these updates got accepted receipts and their devices kept the state they
                 # produced: the strategy's mirror of that state must count them too
-                self._commit(r, self.strategy.skipped_round(r, acc_round))
+                self._commit(r, self._strategy_result(r, lambda: self.strategy.skipped_round(r, acc_round)))
         else:
-            self._commit(r, acc_round.result())
+            self._commit(r, self._strategy_result(r, acc_round.result))
         acc: float | None
         loss: float | None
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
@@ -594,6 +594,16 @@ class AggregationServer:
         if self.on_round:
             self.on_round(metrics)
         return metrics
+
+    def _strategy_result(self, r: int, make: Callable[[], GlobalUpdate | None]) -> GlobalUpdate | None:
+        """The strategy's end-of-round value through :func:`~broker_server.strategies.round_result`:
+        when its math raised, round ``r`` is marked skipped with the reason and ``None`` returned."""
+        update, reason = round_result(make)
+        if reason:
+            self.open.stats.skipped = True
+            self.open.stats.skip_reason = reason
+            log.error("round %d: %s; the global state is kept", r, reason)
+        return update
 
     def _commit(self, r: int, update: GlobalUpdate | None) -> bool:
         """Adopt round ``r``'s ``update`` when :func:`~broker_server.strategies.update_problem`

@@ -423,7 +423,12 @@ class EdgeAgent:
         # this device's instructions over the round's shared config: a TrainConfig key among
         # them (local_epochs …) applies to this device only
         params = round_params(start)
-        cfg = TrainConfig.from_mapping(self.train_defaults, params)
+        try:
+            cfg = TrainConfig.from_mapping(self.train_defaults, params)
+        except ValueError as exc:  # an instruction or setting this device cannot apply
+            log.error("%s: round %d not trained: %s", self.client_id, rnd, exc)
+            self._withdraw(rnd, f"unusable round settings: {exc}")
+            return
         if self.runtime is not None and cfg.batch_size > self.runtime.plan.batch_size:
             cfg = dataclasses.replace(cfg, batch_size=self.runtime.plan.batch_size)  # the device's memory rule
         global_tensors, global_extras = self._global[1], self._global[2]
@@ -438,6 +443,11 @@ class EdgeAgent:
                                                     device=self.device, params=params, global_extras=global_extras)
             except ModelError as exc:  # e.g. a server of another algorithm: its global is another share
                 raise self._not_my_model(rnd, global_tensors, exc) from exc
+            except (ValueError, TypeError) as exc:  # an algorithm hyperparameter it cannot use
+                log.error("%s: round %d not trained: %s", self.client_id, rnd, exc)
+                self._settle(rnd, False)
+                self._withdraw(rnd, f"local training failed: {exc}")
+                return
             metrics = dict(result.metrics)
             if bool(params.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
                 metrics.update(self.evaluate())
@@ -583,6 +593,13 @@ class EdgeAgent:
                     self.client_id, rnd, now - sent_at, tries + 1, self.max_resends)
         self._resend_update(rnd, update, codec, extra_codecs)
 
+    def leave(self, detail: str) -> None:
+        """Publish the retained ``offline`` status with ``detail`` (waiting up to 5 s for the
+        broker's acknowledgement), as the device does when its run ends: for a process stopped by
+        SIGTERM/SIGINT, whose clean DISCONNECT fires no last will, so that the server stops waiting
+        for it. A failure to publish is logged, never raised."""
+        self._leave(detail)
+
     def _encode_update(self, config, tensors, global_tensors):
         """Apply the round's update encoding: codec (the firmware profile may force a cheaper
         one), deltas against the received global model, and error feedback.
@@ -609,9 +626,9 @@ class EdgeAgent:
                    for i, t in enumerate(out)]
         return codec, tuple(np.ascontiguousarray(t) for t in out), delta
 
-    def _leave(self) -> None:
+    def _leave(self, detail: str = "run finished") -> None:
         try:
-            self.channel.send(topics.status(self.fed, self.client_id), Status("offline", "run finished"),
+            self.channel.send(topics.status(self.fed, self.client_id), Status("offline", detail),
                               round=0, retain=True, wait_s=5)
         except Exception as exc:  # leaving must not mask the run's outcome
             log.info("%s: could not publish offline status: %s", self.client_id, exc)

@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedfleet-agent: the server never acknowledged the join; {NOT_JOINED_HINT}", file=sys.stderr)
             return EXIT_NOT_JOINED if agent.rounds_trained == 0 else EXIT_FAILED
         return EXIT_FAILED
+    except (SystemExit, KeyboardInterrupt):  # SIGTERM/SIGINT (protocol.lifecycle): a clean DISCONNECT
+        if agent is not None:               # fires no last will, so say offline before it
+            agent.leave("stopped by a signal")
+        raise
     finally:
         if warn is not None:
             warn.cancel()

@@ -35,6 +35,7 @@ from ._base import (
     Strategy,
     accumulator_for,
     apply_update,
+    round_result,
     update_problem,
 )
 from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
@@ -42,5 +43,5 @@ from ._registry import get_strategy, get_strategy_class, list_strategies, regist
 __all__ = [
     "Accumulator", "BUFFERS", "BufferedAccumulator", "ClientResult", "GlobalUpdate", "MODEL_REQUIREMENTS",
     "RoundPlan", "SHARES", "Strategy", "accumulator_for", "apply_update", "get_strategy", "get_strategy_class",
-    "list_strategies", "register_strategy", "update_problem",
+    "list_strategies", "register_strategy", "round_result", "update_problem",
 ]

@@ -23,12 +23,15 @@ Nothing is found by ``getattr``: every hook has a default here.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -221,6 +224,25 @@ def _codec_problem(name: str, array: np.ndarray, codec: Codec | None) -> str | N
     if _not_finite([np.asarray(back)]):
         return f"{name} holds NaN/Inf once encoded with codec {codec.name}"
     return None
+
+
+def round_result(make: Callable[[], GlobalUpdate | None]) -> tuple[GlobalUpdate | None, str | None]:
+    """Run one of the strategy's end-of-round calls (``accumulator.result()``,
+    ``skipped_round(...)``) so that an exception in the strategy's own math never ends the run.
+
+    Args:
+        make: the call, without arguments.
+
+    Returns:
+        ``(update, None)`` when it returned, ``(None, reason)`` when it raised: the reason names the
+        exception, and the driver then keeps the global state and records the reason
+        (``skip_reason`` in ``metrics.jsonl``) as it does for an update it refuses to commit.
+    """
+    try:
+        return make(), None
+    except Exception as exc:  # noqa: BLE001 - any failure of the strategy's math is this round's, not the run's
+        log.exception("the strategy's aggregation failed")
+        return None, f"aggregation failed: {type(exc).__name__}: {exc}"
 
 
 def update_problem(update: GlobalUpdate, *, n_tensors: int | None = None, codec: Codec | None = None,

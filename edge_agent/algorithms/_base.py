@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, SupportsFloat, SupportsIndex, SupportsInt, cast
@@ -142,14 +143,42 @@ class TrainConfig:
     @classmethod
     def from_mapping(cls, base: TrainConfig, overrides: Mapping[str, object]) -> TrainConfig:
         """``base`` with the known keys of ``overrides`` applied (unknown keys are ignored:
-        tolerant on the wire)."""
+        tolerant on the wire).
+
+        Raises:
+            ValueError: a known key whose value cannot be used (naming the key and the value): not
+                a number (a bool counts as none), not finite, ``local_epochs`` or ``seed`` below 0,
+                ``batch_size`` below 1, ``lr`` or ``weight_decay`` below 0, ``momentum`` outside [0, 1).
+        """
         kw: dict[str, int | float] = {}
+
+        def number(name: str) -> float:
+            value = overrides[name]
+            try:
+                if isinstance(value, bool):
+                    raise TypeError("a bool")
+                out = float(cast(FloatLike, value))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"round config {name} = {value!r} is not a number") from exc
+            if not math.isfinite(out):
+                raise ValueError(f"round config {name} = {value!r} is not finite")
+            return out
+
+        lowest = {"local_epochs": 0, "batch_size": 1, "seed": 0}
         for name in ("local_epochs", "batch_size", "seed"):
             if name in overrides:
-                kw[name] = int(cast(IntLike, overrides[name]))
+                v = number(name)
+                if v != int(v) or v < lowest[name]:
+                    raise ValueError(f"round config {name} = {overrides[name]!r} must be a whole number "
+                                     f">= {lowest[name]}")
+                kw[name] = int(v)
         for name in ("lr", "momentum", "weight_decay"):
             if name in overrides:
-                kw[name] = float(cast(FloatLike, overrides[name]))
+                v = number(name)
+                if v < 0 or (name == "momentum" and v >= 1):
+                    raise ValueError(f"round config {name} = {overrides[name]!r} must be "
+                                     + ("in [0, 1)" if name == "momentum" else ">= 0"))
+                kw[name] = v
         return TrainConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **kw})
 
 

@@ -5,9 +5,8 @@ the accumulator, which the driver does not catch (one device would stop the whol
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from broker_server.strategies import ClientResult, accumulator_for, get_strategy, update_problem
+from broker_server.strategies import ClientResult, accumulator_for, get_strategy, round_result, update_problem
 from edge_agent.models import build_model
 from edge_agent.state import state_arrays
 
@@ -32,13 +31,20 @@ def _round(value: float) -> tuple[str | None, object]:
             refused.append(reason)
         else:
             acc.add(r)
-    return (refused[0] if refused else None), acc.result()
+    return (refused[0] if refused else None), round_result(acc.result)
 
 
-@pytest.mark.xfail(strict=True, reason="broker_server/strategies/fpl.py: FINCH raises 'Input contains infinity' "
-                   "on prototypes near float32's max; neither FPL.validate (check_prototype_extras) nor the "
-                   "driver (AggregationServer.run_round → _commit) guards it")
 def test_prototypes_near_float32_max_never_raise_from_the_round() -> None:
-    """Two devices' prototypes of 3e38 (finite; their mean overflows float32)."""
-    refused, update = _round(3e38)  # must not raise
-    assert refused is not None or update is None or update_problem(update) is not None
+    """Two devices' prototypes of 3e38 (finite; their mean overflows float32): the round ends with a
+    reason (refused, or its aggregation failed and the global state is kept), never an exception
+    out of the driver's end-of-round call."""
+    refused, (update, failure) = _round(3e38)  # must not raise
+    assert refused is not None or failure is not None or update is None or update_problem(update) is not None
+    if failure is not None:
+        assert failure.startswith("aggregation failed: ")
+
+
+def test_ordinary_prototypes_give_an_update() -> None:
+    refused, (update, failure) = _round(0.5)
+    assert refused is None and failure is None and update is not None and update_problem(update) is None
+    np.testing.assert_allclose(update.extras["unbiased_protos"], 0.5, rtol=1e-6)  # the mean of equal rows

@@ -20,8 +20,6 @@ from protocol.memory_transport import MemoryBroker
 from protocol.messages import RoundStart, Status, decode
 
 
-@pytest.mark.xfail(strict=True, reason="edge_agent/agent.py _maybe_train builds TrainConfig and calls local_round "
-                   "outside any guard but ModelError: a ValueError from an instruction ends EdgeAgent.run")
 @pytest.mark.parametrize("instructions", [{"local_epochs": float("nan")}, {"local_epochs": "abc"},
                                           {"batch_size": 0}, {"lr": "fast"}])
 def test_an_unusable_instruction_withdraws_the_round_and_the_agent_keeps_serving(instructions) -> None:
@@ -41,3 +39,22 @@ def test_an_unusable_instruction_withdraws_the_round_and_the_agent_keeps_serving
     said = [decode(p).envelope.body for t, p in agent.channel.transport.sent
             if t == topics.status("mem", "dev-a")]
     assert any(isinstance(b, Status) and b.state == "idle" and "round 1" in b.detail for b in said)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"local_epochs": float("inf")}, "local_epochs = inf is not finite"),
+    ({"local_epochs": 1.5}, "local_epochs = 1.5 must be a whole number >= 0"),
+    ({"batch_size": 0}, "batch_size = 0 must be a whole number >= 1"),
+    ({"lr": -0.1}, "lr = -0.1 must be >= 0"),
+    ({"momentum": 1.0}, "momentum = 1.0 must be in [0, 1)"),
+    ({"weight_decay": True}, "weight_decay = True is not a number"),
+])
+def test_round_settings_a_device_cannot_use_are_named(overrides, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig.from_mapping(TrainConfig(), overrides)
+
+
+def test_usable_round_settings_are_applied_as_given() -> None:
+    cfg = TrainConfig.from_mapping(TrainConfig(), {"local_epochs": 3.0, "batch_size": "16", "lr": "0.5",
+                                                   "momentum": 0.9, "other": "ignored"})
+    assert (cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.momentum) == (3, 16, 0.5, 0.9)

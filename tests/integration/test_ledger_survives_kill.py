@@ -185,6 +185,9 @@ def test_idle_agent_stopped_with_sigterm_closes_its_ledger(broker: EmbeddedBroke
     assert rows == relay.snapshot()  # every message it published, and only those
     assert ledger_closed_cleanly(ledger) is True
     assert read_meta(ledger)["stop_signal"] == "SIGTERM"
+    # a clean DISCONNECT fires no last will: the agent said "offline" itself before it (the
+    # retained online status at start, then the offline one), and the broker delivered it
+    assert sorted(k for _, k, _ in rows).count("status") == 2
 
 
 def test_streaming_device_stopped_with_sigterm_ledgers_every_message(broker: EmbeddedBroker, relay: Relay,
