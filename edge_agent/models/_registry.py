@@ -82,7 +82,9 @@ def resolve_model(name: str) -> Callable[..., nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelError(f"model factory {name!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise ModelError(f"model factory {name!r}: cannot import module {module_name!r}: {exc} (the factory's "
+                         "package must be importable by the server and by every device: pip install it, or "
+                         "put the folder holding it on PYTHONPATH)") from exc
     except Exception as exc:  # noqa: BLE001 — user code failing at import (SyntaxError, RuntimeError …)
         raise ModelError(f"model factory {name!r}: importing module {module_name!r} failed: "
                          f"{type(exc).__name__}: {exc}") from exc

@@ -89,7 +89,8 @@ def test_agent_is_selected_again_after_a_transient_link_drop(tmp_path: Path) -> 
         agent._maybe_train = train_then_blip
 
     run_dir = tmp_path / "run"
-    res = simulate(_cfg(run={"rounds": 4}), run_dir=run_dir, agent_hook=hook)
+    # a round that asked the dropped client while its link was down closes on the other two after 15 s
+    res = simulate(_cfg(run={"rounds": 4}, server={"round_deadline_s": 15.0}), run_dir=run_dir, agent_hook=hook)
     assert dropped.is_set()
     metrics = _metrics(run_dir)
     assert res.rounds_completed == 4
