@@ -292,6 +292,8 @@ class EdgeAgent:
         self.rounds_trained = 0
         self.receipts_accepted = 0
         self.joined = False
+        self._join_seqs: set[int] = set()  # seq of every join sent (a re-sent join's answer is ours too)
+        self._join_sent_at = 0.0
         self.join_refused: str | None = None  # the server's reason when it refused the join
         self.finished = False
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
@@ -317,11 +319,19 @@ class EdgeAgent:
         """Publish the retained ``online`` status and the ``join`` message (QoS 1, acknowledged)."""
         self.channel.send(topics.status(self.fed, self.client_id), Status("online"), round=0, retain=True,
                           wait_s=wait_s)
+        self._send_join(wait_s)
+
+    def _send_join(self, wait_s: float) -> None:
+        """Publish the ``join`` (again: a join the server never answered, e.g. one published before
+        the server had subscribed, is re-sent by :meth:`run` every 5 s, doubling to 30 s). Every
+        join's seq is kept, so the answer to any of them is this agent's own."""
         hist = class_histogram(self.y.numpy(), self.num_classes)
         self._join_seq = self.channel.send(topics.up(self.fed, self.client_id, Kind.JOIN),
                           Join(profile=self.profile, manifest_hash=self.manifest_hash,
                                num_samples=int(self.y.shape[0]), class_histogram=tuple(hist), info=self.info),
                           round=0, wait_s=wait_s).seq
+        self._join_seqs.add(self._join_seq)
+        self._join_sent_at = time.monotonic()
 
     def run(self) -> AgentSummary:
         """Join, then serve rounds until ``finish``, :meth:`stop`, or the idle timeout.
@@ -331,11 +341,20 @@ class EdgeAgent:
         """
         self.join()
         last = time.monotonic()
+        join_every_s = 5.0
         while not self._stop.is_set():
             item = self.channel.receive(0.5)
             if item is None:
                 if time.monotonic() - last > self.idle_timeout_s:
                     raise AgentError(f"{self.client_id}: nothing from the server for {self.idle_timeout_s:g} s")
+                if not self.joined and time.monotonic() - self._join_sent_at >= join_every_s:
+                    log.info("%s: join not answered after %.0f s: sent again", self.client_id, join_every_s)
+                    try:
+                        self._send_join(wait_s=5.0)
+                    except TransportError as exc:
+                        log.warning("%s: could not send the join again: %s", self.client_id, exc)
+                        self._join_sent_at = time.monotonic()
+                    join_every_s = min(2 * join_every_s, 30.0)
                 self._maybe_resend()
                 continue
             last = time.monotonic()
@@ -381,7 +400,7 @@ class EdgeAgent:
                 self._pending_at = item.received_at or time.monotonic()
         elif isinstance(body, Receipt):
             if body.ref_kind == Kind.JOIN:
-                if body.ref_seq != self._join_seq:
+                if body.ref_seq not in self._join_seqs:
                     log.warning("%s: receipt for a join it did not send (seq %d) ignored", self.client_id, body.ref_seq)
                 elif not body.accepted and not self.joined:
                     self.join_refused = body.reason or "refused"

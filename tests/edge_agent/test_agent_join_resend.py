@@ -1,0 +1,59 @@
+"""An agent whose join goes unanswered (published before the server had subscribed, say) sends it
+again, and the server's answer to any of its joins counts as the answer to its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from edge_agent.agent import EdgeAgent
+from edge_agent.algorithms import TrainConfig
+from edge_agent.algorithms.fedavg import FedAvgClient
+from edge_agent.models import build_model
+from protocol import topics
+from protocol.channel import Channel
+from protocol.memory_transport import MemoryBroker
+from protocol.messages import Finish, Join, Kind, Receipt, decode
+
+
+def _wait(cond, bound_s: float = 60.0) -> bool:
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_an_unanswered_join_is_sent_again_and_any_answer_counts() -> None:
+    hub = MemoryBroker()
+    rng = np.random.default_rng(0)
+    agent = EdgeAgent(channel=Channel(hub.connect("dev-a"), node_id="dev-a", side="agent", federation="mem",
+                                      ledger=None),
+                      model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+                      algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
+                      y=rng.integers(0, 10, 20), num_classes=10, client_index=0, idle_timeout_s=120,
+                      train_defaults=TrainConfig())
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("summary", agent.run()), daemon=True)
+    t.start()
+    # nobody answers: the broker saw the first join before any server subscribed
+    joins = lambda: [m for m in hub.published if m.topic == topics.up("mem", "dev-a", Kind.JOIN)]  # noqa: E731
+    assert _wait(lambda: len(joins()) >= 2), "the unanswered join was not sent again"
+    assert not agent.joined
+    # a server now answers the FIRST join: it is the agent's own
+    server = Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None)
+    server.transport.subscribe(topics.server_filters("mem"))
+    seq = decode(joins()[0].payload).envelope.seq
+    assert isinstance(decode(joins()[0].payload).envelope.body, Join)
+    server.send(topics.down_to("mem", "dev-a", Kind.RECEIPT),
+                Receipt(ref_kind=int(Kind.JOIN), ref_seq=seq, accepted=True, reason="", sha256=b""),
+                round=0, recipient="dev-a")
+    assert _wait(lambda: agent.joined)
+    n = len(joins())
+    server.send(topics.down("mem", Kind.FINISH), Finish(reason="completed", rounds_completed=0), round=0)
+    t.join(60)
+    assert not t.is_alive() and "summary" in box
+    assert len(joins()) == n  # joined: no join is sent again
