@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -313,7 +314,7 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 
 
-class Strategy:
+class Strategy(ABC):
     """Server half of an algorithm: the base every strategy subclasses.
 
     Class attributes (declare them on every strategy; the join admission and the model groups
@@ -359,6 +360,7 @@ class Strategy:
         before any round, so that the shapes of shared non-model arrays (a parameter count P,
         the feature width d and class count C of :func:`classifier_shape`) come from the model,
         never from the first update of round 1. Default: nothing."""
+        return None  # a default hook: nothing to do
 
     # ------------------------------------------------------------------ each round
 
@@ -386,16 +388,13 @@ class Strategy:
         strategies (FedAvg) return one whose memory does not grow with the fleet."""
         return BufferedAccumulator(self, round, current)
 
+    @abstractmethod
     def aggregate(self, round: int, current: Sequence[np.ndarray],
                   results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """The round's new global state from all its results at once (pure: reads ``self``,
         never assigns). ``None`` = nothing changes. Called by :class:`BufferedAccumulator`
         (client-id order) and by :meth:`step`.
-
-        Raises:
-            NotImplementedError: the base class has no aggregation rule.
         """
-        raise NotImplementedError(f"{type(self).__name__} defines no aggregate()")
 
     def skipped_round(self, round: int, accumulator: Accumulator) -> GlobalUpdate | None:
         """Called when a round with accepted updates closes without aggregation for want of a
@@ -440,3 +439,4 @@ class Strategy:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (``{}`` = the start of a run). Default: nothing."""
+        return None  # a default hook: nothing to do

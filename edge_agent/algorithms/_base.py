@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, SupportsFloat, SupportsIndex, SupportsInt, cast
@@ -222,7 +223,7 @@ class StepContext:
     round: int = 0
 
 
-class ClientAlgorithm:
+class ClientAlgorithm(ABC):
     """The client half of an algorithm: the base every client algorithm subclasses. Every hook the
     agent (:class:`edge_agent.agent.EdgeAgent`) or the shared training loop calls is declared
     here with its default; nothing is found by ``getattr``.
@@ -256,6 +257,7 @@ class ClientAlgorithm:
         data set's test split (FedMCP++ removes its proxy set)."""
         return dataset.test
 
+    @abstractmethod
     def local_round(self, model: torch.nn.Module, global_tensors: tuple[np.ndarray, ...], x: torch.Tensor,
                     y: torch.Tensor, config: TrainConfig, *, round: int, client_id: str = "", client_index: int,
                     device: torch.device, params: Mapping[str, object] | None = None,
@@ -279,11 +281,7 @@ class ClientAlgorithm:
 
         Returns:
             A :class:`LocalResult`; ``num_samples`` 0 means nothing to send.
-
-        Raises:
-            NotImplementedError: the base class trains nothing.
         """
-        raise NotImplementedError(f"{type(self).__name__} defines no local_round()")
 
     def load_global(self, model: torch.nn.Module, global_tensors: Sequence[np.ndarray]) -> None:
         """Copy the round's ``global_tensors`` into ``model`` in place under this algorithm's
@@ -306,6 +304,7 @@ class ClientAlgorithm:
         """Called by the shared local SGD loop once per batch, after ``backward()`` and before
         ``optimizer.step()``, with true (unscaled) gradients in ``p.grad``, to edit them in place
         (SCAFFOLD's correction, a gradient projection). Default: nothing."""
+        return None  # a default hook: nothing to do
 
     def predict(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Class scores [N, C] for client-side evaluation. Default ``model(x)`` (logits);
@@ -318,6 +317,7 @@ class ClientAlgorithm:
         a refusal, when nothing was sent (no samples, non-finite result) or when no definite
         receipt came before the next round. Default: nothing (:class:`StateOnReceipt` keeps or
         rolls back per-device state)."""
+        return None  # a default hook: nothing to do
 
 
 def step_hook(algorithm: ClientAlgorithm):
@@ -360,7 +360,7 @@ class StateOnReceipt(ClientAlgorithm):
     def local_round(self, *args, round: int, **kw) -> LocalResult:
         """The base class's round; the state it leaves awaits :meth:`on_update_receipt` for ``round``."""
         before = getattr(self, self.state_attr)
-        result = super().local_round(*args, round=round, **kw)
+        result = super().local_round(*args, round=round, **kw)  # type: ignore[safe-super]  # a mixin: super() is the concrete algorithm after it in the MRO
         self._unsettled = (round, before)
         return result
 

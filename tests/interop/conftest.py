@@ -29,7 +29,7 @@ def node_decoder() -> Callable[..., subprocess.CompletedProcess]:
     if why is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI=true: the interop decoder must run, but {why}")
-        pytest.skip(why)
+        pytest.skip(reason=why)
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([node, str(HERE / "decode.js"), *args], capture_output=True, text=True, timeout=300)
