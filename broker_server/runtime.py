@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from edge_agent.agent import data_announcement
-from edge_agent.algorithms import algorithm_setup, evaluation_split, get_client_algorithm
+from edge_agent.algorithms import algorithm_setup, build_client_algorithm, evaluation_split
 from edge_agent.assembly import AgentSpec
 from edge_agent.data import Dataset
 from edge_agent.errors import ModelError
@@ -154,22 +154,58 @@ def channel_options(cfg: Config) -> dict:
             "max_packet_bytes": cfg.protocol.max_packet_bytes}
 
 
-def make_strategy(cfg: Config, ds: Dataset):
+#: the keywords the runtime gives every strategy constructor that takes them (from ``[server]``
+#: and ``[train]``); ``[algorithm]`` may not set them.
+DRIVER_KWARGS = ("participation_rate", "min_clients", "train_config")
+
+
+def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     """The server half of ``[train] algorithm`` built with the ``[algorithm]`` hyperparameters.
 
+    The constructor gets ``participation_rate`` (``[server]``), ``min_clients`` (``[server]
+    quorum``) and ``train_config`` (:func:`train_config`) when it takes them, every
+    ``[algorithm]`` key, and what the class's ``setup_kwargs`` returns. Its
+    :meth:`~broker_server.strategies.Strategy.config_for_round` is then checked for every round
+    of the run (:func:`~broker_server.strategies.round_config`).
+
     Raises:
-        ConfigError: unknown algorithm, or a hyperparameter the algorithm does not take or
-            whose value it refuses (the message names the key).
+        ConfigError: unknown algorithm (or a user's that does not fit); an ``[algorithm]`` key
+            the constructor does not take (the message names it and lists those it takes); a
+            value it refuses; a per-round setting no device can use.
     """
+    from edge_agent.plugins import accepted_keywords
+
+    from .strategies import round_config
+
     declared: type[Strategy] = get_strategy_class(cfg.train.algorithm)
     cls: Callable[..., Strategy] = declared  # a Strategy subclass; its constructor takes the keywords below
+    where = f"{cfg.source}: [algorithm] for {cfg.train.algorithm!r}"
+    names, any_keyword = accepted_keywords(declared)
+    params = dict(cfg.algorithm)
+    taken = sorted(set(params) & set(DRIVER_KWARGS))
+    if taken:
+        raise ConfigError(f"{where}: {', '.join(taken)} is set by the runtime ([server] participation_rate and "
+                          "quorum, [train]), not in [algorithm]")
+    unknown = sorted(set(params) - names) if not any_keyword else []
+    if unknown:
+        own = sorted(names - set(DRIVER_KWARGS))
+        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
+                          f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}")
+    driver = {"participation_rate": cfg.server.participation_rate, "min_clients": cfg.server.quorum,
+              "train_config": train_config(cfg)}
+    kwargs = {k: v for k, v in driver.items() if any_keyword or k in names}
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
-        extra = dict(declared.setup_kwargs(ds, dict(cfg.algorithm), cfg.run.seed))
-        return cls(participation_rate=cfg.server.participation_rate, min_clients=cfg.server.quorum,
-                   train_config=train_config(cfg), **dict(cfg.algorithm), **extra)
+        extra = dict(declared.setup_kwargs(ds, params, cfg.run.seed))
+        strategy = cls(**kwargs, **params, **extra)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{cfg.source}: [algorithm] for {cfg.train.algorithm!r}: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
+    for r in range(1, cfg.run.rounds + 1):
+        try:
+            round_config(strategy, r, driver["train_config"])
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.source}: [train] algorithm {cfg.train.algorithm!r}: {exc}") from None
+    return strategy
 
 
 def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
@@ -177,7 +213,7 @@ def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
     as a proxy set, from the class's ``setup_kwargs``)."""
     name = cfg.train.algorithm
     setup = algorithm_setup(name, ds, dict(cfg.algorithm), cfg.run.seed)
-    return get_client_algorithm(name, precision=precision, **setup)
+    return build_client_algorithm(name, precision=precision, setup=setup)
 
 
 def client_eval_split(cfg: Config, ds: Dataset):

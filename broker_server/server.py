@@ -70,7 +70,18 @@ from .errors import RunError
 from .persistence import RunStore
 from .registry import ClientRecord, DeviceRegistry
 from .round_state import CountedUpdates, RoundState, RoundStats
-from .strategies import ClientResult, GlobalUpdate, Strategy, accumulator_for, round_result, update_problem
+from .strategies import (
+    ClientReport,
+    ClientResult,
+    GlobalUpdate,
+    Strategy,
+    accumulator_for,
+    client_metrics,
+    round_config,
+    round_result,
+    server_evaluate,
+    update_problem,
+)
 from .strategies._base import classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
@@ -78,6 +89,12 @@ __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "R
 
 log = logging.getLogger(__name__)
 
+
+#: The keys of a round's metrics line that the driver writes: a strategy hook's figures
+#: (``aggregate_metrics``, ``evaluate``) never replace them (``evaluate`` may give accuracy and loss).
+DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "share", "clients_selected", "clients_reported",
+               "bytes_up", "bytes_down", "seconds", "skipped", "skip_reason", "duplicates", "late", "invalid",
+               "global_receipts", "unsolicited", "withdrawn", "rejected_by_reason", "train_loss")
 
 #: Update metrics the server aggregates (client-side evaluation): each must be a number in [0, 1].
 EVAL_METRICS = ("eval_accuracy", "eval_macro_f1")
@@ -522,7 +539,10 @@ class AggregationServer:
         o.accumulator = accumulator_for(self.strategy, r, self._shared())
         glob = Global(tensors=tuple(self._shared()), meta={"manifest_hash": self.manifest_hash, "share": self.share},
                       extras=dict(self.strategy.global_extras()))
-        config = dict(plan.config)
+        try:  # the plan's config with the strategy's per-round settings over it, checked
+            config = round_config(self.strategy, r, plan.config)
+        except ValueError as exc:
+            raise RunError(f"strategy {self.strategy.name!r}: {exc}") from None
         if self.settings.client_eval and (r % self.settings.client_eval_every == 0 or r == self.settings.rounds):
             config["client_eval"] = True
         o.messages = (glob, self._round_starts(tuple(plan.selected), config, dict(plan.instructions)))
@@ -564,6 +584,14 @@ class AggregationServer:
             # nothing. The round's accuracy is the clients' own models' (client_eval), when measured.
             acc, loss = extra_metrics.get("client_accuracy_mean"), None
             extra_metrics["accuracy_source"] = "clients"
+        # the strategy's hooks: its own evaluation of the global model, its aggregation of device metrics
+        reports = [ClientReport(c, *o.results[c]) for c in sorted(o.results)]
+        extra_metrics.update(client_metrics(self.strategy, r, reports, DRIVER_KEYS))
+        own = server_evaluate(self.strategy, r, self.model, [k for k in DRIVER_KEYS if k not in ("accuracy", "loss")])
+        if "accuracy" in own:
+            acc, loss = own.pop("accuracy"), own.pop("loss", None)
+            extra_metrics["accuracy_source"] = "strategy"
+        extra_metrics.update(own)
         self.round = r
         if (r >= 2 and self._extras_update_seen) or r >= self.settings.rounds:
             self._check_extras_codec_names()

@@ -169,7 +169,7 @@ def prepare_agent(spec: AgentSpec, dataset: Dataset, *, precision: str = "fp32",
         ModelError: the model is unknown or does not fit (:func:`edge_agent.models.make_model`).
         EdgeAgentError, TypeError, ValueError: an unknown algorithm or an ``[algorithm]`` value it refuses.
     """
-    from .algorithms import algorithm_setup, evaluation_split, get_client_algorithm
+    from .algorithms import algorithm_setup, build_client_algorithm, evaluation_split
     from .models import make_model
 
     idx = np.asarray(spec.split(dataset)[spec.shard] if indices is None else indices)
@@ -178,7 +178,7 @@ def prepare_agent(spec: AgentSpec, dataset: Dataset, *, precision: str = "fp32",
     evals = evaluation_split(spec.algorithm, dataset, params, spec.seed) if eval_split is _FULL_TEST else eval_split
     model = make_model(spec.model, in_channels=dataset.channels, image_size=dataset.image_size,
                        num_classes=dataset.num_classes, feature_dim=spec.feature_dim, seed=spec.seed + 1 + spec.shard)
-    algorithm = get_client_algorithm(spec.algorithm, precision=precision, **setup)
+    algorithm = build_client_algorithm(spec.algorithm, precision=precision, setup=setup)
     info: dict[str, Any] = {**dict(spec.info), **spec.announcement(),
                             "model": spec.model, "feature_dim": int(spec.feature_dim),
                             "num_classes": int(dataset.num_classes)}

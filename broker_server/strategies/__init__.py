@@ -29,19 +29,24 @@ from ._base import (
     SHARES,
     Accumulator,
     BufferedAccumulator,
+    ClientReport,
     ClientResult,
     GlobalUpdate,
     RoundPlan,
     Strategy,
     accumulator_for,
     apply_update,
+    client_metrics,
+    round_config,
     round_result,
+    server_evaluate,
     update_problem,
 )
-from ._registry import get_strategy, get_strategy_class, list_strategies, register_strategy
+from ._registry import check_strategy_class, get_strategy, get_strategy_class, list_strategies, register_strategy
 
 __all__ = [
-    "Accumulator", "BUFFERS", "BufferedAccumulator", "ClientResult", "GlobalUpdate", "MODEL_REQUIREMENTS",
-    "RoundPlan", "SHARES", "Strategy", "accumulator_for", "apply_update", "get_strategy", "get_strategy_class",
-    "list_strategies", "register_strategy", "round_result", "update_problem",
+    "Accumulator", "BUFFERS", "BufferedAccumulator", "ClientReport", "ClientResult", "GlobalUpdate",
+    "MODEL_REQUIREMENTS", "RoundPlan", "SHARES", "Strategy", "accumulator_for", "apply_update", "check_strategy_class",
+    "client_metrics", "get_strategy", "get_strategy_class", "list_strategies", "register_strategy", "round_config",
+    "round_result", "server_evaluate", "update_problem",
 ]

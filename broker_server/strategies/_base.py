@@ -118,6 +118,24 @@ class ClientResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ClientReport:
+    """What one device reported with an accepted update, for :meth:`Strategy.aggregate_metrics`.
+
+    Attributes:
+        client_id: the device.
+        num_samples: its sample count n_k.
+        train_loss: its training loss.
+        metrics: its other scalars (``train_accuracy``, ``train_seconds``, ``eval_accuracy`` when
+            it evaluated, whatever a client algorithm puts in :attr:`LocalResult.metrics`).
+    """
+
+    client_id: str
+    num_samples: int
+    train_loss: float
+    metrics: Mapping[str, float | int | str | bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class GlobalUpdate:
     """The new global state of one round, as ONE value, not yet adopted.
 
@@ -296,6 +314,70 @@ def apply_update(strategy: Strategy, round: int, update: GlobalUpdate | None) ->
     return None if update.tensors is None else list(update.tensors)
 
 
+def round_config(strategy: Strategy, round: int, config: Mapping[str, Scalar]) -> dict[str, Scalar]:
+    """The round's ``round_start.config``: the plan's ``config`` with the strategy's
+    :meth:`Strategy.config_for_round` merged over it (a key there wins).
+
+    The settings a device trains with (``local_epochs``, ``batch_size``, ``lr``, ``momentum``,
+    ``weight_decay``) are checked here as the device checks them
+    (:meth:`edge_agent.algorithms.TrainConfig.from_mapping`), so a schedule that yields a value no
+    device can use stops on the server, naming the round and the key.
+
+    Raises:
+        ValueError: a key that is not a non-empty string, a value that is not a scalar, or an
+            unusable training setting (the message names the hook, the round and the key).
+    """
+    from edge_agent.algorithms import TrainConfig
+
+    own = strategy.config_for_round(round)
+    try:
+        merged = {**dict(config), **_check_scalars(dict(own), f"{type(strategy).__name__}.config_for_round({round})")}
+        TrainConfig.from_mapping(TrainConfig(), merged)
+    except ValueError as exc:
+        raise ValueError(f"round {round}: {exc} (from {type(strategy).__name__}.config_for_round)") from None
+    return merged
+
+
+def _guarded(what: str, round: int, make: Callable[[], Mapping[str, Any] | None],
+             reserved: Sequence[str]) -> dict[str, Any]:
+    """A user hook's figures for the round's metrics line: ``{}`` when it returned nothing; its
+    keys minus ``reserved`` (the driver's own, kept; a warning names them and
+    ``metrics_refused`` lists them); ``{"<what>_error": reason}`` when it raised (logged)."""
+    try:
+        out = dict(make() or {})
+    except Exception as exc:  # noqa: BLE001 — a user's hook failing costs its figures, not the run
+        log.exception("round %d: %s failed", round, what)
+        return {f"{what}_error": f"{type(exc).__name__}: {exc}"}
+    clash = sorted(k for k in out if k in reserved)
+    if clash:
+        log.warning("round %d: %s returned %s, which the driver writes itself: not taken", round, what, clash)
+        out = {k: v for k, v in out.items() if k not in reserved}
+        out["metrics_refused"] = clash
+    return out
+
+
+def client_metrics(strategy: Strategy, round: int, reports: Sequence[ClientReport],
+                   reserved: Sequence[str] = ()) -> dict[str, Any]:
+    """:meth:`Strategy.aggregate_metrics` of the round's accepted reports (client-id order), for
+    the round's metrics line; guarded as :func:`_guarded` says (``aggregate_metrics_error``)."""
+    return _guarded("aggregate_metrics", round, lambda: strategy.aggregate_metrics(round, reports), reserved)
+
+
+def server_evaluate(strategy: Strategy, round: int, model: torch.nn.Module,
+                    reserved: Sequence[str] = ()) -> dict[str, Any]:
+    """:meth:`Strategy.evaluate` of the round's global model (after the commit), for the round's
+    metrics line; guarded as :func:`_guarded` says (``evaluate_error``). The model is put back
+    in eval mode and no gradients are recorded."""
+    import torch
+
+    def run() -> Mapping[str, Any] | None:
+        model.eval()
+        with torch.no_grad():
+            return strategy.evaluate(round, model)
+
+    return _guarded("evaluate", round, run, reserved)
+
+
 def classifier_shape(model: torch.nn.Module) -> tuple[int, int] | None:
     """(C, d) of the model's classifier: the shape of its ``classifier.weight`` state entry
     (the light CNN's head ``Linear(d, C)``: C classes, feature width d); ``None`` when the model
@@ -370,6 +452,17 @@ class Strategy(ABC):
         per-device instructions. Default: every available client, empty config."""
         return RoundPlan(selected=tuple(sorted(available)))
 
+    def config_for_round(self, round: int) -> Mapping[str, Scalar]:
+        """Per-round settings from the server: scalars merged over the plan's config in the
+        round's ``round_start`` (a key here wins), so they reach every selected device on the
+        wire and are priced in the ledger with it — a learning-rate schedule (``{"lr": …}``),
+        local epochs per round (``{"local_epochs": …}``), or any key the client half reads from
+        ``params``. Called by the driver once per round after :meth:`configure_round`, and by
+        the runtime for every round 1…T before the run starts (so a bad schedule stops it
+        there): make it a function of ``round`` and the constructor's arguments only. Default
+        ``{}``."""
+        return {}
+
     def global_extras(self) -> dict[str, np.ndarray]:
         """Named arrays broadcast with each round's ``global`` (from the committed state).
         Called once per round after :meth:`configure_round`. Default ``{}``."""
@@ -416,6 +509,25 @@ class Strategy(ABC):
                 raise AttributeError(f"{type(self).__name__} has no attribute {key!r} to commit")
             setattr(self, key, value)
         self.committed_metrics = dict(update.metrics)
+
+    def aggregate_metrics(self, round: int, reports: Sequence[ClientReport]) -> Mapping[str, Any]:
+        """How the devices' reported metrics become the round's: called by the driver at the
+        close of each round (skipped ones too) with one :class:`ClientReport` per accepted update
+        (client-id order); the figures returned are added to the round's ``metrics.jsonl`` line
+        (keys the driver writes itself are not taken, see ``metrics_refused``). An exception
+        costs the round these figures only (``aggregate_metrics_error``). Default ``{}`` (the
+        driver still writes its own ``train_loss`` and ``client_accuracy_*``)."""
+        return {}
+
+    def evaluate(self, round: int, model: torch.nn.Module) -> Mapping[str, Any]:
+        """Server-side evaluation on the user's own data: called by the driver after each round's
+        commit (skipped rounds too) with the global model (eval mode, no gradients; do not
+        modify it). The figures returned are added to the round's ``metrics.jsonl`` line; an
+        ``accuracy`` (and ``loss``) among them replaces the test split's in the line's
+        ``accuracy``/``loss`` (``accuracy_source = "strategy"``). Load the data in
+        :meth:`setup_kwargs` or the constructor. An exception costs the round these figures only
+        (``evaluate_error``). Default ``{}``."""
+        return {}
 
     def round_metrics(self) -> dict:
         """Figures of the strategy's standing state (not of one aggregation) added to every

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import cast
 
+from ..errors import EdgeAgentError
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
 from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
@@ -41,6 +42,7 @@ from ._base import (
     shared_indices,
 )
 from ._registry import (
+    check_client_class,
     get_client_algorithm,
     get_client_algorithm_class,
     list_client_algorithms,
@@ -64,6 +66,31 @@ def algorithm_setup(name: str, dataset, params: Mapping[str, object], seed: int)
     return dict(_algorithm_class(name).setup_kwargs(dataset, params, seed))
 
 
+def build_client_algorithm(name: str, *, precision: str = "fp32", setup: Mapping[str, object] | None = None
+                           ) -> ClientAlgorithm:
+    """The client half of algorithm ``name`` for one device, built with ``precision`` (passed
+    only when its constructor takes it: a user's class need not) and the data-dependent
+    ``setup`` (:func:`algorithm_setup`).
+
+    Raises:
+        EdgeAgentError: unknown algorithm, a user's class that does not fit, or ``setup`` keys
+            its constructor does not take (naming them).
+        TypeError, ValueError: the constructor refused a value.
+    """
+    from ..plugins import accepted_keywords
+
+    cls = _algorithm_class(name)
+    names, any_keyword = accepted_keywords(cls)
+    kwargs = dict(setup or {})
+    extra = sorted(set(kwargs) - names) if not any_keyword else []
+    if extra:
+        raise EdgeAgentError(f"algorithm {name!r}: setup_kwargs returned {extra}, which "
+                             f"{cls.__qualname__}() does not take (it takes {sorted(names) or 'no keywords'})")
+    if any_keyword or "precision" in names:
+        kwargs["precision"] = precision
+    return cast("ClientAlgorithm", cls(**kwargs))
+
+
 def evaluation_split(name: str, dataset, params: Mapping[str, object], seed: int):
     """The test samples a device evaluates its own model on (``client_eval``): the data set's
     test split, minus what the algorithm reserves (FedMCP++'s proxy set) through the class's
@@ -73,6 +100,7 @@ def evaluation_split(name: str, dataset, params: Mapping[str, object], seed: int
 
 __all__ = [
     "BUFFERS", "ClientAlgorithm", "LocalResult", "SHARES", "StepContext", "TrainConfig", "algorithm_setup",
+    "build_client_algorithm", "check_client_class",
     "algorithm_share", "evaluation_split", "get_client_algorithm", "get_client_algorithm_class",
     "list_client_algorithms", "load_shared", "local_entries", "predict_scores", "register_client_algorithm",
     "shared_arrays", "shared_indices",

@@ -3,7 +3,6 @@ that a model built either way has the interface every fedfleet algorithm relies 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import cast
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from edge_agent.errors import ModelError
+from edge_agent.plugins import entry_point_names, import_object, is_import_path, resolve_reference
 
 from .training import drop_batch_counters
 
@@ -56,46 +56,42 @@ def list_models() -> list[str]:
 
 
 def is_factory_path(name: object) -> bool:
-    """True when ``name`` reads as a user's factory ``package.module:function``."""
-    return isinstance(name, str) and ":" in name
+    """True when ``name`` reads as a user's factory ``package.module:function``
+    (:func:`edge_agent.plugins.is_import_path`)."""
+    return is_import_path(name)
 
 
 def resolve_model(name: str) -> Callable[..., nn.Module]:
     """The constructor behind a model name: a zoo entry, or a user's factory imported from
     ``package.module:function`` (the module is imported; nothing is built).
 
+    A name that is neither a zoo name nor an import path is looked up among the installed entry
+    points of group ``fedfleet.models`` (:mod:`edge_agent.plugins`).
+
     Raises:
-        ModelError: an unknown zoo name (the message lists the zoo), a malformed factory path, a
-            module that cannot be imported, a missing attribute, or one that is not callable.
+        ModelError: an unknown name (the message lists the zoo and the installed entry points), a
+            malformed factory path, a module that cannot be imported, a missing attribute, or one
+            that is not callable.
     """
     if not isinstance(name, str) or not name:
         raise ModelError(f"a model name must be a non-empty string, got {name!r}")
     if not is_factory_path(name):
-        try:
+        if name in _MODELS:
             return _MODELS[name]
-        except KeyError:
-            raise ModelError(f"unknown model {name!r}; the zoo has {', '.join(list_models())}, "
-                             "or give your own factory as 'package.module:function'") from None
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr or ":" in attr:
-        raise ModelError(f"model factory {name!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(f"model factory {name!r}: cannot import module {module_name!r}: {exc} (the factory's "
-                         "package must be importable by the server and by every device: pip install it, or "
-                         "put the folder holding it on PYTHONPATH)") from exc
-    except Exception as exc:  # noqa: BLE001 — user code failing at import (SyntaxError, RuntimeError …)
-        raise ModelError(f"model factory {name!r}: importing module {module_name!r} failed: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ModelError(f"model factory {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+        if name not in entry_point_names("model"):
+            installed = entry_point_names("model")
+            raise ModelError(f"unknown model {name!r}; the zoo has {', '.join(list_models())}"
+                             + (f", the installed entry points (group fedfleet.models) {', '.join(installed)}"
+                                if installed else "")
+                             + ", or give your own factory as 'package.module:function'")
+        obj = resolve_reference(name, kind="model", what="model factory", error=ModelError)
+        if not callable(obj):
+            raise ModelError(f"model factory {name!r} (entry point): a {type(obj).__name__}, not callable")
+        return obj
+    obj = import_object(name, what="model factory", error=ModelError, form="package.module:function")
     if not callable(obj):
-        raise ModelError(f"model factory {name!r}: {attr!r} is a {type(obj).__name__}, not callable")
+        raise ModelError(f"model factory {name!r}: {name.partition(':')[2]!r} is a {type(obj).__name__}, "
+                         "not callable")
     return obj
 
 
@@ -130,7 +126,8 @@ def build_model(name: str = "lightcnn", **kwargs: object) -> nn.Module:
             imported or called, an unknown keyword, or invalid architecture arguments.
     """
     factory = resolve_model(name)
-    if is_factory_path(name):
+    user = name not in _MODELS  # a user's factory: an import path or an entry point
+    if user:
         kwargs = _accepted(factory, kwargs)
     try:
         model = factory(**kwargs)
@@ -139,7 +136,7 @@ def build_model(name: str = "lightcnn", **kwargs: object) -> nn.Module:
     except TypeError as exc:
         raise ModelError(f"bad arguments for model {name!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 — a user's factory failing is reported as a misfit
-        if not is_factory_path(name):
+        if not user:
             raise
         raise ModelError(f"model factory {name!r} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
