@@ -420,10 +420,13 @@ def _validate_domains(d: DataSection, src: str) -> None:
     from edge_agent.data import dataset_info, list_datasets
     from edge_agent.errors import DataError, PartitionError
     from edge_agent.partition import DEFAULT_DOMAIN_CLIENTS, allocate_domain_clients
+    from edge_agent.plugins import is_reference
 
     try:
         info = dataset_info(d.dataset)
-    except DataError:
+    except DataError as exc:
+        if is_reference(d.dataset, "dataset"):  # a user's factory that cannot be used: say so now
+            raise ConfigError(f"{src}: [data] dataset: {exc}") from None
         info = None
     known = info.known_domain_names if info is not None else ()
     primary = [s.name for s in info.domains] if info is not None else []

@@ -191,8 +191,9 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
         own = sorted(names - set(DRIVER_KWARGS))
         raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
                           f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}")
+    base_config = train_config(cfg)
     driver = {"participation_rate": cfg.server.participation_rate, "min_clients": cfg.server.quorum,
-              "train_config": train_config(cfg)}
+              "train_config": base_config}
     kwargs = {k: v for k, v in driver.items() if any_keyword or k in names}
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
@@ -202,7 +203,7 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
         raise ConfigError(f"{where}: {exc}") from None
     for r in range(1, cfg.run.rounds + 1):
         try:
-            round_config(strategy, r, driver["train_config"])
+            round_config(strategy, r, base_config)
         except ValueError as exc:
             raise ConfigError(f"{cfg.source}: [train] algorithm {cfg.train.algorithm!r}: {exc}") from None
     return strategy

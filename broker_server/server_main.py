@@ -9,6 +9,8 @@ import os
 import re
 import shlex
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.data import load_dataset
@@ -20,6 +22,7 @@ from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .runtime import make_server
+from .server import RunSummary
 from .simulate import make_run_id, progress_printer, split_clients
 
 log = logging.getLogger(__name__)
@@ -76,13 +79,44 @@ def model_assignment(cfg: Config) -> str:
     return "MODEL by shard index i: " + ", ".join(f"i % {len(spec)} = {k} -> --model {a}" for k, a in enumerate(spec))
 
 
+@dataclass(frozen=True)
+class ServedRun:
+    """What :func:`run_server` returns: the server's :class:`~broker_server.server.RunSummary`,
+    the run folder and the federation id."""
+
+    summary: RunSummary
+    run_dir: Path
+    federation: str
+
+
 def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
           resume: bool = False) -> int:
-    """Run the server of ``cfg`` until its last round; return the exit code (0).
+    """Run the server of ``cfg`` until its last round, printing its progress; return the exit
+    code (0). ``fedfleet server`` is this; :func:`run_server` is the same without the prints.
+
+    Raises:
+        DataError, ConfigError, BrokerStartError, ConnectError: as :func:`run_server`.
+    """
+    run_server(cfg, broker_url=broker_url, run_dir=run_dir, resume=resume, say=lambda text: print(text, flush=True),
+               on_round=progress_printer(cfg.run.rounds))
+    return 0
+
+
+def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
+               resume: bool = False, say: Callable[[str], None] = log.info,
+               on_round: Callable[[dict], None] | None = None,
+               on_start: Callable[[str, str], None] | None = None) -> ServedRun:
+    """Run the server of ``cfg`` until its last round and return what it did.
 
     The federation id (the topic level agents must use, ``fedfleet-agent --federation``) is the
-    run folder's name and is printed at start. Without a broker URL an embedded broker on
-    127.0.0.1 is started (useful to try agents on the same machine).
+    run folder's name. Without a broker URL an embedded broker on 127.0.0.1 is started (useful
+    to try agents on the same machine).
+
+    Args:
+        say: where the start-up text (the agent command line) and the final line go.
+        on_round: called with each round's metrics dict.
+        on_start: called with ``(federation, broker URL)`` once the broker is up, before the
+            server waits for joins (start agents from here).
 
     Raises:
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
@@ -110,20 +144,22 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
         broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
         broker.start()
         url = broker.url
-    print(f"fedfleet server: federation {federation!r} on {url}; waiting for {cfg.data.clients} agents "
-          f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
-          f"  {agent_command(cfg, url, federation)}", flush=True)
+    say(f"fedfleet server: federation {federation!r} on {url}; waiting for {cfg.data.clients} agents "
+        f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
+        f"  {agent_command(cfg, url, federation)}")
     if (assignment := model_assignment(cfg)):
-        print(f"  {assignment}", flush=True)
+        say(f"  {assignment}")
+    if on_start is not None:
+        on_start(federation, url)
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", federation)
     server = None
     try:
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
-                             expected_clients=cfg.data.clients, on_round=progress_printer(cfg.run.rounds))
+                             expected_clients=cfg.data.clients, on_round=on_round)
         if resume and (ckpt := server.checkpoints.load()) is not None:
             server.resume(ckpt)
-            print(f"resuming after round {ckpt.round}", flush=True)
+            say(f"resuming after round {ckpt.round}")
         t0 = time.monotonic()
         summary = server.run()
         server.channel.close()
@@ -132,12 +168,12 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
             "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,
             "dataset": ds.name, "clients": cfg.data.clients,
             "optional_runtimes": optional_runtimes(), **server.onnx_result}, indent=1), encoding="utf-8")
-        print(f"finished {summary.rounds_completed} rounds; final test accuracy {summary.final_accuracy:.4f}; "
-              f"run folder {out}")
+        say(f"finished {summary.rounds_completed} rounds; final test accuracy {summary.final_accuracy:.4f}; "
+            f"run folder {out}")
     finally:
         if server is not None:  # every exit path closes what it opened (issue 14); a second close is a no-op
             server.channel.close()
         ledger.close()
         if broker is not None:
             broker.stop()
-    return 0
+    return ServedRun(summary=summary, run_dir=out, federation=federation)

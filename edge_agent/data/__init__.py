@@ -126,6 +126,7 @@ from edge_agent.data._records import ArraySplit, Dataset, DatasetInfo, DomainSpe
 from edge_agent.data._registry import (
     DOMAIN_IMAGE_SIZE,
     PACS_DOMAINS,
+    dataset_factory,
     dataset_info,
     list_datasets,
     register_dataset,
@@ -160,6 +161,7 @@ __all__ = [
     "bilinear_weights",
     "class_histogram",
     "clear_dataset_cache",
+    "dataset_factory",
     "dataset_info",
     "list_datasets",
     "load_dataset",

@@ -156,10 +156,81 @@ def dataset_info(name: str) -> DatasetInfo:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise DataError(
-            f"unknown data set {name!r}; known names: {', '.join(list_datasets())}",
-            dataset=str(name),
-        ) from None
+        pass
+    from edge_agent.plugins import is_reference
+
+    if is_reference(name, "dataset"):
+        return _user_dataset(name)
+    raise DataError(
+        f"unknown data set {name!r}; known names: {', '.join(list_datasets())}, or your own factory as "
+        "'package.module:function' (decorated with fedfleet.dataset_factory) or an entry point of group "
+        "fedfleet.datasets",
+        dataset=str(name),
+    )
+
+
+#: the attribute :func:`dataset_factory` sets on a factory: ``(num_classes, channels, image_size)``.
+FACTORY_ATTR = "__fedfleet_dataset__"
+
+
+def dataset_factory(*, num_classes: int, channels: int, image_size: int) -> Callable[[F], F]:
+    """Declare a function a data-set factory that the configuration names by import path
+    (``[data] dataset = "mypkg.data:shapes"``, ``fedfleet-agent --dataset mypkg.data:shapes``) or
+    by entry point (group ``fedfleet.datasets``); use as a decorator::
+
+        @dataset_factory(num_classes=4, channels=1, image_size=12)
+        def shapes(data_dir):
+            ...
+            return x_train, y_train, x_test, y_test
+
+    The factory contract is :func:`register_dataset`'s (called with the data folder or None; four
+    arrays: uint8 images ``[N, S, S]`` or ``[N, S, S, 3]``, int64 labels ``[N]`` in ``[0, K)``),
+    checked when the set is loaded: a misfit raises :class:`DataError` naming the factory, the
+    split and the field. The set's name is the reference it was found by.
+
+    Raises:
+        DataError: (at once) ``num_classes`` or ``image_size`` not an int >= 1, ``channels`` not
+            1 or 3; from the decorator, a factory that is not callable.
+    """
+    _check_shape("dataset_factory", num_classes, channels, image_size)
+
+    def decorate(factory: F) -> F:
+        if not callable(factory):
+            raise DataError(f"dataset_factory: the factory must be callable, got {type(factory).__name__}")
+        setattr(factory, FACTORY_ATTR, (num_classes, channels, image_size))
+        return factory
+
+    return decorate
+
+
+def _user_dataset(ref: str) -> DatasetInfo:
+    """The registry entry of a user's factory named by import path or entry point (kept under
+    ``ref`` once resolved).
+
+    Raises:
+        DataError: the reference cannot be resolved, or names something that is not a function
+            declared with :func:`dataset_factory`.
+    """
+    from edge_agent.plugins import resolve_reference
+
+    obj = resolve_reference(ref, kind="dataset", what="data set factory", error=DataError)
+    shape = getattr(obj, FACTORY_ATTR, None)
+    if not callable(obj) or shape is None:
+        raise DataError(f"data set factory {ref!r}: {type(obj).__name__} {getattr(obj, '__qualname__', obj)!r} is not "
+                        "declared with @fedfleet.dataset_factory(num_classes=..., channels=..., image_size=...)",
+                        dataset=ref)
+    num_classes, channels, image_size = shape
+    info = DatasetInfo(ref, num_classes, channels, image_size, factory=cast(DatasetFactory, obj))
+    _REGISTRY[ref] = info
+    return info
+
+
+def _check_shape(who: str, num_classes: object, channels: object, image_size: object) -> None:
+    for what, value, low in (("num_classes", num_classes, 1), ("image_size", image_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise DataError(f"{who}: {what} must be an int >= {low}, got {value!r}")
+    if isinstance(channels, bool) or channels not in (1, 3):
+        raise DataError(f"{who}: channels must be 1 (grey) or 3 (RGB), got {channels!r}")
 
 
 _BUILTIN: frozenset[str] = frozenset(_REGISTRY)
