@@ -139,7 +139,7 @@ class Algorithm:
 
     def half(self, side: str, ref: str, error: type[Exception]) -> type:
         """The class of one half (``side`` ``"client"`` or ``"strategy"``), imported when given as
-        a path; its ``name`` is set to :attr:`name` (or ``ref``) when the class declares none.
+        a path (not checked: each side checks its own half).
 
         Raises:
             error: the path cannot be imported, or it names something that is not a class.
@@ -150,9 +150,15 @@ class Algorithm:
             obj = import_object(obj, what=what, error=error)
         if not isinstance(obj, type):
             raise error(f"{what} is a {type(obj).__name__}, not a class")
-        if not getattr(obj, "name", ""):
-            obj.name = self.name or ref  # type: ignore[attr-defined]
         return obj
+
+    def name_halves(self, ref: str, *classes: type) -> None:
+        """Give each of ``classes`` (the checked halves) the name :attr:`name` (or ``ref``)
+        when it declares none (``name = ""``, the bases' default); a class that names itself
+        keeps its name. Called once the halves passed their checks."""
+        for cls in classes:
+            if not getattr(cls, "name", "x"):
+                cls.name = self.name or ref  # type: ignore[attr-defined]
 
 
 def user_algorithm(ref: str, error: type[Exception]) -> Algorithm:

@@ -6,7 +6,8 @@ Which hook the driver (:class:`broker_server.server.AggregationServer`) calls wh
 
 1. once, before round 1: :meth:`Strategy.bind_model` with the server's model;
 2. each round: :meth:`Strategy.configure_round` → :class:`RoundPlan` (who, shared config,
-   per-device instructions); :meth:`Strategy.global_extras` for the round's ``global``;
+   per-device instructions), with :meth:`Strategy.config_for_round` merged over its config
+   (:func:`round_config`); :meth:`Strategy.global_extras` for the round's ``global``;
    :meth:`Strategy.accumulator` for the round's results;
 3. each update that passed the driver's checks: :meth:`Strategy.validate`, then
    :meth:`Accumulator.add`;
@@ -15,8 +16,9 @@ Which hook the driver (:class:`broker_server.server.AggregationServer`) calls wh
    checks it (:func:`update_problem`: every array finite and encodable with the round's codecs)
    and only then calls :meth:`Strategy.commit`; the round's ``metrics.jsonl`` line carries that
    committed update's ``metrics`` (none when nothing was committed in the round) and
-   :meth:`Strategy.round_metrics` (standing figures, default none); then
-   :meth:`Strategy.state_dict` (checkpoint).
+   :meth:`Strategy.round_metrics` (standing figures, default none), and the figures of
+   :meth:`Strategy.aggregate_metrics` (the devices' reports) and :meth:`Strategy.evaluate` (the
+   global model on the strategy's own data); then :meth:`Strategy.state_dict` (checkpoint).
 
 Nothing is found by ``getattr``: every hook has a default here.
 """

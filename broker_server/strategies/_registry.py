@@ -67,7 +67,9 @@ def _user_strategy(name: str) -> type | None:
         client = check_client_class(algo.half("client", name, ConfigError), name)
     except EdgeAgentError as exc:
         raise ConfigError(str(exc)) from None
-    return check_strategy_class(algo.half("strategy", name, ConfigError), name, client)
+    strategy = check_strategy_class(algo.half("strategy", name, ConfigError), name, client)
+    algo.name_halves(name, client, strategy)
+    return strategy
 
 
 _REGISTRY = Registry("strategy", ConfigError, fallback=_user_strategy)

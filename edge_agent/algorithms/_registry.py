@@ -43,7 +43,9 @@ def _user_client(name: str) -> type | None:
     if not is_reference(name, "algorithm"):
         return None
     algo = user_algorithm(name, EdgeAgentError)
-    return check_client_class(algo.half("client", name, EdgeAgentError), name)
+    cls = check_client_class(algo.half("client", name, EdgeAgentError), name)
+    algo.name_halves(name, cls)
+    return cls
 
 
 _REGISTRY = Registry("client algorithm", EdgeAgentError, fallback=_user_client)

@@ -25,7 +25,6 @@ import shlex
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
