@@ -24,6 +24,7 @@ from protocol import topics
 from protocol.channel import Channel, Received
 from protocol.errors import TransportError
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec
+from protocol.phases import PhaseClock
 from protocol.tensors import Codec, ErrorFeedback
 
 from .algorithms import ClientAlgorithm, LocalResult, TrainConfig, predict_scores
@@ -254,6 +255,11 @@ class EdgeAgent:
                  eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None,
                  indices: np.ndarray | None = None) -> None:
         self.channel = channel
+        # seconds per phase over the run: wait_slot, train, evaluate, prepare_update, send_update
+        # (encode, chunk, publish) and receive (the channel's decoding of what arrives)
+        self.phases = PhaseClock()
+        if hasattr(channel, "accept"):
+            channel.accept = self.phases.timed("receive", channel.accept)  # type: ignore[method-assign]
         self.client_id = channel.node_id
         self.fed = channel.federation
         self.model = model
@@ -490,7 +496,9 @@ class EdgeAgent:
             log.warning("%s: no definite receipt for the update of round %d before round %d: the device state "
                         "it produced is discarded", self.client_id, self._unsettled, rnd)
             self._settle(self._unsettled, False)
+        mark = self.phases.lap()
         with self.train_lock if self.train_lock is not None else nullcontext():
+            mark("wait_slot")
             try:
                 result = self.algorithm.local_round(self.model, global_tensors, self.train_x(), self.y, cfg, round=rnd,
                                                     client_id=self.client_id, client_index=self.client_index,
@@ -503,8 +511,10 @@ class EdgeAgent:
                 self._withdraw(rnd, f"local training failed: {exc}")
                 return
             metrics = dict(result.metrics)
+            mark("train")
             if bool(params.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
                 metrics.update(self.evaluate())
+                mark("evaluate")
         self._last_trained_round = rnd
         self._unsettled = rnd
         if result.num_samples == 0:
@@ -533,8 +543,10 @@ class EdgeAgent:
         try:
             if self.emulate_link:
                 self._emulate("up", self.channel.encoded_size(update, codec, extra_codecs))
+            mark("prepare_update")
             enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
                                     extra_codecs=extra_codecs)
+            mark("send_update")
         except TransportError as exc:  # e.g. offline buffer full: kept, sent again by _maybe_resend
             log.error("%s: update of round %d not sent now: %s", self.client_id, rnd, exc)
             self.rounds_trained += 1
