@@ -73,7 +73,8 @@ def _cmd_simulate(args) -> int:
     print(f"fedfleet simulate: {cfg.data.dataset}, {cfg.data.clients} clients ({cfg.data.partition}"
           f"{f', α={cfg.data.alpha:g}' if cfg.data.partition == 'dirichlet' else ''}), {cfg.train.algorithm}, "
           f"{cfg.run.rounds} rounds", flush=True)
-    res = simulate(cfg, broker_url=args.broker, run_dir=args.out, on_round=show, resume=bool(args.resume))
+    res = simulate(cfg, broker_url=args.broker, run_dir=args.out, on_round=show, resume=bool(args.resume),
+                   on_plan=lambda plan: print(plan.describe(), flush=True))
     source = next((m.get("accuracy_source") for m in reversed(res.metrics) if m.get("accuracy_source")), "global")
     _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker,
                    accuracy_source=source)

@@ -165,10 +165,12 @@ class AgentsSection:
     ``profile`` is one profile name (``"rpi4"``) or a mix with fractions summing to 1
     (``"rpi4=0.4,jetson-orin-nano=0.4,x86-cpu=0.2"``); each virtual agent gets one, seeded.
     ``emulate_link`` makes every transfer take the time its profile's link needs.
+    ``train_slots`` (virtual devices training at once) and ``torch_threads`` (intra-op threads,
+    process-wide): 0 = chosen from the cores (:func:`edge_agent.device.plan_threads`).
     """
 
     profile: str = "x86-cpu"
-    train_slots: int = 1
+    train_slots: int = 0
     torch_threads: int = 0
     emulate_link: bool = False
 
@@ -323,7 +325,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("protocol", "qos"): (0, 1),
     ("protocol", "chunk_bytes"): (64, 256 * 1024 * 1024),
     ("protocol", "max_packet_bytes"): (0, 268_435_460),
-    ("agents", "train_slots"): (1, 1024),
+    ("agents", "train_slots"): (0, 1024),
     ("agents", "torch_threads"): (0, 1024),
     ("security", "replay_window"): (64, 1 << 20),
     ("security", "clock_skew_s"): (0.0, 7 * 86400.0),

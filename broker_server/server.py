@@ -62,6 +62,7 @@ from protocol.messages import (
     parse_extras_codec,
     payload_sha256,
 )
+from protocol.phases import PhaseClock
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 
 from .admission import admit, model_requirement
@@ -103,6 +104,13 @@ EVAL_METRICS = ("eval_accuracy", "eval_macro_f1")
 def _is_fraction(value: object) -> bool:
     """True for an int or float (not a bool) in [0, 1] (NaN is not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+
+
+def _train_seconds(results: list[tuple[int, float, dict]]) -> dict[str, float]:
+    """Sum and maximum of the reporting devices' ``train_seconds`` (their own local-round time)."""
+    ts = [float(m["train_seconds"]) for _, _, m in results
+          if isinstance(m.get("train_seconds"), (int, float)) and not isinstance(m.get("train_seconds"), bool)]
+    return {"sum": round(sum(ts), 4), "max": round(max(ts), 4) if ts else 0.0, "reported": len(ts)}
 
 
 @dataclass(frozen=True)
@@ -250,6 +258,11 @@ class AggregationServer:
         self._resync = False
         self.resyncs = 0
         self.onnx_result: dict = {}
+        # per-phase seconds of each round (metrics.jsonl "phase_s"): the channel's accept (decode,
+        # signature check, ledger rows) and the handling of what arrived are timed at every call
+        self.phases = PhaseClock()
+        channel.accept = self.phases.timed("receive", channel.accept)  # type: ignore[method-assign]
+        self._on_update = self.phases.timed("accumulate", self._on_update)  # type: ignore[method-assign]
         if hasattr(channel.transport, "add_connect_listener"):
             channel.transport.add_connect_listener(self._on_reconnect)
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
@@ -522,6 +535,11 @@ class AggregationServer:
         """Run round ``r`` (steps 1–6 of the module docstring) and return its metrics."""
         t0 = time.monotonic()
         sent0 = self._bytes()
+        # the previous round's checkpoint and registry (timed after its metrics line); the rest of
+        # what happened between rounds (joins, status) is not this round's
+        carried = {k: v for k, v in self.phases.take().items() if k in ("checkpoint", "registry")}
+        ledger0 = self.channel.ledger.write_s if self.channel.ledger is not None else 0.0
+        mark = self.phases.lap()
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         undeclared = sorted({k for ins in plan.instructions.values() for k in ins} - set(self.strategy.instructions))
@@ -548,7 +566,9 @@ class AggregationServer:
         o.messages = (glob, self._round_starts(tuple(plan.selected), config, dict(plan.instructions)))
         self._extra_codecs = extras_codecs(self.settings.extras_codec, dict(glob.extras), self.global_codec)
         self._extras_seen.update(glob.extras)
+        mark("select")
         self._publish_round(r)
+        mark("publish")
         deadline = t0 + self.settings.round_deadline_s
         o.deadline = deadline
         while o.awaiting() and time.monotonic() < deadline:
@@ -562,6 +582,7 @@ class AggregationServer:
                 break
             self._handle(item)
         o.close()
+        mark("collect")
         results = [o.results[c] for c in sorted(o.results)]
         o.stats.clients_reported = len(results)
         acc_round, o.accumulator = o.accumulator, None
@@ -575,10 +596,12 @@ class AggregationServer:
                 self._commit(r, self._strategy_result(r, lambda: self.strategy.skipped_round(r, acc_round)))
         else:
             self._commit(r, self._strategy_result(r, acc_round.result))
+        mark("aggregate")
         acc: float | None
         loss: float | None
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
         extra_metrics = self._extra_metrics(results, o.strategy_metrics)
+        mark("evaluate")
         if self.share != "all":
             # the server's copy holds only the shared part (or nothing) of a model: its score means
             # nothing. The round's accuracy is the clients' own models' (client_eval), when measured.
@@ -613,15 +636,40 @@ class AggregationServer:
         self.rejected_by_reason = {}
         if st.skip_reason:
             metrics["skip_reason"] = st.skip_reason
+        metrics["clients_train_s"] = _train_seconds(results)
+        metrics["phase_s"] = self._phase_seconds(ledger0, carried)
         self.metrics.append(metrics)
         self.store.append_metrics(metrics)
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
+        # after the metrics line (a crash between the two re-runs the round): timed into the next line
+        mark = self.phases.lap()
         self._checkpoint(accuracy=acc)
+        mark("checkpoint")
         self.write_registry()
+        mark("registry")
         if self.on_round:
             self.on_round(metrics)
         return metrics
+
+    def _phase_seconds(self, ledger0: float, carried: dict[str, float]) -> dict[str, float]:
+        """This round's seconds per phase (rounded to 0.1 ms), for ``metrics.jsonl``'s ``phase_s``.
+
+        Consecutive, adding up to the round's ``seconds`` (but for the metrics figures
+        themselves): ``select`` (selection, the global's codec round trip, the messages),
+        ``publish`` (encode and publish the global and ``round_start``), ``collect`` (waiting for
+        the updates: the devices train then), ``aggregate``, ``evaluate``. Inside ``collect`` and
+        ``aggregate``: ``receive`` (the channel decoding, verifying and ledgering what arrived)
+        and ``accumulate`` (admitting each update and adding it to the aggregate).
+        ``checkpoint_prev`` and ``registry_prev``: the previous round's checkpoint and
+        ``registry.json``, written after its metrics line (a crash between them re-runs that
+        round). ``ledger``: the time every writer of this run's ledger spent writing rows during
+        the round (the agents' too, in a simulation)."""
+        out = {k: round(v, 4) for k, v in self.phases.take().items()}
+        out.update({f"{k}_prev": round(v, 4) for k, v in carried.items()})
+        if self.channel.ledger is not None:
+            out["ledger"] = round(self.channel.ledger.write_s - ledger0, 4)
+        return out
 
     def _strategy_result(self, r: int, make: Callable[[], GlobalUpdate | None]) -> GlobalUpdate | None:
         """The strategy's end-of-round value through :func:`~broker_server.strategies.round_result`:

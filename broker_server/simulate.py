@@ -30,7 +30,7 @@ from edge_agent.agent import AgentSummary, EdgeAgent
 from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
 from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
-from edge_agent.device import detect
+from edge_agent.device import ThreadPlan, apply_threads, detect, plan_threads, usable_cores
 from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
 from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import describe, split_dataset
@@ -182,7 +182,7 @@ def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict
 
 def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
              on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None,
-             resume: bool = False) -> SimulationResult:
+             resume: bool = False, on_plan: Callable[[ThreadPlan], None] | None = None) -> SimulationResult:
     """Run the federation described by ``cfg`` and return its result.
 
     Args:
@@ -195,6 +195,10 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             make agents misbehave).
         resume: continue the run in ``run_dir`` from its last checkpoint (after a crash): same
             federation, the ledger and metrics are appended to, the fleet joins again.
+        on_plan: called once with the thread plan (:func:`edge_agent.device.plan_threads`:
+            torch threads and trainings at once, from the cores this process may use and
+            ``[agents] torch_threads``/``train_slots``) before any agent starts; the plan is also
+            logged and written to ``summary.json`` (``thread_plan``).
 
     Raises:
         ConfigError: unknown algorithm, data set or partition settings.
@@ -210,8 +214,6 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     if not resume and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or run_id
-    if cfg.agents.torch_threads:
-        torch.set_num_threads(cfg.agents.torch_threads)
     url = broker_url or cfg.broker.url or None
     if url is not None:
         try:
@@ -254,6 +256,13 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     ledger.set_meta("broker", broker_name)
     profiles = assign_profiles(cfg.agents.profile_mix(), cfg.data.clients, cfg.run.seed)
     hw = detect()
+    # one process trains every virtual device: the plan, not each virtual profile's torch_threads, rules
+    thread_plan = apply_threads(plan_threads(
+        usable_cores(hw), role="simulation", clients=cfg.data.clients, embedded_broker=broker is not None,
+        torch_threads=cfg.agents.torch_threads, train_slots=cfg.agents.train_slots))
+    log.info("%s", thread_plan.describe())
+    if on_plan is not None:
+        on_plan(thread_plan)
     runtimes = {name: agent_runtime(name, info=hw) for name in set(profiles)}
     agents: list[EdgeAgent] = []
     threads: list[threading.Thread] = []
@@ -272,7 +281,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             if ckpt is not None:
                 server.resume(ckpt)
 
-        slots = threading.Semaphore(cfg.agents.train_slots)
+        slots = threading.Semaphore(thread_plan.train_slots)
         defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
                                momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay, seed=cfg.run.seed)
         eval_split = client_eval_split(cfg, ds)
@@ -338,7 +347,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
         "dataset": ds.name, "substitutions": list(ds.substitutions),
         "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
-        "optional_runtimes": optional_runtimes(),
+        "optional_runtimes": optional_runtimes(), "thread_plan": thread_plan.as_dict(),
         "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
         "emulated_link_s": {s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         **server.onnx_result,

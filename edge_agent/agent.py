@@ -24,6 +24,7 @@ from protocol import topics
 from protocol.channel import Channel, Received
 from protocol.errors import TransportError
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec
+from protocol.phases import PhaseClock
 from protocol.tensors import Codec, ErrorFeedback
 
 from .algorithms import ClientAlgorithm, LocalResult, TrainConfig, predict_scores
@@ -195,8 +196,16 @@ class EdgeAgent:
         channel: connected agent channel (node id = client id).
         model: the device model (architecture must match the server's manifest).
         algorithm: the client half of the configured algorithm.
-        x: local training inputs, float32 [N, C, H, W].
-        y: local labels, int64 [N].
+        x: local training inputs, float32 [N, C, H, W]; with ``indices``, the whole data set
+            the shard is drawn from (shared, only read: a simulated fleet passes one cached array
+            to every virtual agent instead of a float copy of each shard).
+        y: local labels, int64 [N]; with ``indices``, the whole data set's labels.
+        indices: the shard's rows of ``x``/``y`` (int [n]), or ``None`` when ``x``/``y`` are the
+            shard. The agent keeps the shared ``x`` (no copy), the index array and the shard's
+            labels (``y[indices]``, 8 bytes a sample); a contiguous ascending run of rows trains on
+            a view, any other shard gathers its inputs (``x[indices]``, the same values and order
+            as a copy made up front) for the length of one local round, inside ``train_lock``,
+            so a fleet holds at most ``train_slots`` gathered shards at once.
         num_classes: classes of the task (for the join histogram).
         train_defaults: local training settings; ``round_start.config`` overrides them per round.
         client_index: position in the fleet (seeds private generators).
@@ -243,16 +252,38 @@ class EdgeAgent:
                  on_trained: Callable[[int, LocalResult, int], None] | None = None,
                  receipt_timeout_s: float = 10.0, max_resends: int = 3,
                  runtime: AgentRuntime | None = None, emulate_link: bool = False,
-                 eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None) -> None:
+                 eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None,
+                 indices: np.ndarray | None = None) -> None:
         self.channel = channel
+        # seconds per phase over the run: wait_slot, train, evaluate, prepare_update, send_update
+        # (encode, chunk, publish) and receive (the channel's decoding of what arrives)
+        self.phases = PhaseClock()
+        if hasattr(channel, "accept"):
+            channel.accept = self.phases.timed("receive", channel.accept)  # type: ignore[method-assign]
         self.client_id = channel.node_id
         self.fed = channel.federation
         self.model = model
         self.algorithm = algorithm
         self.device = device or torch.device("cpu")
         self.model.to(self.device)
-        self.x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-        self.y = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+        with warnings.catch_warnings():  # a fleet shares one read-only data set; training only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            self.x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        self.indices: torch.Tensor | None = None
+        self._rows: slice | None = None  # the shard as a slice of x, when its rows are one ascending run
+        if indices is None:
+            self.y = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+        else:
+            idx = np.asarray(indices)
+            if idx.ndim != 1 or (idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0
+                                               or idx.max() >= len(self.x))):
+                raise ValueError(f"indices must be a 1-d integer array of rows 0..{len(self.x) - 1}, "
+                                 f"got {idx.dtype} {idx.shape}")
+            idx = idx.astype(np.int64, copy=False)
+            self.indices = torch.from_numpy(np.array(idx, copy=True))
+            self.y = torch.from_numpy(np.ascontiguousarray(np.asarray(y)[idx], dtype=np.int64))
+            if idx.size and int(idx[-1]) - int(idx[0]) == idx.size - 1 and bool((np.diff(idx) == 1).all()):
+                self._rows = slice(int(idx[0]), int(idx[-1]) + 1)
         self.num_classes = num_classes
         self.eval_x = None
         if eval_x is not None:
@@ -332,6 +363,16 @@ class EdgeAgent:
                           round=0, wait_s=wait_s).seq
         self._join_seqs.add(self._join_seq)
         self._join_sent_at = time.monotonic()
+
+    def train_x(self) -> torch.Tensor:
+        """The shard's training inputs (float32 [n, C, H, W], row i = sample i of :attr:`y`):
+        ``x`` itself, or a view of it (a contiguous run of ``indices``), or ``x[indices]``
+        gathered now (freed when the caller drops it)."""
+        if self.indices is None:
+            return self.x
+        if self._rows is not None:
+            return self.x[self._rows]
+        return self.x[self.indices]
 
     def run(self) -> AgentSummary:
         """Join, then serve rounds until ``finish``, :meth:`stop`, or the idle timeout.
@@ -455,9 +496,11 @@ class EdgeAgent:
             log.warning("%s: no definite receipt for the update of round %d before round %d: the device state "
                         "it produced is discarded", self.client_id, self._unsettled, rnd)
             self._settle(self._unsettled, False)
+        mark = self.phases.lap()
         with self.train_lock if self.train_lock is not None else nullcontext():
+            mark("wait_slot")
             try:
-                result = self.algorithm.local_round(self.model, global_tensors, self.x, self.y, cfg, round=rnd,
+                result = self.algorithm.local_round(self.model, global_tensors, self.train_x(), self.y, cfg, round=rnd,
                                                     client_id=self.client_id, client_index=self.client_index,
                                                     device=self.device, params=params, global_extras=global_extras)
             except ModelError as exc:  # e.g. a server of another algorithm: its global is another share
@@ -468,8 +511,10 @@ class EdgeAgent:
                 self._withdraw(rnd, f"local training failed: {exc}")
                 return
             metrics = dict(result.metrics)
+            mark("train")
             if bool(params.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
                 metrics.update(self.evaluate())
+                mark("evaluate")
         self._last_trained_round = rnd
         self._unsettled = rnd
         if result.num_samples == 0:
@@ -498,8 +543,10 @@ class EdgeAgent:
         try:
             if self.emulate_link:
                 self._emulate("up", self.channel.encoded_size(update, codec, extra_codecs))
+            mark("prepare_update")
             enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
                                     extra_codecs=extra_codecs)
+            mark("send_update")
         except TransportError as exc:  # e.g. offline buffer full: kept, sent again by _maybe_resend
             log.error("%s: update of round %d not sent now: %s", self.client_id, rnd, exc)
             self.rounds_trained += 1

@@ -216,7 +216,7 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
     evals = prepared.eval_split
     return EdgeAgent(channel=channel, model=prepared.model, algorithm=prepared.algorithm,
                      eval_x=None if evals is None else evals.x, eval_y=None if evals is None else evals.y,
-                     x=ds.train.x[idx], y=ds.train.y[idx], num_classes=ds.num_classes,
+                     x=ds.train.x, y=ds.train.y, indices=idx, num_classes=ds.num_classes,
                      train_defaults=train_defaults, client_index=spec.shard, profile=runtime.profile.name,
                      device=device, runtime=runtime, emulate_link=emulate_link, train_lock=train_lock,
                      idle_timeout_s=spec.idle_timeout_s, info=dict(prepared.info), on_trained=on_trained)

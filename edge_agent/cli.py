@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .agent import param_value
     from .assembly import build_agent, channel_limits, offline_will, prepare_agent
-    from .device import apply
+    from .device import apply, apply_threads, detect, plan_threads, usable_cores
     from .errors import DataError, EdgeAgentError
     from .optional_runtime import unavailable
     from .profiles import ProfileError, get_profile, load_profile
@@ -208,13 +208,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         prof = load_profile(args.profile) if args.profile.endswith(".toml") else get_profile(args.profile)
-        rt = agent_runtime(prof)
+        hw = detect()
+        rt = agent_runtime(prof, info=hw)
     except ProfileError as exc:
         print(f"fedfleet-agent: profile error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     apply(rt.plan)
     for reason in rt.plan.fallbacks:
         print(f"fallback: {reason}", flush=True)
+    # a real device: the profile's torch_threads rules (capped at the usable cores by the plan above)
+    threads = apply_threads(plan_threads(usable_cores(hw), role="device",
+                                         profile_threads=rt.plan.torch_threads))
+    print(threads.describe(), flush=True)
     params: dict[str, object] = {}
     for item in args.param:
         key, eq, value = item.partition("=")

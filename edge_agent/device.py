@@ -32,8 +32,9 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["CPU_PROVIDER", "DeviceInfo", "FP16_MIN_CAPABILITY", "GPU_PROVIDERS", "ProfileLike", "RuntimePlan", "apply",
-           "detect", "plan_runtime"]
+__all__ = ["CPU_PROVIDER", "DeviceInfo", "FP16_MIN_CAPABILITY", "GPU_PROVIDERS", "MAX_TRAIN_SLOTS", "ProfileLike",
+           "RuntimePlan", "ThreadPlan", "apply", "apply_threads", "cgroup_cpu_quota", "detect", "plan_runtime",
+           "plan_threads", "usable_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class DeviceInfo:
             so a broken onnxruntime cannot crash detection.
         onnx_unavailable: why onnxruntime cannot be used (``"OSError: …"``, ``"import killed the
             probe process (SIGABRT)"``), "" when it can or when the reason is unknown.
+        cpu_quota: the cgroup CPU quota of this process in cores (``cpu.max`` 150000/100000 →
+            1.5), ``None`` when none is set; :func:`usable_cores` combines it with ``cpu_cores``.
     """
 
     platform: str
@@ -127,6 +130,7 @@ class DeviceInfo:
     torch_version: str
     onnx_providers_available: tuple[str, ...]
     onnx_unavailable: str = ""
+    cpu_quota: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +248,42 @@ def _cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def cgroup_cpu_quota(root: str | Path = "/") -> float | None:
+    """The cgroup CPU quota of this process, in cores, or ``None`` when none is set.
+
+    Reads cgroup v2 ``sys/fs/cgroup/cpu.max`` (``"150000 100000"`` → 1.5; ``"max 100000"`` → no
+    quota), else cgroup v1 ``sys/fs/cgroup/cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (a
+    quota of ``-1`` → none), under ``root``. An unreadable or malformed file counts as no quota.
+    """
+    root = Path(root)
+    text = _read_text(root / "sys/fs/cgroup/cpu.max")
+    if text is not None:
+        parts = text.split()
+        if len(parts) == 2 and parts[0] != "max":
+            try:
+                quota, period = int(parts[0]), int(parts[1])
+            except ValueError:
+                return None
+            return quota / period if quota > 0 and period > 0 else None
+        return None
+    q = _read_text(root / "sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    per = _read_text(root / "sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    try:
+        quota_us, period_us = int((q or "").strip()), int((per or "").strip())
+    except ValueError:
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def usable_cores(info: DeviceInfo) -> int:
+    """Cores this process can keep busy: its affinity mask's CPUs, capped by the cgroup quota
+    rounded down (a quota of 1.5 cores gives 1: a second busy thread would be throttled), >= 1."""
+    cores = max(1, int(info.cpu_cores))
+    if info.cpu_quota is not None:
+        cores = min(cores, max(1, int(info.cpu_quota)))
+    return cores
+
+
 def _platform(model: str | None, l4t: str | None, machine: str) -> str:
     if l4t is not None or (model is not None and "jetson" in model.lower()):
         return "jetson"
@@ -291,7 +331,8 @@ def detect(root: str | Path = "/", *, machine: str | None = None) -> DeviceInfo:
             device-tree model; ``None`` = ``platform.machine()``.
 
     Returns:
-        A :class:`DeviceInfo`. Cores come from this process's affinity mask, CUDA from torch
+        A :class:`DeviceInfo`. Cores come from this process's affinity mask (and the cgroup CPU
+        quota under ``root``, :func:`cgroup_cpu_quota`), CUDA from torch
         (device 0), providers from onnxruntime; missing files give ``None`` / 0, never an error.
     """
     root = Path(root)
@@ -313,6 +354,7 @@ def detect(root: str | Path = "/", *, machine: str | None = None) -> DeviceInfo:
         torch_version=str(torch.__version__),
         onnx_providers_available=providers,
         onnx_unavailable=no_onnx,
+        cpu_quota=cgroup_cpu_quota(root),
     )
 
 
@@ -366,7 +408,8 @@ def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
 
     - **device**: ``cuda`` when the profile asks for it and ``info.cuda_available``, else ``cpu``.
     - **precision**: ``fp16`` only on a CUDA device with ``info.fp16_supported``, else ``fp32``.
-    - **threads**: ``min(profile.torch_threads, info.cpu_cores)``.
+    - **threads**: ``min(profile.torch_threads, usable_cores(info))`` (the affinity mask's
+      cores, capped by the cgroup CPU quota).
     - **ONNX providers**: the profile's list without those onnxruntime does not offer (and without
       TensorRT/CUDA when there is no CUDA device), order kept, ``CPUExecutionProvider`` last
       (appended or moved there if the profile did not put it last). Empty without onnxruntime.
@@ -416,10 +459,11 @@ def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
             fallbacks.append(f"fp16 autocast needs compute capability >= {FP16_MIN_CAPABILITY[0]}."
                              f"{FP16_MIN_CAPABILITY[1]}, {info.cuda_device} lacks it: training in fp32")
 
-    cores = max(1, int(info.cpu_cores))
+    cores = usable_cores(info)
     threads = int(profile.torch_threads)
     if threads > cores:
-        fallbacks.append(f"profile torch_threads {threads} > {cores} cores: using {cores}")
+        quota = "" if cores == max(1, int(info.cpu_cores)) else f" (cgroup CPU quota {info.cpu_quota:g})"
+        fallbacks.append(f"profile torch_threads {threads} > {cores} cores{quota}: using {cores}")
         threads = cores
 
     providers, reasons = _plan_providers(profile.onnx_providers, info)
@@ -446,6 +490,7 @@ def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
 
 def apply(plan: RuntimePlan) -> None:
     """Put ``plan`` into effect for this process: ``torch.set_num_threads(plan.torch_threads)``,
+    one torch inter-op thread (when torch still allows setting it, see :func:`apply_threads`),
     and log each of ``plan.fallbacks`` at WARNING (logger ``edge_agent.device``).
 
     The device, precision and batch size are not process settings: the caller passes
@@ -453,7 +498,164 @@ def apply(plan: RuntimePlan) -> None:
     ``plan.batch_size`` to its training defaults.
     """
     torch.set_num_threads(int(plan.torch_threads))
+    _set_interop_threads(1)
     for reason in plan.fallbacks:
         log.warning("runtime fallback: %s", reason)
     log.info("runtime: %s, %s, %d torch threads, batch size %d, ONNX providers [%s]", plan.device,
              plan.precision, plan.torch_threads, plan.batch_size, ", ".join(plan.onnx_providers))
+
+
+# --------------------------------------------------------------------------------------------
+# threads and concurrency
+
+MAX_TRAIN_SLOTS = 4
+"""Most virtual devices training at once in one simulating process. Every training thread holds
+the GIL between torch operations (autograd dispatch, the optimiser step, the data gather), a
+sizeable fraction of a small model's step; beyond about four concurrent trainers that share of
+the GIL becomes the bottleneck, so a larger machine gives each trainer more intra-op threads
+instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadPlan:
+    """How many threads train, and how many trainings run at once.
+
+    Attributes:
+        role: ``"device"`` (``fedfleet-agent``: one device per process) or ``"simulation"``
+            (``fedfleet simulate``: the server and every virtual device in one process).
+        cores: cores this process can keep busy (:func:`usable_cores`).
+        torch_threads: intra-op threads of each training (``torch.set_num_threads``; process-wide).
+        interop_threads: torch inter-op threads (1: fedfleet runs no parallel torch graphs).
+        train_slots: trainings at once (a simulation's virtual devices; 1 on a device).
+        reserved_cores: cores left to the server, the embedded broker and the MQTT network
+            threads (busy in bursts between trainings) rather than given to training.
+        reasons: one sentence per decision, in the order slots, threads, reservation.
+    """
+
+    role: str
+    cores: int
+    torch_threads: int
+    interop_threads: int
+    train_slots: int
+    reserved_cores: int
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def busy_threads(self) -> int:
+        """Training threads busy at once: ``train_slots * torch_threads``."""
+        return self.train_slots * self.torch_threads
+
+    def as_dict(self) -> dict[str, int | str | list[str]]:
+        """The plan as JSON-ready values (``summary.json``'s ``thread_plan``)."""
+        return {"role": self.role, "cores": self.cores, "torch_threads": self.torch_threads,
+                "interop_threads": self.interop_threads, "train_slots": self.train_slots,
+                "reserved_cores": self.reserved_cores, "busy_threads": self.busy_threads,
+                "reasons": list(self.reasons)}
+
+    def describe(self) -> str:
+        """One line for start-up output."""
+        return (f"thread plan: {self.cores} core{'s' * (self.cores != 1)}, {self.train_slots} training"
+                f"{'s' * (self.train_slots != 1)} at once x {self.torch_threads} torch thread"
+                f"{'s' * (self.torch_threads != 1)} (inter-op {self.interop_threads}), {self.reserved_cores} "
+                f"core{'s' * (self.reserved_cores != 1)} left to server/broker/network"
+                + (f" — {'; '.join(self.reasons)}" if self.reasons else ""))
+
+
+def plan_threads(cores: int, *, role: str, clients: int = 1, embedded_broker: bool = False,
+                 profile_threads: int | None = None, torch_threads: int = 0, train_slots: int = 0) -> ThreadPlan:
+    """Choose intra-op threads and concurrent trainings for ``cores`` cores. Pure.
+
+    Rules (measured reasons in the README's "Threads" section):
+
+    - **device** (``role="device"``): one training; ``torch_threads`` = the firmware profile's
+      ``profile_threads`` (it rules on a real device), at most ``cores``; no core is reserved.
+    - **simulation**: the server thread, every agent's MQTT network thread and an embedded
+      broker are idle while devices train and busy in bursts between trainings. On 4 or more
+      cores, ``min(services, cores // 4)`` cores are left to them, ``services`` = 1 (the server
+      and the network threads, one process under one GIL) + 1 for an embedded broker; on 1–3
+      cores none (a reserved core would stand idle through most of each round, and a
+      one-thread training yields its core to a burst gracefully, unlike a multi-threaded one
+      whose threads wait on each other at every barrier). Of the ``usable = cores - reserved``
+      cores, ``train_slots = min(usable, MAX_TRAIN_SLOTS, clients)`` trainings run at once, each
+      with ``usable // train_slots`` intra-op threads (one-thread trainings side by side beat one
+      multi-threaded training: no barrier waits, no oversubscription when the machine is shared).
+    - An explicit ``torch_threads`` or ``train_slots`` (> 0, from ``[agents]``) is kept; the other
+      value is then derived from it; a combination busier than ``cores`` is kept and said so.
+    - inter-op threads: 1.
+
+    Args:
+        cores: usable cores (>= 1), :func:`usable_cores`.
+        role: ``"device"`` or ``"simulation"``.
+        clients: virtual devices in the simulation (caps the concurrent trainings).
+        embedded_broker: the simulation starts its own broker on this machine.
+        profile_threads: a device's firmware-profile ``torch_threads`` (``role="device"``).
+        torch_threads, train_slots: configured values; 0 = choose.
+
+    Raises:
+        ValueError: an unknown role, ``cores`` or ``clients`` below 1, a negative setting.
+    """
+    if role not in ("device", "simulation"):
+        raise ValueError(f"role must be 'device' or 'simulation', not {role!r}")
+    if int(cores) < 1 or int(clients) < 1:
+        raise ValueError(f"cores and clients must be >= 1, got cores={cores}, clients={clients}")
+    if torch_threads < 0 or train_slots < 0 or (profile_threads is not None and profile_threads < 1):
+        raise ValueError(f"torch_threads/train_slots must be >= 0 and profile_threads >= 1, got {torch_threads}, "
+                         f"{train_slots}, {profile_threads}")
+    cores = int(cores)
+    reasons: list[str] = []
+    if role == "device":
+        wanted = torch_threads or profile_threads or cores
+        threads = min(wanted, cores)
+        source = "configured" if torch_threads else "the firmware profile's" if profile_threads else "one per core"
+        reasons.append(f"torch threads {threads}: {source}" + (f" ({wanted}, capped at {cores} cores)"
+                                                               if wanted > cores else ""))
+        return ThreadPlan(role, cores, threads, 1, 1, 0, tuple(reasons))
+    services = 1 + int(embedded_broker)
+    reserved = min(services, cores // 4)
+    usable = cores - reserved
+    if reserved:
+        reasons.append(f"{reserved} core{'s' * (reserved != 1)} left to the server and network threads"
+                       + (" and the embedded broker" if embedded_broker and reserved > 1 else ""))
+    if train_slots and torch_threads:
+        slots, threads = train_slots, torch_threads
+        reasons.append(f"{slots} slots x {threads} threads as configured")
+    elif train_slots:
+        slots = train_slots
+        threads = max(1, usable // slots)
+        reasons.append(f"{slots} slots as configured: {threads} thread{'s' * (threads != 1)} each")
+    elif torch_threads:
+        threads = torch_threads
+        slots = max(1, min(usable // threads, MAX_TRAIN_SLOTS, clients))
+        reasons.append(f"{threads} threads as configured: {slots} slot{'s' * (slots != 1)}")
+    else:
+        slots = min(usable, MAX_TRAIN_SLOTS, clients)
+        threads = max(1, usable // slots)
+        reasons.append(f"{slots} training{'s' * (slots != 1)} at once (of at most {MAX_TRAIN_SLOTS}, "
+                       f"{clients} client{'s' * (clients != 1)}) x {threads} thread{'s' * (threads != 1)}")
+    if slots * threads > cores:
+        reasons.append(f"oversubscribed: {slots * threads} busy training threads on {cores} cores")
+    return ThreadPlan("simulation", cores, threads, 1, slots, reserved, tuple(reasons))
+
+
+def _set_interop_threads(n: int) -> int:
+    """Set torch's inter-op threads when it still can (only before its first parallel work);
+    the number in effect."""
+    if torch.get_num_interop_threads() != n:
+        try:
+            torch.set_num_interop_threads(n)
+        except RuntimeError:  # already started in this process: it keeps its pool (idle in fedfleet)
+            pass
+    return int(torch.get_num_interop_threads())
+
+
+def apply_threads(plan: ThreadPlan) -> ThreadPlan:
+    """Put ``plan``'s torch thread counts into effect for this process and return the plan as
+    applied: ``interop_threads`` is what torch has, which differs from the plan once torch's
+    inter-op pool has started in this process (it cannot be resized then; it is said in
+    ``reasons``)."""
+    torch.set_num_threads(int(plan.torch_threads))
+    got = _set_interop_threads(plan.interop_threads)
+    if got == plan.interop_threads:
+        return plan
+    return ThreadPlan(plan.role, plan.cores, plan.torch_threads, got, plan.train_slots, plan.reserved_cores,
+                      (*plan.reasons, f"torch's inter-op pool had already started with {got} threads (idle here)"))

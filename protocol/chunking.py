@@ -112,8 +112,10 @@ def split(payload: bytes | bytearray | memoryview, *, chunk_bytes: int,
 
     Returns:
         ``max(1, ⌈len(payload) / chunk_bytes⌉)`` chunks in index order; an empty payload gives one
-        chunk of 0 bytes. ``data`` is a copy of each slice (``bytes``, as msgpack needs); the
-        payload itself is sliced through a memoryview, so no other copy is made.
+        chunk of 0 bytes. ``data`` is a read-only ``memoryview`` slice of the payload (no copy;
+        a one-chunk transfer of a ``bytes`` payload carries the payload itself), so the chunks
+        keep the payload alive and cost no memory of their own; a mutable payload (``bytearray``)
+        is copied once first, so later changes to it cannot reach chunks already cut.
 
     Raises:
         ValueError: ``chunk_bytes`` < 1, ``transfer_id`` not 16 bytes, a payload above
@@ -127,6 +129,8 @@ def split(payload: bytes | bytearray | memoryview, *, chunk_bytes: int,
     if len(transfer_id) != TRANSFER_ID_BYTES:
         raise ValueError(f"transfer_id must be {TRANSFER_ID_BYTES} bytes, got {len(transfer_id)}")
     view = memoryview(payload).cast("B")
+    if not view.readonly:  # never let the caller's later writes change chunks (or a cached resend)
+        view = memoryview(view.tobytes())
     total = view.nbytes
     if total > MAX_PAYLOAD_BYTES:
         raise ValueError(f"payload of {total} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte maximum")
@@ -135,11 +139,11 @@ def split(payload: bytes | bytearray | memoryview, *, chunk_bytes: int,
         raise ValueError(f"{total} bytes in chunks of {chunk_bytes} make {count} chunks, at most {MAX_CHUNKS}")
     digest = hashlib.sha256(view).digest()
     if count == 1:
-        data = payload if type(payload) is bytes else view.tobytes()
+        data: bytes | memoryview = payload if type(payload) is bytes else view
         return [Chunk(transfer_id=transfer_id, index=0, count=1, offset=0, total_bytes=total,
                       sha256=digest, data=data)]
     return [Chunk(transfer_id=transfer_id, index=i, count=count, offset=i * chunk_bytes, total_bytes=total,
-                  sha256=digest, data=view[i * chunk_bytes:(i + 1) * chunk_bytes].tobytes())
+                  sha256=digest, data=view[i * chunk_bytes:(i + 1) * chunk_bytes])
             for i in range(count)]
 
 

@@ -334,6 +334,7 @@ class Ledger:
         self._interval = float(commit_interval_s)
         self._last_commit = time.monotonic()
         self._token = next(_tokens)
+        self.write_s = 0.0  # seconds spent in record() and flush() (the per-round phase breakdown reads it)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
@@ -381,6 +382,7 @@ class Ledger:
         Raises:
             LedgerError: SQLite refused the row.
         """
+        t0 = time.perf_counter()
         values = asdict(row)
         if not values["ts"]:
             values["ts"] = time.time()
@@ -398,6 +400,8 @@ class Ledger:
                     return
             except sqlite3.Error as exc:
                 raise LedgerError(f"cannot write ledger row ({row.kind}, {row.topic}): {exc}") from exc
+            finally:
+                self.write_s += time.perf_counter() - t0
             if self._pending == 1:  # the first row since the last commit: it is due one interval from now
                 _committer.due(self._token, self, time.monotonic() + self._interval)
 
@@ -415,10 +419,13 @@ class Ledger:
         with self._lock:
             if self._db is None:
                 return
+            t0 = time.perf_counter()
             try:
                 self._commit()
             except sqlite3.Error as exc:
                 raise LedgerError(f"cannot commit ledger {self.path}: {exc}") from exc
+            finally:
+                self.write_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Commit, record the clean close in ``meta`` (``closed_cleanly='1'``, ``closed_at``) and

@@ -295,7 +295,8 @@ class Chunk:
         offset: byte offset of ``data`` in the whole payload.
         total_bytes: length of the whole payload (bytes).
         sha256: SHA-256 digest of the whole payload (32 bytes).
-        data: the slice.
+        data: the slice: ``bytes`` when decoded; a read-only ``memoryview`` on the whole
+            payload when cut by :func:`protocol.chunking.split` (no copy).
     """
 
     transfer_id: bytes
@@ -304,7 +305,7 @@ class Chunk:
     offset: int
     total_bytes: int
     sha256: bytes
-    data: bytes
+    data: bytes | memoryview
 
     KIND = Kind.CHUNK
 
@@ -416,21 +417,78 @@ def _tensor(t: np.ndarray, codec: Any) -> list[Any]:
     return encode_tensor(t) if codec is None else encode_tensor(t, codec)
 
 
+# --------------------------------------------------------------------------------------------
+# Segments: a payload is a list of byte strings and buffer views joined ONCE (``b"".join``), so a
+# tensor's values are copied exactly once, from the array into the payload.
+
+Segment = bytes | memoryview
+"""One piece of an encoded payload: packed msgpack bytes, or a view on a buffer (a tensor's
+values) that is copied only when the payload is joined."""
+
+_VIEW_FROM = 4096
+"""bin values at least this long (bytes) go into the segment list as views, not copies."""
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack ``bin`` header for ``n`` bytes (the smallest form, as ``msgpack.packb`` writes it)."""
+    if n < 256:
+        return b"\xc4" + bytes([n])
+    if n < 65536:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _bin_segments(value: bytes | bytearray | memoryview, out: list[Segment]) -> int:
+    """Append ``value`` as a msgpack ``bin`` (header + a view when long) to ``out``; its length."""
+    view = memoryview(value)
+    if not view.c_contiguous:  # msgpack would copy it too; keep its bytes
+        view = memoryview(view.tobytes())
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    n = view.nbytes
+    if n < _VIEW_FROM:
+        seg = _bin_header(n) + view.tobytes()
+        out.append(seg)
+        return len(seg)
+    head = _bin_header(n)
+    out.append(head)
+    out.append(view)
+    return len(head) + n
+
+
+def _value_segments(value: Any, out: list[Segment]) -> int:
+    """Append msgpack's encoding of ``value`` to ``out`` (long bins as views); its length in bytes.
+
+    Lists and tuples are walked only when they hold a bin or another list (a tensor, a list of
+    tensors); anything else is packed by ``msgpack.packb`` as it is, so the bytes equal
+    ``msgpack.packb(value, use_bin_type=True)`` exactly."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _bin_segments(value, out)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (bytes, bytearray, memoryview, list, tuple))
+                                                for v in value):
+        head = _array_header(len(value))
+        out.append(head)
+        return len(head) + sum(_value_segments(v, out) for v in value)
+    packed = msgpack.packb(value, use_bin_type=True)
+    out.append(packed)
+    return len(packed)
+
+
 def _extras_parts(extras: Mapping[str, np.ndarray], codec: Any, extra_codecs: Mapping[str, Any] | None
-                  ) -> list[tuple[str, bytes]]:
-    """Packed ``extras`` map as ``[("extras", map header), ("extras.<name>", key + tensor), …]``:
+                  ) -> list[tuple[str, list[Segment]]]:
+    """Packed ``extras`` map as ``[("extras", [map header]), ("extras.<name>", [key, tensor …]), …]``:
     the concatenation is exactly msgpack's map encoding, and each entry's bytes are known."""
     if len(extras) > MAX_EXTRAS:
         raise FieldError(f"extras: {len(extras)} entries, at most {MAX_EXTRAS}", field="body.extras")
     n = len(extras)
     header = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
-    parts = [("extras", header)]
+    parts: list[tuple[str, list[Segment]]] = [("extras", [header])]
     for name, t in extras.items():
         if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
             raise FieldError(f"extras: name {name!r} must be 1-64 characters of [A-Za-z0-9_.-]", field="body.extras")
         c = (extra_codecs or {}).get(name, codec)
-        parts.append((f"extras.{name}", msgpack.packb(name, use_bin_type=True)
-                      + msgpack.packb(_tensor(t, c), use_bin_type=True)))
+        segs: list[Segment] = [msgpack.packb(name, use_bin_type=True)]
+        _value_segments(_tensor(t, c), segs)
+        parts.append((f"extras.{name}", segs))
     return parts
 
 
@@ -492,7 +550,10 @@ def encode(envelope: Envelope, codec: Any = None, extra_codecs: Mapping[str, Any
     """Encode one message to its MQTT payload.
 
     The body array is packed field by field (header + concatenated elements, which is exactly
-    msgpack's array encoding), so the bytes of each field are known without a second pass.
+    msgpack's array encoding), so the bytes of each field are known without a second pass. The
+    headers are packed around the tensors' buffers, which are referenced (memoryviews), not
+    copied, until the payload is joined once: a raw tensor's values are copied exactly once, and
+    the transient memory of an encode is the payload itself plus a few small headers.
 
     Args:
         envelope: the message. ``sender`` must satisfy :func:`valid_id`.
@@ -516,25 +577,27 @@ def encode(envelope: Envelope, codec: Any = None, extra_codecs: Mapping[str, Any
         if not 0 <= v <= MAX_INT:
             raise FieldError(f"envelope.{name} = {v} out of range", field=f"envelope.{name}")
     fields = _encode_body(envelope.body, codec)
-    parts = [msgpack.packb(f, use_bin_type=True) for f in fields]
-    names = list(BODY_FIELDS[envelope.kind][:len(parts)])
+    segments: list[Segment] = []
+    names = list(BODY_FIELDS[envelope.kind][:len(fields)])
+    sizes = [_value_segments(f, segments) for f in fields]
     extras = getattr(envelope.body, "extras", None)
-    n_fields = len(parts)
+    n_fields = len(fields)
     if extras:
-        ex = _extras_parts(extras, codec, extra_codecs)
-        names += [n for n, _ in ex]
-        parts += [p for _, p in ex]
+        for name, segs in _extras_parts(extras, codec, extra_codecs):
+            names.append(name)
+            sizes.append(sum(len(memoryview(x)) for x in segs))
+            segments += segs
         n_fields += 1
-    body = _array_header(n_fields) + b"".join(parts)
-    payload = msgpack.packb(
-        [envelope.version, int(envelope.kind), envelope.round, envelope.sender, envelope.seq,
-         envelope.timestamp_ms, body],
-        use_bin_type=True,
-    )
+    body_head = _array_header(n_fields)
+    body_bytes = len(body_head) + sum(sizes)
+    # the envelope around the body: msgpack's [version, kind, round, sender, seq, timestamp_ms, body]
+    head = msgpack.packb([envelope.version, int(envelope.kind), envelope.round, envelope.sender, envelope.seq,
+                          envelope.timestamp_ms], use_bin_type=True)
+    payload = b"".join([b"\x97", head[1:], _bin_header(body_bytes), body_head, *segments])  # the one copy
     raw = sum(raw_nbytes(t) for t in getattr(envelope.body, "tensors", ()))
     raw += sum(raw_nbytes(t) for t in (extras or {}).values())
-    return Encoded(payload=payload, body_bytes=len(body),
-                   field_bytes=tuple(zip(names, (len(p) for p in parts))), raw_tensor_bytes=raw, seq=envelope.seq)
+    return Encoded(payload=payload, body_bytes=body_bytes, field_bytes=tuple(zip(names, sizes)),
+                   raw_tensor_bytes=raw, seq=envelope.seq)
 
 
 def now_ms() -> int:

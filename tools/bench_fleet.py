@@ -236,8 +236,11 @@ def child_main(spec_path: Path, result_path: Path) -> None:
 
         agent.algorithm.local_round = timed
         x = agent.x.numpy()
-        shards["bytes"] += x.nbytes + agent.y.numpy().nbytes
-        shards["shares_memory_with_dataset"] += int(np.may_share_memory(x, ds.train.x))
+        shared = bool(np.may_share_memory(x, ds.train.x))
+        # what the agent holds of its own: a shared data set costs it only its index array and labels
+        own = agent.y.numpy().nbytes + (0 if agent.indices is None else agent.indices.numpy().nbytes)
+        shards["bytes"] += own + (0 if shared else x.nbytes)
+        shards["shares_memory_with_dataset"] += int(shared)
         shards["agents"] += 1
         profiles_of[cid] = agent.profile
 
@@ -692,8 +695,9 @@ def write_report(out: Path, results: dict[str, list[dict]], mixed: list[dict], m
          "of rounds 2..R; *CPU s per round* = process user+sys CPU over the whole run ÷ rounds (2 cores = at most "
          "120 CPU s per wall minute); *ledger rows/round (round col)* counts rows tagged with the round; "
          "*(wall window)* counts rows written during the round, which adds MQTT control packets (PUBACK, "
-         "PINGREQ … — the ledger writes them with round NULL); *shard MiB (copies)* = Σ bytes of the agents' "
-         "training tensors (x and y), with how many of them are copies, not views, of the cached data set.", ""]
+         "PINGREQ … — the ledger writes them with round NULL); *shard MiB (copies)* = Σ bytes the agents hold of "
+         "their own for training (x when it is a copy, y, the shard's index array; an agent on the shared cached "
+         "data set gathers its x only while it trains), with how many x are copies, not the cached data set.", ""]
     for ds, rs in results.items():
         if not rs:
             continue

@@ -80,6 +80,48 @@ def test_build_agent_wires_the_runtime_and_the_spec(digits) -> None:
     assert len(subscriptions) == 1  # the agent's own topics, nothing sent yet
 
 
+def _fake_channel(node_id: str) -> SimpleNamespace:
+    transport = SimpleNamespace(subscribe=lambda topic, qos: None)
+    return SimpleNamespace(node_id=node_id, federation="fed", transport=transport, qos=1)
+
+
+def test_virtual_agents_share_the_cached_data_set(digits) -> None:
+    """Two agents of one fleet hold the cached data set itself (no float copy of their shards);
+    what they train on equals the copy each used to make, value for value and in the same order."""
+    rt = agent_runtime("x86-cpu")
+    agents, shards = [], []
+    for shard in (0, 1):
+        p = prepare_agent(_spec(model="lightcnn", feature_dim=64, algorithm="fedavg", shard=shard), digits)
+        agents.append(build_agent(p, _fake_channel(f"c{shard}"), runtime=rt))
+        shards.append(p.indices)
+    assert not np.array_equal(np.sort(shards[0]), np.sort(shards[1]))
+    for agent, idx in zip(agents, shards):
+        assert np.shares_memory(agent.x.numpy(), digits.train.x)
+        assert agent.indices is not None and np.array_equal(agent.indices.numpy(), idx)
+        old_x, old_y = digits.train.x[idx], digits.train.y[idx]  # what each agent copied before
+        assert torch.equal(agent.train_x(), torch.from_numpy(old_x))
+        assert torch.equal(agent.y, torch.from_numpy(old_y))
+        own = agent.y.numpy().nbytes + agent.indices.numpy().nbytes
+        assert own == 16 * len(idx) < old_x.nbytes  # int64 labels and rows, nothing float
+    assert np.shares_memory(agents[0].x.numpy(), agents[1].x.numpy())
+
+
+def test_a_contiguous_shard_trains_on_a_view(digits) -> None:
+    from edge_agent.agent import EdgeAgent
+
+    rt = agent_runtime("x86-cpu")
+    p = prepare_agent(_spec(model="lightcnn", feature_dim=64, algorithm="fedavg"), digits)
+    agent = build_agent(p, _fake_channel("c9"), runtime=rt)
+    run = EdgeAgent(channel=agent.channel, model=agent.model, algorithm=agent.algorithm, x=digits.train.x,
+                    y=digits.train.y, indices=np.arange(100, 160), num_classes=10, train_defaults=agent.train_defaults)
+    xs = run.train_x()
+    assert np.shares_memory(xs.numpy(), digits.train.x) and torch.equal(xs, torch.from_numpy(digits.train.x[100:160]))
+    with pytest.raises(ValueError, match="indices"):
+        EdgeAgent(channel=agent.channel, model=agent.model, algorithm=agent.algorithm, x=digits.train.x,
+                  y=digits.train.y, indices=np.array([len(digits.train.y)]), num_classes=10,
+                  train_defaults=agent.train_defaults)
+
+
 def test_offline_will_and_channel_limits() -> None:
     from protocol import topics
     from protocol.messages import Status, decode

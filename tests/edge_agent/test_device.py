@@ -367,3 +367,120 @@ def test_plan_is_frozen_and_exported() -> None:
     public = {n for n in vars(D) if not n.startswith("_") and getattr(getattr(D, n), "__module__", None) == D.__name__}
     assert public <= set(D.__all__)
     assert D.__all__ == sorted(D.__all__)
+
+
+# --------------------------------------------------------------------------------------------
+# cores: affinity and cgroup quota
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"sys/fs/cgroup/cpu.max": "150000 100000\n"}, 1.5),
+    ({"sys/fs/cgroup/cpu.max": "max 100000\n"}, None),
+    ({"sys/fs/cgroup/cpu.max": "garbage\n"}, None),
+    ({"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "200000\n", "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
+    ({"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n", "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_cgroup_cpu_quota(tmp_path: Path, files: dict[str, str], quota: float | None) -> None:
+    for rel, text in files.items():
+        _write(tmp_path, rel, text)
+    assert D.cgroup_cpu_quota(tmp_path) == quota
+
+
+def test_detect_reads_the_cgroup_quota(tmp_path: Path, no_cuda) -> None:
+    _write(tmp_path, "sys/fs/cgroup/cpu.max", "250000 100000")
+    assert detect(tmp_path).cpu_quota == 2.5
+
+
+@pytest.mark.parametrize("cores, quota, usable", [(4, None, 4), (4, 1.5, 1), (4, 0.5, 1), (2, 8.0, 2), (16, 3.99, 3)])
+def test_usable_cores_is_affinity_capped_by_the_quota_rounded_down(cores: int, quota: float | None,
+                                                                    usable: int) -> None:
+    assert D.usable_cores(_info(cpu_cores=cores, cpu_quota=quota)) == usable
+
+
+def test_plan_runtime_caps_threads_at_the_quota() -> None:
+    plan = plan_runtime(Profile(torch_threads=4), _info(cpu_cores=4, cpu_quota=2.0))
+    assert plan.torch_threads == 2
+    assert plan.fallbacks == ("profile torch_threads 4 > 2 cores (cgroup CPU quota 2): using 2",)
+
+
+# --------------------------------------------------------------------------------------------
+# thread plan (worked by hand from the rules in plan_threads' docstring)
+
+
+# (cores, embedded broker, clients) -> (train_slots, torch_threads, reserved cores)
+@pytest.mark.parametrize("cores, broker, clients, expect", [
+    (1, True, 10, (1, 1, 0)),    # 1 // 4 = 0 reserved; 1 usable
+    (1, False, 10, (1, 1, 0)),
+    (2, True, 10, (2, 1, 0)),    # both cores train, one thread each
+    (2, False, 10, (2, 1, 0)),
+    (2, True, 1, (1, 2, 0)),     # one client: one training with both cores
+    (4, True, 10, (3, 1, 1)),    # min(2 services, 4 // 4) = 1 reserved, 3 usable
+    (4, False, 10, (3, 1, 1)),   # min(1, 1) = 1
+    (16, True, 10, (4, 3, 2)),   # min(2, 4) = 2 reserved, 14 usable: 4 slots x 14 // 4 = 3
+    (16, False, 10, (4, 3, 1)),  # 15 usable: 4 x 3
+    (16, True, 2, (2, 7, 2)),    # 14 usable, 2 clients: 2 x 7
+    (8, True, 10, (4, 1, 2)),    # 6 usable: 4 x 1
+])
+def test_plan_threads_simulation(cores: int, broker: bool, clients: int, expect: tuple[int, int, int]) -> None:
+    plan = D.plan_threads(cores, role="simulation", clients=clients, embedded_broker=broker)
+    assert (plan.train_slots, plan.torch_threads, plan.reserved_cores) == expect
+    assert plan.interop_threads == 1 and plan.busy_threads + plan.reserved_cores <= cores
+
+
+def test_plan_threads_never_busier_than_the_cores() -> None:
+    for cores in range(1, 65):
+        for clients in (1, 2, 3, 5, 10, 100):
+            for broker in (False, True):
+                p = D.plan_threads(cores, role="simulation", clients=clients, embedded_broker=broker)
+                assert 1 <= p.train_slots <= min(clients, D.MAX_TRAIN_SLOTS)
+                assert p.busy_threads + p.reserved_cores <= cores, (cores, clients, broker)
+                assert not any("oversubscribed" in r for r in p.reasons)
+
+
+@pytest.mark.parametrize("cores, kw, expect", [
+    (2, {"torch_threads": 2}, (1, 2)),           # configured threads: 2 // 2 = 1 slot
+    (16, {"torch_threads": 2}, (4, 2)),          # 14 usable // 2 = 7, capped at 4 slots
+    (2, {"train_slots": 1}, (1, 2)),             # configured slots: 2 // 1 = 2 threads
+    (4, {"train_slots": 3, "torch_threads": 2}, (3, 2)),  # both configured: kept, said to be oversubscribed
+])
+def test_plan_threads_configured_values_rule(cores: int, kw: dict, expect: tuple[int, int]) -> None:
+    plan = D.plan_threads(cores, role="simulation", clients=10, embedded_broker=True, **kw)
+    assert (plan.train_slots, plan.torch_threads) == expect
+    assert any("oversubscribed" in r for r in plan.reasons) == (plan.busy_threads > cores)
+
+
+@pytest.mark.parametrize("cores, profile_threads, threads", [(4, 4, 4), (2, 8, 2), (16, 4, 4), (1, 4, 1), (4, None, 4)])
+def test_plan_threads_device_follows_the_profile(cores: int, profile_threads: int | None, threads: int) -> None:
+    plan = D.plan_threads(cores, role="device", profile_threads=profile_threads, embedded_broker=True, clients=10)
+    assert (plan.train_slots, plan.torch_threads, plan.reserved_cores, plan.interop_threads) == (1, threads, 0, 1)
+
+
+def test_plan_threads_refuses_bad_input() -> None:
+    for kw in ({"role": "server"}, {"role": "device", "clients": 0}, {"role": "simulation", "torch_threads": -1}):
+        with pytest.raises(ValueError):
+            D.plan_threads(2, **kw)
+    with pytest.raises(ValueError):
+        D.plan_threads(0, role="device")
+
+
+def test_thread_plan_record_and_line() -> None:
+    plan = D.plan_threads(2, role="simulation", clients=10)
+    rec = plan.as_dict()
+    assert rec["train_slots"] == 2 and rec["torch_threads"] == 1 and rec["busy_threads"] == 2
+    assert rec["reasons"] == list(plan.reasons)
+    assert plan.describe().startswith("thread plan: 2 cores, 2 trainings at once x 1 torch thread (inter-op 1)")
+
+
+def test_apply_threads_sets_torch_and_reports_the_interop_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(torch, "get_num_interop_threads", lambda: 3)
+
+    def refuse(n: int) -> None:
+        raise RuntimeError("cannot set number of interop threads after parallel work has started")
+
+    monkeypatch.setattr(torch, "set_num_interop_threads", refuse)
+    got = D.apply_threads(D.plan_threads(4, role="device", profile_threads=2))
+    assert calls == [2] and got.interop_threads == 3
+    assert "already started with 3 threads" in got.reasons[-1]

@@ -76,8 +76,17 @@ def test_split_layout(n: int) -> None:
         assert (c.transfer_id, c.index, c.count, c.total_bytes) == (TID, i, len(chunks), n)
         assert c.offset == i * CB
         assert c.sha256 == hashlib.sha256(p).digest()
-        assert type(c.data) is bytes
+        # no copy: one chunk carries the payload itself, several carry read-only views on it
+        assert c.data is p if len(chunks) == 1 else (type(c.data) is memoryview and c.data.obj is p)
+        assert memoryview(c.data).readonly
         assert len(c.data) == (CB if i < len(chunks) - 1 else n - i * CB)
+
+
+def test_split_copies_a_mutable_payload_once() -> None:
+    p = bytearray(payload_of(3 * CB))
+    chunks = split(p, chunk_bytes=CB, transfer_id=TID)
+    p[0] ^= 0xFF  # a later write to the caller's buffer never reaches the chunks
+    assert bytes(chunks[0].data) == payload_of(3 * CB)[:CB]
 
 
 def test_empty_payload_is_one_chunk_of_zero_bytes() -> None:

@@ -1,0 +1,446 @@
+"""Round benchmark of fedfleet: a round of the main job against its compute floor, per phase;
+encode/decode against a plain copy, with peak memory; peak RSS per virtual agent. Writes a
+Markdown report (``benchmarks/round.md``) from JSON results kept per part, so a long run can be
+resumed and parts re-run on their own.
+
+Usage (from the repository root, on a quiet machine: nothing else busy, every figure is a time)::
+
+    python tools/bench_round.py --out benchmarks/round.md                  # every part, full sizes
+    python tools/bench_round.py --parts codec --redo --out benchmarks/round.md   # one part again
+    python tools/bench_round.py --tiny --work /tmp/bench-round-tiny --out /tmp/round-tiny.md  # smoke
+
+Parts (``--parts``; each one's results go to ``WORK/<part>.json`` and are reused unless ``--redo``):
+
+1. ``round`` — the main job (``examples/mnist-fedavg.toml``: MNIST, light CNN, 10 clients,
+   Dirichlet 0.5, 1 local epoch, ``--rounds`` rounds, seed 0) with :func:`broker_server.simulate.simulate`
+   over the embedded broker, its thread plan as chosen (:func:`edge_agent.device.plan_threads`).
+   Per round: wall seconds, the server's ``phase_s`` from ``metrics.jsonl`` (selection, publish,
+   collect, receive/decode, accumulate, aggregate, evaluate, the previous round's checkpoint and
+   registry, ledger writes) and the devices' own ``train_seconds``; every agent's own phases
+   (waiting for a training slot, train, prepare/send the update, receive). Then, in the same
+   process, the **compute floor**: the same epochs over the same shards (the same partition),
+   with the same thread plan (``train_slots`` trainings at once, each with ``torch_threads``
+   intra-op threads), in a plain torch loop (SGD with the job's lr/momentum/weight decay, batch
+   size, a seeded ``randperm`` order), no MQTT, no encoding, starting each round from the
+   previous round's plain average; plus the same evaluation of the global model. Ratio = steady
+   fedfleet round (rounds 2..R) / steady floor round.
+2. ``codec`` — :func:`protocol.messages.encode` / :func:`~protocol.messages.decode` of one
+   float32 update of 10,000 values (40 KB) and of 11.2 M values (44.8 MB) against ``np.copyto``
+   into a preallocated array and ``arr.copy()`` (which allocates, as an encode must), median of
+   ``--reps``; peak traced memory (``tracemalloc``, numpy reports to it) of the encode, of a whole
+   chunked :meth:`protocol.channel.Channel.send` (1 MiB chunks, a transport that keeps nothing)
+   and of the decode, as multiples of the payload.
+3. ``fleet`` — peak RSS (VmHWM) of a simulating process with 1, 100 and 500 virtual MNIST agents
+   (IID, 2 rounds, one fresh child process per case), per agent beyond the 1-agent case (the data
+   set and the process's fixed cost), and rounds per minute.
+
+Flower (simulation engine, deployment mode, legacy gRPC) is not run here:
+``tools/bench_protocol.py`` part 4 has the legacy path.
+
+``--tiny`` shrinks every part (digits, 3 clients, 2 rounds; 40 KB and 2 MB updates; 2 and 4
+agents) to check that the tool works; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PARTS = ("round", "codec", "fleet")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def machine() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True,
+                                text=True).stdout.strip())
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": np.__version__, "commit": commit + (" (uncommitted changes)" * dirty),
+            "loadavg": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def vmhwm_mib() -> float:
+    """Peak resident memory of this process (``VmHWM``), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def median_time(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def job_config(args: argparse.Namespace, over: dict[tuple[str, str], Any] | None = None):
+    from broker_server import config as C
+
+    o: dict[tuple[str, str], Any] = {("run", "rounds"): args.rounds}
+    if args.tiny:
+        o.update({("data", "dataset"): "digits", ("data", "clients"): 3, ("server", "quorum"): 3,
+                  ("run", "rounds"): 2})
+    o.update(over or {})
+    return C.load(args.config, o)
+
+
+# --------------------------------------------------------------------------------------------
+# part 1: a round against its compute floor
+
+
+def part_round(args: argparse.Namespace) -> dict[str, Any]:
+    from broker_server.simulate import simulate
+
+    cfg = job_config(args)
+    plans: list[Any] = []
+    agents: list[Any] = []
+    run_dir = Path(args.work) / f"run-{int(time.time())}"
+    t0 = time.perf_counter()
+    res = simulate(cfg, run_dir=run_dir, on_plan=plans.append, agent_hook=lambda i, a: agents.append(a))
+    wall = time.perf_counter() - t0
+    plan = plans[0]
+    rounds = [{"round": m["round"], "seconds": m["seconds"], "accuracy": m["accuracy"],
+               "phase_s": m.get("phase_s", {}), "clients_train_s": m.get("clients_train_s", {})}
+              for m in res.metrics]
+    agent_phases: dict[str, float] = {}
+    for a in agents:
+        for k, v in a.phases.snapshot().items():
+            agent_phases[k] = agent_phases.get(k, 0.0) + v
+    floor = compute_floor(cfg, plan, len(rounds))
+    return {"config": str(args.config), "dataset": cfg.data.dataset, "clients": cfg.data.clients,
+            "thread_plan": plan.as_dict(), "rounds": rounds, "wall_s": wall, "final_accuracy": res.final_accuracy,
+            "agent_phases_s": agent_phases, "floor": floor, "broker": res.broker}
+
+
+def compute_floor(cfg: Any, plan: Any, rounds: int) -> dict[str, Any]:
+    """The same local epochs over the same shards in a plain torch loop (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from broker_server.runtime import device_model
+    from broker_server.server import evaluate
+    from broker_server.simulate import split_clients
+    from edge_agent.data import load_dataset
+
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+    parts = split_clients(ds, cfg)
+    shards = [(torch.from_numpy(ds.train.x[idx]), torch.from_numpy(ds.train.y[idx])) for idx in parts]
+    torch.set_num_threads(plan.torch_threads)
+    name = cfg.model.architectures()[0]
+    global_model = device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
+    t = cfg.train
+
+    def local(i: int, state: dict[str, torch.Tensor], rnd: int) -> tuple[dict[str, torch.Tensor], int]:
+        model = device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
+        model.load_state_dict(state)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        x, y = shards[i]
+        g = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + rnd * 1009 + i)
+        for _ in range(t.local_epochs):
+            perm = torch.randperm(len(y), generator=g)
+            for s in range(0, len(y), t.batch_size):
+                idx = perm[s:s + t.batch_size]
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, len(y)
+
+    out = []
+    with ThreadPoolExecutor(max_workers=plan.train_slots) as pool:
+        for rnd in range(1, rounds + 1):
+            state = {k: v.detach().clone() for k, v in global_model.state_dict().items()}
+            t0 = time.perf_counter()
+            results = list(pool.map(lambda i, s=state, r=rnd: local(i, s, r), range(len(shards))))
+            t1 = time.perf_counter()
+            n = sum(w for _, w in results)
+            avg = {k: sum(s[k].double() * (w / n) for s, w in results).to(v.dtype)
+                   for k, v in global_model.state_dict().items()}
+            global_model.load_state_dict(avg)
+            t2 = time.perf_counter()
+            acc, _ = evaluate(global_model, ds.test, batch_size=cfg.server.eval_batch_size)
+            t3 = time.perf_counter()
+            out.append({"round": rnd, "train_s": t1 - t0, "average_s": t2 - t1, "evaluate_s": t3 - t2,
+                        "accuracy": float(acc)})
+    return {"rounds": out, "train_slots": plan.train_slots, "torch_threads": plan.torch_threads}
+
+
+# --------------------------------------------------------------------------------------------
+# part 2: encode / decode against a copy, with peak memory
+
+
+class _NullTransport:
+    client_id = "client-007"
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                wait_s: float | None = None) -> None:
+        pass
+
+    def subscribe(self, filters: list[str], qos: int = 1) -> None:
+        pass
+
+    def get(self, timeout_s: float | None) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _peak(fn: Any) -> tuple[int, Any]:
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before, _ = tracemalloc.get_traced_memory()
+        out = fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - before, out
+
+
+def _codec_row(n: int, reps: int) -> dict[str, Any]:
+    """Times and peaks of one float32 update of ``n`` values."""
+    import numpy as np
+
+    from protocol import topics
+    from protocol.channel import Channel
+    from protocol.messages import Envelope, Kind, Update, decode, encode
+
+    arr = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    dst = np.empty_like(arr)
+    body = Update(tensors=(arr,), num_samples=10, train_loss=0.5)
+    env = Envelope(round=1, sender="client-007", seq=1, body=body, timestamp_ms=1)
+    payload = encode(env).payload
+    t_copyto = median_time(lambda: np.copyto(dst, arr), reps)
+    t_copy = median_time(lambda: arr.copy(), reps)
+    t_enc = median_time(lambda: encode(env), reps)
+    t_dec = median_time(lambda: decode(payload), reps)
+    enc_peak, _ = _peak(lambda: encode(env))
+    dec_peak, _ = _peak(lambda: decode(payload))
+    ch = Channel(_NullTransport(), node_id="client-007", side="agent", federation="bench", ledger=None)
+    send_peak, _ = _peak(lambda: ch.send(topics.up("bench", "client-007", Kind.UPDATE), body, round=1))
+    return {"values": n, "tensor_bytes": arr.nbytes, "payload_bytes": len(payload), "reps": reps,
+            "copyto_s": t_copyto, "copy_s": t_copy, "encode_s": t_enc, "decode_s": t_dec,
+            "encode_peak_bytes": enc_peak, "send_peak_bytes": send_peak, "decode_peak_bytes": dec_peak}
+
+
+def part_codec(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = (10_000, 500_000) if args.tiny else (10_000, 11_200_000)
+    reps = 3 if args.tiny else args.reps
+    rows = [_codec_row(n, reps) for n in sizes]
+    return {"rows": rows}
+
+
+# --------------------------------------------------------------------------------------------
+# part 3: peak RSS per virtual agent
+
+
+def fleet_child(args: argparse.Namespace) -> None:
+    """One fleet case in this (fresh) process; prints one JSON line."""
+    from broker_server.simulate import simulate
+    from edge_agent.data import load_dataset
+
+    n = args.child_fleet
+    over: dict[tuple[str, str], Any] = {
+        ("data", "clients"): n, ("data", "partition"): "iid", ("data", "min_samples"): 5, ("server", "quorum"): n,
+        ("server", "join_timeout_s"): 600.0, ("server", "round_deadline_s"): 1800.0, ("run", "rounds"): 2}
+    if args.tiny:
+        over[("data", "dataset")] = "digits"
+    cfg = job_config(args, over)
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+    data_mib = (ds.train.x.nbytes + ds.train.y.nbytes) / 2**20
+    loaded = vmhwm_mib()
+    res = simulate(cfg, run_dir=Path(args.work) / f"fleet-{n}-{int(time.time())}")
+    secs = [m["seconds"] for m in res.metrics]
+    print(json.dumps({"agents": n, "vmhwm_mib": vmhwm_mib(), "after_load_mib": loaded, "data_mib": data_mib,
+                      "round_s": secs, "rounds_completed": res.rounds_completed,
+                      "reported": [m["clients_reported"] for m in res.metrics]}))
+
+
+def part_fleet(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = (1, 2, 4) if args.tiny else tuple(int(s) for s in args.fleet_sizes.split(","))
+    cases = []
+    for n in sizes:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child-fleet", str(n), "--work", str(args.work),
+               "--config", str(args.config)] + (["--tiny"] if args.tiny else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            cases.append({"agents": n, "error": (proc.stderr or proc.stdout)[-2000:]})
+            continue
+        cases.append(json.loads(lines[-1]))
+    return {"cases": cases}
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> str:
+    m = machine()
+    out = ["# fedfleet round benchmark", "",
+           f"Produced by `python tools/bench_round.py {' '.join(sys.argv[1:])}` on {m['when']}; code {m['commit']}. "
+           f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}. Load "
+           f"average at the end {m['loadavg'][0]:.2f}/{m['loadavg'][1]:.2f}/{m['loadavg'][2]:.2f}: times are "
+           "only meaningful on a quiet machine. Each part's own start time and load are in its JSON "
+           f"(`{args.work}`).", ""]
+    if args.tiny:
+        out += ["**--tiny: a smoke run of the tool at toy sizes; no figure here means anything.**", ""]
+    r = results.get("round")
+    if r:
+        plan = r["thread_plan"]
+        rounds = r["rounds"]
+        steady = rounds[1:] or rounds
+        fl = r["floor"]["rounds"]
+        fl_steady = fl[1:] or fl
+        mean_round = _mean([x["seconds"] for x in steady])
+        mean_floor = _mean([x["train_s"] for x in fl_steady])
+        mean_floor_eval = _mean([x["train_s"] + x["average_s"] + x["evaluate_s"] for x in fl_steady])
+        out += ["## 1. A round against its compute floor", "",
+                f"`{r['config']}` ({r['dataset']}, {r['clients']} clients), {len(rounds)} rounds over {r['broker']}; "
+                f"thread plan: {plan['train_slots']} trainings at once x {plan['torch_threads']} torch threads on "
+                f"{plan['cores']} cores ({'; '.join(plan['reasons'])}). Final accuracy {r['final_accuracy']:.4f}; "
+                f"floor's plain FedAvg {fl[-1]['accuracy']:.4f}.", "",
+                "| | steady round s (rounds 2..R) | × floor |", "| --- | ---: | ---: |",
+                f"| fedfleet round | {mean_round:.2f} | {mean_round / mean_floor:.2f} |",
+                f"| floor: training only | {mean_floor:.2f} | 1.00 |",
+                f"| floor: training + average + evaluation | {mean_floor_eval:.2f} | "
+                f"{mean_floor_eval / mean_floor:.2f} |",
+                ""]
+        order = ["select", "publish", "collect", "receive", "accumulate", "aggregate", "evaluate", "checkpoint_prev",
+                 "registry_prev", "ledger"]
+        seen = {k for x in rounds for k in x["phase_s"]}
+        keys = [k for k in order if k in seen] + sorted(seen - set(order))
+        out += ["Server phases per round (s; `metrics.jsonl` `phase_s`; `receive` and `accumulate` lie inside "
+                "`collect`; `*_prev` are the previous round's; `ledger` counts every writer):", "",
+                "| round | seconds | " + " | ".join(keys) + " | devices' train s (sum / max) |",
+                "| ---: | ---: | " + " | ".join("---:" for _ in keys) + " | ---: |"]
+        for x in rounds:
+            ct = x["clients_train_s"]
+            out.append(f"| {x['round']} | {x['seconds']:.2f} | "
+                       + " | ".join(f"{x['phase_s'].get(k, 0.0):.3f}" for k in keys)
+                       + f" | {ct.get('sum', 0):.2f} / {ct.get('max', 0):.2f} |")
+        out += ["", "Floor per round (s):", "", "| round | train | average | evaluate | accuracy |",
+                "| ---: | ---: | ---: | ---: | ---: |"]
+        out += [f"| {x['round']} | {x['train_s']:.2f} | {x['average_s']:.3f} | {x['evaluate_s']:.2f} | "
+                f"{x['accuracy']:.4f} |" for x in fl]
+        ap = r["agent_phases_s"]
+        out += ["", "Agents' own phases, summed over every agent and round (s): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ap.items())), ""]
+    c = results.get("codec")
+    if c:
+        out += ["## 2. Encode and decode against a copy", "",
+                "| values | payload MB | np.copyto ms | arr.copy() ms | encode ms | encode × copyto | encode × copy() "
+                "| decode ms | decode × copyto | encode peak × payload | chunked send peak × payload | decode peak "
+                "× payload |", "| ---: |" + " ---: |" * 11]
+        for x in c["rows"]:
+            p = x["payload_bytes"]
+            enc, dec = x["encode_s"], x["decode_s"]
+            out.append(
+                f"| {x['values']:,} | {p / 1e6:.2f} | {x['copyto_s'] * 1e3:.3f} | {x['copy_s'] * 1e3:.3f} | "
+                f"{enc * 1e3:.3f} | {x['copyto_s'] / enc:.2f} | {x['copy_s'] / enc:.2f} | "
+                f"{dec * 1e3:.3f} | {x['copyto_s'] / dec:.2f} | {x['encode_peak_bytes'] / p:.2f} | "
+                f"{x['send_peak_bytes'] / p:.2f} | {x['decode_peak_bytes'] / p:.2f} |")
+        out += ["", "Speeds are ratios of times (1.0 = as fast as the copy); goals (issue 16): encode ≥ 0.3×, "
+                "decode ≥ 0.5× copy speed at 45 MB, peak ≤ 1.2× payload.", ""]
+    f = results.get("fleet")
+    if f:
+        cases = f["cases"]
+        base = next((x for x in cases if x.get("agents") == 1 and "vmhwm_mib" in x), None)
+        out += ["## 3. Peak RSS per virtual agent", "",
+                "| agents | VmHWM MiB | data set MiB | Δ vs 1 agent MiB | MiB per agent | steady round s "
+                "| rounds/min |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for x in cases:
+            if "error" in x:
+                out.append(f"| {x['agents']} | failed: {x['error'][-200:]!r} | | | | | |")
+                continue
+            d = x["vmhwm_mib"] - base["vmhwm_mib"] if base and x["agents"] > 1 else None
+            delta = "—" if d is None else f"{d:,.1f}"
+            per = "—" if d is None else f"{d / (x['agents'] - 1):.2f}"
+            steady = _mean(x["round_s"][1:] or x["round_s"])
+            out.append(f"| {x['agents']} | {x['vmhwm_mib']:,.1f} | {x['data_mib']:.1f} | {delta} | {per} | "
+                       f"{steady:.2f} | {60 / steady:.2f} |")
+        out += ["", "Goal (issue 16): ≤ 2 MiB per agent beyond the data set.", ""]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/round.md", help="the Markdown report")
+    ap.add_argument("--work", default="/tmp/bench-round", help="folder for per-part JSON results and run folders")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--redo", action="store_true", help="run the parts again even when their JSON exists")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes, to check the tool works")
+    ap.add_argument("--config", default=str(ROOT / "examples" / "mnist-fedavg.toml"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7, help="repetitions of each codec timing (median)")
+    ap.add_argument("--fleet-sizes", default="1,100,500")
+    ap.add_argument("--child-fleet", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    if args.child_fleet:
+        fleet_child(args)
+        return 0
+    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in wanted if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part(s) {bad}; known: {', '.join(PARTS)}")
+    runners = {"round": part_round, "codec": part_codec, "fleet": part_fleet}
+    results: dict[str, dict] = {}
+    for part in PARTS:
+        path = Path(args.work) / f"{part}.json"
+        if part in wanted and (args.redo or not path.exists()):
+            print(f"bench_round: part {part} …", flush=True)
+            started = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_before": os.getloadavg()}
+            res = runners[part](args)
+            res.update(started, loadavg_after=os.getloadavg())
+            path.write_text(json.dumps(res, indent=1), encoding="utf-8")
+        if path.exists():
+            results[part] = json.loads(path.read_text(encoding="utf-8"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(report(results, args), encoding="utf-8")
+    print(f"bench_round: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench_round"
+    sys.exit(main())
