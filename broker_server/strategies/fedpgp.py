@@ -125,8 +125,9 @@ class FedPGP(FedAvg):
                  gp_every: str = "step", projection: str = "conflict", projection_unit: str = "module",
                  pool_groups: int = POOL_GROUPS, pool_seed: int = 0, **kw) -> None:
         super().__init__(**kw)
-        client = {"proto_layer": proto_layer, "mix_size": mix_size, "pool_weighting": pool_weighting,
-                  "gp_every": gp_every, "projection": projection, "projection_unit": projection_unit}
+        client: dict[str, float | int | str] = {
+            "proto_layer": proto_layer, "mix_size": mix_size, "pool_weighting": pool_weighting, "gp_every": gp_every,
+            "projection": projection, "projection_unit": projection_unit}
         PGPSettings.from_params(client)  # raises ValueError on a bad value
         for key, value in (("pool_groups", pool_groups), ("pool_seed", pool_seed)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "pool_groups" else 0):
