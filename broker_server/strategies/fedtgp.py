@@ -111,7 +111,8 @@ class FedTGP(FedProto):
         ValueError: a value out of range.
 
     C and d come from the bound model's classifier (:meth:`bind_model`); unbound, from the
-    first round's uploads (d = their width, C = the largest class id + 1).
+    network's embedding once trained, else from the first round's uploads (d = their width,
+    C = the largest class id + 1).
     """
 
     name = "fedtgp"
@@ -186,6 +187,8 @@ class FedTGPAccumulator:
         classes = np.concatenate([self.pairs[k][1] for k in order])
         if s.head is not None:
             num_classes, dim = s.head
+        elif s.generator_state:  # unbound, resumed: the embedding [C, d] of the trained network
+            num_classes, dim = (int(v) for v in np.shape(s.generator_state[0]))
         else:
             num_classes, dim = int(classes.max()) + 1, self.dim
         if dim != self.dim or classes.max() >= num_classes:
