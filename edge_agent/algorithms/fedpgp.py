@@ -35,7 +35,7 @@ names, and why the default is what it is:
   other value names a top-level layer of ``model.backbone`` (``"conv2"``, ``"pool2"``, ``"fc"``
   of the light CNN; ``"layer3"`` of a zoo ResNet …); the representation is that layer's output,
   flattened; the layers after it in ``backbone`` and the head are the "downstream" layers.
-- ``mix_size`` (8): smallest group size s of a mixed prototype. SPECS §2.2's suggestion. A
+- ``mix_size`` (8): smallest group size s of a mixed prototype. SPECS §2.2's suggestion; s ≥ 2. A
   class with N_c ≥ s samples gives ⌊N_c/s⌋ prototypes (groups of s … 2s−1 samples); a class
   with 2 ≤ N_c < s gives one prototype of all N_c; a class with one sample gives none, so no
   single sample's representation ever leaves the device.
@@ -104,7 +104,8 @@ class PGPSettings:
     """The client's FedPGP keys (module docstring).
 
     Raises (from :meth:`from_params`):
-        ValueError: a value outside its choices, ``mix_size`` not an int ≥ 1.
+        ValueError: a value outside its choices, ``mix_size`` not an int ≥ 2 (a group of one
+            would upload that sample's representation).
     """
 
     proto_layer: str = ""
@@ -124,8 +125,8 @@ class PGPSettings:
             return str(v)
 
         mix = params.get("mix_size", MIX_SIZE)
-        if isinstance(mix, bool) or int(cast(IntLike, mix)) != mix or int(cast(IntLike, mix)) < 1:
-            raise ValueError(f"mix_size must be an int >= 1, got {mix!r}")
+        if isinstance(mix, bool) or int(cast(IntLike, mix)) != mix or int(cast(IntLike, mix)) < 2:
+            raise ValueError(f"mix_size must be an int >= 2 (no single sample's representation leaves), got {mix!r}")
         layer = params.get("proto_layer", "")
         if not isinstance(layer, str):
             raise ValueError(f"proto_layer must be a layer name (text), got {layer!r}")

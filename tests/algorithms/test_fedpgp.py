@@ -268,3 +268,11 @@ def test_fedpgp_federation_pool_is_recomputed_from_the_uploads(tmp_path) -> None
     assert 0 < metrics[1]["pgp_projected_share"] <= 1
     # chance is 0.1; FedAvg in this setting reaches 0.55 (measured), a central model ~0.9 (conftest)
     assert metrics[1]["accuracy"] > 0.3
+
+
+def test_mix_size_below_two_is_refused() -> None:
+    """A group of one would upload that sample's own representation."""
+    with pytest.raises(ValueError, match="mix_size must be an int >= 2"):
+        PGPSettings.from_params({"mix_size": 1})
+    with pytest.raises(ValueError, match="mix_size"):
+        get_strategy("fedpgp", mix_size=1)
