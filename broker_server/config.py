@@ -62,6 +62,8 @@ class DataSection:
     most that many samples per domain (seeded, stratified; 0 = all), multi-domain sets only.
     ``train_samples`` partitions a seeded, class-stratified subset of that many training samples
     (0 = the whole split): the data-scarce regime (FedMCP++'s protocol), or a quick trial.
+    ``partition = "classes"``: each client holds ``classes_per_client`` classes only (the
+    pathological split, :func:`edge_agent.partition.classes_per_client`).
     """
 
     dataset: str = "digits"
@@ -74,6 +76,7 @@ class DataSection:
     domain_clients: str = ""
     domain_train_cap: int = 0
     domain_test_cap: int = 0
+    classes_per_client: int = 2
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,8 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("data", "clients"): (1, 100_000),
     ("data", "min_samples"): (1, 10**9),
     ("data", "train_samples"): (0, 10**9),
-    ("data", "partition"): ("iid", "dirichlet", "domain-silo"),
+    ("data", "partition"): ("iid", "dirichlet", "domain-silo", "classes"),
+    ("data", "classes_per_client"): (1, 100_000),
     ("data", "domain_train_cap"): (0, 10**9),
     ("data", "domain_test_cap"): (0, 10**9),
     ("train", "local_epochs"): (1, 1000),

@@ -101,7 +101,7 @@ def split_clients(ds, cfg: Config) -> list:
     try:  # the same function fedfleet-agent splits with
         return split_dataset(ds, d.clients, scheme=d.partition, seed=cfg.run.seed, alpha=d.alpha,
                              min_samples=d.min_samples, train_samples=d.train_samples,
-                             domain_clients=d.domain_clients)
+                             domain_clients=d.domain_clients, classes=d.classes_per_client)
     except PartitionError as exc:
         raise ConfigError(
             f"cannot split {ds.name} ({len(ds.train.y):,} training samples) into {cfg.data.clients} clients "

@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", "--data", dest="data", help="folder holding the data set files")
     p.add_argument("--shard", default="0/1",
                    help="i/n: take shard i of the n-way partition; n must equal the server's [data] clients")
-    p.add_argument("--partition", default="iid", choices=SCHEMES,
-                   help="must match the server's [data] partition (the server refuses a mismatch)")
+    p.add_argument("--partition", default="iid", choices=[s for s in SCHEMES if s != "classes"],
+                   help="must match the server's [data] partition (the server refuses a mismatch); the "
+                        "'classes' scheme is simulation-only (its classes_per_client is not announced yet)")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet α; must match the server's [data] alpha")
     p.add_argument("--min-samples", type=int, default=10,
                    help="smallest shard; drives Dirichlet's redraws: must match the server's [data] min_samples")

@@ -13,6 +13,10 @@ Schemes (:func:`partition` dispatches on the name):
   (Hsu, Qi & Brown 2019, "Measuring the effects of non-identical data distribution for
   federated visual classification", arXiv:1909.06335, Sec. 3; the same redraw-until-
   ``min_samples`` loop as PFLlib ``utils/dataset_utils.py::separate_data``).
+- ``"classes"``: :func:`classes_per_client`, the pathological label skew: client i holds only
+  the s classes (i·s + j) mod C, j < s, and each class's samples are split evenly among the
+  clients holding it (the "pat" split of PFLlib ``utils/dataset_utils.py``, with a fixed
+  round-robin class assignment; FedPGP's 2-classes-per-client setting, SPECS.md §2.3).
 - ``"domain-silo"``: :func:`domain_silo`, each client holds data of one domain only; a domain's
   training split is cut into equal disjoint shards, one per client of that domain (FedPAD,
   Zhang, Wan & Long, Neurocomputing 2026; SPECS.md §1.1). It needs each sample's domain
@@ -38,6 +42,7 @@ __all__ = [
     "SCHEMES",
     "STRONG_DOMAIN_CLIENTS",
     "allocate_domain_clients",
+    "classes_per_client",
     "describe",
     "dirichlet",
     "domain_silo",
@@ -47,7 +52,7 @@ __all__ = [
     "split_dataset",
 ]
 
-SCHEMES: tuple[str, ...] = ("dirichlet", "domain-silo", "iid")
+SCHEMES: tuple[str, ...] = ("classes", "dirichlet", "domain-silo", "iid")
 """Names accepted by :func:`partition`, sorted."""
 
 DEFAULT_DOMAIN_CLIENTS: tuple[int, ...] = (3, 4, 2, 1)
@@ -162,6 +167,50 @@ def dirichlet(
     )
 
 
+def classes_per_client(labels: np.ndarray, num_clients: int, *, classes: int, seed: int,
+                       min_samples: int = 1) -> list[np.ndarray]:
+    """Pathological label skew: client i holds the ``classes`` classes (i·s + j) mod C, j < s
+    (C = the distinct labels in increasing order), and each class's shuffled indices are cut by
+    ``numpy.array_split`` into equal shards, one per client holding that class (client order).
+    A class no client holds (K·s < C) is left out, so the shards then do not cover every index.
+
+    Args:
+        labels: integer class labels ``[N]``. num_clients: K, ``1 <= K <= N``.
+        classes: s, classes per client, ``1 <= s <= C``. seed: seed of ``default_rng``.
+        min_samples: smallest allowed client size.
+
+    Returns:
+        K sorted, disjoint int64 index arrays.
+
+    Raises:
+        PartitionError: bad arguments, or a client below ``min_samples``.
+    """
+    y = _check_labels(labels)
+    k = _check_num_clients(num_clients, int(y.shape[0]))
+    ids = np.unique(y)
+    s = _check_int("classes", classes, minimum=1)
+    if s > ids.size:
+        raise PartitionError(f"classes={s} per client exceeds the {ids.size} classes of the data")
+    m = _check_int("min_samples", min_samples, minimum=0)
+    rng = _rng(seed)
+    holders: dict[int, list[int]] = {c: [] for c in range(ids.size)}
+    for i in range(k):
+        for j in range(s):
+            holders[(i * s + j) % ids.size].append(i)
+    shards: list[list[np.ndarray]] = [[] for _ in range(k)]
+    for c in range(ids.size):
+        members = rng.permutation(np.flatnonzero(y == ids[c]))
+        for owner, piece in zip(holders[c], np.array_split(members, len(holders[c])) if holders[c] else [],
+                                strict=True):
+            shards[owner].append(piece)
+    parts = [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in shards]
+    small = min(p.size for p in parts)
+    if small < m:
+        raise PartitionError(f"classes({s}) partition: a client holds {small} samples, below min_samples={m}; "
+                             "use fewer clients")
+    return parts
+
+
 def partition(
     labels: np.ndarray,
     num_clients: int,
@@ -173,8 +222,10 @@ def partition(
     domains: np.ndarray | None = None,
     domain_names: Sequence[str] = (),
     domain_clients: str | Mapping[str, int] | None = None,
+    classes: int = 2,
 ) -> list[np.ndarray]:
-    """Partition a train split among clients by scheme name.
+    """Partition a train split among clients by scheme name (``classes``: s of the
+    ``"classes"`` scheme, :func:`classes_per_client`; ignored by the others).
 
     Args:
         labels: integer class labels of the train split, shape ``[N]``.
@@ -227,6 +278,10 @@ def partition(
                 f"below min_samples={m}"
             )
         return iid(n, k, seed=seed)
+    if scheme == "classes":
+        if alpha is not None:
+            raise PartitionError(f"scheme 'classes' takes no alpha (got alpha={alpha!r})")
+        return classes_per_client(y, k, classes=classes, seed=seed, min_samples=min_samples)
     if scheme == "dirichlet":
         if alpha is None:
             raise PartitionError("scheme 'dirichlet' needs alpha (> 0, or math.inf)")
@@ -244,8 +299,10 @@ def split_dataset(
     min_samples: int = 10,
     train_samples: int = 0,
     domain_clients: str | Mapping[str, int] | None = "",
+    classes: int = 2,
 ) -> list[np.ndarray]:
-    """The configured partition of a loaded data set's training split: what a federation's server
+    """The configured partition of a loaded data set's training split (``classes``: the
+    ``"classes"`` scheme's classes per client, ``[data] classes_per_client``): what a federation's server
     (``[data]`` settings) and each real agent (``fedfleet-agent`` options) must compute alike.
 
     With ``0 < train_samples < N`` the partition is of a seeded, class-stratified subset of
@@ -284,7 +341,8 @@ def split_dataset(
         silo = {"domains": domains if domains is None or subset is None else domains[subset],
                 "domain_names": tuple(getattr(ds, "domain_names", ()) or ()), "domain_clients": domain_clients}
     parts = partition(y_all if subset is None else y_all[subset], num_clients, scheme=scheme, seed=seed,
-                      alpha=alpha if scheme == "dirichlet" else None, min_samples=min_samples, **silo)
+                      alpha=alpha if scheme == "dirichlet" else None, min_samples=min_samples, classes=classes,
+                      **silo)
     return parts if subset is None else [subset[np.asarray(p, dtype=np.int64)] for p in parts]
 
 

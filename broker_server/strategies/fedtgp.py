@@ -1,0 +1,227 @@
+"""FedTGP, server half: trainable global prototypes with an adaptive-margin contrastive loss
+(Zhang et al., AAAI 2024; SPECS.md §6.2; TsingZ0/FedTGP and HtFLlib ``servertgp``).
+
+The server keeps a small network that outputs one prototype per class,
+
+    P_c = fc(ReLU(W · Emb(c) + b)),   Emb ∈ R^{C×d}, W ∈ R^{d×d}, fc: R^d → R^d
+
+(hidden width = d, as the code), initialised once from ``server_seed`` (PyTorch's default
+initialisers: Emb ~ N(0, 1), Linear uniform). Each round, from the uploaded client prototypes
+{(p, c)} (one per class per client):
+
+1. gap_c = min_{c' ≠ c} ‖p̄_c − p̄_{c'}‖₂ over the per-class means p̄ of the uploads (unweighted
+   over clients, as the code's ``proto_cluster``); classes without another class to compare
+   take the smallest gap; margin m = min(max_c gap_c, ``margin_threshold`` = 100);
+2. ``server_epochs`` (100) epochs of SGD (lr ``server_lr`` = 0.01 = the clients' lr in the code,
+   batch ``server_batch`` = 10 = the clients' batch, shuffled by a generator seeded with
+   (``server_seed``, round)) on
+
+       L = CE(−(D + m·onehot(c)), c),   D_{b,c'} = ‖p_b − P_{c'}‖₂
+
+   (the true class's distance is enlarged by the margin, so its prototype must come closer
+   than every other by at least m);
+3. the new global prototypes P_c for every class c (eval mode) are broadcast as FedProto's
+   ``prototypes`` [C, d] / ``proto_classes`` [C] and the clients are sent ``lambda_proto``
+   (10, the code's λ).
+
+When a round has a single class, no gap exists and m = 0. Distances are taken as
+sqrt(max(‖p‖² − 2p·P + ‖P‖², 0)) (the code's expansion, clamped so roundoff never gives a NaN).
+The network's parameters are the strategy's state (checkpointed); the round's training works on a
+copy, so nothing changes until the driver commits. Metrics: ``tgp_margin``, ``tgp_server_loss``
+(the last batch's), ``prototype_classes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ._base import ClientResult, GlobalUpdate
+from ._registry import register_strategy
+from .fedopt import check_range
+from .fedproto import FedProto
+
+if TYPE_CHECKING:
+    import torch
+
+#: Defaults of TsingZ0/FedTGP (SPECS §6.2).
+LAMBDA = 10.0
+SERVER_EPOCHS = 100
+SERVER_LR = 0.01
+SERVER_BATCH = 10
+MARGIN_THRESHOLD = 100.0
+
+
+def prototype_net(num_classes: int, dim: int, seed: int) -> torch.nn.Module:
+    """The trainable prototypes' network (module docstring), initialised from ``seed`` without
+    touching the global RNG; ``net(torch.arange(C))`` → [C, d]."""
+    import torch
+    from torch import nn
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Embedding(num_classes, dim), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+
+
+def class_gaps(means: dict[int, np.ndarray]) -> dict[int, float]:
+    """gap_c = the smallest L2 distance from class c's mean to another class's mean; a class
+    without another (a single class) gets none (``{}`` for fewer than two classes)."""
+    keys = sorted(means)
+    out: dict[int, float] = {}
+    for a in keys:
+        d = [float(np.linalg.norm(np.asarray(means[a], np.float64) - np.asarray(means[b], np.float64)))
+             for b in keys if b != a]
+        if d:
+            out[a] = min(d)
+    return out
+
+
+def adaptive_margin(means: dict[int, np.ndarray], threshold: float) -> float:
+    """m = min(max_c gap_c, threshold) (0 with fewer than two classes)."""
+    gaps = class_gaps(means)
+    return min(max(gaps.values()), threshold) if gaps else 0.0
+
+
+def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, centers: torch.Tensor,
+                            margin: float) -> torch.Tensor:
+    """CE(−(D + m·onehot), y) with D the L2 distances [B, C] of ``protos`` [B, d] to ``centers``
+    [C, d] (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    d2 = (protos * protos).sum(1, keepdim=True) - 2 * protos @ centers.T + (centers * centers).sum(1).unsqueeze(0)
+    dist = torch.sqrt(torch.clamp(d2, min=0.0) + 0.0)
+    dist = dist + margin * F.one_hot(labels, centers.shape[0]).to(dist.dtype)
+    return F.cross_entropy(-dist, labels)
+
+
+@register_strategy("fedtgp")
+class FedTGP(FedProto):
+    """FedTGP strategy: FedProto's exchange and validation, the server-trained prototypes.
+
+    Args:
+        lambda_proto: λ sent to the clients (default 10).
+        server_epochs (100), server_lr (0.01), server_batch (10), margin_threshold (100),
+        server_seed (0): module docstring.
+        participation_rate, min_clients, train_config: as :class:`FedAvg`.
+
+    Raises:
+        ValueError: a value out of range.
+
+    C and d come from the bound model's classifier (:meth:`bind_model`); unbound, from the
+    network's embedding once trained, else from the first round's uploads (d = their width,
+    C = the largest class id + 1).
+    """
+
+    name = "fedtgp"
+    share = "none"
+    buffers = "average"
+    model_requirement = "prototype"
+    instructions = ()
+
+    def __init__(self, *, lambda_proto: float = LAMBDA, server_epochs: int = SERVER_EPOCHS,
+                 server_lr: float = SERVER_LR, server_batch: int = SERVER_BATCH,
+                 margin_threshold: float = MARGIN_THRESHOLD, server_seed: int = 0, **base: object) -> None:
+        super().__init__(lambda_proto=lambda_proto, weighting="uniform", **base)
+        for key, value, low in (("server_epochs", server_epochs, 0), ("server_batch", server_batch, 1),
+                                ("server_seed", server_seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
+        self.server_epochs, self.server_batch, self.server_seed = server_epochs, server_batch, server_seed
+        self.server_lr = check_range("server_lr", server_lr, 0.0, np.inf, low_open=True)
+        self.margin_threshold = check_range("margin_threshold", margin_threshold, 0.0, np.inf)
+        self.generator_state: list[np.ndarray] = []  # the prototype network's state, in state_dict order
+
+    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FedTGPAccumulator:  # type: ignore[override]
+        """Buffers the round's (prototype, class) pairs; trains the prototypes at the close."""
+        return FedTGPAccumulator(self, round)
+
+    def aggregate(self, round: int, current: Sequence[np.ndarray],
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
+        """The round's trained prototypes from ``results`` (``None`` when none came back)."""
+        acc = self.accumulator(round, current)
+        for r in results:
+            acc.add(r)
+        return acc.result()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "generator_state": list(self.generator_state)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.generator_state = [np.asarray(a, np.float32) for a in state.get("generator_state", [])]
+
+
+class FedTGPAccumulator:
+    """One round of :class:`FedTGP`: the uploaded prototypes, then the server training."""
+
+    def __init__(self, strategy: FedTGP, round: int) -> None:
+        self.strategy, self.round = strategy, round
+        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.dim: int | None = None
+
+    def add(self, result: ClientResult) -> None:
+        """Keep one client's prototypes.
+
+        Raises:
+            ValueError: a width that differs from the round's earlier uploads.
+        """
+        p = np.asarray(result.extras["prototypes"], np.float32)
+        c = np.asarray(result.extras["proto_classes"]).astype(np.int64)
+        if p.shape[0]:
+            if self.dim is not None and p.shape[1] != self.dim:
+                raise ValueError(f"prototype width {p.shape[1]} differs from this round's {self.dim}")
+            self.dim = p.shape[1]
+        self.pairs[result.client_id] = (p, c)
+
+    def result(self) -> GlobalUpdate | None:
+        import torch
+
+        s = self.strategy
+        order = sorted(self.pairs)
+        if not order or self.dim is None:
+            return None
+        protos = np.concatenate([self.pairs[k][0].reshape(-1, self.dim) for k in order])
+        classes = np.concatenate([self.pairs[k][1] for k in order])
+        if s.head is not None:
+            num_classes, dim = s.head
+        elif s.generator_state:  # unbound, resumed: the embedding [C, d] of the trained network
+            num_classes, dim = (int(v) for v in np.shape(s.generator_state[0]))
+        else:
+            num_classes, dim = int(classes.max()) + 1, self.dim
+        if dim != self.dim or classes.max() >= num_classes:
+            raise ValueError(f"uploads of width {self.dim} / class {int(classes.max())} for C={num_classes}, d={dim}")
+        means = {int(c): protos[classes == c].astype(np.float64).mean(axis=0) for c in np.unique(classes)}
+        margin = adaptive_margin(means, s.margin_threshold)
+        net = prototype_net(num_classes, dim, s.server_seed)
+        if s.generator_state:
+            net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
+                                 zip(net.state_dict(), s.generator_state, strict=True)})
+        opt = torch.optim.SGD(net.parameters(), lr=s.server_lr)
+        gen = torch.Generator().manual_seed(s.server_seed * 1_000_003 + self.round)
+        p_t, c_t = torch.from_numpy(protos), torch.from_numpy(classes)
+        all_classes = torch.arange(num_classes)
+        last = float("nan")
+        net.train()
+        for _ in range(s.server_epochs):
+            perm = torch.randperm(len(c_t), generator=gen)
+            for start in range(0, len(c_t), s.server_batch):
+                idx = perm[start:start + s.server_batch]
+                loss = margin_contrastive_loss(p_t[idx], c_t[idx], net(all_classes), margin)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                last = float(loss.detach())
+        net.eval()
+        with torch.no_grad():
+            glob = net(all_classes).numpy().astype(np.float32)
+        ids = np.arange(num_classes, dtype=np.int64)
+        metrics = {"tgp_margin": float(margin), "prototype_classes": int(num_classes)}
+        if last == last:
+            metrics["tgp_server_loss"] = last
+        return GlobalUpdate(tensors=[], extras={"prototypes": glob, "proto_classes": ids},
+                            state={"prototypes": glob, "proto_classes": ids,
+                                   "generator_state": [t.detach().numpy().copy() for t in net.state_dict().values()]},
+                            metrics=metrics)
