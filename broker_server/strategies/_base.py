@@ -190,6 +190,19 @@ class BufferedAccumulator:
         return self.strategy.aggregate(self.round, self.current, sorted(self.results, key=lambda r: r.client_id))
 
 
+def fold(accumulator: Accumulator, results: Sequence[ClientResult]) -> GlobalUpdate | None:
+    """A streaming rule applied to a whole list: ``accumulator.add`` for each result, in the given
+    order, then ``accumulator.result()``. A strategy whose rule is its :meth:`Strategy.accumulator`
+    writes ``aggregate`` as ``return fold(self.accumulator(round, current), results)``.
+
+    Raises:
+        ValueError: from ``add`` (an unusable result), as the accumulator raises it.
+    """
+    for r in results:
+        accumulator.add(r)
+    return accumulator.result()
+
+
 def _defined_by(cls: type, attr: str) -> type | None:
     return next((k for k in cls.__mro__ if attr in k.__dict__), None)
 

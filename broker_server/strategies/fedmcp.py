@@ -25,7 +25,7 @@ from edge_agent.algorithms.fedmcp import TEACHER_EXTRAS, UPLOAD_EXTRAS, FedMCPPa
 from edge_agent.data import PROXY_SIZE, Dataset
 
 from ..aggregate import RunningWeightedSum
-from ._base import ClientResult, GlobalUpdate, RoundPlan, classifier_shape
+from ._base import ClientResult, GlobalUpdate, RoundPlan, classifier_shape, fold
 from ._registry import register_strategy
 from .fedavg import FedAvg
 
@@ -208,10 +208,7 @@ class FedMCP(FedAvg):
         """The teacher from ``results`` (in the given order), as the update's ``extras`` and
         ``state``; the model (nothing shared) never changes (``tensors=None``). No results:
         ``None``, the previous teacher is kept."""
-        acc = self.accumulator(round, current)
-        for r in results:
-            acc.add(r)
-        return acc.result()
+        return fold(self.accumulator(round, current), results)
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> TeacherAccumulator:
         """Streaming form of :meth:`aggregate` (memory: two teachers, whatever the fleet size)."""

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from ..aggregate import RunningWeightedSum
-from ._base import ClientResult, GlobalUpdate, RoundPlan
+from ._base import ClientResult, GlobalUpdate, RoundPlan, fold
 from ._registry import register_strategy
 from .fedavg import FedAvg
 
@@ -190,10 +190,7 @@ class ServerStepStrategy(FedAvg, abc.ABC):
     def aggregate(self, round: int, current: Sequence[np.ndarray],
                   results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """The same rule as :meth:`accumulator` on a whole list; ``None`` (no change) when empty."""
-        acc = self.accumulator(round, current)
-        for r in results:
-            acc.add(r)
-        return acc.result()
+        return fold(self.accumulator(round, current), results)
 
     def set_fleet_options(self, num_clients: int, weighting: str) -> None:
         """Check and keep N (``num_clients``, 0 = automatic, see :meth:`fleet_size`) and the

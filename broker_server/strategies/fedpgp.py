@@ -50,7 +50,7 @@ from edge_agent.algorithms.fedpgp import (
     PGPSettings,
 )
 
-from ._base import ClientResult, GlobalUpdate, classifier_shape
+from ._base import ClientResult, GlobalUpdate, classifier_shape, fold
 from ._registry import register_strategy
 from .fedavg import FedAvg, FedAvgAccumulator
 
@@ -177,10 +177,7 @@ class FedPGP(FedAvg):
     def aggregate(self, round: int, current: Sequence[np.ndarray],
                   results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """FedAvg of the models and the pool from ``results`` (``None`` when there are none)."""
-        acc = self.accumulator(round, current)
-        for r in results:
-            acc.add(r)
-        return acc.result()
+        return fold(self.accumulator(round, current), results)
 
     def global_extras(self) -> dict[str, np.ndarray]:
         """The pool (``{}`` before the first aggregation, or when it is empty)."""

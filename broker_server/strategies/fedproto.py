@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..aggregate import RunningWeightedSum
-from ._base import ClientResult, GlobalUpdate, RoundPlan, classifier_shape
+from ._base import ClientResult, GlobalUpdate, RoundPlan, classifier_shape, fold
 from ._registry import register_strategy
 from .fedavg import FedAvg, FedAvgAccumulator
 
@@ -228,10 +228,7 @@ class FedProto(FedAvg):
         """Global prototypes from ``results`` (the update's ``extras`` and ``state``) and the new
         shared tensors (``[]`` for ``share = "none"``), or ``None`` when nothing came back (the
         previous global prototypes are kept)."""
-        acc = self.accumulator(round, current)
-        for r in results:
-            acc.add(r)
-        return acc.result()
+        return fold(self.accumulator(round, current), results)
 
     def global_extras(self) -> dict[str, np.ndarray]:
         """``prototypes`` [K, d] float32 and ``proto_classes`` [K] int64; ``{}`` before the first

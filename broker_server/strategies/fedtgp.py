@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._base import ClientResult, GlobalUpdate
+from ._base import ClientResult, GlobalUpdate, fold
 from ._registry import register_strategy
 from .fedopt import check_range
 from .fedproto import FedProto
@@ -141,10 +141,7 @@ class FedTGP(FedProto):
     def aggregate(self, round: int, current: Sequence[np.ndarray],
                   results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """The round's trained prototypes from ``results`` (``None`` when none came back)."""
-        acc = self.accumulator(round, current)
-        for r in results:
-            acc.add(r)
-        return acc.result()
+        return fold(self.accumulator(round, current), results)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "generator_state": list(self.generator_state)}

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._base import ClientResult, GlobalUpdate, RoundPlan
+from ._base import ClientResult, GlobalUpdate, RoundPlan, fold
 from ._registry import register_strategy
 from .fedavg import FedAvg, FedAvgAccumulator
 from .fedproto import check_prototype_extras
@@ -161,10 +161,7 @@ class FPL(FedAvg):
                   results: Sequence[ClientResult]) -> GlobalUpdate | None:
         """FedAvg of the models and the new prototypes (the update's ``extras`` and ``state``).
         ``None`` (model and prototypes unchanged) when nothing came back."""
-        acc = self.accumulator(round, current)
-        for r in results:
-            acc.add(r)
-        return acc.result()
+        return fold(self.accumulator(round, current), results)
 
     def global_extras(self) -> dict[str, np.ndarray]:
         """``cluster_protos``, ``cluster_classes``, ``unbiased_protos``, ``unbiased_classes``;
