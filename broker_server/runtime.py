@@ -181,6 +181,7 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     cls: Callable[..., Strategy] = declared  # a Strategy subclass; its constructor takes the keywords below
     where = f"{cfg.source}: [algorithm] for {cfg.train.algorithm!r}"
     names, any_keyword = accepted_keywords(declared)
+    names |= set(declared.extra_keys)
     params = dict(cfg.algorithm)
     taken = sorted(set(params) & set(DRIVER_KWARGS))
     if taken:

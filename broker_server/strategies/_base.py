@@ -426,6 +426,9 @@ class Strategy(ABC):
     * ``model_requirement``: one of :data:`MODEL_REQUIREMENTS`.
     * ``instructions``: names of the per-device instruction keys the strategy may put in a
       :class:`RoundPlan` (``()`` for the strategies shipped today).
+    * ``extra_keys``: ``[algorithm]`` keys the constructor takes through its own ``**kwargs`` and
+      checks itself (hyperparameters it relays to the devices), besides its named keywords; the
+      configuration check (:func:`broker_server.runtime.make_strategy`) accepts them.
 
     A strategy never publishes and never commits its own aggregate: :meth:`aggregate` and the
     accumulator's ``result()`` return a :class:`GlobalUpdate`; the driver adopts it through
@@ -437,6 +440,7 @@ class Strategy(ABC):
     buffers: ClassVar[str] = "average"
     model_requirement: ClassVar[str] = "manifest"
     instructions: ClassVar[tuple[str, ...]] = ()
+    extra_keys: ClassVar[tuple[str, ...]] = ()
 
     #: the ``metrics`` of the last update :meth:`commit` adopted (``{}`` before any), for offline
     #: callers of :meth:`step` and tests; replaced on each commit, never mutated. The driver does

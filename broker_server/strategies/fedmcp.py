@@ -114,6 +114,9 @@ class FedMCP(FedAvg):
     buffers = "average"
     model_requirement = "prototype"
     instructions = ()
+    #: The client hyperparameters (:class:`~edge_agent.algorithms.fedmcp.FedMCPParams`) come
+    #: through ``**hyperparameters`` and are checked by the constructor.
+    extra_keys = tuple(FedMCPParams.__dataclass_fields__)
     #: Teacher weighting when the configuration names none (EnsKD: ``"uniform"``).
     default_weighting = "accuracy"
     #: Defaults of :class:`~edge_agent.algorithms.fedmcp.FedMCPParams` that a subclass changes.
