@@ -208,7 +208,7 @@ implementation's constants and documentation; it is not edited by hand.
 
 ```text
 fedfleet/v1/{federation}/down/{kind}                server → all agents   round_start, global, finish
-fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent    receipt, resend, round_start, global (per device)
+fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent    receipt, resend, round_start, global
 fedfleet/v1/{federation}/up/{client_id}/{kind}      agent → server        join, update, receipt, resend
 fedfleet/v1/{federation}/status/{client_id}         agent presence        status (retained; last will)
 ```
@@ -695,8 +695,9 @@ agent → server   status/c               status offline                      ro
   naming the tensor and both shapes, a metric out of range). An `update` whose envelope header
   decodes but whose body does not is answered the same way (`accepted` = false, `ref_seq` its
   header's `seq`) when it passed the security checks (§6) and its sender is the topic's client;
-  one that failed them is not answered (its sender cannot be trusted). A second update from the same client for the same round is answered
-  as accepted with reason `duplicate: already counted` and is **not** aggregated again.
+  one that failed them is not answered (its sender cannot be trusted). A second update from the
+  same client for the same round is answered as accepted with reason `duplicate: already
+  counted` and is **not** aggregated again.
 * `status` `idle` with round *r* (not retained) tells the server the device will not contribute
   to round *r*, so the round need not wait for its deadline.
 * **Delta updates.** `update.delta` = true: each float tensor is `w_local − w_global`, where
