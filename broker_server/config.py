@@ -98,7 +98,9 @@ class ServerSection:
     ``client_eval`` asks every agent to evaluate its own model after local training (the
     measure for personalised methods: FedPer, FedRep, FedMCP++, Local); each uses at most
     ``client_eval_max`` test samples (0 = the whole test split, minus a proxy set if any), in
-    every ``client_eval_every``-th round and the last.
+    every ``client_eval_every``-th round and the last. ``offline_grace_s``: seconds a selected
+    device whose last will (``offline``) arrived during a round may take to come back before the
+    round stops waiting for it (default 30).
     """
 
     participation_rate: float = 1.0
@@ -109,6 +111,7 @@ class ServerSection:
     client_eval: bool = False
     client_eval_max: int = 0
     client_eval_every: int = 1
+    offline_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "quorum"): (1, 100_000),
     ("server", "round_deadline_s"): (0.1, 7 * 86400.0),
     ("server", "join_timeout_s"): (0.1, 7 * 86400.0),
+    ("server", "offline_grace_s"): (0.0, 7 * 86400.0),
     ("server", "eval_batch_size"): (1, 1 << 20),
     ("server", "client_eval_max"): (0, 1 << 30),
     ("server", "client_eval_every"): (1, 1 << 30),

@@ -11,7 +11,13 @@ from .strategies import Accumulator
 
 @dataclass
 class RoundStats:
-    """Counters of one round (written to ``metrics.jsonl``)."""
+    """Counters of one round (written to ``metrics.jsonl``).
+
+    ``dropped``: selected devices that went offline (last will or ``offline`` status) and were
+    not back within the grace period; ``resent_to``: selected devices that said ``online`` again
+    while the round was open and were sent its ``global`` and ``round_start`` again;
+    ``unreported``: selected devices the round waited for until its deadline in vain.
+    ``global_receipts`` counts devices (not receipts) that confirmed a copy of the round's global."""
 
     round: int
     selected: int = 0
@@ -24,6 +30,9 @@ class RoundStats:
     withdrawn: int = 0
     skipped: bool = False
     skip_reason: str = ""
+    dropped: list[str] = field(default_factory=list)
+    resent_to: list[str] = field(default_factory=list)
+    unreported: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +50,13 @@ class RoundState:
         messages: the round's ``global`` and its ``round_start`` messages as (client or ``None``
             for the broadcast, message), kept for a resync after a reconnect.
         global_sha256: the hash of the round's global payload (receipts confirm it).
+        global_hashes: the hashes of every copy of the round's global sent (the broadcast, its
+            re-broadcast after a reconnect, per-device copies to devices that came back).
+        global_confirmed: devices whose receipt confirmed one of those copies.
+        offline_since: selected devices still awaited whose ``offline`` status (last will)
+            arrived: client → (``time.monotonic()`` of its arrival, its detail).
+        dropped: selected devices not awaited any more: offline for longer than the grace period.
+        resent: client → how many times the round was sent to it again after it came back.
         strategy_metrics: the ``metrics`` of the :class:`~broker_server.strategies.GlobalUpdate`
             the driver committed in this round (``{}``: none committed), for its metrics line.
     """
@@ -54,11 +70,20 @@ class RoundState:
     deadline: float = float("inf")
     messages: tuple[Global, list[tuple[str | None, RoundStart]]] | None = None
     global_sha256: bytes = b""
+    global_hashes: set[bytes] = field(default_factory=set)
+    global_confirmed: set[str] = field(default_factory=set)
+    offline_since: dict[str, tuple[float, str]] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)
+    resent: dict[str, int] = field(default_factory=dict)
     strategy_metrics: dict = field(default_factory=dict)
 
+    def awaited(self) -> set[str]:
+        """Selected clients that have neither reported, withdrawn, nor been dropped."""
+        return self.selected - set(self.results) - self.withdrawn - self.dropped
+
     def awaiting(self) -> bool:
-        """Whether some selected client has neither reported nor withdrawn."""
-        return len(self.results) + len(self.withdrawn) < len(self.selected)
+        """Whether some selected client has neither reported, withdrawn, nor been dropped."""
+        return bool(self.awaited())
 
     def close(self) -> None:
         """Between rounds: nothing is collected, no deadline, no messages to resend."""

@@ -263,5 +263,6 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                                 eval_batch_size=cfg.server.eval_batch_size, client_eval=cfg.server.client_eval,
                                 client_eval_every=cfg.server.client_eval_every,
                                 global_codec=cfg.protocol.codec_for("global"), extras_codec=cfg.protocol.extras_codec,
-                                expected_data=tuple(expected_data(cfg).items())),
+                                expected_data=tuple(expected_data(cfg).items()),
+                                offline_grace_s=cfg.server.offline_grace_s),
         run_dir=run_dir, on_round=on_round, test_domains=getattr(ds, "test_domains", None) or None)

@@ -10,6 +10,20 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    late updates for a closed round and updates from unselected clients are rejected and counted;
    a selected device that has nothing to send (no samples, diverged training) withdraws with an
    ``idle`` status for the round, and the round does not wait for it;
+   **devices that come back**: a selected device that says ``online`` again while the round is
+   open (it lost its link, perhaps while the global was on its way) is sent the round's ``global``
+   and ``round_start`` again, on its own topics (``down/{client}/global``,
+   ``down/{client}/round_start``, with the time left as ``deadline_s``): the others are not
+   sent anything again, and an agent that already trained the round does not train it twice (it
+   re-sends its update, answered as a duplicate). A selected device whose last will (an
+   ``offline`` status) arrives and that does not say ``online`` within ``offline_grace_s`` is
+   **dropped**: the round no longer waits for it (``dropped`` in ``metrics.jsonl``);
+   **refusals**: every refused update is answered with a receipt saying why and is a
+   ``rejected`` row of the ledger; one refused while it was decoded is answered too when its
+   header can be trusted (:attr:`protocol.channel.Rejected.answerable`), so the device does not
+   send it again and the round does not wait for it. ``invalid`` counts every message refused
+   as invalid and ``rejected_by_reason`` splits it by reason code (:data:`REFUSAL_CODES` and the
+   channel's and security checks' codes); the two always agree;
 4. **quorum rule**: when fewer than ``quorum`` updates arrived by the deadline, the round is
    closed without aggregation (the global model is unchanged) and marked ``skipped`` in
    ``metrics.jsonl``; the updates it accepted were acknowledged, so a strategy that mirrors
@@ -50,7 +64,9 @@ from edge_agent.models import manifest_hash, model_manifest
 from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
+from protocol.errors import TransportError
 from protocol.messages import (
+    MAX_STR,
     Finish,
     Global,
     Join,
@@ -100,6 +116,23 @@ DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "share", "clients
 #: Update metrics the server aggregates (client-side evaluation): each must be a number in [0, 1].
 EVAL_METRICS = ("eval_accuracy", "eval_macro_f1")
 
+#: Reason codes of the server's own refusals of decoded updates, with their help text: keys of
+#: ``metrics.jsonl`` ``rejected_by_reason`` beside the channel's ``invalid`` (the bytes are no
+#: valid message), ``resend_refused`` and the security codes (:data:`protocol.security.REASONS`).
+REFUSAL_CODES: dict[str, str] = {
+    "manifest_mismatch": "the update's tensors do not match the model manifest's shared entries (count, a "
+                         "tensor's shape or dtype)",
+    "num_samples": "num_samples exceeds the count the device announced at join",
+    "metric_range": "a client evaluation metric is not a number in [0, 1]",
+    "strategy_refused": "the algorithm's validate() refused the update (extras of the wrong shape, class ids …)",
+    "aggregate_failed": "the accumulator could not fold the update in",
+}
+
+
+def _shape_text(t: np.ndarray) -> str:
+    """``[8, 1, 3, 3] float32``: a tensor's shape and dtype as a refusal names them."""
+    return f"[{', '.join(str(d) for d in t.shape)}] {t.dtype}"
+
 
 def _is_fraction(value: object) -> bool:
     """True for an int or float (not a bool) in [0, 1] (NaN is not)."""
@@ -138,6 +171,11 @@ class ServerSettings:
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
             the decoded model as its global state, so that server and fleet hold the same model
             (deltas from the agents are then exact against it).
+        offline_grace_s: seconds a selected device whose last will (``offline`` status) arrived
+            during a round may take to say ``online`` again before the round stops waiting for
+            it (``[server] offline_grace_s``, default 30 s: several of paho's reconnect attempts,
+            1 s doubling to 8 s, after a link blip or a broker restart; a device back within it
+            is sent the round again). The round's deadline still bounds every wait.
     """
 
     rounds: int
@@ -152,6 +190,7 @@ class ServerSettings:
     global_codec: str = "fp32"
     extras_codec: str = ""
     expected_data: tuple[tuple[str, str], ...] = ()
+    offline_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -239,7 +278,9 @@ class AggregationServer:
         self.open = RoundState()
         self._counted = CountedUpdates()
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
-        self.rejected_by_reason: dict[str, int] = {}
+        self.rejected_by_reason: dict[str, int] = {}  # invalid messages since the last metrics line, by code
+        self.run_rejected_by_reason: dict[str, int] = {}  # the same over the whole run
+        self._manifest = model_manifest(model)
         self.metrics: list[dict] = []
         self.store = RunStore(self.run_dir)
         self.checkpoints = self.store.checkpoints
@@ -278,11 +319,57 @@ class AggregationServer:
         return self.devices.online()
 
     def _reply(self, rec: Received, accepted: bool, reason: str = "") -> None:
+        """Answer ``rec`` with a receipt; a refusal also turns its ledger row into a ``rejected``
+        row with the reason (:meth:`protocol.channel.Channel.refused`)."""
         env = rec.envelope
-        self.channel.send(topics.down_to(self.fed, env.sender, Kind.RECEIPT),
-                          Receipt(ref_kind=int(env.kind), ref_seq=env.seq, accepted=accepted, reason=reason,
-                                  sha256=rec.sha256),
-                          round=env.round, recipient=env.sender)
+        if not accepted:
+            self.channel.refused(rec, reason)
+        self._send_receipt(env.sender, env.kind, env.seq, env.round, accepted, reason, rec.sha256)
+
+    def _send_receipt(self, client: str, kind: Kind, seq: int, round: int, accepted: bool, reason: str,
+                      sha256: bytes) -> None:
+        self.channel.send(topics.down_to(self.fed, client, Kind.RECEIPT),
+                          Receipt(ref_kind=int(kind), ref_seq=seq, accepted=accepted, reason=reason[:MAX_STR],
+                                  sha256=sha256),
+                          round=round, recipient=client)
+
+    def _count_invalid(self, code: str) -> None:
+        """One more message refused as invalid, under reason ``code``: ``invalid`` and
+        ``rejected_by_reason`` are counted here only, so they always agree."""
+        self.totals["rejected_invalid"] += 1
+        self.rejected_by_reason[code] = self.rejected_by_reason.get(code, 0) + 1
+        self.run_rejected_by_reason[code] = self.run_rejected_by_reason.get(code, 0) + 1
+
+    def refusal_totals(self) -> dict:
+        """Refusals over the whole run (``summary.json``): ``invalid`` and its split by reason
+        code ``rejected_by_reason`` (they add up), ``late``, ``duplicates``, ``unsolicited``, and
+        the devices each round dropped (``dropped``: round → ids)."""
+        return {"invalid": self.totals["rejected_invalid"], "rejected_by_reason": dict(self.run_rejected_by_reason),
+                "late": self.totals["late"], "duplicates": self.totals["duplicates"],
+                "unsolicited": self.totals["unsolicited"],
+                "dropped": {str(m["round"]): m["dropped"] for m in self.metrics if m.get("dropped")}}
+
+    def _on_rejected(self, item: Rejected) -> None:
+        """A payload the channel refused (already logged and a ``rejected`` ledger row): counted
+        as invalid under its code. An update whose header can be trusted
+        (:attr:`~protocol.channel.Rejected.answerable`) from a joined device is answered with a
+        refusal receipt for its ``seq``, so the agent does not send it again, and the open round
+        it belongs to no longer waits for that device. Nothing else is answered: a receipt to a
+        sender id read from a payload that failed its signature check could be forged to make a
+        device drop its real update (same seq), and refusing to wait for a device on such
+        evidence would let anyone knock devices out of a round."""
+        self._count_invalid(item.code)
+        if not item.answerable or item.kind is not Kind.UPDATE or item.sender not in self.devices:
+            return
+        assert item.sender is not None and item.seq is not None and item.round is not None  # answerable
+        reason = f"refused while decoding: {item.reason}"
+        log.warning("update from %s (round %d, seq %d) refused while decoding: %s", item.sender, item.round,
+                    item.seq, item.reason)
+        self._send_receipt(item.sender, Kind.UPDATE, item.seq, item.round, False, reason, item.sha256)
+        o = self.open
+        if o.collecting is not None and item.round == o.collecting and item.sender in o.awaited():
+            o.withdrawn.add(item.sender)
+            log.warning("round %d no longer waits for %s: its update was refused", o.collecting, item.sender)
 
     def _admission_problem(self, body: Join) -> str | None:
         """Why a join is refused (model manifest, data settings), or ``None``."""
@@ -299,10 +386,7 @@ class AggregationServer:
 
     def _handle(self, item: Received | Rejected) -> None:
         if isinstance(item, Rejected):
-            self.totals["rejected_invalid"] += 1
-            self.open.stats.invalid += 1
-            # per reason code (security checks: protocol.security.REASONS), since the last metrics line
-            self.rejected_by_reason[item.code] = self.rejected_by_reason.get(item.code, 0) + 1
+            self._on_rejected(item)
             return
         env = item.envelope
         body = env.body
@@ -325,19 +409,28 @@ class AggregationServer:
             if rec is not None and not rec.online:
                 log.info("%s is offline (%s)", env.sender, body.detail)
             o = self.open
-            if (body.state == "idle" and env.round and env.round == o.collecting and env.sender in o.selected
-                    and env.sender not in o.results and env.sender not in o.withdrawn):
+            if rec is not None and body.state == "offline":
+                self._went_offline(env.sender, body.detail, now)
+            elif rec is not None and body.state == "online" and not item.retain:
+                # a live "online" (a retained one is only a copy handed to a new subscription)
+                self._came_back(env.sender, body.detail)
+            if (body.state == "idle" and env.round and env.round == o.collecting
+                    and env.sender in o.awaited()):
                 # the device says it will not contribute to the open round (no samples, training
                 # diverged): the round need not wait for it until the deadline
                 o.withdrawn.add(env.sender)
+                o.offline_since.pop(env.sender, None)
                 o.stats.withdrawn += 1
                 log.warning("%s withdrew from round %d: %s", env.sender, env.round, body.detail)
         elif isinstance(body, Update):
             self._on_update(item, body)
         elif isinstance(body, Receipt) and body.ref_kind == Kind.GLOBAL:
-            if env.round == self.open.collecting and body.sha256 == self.open.global_sha256:
-                self.open.stats.global_receipts += 1
-            elif env.round == self.open.collecting:
+            o = self.open
+            if env.round == o.collecting and body.sha256 in o.global_hashes:
+                if env.sender not in o.global_confirmed:  # devices, not copies: a re-sent copy confirms once
+                    o.global_confirmed.add(env.sender)
+                    o.stats.global_receipts += 1
+            elif env.round == o.collecting:
                 log.warning("%s received a global model with another hash", env.sender)
         else:
             self.totals["unsolicited"] += 1
@@ -383,21 +476,19 @@ class AggregationServer:
             self._reply(item, True, "duplicate: already counted")
             return
         shared = self._shared()
-        shapes_ok = len(body.tensors) == len(shared) and all(
-            t.shape == g.shape and t.dtype == g.dtype for t, g in zip(body.tensors, shared, strict=False))
-        if not shapes_ok:
-            self._refuse(item, f"tensors do not match the model manifest (share={self.share!r}: "
-                               f"{len(shared)} tensors expected, {len(body.tensors)} received)")
+        mismatch = self._manifest_problem(body.tensors)
+        if mismatch:
+            self._refuse(item, mismatch, "manifest_mismatch")
             return
         rec = self.devices.get(env.sender)
         if rec is not None and body.num_samples > rec.num_samples:
-            self._refuse(item, f"num_samples {body.num_samples} exceeds the {rec.num_samples} announced at join")
+            self._refuse(item, f"num_samples {body.num_samples} exceeds the {rec.num_samples} announced at join",
+                         "num_samples")
             return
         bad = [k for k in EVAL_METRICS if k in body.metrics and not _is_fraction(body.metrics[k])]
         if bad:  # the round's client_accuracy_* figures are computed from these (float() of any scalar)
-            self.totals["rejected_invalid"] += 1
-            o.stats.invalid += 1
-            self._reply(item, False, f"metrics {bad[0]} = {body.metrics[bad[0]]!r} is not a number in [0, 1]")
+            self._refuse(item, f"metrics.{bad[0]} = {body.metrics[bad[0]]!r} is not a number in [0, 1]",
+                         "metric_range")
             return
         tensors = body.tensors
         if body.delta:  # w_i = w_global + (w_i − w_global); integer state is sent whole
@@ -407,7 +498,7 @@ class AggregationServer:
                               extras=dict(body.extras))
         reason = self.strategy.validate(result)
         if reason:
-            self._refuse(item, reason)
+            self._refuse(item, reason, "strategy_refused")
             return
         self._extras_seen.update(result.extras)
         self._extras_update_seen = True
@@ -415,23 +506,111 @@ class AggregationServer:
         try:
             o.accumulator.add(result)
         except ValueError as exc:  # shapes/dtypes were checked; anything left is the update's fault
-            self._refuse(item, f"cannot aggregate: {exc}")
+            self._refuse(item, f"cannot aggregate: {exc}", "aggregate_failed")
             return
         o.results[env.sender] = (body.num_samples, body.train_loss, dict(body.metrics))
         o.withdrawn.discard(env.sender)  # a corrected update after a refusal counts
+        o.dropped.discard(env.sender)  # … and so does one from a device dropped while offline
+        o.offline_since.pop(env.sender, None)
         self._counted.add(env.round, env.sender)
         self.devices.count_update(env.sender)
         self._reply(item, True)
 
-    def _refuse(self, item: Received, reason: str) -> None:
-        """Refuse a selected client's update for the open round as invalid: counted, answered with
-        the reason, and the client no longer awaited this round (its receipt is definite, it will
-        not send the same update again)."""
-        self.totals["rejected_invalid"] += 1
-        self.open.stats.invalid += 1
+    def _manifest_problem(self, tensors: tuple[np.ndarray, ...]) -> str | None:
+        """Why an update's ``tensors`` do not fit the model manifest's shared entries (their count,
+        or the first tensor whose shape or dtype differs, named by its position, its manifest
+        name and index, with both shapes and dtypes), or ``None``."""
+        shared = self._shared()
+        if len(tensors) != len(shared):
+            return (f"tensors: {len(shared)} expected (the model manifest's entries shared with share="
+                    f"{self.share!r}), {len(tensors)} received")
+        for pos, (t, g) in enumerate(zip(tensors, shared, strict=True)):
+            if t.shape != g.shape or t.dtype != g.dtype:
+                entry = self.shared_idx[pos]
+                return (f"tensors[{pos}] ({self._manifest[entry][0]!r}, manifest entry {entry}): "
+                        f"{_shape_text(g)} expected, {_shape_text(t)} received")
+        return None
+
+    def _refuse(self, item: Received, reason: str, code: str) -> None:
+        """Refuse a selected client's update for the open round as invalid under reason ``code``
+        (:data:`REFUSAL_CODES`): counted, answered with the reason, its ledger row ``rejected``,
+        and the client no longer awaited this round (its receipt is definite, it will not send
+        the same update again)."""
+        self._count_invalid(code)
         log.warning("update from %s refused: %s", item.envelope.sender, reason)
         self.open.withdrawn.add(item.envelope.sender)
+        self.open.offline_since.pop(item.envelope.sender, None)
         self._reply(item, False, reason)
+
+    def _went_offline(self, client: str, detail: str, now: float) -> None:
+        """A selected device still awaited by the open round said ``offline`` (its last will, or
+        its own offline status): the round waits at most ``offline_grace_s`` for it to return."""
+        o = self.open
+        if o.collecting is None or client not in o.awaited() or client in o.offline_since:
+            return
+        o.offline_since[client] = (now, detail)
+        log.warning("%s went offline during round %d (%s): the round waits at most %g s (offline_grace_s) for it "
+                    "to come back", client, o.collecting, detail or "no detail", self.settings.offline_grace_s)
+
+    def _drop_overdue(self, now: float) -> None:
+        """Drop the awaited devices of the open round that have been offline for
+        ``offline_grace_s``: the round no longer waits for them (they stay selected: an update
+        that still arrives before the round closes counts)."""
+        o = self.open
+        for client, (since, detail) in sorted(o.offline_since.items()):
+            if now - since >= self.settings.offline_grace_s:
+                del o.offline_since[client]
+                if client in o.awaited():
+                    o.dropped.add(client)
+                    log.warning("round %d: %s dropped: offline (%s) and not back within offline_grace_s = %g s; "
+                                "the round goes on without it", o.collecting, client, detail or "no detail",
+                                self.settings.offline_grace_s)
+
+    def _came_back(self, client: str, detail: str) -> None:
+        """A selected device the open round still waits for (or dropped) says ``online`` again:
+        it may have missed the round's messages while its link was down, so they are sent to it
+        again (:meth:`_send_round_to`)."""
+        o = self.open
+        if (o.collecting is None or o.messages is None or client not in o.selected or client in o.results
+                or client in o.withdrawn or time.monotonic() >= o.deadline):
+            return
+        o.offline_since.pop(client, None)
+        o.dropped.discard(client)
+        log.warning("%s is back online during round %d (%s): sending it the round's global and round_start again",
+                    client, o.collecting, detail or "no detail")
+        self._send_round_to(client)
+
+    def _send_round_to(self, client: str) -> None:
+        """Send the open round's ``global`` and ``round_start`` to ``client`` alone, on its own
+        topics (``down/{client}/global``, ``down/{client}/round_start``).
+
+        A per-device copy rather than a re-broadcast: the other devices have the round already
+        (a broadcast would cost every device a model download, and each would confirm it again);
+        the ledger shows the copy as sent to ``client``. The ``round_start`` names only
+        ``client`` (with its own instructions, if the round has per-device ones) and carries the
+        time left before the round's deadline as ``deadline_s``, so the agent does not train
+        for a round that is over. An agent that already trained the round does not train it
+        again: it sends its update again, which is answered as a duplicate. A transport failure
+        is logged, never raised: the device can still come back again."""
+        o = self.open
+        assert o.messages is not None and o.collecting is not None  # checked by the caller
+        glob, starts = o.messages
+        start = next((st for c, st in starts if c is None or c == client), None)
+        if start is None:  # pragma: no cover - a selected client always has its round_start
+            return
+        remaining = max(0.1, o.deadline - time.monotonic())
+        r = o.collecting
+        try:
+            enc = self.channel.send(topics.down_to(self.fed, client, Kind.GLOBAL), glob, round=r,
+                                    codec=self.global_codec, extra_codecs=self._extra_codecs, recipient=client)
+            o.global_hashes.add(payload_sha256(enc.payload))
+            self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
+                              dataclasses.replace(start, selected=(client,), deadline_s=remaining), round=r,
+                              recipient=client)
+        except TransportError as exc:
+            log.error("round %d could not be sent again to %s: %s", r, client, exc)
+            return
+        o.resent[client] = o.resent.get(client, 0) + 1
 
     def _on_reconnect(self, n: int) -> None:
         if n > 1:
@@ -446,6 +625,7 @@ class AggregationServer:
         enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
                                 extra_codecs=self._extra_codecs)
         self.open.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
+        self.open.global_hashes.add(self.open.global_sha256)
         for client, start in starts:
             if client is None:
                 self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
@@ -571,7 +751,10 @@ class AggregationServer:
         mark("publish")
         deadline = t0 + self.settings.round_deadline_s
         o.deadline = deadline
-        while o.awaiting() and time.monotonic() < deadline:
+        while True:
+            self._drop_overdue(time.monotonic())
+            if not o.awaiting() or time.monotonic() >= deadline:
+                break
             self.pump(min(0.5, max(0.0, deadline - time.monotonic())))
         # what already arrived before the deadline still counts, however busy the server was
         for _ in range(100_000):
@@ -581,14 +764,18 @@ class AggregationServer:
             if item is None:
                 break
             self._handle(item)
+        self._log_unreported(r)
         o.close()
         mark("collect")
         results = [o.results[c] for c in sorted(o.results)]
         o.stats.clients_reported = len(results)
+        o.stats.dropped, o.stats.resent_to = sorted(o.dropped), sorted(o.resent)
         acc_round, o.accumulator = o.accumulator, None
         if len(results) < self.settings.quorum:
             o.stats.skipped = True
             o.stats.skip_reason = f"{len(results)} updates < quorum {self.settings.quorum}"
+            if o.dropped:
+                o.stats.skip_reason += f" (dropped after going offline: {', '.join(sorted(o.dropped))})"
             log.warning("round %d skipped: %s", r, o.stats.skip_reason)
             if results:
                 # these updates got accepted receipts and their devices kept the state they
@@ -620,6 +807,8 @@ class AggregationServer:
             self._check_extras_codec_names()
         up, down = (b - a for a, b in zip(sent0, self._bytes(), strict=True))
         st = o.stats
+        # refused as invalid since the last metrics line (this round, and the gap before it)
+        st.invalid = sum(self.rejected_by_reason.values())
         metrics = {
             "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
             "clients_selected": st.selected,
@@ -627,7 +816,8 @@ class AggregationServer:
             "seconds": time.monotonic() - t0, "skipped": st.skipped,
             "duplicates": st.duplicates, "late": st.late, "invalid": st.invalid,
             "global_receipts": st.global_receipts, "unsolicited": st.unsolicited,
-            "withdrawn": st.withdrawn,
+            "withdrawn": st.withdrawn, "dropped": st.dropped, "resent_to": st.resent_to,
+            "unreported": st.unreported,
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
             if results else None,
@@ -670,6 +860,22 @@ class AggregationServer:
         if self.channel.ledger is not None:
             out["ledger"] = round(self.channel.ledger.write_s - ledger0, 4)
         return out
+
+    def _log_unreported(self, r: int) -> None:
+        """At the close of round ``r``: name each selected device the round waited for until its
+        deadline in vain, with what the server knows of it (``unreported`` in the metrics)."""
+        o = self.open
+        missing = sorted(o.awaited())
+        o.stats.unreported = missing
+        for c in missing:
+            rec = self.devices.get(c)
+            facts = [f"global confirmed: {'yes' if c in o.global_confirmed else 'no'}",
+                     f"round sent again: {o.resent.get(c, 0)}x",
+                     "online" if rec is not None and rec.online else "offline"]
+            if c in o.offline_since:
+                facts.append(f"offline since {time.monotonic() - o.offline_since[c][0]:.1f} s "
+                             f"({o.offline_since[c][1] or 'no detail'})")
+            log.warning("round %d closed at its deadline without an update from %s (%s)", r, c, "; ".join(facts))
 
     def _strategy_result(self, r: int, make: Callable[[], GlobalUpdate | None]) -> GlobalUpdate | None:
         """The strategy's end-of-round value through :func:`~broker_server.strategies.round_result`:

@@ -167,7 +167,8 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
             "federation": federation, "final_accuracy": summary.final_accuracy,
             "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,
             "dataset": ds.name, "clients": cfg.data.clients,
-            "optional_runtimes": optional_runtimes(), **server.onnx_result}, indent=1), encoding="utf-8")
+            "optional_runtimes": optional_runtimes(), "refusals": server.refusal_totals(), **server.onnx_result},
+            indent=1), encoding="utf-8")
         say(f"finished {summary.rounds_completed} rounds; final test accuracy {summary.final_accuracy:.4f}; "
             f"run folder {out}")
     finally:

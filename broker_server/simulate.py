@@ -348,6 +348,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         "dataset": ds.name, "substitutions": list(ds.substitutions),
         "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
         "optional_runtimes": optional_runtimes(), "thread_plan": thread_plan.as_dict(),
+        "refusals": server.refusal_totals(),
         "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
         "emulated_link_s": {s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         **server.onnx_result,

@@ -38,6 +38,7 @@ from .messages import (
     encode,
     now_ms,
     payload_sha256,
+    read_header,
 )
 from .mqtt_bytes import publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits, raw_nbytes
@@ -94,6 +95,11 @@ class Rejected:
         code: a :data:`protocol.security.REASONS` code for a security rejection,
             ``"resend_refused"`` for a ``resend`` request not honoured (:class:`ResendRefused`),
             else ``"invalid"`` (the bytes are not a valid message).
+        kind, round, sender, seq: the refused message's header, only when it can be answered
+            (``None`` otherwise; see :meth:`answerable`): its envelope header decoded although
+            its body (or a later check) did not, its sender is the topic's client, its kind the
+            topic's, and the payload passed the security checks when signing is on.
+        sha256: digest of the refused payload (as a receipt carries it), with the header.
     """
 
     topic: str
@@ -101,6 +107,24 @@ class Rejected:
     field: str | None
     payload_bytes: int
     code: str = "invalid"
+    kind: Kind | None = None
+    round: int | None = None
+    sender: str | None = None
+    seq: int | None = None
+    sha256: bytes = b""
+
+    @property
+    def answerable(self) -> bool:
+        """Whether the receiver may answer the refusal with a receipt to ``sender`` for ``seq``.
+
+        Only when the header is as trustworthy as an accepted message's would be: read from a
+        payload that passed the security checks (signature, replay) — or, with signing off, from
+        a topic the broker's ACL ties to its client, as every unsigned message is — and naming
+        that topic's client. A payload refused *by* the security checks (bad signature, unsigned,
+        replayed …) is never answered: its sender id and seq are whatever a forger wrote, and a
+        refusal receipt for another device's real ``seq`` would make that device drop an update
+        the server may yet count."""
+        return self.sender is not None and self.seq is not None and self.kind is not None
 
 
 class Channel:
@@ -290,7 +314,8 @@ class Channel:
 
         Chunks are reassembled here (a transfer returns one :class:`Received` when complete);
         stalled transfers are asked for their missing chunks and dropped after their TTL.
-        Empty retained payloads (a cleared retained topic) are skipped silently.
+        An empty payload on a ``status`` topic (a cleared retained presence) is skipped; on any
+        other topic it is a :class:`Rejected` with a ``rejected`` ledger row.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -304,8 +329,8 @@ class Channel:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 continue
-            if not inc.payload:
-                continue
+            if not inc.payload and "/status/" in inc.topic:
+                continue  # a cleared retained presence (an empty retained publish): no message
             item = self.accept(inc)
             if item is not None:
                 return item
@@ -322,18 +347,24 @@ class Channel:
             info = topics.parse(inc.topic)
             if info.federation != self.federation:
                 raise FieldError(f"topic {inc.topic!r} belongs to federation {info.federation!r}", field="topic")
+            if not inc.payload:
+                raise FieldError(f"empty payload on a {info.kind_label} topic: no message to decode", field="payload")
             opened = None
             if self.security is not None:  # verified (and decrypted) before the body is decoded
                 opened = self.security.open(inc.topic, info.client_id, info.direction, inc.payload)
-            dec = decode(opened.payload if opened is not None else inc.payload, limits=self.limits)
+            plain = opened.payload if opened is not None else inc.payload
+        except ProtocolError as exc:
+            return self._reject(inc, exc)
+        try:
+            dec = decode(plain, limits=self.limits)
             if info.direction in ("up", "status") and dec.envelope.sender != info.client_id:
                 raise FieldError(f"sender {dec.envelope.sender!r} does not match topic client {info.client_id!r}",
                                  field="envelope.sender")
             kind = dec.envelope.kind
             if kind is not Kind.CHUNK and info.kind_label != kind.label:
                 raise FieldError(f"a {kind.label} message on a {info.kind_label} topic", field="envelope.kind")
-        except ProtocolError as exc:
-            return self._reject(inc, exc)
+        except ProtocolError as exc:  # past the security checks: the header may name what was refused
+            return self._reject(inc, exc, header=_answerable_header(plain, info, info.client_id))
         env = dec.envelope
         client = info.client_id or (self.node_id if self.side == "agent" else "*")
         sig_b, enc_b = (opened.sig_bytes, opened.enc_bytes) if opened is not None else (0, 0)
@@ -363,8 +394,9 @@ class Channel:
                 if inner.envelope.kind.label != info.kind_label:
                     raise FieldError(f"a {inner.envelope.kind.label} message on a {info.kind_label} topic",
                                      field="envelope.kind")
-            except ProtocolError as exc:
-                return self._reject(Incoming(inc.topic, whole, inc.qos, False, inc.received_at), exc, recorded=True)
+            except ProtocolError as exc:  # every chunk passed the security checks: its sender is known
+                return self._reject(Incoming(inc.topic, whole, inc.qos, False, inc.received_at), exc, recorded=True,
+                                    header=_answerable_header(whole, info, env.sender))
             ienv = inner.envelope
             self._record(inc.topic, "message", ienv.kind.label, ienv.round, ienv.sender, ienv.seq, client=client,
                          payload_bytes=inner.payload_bytes, body_bytes=inner.body_bytes, qos=inc.qos, retain=False,
@@ -395,7 +427,7 @@ class Channel:
             inc = self.transport.get(0.0)
             if inc is None:
                 break
-            if inc.payload:
+            if inc.payload or "/status/" not in inc.topic:
                 try:
                     self.accept(inc)
                 except FedfleetProtocolError as exc:  # e.g. a resend request it can no longer answer
@@ -405,7 +437,12 @@ class Channel:
         if self.ledger is not None:
             self.ledger.flush()
 
-    def _reject(self, inc: Incoming, exc: ProtocolError, *, recorded: bool = False) -> Rejected:
+    def _reject(self, inc: Incoming, exc: ProtocolError, *, recorded: bool = False,
+                header: tuple[Kind, int, str, int] | None = None) -> Rejected:
+        """Log and ledger a refused payload (a ``rejected`` row, or a logical ``message`` row
+        when its chunks were already recorded) and return its :class:`Rejected`; ``header``: the
+        answerable header (:func:`_answerable_header`), which then also fills the row's kind,
+        round, sender and seq."""
         self.rejected += 1
         log.warning("%s: rejected message on %s (%d bytes): %s", self.node_id, inc.topic, len(inc.payload), exc)
         client = "?"
@@ -413,15 +450,32 @@ class Channel:
             client = topics.parse(inc.topic).client_id or "*"
         except ProtocolError:
             pass
+        kind_label, rnd, sender, seq = ("invalid", None, None, None) if header is None else \
+            (header[0].label, header[1], header[2], header[3])
         if recorded:  # the bytes were already counted as received chunks: a logical row only
-            self._record(inc.topic, "message", "invalid", None, None, None, client=client,
+            self._record(inc.topic, "message", kind_label, rnd, sender, seq, client=client,
                          payload_bytes=len(inc.payload), body_bytes=0, qos=inc.qos, retain=False,
                          reason=str(exc)[:500])
         else:
-            self._record(inc.topic, "rejected", "invalid", None, None, None, client=client,
+            self._record(inc.topic, "rejected", kind_label, rnd, sender, seq, client=client,
                          payload_bytes=len(inc.payload), body_bytes=0, qos=inc.qos, retain=inc.retain,
                          reason=str(exc)[:500])
-        return Rejected(inc.topic, str(exc), exc.field, len(inc.payload), getattr(exc, "code", "invalid"))
+        rejected = Rejected(inc.topic, str(exc), exc.field, len(inc.payload), getattr(exc, "code", "invalid"))
+        if header is None:
+            return rejected
+        return dataclasses.replace(rejected, kind=header[0], round=header[1], sender=header[2], seq=header[3],
+                                   sha256=payload_sha256(inc.payload))
+
+    def refused(self, rec: Received, reason: str) -> None:
+        """Record that a decoded message was refused by its consumer (an update that does not fit
+        the model, a join of another model …): its ``received`` ledger row becomes a ``rejected``
+        row with ``reason`` (a chunked transfer's logical ``message`` row gets the reason; its
+        chunk rows stay ``received``: their bytes were taken off the wire). A no-op without a
+        ledger."""
+        env = rec.envelope
+        if self.ledger is not None:
+            self.ledger.mark_refused(node=self.node_id, sender=env.sender, seq=env.seq, kind=env.kind.label,
+                                     reason=reason[:500])
 
     # ------------------------------------------------------------------ transfers
 
@@ -569,6 +623,18 @@ class Channel:
             payload_bytes=payload_bytes, qos=qos, retained=retain, codec=codec, reason=reason, raw_bytes=raw_bytes,
             fields=fields, transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count, link_s=link_s,
             sig_bytes=sig_bytes, enc_bytes=enc_bytes))
+
+
+def _answerable_header(payload: bytes, info: topics.TopicInfo, sender: str | None) -> tuple[Kind, int, str, int] | None:
+    """The header of a payload refused after the security checks (:func:`protocol.messages.read_header`),
+    when it names ``sender`` (the topic's client, or the verified sender of a chunked transfer)
+    and the topic's kind on an upload topic: then the refusal can be answered (:attr:`Rejected.answerable`)."""
+    if info.direction != "up" or sender is None:
+        return None
+    header = read_header(payload)
+    if header is None or header[2] != sender or header[0].label != info.kind_label:
+        return None
+    return header
 
 
 _NO_LIMIT = 1 << 62

@@ -462,6 +462,34 @@ class Ledger:
             except sqlite3.Error as exc:
                 raise LedgerError(f"cannot set {key!r} in {self.path}: {exc}") from exc
 
+    def mark_refused(self, *, node: str, sender: str, seq: int, kind: str, reason: str) -> bool:
+        """Turn the last ``received`` row of message ``(sender, seq)`` of ``kind`` recorded by
+        ``node`` into a ``rejected`` row with ``reason`` (its consumer refused the decoded
+        message); for a chunked transfer, whose logical ``message`` row is the message's, that row
+        gets the reason (its chunk rows keep ``received``). Byte columns are unchanged, so wire
+        totals stay the same.
+
+        Returns:
+            Whether a row was found.
+
+        Raises:
+            LedgerError: the ledger is closed or SQLite refused the update.
+        """
+        sql = ("UPDATE messages SET reason = ?, event = CASE WHEN event = 'received' THEN 'rejected' ELSE event END "
+               "WHERE id = (SELECT MAX(id) FROM messages WHERE node = ? AND sender = ? AND seq = ? AND kind = ? "
+               "AND chunk_index IS NULL AND event IN ('received', 'message'))")
+        with self._lock:
+            if self._db is None:
+                raise LedgerError(f"cannot mark ({sender}, {seq}) refused in {self.path}: the ledger is closed")
+            try:
+                n = self._db.execute(sql, (reason, node, sender, seq, kind)).rowcount
+                self._pending += 1
+            except sqlite3.Error as exc:
+                raise LedgerError(f"cannot mark ({sender}, {seq}) refused in {self.path}: {exc}") from exc
+            if self._pending == 1:
+                _committer.due(self._token, self, time.monotonic() + self._interval)
+        return n > 0
+
     def rows(self, where: str = "", params: tuple = ()) -> list[LedgerRow]:
         """Rows matching an optional SQL ``where`` clause (without the keyword), in insertion order.
 

@@ -883,6 +883,33 @@ def decode(payload: bytes, *, limits: TensorLimits = DEFAULT_LIMITS,
                    field_bytes=tuple(zip(names, sizes)), codec=codec)
 
 
+def read_header(payload: bytes) -> tuple[Kind, int, str, int] | None:
+    """The header of an envelope whose body may not decode: ``(kind, round, sender, seq)``.
+
+    Reads the payload's outer msgpack array and checks the first five fields exactly as
+    :func:`decode` does (version 1, a known kind, uint round, a valid id, uint seq); the body and
+    any security trailer are not looked at. A receiver uses it to say *which* message it refused
+    when the body is undecodable (the refusal's receipt names the ``seq``); whether the header can
+    be trusted is the caller's question (it is only as authentic as the payload's signature).
+
+    Returns:
+        The four header values, or ``None`` when the payload has no readable header (never raises).
+    """
+    try:
+        env = _read(bytes(payload), "envelope")
+        if not isinstance(env, list) or len(env) < 7:
+            return None
+        if _want(env[0], int, "envelope.version") != PROTOCOL_VERSION:
+            return None
+        kind = Kind(_want(env[1], int, "envelope.kind"))
+        rnd = _uint(env[2], "envelope.round")
+        sender = _want(env[3], str, "envelope.sender")
+        seq = _uint(env[4], "envelope.seq")
+    except (ProtocolError, ValueError, TypeError):
+        return None
+    return (kind, rnd, sender, seq) if valid_id(sender) else None
+
+
 def _codec_text(tensors: list) -> str:
     """The codec of a (valid) tensor list as configuration text, from its first float tensor:
     ``fp32``, ``fp16``, ``bf16``, ``int8``, ``int8-channel``, ``topk`` (+ ``+zstd``)."""

@@ -3,7 +3,7 @@
 ::
 
     fedfleet/v1/{federation}/down/{kind}                server → all agents (round_start, global, finish)
-    fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent (receipt)
+    fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent (receipt, resend, round_start, global)
     fedfleet/v1/{federation}/up/{client_id}/{kind}      agent → server (join, update)
     fedfleet/v1/{federation}/status/{client_id}         retained presence + last will (status)
 

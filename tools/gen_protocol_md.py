@@ -208,7 +208,7 @@ implementation's constants and documentation; it is not edited by hand.
 
 ```text
 fedfleet/v1/{federation}/down/{kind}                server → all agents   round_start, global, finish
-fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent    receipt, resend, round_start (per device)
+fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent    receipt, resend, round_start, global
 fedfleet/v1/{federation}/up/{client_id}/{kind}      agent → server        join, update, receipt, resend
 fedfleet/v1/{federation}/status/{client_id}         agent presence        status (retained; last will)
 ```
@@ -218,7 +218,8 @@ fedfleet/v1/{federation}/status/{client_id}         agent presence        status
 | `join` | `up/{client_id}/join` | agent → server |
 | `round_start` | `down/round_start`; or `down/{client_id}/round_start` when the round has per-device instructions \
 (§8) | server → agents |
-| `global` | `down/global` | server → all agents |
+| `global` | `down/global`; or `down/{client_id}/global`: a copy for one device that came back during the round \
+(§8) | server → agents |
 | `update` | `up/{client_id}/update` | agent → server |
 | `finish` | `down/finish` | server → all agents |
 | `status` | `status/{client_id}` (retained when `online`; the last will) | agent → server |
@@ -671,6 +672,14 @@ agent → server   status/c               status offline                      ro
   trains once it holds both for the same round and it is selected. The server sends the same
   `global` and `round_start` again after it reconnects; an agent that already trained that round
   sends its update again.
+* **Devices that come back.** When a selected device that has not reported publishes `status`
+  `online` (not retained: a live message) while its round is open, the server sends that
+  device alone the round's `global` on `down/{client_id}/global` and a `round_start` on
+  `down/{client_id}/round_start` whose `selected` names only it and whose `deadline_s` is the
+  time left in the round; the agent treats them like the broadcast ones (a copy of a round it
+  already trained is not trained again: it sends its update again). A selected device whose
+  `status` `offline` (its last will) arrives and that does not say `online` within the server's
+  grace period is no longer waited for.
 * **Per-device instructions.** When a round's plan gives devices their own settings, the server
   sends no broadcast `round_start` for that round: each selected device gets its own on
   `down/{client_id}/round_start`, whose `selected` names only it and whose fourth body field
@@ -682,9 +691,13 @@ agent → server   status/c               status offline                      ro
 * Every `join` is answered with a `receipt` on `down/{client_id}/receipt` (`ref_kind` 1),
   round 0: accepted, or refused with the reason (manifest or data settings differ).
 * Every `update` is answered with a `receipt` (`ref_kind` 4): `accepted` = true, or false with
-  the reason (round not started, closed, after the deadline, not selected, manifest mismatch,
-  a metric out of range). A second update from the same client for the same round is answered
-  as accepted with reason `duplicate: already counted` and is **not** aggregated again.
+  the reason (round not started, closed, after the deadline, not selected, manifest mismatch
+  naming the tensor and both shapes, a metric out of range). An `update` whose envelope header
+  decodes but whose body does not is answered the same way (`accepted` = false, `ref_seq` its
+  header's `seq`) when it passed the security checks (§6) and its sender is the topic's client;
+  one that failed them is not answered (its sender cannot be trusted). A second update from the
+  same client for the same round is answered as accepted with reason `duplicate: already
+  counted` and is **not** aggregated again.
 * `status` `idle` with round *r* (not retained) tells the server the device will not contribute
   to round *r*, so the round need not wait for its deadline.
 * **Delta updates.** `update.delta` = true: each float tensor is `w_local − w_global`, where

@@ -20,8 +20,9 @@ from broker_server.strategies import get_strategy
 from edge_agent.data import ArraySplit
 from protocol import topics
 from protocol.channel import Channel
+from protocol.ledger import Ledger
 from protocol.memory_transport import MemoryBroker, MemoryTransport
-from protocol.messages import Envelope, Join, Kind, Receipt, Update, decode, encode
+from protocol.messages import Envelope, Join, Kind, Receipt, Status, Update, decode, encode
 from protocol.transport_base import Incoming
 
 
@@ -33,9 +34,11 @@ def incoming(topic: str, payload: bytes) -> Incoming:
 def memory_server(tmp: Path, *, model, clients: list[str], rounds: int = 2,
                   feed: Callable[[], Incoming | list[Incoming] | None] | None = None, keep: bool = True,
                   strategy=None, test: ArraySplit | None = None, num_samples: int = 100, fed: str = "mem",
-                  deadline_s: float = 600.0) -> AggregationServer:
-    """An :class:`AggregationServer` (quorum 1, round deadline ``deadline_s`` seconds, run folder
-    ``tmp``) on a memory broker, with ``clients`` joined (``num_samples`` each, all of class 0).
+                  deadline_s: float = 600.0, offline_grace_s: float = 30.0,
+                  ledger: Ledger | None = None) -> AggregationServer:
+    """An :class:`AggregationServer` (quorum 1, round deadline ``deadline_s`` seconds, grace
+    ``offline_grace_s`` for a device whose last will came, run folder ``tmp``, the server's byte
+    ``ledger`` or none) on a memory broker, with ``clients`` joined (``num_samples`` each, all of class 0).
 
     Args:
         feed: called when the server's queue is empty; each :class:`Incoming` it returns (one, or
@@ -62,12 +65,13 @@ def memory_server(tmp: Path, *, model, clients: list[str], rounds: int = 2,
                 device(item.topic).publish(item.topic, item.payload, qos=item.qos)
 
     tr = broker.connect("server", keep_sent=keep, on_idle=on_idle if feed is not None else None)
-    ch = Channel(tr, node_id="server", side="server", federation=fed, ledger=None)
+    ch = Channel(tr, node_id="server", side="server", federation=fed, ledger=ledger)
     if test is None:
         test = ArraySplit(np.zeros((4, 1, 28, 28), np.float32), np.zeros(4, np.int64), 10)
     srv = AggregationServer(channel=ch, strategy=strategy or get_strategy("fedavg", min_clients=1), model=model,
                             test=test, settings=ServerSettings(rounds=rounds, quorum=1, round_deadline_s=deadline_s,
-                                                               expected_clients=len(clients)),
+                                                               expected_clients=len(clients),
+                                                               offline_grace_s=offline_grace_s),
                             run_dir=tmp)
     for cid in clients:
         join = Join(profile="x86-cpu", manifest_hash=srv.manifest_hash, num_samples=num_samples,
@@ -86,6 +90,16 @@ def update_payload(fed: str, cid: str, rnd: int, seq: int, like: list[np.ndarray
                     else np.array(t) for t in like)
     upd = Update(tensors=tensors, num_samples=num_samples, train_loss=0.5)
     return topics.up(fed, cid, Kind.UPDATE), encode(Envelope(round=rnd, sender=cid, seq=seq, body=upd)).payload
+
+
+def status_payload(fed: str, cid: str, state: str, detail: str = "", seq: int = 0) -> tuple[str, bytes]:
+    """(topic, payload) of a ``status`` of ``cid`` (seq 0: a last will, as the broker publishes it)."""
+    return topics.status(fed, cid), encode(Envelope(round=0, sender=cid, seq=seq, body=Status(state, detail))).payload
+
+
+def sent_on(tr: MemoryTransport, suffix: str) -> list:
+    """Decoded envelopes of every message the server's transport ``tr`` sent on a topic ending in ``suffix``."""
+    return [decode(p).envelope for t, p in tr.sent if t.endswith(suffix)]
 
 
 def receipts_to(tr: MemoryTransport, cid: str) -> list[tuple[int, Receipt]]:

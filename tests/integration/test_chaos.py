@@ -278,10 +278,11 @@ def stray_deliveries(rows: list[dict]) -> int:
 
 
 def server_update_deliveries(rows: list[dict]) -> list[dict]:
-    """Updates the server took off the wire as whole messages: a plain ``received`` row, or the
-    ``message`` row of a reassembled chunked transfer."""
+    """Updates the server took off the wire as whole messages: a plain ``received`` row (or a
+    ``rejected`` one: an update it refused, late or invalid, with its header), or the ``message``
+    row of a reassembled chunked transfer."""
     return [r for r in rows if r["side"] == "server" and r["kind"] == "update" and r["seq"] is not None
-            and ((r["event"] == "received" and r["transfer_id"] is None)
+            and ((r["event"] in ("received", "rejected") and r["transfer_id"] is None)
                  or (r["event"] == "message" and r["transfer_id"] is not None))]
 
 
