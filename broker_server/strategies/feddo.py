@@ -44,7 +44,7 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
 * ``mode`` (``"agent"``): ``"random"`` replaces the policy by the control of the paper's claim:
   each device active with probability ``random_active`` (0.25) and d ~ U[max(0, 2m − 1),
   min(1, 2m)] with m = ``random_mean`` (0.85), so E[d | active] = m.
-* Agent sizes: ``hidden`` ([256, 256, 256]), ``rank`` (96: the low-rank r is not given; 96 gives
+* Agent sizes: ``hidden`` (256) wide ``layers`` (3) MLPs, ``rank`` (96: the low-rank r is not given; 96 gives
   about the paper's per-device slope of the low-rank agent, §4.3), ``batch_size`` (64),
   ``warmup`` (64 transitions: a deployed run has one per round), ``capacity`` (100,000),
   ``updates_per_round`` (1), ``lr_actor``/``lr_critic`` (1e-4), ``lr_alpha`` (3e-4), ``gamma``
@@ -152,7 +152,7 @@ class FedDO(Strategy):
                  num_devices: int = 0, policy: str = "", learn: bool = True, deterministic: bool = False,
                  reward: str = "seed", xi: float = 64.0, horizon: int = 100, drift_missing: str = "last",
                  min_ratio: float = 0.05, val_size: int = 500, val_source: str = "train", mode: str = "agent",
-                 random_active: float = 0.25, random_mean: float = 0.85, hidden: Sequence[int] = (256, 256, 256),
+                 random_active: float = 0.25, random_mean: float = 0.85, hidden: int = 256, layers: int = 3,
                  rank: int = 96, batch_size: int = 64, warmup: int = 64, capacity: int = 100_000,
                  updates_per_round: int = 1, lr_actor: float = 1e-4, lr_critic: float = 1e-4,
                  lr_alpha: float = 3e-4, gamma: float = 0.99, tau: float = 0.005,
@@ -183,7 +183,7 @@ class FedDO(Strategy):
         self.horizon, self.drift_missing, self.min_ratio = int(horizon), drift_missing, float(min_ratio)
         self.mode, self.random_active, self.random_mean = mode, float(random_active), float(random_mean)
         self.updates_per_round = int(updates_per_round)
-        self.agent_config = DSACTConfig(hidden=tuple(int(h) for h in hidden), rank=int(rank),
+        self.agent_config = DSACTConfig(hidden=(int(hidden),) * int(layers), rank=int(rank),
                                         batch_size=int(batch_size), warmup=int(warmup), capacity=int(capacity),
                                         lr_actor=lr_actor, lr_critic=lr_critic, lr_alpha=lr_alpha, gamma=gamma, tau=tau)
         self.run_seed = int(run_seed)
