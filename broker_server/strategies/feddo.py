@@ -187,7 +187,8 @@ class FedDO(Strategy):
                                         batch_size=int(batch_size), warmup=int(warmup), capacity=int(capacity),
                                         lr_actor=lr_actor, lr_critic=lr_critic, lr_alpha=lr_alpha, gamma=gamma, tau=tau)
         self.run_seed = int(run_seed)
-        self.validation = validation
+        self.validation = None if validation is None else (np.array(validation[0], np.float32, copy=True),
+                                                            np.array(validation[1], np.int64, copy=True))
         self.policy_path = policy
         self.agent: DSACTAgent | None = None
         self.num_devices = int(num_devices)
