@@ -1,4 +1,5 @@
-"""The ``fedfleet`` command line: ``simulate``, ``server``, ``audit``.
+"""The ``fedfleet`` command line: ``simulate``, ``server``, ``audit``, ``keys``, ``profiles``,
+``feddo pretrain``.
 
 Exit codes (never reused): 0 success; 1 the run failed; 2 bad usage or configuration (the
 message says what to fix); 3 data set not found; 4 broker not reachable or not started.
@@ -119,6 +120,12 @@ def _cmd_audit(args) -> int:
     return run_audit(args)
 
 
+def _cmd_feddo_pretrain(args) -> int:
+    from .feddo_pretrain import run_pretrain
+
+    return run_pretrain(args)
+
+
 def _cmd_profiles(args) -> int:
     """``fedfleet profiles``: a table of every firmware profile found; ``fedfleet profiles show NAME``:
     one resolved profile as TOML (``NAME`` may also be a path ending in ``.toml``). Profiles are
@@ -195,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("keys", help="device and server keys: gen, enroll, revoke, list, show")
     add_keys_arguments(s)
     s.set_defaults(func=_cmd_keys)
+
+    from .feddo_pretrain import add_pretrain_arguments
+
+    s = sub.add_parser("feddo", help="FedDO tools: `feddo pretrain` trains the DSAC-T policy in simulation")
+    fs = s.add_subparsers(dest="feddo_command", required=True)
+    pre = fs.add_parser("pretrain", help="pre-training episodes in an in-process simulation; writes the policy")
+    add_pretrain_arguments(pre)
+    pre.set_defaults(func=_cmd_feddo_pretrain)
 
     s = sub.add_parser("profiles", help="list the firmware profiles as a table; `profiles show NAME` prints one")
     s.set_defaults(func=_cmd_profiles, profiles_command=None)

@@ -400,6 +400,10 @@ class AggregationServer:
                 self._reply(item, False, reason)
                 return
             self.devices.admit(env.sender, body, round=self.round, now=now)
+            try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
+                self.strategy.on_join(env.sender, body.profile, int(body.num_samples))
+            except Exception:  # noqa: BLE001 - a strategy's bookkeeping failing costs the join nothing
+                log.exception("%s.on_join(%s) failed", type(self.strategy).__name__, env.sender)
             if body.info.get("fallback_count"):
                 log.info("%s runs with fallbacks: %s", env.sender, body.info.get("fallbacks"))
             log.info("join: %s (%s, %d samples)", env.sender, body.profile, body.num_samples)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
 from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from . import fedcross as _fedcross  # noqa: F401  (registers "fedcross")
+from . import feddo as _feddo  # noqa: F401  (registers "feddo")
 from . import feddyn as _feddyn  # noqa: F401  (registers "feddyn")
 from . import fedlc as _fedlc  # noqa: F401  (registers "fedlc")
 from . import fedmcp as _fedmcp  # noqa: F401  (registers "fedmcp")
@@ -27,6 +29,7 @@ from . import fedtgp as _fedtgp  # noqa: F401  (registers "fedtgp")
 from . import fpl as _fpl  # noqa: F401  (registers "fpl")
 from . import local as _local  # noqa: F401  (registers "local")
 from . import moon as _moon  # noqa: F401  (registers "moon")
+from . import oort as _oort  # noqa: F401  (registers "oort")
 from . import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
 from ._base import (
     BUFFERS,

@@ -4,7 +4,8 @@ records it exchanges with the driver (:class:`RoundPlan`, :class:`ClientResult`,
 
 Which hook the driver (:class:`broker_server.server.AggregationServer`) calls when:
 
-1. once, before round 1: :meth:`Strategy.bind_model` with the server's model;
+1. once, before round 1: :meth:`Strategy.bind_model` with the server's model; for every
+   admitted join (before round 1 and later): :meth:`Strategy.on_join`;
 2. each round: :meth:`Strategy.configure_round` → :class:`RoundPlan` (who, shared config,
    per-device instructions), with :meth:`Strategy.config_for_round` merged over its config
    (:func:`round_config`); :meth:`Strategy.global_extras` for the round's ``global``;
@@ -461,6 +462,14 @@ class Strategy(ABC):
         before any round, so that the shapes of shared non-model arrays (a parameter count P,
         the feature width d and class count C of :func:`classifier_shape`) come from the model,
         never from the first update of round 1. Default: nothing."""
+        return None  # a default hook: nothing to do
+
+    def on_join(self, client_id: str, profile: str, num_samples: int) -> None:
+        """Called by the driver each time it admits a device's ``join`` (again after a
+        reconnect, and after a resume when the fleet joins again), with the firmware profile name
+        and the sample count |D_k| the device announced: Oort takes its system-speed prior from
+        the profile, FedDO checks |S_k| against |D_k|. An exception is logged and costs nothing
+        else. Default: nothing."""
         return None  # a default hook: nothing to do
 
     # ------------------------------------------------------------------ each round

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from ._base import Strategy
 
 #: the server hooks whose overrides are checked against the base's call (:func:`check_strategy_class`).
-SERVER_HOOKS = ("setup_kwargs", "bind_model", "configure_round", "config_for_round", "global_extras", "validate",
-                "accumulator", "aggregate", "skipped_round", "commit", "aggregate_metrics", "evaluate",
+SERVER_HOOKS = ("setup_kwargs", "bind_model", "on_join", "configure_round", "config_for_round", "global_extras",
+                "validate", "accumulator", "aggregate", "skipped_round", "commit", "aggregate_metrics", "evaluate",
                 "round_metrics", "state_dict", "load_state_dict")
 
 

@@ -383,6 +383,7 @@ def test_every_registry_entry_follows_the_conventions() -> None:
     from broker_server.strategies import get_strategy_class
     from edge_agent.algorithms import algorithm_setup, get_client_algorithm, list_client_algorithms
     from edge_agent.data import load_dataset
+    from edge_agent.plugins import accepted_keywords
 
     ds = load_dataset("digits")
     params = {"proxy_size": 100}
@@ -390,7 +391,9 @@ def test_every_registry_entry_follows_the_conventions() -> None:
         cls = get_strategy_class(name)
         extra = cls.setup_kwargs(ds, params, 0)  # the base's default: {}
         # as broker_server.runtime.make_strategy does: the [algorithm] table and the data setup
-        strategy = get_strategy(name, **({**params, **extra} if extra else {}))
+        # (the [algorithm] keys this class takes: make_strategy refuses the others)
+        names, _ = accepted_keywords(cls)
+        strategy = get_strategy(name, **({**{k: v for k, v in params.items() if k in names}, **extra} if extra else {}))
         assert strategy.name == name
         for method in ("configure_round", "aggregate", "state_dict", "load_state_dict"):
             assert callable(getattr(strategy, method))

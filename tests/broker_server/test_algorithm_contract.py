@@ -8,9 +8,9 @@ import inspect
 from broker_server.strategies import BUFFERS, MODEL_REQUIREMENTS, SHARES, Strategy, get_strategy_class, list_strategies
 from edge_agent.algorithms import ClientAlgorithm, get_client_algorithm_class, list_client_algorithms
 
-SERVER_HOOKS = ("setup_kwargs", "bind_model", "configure_round", "config_for_round", "global_extras", "validate",
-                "accumulator", "aggregate", "skipped_round", "commit", "aggregate_metrics", "evaluate", "round_metrics",
-                "state_dict", "load_state_dict")
+SERVER_HOOKS = ("setup_kwargs", "bind_model", "on_join", "configure_round", "config_for_round", "global_extras",
+                "validate", "accumulator", "aggregate", "skipped_round", "commit", "aggregate_metrics", "evaluate",
+                "round_metrics", "state_dict", "load_state_dict")
 CLIENT_HOOKS = ("setup_kwargs", "eval_split", "local_round", "before_step", "predict", "on_update_receipt")
 
 #: what the join admission reads: prototype-only methods admit any architecture.

@@ -1,0 +1,182 @@
+"""``fedfleet feddo pretrain``: FedDO's offline pre-training episodes in an in-process simulation.
+
+SPECS §4.3 [guess, modelled on FedAA]: an episode is one FL run from a freshly initialised
+global model (seed ``[run] seed + episode``), ``rounds`` rounds long, with the configured data,
+partition, model and training settings; the last transition of an episode has done = 1. The
+FedDO strategy and client half run exactly as in a federation (``configure_round`` → each asked
+device's ``local_round`` on its shard → ``validate`` → ``aggregate`` → commit → ``evaluate``), but
+in one process without a broker, so an episode costs only the training. The agent and its replay
+buffer carry over from episode to episode; at the end the policy is written with
+:meth:`~broker_server.rl.dsac_t.DSACTAgent.save_policy` (metadata: device count, state layout,
+episodes, rounds, data settings, CPU seconds) and a deployed run loads it with
+``[algorithm] policy = "PATH"``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+import torch
+
+from edge_agent.algorithms import TrainConfig, shared_arrays
+from edge_agent.data import load_dataset
+from edge_agent.state import load_arrays
+
+from .config import Config
+from .errors import ConfigError
+from .runtime import device_model, make_client_algorithm, make_strategy, train_config
+from .simulate import split_clients
+from .strategies import ClientResult, apply_update
+from .strategies.feddo import GLOBAL_FEATURES, FedDO
+
+
+@dataclass(frozen=True)
+class PretrainResult:
+    """What :func:`pretrain` did.
+
+    Attributes:
+        policy: the written policy file.
+        episodes: lines per episode (``episode``, ``final_accuracy``, ``return``, ``mean_active``,
+            ``mean_ratio``, ``replay``, ``seconds``).
+        cpu_seconds: process CPU time of the whole pre-training (``time.process_time``).
+        parameter_counts: the agent's :meth:`~broker_server.rl.dsac_t.DSACTAgent.parameter_counts`.
+    """
+
+    policy: Path
+    episodes: list[dict]
+    cpu_seconds: float
+    parameter_counts: dict[str, int]
+
+
+def progress_line(m: dict, episodes: int) -> str:
+    """One episode's progress line."""
+    return (f"episode {m['episode']:>3}/{episodes}  accuracy {m['final_accuracy']:.4f}  return {m['return']:+.3f}  "
+            f"active {m['mean_active']:.1f}  ratio {m['mean_ratio']:.3f}  replay {m['replay']}  {m['seconds']:.1f} s")
+
+
+def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
+             on_episode: Callable[[dict], None] | None = None) -> PretrainResult:
+    """Run ``episodes`` pre-training episodes of ``rounds`` rounds and write the policy to ``out``.
+
+    Args:
+        cfg: a configuration whose ``[train] algorithm`` is ``"feddo"`` (its ``[algorithm]``
+            table sets the agent; a ``policy`` there is the starting point).
+        episodes, rounds: ≥ 1.
+        out: the policy file to write.
+        on_episode: called with each episode's line.
+
+    Raises:
+        ConfigError: another algorithm, episodes or rounds below 1, a partition that cannot be made.
+        DataError: the data set cannot be found.
+    """
+    if cfg.train.algorithm != "feddo":
+        raise ConfigError(f"fedfleet feddo pretrain needs [train] algorithm = \"feddo\", not {cfg.train.algorithm!r}")
+    if episodes < 1 or rounds < 1:
+        raise ConfigError(f"--episodes ({episodes}) and --rounds ({rounds}) must be >= 1")
+    cpu0 = time.process_time()
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+    parts = split_clients(ds, cfg)
+    strategy = make_strategy(cfg, ds)
+    if not isinstance(strategy, FedDO):
+        raise ConfigError("[train] algorithm 'feddo' did not build the FedDO strategy")
+    ids = [f"dev-{i:03d}" for i in range(len(parts))]
+    shards = [(torch.from_numpy(np.ascontiguousarray(ds.train.x[p])), torch.from_numpy(np.asarray(ds.train.y[p])))
+              for p in parts]
+    for cid, (_, y) in zip(ids, shards, strict=True):
+        strategy.on_join(cid, "x86-cpu", int(y.shape[0]))
+    client = make_client_algorithm(cfg, ds)
+    base = TrainConfig.from_mapping(TrainConfig(seed=cfg.run.seed), train_config(cfg))
+    cpu = torch.device("cpu")
+    lines: list[dict] = []
+    for ep in range(1, episodes + 1):
+        t0 = time.monotonic()
+        seed = cfg.run.seed + ep
+        model = device_model(ds, seed, cfg.model.name, cfg.model.feature_dim)
+        strategy.reset_episode()
+        strategy.bind_model(model)
+        rng = np.random.default_rng(seed)
+        ret, active, ratio = 0.0, [], []
+        for r in range(1, rounds + 1):
+            plan = strategy.configure_round(r, ids, rng)
+            current = list(shared_arrays(model, "all"))
+            results = []
+            for cid in plan.selected:
+                i = ids.index(cid)
+                local = device_model(ds, seed, cfg.model.name, cfg.model.feature_dim)
+                params = {**dict(plan.config), **dict(plan.instructions.get(cid, {}))}
+                cfg_r = TrainConfig.from_mapping(base, params)
+                res = client.local_round(local, tuple(current), shards[i][0], shards[i][1], cfg_r, round=r,
+                                         client_id=cid, client_index=i, device=cpu, params=params)
+                if res.num_samples == 0:
+                    continue
+                cr = ClientResult(cid, res.tensors, res.num_samples, res.train_loss, dict(res.metrics))
+                reason = strategy.validate(cr)
+                if reason:
+                    raise RuntimeError(f"episode {ep} round {r}: {cid}: {reason}")
+                results.append(cr)
+            new = apply_update(strategy, r, strategy.aggregate(r, current, results))
+            if new is not None:
+                load_arrays(model, new)
+            m = strategy.evaluate(r, model)
+            ret += float(m["feddo_reward"])
+            active.append(len(plan.selected))
+            ratio.append(float(np.mean([plan.instructions[c]["data_ratio"] for c in plan.selected]))
+                         if plan.selected else 0.0)
+        strategy.end_episode(rounds)
+        assert strategy.agent is not None
+        line = {"episode": ep, "final_accuracy": strategy.phi, "return": ret, "mean_active": float(np.mean(active)),
+                "mean_ratio": float(np.mean(ratio)), "replay": len(strategy.agent.buffer),
+                "seconds": time.monotonic() - t0}
+        lines.append(line)
+        if on_episode:
+            on_episode(line)
+    agent = strategy.agent
+    assert agent is not None
+    cpu_s = time.process_time() - cpu0
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    agent.save_policy(out, {"num_devices": strategy.num_devices, "global_features": GLOBAL_FEATURES,
+                            "episodes": episodes, "rounds": rounds, "dataset": cfg.data.dataset,
+                            "partition": cfg.data.partition, "alpha": cfg.data.alpha, "clients": cfg.data.clients,
+                            "seed": cfg.run.seed, "cpu_seconds": cpu_s, "reward": strategy.reward})
+    return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
+
+
+def run_pretrain(args, stream: TextIO = sys.stdout) -> int:
+    """``fedfleet feddo pretrain`` (see :func:`pretrain`); prints one line per episode unless ``--quiet``."""
+    from . import config as config_mod
+
+    if not args.config:
+        raise ConfigError("--config FILE is required")
+    over: dict = {}
+    if args.seed is not None:
+        over[("run", "seed")] = args.seed
+    if args.data_dir:
+        over[("data", "data_dir")] = args.data_dir
+    cfg = config_mod.load(args.config, over)
+    out = Path(args.out or "feddo_policy.pt")
+    print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {cfg.data.clients} devices, {args.episodes} episodes x "
+          f"{args.rounds} rounds -> {out}", file=stream, flush=True)
+    res = pretrain(cfg, episodes=args.episodes, rounds=args.rounds, out=out,
+                   on_episode=None if args.quiet else lambda m: print(progress_line(m, args.episodes), file=stream,
+                                                                      flush=True))
+    print(f"policy written to {res.policy} ({res.parameter_counts['agent']:,} agent parameters, "
+          f"{res.cpu_seconds:.1f} CPU s); use it with [algorithm] policy = \"{res.policy}\"", file=stream)
+    return 0
+
+
+def add_pretrain_arguments(sp) -> None:
+    """The options of ``fedfleet feddo pretrain``."""
+    sp.add_argument("--config", help="TOML run configuration with [train] algorithm = \"feddo\"")
+    sp.add_argument("--episodes", type=int, default=200, help="pre-training episodes (default 200, SPECS §4.3)")
+    sp.add_argument("--rounds", type=int, default=50, help="rounds per episode (default 50)")
+    sp.add_argument("--out", help="policy file to write (default feddo_policy.pt)")
+    sp.add_argument("--seed", type=int, help="override [run] seed")
+    sp.add_argument("--data-dir", help="folder holding the data sets (overrides [data] data_dir)")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no per-episode progress lines")

@@ -1,0 +1,400 @@
+"""FedDO, server half: a DSAC-T agent gives every device its own data-usage ratio d_k ∈ [0, 1]
+each round (FedDO, ECCV 2026; SPECS §4; the agent is :mod:`broker_server.rl.dsac_t`).
+
+Round t (SPECS §4.1):
+
+1. **State** s_t = [o_t (K values), φ_{t−1}, min(ℓ_{t−1}, 10)/10, min((t−1)/H, 1), |K_{t−1}|/K]
+   (:func:`build_state`): o_t^k = ‖w^k − w‖₂, the parameter drift of device k's last upload from
+   the global model it started from, divided by max_j o^j (so in [0, 1]); φ and ℓ the global
+   model's validation accuracy and loss after round t−1; H = ``horizon``; |K_{t−1}| the devices
+   active in round t−1.
+2. **Action** a_t ~ π(s_t) ∈ (−1, 1)^K (tanh-squashed Gaussian), d_t^k = max(a_t^k, 0)
+   (SPECS §4.1 option (a): the tanh Gaussian never reaches 0 by itself).
+3. The active set K_t = {k : d_t^k > 0} is asked to train; each gets ``data_ratio`` = d_t^k as
+   its own instruction and trains on round(d_t^k·|D_k|) samples (:func:`edge_agent.algorithms.
+   feddo.subset_size`), uniform without replacement.
+4. **Aggregation** w_{t+1} = Σ_{k∈K_t} (|S_t^k| / Σ_j |S_t^j|)·w_t^k (the reported
+   ``num_samples`` = |S_t^k|).
+5. **Reward** r_t from the validation accuracy φ ∈ [0, 1] (:func:`feddo_reward`, Ξ = 64):
+   ``"seed"`` — Ξ^(φ_t − φ_{t−1}) if φ_t ≥ φ_{t−1}, else −Ξ^(φ_{t−1} − φ_t) (as the paper writes
+   it: r jumps from −1 to +1 at Δ = 0); ``"continuous"`` — the same minus 1 in magnitude,
+   sign(Δ)·(Ξ^|Δ| − 1) (FAVOR's Ξ^Δ − 1 form, continuous at 0).
+6. The transition (s_t, a_t, r_t, s_{t+1}, done) is stored when s_{t+1} is built (the next round's
+   planning), and the agent takes ``updates_per_round`` DSAC-T steps after its warm-up
+   (``learn = true``: it keeps learning in deployment, SPECS §4.3 leaves it open).
+
+Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
+
+* ``num_devices`` (0): K, the action width; 0 = the pre-trained policy's, else the number of
+  devices available in round 1. Devices get slots in the order they are first seen (sorted ids
+  within a round); a device beyond K is never asked (logged once).
+* ``drift_missing`` (``"last"``): what a device that did not train contributes to o_t — its
+  last measured drift (``"last"``; 0 before it ever trained), or 0 (``"zero"``). Keeping each
+  device's last *model* would cost K model copies on the server; its last drift costs K numbers.
+* ``reward`` (``"seed"``) and ``xi`` (64.0): step 5.
+* ``horizon`` (100): H of the round feature (the run's rounds are not known to a strategy).
+* ``min_ratio`` (0.05): when fewer than ``min_clients`` ([server] quorum) devices get d > 0, the
+  ones with the largest actions are made active with d = max(d, min_ratio), so a round can close;
+  the replay buffer keeps the policy's action.
+* ``val_size`` (500) and ``val_source`` (``"train"``): the server's validation set (its size is
+  not in the paper): a seeded sample of the training split (``"train"``; no test sample feeds
+  the reward) or of the test split (``"test"``).
+* ``policy`` (``""``): a file of ``fedfleet feddo pretrain`` (:meth:`DSACTAgent.save_policy`);
+  empty = an untrained agent. ``learn`` (true), ``deterministic`` (false: sample π; true: tanh μ).
+* ``mode`` (``"agent"``): ``"random"`` replaces the policy by the control of the paper's claim:
+  each device active with probability ``random_active`` (0.25) and d ~ U[max(0, 2m − 1),
+  min(1, 2m)] with m = ``random_mean`` (0.85), so E[d | active] = m.
+* Agent sizes: ``hidden`` (256) wide ``layers`` (3) MLPs, ``rank`` (96: the low-rank r is not given; 96 gives
+  about the paper's per-device slope of the low-rank agent, §4.3), ``batch_size`` (64),
+  ``warmup`` (64 transitions: a deployed run has one per round), ``capacity`` (100,000),
+  ``updates_per_round`` (1), ``lr_actor``/``lr_critic`` (1e-4), ``lr_alpha`` (3e-4), ``gamma``
+  (0.99), ``tau`` (0.005).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edge_agent.algorithms.feddo import RATIO_KEY, subset_size
+
+from ..aggregate import weighted_average
+from ..rl.dsac_t import DSACTAgent, DSACTConfig
+from ._base import ClientResult, GlobalUpdate, RoundPlan, Scalar, Strategy
+from ._registry import register_strategy
+
+log = logging.getLogger(__name__)
+
+REWARDS = ("seed", "continuous")
+DRIFT_MISSING = ("last", "zero")
+MODES = ("agent", "random")
+#: global features after the K drifts in the state (:func:`build_state`).
+GLOBAL_FEATURES = 4
+
+
+def feddo_reward(phi: float, phi_prev: float, xi: float = 64.0, variant: str = "seed") -> float:
+    """The asymmetric exponential reward of FedDO (module docstring, step 5).
+
+    Args:
+        phi, phi_prev: validation accuracy after and before the round, fractions in [0, 1].
+        xi: the base Ξ (> 1).
+        variant: ``"seed"`` (±Ξ^|Δ|, discontinuous at Δ = 0: r(0) = +1) or ``"continuous"``
+            (sign(Δ)·(Ξ^|Δ| − 1), r(0) = 0).
+
+    Raises:
+        ValueError: an accuracy outside [0, 1] (a percentage makes 64^Δ explode), Ξ ≤ 1, an
+            unknown variant.
+    """
+    for name, v in (("phi", phi), ("phi_prev", phi_prev)):
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"{name} = {v!r}: the FedDO reward needs an accuracy in [0, 1]")
+    if not xi > 1:
+        raise ValueError(f"xi = {xi!r} must be > 1")
+    if variant not in REWARDS:
+        raise ValueError(f"reward = {variant!r} must be one of {REWARDS}")
+    delta = phi - phi_prev
+    mag = xi ** abs(delta)
+    if variant == "continuous":
+        return math.copysign(mag - 1.0, delta) if delta != 0 else 0.0
+    return mag if delta >= 0 else -mag
+
+
+def build_state(drift: np.ndarray, accuracy: float, loss: float, round_fraction: float,
+                active_fraction: float) -> np.ndarray:
+    """s = [drift / max(drift) (K; zeros when all are 0), accuracy, min(loss, 10)/10,
+    round_fraction, active_fraction] as float32 [K + 4]. Every global feature is clipped to
+    [0, 1]."""
+    d = np.asarray(drift, np.float64)
+    top = float(d.max()) if d.size else 0.0
+    o = d / top if top > 0 else np.zeros_like(d)
+    g = [accuracy, min(max(loss, 0.0), 10.0) / 10.0, round_fraction, active_fraction]
+    return np.concatenate([o, np.clip(np.asarray(g, np.float64), 0.0, 1.0)]).astype(np.float32)
+
+
+def ratios_from_action(action: np.ndarray, min_active: int, min_ratio: float) -> np.ndarray:
+    """d = max(a, 0); when fewer than ``min_active`` entries are > 0, the largest actions among
+    the rest become max(a, min_ratio) until ``min_active`` are (ties: the lower index)."""
+    a = np.asarray(action, np.float64)
+    d = np.maximum(a, 0.0)
+    short = min(min_active, a.size) - int((d > 0).sum())
+    if short > 0:
+        idle = [i for i in np.argsort(-a, kind="stable") if d[i] == 0][:short]
+        d[idle] = np.maximum(a[idle], min_ratio)
+    return d
+
+
+def _flat_drift(update: Sequence[np.ndarray], current: Sequence[np.ndarray]) -> float:
+    """‖w_k − w‖₂ over every floating tensor (float64 sums)."""
+    s = 0.0
+    for a, b in zip(update, current, strict=True):
+        if np.issubdtype(np.asarray(a).dtype, np.floating):
+            s += float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+    return math.sqrt(s)
+
+
+@register_strategy("feddo")
+class FedDO(Strategy):
+    """FedDO strategy (see the module docstring for the round and every key)."""
+
+    name = "feddo"
+    share = "all"
+    buffers = "average"
+    model_requirement = "manifest"
+    instructions = (RATIO_KEY,)
+
+    def __init__(self, *, min_clients: int = 1, train_config: Mapping[str, Scalar] | None = None,
+                 num_devices: int = 0, policy: str = "", learn: bool = True, deterministic: bool = False,
+                 reward: str = "seed", xi: float = 64.0, horizon: int = 100, drift_missing: str = "last",
+                 min_ratio: float = 0.05, val_size: int = 500, val_source: str = "train", mode: str = "agent",
+                 random_active: float = 0.25, random_mean: float = 0.85, hidden: int = 256, layers: int = 3,
+                 rank: int = 96, batch_size: int = 64, warmup: int = 64, capacity: int = 100_000,
+                 updates_per_round: int = 1, lr_actor: float = 1e-4, lr_critic: float = 1e-4,
+                 lr_alpha: float = 3e-4, gamma: float = 0.99, tau: float = 0.005,
+                 validation: tuple[np.ndarray, np.ndarray] | None = None, run_seed: int = 0) -> None:
+        problems = []
+        if reward not in REWARDS:
+            problems.append(f"reward = {reward!r} must be one of {REWARDS}")
+        if drift_missing not in DRIFT_MISSING:
+            problems.append(f"drift_missing = {drift_missing!r} must be one of {DRIFT_MISSING}")
+        if mode not in MODES:
+            problems.append(f"mode = {mode!r} must be one of {MODES}")
+        if not 0 < min_ratio <= 1:
+            problems.append(f"min_ratio = {min_ratio} must be in (0, 1]")
+        if not 0 < random_active <= 1 or not 0 < random_mean <= 1:
+            problems.append(f"random_active = {random_active}, random_mean = {random_mean} must be in (0, 1]")
+        if horizon < 1 or num_devices < 0 or updates_per_round < 0 or val_size < 1:
+            problems.append(f"horizon ({horizon}) and val_size ({val_size}) must be >= 1, num_devices "
+                            f"({num_devices}) and updates_per_round ({updates_per_round}) >= 0")
+        if val_source not in ("train", "test"):
+            problems.append(f"val_source = {val_source!r} must be 'train' or 'test'")
+        if not xi > 1:
+            problems.append(f"xi = {xi} must be > 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.min_clients = max(1, int(min_clients))
+        self.train_config = dict(train_config or {})
+        self.learn, self.deterministic, self.reward, self.xi = bool(learn), bool(deterministic), reward, float(xi)
+        self.horizon, self.drift_missing, self.min_ratio = int(horizon), drift_missing, float(min_ratio)
+        self.mode, self.random_active, self.random_mean = mode, float(random_active), float(random_mean)
+        self.updates_per_round = int(updates_per_round)
+        self.agent_config = DSACTConfig(hidden=(int(hidden),) * int(layers), rank=int(rank),
+                                        batch_size=int(batch_size), warmup=int(warmup), capacity=int(capacity),
+                                        lr_actor=lr_actor, lr_critic=lr_critic, lr_alpha=lr_alpha, gamma=gamma, tau=tau)
+        self.run_seed = int(run_seed)
+        self.validation = None if validation is None else (np.array(validation[0], np.float32, copy=True),
+                                                            np.array(validation[1], np.int64, copy=True))
+        self.policy_path = policy
+        self.agent: DSACTAgent | None = None
+        self.num_devices = int(num_devices)
+        if policy:
+            self.agent, meta = DSACTAgent.load_policy(policy, seed=self.run_seed)
+            k = int(meta.get("num_devices", self.agent.action_dim))
+            if self.num_devices and self.num_devices != k:
+                raise ValueError(f"num_devices = {self.num_devices} but policy {policy} was trained for {k} devices")
+            if self.agent.state_dim != k + GLOBAL_FEATURES:
+                raise ValueError(f"policy {policy}: state width {self.agent.state_dim}, "
+                                 f"expected {k} + {GLOBAL_FEATURES}")
+            self.num_devices = k
+            self.agent.buffer = type(self.agent.buffer)(self.agent_config.capacity, self.agent.state_dim, k)
+        self.slots: list[str] = []
+        self.shard_sizes: dict[str, int] = {}
+        self._warned: set[str] = set()
+        self.reset_episode()
+
+    # ------------------------------------------------------------------ setup
+
+    @classmethod
+    def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int) -> dict:
+        """The validation set (``val_size`` samples of the ``val_source`` split, seeded by the run
+        seed) and the run seed."""
+        src = dataset.train if str(params.get("val_source", "train")) == "train" else dataset.test
+        n = len(src.y)
+        size = min(int(params.get("val_size", 500)), n)  # type: ignore[call-overload]
+        idx = np.sort(np.random.default_rng(seed + 104729).choice(n, size, replace=False))
+        return {"validation": (np.asarray(src.x[idx], np.float32), np.asarray(src.y[idx], np.int64)), "run_seed": seed}
+
+    def reset_episode(self) -> None:
+        """Forget the per-run state (drifts, φ, the pending transition), keep the agent and its
+        buffer: the start of a run, or of a pre-training episode."""
+        k = max(self.num_devices, len(self.slots))
+        self.drift = np.zeros(k, np.float64)
+        self.phi, self.val_loss, self.active_fraction = 0.0, 0.0, 0.0
+        self.pending: dict[str, Any] | None = None  # {"s", "a", "r"}: the last round's transition so far
+        self.ratios: dict[str, float] = {}
+        self.last_update: dict[str, float] = {}
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """φ_0 and ℓ_0: the initial model on the validation set."""
+        self.phi, self.val_loss = self._validate_model(model)
+
+    def on_join(self, client_id: str, profile: str, num_samples: int) -> None:
+        """Keep |D_k| (to check each update's |S_k|)."""
+        self.shard_sizes[client_id] = int(num_samples)
+
+    # ------------------------------------------------------------------ the agent
+
+    def _ensure_agent(self, k: int) -> DSACTAgent:
+        if self.agent is None:
+            if k < 1:
+                raise ValueError("FedDO has no device to plan for")
+            self.num_devices = k
+            self.agent = DSACTAgent(k + GLOBAL_FEATURES, k, self.agent_config, seed=self.run_seed)
+            log.info("FedDO: DSAC-T agent for %d devices, %s parameters", k, self.agent.parameter_counts())
+        if self.drift.size != self.num_devices:
+            self.drift = np.resize(self.drift, self.num_devices) * 0
+        return self.agent
+
+    def _slot_ids(self, available: Sequence[str]) -> list[str]:
+        for cid in sorted(available):
+            if cid in self.slots:
+                continue
+            if self.num_devices and len(self.slots) >= self.num_devices:
+                if cid not in self._warned:
+                    self._warned.add(cid)
+                    log.warning("FedDO: %s is beyond the agent's %d devices and is never asked", cid, self.num_devices)
+                continue
+            self.slots.append(cid)
+        return self.slots
+
+    def state(self, round: int) -> np.ndarray:
+        """s_t for ``round`` (module docstring, step 1)."""
+        return build_state(self.drift, self.phi, self.val_loss, min((round - 1) / self.horizon, 1.0),
+                           self.active_fraction)
+
+    def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
+        """Build s_t, store the previous transition and learn, act, and ask the devices with d > 0."""
+        slots = self._slot_ids(available)
+        agent = self._ensure_agent(len(slots) if not self.num_devices else self.num_devices)
+        s = self.state(round)
+        self.last_update = {}
+        if self.pending is not None and self.pending.get("r") is not None:
+            agent.observe(self.pending["s"], self.pending["a"], self.pending["r"], s, False)
+            if self.learn:
+                self.last_update = agent.update(self.updates_per_round)
+        k = self.num_devices
+        online = np.zeros(k, bool)
+        for i, cid in enumerate(slots[:k]):
+            online[i] = cid in set(available)
+        if self.mode == "random":
+            active = rng.random(k) < self.random_active
+            lo, hi = max(0.0, 2 * self.random_mean - 1), min(1.0, 2 * self.random_mean)
+            a = np.where(active, rng.uniform(lo, hi, k), -1.0).astype(np.float32)
+        else:
+            a = agent.act(s, deterministic=self.deterministic)
+        d = ratios_from_action(np.where(online, a, -1.0), min(self.min_clients, int(online.sum())), self.min_ratio)
+        d[~online] = 0.0  # an offline device cannot train
+        self.ratios = {slots[i]: float(d[i]) for i in range(min(k, len(slots))) if d[i] > 0}
+        self.pending = {"s": s, "a": np.asarray(a, np.float32), "r": None}
+        selected = tuple(sorted(self.ratios))
+        return RoundPlan(selected=selected, config=dict(self.train_config),
+                         instructions={c: {RATIO_KEY: self.ratios[c]} for c in selected})
+
+    def validate(self, result: ClientResult) -> str | None:
+        """Refuse an update whose ``num_samples`` is not round(d_k·|D_k|) of its device (when
+        |D_k| is known from its join)."""
+        n = self.shard_sizes.get(result.client_id)
+        d = self.ratios.get(result.client_id)
+        if n is None or d is None:
+            return None
+        want = subset_size(d, n)
+        if result.num_samples != want:
+            return f"num_samples {result.num_samples} != round({d:.6g} x {n}) = {want} samples asked for"
+        return None
+
+    def aggregate(self, round: int, current: Sequence[np.ndarray],
+                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
+        """w = Σ (|S_k|/Σ|S|)·w_k, and each reporting device's new drift ‖w_k − w_t‖."""
+        if not results:
+            return None
+        drift = np.array(self.drift, np.float64, copy=True)
+        if self.drift_missing == "zero":
+            drift[:] = 0.0
+        index = {c: i for i, c in enumerate(self.slots)}
+        for r in results:
+            if r.client_id in index and index[r.client_id] < drift.size:
+                drift[index[r.client_id]] = _flat_drift(r.tensors, current)
+        total = sum(r.num_samples for r in results)
+        weights = {r.client_id: r.num_samples / total for r in results}
+        return GlobalUpdate(
+            tensors=weighted_average([r.tensors for r in results], [r.num_samples for r in results]),
+            state={"drift": drift, "active_fraction": len(results) / max(1, self.num_devices)},
+            metrics={"feddo_weights": weights, "feddo_samples": {r.client_id: r.num_samples for r in results}})
+
+    def evaluate(self, round: int, model: torch.nn.Module) -> Mapping[str, Any]:
+        """φ_t on the validation set and the round's reward r_t (step 5)."""
+        phi, loss = self._validate_model(model)
+        r = feddo_reward(phi, self.phi, self.xi, self.reward)
+        if self.pending is not None:
+            self.pending["r"] = r
+        self.phi, self.val_loss = phi, loss
+        return {"feddo_val_accuracy": phi, "feddo_reward": r}
+
+    def end_episode(self, round: int) -> None:
+        """Store the last transition with done = 1 (pre-training episodes end; a deployed run
+        never calls this)."""
+        if self.agent is not None and self.pending is not None and self.pending.get("r") is not None:
+            self.agent.observe(self.pending["s"], self.pending["a"], self.pending["r"], self.state(round + 1), True)
+            if self.learn:
+                self.last_update = self.agent.update(self.updates_per_round)
+        self.pending = None
+
+    def _validate_model(self, model: torch.nn.Module) -> tuple[float, float]:
+        if self.validation is None:
+            raise ValueError("FedDO has no validation set (built by setup_kwargs from the data set)")
+        x, y = self.validation
+        was = model.training
+        model.eval()
+        correct, loss = 0, 0.0
+        with torch.no_grad():
+            for i in range(0, len(y), 1000):
+                xb, yb = torch.from_numpy(x[i:i + 1000]), torch.from_numpy(y[i:i + 1000])
+                logits = model(xb)
+                loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+                correct += int((logits.argmax(1) == yb).sum())
+        model.train(was)
+        return correct / max(1, len(y)), loss / max(1, len(y))
+
+    def round_metrics(self) -> dict:
+        """Active devices, their mean ratio, the replay size and the agent's last losses."""
+        d = list(self.ratios.values())
+        out: dict[str, Any] = {"feddo_active": len(d), "feddo_mean_ratio": float(np.mean(d)) if d else 0.0,
+                               "feddo_replay": len(self.agent.buffer) if self.agent is not None else 0}
+        out.update({f"feddo_{k}": v for k, v in self.last_update.items()})
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The agent (networks, optimisers, generators: bytes), the replay buffer (arrays), the
+        slots, drifts, φ and the pending transition."""
+        pending = None if self.pending is None else {"s": self.pending["s"], "a": self.pending["a"],
+                                                     "r": self.pending["r"]}
+        return {"agent": self.agent.to_bytes() if self.agent is not None else b"",
+                "replay": self.agent.buffer.state_dict() if self.agent is not None else {},
+                "num_devices": self.num_devices, "slots": list(self.slots), "drift": np.asarray(self.drift),
+                "phi": self.phi, "val_loss": self.val_loss, "active_fraction": self.active_fraction,
+                "pending": pending, "ratios": dict(self.ratios)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (``{}``: nothing)."""
+        if not state:
+            return
+        self.num_devices = int(state["num_devices"])
+        self.slots = list(state["slots"])
+        if state["agent"]:
+            agent = self._ensure_agent(self.num_devices)
+            agent.load_bytes(state["agent"])
+            agent.buffer.load_state_dict(state["replay"])
+        self.drift = np.asarray(state["drift"], np.float64)
+        self.phi, self.val_loss = float(state["phi"]), float(state["val_loss"])
+        self.active_fraction = float(state["active_fraction"])
+        p = state.get("pending")
+        self.pending = None if p is None else {"s": np.asarray(p["s"], np.float32), "a": np.asarray(p["a"], np.float32),
+                                               "r": p["r"]}
+        self.ratios = {str(k): float(v) for k, v in state.get("ratios", {}).items()}

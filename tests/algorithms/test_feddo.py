@@ -1,0 +1,200 @@
+"""FedDO: the reward, the state and the ratios by hand; a federation in memory (digits, three
+devices, three rounds) checked on the wire — each device's ``data_ratio`` is the policy's
+max(a_k, 0), it trains on round(d_k·|D_k|) samples, the weights are |S_k|/Σ|S| and the global
+is their weighted mean —; a resume from the checkpoint that restores the replay buffer and the
+agent bit for bit and keeps learning; ``fedfleet feddo pretrain`` writing a policy the server
+loads."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from broker_server.checkpoint import CheckpointStore
+from broker_server.cli import main
+from broker_server.server import AggregationServer, ServerSettings
+from broker_server.strategies.feddo import FedDO, build_state, feddo_reward, ratios_from_action
+from edge_agent.agent import EdgeAgent
+from edge_agent.algorithms import TrainConfig
+from edge_agent.algorithms.feddo import FedDOClient, subset_indices, subset_size
+from edge_agent.models import build_model
+from protocol.channel import Channel
+from protocol.messages import RoundStart, Update, decode
+
+SMALL = {"hidden": 16, "layers": 2, "rank": 4, "warmup": 1, "batch_size": 2}
+
+
+def test_reward_seed_and_continuous_variants() -> None:
+    assert feddo_reward(0.5, 0.5) == 1.0  # the seed's discontinuity: +1 for no change
+    assert feddo_reward(0.6, 0.5) == pytest.approx(64 ** 0.1)
+    assert feddo_reward(0.5, 0.6) == pytest.approx(-(64 ** 0.1))
+    assert feddo_reward(0.5, 0.5, variant="continuous") == 0.0
+    assert feddo_reward(0.75, 0.25, variant="continuous") == pytest.approx(64 ** 0.5 - 1) == pytest.approx(7.0)
+    assert feddo_reward(0.25, 0.75, variant="continuous") == pytest.approx(-7.0)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        feddo_reward(71.4, 70.0)  # percentages
+
+
+def test_state_and_ratios_by_hand() -> None:
+    s = build_state(np.array([1.0, 4.0, 0.0]), accuracy=0.5, loss=25.0, round_fraction=0.2, active_fraction=2 / 3)
+    np.testing.assert_allclose(s, [0.25, 1.0, 0.0, 0.5, 1.0, 0.2, 2 / 3], rtol=1e-6)
+    np.testing.assert_array_equal(build_state(np.zeros(2), 0, 0, 0, 0), np.zeros(6))
+    d = ratios_from_action(np.array([-0.5, 0.3, -0.1, -0.9]), min_active=2, min_ratio=0.05)
+    np.testing.assert_allclose(d, [0.0, 0.3, 0.05, 0.0])  # the largest idle action is made active
+    assert subset_size(0.5, 7) == 4 and subset_size(0.001, 7) == 1 and subset_size(0.0, 7) == 0
+    idx = subset_indices(10, 4, seed=0, round=2, client_index=1)
+    assert len(set(idx.tolist())) == 4 and idx.tolist() == sorted(idx.tolist())
+
+
+class Recording(FedDO):
+    """FedDO keeping each round's policy action a_t."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.actions: dict[int, np.ndarray] = {}
+
+    def configure_round(self, round, available, rng):
+        plan = super().configure_round(round, available, rng)
+        self.actions[round] = np.array(self.pending["a"])
+        return plan
+
+
+def _federation(tmp_path, digits, memory_hub, rounds: int = 3):
+    sizes = {"dev-a": 40, "dev-b": 70, "dev-c": 90}
+    x, y = digits.train.x, digits.train.y
+    val = (np.asarray(digits.test.x[:100]), np.asarray(digits.test.y[:100]))
+
+    def model():
+        torch.manual_seed(0)
+        return build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+
+    strategy = Recording(train_config={"lr": 0.05, "batch_size": 16}, validation=val, run_seed=3, **SMALL)
+    server = AggregationServer(
+        channel=Channel(memory_hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None),
+        strategy=strategy, model=model(), test=digits.test,
+        settings=ServerSettings(rounds=rounds, quorum=1, round_deadline_s=60, join_timeout_s=30, expected_clients=3),
+        run_dir=tmp_path)
+    agents, start = [], 0
+    for i, (cid, n) in enumerate(sizes.items()):
+        agents.append(EdgeAgent(
+            channel=Channel(memory_hub.connect(cid), node_id=cid, side="agent", federation="mem", ledger=None),
+            model=model(), algorithm=FedDOClient(), x=x[start:start + n], y=y[start:start + n], num_classes=10,
+            client_index=i, idle_timeout_s=60, train_defaults=TrainConfig(local_epochs=1, batch_size=16)))
+        start += n
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+        return run
+
+    threads = [threading.Thread(target=guarded(a.run), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    summary = server.run()
+    for t in threads:
+        t.join(30)
+    assert not errors and summary.rounds_completed == rounds
+    return server, strategy, sizes
+
+
+def test_feddo_federation_ratios_samples_and_weights_on_the_wire(tmp_path, digits, memory_hub) -> None:
+    server, strategy, sizes = _federation(tmp_path, digits, memory_hub)
+    slots = sorted(sizes)
+    assert strategy.slots == slots
+    msgs = [(m.sender, m.topic, decode(m.payload).envelope) for m in memory_hub.published]
+    for r, a in strategy.actions.items():
+        starts = {t.split("/")[-2]: env.body for s, t, env in msgs
+                  if s == "server" and env.round == r and isinstance(env.body, RoundStart)}
+        want = {c: float(a[i]) for i, c in enumerate(slots) if a[i] > 0}
+        if not want:  # no positive action: the largest one, at least min_ratio (quorum 1)
+            i = int(np.argmax(a))
+            want = {slots[i]: max(float(a[i]), 0.05)}
+        assert {c: b.instructions["data_ratio"] for c, b in starts.items()} == pytest.approx(want), r
+        ups = {s: env.body for s, t, env in msgs if env.round == r and isinstance(env.body, Update)}
+        assert set(ups) == set(want)
+        for c, body in ups.items():
+            assert body.num_samples == round(want[c] * sizes[c])  # round(d_k·|D_k|)
+        line = server.metrics[r - 1]
+        total = sum(b.num_samples for b in ups.values())
+        assert line["feddo_weights"] == pytest.approx({c: b.num_samples / total for c, b in ups.items()})
+        assert line["feddo_active"] == len(want)
+        assert line["feddo_mean_ratio"] == pytest.approx(np.mean(list(want.values())))
+        assert -64 <= line["feddo_reward"] <= 64 and abs(line["feddo_reward"]) >= 1  # the seed variant
+
+
+def test_a_resumed_feddo_keeps_its_replay_buffer_and_agent_and_learns_on(tmp_path, digits, memory_hub) -> None:
+    server, strategy, _ = _federation(tmp_path, digits, memory_hub)
+    assert strategy.agent is not None and len(strategy.agent.buffer) == 2  # rounds 1→2, 2→3
+    store = CheckpointStore(tmp_path / "checkpoints.sqlite")
+    ckpt = store.load()
+    store.close()
+    assert ckpt is not None and ckpt.round == 3
+    val = strategy.validation
+    fresh = FedDO(train_config={"lr": 0.05}, validation=val, run_seed=3, **SMALL)
+    fresh.load_state_dict(ckpt.strategy_state)
+    assert fresh.agent is not None and len(fresh.agent.buffer) == 2
+    for a, b in zip(strategy.agent.networks_state()["actor"].values(), fresh.agent.networks_state()["actor"].values(),
+                    strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(strategy.agent.critics.parameters(), fresh.agent.critics.parameters(), strict=True):
+        assert torch.equal(a, b)
+    np.testing.assert_array_equal(strategy.agent.buffer.state_dict()["s"], fresh.agent.buffer.state_dict()["s"])
+    assert fresh.phi == strategy.phi and fresh.slots == strategy.slots
+    # round 4 after the resume: the pending round-3 transition is stored and learned from, as the
+    # uninterrupted strategy would
+    rng = np.random.default_rng(0)
+    p1 = strategy.configure_round(4, strategy.slots, rng)
+    p2 = fresh.configure_round(4, fresh.slots, np.random.default_rng(0))
+    assert len(fresh.agent.buffer) == 3 and fresh.agent.updates == strategy.agent.updates > 0
+    assert dict(p1.instructions) == dict(p2.instructions)
+
+
+def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> None:
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text("""
+[run]
+name = "pre"
+seed = 0
+rounds = 2
+out = "runs"
+[data]
+dataset = "digits"
+partition = "dirichlet"
+alpha = 0.5
+clients = 3
+[train]
+algorithm = "feddo"
+local_epochs = 1
+batch_size = 32
+lr = 0.05
+[server]
+quorum = 1
+[algorithm]
+hidden = 16
+layers = 2
+rank = 4
+warmup = 1
+batch_size = 2
+val_size = 100
+""", encoding="utf-8")
+    out = tmp_path / "policy.pt"
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "2", "--rounds", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "episode   1/2" in text and "episode   2/2" in text and "policy written" in text
+    blob = torch.load(out, weights_only=False)
+    assert blob["metadata"]["num_devices"] == 3 and blob["metadata"]["episodes"] == 2
+    assert blob["metadata"]["cpu_seconds"] > 0
+    loaded = FedDO(policy=str(out), validation=(np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64)),
+                   **{k: v for k, v in SMALL.items() if k in ("warmup", "batch_size")})
+    assert loaded.num_devices == 3 and loaded.agent is not None and len(loaded.agent.buffer) == 0
+    for a, b in zip(blob["agent"]["actor"].values(), loaded.agent.actor.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert not math.isnan(loaded.agent.alpha)

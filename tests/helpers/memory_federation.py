@@ -1,0 +1,80 @@
+"""A whole federation in one process over a :class:`~protocol.memory_transport.MemoryBroker`:
+an :class:`AggregationServer` and one :class:`EdgeAgent` thread per device, for tests that check
+what went over the wire (``hub.published``) against hand computations."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from broker_server.server import AggregationServer, ServerSettings
+from edge_agent.agent import EdgeAgent
+from edge_agent.algorithms import TrainConfig
+from edge_agent.models import build_model
+from protocol.channel import Channel
+from protocol.memory_transport import MemoryBroker
+from protocol.messages import decode
+
+
+@dataclass
+class Device:
+    """One device: its client algorithm, shard (float32 [N, 1, 8, 8], int64 [N]) and profile."""
+
+    algorithm: object
+    x: np.ndarray
+    y: np.ndarray
+    profile: str = "x86-cpu"
+
+
+def digits_model() -> torch.nn.Module:
+    """The light CNN for 1×8×8 digits, initialised from seed 0."""
+    torch.manual_seed(0)
+    return build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+
+
+def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, Device], test, *, rounds: int,
+                   quorum: int = 1, batch_size: int = 16) -> AggregationServer:
+    """Run ``rounds`` rounds; every agent must finish without an error.
+
+    Returns:
+        The server (``metrics``, ``strategy``); the messages are in ``hub.published``.
+    """
+    server = AggregationServer(
+        channel=Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None),
+        strategy=strategy, model=digits_model(), test=test,
+        settings=ServerSettings(rounds=rounds, quorum=quorum, round_deadline_s=60, join_timeout_s=30,
+                                expected_clients=len(devices)),
+        run_dir=tmp)
+    agents = [EdgeAgent(channel=Channel(hub.connect(cid), node_id=cid, side="agent", federation="mem", ledger=None),
+                        model=digits_model(), algorithm=d.algorithm, x=d.x, y=d.y, num_classes=10, client_index=i,
+                        idle_timeout_s=60, profile=d.profile,
+                        train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size))
+              for i, (cid, d) in enumerate(devices.items())]
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # reported by the assertion below
+                errors.append(exc)
+        return run
+
+    threads = [threading.Thread(target=guarded(a.run), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    summary = server.run()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert summary.rounds_completed == rounds
+    return server
+
+
+def wire(hub: MemoryBroker) -> list[tuple[str, str, object]]:
+    """Every published message as (sender, topic, envelope)."""
+    return [(m.sender, m.topic, decode(m.payload).envelope) for m in hub.published]
