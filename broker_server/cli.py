@@ -38,6 +38,12 @@ def _overrides(args) -> dict:
         out[("data", "clients")] = args.clients
     if getattr(args, "data_dir", None):
         out[("data", "data_dir")] = args.data_dir
+    if getattr(args, "tensorboard", False):
+        out[("tracking", "tensorboard")] = True
+    if getattr(args, "mlflow", None) is not None:
+        out[("tracking", "mlflow")] = True
+        if args.mlflow:
+            out[("tracking", "mlflow_uri")] = args.mlflow
     return out
 
 
@@ -114,6 +120,12 @@ def _cmd_simulate(args) -> int:
     _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker,
                    accuracy_source=source, total_rounds=cfg.run.rounds,
                    resumed_after=last)
+    t = cfg.tracking
+    if t.tensorboard:
+        print(f"TensorBoard: tensorboard --logdir {t.tensorboard_dir or res.run_dir / 'tensorboard'}")
+    if t.mlflow:
+        print(f"MLflow: {t.mlflow_uri or (res.run_dir / 'mlruns').resolve().as_uri()}, experiment "
+              f"{t.mlflow_experiment!r}, run {res.federation!r}")
     if failed := json.loads((res.run_dir / "summary.json").read_text()).get("agent_errors"):
         print(f"fedfleet simulate: {len(failed)} agent(s) failed: {'; '.join(failed)}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
@@ -214,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, help="override [run] seed")
         sp.add_argument("--out", help="run folder (default: <[run] out>/<run-id>)")
         sp.add_argument("--data-dir", help="folder holding the data sets (overrides [data] data_dir)")
+        sp.add_argument("--tensorboard", action="store_true",
+                        help="log each round's metrics and ledger bytes to TensorBoard (RUN_DIR/tensorboard; "
+                             "[tracking]; needs fedfleet[tracking])")
+        sp.add_argument("--mlflow", nargs="?", const="", default=None, metavar="URI",
+                        help="log each round to MLflow (default URI file:RUN_DIR/mlruns; [tracking]; "
+                             "needs fedfleet[tracking])")
         # also after the command (`fedfleet simulate -v`); a separate dest, added to fedfleet's own -v
         sp.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0,
                         help="per-device progress and more log output (-vv: debug); same as fedfleet -v")

@@ -25,6 +25,7 @@ from .errors import BrokerStartError, ConfigError
 from .runtime import make_server
 from .server import RunSummary
 from .simulate import discard_unstarted, make_run_id, progress_printer, run_folder_entries, split_clients
+from .tracking import check_tracking, start_tracking
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
                       domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
     shards = describe(split_clients(ds, cfg), ds.train.y, ds.num_classes, domains=ds.train_domains,
                       domain_names=ds.domain_names)
+    check_tracking(cfg)  # a tracking package asked for but missing: said before anything is written
     before = run_folder_entries(out)
     try:
         return _serve_run(cfg, ds, shards, out, federation, broker_url=broker_url, resume=resume, say=say,
@@ -204,6 +206,8 @@ def _serve_run(cfg: Config, ds, shards: list, out: Path, federation: str, *, bro
     broker = None
     ledger = None
     server = None
+    tracker = None
+    finished = False
     try:
         url = broker_url or cfg.broker.url or None
         if url is None:
@@ -212,6 +216,10 @@ def _serve_run(cfg: Config, ds, shards: list, out: Path, federation: str, *, bro
             url = broker.url
         ledger = Ledger(out / "ledger.sqlite")
         ledger.set_meta("federation", federation)
+        tracker = start_tracking(cfg, out, federation)
+        if tracker is not None:
+            on_round = tracker.wrap(on_round)
+            say(f"fedfleet server: tracking to {tracker.describe()}")
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round)
         server.on_event = on_event
@@ -241,11 +249,16 @@ def _serve_run(cfg: Config, ds, shards: list, out: Path, federation: str, *, bro
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
         say(f"finished {done} round{'s' if done != 1 else ''} of {cfg.run.rounds}{this_time}; final test accuracy "
             f"{summary.final_accuracy:.4f}; run folder {out}")
+        finished = True
     finally:
+        if tracker is not None and not finished:
+            tracker.close(status="FAILED")
         if server is not None:  # every exit path closes what it opened (issue 14); a second close is a no-op
             server.channel.close()
         if ledger is not None:
             ledger.close()
         if broker is not None:
             broker.stop()
+    if tracker is not None:
+        tracker.finish()
     return ServedRun(summary=summary, run_dir=out, federation=federation)

@@ -56,6 +56,7 @@ from .runtime import (
     open_transport,
     server_security,
 )
+from .tracking import check_tracking, start_tracking
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
     make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written
+    check_tracking(cfg)  # a tracking package asked for but missing: said now, not after the run
     for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once
         device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
     out.mkdir(parents=True, exist_ok=True)
@@ -306,7 +308,12 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     errors: list[BaseException] = []
     summaries: list[AgentSummary] = []
     server = None
+    tracker = None
+    finished = False
     try:
+        tracker = start_tracking(cfg, out, federation)
+        if tracker is not None:
+            on_round = tracker.wrap(on_round)
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round, security=server_sec)
         server.on_event = on_event
@@ -366,7 +373,10 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         for t in threads:
             t.join(timeout=30)
         server.channel.close()
+        finished = True
     finally:
+        if tracker is not None and not finished:
+            tracker.close(status="FAILED")
         for a in agents:
             a.stop()
         for t in threads:
@@ -376,6 +386,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         ledger.close()
         if broker is not None:
             broker.stop()
+    if tracker is not None:  # the ledger is complete now: the device links' bytes per round
+        tracker.finish()
     result = SimulationResult(run_dir=out, federation=federation, final_accuracy=summary.final_accuracy,
                               rounds_completed=summary.rounds_completed, metrics=summary.metrics,
                               agents=sorted(summaries, key=lambda s: s.client_id),
