@@ -11,7 +11,8 @@ kind                      when (``info`` keys besides ``up``/``down``, the serve
 ``waiting``               before round 1, waiting for joins (``want``, ``timeout_s``)
 ``joined``                a join was admitted (``profile``, ``samples``, ``online``)
 ``round_open``            the round's ``global`` and ``round_start`` went out (``selected``,
-                          ``deadline_s``, ``rounds``)
+                          ``deadline_s``, ``rounds``, ``start_up``/``start_down``: the link's
+                          bytes when the round began, before its ``global``)
 ``model_received``        a selected device confirmed the round's ``global`` (its receipt)
 ``reported``              an update was accepted (``samples``, ``train_s``)
 ``withdrew``              a selected device said it has nothing to send (``reason``)
@@ -99,8 +100,9 @@ class RoundProgress:
             elif kind == "round_open":
                 self._waiting = None
                 selected = tuple(info.get("selected", ()))
-                self._round = _Round(rnd, selected, float(info.get("deadline_s", 0.0)), self.clock(), self._up,
-                                     self._down, {c: "waiting for the model" for c in selected})
+                self._round = _Round(rnd, selected, float(info.get("deadline_s", 0.0)), self.clock(),
+                                     int(info.get("start_up", self._up)), int(info.get("start_down", self._down)),
+                                     {c: "waiting for the model" for c in selected})
             elif self._round is not None and client is not None and rnd == self._round.number:
                 text = {"model_received": "has the model, training",
                         "reported": "reported" + _report_detail(info),

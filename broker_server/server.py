@@ -573,7 +573,7 @@ class AggregationServer:
         self._extras_seen.update(glob.extras)
         self._publish_round(r)
         self._event("round_open", selected=tuple(plan.selected), deadline_s=self.settings.round_deadline_s,
-                    rounds=self.settings.rounds)
+                    rounds=self.settings.rounds, start_up=sent0[0], start_down=sent0[1])
         deadline = t0 + self.settings.round_deadline_s
         o.deadline = deadline
         while o.awaiting() and time.monotonic() < deadline:

@@ -33,7 +33,7 @@ def _script(p) -> None:
     for i, c in enumerate(("a", "b", "c"), start=1):
         p.on_event("joined", 0, c, {"profile": "rpi4", "samples": 500 * i, "online": i, "up": 1000, "down": 2000})
     p.on_event("round_open", 1, None, {"selected": ("a", "b", "c"), "deadline_s": 30.0, "rounds": 4,
-                                       "up": 1000, "down": 2000 + 2048})
+                                       "up": 1000, "down": 2000 + 2048, "start_up": 1000, "start_down": 2000})
     p.on_event("model_received", 1, "a", {"up": 1000, "down": 4048})
     p.on_event("reported", 1, "a", {"samples": 500, "train_s": 1.25, "up": 1000 + 2048, "down": 4048})
     p.on_event("withdrew", 1, "c", {"reason": "no training samples", "up": 1000 + 3072, "down": 4048})
@@ -50,8 +50,8 @@ def test_round_state_text_from_events() -> None:
     p = RoundProgress(4, clock=clock)
     _script(p)
     clock.t = 119.6  # 12.2 s after the round opened at 107.4
-    # this round: up 3,072 B = 3.0 KiB (from 1,000 to 4,072); down 0 since round_open (4,048 → 4,048)
-    assert p.line() == ("round 1/4  reported 1/3, 1 withdrew  server link this round: up 3.0 KiB, down 0.0 KiB  "
+    # this round: up 3,072 B = 3.0 KiB (1,000 → 4,072); down 2,048 B = 2.0 KiB, the global (2,000 → 4,048)
+    assert p.line() == ("round 1/4  reported 1/3, 1 withdrew  server link this round: up 3.0 KiB, down 2.0 KiB  "
                         "elapsed 12 s / deadline 30 s")
     assert p.device_lines() == ["  a  reported (500 samples, trained 1.2 s)",
                                 "  b  waiting for the model",
@@ -133,12 +133,14 @@ def test_server_emits_the_round_events_with_its_link_bytes(tmp_path: Path) -> No
     assert kinds == [("round_open", 1, None), ("reported", 1, "client-a"), ("reported", 1, "client-b")]
     opened, rep_a, rep_b = (info for _, _, _, info in events)
     assert opened["selected"] == ("client-a", "client-b") and opened["deadline_s"] == 600.0
-    assert opened["up"] == up0
+    assert opened["up"] == up0 == opened["start_up"]
     size = [publish_size(topic, len(payload), 1).packet_bytes for topic, payload in ups]
     assert rep_a["up"] - opened["up"] == size[0]
     assert rep_b["up"] - rep_a["up"] == size[1]
     assert rep_a["samples"] == 100
     assert m["clients_reported"] == 2 and m["bytes_up"] == sum(size)
+    # the global went out before round_open, b's receipt before b's event: the whole round's downlink
+    assert rep_b["down"] - opened["start_down"] == m["bytes_down"] > opened["down"] - opened["start_down"] > 0
 
 
 def test_a_failing_observer_is_switched_off_not_the_round(tmp_path: Path) -> None:
