@@ -39,6 +39,12 @@ def _overrides(args) -> dict:
         out[("data", "clients")] = args.clients
     if getattr(args, "data_dir", None):
         out[("data", "data_dir")] = args.data_dir
+    if getattr(args, "tensorboard", False):
+        out[("tracking", "tensorboard")] = True
+    if getattr(args, "mlflow", None) is not None:
+        out[("tracking", "mlflow")] = True
+        if args.mlflow:
+            out[("tracking", "mlflow_uri")] = args.mlflow
     return out
 
 
@@ -66,33 +72,80 @@ def _load(args):
         return cfg
 
 
+def _plural(n: int, word: str) -> str:
+    """``1 client``, ``2 clients``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def run_header(cfg, command: str = "simulate") -> str:
+    """The first line of ``fedfleet simulate``: data set, clients, partition, algorithm, rounds,
+    signing/encryption (``1 client, 1 round``)."""
+    from .server_main import security_text
+
+    d = cfg.data
+    alpha = f", α={d.alpha:g}" if d.partition == "dirichlet" else ""
+    return (f"fedfleet {command}: {d.dataset}, {_plural(d.clients, 'client')} ({d.partition}{alpha}), "
+            f"{cfg.train.algorithm}, {_plural(cfg.run.rounds, 'round')}, {security_text(cfg)}")
+
+
 def _cmd_simulate(args) -> int:
-    from .simulate import progress_printer, simulate
+    from .progress import make_progress
+    from .simulate import make_run_id, progress_printer, simulate
 
     cfg = _load(args)
+    out = Path(args.out) if args.out else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
+    print(run_header(cfg), flush=True)
+    last = None
+    if args.resume and (out / "checkpoints.sqlite").exists():
+        from .checkpoint import CheckpointStore
+
+        store = CheckpointStore(out / "checkpoints.sqlite")
+        try:
+            last = max(store.rounds(), default=0)
+        finally:
+            store.close()
+        print(f"fedfleet simulate: resuming {out} after round {last} of {cfg.run.rounds} (rounds {last + 1}.."
+              f"{cfg.run.rounds} to go)", flush=True)
     show = None if args.quiet else progress_printer(cfg.run.rounds)
-    print(f"fedfleet simulate: {cfg.data.dataset}, {cfg.data.clients} clients ({cfg.data.partition}"
-          f"{f', α={cfg.data.alpha:g}' if cfg.data.partition == 'dirichlet' else ''}), {cfg.train.algorithm}, "
-          f"{cfg.run.rounds} rounds", flush=True)
-    res = simulate(cfg, broker_url=args.broker, run_dir=args.out, on_round=show, resume=bool(args.resume),
-                   on_plan=lambda plan: print(plan.describe(), flush=True))
+    prog = make_progress(cfg.run.rounds, verbose=args.verbose + args.sub_verbose > 0, round_line=show)
+    try:
+        with prog:
+            res = simulate(cfg, broker_url=args.broker, run_dir=out, on_round=prog.on_round,
+                           on_event=None if args.quiet else prog.on_event, resume=bool(args.resume),
+                           on_plan=lambda plan: print(plan.describe(), flush=True))
+    except KeyboardInterrupt:
+        if (out / "checkpoints.sqlite").exists():
+            print(f"fedfleet simulate: interrupted; continue the run from its last checkpoint with\n"
+                  f"  fedfleet simulate --resume {out}", flush=True)
+        raise
     source = next((m.get("accuracy_source") for m in reversed(res.metrics) if m.get("accuracy_source")), "global")
     _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker,
-                   accuracy_source=source)
+                   accuracy_source=source, total_rounds=cfg.run.rounds,
+                   resumed_after=last)
+    t = cfg.tracking
+    if t.tensorboard:
+        print(f"TensorBoard: tensorboard --logdir {t.tensorboard_dir or res.run_dir / 'tensorboard'}")
+    if t.mlflow:
+        print(f"MLflow: {t.mlflow_uri or (res.run_dir / 'mlruns').resolve().as_uri()}, experiment "
+              f"{t.mlflow_experiment!r}, run {res.federation!r}")
     if failed := json.loads((res.run_dir / "summary.json").read_text()).get("agent_errors"):
         print(f"fedfleet simulate: {len(failed)} agent(s) failed: {'; '.join(failed)}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
 
 
 def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, broker: str, *,
-                   accuracy_source: str = "global") -> None:
+                   accuracy_source: str = "global", total_rounds: int | None = None,
+                   resumed_after: int | None = None) -> None:
     from .audit import audit_report
 
     rep = audit_report(run_dir)
     dev = rep["totals"]["device"]
     what = ("final test accuracy" if accuracy_source == "global" else
             "final test accuracy of the devices' own models (mean over clients)")
-    print(f"\nfinished {rounds} round{'s' if rounds != 1 else ''} in {seconds:.1f} s over {broker}; "
+    of = f" of {total_rounds}" if total_rounds is not None else ""
+    session = (f" ({rounds - resumed_after} in this session, resumed after round {resumed_after})"
+               if resumed_after is not None else "")
+    print(f"\nfinished {_plural(rounds, 'round')}{of}{session} in {seconds:.1f} s over {broker}; "
           f"{what} {accuracy:.4f}")
     print(f"bytes on the device links (all agents together): up {dev['up']['wire_bytes']:,}  "
           f"down {dev['down']['wire_bytes']:,}  (protocol overhead {100 * (dev['all']['overhead_share'] or 0):.2f} %)")
@@ -105,7 +158,9 @@ def _cmd_server(args) -> int:
     from .server_main import serve
 
     cfg = _load(args)
-    return serve(cfg, broker_url=args.broker, run_dir=args.out, resume=bool(args.resume))
+    print(run_header(cfg, "server"), flush=True)
+    return serve(cfg, broker_url=args.broker, run_dir=args.out, resume=bool(args.resume),
+                 verbose=args.verbose + args.sub_verbose > 0)
 
 
 def _cmd_keys(args) -> int:
@@ -151,7 +206,7 @@ def _profiles_table(profiles) -> str:
     """Profiles as a fixed-width text table (units in the header)."""
     head = ("name", "accel", "precision", "cores/threads", "memory MiB (budget/RAM)", "up kbit/s",
             "down kbit/s", "RTT ms", "loss %", "max packet B", "chunk B", "update codec", "rel. speed")
-    rows = [(p.name, p.accelerator, p.precision, f"{p.cpu_cores}/{p.torch_threads}",
+    rows = [(p.name, p.accelerator, p.precision, f"{p.cpu_cores}/{p.torch_threads or 'auto'}",
              f"{p.memory_budget_mb:,}/{p.ram_mb:,}", f"{p.link.uplink_kbps:,.0f}", f"{p.link.downlink_kbps:,.0f}",
              f"{p.link.rtt_ms:g}", f"{p.link.loss_percent:g}", f"{p.mqtt.max_packet_bytes:,}",
              f"{p.mqtt.chunk_bytes:,}", p.preferred_codecs.update_codec, f"{p.relative_compute_speed:g}")
@@ -179,6 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, help="override [run] seed")
         sp.add_argument("--out", help="run folder (default: <[run] out>/<run-id>)")
         sp.add_argument("--data-dir", help="folder holding the data sets (overrides [data] data_dir)")
+        sp.add_argument("--tensorboard", action="store_true",
+                        help="log each round's metrics and ledger bytes to TensorBoard (RUN_DIR/tensorboard; "
+                             "[tracking]; needs fedfleet[tracking])")
+        sp.add_argument("--mlflow", nargs="?", const="", default=None, metavar="URI",
+                        help="log each round to MLflow (default URI file:RUN_DIR/mlruns; [tracking]; "
+                             "needs fedfleet[tracking])")
+        # also after the command (`fedfleet simulate -v`); a separate dest, added to fedfleet's own -v
+        sp.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0,
+                        help="per-device progress and more log output (-vv: debug); same as fedfleet -v")
 
     s = sub.add_parser("simulate", help="run a whole federation on this machine over MQTT")
     common(s)
@@ -227,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import BrokerStartError, FedfleetServerError
 
     args = build_parser().parse_args(argv)
+    args.verbose += getattr(args, "sub_verbose", 0)
+    args.sub_verbose = 0
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from protocol.lifecycle import install_signal_handlers

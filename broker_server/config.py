@@ -265,6 +265,23 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class TrackingSection:
+    """[tracking]: each round's metrics and ledger bytes to TensorBoard and/or MLflow
+    (:mod:`broker_server.tracking`; ``pip install 'fedfleet[tracking]'``). Off by default.
+
+    ``tensorboard``: write event files to ``tensorboard_dir`` (``""``: ``RUN_DIR/tensorboard``).
+    ``mlflow``: log a run into experiment ``mlflow_experiment`` at ``mlflow_uri`` (``""``:
+    ``file:RUN_DIR/mlruns``; any MLflow tracking URI, e.g. ``http://mlflow.lan:5000``).
+    """
+
+    tensorboard: bool = False
+    tensorboard_dir: str = ""
+    mlflow: bool = False
+    mlflow_uri: str = ""
+    mlflow_experiment: str = "fedfleet"
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run configuration (every section with defaults)."""
 
@@ -277,6 +294,7 @@ class Config:
     agents: AgentsSection = field(default_factory=AgentsSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     model: ModelSection = field(default_factory=ModelSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
     algorithm: dict[str, Any] = field(default_factory=dict)
     source: str = "<defaults>"
 
@@ -301,7 +319,7 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security", "model")
+_SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security", "model", "tracking")
 
 # allowed (min, max) for numbers, or a tuple of choices for strings
 _RANGES: dict[tuple[str, str], Any] = {

@@ -348,7 +348,8 @@ class EmbeddedBroker:
         if kind == "amqtt" and importlib.util.find_spec("amqtt") is None:
             raise BrokerStartError(
                 f"kind='amqtt' but the amqtt package is not importable by {sys.executable}; "
-                "install fedfleet's dependencies (pip install amqtt)",
+                "install it (pip install 'fedfleet[broker]'), or Mosquitto (apt-get install mosquitto), "
+                "or pass --broker mqtt://HOST:PORT",
                 kind="amqtt",
             )
         if port is not None:

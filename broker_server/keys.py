@@ -103,8 +103,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedfleet: {args.device_id!r} is not enrolled in {args.server_dir}", file=sys.stderr)
         return 2
     if cmd == "list":
-        for pub in list_enrolled(args.server_dir):
+        if not Path(args.server_dir).is_dir():
+            print(f"fedfleet: server key folder {args.server_dir} does not exist (fedfleet keys gen --out DIR; "
+                  "--server-dir DIR names another)", file=sys.stderr)
+            return 2
+        enrolled = list_enrolled(args.server_dir)
+        for pub in enrolled:
             print(f"{pub.id}  {pub.fingerprint}")
+        if not enrolled:
+            print(f"fedfleet: no device is enrolled in {args.server_dir} (fedfleet keys enroll DEVICE.pub "
+                  f"--server-dir {args.server_dir})", file=sys.stderr)
         return 0
     p = Path(args.path)
     pub = load_identity(p).public if p.is_dir() else load_public(p)

@@ -304,6 +304,8 @@ class AggregationServer:
         self.phases = PhaseClock()
         channel.accept = self.phases.timed("receive", channel.accept)  # type: ignore[method-assign]
         self._on_update = self.phases.timed("accumulate", self._on_update)  # type: ignore[method-assign]
+        #: progress observer, ``(kind, round, client, info)`` (:mod:`broker_server.progress`)
+        self.on_event: Callable[[str, int, str | None, dict], None] | None = None
         if hasattr(channel.transport, "add_connect_listener"):
             channel.transport.add_connect_listener(self._on_reconnect)
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
@@ -408,6 +410,8 @@ class AggregationServer:
                 log.info("%s runs with fallbacks: %s", env.sender, body.info.get("fallbacks"))
             log.info("join: %s (%s, %d samples)", env.sender, body.profile, body.num_samples)
             self._reply(item, True)
+            self._event("joined", env.sender, profile=body.profile, samples=body.num_samples,
+                        online=len(self._online()))
         elif isinstance(body, Status):
             rec = self.devices.set_status(env.sender, body.state, now)
             if rec is not None and not rec.online:
@@ -426,6 +430,7 @@ class AggregationServer:
                 o.offline_since.pop(env.sender, None)
                 o.stats.withdrawn += 1
                 log.warning("%s withdrew from round %d: %s", env.sender, env.round, body.detail)
+                self._event("withdrew", env.sender, reason=body.detail)
         elif isinstance(body, Update):
             self._on_update(item, body)
         elif isinstance(body, Receipt) and body.ref_kind == Kind.GLOBAL:
@@ -434,6 +439,7 @@ class AggregationServer:
                 if env.sender not in o.global_confirmed:  # devices, not copies: a re-sent copy confirms once
                     o.global_confirmed.add(env.sender)
                     o.stats.global_receipts += 1
+                    self._event("model_received", env.sender)
             elif env.round == o.collecting:
                 log.warning("%s received a global model with another hash", env.sender)
         else:
@@ -456,6 +462,7 @@ class AggregationServer:
             self.totals["late"] += 1
             o.stats.late += 1
             self._reply(item, False, f"arrived after the deadline of round {env.round}")
+            self._event("late", env.sender)
             return
         if env.round > self.round + 1:
             self.totals["unsolicited"] += 1
@@ -519,6 +526,7 @@ class AggregationServer:
         self._counted.add(env.round, env.sender)
         self.devices.count_update(env.sender)
         self._reply(item, True)
+        self._event("reported", env.sender, samples=body.num_samples, train_s=body.metrics.get("train_seconds"))
 
     def _manifest_problem(self, tensors: tuple[np.ndarray, ...]) -> str | None:
         """Why an update's ``tensors`` do not fit the model manifest's shared entries (their count,
@@ -545,6 +553,20 @@ class AggregationServer:
         self.open.withdrawn.add(item.envelope.sender)
         self.open.offline_since.pop(item.envelope.sender, None)
         self._reply(item, False, reason)
+        self._event("refused", item.envelope.sender, reason=reason)
+
+    def _event(self, kind: str, client: str | None = None, **info: object) -> None:
+        """Tell :attr:`on_event` (the progress display) what just happened, with the server link's
+        wire bytes so far (``up`` received, ``down`` sent). A failing observer is dropped with a
+        warning: the display never stops a round."""
+        if self.on_event is None:
+            return
+        up, down = self._bytes()
+        try:
+            self.on_event(kind, self.open.collecting or self.round, client, {**info, "up": up, "down": down})
+        except Exception as exc:
+            log.warning("progress display failed (%s: %s); it is switched off", type(exc).__name__, exc)
+            self.on_event = None
 
     def _went_offline(self, client: str, detail: str, now: float) -> None:
         """A selected device still awaited by the open round said ``offline`` (its last will, or
@@ -667,6 +689,7 @@ class AggregationServer:
         """Wait until ``expected_clients`` (or the quorum) joined, or ``join_timeout_s`` passed."""
         want = self.settings.expected_clients or self.settings.quorum
         deadline = time.monotonic() + self.settings.join_timeout_s
+        self._event("waiting", want=want, timeout_s=self.settings.join_timeout_s)
         while len(self._online()) < want and time.monotonic() < deadline:
             self.pump(min(0.2, max(0.0, deadline - time.monotonic())))
         log.info("%d clients joined (wanted %d)", len(self._online()), want)
@@ -752,6 +775,8 @@ class AggregationServer:
         self._extras_seen.update(glob.extras)
         mark("select")
         self._publish_round(r)
+        self._event("round_open", selected=tuple(plan.selected), deadline_s=self.settings.round_deadline_s,
+                    rounds=self.settings.rounds, start_up=sent0[0], start_down=sent0[1])
         mark("publish")
         deadline = t0 + self.settings.round_deadline_s
         o.deadline = deadline

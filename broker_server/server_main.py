@@ -16,14 +16,16 @@ from pathlib import Path
 from edge_agent.data import load_dataset
 from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import describe
+from protocol.errors import ConnectError
 from protocol.ledger import Ledger
 
 from .config import Config
 from .embedded_broker import EmbeddedBroker
-from .errors import ConfigError
+from .errors import BrokerStartError, ConfigError
 from .runtime import make_server
 from .server import RunSummary
-from .simulate import make_run_id, progress_printer, split_clients
+from .simulate import discard_unstarted, make_run_id, progress_printer, run_folder_entries, split_clients
+from .tracking import check_tracking, start_tracking
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +92,63 @@ class ServedRun:
 
 
 def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
-          resume: bool = False) -> int:
+          resume: bool = False, verbose: bool = False) -> int:
     """Run the server of ``cfg`` until its last round, printing its progress; return the exit
     code (0). ``fedfleet server`` is this; :func:`run_server` is the same without the prints.
+
+    Prints the agent command line once the broker is reached, the wait for joins and each
+    round's progress (:mod:`broker_server.progress`: a live line on a terminal, plain lines
+    otherwise; ``verbose``: per device), a line per round, and at the end the server link's byte
+    summary. Interrupted (Ctrl-C) after its first checkpoint, it says how to resume.
 
     Raises:
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`run_server`.
     """
-    run_server(cfg, broker_url=broker_url, run_dir=run_dir, resume=resume, say=lambda text: print(text, flush=True),
-               on_round=progress_printer(cfg.run.rounds))
+    from .progress import make_progress
+
+    out = Path(run_dir) if run_dir else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
+    prog = make_progress(cfg.run.rounds, verbose=verbose, show_joins=True, round_line=progress_printer(cfg.run.rounds))
+    try:
+        with prog:
+            served = run_server(cfg, broker_url=broker_url, run_dir=out, resume=resume,
+                                say=lambda text: print(text, flush=True), on_round=prog.on_round,
+                                on_event=prog.on_event)
+    except KeyboardInterrupt:
+        if (out / "checkpoints.sqlite").exists():
+            broker = f" --broker {broker_url or cfg.broker.url}" if (broker_url or cfg.broker.url) else ""
+            print(f"fedfleet server: interrupted; the run continues from its last checkpoint with\n"
+                  f"  fedfleet server --resume {shlex.quote(str(out))}{broker}", flush=True)
+        raise
+    print(server_byte_summary(served.run_dir), flush=True)
     return 0
+
+
+def server_byte_summary(run_dir: Path) -> str:
+    """The server link's bytes of a run folder's ledger (:func:`broker_server.audit.totals`,
+    server view), as the lines ``fedfleet server`` ends with."""
+    from .audit import audit_report
+
+    tot = audit_report(run_dir)["totals"]["server"]
+    up, down = tot["up"], tot["down"]
+    return (f"bytes on the server link: up {up['wire_bytes']:,} ({up['messages']:,} messages received from the "
+            f"agents)  down {down['wire_bytes']:,} ({down['messages']:,} sent; a broadcast counted once)  "
+            f"protocol overhead {100 * (tot['all']['overhead_share'] or 0):.2f} %\n"
+            f"each device's own link: fedfleet audit on its --out folder (several folders: a fleet total); "
+            f"this run: fedfleet audit {run_dir}")
+
+
+def security_text(cfg: Config) -> str:
+    """``signed + encrypted`` / ``signed`` / ``unsigned`` for the start-up header."""
+    if not cfg.security.sign:
+        return "unsigned"
+    return "signed (Ed25519) + encrypted uploads (AES-256-GCM)" if cfg.security.encrypt else "signed (Ed25519)"
 
 
 def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
                resume: bool = False, say: Callable[[str], None] = log.info,
                on_round: Callable[[dict], None] | None = None,
-               on_start: Callable[[str, str], None] | None = None) -> ServedRun:
+               on_start: Callable[[str, str], None] | None = None,
+               on_event: Callable[[str, int, str | None, dict], None] | None = None) -> ServedRun:
     """Run the server of ``cfg`` until its last round and return what it did.
 
     The federation id (the topic level agents must use, ``fedfleet-agent --federation``) is the
@@ -113,10 +156,15 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
     to try agents on the same machine).
 
     Args:
-        say: where the start-up text (the agent command line) and the final line go.
+        say: where the start-up text (the agent command line, printed once the server is
+            connected to the broker) and the final line go.
         on_round: called with each round's metrics dict.
-        on_start: called with ``(federation, broker URL)`` once the broker is up, before the
-            server waits for joins (start agents from here).
+        on_start: called with ``(federation, broker URL)`` once the server is connected to the
+            broker and subscribed, before it waits for joins (start agents from here).
+        on_event: the server's progress events (:mod:`broker_server.progress`).
+
+    A broker that cannot be started or reached leaves no run folder behind (what this call
+    wrote is removed; a ``--resume``d folder is left as it was).
 
     Raises:
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
@@ -131,6 +179,23 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
                       domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
     shards = describe(split_clients(ds, cfg), ds.train.y, ds.num_classes, domains=ds.train_domains,
                       domain_names=ds.domain_names)
+    check_tracking(cfg)  # a tracking package asked for but missing: said before anything is written
+    before = run_folder_entries(out)
+    try:
+        return _serve_run(cfg, ds, shards, out, federation, broker_url=broker_url, resume=resume, say=say,
+                          on_round=on_round, on_start=on_start, on_event=on_event)
+    except (BrokerStartError, ConnectError):
+        if not resume:
+            discard_unstarted(out, before)
+        raise
+
+
+def _serve_run(cfg: Config, ds, shards: list, out: Path, federation: str, *, broker_url: str | None, resume: bool,
+               say: Callable[[str], None], on_round: Callable[[dict], None] | None,
+               on_start: Callable[[str, str], None] | None,
+               on_event: Callable[[str, int, str | None, dict], None] | None) -> ServedRun:
+    """The body of :func:`run_server` once the data set is loaded: write the run folder, start or
+    reach the broker, connect the server, print the agent command, run the rounds."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
@@ -139,42 +204,62 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
          **ds.domain_summary()},
         indent=1), encoding="utf-8")
     broker = None
-    url = broker_url or cfg.broker.url or None
-    if url is None:
-        broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
-        broker.start()
-        url = broker.url
-    say(f"fedfleet server: federation {federation!r} on {url}; waiting for {cfg.data.clients} agents "
-        f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
-        f"  {agent_command(cfg, url, federation)}")
-    if (assignment := model_assignment(cfg)):
-        say(f"  {assignment}")
-    if on_start is not None:
-        on_start(federation, url)
-    ledger = Ledger(out / "ledger.sqlite")
-    ledger.set_meta("federation", federation)
+    ledger = None
     server = None
+    tracker = None
+    finished = False
     try:
+        url = broker_url or cfg.broker.url or None
+        if url is None:
+            broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
+            broker.start()
+            url = broker.url
+        ledger = Ledger(out / "ledger.sqlite")
+        ledger.set_meta("federation", federation)
+        tracker = start_tracking(cfg, out, federation)
+        if tracker is not None:
+            on_round = tracker.wrap(on_round)
+            say(f"fedfleet server: tracking to {tracker.describe()}")
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round)
-        if resume and (ckpt := server.checkpoints.load()) is not None:
+        server.on_event = on_event
+        ckpt = server.checkpoints.load() if resume else None
+        if ckpt is not None:
             server.resume(ckpt)
-            say(f"resuming after round {ckpt.round}")
+            say(f"fedfleet server: resuming {out} after round {ckpt.round} of {cfg.run.rounds} (rounds "
+                f"{ckpt.round + 1}..{cfg.run.rounds} to go)")
+        # the server is connected and subscribed: only now are the agents told how to join
+        say(f"fedfleet server: federation {federation!r} on {url} ({security_text(cfg)}); data {ds.name} from "
+            f"{ds.source}; waiting for {cfg.data.clients} agent{'s' if cfg.data.clients != 1 else ''} "
+            f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
+            f"  {agent_command(cfg, url, federation)}")
+        if (assignment := model_assignment(cfg)):
+            say(f"  {assignment}")
+        if on_start is not None:
+            on_start(federation, url)
         t0 = time.monotonic()
         summary = server.run()
         server.channel.close()
         (out / "summary.json").write_text(json.dumps({
             "federation": federation, "final_accuracy": summary.final_accuracy,
             "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,
-            "dataset": ds.name, "clients": cfg.data.clients,
+            "dataset": ds.name, "clients": cfg.data.clients, "resumed_after": ckpt.round if ckpt else None,
             "optional_runtimes": optional_runtimes(), "refusals": server.refusal_totals(), **server.onnx_result},
             indent=1), encoding="utf-8")
-        say(f"finished {summary.rounds_completed} rounds; final test accuracy {summary.final_accuracy:.4f}; "
-            f"run folder {out}")
+        done = summary.rounds_completed
+        this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
+        say(f"finished {done} round{'s' if done != 1 else ''} of {cfg.run.rounds}{this_time}; final test accuracy "
+            f"{summary.final_accuracy:.4f}; run folder {out}")
+        finished = True
     finally:
+        if tracker is not None and not finished:
+            tracker.close(status="FAILED")
         if server is not None:  # every exit path closes what it opened (issue 14); a second close is a no-op
             server.channel.close()
-        ledger.close()
+        if ledger is not None:
+            ledger.close()
         if broker is not None:
             broker.stop()
+    if tracker is not None:
+        tracker.finish()
     return ServedRun(summary=summary, run_dir=out, federation=federation)

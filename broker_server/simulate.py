@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -37,14 +38,14 @@ from edge_agent.partition import describe, split_dataset
 from edge_agent.runtime import agent_runtime
 from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
-from protocol.errors import SecurityConfigError
+from protocol.errors import ConnectError, SecurityConfigError
 from protocol.ledger import Ledger
 from protocol.messages import SERVER_ID
 from protocol.security import ChannelSecurity, Identity, enroll, generate_identity, load_identity, write_key_dir
 
 from .config import Config
 from .embedded_broker import EmbeddedBroker
-from .errors import ConfigError
+from .errors import BrokerStartError, ConfigError
 from .runtime import (
     agent_spec,
     channel_options,
@@ -55,6 +56,7 @@ from .runtime import (
     open_transport,
     server_security,
 )
+from .tracking import check_tracking, start_tracking
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,35 @@ def make_run_id(name: str, seed: int) -> str:
     """``<name>-<YYYYmmdd-HHMMSS>-s<seed>`` squeezed to a valid topic level (≤ 64 chars)."""
     stem = re.sub(r"[^A-Za-z0-9_.-]", "-", name).strip("-._") or "run"
     return f"{stem[:36]}-{time.strftime('%Y%m%d-%H%M%S')}-s{seed}"[:64]
+
+
+def run_folder_entries(out: Path) -> set[str] | None:
+    """The names in run folder ``out`` now (``None``: it does not exist), for :func:`discard_unstarted`."""
+    return {p.name for p in out.iterdir()} if out.is_dir() else None
+
+
+def discard_unstarted(out: Path, before: set[str] | None) -> None:
+    """Remove what a run that never started (the broker could not be started or reached) wrote to
+    ``out``: the folder itself when it did not exist before (``before`` is ``None``), else the
+    entries not in ``before``. A folder holding a checkpoint is a run that started: left alone.
+    Said in the log, so that nothing disappears without a word."""
+    if not out.is_dir() or (before is not None and "checkpoints.sqlite" in before):
+        return
+    if (out / "checkpoints.sqlite").exists():
+        return
+    made = sorted(p.name for p in out.iterdir() if before is None or p.name not in before)
+    for name in made:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if before is None:
+        try:
+            out.rmdir()
+        except OSError:  # something else appeared there meanwhile: left
+            pass
+    log.warning("the run never started: removed what it had written to %s (%s)", out, ", ".join(made) or "nothing")
 
 
 def split_clients(ds, cfg: Config) -> list:
@@ -182,7 +213,8 @@ def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict
 
 def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
              on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None,
-             resume: bool = False, on_plan: Callable[[ThreadPlan], None] | None = None) -> SimulationResult:
+             resume: bool = False, on_plan: Callable[[ThreadPlan], None] | None = None,
+             on_event: Callable[[str, int, str | None, dict], None] | None = None) -> SimulationResult:
     """Run the federation described by ``cfg`` and return its result.
 
     Args:
@@ -199,6 +231,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             torch threads and trainings at once, from the cores this process may use and
             ``[agents] torch_threads``/``train_slots``) before any agent starts; the plan is also
             logged and written to ``summary.json`` (``thread_plan``).
+        on_event: the server's progress events (:mod:`broker_server.progress`).
 
     Raises:
         ConfigError: unknown algorithm, data set or partition settings.
@@ -206,9 +239,24 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         BrokerStartError: the embedded broker did not start.
         ConnectError: a client could not connect to the broker.
     """
+    out = Path(run_dir) if run_dir is not None else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
+    before = run_folder_entries(out)
+    try:
+        return _simulate(cfg, out, broker_url=broker_url, on_round=on_round, agent_hook=agent_hook, resume=resume,
+                         on_event=on_event, on_plan=on_plan)
+    except (BrokerStartError, ConnectError):  # nothing ran: no half-made run folder that --resume refuses
+        if not resume:
+            discard_unstarted(out, before)
+        raise
+
+
+def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Callable[[dict], None] | None,
+              agent_hook: Callable[[int, EdgeAgent], None] | None, resume: bool,
+              on_event: Callable[[str, int, str | None, dict], None] | None,
+              on_plan: Callable[[ThreadPlan], None] | None) -> SimulationResult:
+    """:func:`simulate` in the run folder ``out``."""
     t_start = time.monotonic()
-    run_id = make_run_id(cfg.run.name, cfg.run.seed)
-    out = Path(run_dir) if run_dir is not None else Path(cfg.run.out) / run_id
+    run_id = out.name
     if resume and not (out / "checkpoints.sqlite").exists():
         raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
     if not resume and (out / "metrics.jsonl").exists():
@@ -230,6 +278,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
     make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written
+    check_tracking(cfg)  # a tracking package asked for but missing: said now, not after the run
     for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once
         device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
     out.mkdir(parents=True, exist_ok=True)
@@ -269,9 +318,15 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     errors: list[BaseException] = []
     summaries: list[AgentSummary] = []
     server = None
+    tracker = None
+    finished = False
     try:
+        tracker = start_tracking(cfg, out, federation)
+        if tracker is not None:
+            on_round = tracker.wrap(on_round)
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round, security=server_sec)
+        server.on_event = on_event
         # the broker link must carry every device's downloads: the smallest packet limit of the fleet
         fleet = [runtimes[p] for p in set(profiles)]
         server.channel.max_packet_bytes = min([server.channel.max_packet_bytes] + [r.max_packet_bytes for r in fleet])
@@ -328,7 +383,10 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         for t in threads:
             t.join(timeout=30)
         server.channel.close()
+        finished = True
     finally:
+        if tracker is not None and not finished:
+            tracker.close(status="FAILED")
         for a in agents:
             a.stop()
         for t in threads:
@@ -338,6 +396,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         ledger.close()
         if broker is not None:
             broker.stop()
+    if tracker is not None:  # the ledger is complete now: the device links' bytes per round
+        tracker.finish()
     result = SimulationResult(run_dir=out, federation=federation, final_accuracy=summary.final_accuracy,
                               rounds_completed=summary.rounds_completed, metrics=summary.metrics,
                               agents=sorted(summaries, key=lambda s: s.client_id),

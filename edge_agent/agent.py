@@ -326,6 +326,9 @@ class EdgeAgent:
         self._join_seqs: set[int] = set()  # seq of every join sent (a re-sent join's answer is ours too)
         self._join_sent_at = 0.0
         self.join_refused: str | None = None  # the server's reason when it refused the join
+        #: give up (AgentError) when no join was answered this many seconds after the first (None: never)
+        self.join_timeout_s: float | None = None
+        self._joining_since = 0.0
         self.finished = False
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
         channel.transfer_filter = lambda sender: sender == "server"
@@ -350,6 +353,7 @@ class EdgeAgent:
         """Publish the retained ``online`` status and the ``join`` message (QoS 1, acknowledged)."""
         self.channel.send(topics.status(self.fed, self.client_id), Status("online"), round=0, retain=True,
                           wait_s=wait_s)
+        self._joining_since = time.monotonic()
         self._send_join(wait_s)
 
     def _send_join(self, wait_s: float) -> None:
@@ -378,12 +382,17 @@ class EdgeAgent:
         """Join, then serve rounds until ``finish``, :meth:`stop`, or the idle timeout.
 
         Raises:
-            AgentError: the server refused the join, or nothing arrived for ``idle_timeout_s``.
+            AgentError: the server refused the join, no join was answered within
+                :attr:`join_timeout_s`, or nothing arrived for ``idle_timeout_s``.
         """
         self.join()
         last = time.monotonic()
         join_every_s = 5.0
         while not self._stop.is_set():
+            if (not self.joined and self.join_timeout_s is not None
+                    and time.monotonic() - self._joining_since > self.join_timeout_s):
+                # checked whatever arrives: an unenrolled device still hears the server's broadcasts
+                raise AgentError(f"{self.client_id}: no answer to its join within {self.join_timeout_s:g} s")
             item = self.channel.receive(0.5)
             if item is None:
                 if time.monotonic() - last > self.idle_timeout_s:

@@ -25,7 +25,8 @@ Exit codes (never reused): 0 finished; 1 failed (join refused, the server's mode
 this device's algorithm, nothing heard for ``--idle-timeout-s``); 2 bad arguments, or unusable
 keys/certificates (said at start-up); 3 data not found; 4 broker unreachable (TLS handshake and
 login refusals included); 5 the server never acknowledged the join and nothing was trained (not
-enrolled on a signing server, a wrong ``--server-pubkey``, or another federation).
+enrolled on a signing server, a wrong ``--server-pubkey``, or another federation): after a warning
+at 30 s it gives up after ``--join-timeout-s`` (300 s), or when the federation finishes without it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ EXIT_BROKER = 4
 EXIT_NOT_JOINED = 5
 
 JOIN_WARN_S = 30.0
-"""Seconds after which an unanswered join is warned about (the run goes on)."""
+"""Seconds after which an unanswered join is warned about (the run goes on until ``--join-timeout-s``)."""
+
+JOIN_TIMEOUT_S = 300.0
+"""Default ``--join-timeout-s``: an agent whose join is unanswered this long exits 5."""
 
 NOT_JOINED_HINT = ("the likely causes: this device is not enrolled on a signing server (fedfleet keys enroll), "
                    "--server-pubkey is not that server's key, or --federation / --broker name another "
@@ -122,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout-s", type=float, default=3600.0,
                    help="give up when nothing arrives from the server for this many seconds (exit 1; 5 when "
                         "the join was never answered)")
+    p.add_argument("--join-timeout-s", type=float, default=JOIN_TIMEOUT_S,
+                   help="exit 5 when no join was answered this many seconds after the first (a warning comes "
+                        f"after {JOIN_WARN_S:g} s; the agent re-sends its join meanwhile, so a server started "
+                        "later still finds it)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--shard {args.shard}: need 0 ≤ i < n")
         if args.feature_dim < 1:
             raise ValueError(f"--feature-dim {args.feature_dim}: need d >= 1")
+        if not args.join_timeout_s > 0:
+            raise ValueError(f"--join-timeout-s {args.join_timeout_s:g}: need a positive number of seconds")
         addr = parse_broker_url(args.broker)
         password = Path(args.password_file).read_text().strip() if args.password_file else addr.password
     except (ValueError, OSError) as exc:
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except ProfileError as exc:
         print(f"fedfleet-agent: profile error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    apply(rt.plan)
+    apply(rt.plan, log_fallbacks=False)  # printed here, once
     for reason in rt.plan.fallbacks:
         print(f"fallback: {reason}", flush=True)
     # a real device: the profile's torch_threads rules (capped at the usable cores by the plan above)
@@ -266,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                 f"round {rnd}: trained {res.num_samples} samples in "
                                 f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "
                                 f"sent {nbytes:,} bytes", flush=True))
-        warn = threading.Timer(JOIN_WARN_S, _warn_unanswered, args=(agent,))
+        agent.join_timeout_s = args.join_timeout_s
+        warn = threading.Timer(min(JOIN_WARN_S, args.join_timeout_s / 2), _warn_unanswered, args=(agent,))
         warn.daemon = True
         warn.start()
         summary = agent.run()
@@ -296,22 +307,23 @@ def main(argv: list[str] | None = None) -> int:
         acc, _ = om.evaluate(np.asarray(ds.train.x[idx], np.float32), np.asarray(ds.train.y[idx]))
         print(f"onnx: local accuracy {acc:.4f} on {len(idx)} samples via {', '.join(om.providers_used)}"
               + (f" (fallbacks: {'; '.join(om.fallbacks)})" if om.fallbacks else ""))
-    print(f"{summary.client_id}: trained {summary.rounds_trained} rounds, "
-          f"{summary.receipts_accepted} updates acknowledged, finished={summary.finished}; "
-          f"byte ledger in {out}/ledger.sqlite (fedfleet audit {out})")
-    if not agent.joined:
-        print(f"fedfleet-agent: warning: the server never acknowledged the join of {args.client_id} "
-              f"(trained {summary.rounds_trained} rounds); {NOT_JOINED_HINT}", file=sys.stderr)
+    if not agent.joined:  # e.g. the federation finished without it: not a run this device took part in
+        print(f"fedfleet-agent: the server never acknowledged the join of {args.client_id} "
+              f"(trained {summary.rounds_trained} rounds{'; the federation finished' if summary.finished else ''}); "
+              f"{NOT_JOINED_HINT}", file=sys.stderr)
         if summary.rounds_trained == 0:
             return EXIT_NOT_JOINED
+    print(f"{summary.client_id}: trained {summary.rounds_trained} round{'s' if summary.rounds_trained != 1 else ''}, "
+          f"{summary.receipts_accepted} updates acknowledged, finished={summary.finished}; "
+          f"byte ledger in {out}/ledger.sqlite (fedfleet audit {out})")
     return EXIT_OK
 
 
 def _warn_unanswered(agent) -> None:
     """Timer callback: warn (once, the run goes on) when the join is still unanswered."""
     if not agent.joined and agent.join_refused is None:
-        print(f"fedfleet-agent: warning: no answer to the join of {agent.client_id} after {JOIN_WARN_S:g} s "
-              f"(still waiting); {NOT_JOINED_HINT}", file=sys.stderr, flush=True)
+        print(f"fedfleet-agent: warning: no answer to the join of {agent.client_id} yet (still waiting, "
+              f"until --join-timeout-s {agent.join_timeout_s:g} s); {NOT_JOINED_HINT}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -63,7 +63,7 @@ class ProfileLike(Protocol):
         name: profile name (``"jetson-orin-nano"``).
         accelerator: ``"cpu"`` or ``"cuda"``.
         onnx_providers: ONNX Runtime execution providers, most preferred first.
-        torch_threads: intra-op CPU threads for torch, >= 1.
+        torch_threads: intra-op CPU threads for torch, >= 1; 0: one per core of this machine.
         precision: ``"fp32"``, or ``"fp16"`` (CUDA autocast).
         batch_size: samples per SGD step, >= 1.
         memory_budget_mb: memory the training process may use, MiB (0 = no budget).
@@ -409,7 +409,8 @@ def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
     - **device**: ``cuda`` when the profile asks for it and ``info.cuda_available``, else ``cpu``.
     - **precision**: ``fp16`` only on a CUDA device with ``info.fp16_supported``, else ``fp32``.
     - **threads**: ``min(profile.torch_threads, usable_cores(info))`` (the affinity mask's
-      cores, capped by the cgroup CPU quota).
+      cores, capped by the cgroup CPU quota); a profile's ``0`` means one per usable core, which
+      is not a fallback (nothing differs from what the profile asked for).
     - **ONNX providers**: the profile's list without those onnxruntime does not offer (and without
       TensorRT/CUDA when there is no CUDA device), order kept, ``CPUExecutionProvider`` last
       (appended or moved there if the profile did not put it last). Empty without onnxruntime.
@@ -429,15 +430,16 @@ def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
 
     Raises:
         ValueError: the profile's ``accelerator`` or ``precision`` is not one of the known
-            values, or ``torch_threads`` / ``batch_size`` is below 1.
+            values, ``torch_threads`` is negative, or ``batch_size`` is below 1.
     """
     if profile.accelerator not in _ACCELERATORS:
         raise ValueError(f"profile {profile.name!r}: accelerator must be one of {_ACCELERATORS}, "
                          f"got {profile.accelerator!r}")
     if profile.precision not in _PRECISIONS:
         raise ValueError(f"profile {profile.name!r}: precision must be one of {_PRECISIONS}, got {profile.precision!r}")
-    if int(profile.torch_threads) < 1:
-        raise ValueError(f"profile {profile.name!r}: torch_threads must be >= 1, got {profile.torch_threads}")
+    if int(profile.torch_threads) < 0:
+        raise ValueError(f"profile {profile.name!r}: torch_threads must be >= 1 (or 0: one per core), "
+                         f"got {profile.torch_threads}")
     if int(profile.batch_size) < 1:
         raise ValueError(f"profile {profile.name!r}: batch_size must be >= 1, got {profile.batch_size}")
     fallbacks: list[str] = []
@@ -460,7 +462,7 @@ def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
                              f"{FP16_MIN_CAPABILITY[1]}, {info.cuda_device} lacks it: training in fp32")
 
     cores = usable_cores(info)
-    threads = int(profile.torch_threads)
+    threads = int(profile.torch_threads) or cores  # 0: as many as this process may use
     if threads > cores:
         quota = "" if cores == max(1, int(info.cpu_cores)) else f" (cgroup CPU quota {info.cpu_quota:g})"
         fallbacks.append(f"profile torch_threads {threads} > {cores} cores{quota}: using {cores}")
@@ -488,10 +490,11 @@ def plan_runtime(profile: ProfileLike, info: DeviceInfo) -> RuntimePlan:
                        model=info.model)
 
 
-def apply(plan: RuntimePlan) -> None:
+def apply(plan: RuntimePlan, *, log_fallbacks: bool = True) -> None:
     """Put ``plan`` into effect for this process: ``torch.set_num_threads(plan.torch_threads)``,
     one torch inter-op thread (when torch still allows setting it, see :func:`apply_threads`),
-    and log each of ``plan.fallbacks`` at WARNING (logger ``edge_agent.device``).
+    and log each of ``plan.fallbacks`` at WARNING (logger ``edge_agent.device``; not with
+    ``log_fallbacks=False``, for a caller that prints them itself: each is said once).
 
     The device, precision and batch size are not process settings: the caller passes
     ``plan.device`` to the agent, ``precision=plan.precision`` to the client algorithm and
@@ -499,7 +502,7 @@ def apply(plan: RuntimePlan) -> None:
     """
     torch.set_num_threads(int(plan.torch_threads))
     _set_interop_threads(1)
-    for reason in plan.fallbacks:
+    for reason in plan.fallbacks if log_fallbacks else ():
         log.warning("runtime fallback: %s", reason)
     log.info("runtime: %s, %s, %d torch threads, batch size %d, ONNX providers [%s]", plan.device,
              plan.precision, plan.torch_threads, plan.batch_size, ", ".join(plan.onnx_providers))

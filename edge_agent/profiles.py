@@ -36,7 +36,7 @@ Example (``firmware_profiles/rpi4.toml``, abridged)::
 
 **Strict** (STYLE 8): every key of :data:`SCHEMA` is required, an unknown key is refused, a
 ``bool`` is not an ``int``, numbers must lie in the ranges of :data:`SCHEMA`, and the cross-field
-rules hold (``torch_threads <= cpu_cores``, ``memory_budget_mb <= ram_mb``,
+rules hold (``torch_threads <= cpu_cores``, 0 = one per core of the machine, ``memory_budget_mb <= ram_mb``,
 ``chunk_bytes <= max_packet_bytes``, ``fp16`` only with ``cuda``, providers known, unique and
 ending in ``CPUExecutionProvider``, CUDA/TensorRT providers only with ``cuda``, codec texts in the
 :meth:`protocol.tensors.Codec.parse` grammar, ``name`` equal to the file's stem). Every refusal is
@@ -218,7 +218,9 @@ class FirmwareProfile:
         onnx_providers: ONNX Runtime execution providers in order of preference, unique, always
             ending in ``"CPUExecutionProvider"``.
         cpu_cores: CPU cores of the device (physical), ≥ 1.
-        torch_threads: ``torch.set_num_threads`` value, 1 .. ``cpu_cores``.
+        torch_threads: ``torch.set_num_threads`` value, 1 .. ``cpu_cores``; ``0``: one per core
+            of the machine the agent runs on (a reference class such as ``x86-cpu``, whose
+            machines differ: no fallback warning on a smaller one).
         precision: ``"fp32"``, or ``"fp16"`` (autocast mixed precision; ``cuda`` only).
         batch_size: default local training batch size, ≥ 1.
         ram_mb: memory the training runs in, MiB: the SoC's unified RAM (Pi, Jetson), the
@@ -321,7 +323,7 @@ SCHEMA: dict[str, Any] = {
     "accelerator": _Str(ACCELERATORS),
     "onnx_providers": _StrList(ONNX_PROVIDERS),
     "cpu_cores": _Num(int, 1, 1024),
-    "torch_threads": _Num(int, 1, 1024),
+    "torch_threads": _Num(int, 0, 1024),
     "precision": _Str(PRECISIONS),
     "batch_size": _Num(int, 1, 65536),
     "ram_mb": _Num(int, 1, 16 * 1024 * 1024),
@@ -466,7 +468,7 @@ def from_dict(raw: Mapping[str, Any], source: str = "<dict>", *, expect_name: st
                    "allowed with accelerator = \"cpu\": fp32")
     if kw["torch_threads"] > kw["cpu_cores"]:
         raise fail("torch_threads", f" = {kw['torch_threads']} is outside the allowed range "
-                   f"[1, cpu_cores = {kw['cpu_cores']}]")
+                   f"[1, cpu_cores = {kw['cpu_cores']}] (or 0: one per core of the machine)")
     if kw["memory_budget_mb"] > kw["ram_mb"]:
         raise fail("memory_budget_mb", f" = {kw['memory_budget_mb']} is outside the allowed range "
                    f"[1, ram_mb = {kw['ram_mb']}]")

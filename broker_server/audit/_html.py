@@ -22,21 +22,29 @@ from ._format import (
     overhead_parts,
     pct,
     secs,
+    short_run_labels,
     target_text,
 )
 from ._plots import plot_by_round, plot_clients, plot_curves, plot_overhead
-from ._report import comparison_row
+from ._report import comparison_row, fleet_total
 
+# Tables fit the page: long run paths are not table cells (short labels there, the full paths in a
+# list under the table); text cells wrap at word boundaries first (overflow-wrap, never a path cut
+# three characters a line), numbers never wrap; a table wider than the page scrolls inside its
+# own box instead of pushing the page wider.
 _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1100px;
        color: #222; padding: 0 1em; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.3em; border-bottom: 2px solid #ccc; padding-bottom: .2em;
-     margin-top: 2.5em; word-break: break-all; } h3 { font-size: 1.05em; margin-top: 1.5em; }
-table { border-collapse: collapse; margin: .5em 0 1em; font-size: .9em; }
-th, td { border-bottom: 1px solid #ddd; padding: .25em .7em; }
-th { background: #f3f3f3; text-align: left; }
+     margin-top: 2.5em; overflow-wrap: anywhere; } h3 { font-size: 1.05em; margin-top: 1.5em; }
+div.table { max-width: 100%; overflow-x: auto; }
+table { border-collapse: collapse; margin: .5em 0 1em; font-size: .9em; line-height: 1.35; }
+th, td { border-bottom: 1px solid #ddd; padding: .25em .6em; }
+th { background: #f3f3f3; text-align: left; vertical-align: bottom; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-td.text { word-break: break-all; }
+td.text { overflow-wrap: anywhere; min-width: 6em; }
+td.label { white-space: nowrap; }
+ul.runs { font-size: .85em; color: #444; overflow-wrap: anywhere; }
 img { max-width: 100%; display: block; margin: .5em 0 1.5em; }
 p.note { color: #555; font-size: .9em; }
 """
@@ -46,14 +54,16 @@ def _esc(value: Any) -> str:
     return html.escape("—" if value is None else str(value), quote=True)
 
 
-def _html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], text_columns: int = 1) -> str:
-    """An HTML table; every cell is escaped. The first ``text_columns`` columns are text."""
-    out = ["<table>", "<tr>" + "".join(f"<th>{_esc(h)}</th>" for h in headers) + "</tr>"]
+def _html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], text_columns: int = 1,
+                label_column: bool = False) -> str:
+    """An HTML table; every cell is escaped. The first ``text_columns`` columns are text;
+    ``label_column``: the first is a short run label, kept on one line."""
+    out = ['<div class="table"><table>', "<tr>" + "".join(f"<th>{_esc(h)}</th>" for h in headers) + "</tr>"]
     for row in rows:
         out.append("<tr>" + "".join(
-            f'<td class="{"text" if i < text_columns else "num"}">{_esc(c)}</td>' for i, c in enumerate(row))
-            + "</tr>")
-    out.append("</table>")
+            f'<td class="{("label" if label_column and i == 0 else "text") if i < text_columns else "num"}">'
+            f"{_esc(c)}</td>" for i, c in enumerate(row)) + "</tr>")
+    out.append("</table></div>")
     return "\n".join(out)
 
 
@@ -68,36 +78,66 @@ def _totals_html(tot: Mapping[str, Any]) -> str:
                         "wire B", "wire", "overhead"], rows)
 
 
+def _security_html(report: Mapping[str, Any]) -> str:
+    """Signatures and encryption: messages and bytes per link and direction, with their share of
+    the wire bytes (``sig_bytes``/``enc_bytes`` of the ledger)."""
+    rows = []
+    for view, label in (("device", "device links"), ("server", "server link")):
+        for name, key in (("up", "up"), ("down", "down"), ("total", "all")):
+            d = report["totals"][view][key]
+            added = d.get("sig_bytes", 0) + d.get("enc_bytes", 0)
+            rows.append([label, name, count(d.get("signed_messages", 0)), count(d.get("sig_bytes", 0)),
+                         count(d.get("encrypted_messages", 0)), count(d.get("enc_bytes", 0)),
+                         pct(added / d["wire_bytes"] if d["wire_bytes"] else None)])
+    return _html_table(["link", "direction", "signed messages", "signature B", "encrypted messages",
+                        "encryption B", "share of wire B"], rows, text_columns=2)
+
+
 def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
+    """Two tables, so that each fits the page: bytes, accuracy and transfer time per run; then the
+    model-tensor and extras bytes per client per round. Runs are named by short labels (their
+    folders' last component), the full paths and federations listed under the tables."""
     rows = [comparison_row(r) for r in reports]
+    labels = short_run_labels([str(r["run"]) for r in rows])
     link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
     target = next((r["target"] for r in rows if r["target"] is not None), None)
-    headers = ["run", "federation", "rounds", "final accuracy", "up B", "down B", "overhead",
-               f"bytes to {acc(target)}" if target is not None else "bytes to target",
-               "up tensors B/client/round", "up extras B/client/round", "down tensors B/client/round",
-               "down extras B/client/round"]
+    headers = ["run", "rounds", "final accuracy", "up B", "down B", "overhead",
+               f"bytes to {acc(target)}" if target is not None else "bytes to target"]
     if link:
         headers += [f"transfer time {directions_label(link)}, clients in parallel",
                     "transfer time, sum over clients"]
     body = []
-    for r in rows:
-        cells = [r["run"], r["federation"], r["rounds"], acc(r["final_accuracy"]), count(r["up_bytes"]),
-                 count(r["down_bytes"]), pct(r["overhead_share"]), target_text(r),
-                 *(mean(r[f"{d}_{p}_bytes_per_client_round"]) for d in ("up", "down") for p in ("tensor", "extras"))]
+    for label, r in zip(labels, rows, strict=True):
+        cells = [label, r["rounds"], acc(r["final_accuracy"]), count(r["up_bytes"]),
+                 count(r["down_bytes"]), pct(r["overhead_share"]), target_text(r)]
         if link:
             cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
         body.append(cells)
     note = ("<p class=\"note\">Device links (what the agents sent and received). Bytes to target: cumulative "
             "device-link wire bytes up to and including the first round whose test accuracy reached the "
-            "target (session traffic recorded before then included). Tensors/extras per client per round: "
-            "bytes of the model tensors and of the named extras of the updates a client sent and the globals it "
-            "received, as their sender encoded them.")
+            "target (session traffic recorded before then included).")
     if link:
         note += (f" Transfer time: uplink {_esc(kbps(link['uplink_kbps']))}, downlink "
                  f"{_esc(kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "
                  "slowest client (parallel links), or the sum over clients (one shared link); session "
                  "traffic counted as one more phase.")
-    return _html_table(headers, body, text_columns=2) + "\n" + note + "</p>"
+    fleet = fleet_total(reports)
+    if fleet is not None:
+        body.append(["fleet total", "", "", count(fleet["up_bytes"]), count(fleet["down_bytes"]), "", "",
+                     *([""] * (2 if link else 0))])
+        note += (f" Fleet total: the sum over the {fleet['runs']} ledgers of federation {_esc(fleet['federation'])} "
+                 "(e.g. one per device).")
+    per_client = _html_table(
+        ["run", "up tensors B/client/round", "up extras B/client/round", "down tensors B/client/round",
+         "down extras B/client/round"],
+        [[label, *(mean(r[f"{d}_{p}_bytes_per_client_round"]) for d in ("up", "down") for p in ("tensor", "extras"))]
+         for label, r in zip(labels, rows, strict=True)], label_column=True)
+    paths = "".join(f"<li>{_esc(label)}: {_esc(r['run'])} (federation {_esc(r['federation'])})</li>"
+                    for label, r in zip(labels, rows, strict=True))
+    return (_html_table(headers, body, label_column=True) + "\n" + note + "</p>\n" + per_client + "\n"
+            + '<p class="note">Tensors/extras per client per round: bytes of the model tensors and of the named '
+              "extras of the updates a client sent and the globals it received, as their sender encoded them.</p>\n"
+            + f'<ul class="runs">{paths}</ul>')
 
 
 def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet communication audit") -> str:
@@ -147,6 +187,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         parts.append(_html_table(["part", "bytes", "share of wire bytes"],
                                  [[n, count(v), pct(v / tot["wire_bytes"] if tot["wire_bytes"] else None)]
                                   for n, v in overhead_parts(tot)]))
+        parts.append("<h3>Security: signatures and encryption</h3>")
+        parts.append(_security_html(rep))
         parts.append("<h3>Per kind and direction (device links; upper-case kinds are MQTT control packets)</h3>")
         parts.append(_html_table(
             ["kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead"],

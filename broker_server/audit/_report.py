@@ -5,7 +5,7 @@ only these dicts."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,21 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         }
     finally:
         db.close()
+
+
+def fleet_total(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The sum over several runs of one federation (the agent folders of one fleet, each device's
+    own ledger): ``federation``, ``runs``, ``up_bytes``, ``down_bytes``, ``wire_bytes`` (device
+    links, wire bytes), ``messages``; ``None`` for a single run or runs of different (or unknown)
+    federations, whose sum means nothing."""
+    feds = {r["run"].get("federation") for r in reports}
+    if len(reports) < 2 or len(feds) != 1 or None in feds:
+        return None
+    dev = [r["totals"]["device"] for r in reports]
+    return {"federation": feds.pop(), "runs": len(reports),
+            "up_bytes": sum(d["up"]["wire_bytes"] for d in dev),
+            "down_bytes": sum(d["down"]["wire_bytes"] for d in dev),
+            "wire_bytes": sum(d["all"]["wire_bytes"] for d in dev), "messages": sum(d["all"]["messages"] for d in dev)}
 
 
 def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:

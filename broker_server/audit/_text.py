@@ -24,7 +24,7 @@ from ._format import (
     target_text,
 )
 from ._queries import VIEWS, round_label
-from ._report import comparison_row
+from ._report import comparison_row, fleet_total
 
 
 def _console() -> tuple[Any, io.StringIO]:
@@ -191,6 +191,10 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     console.print(t)
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target.")
+    if (fleet := fleet_total(reports)) is not None:
+        console.print(f"Fleet total of federation {fleet['federation']} ({fleet['runs']} ledgers, e.g. one per "
+                      f"device): up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, "
+                      f"{count(fleet['wire_bytes'])} B in {count(fleet['messages'])} messages")
     console.print()
     console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it)")
     t = _table("run", "up tensors B", "up extras B", "down tensors B", "down extras B")

@@ -63,7 +63,11 @@ def finch_partition(points: np.ndarray) -> np.ndarray:
         return np.zeros(1, np.int64)
     with warnings.catch_warnings():  # the package warns at import that the optional pynndescent is absent
         warnings.filterwarnings("ignore", message=".*pynndescent.*")
-        from finch.finch import FINCH
+        try:
+            from finch.finch import FINCH
+        except ImportError as exc:  # the optional extra fedfleet[fpl]
+            raise ImportError("FPL's clustering needs the finch-clust package: pip install 'fedfleet[fpl]' "
+                              f"({exc})") from exc
     c, _num_clust, _ = FINCH(x, distance="cosine", ensure_early_exit=False, verbose=False)
     return np.asarray(c)[:, -1].astype(np.int64)
 

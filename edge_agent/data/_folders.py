@@ -75,6 +75,8 @@ def locate(
         if all(p.is_file() for p in paths):
             resolved = tuple(str(p.resolve()) for p in paths)
             stamps = tuple(_file_stamp(p) for p in paths)
+            if user_dir is not None and folder != user_dir:
+                _say_other_folder(info, user_dir, data_dir, str(folder))
             return "npz", resolved, stamps
 
     if info.torchvision is not None:
@@ -84,6 +86,8 @@ def locate(
         for root in tv_roots:
             searched.append(f"torchvision:{root}")
             if layout_present(info.torchvision, root):
+                if user_dir is not None and root != user_dir:
+                    _say_other_folder(info, user_dir, data_dir, f"torchvision:{root}")
                 return "torchvision", (str(root.resolve()),), ()
         if _downloads_allowed(allow_download):
             try:
@@ -103,6 +107,17 @@ def locate(
         dataset=info.name,
         searched=searched,
     )
+
+
+def _say_other_folder(info: DatasetInfo, user_dir: Path, data_dir: object, used: str) -> None:
+    """Warn that the data folder set (``--data-dir`` / ``[data] data_dir`` / env) does not hold
+    ``info`` and which folder was used instead: never a silent fallback (a folder that does not
+    exist at all was warned about already, by :func:`user_data_dir`)."""
+    if not user_dir.is_dir():
+        return
+    origin = "the data folder you set" if data_dir is not None else f"env {ENV_DATA_DIR}"
+    log.warning("%s, %s, does not hold %s (%s): using %s", origin, user_dir, info.name,
+                ", ".join(info.files) or "its files", used)
 
 
 def user_data_dir(

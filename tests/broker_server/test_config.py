@@ -13,7 +13,7 @@ from broker_server.errors import ConfigError, FedfleetServerError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
-SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security", "model")
+SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security", "model", "tracking")
 
 
 def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:

@@ -57,3 +57,39 @@ def test_an_unanswered_join_is_sent_again_and_any_answer_counts() -> None:
     t.join(60)
     assert not t.is_alive() and "summary" in box
     assert len(joins()) == n  # joined: no join is sent again
+
+
+def test_a_join_never_answered_gives_up_after_the_join_timeout_while_broadcasts_arrive() -> None:
+    """An unenrolled device still hears the server's broadcasts (the server signs them; the device
+    pins its key): the join timeout counts from the first join whatever arrives meanwhile."""
+    import pytest
+
+    from edge_agent.agent import AgentError
+    from protocol.messages import Status
+
+    hub = MemoryBroker()
+    rng = np.random.default_rng(0)
+    agent = EdgeAgent(channel=Channel(hub.connect("dev-b"), node_id="dev-b", side="agent", federation="mem",
+                                      ledger=None),
+                      model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+                      algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
+                      y=rng.integers(0, 10, 20), num_classes=10, client_index=0, idle_timeout_s=120,
+                      train_defaults=TrainConfig())
+    agent.join_timeout_s = 1.0
+    server = Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None)
+    stop = threading.Event()
+
+    def chatter() -> None:  # a message every 0.1 s on the agent's filters: the idle timeout never fires
+        while not stop.is_set():
+            server.send(topics.down_to("mem", "dev-b", Kind.STATUS), Status("online", "chatter"), round=0)
+            time.sleep(0.1)
+
+    t = threading.Thread(target=chatter, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(AgentError, match="no answer to its join within 1 s"):
+            agent.run()
+    finally:
+        stop.set()
+        t.join(5)
+    assert not agent.joined and agent.join_refused is None

@@ -693,6 +693,26 @@ def test_missing_data_dir_is_warned_about_before_the_fallback(
     assert not [r for r in caplog.records if "not an existing folder" in r.getMessage()]
 
 
+def test_a_data_dir_without_the_set_names_the_folder_used_instead(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An existing --data-dir that does not hold the set: the fallback to the shared folder says
+    which folder it used."""
+    import logging
+
+    shared = isolated / "shared"
+    _write_mnist_like(shared, n_train=6, n_test=4)
+    monkeypatch.setattr(data._folders, "_SHARED_DATA_DIRS", (shared,))
+    other = isolated / "my-data"
+    other.mkdir()
+    with caplog.at_level(logging.WARNING, logger="edge_agent.data"):
+        ds = data.load_dataset("mnist", data_dir=other, allow_download=False)
+    assert Path(ds.source) == (shared / "mnist").resolve()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == [f"the data folder you set, {other}, does not hold mnist (mnist/train.npz, mnist/test.npz): "
+                    f"using {shared}"], msgs
+
+
 def test_successful_download_never_creates_missing_data_dir(
     isolated: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

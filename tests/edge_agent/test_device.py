@@ -324,12 +324,26 @@ def test_plan_runtime_is_pure() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(accelerator="tpu"), dict(precision="bf16"), dict(torch_threads=0), dict(batch_size=0)],
+    [dict(accelerator="tpu"), dict(precision="bf16"), dict(torch_threads=-1), dict(batch_size=0)],
     ids=["accelerator", "precision", "threads", "batch"],
 )
 def test_plan_runtime_refuses_invalid_profiles(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         plan_runtime(Profile(**bad), _info())
+
+
+def test_threads_zero_means_one_per_core_without_a_fallback() -> None:
+    for cores in (1, 2, 16):
+        plan = plan_runtime(Profile(torch_threads=0), _info(cpu_cores=cores))
+        assert plan.torch_threads == cores and plan.fallbacks == ()
+
+
+def test_the_default_profile_asks_for_no_more_threads_than_a_small_machine_has() -> None:
+    from edge_agent.profiles import get_profile
+
+    plan = plan_runtime(get_profile("x86-cpu"), _info(cpu_cores=2))
+    assert plan.torch_threads == 2
+    assert not [f for f in plan.fallbacks if "threads" in f]
 
 
 def test_as_join_info_is_flat_scalars() -> None:

@@ -354,9 +354,11 @@ def test_an_unanswered_join_exits_5_with_the_likely_causes(tmp_path: Path, broke
         code = agent_main(_agent(broker, "fed-silent", tmp_path))
     finally:
         srv.close()
-    err = capsys.readouterr().err
+    cap = capsys.readouterr()
+    err = cap.err
     assert code == EXIT_NOT_JOINED == 5
-    assert "never acknowledged the join" in err
+    assert "never acknowledged the join" in err and "the federation finished" in err
+    assert "finished=True" not in cap.out  # not a run this device took part in
     assert "not enrolled" in err and "--server-pubkey" in err and "--federation" in err
 
 
@@ -365,6 +367,15 @@ def test_no_server_at_all_exits_5_after_the_idle_timeout(tmp_path: Path, broker,
     err = capsys.readouterr().err
     assert code == EXIT_NOT_JOINED
     assert "nothing from the server for 1 s" in err and "never acknowledged the join" in err
+
+
+def test_a_join_never_answered_exits_5_after_the_join_timeout(tmp_path: Path, broker, capsys) -> None:
+    """Nobody answers and nobody ends the run: the agent gives up after --join-timeout-s, long
+    before its idle timeout."""
+    code = agent_main(_agent(broker, "fed-unheard", tmp_path, "--join-timeout-s", "1.5"))
+    err = capsys.readouterr().err
+    assert code == EXIT_NOT_JOINED
+    assert "no answer to its join within 1.5 s" in err and "never acknowledged the join" in err
 
 
 def test_a_global_that_does_not_fit_the_algorithm_stops_the_agent_clearly(tmp_path: Path, broker, capsys) -> None:
