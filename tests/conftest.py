@@ -8,9 +8,21 @@
   on its train split (≈ 0.9 accuracy); one of each per test module.
 - ``memory_hub``: a fresh in-memory MQTT broker (:class:`protocol.memory_transport.MemoryBroker`).
 - ``_offline`` (autouse): torchvision downloads are disabled for every test.
+
+Threads: before torch is first imported, ``OMP_NUM_THREADS=1`` and ``OMP_WAIT_POLICY=PASSIVE``
+are set (unless already set) for this process and every process a test starts. The models are
+tiny and a test often runs several agents (threads or processes) at once on 2 cores, where
+OpenMP's default of one spinning thread per core made a training round of 600 digits take
+15-30 s instead of 1 s. Agents whose runtime plan sets more torch threads
+(``edge_agent.device.apply``) still do so; their idle OpenMP threads then sleep instead of spin.
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Iterator
 from pathlib import Path

@@ -107,14 +107,16 @@ def test_broken_onnxruntime_is_reported_and_torch_carries_on(tmp_path: Path, mod
 
 
 def test_an_import_that_hangs_is_cut_off_by_the_timeout(tmp_path: Path) -> None:
+    """The test waits out the whole timeout, so it is 2 s (the reason is the same whether or not
+    the child got as far as the import before it was killed)."""
     res = run_python("""
         import json
         from edge_agent.optional_runtime import probe
-        print("RESULT " + json.dumps(probe("onnxruntime", timeout_s=5).as_dict()))
+        print("RESULT " + json.dumps(probe("onnxruntime", timeout_s=2).as_dict()))
     """, write_shim(tmp_path / "shim", "hang"))
     out = _result(res)
     assert out["available"] is False
-    assert out["reason"].startswith("import did not finish within 5 s")
+    assert out["reason"].startswith("import did not finish within 2 s")
 
 
 def test_the_probe_runs_once_per_process(tmp_path: Path) -> None:

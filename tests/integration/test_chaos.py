@@ -639,8 +639,12 @@ def run_broker_restart(kind: str, tmp: Path, *, rounds: int = 4) -> tuple[Accoun
 
 
 def run_agent_dies_mid_upload(tmp: Path, *, rounds: int = 2, monkeypatch=None) -> tuple[Accounting, object]:
-    """Scenario 2: client-002 loses power after half of its round-1 update's chunks went out."""
-    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 15.0}, protocol={"chunk_bytes": 4096})
+    """Scenario 2: client-002 loses power after half of its round-1 update's chunks went out.
+
+    Round 1 closes at its deadline (the dead client was selected), so the deadline is most of the
+    test's time: 10 s leaves the two live clients (one local epoch on ~600 digits, about a second)
+    and the 2 s transfer expiry ample room."""
+    cfg = chaos_config(run={"rounds": rounds}, server={"round_deadline_s": 10.0}, protocol={"chunk_bytes": 4096})
     rec = Recorder()
     state: dict = {"published": 0, "count": None, "dead": False}
     import broker_server.runtime as runtime_mod
