@@ -402,7 +402,7 @@ class AggregationServer:
                 log.warning("join from %s refused: %s", env.sender, reason)
                 self._reply(item, False, reason)
                 return
-            rec = self.devices.admit(env.sender, body, round=self.round, now=now)
+            joined = self.devices.admit(env.sender, body, round=self.round, now=now)
             try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
                 self.strategy.on_join(env.sender, body.profile, int(body.num_samples))
             except Exception:  # noqa: BLE001 - a strategy's bookkeeping failing costs the join nothing
@@ -411,7 +411,7 @@ class AggregationServer:
                 log.info("%s runs with fallbacks: %s", env.sender, body.info.get("fallbacks"))
             log.info("join: %s (%s, %d samples)", env.sender, body.profile, body.num_samples)
             # a device that reads round_start.members learns its member index (membership.py)
-            self._reply(item, True, member_index=rec.index if body.info.get(JOIN_INFO_KEY) is True else None)
+            self._reply(item, True, member_index=joined.index if body.info.get(JOIN_INFO_KEY) is True else None)
         elif isinstance(body, Status):
             rec = self.devices.set_status(env.sender, body.state, now)
             if rec is not None and not rec.online:

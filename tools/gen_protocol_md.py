@@ -363,9 +363,9 @@ their deltas, §8) |
 | receipt | sha256 | bin (32 or 0 bytes) | SHA-256 of the acknowledged payload as the receiver got it: the whole \
 PUBLISH payload (the sealed bytes, `sec` included, when signed) for a message sent whole; for a chunked message the \
 reassembled (unsealed) inner payload |
-| receipt | (member_index) | uint ≤ {membership.MAX_MEMBER_INDEX:,} | only on an accepted `join` receipt (`ref_kind` 1; \
-else the message is refused), to an agent whose `join.info` has `{membership.JOIN_INFO_KEY}` = true: the agent's member \
-index, which broadcast `round_start.members` use to name it (§8) |
+| receipt | (member_index) | uint ≤ {membership.MAX_MEMBER_INDEX:,} | only on an accepted `join` receipt \
+(`ref_kind` 1; else the message is refused), to an agent whose `join.info` has `{membership.JOIN_INFO_KEY}` = true: \
+the agent's member index, which broadcast `round_start.members` use to name it (§8) |
 | chunk | transfer_id | bin 16 | random id of the transfer (§5) |
 | chunk | index | uint | 0 … count − 1 |
 | chunk | count | uint | chunks in the transfer, 1 … {messages.MAX_CHUNKS:,} |
@@ -391,9 +391,9 @@ first byte is its form, followed by the set in that form; it is never empty:
 
 | form byte | form | bytes after the form byte |
 | --- | --- | --- |
-| {membership.BITMAP} | bitmap | bit `i mod 8` (least significant bit first) of byte `i div 8` is 1 when index `i` is in \
-the set; at most {membership.MAX_MEMBER_INDEX // 8 + 1:,} bytes; at least one bit set; encoders write no trailing zero \
-byte (`max index div 8 + 1` bytes) |
+| {membership.BITMAP} | bitmap | bit `i mod 8` (least significant bit first) of byte `i div 8` is 1 when index `i` \
+is in the set; at most {membership.MAX_MEMBER_INDEX // 8 + 1:,} bytes; at least one bit set; encoders write no \
+trailing zero byte (`max index div 8 + 1` bytes) |
 | {membership.DELTAS} | deltas | the indices in strictly increasing order, delta-encoded (the first delta is the first \
 index, each next one `index[j] − index[j−1]` ≥ 1), each an unsigned LEB128 varint as in `topk` (§4; minimal, at most \
 4 bytes here), nothing after the last; at most {membership.MAX_MEMBERS:,} indices |
@@ -728,7 +728,9 @@ agent → server   status/c               status offline                      ro
   as before. The server names all of them by id when that is no longer than the member set (one
   or two agents). A per-device `round_start` (instructions, a device that came back) names its
   one agent in `selected` and has no `members`. An `update` from an agent the round did not
-  select is refused (`accepted` = false), whichever way it came to train.
+  select is refused (`accepted` = false), whichever way it came to train. The set is exact (no
+  filter with false positives: each would be a device training a round for nothing) and explicit
+  (not a selection rule a device evaluates: the server's strategy chooses the devices).
 * Every `update` is answered with a `receipt` (`ref_kind` 4): `accepted` = true, or false with
   the reason (round not started, closed, after the deadline, not selected, manifest mismatch
   naming the tensor and both shapes, a metric out of range). An `update` whose envelope header
