@@ -174,8 +174,9 @@ class RoundStart:
         members: the selected devices by member index (:mod:`protocol.membership`: a bitmap or
             delta varints, whichever is shorter), beside those named in ``selected``; a fifth body
             field sent only when not empty (after an empty ``instructions`` map), never with
-            ``instructions``. A device is selected when its id is in ``selected`` or its member
-            index (from its join receipt) is in ``members``.
+            ``instructions``; a received empty ``bin`` there is the same as none. A device is
+            selected when its id is in ``selected`` or its member index (from its join receipt)
+            is in ``members``.
     """
 
     selected: tuple[str, ...]
@@ -275,7 +276,8 @@ class Receipt:
         sha256: SHA-256 digest (32 bytes) of the acknowledged payload as received.
         member_index: on an accepted ``join`` receipt to a device that reads
             ``round_start.members``: its member index (:mod:`protocol.membership`); a sixth body
-            field sent only when not ``None``.
+            field sent only when not ``None`` (the encoder refuses it on other receipts; the
+            decoder ignores it there: ``None``).
     """
 
     ref_kind: int
@@ -773,7 +775,7 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
             raise FieldError(f"body.instructions: for one device, but body.selected names {len(sel)}",
                              field="body.instructions")
         members = _bin(f[4], "body.members") if len(f) > 4 else b""
-        if len(f) > 4:
+        if members:  # an empty bin stands for none (a placeholder when a later field follows)
             if instructions:
                 raise FieldError("body.members: not allowed beside per-device instructions", field="body.members")
             check_members(members)
@@ -812,8 +814,7 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         if len(f) > 5:
             member_index = _uint(f[5], "body.member_index", MAX_MEMBER_INDEX)
             if not (ref_kind == Kind.JOIN and accepted):
-                raise FieldError("body.member_index: only an accepted join receipt carries one",
-                                 field="body.member_index")
+                member_index = None  # meaningless there (a placeholder when a later field follows): ignored
         return Receipt(ref_kind=ref_kind, ref_seq=_uint(f[1], "body.ref_seq"), accepted=accepted,
                        reason=_str(f[3], "body.reason"), sha256=digest, member_index=member_index)
     if kind is Kind.CHUNK:

@@ -339,7 +339,7 @@ three-field form |
 | round_start | (members) | bin | the selected agents by member index (a member set, below), beside the ones \
 named in `selected`: an agent is selected when its id is in `selected` or its member index is in `members`. Sent only \
 when not empty, and then after an `instructions` field that is an empty map; never beside non-empty `instructions` \
-(the message is refused) |
+(the message is refused); an empty `bin` is the same as none (a placeholder when a later field follows) |
 | global | tensors | array of T | the shared model tensors for this round, in manifest order (§7) |
 | global | meta | M | `manifest_hash` (str, the server's manifest hash) and `share` (str: `all` = every manifest \
 entry, `backbone` = the entries whose name starts with `backbone.`, `none` = no entry: `tensors` is empty) |
@@ -363,9 +363,10 @@ their deltas, §8) |
 | receipt | sha256 | bin (32 or 0 bytes) | SHA-256 of the acknowledged payload as the receiver got it: the whole \
 PUBLISH payload (the sealed bytes, `sec` included, when signed) for a message sent whole; for a chunked message the \
 reassembled (unsealed) inner payload |
-| receipt | (member_index) | uint ≤ {membership.MAX_MEMBER_INDEX:,} | only on an accepted `join` receipt \
-(`ref_kind` 1; else the message is refused), to an agent whose `join.info` has `{membership.JOIN_INFO_KEY}` = true: \
-the agent's member index, which broadcast `round_start.members` use to name it (§8) |
+| receipt | (member_index) | uint ≤ {membership.MAX_MEMBER_INDEX:,} | on an accepted `join` receipt (`ref_kind` 1) \
+to an agent whose `join.info` has `{membership.JOIN_INFO_KEY}` = true: the agent's member index, which broadcast \
+`round_start.members` use to name it (§8). Senders put it on no other receipt; on another receipt (a placeholder \
+when a later field follows) it means nothing and receivers ignore it |
 | chunk | transfer_id | bin 16 | random id of the transfer (§5) |
 | chunk | index | uint | 0 … count − 1 |
 | chunk | count | uint | chunks in the transfer, 1 … {messages.MAX_CHUNKS:,} |
@@ -401,8 +402,9 @@ index, each next one `index[j] − index[j−1]` ≥ 1), each an unsigned LEB128
 Indices are at most {membership.MAX_MEMBER_INDEX:,}. Encoders send the shorter form (the bitmap on a
 tie). Example: indices `[0, 1, 2, 9]` → bitmap `00 07 02` (3 bytes), deltas `01 00 01 01 07`
 (5 bytes): the bitmap is sent. Indices `[300]` → bitmap 1 + 38 bytes, deltas `01 ac 02`: the deltas.
-A decoder refuses an unknown form byte, an empty set, a truncated, over-long or non-minimal
-varint, a zero delta after the first and an index above the maximum.
+A decoder refuses an unknown form byte, a set without any index (a form byte alone, an all-zero
+bitmap), a truncated, over-long or non-minimal varint, a zero delta after the first and an index
+above the maximum; an empty `bin` (no form byte) is no set at all, as if the field were absent.
 """
 
 

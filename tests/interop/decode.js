@@ -296,10 +296,10 @@ function decodeBody(kind, u8) {
       b.config = scalarMap(f[2], 'body.config');
       if (f.length > 3) b.instructions = scalarMap(f[3], 'body.instructions');
       if (b.instructions && Object.keys(b.instructions).length && b.selected.length !== 1) fail('body.instructions: not for one agent');
-      if (f.length > 4) {
+      if (f.length > 4 && !(f[4] instanceof Uint8Array && f[4].length === 0)) { // an empty bin: no set
         if (Object.keys(b.instructions).length) fail('body.members: beside instructions');
         b.members = memberSet(f[4], 'body.members');
-      }
+      } else if (f.length > 4) bin(f[4], 'body.members');
       if (b.instructions && !Object.keys(b.instructions).length) delete b.instructions; // an empty map: absent
       break;
     case 3:
@@ -324,7 +324,7 @@ function decodeBody(kind, u8) {
       if (f.length > 5) {
         b.member_index = uint(f[5], 'body.member_index');
         if (b.member_index > MAX_MEMBER_INDEX) fail('body.member_index: too large');
-        if (b.ref_kind !== 1 || !b.accepted) fail('body.member_index: not on an accepted join receipt');
+        if (b.ref_kind !== 1 || !b.accepted) delete b.member_index; // meaningless there: ignored
       }
       break;
     case 8: {

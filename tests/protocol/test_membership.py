@@ -129,6 +129,16 @@ def test_join_receipt_member_index_round_trip_and_refused_elsewhere() -> None:
                 Receipt(int(Kind.JOIN), 3, False, "no", bytes(32), member_index=1)):
         with pytest.raises(FieldError, match="member_index"):
             encode(Envelope(round=0, sender="server", seq=9, body=bad))
-    body = msgpack.packb([4, 3, True, "", bytes(32), 1], use_bin_type=True)
+    # received on another receipt (a placeholder before a later field) it means nothing: ignored
+    body = msgpack.packb([4, 3, True, "", bytes(32), 1, "a later field"], use_bin_type=True)
+    got = decode(msgpack.packb([1, int(Kind.RECEIPT), 0, "server", 1, 0, body], use_bin_type=True)).envelope.body
+    assert got == Receipt(4, 3, True, "", bytes(32))
+    body = msgpack.packb([4, 3, True, "", bytes(32), -1], use_bin_type=True)
     with pytest.raises(FieldError, match="body.member_index"):
         decode(msgpack.packb([1, int(Kind.RECEIPT), 0, "server", 1, 0, body], use_bin_type=True))
+
+
+def test_an_empty_members_bin_is_no_set() -> None:
+    body = msgpack.packb([["a"], 30.0, {}, {"local_epochs": 2}, b"", "a later field"], use_bin_type=True)
+    got = decode(msgpack.packb([1, int(Kind.ROUND_START), 1, "server", 1, 0, body], use_bin_type=True)).envelope.body
+    assert got == RoundStart(("a",), 30.0, {}, {"local_epochs": 2})
