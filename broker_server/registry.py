@@ -13,7 +13,8 @@ from protocol.messages import Join
 @dataclass
 class ClientRecord:
     """What the server knows of one device (the registry; ``info`` is what it announced at join:
-    profile, device, precision, fallbacks …)."""
+    profile, device, precision, fallbacks …). ``index`` is its member index
+    (:mod:`protocol.membership`): 0, 1, 2 … in the order of first admission, kept for good."""
 
     client_id: str
     profile: str = ""
@@ -24,6 +25,7 @@ class ClientRecord:
     joined_round: int = 0
     updates_accepted: int = 0
     info: dict = field(default_factory=dict)
+    index: int = -1
 
 
 class DeviceRegistry:
@@ -56,13 +58,22 @@ class DeviceRegistry:
         return back
 
     def admit(self, client_id: str, join: Join, *, round: int, now: float) -> ClientRecord:
-        """Record an accepted ``join`` (a device joining again keeps its counters and joined round)."""
-        rec = self.records.get(client_id) or ClientRecord(client_id, joined_round=round)
+        """Record an accepted ``join`` (a device joining again keeps its counters, joined round and
+        member index; a new device takes the next member index)."""
+        rec = self.records.get(client_id) or ClientRecord(client_id, joined_round=round, index=self._next_index())
         rec.profile, rec.num_samples = join.profile, join.num_samples
         rec.class_histogram, rec.online, rec.last_seen = list(join.class_histogram), True, now
         rec.info = dict(join.info)  # device, precision, fallbacks … as the agent announced them
         self.records[client_id] = rec
         return rec
+
+    def _next_index(self) -> int:
+        return 1 + max((r.index for r in self.records.values()), default=-1)
+
+    def index_of(self, client_id: str) -> int:
+        """The member index of ``client_id`` (-1 for a device that never joined)."""
+        rec = self.records.get(client_id)
+        return rec.index if rec is not None else -1
 
     def set_status(self, client_id: str, state: str, now: float) -> ClientRecord | None:
         """Apply a ``status`` message: online unless ``state`` is ``"offline"``."""
@@ -84,11 +95,16 @@ class DeviceRegistry:
         return [asdict(r) for r in self.records.values()]
 
     def restore(self, rows: list[dict]) -> None:
-        """Records from a checkpoint, every device offline until it joins again."""
+        """Records from a checkpoint, every device offline until it joins again, each with its
+        member index (a checkpoint written before member indices gives its devices the next free
+        ones, in its order)."""
         for row in rows:
             r = ClientRecord(**{k: v for k, v in row.items() if k in ClientRecord.__dataclass_fields__})
             r.online, r.last_seen = False, 0.0
             self.records[r.client_id] = r
+        for r in self.records.values():
+            if r.index < 0:
+                r.index = self._next_index()
 
     def write(self, run_dir: Path, round: int) -> None:
         """``registry.json`` in ``run_dir``: every device with online/offline, seconds since it

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,7 @@ from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
 from protocol.errors import TransportError
+from protocol.membership import JOIN_INFO_KEY, encode_members
 from protocol.messages import (
     MAX_STR,
     Finish,
@@ -320,19 +322,20 @@ class AggregationServer:
     def _online(self) -> list[str]:
         return self.devices.online()
 
-    def _reply(self, rec: Received, accepted: bool, reason: str = "") -> None:
-        """Answer ``rec`` with a receipt; a refusal also turns its ledger row into a ``rejected``
-        row with the reason (:meth:`protocol.channel.Channel.refused`)."""
+    def _reply(self, rec: Received, accepted: bool, reason: str = "", member_index: int | None = None) -> None:
+        """Answer ``rec`` with a receipt (an accepted join's with the device's ``member_index``
+        when it reads ``round_start.members``); a refusal also turns its ledger row into a
+        ``rejected`` row with the reason (:meth:`protocol.channel.Channel.refused`)."""
         env = rec.envelope
         if not accepted:
             self.channel.refused(rec, reason)
-        self._send_receipt(env.sender, env.kind, env.seq, env.round, accepted, reason, rec.sha256)
+        self._send_receipt(env.sender, env.kind, env.seq, env.round, accepted, reason, rec.sha256, member_index)
 
     def _send_receipt(self, client: str, kind: Kind, seq: int, round: int, accepted: bool, reason: str,
-                      sha256: bytes) -> None:
+                      sha256: bytes, member_index: int | None = None) -> None:
         self.channel.send(topics.down_to(self.fed, client, Kind.RECEIPT),
                           Receipt(ref_kind=int(kind), ref_seq=seq, accepted=accepted, reason=reason[:MAX_STR],
-                                  sha256=sha256),
+                                  sha256=sha256, member_index=member_index),
                           round=round, recipient=client)
 
     def _count_invalid(self, code: str) -> None:
@@ -401,7 +404,7 @@ class AggregationServer:
                 log.warning("join from %s refused: %s", env.sender, reason)
                 self._reply(item, False, reason)
                 return
-            self.devices.admit(env.sender, body, round=self.round, now=now)
+            joined = self.devices.admit(env.sender, body, round=self.round, now=now)
             try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
                 self.strategy.on_join(env.sender, body.profile, int(body.num_samples))
             except Exception:  # noqa: BLE001 - a strategy's bookkeeping failing costs the join nothing
@@ -409,7 +412,8 @@ class AggregationServer:
             if body.info.get("fallback_count"):
                 log.info("%s runs with fallbacks: %s", env.sender, body.info.get("fallbacks"))
             log.info("join: %s (%s, %d samples)", env.sender, body.profile, body.num_samples)
-            self._reply(item, True)
+            # a device that reads round_start.members learns its member index (membership.py)
+            self._reply(item, True, member_index=joined.index if body.info.get(JOIN_INFO_KEY) is True else None)
             self._event("joined", env.sender, profile=body.profile, samples=body.num_samples,
                         online=len(self._online()))
         elif isinstance(body, Status):
@@ -631,8 +635,8 @@ class AggregationServer:
                                     codec=self.global_codec, extra_codecs=self._extra_codecs, recipient=client)
             o.global_hashes.add(payload_sha256(enc.payload))
             self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
-                              dataclasses.replace(start, selected=(client,), deadline_s=remaining), round=r,
-                              recipient=client)
+                              dataclasses.replace(start, selected=(client,), deadline_s=remaining, members=b""),
+                              round=r, recipient=client)
         except TransportError as exc:
             log.error("round %d could not be sent again to %s: %s", r, client, exc)
             return
@@ -731,9 +735,25 @@ class AggregationServer:
     def _round_starts(self, selected: tuple[str, ...], config: dict,
                       instructions: dict) -> list[tuple[str | None, RoundStart]]:
         """The round's ``round_start`` messages: ``[(None, broadcast)]`` without instructions,
-        else one ``(client, message)`` per selected client naming only it, with its instructions."""
+        else one ``(client, message)`` per selected client naming only it, with its instructions.
+
+        The broadcast names the selected devices that read ``members`` (they said so at join and
+        have a member index) in ``members`` (:func:`protocol.membership.encode_members`: a bitmap
+        or delta varints, exact), the others by id in ``selected``, unless listing them all by id
+        is no longer than the ``members`` field would be (one or two devices)."""
         deadline = self.settings.round_deadline_s
         if not instructions:
+            readers = {c: rec.index for c in selected
+                       if (rec := self.devices.get(c)) is not None and rec.index >= 0
+                       and rec.info.get(JOIN_INFO_KEY) is True}
+            if readers:
+                members = encode_members(readers.values())
+                # the members field costs an empty instructions map (1 byte) + its bin (2–3 bytes header)
+                field_cost = 1 + len(msgpack.packb(members, use_bin_type=True))
+                ids_cost = sum(len(msgpack.packb(c)) for c in readers)
+                if field_cost < ids_cost:
+                    return [(None, RoundStart(selected=tuple(c for c in selected if c not in readers),
+                                              deadline_s=deadline, config=config, members=members))]
             return [(None, RoundStart(selected=selected, deadline_s=deadline, config=config))]
         return [(c, RoundStart(selected=(c,), deadline_s=deadline, config=config,
                                instructions=dict(instructions.get(c, {})))) for c in selected]

@@ -23,6 +23,7 @@ import torch
 from protocol import topics
 from protocol.channel import Channel, Received
 from protocol.errors import TransportError
+from protocol.membership import JOIN_INFO_KEY, members_contain
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec
 from protocol.phases import PhaseClock
 from protocol.tensors import Codec, ErrorFeedback
@@ -231,7 +232,10 @@ class EdgeAgent:
     A ``round_start`` may come broadcast or on this device's own topic with its ``instructions``
     (named scalars for this device only), which are merged over the round's ``config``
     (:func:`round_params`) before training: ``local_epochs`` there trains this device that many
-    epochs. The algorithm's ``local_round`` is told this device's client id.
+    epochs. The algorithm's ``local_round`` is told this device's client id. The agent announces
+    in ``join.info`` that it reads ``round_start.members`` and keeps the member index its join
+    receipt gives it; it trains a round whose ``round_start`` names its id in ``selected`` or its
+    index in ``members`` (:meth:`selected_by`).
 
     Each update's definite answer reaches the algorithm's ``on_update_receipt(round,
     accepted)`` once: an accepted or refused receipt, ``accepted=False`` when nothing was sent
@@ -329,6 +333,7 @@ class EdgeAgent:
         #: give up (AgentError) when no join was answered this many seconds after the first (None: never)
         self.join_timeout_s: float | None = None
         self._joining_since = 0.0
+        self.member_index: int | None = None  # this device's index in round_start.members (join receipt)
         self.finished = False
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
         channel.transfer_filter = lambda sender: sender == "server"
@@ -363,7 +368,8 @@ class EdgeAgent:
         hist = class_histogram(self.y.numpy(), self.num_classes)
         self._join_seq = self.channel.send(topics.up(self.fed, self.client_id, Kind.JOIN),
                           Join(profile=self.profile, manifest_hash=self.manifest_hash,
-                               num_samples=int(self.y.shape[0]), class_histogram=tuple(hist), info=self.info),
+                               num_samples=int(self.y.shape[0]), class_histogram=tuple(hist),
+                               info={**self.info, JOIN_INFO_KEY: True}),
                           round=0, wait_s=wait_s).seq
         self._join_seqs.add(self._join_seq)
         self._join_sent_at = time.monotonic()
@@ -442,10 +448,10 @@ class EdgeAgent:
                 # already trained: the server re-sent it after a reconnect, or a server resumed
                 # from an older checkpoint runs it again
                 if (self._last_update is not None and self._last_update[0] == env.round
-                        and self.client_id in body.selected):
+                        and self.selected_by(body)):
                     self._send_again(env.round)
                 return False
-            if self.client_id in body.selected and (self._pending is None or env.round >= self._pending[0]):
+            if self.selected_by(body) and (self._pending is None or env.round >= self._pending[0]):
                 self._pending = (env.round, body)
                 self._pending_at = item.received_at or time.monotonic()
         elif isinstance(body, Receipt):
@@ -457,6 +463,8 @@ class EdgeAgent:
                     raise AgentError(f"{self.client_id}: the server refused the join: {body.reason}")
                 else:
                     self.joined = True
+                    if body.member_index is not None:  # the server names this device in round_start.members
+                        self.member_index = body.member_index
             elif body.ref_kind == Kind.UPDATE:
                 if body.ref_seq not in self._update_seqs:
                     log.warning("%s: receipt for an update it did not send (seq %d) ignored", self.client_id,
@@ -479,6 +487,13 @@ class EdgeAgent:
             self.finished = True
             return True
         return False
+
+    def selected_by(self, start: RoundStart) -> bool:
+        """Whether ``start`` selects this device: its id is in ``selected``, or its member index
+        (from the join receipt) is in ``members`` (:func:`protocol.membership.members_contain`)."""
+        if self.client_id in start.selected:
+            return True
+        return self.member_index is not None and members_contain(start.members, self.member_index)
 
     def _maybe_train(self) -> None:
         if self._pending is None or self._global is None or self._global[0] != self._pending[0]:

@@ -30,12 +30,12 @@ Bodies (positional arrays; ``T`` = a tensor, see :mod:`protocol.tensors`; ``M`` 
 kind    name           body
 ======  =============  =====================================================================
 1       join           ``[profile, manifest_hash, num_samples, class_histogram[uint], info M]``
-2       round_start    ``[selected[str], deadline_s float, config M]``
+2       round_start    ``[selected[str], deadline_s float, config M, (instructions M), (members bin)]``
 3       global         ``[tensors[T], meta M, (extras X)]``
 4       update         ``[tensors[T], num_samples, train_loss float, metrics M, delta bool, (extras X)]``
 5       finish         ``[reason str, rounds_completed uint]``
 6       status         ``[state str, detail str]``
-7       receipt        ``[ref_kind uint, ref_seq uint, accepted bool, reason str, sha256 bin32]``
+7       receipt        ``[ref_kind uint, ref_seq uint, accepted bool, reason str, sha256 bin32, (member_index)]``
 8       chunk          ``[transfer_id bin16, index, count, offset, total_bytes, sha256 bin32, data bin]``
 9       resend         ``[transfer_id bin16, indices[uint]]``
 ======  =============  =====================================================================
@@ -68,6 +68,7 @@ import numpy as np
 
 from ._mpread import Reader, ReadError, read_array_fields
 from .errors import FieldError, MalformedMessage, ProtocolError, TensorError, UnknownKind, UnsupportedVersion
+from .membership import MAX_MEMBER_INDEX, check_members
 from .tensors import (
     DEFAULT_LIMITS,
     DTYPES,
@@ -170,12 +171,19 @@ class RoundStart:
             ``down/{client}/round_start``: its data ratio, its epochs …), merged by the agent over
             ``config``. A fourth body field sent only when not empty, so a ``round_start``
             without instructions is byte-identical to protocol v1 before this field.
+        members: the selected devices by member index (:mod:`protocol.membership`: a bitmap or
+            delta varints, whichever is shorter), beside those named in ``selected``; a fifth body
+            field sent only when not empty (after an empty ``instructions`` map), never with
+            ``instructions``; a received empty ``bin`` there is the same as none. A device is
+            selected when its id is in ``selected`` or its member index (from its join receipt)
+            is in ``members``.
     """
 
     selected: tuple[str, ...]
     deadline_s: float
     config: Mapping[str, Scalar] = field(default_factory=dict)
     instructions: Mapping[str, Scalar] = field(default_factory=dict)
+    members: bytes = b""
 
     KIND = Kind.ROUND_START
 
@@ -266,6 +274,10 @@ class Receipt:
         accepted: whether it was taken (``False``: rejected, see ``reason``).
         reason: why it was rejected (empty when accepted).
         sha256: SHA-256 digest (32 bytes) of the acknowledged payload as received.
+        member_index: on an accepted ``join`` receipt to a device that reads
+            ``round_start.members``: its member index (:mod:`protocol.membership`); a sixth body
+            field sent only when not ``None`` (the encoder refuses it on other receipts; the
+            decoder ignores it there: ``None``).
     """
 
     ref_kind: int
@@ -273,6 +285,7 @@ class Receipt:
     accepted: bool
     reason: str = ""
     sha256: bytes = b""
+    member_index: int | None = None
 
     KIND = Kind.RECEIPT
 
@@ -502,8 +515,14 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
             if body.instructions and len(body.selected) != 1:
                 raise FieldError(f"instructions are for one device, but selected names {len(body.selected)}",
                                  field="instructions")
-            if body.instructions:
+            if body.instructions and body.members:
+                raise FieldError("members: a round_start with per-device instructions names its one device in "
+                                 "selected, never in members", field="members")
+            if body.instructions or body.members:
                 fields.append(_scalar_map(body.instructions, "instructions"))
+            if body.members:
+                check_members(bytes(body.members))
+                fields.append(bytes(body.members))
             return fields
         case Global():
             return [[_tensor(t, codec) for t in body.tensors], _scalar_map(body.meta, "meta")]
@@ -515,7 +534,15 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
         case Status():
             return [body.state, body.detail]
         case Receipt():
-            return [int(body.ref_kind), int(body.ref_seq), bool(body.accepted), body.reason, bytes(body.sha256)]
+            out = [int(body.ref_kind), int(body.ref_seq), bool(body.accepted), body.reason, bytes(body.sha256)]
+            if body.member_index is not None:
+                if not (body.ref_kind == Kind.JOIN and body.accepted):
+                    raise FieldError("member_index: only an accepted join receipt carries one", field="member_index")
+                if isinstance(body.member_index, bool) or not 0 <= int(body.member_index) <= MAX_MEMBER_INDEX:
+                    raise FieldError(f"member_index {body.member_index!r} is not in 0..{MAX_MEMBER_INDEX}",
+                                     field="member_index")
+                out.append(int(body.member_index))
+            return out
         case Chunk():
             return [bytes(body.transfer_id), int(body.index), int(body.count), int(body.offset),
                     int(body.total_bytes), bytes(body.sha256), body.data]
@@ -527,12 +554,12 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
 #: names of each kind's body fields, in wire order (ledger ``fields`` column)
 BODY_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.JOIN: ("profile", "manifest_hash", "num_samples", "class_histogram", "info"),
-    Kind.ROUND_START: ("selected", "deadline_s", "config", "instructions"),
+    Kind.ROUND_START: ("selected", "deadline_s", "config", "instructions", "members"),
     Kind.GLOBAL: ("tensors", "meta", "extras"),
     Kind.UPDATE: ("tensors", "num_samples", "train_loss", "metrics", "delta", "extras"),
     Kind.FINISH: ("reason", "rounds_completed"),
     Kind.STATUS: ("state", "detail"),
-    Kind.RECEIPT: ("ref_kind", "ref_seq", "accepted", "reason", "sha256"),
+    Kind.RECEIPT: ("ref_kind", "ref_seq", "accepted", "reason", "sha256", "member_index"),
     Kind.CHUNK: ("transfer_id", "index", "count", "offset", "total_bytes", "sha256", "data"),
     Kind.RESEND: ("transfer_id", "indices"),
 }
@@ -747,8 +774,13 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         if instructions and len(sel) != 1:  # one device's settings: never applied by several
             raise FieldError(f"body.instructions: for one device, but body.selected names {len(sel)}",
                              field="body.instructions")
+        members = _bin(f[4], "body.members") if len(f) > 4 else b""
+        if members:  # an empty bin stands for none (a placeholder when a later field follows)
+            if instructions:
+                raise FieldError("body.members: not allowed beside per-device instructions", field="body.members")
+            check_members(members)
         return RoundStart(selected=tuple(sel), deadline_s=deadline, config=_decode_map(f[2], "body.config"),
-                          instructions=instructions)
+                          instructions=instructions, members=members)
     if kind is Kind.GLOBAL:
         f = _fields(raw, 2, b)
         tensors, extras = _tensors_and_extras(f[0], f[2] if len(f) > 2 else _ABSENT, limits)
@@ -777,9 +809,14 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         digest = _bin(f[4], "body.sha256")
         if len(digest) not in (0, 32):
             raise FieldError("body.sha256: must be 32 bytes (or empty)", field="body.sha256")
-        return Receipt(ref_kind=_uint(f[0], "body.ref_kind", 255), ref_seq=_uint(f[1], "body.ref_seq"),
-                       accepted=_want(f[2], bool, "body.accepted"), reason=_str(f[3], "body.reason"),
-                       sha256=digest)
+        ref_kind, accepted = _uint(f[0], "body.ref_kind", 255), _want(f[2], bool, "body.accepted")
+        member_index = None
+        if len(f) > 5:
+            member_index = _uint(f[5], "body.member_index", MAX_MEMBER_INDEX)
+            if not (ref_kind == Kind.JOIN and accepted):
+                member_index = None  # meaningless there (a placeholder when a later field follows): ignored
+        return Receipt(ref_kind=ref_kind, ref_seq=_uint(f[1], "body.ref_seq"), accepted=accepted,
+                       reason=_str(f[3], "body.reason"), sha256=digest, member_index=member_index)
     if kind is Kind.CHUNK:
         f = _fields(raw, 7, b)
         tid = _bin(f[0], "body.transfer_id")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from protocol import chunking, messages, security, tensors  # noqa: E402
+from protocol import chunking, membership, messages, security, tensors  # noqa: E402
 from protocol.channel import MAX_RESEND  # noqa: E402
 from protocol.security import sealing  # noqa: E402
 from protocol.test_vectors import (  # noqa: E402
@@ -133,8 +133,8 @@ def message_expectations() -> dict[str, dict]:
         env, rec = dec.envelope, records[name]
         body = {f: _json_value(getattr(env.body, f)) for f in type(env.body).__dataclass_fields__}
         # absent optional fields (extras, instructions) are shown absent, as on the wire
-        for f in ("extras", "instructions"):
-            if f in body and not body[f]:
+        for f in ("extras", "instructions", "members", "member_index"):
+            if f in body and body[f] in ({}, None, {"bin": ""}):
                 del body[f]
         out[name] = {"version": env.version, "kind": int(env.kind), "round": env.round, "sender": env.sender,
                      "seq": env.seq, "timestamp_ms": env.timestamp_ms, "body": body}
@@ -336,6 +336,10 @@ parameters |
 `round_start` is addressed to (§8), so `selected` then names exactly that one agent (else the message is \
 refused); sent only when not empty, so a `round_start` without it is byte-identical to the \
 three-field form |
+| round_start | (members) | bin | the selected agents by member index (a member set, below), beside the ones \
+named in `selected`: an agent is selected when its id is in `selected` or its member index is in `members`. Sent only \
+when not empty, and then after an `instructions` field that is an empty map; never beside non-empty `instructions` \
+(the message is refused); an empty `bin` is the same as none (a placeholder when a later field follows) |
 | global | tensors | array of T | the shared model tensors for this round, in manifest order (§7) |
 | global | meta | M | `manifest_hash` (str, the server's manifest hash) and `share` (str: `all` = every manifest \
 entry, `backbone` = the entries whose name starts with `backbone.`, `none` = no entry: `tensors` is empty) |
@@ -359,6 +363,10 @@ their deltas, §8) |
 | receipt | sha256 | bin (32 or 0 bytes) | SHA-256 of the acknowledged payload as the receiver got it: the whole \
 PUBLISH payload (the sealed bytes, `sec` included, when signed) for a message sent whole; for a chunked message the \
 reassembled (unsealed) inner payload |
+| receipt | (member_index) | uint ≤ {membership.MAX_MEMBER_INDEX:,} | on an accepted `join` receipt (`ref_kind` 1) \
+to an agent whose `join.info` has `{membership.JOIN_INFO_KEY}` = true: the agent's member index, which broadcast \
+`round_start.members` use to name it (§8). Senders put it on no other receipt; on another receipt (a placeholder \
+when a later field follows) it means nothing and receivers ignore it |
 | chunk | transfer_id | bin 16 | random id of the transfer (§5) |
 | chunk | index | uint | 0 … count − 1 |
 | chunk | count | uint | chunks in the transfer, 1 … {messages.MAX_CHUNKS:,} |
@@ -375,6 +383,28 @@ to a tensor: the non-model state an algorithm exchanges (`prototypes` [C, d] flo
 control variates …). It is present only when not empty, so a model-only message is
 byte-identical with or without it; each entry may use its own codec. `tensors` may be empty (no
 parameters shared). The tensors and the extras share one decoded-byte budget.
+
+**Member sets** (`round_start.members`). The server gives every agent a *member index* when it
+first joins: 0, 1, 2, … in the order of first admission, kept for good (an agent joining again,
+and a server resumed from its checkpoint, keep it; an agent joining mid-run takes the next one),
+and tells it in the accepted join receipt (`member_index`). A member set is one `bin` value whose
+first byte is its form, followed by the set in that form; it is never empty:
+
+| form byte | form | bytes after the form byte |
+| --- | --- | --- |
+| {membership.BITMAP} | bitmap | bit `i mod 8` (least significant bit first) of byte `i div 8` is 1 when index `i` \
+is in the set; at most {membership.MAX_MEMBER_INDEX // 8 + 1:,} bytes; at least one bit set; encoders write no \
+trailing zero byte (`max index div 8 + 1` bytes) |
+| {membership.DELTAS} | deltas | the indices in strictly increasing order, delta-encoded (the first delta is the first \
+index, each next one `index[j] − index[j−1]` ≥ 1), each an unsigned LEB128 varint as in `topk` (§4; minimal, at most \
+4 bytes here), nothing after the last; at most {membership.MAX_MEMBERS:,} indices |
+
+Indices are at most {membership.MAX_MEMBER_INDEX:,}. Encoders send the shorter form (the bitmap on a
+tie). Example: indices `[0, 1, 2, 9]` → bitmap `00 07 02` (3 bytes), deltas `01 00 01 01 07`
+(5 bytes): the bitmap is sent. Indices `[300]` → bitmap 1 + 38 bytes, deltas `01 ac 02`: the deltas.
+A decoder refuses an unknown form byte, a set without any index (a form byte alone, an all-zero
+bitmap), a truncated, over-long or non-minimal varint, a zero delta after the first and an index
+above the maximum; an empty `bin` (no form byte) is no set at all, as if the field were absent.
 """
 
 
@@ -657,7 +687,7 @@ agent → server   up/c/join              join                                ro
 server → agent   down/c/receipt         receipt (ref_kind 1, accepted or not) round 0
    for each round r = 1, 2, …:
 server → all     down/global            global (model of round r)           round r
-server → all     down/round_start       round_start (selected, deadline)    round r
+server → all     down/round_start       round_start (selected, deadline, members) round r
    (or, when the round has per-device instructions, one down/c/round_start per selected agent)
 agent → server   up/c/receipt           receipt (ref_kind 3) for the global round r
 agent → server   up/c/update            update                              round r   (selected agents)
@@ -689,7 +719,20 @@ agent → server   status/c               status offline                      ro
   (`ref_kind` 3, `ref_seq` = the global's `seq`, `accepted` = true, `sha256` as in §3), round =
   the global's round.
 * Every `join` is answered with a `receipt` on `down/{client_id}/receipt` (`ref_kind` 1),
-  round 0: accepted, or refused with the reason (manifest or data settings differ).
+  round 0: accepted, or refused with the reason (manifest or data settings differ). An agent that
+  reads member sets says so in its join (`join.info.members` = true); its accepted join receipt
+  then carries its `member_index`, and it keeps the index of the latest such receipt.
+* **Who is selected.** A broadcast `round_start` names the selected agents that read member sets
+  in `members` (§3) and the other selected agents by id in `selected`; an agent is selected
+  when either names it. So a device downloads the round's settings and about one bit per joined
+  device (bitmap) or about one byte per selected device (deltas), not every selected id; an
+  agent that does not read `members` (it never said so at join) is still named by id and works
+  as before. The server names all of them by id when that is no longer than the member set (one
+  or two agents). A per-device `round_start` (instructions, a device that came back) names its
+  one agent in `selected` and has no `members`. An `update` from an agent the round did not
+  select is refused (`accepted` = false), whichever way it came to train. The set is exact (no
+  filter with false positives: each would be a device training a round for nothing) and explicit
+  (not a selection rule a device evaluates: the server's strategy chooses the devices).
 * Every `update` is answered with a `receipt` (`ref_kind` 4): `accepted` = true, or false with
   the reason (round not started, closed, after the deadline, not selected, manifest mismatch
   naming the tensor and both shapes, a metric out of range). An `update` whose envelope header
@@ -724,7 +767,8 @@ agent → server   status/c               status offline                      ro
   fields are appended at the end of a *body* or of a *tensor array* (after the codec's params),
   or inside `sec` between `check` and `signature`, each optional with a default, so that old
   messages keep their bytes; decoders ignore trailing body, tensor and `sec` elements they do
-  not know (`round_start.instructions` was added this way). A field's type never changes; kind,
+  not know (`round_start.instructions`, `round_start.members` and `receipt.member_index` were
+  added this way). A field's type never changes; kind,
   codec and dtype numbers are never reused. An incompatible change increments the version.
 """
 
@@ -743,6 +787,7 @@ def limits_section() -> str:
 | scalar map entries | {messages.MAX_MAP_ENTRIES} |
 | extras entries | {messages.MAX_EXTRAS} |
 | `selected`, `class_histogram`, `resend.indices` | {messages.MAX_LIST:,} |
+| member index; indices in one member set | {membership.MAX_MEMBER_INDEX:,}; {membership.MAX_MEMBERS:,} |
 | chunks per transfer | {messages.MAX_CHUNKS:,} |
 | integers | 0 … 2⁶³ − 1 for header fields and counts |
 """

@@ -12,7 +12,8 @@ from helpers.memory_federation import Device, run_federation, wire
 
 from broker_server.strategies.oort import Oort, oort_scores, preferred_duration
 from edge_agent.algorithms.oort import OortClient, statistical_utility
-from protocol.messages import RoundStart, Update
+from protocol.membership import decode_members
+from protocol.messages import Kind, Receipt, RoundStart, Update
 
 
 def test_statistical_utility_is_size_times_rms_loss() -> None:
@@ -47,8 +48,13 @@ def test_oort_federation_picks_the_hand_computed_ranking(tmp_path, digits, memor
                     exploration_min=0.5, cut_off_util=1.0001, sample_window=1.0)
     server = run_federation(tmp_path, memory_hub, strategy, devices, digits.test, rounds=2)
     msgs = wire(memory_hub)
+    # the broadcast names the picks by member index (each device's from its join receipt)
+    by_index = {env.body.member_index: t.split("/")[-2] for s, t, env in msgs
+                if s == "server" and isinstance(env.body, Receipt) and env.body.ref_kind == Kind.JOIN}
     picked = {r: {c for s, _, env in msgs if s == "server" and env.round == r and isinstance(env.body, RoundStart)
-                  for c in env.body.selected} for r in (1, 2)}
+                  for c in (*env.body.selected,
+                            *(by_index[i] for i in (decode_members(env.body.members) if env.body.members else ())))}
+              for r in (1, 2)}
     # profile durations |D|·1e-3 s / relative speed: a 0.03, b 0.05, c 0.04/0.05 = 0.8, d 0.06;
     # T = the 10th percentile = 0.03. Round 1 explores only (⌊2·0.5⌋ = 1 exploit slot, none explored):
     # prior |D|·(T/dur)² when slower than T: a 30, b 18, c 0.056, d 15 → the top two

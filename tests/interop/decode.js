@@ -225,6 +225,34 @@ function bin(v, what, len) {
   if (len !== undefined && !(Array.isArray(len) ? len.includes(v.length) : v.length === len)) fail(`${what}: ${v.length} bytes`);
   return { bin: hex(v) };
 }
+// §3 member sets: form byte 0 = bitmap (bit i mod 8 of byte i div 8), 1 = increasing indices as
+// LEB128 deltas (minimal, at most 4 bytes each, a zero delta only first); never empty
+const MAX_MEMBER_INDEX = 2 ** 24 - 1;
+function memberSet(v, what) {
+  const out = bin(v, what);
+  if (v.length < 2) fail(`${what}: shorter than 2 bytes`);
+  if (v[0] === 0) {
+    if (v.length - 1 > (MAX_MEMBER_INDEX >> 3) + 1) fail(`${what}: bitmap too long`);
+    if (v.subarray(1).every((b) => b === 0)) fail(`${what}: empty bitmap`);
+  } else if (v[0] === 1) {
+    let pos = 1, prev = -1, count = 0;
+    while (pos < v.length) {
+      let d = 0, len = 0, byte;
+      do {
+        if (pos >= v.length) fail(`${what}: truncated varint`);
+        byte = v[pos++]; len++;
+        if (len > 4) fail(`${what}: varint longer than 4 bytes`);
+        d += (byte & 0x7f) * 2 ** (7 * (len - 1));
+      } while (byte & 0x80);
+      if (len > 1 && byte === 0) fail(`${what}: non-minimal varint`);
+      if (count > 0 && d < 1) fail(`${what}: indices not strictly increasing`);
+      prev = count === 0 ? d : prev + d; count++;
+      if (prev > MAX_MEMBER_INDEX) fail(`${what}: index ${prev} above ${MAX_MEMBER_INDEX}`);
+    }
+    if (count > 100000) fail(`${what}: more than 100000 indices`);
+  } else fail(`${what}: unknown form ${v[0]}`);
+  return out;
+}
 function str(v, what, max = 1024) { if (typeof v !== 'string' || v.length > max) fail(`${what}: not a str ≤ ${max}`); return v; }
 function uint(v, what) { if (!isUint(v)) fail(`${what}: not a uint`); return v; }
 function float(v, what) { if (typeof v !== 'number' || !Number.isFinite(v)) fail(`${what}: not a finite number`); return v; }
@@ -267,6 +295,12 @@ function decodeBody(kind, u8) {
       if (b.deadline_s <= 0) fail('body.deadline_s: not > 0');
       b.config = scalarMap(f[2], 'body.config');
       if (f.length > 3) b.instructions = scalarMap(f[3], 'body.instructions');
+      if (b.instructions && Object.keys(b.instructions).length && b.selected.length !== 1) fail('body.instructions: not for one agent');
+      if (f.length > 4 && !(f[4] instanceof Uint8Array && f[4].length === 0)) { // an empty bin: no set
+        if (Object.keys(b.instructions).length) fail('body.members: beside instructions');
+        b.members = memberSet(f[4], 'body.members');
+      } else if (f.length > 4) bin(f[4], 'body.members');
+      if (b.instructions && !Object.keys(b.instructions).length) delete b.instructions; // an empty map: absent
       break;
     case 3:
       b.tensors = tensorList(f[0], 'body.tensors'); b.meta = scalarMap(f[1], 'body.meta');
@@ -286,7 +320,13 @@ function decodeBody(kind, u8) {
     case 7:
       b.ref_kind = uint(f[0], 'body.ref_kind'); b.ref_seq = uint(f[1], 'body.ref_seq');
       b.accepted = bool(f[2], 'body.accepted'); b.reason = str(f[3], 'body.reason');
-      b.sha256 = bin(f[4], 'body.sha256', [0, 32]); break;
+      b.sha256 = bin(f[4], 'body.sha256', [0, 32]);
+      if (f.length > 5) {
+        b.member_index = uint(f[5], 'body.member_index');
+        if (b.member_index > MAX_MEMBER_INDEX) fail('body.member_index: too large');
+        if (b.ref_kind !== 1 || !b.accepted) delete b.member_index; // meaningless there: ignored
+      }
+      break;
     case 8: {
       b.transfer_id = bin(f[0], 'body.transfer_id', 16);
       b.index = uint(f[1], 'body.index'); b.count = uint(f[2], 'body.count');

@@ -23,6 +23,7 @@ import pytest
 import protocol.channel as channel_mod
 from protocol import topics
 from protocol.channel import Channel, Received
+from protocol.membership import encode_members
 from protocol.messages import (
     BODY_FIELDS,
     Envelope,
@@ -124,8 +125,8 @@ def _view(v):
 def _message_view(payload: bytes) -> dict:
     env = decode(payload).envelope
     body = {f: _view(getattr(env.body, f)) for f in BODY_FIELDS[env.kind] if hasattr(env.body, f)}
-    for f in ("extras", "instructions"):
-        if f in body and not body[f]:
+    for f in ("extras", "instructions", "members", "member_index"):  # optional fields absent on the wire
+        if f in body and body[f] in ({}, None, {"bin": ""}):
             del body[f]
     return {"version": env.version, "kind": int(env.kind), "round": env.round, "sender": env.sender, "seq": env.seq,
             "timestamp_ms": env.timestamp_ms, "body": body}
@@ -196,17 +197,21 @@ def _federation(bus: _Bus, fed: str, cid: str, *, secure: bool, expected: dict) 
                                                                                     "virtual": True, "os": "linux"}),
                round=0)
     join = _pump(server, agent, lambda i: isinstance(i, Received) and i.envelope.kind is Kind.JOIN)
+    # the accepted join receipt gives the agent its member index (a sixth body field)
     server.send(topics.down_to(fed, cid, Kind.RECEIPT), Receipt(int(Kind.JOIN), join.envelope.seq, True, "",
-                                                                join.sha256), round=0, recipient=cid)
+                                                                join.sha256, 9), round=0, recipient=cid)
     _pump(agent, server, lambda i: isinstance(i, Received) and i.envelope.kind is Kind.RECEIPT)
     model = _model(rng)
     for r, codec_text in enumerate(CODECS, start=1):
         codec = Codec.parse(codec_text)
         server.send(topics.down(fed, Kind.GLOBAL), Global(tuple(model), {"manifest_hash": mh, "share": "all"},
                                                           _extras(rng) if r % 2 else {}), round=r, codec=codec)
+        # rounds 1 and 2 name the agent by its member index: a bitmap, then delta varints
+        members = {1: encode_members([0, 1, 2, 9]), 2: encode_members([9, 300])}.get(r, b"")
         server.send(topics.down(fed, Kind.ROUND_START),
-                    RoundStart((cid,), 30.0, {"lr": 0.05, "local_epochs": 1, "update_codec": codec_text,
-                                              "delta": bool(r % 2), "x": -5}), round=r)
+                    RoundStart(() if members else (cid,), 30.0,
+                               {"lr": 0.05, "local_epochs": 1, "update_codec": codec_text, "delta": bool(r % 2),
+                                "x": -5}, members=members), round=r)
         glob = _pump(agent, server, lambda i: isinstance(i, Received) and i.envelope.kind is Kind.GLOBAL)
         _pump(agent, server, lambda i: isinstance(i, Received) and i.envelope.kind is Kind.ROUND_START)
         agent.send(topics.up(fed, cid, Kind.RECEIPT), Receipt(int(Kind.GLOBAL), glob.envelope.seq, True, "",
@@ -265,7 +270,7 @@ def capture(tmp_path_factory, node_decoder):
         assert (view["round"], view["sender"], view["seq"]) == (env.round, env.sender, env.seq)
         for f in BODY_FIELDS[env.kind]:
             sent = getattr(env.body, f, None)
-            if not isinstance(sent, (tuple, dict, bytes, np.ndarray)) and sent is not None:
+            if not isinstance(sent, (tuple, dict, bytes, memoryview, np.ndarray)) and sent is not None:
                 assert view["body"][f] == sent, f
         expected[(env.sender, env.seq)] = view
         codecs.update(_tensors_in(enc.payload))

@@ -42,8 +42,8 @@ def _view(v):
 def _message_view(payload: bytes) -> dict:
     env = decode(payload).envelope
     body = {f: _view(getattr(env.body, f)) for f in BODY_FIELDS[env.kind] if hasattr(env.body, f)}
-    for f in ("extras", "instructions"):
-        if f in body and not body[f]:
+    for f in ("extras", "instructions", "members", "member_index"):  # optional fields absent on the wire
+        if f in body and body[f] in ({}, None, {"bin": ""}):
             del body[f]
     return {"version": env.version, "kind": int(env.kind), "round": env.round, "sender": env.sender, "seq": env.seq,
             "timestamp_ms": env.timestamp_ms, "body": body}

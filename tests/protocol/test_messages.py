@@ -471,6 +471,8 @@ def test_unknown_trailing_envelope_and_body_fields_are_ignored(name: str) -> Non
     # global/update/round_start: the optional map (extras, instructions) comes first (empty = none), then
     # fields of the future
     extras = [{}] if SAMPLE_KIND[name].name in ("GLOBAL", "UPDATE", "ROUND_START") else []
+    # round_start's members (an empty bin: none) and a non-join receipt's member_index (ignored)
+    extras += [b""] if SAMPLE_KIND[name] is Kind.ROUND_START else [0] if SAMPLE_KIND[name] is Kind.RECEIPT else []
     raw_body = pack([*hand_body(body), *extras, "future-field", {"x": 1}])
     payload = pack([1, KIND_NUMBERS[SAMPLE_KIND[name].name], 3, CLIENT, 5, 0, raw_body, b"signature", 42])
     dec = decode(payload)
