@@ -676,6 +676,13 @@ class TransferCache:
                     out.append(c)
             return out
 
+    def discard(self, transfer_id: bytes) -> None:
+        """Forget a transfer (one the sender replaced, say); unknown ids are ignored."""
+        with self._lock:
+            old = self._items.pop(bytes(transfer_id), None)
+            if old is not None:
+                self._bytes -= old.data_bytes
+
     def meta(self, transfer_id: bytes) -> Any:
         """The ``meta`` given to :meth:`put` for a cached transfer (``None`` when unknown)."""
         with self._lock:
