@@ -21,6 +21,7 @@ class RoundStats:
     unsolicited: int = 0
     invalid: int = 0
     global_receipts: int = 0
+    global_resends: int = 0
     withdrawn: int = 0
     skipped: bool = False
     skip_reason: str = ""
@@ -40,7 +41,11 @@ class RoundState:
         deadline: ``time.monotonic()`` after which updates are late (``inf`` between rounds).
         messages: the round's ``global`` and its ``round_start`` messages as (client or ``None``
             for the broadcast, message), kept for a resync after a reconnect.
-        global_sha256: the hash of the round's global payload (receipts confirm it).
+        global_sha256: the hash of the round's global payload (receipts confirm it);
+            ``global_sha256s`` every hash a copy of it may carry (as sent whole and sealed, or
+            chunked, when it had to be sent again smaller).
+        global_bytes, global_sent_at: the global's payload size and when it was last sent
+            (``time.monotonic()``), for sending it again smaller when no device confirms it.
         strategy_metrics: the ``metrics`` of the :class:`~broker_server.strategies.GlobalUpdate`
             the driver committed in this round (``{}``: none committed), for its metrics line.
     """
@@ -54,6 +59,9 @@ class RoundState:
     deadline: float = float("inf")
     messages: tuple[Global, list[tuple[str | None, RoundStart]]] | None = None
     global_sha256: bytes = b""
+    global_sha256s: set[bytes] = field(default_factory=set)
+    global_bytes: int = 0
+    global_sent_at: float = 0.0
     strategy_metrics: dict = field(default_factory=dict)
 
     def awaiting(self) -> bool:

@@ -68,7 +68,7 @@ from .admission import admit, model_requirement
 from .checkpoint import Checkpoint
 from .errors import RunError
 from .persistence import RunStore
-from .registry import ClientRecord, DeviceRegistry
+from .registry import LIMIT_RANGES, ClientRecord, DeviceRegistry, announced_limit
 from .round_state import CountedUpdates, RoundState, RoundStats
 from .strategies import ClientResult, GlobalUpdate, Strategy, accumulator_for, round_result, update_problem
 from .strategies._base import classifier_shape
@@ -113,6 +113,10 @@ class ServerSettings:
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
             the decoded model as its global state, so that server and fleet hold the same model
             (deltas from the agents are then exact against it).
+        global_confirm_s: seconds after the global is sent within which at least one selected
+            device must confirm it (its receipt); else it is sent again in packets of half the
+            size (a broker that drops oversize messages without saying so), at most
+            :data:`GLOBAL_RESENDS` times.
     """
 
     rounds: int
@@ -127,6 +131,11 @@ class ServerSettings:
     global_codec: str = "fp32"
     extras_codec: str = ""
     expected_data: tuple[tuple[str, str], ...] = ()
+    global_confirm_s: float = 10.0
+
+
+#: Times a global no device confirmed is sent again, each time in packets of half the size.
+GLOBAL_RESENDS = 3
 
 
 @dataclass(frozen=True)
@@ -249,10 +258,16 @@ class AggregationServer:
 
     def _reply(self, rec: Received, accepted: bool, reason: str = "") -> None:
         env = rec.envelope
+        packet, chunk = self._limits([env.sender])
         self.channel.send(topics.down_to(self.fed, env.sender, Kind.RECEIPT),
                           Receipt(ref_kind=int(env.kind), ref_seq=env.seq, accepted=accepted, reason=reason,
                                   sha256=rec.sha256),
-                          round=env.round, recipient=env.sender)
+                          round=env.round, recipient=env.sender, max_packet_bytes=packet, chunk_bytes=chunk)
+
+    def _limits(self, client_ids: list[str] | None = None) -> tuple[int, int]:
+        """(max_packet_bytes, chunk_bytes) for a download to ``client_ids`` (``None``: a broadcast,
+        every joined device): the smallest each of them announced in its join (0: none)."""
+        return self.devices.limits(client_ids)
 
     def _admission_problem(self, body: Join) -> str | None:
         """Why a join is refused (model manifest, data settings), or ``None``."""
@@ -261,6 +276,10 @@ class AggregationServer:
                         expected_manifest_hash=self.manifest_hash, feature_dim=shape[1], num_classes=shape[0])
         if refusal is not None:
             return refusal
+        for key in LIMIT_RANGES:
+            why = announced_limit(dict(body.info), key)
+            if isinstance(why, str):
+                return why
         diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
                  if str(body.info.get(k)) != v]
         if diffs:
@@ -305,7 +324,7 @@ class AggregationServer:
         elif isinstance(body, Update):
             self._on_update(item, body)
         elif isinstance(body, Receipt) and body.ref_kind == Kind.GLOBAL:
-            if env.round == self.open.collecting and body.sha256 == self.open.global_sha256:
+            if env.round == self.open.collecting and body.sha256 in self.open.global_sha256s:
                 self.open.stats.global_receipts += 1
             elif env.round == self.open.collecting:
                 log.warning("%s received a global model with another hash", env.sender)
@@ -413,15 +432,48 @@ class AggregationServer:
         device on ``down/{client}/round_start`` carrying only that device's instructions."""
         assert self.open.messages is not None  # called only for the open round, after its messages are made
         glob, starts = self.open.messages
-        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
-                                extra_codecs=self._extra_codecs)
-        self.open.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
+        packet, chunk = self._limits()
+        self._send_global(r, glob, packet, chunk)
         for client, start in starts:
             if client is None:
-                self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
+                self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r, max_packet_bytes=packet,
+                                  chunk_bytes=chunk)
             else:
+                p1, c1 = self._limits([client])
                 self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START), start, round=r,
-                                  recipient=client)
+                                  recipient=client, max_packet_bytes=p1, chunk_bytes=c1)
+
+    def _send_global(self, r: int, glob: Global, packet: int, chunk: int) -> None:
+        """Broadcast round ``r``'s global in packets of at most ``packet`` bytes (0: the channel's
+        limit) and note every hash a device's receipt may confirm it by."""
+        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
+                                extra_codecs=self._extra_codecs, max_packet_bytes=packet, chunk_bytes=chunk)
+        o = self.open
+        o.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
+        o.global_sha256s.add(o.global_sha256)
+        inner = self.channel.last_payload
+        if inner is not None and inner is not enc.payload:  # sealed whole: a chunked re-send carries the inner
+            o.global_sha256s.add(payload_sha256(inner))
+        o.global_bytes, o.global_sent_at = len(enc.payload), time.monotonic()
+
+    def _confirm_global(self) -> None:
+        """No selected device confirmed the open round's global within ``global_confirm_s``: a
+        broker that drops messages above a size it does not say (MQTT 3.1.1 with Mosquitto's
+        ``message_size_limit``) took it. Send it again in packets of half the size, at most
+        :data:`GLOBAL_RESENDS` times."""
+        o = self.open
+        if (o.collecting is None or o.messages is None or o.stats.global_receipts or not o.selected
+                or o.stats.global_resends >= GLOBAL_RESENDS
+                or time.monotonic() - o.global_sent_at < self.settings.global_confirm_s):
+            return
+        packet, chunk = self._limits()
+        half = max(1024, o.global_bytes // 2)
+        packet = min(packet, half) if packet else half
+        o.stats.global_resends += 1
+        log.warning("round %d: no device confirmed the global model (%d bytes) within %.0f s: sending it again in "
+                    "packets of at most %d bytes (%d/%d)", o.collecting, o.global_bytes,
+                    self.settings.global_confirm_s, packet, o.stats.global_resends, GLOBAL_RESENDS)
+        self._send_global(o.collecting, o.messages[0], packet, min(chunk, packet) if chunk else packet)
 
     def _resync_round(self) -> None:
         """After the server's link came back (a broker restart), publish the open round's global
@@ -441,7 +493,8 @@ class AggregationServer:
         while True:
             if self._resync:
                 self._resync_round()
-            item = self.channel.receive(max(0.0, deadline - time.monotonic()))
+            self._confirm_global()
+            item = self.channel.receive(max(0.0, min(deadline - time.monotonic(), 1.0)))
             if item is not None:
                 self._handle(item)
             if time.monotonic() >= deadline:
@@ -476,8 +529,10 @@ class AggregationServer:
             m = self.run_round(self.round + 1)
             if m["accuracy"] is not None:
                 last_acc, last_loss = m["accuracy"], m["loss"] if m["loss"] is not None else float("nan")
+        packet, chunk = self._limits()
         self.channel.send(topics.down(self.fed, Kind.FINISH),
-                          Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10)
+                          Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10,
+                          max_packet_bytes=packet, chunk_bytes=chunk)
         self.pump(0.2)
         self.store.close()
         if self.share != "none":  # with share="backbone" its shared entries are the global backbone
@@ -505,6 +560,7 @@ class AggregationServer:
         """Run round ``r`` (steps 1–6 of the module docstring) and return its metrics."""
         t0 = time.monotonic()
         sent0 = self._bytes()
+        refused0, undeliverable0 = self.channel.refused, self.channel.undeliverable
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         undeclared = sorted({k for ins in plan.instructions.values() for k in ins} - set(self.strategy.instructions))
@@ -569,13 +625,19 @@ class AggregationServer:
             self._check_extras_codec_names()
         up, down = (b - a for a, b in zip(sent0, self._bytes(), strict=True))
         st = o.stats
+        reached_none = st.selected > 0 and st.global_receipts == 0
+        if reached_none:
+            log.warning("round %d: the global model reached no device (0 of %d selected confirmed it%s)", r,
+                        st.selected, f"; sent again smaller {st.global_resends}×" if st.global_resends else "")
         metrics = {
             "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
             "clients_selected": st.selected,
             "clients_reported": st.clients_reported, "bytes_up": up, "bytes_down": down,
             "seconds": time.monotonic() - t0, "skipped": st.skipped,
             "duplicates": st.duplicates, "late": st.late, "invalid": st.invalid,
-            "global_receipts": st.global_receipts, "unsolicited": st.unsolicited,
+            "global_receipts": st.global_receipts, "global_reached_no_device": reached_none,
+            "global_resends": st.global_resends, "broker_refusals": self.channel.refused - refused0,
+            "undeliverable": self.channel.undeliverable - undeliverable0, "unsolicited": st.unsolicited,
             "withdrawn": st.withdrawn,
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))

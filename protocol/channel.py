@@ -171,6 +171,7 @@ class Channel:
         undeliverable: messages given up (refused and no smaller packets can help, or refused
             after :data:`MAX_REFUSAL_RESENDS` re-sends); ``undeliverable_reasons`` the last 20 why.
         learned_max_packet_bytes: the packet limit learnt from the broker's refusals (0: none).
+        last_payload: the encoded (unsealed) payload of the last message sent.
     """
 
     def __init__(self, transport: Transport, *, node_id: str, side: str, federation: str,
@@ -228,6 +229,7 @@ class Channel:
         self.undeliverable = 0
         self.undeliverable_reasons: list[str] = []
         self.learned_max_packet_bytes = 0
+        self.last_payload: bytes | None = None  # the unsealed payload of the last message sent
         self._delivery_lock = threading.Lock()
         self._handles: dict[int, tuple[object, int, _Outgoing | None, int]] = {}
         self._early_outcomes: dict[int, tuple[object, str, str]] = {}
@@ -299,6 +301,7 @@ class Channel:
                         raw_bytes=enc.raw_tensor_bytes, retain=retain,
                         max_packet_bytes=max_packet_bytes if max_packet_bytes > 0 else _NO_LIMIT,
                         chunk_bytes=chunk_bytes if chunk_bytes > 0 else self.chunk_bytes)
+        self.last_payload = enc.payload
         wire = self._deliver(out, wait_s)
         # the payload as published (receipts carry its SHA-256)
         return enc if wire is None or wire is enc.payload else dataclasses.replace(enc, payload=wire)

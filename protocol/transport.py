@@ -226,6 +226,7 @@ class MqttTransport:
         # id(info) -> (info, connections the broker closed while it awaited its PUBACK)
         self._strikes: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
         self._bytes_before = (0, 0)  # socket bytes of clients replaced by a protocol fallback
+        self._withdraw: tuple[int, int, str] | None = None  # (strikes, packet bytes, why) to withdraw at CONNACK
         self._username, self._password, self._will = username, password, will
         self._tls: ssl.SSLContext | None = None
         if tls or tls_ca is not None or tls_cert is not None:
@@ -314,6 +315,7 @@ class MqttTransport:
             log.info("%s: the broker takes PUBLISH packets of at most %d bytes (MQTT 5 CONNACK)", self.client_id,
                      limit)
         self.connects += 1
+        self._withdraw_oversize(client)
         for flt, qos in self._filters.items():
             client.subscribe(flt, qos)
         self._connected.set()
@@ -339,10 +341,10 @@ class MqttTransport:
 
     def _strike(self, client: _CountingClient, why: str) -> None:
         """The broker closed a connection: count it against the largest QoS 1 PUBLISH that was
-        written on it and awaits its PUBACK; at :data:`OVERSIZE_STRIKES` take that PUBLISH (and
-        every other one above half its size) out of paho's queue and report it refused, so paho
-        never re-sends it whole after each reconnect (paho thread)."""
-        refused: list[tuple[mqtt.MQTTMessageInfo, PublishRefused]] = []
+        written on it and awaits its PUBACK; at :data:`OVERSIZE_STRIKES` the packet limit is taken
+        to be at most half its size, and that PUBLISH (with every other one above the limit) is
+        withdrawn from paho's queue at the next CONNACK, before paho re-sends (paho thread; paho
+        may be iterating its queue here, so nothing is removed now)."""
         with client._out_message_mutex:
             sent = [m for m in client._out_messages.values()
                     if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback]
@@ -358,22 +360,34 @@ class MqttTransport:
             limit = size // 2
             prev = self.inferred_max_packet_bytes
             self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
+            self._withdraw = (n, size, why)
+
+    def _withdraw_oversize(self, client: _CountingClient) -> None:
+        """Take every QoS 1 PUBLISH above the inferred limit out of paho's queue and report it
+        refused (called from on_connect, before paho re-sends its queue)."""
+        if self._withdraw is None:
+            return
+        n, size, why = self._withdraw
+        self._withdraw = None
+        refused: list[tuple[mqtt.MQTTMessageInfo, PublishRefused]] = []
+        limit = self.inferred_max_packet_bytes
+        reason = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited its PUBACK "
+                  f"({why}): taken for a packet above its maximum packet size, now assumed to be at most "
+                  f"{limit:,} bytes")
+        with client._out_message_mutex:
             for mid, m in list(client._out_messages.items()):
-                if m.qos > 0 and self._packet_size(m) > self.inferred_max_packet_bytes:
+                if m.qos > 0 and self._packet_size(m) > limit:
                     client._out_messages.pop(mid)
                     self._strikes.pop(id(m.info), None)
                     msize = self._packet_size(m)
-                    reason = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited "
-                              f"its PUBACK ({why}): taken for a packet above its maximum packet size, now assumed "
-                              f"to be at most {self.inferred_max_packet_bytes:,} bytes")
                     refused.append((m.info, PublishRefused(
                         f"{self.client_id}: {msize:,}-byte PUBLISH to {m.topic} refused: {reason}",
                         client_id=self.client_id, topic=m.topic, reason=reason, packet_bytes=msize,
-                        limit_bytes=self.inferred_max_packet_bytes)))
+                        limit_bytes=limit)))
         log.error("%s: %d PUBLISH packet(s) of more than %d bytes withdrawn: the broker closed the connection %d "
-                  "times while a %d-byte one awaited its PUBACK (a maximum packet size it did not announce; set "
+                  "times while a %d-byte one awaited its PUBACK (a maximum packet size it did not announce; declare "
                   "the broker's limit in the configuration to chunk below it from the start)", self.client_id,
-                  len(refused), self.inferred_max_packet_bytes, n, size)
+                  len(refused), limit, n, size)
         for info, exc in refused:
             self._refuse(info, exc)
 
