@@ -12,8 +12,10 @@ Each row is ``tests/helpers/size_limits.run_size_limit`` (the driver of
 
 * *updates lost*: 3 × rounds − updates the server counted (``clients_reported``);
 * *duplicated*: updates the server saw again and did not count (``duplicates``);
-* *ledger rows missing*: PUBLISH packets the relay saw from a node minus that node's ledger PUBLISH
-  rows (sent rows + PUBLISH-DUP rows), summed over nodes (0 = the ledger saw everything);
+* *ledger rows missing / not on the wire*: PUBLISH packets the relay saw from a node and the node's
+  ledger lacks (sent rows + PUBLISH-DUP rows), summed over nodes (target 0) / ledger PUBLISH rows the
+  relay never saw (handed to paho on a link the broker then cut, and withdrawn as oversize before
+  paho re-sent them: their rows say ``refused`` or ``handed``);
 * *refused / handed*: ``sent`` ledger rows the broker refused / never acknowledged;
 * *DUP re-sends*: paho's retransmissions after reconnects (PUBLISH-DUP rows);
 * *CONNECTs*: most CONNECT packets of one node (1 = never reconnected).
@@ -70,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["FEDFLEET_PROFILES"] = f"{prof_dir}:{SHIPPED_DIR}"
             out = run_size_limit(Path(tmp) / f"s{i}", kind=kind, broker_lines=lines, mqtt_version=version,
                                  declared=declared, profile="tiny-mqtt" if device else "x86-cpu", rounds=ROUNDS)
-            missing = sum(abs(n - out.ledger_publish.get(node, 0)) for node, n in out.wire_publish.items())
+            missing = sum(max(0, n - out.ledger_publish.get(node, 0)) for node, n in out.wire_publish.items())
+            extra = sum(max(0, out.ledger_publish.get(node, 0) - n) for node, n in out.wire_publish.items())
             refused = sum(n for (_, d), n in out.deliveries.items() if d == "refused")
             handed = sum(n for (_, d), n in out.deliveries.items() if d == "handed")
             finished = out.error == "" and out.rounds == ROUNDS and out.agent_errors == 0
             mqtt = {"5": "5", "3.1.1": "3.1.1", "auto": "3.1.1 (fallback)"}[version]
             rows.append(f"| {label} | {kind} | {mqtt} | {ROUNDS * 3 - sum(out.reported)} | {out.duplicates} | "
-                        f"{missing} | {refused} | {handed} | {sum(out.dup_publish.values())} | "
+                        f"{missing} / {extra} | {refused} | {handed} | {sum(out.dup_publish.values())} | "
                         f"{max(out.connects.values(), default=0)} | {'yes' if finished else 'no: ' + out.error} | "
                         f"{out.reported} | {out.seconds:.0f} |")
             print(rows[-1], file=sys.stderr, flush=True)
@@ -88,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         f"updates) against a {LIMIT:,}-byte limit, every connection through a relay that parses the MQTT stream "
         "(driver: `tests/helpers/size_limits.py`, the one of `tests/integration/test_size_limits.py`).",
         "",
-        "| class | broker | MQTT | updates lost | duplicated | ledger rows missing vs relay | refused rows | "
-        "handed, never acked | DUP re-sends | max CONNECTs of a node | run finished | updates per round | wall s |",
+        "| class | broker | MQTT | updates lost | duplicated | ledger rows missing / not on the wire vs relay | "
+        "refused rows | handed, never acked | DUP re-sends | max CONNECTs of a node | run finished | "
+        "updates per round | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
