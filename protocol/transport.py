@@ -8,7 +8,9 @@ Design rules (``notes/mqtt-transport-study.md``):
 * paho-mqtt 2.x, ``CallbackAPIVersion.VERSION2``, clean sessions, ``loop_start()``: the network
   loop runs on paho's own thread, so training on the caller's thread never starves keepalive.
 * MQTT 5 where the broker speaks it, else MQTT 3.1.1 (``mqtt_version="auto"``, the default: a
-  broker that refuses the MQTT 5 CONNECT, as amqtt 0.12.1 does, is connected to again with 3.1.1);
+  broker that refuses the MQTT 5 CONNECT, or leaves it unanswered for :data:`V5_TRIAL_S`, as amqtt
+  0.12.1 does, is connected to again with 3.1.1, and later transports of the process to the same
+  address go to 3.1.1 at once);
   ``"5"`` or ``"3.1.1"`` forces one. Under MQTT 5 the transport advertises its own Maximum Packet
   Size in CONNECT (``receive_max_packet_bytes``), reads the broker's from CONNACK
   (:attr:`MqttTransport.broker_max_packet_bytes`) and takes a PUBACK reason code >= 0x80 as a
@@ -59,6 +61,12 @@ __all__ = ["MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "Incoming", "Mqt
            "Transport", "Will", "parse_mqtt_version", "tls_context"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds an MQTT 5 CONNECT may wait for its CONNACK before ``auto`` tries MQTT 3.1.1.
+V5_TRIAL_S = 5.0
+
+#: (host, port) of brokers that refused MQTT 5 in this process: ``auto`` goes to 3.1.1 at once.
+_V311_ONLY: set[tuple[str, int]] = set()
 
 #: Accepted values of ``mqtt_version``: ``auto`` (MQTT 5, else 3.1.1), ``5``, ``3.1.1``.
 MQTT_VERSIONS = ("auto", "5", "3.1.1")
@@ -197,7 +205,8 @@ class MqttTransport:
             raise ValueError(f"receive_max_packet_bytes must be >= 0 (0: no limit), got {receive_max_packet_bytes}")
         self.receive_max_packet_bytes = receive_max_packet_bytes
         #: MQTT protocol level in use: 5 or 4 (3.1.1); settled by :meth:`connect`
-        self.mqtt_version = MQTT_V5 if self.mqtt_choice != "3.1.1" else MQTT_V311
+        self.mqtt_version = (MQTT_V311 if self.mqtt_choice == "3.1.1" or (self.mqtt_choice == "auto"
+                             and (host, port) in _V311_ONLY) else MQTT_V5)
         #: the broker's Maximum Packet Size from its MQTT 5 CONNACK (bytes), 0 when it announced none
         self.broker_max_packet_bytes = 0
         #: the limit inferred from PUBLISHes the broker closed the connection for (bytes), 0: none
@@ -453,13 +462,17 @@ class MqttTransport:
             if self._tls is not None:  # a refused certificate says why now, not as "no CONNACK" later
                 self._tls_probe(probe)
         deadline = time.monotonic() + timeout_s
-        if self.mqtt_choice == "auto":
-            try:
-                self._connect_once(MQTT_V5, deadline, timeout_s)
+        if self.mqtt_choice == "auto" and self.mqtt_version == MQTT_V5:
+            try:  # amqtt may leave an MQTT 5 CONNECT unanswered: the trial is bounded
+                self._connect_once(MQTT_V5, min(deadline, time.monotonic() + V5_TRIAL_S), timeout_s)
                 return
             except ConnectError as exc:
-                if not self._closed_before_connack and not _unsupported_version(self._refused):
+                silent = self._refused is None and not self._closed_before_connack
+                if not silent and not self._closed_before_connack and not _unsupported_version(self._refused):
                     raise
+                if silent and time.monotonic() >= deadline:
+                    raise
+                _V311_ONLY.add((self.host, self.port))
                 log.info("%s: the broker at %s:%d does not take MQTT 5 (%s); connecting with MQTT 3.1.1",
                          self.client_id, self.host, self.port, self._refused or "closed before CONNACK")
                 del exc
