@@ -276,7 +276,8 @@ class Channel:
                 ``None`` = fp32.
             extra_codecs: codec per ``extras`` entry name (others use ``codec``).
             max_packet_bytes: the recipients' own packet limit (bytes, whole PUBLISH); 0 = none.
-            chunk_bytes: the recipients' chunk size (bytes); 0 = the channel's.
+            chunk_bytes: the recipients' chunk size (bytes; the smaller of it and the channel's
+                applies); 0 = the channel's.
 
         Raises:
             PublishRefused: with ``wait_s``, the broker refused it and no smaller packets can
@@ -300,7 +301,7 @@ class Channel:
                         seq=env.seq, client=client, codec=codec_name, fields=fields, body_bytes=enc.body_bytes,
                         raw_bytes=enc.raw_tensor_bytes, retain=retain,
                         max_packet_bytes=max_packet_bytes if max_packet_bytes > 0 else _NO_LIMIT,
-                        chunk_bytes=chunk_bytes if chunk_bytes > 0 else self.chunk_bytes)
+                        chunk_bytes=min(chunk_bytes, self.chunk_bytes) if chunk_bytes > 0 else self.chunk_bytes)
         self.last_payload = enc.payload
         wire = self._deliver(out, wait_s)
         # the payload as published (receipts carry its SHA-256)
