@@ -107,7 +107,7 @@ class PacketRelay:
     def client_id(self, n: int) -> str:
         """The MQTT client id in connection ``n``'s CONNECT (3.1.1 or 5)."""
         pkt = bytes(self.first[n])
-        if not pkt:
+        if len(pkt) < 12 or pkt[0] >> 4 != 1:  # nothing, or not a CONNECT
             return ""
         i = 1
         while pkt[i] & 0x80:
@@ -125,7 +125,7 @@ class PacketRelay:
                     break
             i += ln
         ln = int.from_bytes(pkt[i:i + 2], "big")
-        return pkt[i + 2:i + 2 + ln].decode()
+        return pkt[i + 2:i + 2 + ln].decode("utf-8", "replace")
 
     def per_node(self) -> dict[str, dict[str, Counter[str]]]:
         """``{node: {"up": packets, "down": packets}}`` summed over the node's connections
