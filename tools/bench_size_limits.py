@@ -10,7 +10,8 @@ Each row is ``tests/helpers/size_limits.run_size_limit`` (the driver of
 ``tests/integration/test_size_limits.py``): the digits federation (3 agents, quorum 2, 2 rounds,
 ~55 KB globals and updates) with a 20,000-byte limit. Figures:
 
-* *updates lost*: 3 × rounds − updates the server counted (``clients_reported``);
+* *updates not counted*: 3 × rounds − updates the server counted (``clients_reported``): lost, or
+  past the round's deadline;
 * *duplicated*: updates the server saw again and did not count (``duplicates``);
 * *ledger rows missing / not on the wire*: PUBLISH packets the relay saw from a node and the node's
   ledger lacks (sent rows + PUBLISH-DUP rows), summed over nodes (target 0) / ledger PUBLISH rows the
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         f"updates) against a {LIMIT:,}-byte limit, every connection through a relay that parses the MQTT stream "
         "(driver: `tests/helpers/size_limits.py`, the one of `tests/integration/test_size_limits.py`).",
         "",
-        "| class | broker | MQTT | updates lost | duplicated | ledger rows missing / not on the wire vs relay | "
+        "| class | broker | MQTT | updates not counted | duplicated | ledger rows missing / not on the wire vs relay | "
         "refused rows | handed, never acked | DUP re-sends | max CONNECTs of a node | run finished | "
         "updates per round | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
