@@ -121,10 +121,14 @@ class BrokerSection:
     ``mqtts://`` URLs use TLS: ``ca_file`` is the CA that signed the broker's certificate (empty:
     the system's CAs); ``cert_file`` + ``key_file`` (PEM) are a client certificate for brokers
     that require one. ``username`` + ``password_file`` (a file holding the password) log in.
+    ``mqtt_version``: ``auto`` (MQTT 5 where the broker speaks it, else 3.1.1), ``5`` or
+    ``3.1.1``. Over MQTT 3.1.1 a broker cannot announce its packet limit: declare it as
+    ``[protocol] max_packet_bytes``.
     """
 
     url: str = ""
     kind: str = "auto"
+    mqtt_version: str = "auto"
     username: str = ""
     password_file: str = ""
     ca_file: str = ""
@@ -347,6 +351,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "client_eval_max"): (0, 1 << 30),
     ("server", "client_eval_every"): (1, 1 << 30),
     ("broker", "kind"): ("auto", "mosquitto", "amqtt"),
+    ("broker", "mqtt_version"): ("auto", "5", "3.1.1"),
     ("broker", "keepalive_s"): (5, 65535),
     ("protocol", "qos"): (0, 1),
     ("protocol", "chunk_bytes"): (64, 256 * 1024 * 1024),

@@ -9,6 +9,25 @@ from pathlib import Path
 
 from protocol.messages import Join
 
+#: allowed ranges of the MQTT limits a device announces in ``join.info`` (bytes), as its firmware
+#: profile's (:mod:`edge_agent.profiles`)
+LIMIT_RANGES = {"max_packet_bytes": (1024, 268_435_460), "chunk_bytes": (64, 256 * 1024 * 1024)}
+
+
+def announced_limit(info: dict, key: str) -> int | str | None:
+    """A device's announced ``key`` (``max_packet_bytes`` or ``chunk_bytes``) from ``join.info``:
+    the int (decimal text accepted), ``None`` when absent, or a sentence saying why it is refused
+    (not an integer, outside :data:`LIMIT_RANGES`)."""
+    if key not in info:
+        return None
+    v = info[key]
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v)
+    lo, hi = LIMIT_RANGES[key]
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        return f"join.info {key} = {info[key]!r} is not an integer in [{lo}, {hi}] bytes"
+    return v
+
 
 @dataclass
 class ClientRecord:
@@ -56,6 +75,18 @@ class DeviceRegistry:
         back = not rec.online
         rec.online, rec.last_seen = True, now
         return back
+
+    def limits(self, client_ids: list[str] | None = None) -> tuple[int, int]:
+        """(max_packet_bytes, chunk_bytes) the devices ``client_ids`` (all joined ones when
+        ``None``) announced in ``join.info``: the smallest of each, bytes; 0 where none announced.
+        Values were checked at admission (:func:`announced_limit`)."""
+        recs = self.records.values() if client_ids is None else [self.records[c] for c in client_ids
+                                                                 if c in self.records]
+        out = []
+        for key in ("max_packet_bytes", "chunk_bytes"):
+            vals = [v for r in recs if (v := announced_limit(r.info, key)) and isinstance(v, int)]
+            out.append(min(vals) if vals else 0)
+        return out[0], out[1]
 
     def admit(self, client_id: str, join: Join, *, round: int, now: float) -> ClientRecord:
         """Record an accepted ``join`` (a device joining again keeps its counters, joined round and

@@ -27,6 +27,7 @@ class RoundStats:
     unsolicited: int = 0
     invalid: int = 0
     global_receipts: int = 0
+    global_resends: int = 0
     withdrawn: int = 0
     skipped: bool = False
     skip_reason: str = ""
@@ -51,12 +52,15 @@ class RoundState:
             for the broadcast, message), kept for a resync after a reconnect.
         global_sha256: the hash of the round's global payload (receipts confirm it).
         global_hashes: the hashes of every copy of the round's global sent (the broadcast, its
-            re-broadcast after a reconnect, per-device copies to devices that came back).
+            re-broadcast after a reconnect, per-device copies to devices that came back, and the
+            inner payload of a sealed one, which a chunked re-send carries).
         global_confirmed: devices whose receipt confirmed one of those copies.
         offline_since: selected devices still awaited whose ``offline`` status (last will)
             arrived: client → (``time.monotonic()`` of its arrival, its detail).
         dropped: selected devices not awaited any more: offline for longer than the grace period.
         resent: client → how many times the round was sent to it again after it came back.
+        global_bytes, global_sent_at: the global's payload size and when it was last sent
+            (``time.monotonic()``), for sending it again smaller when no device confirms it.
         strategy_metrics: the ``metrics`` of the :class:`~broker_server.strategies.GlobalUpdate`
             the driver committed in this round (``{}``: none committed), for its metrics line.
     """
@@ -75,6 +79,8 @@ class RoundState:
     offline_since: dict[str, tuple[float, str]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
     resent: dict[str, int] = field(default_factory=dict)
+    global_bytes: int = 0
+    global_sent_at: float = 0.0
     strategy_metrics: dict = field(default_factory=dict)
 
     def awaited(self) -> set[str]:

@@ -28,9 +28,12 @@ from .server import AggregationServer, ServerSettings
 from .strategies import Strategy, get_strategy_class
 
 
-def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = None) -> MqttTransport:
+def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = None, *,
+                   receive_max_packet_bytes: int = 0) -> MqttTransport:
     """An unconnected MQTT transport for ``url`` with the config's credentials and TLS settings
-    (``mqtts://``: ``[broker] ca_file``, else the system's CAs; ``cert_file`` + ``key_file``).
+    (``mqtts://``: ``[broker] ca_file``, else the system's CAs; ``cert_file`` + ``key_file``) and
+    ``[broker] mqtt_version``; under MQTT 5 it advertises ``receive_max_packet_bytes`` (a device's
+    own limit, bytes; 0 = none) in its CONNECT.
 
     Raises:
         ConfigError: a malformed URL, a password file that cannot be read, TLS files that are
@@ -56,7 +59,8 @@ def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = No
                              tls_ca=(b.ca_file or None) if addr.tls else None,
                              tls_cert=(b.cert_file or None) if addr.tls else None,
                              tls_key=(b.key_file or None) if addr.tls else None,
-                             clock_skew_s=cfg.security.clock_skew_s, keepalive_s=b.keepalive_s, will=will)
+                             clock_skew_s=cfg.security.clock_skew_s, keepalive_s=b.keepalive_s, will=will,
+                             mqtt_version=b.mqtt_version, receive_max_packet_bytes=receive_max_packet_bytes)
     except SecurityConfigError as exc:
         raise ConfigError(f"[broker] TLS: {exc}") from None
 

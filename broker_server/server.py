@@ -87,7 +87,7 @@ from .admission import admit, model_requirement
 from .checkpoint import Checkpoint
 from .errors import RunError
 from .persistence import RunStore
-from .registry import ClientRecord, DeviceRegistry
+from .registry import LIMIT_RANGES, ClientRecord, DeviceRegistry, announced_limit
 from .round_state import CountedUpdates, RoundState, RoundStats
 from .strategies import (
     ClientReport,
@@ -178,6 +178,10 @@ class ServerSettings:
             it (``[server] offline_grace_s``, default 30 s: several of paho's reconnect attempts,
             1 s doubling to 8 s, after a link blip or a broker restart; a device back within it
             is sent the round again). The round's deadline still bounds every wait.
+        global_confirm_s: seconds after the global is sent within which at least one selected
+            device must confirm it (its receipt); else it is sent again in packets of half the
+            size (a broker that drops oversize messages without saying so), at most
+            :data:`GLOBAL_RESENDS` times.
     """
 
     rounds: int
@@ -193,6 +197,11 @@ class ServerSettings:
     extras_codec: str = ""
     expected_data: tuple[tuple[str, str], ...] = ()
     offline_grace_s: float = 30.0
+    global_confirm_s: float = 10.0
+
+
+#: Times a global no device confirmed is sent again, each time in packets of half the size.
+GLOBAL_RESENDS = 3
 
 
 @dataclass(frozen=True)
@@ -325,18 +334,24 @@ class AggregationServer:
     def _reply(self, rec: Received, accepted: bool, reason: str = "", member_index: int | None = None) -> None:
         """Answer ``rec`` with a receipt (an accepted join's with the device's ``member_index``
         when it reads ``round_start.members``); a refusal also turns its ledger row into a
-        ``rejected`` row with the reason (:meth:`protocol.channel.Channel.refused`)."""
+        ``rejected`` row with the reason (:meth:`protocol.channel.Channel.record_refusal`)."""
         env = rec.envelope
         if not accepted:
-            self.channel.refused(rec, reason)
+            self.channel.record_refusal(rec, reason)
         self._send_receipt(env.sender, env.kind, env.seq, env.round, accepted, reason, rec.sha256, member_index)
 
     def _send_receipt(self, client: str, kind: Kind, seq: int, round: int, accepted: bool, reason: str,
                       sha256: bytes, member_index: int | None = None) -> None:
+        packet, chunk = self._limits([client])
         self.channel.send(topics.down_to(self.fed, client, Kind.RECEIPT),
                           Receipt(ref_kind=int(kind), ref_seq=seq, accepted=accepted, reason=reason[:MAX_STR],
                                   sha256=sha256, member_index=member_index),
-                          round=round, recipient=client)
+                          round=round, recipient=client, max_packet_bytes=packet, chunk_bytes=chunk)
+
+    def _limits(self, client_ids: list[str] | None = None) -> tuple[int, int]:
+        """(max_packet_bytes, chunk_bytes) for a download to ``client_ids`` (``None``: a broadcast,
+        every joined device): the smallest each of them announced in its join (0: none)."""
+        return self.devices.limits(client_ids)
 
     def _count_invalid(self, code: str) -> None:
         """One more message refused as invalid, under reason ``code``: ``invalid`` and
@@ -383,6 +398,10 @@ class AggregationServer:
                         expected_manifest_hash=self.manifest_hash, feature_dim=shape[1], num_classes=shape[0])
         if refusal is not None:
             return refusal
+        for key in LIMIT_RANGES:
+            why = announced_limit(dict(body.info), key)
+            if isinstance(why, str):
+                return why
         diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
                  if str(body.info.get(k)) != v]
         if diffs:
@@ -631,12 +650,14 @@ class AggregationServer:
         remaining = max(0.1, o.deadline - time.monotonic())
         r = o.collecting
         try:
+            packet, chunk = self._limits([client])
             enc = self.channel.send(topics.down_to(self.fed, client, Kind.GLOBAL), glob, round=r,
-                                    codec=self.global_codec, extra_codecs=self._extra_codecs, recipient=client)
-            o.global_hashes.add(payload_sha256(enc.payload))
+                                    codec=self.global_codec, extra_codecs=self._extra_codecs, recipient=client,
+                                    max_packet_bytes=packet, chunk_bytes=chunk)
+            self._note_global_hashes(enc.payload)
             self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
                               dataclasses.replace(start, selected=(client,), deadline_s=remaining, members=b""),
-                              round=r, recipient=client)
+                              round=r, recipient=client, max_packet_bytes=packet, chunk_bytes=chunk)
         except TransportError as exc:
             log.error("round %d could not be sent again to %s: %s", r, client, exc)
             return
@@ -652,16 +673,55 @@ class AggregationServer:
         device on ``down/{client}/round_start`` carrying only that device's instructions."""
         assert self.open.messages is not None  # called only for the open round, after its messages are made
         glob, starts = self.open.messages
-        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
-                                extra_codecs=self._extra_codecs)
-        self.open.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
-        self.open.global_hashes.add(self.open.global_sha256)
+        packet, chunk = self._limits()
+        self._send_global(r, glob, packet, chunk)
         for client, start in starts:
             if client is None:
-                self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r)
+                self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r, max_packet_bytes=packet,
+                                  chunk_bytes=chunk)
             else:
+                p1, c1 = self._limits([client])
                 self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START), start, round=r,
-                                  recipient=client)
+                                  recipient=client, max_packet_bytes=p1, chunk_bytes=c1)
+
+    def _send_global(self, r: int, glob: Global, packet: int, chunk: int) -> None:
+        """Broadcast round ``r``'s global in packets of at most ``packet`` bytes (0: the channel's
+        limit) and note every hash a device's receipt may confirm it by."""
+        enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
+                                extra_codecs=self._extra_codecs, max_packet_bytes=packet, chunk_bytes=chunk)
+        o = self.open
+        o.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
+        self._note_global_hashes(enc.payload)
+        o.global_bytes, o.global_sent_at = len(enc.payload), time.monotonic()
+
+    def _note_global_hashes(self, payload: bytes) -> None:
+        """Note every hash a device's receipt may confirm the copy of the global just sent by
+        (``payload``'s, and the inner payload's when it was sealed whole: a chunked re-send
+        carries the inner one)."""
+        o = self.open
+        o.global_hashes.add(payload_sha256(payload))
+        inner = self.channel.last_payload
+        if inner is not None and inner is not payload:
+            o.global_hashes.add(payload_sha256(inner))
+
+    def _confirm_global(self) -> None:
+        """No selected device confirmed the open round's global within ``global_confirm_s``: a
+        broker that drops messages above a size it does not say (MQTT 3.1.1 with Mosquitto's
+        ``message_size_limit``) took it. Send it again in packets of half the size, at most
+        :data:`GLOBAL_RESENDS` times."""
+        o = self.open
+        if (o.collecting is None or o.messages is None or o.stats.global_receipts or not o.selected
+                or o.stats.global_resends >= GLOBAL_RESENDS
+                or time.monotonic() - o.global_sent_at < self.settings.global_confirm_s):
+            return
+        packet, chunk = self._limits()
+        half = max(1024, o.global_bytes // 2)
+        packet = min(packet, half) if packet else half
+        o.stats.global_resends += 1
+        log.warning("round %d: no device confirmed the global model (%d bytes) within %.0f s: sending it again in "
+                    "packets of at most %d bytes (%d/%d)", o.collecting, o.global_bytes,
+                    self.settings.global_confirm_s, packet, o.stats.global_resends, GLOBAL_RESENDS)
+        self._send_global(o.collecting, o.messages[0], packet, min(chunk, packet) if chunk else packet)
 
     def _resync_round(self) -> None:
         """After the server's link came back (a broker restart), publish the open round's global
@@ -681,7 +741,8 @@ class AggregationServer:
         while True:
             if self._resync:
                 self._resync_round()
-            item = self.channel.receive(max(0.0, deadline - time.monotonic()))
+            self._confirm_global()
+            item = self.channel.receive(max(0.0, min(deadline - time.monotonic(), 1.0)))
             if item is not None:
                 self._handle(item)
             if time.monotonic() >= deadline:
@@ -717,8 +778,10 @@ class AggregationServer:
             m = self.run_round(self.round + 1)
             if m["accuracy"] is not None:
                 last_acc, last_loss = m["accuracy"], m["loss"] if m["loss"] is not None else float("nan")
+        packet, chunk = self._limits()
         self.channel.send(topics.down(self.fed, Kind.FINISH),
-                          Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10)
+                          Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10,
+                          max_packet_bytes=packet, chunk_bytes=chunk)
         self.pump(0.2)
         self.store.close()
         if self.share != "none":  # with share="backbone" its shared entries are the global backbone
@@ -767,6 +830,7 @@ class AggregationServer:
         carried = {k: v for k, v in self.phases.take().items() if k in ("checkpoint", "registry")}
         ledger0 = self.channel.ledger.write_s if self.channel.ledger is not None else 0.0
         mark = self.phases.lap()
+        refused0, undeliverable0 = self.channel.refused, self.channel.undeliverable
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         undeclared = sorted({k for ins in plan.instructions.values() for k in ins} - set(self.strategy.instructions))
@@ -858,13 +922,19 @@ class AggregationServer:
         st = o.stats
         # refused as invalid since the last metrics line (this round, and the gap before it)
         st.invalid = sum(self.rejected_by_reason.values())
+        reached_none = st.selected > 0 and st.global_receipts == 0
+        if reached_none:
+            log.warning("round %d: the global model reached no device (0 of %d selected confirmed it%s)", r,
+                        st.selected, f"; sent again smaller {st.global_resends}×" if st.global_resends else "")
         metrics = {
             "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
             "clients_selected": st.selected,
             "clients_reported": st.clients_reported, "bytes_up": up, "bytes_down": down,
             "seconds": time.monotonic() - t0, "skipped": st.skipped,
             "duplicates": st.duplicates, "late": st.late, "invalid": st.invalid,
-            "global_receipts": st.global_receipts, "unsolicited": st.unsolicited,
+            "global_receipts": st.global_receipts, "global_reached_no_device": reached_none,
+            "global_resends": st.global_resends, "broker_refusals": self.channel.refused - refused0,
+            "undeliverable": self.channel.undeliverable - undeliverable0, "unsolicited": st.unsolicited,
             "withdrawn": st.withdrawn, "dropped": st.dropped, "resent_to": st.resent_to,
             "unreported": st.unreported,
             "rejected_by_reason": self.rejected_by_reason,

@@ -327,10 +327,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
                              expected_clients=cfg.data.clients, on_round=on_round, security=server_sec)
         server.on_event = on_event
-        # the broker link must carry every device's downloads: the smallest packet limit of the fleet
-        fleet = [runtimes[p] for p in set(profiles)]
-        server.channel.max_packet_bytes = min([server.channel.max_packet_bytes] + [r.max_packet_bytes for r in fleet])
-        server.channel.chunk_bytes = min([server.channel.chunk_bytes] + [r.chunk_bytes for r in fleet])
+        # each device announces its own packet limit and chunk size in its join (and, over MQTT 5,
+        # in its CONNECT): the server sizes every download for the devices it goes to
         if resume:
             ckpt = server.checkpoints.load()
             if ckpt is not None:
@@ -355,7 +353,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                 prepared = prepare_agent(spec, ds, precision=rt.plan.precision, indices=idx, eval_split=eval_split)
             except ModelError as exc:
                 raise ConfigError(f"{cfg.source}: [model] for {cid}: {exc}") from None
-            tr = open_transport(f"{federation[:40]}-{cid}", cfg, url, will=offline_will(federation, cid, agent_sec))
+            tr = open_transport(f"{federation[:40]}-{cid}", cfg, url, will=offline_will(federation, cid, agent_sec),
+                                receive_max_packet_bytes=rt.max_packet_bytes)
             tr.connect()
             ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, security=agent_sec,
                          **{**channel_options(cfg), **channel_limits(rt, chunk_bytes=cfg.protocol.chunk_bytes,

@@ -320,6 +320,7 @@ class EdgeAgent:
         self._last_update: tuple | None = None
         self.receipt_timeout_s = receipt_timeout_s
         self.max_resends = max_resends
+        self._update_bytes = 0  # payload bytes of the last update sent
         self.resends = 0
         self._update_seqs: set[int] = set()
         self._pending_at = 0.0
@@ -576,6 +577,7 @@ class EdgeAgent:
             self.rounds_trained += 1
             return
         self._update_seqs.add(enc.seq)
+        self._update_bytes = len(enc.payload)
         self.rounds_trained += 1
         if self.on_trained is not None:
             self.on_trained(rnd, result, len(enc.payload))
@@ -654,12 +656,13 @@ class EdgeAgent:
         log.warning("%s: round %d started again: sending its update again", self.client_id, rnd)
         self._resend_update(rnd, update, codec, extra_codecs)
 
-    def _resend_update(self, rnd: int, update, codec, extra_codecs) -> None:
-        """Publish an update of round ``rnd`` once more (its receipt is matched by the new seq);
-        a transport failure is logged, not raised: the caller's next chance retries."""
+    def _resend_update(self, rnd: int, update, codec, extra_codecs, max_packet_bytes: int = 0) -> None:
+        """Publish an update of round ``rnd`` once more (its receipt is matched by the new seq), in
+        packets of at most ``max_packet_bytes`` (0: the channel's limit); a transport failure is
+        logged, not raised: the caller's next chance retries."""
         try:
             enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
-                                    extra_codecs=extra_codecs)
+                                    extra_codecs=extra_codecs, max_packet_bytes=max_packet_bytes)
             self._update_seqs.add(enc.seq)
             self.resends += 1
         except TransportError as exc:
@@ -679,9 +682,13 @@ class EdgeAgent:
         if now - sent_at < self.receipt_timeout_s:
             return
         self._unacked = (rnd, update, codec, now, tries + 1, deadline_at, extra_codecs)
-        log.warning("%s: no receipt for the update of round %d after %.0f s; sending it again (%d/%d)",
-                    self.client_id, rnd, now - sent_at, tries + 1, self.max_resends)
-        self._resend_update(rnd, update, codec, extra_codecs)
+        # a broker may drop a message above a size it does not announce (MQTT 3.1.1 with Mosquitto's
+        # message_size_limit acknowledges it all the same): each resend goes in packets of half the size
+        packet = max(1024, self._update_bytes >> (tries + 1)) if self._update_bytes else 0
+        log.warning("%s: no receipt for the update of round %d after %.0f s; sending it again (%d/%d)%s",
+                    self.client_id, rnd, now - sent_at, tries + 1, self.max_resends,
+                    f" in packets of at most {packet:,} bytes" if packet else "")
+        self._resend_update(rnd, update, codec, extra_codecs, max_packet_bytes=packet)
 
     def leave(self, detail: str) -> None:
         """Publish the retained ``offline`` status with ``detail`` (waiting up to 5 s for the

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encrypt", action="store_true",
                    help="encrypt the body of every upload (AES-256-GCM; needs --key-dir)")
     p.add_argument("--keepalive-s", type=int, default=30)
+    p.add_argument("--mqtt-version", default="auto", choices=("auto", "5", "3.1.1"),
+                   help="MQTT protocol: auto (MQTT 5 where the broker speaks it, else 3.1.1), 5 or 3.1.1; under "
+                        "MQTT 5 the profile's max_packet_bytes is advertised to the broker")
     p.add_argument("--idle-timeout-s", type=float, default=3600.0,
                    help="give up when nothing arrives from the server for this many seconds (exit 1; 5 when "
                         "the join was never answered)")
@@ -252,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     tr = MqttTransport(args.client_id, addr.host, addr.port, username=args.username or addr.username,
                        password=password, tls=addr.tls, tls_ca=args.ca, tls_cert=args.cert, tls_key=args.key,
                        tls_check_time=not args.tls_no_time_check, clock_skew_s=args.clock_skew_s,
-                       keepalive_s=args.keepalive_s, will=offline_will(args.federation, args.client_id, security))
+                       keepalive_s=args.keepalive_s, will=offline_will(args.federation, args.client_id, security),
+                       mqtt_version=args.mqtt_version, receive_max_packet_bytes=rt.max_packet_bytes)
     try:
         tr.connect()
     except ConnectError as exc:

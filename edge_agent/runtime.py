@@ -55,7 +55,9 @@ class AgentRuntime:
         profile: the firmware profile.
         plan: the device plan (torch device, precision, threads, batch size, providers,
             fallbacks — each difference from the profile with its reason).
-        join_info: flat scalars for ``join.info`` (profile, plan, fallbacks).
+        join_info: flat scalars for ``join.info`` (profile, plan, fallbacks, and the device's
+            MQTT limits ``max_packet_bytes`` and ``chunk_bytes``: the server sizes the packets it
+            sends to this device by them).
     """
 
     profile: FirmwareProfile
@@ -63,7 +65,8 @@ class AgentRuntime:
 
     @property
     def join_info(self) -> dict[str, str | int | bool]:
-        return {"profile": self.profile.name, **self.plan.as_join_info()}
+        return {"profile": self.profile.name, **self.plan.as_join_info(),
+                "max_packet_bytes": self.max_packet_bytes, "chunk_bytes": self.chunk_bytes}
 
     @property
     def chunk_bytes(self) -> int:

@@ -9,6 +9,7 @@ never raised, so a peer cannot crash the receiver.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
-from .errors import FedfleetProtocolError, FieldError, ProtocolError
+from .errors import FedfleetProtocolError, FieldError, LedgerError, ProtocolError, PublishRefused
 from .ledger import Ledger, LedgerRow
 from .lifecycle import atomic
 from .messages import (
@@ -40,7 +41,7 @@ from .messages import (
     payload_sha256,
     read_header,
 )
-from .mqtt_bytes import publish_size
+from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
 from .tensors import DEFAULT_LIMITS, TensorLimits, raw_nbytes
 from .transport_base import Incoming, PacketEvent, Transport
 
@@ -127,6 +128,34 @@ class Rejected:
         return self.sender is not None and self.seq is not None and self.kind is not None
 
 
+@dataclass(eq=False, slots=True)
+class _Outgoing:
+    """A message this side sent, kept until the broker took all its packets (so that a refused
+    one can be sent again in smaller chunks)."""
+
+    topic: str
+    payload: bytes
+    kind: str
+    round: int
+    sender: str
+    seq: int
+    client: str
+    codec: str
+    fields: str
+    body_bytes: int
+    raw_bytes: int
+    retain: bool
+    max_packet_bytes: int
+    chunk_bytes: int
+    generation: int = 0
+    pending: int = 0
+    tries: int = 0
+    packet_bytes: int = 0
+    force_chunks: bool = False
+    refusal_queued: bool = False
+    transfer_id: bytes | None = None
+
+
 class Channel:
     """Messages over one transport, with sequence numbers and ledger rows.
 
@@ -160,6 +189,13 @@ class Channel:
     Attributes:
         wire_bytes_sent, wire_bytes_received: PUBLISH packet bytes (header + topic + payload)
             this side handed to / got from MQTT; rejected payloads count as received.
+        acked, refused: PUBLISH packets the broker acknowledged / refused (QoS 1, over a
+            transport that reports outcomes; the ledger's ``delivery`` column per row).
+        resent_after_refusal: messages sent again in smaller chunks after a refusal.
+        undeliverable: messages given up (refused and no smaller packets can help, or refused
+            after :data:`MAX_REFUSAL_RESENDS` re-sends); ``undeliverable_reasons`` the last 20 why.
+        learned_max_packet_bytes: the packet limit learnt from the broker's refusals (0: none).
+        last_payload: the encoded (unsealed) payload of the last message sent.
     """
 
     def __init__(self, transport: Transport, *, node_id: str, side: str, federation: str,
@@ -211,8 +247,21 @@ class Channel:
         self.resend_rate_bytes_s = resend_rate_bytes_s
         self._resend_budget: dict[str, tuple[float, float]] = {}  # requester -> (bytes left, when)
         self._last_maintain = 0.0
+        self.acked = 0
+        self.refused = 0
+        self.resent_after_refusal = 0
+        self.undeliverable = 0
+        self.undeliverable_reasons: list[str] = []
+        self.learned_max_packet_bytes = 0
+        self.last_payload: bytes | None = None  # the unsealed payload of the last message sent
+        self._delivery_lock = threading.Lock()
+        self._handles: dict[int, tuple[object, int, _Outgoing | None, int]] = {}
+        self._early_outcomes: dict[int, tuple[object, str, str]] = {}
+        self._refusal_queue: collections.deque[tuple[_Outgoing, int, str]] = collections.deque()
         if hasattr(transport, "set_packet_listener"):
             transport.set_packet_listener(self._on_packet)
+        if hasattr(transport, "set_delivery_listener"):
+            transport.set_delivery_listener(self._on_delivery)
 
     def next_seq(self) -> int:
         """Reserve the next sequence number."""
@@ -225,9 +274,20 @@ class Channel:
     @atomic
     def send(self, topic: str, body: Body, *, round: int, retain: bool = False,
              wait_s: float | None = None, recipient: str = "*", codec: Any = None,
-             extra_codecs: Mapping[str, Any] | None = None) -> Encoded:
+             extra_codecs: Mapping[str, Any] | None = None, max_packet_bytes: int = 0,
+             chunk_bytes: int = 0) -> Encoded:
         """Encode ``body``, publish it on ``topic`` (as a chunked transfer when it is larger than
-        the chunk size or the broker's maximum packet size) and record its ledger rows.
+        the chunk size or the packet limit) and record its ledger rows.
+
+        The packet limit is the smallest of the channel's ``max_packet_bytes``, the broker's as
+        the transport knows it (MQTT 5 CONNACK, or inferred from its disconnects), one learnt from
+        the broker's refusals, and ``max_packet_bytes`` given here (a recipient's own limit: then
+        the chunks are sized for MQTT 5 framing, the larger, whatever this side speaks). A QoS 1
+        message the broker refuses (see :class:`~protocol.errors.PublishRefused`) is sent again
+        as a chunked transfer with packets of at most half the refused packet's size, up to
+        :data:`MAX_REFUSAL_RESENDS` times; a refusal that smaller packets cannot help (not
+        authorised, say), or one after the last try, is logged as an error with the limit and
+        counted in :attr:`undeliverable`.
 
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
@@ -239,11 +299,17 @@ class Channel:
             codec: tensor codec (:class:`protocol.tensors.Codec`) for ``global``/``update``;
                 ``None`` = fp32.
             extra_codecs: codec per ``extras`` entry name (others use ``codec``).
+            max_packet_bytes: the recipients' own packet limit (bytes, whole PUBLISH); 0 = none.
+            chunk_bytes: the recipients' chunk size (bytes; the smaller of it and the channel's
+                applies); 0 = the channel's.
 
         Raises:
+            PublishRefused: with ``wait_s``, the broker refused it and no smaller packets can
+                carry it (the message names the limit).
             PublishTimeout, TransportError: from the transport.
             FieldError, TensorError: the body cannot be encoded.
         """
+        self._handle_refusals()
         env = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=body, timestamp_ms=now_ms())
         enc = encode(env, codec, extra_codecs)
         client = self.node_id if self.side == "agent" else recipient
@@ -253,39 +319,102 @@ class Channel:
             if set(used.values()) != {codec_name}:
                 codec_name = ",".join([codec_name] * bool(body.tensors) + [f"{n}={c}" for n, c in used.items()])
         fields = json.dumps(dict(enc.field_bytes), separators=(",", ":"))
+        if self.security is not None:
+            self.security.note_sent(env.kind, round)
+        out = _Outgoing(topic=topic, payload=enc.payload, kind=env.kind.label, round=round, sender=env.sender,
+                        seq=env.seq, client=client, codec=codec_name, fields=fields, body_bytes=enc.body_bytes,
+                        raw_bytes=enc.raw_tensor_bytes, retain=retain,
+                        max_packet_bytes=max_packet_bytes if max_packet_bytes > 0 else _NO_LIMIT,
+                        chunk_bytes=min(chunk_bytes, self.chunk_bytes) if chunk_bytes > 0 else self.chunk_bytes)
+        self.last_payload = enc.payload
+        wire = self._deliver(out, wait_s)
+        # the payload as published (receipts carry its SHA-256)
+        return enc if wire is None or wire is enc.payload else dataclasses.replace(enc, payload=wire)
+
+    def _packet_limit(self, out: _Outgoing) -> tuple[int, int]:
+        """(packet limit in bytes, MQTT protocol level to size packets with) for ``out``."""
+        limits = [self.max_packet_bytes, out.max_packet_bytes, self.learned_max_packet_bytes or _NO_LIMIT]
+        known = getattr(self.transport, "max_packet_bytes", 0)
+        if isinstance(known, int) and known > 0:
+            limits.append(known)
+        protocol = self._protocol()
+        if out.max_packet_bytes < _NO_LIMIT:  # a recipient's own limit: it may speak MQTT 5, one byte more
+            protocol = MQTT_V5
+        return min(limits), protocol
+
+    def _protocol(self) -> int:
+        version = getattr(self.transport, "mqtt_version", MQTT_V311)
+        return version if version in (MQTT_V311, MQTT_V5) else MQTT_V311
+
+    @atomic
+    def _deliver(self, out: _Outgoing, wait_s: float | None) -> bytes | None:
+        """Publish ``out`` whole or chunked under its packet limit; returns the whole message's
+        wire payload (``None`` when chunked). A refusal raised by the transport is handled here
+        (sent again smaller, or failed loudly)."""
+        limit, protocol = self._packet_limit(out)
         sec = self.security
-        if sec is not None:
-            sec.note_sent(env.kind, round)
         seal_max = sec.max_overhead if sec is not None else 0
-        if not needs_chunking(topic, len(enc.payload) + seal_max, max_packet_bytes=self.max_packet_bytes,
-                              chunk_bytes=self.chunk_bytes, qos=self.qos):
-            wire, sig_b, enc_b = enc.payload, 0, 0
+        out.generation += 1
+        gen = out.generation
+        chunked = out.force_chunks or needs_chunking(out.topic, len(out.payload) + seal_max, max_packet_bytes=limit,
+                                                     chunk_bytes=out.chunk_bytes, qos=self.qos, protocol=protocol)
+        if not chunked:
+            wire, sig_b, enc_b = out.payload, 0, 0
             if sec is not None:
-                sealed = sec.seal(topic, enc.payload)
+                sealed = sec.seal(out.topic, out.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
-            self.transport.publish(topic, wire, qos=self.qos, retain=retain, wait_s=wait_s)
-            self._record(topic, "sent", env.kind.label, round, env.sender, env.seq, client=client,
-                         payload_bytes=len(wire), body_bytes=enc.body_bytes, qos=self.qos,
-                         retain=retain, codec=codec_name, raw_bytes=enc.raw_tensor_bytes, fields=fields,
-                         sig_bytes=sig_b, enc_bytes=enc_b)
-            # the payload as published (receipts carry its SHA-256)
-            return enc if wire is enc.payload else dataclasses.replace(enc, payload=wire)
-        budget = self.chunk_bytes
-        if self.max_packet_bytes < _NO_LIMIT:
-            budget = min(budget, chunk_data_budget(topic, self.max_packet_bytes, qos=self.qos,
-                                                   sender=self.node_id, round=round) - seal_max)
-        if budget < 1:
-            raise FieldError(f"max_packet_bytes {self.max_packet_bytes} leaves no room for chunk data on {topic}",
-                             field="max_packet_bytes")
-        chunks = split(enc.payload, chunk_bytes=budget)
+            try:
+                handle = self.transport.publish(out.topic, wire, qos=self.qos, retain=out.retain, wait_s=wait_s)
+            except PublishRefused as exc:
+                self._record(out.topic, "message", out.kind, out.round, out.sender, out.seq, client=out.client,
+                             payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
+                             codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, reason=exc.reason[:500],
+                             sig_bytes=sig_b, enc_bytes=enc_b, delivery="refused")
+                self.refused += 1
+                self._refused_again(out, gen, exc.packet_bytes or self._size(out.topic, len(wire)), exc.limit_bytes,
+                                    exc.reason, wait_s, sent=False)
+                return wire
+            row = self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
+                               payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
+                               codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
+                               enc_bytes=enc_b, delivery="handed")
+            out.packet_bytes = self._size(out.topic, len(wire))
+            self._track(handle, row, out, gen)
+            return wire
+        budget = out.chunk_bytes
+        if limit < _NO_LIMIT:
+            try:
+                budget = min(budget, chunk_data_budget(out.topic, limit, qos=self.qos, sender=self.node_id,
+                                                       round=out.round, protocol=protocol) - seal_max)
+            except ValueError:
+                budget = 0
+        if budget < (MIN_CHUNK_DATA if out.tries else 1):
+            why = (f"{self.node_id}: {out.kind} of round {out.round} ({len(out.payload):,} bytes) on {out.topic} "
+                   f"cannot be sent: max_packet_bytes {limit:,} leaves no room for chunk data "
+                   f"({max(budget, 0)} bytes; at least {MIN_CHUNK_DATA} needed after a refusal)")
+            if not out.tries:
+                raise FieldError(why, field="max_packet_bytes")
+            self._undeliverable(out, why)
+            if wait_s is not None:
+                raise PublishRefused(why, topic=out.topic, reason=why, limit_bytes=limit)
+            return None
+        chunks = split(out.payload, chunk_bytes=budget)
         tid = chunks[0].transfer_id
-        self.cache.put(tid, chunks, meta=(topic, round, env.kind.label, client))
-        self._record(topic, "message", env.kind.label, round, env.sender, env.seq, client=client,
-                     payload_bytes=len(enc.payload), body_bytes=enc.body_bytes, qos=self.qos, retain=False,
-                     codec=codec_name, raw_bytes=enc.raw_tensor_bytes, fields=fields, transfer_id=tid.hex(),
+        if out.transfer_id is not None:
+            self.cache.discard(out.transfer_id)  # replaced: its chunks are not sent again on resend requests
+        out.transfer_id = tid
+        self.cache.put(tid, chunks, meta=(out.topic, out.round, out.kind, out.client))
+        self._record(out.topic, "message", out.kind, out.round, out.sender, out.seq, client=out.client,
+                     payload_bytes=len(out.payload), body_bytes=out.body_bytes, qos=self.qos, retain=False,
+                     codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, transfer_id=tid.hex(),
                      chunk_count=len(chunks))
-        self._publish_chunks(chunks, topic, round, env.kind.label, client, wait_s)
-        return enc
+        out.packet_bytes = 0
+        try:
+            self._publish_chunks(chunks, out.topic, out.round, out.kind, out.client, wait_s, track=(out, gen))
+        except PublishRefused as exc:
+            self.refused += 1
+            self._refused_again(out, gen, exc.packet_bytes, exc.limit_bytes, exc.reason, wait_s, sent=False)
+        return None
 
     def encoded_size(self, body: Body, codec: Any = None, extra_codecs: Mapping[str, Any] | None = None) -> int:
         """Payload bytes ``body`` would take (for link emulation; encodes once, sends nothing)."""
@@ -293,7 +422,7 @@ class Channel:
 
     @atomic
     def _publish_chunks(self, chunks: list[Chunk], topic: str, round: int, kind_label: str, client: str,
-                        wait_s: float | None) -> None:
+                        wait_s: float | None, track: tuple[_Outgoing, int] | None = None) -> None:
         for c in chunks:
             cenv = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=c, timestamp_ms=now_ms())
             cenc = encode(cenv)
@@ -301,11 +430,117 @@ class Channel:
             if self.security is not None:  # each chunk is sealed on its own (protocol.security)
                 sealed = self.security.seal(topic, cenc.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
-            self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
-            self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
-                         payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
-                         transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
-                         sig_bytes=sig_b, enc_bytes=enc_b)
+            handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
+            row = self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
+                               payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
+                               transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
+                               sig_bytes=sig_b, enc_bytes=enc_b, delivery="handed")
+            if track is not None:
+                track[0].packet_bytes = max(track[0].packet_bytes, self._size(topic, len(wire)))
+            self._track(handle, row, track[0] if track else None, track[1] if track else 0)
+
+    # ------------------------------------------------------------------ delivery outcomes
+
+    def _size(self, topic: str, payload_bytes: int) -> int:
+        return publish_size(topic, payload_bytes, self.qos, protocol=self._protocol()).packet_bytes
+
+    def _track(self, handle: object, row: int, out: _Outgoing | None, gen: int) -> None:
+        """Remember which ledger row (and outgoing message) a transport handle belongs to, and
+        apply an outcome that arrived before this call (a fast PUBACK)."""
+        if handle is None or self.qos == 0 or not hasattr(self.transport, "set_delivery_listener"):
+            return
+        with self._delivery_lock:
+            early = self._early_outcomes.pop(id(handle), None)
+            if early is not None and early[0] is handle:
+                outcome, reason = early[1], early[2]
+            else:
+                if out is not None:
+                    out.pending += 1
+                self._handles[id(handle)] = (handle, row, out, gen)
+                return
+        self._outcome(row, out, gen, outcome, reason, counted=False)
+
+    def _on_delivery(self, handle: object, outcome: str, reason: str) -> None:
+        """The transport's delivery listener (network thread): note the outcome on the row."""
+        with self._delivery_lock:
+            entry = self._handles.pop(id(handle), None)
+            if entry is None or entry[0] is not handle:
+                if entry is not None:  # another handle with a reused id: keep it
+                    self._handles[id(handle)] = entry
+                if len(self._early_outcomes) > 10_000:
+                    self._early_outcomes.clear()
+                self._early_outcomes[id(handle)] = (handle, outcome, reason)
+                return
+        _, row, out, gen = entry
+        self._outcome(row, out, gen, outcome, reason, counted=True)
+
+    def _outcome(self, row: int, out: _Outgoing | None, gen: int, outcome: str, reason: str, *,
+                 counted: bool) -> None:
+        if outcome == "acked":
+            self.acked += 1
+        else:
+            self.refused += 1
+        if self.ledger is not None and row:
+            try:
+                self.ledger.set_delivery(row, "acked" if outcome == "acked" else "refused", reason)
+            except LedgerError as exc:  # never break the network thread; the row keeps "handed"
+                log.warning("%s: delivery of ledger row %d not recorded: %s", self.node_id, row, exc)
+        if out is None:
+            return
+        with self._delivery_lock:
+            if counted:
+                out.pending -= 1
+            if outcome != "acked" and gen == out.generation and not out.refusal_queued:
+                out.refusal_queued = True
+                self._refusal_queue.append((out, gen, reason))
+
+    def _handle_refusals(self) -> None:
+        """Send again (smaller) every message refused since the last call (caller's thread)."""
+        while self._refusal_queue:
+            with self._delivery_lock:
+                if not self._refusal_queue:
+                    return
+                out, gen, reason = self._refusal_queue.popleft()
+                out.refusal_queued = False
+            if gen == out.generation:
+                self._refused_again(out, gen, out.packet_bytes, 0, reason, None, sent=True)
+
+    def _refused_again(self, out: _Outgoing, gen: int, packet_bytes: int, limit_bytes: int, reason: str,
+                       wait_s: float | None, *, sent: bool) -> None:
+        """``out`` (its generation ``gen``) was refused: send it again as chunks of packets of at
+        most half of ``packet_bytes`` (and under ``limit_bytes`` when known), or fail loudly."""
+        helps = not any(code in reason for code in _FINAL_REFUSALS)
+        if not helps or out.tries >= MAX_REFUSAL_RESENDS:
+            why = (f"{self.node_id}: {out.kind} of round {out.round} ({len(out.payload):,} bytes) on {out.topic} "
+                   f"refused by the broker{' again' if out.tries else ''}: {reason}; "
+                   + ("smaller packets cannot help" if not helps else
+                      f"not sent again after {out.tries} chunked re-sends (last packets ≤ {packet_bytes:,} bytes)"))
+            self._undeliverable(out, why)
+            if wait_s is not None:
+                raise PublishRefused(why, topic=out.topic, reason=reason, packet_bytes=packet_bytes,
+                                     limit_bytes=limit_bytes)
+            return
+        new_limit = max(1, packet_bytes // 2)
+        if limit_bytes:
+            new_limit = min(new_limit, limit_bytes)
+        prev = self.learned_max_packet_bytes
+        self.learned_max_packet_bytes = new_limit if not prev else min(prev, new_limit)
+        out.tries += 1
+        out.force_chunks = True
+        out.max_packet_bytes = min(out.max_packet_bytes, new_limit)
+        self.resent_after_refusal += 1
+        log.warning("%s: %s of round %d (%d bytes) %s by the broker (%s): sending it again in packets of at most "
+                    "%d bytes (%d/%d)", self.node_id, out.kind, out.round, len(out.payload),
+                    "refused" if sent else "not taken", reason, out.max_packet_bytes, out.tries, MAX_REFUSAL_RESENDS)
+        self._deliver(out, wait_s)
+
+    def _undeliverable(self, out: _Outgoing, why: str) -> None:
+        self.undeliverable += 1
+        self.undeliverable_reasons.append(why)
+        del self.undeliverable_reasons[:-20]
+        log.error("%s", why)
+        self._record(out.topic, "message", "undeliverable", out.round, out.sender, out.seq, client=out.client,
+                     payload_bytes=0, body_bytes=0, qos=self.qos, retain=False, reason=why[:500])
 
     # ------------------------------------------------------------------ receiving
 
@@ -466,7 +701,7 @@ class Channel:
         return dataclasses.replace(rejected, kind=header[0], round=header[1], sender=header[2], seq=header[3],
                                    sha256=payload_sha256(inc.payload))
 
-    def refused(self, rec: Received, reason: str) -> None:
+    def record_refusal(self, rec: Received, reason: str) -> None:
         """Record that a decoded message was refused by its consumer (an update that does not fit
         the model, a join of another model …): its ``received`` ledger row becomes a ``rejected``
         row with ``reason`` (a chunked transfer's logical ``message`` row gets the reason; its
@@ -544,7 +779,9 @@ class Channel:
         self._publish_chunks(chunks, topic, round, kind_label, client, None)
 
     def _maintain(self) -> None:
-        """Ask for missing chunks of stalled transfers; drop and report expired ones."""
+        """Send refused messages again; ask for missing chunks of stalled transfers; drop and
+        report expired ones."""
+        self._handle_refusals()
         now = time.monotonic()
         if now - self._last_maintain < 0.2:
             return
@@ -602,8 +839,10 @@ class Channel:
                 seq: int | None, *, client: str, payload_bytes: int, body_bytes: int, qos: int,
                 retain: bool, codec: str = "", reason: str = "", raw_bytes: int = 0, fields: str = "",
                 transfer_id: str | None = None, chunk_index: int | None = None,
-                chunk_count: int | None = None, sig_bytes: int = 0, enc_bytes: int = 0) -> None:
-        size = publish_size(topic, payload_bytes, qos)
+                chunk_count: int | None = None, sig_bytes: int = 0, enc_bytes: int = 0,
+                delivery: str = "") -> int:
+        """Write one ledger row (and count its wire bytes); return its row id (0 without a ledger)."""
+        size = publish_size(topic, payload_bytes, qos, protocol=self._protocol())
         direction = "down" if "/down/" in topic else "up"
         # a chunked transfer is pipelined (QoS 1 in flight): one round trip per transfer, not per chunk
         link_s = (self.link_time(size.packet_bytes, direction, chunk_index in (None, 0))
@@ -614,15 +853,15 @@ class Channel:
             elif event != "message":
                 self.wire_bytes_received += size.packet_bytes
         if self.ledger is None:
-            return
-        self.ledger.record(LedgerRow(
+            return 0
+        return self.ledger.record(LedgerRow(
             federation=self.federation, side=self.side, node=self.node_id, event=event, direction=direction,
             kind=kind, round=round, client=client, sender=sender, seq=seq, topic=topic,
             topic_bytes=size.topic_bytes, mqtt_header_bytes=size.header_bytes,
             envelope_bytes=payload_bytes - body_bytes - sig_bytes - enc_bytes, body_bytes=body_bytes,
             payload_bytes=payload_bytes, qos=qos, retained=retain, codec=codec, reason=reason, raw_bytes=raw_bytes,
             fields=fields, transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count, link_s=link_s,
-            sig_bytes=sig_bytes, enc_bytes=enc_bytes))
+            sig_bytes=sig_bytes, enc_bytes=enc_bytes, delivery=delivery))
 
 
 def _answerable_header(payload: bytes, info: topics.TopicInfo, sender: str | None) -> tuple[Kind, int, str, int] | None:
@@ -638,6 +877,12 @@ def _answerable_header(payload: bytes, info: topics.TopicInfo, sender: str | Non
 
 
 _NO_LIMIT = 1 << 62
+MAX_REFUSAL_RESENDS = 6
+"""Chunked re-sends of one refused message (each with packets of at most half the refused size)."""
+MIN_CHUNK_DATA = 64
+"""Smallest chunk data (bytes) a re-send after a refusal uses; below it the message fails loudly."""
+_FINAL_REFUSALS = ("0x87", "0x90", "0x91", "0x99")
+"""PUBACK reason codes that smaller packets cannot help (not authorised, bad topic, packet id, payload format)."""
 MAX_RESEND = 4096
 """Most chunk indices asked for in one ``resend``."""
 

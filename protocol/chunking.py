@@ -392,7 +392,8 @@ class Reassembler:
             late duplicates of a finished transfer are ignored (1024).
         max_sender_transfers: transfers in progress at once from one sender, so that one peer
             cannot hold all of ``max_transfers``/``max_bytes`` until its transfers expire
-            (``None``: no per-sender bound).
+            (``None``: no per-sender bound). A new transfer from a sender at its bound drops that
+            sender's stalest one (reported by :meth:`expire` as incomplete).
 
     Attributes:
         completed: transfers reassembled and verified.
@@ -508,10 +509,16 @@ class Reassembler:
             self._refuse(key, f"{len(self._transfers)} transfers already in progress (max_transfers "
                               f"{self.max_transfers})", None)
         if self.max_sender_transfers is not None:
-            mine = sum(1 for sender, _ in self._transfers if sender == key[0])
-            if mine >= self.max_sender_transfers:
-                self._refuse(key, f"{mine} transfers from {key[0]!r} already in progress (max_sender_transfers "
-                                  f"{self.max_sender_transfers})", None)
+            mine = [(t.last_s, k) for k, t in self._transfers.items() if k[0] == key[0]]
+            if len(mine) >= self.max_sender_transfers:
+                # the sender's stalest transfer gives way (it only ever holds its own slots): a sender
+                # that replaced a transfer (sent it again in smaller chunks after a broker refused
+                # it) must not be locked out until the abandoned one expires
+                _, stale = min(mine)
+                old = self._transfers.pop(stale)
+                self._buffered -= old.total_bytes
+                self.expired += 1
+                self._dropped.append(old.record(stale[0], stale[1], now))
         if self._buffered + total > self.max_bytes:
             self._refuse(key, f"transfer of {total} bytes would exceed max_bytes {self.max_bytes} "
                               f"({self._buffered} buffered)", "body.total_bytes")
@@ -679,6 +686,13 @@ class TransferCache:
                     taken.add(i)
                     out.append(c)
             return out
+
+    def discard(self, transfer_id: bytes) -> None:
+        """Forget a transfer (one the sender replaced, say); unknown ids are ignored."""
+        with self._lock:
+            old = self._items.pop(bytes(transfer_id), None)
+            if old is not None:
+                self._bytes -= old.data_bytes
 
     def meta(self, transfer_id: bytes) -> Any:
         """The ``meta`` given to :meth:`put` for a cached transfer (``None`` when unknown)."""

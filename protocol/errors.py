@@ -22,8 +22,10 @@ failures are a separate branch because the caller's remedy differs (retry, recon
     └── TransportError                    MQTT connection / publish failure
         ├── ConnectError                  the broker refused or did not answer CONNECT
         ├── PublishTimeout                a QoS 1 publish was not acknowledged in time
-        └── OfflineBufferFull             too many unacknowledged messages are waiting (link down):
-                                          back off and send again later; nothing was queued
+        ├── OfflineBufferFull             too many unacknowledged messages are waiting (link down):
+        │                                 back off and send again later; nothing was queued
+        └── PublishRefused                the broker refused a PUBLISH (PUBACK reason code >= 0x80,
+                                          or it closed the connection each time the packet was sent)
 
 Context is kept as attributes (``field``, ``topic``, ``client_id``) so that logs and ledger rows
 can name what was wrong without parsing the message text.
@@ -131,6 +133,25 @@ class ConnectError(TransportError):
 
 class PublishTimeout(TransportError):
     """A QoS 1 PUBLISH was not acknowledged (PUBACK) within the timeout."""
+
+
+class PublishRefused(TransportError):
+    """The broker refused a PUBLISH: an MQTT 5 PUBACK with a reason code >= 0x80, a packet above
+    the broker's known maximum packet size (not sent), or a packet the broker closed the
+    connection for each time it was sent (``notes/mqtt-transport-study.md`` §2.4).
+
+    Attributes:
+        reason: the broker's reason (``"Packet too large (0x95)"``) or the transport's finding.
+        packet_bytes: size of the refused PUBLISH packet (bytes).
+        limit_bytes: the broker's maximum packet size as known when refused (bytes), 0 if unknown.
+    """
+
+    def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None,
+                 reason: str = "", packet_bytes: int = 0, limit_bytes: int = 0) -> None:
+        super().__init__(message, client_id=client_id, topic=topic)
+        self.reason = reason
+        self.packet_bytes = packet_bytes
+        self.limit_bytes = limit_bytes
 
 
 class OfflineBufferFull(TransportError):

@@ -34,6 +34,15 @@ transfer_id           hex id of a chunked transfer; ``chunk_index``/``chunk_coun
                       fields and codec; those bytes are already counted by the chunk rows.
 ====================  ==========================================================================
 
+``delivery`` (schema 5) says what became of a PUBLISH this side sent (``event='sent'`` rows):
+``handed`` (given to the MQTT client; QoS 0, or no answer yet), ``acked`` (the broker's PUBACK
+accepted it), ``refused`` (a PUBACK reason code >= 0x80, a packet above the broker's known limit
+that was not sent, or one the broker closed the connection for; ``reason`` says which and names
+the limit). It is ``''`` on every other row. A refused message is sent again as a chunked
+transfer below the limit (new rows) or fails loudly. Rows of a message refused *before* it was
+sent (above a known limit) count no wire bytes: their ``mqtt_header_bytes``, ``topic_bytes`` and
+``payload_bytes`` are kept, but ``event`` is ``'message'``.
+
 Rows with ``reason='control'`` are MQTT control packets (CONNECT, CONNACK, SUBSCRIBE, SUBACK,
 PUBACK, PINGREQ, PINGRESP, DISCONNECT, and PUBLISH retransmissions as ``PUBLISH-DUP``): their
 whole packet size is in ``mqtt_header_bytes``.
@@ -63,7 +72,7 @@ SIGKILL included; only a power loss can take the last commits). Durability (issu
   :func:`ledger_closed_cleanly`.
 
 Schema versions: 1 (first cut), 2 (``message`` event, raw/field/chunk columns), 3 (``link_s``),
-4 (``sig_bytes``, ``enc_bytes``). Opening an older file for writing migrates it in place (new
+4 (``sig_bytes``, ``enc_bytes``), 5 (``delivery``). Opening an older file for writing migrates it in place (new
 columns read 0 in old rows); a newer file is refused.
 """
 
@@ -83,7 +92,7 @@ from pathlib import Path
 
 from .errors import LedgerError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +135,8 @@ CREATE TABLE IF NOT EXISTS messages (
     chunk_count INTEGER,
     link_s REAL NOT NULL DEFAULT 0,
     sig_bytes INTEGER NOT NULL DEFAULT 0,
-    enc_bytes INTEGER NOT NULL DEFAULT 0
+    enc_bytes INTEGER NOT NULL DEFAULT 0,
+    delivery TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_round ON messages (round);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -165,6 +175,7 @@ class LedgerRow:
     link_s: float = 0.0
     sig_bytes: int = 0
     enc_bytes: int = 0
+    delivery: str = ""
     ts: float = 0.0
 
     @property
@@ -218,7 +229,11 @@ _ADDED_COLUMNS = (
     ("link_s", "REAL NOT NULL DEFAULT 0"),
     ("sig_bytes", "INTEGER NOT NULL DEFAULT 0"),
     ("enc_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("delivery", "TEXT NOT NULL DEFAULT ''"),
 )
+
+#: Values of the ``delivery`` column of a ``sent`` row (``''`` on other rows).
+DELIVERIES = ("handed", "acked", "refused")
 _INSERT = f"INSERT INTO messages ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
 
 
@@ -376,8 +391,9 @@ class Ledger:
             if self._db is not None and self._pending:
                 self._commit()
 
-    def record(self, row: LedgerRow) -> None:
-        """Append one row (``ts`` is filled with the current time when 0).
+    def record(self, row: LedgerRow) -> int:
+        """Append one row (``ts`` is filled with the current time when 0); return its row id
+        (for :meth:`set_delivery`).
 
         Raises:
             LedgerError: SQLite refused the row.
@@ -392,17 +408,43 @@ class Ledger:
                 raise LedgerError(f"cannot write ledger row ({row.kind}, {row.topic}): {self.path} is closed "
                                   "(a connection outlived its run?)")
             try:
-                self._db.execute(_INSERT, [values[c] for c in _COLUMNS])
+                row_id = int(self._db.execute(_INSERT, [values[c] for c in _COLUMNS]).lastrowid or 0)
                 self._pending += 1
                 if (self._pending >= self._batch or (row.event, row.kind) in COMMIT_AT_ONCE
                         or time.monotonic() - self._last_commit >= self._interval):
                     self._commit()
-                    return
+                    return row_id
             except sqlite3.Error as exc:
                 raise LedgerError(f"cannot write ledger row ({row.kind}, {row.topic}): {exc}") from exc
             finally:
                 self.write_s += time.perf_counter() - t0
             if self._pending == 1:  # the first row since the last commit: it is due one interval from now
+                _committer.due(self._token, self, time.monotonic() + self._interval)
+            return row_id
+
+    def set_delivery(self, row_id: int, delivery: str, reason: str = "") -> None:
+        """Set the ``delivery`` of the ``sent`` row ``row_id`` (:data:`DELIVERIES`); a non-empty
+        ``reason`` replaces the row's. A no-op on a closed ledger (a PUBACK after the close).
+
+        Raises:
+            ValueError: ``delivery`` not one of :data:`DELIVERIES`.
+            LedgerError: SQLite refused the update.
+        """
+        if delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}, not {delivery!r}")
+        with self._lock:
+            if self._db is None:
+                return
+            try:
+                if reason:
+                    self._db.execute("UPDATE messages SET delivery = ?, reason = ? WHERE id = ?",
+                                     (delivery, reason[:500], row_id))
+                else:
+                    self._db.execute("UPDATE messages SET delivery = ? WHERE id = ?", (delivery, row_id))
+                self._pending += 1
+            except sqlite3.Error as exc:
+                raise LedgerError(f"cannot update ledger row {row_id}: {exc}") from exc
+            if self._pending == 1:
                 _committer.due(self._token, self, time.monotonic() + self._interval)
 
     @property

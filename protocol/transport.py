@@ -5,9 +5,23 @@ This is the only module that touches a socket. It knows nothing of message kinds
 
 Design rules (``notes/mqtt-transport-study.md``):
 
-* paho-mqtt 2.x, ``CallbackAPIVersion.VERSION2``, MQTT 3.1.1, clean sessions, ``loop_start()``:
-  the network loop runs on paho's own thread, so training on the caller's thread never starves
-  keepalive.
+* paho-mqtt 2.x, ``CallbackAPIVersion.VERSION2``, clean sessions, ``loop_start()``: the network
+  loop runs on paho's own thread, so training on the caller's thread never starves keepalive.
+* MQTT 5 where the broker speaks it, else MQTT 3.1.1 (``mqtt_version="auto"``, the default: a
+  broker that refuses the MQTT 5 CONNECT, or leaves it unanswered for :data:`V5_TRIAL_S`, as amqtt
+  0.12.1 does, is connected to again with 3.1.1, and later transports of the process to the same
+  address go to 3.1.1 at once);
+  ``"5"`` or ``"3.1.1"`` forces one. Under MQTT 5 the transport advertises its own Maximum Packet
+  Size in CONNECT (``receive_max_packet_bytes``), reads the broker's from CONNACK
+  (:attr:`MqttTransport.broker_max_packet_bytes`) and takes a PUBACK reason code >= 0x80 as a
+  refusal with its reason.
+* Size limits never loop: a PUBLISH above the broker's known Maximum Packet Size is refused before
+  it is sent (:class:`~protocol.errors.PublishRefused`, naming the limit), and a QoS 1 PUBLISH the
+  broker closes the connection for :data:`OVERSIZE_STRIKES` times (an MQTT 3.1.1 broker with
+  ``max_packet_size``, which says nothing) is taken out of paho's queue, reported refused, and the
+  limit is taken to be at most half its size (:attr:`MqttTransport.inferred_max_packet_bytes`).
+  Each outcome reaches the delivery listener (:meth:`MqttTransport.set_delivery_listener`):
+  ``acked`` on a successful PUBACK, ``refused`` with the reason otherwise.
 * ``on_message`` only enqueues ``(topic, payload)``; all decoding happens on the consumer's thread.
 * Subscriptions are renewed in ``on_connect``, so a reconnect after a broker restart resumes
   without relying on broker sessions.
@@ -38,13 +52,53 @@ except ImportError as exc:  # the codec works without paho; only the MQTT transp
                       f"protocol.tensors, protocol.chunking, protocol.channel) works without it",
                       name="paho") from exc
 
-from .errors import ConnectError, OfflineBufferFull, PublishTimeout, TransportError
+from .errors import ConnectError, OfflineBufferFull, PublishRefused, PublishTimeout, TransportError
+from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
 from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
 from .transport_tls import tls_context
 
-__all__ = ["PACKET_TYPES", "Incoming", "MqttTransport", "PacketEvent", "Transport", "Will", "tls_context"]
+__all__ = ["MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "Incoming", "MqttTransport", "PacketEvent",
+           "Transport", "Will", "parse_mqtt_version", "tls_context"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds an MQTT 5 CONNECT may wait for its CONNACK before ``auto`` tries MQTT 3.1.1.
+V5_TRIAL_S = 5.0
+
+#: (host, port) of brokers that refused MQTT 5 in this process: ``auto`` goes to 3.1.1 at once.
+_V311_ONLY: set[tuple[str, int]] = set()
+
+#: Accepted values of ``mqtt_version``: ``auto`` (MQTT 5, else 3.1.1), ``5``, ``3.1.1``.
+MQTT_VERSIONS = ("auto", "5", "3.1.1")
+
+#: Connections the broker may close while one QoS 1 PUBLISH waits for its PUBACK before that
+#: PUBLISH is taken for one above the broker's packet limit and refused (never re-sent whole again).
+OVERSIZE_STRIKES = 2
+
+#: MQTT 5 reason codes a PUBACK may carry as a refusal (§3.4.2.1), with their names; Mosquitto
+#: 2.0 also sends 0x95 (Packet too large, a DISCONNECT code) for a message over
+#: ``message_size_limit``, which paho would take for a protocol error.
+PUBACK_REFUSALS = {0x80: "Unspecified error", 0x83: "Implementation specific error", 0x87: "Not authorized",
+                   0x90: "Topic Name invalid", 0x91: "Packet Identifier in use", 0x95: "Packet too large",
+                   0x97: "Quota exceeded", 0x99: "Payload format invalid"}
+_PUBACK_VALID = frozenset(PUBACK_REFUSALS) - {0x95}
+
+
+def parse_mqtt_version(value: str | int) -> str:
+    """Normalise an MQTT version choice: ``"auto"``, ``"5"`` or ``"3.1.1"`` (``5``, ``"v5"``,
+    ``"5.0"``, ``4``, ``"311"``, ``"v3.1.1"`` are accepted spellings).
+
+    Raises:
+        ValueError: any other value (the message lists the accepted ones).
+    """
+    text = str(value).strip().lower().removeprefix("v").removeprefix("mqtt")
+    if text in ("auto", ""):
+        return "auto"
+    if text in ("5", "5.0"):
+        return "5"
+    if text in ("3.1.1", "311", "4"):
+        return "3.1.1"
+    raise ValueError(f"MQTT version {value!r}: expected one of {', '.join(MQTT_VERSIONS)}")
 
 
 def _published(info: mqtt.MQTTMessageInfo) -> bool:
@@ -56,6 +110,12 @@ def _published(info: mqtt.MQTTMessageInfo) -> bool:
     except (RuntimeError, ValueError):
         with info._condition:  # paho-mqtt 2.x: set by the PUBACK handler
             return bool(info._published)
+
+
+def _unsupported_version(refusal: str | None) -> bool:
+    """Whether a CONNACK refusal text says the protocol level was not accepted (MQTT 5 0x84, or
+    the 3.1.1 return code 1 an MQTT 3.1.1-only broker such as amqtt answers an MQTT 5 CONNECT with)."""
+    return refusal is not None and ("0x84" in refusal or "0x01" in refusal or "protocol version" in refusal.lower())
 
 
 class _CountingClient(mqtt.Client):
@@ -71,6 +131,7 @@ class _CountingClient(mqtt.Client):
         self._fedfleet_on_packet = on_packet
         self.socket_bytes_out = 0
         self.socket_bytes_in = 0
+        self.puback_codes: dict[int, int] = {}  # mid -> reason code >= 0x80 of its MQTT 5 PUBACK
 
     def _packet_queue(self, command, packet, mid, qos, info=None):
         first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
@@ -84,6 +145,12 @@ class _CountingClient(mqtt.Client):
         size = 1 + (1 if rl < 128 else 2 if rl < 16_384 else 3 if rl < 2_097_152 else 4) + rl
         self._fedfleet_on_packet(PacketEvent("in", PACKET_TYPES.get(ip["command"] >> 4, "?"), size,
                                              bool(ip["command"] & 0x08) and ip["command"] >> 4 == 3))
+        if ip["command"] >> 4 == 4 and self._protocol == mqtt.MQTTv5 and len(ip["packet"]) >= 3:
+            code = ip["packet"][2]
+            if code >= 0x80:  # a refusal: remembered for on_publish; a code paho rejects becomes 0x80
+                self.puback_codes[int.from_bytes(ip["packet"][:2], "big")] = code
+                if code not in _PUBACK_VALID:
+                    ip["packet"] = bytearray(ip["packet"][:2]) + b"\x80" + ip["packet"][3:]
         return super()._packet_handle()
 
     def _sock_send(self, buf):
@@ -129,18 +196,32 @@ class MqttTransport:
                  tls_key: str | None = None, keepalive_s: int = 30, will: Will | None = None,
                  max_queue: int = 100_000, max_buffered_messages: int = 1000,
                  max_buffered_bytes: int = 256 * 1024 * 1024, tls: bool = False, tls_check_time: bool = True,
-                 clock_skew_s: float = 300.0) -> None:
+                 clock_skew_s: float = 300.0, mqtt_version: str = "auto", receive_max_packet_bytes: int = 0) -> None:
         self.client_id = client_id
         self.host, self.port = host, port
         self.keepalive_s = keepalive_s
+        self.mqtt_choice = parse_mqtt_version(mqtt_version)
+        if receive_max_packet_bytes < 0:
+            raise ValueError(f"receive_max_packet_bytes must be >= 0 (0: no limit), got {receive_max_packet_bytes}")
+        self.receive_max_packet_bytes = receive_max_packet_bytes
+        #: MQTT protocol level in use: 5 or 4 (3.1.1); settled by :meth:`connect`
+        self.mqtt_version = (MQTT_V311 if self.mqtt_choice == "3.1.1" or (self.mqtt_choice == "auto"
+                             and (host, port) in _V311_ONLY) else MQTT_V5)
+        #: the broker's Maximum Packet Size from its MQTT 5 CONNACK (bytes), 0 when it announced none
+        self.broker_max_packet_bytes = 0
+        #: the limit inferred from PUBLISHes the broker closed the connection for (bytes), 0: none
+        self.inferred_max_packet_bytes = 0
+        self.refused = 0
         self._filters: dict[str, int] = {}
         self._queue: queue.Queue[Incoming] = queue.Queue(maxsize=max_queue)
         self._connected = threading.Event()
         self._closed = False
         self._refused: str | None = None
+        self._closed_before_connack = False
         self.connects = 0
         self.disconnects = 0
         self._packet_listener: Callable[[PacketEvent], None] | None = None
+        self._delivery_listener: Callable[[object, str, str], None] | None = None
         self._connect_listeners: list[Callable[[int], None]] = []
         self.max_buffered_messages = max_buffered_messages
         self.max_buffered_bytes = max_buffered_bytes
@@ -149,23 +230,40 @@ class MqttTransport:
         self._buffer_lock = threading.Lock()
         self._early_packets: list[PacketEvent] = []
         self._packet_lock = threading.Lock()
-        c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
-                            protocol=mqtt.MQTTv311, clean_session=True, on_packet=self._on_packet)
-        c.reconnect_delay_set(min_delay=1, max_delay=8)
-        c.max_inflight_messages_set(20)
-        if username is not None:
-            c.username_pw_set(username, password)
+        # id(info) -> (info, why the broker refused it); the info is held so that its id is not reused
+        self._refusals: dict[int, tuple[mqtt.MQTTMessageInfo, PublishRefused]] = {}
+        # id(info) -> (info, connections the broker closed while it awaited its PUBACK)
+        self._strikes: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
+        self._bytes_before = (0, 0)  # socket bytes of clients replaced by a protocol fallback
+        self._withdraw: tuple[int, int, str] | None = None  # (strikes, packet bytes, why) to withdraw at CONNACK
+        self._username, self._password, self._will = username, password, will
         self._tls: ssl.SSLContext | None = None
         if tls or tls_ca is not None or tls_cert is not None:
             self._tls = tls_context(ca_file=tls_ca, cert_file=tls_cert, key_file=tls_key,
                                     check_time=tls_check_time, clock_skew_s=clock_skew_s)
+        self._client = self._make_client(self.mqtt_version)
+
+    def _make_client(self, version: int) -> _CountingClient:
+        """A paho client for protocol level ``version`` (5 or 4) with this transport's settings."""
+        if version == MQTT_V5:
+            c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                                protocol=mqtt.MQTTv5, on_packet=self._on_packet)
+        else:
+            c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                                protocol=mqtt.MQTTv311, clean_session=True, on_packet=self._on_packet)
+        c.reconnect_delay_set(min_delay=1, max_delay=8)
+        c.max_inflight_messages_set(20)
+        if self._username is not None:
+            c.username_pw_set(self._username, self._password)
+        if self._tls is not None:
             c.tls_set_context(self._tls)
-        if will is not None:
-            c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        if self._will is not None:
+            c.will_set(self._will.topic, self._will.payload, qos=self._will.qos, retain=self._will.retain)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
-        self._client = c
+        c.on_publish = self._on_publish
+        return c
 
     # paho callbacks (network thread) ---------------------------------------------------------
 
@@ -195,14 +293,38 @@ class MqttTransport:
     @property
     def socket_bytes(self) -> tuple[int, int]:
         """(bytes written to, bytes read from) the socket so far, MQTT layer (before TLS)."""
-        return self._client.socket_bytes_out, self._client.socket_bytes_in
+        return (self._bytes_before[0] + self._client.socket_bytes_out,
+                self._bytes_before[1] + self._client.socket_bytes_in)
+
+    def set_delivery_listener(self, listener: Callable[[object, str, str], None]) -> None:
+        """Call ``listener(handle, outcome, reason)`` on paho's network thread for each QoS 1
+        PUBLISH the broker answered: ``outcome`` is ``"acked"`` (PUBACK, success) or ``"refused"``
+        (PUBACK reason code >= 0x80, or a packet the broker closed the connection for; ``reason``
+        says which and names the limit). ``handle`` is what :meth:`publish` returned. It must not
+        block: queue the work."""
+        self._delivery_listener = listener
+
+    @property
+    def max_packet_bytes(self) -> int:
+        """The broker's packet limit as this transport knows it (bytes): the smaller of its CONNACK
+        Maximum Packet Size and the inferred one; 0 when neither is known."""
+        known = [n for n in (self.broker_max_packet_bytes, self.inferred_max_packet_bytes) if n > 0]
+        return min(known) if known else 0
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
-            self._refused = str(reason_code)
-            log.warning("%s: broker refused connection: %s", self.client_id, reason_code)
+            self._refused = f"{reason_code} ({reason_code.value:#04x})"
+            trial = self.mqtt_choice == "auto" and self.mqtt_version == MQTT_V5 and not self.connects
+            (log.info if trial else log.warning)("%s: broker refused the MQTT %s connection: %s", self.client_id,
+                                                 "5" if self.mqtt_version == MQTT_V5 else "3.1.1", reason_code)
             return
+        limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+        if limit and limit != self.broker_max_packet_bytes:
+            self.broker_max_packet_bytes = int(limit)
+            log.info("%s: the broker takes PUBLISH packets of at most %d bytes (MQTT 5 CONNACK)", self.client_id,
+                     limit)
         self.connects += 1
+        self._withdraw_oversize(client)
         for flt, qos in self._filters.items():
             client.subscribe(flt, qos)
         self._connected.set()
@@ -213,10 +335,107 @@ class MqttTransport:
                 log.exception("%s: connect listener failed", self.client_id)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        was_connected = self._connected.is_set()
         self._connected.clear()
         self.disconnects += 1
+        if not was_connected and self.connects == 0:
+            self._closed_before_connack = True
         if not self._closed:
             log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
+            if was_connected:
+                self._strike(client, str(reason_code))
+
+    def _packet_size(self, msg: mqtt.MQTTMessage) -> int:
+        return publish_size(msg.topic, len(msg.payload), msg.qos, protocol=self.mqtt_version).packet_bytes
+
+    def _strike(self, client: _CountingClient, why: str) -> None:
+        """The broker closed a connection: count it against the largest QoS 1 PUBLISH that was
+        written on it and awaits its PUBACK; at :data:`OVERSIZE_STRIKES` the packet limit is taken
+        to be at most half its size, and that PUBLISH (with every other one above the limit) is
+        withdrawn from paho's queue at the next CONNACK, before paho re-sends (paho thread; paho
+        may be iterating its queue here, so nothing is removed now)."""
+        with client._out_message_mutex:
+            sent = [m for m in client._out_messages.values()
+                    if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback]
+            if not sent:
+                return
+            biggest = max(sent, key=self._packet_size)
+            key = id(biggest.info)
+            n = self._strikes.get(key, (biggest.info, 0))[1] + 1
+            self._strikes[key] = (biggest.info, n)
+            if n < OVERSIZE_STRIKES:
+                return
+            size = self._packet_size(biggest)
+            limit = size // 2
+            prev = self.inferred_max_packet_bytes
+            self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
+            self._withdraw = (n, size, why)
+
+    def _withdraw_oversize(self, client: _CountingClient) -> None:
+        """Take every QoS 1 PUBLISH above the inferred limit out of paho's queue and report it
+        refused (called from on_connect, before paho re-sends its queue)."""
+        if self._withdraw is None:
+            return
+        n, size, why = self._withdraw
+        self._withdraw = None
+        refused: list[tuple[mqtt.MQTTMessageInfo, PublishRefused]] = []
+        limit = self.inferred_max_packet_bytes
+        reason = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited its PUBACK "
+                  f"({why}): taken for a packet above its maximum packet size, now assumed to be at most "
+                  f"{limit:,} bytes")
+        with client._out_message_mutex:
+            for mid, m in list(client._out_messages.items()):
+                if m.qos > 0 and self._packet_size(m) > limit:
+                    client._out_messages.pop(mid)
+                    self._strikes.pop(id(m.info), None)
+                    msize = self._packet_size(m)
+                    refused.append((m.info, PublishRefused(
+                        f"{self.client_id}: {msize:,}-byte PUBLISH to {m.topic} refused: {reason}",
+                        client_id=self.client_id, topic=m.topic, reason=reason, packet_bytes=msize,
+                        limit_bytes=limit)))
+        log.error("%s: %d PUBLISH packet(s) of more than %d bytes withdrawn: the broker closed the connection %d "
+                  "times while a %d-byte one awaited its PUBACK (a maximum packet size it did not announce; declare "
+                  "the broker's limit in the configuration to chunk below it from the start)", self.client_id,
+                  len(refused), limit, n, size)
+        for info, exc in refused:
+            self._refuse(info, exc)
+
+    def _refuse(self, info: mqtt.MQTTMessageInfo, exc: PublishRefused) -> None:
+        self.refused += 1
+        if len(self._refusals) >= 10_000:  # the oldest refusals: their publishers have long been told
+            for k in list(self._refusals)[:1000]:
+                del self._refusals[k]
+        self._refusals[id(info)] = (info, exc)
+        listener = self._delivery_listener
+        if listener is not None:
+            try:
+                listener(info, "refused", exc.reason)
+            except Exception:  # a listener must never break paho's network thread
+                log.exception("%s: delivery listener failed", self.client_id)
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        msg = client._out_messages.get(mid)  # paho holds its out-message lock; popped after this call
+        if msg is None or msg.qos == 0:
+            return
+        info = msg.info
+        self._strikes.pop(id(info), None)
+        code = client.puback_codes.pop(mid, None)
+        if code is None and getattr(reason_code, "is_failure", False):
+            code = reason_code.value
+        if code is not None and code >= 0x80:
+            size = self._packet_size(msg)
+            reason = f"PUBACK reason code {code:#04x} ({PUBACK_REFUSALS.get(code, 'refused')})"
+            log.error("%s: the broker refused a %d-byte PUBLISH to %s: %s", self.client_id, size, msg.topic, reason)
+            self._refuse(info, PublishRefused(f"{self.client_id}: {size:,}-byte PUBLISH to {msg.topic} refused by "
+                                              f"the broker: {reason}", client_id=self.client_id, topic=msg.topic,
+                                              reason=reason, packet_bytes=size))
+            return
+        listener = self._delivery_listener
+        if listener is not None:
+            try:
+                listener(info, "acked", "")
+            except Exception:  # a listener must never break paho's network thread
+                log.exception("%s: delivery listener failed", self.client_id)
 
     def _on_message(self, client, userdata, msg) -> None:
         self._queue.put(Incoming(msg.topic, bytes(msg.payload), msg.qos, bool(msg.retain), time.monotonic()))
@@ -242,20 +461,69 @@ class MqttTransport:
         with probe:
             if self._tls is not None:  # a refused certificate says why now, not as "no CONNACK" later
                 self._tls_probe(probe)
+        deadline = time.monotonic() + timeout_s
+        if self.mqtt_choice == "auto" and self.mqtt_version == MQTT_V5:
+            try:  # amqtt may leave an MQTT 5 CONNECT unanswered: the trial is bounded
+                self._connect_once(MQTT_V5, min(deadline, time.monotonic() + V5_TRIAL_S), timeout_s)
+                return
+            except ConnectError as exc:
+                silent = self._refused is None and not self._closed_before_connack
+                if not silent and not self._closed_before_connack and not _unsupported_version(self._refused):
+                    raise
+                if silent and time.monotonic() >= deadline:
+                    raise
+                _V311_ONLY.add((self.host, self.port))
+                log.info("%s: the broker at %s:%d does not take MQTT 5 (%s); connecting with MQTT 3.1.1",
+                         self.client_id, self.host, self.port, self._refused or "closed before CONNACK")
+                del exc
+            old = self._client
+            self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
+                                  self._bytes_before[1] + old.socket_bytes_in)
+            self._client = self._make_client(MQTT_V311)
+        self._connect_once(self.mqtt_version if self.mqtt_choice != "auto" else MQTT_V311, deadline, timeout_s)
+
+    def _connect_once(self, version: int, deadline: float, timeout_s: float) -> None:
+        """One CONNECT with protocol level ``version`` on ``self._client``; returns when accepted.
+
+        Raises:
+            ConnectError: refused, closed before CONNACK (MQTT 5 attempt only) or no CONNACK by ``deadline``.
+        """
+        self.mqtt_version = version
+        self._refused = None
+        self._closed_before_connack = False
+        kwargs: dict = {}
+        if version == MQTT_V5:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.CONNECT)
+            if self.receive_max_packet_bytes:
+                props.MaximumPacketSize = self.receive_max_packet_bytes
+            kwargs = {"clean_start": True, "properties": props}
         try:
-            self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s)
+            self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s, **kwargs)
         except (OSError, ValueError) as exc:
             raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}", client_id=self.client_id) from exc
         self._client.loop_start()
-        deadline = time.monotonic() + timeout_s
+        trial = version == MQTT_V5 and self.mqtt_choice == "auto"
         while not self._connected.wait(0.05):  # a refusal (bad login) ends the wait at once
-            if self._refused or time.monotonic() >= deadline:
+            if self._refused or time.monotonic() >= deadline or (trial and self._closed_before_connack):
                 break
         if not self._connected.is_set():
-            self._client.loop_stop()
-            reason = self._refused or "no CONNACK"
-            raise ConnectError(f"the MQTT broker at {self.host}:{self.port} did not accept the connection of "
-                               f"{self.client_id!r} within {timeout_s:g} s ({reason}); check credentials and TLS "
+            if trial:  # do not wait out paho's reconnect delay: its thread ends on its own, nothing left to send
+                self._client._thread_terminate = True
+            else:
+                self._client.loop_stop()
+            sock = self._client.socket()
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            reason = self._refused or ("closed before CONNACK" if self._closed_before_connack else "no CONNACK")
+            level = "5" if version == MQTT_V5 else "3.1.1"
+            raise ConnectError(f"the MQTT broker at {self.host}:{self.port} did not accept the MQTT {level} connection "
+                               f"of {self.client_id!r} within {timeout_s:g} s ({reason}); check credentials and TLS "
                                f"settings", client_id=self.client_id)
 
     def _tls_probe(self, sock: socket.socket) -> None:
@@ -297,16 +565,27 @@ class MqttTransport:
                 self._client.subscribe(f, qos)
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                wait_s: float | None = None) -> None:
-        """Hand one PUBLISH to paho.
+                wait_s: float | None = None) -> mqtt.MQTTMessageInfo:
+        """Hand one PUBLISH to paho; return its handle (passed to the delivery listener).
 
         At QoS 1 a publish made while the link is down is queued by paho and sent after the
         reconnect. With ``wait_s`` the call blocks until the PUBACK (QoS 1) or the socket write.
 
         Raises:
+            PublishRefused: the packet is above the broker's known maximum packet size (not sent;
+                the message names both sizes), or, with ``wait_s``, the broker refused it.
             PublishTimeout: ``wait_s`` given and the PUBLISH not acknowledged in that time.
             TransportError: paho refused the message (e.g. payload too large for MQTT).
         """
+        limit = self.max_packet_bytes
+        size = publish_size(topic, len(payload), qos, protocol=self.mqtt_version).packet_bytes
+        if limit and size > limit:
+            self.refused += 1
+            where = "MQTT 5 CONNACK" if limit == self.broker_max_packet_bytes else "inferred from its disconnects"
+            raise PublishRefused(f"{self.client_id}: {size:,}-byte PUBLISH to {topic} not sent: the broker takes "
+                                 f"packets of at most {limit:,} bytes ({where})", client_id=self.client_id,
+                                 topic=topic, reason=f"above the broker's maximum packet size of {limit:,} bytes",
+                                 packet_bytes=size, limit_bytes=limit)
         if qos > 0:
             with self._buffer_lock:
                 self._prune()
@@ -330,7 +609,12 @@ class MqttTransport:
                 self._unacked_bytes += len(payload)
         if wait_s is not None:
             deadline = time.monotonic() + wait_s
-            while not _published(info):
+            while True:
+                refusal = self.refusal(info)
+                if refusal is not None:
+                    raise refusal
+                if _published(info):
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within {wait_s:g} s",
@@ -342,11 +626,17 @@ class MqttTransport:
                         time.sleep(0.05)
                 else:
                     self._connected.wait(min(remaining, 0.5))
+        return info
+
+    def refusal(self, handle: object) -> PublishRefused | None:
+        """Why the broker refused the PUBLISH of ``handle`` (from :meth:`publish`), or ``None``."""
+        held = self._refusals.get(id(handle))
+        return held[1] if held is not None and held[0] is handle else None
 
     def _prune(self) -> None:
         """Forget acknowledged messages (caller holds ``_buffer_lock``)."""
         if self._unacked:
-            keep = [(i, n) for i, n in self._unacked if not _published(i)]
+            keep = [(i, n) for i, n in self._unacked if not _published(i) and id(i) not in self._refusals]
             self._unacked = keep
             self._unacked_bytes = sum(n for _, n in keep)
 

@@ -72,7 +72,10 @@ class Transport(Protocol):
     def subscribe(self, filters: list[str], qos: int = 1) -> None: ...
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                wait_s: float | None = None) -> None: ...
+                wait_s: float | None = None) -> object | None:
+        """Hand one PUBLISH over; return a handle for its delivery outcome (or ``None``). A
+        transport that reports outcomes also has ``set_delivery_listener(fn(handle, outcome,
+        reason))`` and ``max_packet_bytes`` (the broker's limit as it knows it, 0 = unknown)."""
 
     def get(self, timeout_s: float | None) -> Incoming | None: ...
 

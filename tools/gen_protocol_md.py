@@ -326,7 +326,11 @@ in parentheses below is optional: absent (the array is shorter), never `nil`. `T
 | join | class_histogram | array of uint | examples per class, class 0 first (≤ {messages.MAX_LIST:,} entries) |
 | join | info | M | what the device announces about itself: hardware (`cores`, `ram_mb` …), its data settings \
 (`dataset`, `partition` …), its algorithm and software versions; informational, except that a server may refuse a \
-join whose data settings differ from its own (receipt `accepted` = false) |
+join whose data settings differ from its own (receipt `accepted` = false), and two optional uint entries: \
+`max_packet_bytes` (1,024 … 268,435,460), the largest whole MQTT PUBLISH packet the device takes, and `chunk_bytes` \
+(64 … 268,435,456), its chunk size: a server sends every message to the device (each broadcast: to the smallest \
+limit among the joined devices) as a chunked transfer whose packets fit, sized for MQTT 5 framing; a value outside \
+those ranges is refused |
 | round_start | selected | array of str | ids of the agents asked to train this round |
 | round_start | deadline_s | float64 > 0 | seconds after this message within which updates are accepted |
 | round_start | config | M | training settings for every selected agent: `lr`, `local_epochs`, `batch_size`, \

@@ -30,7 +30,7 @@ METRICS_NAME = "metrics.jsonl"
 INT_COLUMNS = ("topic_bytes", "mqtt_header_bytes", "envelope_bytes", "body_bytes", "payload_bytes", "raw_bytes",
                "sig_bytes", "enc_bytes")
 TEXT_COLUMNS = ("federation", "side", "node", "event", "direction", "kind", "client", "topic", "codec", "reason",
-                "fields")
+                "fields", "delivery")
 NULLABLE_COLUMNS = ("round", "chunk_index", "transfer_id")
 LEDGER_COLUMNS = ("id", *TEXT_COLUMNS, *INT_COLUMNS, *NULLABLE_COLUMNS)
 

@@ -295,6 +295,33 @@ def rejected_totals(rows: LedgerSource) -> dict[str, int]:
     return out
 
 
+def deliveries(rows: LedgerSource) -> dict[str, Any]:
+    """What became of the PUBLISH packets each side sent (the ledger's ``delivery`` column; a
+    ledger older than schema 5 has none: every count is then 0 but ``unknown``).
+
+    Returns:
+        ``acked`` (the broker's PUBACK accepted them), ``handed`` (handed to the MQTT client and
+        never acknowledged: QoS 0, or no PUBACK came), ``refused`` (PUBACK reason code >= 0x80, a
+        packet above the broker's limit, one it disconnected for), ``unknown`` (rows without a
+        delivery: older ledgers), all counts of ``sent`` PUBLISH rows; ``undeliverable``: messages
+        given up after refusals; ``refusals``: up to 20 ``{side, node, kind, reason, count}``
+        (reasons in the order first seen).
+    """
+    with ledger_db(rows) as db:
+        counts = {d: n for d, n in db.execute(
+            "SELECT delivery, COUNT(*) FROM ledger WHERE event = 'sent' AND reason != 'control' GROUP BY delivery")}
+        out: dict[str, Any] = {"acked": counts.get("acked", 0), "handed": counts.get("handed", 0),
+                               "refused": counts.get("refused", 0) + db.execute(
+                                   "SELECT COUNT(*) FROM ledger WHERE event = 'message' AND delivery = 'refused'"
+                               ).fetchone()[0],
+                               "unknown": counts.get("", 0)}
+        out["undeliverable"] = db.execute("SELECT COUNT(*) FROM ledger WHERE kind = 'undeliverable'").fetchone()[0]
+        out["refusals"] = query(db, "SELECT side, node, kind, reason, COUNT(*) AS count FROM ledger WHERE "
+                                    "delivery = 'refused' OR kind = 'undeliverable' GROUP BY side, node, kind, reason "
+                                    "ORDER BY MIN(id) LIMIT 20")
+    return out
+
+
 def training_rounds(rows: LedgerSource) -> int:
     """Distinct round numbers ≥ 1 in the ledger (any side, any event)."""
     with ledger_db(rows) as db:

@@ -18,6 +18,7 @@ from ._queries import (
     by_kind,
     by_round,
     by_round_kind,
+    deliveries,
     federations,
     rejected,
     rejected_totals,
@@ -47,7 +48,8 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         ``by_round``, ``by_round_kind``, ``by_client``, ``by_kind``: device view.
         ``fields``: :func:`body_fields` (what ``global``/``update`` bodies are made of, each
         message once as its sender encoded it).
-        ``rejected``: :func:`rejected`; ``rejected_totals``: ``messages``, ``payload_bytes``,
+        ``rejected``: :func:`rejected`; ``deliveries``: :func:`deliveries` (PUBLISH packets
+        acknowledged, handed over, refused by the broker); ``rejected_totals``: ``messages``, ``payload_bytes``,
         ``wire_bytes``.
         ``final_accuracy``: fraction in [0, 1] from the last metrics record with an ``accuracy``,
         or None.
@@ -87,6 +89,7 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
             "fields": body_fields(db),
             "rejected": rejected(db),
             "rejected_totals": rejected_totals(db),
+            "deliveries": deliveries(db),
             "final_accuracy": final_accuracy(metrics),
             "accuracy_curve": curve,
             "target": {"accuracy": target, "round": target_round,

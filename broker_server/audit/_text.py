@@ -147,6 +147,14 @@ def render_text(report: Mapping[str, Any]) -> str:
         "messages": len(report["rejected"]),
         "payload_bytes": sum(r["payload_bytes"] for r in report["rejected"])}
     console.print(f"Rejected messages: {count(rt['messages'])} ({count(rt['payload_bytes'])} payload bytes)")
+    dv = report.get("deliveries")
+    if dv:
+        console.print(f"PUBLISH packets sent: {count(dv['acked'])} acknowledged by the broker, {count(dv['handed'])} "
+                      f"handed over without acknowledgement, {count(dv['refused'])} refused by the broker"
+                      + (f", {count(dv['unknown'])} without a delivery record (older ledger)" if dv["unknown"] else "")
+                      + (f"; {count(dv['undeliverable'])} message(s) given up" if dv["undeliverable"] else ""))
+        for r in dv["refusals"]:
+            console.print(f"  refused ({r['side']} {r['node']}, {r['kind']}, {r['count']}×): {r['reason']}")
     if report["rejected"]:
         t = _table("side", "node", "topic", "reason", "payload B", text_columns=4)
         for r in report["rejected"]:

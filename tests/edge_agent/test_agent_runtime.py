@@ -243,7 +243,7 @@ def _fake_x86(cores: int = 2, providers: tuple[str, ...] = (CPU_EP,)) -> DeviceI
 
 
 JOIN_KEYS = {"profile", "device", "precision", "platform", "model", "torch_threads", "batch_size", "onnx_providers",
-             "fallbacks", "fallback_count"}
+             "fallbacks", "fallback_count", "max_packet_bytes", "chunk_bytes"}
 
 
 def test_rpi4_on_a_pi_meets_its_profile() -> None:
@@ -257,8 +257,9 @@ def test_rpi4_on_a_pi_meets_its_profile() -> None:
     assert info["profile"] == "rpi4" and info["fallbacks"] == "" and info["fallback_count"] == 0
     assert info["platform"] == "raspberry-pi" and info["model"] == "Raspberry Pi 4 Model B Rev 1.4"
     assert all(isinstance(v, (str, int, bool)) for v in info.values())
-    # the profile's MQTT limits and codec
+    # the profile's MQTT limits (announced in the join: the server sizes downloads by them) and codec
     assert (rt.max_packet_bytes, rt.chunk_bytes) == (131072, 131072)
+    assert (info["max_packet_bytes"], info["chunk_bytes"]) == (131072, 131072)
     assert rt.update_codec("fp32") == "int8-channel"
 
 

@@ -355,7 +355,7 @@ def assert_accounting(acc: Accounting, rounds: int, *, strict: bool = True) -> N
 
 
 def _connect_client_id(pkt: bytes) -> str | None:
-    """Client id of an MQTT 3.1.1 CONNECT packet, or None while incomplete."""
+    """Client id of an MQTT 3.1.1 or 5 CONNECT packet, or None while incomplete."""
     if len(pkt) < 2 or pkt[0] >> 4 != 1:
         return None
     i, mult, rl = 1, 1, 0
@@ -370,7 +370,17 @@ def _connect_client_id(pkt: bytes) -> str | None:
             break
     if len(pkt) < i + rl:
         return None
+    level = pkt[i + 6] if len(pkt) > i + 6 else 4
     j = i + 10  # protocol name (2 + 4), level, flags, keepalive (2)
+    if level == 5:  # MQTT 5 §3.1.2.11: CONNECT properties (a varint length, then them) before the id
+        n, shift = 0, 0
+        while True:
+            n |= (pkt[j] & 0x7F) << shift
+            shift += 7
+            j += 1
+            if not pkt[j - 1] & 0x80:
+                break
+        j += n
     ln = int.from_bytes(pkt[j:j + 2], "big")
     return pkt[j + 2:j + 2 + ln].decode("utf-8", "replace")
 
@@ -450,15 +460,21 @@ class FaultyRelay:
             self.connections.append(cid)
             for suffix, plan in list(self.cuts.items()):
                 if cid.endswith(suffix):
-                    cut = plan
+                    cut = (suffix, plan)
                     del self.cuts[suffix]
                     break
-        up_limit = cut[1] if cut and cut[0] == "up" else None
-        down_limit = cut[1] if cut and cut[0] == "down" else None
+        up_limit = cut[1][1] if cut and cut[1][0] == "up" else None
+        down_limit = cut[1][1] if cut and cut[1][0] == "down" else None
+        cuts_before = len(self.done)
         t = threading.Thread(target=self._pump, args=(cid, b, c, "down", down_limit, b""), daemon=True)
         t.start()
         self.threads.append(t)
         self._pump(cid, c, b, "up", up_limit, bytes(first))
+        t.join(5)
+        if cut is not None:
+            with self.lock:  # the connection ended before its cut (a refused MQTT 5 CONNECT): cut the next one
+                if not any(d[0] == cid for d in self.done[cuts_before:]) and not self._stop.is_set():
+                    self.cuts.setdefault(cut[0], cut[1])
 
     def _pump(self, cid: str, src: socket.socket, dst: socket.socket, direction: str, limit: int | None,
               initial: bytes) -> None:
@@ -1170,7 +1186,8 @@ def test_retransmission_after_a_reconnect_is_ledgered(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path / "ledger.sqlite")
     with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
         relay = FaultyRelay(broker.port, {"dup-agent": ("up", 20_000)})
-        tr = MqttTransport("dup-agent", "127.0.0.1", relay.port)
+        # amqtt speaks MQTT 3.1.1 only: chosen up front, so the spy below hooks the client that connects
+        tr = MqttTransport("dup-agent", "127.0.0.1", relay.port, mqtt_version="3.1.1")
         wire: list[tuple[int, int]] = []  # (first byte, size) of every PUBLISH paho queued
         real_queue = tr._client._packet_queue
 

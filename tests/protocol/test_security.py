@@ -621,7 +621,8 @@ def _v3_ledger(path: Path, version: int) -> None:
                              round=1, client="a", sender="a", seq=1, topic="t", topic_bytes=1, mqtt_header_bytes=4,
                              envelope_bytes=20, body_bytes=100, payload_bytes=120, qos=1))
     db = sqlite3.connect(path)
-    drop = {3: ["sig_bytes", "enc_bytes"], 2: ["sig_bytes", "enc_bytes", "link_s"]}[version]
+    drop = {4: ["delivery"], 3: ["delivery", "sig_bytes", "enc_bytes"],
+            2: ["delivery", "sig_bytes", "enc_bytes", "link_s"]}[version]
     for col in drop:
         db.execute(f"ALTER TABLE messages DROP COLUMN {col}")
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
@@ -629,7 +630,7 @@ def _v3_ledger(path: Path, version: int) -> None:
     db.close()
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 def test_older_ledgers_are_migrated_in_place(tmp_path, version):
     path = tmp_path / "ledger.sqlite"
     _v3_ledger(path, version)
@@ -640,8 +641,10 @@ def test_older_ledgers_are_migrated_in_place(tmp_path, version):
                              round=2, client="a", sender="a", seq=2, topic="t", topic_bytes=1, mqtt_header_bytes=4,
                              envelope_bytes=20, body_bytes=100, payload_bytes=220, qos=1, sig_bytes=80, enc_bytes=20))
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "4"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "5"
     assert db.execute("SELECT sum(sig_bytes), sum(enc_bytes) FROM messages").fetchone() == (80, 20)
+    assert [r[0] for r in db.execute("SELECT delivery FROM messages ORDER BY id")] == ["", ""]  # old rows read ''
+
 
 
 def test_schema_1_ledger_is_rebuilt_and_a_newer_one_refused(tmp_path):

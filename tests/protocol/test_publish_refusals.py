@@ -1,0 +1,150 @@
+"""A PUBLISH the broker refuses (issue 14, size limits): the channel sends the message again in
+chunks of at most half the refused packet's size, or gives up loudly when smaller packets cannot
+help; the ledger's ``delivery`` says handed / acked / refused. A transport double stands in for
+paho: it refuses every packet above ``limit`` (as Mosquitto's PUBACK 0x95 does) when ``answer()``
+is called, so each step is explicit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from broker_server.registry import DeviceRegistry, announced_limit
+from protocol.channel import Channel
+from protocol.chunking import Reassembler
+from protocol.ledger import Ledger
+from protocol.messages import Chunk, Join, Update, decode
+from protocol.mqtt_bytes import publish_size
+from protocol.transport import parse_mqtt_version
+
+TOPIC = "fedfleet/v1/fed/up/client-001/update"
+
+
+class RefusingTransport:
+    client_id = "client-001"
+    mqtt_version = 4
+    max_packet_bytes = 0
+
+    def __init__(self, limit: int, reason: str = "PUBACK reason code 0x95 (Packet too large)") -> None:
+        self.limit, self.reason = limit, reason
+        self.sent: list[tuple[str, bytes, int]] = []
+        self._pending: list[tuple[object, int]] = []
+        self.listener = None
+
+    def set_delivery_listener(self, fn) -> None:
+        self.listener = fn
+
+    def publish(self, topic, payload, *, qos=1, retain=False, wait_s=None):
+        handle = object()
+        size = publish_size(topic, len(payload), qos).packet_bytes
+        self.sent.append((topic, bytes(payload), size))
+        self._pending.append((handle, size))
+        return handle
+
+    def answer(self) -> None:
+        pending, self._pending = self._pending, []
+        for handle, size in pending:
+            self.listener(handle, "refused" if size > self.limit else "acked", self.reason if size > self.limit else "")
+
+    def subscribe(self, filters, qos=1) -> None: ...
+
+    def get(self, timeout_s):
+        return None
+
+    def close(self) -> None: ...
+
+
+def _update(n_values: int) -> Update:
+    return Update(tensors=(np.arange(n_values, dtype=np.float32),), num_samples=10, train_loss=0.5, metrics={})
+
+
+def _channel(tmp_path, transport) -> tuple[Channel, Ledger]:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    return Channel(transport, node_id="client-001", side="agent", federation="fed", ledger=ledger), ledger
+
+
+def test_refused_message_is_sent_again_in_half_size_chunks(tmp_path) -> None:
+    tr = RefusingTransport(limit=20_000)
+    ch, ledger = _channel(tmp_path, tr)
+    enc = ch.send(TOPIC, _update(12_000), round=1)  # ~48 KB: one whole PUBLISH
+    assert len(tr.sent) == 1 and tr.sent[0][2] > 20_000
+    first = tr.sent[0][2]
+    for _ in range(4):  # the broker answers; the channel's own thread handles refusals
+        tr.answer()
+        ch.receive(0.0)
+    # 48 KB refused -> chunks of <= 24 KB, refused again -> chunks of <= 12 KB, acknowledged
+    sizes = [size for _, _, size in tr.sent]
+    assert max(sizes[1:]) <= first // 2 and any(first // 4 < x <= first // 2 for x in sizes)
+    last_tid = decode(tr.sent[-1][1]).envelope.body.transfer_id
+    final = [p for _, p, _ in tr.sent[1:] if decode(p).envelope.body.transfer_id == last_tid]
+    assert all(size <= first // 4 for _, p, size in tr.sent if p in final)
+    r = Reassembler()
+    whole = None
+    for payload in final:
+        body = decode(payload).envelope.body
+        assert isinstance(body, Chunk)
+        whole = r.add("client-001", body) or whole
+    assert whole == enc.payload  # the receiver reassembles the very message that was refused
+    rows = ledger.rows("event = 'sent'")
+    assert rows[0].delivery == "refused" and "0x95" in rows[0].reason
+    by_size = {(row.mqtt_header_bytes + row.topic_bytes + row.payload_bytes > 20_000): set() for row in rows}
+    for row in rows:
+        by_size[row.mqtt_header_bytes + row.topic_bytes + row.payload_bytes > 20_000].add(row.delivery)
+    assert by_size == {True: {"refused"}, False: {"acked"}}  # every row says what the broker did
+    assert ch.resent_after_refusal == 2 and ch.undeliverable == 0
+    assert ch.acked == sum(row.delivery == "acked" for row in rows) >= len(final)
+    assert ch.learned_max_packet_bytes <= first // 4
+    n = len(tr.sent)
+    ch.send(TOPIC, _update(12_000), round=2)  # the next message is chunked below the learnt limit at once
+    assert len(tr.sent) > n + 1 and max(size for _, _, size in tr.sent[n:]) <= 20_000
+    ledger.close()
+
+
+def test_refusal_smaller_packets_cannot_help_fails_loudly(tmp_path, caplog) -> None:
+    tr = RefusingTransport(limit=100, reason="PUBACK reason code 0x87 (Not authorized)")
+    ch, ledger = _channel(tmp_path, tr)
+    ch.send(TOPIC, _update(1_000), round=1)
+    tr.answer()
+    ch.receive(0.0)
+    assert len(tr.sent) == 1  # not sent again
+    assert ch.undeliverable == 1 and "0x87" in ch.undeliverable_reasons[0]
+    assert "smaller packets cannot help" in caplog.text
+    (row,) = ledger.rows("kind = 'undeliverable'")
+    assert "0x87" in row.reason and row.event == "message"
+    ledger.close()
+
+
+def test_refusals_stop_after_the_last_resend_with_the_limit_in_the_message(tmp_path) -> None:
+    tr = RefusingTransport(limit=10)  # nothing fits: every try is refused
+    ch, ledger = _channel(tmp_path, tr)
+    ch.send(TOPIC, _update(2_000), round=1)
+    for _ in range(20):
+        tr.answer()
+        ch.receive(0.0)
+    assert ch.undeliverable == 1 and ch.resent_after_refusal <= 6
+    assert "bytes" in ch.undeliverable_reasons[0]
+    ledger.close()
+
+
+@pytest.mark.parametrize(("text", "want"), [("auto", "auto"), ("5", "5"), ("v5", "5"), (5, "5"), ("3.1.1", "3.1.1"),
+                                            ("311", "3.1.1"), (4, "3.1.1")])
+def test_mqtt_version_spellings(text, want) -> None:
+    assert parse_mqtt_version(text) == want
+
+
+def test_unknown_mqtt_version_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="auto, 5, 3.1.1"):
+        parse_mqtt_version("3.1")
+
+
+def test_device_limits_from_joins_take_the_smallest() -> None:
+    reg = DeviceRegistry()
+    for cid, limit in (("a", 20_000), ("b", 131_072), ("c", None)):
+        info = {} if limit is None else {"max_packet_bytes": limit, "chunk_bytes": limit // 2}
+        reg.admit(cid, Join(profile="p", manifest_hash="0" * 16, num_samples=1, class_histogram=(1,), info=info),
+                  round=0, now=0.0)
+    assert reg.limits() == (20_000, 10_000)
+    assert reg.limits(["b"]) == (131_072, 65_536)
+    assert reg.limits(["c"]) == (0, 0)  # announced nothing: no limit of its own
+    assert announced_limit({"max_packet_bytes": "4096"}, "max_packet_bytes") == 4096
+    assert "max_packet_bytes = 10" in str(announced_limit({"max_packet_bytes": 10}, "max_packet_bytes"))
