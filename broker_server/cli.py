@@ -284,7 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fedfleet`` console script; returns the exit code."""
+    """Entry point of the ``fedfleet`` console script; returns the exit code. Standard output is guarded
+    (:func:`protocol.lifecycle.guard_stdout`): a reader that goes away (``| head -1``) ends the
+    output, not the run."""
+    from protocol.lifecycle import guard_stdout
+
+    with guard_stdout("fedfleet"):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    """:func:`main` inside its stdout guard."""
     from edge_agent.errors import DataError
     from protocol.errors import ConnectError
 

@@ -3,6 +3,8 @@ global model, the strategy and the server, all from one :class:`~broker_server.c
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,6 +165,36 @@ def channel_options(cfg: Config) -> dict:
 DRIVER_KWARGS = ("participation_rate", "min_clients", "train_config")
 
 
+_SCALAR_TYPES = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+
+
+def param_type_problem(cls: type, key: str, value: object) -> str | None:
+    """Why ``value`` cannot be ``[algorithm] key`` of strategy ``cls``, judged by the annotation
+    of the constructor parameter ``key`` (the first ``__init__`` along the MRO that names it):
+    ``int`` takes an integer, ``float`` a finite number (an integer too), ``bool`` true/false,
+    ``str`` a string (a bool is none of the others). Other annotations, and keys no signature
+    names (``extra_keys``), are left to the constructor. ``None`` when it fits."""
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            param = inspect.signature(init).parameters.get(key)
+        except (TypeError, ValueError):
+            return None
+        if param is None or param.kind is param.VAR_KEYWORD:
+            continue
+        ann = param.annotation
+        ann = ann.__name__ if isinstance(ann, type) else str(ann)
+        if ann not in _SCALAR_TYPES:
+            return None
+        ok = (isinstance(value, bool) if ann == "bool" else isinstance(value, str) if ann == "str"
+              else not isinstance(value, bool) and (isinstance(value, int) if ann == "int" else
+                                                    isinstance(value, (int, float)) and math.isfinite(value)))
+        return None if ok else f"{key} = {value!r} must be {_SCALAR_TYPES[ann]}"
+    return None
+
+
 def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     """The server half of ``[train] algorithm`` built with the ``[algorithm]`` hyperparameters.
 
@@ -196,6 +228,9 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
         own = sorted(names - set(DRIVER_KWARGS))
         raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
                           f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}")
+    wrong = [problem for k, v in sorted(params.items()) if (problem := param_type_problem(declared, k, v))]
+    if wrong:
+        raise ConfigError(f"{where}: {'; '.join(wrong)}")
     base_config = train_config(cfg)
     driver = {"participation_rate": cfg.server.participation_rate, "min_clients": cfg.server.quorum,
               "train_config": base_config}

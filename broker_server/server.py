@@ -101,7 +101,7 @@ from .strategies import (
     server_evaluate,
     update_problem,
 )
-from .strategies._base import classifier_shape
+from .strategies._base import _guarded, checked_figures, classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
            "evaluate"]
@@ -113,7 +113,8 @@ log = logging.getLogger(__name__)
 #: (``aggregate_metrics``, ``evaluate``) never replace them (``evaluate`` may give accuracy and loss).
 DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "share", "clients_selected", "clients_reported",
                "bytes_up", "bytes_down", "seconds", "skipped", "skip_reason", "duplicates", "late", "invalid",
-               "global_receipts", "unsolicited", "withdrawn", "rejected_by_reason", "train_loss")
+               "global_receipts", "unsolicited", "withdrawn", "dropped", "resent_to", "unreported",
+               "rejected_by_reason", "train_loss", "clients_train_s", "phase_s", "metrics_refused")
 
 #: Update metrics the server aggregates (client-side evaluation): each must be a number in [0, 1].
 EVAL_METRICS = ("eval_accuracy", "eval_macro_f1")
@@ -900,7 +901,7 @@ class AggregationServer:
         acc: float | None
         loss: float | None
         acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
-        extra_metrics = self._extra_metrics(results, o.strategy_metrics)
+        extra_metrics = self._extra_metrics(r, results, o.strategy_metrics)
         mark("evaluate")
         if self.share != "all":
             # the server's copy holds only the shared part (or nothing) of a model: its score means
@@ -909,12 +910,18 @@ class AggregationServer:
             extra_metrics["accuracy_source"] = "clients"
         # the strategy's hooks: its own evaluation of the global model, its aggregation of device metrics
         reports = [ClientReport(c, *o.results[c]) for c in sorted(o.results)]
-        extra_metrics.update(client_metrics(self.strategy, r, reports, DRIVER_KEYS))
+        refused = list(extra_metrics.pop("metrics_refused", []))
+        from_clients = client_metrics(self.strategy, r, reports, DRIVER_KEYS)
+        refused += from_clients.pop("metrics_refused", [])
+        extra_metrics.update(from_clients)
         own = server_evaluate(self.strategy, r, self.model, [k for k in DRIVER_KEYS if k not in ("accuracy", "loss")])
+        refused += own.pop("metrics_refused", [])
         if "accuracy" in own:
             acc, loss = own.pop("accuracy"), own.pop("loss", None)
             extra_metrics["accuracy_source"] = "strategy"
         extra_metrics.update(own)
+        if refused:  # the strategy's figures the line cannot take (each logged as a warning)
+            extra_metrics["metrics_refused"] = sorted(set(refused))
         self.round = r
         if (r >= 2 and self._extras_update_seen) or r >= self.settings.rounds:
             self._check_extras_codec_names()
@@ -1056,11 +1063,14 @@ class AggregationServer:
                         "a typo? Those codecs have no effect", ", ".join(map(repr, unknown)),
                         ", ".join(sorted(self._extras_seen)) or "none")
 
-    def _extra_metrics(self, results: list[tuple[int, float, dict]], committed: dict | None = None) -> dict:
+    def _extra_metrics(self, r: int, results: list[tuple[int, float, dict]], committed: dict | None = None) -> dict:
         """Per-domain accuracy of the global model, the clients' own-model evaluation, the
-        ``metrics`` of the :class:`GlobalUpdate` committed in this round (``committed``; ``{}``
+        ``metrics`` of the :class:`GlobalUpdate` committed in round ``r`` (``committed``; ``{}``
         when the round committed none: skipped, refused) and the strategy's standing
-        ``round_metrics()``, for one round's ``metrics.jsonl`` line."""
+        ``round_metrics()``, for one round's ``metrics.jsonl`` line. The strategy's figures pass
+        :func:`~broker_server.strategies._base.checked_figures` (no driver key, only what a JSON
+        line holds; refusals in ``metrics_refused``); a ``round_metrics`` that raises costs its
+        figures (``round_metrics_error``), not the round."""
         out: dict = {"share": self.share}
         if self.test_domains:
             dom = {name: evaluate(self.model, split, batch_size=self.settings.eval_batch_size)[0]
@@ -1074,8 +1084,13 @@ class AggregationServer:
             out.update(client_accuracy_mean=float(np.mean(accs)), client_accuracy_worst=float(min(accs)),
                        client_accuracy_best=float(max(accs)), client_accuracy_std=float(np.std(accs)),
                        client_f1_mean=float(np.mean(f1s)) if f1s else None, clients_evaluated=len(accs))
-        out.update(committed or {})
-        out.update(self.strategy.round_metrics())
+        refused: list[str] = []
+        for part in (checked_figures("the committed GlobalUpdate's metrics", r, committed or {}, DRIVER_KEYS),
+                     _guarded("round_metrics", r, self.strategy.round_metrics, DRIVER_KEYS)):
+            refused += part.pop("metrics_refused", [])
+            out.update(part)
+        if refused:
+            out["metrics_refused"] = refused
         return out
 
     def _bytes(self) -> tuple[int, int]:

@@ -156,7 +156,17 @@ def agent_spec(args: argparse.Namespace, params: dict[str, object]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fedfleet-agent``; returns the exit code."""
+    """Entry point of ``fedfleet-agent``; returns the exit code. Standard output is guarded
+    (:func:`protocol.lifecycle.guard_stdout`): a reader that goes away (``| head -1``) ends the
+    output, not the run."""
+    from protocol.lifecycle import guard_stdout
+
+    with guard_stdout("fedfleet-agent"):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    """:func:`main` inside its stdout guard."""
     from protocol.broker_url import parse_broker_url
     from protocol.channel import Channel
     from protocol.errors import ConnectError, FieldError

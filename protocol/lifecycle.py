@@ -22,12 +22,13 @@ does nothing and returns ``False``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from .ledger import flush_open_ledgers
@@ -107,3 +108,81 @@ def atomic(fn: F) -> F:
                 _unwind(_held.pop())
 
     return wrapper  # type: ignore[return-value]
+
+
+class PipeSafeStream:
+    """A text stream (stdout) that survives its reader going away: the first write or flush that
+    fails with a broken pipe (``fedfleet simulate … | head -1``, a ``tee`` that was killed) says
+    so once on ``notice`` (stderr), points the stream's file descriptor at ``/dev/null`` (so that
+    neither later writes nor the interpreter's flush at exit raise) and drops what follows. The
+    process goes on: a run keeps training and writing its run folder, which a broken display
+    must not cost.
+
+    Everything else (``isatty``, ``fileno``, ``encoding`` …) is the wrapped stream's.
+
+    Args:
+        stream: the stream wrapped (``sys.stdout``).
+        notice: where the one-line notice goes (``sys.stderr``); its own failure is ignored.
+        what: the program's name, for the notice.
+    """
+
+    def __init__(self, stream: Any, notice: Any, what: str = "fedfleet") -> None:
+        self._stream, self._notice, self._what = stream, notice, what
+        self.broken = False
+
+    def _broke(self) -> None:
+        self.broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._stream.fileno())
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no file descriptor (a StringIO): writes are dropped anyway
+            pass
+        try:
+            self._notice.write(f"{self._what}: standard output was closed (broken pipe): no more output there; "
+                               "the run goes on (its folder has every result)\n")
+            self._notice.flush()
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text: str) -> int:
+        """Write ``text``; after a broken pipe, drop it (returns its length either way)."""
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._broke()
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush; a broken pipe switches the stream off (see the class docstring)."""
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._broke()
+
+    def isatty(self) -> bool:
+        """False once broken, else the wrapped stream's."""
+        return not self.broken and bool(self._stream.isatty())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guard_stdout(what: str = "fedfleet") -> Iterator[PipeSafeStream]:
+    """``sys.stdout`` wrapped in a :class:`PipeSafeStream` for the ``with`` block (the stream it
+    was is put back after it; an already wrapped one is kept)."""
+    import sys
+
+    before = sys.stdout
+    guarded = before if isinstance(before, PipeSafeStream) else PipeSafeStream(before, sys.stderr, what)
+    sys.stdout = guarded
+    try:
+        yield guarded
+    finally:
+        if sys.stdout is guarded:
+            sys.stdout = before

@@ -354,22 +354,93 @@ def round_config(strategy: Strategy, round: int, config: Mapping[str, Scalar]) -
     return merged
 
 
+_NOT_A_FIGURE = object()
+
+
+def _figure(value: Any) -> Any:
+    """``value`` as what a ``metrics.jsonl`` line can hold (JSON: a finite number, a string, a
+    bool, ``None``, lists and string-keyed tables of those); numpy scalars and one-element
+    numpy/torch arrays become Python numbers. ``_NOT_A_FIGURE`` for anything else (NaN/Inf
+    included: JSON has no such number)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _NOT_A_FIGURE
+    if isinstance(value, np.generic) or (hasattr(value, "numel") and hasattr(value, "item")) \
+            or isinstance(value, np.ndarray):
+        try:
+            size = value.numel() if hasattr(value, "numel") else np.size(value)
+            if size != 1:
+                return _NOT_A_FIGURE
+            return _figure(value.item())
+        except (TypeError, ValueError, RuntimeError):
+            return _NOT_A_FIGURE
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            f = _figure(v)
+            if isinstance(k, bool) or not isinstance(k, (str, int)) or f is _NOT_A_FIGURE:  # JSON keys
+                return _NOT_A_FIGURE
+            out[k] = f
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [_figure(v) for v in value]
+        return _NOT_A_FIGURE if any(f is _NOT_A_FIGURE for f in items) else items
+    return _NOT_A_FIGURE
+
+
+def checked_figures(what: str, round: int, figures: Mapping[Any, Any],
+                    reserved: Sequence[str] = ()) -> dict[str, Any]:
+    """A strategy's figures for the round's metrics line, each key a non-empty string and each
+    value one that line can hold (:func:`_figure`: numpy/torch scalars become numbers). Refused:
+    a key in ``reserved`` (the driver writes it), another key, a value that is no figure (a
+    tensor, an object, NaN/Inf). A refusal is logged (warning, naming the hook, the key and why)
+    and the key listed in ``metrics_refused``; the figures that pass are kept.
+
+    Args:
+        what: the hook's name, for the log.
+        round: the round, for the log.
+        figures: what the hook returned.
+        reserved: keys the driver writes itself.
+    """
+    out: dict[str, Any] = {}
+    refused: list[str] = []
+    for key, value in figures.items():
+        name = key if isinstance(key, str) else repr(key)
+        if not isinstance(key, str) or not key:
+            why = "a key that is not a non-empty string"
+        elif key in reserved:
+            why = "a key the driver writes itself: not taken"
+        else:
+            f = _figure(value)
+            if f is not _NOT_A_FIGURE:
+                out[key] = f
+                continue
+            why = f"{type(value).__name__} {str(value)[:60]!r} is not a finite number, string or list/table of them"
+        log.warning("round %d: %s returned %s: %s", round, what, name, why)
+        refused.append(name)
+    if refused:
+        out["metrics_refused"] = sorted(refused)
+    return out
+
+
 def _guarded(what: str, round: int, make: Callable[[], Mapping[str, Any] | None],
              reserved: Sequence[str]) -> dict[str, Any]:
-    """A user hook's figures for the round's metrics line: ``{}`` when it returned nothing; its
-    keys minus ``reserved`` (the driver's own, kept; a warning names them and
-    ``metrics_refused`` lists them); ``{"<what>_error": reason}`` when it raised (logged)."""
+    """A user hook's figures for the round's metrics line: ``{}`` when it returned nothing; what
+    :func:`checked_figures` keeps of them (the driver's own keys and values no metrics line can
+    hold are refused: a warning names them and ``metrics_refused`` lists them);
+    ``{"<what>_error": reason}`` when it raised or returned no mapping (logged)."""
     try:
-        out = dict(make() or {})
+        got = make()
+        if got is not None and not isinstance(got, Mapping):
+            raise TypeError(f"returned a {type(got).__name__}, not a mapping of figures")
+        figures = dict(got or {})
     except Exception as exc:  # noqa: BLE001 — a user's hook failing costs its figures, not the run
         log.exception("round %d: %s failed", round, what)
         return {f"{what}_error": f"{type(exc).__name__}: {exc}"}
-    clash = sorted(k for k in out if k in reserved)
-    if clash:
-        log.warning("round %d: %s returned %s, which the driver writes itself: not taken", round, what, clash)
-        out = {k: v for k, v in out.items() if k not in reserved}
-        out["metrics_refused"] = clash
-    return out
+    return checked_figures(what, round, figures, reserved)
 
 
 def client_metrics(strategy: Strategy, round: int, reports: Sequence[ClientReport],
@@ -383,7 +454,9 @@ def server_evaluate(strategy: Strategy, round: int, model: torch.nn.Module,
                     reserved: Sequence[str] = ()) -> dict[str, Any]:
     """:meth:`Strategy.evaluate` of the round's global model (after the commit), for the round's
     metrics line; guarded as :func:`_guarded` says (``evaluate_error``). The model is put back
-    in eval mode and no gradients are recorded."""
+    in eval mode and no gradients are recorded. An ``accuracy`` that is not a fraction in
+    [0, 1], or a ``loss`` that is not a finite number ≥ 0 (or ``None``), is refused as
+    :func:`checked_figures` refuses a key (the driver's own measure stays the round's)."""
     import torch
 
     def run() -> Mapping[str, Any] | None:
@@ -391,7 +464,20 @@ def server_evaluate(strategy: Strategy, round: int, model: torch.nn.Module,
         with torch.no_grad():
             return strategy.evaluate(round, model)
 
-    return _guarded("evaluate", round, run, reserved)
+    out = _guarded("evaluate", round, run, reserved)
+    bad = []
+    acc = out.get("accuracy")
+    if "accuracy" in out and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0 <= acc <= 1):
+        bad.append("accuracy")
+    loss = out.get("loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or loss < 0):
+        bad.append("loss")
+    for key in bad:
+        log.warning("round %d: evaluate returned %s = %r: %s; not taken", round, key, out.pop(key),
+                    "an accuracy is a fraction in [0, 1]" if key == "accuracy" else "a loss is a number >= 0")
+    if bad:
+        out["metrics_refused"] = sorted(set(out.get("metrics_refused", [])) | set(bad))
+    return out
 
 
 def classifier_shape(model: torch.nn.Module) -> tuple[int, int] | None:

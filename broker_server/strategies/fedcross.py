@@ -86,6 +86,8 @@ class FedCross(Strategy):
                  collab: str = "least", first_stage_bound: int = 0) -> None:
         if collab not in COLLAB:
             raise ValueError(f"collab = {collab!r} must be one of {COLLAB}")
+        if first_stage_bound < 0:
+            raise ValueError(f"first_stage_bound = {first_stage_bound!r} must be >= 0 (rounds)")
         if not 0 <= alpha <= 1 or models < 0 or not 0 < participation_rate <= 1:
             raise ValueError(f"alpha ({alpha}) must be in [0, 1], models ({models}) >= 0, participation_rate "
                              f"({participation_rate}) in (0, 1]")

@@ -171,6 +171,8 @@ class FedDO(Strategy):
         if horizon < 1 or num_devices < 0 or updates_per_round < 0 or val_size < 1:
             problems.append(f"horizon ({horizon}) and val_size ({val_size}) must be >= 1, num_devices "
                             f"({num_devices}) and updates_per_round ({updates_per_round}) >= 0")
+        if layers < 1 or hidden < 1:
+            problems.append(f"layers ({layers}) and hidden ({hidden}) must be >= 1")
         if val_source not in ("train", "test"):
             problems.append(f"val_source = {val_source!r} must be 'train' or 'test'")
         if not xi > 1:
@@ -215,7 +217,10 @@ class FedDO(Strategy):
         seed) and the run seed."""
         src = dataset.train if str(params.get("val_source", "train")) == "train" else dataset.test
         n = len(src.y)
-        size = min(int(params.get("val_size", 500)), n)  # type: ignore[call-overload]
+        want = int(params.get("val_size", 500))  # type: ignore[call-overload]
+        if want < 1:
+            raise ValueError(f"val_size = {want} must be >= 1 (validation samples)")
+        size = min(want, n)
         idx = np.sort(np.random.default_rng(seed + 104729).choice(n, size, replace=False))
         return {"validation": (np.asarray(src.x[idx], np.float32), np.asarray(src.y[idx], np.int64)), "run_seed": seed}
 

@@ -116,6 +116,12 @@ class Oort(Strategy):
                              f"and exploration_decay ({exploration_decay}) in (0, 1]")
         if pacer_step < 1 or sample_window <= 0 or seconds_per_sample <= 0:
             raise ValueError("pacer_step must be >= 1, sample_window and seconds_per_sample > 0")
+        # a negative quantile or percentile would index the sorted lists from their end
+        for key, value, hi in (("cut_off_util", cut_off_util, math.inf), ("clip_bound", clip_bound, 1.0),
+                               ("round_threshold", round_threshold, 100.0), ("round_penalty", round_penalty, math.inf),
+                               ("pacer_delta", pacer_delta, 100.0)):
+            if not 0 <= value <= hi:
+                raise ValueError(f"{key} = {value!r} must be in [0, {hi:g}]")
         self.participation_rate, self.min_clients = participation_rate, min_clients
         self.train_config = dict(train_config or {})
         self.exploration, self.decay, self.exploration_min = float(exploration), exploration_decay, exploration_min

@@ -73,3 +73,36 @@ def test_fedmcp_bad_proxy_keys_are_a_config_error(params: dict) -> None:
     cfg = small_config(train={"algorithm": "fedmcp"}, algorithm=params)
     with pytest.raises(ConfigError, match=r"\[algorithm\]"):
         make_strategy(cfg, load_dataset("digits"))
+
+
+@pytest.mark.parametrize(("algorithm", "params", "named"), [
+    # the type of the constructor's annotation: an OverflowError or "cannot convert float NaN to
+    # integer" (naming no key) before
+    ("feddo", {"capacity": float("inf")}, "capacity = inf must be an integer"),
+    ("feddo", {"hidden": float("nan")}, "hidden = nan must be an integer"),
+    ("fedcross", {"models": float("inf")}, "models = inf must be an integer"),
+    ("fedpgp", {"mix_size": float("inf")}, "mix_size = inf must be an integer"),
+    ("feddo", {"lr_actor": float("inf")}, "lr_actor = inf must be a finite number"),
+    ("feddo", {"xi": "x"}, "xi = 'x' must be a finite number"),
+    ("feddo", {"learn": "x"}, "learn = 'x' must be true or false"),  # was taken as true
+    ("moon", {"mu": "x"}, "mu = 'x' must be a finite number"),
+    ("oort", {"clip_bound": float("nan")}, "clip_bound = nan must be a finite number"),
+    ("oort", {"duration": 3}, "duration = 3 must be a string"),
+    # ranges the constructors did not check (a negative quantile indexed the sorted list from its end)
+    ("oort", {"clip_bound": -1.5}, r"clip_bound = -1.5 must be in \[0, 1\]"),
+    ("oort", {"round_threshold": -1.0}, r"round_threshold = -1.0 must be in \[0, 100\]"),
+    ("oort", {"cut_off_util": -0.5}, r"cut_off_util = -0.5 must be in \[0, inf\]"),
+    ("fedcross", {"first_stage_bound": -1}, "first_stage_bound = -1 must be >= 0"),
+    ("feddo", {"val_size": -1}, "val_size = -1 must be >= 1"),  # "negative dimensions are not allowed"
+    ("feddo", {"layers": 0}, r"layers \(0\) and hidden \(256\) must be >= 1"),
+])
+def test_algorithm_values_of_the_wrong_type_or_range_name_the_key(algorithm: str, params: dict, named: str) -> None:
+    cfg = small_config(train={"algorithm": algorithm}, algorithm=params)
+    with pytest.raises(ConfigError, match=rf"\[algorithm\] for '{algorithm}': .*{named}"):
+        make_strategy(cfg, load_dataset("digits"))
+
+
+def test_an_integer_is_a_number_for_a_float_key() -> None:
+    """TOML's ``mu = 1`` is an integer: a float-annotated key takes it."""
+    cfg = small_config(train={"algorithm": "moon"}, algorithm={"mu": 1, "tau": 1})
+    assert make_strategy(cfg, load_dataset("digits")).mu == 1.0
