@@ -204,6 +204,11 @@ class ServerSettings:
 #: Times a global no device confirmed is sent again, each time in packets of half the size.
 GLOBAL_RESENDS = 3
 
+#: Times one round is sent again to one selected device that says ``online`` again while the round
+#: waits for it (each time its global and round_start): a flapping link, or a forged status on a
+#: broker without signing, cannot make the server send it the model without bound.
+MAX_ROUND_RESENDS = 3
+
 
 @dataclass(frozen=True)
 class RunSummary:
@@ -310,6 +315,7 @@ class AggregationServer:
         self._extras_update_seen = False  # an update was accepted: the upload names are known
         self._resync = False
         self.resyncs = 0
+        self._resend_capped: set[tuple[int, str]] = set()  # (round, client) told "nothing more is sent"
         self.onnx_result: dict = {}
         # per-phase seconds of each round (metrics.jsonl "phase_s"): the channel's accept (decode,
         # signature check, ledger rows) and the handling of what arrived are timed at every call
@@ -626,6 +632,14 @@ class AggregationServer:
             return
         o.offline_since.pop(client, None)
         o.dropped.discard(client)
+        sent = o.resent.get(client, 0)
+        if sent >= MAX_ROUND_RESENDS:  # a flapping link (or a forged status) costs at most this many models
+            if (o.collecting, client) not in self._resend_capped:  # said once per device and round
+                self._resend_capped.add((o.collecting, client))
+                log.warning("%s is back online during round %d again (%s): it was sent the round %d times "
+                            "already, nothing more is sent to it this round", client, o.collecting,
+                            detail or "no detail", MAX_ROUND_RESENDS)
+            return
         log.warning("%s is back online during round %d (%s): sending it the round's global and round_start again",
                     client, o.collecting, detail or "no detail")
         self._send_round_to(client)

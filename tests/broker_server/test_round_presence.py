@@ -155,3 +155,31 @@ def test_online_from_a_device_that_reported_or_a_retained_copy_sends_nothing_aga
     tr = srv.channel.transport
     assert m["clients_reported"] == 2 and m["resent_to"] == []
     assert [t for t, _ in tr.sent if "/down/client-" in t and not t.endswith("/receipt")] == []
+
+
+def test_a_flapping_device_is_sent_the_round_at_most_max_round_resends_times(tmp_path: Path, caplog) -> None:
+    """A's link flaps: five offline/online pairs arrive while round 1 waits for it. The server
+    sends A its own copy of the round for the first MAX_ROUND_RESENDS (3) returns only — 3
+    per-device globals and 3 per-device round_starts, counted by hand from the transport — says
+    once that it stops, and the round still closes on A's and B's updates."""
+    from broker_server.server import MAX_ROUND_RESENDS
+
+    model, like = _model()
+    rng = np.random.default_rng(4)
+    flaps = [status_payload(FED, "client-a", state, detail, seq=seq)
+             for i in range(5)
+             for state, detail, seq in (("offline", "connection lost", 0), ("online", "reconnected", 10 + i))]
+    steps: deque = deque([*(lambda p=p: incoming(*p) for p in flaps),
+                          lambda: incoming(*update_payload(FED, "client-a", 1, 20, like, rng)),
+                          lambda: incoming(*update_payload(FED, "client-b", 1, 2, like, rng))])
+    srv = memory_server(tmp_path, model=model, clients=["client-a", "client-b"], rounds=1, fed=FED,
+                        feed=lambda: steps.popleft()() if steps else None)
+    with caplog.at_level(logging.WARNING, logger="broker_server.server"):
+        m = srv.run_round(1)
+    tr = srv.channel.transport
+    assert MAX_ROUND_RESENDS == 3
+    assert len(sent_on(tr, "/down/client-a/global")) == 3
+    assert len(sent_on(tr, "/down/client-a/round_start")) == 3
+    assert (m["clients_reported"], m["resent_to"]) == (2, ["client-a"])
+    stops = [r for r in caplog.records if "nothing more is sent to it this round" in r.getMessage()]
+    assert len(stops) == 1
