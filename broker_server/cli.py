@@ -17,6 +17,8 @@ from .errors import ConfigError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+#: stopped by Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports it (SIGTERM exits 128 + 15)
+EXIT_INTERRUPTED = 130
 EXIT_USAGE = 2
 EXIT_DATA = 3
 EXIT_BROKER = 4
@@ -323,7 +325,7 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("fedfleet: interrupted", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

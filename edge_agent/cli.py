@@ -32,6 +32,7 @@ at 30 s it gives up after ``--join-timeout-s`` (300 s), or when the federation f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import threading
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="x86-cpu",
                    help="firmware profile (fedfleet profiles lists them; a path to a .toml file works too): "
                         "device, precision, threads, batch size, codec and MQTT limits, fitted to this hardware")
+    p.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                   help="torch intra-op threads for training (default 0: the firmware profile's torch_threads; "
+                        "at most the usable cores). Several agents on one machine: 1 each")
     p.add_argument("--onnx-eval", action="store_true",
                    help="at the end, export the local model to ONNX and evaluate it with ONNX Runtime on the "
                         "local data, with the profile's execution providers")
@@ -232,6 +236,10 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_USAGE
     try:
         prof = load_profile(args.profile) if args.profile.endswith(".toml") else get_profile(args.profile)
+        if args.torch_threads < 0:
+            raise ProfileError(f"--torch-threads must be >= 0 (0: the profile's), got {args.torch_threads}")
+        if args.torch_threads:
+            prof = dataclasses.replace(prof, torch_threads=args.torch_threads)
         hw = detect()
         rt = agent_runtime(prof, info=hw)
     except ProfileError as exc:

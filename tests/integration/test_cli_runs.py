@@ -68,5 +68,5 @@ def test_ctrl_c_says_how_to_resume(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == cli.EXIT_FAILED, err
+    assert proc.returncode == cli.EXIT_INTERRUPTED == 128 + signal.SIGINT, err
     assert f"interrupted; continue the run from its last checkpoint with\n  fedfleet simulate --resume {run}" in out
