@@ -40,6 +40,8 @@ Each round ends with the caller's round line (``round_line``, e.g.
 
 from __future__ import annotations
 
+import io
+import logging
 import sys
 import threading
 import time
@@ -227,6 +229,32 @@ class PlainProgress:
         self.close()
 
 
+class _AboveLive(io.TextIOBase):
+    """A text stream that prints each complete line above a rich live display (through its
+    console), so log records do not run into the live line."""
+
+    def __init__(self, console: Any) -> None:
+        super().__init__()
+        self.console = console
+        self._buf = ""
+
+    def write(self, s: str) -> int:
+        self._buf += s
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def _console_log_handlers() -> list[logging.StreamHandler]:
+    """The root logger's handlers that write to the process's stderr (``logging.basicConfig``'s)."""
+    return [h for h in logging.getLogger().handlers
+            if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.__stderr__)]
+
+
 class LiveProgress(PlainProgress):
     """The live line (rich) on a terminal, plus a line per device with ``verbose``.
 
@@ -248,6 +276,7 @@ class LiveProgress(PlainProgress):
         self.console = console or Console(file=stream)
         self.refresh_per_second = refresh_per_second
         self._live: Any = None
+        self._log_streams: list[tuple[logging.StreamHandler, Any]] = []
 
     def __rich__(self) -> Any:
         from rich.console import Group
@@ -265,6 +294,9 @@ class LiveProgress(PlainProgress):
             self._live = Live(self, console=self.console, refresh_per_second=self.refresh_per_second,
                               transient=True, redirect_stdout=False, redirect_stderr=False)
             self._live.start()
+            # log records (-v) go above the live line while it is shown, not into it
+            above = _AboveLive(self.console)
+            self._log_streams = [(h, h.setStream(above)) for h in _console_log_handlers()]
 
     def _say(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False)
@@ -294,6 +326,9 @@ class LiveProgress(PlainProgress):
         """Stop the live display (the line is cleared); safe to call twice."""
         if self._live is not None:
             live, self._live = self._live, None
+            for handler, stream in self._log_streams:
+                handler.setStream(stream)
+            self._log_streams = []
             live.stop()
 
 

@@ -156,3 +156,35 @@ def test_a_failing_observer_is_switched_off_not_the_round(tmp_path: Path) -> Non
     srv.on_event = broken
     m = srv.run_round(1)
     assert m["clients_reported"] == 1 and srv.on_event is None
+
+
+def test_log_records_print_above_the_live_line_and_go_back_to_stderr_after(monkeypatch) -> None:
+    """With ``-v`` the root logger writes to stderr (``logging.basicConfig``); while the live line is
+    shown its records go through the live console, each on its own line (not glued onto the live
+    line), and the handler writes to stderr again once the line is cleared."""
+    import logging
+    import sys
+
+    from rich.console import Console
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("LOG %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        buf = io.StringIO()
+        console = Console(file=buf, force_terminal=True, width=200, color_system=None)
+        p = LiveProgress(4, console=console, refresh_per_second=1)
+        _script(p)  # starts the live line
+        logging.getLogger("broker_server.server").warning("join: client-000")
+        p.close()
+        logging.getLogger("broker_server.server").warning("after the round")
+    finally:
+        root.removeHandler(handler)
+    lines = buf.getvalue().splitlines()
+    assert any(line.endswith("LOG join: client-000") and "round 1/4" not in line for line in lines), lines
+    assert "join: client-000" not in err.getvalue()
+    assert err.getvalue() == "LOG after the round\n"
+    assert handler.stream is err
