@@ -240,7 +240,8 @@ class ModelSection:
     ``[N, d]``). ``group`` makes a *model group*: a list of architectures assigned round-robin by
     shard index (device ``i`` runs ``group[i % len(group)]``), or a table by firmware profile
     (``{rpi4 = "lightcnn", "jetson-orin-nano" = "resnet18"}``; profiles it does not name run
-    ``name``). Several architectures need a prototype-only algorithm (FedProto): parameter
+    ``name``), or the name of a group of :data:`edge_agent.models.MODEL_GROUPS`
+    (``"htfe4-cpu"``, ``"fleet"`` …). Several architectures need a prototype-only algorithm (FedProto): parameter
     averaging needs one architecture on every device. Stored as a tuple of names, or of
     ``(profile, name)`` pairs.
     """
@@ -494,11 +495,21 @@ def _validate_domains(d: DataSection, src: str) -> None:
 
 def _model_group(value: Any, where: str) -> tuple:
     """``[model] group`` from TOML: a list of names -> a tuple of names; a table profile -> name
-    -> a tuple of ``(profile, name)`` pairs.
+    -> a tuple of ``(profile, name)`` pairs; a string names a group of
+    :data:`edge_agent.models.MODEL_GROUPS` and becomes what that group is.
 
     Raises:
         ConfigError: another type, a non-string or empty entry.
     """
+    if isinstance(value, str):  # a named group (edge_agent.models.MODEL_GROUPS)
+        from edge_agent.errors import ModelError
+        from edge_agent.models import get_group
+
+        try:
+            value = get_group(value)
+        except ModelError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        value = list(value) if isinstance(value, tuple) else value
     if isinstance(value, list):
         if not all(isinstance(v, str) and v for v in value):
             raise ConfigError(f"{where} = {value!r}: expected a list of model names (strings)")
@@ -507,8 +518,8 @@ def _model_group(value: Any, where: str) -> tuple:
         if not all(isinstance(v, str) and v for v in value.values()):
             raise ConfigError(f"{where} = {value!r}: expected a table of profile = model name (strings)")
         return tuple((str(k), v) for k, v in value.items())
-    raise ConfigError(f"{where} = {value!r}: expected a list of model names (round-robin by shard index) or a "
-                      "table of firmware profile = model name")
+    raise ConfigError(f"{where} = {value!r}: expected a list of model names (round-robin by shard index), a "
+                      "table of firmware profile = model name, or a group name")
 
 
 def _validate_model(cfg: Config, src: str) -> None:

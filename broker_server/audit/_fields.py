@@ -99,6 +99,9 @@ def _group(db: Any, kind: str, direction: str, source: str, params: tuple) -> di
         value = named.get(name, named.get("*", codec if source == "receiver" else ""))
         if value:
             codecs.setdefault(name, set()).add(value)
+    (param,) = query(db, _PARTS + "SELECT COALESCE(SUM(n), 0) AS n FROM parts WHERE name = 'tensors' AND bearing",
+                     params)
+    extras_names = [f["name"].removeprefix("extras.") for f in per_field if f["name"] != "tensors"]
     message_bytes = msg["message_bytes"]
     tensor = sum(f["bytes"] for f in per_field if f["name"] == "tensors")
     extras = sum(f["bytes"] for f in per_field if f["name"] != "tensors")
@@ -113,6 +116,7 @@ def _group(db: Any, kind: str, direction: str, source: str, params: tuple) -> di
             "messages": msgs, "chunked_messages": msg["chunked"], "client_rounds": msg["client_rounds"],
             "message_bytes": message_bytes, "body_bytes": msg["body"], "tensor_bytes": tensor,
             "extras_bytes": extras, "other_bytes": other, "raw_bytes": msg["raw"], "encoded_bytes": tensor + extras,
+            "parameter_bytes": param["n"], "extras_names": extras_names,
             "mean_message_bytes": message_bytes / msgs, "fields": fields}
 
 
@@ -144,7 +148,10 @@ def body_fields(rows: LedgerSource) -> list[dict[str, Any]]:
         ``direction``, ``source`` (``'sender'``/``'receiver'``), ``extras_per_entry`` (bool),
         ``messages``, ``chunked_messages``, ``client_rounds`` (distinct (client, round) pairs;
         a broadcast's client is ``'*'``), ``message_bytes``, ``body_bytes``, ``tensor_bytes``,
-        ``extras_bytes``, ``other_bytes``, ``raw_bytes`` (the ledger's ``raw_bytes``: tensor and
+        ``extras_bytes``, ``other_bytes``, ``parameter_bytes`` (the ``tensors`` bytes of the messages
+        that carried model tensors: 0 when every ``tensors`` field is the empty list, 1 byte each,
+        as for the prototype methods), ``extras_names`` (the extras entries, in order of first
+        appearance), ``raw_bytes`` (the ledger's ``raw_bytes``: tensor and
         extras values before the codec, ``size × itemsize``), ``encoded_bytes`` (tensor_bytes +
         extras_bytes: what ``raw_bytes`` became), ``mean_message_bytes``, and ``fields``: one
         dict per field — ``tensors`` first, then each ``extras.<name>`` in order of first

@@ -100,6 +100,10 @@ def field_notes(fields: Sequence[Mapping[str, Any]]) -> list[str]:
         out.append(f"{g['kind']} ({g['direction']}): {count(g['messages'])} messages, {count(g['chunked_messages'])} "
                    f"chunked; tensors + extras {count(g['encoded_bytes'])} B encoded from {count(g['raw_bytes'])} B "
                    f"raw{ratio}{source}")
+        if g.get("parameter_bytes") == 0 and g["messages"]:
+            names = ", ".join(g.get("extras_names") or []) or "none"
+            out.append(f"{g['kind']} ({g['direction']}): no model parameter in any message (0 B of model tensors: "
+                       f"every tensors field is an empty list); the body's arrays are extras only: {names}")
     out.append("other = envelope, msgpack framing, scalar body fields (num_samples, metrics, meta …), extras map "
                "header.")
     out.append("raw B = tensor values before the codec; per field only where it is a message's one tensor-bearing "

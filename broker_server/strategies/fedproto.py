@@ -26,6 +26,7 @@ import numpy as np
 
 from ..aggregate import RunningWeightedSum
 from ._base import ClientResult, GlobalUpdate, RoundPlan, classifier_shape, fold
+from ._prototype_net import mean_interclass_cosine
 from ._registry import register_strategy
 from .fedavg import FedAvg, FedAvgAccumulator
 
@@ -251,7 +252,9 @@ class FedProtoAccumulator:
     """One round of :class:`FedProto`: class-wise prototype sums, plus FedAvg's running weighted
     sum of the model when the strategy shares it. :meth:`result` returns the new global
     prototypes (and model) as one :class:`GlobalUpdate`, whose metrics ``prototype_classes`` (how
-    many classes have a global prototype) are logged for the round that commits it."""
+    many classes have a global prototype) and ``global_prototype_cosine`` (the mean cosine between
+    the global prototypes of different classes, with two or more) are logged for the round that
+    commits it."""
 
     def __init__(self, strategy: FedProto) -> None:
         self.strategy = strategy
@@ -274,9 +277,11 @@ class FedProtoAccumulator:
         protos, classes = self.protos.result()
         model = self.model.result() if self.model is not None else GlobalUpdate(tensors=[])
         extras = {"prototypes": protos, "proto_classes": classes} if classes.size else {}
+        metrics: dict[str, float | int] = {"prototype_classes": int(classes.size)}
+        if classes.size >= 2:
+            metrics["global_prototype_cosine"] = mean_interclass_cosine(protos)
         return GlobalUpdate(tensors=None if model is None else model.tensors, extras=extras,
-                            state={"prototypes": protos, "proto_classes": classes},
-                            metrics={"prototype_classes": int(classes.size)})
+                            state={"prototypes": protos, "proto_classes": classes}, metrics=metrics)
 
 
 @register_strategy("fedproto-avg")

@@ -6,7 +6,9 @@ The server keeps a small network that outputs one prototype per class,
     P_c = fc(ReLU(W · Emb(c) + b)),   Emb ∈ R^{C×d}, W ∈ R^{d×d}, fc: R^d → R^d
 
 (hidden width = d, as the code), initialised once from ``server_seed`` (PyTorch's default
-initialisers: Emb ~ N(0, 1), Linear uniform). Each round, from the uploaded client prototypes
+initialisers: Emb ~ N(0, 1), Linear uniform); network and training loop are
+:mod:`broker_server.strategies._prototype_net`, shared with FedOCP. Each round, from the
+uploaded client prototypes
 {(p, c)} (one per class per client):
 
 1. gap_c = min_{c' ≠ c} ‖p̄_c − p̄_{c'}‖₂ over the per-class means p̄ of the uploads (unweighted
@@ -28,7 +30,8 @@ When a round has a single class, no gap exists and m = 0. Distances are taken as
 sqrt(max(‖p‖² − 2p·P + ‖P‖², 0)) (the code's expansion, clamped so roundoff never gives a NaN).
 The network's parameters are the strategy's state (checkpointed); the round's training works on a
 copy, so nothing changes until the driver commits. Metrics: ``tgp_margin``, ``tgp_server_loss``
-(the last batch's), ``prototype_classes``.
+(the last batch's), ``prototype_classes``, ``global_prototype_cosine`` (the mean cosine between
+the broadcast prototypes of different classes).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._base import ClientResult, GlobalUpdate, fold
+from ._prototype_net import load_net_state, mean_interclass_cosine, prototype_net, train_prototype_net
 from ._registry import register_strategy
 from .fedopt import check_range
 from .fedproto import FedProto
@@ -52,17 +56,6 @@ SERVER_EPOCHS = 100
 SERVER_LR = 0.01
 SERVER_BATCH = 10
 MARGIN_THRESHOLD = 100.0
-
-
-def prototype_net(num_classes: int, dim: int, seed: int) -> torch.nn.Module:
-    """The trainable prototypes' network (module docstring), initialised from ``seed`` without
-    touching the global RNG; ``net(torch.arange(C))`` → [C, d]."""
-    import torch
-    from torch import nn
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Embedding(num_classes, dim), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
 
 
 def class_gaps(means: dict[int, np.ndarray]) -> dict[int, float]:
@@ -174,7 +167,6 @@ class FedTGPAccumulator:
         self.pairs[result.client_id] = (p, c)
 
     def result(self) -> GlobalUpdate | None:
-        import torch
 
         s = self.strategy
         order = sorted(self.pairs)
@@ -194,31 +186,15 @@ class FedTGPAccumulator:
         margin = adaptive_margin(means, s.margin_threshold)
         net = prototype_net(num_classes, dim, s.server_seed)
         if s.generator_state:
-            net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
-                                 zip(net.state_dict(), s.generator_state, strict=True)})
-        opt = torch.optim.SGD(net.parameters(), lr=s.server_lr)
-        gen = torch.Generator().manual_seed(s.server_seed * 1_000_003 + self.round)
-        p_t, c_t = torch.from_numpy(protos), torch.from_numpy(classes)
-        all_classes = torch.arange(num_classes)
-        last = float("nan")
-        net.train()
-        for _ in range(s.server_epochs):
-            perm = torch.randperm(len(c_t), generator=gen)
-            for start in range(0, len(c_t), s.server_batch):
-                idx = perm[start:start + s.server_batch]
-                loss = margin_contrastive_loss(p_t[idx], c_t[idx], net(all_classes), margin)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                last = float(loss.detach())
-        net.eval()
-        with torch.no_grad():
-            glob = net(all_classes).numpy().astype(np.float32)
+            load_net_state(net, s.generator_state)
+        glob, state, last = train_prototype_net(
+            net, protos, classes, lambda p, c, centers: margin_contrastive_loss(p, c, centers, margin),
+            epochs=s.server_epochs, lr=s.server_lr, batch=s.server_batch, seed=s.server_seed * 1_000_003 + self.round)
         ids = np.arange(num_classes, dtype=np.int64)
-        metrics = {"tgp_margin": float(margin), "prototype_classes": int(num_classes)}
+        metrics = {"tgp_margin": float(margin), "prototype_classes": int(num_classes),
+                   "global_prototype_cosine": mean_interclass_cosine(glob)}
         if last == last:
             metrics["tgp_server_loss"] = last
         return GlobalUpdate(tensors=[], extras={"prototypes": glob, "proto_classes": ids},
-                            state={"prototypes": glob, "proto_classes": ids,
-                                   "generator_state": [t.detach().numpy().copy() for t in net.state_dict().values()]},
+                            state={"prototypes": glob, "proto_classes": ids, "generator_state": state},
                             metrics=metrics)

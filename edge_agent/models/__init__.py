@@ -2,12 +2,13 @@
 
 The zoo (:func:`list_models`): ``lightcnn`` (:class:`LightCNN`, the light CNN of SPECS §5.1) and
 torchvision-based nets for small images with BatchNorm (:mod:`edge_agent.models.zoo`:
-``resnet18``, ``resnet8``, ``mobilenet_v2``, ``inception_small``). A user's own model is named
+``resnet18``, ``resnet8``, ``mobilenet_v2``, ``mobilenet_v2_small``, ``inception_small``). A user's own model is named
 by its factory, ``"package.module:function"``, called with the keywords among ``in_channels,
 image_size, num_classes, feature_dim`` it accepts. Every model offers ``features(x) -> [N, d]``
 (the prototype, d = ``feature_dim``), ``head(z) -> logits``, ``backbone.*`` parameter names for
 the feature extractor and ``classifier.weight [C, d]`` for the head; :func:`make_model` (the one
 place a model is made, for devices and the server) builds and checks that.
+Named model groups (``htfe4-cpu``, ``fleet`` …): :data:`MODEL_GROUPS`, :func:`get_group`.
 
 A *manifest* (:func:`model_manifest`) lists a model's ``state_dict`` entries as
 ``(name, shape, dtype)``; :func:`manifest_hash` condenses it to 16 hex characters so that an
@@ -27,12 +28,13 @@ from ._registry import (
     register_model,
     resolve_model,
 )
-from .group import assign_model, group_architectures
+from .group import MODEL_GROUPS, assign_model, get_group, group_architectures, list_groups
 from .lightcnn import LightCNN
 from .manifest import Manifest, manifest_hash, model_manifest
 from .training import drop_batch_counters, train_mode
 
 __all__ = [
+    "MODEL_GROUPS",
     "MODEL_KEYWORDS",
     "LightCNN",
     "Manifest",
@@ -40,8 +42,10 @@ __all__ = [
     "build_model",
     "check_model",
     "drop_batch_counters",
+    "get_group",
     "group_architectures",
     "is_factory_path",
+    "list_groups",
     "list_models",
     "make_model",
     "manifest_hash",

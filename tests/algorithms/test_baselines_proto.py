@@ -153,7 +153,10 @@ def test_fedproto_strategy_round_no_model_tensors() -> None:
     g = s.global_extras()
     np.testing.assert_allclose(g["prototypes"], [[1, 2], [4, 5], [7, 8]])
     np.testing.assert_array_equal(g["proto_classes"], [0, 1, 2])
-    assert s.committed_metrics == {"prototype_classes": 3}
+    # mean cosine of (1, 2), (4, 5), (7, 8): 14/√205, 23/√565, 68/√4633 → (0.97780 + 0.96762 + 0.99902)/3
+    cos = (14 / np.sqrt(205) + 23 / np.sqrt(565) + 68 / np.sqrt(4633)) / 3
+    assert s.committed_metrics == {"prototype_classes": 3, "global_prototype_cosine": pytest.approx(cos, rel=1e-6)}
+    assert round(cos, 5) == 0.98148
     s2 = FedProto()
     s2.load_state_dict(s.state_dict())
     np.testing.assert_array_equal(s2.global_extras()["prototypes"], g["prototypes"])

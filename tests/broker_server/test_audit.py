@@ -758,7 +758,8 @@ def test_body_fields_by_hand():
         "kind": "update", "direction": "up", "source": "sender", "extras_per_entry": True, "messages": 2,
         "chunked_messages": 1, "client_rounds": 2, "message_bytes": 854 + 874, "body_bytes": 826 + 846,
         "tensor_bytes": 2, "extras_bytes": 1020 + 600, "other_bytes": 1728 - 2 - 1620, "raw_bytes": 10_400,
-        "encoded_bytes": 1622, "mean_message_bytes": 864.0}
+        "encoded_bytes": 1622, "mean_message_bytes": 864.0,
+        "parameter_bytes": 0, "extras_names": ["soft_predictions", "prototypes"]}  # every tensors field empty
     # other per message: envelope 28 + body array header 1 + scalars 3 + 9 + 10 + 1 + extras header 1 = 53
     assert up["other_bytes"] == 2 * 53
     assert up["fields"] == [
@@ -784,6 +785,7 @@ def test_body_fields_by_hand():
         ("extras", 1, 700, "fp32", 640),
         ("other", 3, 4898 - 4003 - 700, "", None)]
     assert down["fields"][-1]["bytes"] == 3 * (24 + 1 + 40)
+    assert down["parameter_bytes"] == 4003 - 1  # all but the one global whose tensors list was empty (1 B)
 
     assert field_bytes_per_client_round([down, up]) == {
         "up_tensor_bytes_per_client_round": 1.0, "up_extras_bytes_per_client_round": 810.0,

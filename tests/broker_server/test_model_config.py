@@ -37,11 +37,20 @@ def test_a_table_group_is_by_firmware_profile() -> None:
     assert m.architectures() == ["resnet8", "lightcnn", "resnet18"]
 
 
+def test_a_group_name_becomes_the_named_group() -> None:
+    m = _cfg({"group": "htfe4-cpu"}).model
+    assert m.group == ("lightcnn", "resnet8", "mobilenet_v2_small", "inception_small")
+    assert [m.architecture(i, "x86-cpu") for i in (0, 5)] == ["lightcnn", "resnet8"]
+    f = _cfg({"name": "resnet8", "group": "fleet"}).model
+    assert f.architecture(0, "rpi4") == "lightcnn" and f.architecture(0, "jetson-orin-nano") == "resnet18"
+
+
 @pytest.mark.parametrize(("model", "algorithm", "pattern"), [
     ({"name": "resnet1000"}, "fedavg", r"\[model\]: unknown model 'resnet1000'; the zoo has .*resnet18"),
     ({"name": "no_such_pkg.mod:fn"}, "fedavg", r"\[model\]: model factory .*cannot import module 'no_such_pkg.mod'"),
     ({"group": ["lightcnn", "nope"]}, "fedproto", r"unknown model 'nope'"),
-    ({"group": "resnet8"}, "fedproto", r"\[model\] group = 'resnet8': expected a list"),
+    ({"group": "resnet8"}, "fedproto", r"\[model\] group: unknown model group 'resnet8'; the named groups are fleet"),
+    ({"group": 3}, "fedproto", r"\[model\] group = 3: expected a list"),
     ({"group": [1, 2]}, "fedproto", r"expected a list of model names"),
     ({"group": {"rpi-4": "resnet8"}}, "fedproto", r"unknown firmware profile 'rpi-4'"),
     ({"feature_dim": 0}, "fedavg", r"\[model\] feature_dim = 0 is outside"),

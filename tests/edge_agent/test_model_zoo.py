@@ -13,7 +13,7 @@ from torch import nn
 from edge_agent import models
 from edge_agent.errors import ModelError
 
-ZOO_BN = ("resnet18", "resnet8", "mobilenet_v2", "inception_small")
+ZOO_BN = ("resnet18", "resnet8", "mobilenet_v2", "mobilenet_v2_small", "inception_small")
 
 
 def _count(module: nn.Module) -> int:
@@ -51,6 +51,19 @@ def test_mobilenet_v2_count_is_torchvisions_with_a_new_stem(c: int) -> None:
     assert tv == 3_504_872
     expected = tv - 3 * 3 * 3 * 32 + 3 * 3 * c * 32 - (1280 * 1000 + 1000) + _head(1280, 64, 10)
     assert _count(models.build_model("mobilenet_v2", in_channels=c, image_size=28)) == expected
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_mobilenet_v2_small_count_is_torchvisions_half_width_without_the_last_conv(c: int) -> None:
+    import torchvision
+
+    tv = torchvision.models.mobilenet_v2(weights=None, width_mult=0.5)
+    assert _count(tv) == 1_968_680  # torchvision's own count at width 0.5 (1280-channel last conv kept)
+    last = _conv_bn(160, 1280, 1)  # the dropped final 1×1 conv 160 -> 1280 and its BatchNorm
+    expected = _count(tv) - 3 * 3 * 3 * 16 + 3 * 3 * c * 16 - last - (1280 * 1000 + 1000) + _head(160, 64, 10)
+    model = models.build_model("mobilenet_v2_small", in_channels=c, image_size=32)
+    assert _count(model) == expected
+    assert model.state_dict()["backbone.features.0.0.weight"].shape == (16, c, 3, 3)
 
 
 def test_resnet8_count_by_hand() -> None:
@@ -180,7 +193,8 @@ def test_a_factory_that_does_not_fit_is_named(fn: str, pattern: str) -> None:
 
 
 def test_unknown_names_and_modules() -> None:
-    with pytest.raises(ModelError, match="the zoo has inception_small, lightcnn, mobilenet_v2, resnet18, resnet8"):
+    with pytest.raises(ModelError, match="the zoo has inception_small, lightcnn, mobilenet_v2, mobilenet_v2_small, "
+                                         "resnet18, resnet8"):
         models.resolve_model("resnet1000")
     with pytest.raises(ModelError, match="cannot import module 'no_such_pkg.mod'"):
         models.resolve_model("no_such_pkg.mod:fn")
@@ -217,6 +231,58 @@ def test_model_groups() -> None:
     assert models.assign_model("resnet8", (), shard=9, profile="rpi4") == "resnet8"
     assert models.group_architectures("resnet8", by_profile) == ["resnet8", "lightcnn", "resnet18"]
     assert models.group_architectures("lightcnn", ["lightcnn", "lightcnn"]) == ["lightcnn"]
+
+
+@pytest.mark.parametrize("name", ["htfe4-cpu", "htfe5-cpu", "htfe4"])
+def test_named_groups_mix_four_architectures_of_one_prototype_width(name: str) -> None:
+    group = models.get_group(name)
+    assert isinstance(group, tuple) and len(set(group)) >= 4
+    kinds = {"lightcnn": "cnn", "resnet8": "resnet", "resnet18": "resnet", "mobilenet_v2": "mobilenet",
+             "mobilenet_v2_small": "mobilenet", "inception_small": "googlenet"}
+    assert {kinds[a] for a in group} == {"cnn", "resnet", "mobilenet", "googlenet"}
+    for arch in set(group):  # make_model checks features [N, 24] and classifier [10, 24]
+        m = models.make_model(arch, in_channels=3, image_size=32, num_classes=10, feature_dim=24)
+        assert m.state_dict()["classifier.weight"].shape == (10, 24)
+
+
+def _macs(model: nn.Module, c: int, s: int) -> int:
+    """Multiply-accumulates of one image through every Conv2d and Linear (forward hooks)."""
+    total = 0
+
+    def hook(m: nn.Module, inp: tuple, out: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(m, nn.Conv2d):
+            total += out[0].numel() * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
+        elif isinstance(m, nn.Linear):
+            total += m.in_features * m.out_features
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        model.eval()(torch.zeros(1, c, s, s))
+    for h in handles:
+        h.remove()
+    return total
+
+
+def test_the_fleet_group_gives_a_pi_the_cheapest_net_and_names_known_profiles() -> None:
+    from edge_agent.profiles import get_profile
+
+    group = models.get_group("fleet")
+    assert isinstance(group, dict)
+    macs = {a: _macs(models.build_model(a, in_channels=3, image_size=32), 3, 32) for a in set(group.values())}
+    # the light CNN: 1,753,088 backbone MACs per 3×32×32 image (LightCNN docstring) + its head's 640
+    assert macs["lightcnn"] == 1_753_088 + 640
+    assert group["rpi4"] == min(macs, key=lambda a: macs[a])  # a Pi 4 gets the cheapest net
+    assert group["jetson-orin-nano"] == max(macs, key=lambda a: macs[a])  # the Orin the largest (resnet18)
+    order = [macs[group[p]] for p in ("rpi4", "rpi5", "jetson-nano", "jetson-xavier-nx", "jetson-orin-nano")]
+    assert order == sorted(order)  # weaker boards get cheaper nets
+    for profile in group:
+        assert get_profile(profile).name == profile
+    assert models.assign_model("lightcnn", group, shard=7, profile="rpi4") == "lightcnn"
+    group["rpi4"] = "resnet18"  # a copy: the registry is unchanged
+    assert models.get_group("fleet")["rpi4"] == "lightcnn"
+    with pytest.raises(ModelError, match="unknown model group 'htfe99'.*fleet, htfe4"):
+        models.get_group("htfe99")
 
 
 def test_a_frozen_batchnorm_keeps_its_running_statistics_over_a_training_step() -> None:

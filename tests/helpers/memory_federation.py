@@ -22,12 +22,15 @@ from protocol.messages import decode
 
 @dataclass
 class Device:
-    """One device: its client algorithm, shard (float32 [N, 1, 8, 8], int64 [N]) and profile."""
+    """One device: its client algorithm, shard (float32 [N, 1, 8, 8], int64 [N]), profile and
+    model (``None``: :func:`digits_model`; another architecture for a heterogeneous fleet, kept
+    here so a test can evaluate it after the run)."""
 
     algorithm: object
     x: np.ndarray
     y: np.ndarray
     profile: str = "x86-cpu"
+    model: torch.nn.Module | None = None
 
 
 def digits_model() -> torch.nn.Module:
@@ -50,8 +53,11 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
                                 expected_clients=len(devices)),
         run_dir=tmp)
     agents = [EdgeAgent(channel=Channel(hub.connect(cid), node_id=cid, side="agent", federation="mem", ledger=None),
-                        model=digits_model(), algorithm=d.algorithm, x=d.x, y=d.y, num_classes=10, client_index=i,
+                        model=d.model if d.model is not None else digits_model(), algorithm=d.algorithm, x=d.x,
+                        y=d.y, num_classes=10, client_index=i,
                         idle_timeout_s=60, profile=d.profile,
+                        info=None if d.model is None else {"model": type(d.model).__name__, "num_classes": 10,
+                                                           "feature_dim": int(d.model.classifier.weight.shape[1])},
                         train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size))
               for i, (cid, d) in enumerate(devices.items())]
     errors: list[BaseException] = []

@@ -99,3 +99,37 @@ def test_fedproto_with_three_architectures_sends_no_parameters(tmp_path: Path) -
         # the tensors field of every update and global is an empty msgpack array (0x90): one byte, no parameter
         assert fields["tensors"] == 1, (kind, fields)
     assert all(sum(v for k, v in u.items() if k.startswith("extras")) > 100 for u in updates)  # the prototypes
+
+
+@pytest.mark.parametrize(("algorithm", "params"), [("fedocp", {"server_epochs": 5}), ("fedgh", {}),
+                                                   ("fedtgp", {"server_epochs": 5}), ("fedproto", {})])
+def test_a_four_architecture_group_sends_prototypes_only(tmp_path: Path, algorithm: str, params: dict) -> None:
+    """htfe4-cpu (lightcnn, resnet8, mobilenet_v2_small, inception_small) on 4 digit clients, 2
+    rounds: summing the tensor bytes of every update in the ledger finds no model parameter, and
+    the audit's body-fields view says so."""
+    from broker_server.audit import body_fields, open_ledger
+    from broker_server.audit._format import field_notes
+
+    cfg = C.load(HETERO, overrides={("run", "rounds"): 2, ("run", "out"): str(tmp_path), ("data", "clients"): 4,
+                                    ("model", "group"): "htfe4-cpu", ("train", "algorithm"): algorithm,
+                                    ("server", "quorum"): 4})
+    raw = C.tomllib.loads(cfg.to_toml())
+    raw["algorithm"] = params
+    cfg = C.from_dict(raw, "test")
+    agents = []
+    res = simulate(cfg, run_dir=tmp_path / "run", agent_hook=lambda i, a: agents.append(a))
+    assert res.rounds_completed == 2
+    assert [a.info["model"] for a in agents] == ["lightcnn", "resnet8", "mobilenet_v2_small", "inception_small"]
+    with sqlite3.connect(res.run_dir / "ledger.sqlite") as db:
+        rows = [json.loads(f) for (f,) in db.execute(
+            "SELECT fields FROM messages WHERE kind = 'update' AND side = 'agent' AND event = 'sent'")]
+        assert len(rows) == 4 * 2  # every device, both rounds
+        # an empty msgpack array (0x90) is 1 byte: what is above that is model parameters
+        assert sum(f["tensors"] - 1 for f in rows) == 0
+        assert all({k for k in f if k.startswith("extras.")} == {"extras.prototypes", "extras.proto_classes",
+                                                                  "extras.proto_counts"} for f in rows)
+    groups = {g["kind"]: g for g in body_fields(open_ledger(res.run_dir))}
+    assert groups["update"]["parameter_bytes"] == 0 and groups["update"]["extras_bytes"] > 4 * 2 * 10 * 64
+    notes = "\n".join(field_notes(list(groups.values())))
+    assert ("update (up): no model parameter in any message (0 B of model tensors: every tensors field is an empty "
+            "list); the body's arrays are extras only: prototypes, proto_classes, proto_counts") in notes

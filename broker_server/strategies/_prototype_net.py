@@ -1,0 +1,97 @@
+"""The server-side trainable prototypes shared by FedTGP and FedOCP (SPECS §6.2, §3.3): one
+network ``P = G(Emb(c))`` and the loop that trains it on one round's uploaded prototypes; each
+strategy brings its own loss.
+
+    P_c = fc(ReLU(W · Emb(c) + b)),   Emb ∈ R^{C×d}, W ∈ R^{d×d}, fc: R^d → R^d
+
+(hidden width = d, as TsingZ0/FedTGP and FedORGP), initialised from a seed with PyTorch's
+default initialisers (Emb ~ N(0, 1), Linear uniform) without touching the global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+#: loss(uploaded prototypes [B, d], their classes int64 [B], all generated prototypes [C, d]).
+PrototypeLoss = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+
+
+def prototype_net(num_classes: int, dim: int, seed: int, embedding: np.ndarray | None = None) -> torch.nn.Module:
+    """The trainable prototypes' network (module docstring), initialised from ``seed``;
+    ``net(torch.arange(C))`` → [C, d]. ``embedding`` (float [C, d]) replaces Emb's N(0, 1) rows
+    (FedOCP's ``server_orth_init``)."""
+    import torch
+    from torch import nn
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Embedding(num_classes, dim), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+    if embedding is not None:
+        with torch.no_grad():
+            net[0].weight.copy_(torch.from_numpy(np.asarray(embedding, np.float32)))  # type: ignore[operator]
+    return net
+
+
+def train_prototype_net(net: torch.nn.Module, protos: np.ndarray, classes: np.ndarray, loss: PrototypeLoss, *,
+                        epochs: int, lr: float, batch: int, seed: int) -> tuple[np.ndarray, list[np.ndarray], float]:
+    """Train ``net`` in place: ``epochs`` epochs of plain SGD (lr ``lr``) over the (prototype,
+    class) pairs in minibatches of ``batch``, shuffled each epoch by a generator seeded with
+    ``seed``; every step recomputes all C generated prototypes and minimises
+    ``loss(p_batch, c_batch, net(arange(C)))``.
+
+    Args:
+        net: from :func:`prototype_net` (its embedding fixes C).
+        protos: float32 [N, d]; classes: int64 [N] in [0, C).
+
+    Returns:
+        (the generated prototypes float32 [C, d] in eval mode, the network's state as a list of
+        arrays in ``state_dict`` order, the last batch's loss — NaN when no step ran).
+    """
+    import torch
+
+    num_classes = int(next(iter(net.state_dict().values())).shape[0])  # the embedding [C, d] comes first
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    p_t, c_t = torch.from_numpy(np.asarray(protos, np.float32)), torch.from_numpy(np.asarray(classes, np.int64))
+    all_classes = torch.arange(num_classes)
+    last = float("nan")
+    net.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(c_t), generator=gen)
+        for start in range(0, len(c_t), batch):
+            idx = perm[start:start + batch]
+            value = loss(p_t[idx], c_t[idx], net(all_classes))
+            opt.zero_grad()
+            value.backward()
+            opt.step()
+            last = float(value.detach())
+    net.eval()
+    with torch.no_grad():
+        glob = net(all_classes).numpy().astype(np.float32)
+    return glob, [t.detach().numpy().copy() for t in net.state_dict().values()], last
+
+
+def load_net_state(net: torch.nn.Module, state: Sequence[np.ndarray]) -> None:
+    """Load a state saved by :func:`train_prototype_net` (``state_dict`` order)."""
+    import torch
+
+    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in zip(net.state_dict(), state, strict=True)})
+
+
+def mean_interclass_cosine(prototypes: np.ndarray) -> float:
+    """The mean cosine similarity over the K(K−1)/2 pairs of different rows of ``prototypes``
+    [K, d] (K ≥ 2; NaN otherwise); rows of zero length count as cosine 0."""
+    p = np.asarray(prototypes, np.float64)
+    if p.ndim != 2 or p.shape[0] < 2:
+        return float("nan")
+    n = np.linalg.norm(p, axis=1, keepdims=True)
+    u = np.divide(p, n, out=np.zeros_like(p), where=n > 0)
+    g = u @ u.T
+    iu = np.triu_indices(p.shape[0], 1)
+    return float(g[iu].mean())
