@@ -148,8 +148,10 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
 
 
-def run_pretrain(args, stream: TextIO = sys.stdout) -> int:
-    """``fedfleet feddo pretrain`` (see :func:`pretrain`); prints one line per episode unless ``--quiet``."""
+def run_pretrain(args, stream: TextIO | None = None) -> int:
+    """``fedfleet feddo pretrain`` (see :func:`pretrain`); prints one line per episode unless ``--quiet``
+    (to ``stream``; ``None``: ``sys.stdout`` as it is when called)."""
+    stream = stream if stream is not None else sys.stdout
     from . import config as config_mod
 
     if not args.config:

@@ -179,10 +179,10 @@ class PlainProgress:
         round_line: prints the round's closing line (called by :meth:`on_round`).
     """
 
-    def __init__(self, rounds: int, *, stream: TextIO = sys.stdout, verbose: bool = False, show_joins: bool = False,
+    def __init__(self, rounds: int, *, stream: TextIO | None = None, verbose: bool = False, show_joins: bool = False,
                  round_line: Callable[[dict], None] | None = None) -> None:
         self.state = RoundProgress(rounds)
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stdout  # as it is now, not at import
         self.verbose = verbose
         self.show_joins = show_joins
         self.round_line = round_line
@@ -267,13 +267,13 @@ class LiveProgress(PlainProgress):
     above the live line; the round's line is printed once the live line is cleared.
     """
 
-    def __init__(self, rounds: int, *, stream: TextIO = sys.stdout, verbose: bool = False, show_joins: bool = False,
+    def __init__(self, rounds: int, *, stream: TextIO | None = None, verbose: bool = False, show_joins: bool = False,
                  round_line: Callable[[dict], None] | None = None, console: Any = None,
                  refresh_per_second: float = 2.0) -> None:
         super().__init__(rounds, stream=stream, verbose=verbose, show_joins=show_joins, round_line=round_line)
         from rich.console import Console
 
-        self.console = console or Console(file=stream)
+        self.console = console or Console(file=self.stream)
         self.refresh_per_second = refresh_per_second
         self._live: Any = None
         self._log_streams: list[tuple[logging.StreamHandler, Any]] = []

@@ -195,18 +195,20 @@ def fleet_security(cfg: Config, run_dir: Path, client_ids: list[str]
     return server_security(cfg, extra_peers={cid: ident.public for cid, ident in agents.items()}), agents
 
 
-def progress_printer(rounds: int, stream: TextIO = sys.stdout) -> Callable[[dict], None]:
-    """A callback printing one line per round: round, accuracy, clients, bytes, elapsed."""
+def progress_printer(rounds: int, stream: TextIO | None = None) -> Callable[[dict], None]:
+    """A callback printing one line per round: round, accuracy, clients, bytes, elapsed (to
+    ``stream``; ``None``: ``sys.stdout`` as it is when called, not when this module was imported)."""
     t0 = time.monotonic()
+    out = stream if stream is not None else sys.stdout
 
     def show(m: dict) -> None:
         skipped = "  SKIPPED: " + m.get("skip_reason", "") if m.get("skipped") else ""
-        stream.write(
+        out.write(
             f"round {m['round']:>3}/{rounds}  acc {_num(m['accuracy'])}{_source(m)}  loss {_num(m['loss'])}  "
             f"clients {m['clients_reported']}/{m['clients_selected']}  "
             f"server link: up {m['bytes_up'] / 1024:,.1f} KiB, down {m['bytes_down'] / 1024:,.1f} KiB  "
             f"{m['seconds']:.1f} s  (elapsed {time.monotonic() - t0:.0f} s){skipped}\n")
-        stream.flush()
+        out.flush()
 
     return show
 

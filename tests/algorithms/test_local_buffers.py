@@ -160,8 +160,15 @@ def test_every_model_sharing_client_algorithm_honours_a_local_buffers_declaratio
         mine = m.state_dict()[MEAN].clone() + 5.0  # this device's own statistics
         m.state_dict()[MEAN].copy_(mine)
         glob = tuple(np.zeros_like(m.state_dict()[names[i]].numpy()) for i in idx)  # a global of zeros
+        params: dict = {}
+        extras: dict = {}
+        if name == "fedcross":  # trains the middleware model its instruction names (here: slot 0, zeros too)
+            from edge_agent.algorithms.fedcross import SLOT_KEY, extras_name, flatten_state
+
+            params, extras = {SLOT_KEY: 0}, {extras_name(0): flatten_state(glob)}
         result = algo.local_round(m, glob, x, y, TrainConfig(local_epochs=1, batch_size=6), round=1, client_id="d",
-                                  client_index=0, device=torch.device("cpu"), params={})
+                                  client_index=0, device=torch.device("cpu"), params=params,
+                                  **({"global_extras": extras} if extras else {}))
         assert len(result.tensors) == len(idx), name
         assert [t.shape for t in result.tensors] == [tuple(m.state_dict()[names[i]].shape) for i in idx], name
         # two batches with BatchNorm momentum 0.1: 0.81·(own ≥ 5) + 0.19·(batch means), far from

@@ -194,11 +194,14 @@ def test_malformed_messages_are_rejected_and_the_round_goes_on(tmp_path: Path) -
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert res.rounds_completed == 2
     assert metrics[0]["clients_reported"] == 3
-    assert sum(m["invalid"] for m in metrics) == 3  # the empty payload is not a message at all
+    # four refused: not msgpack, a 3-element array, an empty payload (on an update topic it is a
+    # refused message, not a cleared retained status), and client-009's envelope of another version
+    assert sum(m["invalid"] for m in metrics) == 4
+    assert sum(sum(m["rejected_by_reason"].values()) for m in metrics) == 4  # the split adds up
     rejected = [r for r in _ledger(run_dir) if r["event"] == "rejected"]
-    assert len(rejected) == 3
+    assert len(rejected) == 4
     reasons = " | ".join(r["reason"] for r in rejected)
-    assert "msgpack" in reasons and "version" in reasons
+    assert "msgpack" in reasons and "version" in reasons and "empty" in reasons.lower()
 
 
 def test_agent_that_vanishes_mid_round_is_dropped_after_the_deadline(tmp_path: Path) -> None:

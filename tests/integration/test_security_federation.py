@@ -292,7 +292,8 @@ def test_tls_and_login_failures_are_clear_at_start_up(tls_broker, tmp_path):
     refused = "certificate of the broker .* was refused: .*(self-signed|unable to get local issuer)"
     with pytest.raises(ConnectError, match=refused):
         connect(**{**ok, "tls_ca": str(pki["other_ca"])})
-    with pytest.raises(ConnectError, match="(?i)did not accept the connection .*(not authori[sz]ed|bad user name)"):
+    login = "(?i)did not accept the (MQTT [0-9.]+ )?connection .*(not authori[sz]ed|bad user name)"
+    with pytest.raises(ConnectError, match=login):
         connect(**{**ok, "password": "wrong"})
     with pytest.raises(ConnectError, match="TLS|did not accept"):
         connect(**{k: v for k, v in ok.items() if k not in ("tls_cert", "tls_key")})
