@@ -1,6 +1,7 @@
 """The server-side trainable prototypes shared by FedTGP and FedOCP (SPECS §6.2, §3.3): one
 network ``P = G(Emb(c))`` and the loop that trains it on one round's uploaded prototypes; each
-strategy brings its own loss.
+strategy brings its own loss. :class:`PrototypeUploads` collects a round's uploads for FedTGP,
+FedOCP and FedGH.
 
     P_c = fc(ReLU(W · Emb(c) + b)),   Emb ∈ R^{C×d}, W ∈ R^{d×d}, fc: R^d → R^d
 
@@ -95,3 +96,43 @@ def mean_interclass_cosine(prototypes: np.ndarray) -> float:
     g = u @ u.T
     iu = np.triu_indices(p.shape[0], 1)
     return float(g[iu].mean())
+
+
+class PrototypeUploads:
+    """One round's uploaded prototypes (``extras`` ``prototypes`` float [k, d] and
+    ``proto_classes`` int [k]) per client: the collecting half of FedTGP's, FedOCP's and FedGH's
+    accumulators, which train on :meth:`stacked` at the round's close.
+
+    Raises (from :meth:`add`):
+        ValueError: a width d other than the round's earlier uploads' (or :meth:`known_width`).
+    """
+
+    def __init__(self, strategy, round: int) -> None:  # noqa: ANN001  (the strategy of the subclass)
+        self.strategy, self.round = strategy, round
+        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.dim: int | None = None
+
+    def known_width(self) -> int | None:
+        """The width an upload must have before any arrived this round (``None``: any)."""
+        return None
+
+    def add(self, result) -> None:  # noqa: ANN001  (a ClientResult)
+        """Keep one client's prototypes (see the class's Raises)."""
+        p = np.asarray(result.extras["prototypes"], np.float32)
+        c = np.asarray(result.extras["proto_classes"]).astype(np.int64)
+        if p.shape[0]:
+            known = self.dim if self.dim is not None else self.known_width()
+            if known is not None and p.shape[1] != known:
+                where = "the head's" if self.dim is None else "this round's"
+                raise ValueError(f"prototype width {p.shape[1]} differs from {where} {known}")
+            self.dim = p.shape[1]
+        self.pairs[result.client_id] = (p, c)
+
+    def stacked(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(prototypes float32 [N, d], classes int64 [N]) of every upload in client-id order, or
+        ``None`` when no prototype arrived."""
+        order = sorted(self.pairs)
+        if not order or self.dim is None:
+            return None
+        return (np.concatenate([self.pairs[k][0].reshape(-1, self.dim) for k in order]),
+                np.concatenate([self.pairs[k][1] for k in order]))

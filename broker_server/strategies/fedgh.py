@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._base import ClientResult, GlobalUpdate, fold
-from ._prototype_net import mean_interclass_cosine
+from ._prototype_net import PrototypeUploads, mean_interclass_cosine
 from ._registry import register_strategy
 from .fedopt import check_range
 from .fedproto import FedProto
@@ -131,37 +131,20 @@ class FedGH(FedProto):
         self.head_bias = np.asarray(state.get("head_bias", np.zeros(0)), np.float32)
 
 
-class FedGHAccumulator:
-    """One round of :class:`FedGH`: the uploaded prototypes, then the head's training."""
+class FedGHAccumulator(PrototypeUploads):
+    """One round of :class:`FedGH`: the uploaded prototypes, then the head's training (an upload's
+    width must be the trained head's, once there is one)."""
 
-    def __init__(self, strategy: FedGH, round: int) -> None:
-        self.strategy, self.round = strategy, round
-        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self.dim: int | None = None
-
-    def add(self, result: ClientResult) -> None:
-        """Keep one client's prototypes.
-
-        Raises:
-            ValueError: a width that differs from the round's earlier uploads or the head's.
-        """
-        p = np.asarray(result.extras["prototypes"], np.float32)
-        c = np.asarray(result.extras["proto_classes"]).astype(np.int64)
-        if p.shape[0]:
-            known = self.dim if self.dim is not None else (
-                self.strategy.head_weight.shape[1] if self.strategy.head_bias.size else None)
-            if known is not None and p.shape[1] != known:
-                raise ValueError(f"prototype width {p.shape[1]} differs from the head's {known}")
-            self.dim = p.shape[1]
-        self.pairs[result.client_id] = (p, c)
+    def known_width(self) -> int | None:
+        s = self.strategy
+        return int(s.head_weight.shape[1]) if s.head_bias.size else None
 
     def result(self) -> GlobalUpdate | None:
         s = self.strategy
-        order = sorted(self.pairs)
-        if not order or self.dim is None:
+        uploads = self.stacked()
+        if uploads is None or self.dim is None:
             return None
-        protos = np.concatenate([self.pairs[k][0].reshape(-1, self.dim) for k in order])
-        classes = np.concatenate([self.pairs[k][1] for k in order])
+        protos, classes = uploads
         if s.head_bias.size:
             w0, b0 = s.head_weight, s.head_bias
         else:

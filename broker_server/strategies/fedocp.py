@@ -65,7 +65,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._base import ClientResult, GlobalUpdate, RoundPlan, fold
-from ._prototype_net import load_net_state, mean_interclass_cosine, prototype_net, train_prototype_net
+from ._prototype_net import (
+    PrototypeUploads,
+    load_net_state,
+    mean_interclass_cosine,
+    prototype_net,
+    train_prototype_net,
+)
 from ._registry import register_strategy
 from .fedavg import FedAvg
 from .fedopt import check_range
@@ -187,14 +193,12 @@ class FedOCP(FedProto):
         self.generator_state = [np.asarray(a, np.float32) for a in state.get("generator_state", [])]
 
 
-class FedOCPAccumulator:
+class FedOCPAccumulator(PrototypeUploads):
     """One round of :class:`FedOCP`: the uploaded prototypes, then the server's training (or,
     with ``server_contrastive = false``, FedProto's class means)."""
 
     def __init__(self, strategy: FedOCP, round: int) -> None:
-        self.strategy, self.round = strategy, round
-        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self.dim: int | None = None
+        super().__init__(strategy, round)
         self.mismatches = 0
 
     def add(self, result: ClientResult) -> None:
@@ -203,12 +207,7 @@ class FedOCPAccumulator:
         Raises:
             ValueError: a width that differs from the round's earlier uploads.
         """
-        p = np.asarray(result.extras["prototypes"], np.float32)
-        c = np.asarray(result.extras["proto_classes"]).astype(np.int64)
-        if p.shape[0]:
-            if self.dim is not None and p.shape[1] != self.dim:
-                raise ValueError(f"prototype width {p.shape[1]} differs from this round's {self.dim}")
-            self.dim = p.shape[1]
+        super().add(result)
         expected = self.strategy.anchor_digest()
         got = result.metrics.get("ocp_anchor_digest")
         if expected is not None and got is not None and got != expected:
@@ -216,15 +215,14 @@ class FedOCPAccumulator:
             log.warning("fedocp round %d: %s holds orthogonal anchors with digest %s, the server's are %s "
                         "(another platform computed another matrix); its prototypes are used", self.round,
                         result.client_id, got, expected)
-        self.pairs[result.client_id] = (p, c)
 
     def result(self) -> GlobalUpdate | None:
         s = self.strategy
-        order = sorted(self.pairs)
-        if not order or self.dim is None:
+        uploads = self.stacked()
+        if uploads is None or self.dim is None:
             return None
-        protos = np.concatenate([self.pairs[k][0].reshape(-1, self.dim) for k in order])
-        classes = np.concatenate([self.pairs[k][1] for k in order])
+        protos, classes = uploads
+        order = sorted(self.pairs)
         metrics: dict[str, float | int] = {"ocp_anchor_mismatches": self.mismatches}
         if not s.server_contrastive:  # the ablation: FedProto's unweighted class means
             acc = PrototypeAccumulator("uniform")

@@ -42,7 +42,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._base import ClientResult, GlobalUpdate, fold
-from ._prototype_net import load_net_state, mean_interclass_cosine, prototype_net, train_prototype_net
+from ._prototype_net import (
+    PrototypeUploads,
+    load_net_state,
+    mean_interclass_cosine,
+    prototype_net,
+    train_prototype_net,
+)
 from ._registry import register_strategy
 from .fedopt import check_range
 from .fedproto import FedProto
@@ -144,36 +150,16 @@ class FedTGP(FedProto):
         self.generator_state = [np.asarray(a, np.float32) for a in state.get("generator_state", [])]
 
 
-class FedTGPAccumulator:
+class FedTGPAccumulator(PrototypeUploads):
     """One round of :class:`FedTGP`: the uploaded prototypes, then the server training."""
-
-    def __init__(self, strategy: FedTGP, round: int) -> None:
-        self.strategy, self.round = strategy, round
-        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self.dim: int | None = None
-
-    def add(self, result: ClientResult) -> None:
-        """Keep one client's prototypes.
-
-        Raises:
-            ValueError: a width that differs from the round's earlier uploads.
-        """
-        p = np.asarray(result.extras["prototypes"], np.float32)
-        c = np.asarray(result.extras["proto_classes"]).astype(np.int64)
-        if p.shape[0]:
-            if self.dim is not None and p.shape[1] != self.dim:
-                raise ValueError(f"prototype width {p.shape[1]} differs from this round's {self.dim}")
-            self.dim = p.shape[1]
-        self.pairs[result.client_id] = (p, c)
 
     def result(self) -> GlobalUpdate | None:
 
         s = self.strategy
-        order = sorted(self.pairs)
-        if not order or self.dim is None:
+        uploads = self.stacked()
+        if uploads is None or self.dim is None:
             return None
-        protos = np.concatenate([self.pairs[k][0].reshape(-1, self.dim) for k in order])
-        classes = np.concatenate([self.pairs[k][1] for k in order])
+        protos, classes = uploads
         if s.head is not None:
             num_classes, dim = s.head
         elif s.generator_state:  # unbound, resumed: the embedding [C, d] of the trained network

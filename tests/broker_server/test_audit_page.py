@@ -63,7 +63,7 @@ def _chromium() -> str:
     if found is None:
         if os.environ.get("CI") == "true":
             pytest.fail("CI=true but no chromium: .ci/run installs Debian's chromium")
-        pytest.skip("no headless browser: apt-get install chromium (Debian) to check the HTML audit's layout")
+        pytest.skip(reason="no headless browser: apt-get install chromium (Debian) to check the HTML audit's layout")
     return found
 
 
