@@ -107,7 +107,7 @@ class ServerSection:
     quorum: int = 1
     round_deadline_s: float = 300.0
     join_timeout_s: float = 60.0
-    eval_batch_size: int = 1000
+    eval_batch_size: int = 256
     client_eval: bool = False
     client_eval_max: int = 0
     client_eval_every: int = 1

@@ -160,7 +160,9 @@ class ServerSettings:
         join_timeout_s: seconds to wait for ``expected_clients`` joins before round 1.
         expected_clients: start as soon as this many clients joined (``None``: wait for quorum).
         seed: seeds the client-selection generator.
-        eval_batch_size: samples per forward pass in evaluation.
+        eval_batch_size: samples per forward pass in evaluation. 256, not 1000: with one torch
+            thread a light-CNN pass over 10,000 MNIST images took 1.47 s at 256 against 2.67 s
+            at 1000 (the activations of a 1000-image batch leave the cache).
         expected_data: ``(key, value)`` pairs a joining agent must announce identically in its
             ``join.info`` (data set, partition scheme, α, seed, shard count): a mismatch is refused
             with a receipt naming the differences, so a device cannot silently train on another
@@ -191,7 +193,7 @@ class ServerSettings:
     join_timeout_s: float = 60.0
     expected_clients: int | None = None
     seed: int = 0
-    eval_batch_size: int = 1000
+    eval_batch_size: int = 256
     client_eval: bool = False
     client_eval_every: int = 1
     global_codec: str = "fp32"
@@ -750,8 +752,11 @@ class AggregationServer:
         self._publish_round(self.open.collecting)
         self.resyncs += 1
 
-    def pump(self, timeout_s: float) -> None:
-        """Handle every message that arrives within ``timeout_s`` seconds (at least one wait)."""
+    def pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
+        """Handle every message that arrives within ``timeout_s`` seconds (at least one wait),
+        returning early once ``until()`` is true after a handled message (the round loop passes
+        "no update awaited", so a round closes when its last update arrives, not at the next
+        half-second tick)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self._resync:
@@ -760,6 +765,8 @@ class AggregationServer:
             item = self.channel.receive(max(0.0, min(deadline - time.monotonic(), 1.0)))
             if item is not None:
                 self._handle(item)
+                if until is not None and until():
+                    return
             if time.monotonic() >= deadline:
                 return
 
@@ -883,7 +890,7 @@ class AggregationServer:
             self._drop_overdue(time.monotonic())
             if not o.awaiting() or time.monotonic() >= deadline:
                 break
-            self.pump(min(0.5, max(0.0, deadline - time.monotonic())))
+            self.pump(min(0.5, max(0.0, deadline - time.monotonic())), until=lambda: not o.awaiting())
         # what already arrived before the deadline still counts, however busy the server was
         for _ in range(100_000):
             if not o.awaiting():

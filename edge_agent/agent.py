@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from .runtime import AgentRuntime
 
 log = logging.getLogger(__name__)
+#: images per forward pass of :meth:`EdgeAgent.evaluate` (the server's ``eval_batch_size`` default:
+#: activations of larger batches leave the cache and a pass gets slower per image)
+EVAL_BATCH = 256
 
 
 def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed: int, shards: int,
@@ -631,8 +634,8 @@ class EdgeAgent:
         self.model.eval()
         preds = []
         with torch.inference_mode():
-            for s in range(0, len(eval_y), 1000):
-                xb = eval_x[s:s + 1000].to(self.device)
+            for s in range(0, len(eval_y), EVAL_BATCH):
+                xb = eval_x[s:s + EVAL_BATCH].to(self.device)
                 preds.append(predict_scores(self.algorithm, self.model, xb).argmax(1).cpu().numpy())
         pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)
         return {"eval_accuracy": float((pred == eval_y).mean()) if len(pred) else 0.0,
