@@ -157,3 +157,30 @@ def test_updates_that_arrived_before_the_deadline_count_however_busy_the_server_
     assert sent == [10]
     assert m["invalid"] == 8
     assert (m["clients_reported"], m["late"], m["skipped"]) == (2, 0, False)
+
+
+def test_round_closes_when_its_last_awaited_update_is_handled(tmp_path: Path) -> None:
+    """Both selected devices' updates are queued: the round closes as soon as the second one is
+    handled, without asking the transport for another message (before the fix the server kept
+    waiting until its half-second pump tick ran out, polling the empty queue)."""
+    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
+    like = list(state_arrays(torch_model))
+    rng = np.random.default_rng(0)
+    fed = "mem"
+    feed: deque[Incoming] = deque()
+    polls_after_last = [0]
+
+    def next_message() -> Incoming | None:
+        if feed:
+            return feed.popleft()
+        polls_after_last[0] += 1
+        return None
+
+    srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=1,
+                        feed=next_message, fed=fed)
+    feed.extend([incoming(*update_payload(fed, "client-a", 1, 2, like, rng)),
+                 incoming(*update_payload(fed, "client-b", 1, 2, like, rng))])
+    polls_after_last[0] = 0
+    m1 = srv.run_round(1)
+    assert m1["clients_reported"] == 2 and not m1["skipped"]
+    assert polls_after_last[0] == 0, f"polled the empty queue {polls_after_last[0]} times after the last update"
