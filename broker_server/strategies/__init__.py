@@ -10,6 +10,7 @@ its default, on :class:`Strategy` (``_base.py``).
 from __future__ import annotations
 
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
+from . import fedaa as _fedaa  # noqa: F401  (registers "fedaa")
 from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
 from . import fedcross as _fedcross  # noqa: F401  (registers "fedcross")

@@ -138,6 +138,43 @@ def _flat_drift(update: Sequence[np.ndarray], current: Sequence[np.ndarray]) -> 
     return math.sqrt(s)
 
 
+def validation_split(dataset: Any, params: Mapping[str, object], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The server's validation set of a reward-driven strategy (FedDO, FedAA): ``val_size``
+    (default 500) samples of the ``val_source`` split (``"train"``, default, so no test sample
+    feeds the reward; or ``"test"``), drawn without replacement by a generator of ``seed``.
+
+    Returns:
+        ``(x float32 [V, C, H, W], y int64 [V])``, V = min(val_size, split size).
+
+    Raises:
+        ValueError: ``val_size`` < 1.
+    """
+    src = dataset.train if str(params.get("val_source", "train")) == "train" else dataset.test
+    n = len(src.y)
+    want = int(params.get("val_size", 500))  # type: ignore[call-overload]
+    if want < 1:
+        raise ValueError(f"val_size = {want} must be >= 1 (validation samples)")
+    idx = np.sort(np.random.default_rng(seed + 104729).choice(n, min(want, n), replace=False))
+    return np.asarray(src.x[idx], np.float32), np.asarray(src.y[idx], np.int64)
+
+
+def validate_model(model: torch.nn.Module, validation: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
+    """Accuracy (fraction) and mean cross-entropy of ``model`` on ``validation`` = (x float32
+    [V, ...], y int64 [V]), in batches of 1000; the model's train/eval mode is restored."""
+    x, y = validation
+    was = model.training
+    model.eval()
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(y), 1000):
+            xb, yb = torch.from_numpy(x[i:i + 1000]), torch.from_numpy(y[i:i + 1000])
+            logits = model(xb)
+            loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(1) == yb).sum())
+    model.train(was)
+    return correct / max(1, len(y)), loss / max(1, len(y))
+
+
 @register_strategy("feddo")
 class FedDO(Strategy):
     """FedDO strategy (see the module docstring for the round and every key)."""
@@ -213,16 +250,8 @@ class FedDO(Strategy):
 
     @classmethod
     def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int) -> dict:
-        """The validation set (``val_size`` samples of the ``val_source`` split, seeded by the run
-        seed) and the run seed."""
-        src = dataset.train if str(params.get("val_source", "train")) == "train" else dataset.test
-        n = len(src.y)
-        want = int(params.get("val_size", 500))  # type: ignore[call-overload]
-        if want < 1:
-            raise ValueError(f"val_size = {want} must be >= 1 (validation samples)")
-        size = min(want, n)
-        idx = np.sort(np.random.default_rng(seed + 104729).choice(n, size, replace=False))
-        return {"validation": (np.asarray(src.x[idx], np.float32), np.asarray(src.y[idx], np.int64)), "run_seed": seed}
+        """The validation set (:func:`validation_split`) and the run seed."""
+        return {"validation": validation_split(dataset, params, seed), "run_seed": seed}
 
     def reset_episode(self) -> None:
         """Forget the per-run state (drifts, φ, the pending transition), keep the agent and its
@@ -352,18 +381,7 @@ class FedDO(Strategy):
     def _validate_model(self, model: torch.nn.Module) -> tuple[float, float]:
         if self.validation is None:
             raise ValueError("FedDO has no validation set (built by setup_kwargs from the data set)")
-        x, y = self.validation
-        was = model.training
-        model.eval()
-        correct, loss = 0, 0.0
-        with torch.no_grad():
-            for i in range(0, len(y), 1000):
-                xb, yb = torch.from_numpy(x[i:i + 1000]), torch.from_numpy(y[i:i + 1000])
-                logits = model(xb)
-                loss += float(F.cross_entropy(logits, yb, reduction="sum"))
-                correct += int((logits.argmax(1) == yb).sum())
-        model.train(was)
-        return correct / max(1, len(y)), loss / max(1, len(y))
+        return validate_model(model, self.validation)
 
     def round_metrics(self) -> dict:
         """Active devices, their mean ratio, the replay size and the agent's last losses."""

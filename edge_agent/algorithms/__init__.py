@@ -14,6 +14,7 @@ from typing import cast
 
 from ..errors import EdgeAgentError
 from . import enskd as _enskd  # noqa: F401  (registers "enskd")
+from . import fedaa as _fedaa  # noqa: F401  (registers "fedaa")
 from . import fedadam as _fedadam  # noqa: F401  (registers "fedadam")
 from . import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
 from . import fedcross as _fedcross  # noqa: F401  (registers "fedcross")
