@@ -28,14 +28,14 @@ import numpy as np
 from ..aggregate import RunningWeightedSum
 from ._base import ClientResult, GlobalUpdate, RoundPlan, fold
 from ._registry import register_strategy
-from .fedavg import FedAvg
+from .fedavg import MODEL_WEIGHTINGS, FedAvg
 
 #: FedOpt defaults (RethinkFL momentum; the learning rate is a guess, see the module docstring).
 SERVER_LR = 0.1
 SERVER_MOMENTUM = 0.9
 
 #: How the models are averaged: FedAvg's sample weights n_i, or uniformly (SCAFFOLD's and FedDyn's papers).
-WEIGHTINGS = ("samples", "uniform")
+WEIGHTINGS = MODEL_WEIGHTINGS
 
 #: What one accepted result adds to one running sum: ``result -> (arrays, weight)``.
 SumPart = Callable[[ClientResult], tuple[Sequence[np.ndarray], float]]

@@ -17,8 +17,9 @@ class FedPer(FedAvg):
     """FedPer strategy: :class:`~broker_server.strategies.fedavg.FedAvg` with ``share = "backbone"``.
 
     ``current`` and each result's ``tensors`` are the backbone arrays in manifest order; the
-    sample-weighted mean (streaming, :class:`~broker_server.strategies.fedavg.FedAvgAccumulator`)
-    is the new global backbone. Same constructor as FedAvg.
+    sample-weighted mean (streaming, :class:`~broker_server.strategies.fedavg.FedAvgAccumulator`;
+    equal weights with ``weighting = "uniform"``) is the new global backbone. Same constructor as
+    FedAvg.
     """
 
     name = "fedper"

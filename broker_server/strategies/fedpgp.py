@@ -205,7 +205,7 @@ class FedPGPAccumulator:
 
     def __init__(self, strategy: FedPGP, round: int) -> None:
         self.strategy, self.round = strategy, round
-        self.model = FedAvgAccumulator()
+        self.model = FedAvgAccumulator(strategy.model_weighting)
         self.uploads: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.counts = {"pgp_layer_steps": 0.0, "pgp_conflicts": 0.0, "pgp_projected": 0.0}
         self.width: int | None = None

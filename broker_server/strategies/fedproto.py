@@ -259,7 +259,7 @@ class FedProtoAccumulator:
     def __init__(self, strategy: FedProto) -> None:
         self.strategy = strategy
         self.protos = PrototypeAccumulator(strategy.weighting)
-        self.model = FedAvgAccumulator() if strategy.share != "none" else None
+        self.model = FedAvgAccumulator(strategy.model_weighting) if strategy.share != "none" else None
         self.count = 0
 
     def add(self, result: ClientResult) -> None:

@@ -188,7 +188,7 @@ class FPLAccumulator:
 
     def __init__(self, strategy: FPL) -> None:
         self.strategy = strategy
-        self.model = FedAvgAccumulator()
+        self.model = FedAvgAccumulator(strategy.model_weighting)
         self.prototypes: list[np.ndarray] = []
         self.classes: list[np.ndarray] = []
 

@@ -8,7 +8,7 @@ selection, deadlines, receipts, the clients' evaluation metrics in ``metrics.jso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -19,7 +19,12 @@ from .fedavg import FedAvg
 
 @register_strategy("local")
 class Local(FedAvg):
-    """Local strategy: FedAvg's client selection, nothing aggregated. Same constructor as FedAvg."""
+    """Local strategy: FedAvg's client selection, nothing aggregated. FedAvg's constructor
+    without ``weighting`` (there is no mean to weight).
+
+    Raises:
+        ValueError: as :class:`FedAvg`.
+    """
 
     name = "local"
     share = "none"
@@ -27,6 +32,9 @@ class Local(FedAvg):
     model_requirement = "prototype"
     instructions = ()
 
+    def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
+                 train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
+        super().__init__(participation_rate=participation_rate, min_clients=min_clients, train_config=train_config)
 
     def aggregate(self, round: int, current: Sequence[np.ndarray],
                   results: Sequence[ClientResult]) -> GlobalUpdate | None:
