@@ -17,6 +17,12 @@ Round 1 (no P_g yet; SPECS [guess]): θ = α = 1/m. The module-level functions a
 Decisions beyond the paper (all documented where they are made):
 
 - γ defaults to 0.1 (SPECS §1.4: not given; measured scale of d in :data:`DEFAULT_GAMMA`).
+- The clients' prototype term is the reference code's ``nn.MSELoss`` (mean over the F features,
+  ``proto_loss = "mse"``) unless ``proto_loss = "sum"`` (SPECS' per-sample squared norm, F times
+  larger); see :func:`edge_agent.algorithms.fedpad.prototype_alignment_loss`.
+- Ablations as keys: ``lambda_proto = 0`` (no prototype term), ``fixed_alpha`` (α ≡ 1/m),
+  ``prototype_mix = "uniform"`` (global prototypes without θ); the last two together are
+  "θ/α off" (plain mean of the models, plain per-class mean of the prototypes).
 - Integer model entries (BatchNorm ``num_batches_tracked``; the light CNN has none) are taken
   from the first reporting client in client-id order; every floating entry, BatchNorm running
   statistics included, is α-weighted (the paper's w = Σ α_i w_i; the public code averages BN
@@ -34,7 +40,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from edge_agent.algorithms.fedpad import DEFAULT_LAMBDA_PROTO, PROTO_CLASSES, PROTO_COUNTS, PROTOTYPES
+from edge_agent.algorithms.fedpad import (
+    DEFAULT_LAMBDA_PROTO,
+    DEFAULT_PROTO_LOSS,
+    PROTO_CLASSES,
+    PROTO_COUNTS,
+    PROTO_LOSSES,
+    PROTOTYPES,
+)
 
 from ..aggregate import weighted_average
 from ._base import BufferedAccumulator, ClientResult, GlobalUpdate, RoundPlan
@@ -63,8 +76,12 @@ DEFAULT_TAU = 0.1
 #: deviant client"; γ = 0.1 keeps θ and α graded on both benchmarks, so it is the default. It is
 #: a plain constant in feature units, not rescaled by the data (the paper's θ is softmax(γ·d)):
 #: a model with larger features wants a smaller γ (``[algorithm] gamma``); γ → 0 gives
-#: θ = α = 1/m. The reproduction should sweep it (e.g. 0.1, 0.3, 1).
+#: θ = α = 1/m. ``tools/reproduce_fedpad.py`` sweeps it over four decades and reports α's spread.
 DEFAULT_GAMMA = 0.1
+
+#: How the global prototypes mix the clients': θ-weighted (``"theta"``, the paper) or with equal
+#: weights per class (``"uniform"``: the "no θ-weighted prototype aggregation" ablation, SPECS §1.7).
+PROTOTYPE_MIXES = ("theta", "uniform")
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -285,6 +302,13 @@ class FedPAD(FedAvg):
         lambda_proto: λ ≥ 0 of the clients' prototype term (default 0.1), sent in every round's
             config; 0 is the λ = 0 ablation.
         fixed_alpha: the α ≡ 1/m ablation: unweighted model mean; θ still mixes the prototypes.
+        proto_loss: the scale of the clients' prototype term, ``"mse"`` (default: mean over the
+            features, the reference code's ``nn.MSELoss``) or ``"sum"`` (summed over them, SPECS'
+            formula read literally; F times larger); sent in every round's config, see
+            :func:`edge_agent.algorithms.fedpad.prototype_alignment_loss` for why.
+        prototype_mix: ``"theta"`` (default, the paper) or ``"uniform"`` (each class's global
+            prototype is the plain mean of the clients that sent it; θ is still computed and
+            still sets α). With ``fixed_alpha = true`` too, neither weight is used: θ/α off.
 
     These come from the ``[algorithm]`` table of the run configuration; an unknown key is a
     TypeError of the constructor.
@@ -302,7 +326,8 @@ class FedPAD(FedAvg):
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, float | int | str | bool] | None = None, tau: float = DEFAULT_TAU,
                  gamma: float = DEFAULT_GAMMA, lambda_proto: float = DEFAULT_LAMBDA_PROTO,
-                 fixed_alpha: bool = False) -> None:
+                 fixed_alpha: bool = False, proto_loss: str = DEFAULT_PROTO_LOSS,
+                 prototype_mix: str = "theta") -> None:
         super().__init__(participation_rate=participation_rate, min_clients=min_clients, train_config=train_config)
         if not np.isfinite(tau) or tau <= 0:
             raise ValueError(f"tau must be a positive finite number, got {tau}")
@@ -312,6 +337,11 @@ class FedPAD(FedAvg):
             raise ValueError(f"lambda_proto must be finite and ≥ 0, got {lambda_proto}")
         if not isinstance(fixed_alpha, bool):
             raise ValueError(f"fixed_alpha must be true or false, got {fixed_alpha!r}")
+        if proto_loss not in PROTO_LOSSES:
+            raise ValueError(f"proto_loss must be one of {PROTO_LOSSES}, got {proto_loss!r}")
+        if prototype_mix not in PROTOTYPE_MIXES:
+            raise ValueError(f"prototype_mix must be one of {PROTOTYPE_MIXES}, got {prototype_mix!r}")
+        self.proto_loss, self.prototype_mix = proto_loss, prototype_mix
         self.tau, self.gamma = float(tau), float(gamma)
         self.lambda_proto, self.fixed_alpha = float(lambda_proto), fixed_alpha
         self.prototypes: np.ndarray | None = None        # P_g: float32 [K, F]
@@ -320,9 +350,11 @@ class FedPAD(FedAvg):
         self.prev_alpha = np.zeros(0)                    # their α
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
-        """FedAvg's client selection; the config also carries ``lambda_proto`` for the clients."""
+        """FedAvg's client selection; the config also carries ``lambda_proto`` and ``proto_loss``
+        for the clients."""
         plan = super().configure_round(round, available, rng)
-        return RoundPlan(selected=plan.selected, config={**plan.config, "lambda_proto": self.lambda_proto})
+        return RoundPlan(selected=plan.selected, config={**plan.config, "lambda_proto": self.lambda_proto,
+                                                         "proto_loss": self.proto_loss})
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> BufferedAccumulator:
         """Buffer the round (α needs all prototypes first); :meth:`aggregate` runs at the end."""
@@ -408,7 +440,8 @@ class FedPAD(FedAvg):
         for j, t in enumerate(ordered[0].tensors):  # integer entries: the first client's (module docstring)
             if not np.issubdtype(np.asarray(t).dtype, np.floating):
                 new_model[j] = np.array(t, copy=True)
-        gp, gc = aggregate_prototypes(protos, classes, theta, previous=previous)
+        mix = theta if self.prototype_mix == "theta" else np.full(len(ordered), 1.0 / len(ordered))
+        gp, gc = aggregate_prototypes(protos, classes, mix, previous=previous)
         drift, common = alpha_drift(self.prev_clients, self.prev_alpha, clients, alpha)
         metrics = {
             "fedpad_round": round, "fedpad_clients": clients,

@@ -7,8 +7,11 @@ SPECS.md §1.3 (not the public code variant of §1.8). Each round client i
 1. loads the global model w^{t−1} and reads the global prototypes P_g^{t−1} from the round's
    ``global`` extras (absent in round 1);
 2. runs E local epochs of SGD on ``L_i(w) = CE(h(g_w(x)), y) + λ · L_proto`` (SPECS §1.3 step 2),
-   with ``L_proto = (1/B) Σ_{b : y_b ∈ K_g} ||g_w(x_b) − p_g^{(y_b)}||²₂`` over a batch of B samples:
-   a sample whose class has no global prototype adds nothing (round 1: CE only);
+   with ``L_proto = (1/(B·F)) Σ_{b : y_b ∈ K_g} ||g_w(x_b) − p_g^{(y_b)}||²₂`` over a batch of B
+   samples and F features (``proto_loss = "mse"``, the default: ``nn.MSELoss`` as the reference
+   code) or F times that (``"sum"``: the per-sample squared norm as SPECS writes it); a sample
+   whose class has no global prototype adds nothing (round 1: CE only), see
+   :func:`prototype_alignment_loss`;
 3. after training, in eval mode, computes ``p_i^{(k)} = mean_{(x, y) ∈ D_i, y = k} g_w(x)`` for every
    class k present in its shard (SPECS §1.3 step 3; absent classes are omitted, never zeros);
 4. uploads its whole model (``share = "all"``) and, as update extras, ``prototypes`` float32
@@ -42,6 +45,11 @@ from .fedproto import PrototypeSums, prototype_mse, prototype_table
 
 #: λ, the weight of the prototype-alignment term (SPECS §1.4, from the paper; the code uses 1).
 DEFAULT_LAMBDA_PROTO = 0.1
+
+#: How the prototype term is scaled (:func:`prototype_alignment_loss`): the mean over the F
+#: features (``"mse"``, ``nn.MSELoss`` of the reference code; the default) or their sum (``"sum"``).
+PROTO_LOSSES = ("mse", "sum")
+DEFAULT_PROTO_LOSS = "mse"
 
 #: Names of the update extras a FedPAD client sends and of the global extras it reads.
 PROTOTYPES, PROTO_CLASSES, PROTO_COUNTS = "prototypes", "proto_classes", "proto_counts"
@@ -80,36 +88,53 @@ def model_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, d
 
 
 def prototype_alignment_loss(features: torch.Tensor, labels: torch.Tensor, table: torch.Tensor,
-                             has: torch.Tensor) -> torch.Tensor:
-    """``L_proto = (1/B) Σ_{b : has[y_b]} ||z_b − p_g^{(y_b)}||²₂`` (SPECS §1.3 step 2, the
-    instance-to-prototype "MSE" written as a batch mean of squared L2 distances).
+                             has: torch.Tensor, scale: str = DEFAULT_PROTO_LOSS) -> torch.Tensor:
+    """FedPAD's instance-to-prototype term (SPECS §1.3 step 2), in one of two scales:
+
+    - ``"mse"`` (default): ``L_proto = (1/(B·F)) Σ_{b : has[y_b]} ||z_b − p_g^{(y_b)}||²₂``, the
+      element mean of ``nn.MSELoss`` over the batch's B·F entries — what the reference code
+      (Leyuan111/FedPAD, RethinkFL's ``MSELoss``) computes, and FedProto's
+      :func:`~edge_agent.algorithms.fedproto.prototype_mse`;
+    - ``"sum"``: ``L_proto = (1/B) Σ_{b : has[y_b]} ||z_b − p_g^{(y_b)}||²₂``, the per-sample squared
+      norm summed over the F features, as SPECS writes the formula: F times ``"mse"``.
+
+    Why the default is ``"mse"``: with λ = 0.1 the two differ by a factor F in the weight of the
+    term (F = 64 for the light CNN, λ·F = 6.4 under ``"sum"``). In the Digits domain-silo
+    reproduction at lr 0.05 two of three seeds under ``"sum"`` jumped in training loss in round 2,
+    when the term first applies, and ended at chance level; the paper's λ = 0.1 was tuned for the
+    code's scale. ``"sum"`` stays available as the formula read literally.
 
     Samples whose class has no global prototype contribute 0 but still count in B (the FedProto
     code convention); when every class has one — FedPAD from round 2 on under full
-    participation — this is exactly ``mean_over_batch ||g_w(x) − p_g^{(y)}||²``. It is F times
-    FedProto's element-mean :func:`~edge_agent.algorithms.fedproto.prototype_mse`
-    (``nn.MSELoss``, the RethinkFL/FedPAD code), which is how it is computed: SPECS writes the
-    per-sample squared norm, so λ = 0.1 weighs the sum over the F feature dimensions.
+    participation — ``"sum"`` is exactly ``mean_over_batch ||g_w(x) − p_g^{(y)}||²``.
 
     Args:
         features: z, float [B, F] (differentiable).
         labels: int64 [B].
         table: float32 [C, F] from :func:`~edge_agent.algorithms.fedproto.prototype_table`.
         has: bool [C], the classes with a global prototype.
+        scale: ``"mse"`` or ``"sum"`` (:data:`PROTO_LOSSES`).
 
     Returns:
         A float32 scalar tensor (0 for B = 0 or no sample with a prototype).
+
+    Raises:
+        ValueError: ``scale`` not one of :data:`PROTO_LOSSES`.
     """
+    if scale not in PROTO_LOSSES:
+        raise ValueError(f"proto_loss must be one of {PROTO_LOSSES}, got {scale!r}")
     if features.shape[0] == 0:
         return features.float().sum() * 0.0
-    return features.shape[1] * prototype_mse(features, labels, table, has)
+    mse = prototype_mse(features, labels, table, has)
+    return mse if scale == "mse" else features.shape[1] * mse
 
 
 @register_client_algorithm("fedpad")
 class FedPADClient(FedAvgClient):
     """FedPAD client: local SGD on CE + λ·L_proto, then class prototypes of the trained model.
 
-    Reads ``lambda_proto`` (λ, default 0.1) from the round config (``params``) and the global
+    Reads ``lambda_proto`` (λ, default 0.1) and ``proto_loss`` (``"mse"`` default, or ``"sum"``;
+    :func:`prototype_alignment_loss`) from the round config (``params``) and the global
     prototypes from ``global_extras`` (``prototypes`` float [K, F], ``proto_classes`` int [K]);
     ``lambda_proto = 0`` is the λ = 0 ablation (plain CE, prototypes still uploaded).
 
@@ -152,7 +177,7 @@ class FedPADClient(FedAvgClient):
             ModelError: malformed global prototypes (mismatched lengths, class ids outside
                 [0, C) or repeated, a feature width other than the model's).
             ValueError: ``fp16`` on a non-CUDA device; ``batch_size`` < 1; ``lambda_proto``
-                negative or not finite.
+                negative or not finite; ``proto_loss`` not one of :data:`PROTO_LOSSES`.
         """
         _check_precision(self.precision, device)
         t0 = time.perf_counter()
@@ -162,6 +187,9 @@ class FedPADClient(FedAvgClient):
         lam = float(cast(FloatLike, params.get("lambda_proto", DEFAULT_LAMBDA_PROTO)))
         if not np.isfinite(lam) or lam < 0:
             raise ValueError(f"lambda_proto must be finite and ≥ 0, got {lam}")
+        scale = str(params.get("proto_loss", DEFAULT_PROTO_LOSS))
+        if scale not in PROTO_LOSSES:
+            raise ValueError(f"proto_loss must be one of {PROTO_LOSSES}, got {scale!r}")
         fm = cast(FeatureModel, model)
         table: torch.Tensor | None = None
         has: torch.Tensor | None = None  # set together with table
@@ -177,7 +205,7 @@ class FedPADClient(FedAvgClient):
                 net = cast(FeatureModel, m)
                 z = net.features(xb)
                 logits = net.head(z)
-                return F.cross_entropy(logits, yb) + lam * prototype_alignment_loss(z, yb, table, has), logits
+                return F.cross_entropy(logits, yb) + lam * prototype_alignment_loss(z, yb, table, has, scale), logits
 
         loss, acc = sgd_epochs(model, x, y, config, shuffle_generator(config.seed, round, client_index), device,
                                precision=self.precision, loss_fn=loss_fn,

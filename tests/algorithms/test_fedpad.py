@@ -31,7 +31,13 @@ from broker_server.strategies.fedpad import (
 from edge_agent.algorithms import TrainConfig
 from edge_agent.algorithms import fedavg as fedavg_mod
 from edge_agent.algorithms.fedavg import sgd_epochs, shuffle_generator
-from edge_agent.algorithms.fedpad import DEFAULT_LAMBDA_PROTO, FedPADClient, model_prototypes, prototype_alignment_loss
+from edge_agent.algorithms.fedpad import (
+    DEFAULT_LAMBDA_PROTO,
+    DEFAULT_PROTO_LOSS,
+    FedPADClient,
+    model_prototypes,
+    prototype_alignment_loss,
+)
 from edge_agent.algorithms.fedproto import prototype_table
 from edge_agent.errors import ModelError
 from edge_agent.models import build_model
@@ -298,6 +304,42 @@ def test_constructor_parameters_and_defaults() -> None:
             FedPAD(**bad)
     with pytest.raises(TypeError):
         FedPAD(mu=0.1)  # unknown [algorithm] key
+    assert (s.proto_loss, s.prototype_mix) == ("mse", "theta")
+    assert s.configure_round(1, ["a"], np.random.default_rng(0)).config["proto_loss"] == "mse"
+    assert FedPAD(proto_loss="sum").configure_round(1, ["a"], np.random.default_rng(0)).config["proto_loss"] == "sum"
+    for bad in ({"proto_loss": "mean"}, {"prototype_mix": "alpha"}):
+        with pytest.raises(ValueError, match="must be one of"):
+            FedPAD(**bad)
+
+
+def _from_hand_worked_globals(**kw) -> FedPAD:
+    s = FedPAD(gamma=LN2, tau=0.1, **kw)
+    s.load_state_dict({"prototypes": G_PROTOS, "proto_classes": G_CLASSES, "prev_clients": [],
+                       "prev_alpha": np.zeros(0)})
+    return s
+
+
+def test_uniform_prototype_mix_by_hand() -> None:
+    """Against P_g of the hand-worked example, d = (6, 5, 0) and θ = (64, 32, 1)/97. Class 1 comes
+    from A (1, 1) and B (4, 4): θ-mixed (64·1 + 32·4)/96 = 2 per coordinate; uniform (1 + 4)/2 = 2.5.
+    α = softmax(−θ/τ) either way; with fixed_alpha too, α = 1/3 (θ/α off)."""
+    theta = np.array([64, 32, 1]) / 97
+    a = np.exp(-theta / 0.1)
+    alpha = a / a.sum()
+    for mix, class1 in (("theta", 2.0), ("uniform", 2.5)):
+        s = _from_hand_worked_globals(prototype_mix=mix)
+        out = s.step(2, [], _results())
+        m = s.committed_metrics
+        assert m["fedpad_theta"] == pytest.approx(theta.tolist())
+        assert m["fedpad_alpha"] == pytest.approx(alpha.tolist())
+        np.testing.assert_allclose(out[0], _head(float(alpha @ [1.0, 2.0, 4.0])), rtol=1e-6)
+        g = s.global_extras()
+        np.testing.assert_array_equal(g["proto_classes"], [0, 1, 2, 3])
+        np.testing.assert_allclose(g["prototypes"], [[3, 4], [class1, class1], [0, 2], [9, 9]], rtol=1e-6)
+    s = _from_hand_worked_globals(prototype_mix="uniform", fixed_alpha=True)
+    out = s.step(2, [], _results())
+    np.testing.assert_allclose(out[0], _head(7 / 3), rtol=1e-6)  # (1 + 2 + 4) / 3
+    np.testing.assert_allclose(s.global_extras()["prototypes"][1], [2.5, 2.5], rtol=1e-6)
 
 
 def test_state_dict_survives_a_checkpoint_and_resumes_identically(tmp_path: Path) -> None:
@@ -372,9 +414,11 @@ def _global_protos():
     return torch.rand(2, FEAT, generator=g).numpy().astype(np.float32), np.array([0, 3], np.int64)
 
 
-def test_lambda_term_changes_one_sgd_step_as_predicted() -> None:
+@pytest.mark.parametrize(("proto_loss", "per"), [("sum", 1), ("mse", FEAT)])
+def test_lambda_term_changes_one_sgd_step_as_predicted(proto_loss: str, per: int) -> None:
     """One full-batch SGD step (lr η, no momentum): w' = w − η(∇CE + λ∇L_proto), where ∇L_proto is
-    back-propagated by hand from dL/dz_b = 2(z_b − p_g^{(y_b)})/B for samples with a prototype."""
+    back-propagated by hand from dL/dz_b = 2(z_b − p_g^{(y_b)})/(B·per) for samples with a
+    prototype: per = 1 for ``proto_loss = "sum"``, F for ``"mse"``."""
     x, y = _shard(12)
     gp, gc = _global_protos()
     lam, lr = 0.7, 0.05
@@ -382,7 +426,7 @@ def test_lambda_term_changes_one_sgd_step_as_predicted() -> None:
     m0 = _model()
     w0 = state_arrays(m0)
     res = FedPADClient().local_round(m0, w0, x, y, cfg, round=2, client_index=0, device=CPU,
-                                     params={"lambda_proto": lam},
+                                     params={"lambda_proto": lam, "proto_loss": proto_loss},
                                      global_extras={"prototypes": gp, "proto_classes": gc})
     plain = FedPADClient().local_round(_model(), w0, x, y, cfg, round=2, client_index=0, device=CPU,
                                        params={"lambda_proto": 0.0},
@@ -396,7 +440,7 @@ def test_lambda_term_changes_one_sgd_step_as_predicted() -> None:
     table = np.zeros((NUM_CLASSES, FEAT), np.float32)
     table[gc] = gp
     mask = torch.tensor([int(c) in (0, 3) for c in y], dtype=torch.float32).unsqueeze(1)
-    dz = 2.0 * (z.detach() - torch.from_numpy(table)[y]) * mask / len(y)
+    dz = 2.0 * (z.detach() - torch.from_numpy(table)[y]) * mask / (len(y) * per)
     g_proto = [torch.zeros_like(p) if g is None else g  # the head does not enter L_proto
                for p, g in zip(params, torch.autograd.grad(z, params, grad_outputs=dz, allow_unused=True))]
     expect = [p.detach().numpy() - lr * (gc_.numpy() + lam * gp_.numpy()) for p, gc_, gp_ in zip(params, g_ce, g_proto)]
@@ -413,7 +457,7 @@ def test_lambda_term_changes_one_sgd_step_as_predicted() -> None:
     assert max(float(np.abs(d).max()) for d in diff) > 1e-4
     assert res.metrics["proto_classes_aligned"] == 2 and plain.metrics["proto_classes_aligned"] == 0
     # the reported loss is CE + λ·L_proto at the start of the step
-    l_proto = float(((z.detach() - torch.from_numpy(table)[y]) ** 2 * mask).sum() / len(y))
+    l_proto = float(((z.detach() - torch.from_numpy(table)[y]) ** 2 * mask).sum() / (len(y) * per))
     assert res.train_loss == pytest.approx(float(ce.detach()) + lam * l_proto, rel=1e-5)
 
 
@@ -431,13 +475,19 @@ def test_round_one_without_global_prototypes_is_plain_cross_entropy() -> None:
     assert a.train_loss == b.train_loss
 
 
-def test_alignment_loss_by_hand() -> None:
+def test_alignment_loss_by_hand_in_both_scales() -> None:
     table, has = prototype_table(np.array([[1.0, 1.0]], np.float32), np.array([2]), 3, CPU)
     z = torch.tensor([[1.0, 3.0], [0.0, 0.0], [4.0, 5.0]])
-    y = torch.tensor([2, 0, 2])
-    # (||(0,2)||² + 0 + ||(3,4)||²) / 3 = (4 + 25) / 3
-    assert float(prototype_alignment_loss(z, y, table, has)) == pytest.approx(29 / 3)
+    y = torch.tensor([2, 0, 2])  # class 0 has no global prototype: adds 0, counts in B = 3
+    # "sum": (||(1,3)−(1,1)||² + 0 + ||(4,5)−(1,1)||²) / B = (0² + 2² + 3² + 4²) / 3 = 29 / 3
+    assert float(prototype_alignment_loss(z, y, table, has, "sum")) == pytest.approx(29 / 3)
+    # "mse": the same squares over the B·F = 3·2 entries: 29 / 6 (nn.MSELoss of the reference code)
+    assert float(prototype_alignment_loss(z, y, table, has, "mse")) == pytest.approx(29 / 6)
+    assert float(prototype_alignment_loss(z, y, table, has)) == pytest.approx(29 / 6)  # the default
+    assert DEFAULT_PROTO_LOSS == "mse"
     assert float(prototype_alignment_loss(z[:0], y[:0], table, has)) == 0.0
+    with pytest.raises(ValueError, match="proto_loss must be one of"):
+        prototype_alignment_loss(z, y, table, has, "mean")
 
 
 @pytest.mark.parametrize(("protos", "classes", "match"), [
