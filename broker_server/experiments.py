@@ -15,13 +15,30 @@ What a job reports (:func:`run_job`):
 - with ``ensemble=True``: the accuracy and macro-F1 of the ensemble that averages every
   client's class probabilities (softmax of its own model's scores) on the evaluation split
   (FedMCP++'s "GAcc"/"GF1", SPECS.md §5.5).
+
+Each new record also carries ``config_sha256`` (:func:`config_fingerprint`: the job's
+configuration without its data folder) and what the caller stamps on it (the scripts: the code's
+commit, :func:`code_commit`). A resumed grid refuses a record whose fingerprint differs from its
+job's configuration (the cell would be skipped with another configuration's numbers); records
+written before the fingerprint existed are taken as they are.
+
+The second half is the harness the ``tools/reproduce_*.py`` scripts share: the data folder
+default (:func:`default_data_dir`), option parsing of comma lists (:func:`int_list`,
+:func:`name_list`), the estimate-then-grid loop (:func:`run_with_estimate`), the re-run check
+(:func:`verify_records`), per-round metrics (:func:`read_metrics`, :func:`rounds_to_target`) and
+mean ± std formatting (:func:`pm`).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import logging
 import multiprocessing
+import os
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -34,6 +51,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
+#: Record fields a job's tags may not set: the cell's key (a tag ``key`` used to replace it in the
+#: record, which broke resuming), the failure mark and the configuration fingerprint.
+RESERVED_TAGS = frozenset({"key", "error", "config_sha256"})
+
+
 @dataclass(frozen=True)
 class Job:
     """One run of a grid.
@@ -43,13 +65,24 @@ class Job:
             ``"mnist/c10/fedavg/s0"``.
         config: the configuration as parsed TOML (``{"run": {...}, "data": {...}, ...}``).
         ensemble: also compute the ensemble accuracy of the clients' own models (GAcc).
-        tags: free labels copied into the result (data set, method, seed …).
+        tags: free labels copied into the result (data set, method, seed …); not
+            :data:`RESERVED_TAGS`.
     """
 
     key: str
     config: dict
     ensemble: bool = False
     tags: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Refuse tags that would overwrite the record's identity or status.
+
+        Raises:
+            ValueError: a tag named ``key``, ``error`` or ``config_sha256`` (:data:`RESERVED_TAGS`).
+        """
+        taken = sorted(RESERVED_TAGS & set(self.tags))
+        if taken:
+            raise ValueError(f"job {self.key!r}: tags {taken} are reserved for the record's own fields")
 
 
 def _device_bytes_per_client_round(rows: list[dict], clients: int, rounds: int) -> dict[str, float]:
@@ -168,18 +201,41 @@ def load_results(out_dir: str | Path) -> dict[str, dict]:
     return out
 
 
+def config_fingerprint(config: dict) -> str:
+    """SHA-256 (hex) of a job's configuration as canonical JSON (sorted keys), without
+    ``[data] data_dir``: the same cell read from another checkout's data folder keeps its
+    fingerprint (the data files themselves are not fingerprinted)."""
+    cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    if isinstance(cfg.get("data"), dict):
+        cfg["data"].pop("data_dir", None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
 def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
-             on_result: Callable[[dict], None] | None = None) -> dict[str, dict]:
+             on_result: Callable[[dict], None] | None = None, stamp: dict | None = None) -> dict[str, dict]:
     """Run every job not yet in ``out_dir/results.jsonl`` in ``workers`` processes.
 
-    A job that failed earlier (its record has ``error``) is run again.
+    A job that failed earlier (its record has ``error``) is run again. Each new record gets
+    ``config_sha256`` (:func:`config_fingerprint`) and the entries of ``stamp`` (e.g.
+    ``{"commit": code_commit(root)}``).
 
     Returns:
         key → result record for every job of the grid (new and earlier ones).
+
+    Raises:
+        ValueError: a finished record's ``config_sha256`` differs from its job's configuration
+            (the grid folder holds another configuration's cell under that key: use a fresh
+            folder, or remove that record).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    jobs = list(jobs)
     done = {k: v for k, v in load_results(out).items() if "error" not in v}
+    for j in jobs:
+        rec = done.get(j.key)
+        if rec is not None and "config_sha256" in rec and rec["config_sha256"] != config_fingerprint(j.config):
+            raise ValueError(f"{out / 'results.jsonl'}: the record of {j.key!r} was made with another configuration "
+                             "(config_sha256 differs); use a fresh output folder or remove that record")
     todo = [j for j in jobs if j.key not in done]
     keys = {j.key for j in jobs} | set(done)
     if todo:
@@ -188,7 +244,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             futures = {pool.submit(_worker, j, str(out)): j for j in todo}
             for fut in as_completed(futures):
-                rec = fut.result()
+                rec = {**fut.result(), "config_sha256": config_fingerprint(futures[fut].config), **(stamp or {})}
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 done[rec["key"]] = rec
@@ -211,3 +267,148 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
         return float("nan"), float("nan")
     a = np.asarray(values, dtype=float)
     return float(a.mean()), float(a.std())
+
+
+# ------------------------------------------------------------------------------------------
+# The harness of the reproduction scripts (tools/reproduce_*.py)
+
+#: Keys of a round's metrics line that measure time, not the computation (left out of re-run checks).
+VOLATILE_METRICS = frozenset({"seconds", "phase_s", "clients_train_s", "train_seconds"})
+
+
+def code_commit(root: str | Path) -> str:
+    """The short commit of the checkout at ``root``, with ``+dirty`` when tracked files differ
+    from it; ``"unknown"`` outside a git checkout (or without git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def default_data_dir(root: str | Path, given: str = "") -> str:
+    """The data folder of a reproduction: ``given``, else ``$FEDFLEET_DATA``, else
+    ``<root>/../shared/data`` when it exists, else ``""`` (the loaders' own search)."""
+    data_dir = given or os.environ.get("FEDFLEET_DATA", "")
+    if not data_dir and (Path(root).parent / "shared" / "data").is_dir():
+        data_dir = str(Path(root).parent / "shared" / "data")
+    return data_dir
+
+
+def int_list(parser: argparse.ArgumentParser, option: str, text: str, minimum: int = 0) -> list[int]:
+    """Comma-separated integers of ``option``, each ≥ ``minimum``; otherwise ``parser.error``
+    (exit 2) naming the option and what it got."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"{option} takes comma-separated integers, got {text!r}")
+    if not values or min(values) < minimum:
+        parser.error(f"{option} needs at least one integer, each >= {minimum}; got {text!r}")
+    return values
+
+
+def name_list(parser: argparse.ArgumentParser, option: str, text: str, known: Iterable[str]) -> list[str]:
+    """Comma-separated names of ``option`` (empty items dropped), each one of ``known``;
+    otherwise ``parser.error`` (exit 2) naming the unknown ones and listing the known."""
+    names = [n for n in text.split(",") if n]
+    allowed = list(known)
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        parser.error(f"{option}: unknown {unknown}; known: {allowed}")
+    return names
+
+
+def read_metrics(out_dir: str | Path, key: str) -> list[dict]:
+    """The per-round metrics lines of grid cell ``key`` (``OUT/runs/<key with / → __>/metrics.jsonl``);
+    ``[]`` when the run folder has none."""
+    path = Path(out_dir) / "runs" / key.replace("/", "__") / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def rounds_to_target(lines: Sequence[dict], target: float, metric: str = "accuracy") -> int | None:
+    """The first round whose ``metric`` reaches ``target`` (same unit, e.g. a fraction), or
+    ``None`` (never, or no lines)."""
+    for m in lines:
+        v = m.get(metric)
+        if v is not None and v >= target:
+            return int(m["round"])
+    return None
+
+
+def pm(values: Sequence[float | None], scale: float = 100.0, digits: int = 2, *, plain_single: bool = False) -> str:
+    """``"mean ± std"`` (population std, :func:`mean_std`) of ``values`` × ``scale`` with
+    ``digits`` decimals; ``None`` entries are left out; ``"–"`` when none is left. With
+    ``plain_single``, one value is printed without ``± 0``."""
+    vals = [float(v) * scale for v in values if v is not None]
+    m, s = mean_std(vals)
+    if m != m:
+        return "–"
+    return f"{m:.{digits}f}" if plain_single and len(values) == 1 else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def run_with_estimate(jobs: Sequence[Job], out_dir: str | Path, *, workers: int, estimate_only: bool = False,
+                      on_result: Callable[[dict], None] | None = None, note: str = "",
+                      stamp: dict | None = None) -> float:
+    """The reproduction loop: the first job not yet on record runs alone, and its time × the
+    number still to run is printed as the CPU estimate (``note`` says how cells differ); then,
+    unless ``estimate_only``, the whole grid (:func:`run_grid`; what is on record is skipped).
+
+    Returns:
+        Wall seconds of this call.
+    """
+    t0 = time.monotonic()
+    done = {k for k, r in load_results(out_dir).items() if "error" not in r}
+    todo = [j for j in jobs if j.key not in done]
+    if todo:
+        first = run_grid([todo[0]], out_dir, workers=1, on_result=on_result, stamp=stamp)[todo[0].key]
+        secs = float(first.get("seconds", 0.0))
+        rest = len(todo) - 1
+        print(f"first cell {secs:.0f} s; {rest} more cells ≈ {secs * rest / 3600:.1f} CPU-hours, "
+              f"≈ {secs * rest / max(1, workers) / 3600:.1f} h wall on {workers} workers"
+              + (f" ({note})" if note else ""), flush=True)
+    else:
+        print(f"all {len(jobs)} cells on record in {out_dir}", flush=True)
+    if not estimate_only:
+        run_grid(jobs, out_dir, workers=workers, on_result=on_result, stamp=stamp)
+    return time.monotonic() - t0
+
+
+def final_differences(a: dict, b: dict) -> list[str]:
+    """The keys of two records' last-round metrics (``final``) whose values differ, timings
+    (:data:`VOLATILE_METRICS`) left out; ``["final"]`` when one record has none."""
+    fa, fb = a.get("final"), b.get("final")
+    if not fa or not fb:
+        return ["final"]
+    return sorted(k for k in set(fa) | set(fb) if k not in VOLATILE_METRICS and fa.get(k) != fb.get(k))
+
+
+def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers: int, commit: str,
+                   headline: Callable[[dict], object]) -> list[str]:
+    """Re-run the first ``k`` finished records of ``out_dir`` that are cells of ``jobs`` (into a
+    temporary folder inside ``out_dir``) and compare each re-run with its record: the headline
+    figure (``headline(record)``) and every last-round metric but the timings.
+
+    Returns:
+        Markdown lines: which commit made the records and which made the re-runs, then one line
+        per cell, ``same`` only when every compared metric is equal.
+    """
+    recorded = [r for r in load_results(out_dir).values() if "error" not in r]
+    by_key = {j.key: j for j in jobs}
+    recorded = [r for r in recorded if r["key"] in by_key][:k]
+    made = sorted({str(r.get("commit", "not recorded")) for r in recorded})
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        again = run_grid([by_key[r["key"]] for r in recorded], tmp, workers=workers)
+    lines = [f"Re-ran {len(recorded)} recorded cells at commit `{commit}`; the records were made at "
+             f"{', '.join(f'`{c}`' for c in made) or '–'}. *same* = every last-round metric equal (timings left "
+             "out).", ""]
+    for r in recorded:
+        b = again.get(r["key"], {})
+        diff = final_differences(r, b) if "error" not in b else ["error: " + str(b["error"])]
+        lines.append(f"- {r['key']}: recorded {headline(r)}, re-run {headline(b)} → "
+                     + ("same" if not diff else f"**differs** ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})"))
+    return lines

@@ -48,7 +48,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker_server.experiments import Job, failed_runs_section, load_results, mean_std, run_grid  # noqa: E402
+from broker_server.experiments import (  # noqa: E402
+    Job,
+    code_commit,
+    failed_runs_section,
+    int_list,
+    load_results,
+    mean_std,
+    pm,
+    read_metrics,
+    rounds_to_target,
+    run_grid,
+)
 
 #: method label → (registered algorithm, [algorithm] table)
 METHODS: dict[str, tuple[str, dict]] = {
@@ -139,10 +150,8 @@ def pretrain_policies(out: Path, cells: list[tuple[str, str]], *, clients: int, 
     return info
 
 
-def read_rounds(out: Path, key: str) -> list[dict]:
-    """The per-round metrics lines of run ``key`` (``[]`` when absent)."""
-    p = out / "runs" / key.replace("/", "__") / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+#: the per-round metrics lines of run ``key`` (``[]`` when absent)
+read_rounds = read_metrics
 
 
 def behaviour(lines: list[dict]) -> tuple[float, float]:
@@ -152,9 +161,8 @@ def behaviour(lines: list[dict]) -> tuple[float, float]:
     return (sum(act) / len(act) if act else 0.0, sum(rat) / len(rat) if rat else 0.0)
 
 
-def rounds_to(lines: list[dict], target: float) -> int | None:
-    """The first round whose accuracy reaches ``target``, or ``None``."""
-    return next((m["round"] for m in lines if m.get("accuracy") is not None and m["accuracy"] >= target), None)
+#: the first round whose accuracy reaches the target, or ``None``
+rounds_to = rounds_to_target
 
 
 def agent_sizes() -> list[tuple[int, dict, dict]]:
@@ -226,13 +234,12 @@ def report(out: Path, results: dict[str, dict], *, datasets, partitions, methods
                 hit = [rounds_to(p, tgt) for p in per] if tgt is not None else []
                 got = [h for h in hit if h is not None]
                 beh = [behaviour(p) for p in per] if METHODS[m][0] == "feddo" else []
-                f_m, f_s = mean_std(fin) if fin else (float("nan"), 0.0)
                 b_m, _ = mean_std(best) if best else (float("nan"), 0.0)
                 r_txt = (f"{sum(got) / len(got):.0f} ({len(got)}/{len(hit)})" if got
                          else f"> {args.rounds} (0/{len(hit)})")
                 a_txt = f"{sum(b[0] for b in beh) / len(beh):.1f}" if beh else "—"
                 d_txt = f"{sum(b[1] for b in beh) / len(beh):.3f}" if beh else "—"
-                lines.append(f"| {m} | {f_m:.2f} ± {f_s:.2f} | {b_m:.2f} | {r_txt} | {a_txt} | {d_txt} |")
+                lines.append(f"| {m} | {pm(fin, 1.0)} | {b_m:.2f} | {r_txt} | {a_txt} | {d_txt} |")
             if part in PAPER_BEHAVIOUR:
                 lines.append(f"\nPaper's learned behaviour here: {PAPER_BEHAVIOUR[part]}.")
             pol = policies.get(f"{ds}/{part}")
@@ -283,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     if set(methods) - set(METHODS):
         p.error(f"unknown methods {sorted(set(methods) - set(METHODS))}; known: {list(METHODS)}")
-    try:
-        seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    seeds = int_list(p, "--seeds", a.seeds)
     if a.clients < 1 or a.rounds < 1 or a.episodes < 1 or a.pretrain_rounds < 1 or not 0 < a.participation <= 1:
         p.error("--clients, --rounds, --episodes, --pretrain-rounds must be >= 1, --participation in (0, 1]")
     methods, skipped = registered(methods)
@@ -324,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = make_jobs(datasets, partitions, first, seeds, control={}, **kw)
         for j in jobs if a.data_dir else ():
             j.config["data"]["data_dir"] = a.data_dir
-        results = run_grid(jobs, out, workers=a.workers, on_result=show)
+        stamp = {"commit": code_commit(ROOT)}
+        results = run_grid(jobs, out, workers=a.workers, on_result=show, stamp=stamp)
         if "FedDO-random" in methods:  # the control needs FedDO's behaviour (seed 0 of each cell)
             control = {}
             for ds, part in cells:
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs2 = make_jobs(datasets, partitions, ["FedDO-random"], seeds, control=control, **kw)
             for j in jobs2 if a.data_dir else ():
                 j.config["data"]["data_dir"] = a.data_dir
-            results.update(run_grid(jobs2, out, workers=a.workers, on_result=show))
+            results.update(run_grid(jobs2, out, workers=a.workers, on_result=show, stamp=stamp))
     text = report(out, results, datasets=datasets, partitions=partitions, methods=methods, skipped=skipped,
                   seeds=seeds, args=a, policies=policies, target=a.target)
     if not a.report_only:

@@ -45,7 +45,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker_server.experiments import Job, failed_runs_section, load_results, mean_std, run_grid  # noqa: E402
+from broker_server.experiments import (  # noqa: E402
+    Job,
+    code_commit,
+    failed_runs_section,
+    int_list,
+    load_results,
+    mean_std,
+    pm,
+    run_grid,
+)
 
 #: method label → (registered algorithm, [algorithm] table)
 METHODS: dict[str, tuple[str, dict]] = {
@@ -129,8 +138,8 @@ def make_jobs(datasets: list[str], clients: list[int], methods: list[str], seeds
 
 
 def _pm(values: list[float], scale: float = 100.0) -> str:
-    m, s = mean_std([v * scale for v in values if v is not None])
-    return "–" if m != m else (f"{m:.2f}" if len(values) == 1 else f"{m:.2f} ± {s:.2f}")
+    """mean ± std in % (one value: the value alone), ``None`` values left out."""
+    return pm(values, scale, plain_single=True)
 
 
 def _config_summary(rows: dict[str, list[dict]]) -> dict | None:
@@ -312,17 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.datasets, a.clients, a.rounds, a.train_samples, a.seeds = "mnist", "3", 2, 600, "0"
-    def int_list(option: str, text: str, minimum: int) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            p.error(f"{option} takes comma-separated integers, got {text!r}")
-        if not values or min(values) < minimum:
-            p.error(f"{option} needs at least one integer, each >= {minimum}; got {text!r}")
-        return values
-
     datasets = [d for d in a.datasets.split(",") if d.strip()]
-    clients, seeds = int_list("--clients", a.clients, 1), int_list("--seeds", a.seeds, 0)
+    clients, seeds = int_list(p, "--clients", a.clients, 1), int_list(p, "--seeds", a.seeds, 0)
     by_name = {k.lower(): k for k in METHODS} | {algo: k for k, (algo, _) in METHODS.items()}
     methods = [by_name.get(m.strip().lower(), m.strip()) for m in a.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             job.config["data"]["data_dir"] = a.data_dir
         on_record = {k for k, r in load_results(a.out).items() if "error" not in r}  # failed runs run again
         fresh = [j for j in jobs if j.key not in on_record]
-        results = run_grid(jobs, a.out, workers=a.workers, on_result=lambda r: print(
+        stamp = {"commit": code_commit(ROOT)}
+        results = run_grid(jobs, a.out, workers=a.workers, stamp=stamp, on_result=lambda r: print(
             f"{r['key']}: " + (r["error"] if "error" in r else
                                f"CAcc {r['final'].get('client_accuracy_mean')} GAcc {r.get('ensemble_accuracy')} "
                                f"({r['seconds']:.0f} s)"), flush=True))

@@ -49,18 +49,28 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker_server.experiments import Job, failed_runs_section, load_results, mean_std, run_grid  # noqa: E402
+from broker_server.experiments import (  # noqa: E402
+    Job,
+    code_commit,
+    default_data_dir,
+    failed_runs_section,
+    int_list,
+    load_results,
+    mean_std,
+    name_list,
+    pm,
+    read_metrics,
+    run_with_estimate,
+    verify_records,
+)
 
 #: method label → (registered algorithm, [algorithm] table). Baselines: SPECS §6 defaults.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -122,19 +132,12 @@ def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds:
             for seed in seeds for ds in datasets for sp in splits for label in methods]
 
 
-def _metrics(out: Path, key: str) -> list[dict]:
-    path = out / "runs" / key.replace("/", "__") / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def client_accuracy(out: Path, r: dict, which: str = "best") -> float | None:
     """The devices' mean own accuracy: the best round's (``which="best"``) or the last round's."""
     if which == "last":
         a = r.get("final", {}).get("client_accuracy_mean")
         return None if a is None else float(a)
-    accs = [float(m["client_accuracy_mean"]) for m in _metrics(out, r["key"])
+    accs = [float(m["client_accuracy_mean"]) for m in read_metrics(out, r["key"])
             if m.get("client_accuracy_mean") is not None]
     return max(accs) if accs else None
 
@@ -142,17 +145,12 @@ def client_accuracy(out: Path, r: dict, which: str = "best") -> float | None:
 def prototype_cosine(out: Path, r: dict) -> tuple[float | None, bool]:
     """(the last logged mean inter-class cosine of the global prototypes, whether it is FedGH's head
     rows instead)."""
-    for m in reversed(_metrics(out, r["key"])):
+    for m in reversed(read_metrics(out, r["key"])):
         if m.get("global_prototype_cosine") is not None:
             return float(m["global_prototype_cosine"]), False
         if m.get("head_row_cosine") is not None:
             return float(m["head_row_cosine"]), True
     return None, False
-
-
-def _pm(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
-    m, s = mean_std([v * scale for v in values])
-    return "–" if m != m else f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: list[str], methods: list[str],
@@ -186,10 +184,10 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 rs = [r for r in ok if r["dataset"] == ds and r["split"] == sp and r["method"] == label]
                 best = [a for r in rs if (a := client_accuracy(out, r)) is not None]
                 last = [a for r in rs if (a := client_accuracy(out, r, "last")) is not None]
-                cells.append(f"{_pm(best)} / {_pm(last)}" if rs else "–")
+                cells.append(f"{pm(best)} / {pm(last)}" if rs else "–")
                 cs = [prototype_cosine(out, r) for r in rs]
                 vals = [c for c, _ in cs if c is not None]
-                cos.append(_pm(vals, 1.0, 3) + ("†" if any(h for _, h in cs) else "") if vals else "–")
+                cos.append(pm(vals, 1.0, 3) + ("†" if any(h for _, h in cs) else "") if vals else "–")
             lines.append(f"| {label} | " + " | ".join(cells) + " | " + "; ".join(cos) + " |")
         lines.append("")
     lines += ["† FedGH broadcasts a head, not prototypes: the cosine between its head's class rows.", "",
@@ -233,17 +231,6 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
     return "\n".join(lines + failed_runs_section(results))
 
 
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/repro-fedocp", help="grid folder (results.jsonl, runs/)")
@@ -270,56 +257,31 @@ def main(argv: list[str] | None = None) -> int:
     if a.tiny:
         a.seeds, a.rounds, a.clients, a.train_samples, a.server_epochs = "0", 2, 4, 400, 5
         a.datasets, a.splits, a.methods = "MNIST", "Dir(0.1)", "FedOCP"
-    data_dir = a.data_dir or os.environ.get("FEDFLEET_DATA", "")
-    if not data_dir and (ROOT.parent / "shared" / "data").is_dir():
-        data_dir = str(ROOT.parent / "shared" / "data")
-    seeds = [int(s) for s in a.seeds.split(",")]
-    datasets, splits = a.datasets.split(","), a.splits.split(",")
-    methods = [m for m in a.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS] + [d for d in datasets if d not in DATASETS] + \
-        [s for s in splits if s not in SPLITS]
-    if unknown:
-        p.error(f"unknown {unknown}; methods {list(METHODS)}, datasets {list(DATASETS)}, splits {list(SPLITS)}")
+    data_dir = default_data_dir(ROOT, a.data_dir)
+    seeds = int_list(p, "--seeds", a.seeds)
+    datasets = name_list(p, "--datasets", a.datasets, DATASETS)
+    splits = name_list(p, "--splits", a.splits, SPLITS)
+    methods = name_list(p, "--methods", a.methods, METHODS)
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "lr": a.lr, "group": a.group, "server_epochs": a.server_epochs}
     jobs = make_jobs(datasets, splits, methods, seeds, data_dir=data_dir, **settings)
     wall, verify_lines = None, []
+    commit = code_commit(ROOT)
     if not a.report_only:
-        t0 = time.monotonic()
-
         def show(r: dict) -> None:
             print(f"{r['key']}: " + (r["error"] if "error" in r else
                                      f"client acc {r.get('final', {}).get('client_accuracy_mean')} "
                                      f"({r['seconds']:.0f} s)"), flush=True)
 
-        done = {k for k, r in load_results(out).items() if "error" not in r}
-        todo = [j for j in jobs if j.key not in done]
-        if todo:
-            first = run_grid([todo[0]], out, workers=1, on_result=show)[todo[0].key]
-            secs = float(first.get("seconds", 0.0))
-            rest = len(todo) - 1
-            print(f"first cell {secs:.0f} s; {rest} more cells ≈ {secs * rest / 3600:.1f} CPU-hours, "
-                  f"≈ {secs * rest / max(1, a.workers) / 3600:.1f} h wall on {a.workers} workers "
-                  "(cells differ: CIFAR-10 costs more)", flush=True)
-        if not a.estimate_only:
-            run_grid(jobs, out, workers=a.workers, on_result=show)
-        wall = time.monotonic() - t0
+        wall = run_with_estimate(jobs, out, workers=a.workers, estimate_only=a.estimate_only, on_result=show,
+                                 note="cells differ: CIFAR-10 costs more", stamp={"commit": commit})
         if a.verify:
-            import tempfile
-
-            recorded = [r for r in load_results(out).values() if "error" not in r][: a.verify]
-            by_key = {j.key: j for j in jobs}
-            with tempfile.TemporaryDirectory(dir=out) as tmp:
-                again = run_grid([by_key[r["key"]] for r in recorded if r["key"] in by_key], tmp, workers=a.workers)
-            for r in recorded:
-                b = again.get(r["key"], {})
-                x, y = (d.get("final", {}).get("client_accuracy_mean") for d in (r, b))
-                verify_lines.append(f"- {r['key']}: recorded {x}, re-run {y} → "
-                                    + ("same" if x == y else "**differs**"))
+            verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit,
+                                          headline=lambda r: r.get("final", {}).get("client_accuracy_mean"))
     results = load_results(out)
     text = report(results, out=out, datasets=datasets, splits=splits, methods=methods, seeds=seeds,
-                  settings=settings, wall_s=wall, commit=_commit(), verify=verify_lines)
+                  settings=settings, wall_s=wall, commit=commit, verify=verify_lines)
     Path(a.report).parent.mkdir(parents=True, exist_ok=True)
     Path(a.report).write_text(text, encoding="utf-8")
     print(f"wrote {a.report}")

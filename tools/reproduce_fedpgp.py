@@ -37,18 +37,29 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker_server.experiments import Job, failed_runs_section, load_results, mean_std, run_grid  # noqa: E402
+from broker_server.experiments import (  # noqa: E402
+    Job,
+    code_commit,
+    default_data_dir,
+    failed_runs_section,
+    int_list,
+    load_results,
+    mean_std,
+    name_list,
+    pm,
+    read_metrics,
+    run_with_estimate,
+    verify_records,
+)
+from broker_server.experiments import rounds_to_target as _first_round  # noqa: E402
 
 #: method label → (registered algorithm, [algorithm] table). Baseline keys: SPECS.md §6 defaults.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -134,33 +145,18 @@ def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds:
                     jobs.append(Job(f"sweep/{_slug(ds)}/{_slug(sp)}/{key}={_slug(str(v)) or 'features'}/s{seed}",
                                     job_config(ds, sp, "fedpgp", {key: v}, seed, **kw),
                                     tags={"grid": "sweep", "dataset": ds, "split": sp, "method": "FedPGP",
-                                          "key": key, "value": v, "seed": seed}))
+                                          "sweep_key": key, "value": v, "seed": seed}))
     return jobs
-
-
-def _metrics(out: Path, key: str) -> list[dict]:
-    path = out / "runs" / key.replace("/", "__") / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def rounds_to_target(out: Path, key: str, target: float) -> int | None:
     """The first round whose accuracy reaches ``target`` (``None``: never, or no metrics on disk)."""
-    for m in _metrics(out, key):
-        if m.get("accuracy") is not None and m["accuracy"] >= target:
-            return int(m["round"])
-    return None
+    return _first_round(read_metrics(out, key), target)
 
 
 def _acc(r: dict) -> float | None:
     a = r.get("final", {}).get("accuracy")
     return None if a is None else float(a)
-
-
-def _pm(values: list[float], scale: float = 100.0) -> str:
-    m, s = mean_std([v * scale for v in values])
-    return "–" if m != m else f"{m:.2f} ± {s:.2f}"
 
 
 def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: list[str], methods: list[str],
@@ -192,7 +188,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
             cells, rtt = [], []
             for sp in splits:
                 rs = [r for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == label]
-                cells.append(_pm([a for r in rs if (a := _acc(r)) is not None]) if rs else "–")
+                cells.append(pm([a for r in rs if (a := _acc(r)) is not None]) if rs else "–")
                 hits = [rounds_to_target(out, r["key"], target) for r in rs]
                 rtt.append("–" if not rs else "/".join("never" if h is None else str(h) for h in hits))
             lines.append(f"| {label} | " + " | ".join(cells) + " | " + "; ".join(rtt) + " |")
@@ -233,9 +229,10 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 if v == values[0]:
                     rs = [r for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == "FedPGP"]
                 else:
-                    rs = [r for r in sweep if r["key"] == key and r["value"] == v]
+                    # records before the tag was renamed hold the swept key in "key"
+                    rs = [r for r in sweep if r.get("sweep_key", r["key"]) == key and r["value"] == v]
                 acc = [a for r in rs if (a := _acc(r)) is not None]
-                lines.append(f"| {key} | {v!r}{' (default)' if v == values[0] else ''} | {_pm(acc)} | {len(acc)} |")
+                lines.append(f"| {key} | {v!r}{' (default)' if v == values[0] else ''} | {pm(acc)} | {len(acc)} |")
     lines += ["", "## Verdicts", ""]
     if gains:
         g = sum(gains) / len(gains)
@@ -253,17 +250,6 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
         lines += ["", "## Re-run check", ""] + verify
     lines.append("")
     return "\n".join(lines + failed_runs_section(results))
-
-
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,55 +279,31 @@ def main(argv: list[str] | None = None) -> int:
     if a.tiny:
         a.seeds, a.rounds, a.clients, a.train_samples = "0", 2, 4, 1000
         a.datasets, a.splits, a.methods, a.no_sweep = "MNIST", "Dir(0.5)", "FedAvg,FedPGP", True
-    data_dir = a.data_dir or os.environ.get("FEDFLEET_DATA", "")
-    if not data_dir and (ROOT.parent / "shared" / "data").is_dir():
-        data_dir = str(ROOT.parent / "shared" / "data")
-    seeds = [int(s) for s in a.seeds.split(",")]
-    datasets, splits = a.datasets.split(","), a.splits.split(",")
-    methods = [m for m in a.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS] + [d for d in datasets if d not in DATASETS] + \
-        [s for s in splits if s not in SPLITS]
-    if unknown:
-        p.error(f"unknown {unknown}; methods {list(METHODS)}, datasets {list(DATASETS)}, splits {list(SPLITS)}")
+    data_dir = default_data_dir(ROOT, a.data_dir)
+    seeds = int_list(p, "--seeds", a.seeds)
+    datasets = name_list(p, "--datasets", a.datasets, DATASETS)
+    splits = name_list(p, "--splits", a.splits, SPLITS)
+    methods = name_list(p, "--methods", a.methods, METHODS)
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "participation": a.participation, "lr": a.lr}
     jobs = make_jobs(datasets, splits, methods, seeds, sweep=None if a.no_sweep else a.sweep_bench,
                      data_dir=data_dir, **settings)
     wall, verify_lines = None, []
+    commit = code_commit(ROOT)
     if not a.report_only:
-        t0 = time.monotonic()
-
         def show(r: dict) -> None:
             print(f"{r['key']}: " + (r["error"] if "error" in r else f"acc {_acc(r)} ({r['seconds']:.0f} s)"),
                   flush=True)
 
-        done = {k for k, r in load_results(out).items() if "error" not in r}
-        todo = [j for j in jobs if j.key not in done]
-        if todo:
-            first = run_grid([todo[0]], out, workers=1, on_result=show)[todo[0].key]
-            secs = float(first.get("seconds", 0.0))
-            rest = len(todo) - 1
-            print(f"first cell {secs:.0f} s; {rest} more cells ≈ {secs * rest / 3600:.1f} CPU-hours, "
-                  f"≈ {secs * rest / max(1, a.workers) / 3600:.1f} h wall on {a.workers} workers "
-                  f"(cells differ: CIFAR-10 and prototype methods cost more)", flush=True)
-        if not a.estimate_only:
-            run_grid(jobs, out, workers=a.workers, on_result=show)
-        wall = time.monotonic() - t0
+        wall = run_with_estimate(jobs, out, workers=a.workers, estimate_only=a.estimate_only, on_result=show,
+                                 note="cells differ: CIFAR-10 and prototype methods cost more",
+                                 stamp={"commit": commit})
         if a.verify:
-            import tempfile
-
-            recorded = [r for r in load_results(out).values() if "error" not in r][: a.verify]
-            by_key = {j.key: j for j in jobs}
-            with tempfile.TemporaryDirectory(dir=out) as tmp:
-                again = run_grid([by_key[r["key"]] for r in recorded if r["key"] in by_key], tmp, workers=a.workers)
-            for r in recorded:
-                b = again.get(r["key"], {})
-                verify_lines.append(f"- {r['key']}: recorded {_acc(r)}, re-run {_acc(b)} → "
-                                    + ("same" if _acc(r) == _acc(b) else "**differs**"))
+            verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit, headline=_acc)
     results = load_results(out)
     text = report(results, out=out, datasets=datasets, splits=splits, methods=methods, seeds=seeds,
-                  settings=settings, wall_s=wall, commit=_commit(), verify=verify_lines)
+                  settings=settings, wall_s=wall, commit=commit, verify=verify_lines)
     Path(a.report).parent.mkdir(parents=True, exist_ok=True)
     Path(a.report).write_text(text, encoding="utf-8")
     print(f"wrote {a.report}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.experiments import Job, load_results, mean_std, run_grid
+from broker_server.experiments import Job, config_fingerprint, load_results, mean_std, run_grid
 
 
 def _config(algorithm: str, clients: int, seed: int) -> dict:
@@ -23,8 +23,11 @@ def _config(algorithm: str, clients: int, seed: int) -> dict:
 def test_grid_runs_resumes_and_accounts(tmp_path: Path) -> None:
     jobs = [Job("digits/c1/fedavg/s0", _config("fedavg", 1, 0), ensemble=True, tags={"method": "fedavg"}),
             Job("digits/c2/fedavg/s1", _config("fedavg", 2, 1), tags={"method": "fedavg"})]
-    res = run_grid(jobs, tmp_path, workers=2)
+    res = run_grid(jobs, tmp_path, workers=2, stamp={"commit": "abc1234"})
     assert set(res) == {j.key for j in jobs}
+    # each new record names the configuration it was made with and carries the caller's stamp
+    assert all(res[j.key]["config_sha256"] == config_fingerprint(j.config) for j in jobs)
+    assert {r["commit"] for r in res.values()} == {"abc1234"}
     assert all("error" not in r for r in res.values()), res
     one = res["digits/c1/fedavg/s0"]
     # one client: the ensemble of its probabilities classifies like the client's own model

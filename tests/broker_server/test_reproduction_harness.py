@@ -1,0 +1,105 @@
+"""The harness the reproduction scripts share (broker_server/experiments.py): resuming only cells
+made with the same configuration, the records' stamps, formatting, per-round lookups, the re-run
+comparison and option parsing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from broker_server.experiments import (
+    Job,
+    config_fingerprint,
+    final_differences,
+    int_list,
+    name_list,
+    pm,
+    read_metrics,
+    rounds_to_target,
+    run_grid,
+)
+
+CONFIG = {"run": {"name": "g", "seed": 0, "rounds": 2},
+          "data": {"dataset": "digits", "partition": "iid", "clients": 2, "data_dir": "/a/shared/data"},
+          "train": {"algorithm": "fedavg", "local_epochs": 1, "batch_size": 16, "lr": 0.05}}
+
+
+def _write(out: Path, *records: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def test_fingerprint_ignores_the_data_folder_and_key_order_but_not_values() -> None:
+    moved = {**CONFIG, "data": {**CONFIG["data"], "data_dir": "/b/shared/data"}}
+    reordered = {k: CONFIG[k] for k in reversed(list(CONFIG))}
+    assert config_fingerprint(moved) == config_fingerprint(CONFIG) == config_fingerprint(reordered)
+    other = {**CONFIG, "train": {**CONFIG["train"], "lr": 0.01}}
+    assert config_fingerprint(other) != config_fingerprint(CONFIG)
+    assert CONFIG["data"]["data_dir"] == "/a/shared/data"  # the caller's dict is not changed
+
+
+def test_resume_skips_a_cell_of_the_same_configuration_and_refuses_another(tmp_path: Path) -> None:
+    job = Job("g/fedavg/s0", CONFIG)
+    same = {"key": job.key, "final": {"accuracy": 0.5}, "config_sha256": config_fingerprint(CONFIG)}
+    _write(tmp_path / "a", same)
+    seen: list[dict] = []
+    assert run_grid([job], tmp_path / "a", on_result=seen.append) == {job.key: same}
+    assert seen == []  # nothing ran
+    legacy = {"key": job.key, "final": {"accuracy": 0.5}}  # written before records had a fingerprint
+    _write(tmp_path / "b", legacy)
+    assert run_grid([job], tmp_path / "b") == {job.key: legacy}
+    _write(tmp_path / "c", {**same, "config_sha256": "0" * 64})
+    with pytest.raises(ValueError, match="another configuration"):
+        run_grid([job], tmp_path / "c")
+
+
+def test_pm_formats_population_std_and_leaves_out_missing_values() -> None:
+    # values 0.2 and 0.4: mean 30 %, population std sqrt((10² + 10²) / 2) = 10
+    assert pm([0.2, None, 0.4]) == "30.00 ± 10.00"
+    assert pm([0.5], plain_single=True) == "50.00" and pm([0.5]) == "50.00 ± 0.00"
+    assert pm([1.25, 1.75], 1.0, 3) == "1.500 ± 0.250"
+    assert pm([]) == "–" and pm([None]) == "–"
+
+
+def test_rounds_to_target_reads_the_run_folder(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "a__b__s0"
+    run.mkdir(parents=True)
+    lines = [{"round": 1, "accuracy": 0.3, "accuracy_worst": 0.1}, {"round": 2, "accuracy": None},
+             {"round": 3, "accuracy": 0.7, "accuracy_worst": 0.25}, {"round": 4, "accuracy": 0.9}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines), encoding="utf-8")
+    got = read_metrics(tmp_path, "a/b/s0")
+    assert got == lines and read_metrics(tmp_path, "a/b/s1") == []
+    assert rounds_to_target(got, 0.7) == 3 and rounds_to_target(got, 0.95) is None
+    assert rounds_to_target(got, 0.2, "accuracy_worst") == 3
+
+
+def test_final_differences_leave_out_timings_only() -> None:
+    a = {"final": {"accuracy": 0.5, "seconds": 3.0, "phase_s": {"collect": 1.0}, "loss": 1.0}}
+    b = {"final": {"accuracy": 0.5, "seconds": 9.0, "phase_s": {"collect": 4.0}, "loss": 1.0}}
+    assert final_differences(a, b) == []
+    assert final_differences(a, {"final": {**b["final"], "loss": 1.1, "extra": 1}}) == ["extra", "loss"]
+    assert final_differences(a, {}) == ["final"]
+
+
+def test_option_lists_name_what_was_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser(prog="repro")
+    assert int_list(p, "--seeds", "0,1,,2") == [0, 1, 2]
+    assert name_list(p, "--methods", "FedAvg,,FedPAD", ["FedAvg", "FedPAD"]) == ["FedAvg", "FedPAD"]
+    for call, said in ((lambda: int_list(p, "--seeds", "0,x"), "--seeds takes comma-separated integers"),
+                       (lambda: int_list(p, "--clients", "0", 1), "each >= 1"),
+                       (lambda: name_list(p, "--methods", "FedAvg,Nope", ["FedAvg"]), "unknown ['Nope']")):
+        with pytest.raises(SystemExit) as exc:
+            call()
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_tags_may_not_replace_the_records_own_fields() -> None:
+    """run_job writes ``{"key": job.key, **job.tags, ...}``: a tag ``key`` used to replace the cell's
+    key in its record (a sweep's key name), so resuming never found the cell."""
+    for name in ("key", "error", "config_sha256"):
+        with pytest.raises(ValueError, match="reserved"):
+            Job("g/fedavg/s0", CONFIG, tags={name: "x"})
+    assert Job("g/fedavg/s0", CONFIG, tags={"sweep_key": "gamma"}).tags == {"sweep_key": "gamma"}
