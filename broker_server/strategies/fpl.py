@@ -183,24 +183,26 @@ class FPL(FedAvg):
 
 class FPLAccumulator:
     """One round of :class:`FPL`: FedAvg running sums of the model plus the clients' prototypes;
-    :meth:`result` runs :func:`fpl_prototypes` and returns the new model and broadcast extras,
-    with the metrics ``fpl_clusters`` (:func:`fpl_metrics`) for the round that commits them."""
+    :meth:`result` runs :func:`fpl_prototypes` on them in client-id order (FINCH's clusters and
+    their means depend on the order of its input, and updates arrive in whatever order the
+    devices finish) and returns the new model and broadcast extras, with the metrics
+    ``fpl_clusters`` (:func:`fpl_metrics`) for the round that commits them."""
 
     def __init__(self, strategy: FPL) -> None:
         self.strategy = strategy
         self.model = FedAvgAccumulator(strategy.model_weighting)
-        self.prototypes: list[np.ndarray] = []
-        self.classes: list[np.ndarray] = []
+        self.uploads: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def add(self, result: ClientResult) -> None:
         self.model.add(result)
-        self.prototypes.append(np.asarray(result.extras["prototypes"]))
-        self.classes.append(np.asarray(result.extras["proto_classes"]))
+        self.uploads[result.client_id] = (np.asarray(result.extras["prototypes"]),
+                                          np.asarray(result.extras["proto_classes"]))
 
     def result(self) -> GlobalUpdate | None:
-        if not self.prototypes:
+        if not self.uploads:
             return None
-        cp, cc, up, uc = fpl_prototypes(self.prototypes, self.classes)
+        order = sorted(self.uploads)
+        cp, cc, up, uc = fpl_prototypes([self.uploads[c][0] for c in order], [self.uploads[c][1] for c in order])
         extras = {"cluster_protos": cp, "cluster_classes": cc, "unbiased_protos": up,
                   "unbiased_classes": uc} if cc.size else {}
         model = self.model.result()
