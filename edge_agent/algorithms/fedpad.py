@@ -99,10 +99,12 @@ def prototype_alignment_loss(features: torch.Tensor, labels: torch.Tensor, table
       norm summed over the F features, as SPECS writes the formula: F times ``"mse"``.
 
     Why the default is ``"mse"``: with λ = 0.1 the two differ by a factor F in the weight of the
-    term (F = 64 for the light CNN, λ·F = 6.4 under ``"sum"``). In the Digits domain-silo
-    reproduction at lr 0.05 two of three seeds under ``"sum"`` jumped in training loss in round 2,
-    when the term first applies, and ended at chance level; the paper's λ = 0.1 was tuned for the
-    code's scale. ``"sum"`` stays available as the formula read literally.
+    term (F = 64 for the light CNN: λ·F = 6.4 under ``"sum"``), and the reference code's
+    ``MSELoss`` is the element mean. In the Digits domain-silo reproduction at lr 0.05 (the records
+    of ``benchmarks/fedpad.md`` made before this key existed, i.e. ``"sum"``) two of three seeds
+    jumped in training loss in round 2, when the term first applies, and ended at chance level.
+    ``"sum"`` stays available as the formula read literally; ``tools/reproduce_fedpad.py`` sweeps
+    both scales and λ.
 
     Samples whose class has no global prototype contribute 0 but still count in B (the FedProto
     code convention); when every class has one — FedPAD from round 2 on under full
