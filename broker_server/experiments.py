@@ -7,7 +7,8 @@ already there, so an interrupted reproduction resumes where it stopped.
 
 What a job reports (:func:`run_job`):
 
-- the last round's metrics line and the best round's accuracy;
+- the last round's metrics line and the best round's accuracy, and ``client_test`` (which data
+  the client figures were measured on: ``[data] client_test``);
 - wire bytes per client per round on the device links (``up``/``down``; MQTT headers, topic and
   envelope included; control packets, which carry no round, are not), the mean payload of an
   update and of a global, and the mean bytes of each update body field (``tensors``,
@@ -136,7 +137,8 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
     audit = load_run(run_dir)
     last = dict(res.metrics[-1]) if res.metrics else {}
     accs = [m["accuracy"] for m in res.metrics if m.get("accuracy") is not None]
-    out = {"key": job.key, **job.tags, "rounds": res.rounds_completed, "clients": cfg.data.clients,
+    out = {"key": job.key, "client_test": cfg.data.client_test, **job.tags, "rounds": res.rounds_completed,
+           "clients": cfg.data.clients,
            "seconds": round(seconds, 1), "final": last, "best_accuracy": max(accs) if accs else None,
            **_device_bytes_per_client_round(audit.rows, cfg.data.clients, max(1, res.rounds_completed))}
     if job.ensemble:

@@ -49,9 +49,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -104,7 +105,7 @@ from .strategies import (
 from .strategies._base import _guarded, checked_figures, classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
-           "evaluate"]
+           "client_eval_figures", "evaluate"]
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,13 @@ class ServerSettings:
             with a receipt naming the differences, so a device cannot silently train on another
             split.
         client_eval: ask every agent to evaluate its own model after local training (round
-            config ``client_eval``); the round's metrics then carry ``client_accuracy_mean``,
-            ``client_accuracy_worst`` and ``client_f1_mean``; only every ``client_eval_every``-th
+            config ``client_eval``); the round's metrics then carry the figures of
+            :func:`client_eval_figures` (``client_accuracy_mean``, ``client_accuracy_weighted``,
+            ``client_accuracy_worst``, ``client_f1_mean`` …); only every ``client_eval_every``-th
             round and the last.
+        client_test: what the devices evaluate on (``[data] client_test``: ``"shared"``, the test
+            split, or ``"local"``, each device's held-out share of its shard), written beside the
+            client figures of every metrics line so two protocols cannot be confused.
         extras_codec: codec text of the named arrays a ``global`` carries (``[protocol]
             extras_codec``: one codec for all, or per name; ``""`` = ``global_codec``).
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
@@ -196,6 +201,7 @@ class ServerSettings:
     eval_batch_size: int = 256
     client_eval: bool = False
     client_eval_every: int = 1
+    client_test: str = "shared"
     global_codec: str = "fp32"
     extras_codec: str = ""
     expected_data: tuple[tuple[str, str], ...] = ()
@@ -220,6 +226,43 @@ class RunSummary:
     final_accuracy: float
     final_loss: float
     metrics: list[dict]
+
+
+def client_eval_figures(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The round's figures of the devices' own-model evaluations (client_eval).
+
+    Args:
+        metrics: the ``metrics`` of the round's accepted updates; those holding
+            ``eval_accuracy`` (a fraction, checked on receipt) count, each with its
+            ``eval_macro_f1`` and ``eval_samples`` M_k (the size of the device's evaluation split).
+
+    Returns:
+        ``{}`` when no update holds ``eval_accuracy``; else, over the K devices that evaluated,
+        with a_k their accuracies: ``client_accuracy_mean`` = (1/K) Σ a_k (unweighted: each
+        device counts once), ``client_accuracy_weighted`` = Σ a_k·M_k / Σ M_k (= correct
+        predictions / test samples over the fleet: the mean PFLlib and HtFLlib report, their
+        ``serverbase.evaluate`` ``sum(correct) / sum(samples)``; ``None`` when a device gave no
+        positive integer ``eval_samples``), ``client_accuracy_worst`` / ``_best`` (min / max
+        a_k), ``client_accuracy_std`` (population std of a_k), ``client_f1_mean`` (unweighted
+        mean of the macro-F1s, ``None`` when none was given), ``clients_evaluated`` (K) and
+        ``client_eval_samples`` (Σ M_k, ``None`` as for the weighted mean).
+    """
+    evaluated = [m for m in metrics if "eval_accuracy" in m]
+    if not evaluated:
+        return {}
+    accs = [float(m["eval_accuracy"]) for m in evaluated]
+    f1s = [float(m["eval_macro_f1"]) for m in evaluated if "eval_macro_f1" in m]
+    counts = [int(n) for m in evaluated
+              if isinstance(n := m.get("eval_samples"), int | np.integer) and not isinstance(n, bool) and n > 0]
+    total: int | None = None
+    weighted: float | None = None
+    if len(counts) == len(evaluated):
+        total = sum(counts)
+        weighted = float(sum(a * n for a, n in zip(accs, counts, strict=True)) / total)
+    return {"client_accuracy_mean": float(np.mean(accs)), "client_accuracy_weighted": weighted,
+            "client_accuracy_worst": float(min(accs)), "client_accuracy_best": float(max(accs)),
+            "client_accuracy_std": float(np.std(accs)), "client_f1_mean": float(np.mean(f1s)) if f1s else None,
+            "clients_evaluated": len(accs), "client_eval_samples": total}
 
 
 def evaluate(model: torch.nn.Module, split: ArraySplit, *, batch_size: int = 1000,
@@ -1099,12 +1142,9 @@ class AggregationServer:
             out["domain_accuracy"] = dom
             out["accuracy_avg"] = float(np.mean(list(dom.values())))
             out["accuracy_worst"] = float(min(dom.values()))
-        accs = [float(m["eval_accuracy"]) for _, _, m in results if "eval_accuracy" in m]
-        if accs:
-            f1s = [float(m["eval_macro_f1"]) for _, _, m in results if "eval_macro_f1" in m]
-            out.update(client_accuracy_mean=float(np.mean(accs)), client_accuracy_worst=float(min(accs)),
-                       client_accuracy_best=float(max(accs)), client_accuracy_std=float(np.std(accs)),
-                       client_f1_mean=float(np.mean(f1s)) if f1s else None, clients_evaluated=len(accs))
+        figures = client_eval_figures([m for _, _, m in results])
+        if figures:
+            out.update(figures, client_test=self.settings.client_test)
         refused: list[str] = []
         for part in (checked_figures("the committed GlobalUpdate's metrics", r, committed or {}, DRIVER_KEYS),
                      _guarded("round_metrics", r, self.strategy.round_metrics, DRIVER_KEYS)):
