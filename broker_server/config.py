@@ -115,6 +115,11 @@ class ServerSection:
     evaluates on its whole local test set), in every ``client_eval_every``-th round and the last.
     ``offline_grace_s``: seconds a selected device whose last will (``offline``) arrived during a
     round may take to come back before the round stops waiting for it (default 30).
+    ``global_delivery``: how a round's ``global`` reaches the selected devices: ``"broadcast"``
+    (one message on ``down/global``, which every online device downloads, selected or not),
+    ``"per_device"`` (one copy per selected device on ``down/{client}/global``; the unselected
+    download nothing) or ``"auto"`` (the default: per device when that moves fewer bytes over the
+    broker, see :func:`broker_server.server.choose_delivery`).
     """
 
     participation_rate: float = 1.0
@@ -126,6 +131,7 @@ class ServerSection:
     client_eval_max: int = 0
     client_eval_every: int = 1
     offline_grace_s: float = 30.0
+    global_delivery: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -364,6 +370,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "round_deadline_s"): (0.1, 7 * 86400.0),
     ("server", "join_timeout_s"): (0.1, 7 * 86400.0),
     ("server", "offline_grace_s"): (0.0, 7 * 86400.0),
+    ("server", "global_delivery"): ("auto", "broadcast", "per_device"),
     ("server", "eval_batch_size"): (1, 1 << 20),
     ("server", "client_eval_max"): (0, 1 << 30),
     ("server", "client_eval_every"): (1, 1 << 30),
