@@ -4,7 +4,12 @@ One driver owns the round loop and the wire; the strategy only decides (``config
 and computes (``aggregate``). A round, as data (DESIGN.md §2):
 
 1. select clients (participation rate, at least the quorum) among the joined, online ones;
-2. publish ``global`` (the model) then ``round_start`` (who, deadline, training settings);
+2. publish ``global`` (the model) then ``round_start`` (who, deadline, training settings); the
+   global as one broadcast on ``down/global``, or, by ``[server] global_delivery``
+   (:func:`choose_delivery`: ``auto`` picks whichever moves fewer bytes over the broker), as one
+   copy per selected device on ``down/{client}/global`` (the strategy's
+   :meth:`~broker_server.strategies.Strategy.device_global` may make each copy its own), so that
+   unselected devices download no model;
 3. collect ``update`` messages until every selected client reported or the deadline passed;
    each accepted update gets a ``receipt``; duplicates (QoS 1 redelivery) are aggregated once,
    late updates for a closed round and updates from unselected clients are rejected and counted;
@@ -748,9 +753,11 @@ class AggregationServer:
 
         A per-device copy rather than a re-broadcast: the other devices have the round already
         (a broadcast would cost every device a model download, and each would confirm it again);
-        the ledger shows the copy as sent to ``client``. The ``round_start`` names only
-        ``client`` (with its own instructions, if the round has per-device ones) and carries the
-        time left before the round's deadline as ``deadline_s``, so the agent does not train
+        the ledger shows the copy as sent to ``client``. The copy is the one this device was
+        sent at the round's start (:meth:`_send_global_to`: its own, with per-device delivery).
+        The ``round_start`` names only ``client`` (with its own instructions, if the round has
+        per-device ones) and carries the time left before the round's deadline as
+        ``deadline_s``, so the agent does not train
         for a round that is over. An agent that already trained the round does not train it
         again: it sends its update again, which is answered as a duplicate. A transport failure
         is logged, never raised: the device can still come back again."""
