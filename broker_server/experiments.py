@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -170,11 +171,27 @@ def load_results(out_dir: str | Path) -> dict[str, dict]:
     return out
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: on Linux, ask the kernel to SIGKILL this worker when the grid's
+    process dies (``prctl(PR_SET_PDEATHSIG)``), so a killed reproduction leaves no orphan
+    training a cell whose result nobody records; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError as exc:  # no libc by that name: the worker just lives on, as elsewhere
+        log.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
+
+
 def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
              on_result: Callable[[dict], None] | None = None) -> dict[str, dict]:
     """Run every job not yet in ``out_dir/results.jsonl`` in ``workers`` processes.
 
-    A job that failed earlier (its record has ``error``) is run again.
+    A job that failed earlier (its record has ``error``) is run again. The workers die with
+    this process (Linux): killing a reproduction stops its cells too.
 
     Returns:
         key → result record for every job of the grid (new and earlier ones).
@@ -186,7 +203,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     keys = {j.key for j in jobs} | set(done)
     if todo:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool, \
+        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             futures = {pool.submit(_worker, j, str(out)): j for j in todo}
             for fut in as_completed(futures):
