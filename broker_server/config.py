@@ -64,6 +64,17 @@ class DataSection:
     (0 = the whole split): the data-scarce regime (FedMCP++'s protocol), or a quick trial.
     ``partition = "classes"``: each client holds ``classes_per_client`` classes only (the
     pathological split, :func:`edge_agent.partition.classes_per_client`).
+
+    ``client_test`` chooses what client-side evaluation (``[server] client_eval``) measures:
+    ``"shared"`` (default, the behaviour before the key existed): every device trains on its
+    whole shard and is evaluated on the data set's test split; ``"local"``: each device's test set
+    is ``client_test_fraction`` of its own shard, held out per class before training
+    (:func:`edge_agent.partition.hold_out_local_tests`; the personalised-FL protocol of PFLlib /
+    HtFLlib, 75/25, SPECS.md §3.1/§3.5), so a personalised model is judged on data like its own.
+    ``"shared"`` stays the default because the global-model methods (FedAvg and the other
+    FedPAD/FedPGP/FedMCP++ protocols of SPECS.md) are evaluated on the shared test split; the
+    personalised / model-heterogeneous protocols (FedOCP, FedTGP, FedGH, FedProto, SPECS.md §3.5)
+    set ``"local"``.
     """
 
     dataset: str = "digits"
@@ -77,6 +88,8 @@ class DataSection:
     domain_train_cap: int = 0
     domain_test_cap: int = 0
     classes_per_client: int = 2
+    client_test: str = "shared"
+    client_test_fraction: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -97,10 +110,16 @@ class ServerSection:
 
     ``client_eval`` asks every agent to evaluate its own model after local training (the
     measure for personalised methods: FedPer, FedRep, FedMCP++, Local); each uses at most
-    ``client_eval_max`` test samples (0 = the whole test split, minus a proxy set if any), in
-    every ``client_eval_every``-th round and the last. ``offline_grace_s``: seconds a selected
-    device whose last will (``offline``) arrived during a round may take to come back before the
-    round stops waiting for it (default 30).
+    ``client_eval_max`` test samples (0 = the whole test split, minus a proxy set if any; it caps
+    the shared split only and must be 0 with ``[data] client_test = "local"``, where each device
+    evaluates on its whole local test set), in every ``client_eval_every``-th round and the last.
+    ``offline_grace_s``: seconds a selected device whose last will (``offline``) arrived during a
+    round may take to come back before the round stops waiting for it (default 30).
+    ``global_delivery``: how a round's ``global`` reaches the selected devices: ``"broadcast"``
+    (one message on ``down/global``, which every online device downloads, selected or not),
+    ``"per_device"`` (one copy per selected device on ``down/{client}/global``; the unselected
+    download nothing) or ``"auto"`` (the default: per device when that moves fewer bytes over the
+    broker, see :func:`broker_server.server.choose_delivery`).
     """
 
     participation_rate: float = 1.0
@@ -112,6 +131,7 @@ class ServerSection:
     client_eval_max: int = 0
     client_eval_every: int = 1
     offline_grace_s: float = 30.0
+    global_delivery: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -336,6 +356,8 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("data", "train_samples"): (0, 10**9),
     ("data", "partition"): ("iid", "dirichlet", "domain-silo", "classes"),
     ("data", "classes_per_client"): (1, 100_000),
+    ("data", "client_test"): ("shared", "local"),
+    ("data", "client_test_fraction"): (0.01, 0.9),
     ("data", "domain_train_cap"): (0, 10**9),
     ("data", "domain_test_cap"): (0, 10**9),
     ("train", "local_epochs"): (1, 1000),
@@ -348,6 +370,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "round_deadline_s"): (0.1, 7 * 86400.0),
     ("server", "join_timeout_s"): (0.1, 7 * 86400.0),
     ("server", "offline_grace_s"): (0.0, 7 * 86400.0),
+    ("server", "global_delivery"): ("auto", "broadcast", "per_device"),
     ("server", "eval_batch_size"): (1, 1 << 20),
     ("server", "client_eval_max"): (0, 1 << 30),
     ("server", "client_eval_every"): (1, 1 << 30),
@@ -440,6 +463,7 @@ def validate(cfg: Config, source: str | None = None) -> None:
     if cfg.server.quorum > cfg.data.clients:
         raise ConfigError(f"{src}: [server] quorum = {cfg.server.quorum} exceeds [data] clients = {cfg.data.clients}")
     _validate_domains(cfg.data, src)
+    _validate_client_test(cfg, src)
     if cfg.security.encrypt and not cfg.security.sign:
         raise ConfigError(f"{src}: [security] encrypt = true needs sign = true (bodies are encrypted, then signed)")
     if bool(cfg.broker.cert_file) != bool(cfg.broker.key_file):
@@ -491,6 +515,32 @@ def _validate_domains(d: DataSection, src: str) -> None:
     if sum(alloc.values()) != d.clients:
         raise ConfigError(f"{src}: [data] domain_clients = {d.domain_clients!r} sums to "
                           f"{sum(alloc.values())} clients, but [data] clients = {d.clients}")
+
+
+def _validate_client_test(cfg: Config, src: str) -> None:
+    """``[data] client_test = "local"``: ``client_eval_max`` must be 0 (it caps the shared split,
+    which a local protocol does not use), and somebody must evaluate on the held-out sets:
+    ``[server] client_eval`` on, or an algorithm that shares less than the whole model (the
+    server turns client evaluation on for it). An unknown algorithm is left to the registry."""
+    if cfg.data.client_test != "local":
+        return
+    if cfg.server.client_eval_max:
+        raise ConfigError(f"{src}: [server] client_eval_max = {cfg.server.client_eval_max} caps the shared test "
+                          "split, but [data] client_test = 'local' evaluates each device on its own held-out "
+                          "split: set client_eval_max = 0 (or client_test = 'shared')")
+    if cfg.server.client_eval:
+        return
+    from .strategies import get_strategy_class
+
+    try:
+        share = get_strategy_class(cfg.train.algorithm).share
+    except ConfigError:
+        return
+    if share == "all":
+        raise ConfigError(f"{src}: [data] client_test = 'local' holds out a test set from every device's shard "
+                          f"for client-side evaluation, but it is off ([server] client_eval = false and "
+                          f"{cfg.train.algorithm!r} shares the whole model): set [server] client_eval = true, "
+                          "or client_test = 'shared'")
 
 
 def _model_group(value: Any, where: str) -> tuple:

@@ -7,7 +7,8 @@ already there, so an interrupted reproduction resumes where it stopped.
 
 What a job reports (:func:`run_job`):
 
-- the last round's metrics line and the best round's accuracy;
+- the last round's metrics line and the best round's accuracy, and ``client_test`` (which data
+  the client figures were measured on: ``[data] client_test``);
 - wire bytes per client per round on the device links (``up``/``down``; MQTT headers, topic and
   envelope included; control packets, which carry no round, are not), the mean payload of an
   update and of a global, and the mean bytes of each update body field (``tensors``,
@@ -38,6 +39,7 @@ import logging
 import multiprocessing
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -169,7 +171,8 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
     audit = load_run(run_dir)
     last = dict(res.metrics[-1]) if res.metrics else {}
     accs = [m["accuracy"] for m in res.metrics if m.get("accuracy") is not None]
-    out = {"key": job.key, **job.tags, "rounds": res.rounds_completed, "clients": cfg.data.clients,
+    out = {"key": job.key, "client_test": cfg.data.client_test, **job.tags, "rounds": res.rounds_completed,
+           "clients": cfg.data.clients,
            "seconds": round(seconds, 1), "final": last, "best_accuracy": max(accs) if accs else None,
            **_device_bytes_per_client_round(audit.rows, cfg.data.clients, max(1, res.rounds_completed))}
     if job.ensemble:
@@ -211,13 +214,29 @@ def config_fingerprint(config: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: on Linux, ask the kernel to SIGKILL this worker when the grid's
+    process dies (``prctl(PR_SET_PDEATHSIG)``), so a killed reproduction leaves no orphan
+    training a cell whose result nobody records; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError as exc:  # no libc by that name: the worker just lives on, as elsewhere
+        log.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
+
+
 def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
              on_result: Callable[[dict], None] | None = None, stamp: dict | None = None) -> dict[str, dict]:
     """Run every job not yet in ``out_dir/results.jsonl`` in ``workers`` processes.
 
     A job that failed earlier (its record has ``error``) is run again. Each new record gets
     ``config_sha256`` (:func:`config_fingerprint`) and the entries of ``stamp`` (e.g.
-    ``{"commit": code_commit(root)}``).
+    ``{"commit": code_commit(root)}``). The workers die with this process (Linux): killing a
+    reproduction stops its cells too.
 
     Returns:
         key → result record for every job of the grid (new and earlier ones).
@@ -240,7 +259,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     keys = {j.key for j in jobs} | set(done)
     if todo:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool, \
+        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             futures = {pool.submit(_worker, j, str(out)): j for j in todo}
             for fut in as_completed(futures):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from protocol.messages import Global, RoundStart
 
 from .strategies import Accumulator
@@ -63,6 +65,13 @@ class RoundState:
             (``time.monotonic()``), for sending it again smaller when no device confirms it.
         strategy_metrics: the ``metrics`` of the :class:`~broker_server.strategies.GlobalUpdate`
             the driver committed in this round (``{}``: none committed), for its metrics line.
+        delivery: how the round's global goes out: ``"broadcast"`` (``down/global``) or
+            ``"per_device"`` (one copy per selected device on ``down/{client}/global``).
+        device_globals: with per-device delivery, each selected device's copy of the global
+            (the round's, or the strategy's ``device_global`` for it).
+        delta_base: the tensors a device's copy carried when they are not the round's shared
+            tensors: its delta updates are resolved against them.
+        global_bytes_to: with per-device delivery, each copy's payload size when last sent.
     """
 
     collecting: int | None = None
@@ -82,6 +91,10 @@ class RoundState:
     global_bytes: int = 0
     global_sent_at: float = 0.0
     strategy_metrics: dict = field(default_factory=dict)
+    delivery: str = "broadcast"
+    device_globals: dict[str, Global] = field(default_factory=dict)
+    delta_base: dict[str, tuple[np.ndarray, ...]] = field(default_factory=dict)
+    global_bytes_to: dict[str, int] = field(default_factory=dict)
 
     def awaited(self) -> set[str]:
         """Selected clients that have neither reported, withdrawn, nor been dropped."""

@@ -122,13 +122,15 @@ def server_model(cfg: Config, ds: Dataset) -> torch.nn.Module:
 def expected_data(cfg: Config) -> dict[str, str]:
     """The data and algorithm announcement every agent of ``cfg``'s federation must make in its
     join (:func:`edge_agent.agent.data_announcement`): data set, partition and its settings,
-    seed, shard count, ``[train] algorithm`` and the ``[algorithm]`` table."""
+    seed, shard count, ``[train] algorithm``, the ``[algorithm]`` table and the client test
+    protocol (``client_test``, ``client_test_fraction``)."""
     d = cfg.data
     return data_announcement(dataset=d.dataset, partition=d.partition, alpha=d.alpha, seed=cfg.run.seed,
                              shards=d.clients, min_samples=d.min_samples, train_samples=d.train_samples,
                              domain_clients=d.domain_clients, domain_train_cap=d.domain_train_cap,
                              domain_test_cap=d.domain_test_cap, algorithm=cfg.train.algorithm,
-                             algorithm_params=dict(cfg.algorithm))
+                             algorithm_params=dict(cfg.algorithm), client_test=d.client_test,
+                             client_test_fraction=d.client_test_fraction)
 
 
 def agent_spec(cfg: Config, *, client_id: str, shard: int, profile: str, idle_timeout_s: float = 3600.0,
@@ -140,7 +142,8 @@ def agent_spec(cfg: Config, *, client_id: str, shard: int, profile: str, idle_ti
     return AgentSpec(client_id=client_id, shard=shard, shards=d.clients, dataset=d.dataset, partition=d.partition,
                      alpha=d.alpha, min_samples=d.min_samples, train_samples=d.train_samples,
                      domain_clients=d.domain_clients, domain_train_cap=d.domain_train_cap,
-                     domain_test_cap=d.domain_test_cap, seed=cfg.run.seed, algorithm=cfg.train.algorithm,
+                     domain_test_cap=d.domain_test_cap, client_test=d.client_test,
+                     client_test_fraction=d.client_test_fraction, seed=cfg.run.seed, algorithm=cfg.train.algorithm,
                      algorithm_params=dict(cfg.algorithm), model=cfg.model.architecture(shard, profile),
                      feature_dim=cfg.model.feature_dim, idle_timeout_s=idle_timeout_s, info=dict(info or {}))
 
@@ -257,12 +260,26 @@ def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
     return build_client_algorithm(name, precision=precision, setup=setup)
 
 
-def client_eval_split(cfg: Config, ds: Dataset):
-    """The split each virtual device evaluates its own model on when ``[server] client_eval``
-    is on (at most ``client_eval_max`` samples, a seeded choice), else ``None``."""
+def client_eval_on(cfg: Config) -> bool:
+    """Whether the devices evaluate their own models: ``[server] client_eval``, or an algorithm
+    that shares less than the whole model (the server switches it on for those)."""
     strategy_cls: type[Strategy] = get_strategy_class(cfg.train.algorithm)
-    share = strategy_cls.share
-    if not cfg.server.client_eval and share == "all":  # partial sharing: always on (the server says so)
+    return cfg.server.client_eval or strategy_cls.share != "all"
+
+
+def local_eval_split(cfg: Config, ds: Dataset, indices):
+    """Under ``[data] client_test = "local"``: device i's evaluation split, ``ds.train`` at its
+    held-out indices (``indices``, int64 ``[M]``: :attr:`edge_agent.partition.ClientSplits.test`
+    ``[i]``), when client evaluation is on (:func:`client_eval_on`), else ``None``."""
+    return ds.train.subset(indices) if client_eval_on(cfg) else None
+
+
+def client_eval_split(cfg: Config, ds: Dataset):
+    """The shared split every virtual device evaluates its own model on when client evaluation
+    is on (:func:`client_eval_on`; at most ``client_eval_max`` samples, a seeded choice), else
+    ``None``. The split of ``[data] client_test = "shared"``; under ``"local"`` each device has its
+    own (:func:`local_eval_split`)."""
+    if not client_eval_on(cfg):
         return None
     split = evaluation_split(cfg.train.algorithm, ds, dict(cfg.algorithm), cfg.run.seed)
     cap = cfg.server.client_eval_max
@@ -300,8 +317,9 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                                 round_deadline_s=cfg.server.round_deadline_s, join_timeout_s=cfg.server.join_timeout_s,
                                 expected_clients=expected_clients, seed=cfg.run.seed,
                                 eval_batch_size=cfg.server.eval_batch_size, client_eval=cfg.server.client_eval,
-                                client_eval_every=cfg.server.client_eval_every,
+                                client_eval_every=cfg.server.client_eval_every, client_test=cfg.data.client_test,
                                 global_codec=cfg.protocol.codec_for("global"), extras_codec=cfg.protocol.extras_codec,
                                 expected_data=tuple(expected_data(cfg).items()),
-                                offline_grace_s=cfg.server.offline_grace_s),
+                                offline_grace_s=cfg.server.offline_grace_s,
+                                global_delivery=cfg.server.global_delivery),
         run_dir=run_dir, on_round=on_round, test_domains=getattr(ds, "test_domains", None) or None)

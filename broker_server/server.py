@@ -4,7 +4,12 @@ One driver owns the round loop and the wire; the strategy only decides (``config
 and computes (``aggregate``). A round, as data (DESIGN.md §2):
 
 1. select clients (participation rate, at least the quorum) among the joined, online ones;
-2. publish ``global`` (the model) then ``round_start`` (who, deadline, training settings);
+2. publish ``global`` (the model) then ``round_start`` (who, deadline, training settings); the
+   global as one broadcast on ``down/global``, or, by ``[server] global_delivery``
+   (:func:`choose_delivery`: ``auto`` picks whichever moves fewer bytes over the broker), as one
+   copy per selected device on ``down/{client}/global`` (the strategy's
+   :meth:`~broker_server.strategies.Strategy.device_global` may make each copy its own), so that
+   unselected devices download no model;
 3. collect ``update`` messages until every selected client reported or the deadline passed;
    each accepted update gets a ``receipt``; duplicates (QoS 1 redelivery) are aggregated once,
    late updates for a closed round and updates from unselected clients are rejected and counted;
@@ -49,9 +54,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -104,7 +110,7 @@ from .strategies import (
 from .strategies._base import _guarded, checked_figures, classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
-           "evaluate"]
+           "client_eval_figures", "evaluate"]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +120,8 @@ log = logging.getLogger(__name__)
 DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "share", "clients_selected", "clients_reported",
                "bytes_up", "bytes_down", "seconds", "skipped", "skip_reason", "duplicates", "late", "invalid",
                "global_receipts", "unsolicited", "withdrawn", "dropped", "resent_to", "unreported",
-               "rejected_by_reason", "train_loss", "clients_train_s", "phase_s", "metrics_refused")
+               "rejected_by_reason", "train_loss", "clients_train_s", "phase_s", "metrics_refused",
+               "global_delivery")
 
 #: Update metrics the server aggregates (client-side evaluation): each must be a number in [0, 1].
 EVAL_METRICS = ("eval_accuracy", "eval_macro_f1")
@@ -168,9 +175,13 @@ class ServerSettings:
             with a receipt naming the differences, so a device cannot silently train on another
             split.
         client_eval: ask every agent to evaluate its own model after local training (round
-            config ``client_eval``); the round's metrics then carry ``client_accuracy_mean``,
-            ``client_accuracy_worst`` and ``client_f1_mean``; only every ``client_eval_every``-th
+            config ``client_eval``); the round's metrics then carry the figures of
+            :func:`client_eval_figures` (``client_accuracy_mean``, ``client_accuracy_weighted``,
+            ``client_accuracy_worst``, ``client_f1_mean`` …); only every ``client_eval_every``-th
             round and the last.
+        client_test: what the devices evaluate on (``[data] client_test``: ``"shared"``, the test
+            split, or ``"local"``, each device's held-out share of its shard), written beside the
+            client figures of every metrics line so two protocols cannot be confused.
         extras_codec: codec text of the named arrays a ``global`` carries (``[protocol]
             extras_codec``: one codec for all, or per name; ``""`` = ``global_codec``).
         global_codec: codec text of ``global`` broadcasts. With a lossy codec the server adopts
@@ -185,6 +196,9 @@ class ServerSettings:
             device must confirm it (its receipt); else it is sent again in packets of half the
             size (a broker that drops oversize messages without saying so), at most
             :data:`GLOBAL_RESENDS` times.
+        global_delivery: ``"broadcast"``, ``"per_device"`` or ``"auto"`` (``[server]
+            global_delivery``): how each round's ``global`` reaches the selected devices
+            (:func:`choose_delivery`).
     """
 
     rounds: int
@@ -196,11 +210,58 @@ class ServerSettings:
     eval_batch_size: int = 256
     client_eval: bool = False
     client_eval_every: int = 1
+    client_test: str = "shared"
     global_codec: str = "fp32"
     extras_codec: str = ""
     expected_data: tuple[tuple[str, str], ...] = ()
     offline_grace_s: float = 30.0
     global_confirm_s: float = 10.0
+    global_delivery: str = "auto"
+
+
+#: ``[server] global_delivery`` values.
+GLOBAL_DELIVERIES = ("auto", "broadcast", "per_device")
+
+
+def global_array_bytes(tensors: tuple[np.ndarray, ...] | list[np.ndarray], extras: dict[str, np.ndarray]) -> int:
+    """Bytes of a global's arrays before the codec (Σ ``nbytes`` of its tensors and extras): the
+    measure :func:`choose_delivery` compares copies by."""
+    return sum(int(np.asarray(t).nbytes) for t in tensors) + sum(int(np.asarray(a).nbytes) for a in extras.values())
+
+
+def choose_delivery(setting: str, online: int, broadcast_bytes: int, copy_bytes: list[int]) -> str:
+    """How a round's ``global`` goes out: ``"broadcast"`` or ``"per_device"``.
+
+    ``setting`` ``"broadcast"`` / ``"per_device"`` decide alone. ``"auto"``: per device when
+    that moves fewer bytes in total over the broker. The broker forwards a PUBLISH once to each
+    matching subscription, so a broadcast of G bytes crosses the broker's links once in (server →
+    broker) and once out per subscribed device: (N + 1)·G for N online devices, selected or not
+    (every agent subscribes to ``down/+``). A copy of G_c bytes for one device on
+    ``down/{client}/global`` crosses twice (in, then out to that device alone): 2·Σ_c G_c over
+    the k selected devices. Per device iff 2·Σ_c G_c < (N + 1)·G; with copies equal to the
+    broadcast (no :meth:`~broker_server.strategies.Strategy.device_global`) that is 2k < N + 1:
+    fewer than about half the online devices selected. A tie goes to the broadcast (protocol
+    v1's one ``down/global``), so with every online device selected the wire is as before. The
+    server's own uplink carries k copies instead of one: the rule counts the broker's bytes, the
+    devices' downloads among them.
+
+    Args:
+        setting: one of :data:`GLOBAL_DELIVERIES`.
+        online: N, the joined devices online when the round opens (connected devices that never
+            joined also receive a broadcast; they are not counted, in the broadcast's favour).
+        broadcast_bytes: G, the broadcast global's size (:func:`global_array_bytes`: its arrays'
+            bytes; the envelope and topic, tens of bytes either way, are left out, and the codec
+            applies alike to every copy).
+        copy_bytes: G_c of each selected device's copy, same measure.
+
+    Raises:
+        ValueError: ``setting`` is not one of :data:`GLOBAL_DELIVERIES`.
+    """
+    if setting not in GLOBAL_DELIVERIES:
+        raise ValueError(f"global_delivery = {setting!r} is not one of {', '.join(GLOBAL_DELIVERIES)}")
+    if setting != "auto":
+        return setting
+    return "per_device" if 2 * sum(copy_bytes) < (online + 1) * broadcast_bytes else "broadcast"
 
 
 #: Times a global no device confirmed is sent again, each time in packets of half the size.
@@ -220,6 +281,43 @@ class RunSummary:
     final_accuracy: float
     final_loss: float
     metrics: list[dict]
+
+
+def client_eval_figures(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The round's figures of the devices' own-model evaluations (client_eval).
+
+    Args:
+        metrics: the ``metrics`` of the round's accepted updates; those holding
+            ``eval_accuracy`` (a fraction, checked on receipt) count, each with its
+            ``eval_macro_f1`` and ``eval_samples`` M_k (the size of the device's evaluation split).
+
+    Returns:
+        ``{}`` when no update holds ``eval_accuracy``; else, over the K devices that evaluated,
+        with a_k their accuracies: ``client_accuracy_mean`` = (1/K) Σ a_k (unweighted: each
+        device counts once), ``client_accuracy_weighted`` = Σ a_k·M_k / Σ M_k (= correct
+        predictions / test samples over the fleet: the mean PFLlib and HtFLlib report, their
+        ``serverbase.evaluate`` ``sum(correct) / sum(samples)``; ``None`` when a device gave no
+        positive integer ``eval_samples``), ``client_accuracy_worst`` / ``_best`` (min / max
+        a_k), ``client_accuracy_std`` (population std of a_k), ``client_f1_mean`` (unweighted
+        mean of the macro-F1s, ``None`` when none was given), ``clients_evaluated`` (K) and
+        ``client_eval_samples`` (Σ M_k, ``None`` as for the weighted mean).
+    """
+    evaluated = [m for m in metrics if "eval_accuracy" in m]
+    if not evaluated:
+        return {}
+    accs = [float(m["eval_accuracy"]) for m in evaluated]
+    f1s = [float(m["eval_macro_f1"]) for m in evaluated if "eval_macro_f1" in m]
+    counts = [int(n) for m in evaluated
+              if isinstance(n := m.get("eval_samples"), int | np.integer) and not isinstance(n, bool) and n > 0]
+    total: int | None = None
+    weighted: float | None = None
+    if len(counts) == len(evaluated):
+        total = sum(counts)
+        weighted = float(sum(a * n for a, n in zip(accs, counts, strict=True)) / total)
+    return {"client_accuracy_mean": float(np.mean(accs)), "client_accuracy_weighted": weighted,
+            "client_accuracy_worst": float(min(accs)), "client_accuracy_best": float(max(accs)),
+            "client_accuracy_std": float(np.std(accs)), "client_f1_mean": float(np.mean(f1s)) if f1s else None,
+            "clients_evaluated": len(accs), "client_eval_samples": total}
 
 
 def evaluate(model: torch.nn.Module, split: ArraySplit, *, batch_size: int = 1000,
@@ -277,6 +375,9 @@ class AggregationServer:
         strategy.bind_model(model)  # shapes of shared non-model arrays come from the model, not round 1
         self.test = test
         self.test_domains = dict(test_domains or {})
+        if settings.global_delivery not in GLOBAL_DELIVERIES:
+            raise RunError(f"global_delivery = {settings.global_delivery!r} is not one of "
+                           f"{', '.join(GLOBAL_DELIVERIES)}")
         self.settings = settings
         self.run_dir = Path(run_dir)
         self.on_round = on_round
@@ -518,7 +619,7 @@ class AggregationServer:
             o.stats.duplicates += 1
             self._reply(item, True, "duplicate: already counted")
             return
-        shared = self._shared()
+        shared = list(o.delta_base.get(env.sender, ())) or self._shared()  # what its global copy carried
         mismatch = self._manifest_problem(body.tensors)
         if mismatch:
             self._refuse(item, mismatch, "manifest_mismatch")
@@ -652,15 +753,17 @@ class AggregationServer:
 
         A per-device copy rather than a re-broadcast: the other devices have the round already
         (a broadcast would cost every device a model download, and each would confirm it again);
-        the ledger shows the copy as sent to ``client``. The ``round_start`` names only
-        ``client`` (with its own instructions, if the round has per-device ones) and carries the
-        time left before the round's deadline as ``deadline_s``, so the agent does not train
+        the ledger shows the copy as sent to ``client``. The copy is the one this device was
+        sent at the round's start (:meth:`_send_global_to`: its own, with per-device delivery).
+        The ``round_start`` names only ``client`` (with its own instructions, if the round has
+        per-device ones) and carries the time left before the round's deadline as
+        ``deadline_s``, so the agent does not train
         for a round that is over. An agent that already trained the round does not train it
         again: it sends its update again, which is answered as a duplicate. A transport failure
         is logged, never raised: the device can still come back again."""
         o = self.open
         assert o.messages is not None and o.collecting is not None  # checked by the caller
-        glob, starts = o.messages
+        starts = o.messages[1]
         start = next((st for c, st in starts if c is None or c == client), None)
         if start is None:  # pragma: no cover - a selected client always has its round_start
             return
@@ -668,10 +771,7 @@ class AggregationServer:
         r = o.collecting
         try:
             packet, chunk = self._limits([client])
-            enc = self.channel.send(topics.down_to(self.fed, client, Kind.GLOBAL), glob, round=r,
-                                    codec=self.global_codec, extra_codecs=self._extra_codecs, recipient=client,
-                                    max_packet_bytes=packet, chunk_bytes=chunk)
-            self._note_global_hashes(enc.payload)
+            self._send_global_to(client, r)
             self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
                               dataclasses.replace(start, selected=(client,), deadline_s=remaining, members=b""),
                               round=r, recipient=client, max_packet_bytes=packet, chunk_bytes=chunk)
@@ -685,13 +785,29 @@ class AggregationServer:
             self._resync = True  # handled on the round-loop thread (never publish from paho's thread)
 
     def _publish_round(self, r: int) -> None:
-        """Publish the open round's ``global`` then its ``round_start`` message(s): one broadcast
-        on ``down/round_start``, or, when the plan has per-device instructions, one per selected
-        device on ``down/{client}/round_start`` carrying only that device's instructions."""
-        assert self.open.messages is not None  # called only for the open round, after its messages are made
-        glob, starts = self.open.messages
+        """Publish the open round's ``global`` then its ``round_start`` message(s).
+
+        The global: one broadcast on ``down/global``, or, with per-device delivery
+        (:func:`choose_delivery`), each selected device's copy on ``down/{client}/global``
+        (:meth:`_send_global_to`, the path of a device that came back). The ``round_start``: one
+        broadcast on ``down/round_start``, or, when the plan has per-device instructions, one per
+        selected device on ``down/{client}/round_start`` carrying only that device's
+        instructions; when both go per device and some online device was not selected, a
+        broadcast ``round_start`` naming nobody goes too, so that every device still hears from
+        the server each round (an agent gives up after ``idle_timeout_s`` of silence)."""
+        o = self.open
+        assert o.messages is not None  # called only for the open round, after its messages are made
+        glob, starts = o.messages
         packet, chunk = self._limits()
-        self._send_global(r, glob, packet, chunk)
+        if o.delivery == "per_device":
+            for device in sorted(o.device_globals):
+                self._send_global_to(device, r, note=True)
+            if all(c is not None for c, _ in starts) and set(self._online()) - o.selected:
+                self.channel.send(topics.down(self.fed, Kind.ROUND_START),
+                                  RoundStart(selected=(), deadline_s=self.settings.round_deadline_s), round=r,
+                                  max_packet_bytes=packet, chunk_bytes=chunk)
+        else:
+            self._send_global(r, glob, packet, chunk)
         for client, start in starts:
             if client is None:
                 self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r, max_packet_bytes=packet,
@@ -710,6 +826,34 @@ class AggregationServer:
         o.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
         self._note_global_hashes(enc.payload)
         o.global_bytes, o.global_sent_at = len(enc.payload), time.monotonic()
+
+    def _send_global_to(self, client: str, r: int, *, packet_cap: int = 0, note: bool = False) -> None:
+        """Send ``client`` alone its copy of round ``r``'s global on ``down/{client}/global``, in
+        packets sized for that device (:meth:`_limits` of ``[client]``; at most ``packet_cap``
+        bytes when given), and note every hash its receipt may confirm it by. The copy is the
+        device's own (:attr:`RoundState.device_globals`) with per-device delivery, else the
+        round's broadcast global. ``note``: record its size and time, which decide a re-send
+        when no device confirms the global (:meth:`_confirm_global`).
+
+        Raises:
+            TransportError: from the channel.
+        """
+        o = self.open
+        assert o.messages is not None  # called only for the open round, after its messages are made
+        glob = o.device_globals.get(client, o.messages[0])
+        codecs = (self._extra_codecs if glob is o.messages[0]
+                  else extras_codecs(self.settings.extras_codec, dict(glob.extras), self.global_codec))
+        packet, chunk = self._limits([client])
+        if packet_cap:
+            packet = min(packet, packet_cap) if packet else packet_cap
+            chunk = min(chunk, packet) if chunk else packet
+        enc = self.channel.send(topics.down_to(self.fed, client, Kind.GLOBAL), glob, round=r,
+                                codec=self.global_codec, extra_codecs=codecs, recipient=client,
+                                max_packet_bytes=packet, chunk_bytes=chunk)
+        self._note_global_hashes(enc.payload)
+        if note:
+            o.global_bytes_to[client] = len(enc.payload)
+            o.global_sent_at = time.monotonic()
 
     def _note_global_hashes(self, payload: bytes) -> None:
         """Note every hash a device's receipt may confirm the copy of the global just sent by
@@ -731,10 +875,21 @@ class AggregationServer:
                 or o.stats.global_resends >= GLOBAL_RESENDS
                 or time.monotonic() - o.global_sent_at < self.settings.global_confirm_s):
             return
+        o.stats.global_resends += 1
+        if o.delivery == "per_device":  # each copy again, in packets of half its own size
+            log.warning("round %d: no device confirmed its copy of the global model within %.0f s: sending each "
+                        "copy again in packets of half its size (%d/%d)", o.collecting,
+                        self.settings.global_confirm_s, o.stats.global_resends, GLOBAL_RESENDS)
+            for client in sorted(o.device_globals):
+                try:
+                    self._send_global_to(client, o.collecting, note=True,
+                                         packet_cap=max(1024, o.global_bytes_to.get(client, 0) // 2))
+                except TransportError as exc:
+                    log.error("round %d: the global could not be sent again to %s: %s", o.collecting, client, exc)
+            return
         packet, chunk = self._limits()
         half = max(1024, o.global_bytes // 2)
         packet = min(packet, half) if packet else half
-        o.stats.global_resends += 1
         log.warning("round %d: no device confirmed the global model (%d bytes) within %.0f s: sending it again in "
                     "packets of at most %d bytes (%d/%d)", o.collecting, o.global_bytes,
                     self.settings.global_confirm_s, packet, o.stats.global_resends, GLOBAL_RESENDS)
@@ -843,6 +998,71 @@ class AggregationServer:
         return [(c, RoundStart(selected=(c,), deadline_s=deadline, config=config,
                                instructions=dict(instructions.get(c, {})))) for c in selected]
 
+    def _plan_delivery(self, r: int, glob: Global, online: int) -> None:
+        """Decide how the open round's ``glob`` goes out (:func:`choose_delivery` with
+        ``[server] global_delivery``, ``online`` devices) and, for per-device delivery, make each
+        selected device's copy: the strategy's :meth:`~broker_server.strategies.Strategy.device_global`
+        for it, or ``glob`` itself. A copy's tensors pass the round's lossy global codec once, as
+        the round's own do, so that a device's delta is resolved against exactly what it decoded.
+
+        Raises:
+            RunError: the strategy's copy has tensors of another count, shape or dtype than the
+                round's shared ones, or extras that are not named arrays.
+        """
+        o = self.open
+        o.delivery, o.device_globals, o.delta_base = "broadcast", {}, {}
+        if self.settings.global_delivery == "broadcast" or not o.selected:
+            return
+        copies: dict[str, Global] = {}
+        bases: dict[str, tuple[np.ndarray, ...]] = {}
+        for client in sorted(o.selected):
+            mine = self.strategy.device_global(r, client, glob.tensors, dict(glob.extras))
+            if mine is None:
+                copies[client] = glob
+                continue
+            tensors, extras = self._checked_copy(client, mine)
+            copies[client] = dataclasses.replace(glob, tensors=tensors, extras=extras)
+            bases[client] = tensors
+        size = global_array_bytes(glob.tensors, dict(glob.extras))
+        o.delivery = choose_delivery(self.settings.global_delivery, online, size,
+                                     [global_array_bytes(g.tensors, dict(g.extras)) for g in copies.values()])
+        if o.delivery == "per_device":
+            o.device_globals, o.delta_base = copies, bases
+            for g in copies.values():
+                self._extras_seen.update(g.extras)
+        log.info("round %d: the global goes %s (%d of %d online devices selected)", r,
+                 "to each selected device on its own topic" if o.delivery == "per_device" else "as one broadcast",
+                 len(o.selected), online)
+
+    def _checked_copy(self, client: str, mine: object) -> tuple[tuple[np.ndarray, ...], dict[str, np.ndarray]]:
+        """The strategy's ``device_global`` answer for ``client`` as (tensors, extras), its
+        tensors through the round's lossy global codec (if any), checked against the round's
+        shared tensors (count, shape, dtype).
+
+        Raises:
+            RunError: naming the strategy, the device and what does not fit.
+        """
+        name = self.strategy.name or type(self.strategy).__name__
+        if not isinstance(mine, tuple) or len(mine) != 2:
+            raise RunError(f"strategy {name!r}: device_global for {client!r} returned {type(mine).__name__}, "
+                           "not None or a (tensors, extras) pair")
+        shared = self._shared()
+        tensors = tuple(np.asarray(t) for t in mine[0])
+        if len(tensors) != len(shared):
+            raise RunError(f"strategy {name!r}: device_global for {client!r} returned {len(tensors)} tensors, "
+                           f"{len(shared)} expected for share={self.share!r}")
+        for pos, (t, g) in enumerate(zip(tensors, shared, strict=True)):
+            if t.shape != g.shape or t.dtype != g.dtype:
+                raise RunError(f"strategy {name!r}: device_global for {client!r}: tensors[{pos}] is {_shape_text(t)}, "
+                               f"{_shape_text(g)} expected")
+        if not isinstance(mine[1], Mapping) or not all(isinstance(k, str) and k for k in mine[1]):
+            raise RunError(f"strategy {name!r}: device_global for {client!r}: extras must map names to arrays")
+        extras = {k: np.asarray(v) for k, v in mine[1].items()}
+        if self.global_codec.lossy:
+            tensors = tuple(np.array(decode_tensor(encode_tensor(t, self.global_codec),
+                                                   limits=TensorLimits(allow_nonfinite=True))) for t in tensors)
+        return tensors, extras
+
     def run_round(self, r: int) -> dict:
         """Run round ``r`` (steps 1–6 of the module docstring) and return its metrics."""
         t0 = time.monotonic()
@@ -879,6 +1099,7 @@ class AggregationServer:
         o.messages = (glob, self._round_starts(tuple(plan.selected), config, dict(plan.instructions)))
         self._extra_codecs = extras_codecs(self.settings.extras_codec, dict(glob.extras), self.global_codec)
         self._extras_seen.update(glob.extras)
+        self._plan_delivery(r, glob, len(available))
         mark("select")
         self._publish_round(r)
         self._event("round_open", selected=tuple(plan.selected), deadline_s=self.settings.round_deadline_s,
@@ -964,7 +1185,7 @@ class AggregationServer:
             "global_resends": st.global_resends, "broker_refusals": self.channel.refused - refused0,
             "undeliverable": self.channel.undeliverable - undeliverable0, "unsolicited": st.unsolicited,
             "withdrawn": st.withdrawn, "dropped": st.dropped, "resent_to": st.resent_to,
-            "unreported": st.unreported,
+            "unreported": st.unreported, "global_delivery": o.delivery,
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
             if results else None,
@@ -1099,12 +1320,9 @@ class AggregationServer:
             out["domain_accuracy"] = dom
             out["accuracy_avg"] = float(np.mean(list(dom.values())))
             out["accuracy_worst"] = float(min(dom.values()))
-        accs = [float(m["eval_accuracy"]) for _, _, m in results if "eval_accuracy" in m]
-        if accs:
-            f1s = [float(m["eval_macro_f1"]) for _, _, m in results if "eval_macro_f1" in m]
-            out.update(client_accuracy_mean=float(np.mean(accs)), client_accuracy_worst=float(min(accs)),
-                       client_accuracy_best=float(max(accs)), client_accuracy_std=float(np.std(accs)),
-                       client_f1_mean=float(np.mean(f1s)) if f1s else None, clients_evaluated=len(accs))
+        figures = client_eval_figures([m for _, _, m in results])
+        if figures:
+            out.update(figures, client_test=self.settings.client_test)
         refused: list[str] = []
         for part in (checked_figures("the committed GlobalUpdate's metrics", r, committed or {}, DRIVER_KEYS),
                      _guarded("round_metrics", r, self.strategy.round_metrics, DRIVER_KEYS)):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from edge_agent.data import load_dataset
 from edge_agent.optional_runtime import report as optional_runtimes
-from edge_agent.partition import describe
 from protocol.errors import ConnectError
 from protocol.ledger import Ledger
 
@@ -24,7 +23,15 @@ from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
 from .runtime import make_server
 from .server import RunSummary
-from .simulate import discard_unstarted, make_run_id, progress_printer, run_folder_entries, split_clients
+from .simulate import (
+    check_partition_record,
+    client_data,
+    discard_unstarted,
+    make_run_id,
+    partition_record,
+    progress_printer,
+    run_folder_entries,
+)
 from .tracking import check_tracking, start_tracking
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,8 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
                         ("--train-samples", d.train_samples)):
         if value:
             words += [flag, str(value)]
+    if d.client_test == "local":
+        words += ["--client-test", "local", "--client-test-fraction", repr(float(d.client_test_fraction))]
     words += ["--seed", str(cfg.run.seed), "--algorithm", cfg.train.algorithm]
     m = cfg.model
     if m.group or m.name != "lightcnn":  # a model group: the operator fills in each device's MODEL
@@ -177,12 +186,13 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or "fedfleet"
     ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None,
                       domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
-    shards = describe(split_clients(ds, cfg), ds.train.y, ds.num_classes, domains=ds.train_domains,
-                      domain_names=ds.domain_names)
+    record = partition_record(ds, cfg, client_data(ds, cfg))
+    if resume:
+        check_partition_record(out / "partition.json", record)
     check_tracking(cfg)  # a tracking package asked for but missing: said before anything is written
     before = run_folder_entries(out)
     try:
-        return _serve_run(cfg, ds, shards, out, federation, broker_url=broker_url, resume=resume, say=say,
+        return _serve_run(cfg, ds, record, out, federation, broker_url=broker_url, resume=resume, say=say,
                           on_round=on_round, on_start=on_start, on_event=on_event)
     except (BrokerStartError, ConnectError):
         if not resume:
@@ -190,7 +200,7 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
         raise
 
 
-def _serve_run(cfg: Config, ds, shards: list, out: Path, federation: str, *, broker_url: str | None, resume: bool,
+def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, broker_url: str | None, resume: bool,
                say: Callable[[str], None], on_round: Callable[[dict], None] | None,
                on_start: Callable[[str, str], None] | None,
                on_event: Callable[[str, int, str | None, dict], None] | None) -> ServedRun:
@@ -199,10 +209,7 @@ def _serve_run(cfg: Config, ds, shards: list, out: Path, federation: str, *, bro
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
-        {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
-         "seed": cfg.run.seed, "clients": shards, "note": "the split each agent must take (--shard i/n)",
-         **ds.domain_summary()},
-        indent=1), encoding="utf-8")
+        {**record, "note": "the split each agent must take (--shard i/n)"}, indent=1), encoding="utf-8")
     broker = None
     ledger = None
     server = None
@@ -243,7 +250,9 @@ def _serve_run(cfg: Config, ds, shards: list, out: Path, federation: str, *, bro
         (out / "summary.json").write_text(json.dumps({
             "federation": federation, "final_accuracy": summary.final_accuracy,
             "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,
-            "dataset": ds.name, "clients": cfg.data.clients, "resumed_after": ckpt.round if ckpt else None,
+            "dataset": ds.name, "clients": cfg.data.clients, "client_test": cfg.data.client_test,
+            "client_test_fraction": cfg.data.client_test_fraction if cfg.data.client_test == "local" else None,
+            "resumed_after": ckpt.round if ckpt else None,
             "optional_runtimes": optional_runtimes(), "refusals": server.refusal_totals(), **server.onnx_result},
             indent=1), encoding="utf-8")
         done = summary.rounds_completed

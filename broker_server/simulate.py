@@ -5,8 +5,10 @@ MQTT connection, client id and data shard; the broker is an embedded child proce
 when installed, else amqtt) unless a broker URL is given. Everything goes over real MQTT.
 
 A run folder holds ``config.toml`` (resolved), ``partition.json`` (each client's shard size and
-class histogram), ``ledger.sqlite``, ``metrics.jsonl``, ``checkpoints.sqlite``,
-``model_final.pt`` and ``summary.json``.
+class histogram; under ``[data] client_test = "local"`` also its held-out test set's size,
+histogram and indices, :func:`partition_record`), ``ledger.sqlite``, ``metrics.jsonl``,
+``checkpoints.sqlite``, ``model_final.pt`` and ``summary.json`` (with ``client_test``: which
+data the client figures were measured on).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from edge_agent.data import load_dataset
 from edge_agent.device import ThreadPlan, apply_threads, detect, plan_threads, usable_cores
 from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
 from edge_agent.optional_runtime import report as optional_runtimes
-from edge_agent.partition import describe, split_dataset
+from edge_agent.partition import ClientSplits, client_splits, describe
 from edge_agent.runtime import agent_runtime
 from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
@@ -51,6 +53,7 @@ from .runtime import (
     channel_options,
     client_eval_split,
     device_model,
+    local_eval_split,
     make_server,
     make_strategy,
     open_transport,
@@ -121,23 +124,90 @@ def discard_unstarted(out: Path, before: set[str] | None) -> None:
     log.warning("the run never started: removed what it had written to %s (%s)", out, ", ".join(made) or "nothing")
 
 
-def split_clients(ds, cfg: Config) -> list:
-    """The configured partition of ``ds``'s training split into ``[data] clients`` shards
-    (:func:`edge_agent.partition.split_dataset` of the ``[data]`` settings and ``[run] seed``).
+def client_data(ds, cfg: Config) -> ClientSplits:
+    """The configured partition of ``ds``'s training split into ``[data] clients`` shards and,
+    under ``[data] client_test = "local"``, each shard's held-out test set
+    (:func:`edge_agent.partition.client_splits` of the ``[data]`` settings and ``[run] seed``:
+    what every ``fedfleet-agent`` computes from the same announced settings).
 
     Raises:
-        ConfigError: the partition is impossible (too many clients for the data, α too small).
+        ConfigError: the partition is impossible (too many clients for the data, α too small), or
+            a client's local test set would be empty.
     """
     d = cfg.data
     try:  # the same function fedfleet-agent splits with
-        return split_dataset(ds, d.clients, scheme=d.partition, seed=cfg.run.seed, alpha=d.alpha,
-                             min_samples=d.min_samples, train_samples=d.train_samples,
-                             domain_clients=d.domain_clients, classes=d.classes_per_client)
+        return client_splits(ds, d.clients, client_test=d.client_test, client_test_fraction=d.client_test_fraction,
+                             scheme=d.partition, seed=cfg.run.seed, alpha=d.alpha, min_samples=d.min_samples,
+                             train_samples=d.train_samples, domain_clients=d.domain_clients,
+                             classes=d.classes_per_client)
     except PartitionError as exc:
+        local = (f", {d.client_test_fraction:g} of each held out as its local test set"
+                 if d.client_test == "local" else "")
         raise ConfigError(
             f"cannot split {ds.name} ({len(ds.train.y):,} training samples) into {cfg.data.clients} clients "
-            f"({cfg.data.partition}, at least {cfg.data.min_samples} samples each): {exc}. Use fewer clients "
-            f"(--clients), a larger [data] alpha, or a smaller [data] min_samples") from None
+            f"({cfg.data.partition}, at least {cfg.data.min_samples} samples each{local}): {exc}. Use fewer "
+            f"clients (--clients), a larger [data] alpha, or a smaller [data] min_samples") from None
+
+
+def split_clients(ds, cfg: Config) -> list:
+    """Every client's training indices (:func:`client_data`'s ``train``: under ``client_test =
+    "local"`` without its held-out test samples).
+
+    Raises:
+        ConfigError: as :func:`client_data`.
+    """
+    return client_data(ds, cfg).train
+
+
+def partition_record(ds, cfg: Config, splits: ClientSplits) -> dict:
+    """The content of a run folder's ``partition.json``: data set, scheme, seed, the client test
+    protocol and one entry per client (:func:`edge_agent.partition.describe` of its training
+    samples: ``samples``, ``histogram``, ``domain``); under ``client_test = "local"`` each entry
+    also has ``test_samples``, ``test_histogram`` and ``test_indices`` (sorted indices into the
+    training split), so the held-out sets can be audited and a resumed run checked against them
+    (:func:`check_partition_record`)."""
+    shards = describe(splits.train, ds.train.y, ds.num_classes, domains=ds.train_domains,
+                      domain_names=ds.domain_names)
+    if splits.test is not None:
+        tests = describe(splits.test, ds.train.y, ds.num_classes)
+        for entry, test, idx in zip(shards, tests, splits.test, strict=True):
+            entry.update(test_samples=test["samples"], test_histogram=test["histogram"],
+                         test_indices=[int(i) for i in idx])
+    return {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
+            "seed": cfg.run.seed, "client_test": splits.client_test, "client_test_fraction": splits.fraction,
+            "clients": shards, **ds.domain_summary()}
+
+
+def check_partition_record(path: Path, record: dict) -> None:
+    """On ``--resume``: the split recomputed now (``record``, :func:`partition_record`) must be the
+    one the run started with (``path``, its ``partition.json``): the same client test protocol and,
+    client by client, the same training histogram and held-out indices. A folder without the
+    file, or a file written before the client test keys existed (read as ``"shared"``), is
+    checked on what it holds.
+
+    Raises:
+        ConfigError: the file cannot be read, or the splits differ (the message names the first
+            client that differs): a resumed run must not train or evaluate on other samples.
+    """
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+    was = old.get("client_test", "shared")
+    if was != record["client_test"] or old.get("client_test_fraction") != record["client_test_fraction"]:
+        raise ConfigError(f"--resume: {path} records client_test = {was!r} (fraction "
+                          f"{old.get('client_test_fraction')}), the configuration now gives "
+                          f"{record['client_test']!r} (fraction {record['client_test_fraction']})")
+    keys = ("samples", "histogram", "test_samples", "test_histogram", "test_indices")
+    before, now = old.get("clients", []), record["clients"]
+    if len(before) != len(now):
+        raise ConfigError(f"--resume: {path} records {len(before)} clients, the configuration gives {len(now)}")
+    for a, b in zip(before, now, strict=True):
+        if any(a.get(k) != b.get(k) for k in keys):
+            raise ConfigError(f"--resume: client {b['client']}'s samples differ from those recorded in {path} "
+                              "(another NumPy version, or changed data?): the run cannot continue on another split")
 
 
 def assign_profiles(mix: list[tuple[str, float]], clients: int, seed: int) -> list[str]:
@@ -273,8 +343,12 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
 
     ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None,
                       domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
-    parts = split_clients(ds, cfg)
-    shards = describe(parts, ds.train.y, ds.num_classes, domains=ds.train_domains, domain_names=ds.domain_names)
+    splits = client_data(ds, cfg)
+    parts = splits.train
+    record = partition_record(ds, cfg, splits)
+    shards = record["clients"]
+    if resume:
+        check_partition_record(out / "partition.json", record)
     try:
         get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
     except EdgeAgentError as exc:
@@ -285,13 +359,13 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
-    (out / "partition.json").write_text(json.dumps(
-        {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
-         "seed": cfg.run.seed, "clients": shards, **ds.domain_summary()}, indent=1), encoding="utf-8")
+    (out / "partition.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     for note in ds.substitutions:
         log.warning("data set %s: %s", ds.name, note)
     for s in shards:
-        log.info("client %d: %d samples, histogram %s", s["client"], s["samples"], s["histogram"])
+        log.info("client %d: %d samples, histogram %s%s", s["client"], s["samples"], s["histogram"],
+                 f"; local test {s['test_samples']} samples, histogram {s['test_histogram']}"
+                 if "test_samples" in s else "")
 
     server_sec, fleet_keys = fleet_security(cfg, out, [f"client-{i:03d}" for i in range(len(parts))])
     broker: EmbeddedBroker | None = None
@@ -339,8 +413,9 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         slots = threading.Semaphore(thread_plan.train_slots)
         defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
                                momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay, seed=cfg.run.seed)
-        eval_split = client_eval_split(cfg, ds)
+        shared_eval = client_eval_split(cfg, ds) if splits.test is None else None
         for i, idx in enumerate(parts):
+            eval_split = shared_eval if splits.test is None else local_eval_split(cfg, ds, splits.test[i])
             cid = f"client-{i:03d}"
             agent_sec = None
             if server_sec is not None:  # each virtual agent signs with its own keys; the server's key is pinned
@@ -407,7 +482,9 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         "federation": federation, "final_accuracy": result.final_accuracy,
         "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
         "dataset": ds.name, "substitutions": list(ds.substitutions),
-        "clients": cfg.data.clients, "agent_errors": [repr(e) for e in errors],
+        "clients": cfg.data.clients, "client_test": cfg.data.client_test,
+        "client_test_fraction": cfg.data.client_test_fraction if cfg.data.client_test == "local" else None,
+        "agent_errors": [repr(e) for e in errors],
         "optional_runtimes": optional_runtimes(), "thread_plan": thread_plan.as_dict(),
         "refusals": server.refusal_totals(),
         "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},

@@ -46,7 +46,8 @@ EVAL_BATCH = 256
 def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed: int, shards: int,
                       min_samples: int = 10, train_samples: int = 0, domain_clients: str = "",
                       domain_train_cap: int = 0, domain_test_cap: int = 0, algorithm: str = "fedavg",
-                      algorithm_params: Mapping[str, object] | None = None) -> dict[str, str]:
+                      algorithm_params: Mapping[str, object] | None = None, client_test: str = "shared",
+                      client_test_fraction: float = 0.25) -> dict[str, str]:
     """What an agent announces about its data and algorithm in ``join.info`` and the server
     checks against its configuration (:func:`broker_server.runtime.expected_data`): every
     setting that shapes the device's shard or its model share, so a device that would train on
@@ -67,6 +68,10 @@ def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed
         algorithm: ``[train] algorithm``.
         algorithm_params: the ``[algorithm]`` table (``--param KEY=VALUE``), as sorted
             ``key=value`` entries of :func:`param_text` values.
+        client_test: ``[data] client_test`` (``"shared"`` / ``"local"``): under ``"local"`` the
+            device trains on its shard minus its held-out test set.
+        client_test_fraction: ``[data] client_test_fraction``, announced (``repr`` of the float)
+            for ``"local"`` only, else ``"-"``.
 
     Returns:
         ``{key: text}`` (all values text, so number formatting is the same on both sides).
@@ -87,7 +92,9 @@ def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed
             "train_samples": str(train_samples), "domain_clients": domain_text,
             "domain_train_cap": str(domain_train_cap), "domain_test_cap": str(domain_test_cap),
             "algorithm": algorithm,
-            "algorithm_params": ",".join(f"{k}={param_text(params[k])}" for k in sorted(params))}
+            "algorithm_params": ",".join(f"{k}={param_text(params[k])}" for k in sorted(params)),
+            "client_test": client_test,
+            "client_test_fraction": repr(float(client_test_fraction)) if client_test == "local" else "-"}
 
 
 def param_value(text: str) -> bool | int | float | str:

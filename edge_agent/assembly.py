@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .agent import EdgeAgent
     from .algorithms import ClientAlgorithm, LocalResult, TrainConfig
     from .data import ArraySplit, Dataset
+    from .partition import ClientSplits
     from .runtime import AgentRuntime
 
 __all__ = ["AgentSpec", "PreparedAgent", "build_agent", "channel_limits", "offline_will", "prepare_agent"]
@@ -52,8 +53,9 @@ class AgentSpec:
         shard, shards: shard ``i`` of the ``n``-way partition (``0 <= i < n``; ``n`` is the
             server's ``[data] clients``).
         dataset, partition, alpha, min_samples, train_samples, domain_clients,
-        domain_train_cap, domain_test_cap, seed: the server's ``[data]`` settings and
-            ``[run] seed`` (announced in the join; the server refuses a mismatch).
+        domain_train_cap, domain_test_cap, client_test, client_test_fraction, seed: the server's
+            ``[data]`` settings and ``[run] seed`` (announced in the join; the server refuses a
+            mismatch).
         algorithm, algorithm_params: ``[train] algorithm`` and the ``[algorithm]`` table.
         model: zoo name or ``"package.module:function"`` of this device's architecture.
         feature_dim: the agreed prototype width d (``[model] feature_dim``).
@@ -75,6 +77,8 @@ class AgentSpec:
     domain_clients: str = ""
     domain_train_cap: int = 0
     domain_test_cap: int = 0
+    client_test: str = "shared"
+    client_test_fraction: float = 0.25
     seed: int = 0
     algorithm: str = "fedavg"
     algorithm_params: Mapping[str, Any] = field(default_factory=dict)
@@ -97,7 +101,8 @@ class AgentSpec:
                                  shards=self.shards, min_samples=self.min_samples, train_samples=self.train_samples,
                                  domain_clients=self.domain_clients, domain_train_cap=self.domain_train_cap,
                                  domain_test_cap=self.domain_test_cap, algorithm=self.algorithm,
-                                 algorithm_params=dict(self.algorithm_params))
+                                 algorithm_params=dict(self.algorithm_params), client_test=self.client_test,
+                                 client_test_fraction=self.client_test_fraction)
 
     def load_dataset(self, data_dir: str | None = None) -> Dataset:
         """The spec's data set (:func:`edge_agent.data.load_dataset` with its domain caps).
@@ -110,18 +115,29 @@ class AgentSpec:
         return load_dataset(self.dataset, data_dir=data_dir, domain_train_cap=self.domain_train_cap,
                             domain_test_cap=self.domain_test_cap)
 
+    def client_splits(self, ds: Dataset) -> ClientSplits:
+        """Every shard's training indices and, under ``client_test = "local"``, its held-out
+        local test set (:func:`edge_agent.partition.client_splits`): the same seeded split on
+        every device and on the server.
+
+        Raises:
+            PartitionError: the partition or the hold-out is impossible for the data.
+        """
+        from .partition import client_splits
+
+        return client_splits(ds, self.shards, client_test=self.client_test,
+                             client_test_fraction=self.client_test_fraction, scheme=self.partition, seed=self.seed,
+                             alpha=self.alpha, min_samples=self.min_samples, train_samples=self.train_samples,
+                             domain_clients=self.domain_clients)
+
     def split(self, ds: Dataset) -> list[np.ndarray]:
-        """Every shard's training indices (:func:`edge_agent.partition.split_dataset`): the same
-        seeded partition on every device and on the server.
+        """Every shard's training indices (:meth:`client_splits`: under ``client_test =
+        "local"`` without the held-out test samples).
 
         Raises:
             PartitionError: the partition is impossible for the data.
         """
-        from .partition import split_dataset
-
-        return split_dataset(ds, self.shards, scheme=self.partition, seed=self.seed, alpha=self.alpha,
-                             min_samples=self.min_samples, train_samples=self.train_samples,
-                             domain_clients=self.domain_clients)
+        return self.client_splits(ds).train
 
 
 @dataclass
@@ -155,9 +171,11 @@ def prepare_agent(spec: AgentSpec, dataset: Dataset, *, precision: str = "fp32",
         spec: the agent's spec.
         dataset: the loaded data set (``spec.load_dataset()``).
         precision: the device plan's precision (``"fp32"`` / ``"fp16"``) for the client algorithm.
-        indices: the shard's indices when the caller already split (a simulated fleet splits
-            once); ``None``: ``spec.split(dataset)[spec.shard]``.
-        eval_split: the device's evaluation split; by default the algorithm's
+        indices: the shard's training indices when the caller already split (a simulated fleet
+            splits once); ``None``: ``spec.client_splits(dataset)``'s of ``spec.shard``.
+        eval_split: the device's evaluation split; by default, under ``spec.client_test =
+            "local"`` its held-out local test set (``dataset.train`` at
+            ``spec.client_splits(dataset).test[spec.shard]``), else the algorithm's
             (:func:`edge_agent.algorithms.evaluation_split`: the test split minus what it reserves).
 
     Returns:
@@ -172,10 +190,20 @@ def prepare_agent(spec: AgentSpec, dataset: Dataset, *, precision: str = "fp32",
     from .algorithms import algorithm_setup, build_client_algorithm, evaluation_split
     from .models import make_model
 
-    idx = np.asarray(spec.split(dataset)[spec.shard] if indices is None else indices)
+    need_splits = indices is None or (eval_split is _FULL_TEST and spec.client_test == "local")
+    splits = spec.client_splits(dataset) if need_splits else None
+    if indices is None:
+        assert splits is not None
+        indices = splits.train[spec.shard]
+    idx = np.asarray(indices)
     params = dict(spec.algorithm_params)
     setup = algorithm_setup(spec.algorithm, dataset, params, spec.seed)
-    evals = evaluation_split(spec.algorithm, dataset, params, spec.seed) if eval_split is _FULL_TEST else eval_split
+    if eval_split is not _FULL_TEST:
+        evals = eval_split
+    elif splits is not None and splits.test is not None:
+        evals = dataset.train.subset(splits.test[spec.shard])
+    else:
+        evals = evaluation_split(spec.algorithm, dataset, params, spec.seed)
     model = make_model(spec.model, in_channels=dataset.channels, image_size=dataset.image_size,
                        num_classes=dataset.num_classes, feature_dim=spec.feature_dim, seed=spec.seed + 1 + spec.shard)
     algorithm = build_client_algorithm(spec.algorithm, precision=precision, setup=setup)

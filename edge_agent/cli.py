@@ -14,11 +14,12 @@ gen``; the device must be enrolled with the server). TLS: ``mqtts://`` with ``--
 The data and algorithm options must be the server's (``fedfleet server`` prints the whole
 command): ``--partition domain-silo --domain-clients photo=3,art_painting=4,...`` (with
 ``--domain-train-cap``/``--domain-test-cap``) for a multi-domain set, ``--train-samples`` for a
-data-scarce run, ``--algorithm NAME`` and one ``--param KEY=VALUE`` per ``[algorithm]`` key. The
-agent announces them in its join and the server refuses a join whose settings differ, naming
-them. ``--model NAME|package.module:function`` and ``--feature-dim D`` choose the device's
-architecture (the one the server's ``[model]`` table assigns it); the join carries its manifest
-hash, name, feature width and class count. The agent is put together by
+data-scarce run, ``--client-test local --client-test-fraction F`` when each device is evaluated on
+a test set held out of its own shard (``[data] client_test``), ``--algorithm NAME`` and one
+``--param KEY=VALUE`` per ``[algorithm]`` key. The agent announces them in its join and the
+server refuses a join whose settings differ, naming them. ``--model NAME|package.module:function``
+and ``--feature-dim D`` choose the device's architecture (the one the server's ``[model]`` table
+assigns it); the join carries its manifest hash, name, feature width and class count. The agent is put together by
 :mod:`edge_agent.assembly`, as every virtual agent of ``fedfleet simulate`` is.
 
 Exit codes (never reused): 0 finished; 1 failed (join refused, the server's model does not fit
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-samples", type=int, default=0, metavar="N",
                    help="partition a seeded class-stratified subset of N training samples (0 = all); "
                         "[data] train_samples")
+    p.add_argument("--client-test", default="shared", choices=("shared", "local"),
+                   help="what this device's own-model evaluation uses: the test split ('shared') or a test set "
+                        "held out of its own shard, per class ('local'); must match the server's [data] client_test")
+    p.add_argument("--client-test-fraction", type=float, default=0.25, metavar="F",
+                   help="with --client-test local: the share of the shard held out (0 < F < 1); the server's "
+                        "[data] client_test_fraction")
     p.add_argument("--seed", type=int, default=0, help="partition seed; must match the server's [run] seed")
     p.add_argument("--out", help="folder for this device's byte ledger (ledger.sqlite; read it with "
                                  "`fedfleet audit`); default fedfleet-agent-<client-id>")
@@ -154,7 +161,8 @@ def agent_spec(args: argparse.Namespace, params: dict[str, object]):
     return AgentSpec(client_id=args.client_id, shard=i, shards=n, dataset=args.dataset, partition=args.partition,
                      alpha=args.alpha, min_samples=args.min_samples, train_samples=args.train_samples,
                      domain_clients=args.domain_clients, domain_train_cap=args.domain_train_cap,
-                     domain_test_cap=args.domain_test_cap, seed=args.seed, algorithm=args.algorithm,
+                     domain_test_cap=args.domain_test_cap, client_test=args.client_test,
+                     client_test_fraction=args.client_test_fraction, seed=args.seed, algorithm=args.algorithm,
                      algorithm_params=params, model=args.model, feature_dim=args.feature_dim,
                      idle_timeout_s=args.idle_timeout_s)
 
@@ -286,8 +294,10 @@ def _main(argv: list[str] | None) -> int:
     ledger.set_meta("federation", args.federation)
     ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger,
                  security=security, **channel_limits(rt))
+    held = len(prepared.eval_split.y) if spec.client_test == "local" and prepared.eval_split is not None else 0
     print(f"{args.client_id}: {len(idx)} samples (shard {i}/{n} of {ds.name}"
           + (f", domain {info['domain']}" if "domain" in info else "")
+          + (f"; {held} more held out as its local test set" if held else "")
           + f"), model {args.model} (d = {args.feature_dim}), algorithm {args.algorithm}; joining federation "
           f"{args.federation!r} on {args.broker} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
     agent = None

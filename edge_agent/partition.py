@@ -22,6 +22,13 @@ Schemes (:func:`partition` dispatches on the name):
   Zhang, Wan & Long, Neurocomputing 2026; SPECS.md §1.1). It needs each sample's domain
   (:attr:`edge_agent.data.Dataset.train_domains`) and the clients per domain; the training
   samples of a domain with no client are left out, so the shards then do not cover every index.
+
+Client test sets (:func:`hold_out_local_tests`, :func:`client_splits`): with ``client_test =
+"local"`` each client's evaluation split is held out of its own shard, class by class, so that it
+has the client's own label distribution (the personalised-FL protocol of PFLlib / HtFLlib,
+``utils/dataset_utils.py::split_data``: each client's data split 75/25 into train and test;
+FedORGP §5.1 and FedOCP's evaluation, SPECS.md §3.1 and §3.5). With ``"shared"`` every client
+trains on its whole shard and is evaluated on the data set's test split.
 """
 
 from __future__ import annotations
@@ -37,15 +44,20 @@ import numpy as np
 from edge_agent.errors import PartitionError
 
 __all__ = [
+    "CLIENT_TEST_MODES",
+    "ClientSplits",
+    "DEFAULT_CLIENT_TEST_FRACTION",
     "DEFAULT_DOMAIN_CLIENTS",
     "DomainSiloPartition",
     "SCHEMES",
     "STRONG_DOMAIN_CLIENTS",
     "allocate_domain_clients",
     "classes_per_client",
+    "client_splits",
     "describe",
     "dirichlet",
     "domain_silo",
+    "hold_out_local_tests",
     "iid",
     "parse_domain_clients",
     "partition",
@@ -59,6 +71,15 @@ DEFAULT_DOMAIN_CLIENTS: tuple[int, ...] = (3, 4, 2, 1)
 """Clients per domain, by domain position, when none are configured: FedPAD's main protocol
 (SPECS.md §1.1: PACS photo 3 / art 4 / cartoon 2 / sketch 1; Digits mnist 3 / usps 4 / svhn 2 /
 mnist-m 1), m = 10."""
+
+CLIENT_TEST_MODES: tuple[str, ...] = ("local", "shared")
+"""Values of ``[data] client_test``: ``"shared"`` (every client is evaluated on the data set's
+test split) or ``"local"`` (each client on a split held out of its own shard,
+:func:`hold_out_local_tests`)."""
+
+DEFAULT_CLIENT_TEST_FRACTION = 0.25
+"""Share of each client's samples held out as its local test set: PFLlib / HtFLlib's 75/25 split
+(``train_ratio = 0.75`` in ``utils/dataset_utils.py``; FedORGP §5.1, SPECS.md §3.1)."""
 
 STRONG_DOMAIN_CLIENTS: tuple[int, ...] = (6, 2, 1, 1)
 """FedPAD's stronger imbalance (SPECS.md §1.1, Tables 8–9: PACS 6/2/1/1), by domain position;
@@ -344,6 +365,126 @@ def split_dataset(
                       alpha=alpha if scheme == "dirichlet" else None, min_samples=min_samples, classes=classes,
                       **silo)
     return parts if subset is None else [subset[np.asarray(p, dtype=np.int64)] for p in parts]
+
+
+def hold_out_local_tests(labels: np.ndarray, parts: Sequence[np.ndarray], *, fraction: float,
+                         seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Split every client's shard into its training samples and its local test set, per class.
+
+    The protocol of PFLlib / HtFLlib (``utils/dataset_utils.py::split_data``, ``train_ratio =
+    0.75``; FedORGP §5.1, SPECS.md §3.1): each client is evaluated on held-out samples of its
+    own label distribution. Unlike their ``train_test_split`` (shuffled, not stratified) the hold
+    out here is stratified, so a client's test histogram is its training histogram scaled:
+    for client i a generator ``numpy.random.default_rng([seed, i])`` is made; for each class c
+    of the shard, in increasing label order, the shard's n_ic indices of class c are permuted
+    with it and the first
+
+        t_ic = min(floor(fraction · n_ic + 1/2), n_ic − 1)
+
+    go to the test set, the others stay for training. Rounding is half up (0.25 · 2 = 0.5 → 1;
+    0.25 · 6 = 1.5 → 2; 0.25 · 5 = 1.25 → 1), and a class keeps at least one training sample
+    (a class held once is trained on, never tested: "stratified where possible"). Each client's
+    draw depends only on ``(seed, i)`` and its own shard, so a device computes its split alone.
+
+    Args:
+        labels: integer class labels ``[N]`` of the split the shards index (``ds.train.y``).
+        parts: K integer index arrays into ``labels`` (the partition's shards).
+        fraction: share held out, ``0 < fraction < 1`` (:data:`DEFAULT_CLIENT_TEST_FRACTION`).
+        seed: the run seed (int >= 0).
+
+    Returns:
+        ``(train, test)``: two lists of K sorted int64 arrays into ``labels``; ``train[i]`` and
+        ``test[i]`` are disjoint and together exactly ``parts[i]``.
+
+    Raises:
+        PartitionError: a fraction outside (0, 1), a bad label or index array, or a client whose
+            test set would be empty (every class of its shard held once: the message names the
+            client; use a larger fraction, fewer clients or a larger ``min_samples``).
+    """
+    y = _check_labels(labels, allow_empty=True)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float | np.integer | np.floating) \
+            or not 0.0 < float(fraction) < 1.0:
+        raise PartitionError(f"the local test fraction must be a number in (0, 1), got {fraction!r}")
+    f = float(fraction)
+    s = _check_int("seed", seed, minimum=0)
+    train: list[np.ndarray] = []
+    test: list[np.ndarray] = []
+    for i, part in enumerate(parts):
+        idx = np.asarray(part)
+        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise PartitionError(f"client {i}: indices must be a 1-D integer array")
+        if idx.size and (idx.min() < 0 or idx.max() >= y.size):
+            raise PartitionError(f"client {i}: indices must lie in [0, {y.size})")
+        idx = idx.astype(np.int64, copy=False)
+        rng = np.random.default_rng([s, i])
+        own = y[idx]
+        keep: list[np.ndarray] = []
+        held: list[np.ndarray] = []
+        for c in np.unique(own):
+            members = rng.permutation(idx[own == c])
+            t = min(int(np.floor(f * members.size + 0.5)), members.size - 1)
+            held.append(members[:t])
+            keep.append(members[t:])
+        te = np.sort(np.concatenate(held)).astype(np.int64) if held else np.zeros(0, np.int64)
+        if te.size == 0:
+            classes, sizes = np.unique(own, return_counts=True)
+            counts = {int(c): int(n) for c, n in zip(classes, sizes, strict=True)}
+            raise PartitionError(
+                f"client {i}: a local test fraction of {f:g} of its {idx.size} samples (per class: {counts}) "
+                "leaves no test sample (each class keeps at least one training sample); raise "
+                "client_test_fraction or min_samples, or use fewer clients")
+        train.append(np.sort(np.concatenate(keep)).astype(np.int64))
+        test.append(te)
+    return train, test
+
+
+@dataclass(frozen=True, eq=False)
+class ClientSplits:
+    """Every client's training and evaluation samples (:func:`client_splits`).
+
+    Attributes:
+        train: K sorted int64 arrays into ``ds.train``: what client i trains on.
+        test: under ``"local"``, K sorted int64 arrays into ``ds.train``: client i's local test
+            set, disjoint from ``train[i]``; ``None`` under ``"shared"`` (the test split).
+        client_test: ``"shared"`` or ``"local"`` (:data:`CLIENT_TEST_MODES`).
+        fraction: the held-out share under ``"local"``; ``None`` under ``"shared"``.
+    """
+
+    train: list[np.ndarray]
+    test: list[np.ndarray] | None
+    client_test: str
+    fraction: float | None
+
+
+def client_splits(ds, num_clients: int, *, client_test: str = "shared",
+                  client_test_fraction: float = DEFAULT_CLIENT_TEST_FRACTION, **partition_args: Any) -> ClientSplits:
+    """The configured partition (:func:`split_dataset` with ``partition_args``: ``scheme``,
+    ``seed``, ``alpha`` …) and, under ``client_test = "local"``, each client's local test set
+    held out of its shard (:func:`hold_out_local_tests` with the same seed): what the server, every
+    virtual agent and every ``fedfleet-agent`` compute alike from the announced settings.
+
+    Args:
+        ds: a :class:`edge_agent.data.Dataset`.
+        num_clients: K.
+        client_test: ``"shared"`` (train on the whole shard) or ``"local"``.
+        client_test_fraction: the held-out share under ``"local"`` (ignored under ``"shared"``).
+        partition_args: the keyword arguments of :func:`split_dataset` (``seed`` required).
+
+    Returns:
+        A :class:`ClientSplits`.
+
+    Raises:
+        PartitionError: an unknown ``client_test``, or any error of :func:`split_dataset` or
+            :func:`hold_out_local_tests`.
+    """
+    if client_test not in CLIENT_TEST_MODES:
+        raise PartitionError(f"client_test must be one of {', '.join(CLIENT_TEST_MODES)}, got {client_test!r}")
+    parts = split_dataset(ds, num_clients, **partition_args)
+    if client_test == "shared":
+        return ClientSplits(train=parts, test=None, client_test="shared", fraction=None)
+    train, test = hold_out_local_tests(np.asarray(ds.train.y), parts, fraction=client_test_fraction,
+                                       seed=partition_args["seed"])
+    return ClientSplits(train=train, test=test, client_test="local", fraction=float(client_test_fraction))
 
 
 def describe(

@@ -25,11 +25,10 @@ side, never against numbers from elsewhere):
 4. **Flower comparison**: the same FedAvg (same model, data, partition, seed, local training code,
    rounds) with Flower's legacy gRPC ``start_server`` / ``start_client`` in separate processes on
    127.0.0.1, the clients' connections routed through the same kind of relay. Flower runs from its
-   own venv (``--flower-python``; set up with ``python3.11 -m venv /tmp/flwr-venv &&
-   /tmp/flwr-venv/bin/pip install flwr``); torch and fedfleet are taken from this venv by path.
-
-The ``--flower-role`` options are internal: the Flower server and clients are this same file run
-by the Flower venv's interpreter.
+   own venv (``--flower-venv``, default ``/tmp/flwr-venv``: created with ``python3.11 -m venv``
+   and ``pip install "flwr[simulation]==1.42.*"`` when missing, reused otherwise); torch and
+   fedfleet are taken from this interpreter by path (:mod:`tools._flower`, shared with
+   ``tools/bench_round.py``, which also runs Flower's simulation engine and deployment mode).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -59,9 +57,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make protocol/, edge_agent/, broker_server/ importable
     sys.path.insert(0, str(REPO))
 
+from tools import _flower  # noqa: E402  (REPO on sys.path first)
+
 EXAMPLE_CONFIG = REPO / "examples" / "mnist-fedavg.toml"
 DEFAULT_CODECS = ("fp32", "fp16", "int8", "topk:0.1", "int8+zstd")
-DEFAULT_FLOWER_PYTHON = "/tmp/flwr-venv/bin/python"
+DEFAULT_FLOWER_VENV = "/tmp/flwr-venv"
 SOFT_TOPIC = "fedfleet/v1/fed-a/up/client-007/update"
 SOFT_SENDER = "client-007"
 SOFT_TENSOR_BYTES = 42_560  # [1000, 10] + [10, 64] float32
@@ -136,12 +136,25 @@ class CountingRelay:
                     pass
 
     def mqtt_client_id(self, n: int) -> str:
-        """Client id of connection ``n`` from its MQTT 3.1.1 CONNECT packet (§3.1)."""
+        """Client id of connection ``n`` from its CONNECT packet: MQTT 3.1.1 (§3.1) or MQTT 5
+        (§3.1, whose properties come between the keep-alive and the client id)."""
         pkt = bytes(self.first[n])
-        i = 1
-        while pkt[i] & 0x80:  # remaining length varint
-            i += 1
-        i += 1 + 10  # protocol name (2 + 4), level, flags, keepalive (2)
+
+        def varint(i: int) -> tuple[int, int]:  # (value, index after it)
+            value, shift = 0, 0
+            while True:
+                value |= (pkt[i] & 0x7F) << shift
+                shift += 7
+                i += 1
+                if not pkt[i - 1] & 0x80:
+                    return value, i
+
+        _, i = varint(1)  # remaining length
+        level = pkt[i + 6]  # after the protocol name (2 + 4)
+        i += 10  # protocol name, level, flags, keep-alive (2)
+        if level == 5:
+            props, i = varint(i)
+            i += props
         ln = int.from_bytes(pkt[i:i + 2], "big")
         return pkt[i + 2:i + 2 + ln].decode()
 
@@ -193,12 +206,6 @@ def _profile_top(fn: Callable[[], Any], calls: int, top: int = 6) -> list[tuple[
         rows.append((where, tt / calls, tt / total))
     rows.sort(key=lambda r: -r[1])
     return rows[:top]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _versions() -> dict[str, str]:
@@ -425,185 +432,55 @@ def bench_codecs(codecs: list[str], rounds: int, work: Path, data_dir: str | Non
 
 
 # --------------------------------------------------------------------------------------------
-# Part 4: Flower (orchestrator side)
+# Part 4: Flower
 
 
-def bench_flower(flower_python: str, rounds: int, work: Path, data_dir: str | None,
-                 clients: int = 10, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Flower FedAvg with its legacy gRPC server and ``clients`` client processes, the clients'
-    connections through a counting relay.
+def bench_flower(flower_venv: str, rounds: int, work: Path, data_dir: str | None,
+                 timeout_s: float = 900.0) -> dict[str, Any]:
+    """Flower FedAvg with its legacy gRPC server and one client process per configured client
+    (:func:`tools._flower.run_legacy`, every client training at once), the clients' connections
+    through a counting relay.
 
     Returns:
         ``ok`` False with ``why`` when Flower cannot run; else ``flwr_version``, ``accuracy_curve``
-        (centralised evaluation, round 0 first), ``final_accuracy``, ``relay_up_bytes`` (clients →
-        server), ``relay_down_bytes``, ``connections``, ``seconds``.
+        (the server's evaluation after rounds 1..R), ``final_accuracy``, ``relay_up_bytes``
+        (clients → server), ``relay_down_bytes``, ``connections``, ``seconds``.
     """
-    if not flower_python or not Path(flower_python).exists():
-        return {"ok": False, "why": f"no Flower interpreter at {flower_python!r} (create the venv: "
-                                    "python3.11 -m venv /tmp/flwr-venv && /tmp/flwr-venv/bin/pip install flwr)"}
-    site = sysconfig.get_paths()["purelib"]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(FLWR_TELEMETRY_ENABLED="0", GRPC_VERBOSITY="ERROR", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    probe = subprocess.run([flower_python, "-c", "import flwr; print(flwr.__version__)"], capture_output=True,
-                           text=True, env=env, timeout=120)
-    if probe.returncode != 0:
-        return {"ok": False, "why": f"`import flwr` failed in {flower_python}: {probe.stderr.strip()[-500:]}"}
-    version = probe.stdout.strip()
-    fdir = work / "flower"
-    fdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    relay = CountingRelay(port)
-    common = [__file__, "--fedfleet-site", site, "--rounds", str(rounds), "--flower-clients", str(clients)]
-    if data_dir:
-        common += ["--data-dir", data_dir]
-    result_path = fdir / "server.json"
-    procs: list[subprocess.Popen] = []
-    logs = []
-    t0 = time.perf_counter()
+    from broker_server import config as config_mod
+
+    if not flower_venv:
+        return {"ok": False, "why": "no Flower venv (--flower-venv '')"}
     try:
-        log = open(fdir / "server.log", "w")
-        logs.append(log)
-        server = subprocess.Popen([flower_python, *common, "--flower-role", "server", "--flower-port", str(port),
-                                   "--flower-result", str(result_path)], cwd=REPO, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
-        procs.append(server)
-        deadline = time.monotonic() + 180
-        while True:  # wait for the server's port (probed directly, not through the relay)
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the Flower server did not start; see " + str(fdir / "server.log")) from None
-                time.sleep(0.5)
-        for i in range(clients):
-            log = open(fdir / f"client-{i:03d}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen([flower_python, *common, "--flower-role", "client", "--flower-client", str(i),
-                                           "--flower-port", str(relay.port)], cwd=REPO, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))
-        server.wait(timeout=timeout_s)
-        for p in procs[1:]:
-            p.wait(timeout=60)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        tail = (fdir / "server.log").read_text(errors="replace")[-1500:]
-        return {"ok": False, "why": f"{exc}; server log tail:\n{tail}"}
+        venv = _flower.ensure_venv(Path(flower_venv), log=lambda m: print("  " + m, flush=True))
+    except RuntimeError as exc:
+        return {"ok": False, "why": str(exc)}
+    overrides: dict[tuple[str, str], Any] = {("run", "rounds"): rounds}
+    if data_dir:
+        overrides[("data", "data_dir")] = data_dir
+    cfg = config_mod.load(EXAMPLE_CONFIG, overrides)
+    fdir = work.resolve() / "flower"
+    job = _flower.write_job(fdir / "job.json", config=EXAMPLE_CONFIG, overrides=overrides, train_slots=0,
+                            torch_threads=1, slots_dir=None, batch_size=_flower.agent_batch_size(cfg))
+    relays: list[CountingRelay] = []
+
+    def via_relay(port: int) -> int:
+        relays.append(CountingRelay(port))
+        return relays[-1].port
+
+    try:
+        res = _flower.run_legacy(venv, job, fdir, rounds=rounds, clients=cfg.data.clients, torch_threads=1,
+                                 client_port=via_relay, timeout_s=timeout_s)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-        relay.close()
-    seconds = time.perf_counter() - t0
-    if server.returncode != 0 or not result_path.exists():
-        tail = (fdir / "server.log").read_text(errors="replace")[-1500:]
-        return {"ok": False, "why": f"Flower server exited with {server.returncode}; log tail:\n{tail}"}
-    res = json.loads(result_path.read_text())
-    curve = [a for _, a in sorted(res["accuracy"])]
-    return {"ok": True, "flwr_version": version, "accuracy_curve": curve, "final_accuracy": curve[-1],
+        for r in relays:
+            r.close()
+    if not res["ok"]:
+        return res
+    relay = relays[0]
+    curve = [r["accuracy"] for r in res["rounds"]]
+    return {"ok": True, "flwr_version": venv.version, "accuracy_curve": curve, "final_accuracy": curve[-1],
             "relay_up_bytes": sum(relay.up.values()), "relay_down_bytes": sum(relay.down.values()),
-            "connections": len(set(relay.up) | set(relay.down)), "seconds": seconds,
-            "client_exit_codes": [p.returncode for p in procs[1:]]}
-
-
-# --------------------------------------------------------------------------------------------
-# Part 4: Flower (the server and client processes, run by the Flower venv's interpreter)
-
-
-def _flower_setup(ns: argparse.Namespace):
-    """Import torch and fedfleet from the project venv (appended, so Flower's own packages win)."""
-    if ns.fedfleet_site and ns.fedfleet_site not in sys.path:
-        sys.path.append(ns.fedfleet_site)
-    import torch
-
-    torch.set_num_threads(1)
-    from edge_agent.data import load_dataset
-
-    cfg = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
-    ds = load_dataset(cfg["data"]["dataset"], data_dir=ns.data_dir)
-    return cfg, ds
-
-
-def _lightcnn(ds, seed: int):
-    """The light CNN as fedfleet builds it (``broker_server.runtime.device_model``)."""
-    import torch
-
-    from edge_agent.models import build_model
-
-    torch.manual_seed(seed)
-    return build_model("lightcnn", in_channels=ds.channels, image_size=ds.image_size, num_classes=ds.num_classes)
-
-
-def flower_server(ns: argparse.Namespace) -> int:
-    """Flower's legacy gRPC server: FedAvg over all clients, no federated evaluation (fedfleet
-    evaluates on the server only), centralised evaluation on the MNIST test split."""
-    cfg, ds = _flower_setup(ns)
-    import flwr
-    from flwr.common import ndarrays_to_parameters
-    from flwr.server import ServerConfig, start_server
-    from flwr.server.strategy import FedAvg
-
-    from broker_server.server import evaluate
-    from edge_agent.state import load_arrays, state_arrays
-
-    seed = int(cfg["run"]["seed"])
-    model = _lightcnn(ds, seed)
-    acc: list[tuple[int, float]] = []
-
-    def evaluate_fn(server_round, parameters, config):
-        load_arrays(model, parameters)
-        a, loss = evaluate(model, ds.test)
-        acc.append((server_round, a))
-        return loss, {"accuracy": a}
-
-    n = ns.flower_clients
-    strategy = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_evaluate_clients=0,
-                      min_available_clients=n, evaluate_fn=evaluate_fn,
-                      on_fit_config_fn=lambda r: {"round": r},
-                      initial_parameters=ndarrays_to_parameters(list(state_arrays(model))))
-    start_server(server_address=f"127.0.0.1:{ns.flower_port}", config=ServerConfig(num_rounds=ns.rounds),
-                 strategy=strategy)
-    Path(ns.flower_result).write_text(json.dumps({"flwr": flwr.__version__, "accuracy": acc}))
-    return 0
-
-
-def flower_client(ns: argparse.Namespace) -> int:
-    """One Flower client: the fedfleet FedAvg client algorithm (same shard, same seeds) behind a
-    ``NumPyClient``, started with the legacy ``start_client``."""
-    cfg, ds = _flower_setup(ns)
-    import numpy as np
-    import torch
-    from flwr.client import NumPyClient, start_client
-
-    from edge_agent.algorithms import TrainConfig, get_client_algorithm
-    from edge_agent.partition import partition
-    from edge_agent.state import state_arrays
-
-    seed = int(cfg["run"]["seed"])
-    d, t = cfg["data"], cfg["train"]
-    i = ns.flower_client
-    parts = partition(ds.train.y, d["clients"], scheme=d["partition"], alpha=d["alpha"], seed=seed)
-    x = torch.from_numpy(np.ascontiguousarray(ds.train.x[parts[i]], dtype=np.float32))
-    y = torch.from_numpy(np.ascontiguousarray(ds.train.y[parts[i]], dtype=np.int64))
-    model = _lightcnn(ds, seed + 1 + i)
-    algo = get_client_algorithm("fedavg")
-    tc = TrainConfig(local_epochs=t["local_epochs"], batch_size=t["batch_size"], lr=t["lr"],
-                     momentum=t.get("momentum", 0.0), weight_decay=t.get("weight_decay", 0.0), seed=seed)
-
-    class Client(NumPyClient):
-        def get_parameters(self, config):
-            return list(state_arrays(model))
-
-        def fit(self, parameters, config):
-            r = algo.local_round(model, tuple(parameters), x, y, tc, round=int(config["round"]), client_index=i,
-                                 device=torch.device("cpu"))
-            return list(r.tensors), r.num_samples, {"train_loss": r.train_loss}
-
-    start_client(server_address=f"127.0.0.1:{ns.flower_port}", client=Client().to_client())
-    return 0
+            "connections": len(set(relay.up) | set(relay.down)), "seconds": res["wall_s"],
+            "client_exit_codes": res["client_exit_codes"]}
 
 
 def _model_bytes() -> int:
@@ -763,15 +640,17 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
             rounds = ff["rounds"] if ff else 0
             f_total = flower["relay_up_bytes"] + flower["relay_down_bytes"]
             values = 2 * 10 * meta["model_bytes"]
-            L += [f"Flower {flower['flwr_version']} in its own venv (`python3.11 -m venv /tmp/flwr-venv && "
-                  "/tmp/flwr-venv/bin/pip install flwr`; torch and fedfleet imported from the project venv by path), "
+            L += [f"Flower {flower['flwr_version']} in its own venv (`python3.11 -m venv` + `pip install "
+                  f"\"{_flower.FLWR_SPEC}\"`, `tools/_flower.py`; torch and fedfleet imported from the project venv "
+                  "by path), "
                   "legacy gRPC bidi transport: "
                   "`flwr.server.start_server` (deprecated since 1.13, still shipped in `flwr.compat`) in one process "
                   f"and {flower['connections']} `flwr.client.start_client` processes on 127.0.0.1, each client's "
-                  "TCP connection through the same kind of counting relay. Same FedAvg: `LightCNN` from the same "
-                  "seed as the initial global model (`initial_parameters`, so no client is asked for weights), the "
-                  "same Dirichlet partition, and the fedfleet client algorithm (`FedAvgClient.local_round`, same "
-                  "shuffling seeds) inside a `NumPyClient`; `fraction_evaluate = 0` (no federated evaluation, as "
+                  "TCP connection through the same kind of counting relay. Same FedAvg: fedfleet's server model as "
+                  "the initial global model (`initial_parameters`, so no client is asked for weights), each client "
+                  "prepared as a fedfleet agent prepares itself (same Dirichlet shard, model, client algorithm), "
+                  "and `FedAvgClient.local_round` (same shuffling seeds) inside a `NumPyClient`; "
+                  "`fraction_evaluate = 0` (no federated evaluation, as "
                   "fedfleet evaluates on the server only); accuracy from centralised evaluation on the server. "
                   f"fedfleet: the fp32 run of part 3 (delta on: same tensor sizes), bytes of the agents' MQTT "
                   "connections counted by the relay (equal to the ledger's device-view totals, see part 3). Both "
@@ -801,7 +680,7 @@ def render(meta: dict[str, Any], thr: list[dict] | None, ovh: dict | None, codec
                           f"{flower['relay_up_bytes'] / ff['device_up_wire_bytes']:.3f}×, "
                       f"down {flower['relay_down_bytes'] / ff['device_down_wire_bytes']:.3f}×. Flower accuracy by "
                       "round "
-                      "(round 0 = initial model): " + ", ".join(f"{a:.4f}" for a in flower["accuracy_curve"]) +
+                      "(rounds 1..R): " + ", ".join(f"{a:.4f}" for a in flower["accuracy_curve"]) +
                       f". Flower wall time {flower['seconds']:.0f} s (10 client processes training at once), "
                       f"fedfleet {ff['seconds']:.0f} s (one trainer at a time).", ""]
     return "\n".join(L) + "\n"
@@ -820,25 +699,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="repetitions for part 1 (default 9; --quick 3)")
     p.add_argument("--codecs", default=None, help=f"comma-separated update codecs (default {','.join(DEFAULT_CODECS)})")
     p.add_argument("--parts", default="1,2,3,4", help="which parts to run (default %(default)s)")
-    p.add_argument("--flower-python", default=DEFAULT_FLOWER_PYTHON,
-                   help="python of a venv with flwr installed ('' skips part 4; default %(default)s)")
+    p.add_argument("--flower-venv", default=DEFAULT_FLOWER_VENV,
+                   help="Flower's venv, created when missing ('' skips part 4; default %(default)s)")
     p.add_argument("--data-dir", default=None, help="data folder (default: fedfleet's search order)")
     p.add_argument("--work", default=None, help="scratch folder for run folders and logs (default: a new /tmp folder)")
     p.add_argument("--code-label", default=None,
                    help="what code was measured, for the report (default: the git commit and its state)")
-    # internal: the Flower processes
-    p.add_argument("--flower-role", choices=("server", "client"), help=argparse.SUPPRESS)
-    p.add_argument("--flower-port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--flower-client", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--flower-clients", type=int, default=10, help=argparse.SUPPRESS)
-    p.add_argument("--flower-result", help=argparse.SUPPRESS)
-    p.add_argument("--fedfleet-site", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
-
-    if ns.flower_role == "server":
-        return flower_server(ns)
-    if ns.flower_role == "client":
-        return flower_client(ns)
 
     rounds = ns.rounds or (1 if ns.quick else 5)
     reps = ns.reps or (3 if ns.quick else 9)
@@ -865,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         codec_rows = bench_codecs(codecs, rounds, work, ns.data_dir)
     if 4 in parts:
         print(f"part 4: Flower, {rounds} rounds", flush=True)
-        flower = bench_flower(ns.flower_python, rounds, work, ns.data_dir)
+        flower = bench_flower(ns.flower_venv, rounds, work, ns.data_dir)
         print("  " + (f"Flower bytes up {flower['relay_up_bytes']:,} down {flower['relay_down_bytes']:,}, "
                       f"acc {flower['final_accuracy']:.4f}" if flower.get("ok") else "skipped: " + flower["why"]),
               flush=True)

@@ -1,5 +1,6 @@
 """Round benchmark of fedfleet: a round of the main job against its compute floor, per phase;
-encode/decode against a plain copy, with peak memory; peak RSS per virtual agent. Writes a
+encode/decode against a plain copy, with peak memory; peak RSS per virtual agent; the main job
+side by side under Flower 1.42 (simulation engine, deployment mode, legacy gRPC). Writes a
 Markdown report (``benchmarks/round.md``) from JSON results kept per part, so a long run can be
 resumed and parts re-run on their own.
 
@@ -8,6 +9,8 @@ Usage (from the repository root, on a quiet machine: nothing else busy, every fi
     python tools/bench_round.py --out benchmarks/round.md                  # every part, full sizes
     python tools/bench_round.py --parts codec --redo --out benchmarks/round.md   # one part again
     python tools/bench_round.py --tiny --work /tmp/bench-round-tiny --out /tmp/round-tiny.md  # smoke
+    python tools/bench_round.py --parts round,flower-sim,flower-deploy,flower-legacy --work /tmp/bench-round \\
+        --out benchmarks/round.md                                     # fedfleet against Flower only
 
 Parts (``--parts``; each one's results go to ``WORK/<part>.json`` and are reused unless ``--redo``):
 
@@ -34,11 +37,37 @@ Parts (``--parts``; each one's results go to ``WORK/<part>.json`` and are reused
    (IID, 2 rounds, one fresh child process per case), per agent beyond the 1-agent case (the data
    set and the process's fixed cost), and rounds per minute.
 
-Flower (simulation engine, deployment mode, legacy gRPC) is not run here:
-``tools/bench_protocol.py`` part 4 has the legacy path.
+4. ``flower-sim``, ``flower-deploy``, ``flower-legacy`` — the job of part 1 (same configuration
+   file and overrides, so the same data, Dirichlet partition, seeds, light CNN, initial model,
+   local training code — ``FedAvgClient.local_round`` with the agents' ``TrainConfig`` — and the
+   same server evaluation after each round) under Flower, from its own venv
+   (``--flower-venv``, default ``WORK/flwr-venv``; created and ``--flower-spec`` installed when
+   missing, reused otherwise; :mod:`tools._flower`):
+
+   - ``flower-sim``: Flower's simulation engine, ``flower-superlink --insecure --simulation``
+     and ``flwr run`` of the app (``tools/_flower_app.py``), Ray backend with
+     ``init-args-num-cpus`` = train slots × torch threads and ``client-resources-num-cpus`` =
+     torch threads, so Ray runs as many client actors as fedfleet trains at once;
+   - ``flower-deploy``: deployment mode, a SuperLink and one ``flower-supernode --insecure``
+     per client (``--node-config "partition-id=i num-partitions=N"``) as separate processes on
+     127.0.0.1, then ``flwr run`` against them;
+   - ``flower-legacy``: the deprecated gRPC ``start_server`` / ``start_client`` processes (as
+     ``tools/bench_protocol.py`` part 4, without its byte-counting relay).
+
+   Fairness: every process of every system runs with ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` and
+   ``torch.set_num_threads`` at fedfleet's thread plan's torch threads (1 on 2 cores) and
+   one inter-op thread, and no more trainings run at once than the plan's ``train_slots``
+   (fedfleet: a semaphore; Flower: Ray's CPUs in simulation, :class:`tools._flower.TrainSlots`
+   file locks across the client processes otherwise). Per round: wall seconds from the server's
+   marks (round r ends after its evaluation, as fedfleet's ``seconds``), accuracy, the clients'
+   training, slot waits and set-up (data, shard and model made in the client process); start-up:
+   launch → first round and total wall − Σ rounds. The report compares steady rounds (2..R)
+   with part 1's and checks the goals (fedfleet ≥ 3× faster per round than deployment mode,
+   ≥ 1.5× than legacy gRPC, faster than the simulation engine, final accuracy within 0.3 pp).
 
 ``--tiny`` shrinks every part (digits, 3 clients, 2 rounds; 40 KB and 2 MB updates; 2 and 4
-agents) to check that the tool works; its figures mean nothing.
+agents) to check that the tool works; its figures mean nothing. ``--clients N`` sets the job's
+client count (and quorum) for parts 1 and 4.
 """
 
 from __future__ import annotations
@@ -60,7 +89,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("round", "codec", "fleet")
+from tools import _flower  # noqa: E402  (ROOT first on sys.path: run as a script)
+
+PARTS = ("round", "codec", "fleet", "flower-sim", "flower-deploy", "flower-legacy")
+FLOWER_PARTS = PARTS[3:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,15 +137,22 @@ def median_time(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def job_config(args: argparse.Namespace, over: dict[tuple[str, str], Any] | None = None):
-    from broker_server import config as C
-
+def job_overrides(args: argparse.Namespace, over: dict[tuple[str, str], Any] | None = None) -> dict:
+    """The ``{(section, key): value}`` overrides of the job's configuration file."""
     o: dict[tuple[str, str], Any] = {("run", "rounds"): args.rounds}
     if args.tiny:
         o.update({("data", "dataset"): "digits", ("data", "clients"): 3, ("server", "quorum"): 3,
                   ("run", "rounds"): 2})
+    if args.clients:
+        o.update({("data", "clients"): args.clients, ("server", "quorum"): args.clients})
     o.update(over or {})
-    return C.load(args.config, o)
+    return o
+
+
+def job_config(args: argparse.Namespace, over: dict[tuple[str, str], Any] | None = None):
+    from broker_server import config as C
+
+    return C.load(args.config, job_overrides(args, over))
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,6 +344,49 @@ def part_fleet(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# part 4: the same job under Flower
+
+
+def fedfleet_plan(cfg: Any) -> Any:
+    """The thread plan :func:`broker_server.simulate.simulate` chooses for ``cfg`` on this
+    machine with an embedded broker (part 1's setting)."""
+    from edge_agent.device import detect, plan_threads, usable_cores
+
+    return plan_threads(usable_cores(detect()), role="simulation", clients=cfg.data.clients, embedded_broker=True,
+                        torch_threads=cfg.agents.torch_threads, train_slots=cfg.agents.train_slots)
+
+
+def part_flower(args: argparse.Namespace, part: str) -> dict[str, Any]:
+    cfg = job_config(args)
+    plan = fedfleet_plan(cfg)
+    folder = Path(args.work) / part
+    venv_dir = Path(args.flower_venv) if args.flower_venv else Path(args.work) / "flwr-venv"
+    try:
+        venv = _flower.ensure_venv(venv_dir, spec=args.flower_spec, log=lambda m: print("  " + m, flush=True))
+    except RuntimeError as exc:
+        return {"ok": False, "why": str(exc)}
+    job = _flower.write_job(folder / "job.json", config=args.config, overrides=job_overrides(args),
+                            train_slots=plan.train_slots, torch_threads=plan.torch_threads, slots_dir=folder / "slots",
+                            batch_size=_flower.agent_batch_size(cfg))
+    n, rounds, threads = cfg.data.clients, cfg.run.rounds, plan.torch_threads
+    if part == "flower-sim":
+        res = _flower.run_simulation(venv, job, folder, rounds=rounds, clients=n, train_slots=plan.train_slots,
+                                     torch_threads=threads)
+    elif part == "flower-deploy":
+        res = _flower.run_deployment(venv, job, folder, rounds=rounds, clients=n, torch_threads=threads)
+    else:
+        res = _flower.run_legacy(venv, job, folder, rounds=rounds, clients=n, torch_threads=threads)
+    res.update(flwr_version=venv.version, venv=str(venv.root), venv_installed=venv.installed, spec=args.flower_spec,
+               dataset=cfg.data.dataset, clients=n, rounds_asked=rounds, thread_plan=plan.as_dict(), work=str(folder))
+    if res["ok"]:
+        print(f"  {part}: steady round {_mean([r['seconds'] for r in res['rounds'][1:] or res['rounds']]):.2f} s, "
+              f"wall {res['wall_s']:.1f} s, accuracy {res['final_accuracy']:.4f}", flush=True)
+    else:
+        print(f"  {part} failed: {res['why'][:2000]}", flush=True)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
 # report
 
 
@@ -398,7 +480,122 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
             out.append(f"| {x['agents']} | {x['vmhwm_mib']:,.1f} | {x['data_mib']:.1f} | {delta} | {per} | "
                        f"{steady:.2f} | {60 / steady:.2f} |")
         out += ["", "Goal (issue 16): ≤ 2 MiB per agent beyond the data set.", ""]
+    if any(p in results for p in FLOWER_PARTS):
+        out += flower_section(results)
     return "\n".join(out) + "\n"
+
+
+FLOWER_NAMES = {"flower-sim": "Flower simulation engine", "flower-deploy": "Flower deployment mode",
+                "flower-legacy": "Flower legacy gRPC"}
+#: fedfleet's steady round at least this many times faster than each Flower mode (the goals)
+FLOWER_GOALS = {"flower-deploy": 3.0, "flower-legacy": 1.5, "flower-sim": 1.0}
+ACCURACY_GOAL_PP = 0.3
+
+
+def _steady(rounds: list[dict]) -> float:
+    return _mean([x["seconds"] for x in (rounds[1:] or rounds)])
+
+
+def _agg(rounds: list[dict], key: str, stat: str) -> float:
+    """Mean over rounds 2..R (all rounds when there is one) of a clients' figure's ``stat``."""
+    vals = [x[key][stat] for x in (rounds[1:] or rounds) if key in x]
+    return _mean(vals)
+
+
+def flower_section(results: dict[str, dict]) -> list[str]:
+    """Section 4 of the report: part 1's fedfleet run against the Flower parts."""
+    out = ["## 4. The same job under Flower", ""]
+    ff = results.get("round")
+    fl = {p: results[p] for p in FLOWER_PARTS if p in results}
+    ok = {p: r for p, r in fl.items() if r.get("ok")}
+    for p, r in fl.items():
+        if not r.get("ok"):
+            out += [f"**{FLOWER_NAMES[p]}: not measured** — " + str(r.get("why", "")).replace("\n", " ")[:1500], ""]
+    if not ok:
+        return out
+    any_r = next(iter(ok.values()))
+    plan = any_r["thread_plan"]
+    out += [f"Flower {any_r['flwr_version']} (`pip install \"{any_r['spec']}\"` in its own venv, `{any_r['venv']}`; "
+            "torch and fedfleet imported from the project's interpreter by path). The job of part 1 "
+            f"({any_r['dataset']}, {any_r['clients']} clients, {any_r['rounds_asked']} rounds, the same configuration "
+            "file and overrides): the same Dirichlet partition (each Flower client prepares its shard, model and "
+            "client algorithm as a fedfleet agent does, `edge_agent.assembly.prepare_agent`), the same initial "
+            "server model, `FedAvgClient.local_round` with the agents' `TrainConfig` and shuffling seeds, FedAvg "
+            "weighted by samples, no federated evaluation, the server's evaluation on the test split after each "
+            "round (initial model not evaluated, as in fedfleet).", "",
+            f"Threads and processes: every process runs with `OMP_NUM_THREADS` = `MKL_NUM_THREADS` = "
+            f"{plan['torch_threads']}, `torch.set_num_threads({plan['torch_threads']})` and one inter-op thread; at "
+            f"most {plan['train_slots']} trainings at once (fedfleet's thread plan on {plan['cores']} cores: "
+            f"{plan['train_slots']} slots × {plan['torch_threads']} torch threads). fedfleet: one process (server, "
+            "agents as threads, a semaphore of train slots) and the embedded broker. "
+            + " ".join(f"{FLOWER_NAMES[p]}: {r['processes']}"
+                       + (f" (`--federation-config \"{r['federation_config']}\"`)"
+                          if r.get("federation_config") else "")
+                       + ("; trainings limited by file-lock slots" if p != "flower-sim" else "") + "."
+                       for p, r in ok.items()), ""]
+    if ff is None:
+        out += ["Part 1 (`round`) has not been run: no fedfleet figures to compare with.", ""]
+    elif any((ff["thread_plan"]["train_slots"], ff["thread_plan"]["torch_threads"])
+             != (r["thread_plan"]["train_slots"], r["thread_plan"]["torch_threads"]) for r in ok.values()):
+        out += ["**Part 1 ran with another thread plan than the Flower parts** (run them on the same machine): "
+                f"part 1 {ff['thread_plan']['train_slots']} × {ff['thread_plan']['torch_threads']}, Flower "
+                + ", ".join(f"{FLOWER_NAMES[p]} {r['thread_plan']['train_slots']} × {r['thread_plan']['torch_threads']}"
+                            for p, r in ok.items()) + ".", ""]
+    f_steady = _steady(ff["rounds"]) if ff else float("nan")
+    f_acc = ff["final_accuracy"] if ff else float("nan")
+    rows = []
+    if ff:
+        f_sum = sum(x["seconds"] for x in ff["rounds"])
+        rows.append(("fedfleet `simulate` (thread plan)", ff["rounds"], ff["wall_s"], ff["wall_s"] - f_sum, f_acc))
+    for p, r in ok.items():
+        rows.append((FLOWER_NAMES[p], r["rounds"], r["wall_s"], r["overhead_s"], r["final_accuracy"]))
+    out += ["| system | round 1 s | steady round s (2..R) | total wall s | start-up + teardown s (wall − Σ rounds) "
+            "| final accuracy | steady round × fedfleet | accuracy − fedfleet (pp) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, rounds, wall, over, acc in rows:
+        st = _steady(rounds)
+        out.append(f"| {name} | {rounds[0]['seconds']:.2f} | {st:.2f} | {wall:.1f} | {over:.1f} | {acc:.4f} | "
+                   f"{st / f_steady:.2f} | {(acc - f_acc) * 100:+.2f} |")
+    out += ["", "Goals (fedfleet's steady round against each; accuracy within "
+            f"{ACCURACY_GOAL_PP} pp of fedfleet's):", ""]
+    for p, r in ok.items():
+        need = FLOWER_GOALS[p]
+        ratio = _steady(r["rounds"]) / f_steady
+        dpp = (r["final_accuracy"] - f_acc) * 100
+        speed_ok = ratio >= need if need > 1 else ratio > need
+        acc_ok = abs(dpp) <= ACCURACY_GOAL_PP
+        want = f"≥ {need:g}×" if need > 1 else "faster (> 1×)"
+        out.append(f"- **{FLOWER_NAMES[p]}: fedfleet {want} per round** — {'met' if speed_ok else 'not met'} "
+                   f"({ratio:.2f}×); accuracy {dpp:+.2f} pp ({'met' if acc_ok else 'not met'}).")
+    out += ["", "Round by round (s; accuracy after the round):", "",
+            "| round | " + " | ".join(n for n, *_ in rows) + " |", "| ---: |" + " ---: |" * len(rows)]
+    for i in range(max(len(r[1]) for r in rows)):
+        cells = [f"{r[1][i]['seconds']:.2f} ({r[1][i]['accuracy']:.4f})" if i < len(r[1]) else "" for r in rows]
+        out.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    out += ["", "Start-up and the clients' own time (Flower; means over rounds 2..R of each round's sum over "
+            "clients, except where said):", "",
+            "| system | server up s | nodes registered s | launch → round 1 starts s | set-up s/round "
+            "| process age at message s (mean) | training s/round | slot wait s/round |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p, r in ok.items():
+        up = r.get("superlink_up_s", r.get("server_up_s"))
+        nodes = r.get("supernodes_up_s")
+        age = _agg(r["rounds"], "proc_age_s", "mean")
+        out.append(f"| {FLOWER_NAMES[p]} | {up:.1f} | {'—' if nodes is None else f'{nodes:.1f}'} | "
+                   f"{r['launch_to_round0_s']:.1f} | {_agg(r['rounds'], 'setup_s', 'sum'):.2f} | "
+                   f"{'—' if age != age else f'{age:.2f}'} | {_agg(r['rounds'], 'train_s', 'sum'):.2f} | "
+                   f"{_agg(r['rounds'], 'wait_s', 'sum'):.2f} |")
+    if ff:
+        ap = ff.get("agent_phases_s", {})
+        n_r = len(ff["rounds"])
+        out += ["", f"fedfleet's agents for comparison (per round, summed over agents, all {n_r} rounds): "
+                + ", ".join(f"{k} {v / n_r:.2f} s" for k, v in sorted(ap.items())) + "."]
+    out += ["", "*Set-up* is the client process making its data, shard and model (deployment mode starts one "
+            "`flwr-clientapp` process per SuperNode and message, so it pays it, and the imports counted in "
+            "*process age*, every round; the simulation engine's Ray actors keep what they made, but a shard that "
+            "lands on the other actor is made again there); SuperNodes poll the SuperLink every 3 s when idle "
+            "(flwr's `start_client_internal`). Wall times are from each system's launch to the end of its run.", ""]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,9 +609,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=7, help="repetitions of each codec timing (median)")
     ap.add_argument("--fleet-sizes", default="1,100,500")
+    ap.add_argument("--clients", type=int, default=0, help="the job's clients (and quorum) in parts 1 and 4; 0: as "
+                                                           "configured (10; --tiny 3)")
+    ap.add_argument("--flower-venv", default="", help="Flower's venv, created when missing (default WORK/flwr-venv)")
+    ap.add_argument("--flower-spec", default=_flower.FLWR_SPEC, help="what pip installs there (default %(default)s)")
     ap.add_argument("--child-fleet", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args.work = str(Path(args.work).resolve())  # the Flower processes read their job files from other folders
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.child_fleet:
         fleet_child(args)
@@ -423,11 +625,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in wanted if p not in PARTS]
     if bad:
         ap.error(f"unknown part(s) {bad}; known: {', '.join(PARTS)}")
-    runners = {"round": part_round, "codec": part_codec, "fleet": part_fleet}
+    runners = {"round": part_round, "codec": part_codec, "fleet": part_fleet,
+               **{p: (lambda a, p=p: part_flower(a, p)) for p in FLOWER_PARTS}}
     results: dict[str, dict] = {}
     for part in PARTS:
         path = Path(args.work) / f"{part}.json"
-        if part in wanted and (args.redo or not path.exists()):
+        failed = path.exists() and json.loads(path.read_text(encoding="utf-8")).get("ok") is False
+        if part in wanted and (args.redo or not path.exists() or failed):
             print(f"bench_round: part {part} …", flush=True)
             started = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_before": os.getloadavg()}
             res = runners[part](args)

@@ -180,6 +180,10 @@ def designs(m: int) -> list[tuple[str, str, str, str, str]]:
     return out
 
 
+#: the heading of the section of the same file that ``tools/bench_global_delivery.py`` writes
+DELIVERY_SECTION = "## Who downloads the global"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/round_start.md", help="the Markdown report (default %(default)s)")
@@ -190,7 +194,11 @@ def main() -> int:
             for m in SIZES:
                 rows.append(measure(m, spread, Path(tmp)))
     text = report(rows)
-    Path(args.out).write_text(text, encoding="utf-8")
+    out = Path(args.out)
+    # the section tools/bench_global_delivery.py measures (simulations) stays as it was
+    old = out.read_text(encoding="utf-8") if out.exists() else ""
+    kept = old.find(DELIVERY_SECTION)
+    out.write_text(text + ("\n" + old[kept:] if kept >= 0 else ""), encoding="utf-8")
     print(text)
     return 0
 

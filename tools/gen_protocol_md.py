@@ -218,8 +218,8 @@ fedfleet/v1/{federation}/status/{client_id}         agent presence        status
 | `join` | `up/{client_id}/join` | agent → server |
 | `round_start` | `down/round_start`; or `down/{client_id}/round_start` when the round has per-device instructions \
 (§8) | server → agents |
-| `global` | `down/global`; or `down/{client_id}/global`: a copy for one device that came back during the round \
-(§8) | server → agents |
+| `global` | `down/global`; or `down/{client_id}/global`: a copy for one selected device (per-device delivery, \
+or a device that came back during the round; §8) | server → agents |
 | `update` | `up/{client_id}/update` | agent → server |
 | `finish` | `down/finish` | server → all agents |
 | `status` | `status/{client_id}` (retained when `online`; the last will) | agent → server |
@@ -691,6 +691,7 @@ agent → server   up/c/join              join                                ro
 server → agent   down/c/receipt         receipt (ref_kind 1, accepted or not) round 0
    for each round r = 1, 2, …:
 server → all     down/global            global (model of round r)           round r
+   (or, delivered per device, one down/c/global per selected agent)
 server → all     down/round_start       round_start (selected, deadline, members) round r
    (or, when the round has per-device instructions, one down/c/round_start per selected agent)
 agent → server   up/c/receipt           receipt (ref_kind 3) for the global round r
@@ -706,6 +707,14 @@ agent → server   status/c               status offline                      ro
   trains once it holds both for the same round and it is selected. The server sends the same
   `global` and `round_start` again after it reconnects; an agent that already trained that round
   sends its update again.
+* **Per-device delivery.** The server may send a round's `global` to each selected agent on
+  `down/{client_id}/global` instead of broadcasting it (the unselected agents then download no
+  model for that round); each copy may carry that agent's own tensors and extras (same shapes
+  as the round's; an agent's delta update is taken against the copy it got). An agent treats a
+  `global` on its own topic exactly like the broadcast one and confirms it the same way. When
+  the round's `round_start` also goes per device (per-device instructions), the server
+  broadcasts a `round_start` whose `selected` and `members` are empty as well, which selects
+  nobody: every agent hears from the server each round.
 * **Devices that come back.** When a selected device that has not reported publishes `status`
   `online` (not retained: a live message) while its round is open, the server sends that
   device alone the round's `global` on `down/{client_id}/global` and a `round_start` on

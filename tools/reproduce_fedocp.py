@@ -3,9 +3,12 @@
 The protocol of SPECS.md §3.1 (FedOCP seed + HtFLlib/FedORGP conventions): 20 clients, all
 sampled each round, a model group of ≥ 4 architectures (``[model] group``, default ``htfe4-cpu``:
 lightcnn, resnet8, mobilenet_v2_small, inception_small, device i runs member i mod 4), SGD lr 0.01,
-batch 32, 1 local epoch; accuracy = the mean of the devices' own models on the test split (every
-method here is prototype-only: no global model exists), best round and last round. Grid (one real
-federation per cell, :func:`broker_server.simulate.simulate`, run by :mod:`broker_server.experiments`):
+batch 32, 1 local epoch; accuracy = the devices' own models on their **local test sets**
+(``[data] client_test = "local"``: 25 % of each client's shard held out per class before training,
+the 75/25 split of HtFLlib/FedORGP, SPECS §3.1 and §3.5), as Σ correct / Σ test samples over the
+devices (``client_accuracy_weighted``, HtFLlib's ``serverbase.evaluate``), best round and last
+round. Every method here is prototype-only: no global model exists. Grid (one real federation per
+cell, :func:`broker_server.simulate.simulate`, run by :mod:`broker_server.experiments`):
 
 - data: CIFAR-10, Fashion-MNIST, MNIST from ``../shared/data`` (CIFAR-100, Flowers102 and
   Tiny-ImageNet of the paper are not there; SVHN has 50 images offline: left out);
@@ -20,13 +23,11 @@ federation per cell, :func:`broker_server.simulate.simulate`, run by :mod:`broke
   MQTT framing included) and the update's extras bytes;
 - 3 seeds; mean ± std (population).
 
-**Known gap before the grid is run** (found on the tiny cell): ``[server] client_eval`` scores
-each device's model on the shared test split (all classes), not on a local test split drawn from
-the device's own label distribution (HtFLlib/FedORGP: each client's data split 75/25; SPECS
-§3.5). Under Dir(0.1) or 2 classes per client a personalised model then scores near chance by
-construction (the tiny cell: 0.0997). The report prints that number as measured; a
-per-client local test split in the framework is needed before the grid means what the paper's
-tables mean.
+- evaluation protocol (``--client-test``, default ``local``): ``local`` is the paper's; ``shared``
+  scores every device on ≤ 2,000 images of the shared test split (all classes) instead, where
+  under Dir(0.1) or 2 classes per client a personalised model scores near chance by construction.
+  Each record and report column names its protocol, so the two are never mixed; ``--tiny`` runs
+  both, for FedOCP and FedProto, to show the difference.
 
 The paper reports +6.8 pp over FedORGP on CIFAR-100 (HtFE8, practical); CIFAR-100 is not in
 ``../shared/data`` and FedORGP is not built here, so the report states what it measured on the
@@ -100,11 +101,19 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in ".-" else "_" for ch in text).strip("_")
 
 
+#: ``[data] client_test`` values: the paper's local test sets, or the shared test split
+CLIENT_TESTS = ("local", "shared")
+#: test images per device under ``client_test = "shared"``
+SHARED_EVAL_MAX = 2000
+
+
 def job_config(dataset: str, split: str, algorithm: str, params: dict, seed: int, *, rounds: int, epochs: int,
-               clients: int, train_samples: int, lr: float, group: str, server_epochs: int, data_dir: str) -> dict:
-    """The configuration of one run (as parsed TOML)."""
+               clients: int, train_samples: int, lr: float, group: str, server_epochs: int, data_dir: str,
+               client_test: str = "local") -> dict:
+    """The configuration of one run (as parsed TOML); ``client_test``: ``"local"`` (each device's
+    held-out 25 % of its shard, SPECS §3.5) or ``"shared"`` (≤ 2,000 images of the test split)."""
     data = {"dataset": DATASETS[dataset], "clients": clients, "train_samples": train_samples, "min_samples": 1,
-            **SPLITS[split]}
+            "client_test": client_test, **SPLITS[split]}
     if data_dir:
         data["data_dir"] = data_dir
     algo = dict(params)
@@ -116,7 +125,7 @@ def job_config(dataset: str, split: str, algorithm: str, params: dict, seed: int
         "data": data,
         "train": {"algorithm": algorithm, "local_epochs": epochs, "batch_size": 32, "lr": lr, "momentum": 0.0},
         "server": {"participation_rate": 1.0, "quorum": 1, "round_deadline_s": 3600.0, "join_timeout_s": 600.0,
-                   "client_eval": True, "client_eval_max": 2000},
+                   "client_eval": True, "client_eval_max": SHARED_EVAL_MAX if client_test == "shared" else 0},
         "broker": {"kind": "auto"},
         "agents": {"train_slots": 1, "torch_threads": 1},
         "model": {"name": "lightcnn", "feature_dim": 64, "group": group},
@@ -124,22 +133,34 @@ def job_config(dataset: str, split: str, algorithm: str, params: dict, seed: int
     }
 
 
-def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds: list[int], **kw) -> list[Job]:
-    """The grid's cells."""
-    return [Job(f"main/{_slug(ds)}/{_slug(sp)}/{_slug(label)}/s{seed}",
-                job_config(ds, sp, METHODS[label][0], METHODS[label][1], seed, **kw),
-                tags={"grid": "main", "dataset": ds, "split": sp, "method": label, "seed": seed})
-            for seed in seeds for ds in datasets for sp in splits for label in methods]
+def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds: list[int],
+              client_tests: tuple[str, ...] | list[str] = ("local",), **kw) -> list[Job]:
+    """The grid's cells (one per seed, data set, split, evaluation protocol and method)."""
+    return [Job(f"main/{_slug(ds)}/{_slug(sp)}/{ct}/{_slug(label)}/s{seed}",
+                job_config(ds, sp, METHODS[label][0], METHODS[label][1], seed, client_test=ct, **kw),
+                tags={"grid": "main", "dataset": ds, "split": sp, "client_test": ct, "method": label, "seed": seed})
+            for seed in seeds for ds in datasets for sp in splits for ct in client_tests for label in methods]
+
+
+def _client_figure(m: dict) -> float | None:
+    """A metrics line's client accuracy: Σ correct / Σ test samples over the devices
+    (``client_accuracy_weighted``, HtFLlib's), else the unweighted mean (a line without it)."""
+    a = m.get("client_accuracy_weighted", m.get("client_accuracy_mean"))
+    return None if a is None else float(a)
 
 
 def client_accuracy(out: Path, r: dict, which: str = "best") -> float | None:
-    """The devices' mean own accuracy: the best round's (``which="best"``) or the last round's."""
+    """The devices' own accuracy (:func:`_client_figure`): the best round's (``which="best"``) or
+    the last round's."""
     if which == "last":
-        a = r.get("final", {}).get("client_accuracy_mean")
-        return None if a is None else float(a)
-    accs = [float(m["client_accuracy_mean"]) for m in read_metrics(out, r["key"])
-            if m.get("client_accuracy_mean") is not None]
+        return _client_figure(r.get("final", {}))
+    accs = [a for m in read_metrics(out, r["key"]) if (a := _client_figure(m)) is not None]
     return max(accs) if accs else None
+
+
+def _protocol(r: dict) -> str:
+    """A record's evaluation protocol (records made before the option existed: ``"shared"``)."""
+    return str(r.get("client_test", "shared"))
 
 
 def prototype_cosine(out: Path, r: dict) -> tuple[float | None, bool]:
@@ -154,8 +175,10 @@ def prototype_cosine(out: Path, r: dict) -> tuple[float | None, bool]:
 
 
 def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: list[str], methods: list[str],
-           seeds: list[int], settings: dict, wall_s: float | None, commit: str, verify: list[str]) -> str:
+           seeds: list[int], settings: dict, wall_s: float | None, commit: str, verify: list[str],
+           client_tests: tuple[str, ...] | list[str] = ("local",)) -> str:
     ok = [r for r in results.values() if "error" not in r and r.get("grid") == "main"]
+    columns = [(sp, ct) for sp in splits for ct in client_tests]
     lines = ["# FedOCP on a model-heterogeneous fleet: reproduction with baselines and ablations", "",
              f"Generated by `tools/reproduce_fedocp.py` at commit `{commit}`; every number below was measured in "
              "the records this report reads (`results.jsonl`).", "",
@@ -165,23 +188,24 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
              f"`{settings['group']}` (device i runs member i mod n); training subset "
              f"{settings['train_samples'] or 'all'} samples; server epochs {settings['server_epochs'] or 'default'} "
              f"(FedTGP, FedOCP, FedGH); seeds {seeds}; mean ± std (population) over seeds.",
-             "- Accuracy: the mean over devices of each device's own model on ≤ 2,000 test images (FedProto, "
-             "FedTGP: nearest global prototype; FedGH, FedOCP: the own head), best round (HtFLlib's convention) "
-             "and last round.",
-             "- Caveat: the test split is the shared one (all classes), not each device's local test split as in "
-             "HtFLlib (SPECS §3.5): under these label-skewed splits a personalised model scores low by "
-             "construction; see the tool's docstring.",
+             "- Accuracy: each device's own model (FedProto, FedTGP: nearest global prototype; FedGH, FedOCP: "
+             "the own head), Σ correct / Σ test samples over the devices (HtFLlib's), best round (HtFLlib's "
+             "convention) and last round, under the protocol each column names: **local** = each device's "
+             "local test set, 25 % of its shard held out per class before training (HtFLlib/FedORGP 75/25, "
+             "SPECS §3.5: the paper's); **shared** = ≤ 2,000 images of the shared test split (all classes), "
+             "where a personalised model under label skew scores low by construction.",
              "- Splits: Dirichlet(0.1) per class over clients; '2 classes/client': client i holds classes 2i, "
              "2i+1 mod 10, each class split evenly among its holders.", ""]
     if wall_s is not None:
         lines += [f"Wall time: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} CPUs).", ""]
     for ds in datasets:
-        lines += [f"## {ds}", "", "| method | " + " | ".join(f"{sp} best / last (%)" for sp in splits)
-                  + " | global prototype cosine (per split) |", "|---|" + "---|" * (len(splits) + 1)]
+        lines += [f"## {ds}", "", "| method | " + " | ".join(f"{sp}, {ct} test: best / last (%)" for sp, ct in columns)
+                  + " | global prototype cosine (per column) |", "|---|" + "---|" * (len(columns) + 1)]
         for label in methods:
             cells, cos = [], []
-            for sp in splits:
-                rs = [r for r in ok if r["dataset"] == ds and r["split"] == sp and r["method"] == label]
+            for sp, ct in columns:
+                rs = [r for r in ok if r["dataset"] == ds and r["split"] == sp and r["method"] == label
+                      and _protocol(r) == ct]
                 best = [a for r in rs if (a := client_accuracy(out, r)) is not None]
                 last = [a for r in rs if (a := client_accuracy(out, r, "last")) is not None]
                 cells.append(f"{pm(best)} / {pm(last)}" if rs else "–")
@@ -206,23 +230,33 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
               "## What the reproduction shows", ""]
     gains = []
     for ds in datasets:
-        for sp in splits:
+        for sp, ct in columns:
             means = {}
             for label in methods:
                 acc = [a for r in ok if r["dataset"] == ds and r["split"] == sp and r["method"] == label
-                       and (a := client_accuracy(out, r)) is not None]
+                       and _protocol(r) == ct and (a := client_accuracy(out, r)) is not None]
                 if acc:
                     means[label] = mean_std(acc)[0]
             base = {k: v for k, v in means.items() if k in ("FedProto", "FedGH", "FedTGP")}
             if "FedOCP" in means and base:
                 best_base = max(base, key=lambda k: base[k])
                 gains.append(100 * (means["FedOCP"] - base[best_base]))
-                lines.append(f"- {ds} {sp}: FedOCP {100 * means['FedOCP']:.2f} vs the best baseline {best_base} "
+                lines.append(f"- {ds} {sp} ({ct} test): FedOCP {100 * means['FedOCP']:.2f} vs the best baseline "
+                             f"{best_base} "
                              f"{100 * base[best_base]:.2f} ({gains[-1]:+.2f} pp); ablations: "
                              + ", ".join(f"{k.removeprefix('FedOCP ')} {100 * (v - means['FedOCP']):+.2f} pp"
                                          for k, v in means.items() if k in ABLATIONS))
     if not gains:
         lines.append("- no FedOCP/baseline pair on record yet.")
+    for ds in datasets:  # the two protocols side by side, where both were run
+        for sp in splits:
+            for label in methods:
+                by = {ct: [a for r in ok if r["dataset"] == ds and r["split"] == sp and r["method"] == label
+                           and _protocol(r) == ct and (a := client_accuracy(out, r)) is not None]
+                      for ct in CLIENT_TESTS}
+                if all(by.values()):
+                    lines.append(f"- {ds} {sp} {label}: local test {100 * mean_std(by['local'])[0]:.2f} vs shared "
+                                 f"test {100 * mean_std(by['shared'])[0]:.2f} (best round, %)")
     lines.append(f"- The paper's +{CLAIM_GAIN_PP} pp over FedORGP is on CIFAR-100 (HtFE8), which is not in "
                  "../shared/data, against FedORGP, which is not built here: not checked.")
     if verify:
@@ -248,40 +282,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--data-dir", default="", help="default: $FEDFLEET_DATA, then ../shared/data")
-    p.add_argument("--tiny", action="store_true", help="1 seed, 2 rounds, 4 clients, 400 samples, MNIST Dir(0.1), "
-                                                       "FedOCP only, 5 server epochs (a smoke run)")
+    p.add_argument("--client-test", default="local",
+                   help="evaluation protocol(s), comma-separated: local (each device's held-out 25 %%, the paper's), "
+                        "shared (the shared test split)")
+    p.add_argument("--tiny", action="store_true", help="1 seed, 5 rounds × 5 local epochs, 4 clients, 400 samples, "
+                                                       "MNIST Dir(0.1), FedOCP and FedProto, both protocols, 5 server "
+                                                       "epochs (a smoke run: 4 cells, a few minutes)")
     p.add_argument("--estimate-only", action="store_true", help="run the first missing cell, print the estimate")
     p.add_argument("--verify", type=int, default=0, metavar="K", help="re-run K recorded cells and compare")
     p.add_argument("--report-only", action="store_true", help="write the report from OUT/results.jsonl")
     a = p.parse_args(argv)
     if a.tiny:
-        a.seeds, a.rounds, a.clients, a.train_samples, a.server_epochs = "0", 2, 4, 400, 5
-        a.datasets, a.splits, a.methods = "MNIST", "Dir(0.1)", "FedOCP"
+        # 5 × 5 epochs: with 2 rounds of 1 epoch (3 SGD steps a round on ~100 samples) no model learns
+        # anything, and neither protocol can tell a method from chance
+        a.seeds, a.rounds, a.epochs, a.clients, a.train_samples, a.server_epochs = "0", 5, 5, 4, 400, 5
+        a.datasets, a.splits, a.methods, a.client_test = "MNIST", "Dir(0.1)", "FedOCP,FedProto", "local,shared"
     data_dir = default_data_dir(ROOT, a.data_dir)
     seeds = int_list(p, "--seeds", a.seeds)
     datasets = name_list(p, "--datasets", a.datasets, DATASETS)
     splits = name_list(p, "--splits", a.splits, SPLITS)
     methods = name_list(p, "--methods", a.methods, METHODS)
+    client_tests = name_list(p, "--client-test", a.client_test, CLIENT_TESTS)
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "lr": a.lr, "group": a.group, "server_epochs": a.server_epochs}
-    jobs = make_jobs(datasets, splits, methods, seeds, data_dir=data_dir, **settings)
+    jobs = make_jobs(datasets, splits, methods, seeds, client_tests, data_dir=data_dir, **settings)
     wall, verify_lines = None, []
     commit = code_commit(ROOT)
     if not a.report_only:
         def show(r: dict) -> None:
             print(f"{r['key']}: " + (r["error"] if "error" in r else
-                                     f"client acc {r.get('final', {}).get('client_accuracy_mean')} "
+                                     f"client acc {_client_figure(r.get('final', {}))} "
                                      f"({r['seconds']:.0f} s)"), flush=True)
 
         wall = run_with_estimate(jobs, out, workers=a.workers, estimate_only=a.estimate_only, on_result=show,
                                  note="cells differ: CIFAR-10 costs more", stamp={"commit": commit})
         if a.verify:
             verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit,
-                                          headline=lambda r: r.get("final", {}).get("client_accuracy_mean"))
+                                          headline=lambda r: _client_figure(r.get("final", {})))
     results = load_results(out)
     text = report(results, out=out, datasets=datasets, splits=splits, methods=methods, seeds=seeds,
-                  settings=settings, wall_s=wall, commit=commit, verify=verify_lines)
+                  settings=settings, wall_s=wall, commit=commit, verify=verify_lines, client_tests=client_tests)
     Path(a.report).parent.mkdir(parents=True, exist_ok=True)
     Path(a.report).write_text(text, encoding="utf-8")
     print(f"wrote {a.report}")

@@ -9,6 +9,8 @@ Which hook the driver (:class:`broker_server.server.AggregationServer`) calls wh
 2. each round: :meth:`Strategy.configure_round` → :class:`RoundPlan` (who, shared config,
    per-device instructions), with :meth:`Strategy.config_for_round` merged over its config
    (:func:`round_config`); :meth:`Strategy.global_extras` for the round's ``global``;
+   :meth:`Strategy.device_global` for each selected device's own copy of it (unless the
+   global is broadcast);
    :meth:`Strategy.accumulator` for the round's results;
 3. each update that passed the driver's checks: :meth:`Strategy.validate`, then
    :meth:`Accumulator.add`;
@@ -581,6 +583,28 @@ class Strategy(ABC):
         """Named arrays broadcast with each round's ``global`` (from the committed state).
         Called once per round after :meth:`configure_round`. Default ``{}``."""
         return {}
+
+    def device_global(self, round: int, client_id: str, tensors: Sequence[np.ndarray],
+                      extras: Mapping[str, np.ndarray]) -> tuple[Sequence[np.ndarray], Mapping[str, np.ndarray]] | None:
+        """What one selected device's own copy of round ``round``'s ``global`` carries, when the
+        global goes to each device on its own topic (``[server] global_delivery``; called for
+        every selected device after :meth:`global_extras` unless delivery is ``"broadcast"``;
+        under ``"auto"`` the copies' sizes decide between broadcast and per-device delivery).
+
+        Args:
+            round: the round.
+            client_id: a device of the round's :class:`RoundPlan`.
+            tensors: the round's shared tensors (the ``share`` subset, manifest order).
+            extras: the round's :meth:`global_extras`.
+
+        Returns:
+            ``None`` (the default): the device gets the round's global as it is; else ``(tensors,
+            extras)`` for that device alone: ``tensors`` shaped and typed as the round's (the
+            device trains from them and its delta updates are resolved against them), ``extras``
+            any named arrays (FedCross: the device's own middleware model as its tensors, no
+            extras).
+        """
+        return None
 
     def validate(self, result: ClientResult) -> str | None:
         """Called for each update that passed the driver's checks (selected, shapes and dtypes of

@@ -18,8 +18,12 @@ in round 1). Round t:
 4. The **global** (the evaluated model) is the sample-weighted mean Σ n_k w_k' / Σ n_k of the
    round's trained models, as PFLlib's ``aggregate_parameters`` of the uploads.
 
-Cost: every device downloads all M middleware models each round (M × the model): the price of
-one broadcast ``global`` in this protocol.
+Cost: a broadcast ``global`` carries the mean and all M middleware models ((M + 1) × the model)
+to every online device. With per-device delivery (``[server] global_delivery``; ``"auto"``
+chooses it when 2·M·P < (N + 1)·(M + 1)·P bytes, P = one model: always, for M ≤ N online devices)
+:meth:`FedCross.device_global` gives each selected device only its own slot's model, as the
+global's tensors and without extras: one model per device, 1/(M + 1) of the broadcast's model
+bytes (1/M of its middleware bytes).
 """
 
 from __future__ import annotations
@@ -116,6 +120,22 @@ class FedCross(Strategy):
     def global_extras(self) -> dict[str, np.ndarray]:
         """The M middleware models, flattened."""
         return {extras_name(i): flatten_state(w) for i, w in enumerate(self.middleware)}
+
+    def device_global(self, round: int, client_id: str, tensors: Sequence[np.ndarray],
+                      extras: Mapping[str, np.ndarray]) -> tuple[Sequence[np.ndarray], Mapping[str, np.ndarray]] | None:
+        """A selected device's own global: its middleware model w_i (i = its ``cross_slot``) as
+        the tensors (shaped and typed as ``tensors``, the state entries in manifest order), no
+        extras; the client half trains the tensors of a global without middleware extras
+        (:class:`~edge_agent.algorithms.fedcross.FedCrossClient`). ``None`` for a device without
+        a slot this round (the round's global)."""
+        slot = self.assignment.get(client_id)
+        if slot is None:
+            return None
+        mine = self.middleware[slot]
+        if len(mine) != len(tensors):  # the model's state entries, every one shared (share = all, buffers average)
+            raise ValueError(f"FedCross: middleware model {slot} has {len(mine)} arrays, the global {len(tensors)}")
+        own = tuple(np.asarray(w).astype(np.asarray(t).dtype, copy=False) for w, t in zip(mine, tensors, strict=True))
+        return own, {}
 
     def validate(self, result: ClientResult) -> str | None:
         """Refuse an update from a device without a slot this round."""

@@ -4,7 +4,9 @@ model number ``cross_slot`` (its own instruction) with plain cross-entropy SGD a
 
 The middleware models travel in the round's ``global`` as extras ``cross_0`` … ``cross_{M−1}``,
 each the model's state entries flattened in manifest order (float32, :func:`flatten_state`); the
-``global`` tensors are their sample-weighted mean (the evaluated model).
+``global`` tensors are their sample-weighted mean (the evaluated model). A ``global`` sent to
+this device alone (per-device delivery) carries no middleware extras: its tensors are this
+device's own middleware model (the server's ``FedCross.device_global``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from ._registry import register_client_algorithm
 from .fedavg import FedAvgClient
 
 SLOT_KEY = "cross_slot"
+#: the extras names of the middleware models begin with this (``cross_0`` …)
+PREFIX = "cross_"
 
 
 def extras_name(slot: int) -> str:
     """The extras entry of middleware model ``slot``."""
-    return f"cross_{int(slot)}"
+    return f"{PREFIX}{int(slot)}"
 
 
 def flatten_state(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -51,10 +55,12 @@ def unflatten_state(flat: np.ndarray, like: Sequence[np.ndarray]) -> list[np.nda
 
 @register_client_algorithm("fedcross")
 class FedCrossClient(FedAvgClient):
-    """Trains middleware model ``cross_slot`` (from the round's extras) as FedAvg trains the global.
+    """Trains middleware model ``cross_slot`` (from the round's extras, or the global's tensors
+    when the global carries no middleware extras: a copy for this device alone) as FedAvg trains
+    the global.
 
     Raises (from :meth:`local_round`):
-        ValueError: no ``cross_slot`` instruction, or no such extras entry in the ``global``.
+        ValueError: no ``cross_slot`` instruction, or middleware extras without this slot's.
     """
 
     name = "fedcross"
@@ -71,9 +77,12 @@ class FedCrossClient(FedAvgClient):
             raise ValueError(f"FedCross needs the instruction {SLOT_KEY} (an int), got {slot!r}")
         name = extras_name(int(slot))
         extras = global_extras or {}
-        if name not in extras:
+        if name in extras:  # the broadcast: every middleware model
+            mine = tuple(unflatten_state(np.asarray(extras[name]), global_tensors))
+        elif not any(k.startswith(PREFIX) for k in extras):  # this device's own copy: its model is the tensors
+            mine = tuple(global_tensors)
+        else:
             raise ValueError(f"FedCross: the global carries no middleware model {name!r} "
                              f"(it has {sorted(extras)})")
-        mine = tuple(unflatten_state(np.asarray(extras[name]), global_tensors))
         return super().local_round(model, mine, x, y, config, round=round, client_id=client_id,
                                    client_index=client_index, device=device, params=params, global_extras=extras)

@@ -3,7 +3,13 @@ and the ensemble (GAcc) score checked against a second computation."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +61,43 @@ def test_mean_std() -> None:
     assert mean_std([1.0, 3.0]) == (2.0, 1.0)
     m, s = mean_std([])
     assert m != m and s != s
+
+
+_ORPHAN_SCRIPT = """
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from broker_server.experiments import _die_with_parent
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent)
+    print(pool.submit(os.getpid).result(), flush=True)
+    pool.submit(time.sleep, 120)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_grid_workers_die_with_a_killed_grid_process(tmp_path: Path) -> None:
+    """A reproduction killed with SIGKILL (no chance to shut its pool down) takes its workers
+    with it: the worker, busy in a 120 s job, is gone soon after its parent."""
+    script = tmp_path / "grid.py"
+    script.write_text(_ORPHAN_SCRIPT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(30)
+        for _ in range(300):  # the kernel's signal is immediate; the loop only bounds a failure
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(worker, os.WNOHANG)
+            time.sleep(0.1)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail(f"worker {worker} outlived its killed grid process")
+    finally:
+        parent.kill()

@@ -40,19 +40,26 @@ def digits_model() -> torch.nn.Module:
 
 
 def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, Device], test, *, rounds: int,
-                   quorum: int = 1, batch_size: int = 16) -> AggregationServer:
+                   quorum: int = 1, batch_size: int = 16, global_delivery: str = "auto",
+                   server_ledger=None, agent_ledger=None) -> AggregationServer:
     """Run ``rounds`` rounds; every agent must finish without an error.
+
+    ``global_delivery``: the server's ``[server] global_delivery``; ``server_ledger`` /
+    ``agent_ledger``: a :class:`~protocol.ledger.Ledger` for the server's channel / every
+    agent's (``None``: none).
 
     Returns:
         The server (``metrics``, ``strategy``); the messages are in ``hub.published``.
     """
     server = AggregationServer(
-        channel=Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None),
+        channel=Channel(hub.connect("server"), node_id="server", side="server", federation="mem",
+                        ledger=server_ledger),
         strategy=strategy, model=digits_model(), test=test,
         settings=ServerSettings(rounds=rounds, quorum=quorum, round_deadline_s=60, join_timeout_s=30,
-                                expected_clients=len(devices)),
+                                expected_clients=len(devices), global_delivery=global_delivery),
         run_dir=tmp)
-    agents = [EdgeAgent(channel=Channel(hub.connect(cid), node_id=cid, side="agent", federation="mem", ledger=None),
+    agents = [EdgeAgent(channel=Channel(hub.connect(cid), node_id=cid, side="agent", federation="mem",
+                                        ledger=agent_ledger),
                         model=d.model if d.model is not None else digits_model(), algorithm=d.algorithm, x=d.x,
                         y=d.y, num_classes=10, client_index=i,
                         idle_timeout_s=60, profile=d.profile,

@@ -327,3 +327,33 @@ def test_agent_cli_refuses_unusable_keys_at_start_up(tmp_path, capsys):
     assert agent_main(base + ["--key-dir", str(tmp_path / "pi"), "--server-pubkey",
                               str(tmp_path / "server" / "server.pub")]) == 2
     assert "chmod 600" in capsys.readouterr().err
+
+
+def test_signed_encrypted_per_device_globals_reach_the_plain_broadcast_model(tmp_path):
+    """Four devices, two selected a round (participation 0.5), over the embedded broker: signed
+    and encrypted with each global sent per device, and plain with broadcast globals. Each copy
+    is signed for its own topic and verified by its device; the unselected devices receive no
+    global; the same seeded run reaches the same model."""
+    plain = simulate(small_config(data={"clients": 4},
+                                  server={"participation_rate": 0.5, "global_delivery": "broadcast"}),
+                     run_dir=tmp_path / "plain")
+    secure = simulate(small_config(data={"clients": 4},
+                                   server={"participation_rate": 0.5, "global_delivery": "per_device"},
+                                   security={"sign": True, "encrypt": True}), run_dir=tmp_path / "secure")
+    assert secure.rounds_completed == plain.rounds_completed == 2
+    assert [m["global_delivery"] for m in secure.metrics] == ["per_device"] * 2
+    assert [m["global_receipts"] for m in secure.metrics] == [2, 2]
+    assert [m["global_receipts"] for m in plain.metrics] == [4, 4]
+    assert all(m["rejected_by_reason"] == {} for m in secure.metrics)
+    db = sqlite3.connect(f"file:{tmp_path / 'secure' / 'ledger.sqlite'}?mode=ro", uri=True)
+    got = db.execute("SELECT round, client, topic, sig_bytes FROM messages WHERE side = 'agent' AND kind = 'global' "
+                     "AND event = 'received'").fetchall()
+    trained = db.execute("SELECT DISTINCT round, client FROM messages WHERE side = 'agent' AND kind = 'update' "
+                         "AND event = 'sent'").fetchall()
+    db.close()
+    assert sorted((r, c) for r, c, _, _ in got) == sorted(trained) and len(trained) == 4
+    assert all(t.endswith(f"/down/{c}/global") and sig > 0 for _, c, t, sig in got)
+    a = torch.load(tmp_path / "plain" / "model_final.pt")
+    b = torch.load(tmp_path / "secure" / "model_final.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
