@@ -1,4 +1,4 @@
-"""FedDO against FedAvg, MOON, Oort, FedLC, FedNTD, FedCross and a random-ratio control.
+"""FedDO against FedAvg, MOON, Oort, FedLC, FedNTD, FedCross, FedAA and a random-ratio control.
 
 The paper's protocol (SPECS.md §4.4–4.5): 100 clients, Dirichlet α ∈ {0.1, 0.5} and IID, a CNN
 on Fashion-MNIST and CIFAR-10, 3 seeds; final accuracy and **rounds to a target accuracy**; the
@@ -22,8 +22,11 @@ script does, and how it is reduced to the machine (every knob is an option):
 - the target of a cell is FedAvg's mean final accuracy there (``--target`` overrides it with one
   fraction for every cell): rounds to target = the first round whose global accuracy reaches it
   (mean over the seeds that reach it, and how many did);
-- MOON, FedLC and FedNTD are taken from the registry when another branch has added them; when one
-  is not registered it is skipped with the reason printed and written to the report.
+- FedAA (:mod:`broker_server.strategies.fedaa`) asks the same ``--participation`` as the other
+  baselines and its DDPG agent learns online within the run (FedAA's own episodes of model
+  re-initialisation are not run: one run is one episode);
+- a method whose algorithm is not registered in the checkout is skipped with the reason printed
+  and written to the report.
 
 Every run is a real federation over an embedded broker (:mod:`broker_server.experiments`);
 results go to ``OUT/results.jsonl`` (per-round lines in ``OUT/runs/<key>/metrics.jsonl``) and an
@@ -69,6 +72,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "FedLC": ("fedlc", {}),
     "FedNTD": ("fedntd", {}),
     "FedCross": ("fedcross", {}),
+    "FedAA": ("fedaa", {}),
     "FedDO": ("feddo", {}),
     "FedDO-random": ("feddo", {"mode": "random"}),
 }
