@@ -154,6 +154,29 @@ class _Outgoing:
     force_chunks: bool = False
     refusal_queued: bool = False
     transfer_id: bytes | None = None
+    connection: int = 0
+    sent: _Sent | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Sent:
+    """What a caller may ask about a message sent lately (:meth:`Channel.in_flight`,
+    :meth:`Channel.handed_on`, :meth:`Channel.suspect_dropped`), without its payload: ``out`` is
+    held only while the message may still be sent again (packets await the broker's answer, or
+    a refusal waits), so the payloads of messages long delivered are not kept."""
+
+    topic: str
+    kind: str
+    round: int
+    out: _Outgoing | None = None
+    packet_bytes: int = 0
+    connection: int = 0
+
+    def settle(self) -> None:
+        """Keep what is asked about, let the payload go (caller holds the delivery lock)."""
+        out = self.out
+        if out is not None and out.pending <= 0 and not out.refusal_queued:
+            self.packet_bytes, self.connection, self.out = out.packet_bytes, out.connection, None
 
 
 class Channel:
@@ -194,7 +217,14 @@ class Channel:
         resent_after_refusal: messages sent again in smaller chunks after a refusal.
         undeliverable: messages given up (refused and no smaller packets can help, or refused
             after :data:`MAX_REFUSAL_RESENDS` re-sends); ``undeliverable_reasons`` the last 20 why.
-        learned_max_packet_bytes: the packet limit learnt from the broker's refusals (0: none).
+        learned_max_packet_bytes: the packet limit learnt from the broker's refusals, and from
+            messages it acknowledged that never reached their recipient (:meth:`suspect_dropped`),
+            bytes (0: none). Every later message on this channel is sized under it.
+        delivered_max_packet_bytes, delivered_max_payload_bytes: the largest PUBLISH (packet,
+            payload bytes) the broker delivered to this side: a size it takes from a client, so a
+            message sent again after a refusal is never sized below it (see :meth:`_next_limit`).
+        superseded_resend_requests: ``resend`` requests for a transfer this side replaced (sent
+            the message again as a new transfer after a refusal): not answered, logged at debug.
         last_payload: the encoded (unsealed) payload of the last message sent.
     """
 
@@ -253,11 +283,23 @@ class Channel:
         self.undeliverable = 0
         self.undeliverable_reasons: list[str] = []
         self.learned_max_packet_bytes = 0
+        self.delivered_max_packet_bytes = 0
+        self.delivered_max_payload_bytes = 0
+        self.superseded_resend_requests = 0
         self.last_payload: bytes | None = None  # the unsealed payload of the last message sent
         self._delivery_lock = threading.Lock()
         self._handles: dict[int, tuple[object, int, _Outgoing | None, int]] = {}
+        # the last handles acknowledged: a transport may still report one refused (a broker that closed
+        # the connection right after acknowledging it, which it reports at once)
+        self._acked_recently: collections.OrderedDict[int, tuple[object, int, _Outgoing | None, int]] = \
+            collections.OrderedDict()
+        # the last messages sent, by seq (what a caller may ask about: in_flight, suspect_dropped)
+        self._sent: collections.OrderedDict[int, _Sent] = collections.OrderedDict()
+        # transfers replaced by a smaller re-send: requests for their chunks are not answered
+        self._superseded: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._early_outcomes: dict[int, tuple[object, str, str]] = {}
-        self._refusal_queue: collections.deque[tuple[_Outgoing, int, str]] = collections.deque()
+        # (message, its generation, why, a limit known before sending: 0 when the broker refused it)
+        self._refusal_queue: collections.deque[tuple[_Outgoing, int, str, int]] = collections.deque()
         if hasattr(transport, "set_packet_listener"):
             transport.set_packet_listener(self._on_packet)
         if hasattr(transport, "set_delivery_listener"):
@@ -327,7 +369,14 @@ class Channel:
                         max_packet_bytes=max_packet_bytes if max_packet_bytes > 0 else _NO_LIMIT,
                         chunk_bytes=min(chunk_bytes, self.chunk_bytes) if chunk_bytes > 0 else self.chunk_bytes)
         self.last_payload = enc.payload
+        out.sent = _Sent(topic, out.kind, round, out)
+        with self._delivery_lock:
+            self._sent[out.seq] = out.sent
+            while len(self._sent) > _RECENT_SENT:
+                self._sent.popitem(last=False)
         wire = self._deliver(out, wait_s)
+        with self._delivery_lock:
+            out.sent.settle()  # delivered at once (no outcomes to wait for), or handed over
         # the payload as published (receipts carry its SHA-256)
         return enc if wire is None or wire is enc.payload else dataclasses.replace(enc, payload=wire)
 
@@ -356,6 +405,15 @@ class Channel:
         seal_max = sec.max_overhead if sec is not None else 0
         out.generation += 1
         gen = out.generation
+        if out.sent is not None:
+            with self._delivery_lock:
+                out.sent.out = out  # being sent (again): in flight until its outcomes settle
+        connects = getattr(self.transport, "connects", 0)
+        if not isinstance(connects, int):
+            connects = 0
+        elif connects and not getattr(self.transport, "connected", True):
+            connects += 1  # queued while the link is down: it goes out on the next connection
+        out.connection = connects
         chunked = out.force_chunks or needs_chunking(out.topic, len(out.payload) + seal_max, max_packet_bytes=limit,
                                                      chunk_bytes=out.chunk_bytes, qos=self.qos, protocol=protocol)
         if not chunked:
@@ -402,6 +460,9 @@ class Channel:
         tid = chunks[0].transfer_id
         if out.transfer_id is not None:
             self.cache.discard(out.transfer_id)  # replaced: its chunks are not sent again on resend requests
+            self._superseded[out.transfer_id] = None
+            while len(self._superseded) > 1024:
+                self._superseded.popitem(last=False)
         out.transfer_id = tid
         self.cache.put(tid, chunks, meta=(out.topic, out.round, out.kind, out.client))
         self._record(out.topic, "message", out.kind, out.round, out.sender, out.seq, client=out.client,
@@ -430,7 +491,14 @@ class Channel:
             if self.security is not None:  # each chunk is sealed on its own (protocol.security)
                 sealed = self.security.seal(topic, cenc.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
-            handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
+            try:
+                handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
+            except PublishRefused as exc:  # above a limit the transport learnt since the chunks were cut
+                self._record(topic, "message", kind_label, round, cenv.sender, cenv.seq, client=client,
+                             payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
+                             transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
+                             sig_bytes=sig_b, enc_bytes=enc_b, reason=exc.reason[:500], delivery="refused")
+                raise
             row = self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
                                payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
                                transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
@@ -458,26 +526,44 @@ class Channel:
                     out.pending += 1
                 self._handles[id(handle)] = (handle, row, out, gen)
                 return
-        self._outcome(row, out, gen, outcome, reason, counted=False)
+        self._outcome(handle, row, out, gen, outcome, reason, counted=False)
 
     def _on_delivery(self, handle: object, outcome: str, reason: str) -> None:
-        """The transport's delivery listener (network thread): note the outcome on the row."""
+        """The transport's delivery listener (network thread): note the outcome on the row. A
+        refusal of a handle already acknowledged (the broker closed the connection right after its
+        PUBACK) turns its row to ``refused`` and sends the message again smaller."""
         with self._delivery_lock:
             entry = self._handles.pop(id(handle), None)
             if entry is None or entry[0] is not handle:
                 if entry is not None:  # another handle with a reused id: keep it
                     self._handles[id(handle)] = entry
-                if len(self._early_outcomes) > 10_000:
-                    self._early_outcomes.clear()
-                self._early_outcomes[id(handle)] = (handle, outcome, reason)
-                return
-        _, row, out, gen = entry
-        self._outcome(row, out, gen, outcome, reason, counted=True)
+                late = self._acked_recently.pop(id(handle), None) if outcome != "acked" else None
+                if late is not None and late[0] is handle:
+                    self.acked -= 1  # counted again below, as refused
+                    _, row, out, gen = late
+                    if out is not None:
+                        out.pending += 1  # taken back below
+                else:
+                    if late is not None:
+                        self._acked_recently[id(handle)] = late
+                    if len(self._early_outcomes) > 10_000:
+                        self._early_outcomes.clear()
+                    self._early_outcomes[id(handle)] = (handle, outcome, reason)
+                    return
+            else:
+                _, row, out, gen = entry
+        self._outcome(handle, row, out, gen, outcome, reason, counted=True)
 
-    def _outcome(self, row: int, out: _Outgoing | None, gen: int, outcome: str, reason: str, *,
+    def _outcome(self, handle: object, row: int, out: _Outgoing | None, gen: int, outcome: str, reason: str, *,
                  counted: bool) -> None:
         if outcome == "acked":
             self.acked += 1
+            with self._delivery_lock:
+                self._acked_recently[id(handle)] = (handle, row, out, gen)
+                while len(self._acked_recently) > _ACKED_RECENTLY:
+                    _, (_, _, gone, _) = self._acked_recently.popitem(last=False)
+                    if gone is not None and gone.sent is not None:
+                        gone.sent.settle()
         else:
             self.refused += 1
         if self.ledger is not None and row:
@@ -492,7 +578,9 @@ class Channel:
                 out.pending -= 1
             if outcome != "acked" and gen == out.generation and not out.refusal_queued:
                 out.refusal_queued = True
-                self._refusal_queue.append((out, gen, reason))
+                self._refusal_queue.append((out, gen, reason, 0))
+            if out.sent is not None and not any(e[2] is out for e in self._acked_recently.values()):
+                out.sent.settle()
 
     def _handle_refusals(self) -> None:
         """Send again (smaller) every message refused since the last call (caller's thread)."""
@@ -500,15 +588,96 @@ class Channel:
             with self._delivery_lock:
                 if not self._refusal_queue:
                     return
-                out, gen, reason = self._refusal_queue.popleft()
+                out, gen, reason, limit = self._refusal_queue.popleft()
                 out.refusal_queued = False
             if gen == out.generation:
-                self._refused_again(out, gen, out.packet_bytes, 0, reason, None, sent=True)
+                self._refused_again(out, gen, out.packet_bytes, limit, reason, None, sent=not limit)
+            with self._delivery_lock:
+                if out.sent is not None:
+                    out.sent.settle()
+
+    def _next_limit(self, topic: str, packet_bytes: int, step: int = 2) -> int:
+        """Packet limit (bytes) to send a message on ``topic`` again under after packets of
+        ``packet_bytes`` were refused (``step`` 2: half) or lost without a word (``step`` 4: a
+        quarter, as each further try waits for another timeout), or the largest packet the
+        broker was seen to deliver (:meth:`delivered_packet_bytes`) when that is smaller than
+        ``packet_bytes`` but at least an eighth of it (a size the broker is known to take: the
+        next try cannot fail for its size, where halving might take three more tries)."""
+        proven = self.delivered_packet_bytes(topic)
+        return proven if packet_bytes // 8 <= proven < packet_bytes else max(1, packet_bytes // step)
+
+    def delivered_packet_bytes(self, topic: str) -> int:
+        """The largest PUBLISH packet (bytes) on ``topic`` that is known to fit the broker's limits:
+        one no larger than the largest packet it delivered to this side, carrying no more payload
+        than the largest payload it delivered (a limit on the whole packet, such as
+        ``max_packet_size``, and one on the payload, such as Mosquitto's ``message_size_limit``,
+        both hold). 0 before anything was delivered."""
+        if not self.delivered_max_packet_bytes:
+            return 0
+        return min(self.delivered_max_packet_bytes, self._size(topic, self.delivered_max_payload_bytes))
+
+    def in_flight(self, seq: int) -> bool:
+        """Whether the message this side sent with envelope ``seq`` (one of its last few hundred)
+        is still being delivered: a packet of it awaits the broker's acknowledgement, or a refusal
+        of it waits to be sent again smaller."""
+        with self._delivery_lock:
+            sent = self._sent.get(seq)
+            out = sent.out if sent is not None else None
+            return out is not None and (out.pending > 0 or out.refusal_queued)
+
+    def handed_on(self, seq: int) -> int:
+        """The transport connection (its ``connects`` count, 1 = the first) on which the last copy
+        of the message with envelope ``seq`` went out (a re-send after a refusal counts; one handed
+        while the link was down goes out on the next connection), 0 when unknown (not one of the
+        last messages sent, or a transport that does not count its connections)."""
+        with self._delivery_lock:
+            sent = self._sent.get(seq)
+            if sent is None:
+                return 0
+            return sent.out.connection if sent.out is not None else sent.connection
+
+    def suspect_dropped(self, seq: int) -> int:
+        """The message this side sent with envelope ``seq`` was acknowledged by the broker (or never
+        refused) but its recipient never confirmed it (a receipt that did not come): a broker that
+        drops messages above a size limit it does not announce (Mosquitto's ``message_size_limit``
+        over MQTT 3.1.1 acknowledges them all the same) may have taken it.
+
+        When its packets were larger than the broker is known to take
+        (:meth:`delivered_packet_bytes`), the limit is taken to be below them: the packet limit to
+        send it again under (:meth:`_next_limit`: a quarter of them, or the largest size the
+        broker delivered when that is at least an eighth) becomes the learned limit of this channel
+        (:attr:`learned_max_packet_bytes`, logged), which every later message is sized under. When
+        they were not, the size was not the cause and nothing is learned.
+
+        Returns:
+            The packet limit (bytes) to send the message again under, 0 when ``seq`` is not one of
+            the last messages sent or nothing smaller is called for (send it as before).
+        """
+        with self._delivery_lock:
+            sent = self._sent.get(seq)
+            if sent is None:
+                return 0
+            packet = sent.out.packet_bytes if sent.out is not None else sent.packet_bytes
+        if not packet:
+            return 0
+        proven = self.delivered_packet_bytes(sent.topic)
+        if proven >= packet:
+            return 0
+        limit = self._next_limit(sent.topic, packet, step=4)
+        prev = self.learned_max_packet_bytes
+        if not prev or limit < prev:
+            self.learned_max_packet_bytes = limit
+            log.warning("%s: the %s of round %d (%d-byte packets) was not confirmed by its recipient: taken for a "
+                        "message the broker dropped above a size limit it does not announce; packets of at most %d "
+                        "bytes from now on (the largest the broker delivered here: %d bytes)", self.node_id,
+                        sent.kind, sent.round, packet, limit, proven)
+        return limit
 
     def _refused_again(self, out: _Outgoing, gen: int, packet_bytes: int, limit_bytes: int, reason: str,
                        wait_s: float | None, *, sent: bool) -> None:
         """``out`` (its generation ``gen``) was refused: send it again as chunks of packets of at
-        most half of ``packet_bytes`` (and under ``limit_bytes`` when known), or fail loudly."""
+        most half of ``packet_bytes`` (or of a size the broker is known to take,
+        :meth:`_next_limit`; and under ``limit_bytes`` when known), or fail loudly."""
         helps = not any(code in reason for code in _FINAL_REFUSALS)
         if not helps or out.tries >= MAX_REFUSAL_RESENDS:
             why = (f"{self.node_id}: {out.kind} of round {out.round} ({len(out.payload):,} bytes) on {out.topic} "
@@ -520,8 +689,10 @@ class Channel:
                 raise PublishRefused(why, topic=out.topic, reason=reason, packet_bytes=packet_bytes,
                                      limit_bytes=limit_bytes)
             return
-        new_limit = max(1, packet_bytes // 2)
-        if limit_bytes:
+        new_limit = self._next_limit(out.topic, packet_bytes)
+        if limit_bytes and not sent:  # not sent: above a limit already known, which is all it must fit
+            new_limit = limit_bytes
+        elif limit_bytes:
             new_limit = min(new_limit, limit_bytes)
         prev = self.learned_max_packet_bytes
         self.learned_max_packet_bytes = new_limit if not prev else min(prev, new_limit)
@@ -578,6 +749,13 @@ class Channel:
             the message, a :class:`Rejected` record, or ``None`` for a chunk that did not
             complete its transfer (or a handled ``resend`` request).
         """
+        if inc.payload:  # the broker took a PUBLISH this large from a client (a size it is known to take)
+            n = len(inc.payload)
+            if n > self.delivered_max_payload_bytes:
+                self.delivered_max_payload_bytes = n
+            size = publish_size(inc.topic, n, inc.qos, protocol=self._protocol()).packet_bytes
+            if size > self.delivered_max_packet_bytes:
+                self.delivered_max_packet_bytes = size
         try:
             info = topics.parse(inc.topic)
             if info.federation != self.federation:
@@ -742,6 +920,12 @@ class Channel:
             return f"resend request from {requester!r} refused: not a member of this federation (never joined)"
         meta = self.cache.meta(req.transfer_id)
         held = self.cache.get(req.transfer_id, [0]) if meta is not None else []
+        if not held and bytes(req.transfer_id) in self._superseded:
+            # the message went again as a new transfer (smaller chunks after a refusal): nothing to answer
+            self.superseded_resend_requests += 1
+            log.debug("%s: resend request from %s for transfer %s not answered: replaced by a smaller re-send of "
+                      "its message", self.node_id, requester, tid)
+            return [], None
         if not held:
             return f"resend request from {requester!r} refused: transfer {tid} is not held here (unknown or expired)"
         topic, round, kind_label, client = meta
@@ -772,11 +956,37 @@ class Channel:
         return chunks, meta
 
     def _publish_resend(self, plan: tuple) -> None:
-        chunks, (topic, round, kind_label, client) = plan
+        """Publish the chunks a ``resend`` request asked for. Chunks cut before the broker's limit
+        became known may be above it now: the transport refuses them unsent
+        (:class:`~protocol.errors.PublishRefused`), and the message they belong to, when it is one
+        of the last sent, is sent again smaller (as after a refusal); never raised to the receiver
+        of the request."""
+        chunks, meta = plan
         if not chunks:
             return
+        topic, round, kind_label, client = meta
         self.resent_chunks += len(chunks)
-        self._publish_chunks(chunks, topic, round, kind_label, client, None)
+        tid = chunks[0].transfer_id
+        with self._delivery_lock:  # the message, while it may still be sent again
+            held = [s.out for s in self._sent.values() if s.out is not None]
+            held += [e[2] for e in self._acked_recently.values() if e[2] is not None]
+            out = next((o for o in reversed(held) if o.transfer_id == tid), None)
+        try:
+            self._publish_chunks(chunks, topic, round, kind_label, client, None,
+                                 track=(out, out.generation) if out is not None else None)
+        except PublishRefused as exc:
+            self.refused += 1
+            if out is None:
+                log.warning("%s: chunks of transfer %s not sent again: %s (the message is no longer held here)",
+                            self.node_id, tid.hex(), exc.reason)
+                return
+            log.info("%s: chunks of transfer %s asked for again are above the broker's limit now (%s): the %s of "
+                     "round %d is sent again smaller", self.node_id, tid.hex(), exc.reason, out.kind, out.round)
+            with self._delivery_lock:
+                if out.refusal_queued:
+                    return
+                out.refusal_queued = True
+                self._refusal_queue.append((out, out.generation, exc.reason, exc.limit_bytes or 0))
 
     def _maintain(self) -> None:
         """Send refused messages again; ask for missing chunks of stalled transfers; drop and
@@ -885,6 +1095,11 @@ _FINAL_REFUSALS = ("0x87", "0x90", "0x91", "0x99")
 """PUBACK reason codes that smaller packets cannot help (not authorised, bad topic, packet id, payload format)."""
 MAX_RESEND = 4096
 """Most chunk indices asked for in one ``resend``."""
+_RECENT_SENT = 512
+"""Messages sent that :meth:`Channel.in_flight` and :meth:`Channel.suspect_dropped` can answer for."""
+_ACKED_RECENTLY = 8
+"""Acknowledged PUBLISH handles kept (with their message) so that a refusal the transport reports right
+after the acknowledgement (the close that followed it) still finds its row and can send the message again."""
 
 
 def _raw(body: Body) -> int:

@@ -40,6 +40,14 @@ must equal the chunks' sender. A chunk that disagrees with its transfer (``count
 mismatch drops the whole transfer. A transfer that received no chunk for ``ttl_s`` seconds
 (120 s by default) is dropped and reported, never waited on forever.
 
+**Superseded transfers.** A sender whose transfer the broker refused sends the same payload again
+as a new transfer in smaller chunks, and the chunks of the first that the broker did take can no
+longer be completed (the sender forgets them). A transfer whose first chunk carries the ``sha256``
+and ``total_bytes`` of a transfer of the same sender still in progress, or completed recently,
+**supersedes** it: the older one is dropped without a report (it is not lost: the newer one
+carries the same bytes) and its late chunks are ignored; one that arrives after a transfer of the
+same payload completed is ignored as a duplicate. Both are counted (``superseded``).
+
 **Resend.** While a transfer stalls, the receiver may send ``resend`` (kind 9) with the
 ``transfer_id`` and the missing indices to the transfer's sender; the sender answers from a
 bounded cache of its recent transfers (:class:`TransferCache`) by publishing the same chunk
@@ -57,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -84,6 +93,8 @@ SHA256_BYTES = 32
 _MAX_PACKET_BYTES = 1 + 4 + MAX_REMAINING_LENGTH  # largest MQTT packet (fixed header + remaining)
 
 MiB = 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -398,6 +409,8 @@ class Reassembler:
     Attributes:
         completed: transfers reassembled and verified.
         duplicates: chunks ignored as duplicates (seen index, or transfer already complete).
+        superseded: transfers dropped or ignored because another transfer of the same sender
+            carries the same payload (same ``sha256`` and ``total_bytes``; module docstring).
         rejected: chunks refused with :class:`ChunkError`.
         expired: transfers dropped for inactivity.
     """
@@ -417,6 +430,8 @@ class Reassembler:
         self._clock = clock
         self._transfers: dict[tuple[str, bytes], _Transfer] = {}
         self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        # (sender, sha256, total_bytes) of recently completed transfers: a later transfer of the same payload
+        self._done_payloads: OrderedDict[tuple[str, bytes, int], None] = OrderedDict()
         self._recent_completed = recent_completed
         self._dropped: deque[IncompleteTransfer] = deque(maxlen=1024)  # expired inside add(), not yet reported
         self._buffered = 0
@@ -425,6 +440,7 @@ class Reassembler:
         self.duplicates = 0
         self.rejected = 0
         self.expired = 0
+        self.superseded = 0
 
     @property
     def buffered_bytes(self) -> int:
@@ -468,6 +484,13 @@ class Reassembler:
                 if key in self._done:
                     self.duplicates += 1
                     return None
+                payload = (sender, bytes(chunk.sha256), chunk.total_bytes)
+                if payload in self._done_payloads:  # the payload already arrived by another transfer
+                    self.superseded += 1
+                    self._remember_done(key)
+                    log.debug("transfer %s from %s ignored: the same payload already arrived by another transfer",
+                              key[1].hex(), sender)
+                    return None
                 t = self._open(key, chunk, slice_bytes, now)
             else:
                 self._check_agrees(key, t, chunk, slice_bytes)
@@ -493,11 +516,19 @@ class Reassembler:
                 self._refuse(key, f"reassembled {t.total_bytes} bytes do not match the transfer's sha256",
                              "body.sha256")
             self.completed += 1
+            self._remember_done(key)
             if self._recent_completed:
-                self._done[key] = None
-                while len(self._done) > self._recent_completed:
-                    self._done.popitem(last=False)
+                self._done_payloads[(sender, t.sha256, t.total_bytes)] = None
+                while len(self._done_payloads) > self._recent_completed:
+                    self._done_payloads.popitem(last=False)
             return bytes(t.buf)
+
+    def _remember_done(self, key: tuple[str, bytes]) -> None:
+        """Ignore later chunks of transfer ``key`` (completed or superseded); caller holds the lock."""
+        if self._recent_completed:
+            self._done[key] = None
+            while len(self._done) > self._recent_completed:
+                self._done.popitem(last=False)
 
     def _open(self, key: tuple[str, bytes], chunk: Chunk, slice_bytes: int, now: float) -> _Transfer:
         total = chunk.total_bytes
@@ -505,6 +536,17 @@ class Reassembler:
             self._refuse(key, f"transfer of {total} bytes exceeds max_transfer_bytes {self.max_transfer_bytes}",
                          "body.total_bytes")
         self._expire_locked(now, keep=self._dropped)
+        sha = bytes(chunk.sha256)
+        for old_key, old in list(self._transfers.items()):
+            if old_key[0] == key[0] and old.sha256 == sha and old.total_bytes == total:
+                # the sender sent the same payload again as a new transfer (smaller chunks after a
+                # refusal): the old one can no longer be completed and is not lost
+                del self._transfers[old_key]
+                self._buffered -= old.total_bytes
+                self.superseded += 1
+                self._remember_done(old_key)
+                log.debug("transfer %s from %s (%d/%d chunks) superseded by transfer %s of the same payload",
+                          old_key[1].hex(), key[0], old.received, old.count, key[1].hex())
         if len(self._transfers) >= self.max_transfers:
             self._refuse(key, f"{len(self._transfers)} transfers already in progress (max_transfers "
                               f"{self.max_transfers})", None)

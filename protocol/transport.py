@@ -20,8 +20,15 @@ Design rules (``notes/mqtt-transport-study.md``):
   broker closes the connection for :data:`OVERSIZE_STRIKES` times (an MQTT 3.1.1 broker with
   ``max_packet_size``, which says nothing) is taken out of paho's queue, reported refused, and the
   limit is taken to be at most half its size (:attr:`MqttTransport.inferred_max_packet_bytes`).
+  A broker that acknowledges a QoS 1 PUBLISH and closes the connection at once, before any other
+  packet (Mosquitto 2.0 with ``message_size_limit`` over MQTT 3.1.1: an ordinary PUBACK, the
+  message dropped), refused it: a close within :data:`ACK_CLOSE_S` of the PUBACK of a packet
+  larger than every one the broker acknowledged and then kept the connection for is reported
+  ``refused`` after its ``acked``, the limit is taken to be at most half its size, and the
+  PUBLISHes above that still in paho's queue are withdrawn as after strikes.
   Each outcome reaches the delivery listener (:meth:`MqttTransport.set_delivery_listener`):
-  ``acked`` on a successful PUBACK, ``refused`` with the reason otherwise.
+  ``acked`` on a successful PUBACK, ``refused`` with the reason otherwise (also after ``acked``,
+  for a PUBLISH the broker closed the connection for right after acknowledging it).
 * ``on_message`` only enqueues ``(topic, payload)``; all decoding happens on the consumer's thread.
 * Subscriptions are renewed in ``on_connect``, so a reconnect after a broker restart resumes
   without relying on broker sessions.
@@ -57,8 +64,8 @@ from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
 from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
 from .transport_tls import tls_context
 
-__all__ = ["MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "Incoming", "MqttTransport", "PacketEvent",
-           "Transport", "Will", "parse_mqtt_version", "tls_context"]
+__all__ = ["ACK_CLOSE_S", "MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "Incoming", "MqttTransport",
+           "PacketEvent", "Transport", "Will", "parse_mqtt_version", "tls_context"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +81,10 @@ MQTT_VERSIONS = ("auto", "5", "3.1.1")
 #: Connections the broker may close while one QoS 1 PUBLISH waits for its PUBACK before that
 #: PUBLISH is taken for one above the broker's packet limit and refused (never re-sent whole again).
 OVERSIZE_STRIKES = 2
+
+#: Seconds within which a close of the connection right after the PUBACK of a QoS 1 PUBLISH (no
+#: other packet between them) counts as the broker's refusal of that PUBLISH.
+ACK_CLOSE_S = 0.5
 
 #: MQTT 5 reason codes a PUBACK may carry as a refusal (§3.4.2.1), with their names; Mosquitto
 #: 2.0 also sends 0x95 (Packet too large, a DISCONNECT code) for a message over
@@ -235,7 +246,17 @@ class MqttTransport:
         # id(info) -> (info, connections the broker closed while it awaited its PUBACK)
         self._strikes: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
         self._bytes_before = (0, 0)  # socket bytes of clients replaced by a protocol fallback
-        self._withdraw: tuple[int, int, str] | None = None  # (strikes, packet bytes, why) to withdraw at CONNACK
+        self._withdraw: str | None = None  # why the PUBLISHes above the inferred limit go at the next CONNACK
+        # (info, packet bytes, topic, when) of the last PUBACKed QoS 1 PUBLISH while no packet followed it
+        self._last_acked: tuple[mqtt.MQTTMessageInfo, int, str, float] | None = None
+        #: largest QoS 1 PUBLISH (packet bytes) the broker acknowledged and then sent another packet:
+        #: it did not close the connection for it
+        self.kept_packet_bytes = 0
+        #: PUBLISHes the broker acknowledged and then closed the connection for (taken as refused)
+        self.ack_close_refusals = 0
+        #: whether the last close of the connection was taken for the refusal of a PUBLISH just
+        #: acknowledged (read by connect listeners: the links of other clients did not break)
+        self.closed_for_refusal = False
         self._username, self._password, self._will = username, password, will
         self._tls: ssl.SSLContext | None = None
         if tls or tls_ca is not None or tls_cert is not None:
@@ -268,6 +289,11 @@ class MqttTransport:
     # paho callbacks (network thread) ---------------------------------------------------------
 
     def _on_packet(self, event: PacketEvent) -> None:
+        if event.direction == "in":  # the broker kept the connection after the last PUBACK (paho thread)
+            last = self._last_acked
+            if last is not None:
+                self._last_acked = None
+                self.kept_packet_bytes = max(self.kept_packet_bytes, last[1])
         with self._packet_lock:
             listener = self._packet_listener
             if listener is None:
@@ -340,10 +366,49 @@ class MqttTransport:
         self.disconnects += 1
         if not was_connected and self.connects == 0:
             self._closed_before_connack = True
+        last, self._last_acked = self._last_acked, None
+        self.closed_for_refusal = False
         if not self._closed:
             log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
             if was_connected:
-                self._strike(client, str(reason_code))
+                if self._ack_close(client, last, str(reason_code)):
+                    self.closed_for_refusal = True
+                else:
+                    self._strike(client, str(reason_code))
+
+    def _ack_close(self, client: _CountingClient, last: tuple[mqtt.MQTTMessageInfo, int, str, float] | None,
+                   why: str) -> bool:
+        """The broker closed the connection: when the last packet it sent was the PUBACK of a QoS 1
+        PUBLISH, less than :data:`ACK_CLOSE_S` ago, and that PUBLISH is larger than every one it
+        acknowledged and kept the connection for and no smaller than every one written and still
+        awaiting its PUBACK (a larger one of those is the likelier cause: a broker with
+        ``max_packet_size`` closes before acknowledging, see :meth:`_strike`), take the close for its
+        refusal of that PUBLISH (Mosquitto's ``message_size_limit`` over MQTT 3.1.1): report it
+        refused, take the limit to be at most half its size and withdraw the larger ones at the next
+        CONNACK. Returns whether it did (paho thread)."""
+        if last is None:
+            return False
+        info, size, topic, at = last
+        if time.monotonic() - at > ACK_CLOSE_S or size <= self.kept_packet_bytes:
+            return False
+        with client._out_message_mutex:
+            waiting = [self._packet_size(m) for m in client._out_messages.values()
+                       if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback]
+        if waiting and max(waiting) > size + max(64, size // 64):  # chunks of one transfer differ by a few bytes
+            return False
+        limit = size // 2
+        prev = self.inferred_max_packet_bytes
+        self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
+        self.ack_close_refusals += 1
+        reason = (f"the broker closed the connection right after acknowledging a {size:,}-byte PUBLISH ({why}): "
+                  f"taken for a message above its size limit (Mosquitto's message_size_limit over MQTT 3.1.1 "
+                  f"acknowledges and drops it), now assumed to be at most {self.inferred_max_packet_bytes:,} bytes")
+        log.error("%s: %d-byte PUBLISH to %s refused: %s", self.client_id, size, topic, reason)
+        self._withdraw = reason
+        self._refuse(info, PublishRefused(f"{self.client_id}: {size:,}-byte PUBLISH to {topic} refused: {reason}",
+                                          client_id=self.client_id, topic=topic, reason=reason, packet_bytes=size,
+                                          limit_bytes=self.inferred_max_packet_bytes))
+        return True
 
     def _packet_size(self, msg: mqtt.MQTTMessage) -> int:
         return publish_size(msg.topic, len(msg.payload), msg.qos, protocol=self.mqtt_version).packet_bytes
@@ -369,20 +434,18 @@ class MqttTransport:
             limit = size // 2
             prev = self.inferred_max_packet_bytes
             self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
-            self._withdraw = (n, size, why)
+            self._withdraw = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited "
+                              f"its PUBACK ({why}): taken for a packet above its maximum packet size, now assumed "
+                              f"to be at most {self.inferred_max_packet_bytes:,} bytes")
 
     def _withdraw_oversize(self, client: _CountingClient) -> None:
         """Take every QoS 1 PUBLISH above the inferred limit out of paho's queue and report it
         refused (called from on_connect, before paho re-sends its queue)."""
         if self._withdraw is None:
             return
-        n, size, why = self._withdraw
-        self._withdraw = None
+        reason, self._withdraw = self._withdraw, None
         refused: list[tuple[mqtt.MQTTMessageInfo, PublishRefused]] = []
         limit = self.inferred_max_packet_bytes
-        reason = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited its PUBACK "
-                  f"({why}): taken for a packet above its maximum packet size, now assumed to be at most "
-                  f"{limit:,} bytes")
         with client._out_message_mutex:
             for mid, m in list(client._out_messages.items()):
                 if m.qos > 0 and self._packet_size(m) > limit:
@@ -393,10 +456,10 @@ class MqttTransport:
                         f"{self.client_id}: {msize:,}-byte PUBLISH to {m.topic} refused: {reason}",
                         client_id=self.client_id, topic=m.topic, reason=reason, packet_bytes=msize,
                         limit_bytes=limit)))
-        log.error("%s: %d PUBLISH packet(s) of more than %d bytes withdrawn: the broker closed the connection %d "
-                  "times while a %d-byte one awaited its PUBACK (a maximum packet size it did not announce; declare "
-                  "the broker's limit in the configuration to chunk below it from the start)", self.client_id,
-                  len(refused), limit, n, size)
+        if refused:
+            log.error("%s: %d PUBLISH packet(s) of more than %d bytes withdrawn: %s (a size limit the broker did not "
+                      "announce; declare it in the configuration, [protocol] max_packet_bytes, to chunk below it from "
+                      "the start)", self.client_id, len(refused), limit, reason)
         for info, exc in refused:
             self._refuse(info, exc)
 
@@ -430,6 +493,8 @@ class MqttTransport:
                                               f"the broker: {reason}", client_id=self.client_id, topic=msg.topic,
                                               reason=reason, packet_bytes=size))
             return
+        if self.mqtt_version == MQTT_V311:  # the broker may yet close the connection for it (_ack_close)
+            self._last_acked = (info, self._packet_size(msg), msg.topic, time.monotonic())
         listener = self._delivery_listener
         if listener is not None:
             try:

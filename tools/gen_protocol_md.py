@@ -520,6 +520,12 @@ length, different bytes at a seen index) or a digest mismatch drops the whole tr
 transfer that got no chunk for 120 s (default) is dropped and reported, never waited on forever.
 The server admits chunks only from joined agents; an agent only from the server.
 
+**Superseded transfers.** A sender whose transfer the broker refused sends the same payload again
+as a new transfer in smaller chunks. A transfer whose first chunk carries the `sha256` and
+`total_bytes` of a transfer of the same sender still in progress supersedes it: the older one is
+dropped without a report (the newer one carries the same bytes) and its late chunks are ignored;
+a transfer of a payload that arrived whole by another transfer lately is ignored as a duplicate.
+
 **Resend.** While a transfer stalls (no chunk for 5 s by default), the receiver may send
 `resend` (kind 9, round 0) with the `transfer_id` and up to {MAX_RESEND:,} missing indices to the transfer's
 sender. The sender answers from a bounded cache of its recent transfers by publishing those chunk
@@ -529,7 +535,9 @@ only for a transfer that peer was sent (a broadcast, or one addressed to it), on
 the transfer has, and at most once per chunk per second and within a per-peer budget of resent
 bytes; a refused request is logged as `rejected` with its reason, and nothing is resent. A
 sender that no longer holds the transfer refuses the request; the receiver's transfer then
-expires. Resent chunks are ordinary chunks to the receiver (duplicates included).
+expires. A request for a transfer the sender replaced (sent the message again as a new transfer
+after a refusal) is not answered and not a refusal: it is ledgered as received. Resent chunks
+are ordinary chunks to the receiver (duplicates included).
 
 Units: bytes for every size, seconds for every duration.
 """
@@ -705,8 +713,11 @@ agent → server   status/c               status offline                      ro
 * `seq` is per sender (§2), so duplicates and replays can be recognised.
 * The server opens round *r* with `global` (the model for round *r*) then `round_start`. An agent
   trains once it holds both for the same round and it is selected. The server sends the same
-  `global` and `round_start` again after it reconnects; an agent that already trained that round
-  sends its update again.
+  `global` and `round_start` again after it reconnects (not after a close it took for the
+  broker's refusal of a message, which it sends again smaller); an agent that already trained that round
+  sends its update again, once however many copies of that `round_start` it finds queued, and not
+  while its last copy is still being delivered (awaiting the broker's acknowledgement, or being
+  sent again smaller after a refusal).
 * **Per-device delivery.** The server may send a round's `global` to each selected agent on
   `down/{client_id}/global` instead of broadcasting it (the unselected agents then download no
   model for that round); each copy may carry that agent's own tensors and extras (same shapes
@@ -720,9 +731,10 @@ agent → server   status/c               status offline                      ro
   device alone the round's `global` on `down/{client_id}/global` and a `round_start` on
   `down/{client_id}/round_start` whose `selected` names only it and whose `deadline_s` is the
   time left in the round; the agent treats them like the broadcast ones (a copy of a round it
-  already trained is not trained again: it sends its update again). A selected device whose
-  `status` `offline` (its last will) arrives and that does not say `online` within the server's
-  grace period is no longer waited for.
+  already trained is not trained again: it sends its update again, unless that update still
+  awaits its receipt and went out on the connection made since the device's link came back). A
+  selected device whose `status` `offline` (its last will) arrives and that does not say `online`
+  within the server's grace period is no longer waited for.
 * **Per-device instructions.** When a round's plan gives devices their own settings, the server
   sends no broadcast `round_start` for that round: each selected device gets its own on
   `down/{client_id}/round_start`, whose `selected` names only it and whose fourth body field

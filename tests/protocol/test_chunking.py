@@ -264,8 +264,8 @@ def test_ttl_counts_from_the_last_chunk() -> None:
 def test_pending_lists_the_most_idle_first() -> None:
     clock = FakeClock()
     r = Reassembler(clock=clock)
-    a = split(payload_of(2 * CB), chunk_bytes=CB, transfer_id=b"a" * 16)
-    b = split(payload_of(2 * CB), chunk_bytes=CB, transfer_id=b"b" * 16)
+    a = split(payload_of(2 * CB, 1), chunk_bytes=CB, transfer_id=b"a" * 16)
+    b = split(payload_of(2 * CB, 2), chunk_bytes=CB, transfer_id=b"b" * 16)
     r.add(SENDER, b[0])
     clock.now_s += 5
     r.add(SENDER, a[0])
@@ -273,15 +273,42 @@ def test_pending_lists_the_most_idle_first() -> None:
     assert [(t.transfer_id, t.age_s) for t in r.pending()] == [(b"b" * 16, 6), (b"a" * 16, 1)]
 
 
+def test_a_transfer_of_the_same_payload_supersedes_one_in_progress() -> None:
+    """The sender sent the payload again as a new transfer (smaller chunks after a refusal): the
+    old transfer is dropped without a report and its late chunks are ignored; a third transfer of
+    the payload after it completed is ignored as well. Other payloads are not touched."""
+    clock = FakeClock()
+    r = Reassembler(clock=clock)
+    payload = payload_of(4 * CB, 7)
+    old = split(payload, chunk_bytes=2 * CB, transfer_id=b"o" * 16)
+    new = split(payload, chunk_bytes=CB, transfer_id=b"n" * 16)
+    other = split(payload_of(2 * CB, 8), chunk_bytes=CB, transfer_id=b"x" * 16)
+    r.add(SENDER, old[1])
+    r.add(SENDER, other[0])
+    r.add("someone-else", split(payload, chunk_bytes=CB, transfer_id=b"s" * 16)[0])  # another sender's own
+    assert r.add(SENDER, new[0]) is None
+    assert sorted((t.sender, t.transfer_id) for t in r.pending()) == sorted([
+        ("someone-else", b"s" * 16), (SENDER, b"n" * 16), (SENDER, b"x" * 16)])
+    assert r.superseded == 1 and r.buffered_bytes == 4 * CB + 2 * CB + 4 * CB
+    assert r.add(SENDER, old[0]) is None and r.duplicates == 1  # a late chunk of the old one
+    assert feed(r, SENDER, new[1:]) == [payload]
+    assert feed(r, SENDER, split(payload, chunk_bytes=CB, transfer_id=b"t" * 16)) == []  # arrived already
+    assert r.superseded == 2
+    clock.now_s += 1000
+    assert {t.transfer_id for t in r.expire()} == {b"x" * 16, b"s" * 16}  # the superseded one is no loss
+
+
 # --------------------------------------------------------------------------------------------
 # Bounds
 
 
 def _claim(total_bytes: int, *, tid: bytes = TID, count: int = 2) -> Chunk:
-    """First chunk of a (fake) transfer of ``total_bytes`` in ``count`` equal slices."""
+    """First chunk of a (fake) transfer of ``total_bytes`` in ``count`` equal slices; its claimed
+    ``sha256`` is the transfer id's (distinct transfers carry distinct payloads: one of the same
+    payload would supersede it)."""
     slice_bytes = -(-total_bytes // count)
     return Chunk(transfer_id=tid, index=0, count=count, offset=0, total_bytes=total_bytes,
-                 sha256=bytes(32), data=bytes(slice_bytes))
+                 sha256=hashlib.sha256(tid).digest(), data=bytes(slice_bytes))
 
 
 def test_total_above_max_transfer_bytes_is_refused_before_allocating() -> None:

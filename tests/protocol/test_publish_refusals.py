@@ -126,6 +126,130 @@ def test_refusals_stop_after_the_last_resend_with_the_limit_in_the_message(tmp_p
     ledger.close()
 
 
+class AckThenCloseTransport(RefusingTransport):
+    """Acknowledges every packet (as Mosquitto's ``message_size_limit`` over MQTT 3.1.1 does), then
+    reports the one above ``limit`` refused after its acknowledgement (the close that followed it),
+    as :class:`~protocol.transport.MqttTransport` does."""
+
+    def answer(self) -> None:
+        pending, self._pending = self._pending, []
+        for handle, _ in pending:
+            self.listener(handle, "acked", "")
+        for handle, size in pending:
+            if size > self.limit:
+                self.listener(handle, "refused", "the broker closed the connection right after acknowledging it")
+
+
+def test_refusal_after_the_acknowledgement_turns_the_row_refused_and_sends_it_again(tmp_path) -> None:
+    tr = AckThenCloseTransport(limit=20_000)
+    ch, ledger = _channel(tmp_path, tr)
+    ch.send(TOPIC, _update(12_000), round=1)  # 48,0xx bytes whole
+    first = tr.sent[0][2]
+    for _ in range(4):
+        tr.answer()
+        ch.receive(0.0)
+    rows = ledger.rows("event = 'sent'")
+    assert rows[0].delivery == "refused" and "right after acknowledging" in rows[0].reason
+    # 48 KB -> chunks of <= 24 KB (refused after their PUBACK too) -> <= 12 KB: acknowledged
+    assert ch.resent_after_refusal == 2 and ch.learned_max_packet_bytes <= first // 4
+    for row in rows:
+        size = row.mqtt_header_bytes + row.topic_bytes + row.payload_bytes
+        assert row.delivery == ("refused" if size > 20_000 else "acked")
+    assert ch.acked == sum(r.delivery == "acked" for r in rows)  # an ack taken back is not counted
+    assert ch.refused == sum(r.delivery == "refused" for r in rows)
+    ledger.close()
+
+
+def _delivered(ch: Channel, payload_bytes: int) -> None:
+    """The broker delivers a ``payload_bytes`` PUBLISH to ``ch`` (a chunk of a global, say)."""
+    from protocol.transport_base import Incoming
+
+    ch.accept(Incoming("fedfleet/v1/fed/down/global", bytes(payload_bytes), 1, False, 0.0))
+
+
+def test_a_refused_message_goes_again_at_the_largest_size_the_broker_delivered(tmp_path) -> None:
+    tr = RefusingTransport(limit=20_000)
+    ch, ledger = _channel(tmp_path, tr)
+    _delivered(ch, 13_000)  # not a valid message (a rejected row), but the broker took 13,000 bytes
+    proven = publish_size("fedfleet/v1/fed/down/global", 13_000, 1).packet_bytes
+    assert (ch.delivered_max_payload_bytes, ch.delivered_max_packet_bytes) == (13_000, proven)
+    # on the update topic (9 bytes longer) no more payload than 13,000 bytes: the packet is the smaller
+    assert ch.delivered_packet_bytes(TOPIC) == min(proven, publish_size(TOPIC, 13_000, 1).packet_bytes)
+    ch.send(TOPIC, _update(12_000), round=1)
+    first = tr.sent[0][2]
+    assert first // 8 <= proven < first // 2  # by hand: 48 KB refused; half would still be refused
+    for _ in range(3):
+        tr.answer()
+        ch.receive(0.0)
+    # one re-send, straight at the delivered size (halving would take two)
+    assert ch.resent_after_refusal == 1 and ch.learned_max_packet_bytes == ch.delivered_packet_bytes(TOPIC)
+    assert max(size for _, _, size in tr.sent[1:]) <= ch.delivered_packet_bytes(TOPIC)
+    ledger.close()
+
+
+def test_suspect_dropped_learns_a_quarter_and_never_below_what_was_delivered(tmp_path) -> None:
+    tr = RefusingTransport(limit=1 << 30)
+    ch, ledger = _channel(tmp_path, tr)
+    enc = ch.send(TOPIC, _update(12_000), round=1)
+    first = tr.sent[0][2]
+    assert ch.in_flight(enc.seq)
+    tr.answer()
+    ch.receive(0.0)
+    assert not ch.in_flight(enc.seq)
+    # acknowledged, never confirmed, nothing delivered: a quarter of the packet (each try costs a timeout)
+    assert ch.suspect_dropped(enc.seq) == first // 4 == ch.learned_max_packet_bytes
+    assert ch.suspect_dropped(10**6) == 0  # not a message sent here
+    # a second channel that was delivered a packet as large as its update's: the size was not the cause
+    ch2, ledger2 = _channel(tmp_path / "2", RefusingTransport(limit=1 << 30))
+    _delivered(ch2, 60_000)
+    enc2 = ch2.send(TOPIC, _update(12_000), round=1)
+    assert ch2.in_flight(enc2.seq)  # its PUBLISH awaits the broker's answer
+    assert ch2.suspect_dropped(enc2.seq) == 0 and ch2.learned_max_packet_bytes == 0
+    ledger.close()
+    ledger2.close()
+
+
+def test_a_request_for_chunks_of_a_replaced_transfer_is_not_answered_and_not_a_rejection(tmp_path, caplog) -> None:
+    """A receiver that got some chunks of a transfer the broker then refused asks for the rest;
+    the sender sent the message again as a new transfer: the request is ledgered as received,
+    counted, logged at debug only, and nothing is sent for it. An unknown transfer is still refused."""
+    import logging
+    import time
+
+    from protocol import topics
+    from protocol.channel import Rejected
+    from protocol.messages import Envelope, Kind, Resend, encode
+    from protocol.transport_base import Incoming
+
+    tr = RefusingTransport(limit=20_000)
+    ch, ledger = _channel(tmp_path, tr)
+    ch.send(TOPIC, _update(12_000), round=1)
+    for _ in range(4):
+        tr.answer()
+        ch.receive(0.0)
+    tids = []
+    for _, payload, _ in tr.sent[1:]:
+        tid = decode(payload).envelope.body.transfer_id
+        if tid not in tids:
+            tids.append(tid)
+    assert len(tids) == 2  # the refused transfer (chunks of <= 24 KB) and the one that replaced it
+    n = len(tr.sent)
+
+    def request(tid: bytes, seq: int) -> Incoming:
+        env = Envelope(round=0, sender="server", seq=seq, body=Resend(tid, (0, 1)))
+        return Incoming(topics.down_to("fed", "client-001", Kind.RESEND), encode(env).payload, 1, False,
+                        time.monotonic())
+
+    with caplog.at_level(logging.DEBUG, logger="protocol.channel"):
+        assert ch.accept(request(tids[0], 1)) is None
+    assert len(tr.sent) == n and ch.superseded_resend_requests == 1 and ch.rejected == 0
+    assert [r.levelname for r in caplog.records if "not answered" in r.getMessage()] == ["DEBUG"]
+    item = ch.accept(request(bytes(16), 2))  # a transfer this side never sent
+    assert isinstance(item, Rejected) and "not held here" in item.reason
+    assert [r.event for r in ledger.rows("topic LIKE '%/resend'")] == ["received", "rejected"]
+    ledger.close()
+
+
 @pytest.mark.parametrize(("text", "want"), [("auto", "auto"), ("5", "5"), ("v5", "5"), (5, "5"), ("3.1.1", "3.1.1"),
                                             ("311", "3.1.1"), (4, "3.1.1")])
 def test_mqtt_version_spellings(text, want) -> None:
