@@ -120,6 +120,9 @@ class ServerSection:
     ``"per_device"`` (one copy per selected device on ``down/{client}/global``; the unselected
     download nothing) or ``"auto"`` (the default: per device when that moves fewer bytes over the
     broker, see :func:`broker_server.server.choose_delivery`).
+    ``global_confirm_s``: seconds within which a selected device must confirm a round's global
+    model before it is sent again in smaller packets (a broker that acknowledges and drops
+    messages above a size limit it does not announce; default 10).
     """
 
     participation_rate: float = 1.0
@@ -132,6 +135,7 @@ class ServerSection:
     client_eval_every: int = 1
     offline_grace_s: float = 30.0
     global_delivery: str = "auto"
+    global_confirm_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -371,6 +375,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "join_timeout_s"): (0.1, 7 * 86400.0),
     ("server", "offline_grace_s"): (0.0, 7 * 86400.0),
     ("server", "global_delivery"): ("auto", "broadcast", "per_device"),
+    ("server", "global_confirm_s"): (0.1, 7 * 86400.0),
     ("server", "eval_batch_size"): (1, 1 << 20),
     ("server", "client_eval_max"): (0, 1 << 30),
     ("server", "client_eval_every"): (1, 1 << 30),

@@ -61,8 +61,9 @@ class RoundState:
             arrived: client → (``time.monotonic()`` of its arrival, its detail).
         dropped: selected devices not awaited any more: offline for longer than the grace period.
         resent: client → how many times the round was sent to it again after it came back.
-        global_bytes, global_sent_at: the global's payload size and when it was last sent
-            (``time.monotonic()``), for sending it again smaller when no device confirms it.
+        global_bytes, global_sent_at, global_seq: the global's payload size, when it was last
+            sent (``time.monotonic()``) and its envelope seq, for sending it again smaller when no
+            device confirms it.
         strategy_metrics: the ``metrics`` of the :class:`~broker_server.strategies.GlobalUpdate`
             the driver committed in this round (``{}``: none committed), for its metrics line.
         delivery: how the round's global goes out: ``"broadcast"`` (``down/global``) or
@@ -71,7 +72,8 @@ class RoundState:
             (the round's, or the strategy's ``device_global`` for it).
         delta_base: the tensors a device's copy carried when they are not the round's shared
             tensors: its delta updates are resolved against them.
-        global_bytes_to: with per-device delivery, each copy's payload size when last sent.
+        global_bytes_to, global_seq_to: with per-device delivery, each copy's payload size and
+            envelope seq when last sent.
     """
 
     collecting: int | None = None
@@ -90,11 +92,13 @@ class RoundState:
     resent: dict[str, int] = field(default_factory=dict)
     global_bytes: int = 0
     global_sent_at: float = 0.0
+    global_seq: int = 0
     strategy_metrics: dict = field(default_factory=dict)
     delivery: str = "broadcast"
     device_globals: dict[str, Global] = field(default_factory=dict)
     delta_base: dict[str, tuple[np.ndarray, ...]] = field(default_factory=dict)
     global_bytes_to: dict[str, int] = field(default_factory=dict)
+    global_seq_to: dict[str, int] = field(default_factory=dict)
 
     def awaited(self) -> set[str]:
         """Selected clients that have neither reported, withdrawn, nor been dropped."""

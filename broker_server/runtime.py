@@ -321,5 +321,6 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                                 global_codec=cfg.protocol.codec_for("global"), extras_codec=cfg.protocol.extras_codec,
                                 expected_data=tuple(expected_data(cfg).items()),
                                 offline_grace_s=cfg.server.offline_grace_s,
-                                global_delivery=cfg.server.global_delivery),
+                                global_delivery=cfg.server.global_delivery,
+                                global_confirm_s=cfg.server.global_confirm_s),
         run_dir=run_dir, on_round=on_round, test_domains=getattr(ds, "test_domains", None) or None)

@@ -193,9 +193,9 @@ class ServerSettings:
             1 s doubling to 8 s, after a link blip or a broker restart; a device back within it
             is sent the round again). The round's deadline still bounds every wait.
         global_confirm_s: seconds after the global is sent within which at least one selected
-            device must confirm it (its receipt); else it is sent again in packets of half the
-            size (a broker that drops oversize messages without saying so), at most
-            :data:`GLOBAL_RESENDS` times.
+            device must confirm it (its receipt); else it is sent again in smaller packets (a
+            broker that drops oversize messages without saying so; :meth:`AggregationServer._confirm_global`),
+            at most :data:`GLOBAL_RESENDS` times.
         global_delivery: ``"broadcast"``, ``"per_device"`` or ``"auto"`` (``[server]
             global_delivery``): how each round's ``global`` reaches the selected devices
             (:func:`choose_delivery`).
@@ -781,7 +781,12 @@ class AggregationServer:
         o.resent[client] = o.resent.get(client, 0) + 1
 
     def _on_reconnect(self, n: int) -> None:
-        if n > 1:
+        if n > 1 and getattr(self.channel.transport, "closed_for_refusal", False):
+            # the broker closed the link for a PUBLISH it refused (a size limit it does not announce):
+            # the channel sends that message again smaller, paho the rest of its queue; the fleet's
+            # links did not break, so nothing needs re-broadcasting
+            log.info("reconnected to the broker after it refused a PUBLISH: the round is not re-sent")
+        elif n > 1:
             self._resync = True  # handled on the round-loop thread (never publish from paho's thread)
 
     def _publish_round(self, r: int) -> None:
@@ -825,7 +830,7 @@ class AggregationServer:
         o = self.open
         o.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
         self._note_global_hashes(enc.payload)
-        o.global_bytes, o.global_sent_at = len(enc.payload), time.monotonic()
+        o.global_bytes, o.global_sent_at, o.global_seq = len(enc.payload), time.monotonic(), enc.seq
 
     def _send_global_to(self, client: str, r: int, *, packet_cap: int = 0, note: bool = False) -> None:
         """Send ``client`` alone its copy of round ``r``'s global on ``down/{client}/global``, in
@@ -853,6 +858,7 @@ class AggregationServer:
         self._note_global_hashes(enc.payload)
         if note:
             o.global_bytes_to[client] = len(enc.payload)
+            o.global_seq_to[client] = enc.seq
             o.global_sent_at = time.monotonic()
 
     def _note_global_hashes(self, payload: bytes) -> None:
@@ -868,27 +874,31 @@ class AggregationServer:
     def _confirm_global(self) -> None:
         """No selected device confirmed the open round's global within ``global_confirm_s``: a
         broker that drops messages above a size it does not say (MQTT 3.1.1 with Mosquitto's
-        ``message_size_limit``) took it. Send it again in packets of half the size, at most
-        :data:`GLOBAL_RESENDS` times."""
+        ``message_size_limit``) took it. Send it again in packets of a quarter of the size (or
+        of the largest the broker delivered to the server, when that is at least an eighth), at
+        most :data:`GLOBAL_RESENDS` times; when its packets were larger than any the broker
+        delivered to the server, the channel learns that limit (:meth:`protocol.channel.Channel.suspect_dropped`)
+        and sizes every later message under it, so later rounds do not wait for this again."""
         o = self.open
         if (o.collecting is None or o.messages is None or o.stats.global_receipts or not o.selected
                 or o.stats.global_resends >= GLOBAL_RESENDS
                 or time.monotonic() - o.global_sent_at < self.settings.global_confirm_s):
             return
         o.stats.global_resends += 1
-        if o.delivery == "per_device":  # each copy again, in packets of half its own size
+        if o.delivery == "per_device":  # each copy again, in smaller packets than its own
             log.warning("round %d: no device confirmed its copy of the global model within %.0f s: sending each "
-                        "copy again in packets of half its size (%d/%d)", o.collecting,
+                        "copy again in smaller packets (%d/%d)", o.collecting,
                         self.settings.global_confirm_s, o.stats.global_resends, GLOBAL_RESENDS)
             for client in sorted(o.device_globals):
+                cap = (self.channel.suspect_dropped(o.global_seq_to.get(client, 0))
+                       or max(1024, o.global_bytes_to.get(client, 0) // 2))
                 try:
-                    self._send_global_to(client, o.collecting, note=True,
-                                         packet_cap=max(1024, o.global_bytes_to.get(client, 0) // 2))
+                    self._send_global_to(client, o.collecting, note=True, packet_cap=cap)
                 except TransportError as exc:
                     log.error("round %d: the global could not be sent again to %s: %s", o.collecting, client, exc)
             return
         packet, chunk = self._limits()
-        half = max(1024, o.global_bytes // 2)
+        half = self.channel.suspect_dropped(o.global_seq) or max(1024, o.global_bytes // 2)
         packet = min(packet, half) if packet else half
         log.warning("round %d: no device confirmed the global model (%d bytes) within %.0f s: sending it again in "
                     "packets of at most %d bytes (%d/%d)", o.collecting, o.global_bytes,

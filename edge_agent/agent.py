@@ -255,7 +255,12 @@ class EdgeAgent:
     When a round it already trained is started again (the server re-sends it after a reconnect,
     or a server resumed from the checkpoint before that round runs it again) and its update
     was not refused, the agent sends that update again: counted once either way, so a resumed
-    server's c / h again holds what the device committed.
+    server's c / h again holds what the device committed. It answers once however many copies of
+    that ``round_start`` were queued, not while the last copy of the update is still being
+    delivered (its packets await the broker's acknowledgement, or it is being sent again smaller
+    after a refusal), and not for a copy addressed to this device alone (the server's answer to
+    its reconnect) when the update, still without a receipt, went out on the connection made
+    since; such copies are counted in ``round_starts_not_answered``.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -330,9 +335,15 @@ class EdgeAgent:
         self._last_update: tuple | None = None
         self.receipt_timeout_s = receipt_timeout_s
         self.max_resends = max_resends
-        self._update_bytes = 0  # payload bytes of the last update sent
-        self.resends = 0
         self._update_seqs: set[int] = set()
+        self._update_seq: int | None = None  # envelope seq of the last copy of the update sent
+        self.resends = 0
+        #: round_starts of a round already trained that asked for its update again and were not
+        #: answered: one arrived with others in the same batch, or while a copy was still being delivered
+        self.round_starts_not_answered = 0
+        # rounds whose round_start came again in the batch being handled -> whether every copy was
+        # addressed to this device alone (down/{client_id}/round_start)
+        self._again: dict[int, bool] = {}
         self._pending_at = 0.0
         self._ef: ErrorFeedback | None = None
         self.rounds_trained = 0
@@ -436,6 +447,7 @@ class EdgeAgent:
                     break
             if done:
                 break
+            self._answer_again()
             self._maybe_train()
         self._leave()
         return AgentSummary(self.client_id, self.rounds_trained, self.receipts_accepted, self.finished, self.link_s)
@@ -457,10 +469,13 @@ class EdgeAgent:
         elif isinstance(body, RoundStart):
             if env.round <= self._last_trained_round:
                 # already trained: the server re-sent it after a reconnect, or a server resumed
-                # from an older checkpoint runs it again
+                # from an older checkpoint runs it again (answered once the batch is handled)
                 if (self._last_update is not None and self._last_update[0] == env.round
                         and self.selected_by(body)):
-                    self._send_again(env.round)
+                    if env.round in self._again:
+                        self.round_starts_not_answered += 1
+                    own = item.topic_info.client_id == self.client_id
+                    self._again[env.round] = self._again.get(env.round, True) and own
                 return False
             if self.selected_by(body) and (self._pending is None or env.round >= self._pending[0]):
                 self._pending = (env.round, body)
@@ -587,7 +602,7 @@ class EdgeAgent:
             self.rounds_trained += 1
             return
         self._update_seqs.add(enc.seq)
-        self._update_bytes = len(enc.payload)
+        self._update_seq = enc.seq
         self.rounds_trained += 1
         if self.on_trained is not None:
             self.on_trained(rnd, result, len(enc.payload))
@@ -655,6 +670,33 @@ class EdgeAgent:
         self.link_s += seconds
         time.sleep(seconds)
 
+    def _answer_again(self) -> None:
+        """Send the update of each round whose ``round_start`` came again in the batch just handled,
+        once per round however many copies were queued (:meth:`_send_again`), and not while the
+        last copy is still being delivered (a packet of it awaits the broker's acknowledgement, or
+        it is being sent again smaller after a refusal): the receipt timeout still sends it again
+        if it never arrives."""
+        again, self._again = self._again, {}
+        for rnd, own in sorted(again.items()):
+            if self._last_update is None or self._last_update[0] != rnd:
+                continue
+            if self._update_seq is not None and self.channel.in_flight(self._update_seq):
+                self.round_starts_not_answered += 1
+                log.info("%s: round %d started again while its update is still being delivered: not sent again",
+                         self.client_id, rnd)
+                continue
+            connects = getattr(self.channel.transport, "connects", 0)
+            if (own and connects > 1 and self._update_seq is not None and self._unacked is not None
+                    and self._unacked[0] == rnd and self.channel.handed_on(self._update_seq) == connects):
+                # the server's copy for a device that came back answers this device's last reconnect;
+                # the update went out on the connection made since and awaits its receipt: not lost
+                # to that link break (the receipt timeout sends it again if it never arrives)
+                self.round_starts_not_answered += 1
+                log.info("%s: round %d sent again after this device reconnected; its update went out since: not "
+                         "sent again", self.client_id, rnd)
+                continue
+            self._send_again(rnd)
+
     def _send_again(self, rnd: int) -> None:
         """Send the update of round ``rnd`` again because the server started that round again.
 
@@ -674,6 +716,7 @@ class EdgeAgent:
             enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
                                     extra_codecs=extra_codecs, max_packet_bytes=max_packet_bytes)
             self._update_seqs.add(enc.seq)
+            self._update_seq = enc.seq
             self.resends += 1
         except TransportError as exc:
             log.error("%s: resend of round %d failed: %s", self.client_id, rnd, exc)
@@ -693,12 +736,14 @@ class EdgeAgent:
             return
         self._unacked = (rnd, update, codec, now, tries + 1, deadline_at, extra_codecs)
         # a broker may drop a message above a size it does not announce (MQTT 3.1.1 with Mosquitto's
-        # message_size_limit acknowledges it all the same): each resend goes in packets of half the size
-        packet = max(1024, self._update_bytes >> (tries + 1)) if self._update_bytes else 0
+        # message_size_limit acknowledges it all the same): when its packets were larger than any the
+        # broker delivered here, the channel learns a smaller limit, which this copy and every later
+        # message is sized under
+        packet = self.channel.suspect_dropped(self._update_seq) if self._update_seq is not None else 0
         log.warning("%s: no receipt for the update of round %d after %.0f s; sending it again (%d/%d)%s",
                     self.client_id, rnd, now - sent_at, tries + 1, self.max_resends,
                     f" in packets of at most {packet:,} bytes" if packet else "")
-        self._resend_update(rnd, update, codec, extra_codecs, max_packet_bytes=packet)
+        self._resend_update(rnd, update, codec, extra_codecs)
 
     def leave(self, detail: str) -> None:
         """Publish the retained ``offline`` status with ``detail`` (waiting up to 5 s for the

@@ -1,0 +1,120 @@
+"""An agent that gets a round it already trained started again sends its update again (a
+server resumed from a checkpoint, or one whose link broke, may have lost it), but once however
+many copies of that ``round_start`` were queued meanwhile, and not for the server's copy to a
+device that came back when its update went out on the connection made since (the copy answers
+that reconnect: the update was not lost to it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from edge_agent.agent import EdgeAgent
+from edge_agent.algorithms import TrainConfig
+from edge_agent.algorithms.fedavg import FedAvgClient
+from edge_agent.models import build_model
+from edge_agent.state import state_arrays
+from protocol import topics
+from protocol.channel import Channel
+from protocol.memory_transport import MemoryBroker
+from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Update, decode
+
+FED = "mem"
+DEV = "dev-a"
+
+
+def _wait(cond, bound_s: float = 60.0) -> bool:
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+class _Fleet:
+    """One agent on a memory broker, with a server channel the test speaks through; the agent
+    stops in ``on_trained`` (after publishing its update) until ``gate`` is set, and takes its
+    training slot from ``lock``."""
+
+    def __init__(self) -> None:
+        self.hub = MemoryBroker()
+        self.model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+        self.gate, self.trained, self.lock = threading.Event(), threading.Event(), threading.Lock()
+        rng = np.random.default_rng(0)
+
+        def on_trained(rnd, result, nbytes) -> None:
+            self.trained.set()
+            self.gate.wait(60)
+
+        self.agent = EdgeAgent(channel=Channel(self.hub.connect(DEV), node_id=DEV, side="agent", federation=FED,
+                                               ledger=None),
+                               model=self.model, algorithm=FedAvgClient(),
+                               x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32), y=rng.integers(0, 10, 20),
+                               num_classes=10, idle_timeout_s=120, train_defaults=TrainConfig(batch_size=10),
+                               on_trained=on_trained, receipt_timeout_s=600.0, train_lock=self.lock)
+        self.server = Channel(self.hub.connect("server"), node_id="server", side="server", federation=FED,
+                              ledger=None)
+        self.server.transport.subscribe(topics.server_filters(FED))
+        self.thread = threading.Thread(target=self.agent.run, daemon=True)
+        self.thread.start()
+        join = next(iter(self._wait_for(Join)))
+        self.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.JOIN), ref_seq=join.seq,
+                         accepted=True), round=0, recipient=DEV)
+        assert _wait(lambda: self.agent.joined)
+        self.start = RoundStart(selected=(DEV,), deadline_s=600.0, config={})
+
+    def _wait_for(self, body_type) -> list:
+        assert _wait(lambda: self.sent(body_type)), f"no {body_type.__name__} from the agent"
+        return self.sent(body_type)
+
+    def sent(self, body_type) -> list:
+        """Envelopes of ``body_type`` the agent published."""
+        envs = [decode(m.payload).envelope for m in self.hub.published if m.topic.startswith(f"fedfleet/v1/{FED}/up")]
+        return [e for e in envs if isinstance(e.body, body_type)]
+
+    def open_round(self) -> None:
+        self.server.send(topics.down(FED, Kind.GLOBAL), Global(tensors=state_arrays(self.model),
+                         meta={"manifest_hash": self.agent.manifest_hash}), round=1)
+        self.server.send(topics.down(FED, Kind.ROUND_START), self.start, round=1)
+
+    def finish(self) -> None:
+        self.gate.set()
+        self.server.send(topics.down(FED, Kind.FINISH), Finish(reason="completed", rounds_completed=1), round=1)
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+
+
+def test_round_starts_queued_for_a_trained_round_are_answered_once() -> None:
+    f = _Fleet()
+    f.open_round()
+    assert f.trained.wait(60)
+    for _ in range(3):  # three copies queued while the agent is busy (a flapping link: one per reconnect)
+        f.server.send(topics.down(FED, Kind.ROUND_START), f.start, round=1)
+    f.gate.set()
+    assert _wait(lambda: len(f.sent(Update)) == 2)
+    assert _wait(lambda: f.agent.round_starts_not_answered == 2)  # the 2nd and 3rd copy of the batch
+    f.finish()
+    ups = f.sent(Update)
+    assert [e.round for e in ups] == [1, 1] and ups[0].seq != ups[1].seq  # the original and one copy
+    assert f.agent.resends == 1
+
+
+def test_the_copy_answering_a_reconnect_is_not_answered_when_the_update_went_out_since() -> None:
+    f = _Fleet()
+    with f.lock:  # the agent waits for its training slot: the link breaks and comes back meanwhile
+        f.open_round()
+        assert _wait(lambda: f.agent._pending is None and f.agent._global is not None)
+        f.agent.channel.transport.drop_link()
+        assert f.agent.channel.transport.connects == 2
+    assert f.trained.wait(60)  # trained; its update went out on connection 2
+    # the server's copy for a device that came back, on the device's own topic
+    f.server.send(topics.down_to(FED, DEV, Kind.ROUND_START), f.start, round=1, recipient=DEV)
+    f.gate.set()
+    assert _wait(lambda: f.agent.round_starts_not_answered == 1)
+    assert len(f.sent(Update)) == 1
+    # a broadcast copy (the server's link broke: it re-sends the round) is answered
+    f.server.send(topics.down(FED, Kind.ROUND_START), f.start, round=1)
+    assert _wait(lambda: len(f.sent(Update)) == 2)
+    f.finish()
+    assert f.agent.round_starts_not_answered == 1 and f.agent.resends == 1
