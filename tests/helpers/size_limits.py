@@ -15,11 +15,13 @@ import sqlite3
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
+from edge_agent.agent import EdgeAgent
 from helpers.federation import read_metrics, small_config
 
 TYPES = {1: "CONNECT", 2: "CONNACK", 3: "PUBLISH", 4: "PUBACK", 8: "SUBSCRIBE", 9: "SUBACK", 12: "PINGREQ",
@@ -204,19 +206,24 @@ def tiny_profile(folder: Path, max_packet_bytes: int = 20_000, chunk_bytes: int 
 
 def run_size_limit(work: Path, *, kind: str = "mosquitto", broker_lines: tuple[str, ...] = (),
                    mqtt_version: str = "auto", declared: int = 0, profile: str = "x86-cpu",
-                   rounds: int = 2, deadline_s: float = 40.0) -> Outcome:
+                   rounds: int = 2, deadline_s: float = 40.0, server: dict | None = None,
+                   protocol: dict | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None) -> Outcome:
     """One digits federation (3 agents, quorum 2) through a :class:`PacketRelay` to a broker of
-    ``kind`` with ``broker_lines`` in its config; ``declared`` is ``[protocol] max_packet_bytes``."""
+    ``kind`` with ``broker_lines`` in its config; ``declared`` is ``[protocol] max_packet_bytes``;
+    ``server`` / ``protocol`` are more ``[server]`` / ``[protocol]`` keys; ``agent_hook`` is
+    :func:`~broker_server.simulate.simulate`'s."""
     out = Outcome()
     t0 = time.monotonic()
     with EmbeddedBroker(kind=kind, workdir=work / "broker", extra_config=broker_lines) as broker:
         relay = PacketRelay(broker.port)
         try:
             cfg = small_config(run={"rounds": rounds}, broker={"mqtt_version": mqtt_version, "keepalive_s": 5},
-                               server={"round_deadline_s": deadline_s}, protocol={"max_packet_bytes": declared},
+                               server={"round_deadline_s": deadline_s, **(server or {})},
+                               protocol={"max_packet_bytes": declared, **(protocol or {})},
                                agents={"profile": profile})
             try:
-                res = simulate(cfg, broker_url=f"mqtt://127.0.0.1:{relay.port}", run_dir=work / "run")
+                res = simulate(cfg, broker_url=f"mqtt://127.0.0.1:{relay.port}", run_dir=work / "run",
+                               agent_hook=agent_hook)
                 out.rounds = res.rounds_completed
             except Exception as exc:  # the row says the run did not finish, and why
                 out.error = f"{type(exc).__name__}: {exc}"[:300]
