@@ -164,7 +164,9 @@ class Outcome:
         relay's count of PUBLISH packets from that node (a cut one included); ``dup_publish``:
         node -> PUBLISH-DUP rows (paho's retransmissions); ``connects``: node -> CONNECT rows;
         ``max_down``: node -> largest PUBLISH the broker delivered to it (bytes);
-        ``refusal_reasons``: distinct reasons of refused rows; ``seconds``: wall time.
+        ``refusal_reasons``: distinct reasons of refused rows; ``seconds``: wall time;
+        ``round_seconds``: each round's ``seconds`` (metrics.jsonl); ``global_resends``: each
+        round's globals sent again because no device confirmed them.
     """
 
     rounds: int = 0
@@ -182,6 +184,8 @@ class Outcome:
     refusal_reasons: list[str] = field(default_factory=list)
     error: str = ""
     seconds: float = 0.0
+    round_seconds: list[float] = field(default_factory=list)
+    global_resends: list[int] = field(default_factory=list)
 
 
 def tiny_profile(folder: Path, max_packet_bytes: int = 20_000, chunk_bytes: int = 16_384) -> str:
@@ -239,6 +243,8 @@ def run_size_limit(work: Path, *, kind: str = "mosquitto", broker_lines: tuple[s
         out.duplicates = sum(m.get("duplicates", 0) for m in ms)
         out.receipts = [m["global_receipts"] for m in ms]
         out.reached_none = [m["round"] for m in ms if m.get("global_reached_no_device")]
+        out.round_seconds = [m["seconds"] for m in ms]
+        out.global_resends = [m.get("global_resends", 0) for m in ms]
     summary = run / "summary.json"
     if summary.exists():
         import json
