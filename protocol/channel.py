@@ -643,27 +643,29 @@ class Channel:
         over MQTT 3.1.1 acknowledges them all the same) may have taken it.
 
         When its packets were larger than the broker is known to take
-        (:meth:`delivered_packet_bytes`), the limit is taken to be below them: the packet limit to
+        (:meth:`delivered_packet_bytes`) and than :data:`MIN_SUSPECTED_PACKET`, the limit is taken
+        to be below them: the packet limit to
         send it again under (:meth:`_next_limit`: a quarter of them, or the largest size the
         broker delivered when that is at least an eighth) becomes the learned limit of this channel
         (:attr:`learned_max_packet_bytes`, logged), which every later message is sized under. When
         they were not, the size was not the cause and nothing is learned.
 
         Returns:
-            The packet limit (bytes) to send the message again under, 0 when ``seq`` is not one of
-            the last messages sent or nothing smaller is called for (send it as before).
+            The packet limit (bytes, at least :data:`MIN_SUSPECTED_PACKET`) to send the message
+            again under, 0 when ``seq`` is not one of the last messages sent or nothing smaller is
+            called for (send it as before).
         """
         with self._delivery_lock:
             sent = self._sent.get(seq)
             if sent is None:
                 return 0
             packet = sent.out.packet_bytes if sent.out is not None else sent.packet_bytes
-        if not packet:
+        if packet <= MIN_SUSPECTED_PACKET:
             return 0
         proven = self.delivered_packet_bytes(sent.topic)
         if proven >= packet:
             return 0
-        limit = self._next_limit(sent.topic, packet, step=4)
+        limit = max(self._next_limit(sent.topic, packet, step=4), MIN_SUSPECTED_PACKET)
         prev = self.learned_max_packet_bytes
         if not prev or limit < prev:
             self.learned_max_packet_bytes = limit
@@ -1095,6 +1097,9 @@ _FINAL_REFUSALS = ("0x87", "0x90", "0x91", "0x99")
 """PUBACK reason codes that smaller packets cannot help (not authorised, bad topic, packet id, payload format)."""
 MAX_RESEND = 4096
 """Most chunk indices asked for in one ``resend``."""
+MIN_SUSPECTED_PACKET = 1024
+"""Smallest packet limit (bytes) learnt from a message that was not confirmed (:meth:`Channel.suspect_dropped`):
+a recipient that stays silent may be slow or gone, and no broker limit worth federating under is smaller."""
 _RECENT_SENT = 512
 """Messages sent that :meth:`Channel.in_flight` and :meth:`Channel.suspect_dropped` can answer for."""
 _ACKED_RECENTLY = 8
