@@ -175,10 +175,22 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
              "- Splits: Dirichlet(α) per class over clients; '2 classes/client': client i holds classes 2i, 2i+1 "
              "mod 10, each class split evenly among its holders. SVHN is left out (50 images offline).",
              "- Accuracy: the global model on the test split after the last round (FedTGP: the mean of the "
-             "devices' nearest-prototype accuracy on ≤ 2,000 test images).", ""]
+             "devices' nearest-prototype accuracy on ≤ 2,000 images of the shared test split: a device "
+             "that holds 2 classes is scored on all 10, so its figure is not comparable with the global "
+             "models' and is low by construction; `[data] client_test = \"local\"` measures it on the "
+             "device's own classes).", ""]
     if wall_s is not None:
         lines += [f"Wall time: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} CPUs).", ""]
     main = [r for r in ok if r.get("grid") == "main"]
+    have = [d for d in DATASETS if any(r["dataset"] == d for r in main)]
+    missing = [d for d in DATASETS if d not in have]
+    if missing:
+        lines += [f"**Scope: these records hold {', '.join(have) or 'no data set'}; {', '.join(missing)} "
+                  "not run yet (the grid resumes where it stopped: run the script again with those "
+                  "`--datasets`).** The verdicts below cover only the settings on record.", ""]
+    stamped = sorted({str(r["commit"]) for r in ok if r.get("commit")})
+    if stamped:
+        lines += [f"Records made at commit(s) {', '.join(f'`{c}`' for c in stamped)}.", ""]
     gains, best_count, settings_n = [], 0, 0
     for ds in datasets:
         target = TARGETS[ds]
@@ -221,13 +233,17 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                      f"{f.get('pgp_pool_size')} prototypes / {f.get('pgp_pool_bytes')} B")
     sweep = [r for r in ok if r.get("grid") == "sweep"]
     if sweep:
-        lines += ["", "## Sweep of FedPGP's unfixed keys", "", "| key | value | accuracy | seeds |",
-                  "|---|---|---|---|"]
+        swept_seeds = sorted({int(r["seed"]) for r in sweep})
+        lines += ["", "## Sweep of FedPGP's unfixed keys", "",
+                  f"The default row is the main grid's FedPGP cell on the seeds the sweep has run ({swept_seeds}), "
+                  "so every row of a key compares the same seeds.", "",
+                  "| key | value | accuracy | seeds |", "|---|---|---|---|"]
         for key, values in SWEEPS.items():
             ds, sp = sweep[0]["dataset"], sweep[0]["split"]
             for v in values:
                 if v == values[0]:
-                    rs = [r for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == "FedPGP"]
+                    rs = [r for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == "FedPGP"
+                          and int(r["seed"]) in swept_seeds]
                 else:
                     # records before the tag was renamed hold the swept key in "key"
                     rs = [r for r in sweep if r.get("sweep_key", r["key"]) == key and r["value"] == v]
@@ -246,6 +262,18 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                      f"{settings_n} (among FedPGP and the baselines) → **{verdict}**.")
     else:
         lines.append("- no FedPGP/FedAvg pair on record yet.")
+    # the mechanism: each control against FedPGP, per setting (mean over seeds), then over settings
+    for label in CONTROLS:
+        diffs = []
+        for ds in datasets:
+            for sp in splits:
+                pair = [[a for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == m
+                         and (a := _acc(r)) is not None] for m in (label, "FedPGP")]
+                if pair[0] and pair[1]:
+                    diffs.append(100 * (mean_std(pair[0])[0] - mean_std(pair[1])[0]))
+        if diffs:
+            lines.append(f"- control '{label}' − FedPGP: {', '.join(f'{d:+.2f}' for d in diffs)} pp per setting, "
+                         f"{sum(diffs) / len(diffs):+.2f} pp on average.")
     if verify:
         lines += ["", "## Re-run check", ""] + verify
     lines.append("")
