@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -332,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     results = load_results(out)
     text = report(results, out=out, datasets=datasets, splits=splits, methods=methods, seeds=seeds,
                   settings=settings, wall_s=wall, commit=commit, verify=verify_lines)
+    cmd = " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+    text = text.replace("\n## Protocol", f"\nCommand (records and report): `python tools/reproduce_fedpgp.py {cmd}`\n\n"
+                        "## Protocol", 1)
     Path(a.report).parent.mkdir(parents=True, exist_ok=True)
     Path(a.report).write_text(text, encoding="utf-8")
     print(f"wrote {a.report}")
