@@ -111,8 +111,10 @@ def test_feddo_federation_ratios_samples_and_weights_on_the_wire(tmp_path, digit
     assert strategy.slots == slots
     msgs = [(m.sender, m.topic, decode(m.payload).envelope) for m in memory_hub.published]
     for r, a in strategy.actions.items():
+        # per-device round_starts (a broadcast one naming nobody may go to the unselected devices)
         starts = {t.split("/")[-2]: env.body for s, t, env in msgs
-                  if s == "server" and env.round == r and isinstance(env.body, RoundStart)}
+                  if s == "server" and env.round == r and isinstance(env.body, RoundStart)
+                  and t.split("/")[-2] in slots}
         want = {c: float(a[i]) for i, c in enumerate(slots) if a[i] > 0}
         if not want:  # no positive action: the largest one, at least min_ratio (quorum 1)
             i = int(np.argmax(a))

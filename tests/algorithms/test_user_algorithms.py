@@ -75,7 +75,7 @@ def test_an_unknown_or_bad_algorithm_key_names_itself() -> None:
         make_strategy(_cfg(lr_decay=2), ds)
     with pytest.raises(ConfigError, match="quorum"):
         make_strategy(_cfg(min_clients=2), ds)
-    with pytest.raises(ConfigError, match=r"\[algorithm\] for 'fedavg': unknown key mu: FedAvg takes no"):
+    with pytest.raises(ConfigError, match=r"\[algorithm\] for 'fedavg': unknown key mu: FedAvg takes weighting"):
         make_strategy(config_mod.from_dict({"algorithm": {"mu": 0.1}}, "<test>"), ds)
 
 
