@@ -107,7 +107,7 @@ from .strategies import (
     server_evaluate,
     update_problem,
 )
-from .strategies._base import _guarded, checked_figures, classifier_shape
+from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
            "client_eval_figures", "evaluate"]
@@ -1007,7 +1007,7 @@ class AggregationServer:
 
         Raises:
             RunError: the strategy's copy has tensors of another count, shape or dtype than the
-                round's shared ones, or extras that are not named arrays.
+                round's shared ones, extras that are not named arrays, or NaN/Inf in either.
         """
         o = self.open
         o.delivery, o.device_globals, o.delta_base = "broadcast", {}, {}
@@ -1040,7 +1040,8 @@ class AggregationServer:
         shared tensors (count, shape, dtype).
 
         Raises:
-            RunError: naming the strategy, the device and what does not fit.
+            RunError: naming the strategy, the device and what does not fit, or which arrays are
+                not finite (NaN/Inf, also after the global codec: an fp16 overflow).
         """
         name = self.strategy.name or type(self.strategy).__name__
         if not isinstance(mine, tuple) or len(mine) != 2:
@@ -1061,6 +1062,13 @@ class AggregationServer:
         if self.global_codec.lossy:
             tensors = tuple(np.array(decode_tensor(encode_tensor(t, self.global_codec),
                                                    limits=TensorLimits(allow_nonfinite=True))) for t in tensors)
+        # a device refuses a global with NaN/Inf (its channel rejects the message): sent anyway,
+        # the device would sit out every round to the deadline with only a warning on its side
+        bad = [f"tensors[{pos}]" for pos, t in enumerate(tensors) if _not_finite([t])]
+        bad += [f"extras[{k!r}]" for k, v in extras.items() if _not_finite([v])]
+        if bad:
+            raise RunError(f"strategy {name!r}: device_global for {client!r}: {', '.join(bad)} contain NaN or Inf "
+                           f"(after the global codec {self.global_codec.name!r}); no device accepts such a global")
         return tensors, extras
 
     def run_round(self, r: int) -> dict:
