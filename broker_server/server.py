@@ -951,6 +951,9 @@ class AggregationServer:
         if self.round == 0:
             self._checkpoint(accuracy=None)
         last_acc, last_loss = float("nan"), float("nan")
+        for m in self.metrics:  # a resumed run's rounds so far (all of them when it had finished)
+            if m.get("accuracy") is not None:
+                last_acc, last_loss = m["accuracy"], m["loss"] if m.get("loss") is not None else float("nan")
         while self.round < self.settings.rounds:
             m = self.run_round(self.round + 1)
             if m["accuracy"] is not None:
