@@ -402,6 +402,7 @@ class AggregationServer:
         self.run_rejected_by_reason: dict[str, int] = {}  # the same over the whole run
         self._manifest = model_manifest(model)
         self.metrics: list[dict] = []
+        self.refused_joins: dict[str, str] = {}  # device → why its last join was refused (until admitted)
         self.store = RunStore(self.run_dir)
         self.checkpoints = self.store.checkpoints
         self.global_codec = Codec.parse(settings.global_codec)
@@ -531,8 +532,10 @@ class AggregationServer:
             reason = self._admission_problem(body)
             if reason:
                 log.warning("join from %s refused: %s", env.sender, reason)
+                self.refused_joins[env.sender] = reason
                 self._reply(item, False, reason)
                 return
+            self.refused_joins.pop(env.sender, None)
             joined = self.devices.admit(env.sender, body, round=self.round, now=now)
             try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
                 self.strategy.on_join(env.sender, body.profile, int(body.num_samples))
@@ -944,10 +947,11 @@ class AggregationServer:
         """
         self.wait_for_clients()
         if len(self._online()) < self.settings.quorum:
+            refused = "".join(f"; {c}'s join was refused: {why}" for c, why in sorted(self.refused_joins.items()))
             raise RunError(
                 f"only {len(self._online())} agent(s) joined federation {self.fed!r} within "
-                f"{self.settings.join_timeout_s:g} s; the quorum is {self.settings.quorum}. Check that the agents "
-                f"use --federation {self.fed} and the same broker, or raise [server] join_timeout_s")
+                f"{self.settings.join_timeout_s:g} s; the quorum is {self.settings.quorum}{refused}. Check that the "
+                f"agents use --federation {self.fed} and the same broker, or raise [server] join_timeout_s")
         if self.round == 0:
             self._checkpoint(accuracy=None)
         last_acc, last_loss = float("nan"), float("nan")
