@@ -107,7 +107,7 @@ from .strategies import (
     server_evaluate,
     update_problem,
 )
-from .strategies._base import _guarded, checked_figures, classifier_shape
+from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
            "client_eval_figures", "evaluate"]
@@ -402,6 +402,7 @@ class AggregationServer:
         self.run_rejected_by_reason: dict[str, int] = {}  # the same over the whole run
         self._manifest = model_manifest(model)
         self.metrics: list[dict] = []
+        self.refused_joins: dict[str, str] = {}  # device → why its last join was refused (until admitted)
         self.store = RunStore(self.run_dir)
         self.checkpoints = self.store.checkpoints
         self.global_codec = Codec.parse(settings.global_codec)
@@ -531,8 +532,10 @@ class AggregationServer:
             reason = self._admission_problem(body)
             if reason:
                 log.warning("join from %s refused: %s", env.sender, reason)
+                self.refused_joins[env.sender] = reason
                 self._reply(item, False, reason)
                 return
+            self.refused_joins.pop(env.sender, None)
             joined = self.devices.admit(env.sender, body, round=self.round, now=now)
             try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
                 self.strategy.on_join(env.sender, body.profile, int(body.num_samples))
@@ -954,13 +957,17 @@ class AggregationServer:
         """
         self.wait_for_clients()
         if len(self._online()) < self.settings.quorum:
+            refused = "".join(f"; {c}'s join was refused: {why}" for c, why in sorted(self.refused_joins.items()))
             raise RunError(
                 f"only {len(self._online())} agent(s) joined federation {self.fed!r} within "
-                f"{self.settings.join_timeout_s:g} s; the quorum is {self.settings.quorum}. Check that the agents "
-                f"use --federation {self.fed} and the same broker, or raise [server] join_timeout_s")
+                f"{self.settings.join_timeout_s:g} s; the quorum is {self.settings.quorum}{refused}. Check that the "
+                f"agents use --federation {self.fed} and the same broker, or raise [server] join_timeout_s")
         if self.round == 0:
             self._checkpoint(accuracy=None)
         last_acc, last_loss = float("nan"), float("nan")
+        for m in self.metrics:  # a resumed run's rounds so far (all of them when it had finished)
+            if m.get("accuracy") is not None:
+                last_acc, last_loss = m["accuracy"], m["loss"] if m.get("loss") is not None else float("nan")
         while self.round < self.settings.rounds:
             m = self.run_round(self.round + 1)
             if m["accuracy"] is not None:
@@ -1017,7 +1024,7 @@ class AggregationServer:
 
         Raises:
             RunError: the strategy's copy has tensors of another count, shape or dtype than the
-                round's shared ones, or extras that are not named arrays.
+                round's shared ones, extras that are not named arrays, or NaN/Inf in either.
         """
         o = self.open
         o.delivery, o.device_globals, o.delta_base = "broadcast", {}, {}
@@ -1050,7 +1057,8 @@ class AggregationServer:
         shared tensors (count, shape, dtype).
 
         Raises:
-            RunError: naming the strategy, the device and what does not fit.
+            RunError: naming the strategy, the device and what does not fit, or which arrays are
+                not finite (NaN/Inf, also after the global codec: an fp16 overflow).
         """
         name = self.strategy.name or type(self.strategy).__name__
         if not isinstance(mine, tuple) or len(mine) != 2:
@@ -1071,6 +1079,13 @@ class AggregationServer:
         if self.global_codec.lossy:
             tensors = tuple(np.array(decode_tensor(encode_tensor(t, self.global_codec),
                                                    limits=TensorLimits(allow_nonfinite=True))) for t in tensors)
+        # a device refuses a global with NaN/Inf (its channel rejects the message): sent anyway,
+        # the device would sit out every round to the deadline with only a warning on its side
+        bad = [f"tensors[{pos}]" for pos, t in enumerate(tensors) if _not_finite([t])]
+        bad += [f"extras[{k!r}]" for k, v in extras.items() if _not_finite([v])]
+        if bad:
+            raise RunError(f"strategy {name!r}: device_global for {client!r}: {', '.join(bad)} contain NaN or Inf "
+                           f"(after the global codec {self.global_codec.name!r}); no device accepts such a global")
         return tensors, extras
 
     def run_round(self, r: int) -> dict:

@@ -34,7 +34,7 @@ from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
 from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
 from edge_agent.device import ThreadPlan, apply_threads, detect, plan_threads, usable_cores
-from edge_agent.errors import EdgeAgentError, ModelError, PartitionError
+from edge_agent.errors import EdgeAgentError, LocalTestSplitError, ModelError, PartitionError
 from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import ClientSplits, client_splits, describe
 from edge_agent.runtime import agent_runtime
@@ -143,10 +143,16 @@ def client_data(ds, cfg: Config) -> ClientSplits:
     except PartitionError as exc:
         local = (f", {d.client_test_fraction:g} of each held out as its local test set"
                  if d.client_test == "local" else "")
+        n = len(ds.train.y)
+        pool = (f"{min(d.train_samples, n):,} of its {n:,} training samples" if d.train_samples
+                else f"{n:,} training samples")
+        # a shard too small for its local test set: the error already says what to change (a
+        # larger fraction, larger shards); the partition's advice below would say the opposite
+        advice = "" if isinstance(exc, LocalTestSplitError) else (
+            " Use fewer clients (--clients), a larger [data] alpha, or a smaller [data] min_samples")
         raise ConfigError(
-            f"cannot split {ds.name} ({len(ds.train.y):,} training samples) into {cfg.data.clients} clients "
-            f"({cfg.data.partition}, at least {cfg.data.min_samples} samples each{local}): {exc}. Use fewer "
-            f"clients (--clients), a larger [data] alpha, or a smaller [data] min_samples") from None
+            f"cannot split {ds.name} ({pool}) into {cfg.data.clients} clients "
+            f"({cfg.data.partition}, at least {cfg.data.min_samples} samples each{local}): {exc}.{advice}") from None
 
 
 def split_clients(ds, cfg: Config) -> list:

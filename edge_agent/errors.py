@@ -71,5 +71,11 @@ class PartitionError(EdgeAgentError):
     """
 
 
+class LocalTestSplitError(PartitionError):
+    """A shard too small for its local test set (``[data] client_test = "local"``): the
+    fraction, rounded per class with each class keeping one training sample, holds out nothing.
+    The message says which client and its per-class counts, and what to change."""
+
+
 class ModelError(EdgeAgentError):
     """Unknown model name, invalid architecture arguments, or an input of the wrong shape."""

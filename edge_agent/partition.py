@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.errors import PartitionError
+from edge_agent.errors import LocalTestSplitError, PartitionError
 
 __all__ = [
     "CLIENT_TEST_MODES",
@@ -429,7 +429,7 @@ def hold_out_local_tests(labels: np.ndarray, parts: Sequence[np.ndarray], *, fra
         if te.size == 0:
             classes, sizes = np.unique(own, return_counts=True)
             counts = {int(c): int(n) for c, n in zip(classes, sizes, strict=True)}
-            raise PartitionError(
+            raise LocalTestSplitError(
                 f"client {i}: a local test fraction of {f:g} of its {idx.size} samples (per class: {counts}) "
                 "leaves no test sample (each class keeps at least one training sample); raise "
                 "client_test_fraction or min_samples, or use fewer clients")

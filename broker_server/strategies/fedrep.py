@@ -28,10 +28,11 @@ class FedRep(FedPer):
             as PFLlib's ``plocal_epochs``; the paper uses about 10. Sent in every
             ``round_start.config`` as ``head_epochs``; the representation epochs are the usual
             ``local_epochs``.
-        participation_rate, min_clients, train_config: as for FedAvg.
+        participation_rate, min_clients, train_config, weighting: as for FedAvg (FedPer's
+            backbone average: n_k, or equal weights with ``"uniform"``).
 
     Raises:
-        ValueError: ``head_epochs`` not an int ≥ 1; a bad ``participation_rate``.
+        ValueError: ``head_epochs`` not an int ≥ 1; a bad ``participation_rate`` or ``weighting``.
     """
 
     name = "fedrep"
@@ -41,10 +42,12 @@ class FedRep(FedPer):
     instructions = ()
 
     def __init__(self, *, head_epochs: int = HEAD_EPOCHS, participation_rate: float = 1.0, min_clients: int = 1,
-                 train_config: Mapping[str, float | int | str | bool] | None = None) -> None:
+                 train_config: Mapping[str, float | int | str | bool] | None = None,
+                 weighting: str = "samples") -> None:
         if isinstance(head_epochs, bool) or not isinstance(head_epochs, int) or head_epochs < 1:
             raise ValueError(f"head_epochs must be an integer >= 1, got {head_epochs!r}")
-        super().__init__(participation_rate=participation_rate, min_clients=min_clients, train_config=train_config)
+        super().__init__(participation_rate=participation_rate, min_clients=min_clients, train_config=train_config,
+                         weighting=weighting)
         self.head_epochs = head_epochs
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:

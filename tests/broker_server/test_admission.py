@@ -97,3 +97,31 @@ def test_a_join_announcing_an_infinite_width_is_refused_and_the_server_keeps_run
     assert "evil" not in srv.devices.records
     replies = [decode(payload).envelope.body for _, payload in srv.channel.transport.sent]
     assert any(isinstance(b, Receipt) and not b.accepted for b in replies)
+
+
+def test_a_run_short_of_its_quorum_names_the_refused_joins(tmp_path) -> None:
+    """A device announcing ``client_test = "shared"`` to a server configured with ``"local"`` is
+    refused; when no one else joins, the quorum error says that join was refused and why, not
+    only to check the federation name and the broker."""
+    import dataclasses
+
+    from helpers.memory_server import memory_server
+
+    from broker_server.errors import RunError
+    from broker_server.strategies import get_strategy
+    from edge_agent.models import build_model
+    from protocol import topics
+    from protocol.messages import Envelope, Kind, encode
+
+    srv = memory_server(tmp_path, model=build_model("lightcnn", in_channels=1, image_size=28, num_classes=10),
+                        clients=[], strategy=get_strategy("fedproto", min_clients=1))
+    srv.settings = dataclasses.replace(srv.settings, join_timeout_s=0.2, expected_data=(("client_test", "local"),))
+    join = _join(OTHER, feature_dim=64, num_classes=10, client_test="shared")
+    srv.channel.transport.broker.connect("pi-0").publish(
+        topics.up("mem", "pi-0", Kind.JOIN), encode(Envelope(round=0, sender="pi-0", seq=1, body=join)).payload, qos=1)
+    srv._handle(srv.channel.receive(1.0))
+    assert "pi-0" not in srv.devices.records
+    with pytest.raises(RunError, match=r"only 0 agent\(s\) joined .* the quorum is 1; pi-0's join was refused: data "
+                                       r"settings differ from the server's configuration: client_test 'shared' "
+                                       r"\(server: 'local'\)\. Check that"):
+        srv.run()

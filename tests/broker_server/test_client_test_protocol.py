@@ -86,3 +86,23 @@ def test_the_printed_agent_command_announces_the_local_protocol() -> None:
     shared = expected_data(_cfg(partition="iid"))
     assert (shared["client_test"], shared["client_test_fraction"]) == ("shared", "-")
     assert "--client-test" not in agent_command(_cfg(partition="iid"), "mqtt://127.0.0.1:1883", "fed-x")
+
+
+def test_a_shard_too_small_for_its_local_test_set_gets_one_piece_of_advice() -> None:
+    """300 digits over 3 iid clients: 100 samples a client, at most 14 of a class. A fraction of
+    0.01 rounds every class's 0.06–0.14 down to 0 held out, so the split is refused; the error
+    names the subset (300 of 1,438 training samples) and tells to raise the fraction or the
+    shards, not also (as a partition failure would) to lower min_samples."""
+    from broker_server.simulate import client_data
+    from edge_agent.data import load_dataset
+
+    cfg = _cfg(partition="iid", client_test="local", client_test_fraction=0.01, train_samples=300)
+    with pytest.raises(ConfigError) as err:
+        client_data(load_dataset("digits"), cfg)
+    text = str(err.value)
+    assert "digits (300 of its 1,438 training samples)" in text
+    assert "client 0: a local test fraction of 0.01 of its 100 samples" in text and "leaves no test sample" in text
+    assert "raise client_test_fraction or min_samples" in text and "smaller [data] min_samples" not in text
+    # a partition that fails for itself keeps its advice
+    with pytest.raises(ConfigError, match=r"smaller \[data\] min_samples"):
+        client_data(load_dataset("digits"), _cfg(partition="dirichlet", alpha=0.01, min_samples=600))

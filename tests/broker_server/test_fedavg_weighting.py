@@ -56,3 +56,18 @@ def test_weighting_comes_from_the_algorithm_table() -> None:
     local = small_config(train={"algorithm": "local"}, algorithm={"weighting": "uniform"})
     with pytest.raises(ConfigError, match="weighting"):
         make_strategy(local, digits)
+
+
+def test_fedrep_takes_the_weighting_of_fedper_it_extends() -> None:
+    """FedPer takes ``weighting``; FedRep (FedPer plus head epochs) took no such key and refused it
+    as unknown. Its backbone average is FedPer's: uniform gives the plain mean [4, 4]."""
+    from broker_server.strategies.fedrep import FedRep
+
+    digits = load_dataset("digits")
+    cfg = small_config(train={"algorithm": "fedrep"}, algorithm={"weighting": "uniform", "head_epochs": 2})
+    s = make_strategy(cfg, digits)
+    assert isinstance(s, FedRep) and s.model_weighting == "uniform" and s.head_epochs == 2
+    out = fold(FedRep(weighting="uniform").accumulator(1, [np.zeros(2, np.float32)]), _results())
+    np.testing.assert_array_equal(out.tensors[0], np.array([4.0, 4.0], np.float32))
+    with pytest.raises(ConfigError, match="weighting must be one of"):
+        make_strategy(small_config(train={"algorithm": "fedrep"}, algorithm={"weighting": "count"}), digits)

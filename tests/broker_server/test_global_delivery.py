@@ -228,3 +228,22 @@ def test_a_device_global_of_another_shape_stops_the_run(tmp_path: Path) -> None:
     srv.settings = dataclasses.replace(srv.settings, global_delivery="per_device")
     with pytest.raises(RunError, match=r"device_global for 'client-a': tensors\[0\]"):
         srv.run_round(1)
+
+
+def test_a_device_global_with_nan_stops_the_run(tmp_path: Path) -> None:
+    """A copy with NaN would be refused by the device's channel (``contains NaN or Inf``) and the
+    device would sit out every round to its deadline: the server stops at once instead, as it
+    does for a copy of the wrong shape. ``client-a`` gets the round's global (``None``), so the
+    error names ``client-b`` and its first tensor."""
+    class NaNCopy(TwoOfThree):
+        def device_global(self, round, client_id, tensors, extras):
+            if client_id != "client-b":
+                return None
+            return [np.full_like(t, np.nan) for t in tensors], {}
+
+    model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
+    srv = memory_server(tmp_path, model=model, clients=["client-a", "client-b"], rounds=1, fed=FED,
+                        strategy=NaNCopy(min_clients=1))
+    srv.settings = dataclasses.replace(srv.settings, global_delivery="per_device")
+    with pytest.raises(RunError, match=r"device_global for 'client-b': tensors\[0\], .* contain NaN or Inf"):
+        srv.run_round(1)
