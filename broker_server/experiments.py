@@ -406,6 +406,14 @@ def final_differences(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(fa) | set(fb) if k not in VOLATILE_METRICS and fa.get(k) != fb.get(k))
 
 
+def metrics_only_in_one(a: dict, b: dict) -> list[str]:
+    """Last-round metric names that only one of two records has (a metric the code added or
+    dropped since the record was made), timings left out; such a name is reported, not counted
+    as a different value."""
+    fa, fb = a.get("final") or {}, b.get("final") or {}
+    return sorted(k for k in set(fa) ^ set(fb) if k not in VOLATILE_METRICS)
+
+
 def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers: int, commit: str,
                    headline: Callable[[dict], object]) -> list[str]:
     """Re-run the first ``k`` finished records of ``out_dir`` that are cells of ``jobs`` (into a
@@ -427,7 +435,10 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
              "out).", ""]
     for r in recorded:
         b = again.get(r["key"], {})
-        diff = final_differences(r, b) if "error" not in b else ["error: " + str(b["error"])]
+        one_side = metrics_only_in_one(r, b) if "error" not in b else []
+        diff = ([k for k in final_differences(r, b) if k not in one_side] if "error" not in b
+                else ["error: " + str(b["error"])])
         lines.append(f"- {r['key']}: recorded {headline(r)}, re-run {headline(b)} → "
-                     + ("same" if not diff else f"**differs** ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})"))
+                     + ("same" if not diff else f"**differs** ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})")
+                     + (f"; metrics in only one of the two: {', '.join(one_side)}" if one_side else ""))
     return lines

@@ -15,6 +15,7 @@ from broker_server.experiments import (
     config_fingerprint,
     final_differences,
     int_list,
+    metrics_only_in_one,
     name_list,
     pm,
     read_metrics,
@@ -82,6 +83,9 @@ def test_final_differences_leave_out_timings_only() -> None:
     assert final_differences(a, b) == []
     assert final_differences(a, {"final": {**b["final"], "loss": 1.1, "extra": 1}}) == ["extra", "loss"]
     assert final_differences(a, {}) == ["final"]
+    # a metric the code added since the record: named apart, not a changed value
+    assert metrics_only_in_one(a, {"final": {**b["final"], "extra": 1}}) == ["extra"]
+    assert metrics_only_in_one(a, b) == []
 
 
 def test_option_lists_name_what_was_wrong(capsys: pytest.CaptureFixture[str]) -> None:
