@@ -410,11 +410,7 @@ def hold_out_local_tests(labels: np.ndarray, parts: Sequence[np.ndarray], *, fra
     train: list[np.ndarray] = []
     test: list[np.ndarray] = []
     for i, part in enumerate(parts):
-        idx = np.asarray(part)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise PartitionError(f"client {i}: indices must be a 1-D integer array")
-        if idx.size and (idx.min() < 0 or idx.max() >= y.size):
-            raise PartitionError(f"client {i}: indices must lie in [0, {y.size})")
+        idx = _check_client_indices(i, part, y.size)
         idx = idx.astype(np.int64, copy=False)
         rng = np.random.default_rng([s, i])
         own = y[idx]
@@ -522,11 +518,7 @@ def describe(
         raise PartitionError(f"labels lie in [{y.min()}, {y.max()}], expected [0, {c})")
     out: list[dict[str, object]] = []
     for i, part in enumerate(parts):
-        idx = np.asarray(part)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise PartitionError(f"client {i}: indices must be a 1-D integer array")
-        if idx.size and (idx.min() < 0 or idx.max() >= y.size):
-            raise PartitionError(f"client {i}: indices must lie in [0, {y.size})")
+        idx = _check_client_indices(i, part, y.size)
         hist = np.bincount(y[idx].astype(np.int64), minlength=c)
         entry: dict[str, object] = {"client": i, "samples": int(idx.size),
                                     "histogram": [int(v) for v in hist]}
@@ -710,6 +702,20 @@ def domain_silo(
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
+
+
+def _check_client_indices(client: int, part: object, size: int) -> np.ndarray:
+    """Client ``client``'s shard ``part`` as a 1-D integer array of indices in [0, ``size``).
+
+    Raises:
+        PartitionError: not 1-D integers, or an index out of range (the client is named).
+    """
+    idx = np.asarray(part)
+    if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+        raise PartitionError(f"client {client}: indices must be a 1-D integer array")
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        raise PartitionError(f"client {client}: indices must lie in [0, {size})")
+    return idx
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:

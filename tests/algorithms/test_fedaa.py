@@ -7,22 +7,19 @@ three devices) checked on the wire."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import numpy as np
 import pytest
 import torch
+from helpers.memory_federation import Device, run_federation
 
 from broker_server.rl.ddpg import DDPGAgent, DDPGConfig, SimplexActor, ddpg_target, soft_update
-from broker_server.server import AggregationServer, ServerSettings
 from broker_server.strategies import ClientResult
 from broker_server.strategies.fedaa import FedAA, distance_state, pairwise_distances
-from edge_agent.agent import EdgeAgent
 from edge_agent.algorithms import TrainConfig
 from edge_agent.algorithms.fedaa import FedAAClient
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.models import build_model
-from protocol.channel import Channel
 from protocol.messages import Update, decode
 
 SMALL = {"hidden": 8, "warmup": 1, "batch_size": 2}
@@ -180,31 +177,12 @@ def test_fedaa_federation_weights_on_the_wire(tmp_path, digits, memory_hub) -> N
     sizes = {"dev-a": 40, "dev-b": 70, "dev-c": 90}
     x, y = digits.train.x, digits.train.y
     val = (np.asarray(digits.test.x[:100]), np.asarray(digits.test.y[:100]))
-
-    def model():
-        torch.manual_seed(0)
-        return build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
-
     strategy = FedAA(train_config={"lr": 0.05, "batch_size": 16}, validation=val, run_seed=3, **SMALL)
-    server = AggregationServer(
-        channel=Channel(memory_hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None),
-        strategy=strategy, model=model(), test=digits.test,
-        settings=ServerSettings(rounds=3, quorum=1, round_deadline_s=60, join_timeout_s=30, expected_clients=3),
-        run_dir=tmp_path)
-    agents, start = [], 0
-    for i, (cid, n) in enumerate(sizes.items()):
-        agents.append(EdgeAgent(
-            channel=Channel(memory_hub.connect(cid), node_id=cid, side="agent", federation="mem", ledger=None),
-            model=model(), algorithm=FedAAClient(), x=x[start:start + n], y=y[start:start + n], num_classes=10,
-            client_index=i, idle_timeout_s=60, train_defaults=TrainConfig(local_epochs=1, batch_size=16)))
+    devices, start = {}, 0
+    for cid, n in sizes.items():
+        devices[cid] = Device(FedAAClient(), x[start:start + n], y[start:start + n])
         start += n
-    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    summary = server.run()
-    for t in threads:
-        t.join(30)
-    assert summary.rounds_completed == 3
+    server = run_federation(tmp_path, memory_hub, strategy, devices, digits.test, rounds=3)
     msgs = [(m.sender, decode(m.payload).envelope) for m in memory_hub.published]
     for r in (1, 2, 3):
         ups = {s: env.body for s, env in msgs if env.round == r and isinstance(env.body, Update)}
