@@ -526,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         wall = run_with_estimate(jobs, out, workers=a.workers, estimate_only=a.estimate_only, on_result=show,
                                  note="cells differ: Digits and the prototype methods cost more than the first "
                                       "(PACS FedAvg) cell", stamp={"commit": commit})
+        if a.estimate_only:
+            return 0  # an estimate leaves the committed report as it is
         if a.verify:
             verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit, headline=_worst)
     text = report(load_results(out), jobs, out=out, benches=benches, methods=methods, seeds=seeds,
