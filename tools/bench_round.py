@@ -52,7 +52,13 @@ Parts (``--parts``; each one's results go to ``WORK/<part>.json`` and are reused
      per client (``--node-config "partition-id=i num-partitions=N"``) as separate processes on
      127.0.0.1, then ``flwr run`` against them;
    - ``flower-legacy``: the deprecated gRPC ``start_server`` / ``start_client`` processes (as
-     ``tools/bench_protocol.py`` part 4, without its byte-counting relay).
+     ``tools/bench_protocol.py`` part 4, without its byte-counting relay);
+   - ``flower-sim-defaults``, ``flower-legacy-defaults``: the same two as Flower's users get
+     them, with Flower's and torch's own resource defaults instead of fedfleet's thread plan:
+     torch's intra-op default (one thread per core) in every process, the simulation engine's
+     default client resources (2 CPUs per client actor: cores ÷ 2 actors), every legacy client
+     process training at once. They show what the thread plan itself is worth; the goals are
+     checked against both settings.
 
    Fairness: every process of every system runs with ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` and
    ``torch.set_num_threads`` at fedfleet's thread plan's torch threads (1 on 2 cores) and
@@ -91,8 +97,11 @@ sys.path.insert(0, str(ROOT))
 
 from tools import _flower  # noqa: E402  (ROOT first on sys.path: run as a script)
 
-PARTS = ("round", "codec", "fleet", "flower-sim", "flower-deploy", "flower-legacy")
+PARTS = ("round", "codec", "fleet", "flower-sim", "flower-deploy", "flower-legacy", "flower-sim-defaults",
+         "flower-legacy-defaults")
 FLOWER_PARTS = PARTS[3:]
+#: parts that run Flower as shipped (its own resource defaults), not at fedfleet's thread plan
+DEFAULTS_PARTS = ("flower-sim-defaults", "flower-legacy-defaults")
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,19 +374,30 @@ def part_flower(args: argparse.Namespace, part: str) -> dict[str, Any]:
         venv = _flower.ensure_venv(venv_dir, spec=args.flower_spec, log=lambda m: print("  " + m, flush=True))
     except RuntimeError as exc:
         return {"ok": False, "why": str(exc)}
+    slots, threads, slots_dir = plan.train_slots, plan.torch_threads, folder / "slots"
+    used_plan = plan.as_dict()
+    if part in DEFAULTS_PARTS:
+        # Flower as its users get it: torch's own intra-op default (one thread per core); the
+        # simulation engine's default client resources (2 CPUs per client actor); the legacy
+        # path's clients all training at once
+        threads = max(1, plan.cores)
+        slots = max(1, plan.cores // 2) if part == "flower-sim-defaults" else 0
+        slots_dir = folder / "slots" if slots and part != "flower-sim-defaults" else None
+        used_plan = {**used_plan, "train_slots": slots, "torch_threads": threads}
     job = _flower.write_job(folder / "job.json", config=args.config, overrides=job_overrides(args),
-                            train_slots=plan.train_slots, torch_threads=plan.torch_threads, slots_dir=folder / "slots",
+                            train_slots=slots if slots_dir else 0, torch_threads=threads, slots_dir=slots_dir,
                             batch_size=_flower.agent_batch_size(cfg))
-    n, rounds, threads = cfg.data.clients, cfg.run.rounds, plan.torch_threads
-    if part == "flower-sim":
-        res = _flower.run_simulation(venv, job, folder, rounds=rounds, clients=n, train_slots=plan.train_slots,
+    n, rounds = cfg.data.clients, cfg.run.rounds
+    if part.startswith("flower-sim"):
+        res = _flower.run_simulation(venv, job, folder, rounds=rounds, clients=n, train_slots=slots,
                                      torch_threads=threads)
     elif part == "flower-deploy":
         res = _flower.run_deployment(venv, job, folder, rounds=rounds, clients=n, torch_threads=threads)
     else:
         res = _flower.run_legacy(venv, job, folder, rounds=rounds, clients=n, torch_threads=threads)
     res.update(flwr_version=venv.version, venv=str(venv.root), venv_installed=venv.installed, spec=args.flower_spec,
-               dataset=cfg.data.dataset, clients=n, rounds_asked=rounds, thread_plan=plan.as_dict(), work=str(folder))
+               dataset=cfg.data.dataset, clients=n, rounds_asked=rounds, thread_plan=used_plan, work=str(folder),
+               flower_defaults=part in DEFAULTS_PARTS)
     if res["ok"]:
         print(f"  {part}: steady round {_mean([r['seconds'] for r in res['rounds'][1:] or res['rounds']]):.2f} s, "
               f"wall {res['wall_s']:.1f} s, accuracy {res['final_accuracy']:.4f}", flush=True)
@@ -486,9 +506,12 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
 
 
 FLOWER_NAMES = {"flower-sim": "Flower simulation engine", "flower-deploy": "Flower deployment mode",
-                "flower-legacy": "Flower legacy gRPC"}
+                "flower-legacy": "Flower legacy gRPC",
+                "flower-sim-defaults": "Flower simulation engine, Flower's defaults",
+                "flower-legacy-defaults": "Flower legacy gRPC, Flower's defaults"}
 #: fedfleet's steady round at least this many times faster than each Flower mode (the goals)
-FLOWER_GOALS = {"flower-deploy": 3.0, "flower-legacy": 1.5, "flower-sim": 1.0}
+FLOWER_GOALS = {"flower-deploy": 3.0, "flower-legacy": 1.5, "flower-sim": 1.0, "flower-sim-defaults": 1.0,
+                "flower-legacy-defaults": 1.5}
 ACCURACY_GOAL_PP = 0.3
 
 
@@ -513,7 +536,7 @@ def flower_section(results: dict[str, dict]) -> list[str]:
             out += [f"**{FLOWER_NAMES[p]}: not measured** — " + str(r.get("why", "")).replace("\n", " ")[:1500], ""]
     if not ok:
         return out
-    any_r = next(iter(ok.values()))
+    any_r = next((r for p, r in ok.items() if p not in DEFAULTS_PARTS), next(iter(ok.values())))
     plan = any_r["thread_plan"]
     out += [f"Flower {any_r['flwr_version']} (`pip install \"{any_r['spec']}\"` in its own venv, `{any_r['venv']}`; "
             "torch and fedfleet imported from the project's interpreter by path). The job of part 1 "
@@ -531,16 +554,28 @@ def flower_section(results: dict[str, dict]) -> list[str]:
             + " ".join(f"{FLOWER_NAMES[p]}: {r['processes']}"
                        + (f" (`--federation-config \"{r['federation_config']}\"`)"
                           if r.get("federation_config") else "")
-                       + ("; trainings limited by file-lock slots" if p != "flower-sim" else "") + "."
-                       for p, r in ok.items()), ""]
+                       + ("; trainings limited by file-lock slots" if p in ("flower-deploy", "flower-legacy") else "")
+                       + "."
+                       for p, r in ok.items() if p not in DEFAULTS_PARTS), ""]
+    shipped = {p: r for p, r in ok.items() if p in DEFAULTS_PARTS}
+    if shipped:
+        out += ["*Flower's defaults* rows run Flower as its users get it, the rest of the job unchanged: torch's own "
+                f"intra-op default ({next(iter(shipped.values()))['thread_plan']['torch_threads']} threads, one per "
+                "core) in every process; the simulation engine with its default client resources (2 CPUs per "
+                "client actor, so cores ÷ 2 actors); the legacy path with every client process training at once. "
+                + " ".join(f"{FLOWER_NAMES[p]}: {r['processes']}"
+                           + (f" (`--federation-config \"{r['federation_config']}\"`)"
+                              if r.get("federation_config") else "") + "."
+                           for p, r in shipped.items()), ""]
     if ff is None:
         out += ["Part 1 (`round`) has not been run: no fedfleet figures to compare with.", ""]
     elif any((ff["thread_plan"]["train_slots"], ff["thread_plan"]["torch_threads"])
-             != (r["thread_plan"]["train_slots"], r["thread_plan"]["torch_threads"]) for r in ok.values()):
+             != (r["thread_plan"]["train_slots"], r["thread_plan"]["torch_threads"])
+             for p, r in ok.items() if p not in DEFAULTS_PARTS):
         out += ["**Part 1 ran with another thread plan than the Flower parts** (run them on the same machine): "
                 f"part 1 {ff['thread_plan']['train_slots']} × {ff['thread_plan']['torch_threads']}, Flower "
                 + ", ".join(f"{FLOWER_NAMES[p]} {r['thread_plan']['train_slots']} × {r['thread_plan']['torch_threads']}"
-                            for p, r in ok.items()) + ".", ""]
+                            for p, r in ok.items() if p not in DEFAULTS_PARTS) + ".", ""]
     f_steady = _steady(ff["rounds"]) if ff else float("nan")
     f_acc = ff["final_accuracy"] if ff else float("nan")
     rows = []
