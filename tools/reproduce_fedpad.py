@@ -272,14 +272,20 @@ def paired(a: list[dict], b: list[dict], fig) -> tuple[float, float, int]:
     return m, s, len(diffs)
 
 
-def verdict(measured: float, claimed: float | None) -> str:
+def verdict(measured: float, claimed: float | None, std: float = 0.0, seeds: int = 1) -> str:
     """reproduced (the measured gain reaches the paper's; with no margin given: any gain),
-    direction only (positive, smaller), or not reproduced."""
+    direction only (positive, smaller), or not reproduced; a positive mean smaller than the
+    spread of the per-seed differences (``measured <= std`` over ``seeds >= 2``) is said to be
+    within seed noise, since the seeds disagree on its sign or size as much as they agree."""
     if measured != measured:
         return "no data"
+    noise = " (within seed noise: mean ≤ std of the per-seed differences)" if (
+        seeds >= 2 and 0 < measured <= std) else ""
     if claimed is None:
-        return "reproduced" if measured > 0 else "not reproduced"
-    return "reproduced" if measured >= claimed else "direction only" if measured > 0 else "not reproduced"
+        return ("reproduced" + noise) if measured > 0 else "not reproduced"
+    if measured >= claimed:
+        return "reproduced" + noise
+    return ("direction only" + noise) if measured > 0 else "not reproduced"
 
 
 def _spread_text(sp: list[dict]) -> str:
@@ -445,7 +451,7 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
         m, s, n = paired(ra, rb, fig)
         lines.append(f"- {text}: measured {a} − {b} = {m:+.2f} ± {s:.2f} pp ({kind}, {n} seed{'s' * (n != 1)}; paper "
                      f"{'+' + format(claimed, '.2f') + ' pp' if claimed is not None else 'no margin'}) → "
-                     f"**{verdict(m, claimed)}**.")
+                     f"**{verdict(m, claimed, s, n)}**.")
     for bench in benches:
         pad, avg = rows(bench, "FedPAD"), rows(bench, "FedAvg")
         if pad and avg:

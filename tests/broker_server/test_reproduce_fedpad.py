@@ -57,6 +57,13 @@ def test_verdict_thresholds() -> None:
     assert t.verdict(-0.1, 2.55) == "not reproduced" and t.verdict(0.0, 2.55) == "not reproduced"
     assert t.verdict(0.1, None) == "reproduced" and t.verdict(-0.1, None) == "not reproduced"
     assert t.verdict(float("nan"), 1.0) == "no data"
+    # three seeds whose differences are +0.2, -0.5, +1.0 pp: mean 0.23, population std 0.62
+    diffs = [0.2, -0.5, 1.0]
+    m = sum(diffs) / 3
+    sd = (sum((d - m) ** 2 for d in diffs) / 3) ** 0.5
+    assert t.verdict(m, 2.55, sd, 3) == "direction only (within seed noise: mean ≤ std of the per-seed differences)"
+    assert t.verdict(m, 2.55, sd, 1) == "direction only"  # one seed: no spread to compare with
+    assert t.verdict(0.9, 2.55, 0.3, 3) == "direction only"
 
 
 def _rec(key: str, method: str, seed: int, worst: float, avg: float, grid: str = "main", **tags) -> dict:
