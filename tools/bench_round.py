@@ -479,7 +479,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
                 f"{enc * 1e3:.3f} | {x['copyto_s'] / enc:.2f} | {x['copy_s'] / enc:.2f} | "
                 f"{dec * 1e3:.3f} | {x['copyto_s'] / dec:.2f} | {x['encode_peak_bytes'] / p:.2f} | "
                 f"{x['send_peak_bytes'] / p:.2f} | {x['decode_peak_bytes'] / p:.2f} |")
-        out += ["", "Speeds are ratios of times (1.0 = as fast as the copy); goals (issue 16): encode ≥ 0.3×, "
+        out += ["", "Speeds are ratios of times (1.0 = as fast as the copy); goals: encode ≥ 0.3×, "
                 "decode ≥ 0.5× copy speed at 45 MB, peak ≤ 1.2× payload.", ""]
     f = results.get("fleet")
     if f:
@@ -499,7 +499,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
             steady = _mean(x["round_s"][1:] or x["round_s"])
             out.append(f"| {x['agents']} | {x['vmhwm_mib']:,.1f} | {x['data_mib']:.1f} | {delta} | {per} | "
                        f"{steady:.2f} | {60 / steady:.2f} |")
-        out += ["", "Goal (issue 16): ≤ 2 MiB per agent beyond the data set.", ""]
+        out += ["", "Goal: ≤ 2 MiB per agent beyond the data set.", ""]
     if any(p in results for p in FLOWER_PARTS):
         out += flower_section(results)
     return "\n".join(out) + "\n"
