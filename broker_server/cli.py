@@ -308,7 +308,7 @@ def _main(argv: list[str] | None) -> int:
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from protocol.lifecycle import install_signal_handlers
-    install_signal_handlers()  # SIGTERM/SIGINT: ledgers committed, run folders closed in order (issue 14)
+    install_signal_handlers()  # SIGTERM/SIGINT: ledgers committed, run folders closed in order
     try:
         return args.func(args)
     except ConfigError as exc:

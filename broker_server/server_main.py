@@ -263,7 +263,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
     finally:
         if tracker is not None and not finished:
             tracker.close(status="FAILED")
-        if server is not None:  # every exit path closes what it opened (issue 14); a second close is a no-op
+        if server is not None:  # every exit path closes what it opened; a second close is a no-op
             server.channel.close()
         if ledger is not None:
             ledger.close()

@@ -474,7 +474,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         for t in threads:
             t.join(timeout=5)
         for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):
-            ch.close()  # every exit path closes what it opened (issue 14); a second close is a no-op
+            ch.close()  # every exit path closes what it opened; a second close is a no-op
         ledger.close()
         if broker is not None:
             broker.stop()

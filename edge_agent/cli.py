@@ -198,7 +198,7 @@ def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from protocol.lifecycle import install_signal_handlers
-    install_signal_handlers()  # SIGTERM/SIGINT: ledger committed, channel and ledger closed in order (issue 14)
+    install_signal_handlers()  # SIGTERM/SIGINT: ledger committed, channel and ledger closed in order
     try:
         if not valid_id(args.client_id) or not valid_id(args.federation):
             raise ValueError("--client-id and --federation must be 1-64 chars of A-Za-z0-9_.-")

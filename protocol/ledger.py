@@ -53,7 +53,7 @@ on the agent side, and ``'*'`` for a broadcast recorded by the server.
 
 The ledger is safe to share between threads (one connection guarded by a lock) and is written
 in WAL mode (``synchronous=NORMAL``: a committed row survives the writing process being killed,
-SIGKILL included; only a power loss can take the last commits). Durability (issue 14):
+SIGKILL included; only a power loss can take the last commits). Durability:
 
 - rows are committed at most ``commit_interval_s`` (1 s) after they were recorded: on the next
   write once the interval has passed, else by one idle-waiting committer thread per process

@@ -1,4 +1,4 @@
-"""Crash benchmark of fedfleet (issue 14): a real fleet — ``fedfleet server`` and three
+"""Crash benchmark of fedfleet: a real fleet — ``fedfleet server`` and three
 ``fedfleet-agent`` processes over an embedded Mosquitto — with one process killed (SIGKILL) or
 stopped (SIGTERM) during round 2, and runs on a machine whose ``onnxruntime`` import is broken.
 Prints (or writes) Markdown rows.

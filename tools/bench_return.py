@@ -1,4 +1,4 @@
-"""Returning-devices benchmark of fedfleet (issue 14, "devices that come back" and "refusals that
+"""Returning-devices benchmark of fedfleet ("devices that come back" and "refusals that
 say what was refused"): a real fleet — ``fedfleet server`` and three ``fedfleet-agent``
 processes over an embedded Mosquitto — in which one device loses its link as round 2 opens and
 comes back, vanishes during round 2 (SIGKILL: its last will; SIGTERM: its own offline status),

@@ -66,7 +66,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "FedMCP++": ("fedmcp", {"onnx_soft_predictions": False}),
 }
 
-#: the compact upload encoding of the issue (≤ 11,000 bytes per upload)
+#: the compact upload encoding's target (≤ 11,000 bytes per upload)
 COMPACT = "soft_predictions=int8+zstd,prototypes=fp16+zstd"
 
 

@@ -1,7 +1,7 @@
 """A broken onnxruntime (import raising ImportError, OSError, RuntimeError, or killing the
 interpreter) is found by the child-process probe and cannot take the probing process down:
 device detection, the runtime plan's fallbacks, ``edge_agent.onnx_runtime`` and FedMCP++'s soft
-predictions all carry on with torch (issue 14).
+predictions all carry on with torch.
 
 Each case runs in a fresh Python process whose ``PYTHONPATH`` starts with a shim folder holding a
 fake ``onnxruntime`` package, so the test process itself never imports the broken package.

@@ -1,4 +1,4 @@
-"""Size-limit scenarios (issue 14): a federation over a broker with a packet or message size
+"""Size-limit scenarios: a federation over a broker with a packet or message size
 limit, or whose devices have a small limit of their own, behind a relay that parses the MQTT
 stream, so a test (and ``tools/bench_size_limits.py``) can check what the run, the ledger and
 the wire agree on.

@@ -1,5 +1,5 @@
 """A federation on a machine whose onnxruntime is broken completes on torch alone, and says so
-(issue 14): ``fedfleet simulate`` of examples/quickstart.toml (sklearn digits), 2 rounds, with a
+: ``fedfleet simulate`` of examples/quickstart.toml (sklearn digits), 2 rounds, with a
 fake ``onnxruntime`` package first on ``PYTHONPATH`` whose import raises or kills the interpreter.
 Also: ``simulate`` exits non-zero when agents failed."""
 

@@ -1,4 +1,4 @@
-"""Ledgers that survive a crash (issue 14), over real processes and a real broker.
+"""Ledgers that survive a crash, over real processes and a real broker.
 
 A counting relay (a subscriber of the federation's topics, in this test process) knows
 independently which messages a device published: ``(sender, kind, seq)`` of every delivery. The

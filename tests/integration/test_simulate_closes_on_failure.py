@@ -1,5 +1,5 @@
 """A simulate run that fails mid-run closes every MQTT connection it opened before closing the
-ledger, so no network thread writes into a closed ledger (issue 14)."""
+ledger, so no network thread writes into a closed ledger."""
 
 from __future__ import annotations
 

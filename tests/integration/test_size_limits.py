@@ -1,4 +1,4 @@
-"""Size limits of the broker and of the devices (issue 14), over real brokers with their own
+"""Size limits of the broker and of the devices, over real brokers with their own
 configs: every federation must finish with every update counted, the ledger must say which
 PUBLISH the broker acknowledged and which it refused (with the limit in the reason), the ledger's
 PUBLISH rows must match what a relay counted on the wire, and no oversize packet may be re-sent

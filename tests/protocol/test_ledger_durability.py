@@ -1,5 +1,5 @@
 """The ledger commits on its own (timer, round ends), records how its writer ended, and the signal
-handlers of protocol.lifecycle commit it and stop the process in order (issue 14)."""
+handlers of protocol.lifecycle commit it and stop the process in order."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A PUBLISH the broker refuses (issue 14, size limits): the channel sends the message again in
+"""A PUBLISH the broker refuses (size limits): the channel sends the message again in
 chunks of at most half the refused packet's size, or gives up loudly when smaller packets cannot
 help; the ledger's ``delivery`` says handed / acked / refused. A transport double stands in for
 paho: it refuses every packet above ``limit`` (as Mosquitto's PUBACK 0x95 does) when ``answer()``

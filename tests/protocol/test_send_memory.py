@@ -5,7 +5,7 @@ Bytes: every payload equals msgpack's own packing of the same nested arrays (the
 the one-copy change), at the sizes where the ``bin`` header changes and where the encoder starts
 passing buffers by reference. Memory: ``tracemalloc`` (numpy reports its allocations to it)
 measures the peak of what an encode or a whole chunked send allocates beyond the tensors that
-already exist; the goal is at most 1.2× the payload (issue 16), the payload itself being 1×.
+already exist; the goal is at most 1.2× the payload, the payload itself being 1×.
 """
 
 from __future__ import annotations
