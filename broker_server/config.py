@@ -123,6 +123,10 @@ class ServerSection:
     ``global_confirm_s``: seconds within which a selected device must confirm a round's global
     model before it is sent again in smaller packets (a broker that acknowledges and drops
     messages above a size limit it does not announce; default 10).
+    ``overlap_evaluation``: ``"auto"`` (the default) evaluates each round but the last while the
+    devices train the next one, unless the algorithm's next plan reads that evaluation (FedDO,
+    FedAA: ``plans_from_evaluation``); ``"off"`` evaluates each round before the next one opens.
+    The figures are the same either way (see :mod:`broker_server.server`, "Evaluation overlap").
     """
 
     participation_rate: float = 1.0
@@ -136,6 +140,7 @@ class ServerSection:
     offline_grace_s: float = 30.0
     global_delivery: str = "auto"
     global_confirm_s: float = 10.0
+    overlap_evaluation: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -376,6 +381,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "offline_grace_s"): (0.0, 7 * 86400.0),
     ("server", "global_delivery"): ("auto", "broadcast", "per_device"),
     ("server", "global_confirm_s"): (0.1, 7 * 86400.0),
+    ("server", "overlap_evaluation"): ("auto", "off"),
     ("server", "eval_batch_size"): (1, 1 << 20),
     ("server", "client_eval_max"): (0, 1 << 30),
     ("server", "client_eval_every"): (1, 1 << 30),

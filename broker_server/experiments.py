@@ -292,7 +292,7 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 # The harness of the reproduction scripts (tools/reproduce_*.py)
 
 #: Keys of a round's metrics line that measure time, not the computation (left out of re-run checks).
-VOLATILE_METRICS = frozenset({"seconds", "phase_s", "clients_train_s", "train_seconds"})
+VOLATILE_METRICS = frozenset({"seconds", "ended_s", "phase_s", "clients_train_s", "train_seconds"})
 
 
 def code_commit(root: str | Path) -> str:

@@ -115,6 +115,11 @@ class RoundProgress:
                                          or self._round.state.get(client, "").startswith("waiting")):
                     self._round.state[client] = text
 
+    def open_round(self) -> int:
+        """The number of the round last opened (``round_open``), 0 before any."""
+        with self._lock:
+            return self._round.number if self._round is not None else 0
+
     def counts(self) -> dict[str, int]:
         """``selected``, ``reported``, ``withdrew``, ``refused`` of the open round (zeros when none)."""
         with self._lock:
@@ -317,10 +322,13 @@ class LiveProgress(PlainProgress):
             self._live.refresh()
 
     def on_round(self, metrics: dict) -> None:
-        """Clear the live line, then print the round's line."""
+        """Clear the live line, then print the round's line; the live line comes back when a later
+        round is open already (a round evaluated while the next one trains)."""
         self.close()
         if self.round_line is not None:
             self.round_line(metrics)
+        if self.state.open_round() > int(metrics.get("round", 0)):
+            self._start()
 
     def close(self) -> None:
         """Stop the live display (the line is cleared); safe to call twice."""

@@ -43,6 +43,29 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    so a skipped round never repeats the round before's;
 6. evaluate on the held-out test split, write one ``metrics.jsonl`` line and a checkpoint.
 
+**Evaluation overlap** (``[server] overlap_evaluation = "auto"``, the default, and a strategy
+whose next plan does not read the round's evaluation: :attr:`Strategy.plans_from_evaluation
+<broker_server.strategies.Strategy.plans_from_evaluation>` false): step 6 of round r, but the
+last, is split. Everything that needs no model evaluation (the devices' figures, the strategy's
+``aggregate_metrics`` and ``round_metrics``, counts, bytes) is gathered when the round closes,
+and round r's checkpoint and ``registry.json`` are written then, before round r+1's selection
+draws from the generator (so a killed and resumed run selects as an uninterrupted one); round
+r+1 opens (selection, its ``global`` and ``round_start``), and round r's model — a copy of the
+state checkpointed, since a lossy global codec changes the live model when round r+1 opens — is
+evaluated (the test split, each test domain, :meth:`Strategy.evaluate
+<broker_server.strategies.Strategy.evaluate>`) while the devices train round r+1, holding a
+training slot (``eval_slot``: in a simulation the agents' slot semaphore, so evaluation and
+trainings never outnumber the slots); then round r's line is written, before round r+1's, with
+the figures the line would have had without overlap (only its timing fields differ). A crash
+between round r's checkpoint and its line leaves the line in the checkpoint (its figures but
+the evaluation's): :meth:`AggregationServer.resume` evaluates the checkpointed model and writes
+it, so every completed round has exactly one line. What cannot overlap: the last round (no next
+round), a round run alone (:meth:`AggregationServer.run_round`), and every round of a strategy
+whose plan reads the evaluation (FedDO and FedAA: their ``evaluate`` computes the reward their
+agent learns from). Skipped rounds, rounds after a resume and ``share != "all"`` (accuracy from
+the devices' ``client_eval`` reports, which the line has when the round closes) overlap as any
+other.
+
 After the last round the server publishes ``finish``. The device registry
 (:mod:`broker_server.registry`), the open round's state (:mod:`broker_server.round_state`) and
 the run folder (:mod:`broker_server.persistence`) live in their own modules; this one holds the
@@ -51,10 +74,12 @@ loop and the message handling.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,8 +134,8 @@ from .strategies import (
 )
 from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
 
-__all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "RoundStats", "RunSummary", "ServerSettings",
-           "client_eval_figures", "evaluate"]
+__all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "OVERLAP_EVALUATIONS", "RoundStats", "RunSummary",
+           "ServerSettings", "client_eval_figures", "evaluate"]
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +224,10 @@ class ServerSettings:
         global_delivery: ``"broadcast"``, ``"per_device"`` or ``"auto"`` (``[server]
             global_delivery``): how each round's ``global`` reaches the selected devices
             (:func:`choose_delivery`).
+        overlap_evaluation: ``"auto"`` (evaluate each round but the last while the devices
+            train the next, unless the strategy's plan reads the evaluation: the module
+            docstring's "Evaluation overlap") or ``"off"`` (evaluate before the next round
+            opens), ``[server] overlap_evaluation``; one of :data:`OVERLAP_EVALUATIONS`.
     """
 
     rounds: int
@@ -217,10 +246,14 @@ class ServerSettings:
     offline_grace_s: float = 30.0
     global_confirm_s: float = 10.0
     global_delivery: str = "auto"
+    overlap_evaluation: str = "auto"
 
 
 #: ``[server] global_delivery`` values.
 GLOBAL_DELIVERIES = ("auto", "broadcast", "per_device")
+
+#: ``[server] overlap_evaluation`` values.
+OVERLAP_EVALUATIONS = ("auto", "off")
 
 
 def global_array_bytes(tensors: tuple[np.ndarray, ...] | list[np.ndarray], extras: dict[str, np.ndarray]) -> int:
@@ -281,6 +314,27 @@ class RunSummary:
     final_accuracy: float
     final_loss: float
     metrics: list[dict]
+
+
+@dataclass
+class _PendingLine:
+    """A round whose metrics line waits for its evaluation (evaluation overlap).
+
+    Attributes:
+        round: the round.
+        tensors: the global state it closed with, in manifest order (the arrays checkpointed).
+        line: its metrics line but the evaluation's figures (``accuracy``/``loss`` as far as known).
+        t0: ``time.monotonic()`` when the round opened.
+        closed: ``time.monotonic()`` when its checkpoint and ``registry.json`` were written.
+        started: its evaluation has begun (a failure after that is not retried).
+    """
+
+    round: int
+    tensors: list[np.ndarray]
+    line: dict
+    t0: float
+    closed: float
+    started: bool = False
 
 
 def client_eval_figures(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -363,12 +417,22 @@ class AggregationServer:
             evaluated on each, giving ``domain_accuracy``, ``accuracy_avg`` (mean over domains)
             and ``accuracy_worst`` (min over domains) in every round's metrics.
         run_dir: where ``metrics.jsonl``, ``checkpoints.sqlite`` and ``model_final.pt`` go.
-        on_round: called with each round's metrics dict (progress display).
+        on_round: called with each round's metrics dict (progress display), when its line is
+            written (under evaluation overlap, while the next round trains).
+        eval_slot: held (``with``) while the server evaluates a round during the next one's
+            training (evaluation overlap): in a simulation one of the agents' training slots
+            (:func:`broker_server.simulate.simulate`), so that the busy threads never outnumber
+            the slots; ``None`` (a server on its own machine): nothing is held. Also settable
+            as the :attr:`eval_slot` attribute before :meth:`run`.
+
+    Raises:
+        RunError: ``settings.global_delivery`` or ``settings.overlap_evaluation`` is not a known value.
     """
 
     def __init__(self, *, channel: Channel, strategy: Strategy, model: torch.nn.Module, test: ArraySplit,
                  settings: ServerSettings, run_dir: Path, on_round: Callable[[dict], None] | None = None,
-                 test_domains: dict[str, ArraySplit] | None = None) -> None:
+                 test_domains: dict[str, ArraySplit] | None = None,
+                 eval_slot: AbstractContextManager[Any] | None = None) -> None:
         self.channel = channel
         self.strategy = strategy
         self.model = model
@@ -378,6 +442,9 @@ class AggregationServer:
         if settings.global_delivery not in GLOBAL_DELIVERIES:
             raise RunError(f"global_delivery = {settings.global_delivery!r} is not one of "
                            f"{', '.join(GLOBAL_DELIVERIES)}")
+        if settings.overlap_evaluation not in OVERLAP_EVALUATIONS:
+            raise RunError(f"overlap_evaluation = {settings.overlap_evaluation!r} is not one of "
+                           f"{', '.join(OVERLAP_EVALUATIONS)}")
         self.settings = settings
         self.run_dir = Path(run_dir)
         self.on_round = on_round
@@ -421,6 +488,9 @@ class AggregationServer:
         self.resyncs = 0
         self._resend_capped: set[tuple[int, str]] = set()  # (round, client) told "nothing more is sent"
         self.onnx_result: dict = {}
+        self.eval_slot: AbstractContextManager[Any] = eval_slot if eval_slot is not None else nullcontext()
+        self._eval_model: torch.nn.Module | None = None  # the overlapped evaluations' copy of the model
+        self._started = time.monotonic()  # metrics.jsonl "ended_s" counts from here
         # per-phase seconds of each round (metrics.jsonl "phase_s"): the channel's accept (decode,
         # signature check, ledger rows) and the handling of what arrived are timed at every call
         self.phases = PhaseClock()
@@ -964,14 +1034,23 @@ class AggregationServer:
                 f"agents use --federation {self.fed} and the same broker, or raise [server] join_timeout_s")
         if self.round == 0:
             self._checkpoint(accuracy=None)
+        pending: _PendingLine | None = None
+        try:
+            while self.round < self.settings.rounds:
+                r = self.round + 1
+                got = self._run_round(r, previous=pending, defer=self.overlaps_evaluation and r < self.settings.rounds)
+                pending = got if isinstance(got, _PendingLine) else None
+        except Exception:
+            if pending is not None and not pending.started:  # the next round failed before evaluating it
+                try:
+                    self._complete_pending(pending)
+                except Exception:  # noqa: BLE001 - the first failure is the one raised; resume writes the line
+                    log.exception("round %d could not be evaluated; --resume evaluates its checkpoint", pending.round)
+            raise
         last_acc, last_loss = float("nan"), float("nan")
-        for m in self.metrics:  # a resumed run's rounds so far (all of them when it had finished)
+        for m in self.metrics:  # a resumed run's rounds before this session's too
             if m.get("accuracy") is not None:
                 last_acc, last_loss = m["accuracy"], m["loss"] if m.get("loss") is not None else float("nan")
-        while self.round < self.settings.rounds:
-            m = self.run_round(self.round + 1)
-            if m["accuracy"] is not None:
-                last_acc, last_loss = m["accuracy"], m["loss"] if m["loss"] is not None else float("nan")
         packet, chunk = self._limits()
         self.channel.send(topics.down(self.fed, Kind.FINISH),
                           Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10,
@@ -1088,8 +1167,27 @@ class AggregationServer:
                            f"(after the global codec {self.global_codec.name!r}); no device accepts such a global")
         return tensors, extras
 
+    @property
+    def overlaps_evaluation(self) -> bool:
+        """Whether :meth:`run` evaluates each round but the last while the devices train the next
+        (the module docstring's "Evaluation overlap"): ``[server] overlap_evaluation = "auto"`` and
+        a strategy whose ``plans_from_evaluation`` is false."""
+        return self.settings.overlap_evaluation == "auto" and not type(self.strategy).plans_from_evaluation
+
     def run_round(self, r: int) -> dict:
-        """Run round ``r`` (steps 1–6 of the module docstring) and return its metrics."""
+        """Run round ``r`` (steps 1–6 of the module docstring) and return its metrics: evaluated,
+        its line written and its checkpoint saved before this returns (no overlap)."""
+        line = self._run_round(r, previous=None, defer=False)
+        assert isinstance(line, dict)  # defer=False: the round is complete
+        return line
+
+    def _run_round(self, r: int, *, previous: _PendingLine | None, defer: bool) -> dict | _PendingLine:
+        """Run round ``r``. ``previous``: the round before, waiting for its evaluation, which runs
+        once this round's ``global`` and ``round_start`` are out (then its line is written).
+        ``defer``: close this round without evaluating it — its figures gathered, its checkpoint
+        and ``registry.json`` written — and return it as a :class:`_PendingLine` for the next
+        round to complete; otherwise evaluate it, write its line and checkpoint, and return
+        the line."""
         t0 = time.monotonic()
         sent0 = self._bytes()
         # the previous round's checkpoint and registry (timed after its metrics line); the rest of
@@ -1130,6 +1228,12 @@ class AggregationServer:
         self._event("round_open", selected=tuple(plan.selected), deadline_s=self.settings.round_deadline_s,
                     rounds=self.settings.rounds, start_up=sent0[0], start_down=sent0[1])
         mark("publish")
+        if previous is not None:  # the devices train now: the round before is evaluated meanwhile
+            self._complete_pending(previous)
+            mark("evaluate_prev")
+            # what arrived meanwhile (receipts of this round's global among it) is handled before
+            # anything decides from it (a resend of the global for want of receipts)
+            self._drain()
         deadline = t0 + self.settings.round_deadline_s
         o.deadline = deadline
         while True:
@@ -1165,28 +1269,55 @@ class AggregationServer:
         else:
             self._commit(r, self._strategy_result(r, acc_round.result))
         mark("aggregate")
-        acc: float | None
-        loss: float | None
-        acc, loss = evaluate(self.model, self.test, batch_size=self.settings.eval_batch_size)
-        extra_metrics = self._extra_metrics(r, results, o.strategy_metrics)
+        line = self._round_line(r, results, sent0, refused0, undeliverable0)
+        if defer:
+            mark("aggregate")  # the round's figures from the reports and the strategy
+            line["seconds"] = time.monotonic() - t0
+            line["phase_s"] = self._phase_seconds(ledger0, carried)
+            # the checkpoint before the next round's selection draws from the generator; it holds
+            # the line, so that a crash before the line is written leaves it to --resume
+            t = time.perf_counter()
+            self._checkpoint(accuracy=None, pending_line=line)
+            t1 = time.perf_counter()
+            self.write_registry()
+            line["phase_s"].update(checkpoint=round(t1 - t, 4), registry=round(time.perf_counter() - t1, 4))
+            return _PendingLine(r, list(self.global_tensors), line, t0, time.monotonic())
+        self._evaluate_line(r, line, self.model)
         mark("evaluate")
+        line["seconds"] = time.monotonic() - t0
+        line["phase_s"] = self._phase_seconds(ledger0, carried)
+        self._write_line(line)
+        # after the metrics line (a crash between the two re-runs the round): timed into the next line
+        mark = self.phases.lap()
+        self._checkpoint(accuracy=line["accuracy"])
+        mark("checkpoint")
+        self.write_registry()
+        mark("registry")
+        if self.on_round:
+            self.on_round(line)
+        return line
+
+    def _round_line(self, r: int, results: list[tuple[int, float, dict]], sent0: tuple[int, int], refused0: int,
+                    undeliverable0: int) -> dict:
+        """Round ``r``'s metrics line as the round closes: every figure that needs no evaluation of
+        its model (counts, bytes, the devices' figures, the strategy's ``aggregate_metrics``,
+        ``round_metrics`` and committed ``metrics``); ``accuracy``/``loss`` ``None`` (or the
+        clients' mean own-model accuracy when ``share != "all"``), ``seconds`` 0 until
+        :meth:`_evaluate_line` and the caller complete it. Sets :attr:`round` to ``r``."""
+        o = self.open
+        acc: float | None = None
+        extra_metrics = self._extra_metrics(r, results, o.strategy_metrics)
         if self.share != "all":
             # the server's copy holds only the shared part (or nothing) of a model: its score means
             # nothing. The round's accuracy is the clients' own models' (client_eval), when measured.
-            acc, loss = extra_metrics.get("client_accuracy_mean"), None
+            acc = extra_metrics.get("client_accuracy_mean")
             extra_metrics["accuracy_source"] = "clients"
-        # the strategy's hooks: its own evaluation of the global model, its aggregation of device metrics
+        # the strategy's aggregation of device metrics (its evaluation of the model: _evaluate_line)
         reports = [ClientReport(c, *o.results[c]) for c in sorted(o.results)]
         refused = list(extra_metrics.pop("metrics_refused", []))
         from_clients = client_metrics(self.strategy, r, reports, DRIVER_KEYS)
         refused += from_clients.pop("metrics_refused", [])
         extra_metrics.update(from_clients)
-        own = server_evaluate(self.strategy, r, self.model, [k for k in DRIVER_KEYS if k not in ("accuracy", "loss")])
-        refused += own.pop("metrics_refused", [])
-        if "accuracy" in own:
-            acc, loss = own.pop("accuracy"), own.pop("loss", None)
-            extra_metrics["accuracy_source"] = "strategy"
-        extra_metrics.update(own)
         if refused:  # the strategy's figures the line cannot take (each logged as a warning)
             extra_metrics["metrics_refused"] = sorted(set(refused))
         self.round = r
@@ -1194,17 +1325,17 @@ class AggregationServer:
             self._check_extras_codec_names()
         up, down = (b - a for a, b in zip(sent0, self._bytes(), strict=True))
         st = o.stats
-        # refused as invalid since the last metrics line (this round, and the gap before it)
+        # refused as invalid since the last round closed (this round, and the gap before it)
         st.invalid = sum(self.rejected_by_reason.values())
         reached_none = st.selected > 0 and st.global_receipts == 0
         if reached_none:
             log.warning("round %d: the global model reached no device (0 of %d selected confirmed it%s)", r,
                         st.selected, f"; sent again smaller {st.global_resends}×" if st.global_resends else "")
         metrics = {
-            "round": r, "accuracy": acc, "loss": loss, "accuracy_source": "global",
+            "round": r, "accuracy": acc, "loss": None, "accuracy_source": "global",
             "clients_selected": st.selected,
             "clients_reported": st.clients_reported, "bytes_up": up, "bytes_down": down,
-            "seconds": time.monotonic() - t0, "skipped": st.skipped,
+            "seconds": 0.0, "skipped": st.skipped,
             "duplicates": st.duplicates, "late": st.late, "invalid": st.invalid,
             "global_receipts": st.global_receipts, "global_reached_no_device": reached_none,
             "global_resends": st.global_resends, "broker_refusals": self.channel.refused - refused0,
@@ -1220,20 +1351,65 @@ class AggregationServer:
         if st.skip_reason:
             metrics["skip_reason"] = st.skip_reason
         metrics["clients_train_s"] = _train_seconds(results)
-        metrics["phase_s"] = self._phase_seconds(ledger0, carried)
-        self.metrics.append(metrics)
-        self.store.append_metrics(metrics)
+        return metrics
+
+    def _evaluate_line(self, r: int, line: dict, model: torch.nn.Module) -> None:
+        """Complete round ``r``'s ``line`` (:meth:`_round_line`) with the evaluations of its global
+        ``model``: ``accuracy``/``loss`` on the test split (``share = "all"`` only: otherwise the
+        clients' figures stand), each test domain's accuracy, and :meth:`Strategy.evaluate
+        <broker_server.strategies.Strategy.evaluate>`'s figures (whose ``accuracy`` replaces the
+        line's). A figure the strategy's hooks already gave the line is not replaced by a
+        domain figure; the strategy's evaluation replaces any."""
+        if self.share == "all":
+            line["accuracy"], line["loss"] = evaluate(model, self.test, batch_size=self.settings.eval_batch_size)
+        for key, value in self._domain_metrics(model).items():
+            line.setdefault(key, value)
+        own = server_evaluate(self.strategy, r, model, [k for k in DRIVER_KEYS if k not in ("accuracy", "loss")])
+        refused = own.pop("metrics_refused", [])
+        if "accuracy" in own:
+            line["accuracy"], line["loss"] = own.pop("accuracy"), own.pop("loss", None)
+            line["accuracy_source"] = "strategy"
+        line.update(own)
+        if refused:
+            line["metrics_refused"] = sorted(set(line.get("metrics_refused", [])) | set(refused))
+
+    def _write_line(self, line: dict) -> None:
+        """Append a completed round's ``line`` to :attr:`metrics` and ``metrics.jsonl``, with its
+        ``ended_s`` (seconds from this server's start to now)."""
+        line["ended_s"] = round(time.monotonic() - self._started, 4)
+        self.metrics.append(line)
+        self.store.append_metrics(line)
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
-        # after the metrics line (a crash between the two re-runs the round): timed into the next line
-        mark = self.phases.lap()
-        self._checkpoint(accuracy=acc)
-        mark("checkpoint")
-        self.write_registry()
-        mark("registry")
+
+    def _complete_pending(self, p: _PendingLine) -> None:
+        """Evaluate the round ``p`` waits for on a copy of its model, holding :attr:`eval_slot`,
+        and write its line (then :attr:`on_round`). Its ``phase_s`` gains ``open_next`` (from its
+        checkpoint to now: the next round's opening), ``slot_wait`` and ``evaluate_overlapped``;
+        its ``seconds`` run from its opening to its line."""
+        p.started = True
+        t_open = time.monotonic()
+        with self.eval_slot:
+            t_slot = time.monotonic()
+            if self._eval_model is None:
+                self._eval_model = copy.deepcopy(self.model)
+            load_arrays(self._eval_model, p.tensors)
+            self._evaluate_line(p.round, p.line, self._eval_model)
+            t_done = time.monotonic()
+        p.line["phase_s"].update(open_next=round(t_open - p.closed, 4), slot_wait=round(t_slot - t_open, 4),
+                                 evaluate_overlapped=round(t_done - t_slot, 4))
+        p.line["seconds"] = t_done - p.t0
+        self._write_line(p.line)
         if self.on_round:
-            self.on_round(metrics)
-        return metrics
+            self.on_round(p.line)
+
+    def _drain(self) -> None:
+        """Handle every message already waiting (at most 100,000), without waiting for more."""
+        for _ in range(100_000):
+            item = self.channel.receive(0.0)
+            if item is None:
+                return
+            self._handle(item)
 
     def _phase_seconds(self, ledger0: float, carried: dict[str, float]) -> dict[str, float]:
         """This round's seconds per phase (rounded to 0.1 ms), for ``metrics.jsonl``'s ``phase_s``.
@@ -1241,13 +1417,24 @@ class AggregationServer:
         Consecutive, adding up to the round's ``seconds`` (but for the metrics figures
         themselves): ``select`` (selection, the global's codec round trip, the messages),
         ``publish`` (encode and publish the global and ``round_start``), ``collect`` (waiting for
-        the updates: the devices train then), ``aggregate``, ``evaluate``. Inside ``collect`` and
-        ``aggregate``: ``receive`` (the channel decoding, verifying and ledgering what arrived)
-        and ``accumulate`` (admitting each update and adding it to the aggregate).
+        the updates: the devices train then), ``aggregate`` (under evaluation overlap also the
+        round's figures from the reports), ``evaluate``. Inside ``collect`` and ``aggregate``:
+        ``receive`` (the channel decoding, verifying and ledgering what arrived) and
+        ``accumulate`` (admitting each update and adding it to the aggregate).
         ``checkpoint_prev`` and ``registry_prev``: the previous round's checkpoint and
         ``registry.json``, written after its metrics line (a crash between them re-runs that
         round). ``ledger``: the time every writer of this run's ledger spent writing rows during
-        the round (the agents' too, in a simulation)."""
+        the round (the agents' too, in a simulation).
+
+        A round evaluated while the next one trains (evaluation overlap) has, instead of
+        ``evaluate``: its own ``checkpoint`` and ``registry`` (written as it closed, before its
+        line), ``open_next`` (the next round's selection and publish), ``slot_wait`` (waiting
+        for a training slot) and ``evaluate_overlapped`` (its evaluation, while the devices
+        trained the next round); its ``seconds`` run to its line, so consecutive rounds'
+        ``seconds`` overlap: the interval between their ``ended_s`` is the time a round adds.
+        The round after it has ``evaluate_prev`` (between its ``publish`` and ``collect``: that
+        evaluation and the line, in its own loop's time). A line completed by ``--resume``
+        (:meth:`resume`) has ``evaluate_on_resume``."""
         out = {k: round(v, 4) for k, v in self.phases.take().items()}
         out.update({f"{k}_prev": round(v, 4) for k, v in carried.items()})
         if self.channel.ledger is not None:
@@ -1330,21 +1517,25 @@ class AggregationServer:
                         "a typo? Those codecs have no effect", ", ".join(map(repr, unknown)),
                         ", ".join(sorted(self._extras_seen)) or "none")
 
+    def _domain_metrics(self, model: torch.nn.Module) -> dict:
+        """``domain_accuracy`` ({domain: accuracy of ``model`` on its test split}), ``accuracy_avg``
+        (their mean) and ``accuracy_worst`` (their minimum), fractions; ``{}`` without test domains."""
+        if not self.test_domains:
+            return {}
+        dom = {name: evaluate(model, split, batch_size=self.settings.eval_batch_size)[0]
+               for name, split in self.test_domains.items()}
+        return {"domain_accuracy": dom, "accuracy_avg": float(np.mean(list(dom.values()))),
+                "accuracy_worst": float(min(dom.values()))}
+
     def _extra_metrics(self, r: int, results: list[tuple[int, float, dict]], committed: dict | None = None) -> dict:
-        """Per-domain accuracy of the global model, the clients' own-model evaluation, the
-        ``metrics`` of the :class:`GlobalUpdate` committed in round ``r`` (``committed``; ``{}``
-        when the round committed none: skipped, refused) and the strategy's standing
-        ``round_metrics()``, for one round's ``metrics.jsonl`` line. The strategy's figures pass
-        :func:`~broker_server.strategies._base.checked_figures` (no driver key, only what a JSON
-        line holds; refusals in ``metrics_refused``); a ``round_metrics`` that raises costs its
-        figures (``round_metrics_error``), not the round."""
+        """The clients' own-model evaluation, the ``metrics`` of the :class:`GlobalUpdate`
+        committed in round ``r`` (``committed``; ``{}`` when the round committed none: skipped,
+        refused) and the strategy's standing ``round_metrics()``, for one round's
+        ``metrics.jsonl`` line (the global model's per-domain accuracy: :meth:`_domain_metrics`).
+        The strategy's figures pass :func:`~broker_server.strategies._base.checked_figures` (no
+        driver key, only what a JSON line holds; refusals in ``metrics_refused``); a
+        ``round_metrics`` that raises costs its figures (``round_metrics_error``), not the round."""
         out: dict = {"share": self.share}
-        if self.test_domains:
-            dom = {name: evaluate(self.model, split, batch_size=self.settings.eval_batch_size)[0]
-                   for name, split in self.test_domains.items()}
-            out["domain_accuracy"] = dom
-            out["accuracy_avg"] = float(np.mean(list(dom.values())))
-            out["accuracy_worst"] = float(min(dom.values()))
         figures = client_eval_figures([m for _, _, m in results])
         if figures:
             out.update(figures, client_test=self.settings.client_test)
@@ -1384,7 +1575,12 @@ class AggregationServer:
     def resume(self, ckpt: Checkpoint) -> None:
         """Continue after ``ckpt.round``: restore the global model, strategy state, the selection
         RNG and the registry (every device offline until it joins again); drop ``metrics.jsonl``
-        lines of rounds after the checkpoint (an interrupted round is run again)."""
+        lines of rounds after the checkpoint (an interrupted round is run again). When the
+        checkpoint's round has no line yet (the server stopped while that round was evaluated
+        under evaluation overlap), its line is completed from the checkpoint (``meta``'s
+        ``pending_line``: every figure but the evaluation's) by evaluating the checkpointed model
+        and written (``phase_s`` ``evaluate_on_resume``; its ``seconds`` are those up to its
+        checkpoint plus that evaluation): every completed round has exactly one line."""
         self.round = ckpt.round
         self.global_tensors = [np.array(t) for t in ckpt.tensors]
         load_arrays(self.model, self.global_tensors)
@@ -1393,10 +1589,26 @@ class AggregationServer:
         self.devices.restore(ckpt.registry)
         if self.store.metrics_path.exists():
             self.metrics = self.store.keep_metrics_until(ckpt.round)
+        line = ckpt.meta.get("pending_line")
+        if isinstance(line, dict) and not any(m.get("round") == ckpt.round for m in self.metrics):
+            log.warning("round %d has a checkpoint but no metrics line (the server stopped while evaluating it): "
+                        "evaluating its checkpointed model", ckpt.round)
+            t = time.monotonic()
+            self._evaluate_line(ckpt.round, line, self.model)
+            dt = time.monotonic() - t
+            line["seconds"] = float(line.get("seconds") or 0.0) + dt
+            line.setdefault("phase_s", {})["evaluate_on_resume"] = round(dt, 4)
+            self._write_line(line)
+            if self.on_round:
+                self.on_round(line)
         log.info("resuming after round %d", ckpt.round)
 
-    def _checkpoint(self, accuracy: float | None) -> None:
+    def _checkpoint(self, accuracy: float | None, pending_line: dict | None = None) -> None:
+        """Save the checkpoint of :attr:`round`; ``pending_line``: that round's metrics line but its
+        evaluation, kept in ``meta`` while the line waits for it (evaluation overlap)."""
+        meta: dict[str, Any] = {"accuracy": accuracy, "manifest_hash": self.manifest_hash}
+        if pending_line is not None:
+            meta["pending_line"] = pending_line
         self.store.save_checkpoint(Checkpoint(
             round=self.round, tensors=self.global_tensors, strategy_state=self.strategy.state_dict(),
-            rng_state=dict(self.rng.bit_generator.state), registry=self.devices.rows(),
-            meta={"accuracy": accuracy, "manifest_hash": self.manifest_hash}))
+            rng_state=dict(self.rng.bit_generator.state), registry=self.devices.rows(), meta=meta))

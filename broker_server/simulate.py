@@ -417,6 +417,9 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                 server.resume(ckpt)
 
         slots = threading.Semaphore(thread_plan.train_slots)
+        # an evaluation while the devices train (evaluation overlap) takes a training slot: the
+        # busy threads never outnumber the plan's slots
+        server.eval_slot = slots
         defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
                                momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay, seed=cfg.run.seed)
         shared_eval = client_eval_split(cfg, ds) if splits.test is None else None

@@ -26,7 +26,10 @@ Parts (``--parts``; each one's results go to ``WORK/<part>.json`` and are reused
    intra-op threads), in a plain torch loop (SGD with the job's lr/momentum/weight decay, batch
    size, a seeded ``randperm`` order), no MQTT, no encoding, starting each round from the
    previous round's plain average; plus the same evaluation of the global model. Ratio = steady
-   fedfleet round (rounds 2..R) / steady floor round.
+   fedfleet round (rounds 2..R) / steady floor round. A fedfleet round's steady time is the
+   interval between its ``ended_s`` and the previous round's (under evaluation overlap a
+   round's ``seconds`` run into the next round, so consecutive ``seconds`` overlap);
+   ``--overlap-evaluation`` sets ``[server] overlap_evaluation`` for the run.
 2. ``codec`` — :func:`protocol.messages.encode` / :func:`~protocol.messages.decode` of one
    float32 update of 10,000 values (40 KB) and of 11.2 M values (44.8 MB) against ``np.copyto``
    into a preallocated array and ``arr.copy()`` (which allocates, as an encode must), median of
@@ -149,6 +152,8 @@ def median_time(fn: Any, reps: int) -> float:
 def job_overrides(args: argparse.Namespace, over: dict[tuple[str, str], Any] | None = None) -> dict:
     """The ``{(section, key): value}`` overrides of the job's configuration file."""
     o: dict[tuple[str, str], Any] = {("run", "rounds"): args.rounds}
+    if getattr(args, "overlap_evaluation", ""):
+        o[("server", "overlap_evaluation")] = args.overlap_evaluation
     if args.tiny:
         o.update({("data", "dataset"): "digits", ("data", "clients"): 3, ("server", "quorum"): 3,
                   ("run", "rounds"): 2})
@@ -180,7 +185,8 @@ def part_round(args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     plan = plans[0]
     rounds = [{"round": m["round"], "seconds": m["seconds"], "accuracy": m["accuracy"],
-               "phase_s": m.get("phase_s", {}), "clients_train_s": m.get("clients_train_s", {})}
+               "phase_s": m.get("phase_s", {}), "clients_train_s": m.get("clients_train_s", {}),
+               **({"ended_s": m["ended_s"]} if "ended_s" in m else {})}
               for m in res.metrics]
     agent_phases: dict[str, float] = {}
     for a in agents:
@@ -431,31 +437,37 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
         steady = rounds[1:] or rounds
         fl = r["floor"]["rounds"]
         fl_steady = fl[1:] or fl
-        mean_round = _mean([x["seconds"] for x in steady])
+        mean_round = _steady(rounds)
         mean_floor = _mean([x["train_s"] for x in fl_steady])
         mean_floor_eval = _mean([x["train_s"] + x["average_s"] + x["evaluate_s"] for x in fl_steady])
         out += ["## 1. A round against its compute floor", "",
                 f"`{r['config']}` ({r['dataset']}, {r['clients']} clients), {len(rounds)} rounds over {r['broker']}; "
                 f"thread plan: {plan['train_slots']} trainings at once x {plan['torch_threads']} torch threads on "
-                f"{plan['cores']} cores ({'; '.join(plan['reasons'])}). Final accuracy {r['final_accuracy']:.4f}; "
-                f"floor's plain FedAvg {fl[-1]['accuracy']:.4f}.", "",
+                f"{plan['cores']} cores ({'; '.join(plan['reasons'])}); evaluation overlapped in "
+                f"{sum('evaluate_overlapped' in x['phase_s'] for x in rounds)} of {len(rounds)} rounds. Final "
+                f"accuracy {r['final_accuracy']:.4f}; floor's plain FedAvg {fl[-1]['accuracy']:.4f}.", "",
                 "| | steady round s (rounds 2..R) | × floor |", "| --- | ---: | ---: |",
                 f"| fedfleet round | {mean_round:.2f} | {mean_round / mean_floor:.2f} |",
                 f"| floor: training only | {mean_floor:.2f} | 1.00 |",
                 f"| floor: training + average + evaluation | {mean_floor_eval:.2f} | "
                 f"{mean_floor_eval / mean_floor:.2f} |",
                 ""]
-        order = ["select", "publish", "collect", "receive", "accumulate", "aggregate", "evaluate", "checkpoint_prev",
+        order = ["select", "publish", "evaluate_prev", "collect", "receive", "accumulate", "aggregate", "evaluate",
+                 "checkpoint", "registry", "open_next", "slot_wait", "evaluate_overlapped", "checkpoint_prev",
                  "registry_prev", "ledger"]
         seen = {k for x in rounds for k in x["phase_s"]}
         keys = [k for k in order if k in seen] + sorted(seen - set(order))
         out += ["Server phases per round (s; `metrics.jsonl` `phase_s`; `receive` and `accumulate` lie inside "
-                "`collect`; `*_prev` are the previous round's; `ledger` counts every writer):", "",
-                "| round | seconds | " + " | ".join(keys) + " | devices' train s (sum / max) |",
-                "| ---: | ---: | " + " | ".join("---:" for _ in keys) + " | ---: |"]
-        for x in rounds:
+                "`collect`; `*_prev` are the previous round's; `open_next`, `slot_wait` and "
+                "`evaluate_overlapped` happen while the next round trains; `ledger` counts every writer; "
+                "*since previous end*: from the previous round's `ended_s` to this one's):", "",
+                "| round | seconds | since previous end | " + " | ".join(keys) + " | devices' train s (sum / max) |",
+                "| ---: | ---: | ---: | " + " | ".join("---:" for _ in keys) + " | ---: |"]
+        for i, x in enumerate(rounds):
             ct = x["clients_train_s"]
-            out.append(f"| {x['round']} | {x['seconds']:.2f} | "
+            gap = (f"{x['ended_s'] - rounds[i - 1]['ended_s']:.2f}"
+                   if i and "ended_s" in x and "ended_s" in rounds[i - 1] else "—")
+            out.append(f"| {x['round']} | {x['seconds']:.2f} | {gap} | "
                        + " | ".join(f"{x['phase_s'].get(k, 0.0):.3f}" for k in keys)
                        + f" | {ct.get('sum', 0):.2f} / {ct.get('max', 0):.2f} |")
         out += ["", "Floor per round (s):", "", "| round | train | average | evaluate | accuracy |",
@@ -516,7 +528,22 @@ ACCURACY_GOAL_PP = 0.3
 
 
 def _steady(rounds: list[dict]) -> float:
+    """Mean seconds a steady round (2..R; the only one when there is one) takes: the interval
+    between consecutive rounds' ``ended_s`` when every round has one (fedfleet: a round
+    evaluated while the next one trains has ``seconds`` that overlap the next round's, which a
+    mean of ``seconds`` would count twice), else each round's ``seconds``."""
+    if len(rounds) >= 2 and all("ended_s" in x for x in rounds):
+        ends = [x["ended_s"] for x in rounds]
+        return _mean([b - a for a, b in zip(ends, ends[1:], strict=False)])
     return _mean([x["seconds"] for x in (rounds[1:] or rounds)])
+
+
+def _rounds_span(rounds: list[dict]) -> float:
+    """Seconds from the first round's opening to the last round's end: from ``ended_s`` when every
+    round has one (overlapping rounds counted once), else Σ ``seconds``."""
+    if rounds and all("ended_s" in x for x in rounds):
+        return rounds[-1]["ended_s"] - rounds[0]["ended_s"] + rounds[0]["seconds"]
+    return sum(x["seconds"] for x in rounds)
 
 
 def _agg(rounds: list[dict], key: str, stat: str) -> float:
@@ -580,7 +607,7 @@ def flower_section(results: dict[str, dict]) -> list[str]:
     f_acc = ff["final_accuracy"] if ff else float("nan")
     rows = []
     if ff:
-        f_sum = sum(x["seconds"] for x in ff["rounds"])
+        f_sum = _rounds_span(ff["rounds"])
         rows.append(("fedfleet `simulate` (thread plan)", ff["rounds"], ff["wall_s"], ff["wall_s"] - f_sum, f_acc))
     for p, r in ok.items():
         rows.append((FLOWER_NAMES[p], r["rounds"], r["wall_s"], r["overhead_s"], r["final_accuracy"]))
@@ -642,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy sizes, to check the tool works")
     ap.add_argument("--config", default=str(ROOT / "examples" / "mnist-fedavg.toml"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--overlap-evaluation", choices=("auto", "off"), default="",
+                    help="[server] overlap_evaluation of the job in parts 1 and 4 (default: the configuration's)")
     ap.add_argument("--reps", type=int, default=7, help="repetitions of each codec timing (median)")
     ap.add_argument("--fleet-sizes", default="1,100,500")
     ap.add_argument("--clients", type=int, default=0, help="the job's clients (and quorum) in parts 1 and 4; 0: as "

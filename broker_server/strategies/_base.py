@@ -518,6 +518,13 @@ class Strategy(ABC):
     * ``extra_keys``: ``[algorithm]`` keys the constructor takes through its own ``**kwargs`` and
       checks itself (hyperparameters it relays to the devices), besides its named keywords; the
       configuration check (:func:`broker_server.runtime.make_strategy`) accepts them.
+    * ``plans_from_evaluation``: ``True`` when anything the strategy does after a round depends
+      on that round's evaluation — its next :meth:`configure_round`, instructions or config, its
+      next aggregation or commit, its :meth:`state_dict` — as when :meth:`evaluate` computes a
+      reward its agent learns from (FedDO, FedAA). The driver then evaluates each round before
+      its checkpoint and before the next round opens. ``False`` (the default): the driver may
+      evaluate round r (:meth:`evaluate` included, on a copy of its model) once round r+1 has
+      opened, while the devices train (``[server] overlap_evaluation``).
 
     A strategy never publishes and never commits its own aggregate: :meth:`aggregate` and the
     accumulator's ``result()`` return a :class:`GlobalUpdate`; the driver adopts it through
@@ -530,6 +537,7 @@ class Strategy(ABC):
     model_requirement: ClassVar[str] = "manifest"
     instructions: ClassVar[tuple[str, ...]] = ()
     extra_keys: ClassVar[tuple[str, ...]] = ()
+    plans_from_evaluation: ClassVar[bool] = False
 
     #: the ``metrics`` of the last update :meth:`commit` adopted (``{}`` before any), for offline
     #: callers of :meth:`step` and tests; replaced on each commit, never mutated. The driver does
@@ -664,7 +672,13 @@ class Strategy(ABC):
         ``accuracy`` (and ``loss``) among them replaces the test split's in the line's
         ``accuracy``/``loss`` (``accuracy_source = "strategy"``). Load the data in
         :meth:`setup_kwargs` or the constructor. An exception costs the round these figures only
-        (``evaluate_error``). Default ``{}``."""
+        (``evaluate_error``). Default ``{}``.
+
+        Under evaluation overlap (the default unless :attr:`plans_from_evaluation`) this runs
+        after the checkpoint of ``round`` and after :meth:`configure_round` of ``round + 1``, on a
+        copy of the round's model: it must then read nothing those change and change nothing
+        they or :meth:`state_dict` read. A strategy whose evaluation feeds its own state (a
+        reward) declares ``plans_from_evaluation = True`` and is evaluated before both."""
         return {}
 
     def round_metrics(self) -> dict:

@@ -27,7 +27,8 @@ def check_strategy_class(cls: object, ref: str, client: type | None = None) -> t
     Raises:
         ConfigError: not a subclass of :class:`~broker_server.strategies.Strategy`; an abstract
             hook left unimplemented (``aggregate``); ``share``, ``buffers``,
-            ``model_requirement`` or ``instructions`` not of the allowed values; ``share`` or
+            ``model_requirement``, ``instructions`` or ``plans_from_evaluation`` (a bool) not of
+            the allowed values; ``share`` or
             ``buffers`` other than the client half's; an override whose parameters do not take
             the base's call.
     """
@@ -45,6 +46,9 @@ def check_strategy_class(cls: object, ref: str, client: type | None = None) -> t
             raise ConfigError(f"{where} {name}.{attr} = {getattr(cls, attr)!r}: must be one of {allowed}")
     if not isinstance(cls.instructions, tuple) or not all(isinstance(k, str) and k for k in cls.instructions):
         raise ConfigError(f"{where} {name}.instructions = {cls.instructions!r}: must be a tuple of key names")
+    if not isinstance(cls.plans_from_evaluation, bool):
+        raise ConfigError(f"{where} {name}.plans_from_evaluation = {cls.plans_from_evaluation!r}: must be True or "
+                          "False (whether its next round's plan reads the round's evaluation)")
     if client is not None:
         for attr in ("share", "buffers"):
             if getattr(client, attr) != getattr(cls, attr):

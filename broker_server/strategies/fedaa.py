@@ -89,6 +89,8 @@ class FedAA(Strategy):
     buffers = "average"
     model_requirement = "manifest"
     instructions = ()
+    #: the reward of round t (:meth:`evaluate`) is stored with its transition at round t+1's commit
+    plans_from_evaluation = True
 
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, Scalar] | None = None, aggregated: int = 0,

@@ -184,6 +184,8 @@ class FedDO(Strategy):
     buffers = "average"
     model_requirement = "manifest"
     instructions = (RATIO_KEY,)
+    #: the reward r_t and φ_t of the next state s_{t+1} come from :meth:`evaluate` of round t
+    plans_from_evaluation = True
 
     def __init__(self, *, min_clients: int = 1, train_config: Mapping[str, Scalar] | None = None,
                  num_devices: int = 0, policy: str = "", learn: bool = True, deterministic: bool = False,

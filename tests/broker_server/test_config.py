@@ -127,6 +127,8 @@ def test_wrong_type(tmp_path: Path, text: str, where: str) -> None:
     pytest.param('[broker]\nkind = "emqx"\n', "[broker] kind", id="unknown-broker-kind"),
     pytest.param('[server]\nglobal_delivery = "multicast"\n', "[server] global_delivery",
                  id="unknown-global-delivery"),
+    pytest.param('[server]\noverlap_evaluation = "on"\n', "[server] overlap_evaluation",
+                 id="unknown-overlap-evaluation"),
     pytest.param("[train]\nlr = nan\n", "[train] lr", id="lr-nan"),
     pytest.param("[train]\nmomentum = 1.5\n", "[train] momentum", id="momentum-1.5"),
     pytest.param("[server]\nround_deadline_s = inf\n", "[server] round_deadline_s", id="deadline-inf"),

@@ -39,25 +39,25 @@ def digits_model() -> torch.nn.Module:
     return build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
 
 
-def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, Device], test, *, rounds: int,
-                   quorum: int = 1, batch_size: int = 16, global_delivery: str = "auto",
-                   server_ledger=None, agent_ledger=None) -> AggregationServer:
-    """Run ``rounds`` rounds; every agent must finish without an error.
-
-    ``global_delivery``: the server's ``[server] global_delivery``; ``server_ledger`` /
-    ``agent_ledger``: a :class:`~protocol.ledger.Ledger` for the server's channel / every
-    agent's (``None``: none).
-
-    Returns:
-        The server (``metrics``, ``strategy``); the messages are in ``hub.published``.
-    """
-    server = AggregationServer(
+def federation_server(tmp: Path, hub: MemoryBroker, strategy, test, *, rounds: int, clients: int, quorum: int = 1,
+                      global_delivery: str = "auto", overlap_evaluation: str = "auto", global_codec: str = "fp32",
+                      server_ledger=None, eval_slot=None) -> AggregationServer:
+    """The server of :func:`run_federation` (run folder ``tmp``, waiting for ``clients`` joins),
+    not started; ``eval_slot``: held during an overlapped evaluation (``None``: nothing)."""
+    return AggregationServer(
         channel=Channel(hub.connect("server"), node_id="server", side="server", federation="mem",
                         ledger=server_ledger),
         strategy=strategy, model=digits_model(), test=test,
         settings=ServerSettings(rounds=rounds, quorum=quorum, round_deadline_s=60, join_timeout_s=30,
-                                expected_clients=len(devices), global_delivery=global_delivery),
-        run_dir=tmp)
+                                expected_clients=clients, global_delivery=global_delivery,
+                                overlap_evaluation=overlap_evaluation, global_codec=global_codec),
+        run_dir=tmp, eval_slot=eval_slot)
+
+
+def start_agents(hub: MemoryBroker, devices: dict[str, Device], *, batch_size: int = 16, agent_ledger=None,
+                 train_lock=None) -> tuple[list[EdgeAgent], list[threading.Thread], list[BaseException]]:
+    """One :class:`EdgeAgent` thread per device (started), sharing ``train_lock`` (a semaphore of
+    training slots, or ``None``). Returns (agents, threads, the errors any of them raised)."""
     agents = [EdgeAgent(channel=Channel(hub.connect(cid), node_id=cid, side="agent", federation="mem",
                                         ledger=agent_ledger),
                         model=d.model if d.model is not None else digits_model(), algorithm=d.algorithm, x=d.x,
@@ -65,7 +65,7 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
                         idle_timeout_s=60, profile=d.profile,
                         info=None if d.model is None else {"model": type(d.model).__name__, "num_classes": 10,
                                                            "feature_dim": int(d.model.classifier.weight.shape[1])},
-                        train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size))
+                        train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size), train_lock=train_lock)
               for i, (cid, d) in enumerate(devices.items())]
     errors: list[BaseException] = []
 
@@ -73,13 +73,36 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
         def run():
             try:
                 fn()
-            except BaseException as exc:  # reported by the assertion below
+            except BaseException as exc:  # reported by the caller
                 errors.append(exc)
         return run
 
     threads = [threading.Thread(target=guarded(a.run), daemon=True) for a in agents]
     for t in threads:
         t.start()
+    return agents, threads, errors
+
+
+def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, Device], test, *, rounds: int,
+                   quorum: int = 1, batch_size: int = 16, global_delivery: str = "auto",
+                   overlap_evaluation: str = "auto", global_codec: str = "fp32", server_ledger=None,
+                   agent_ledger=None, train_lock=None, eval_slot=None) -> AggregationServer:
+    """Run ``rounds`` rounds; every agent must finish without an error.
+
+    ``global_delivery`` / ``overlap_evaluation``: the server's ``[server]`` settings;
+    ``global_codec``: its ``[protocol] global_codec``;
+    ``server_ledger`` / ``agent_ledger``: a :class:`~protocol.ledger.Ledger` for the server's
+    channel / every agent's (``None``: none); ``train_lock``: the agents' shared training slots,
+    ``eval_slot``: what the server holds while it evaluates during training (``None``: none).
+
+    Returns:
+        The server (``metrics``, ``strategy``); the messages are in ``hub.published``.
+    """
+    server = federation_server(tmp, hub, strategy, test, rounds=rounds, clients=len(devices), quorum=quorum,
+                               global_delivery=global_delivery, overlap_evaluation=overlap_evaluation,
+                               global_codec=global_codec, server_ledger=server_ledger, eval_slot=eval_slot)
+    _, threads, errors = start_agents(hub, devices, batch_size=batch_size, agent_ledger=agent_ledger,
+                                      train_lock=train_lock)
     summary = server.run()
     for t in threads:
         t.join(30)
