@@ -40,6 +40,7 @@ import io
 import math
 import os
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -123,6 +124,12 @@ class _LogitsAndFeatures(nn.Module):
         return tuple(values[name] for name in self.outputs)
 
 
+_EXPORT_LOCK = threading.Lock()
+"""Serialises :func:`torch.onnx.export` within a process: the TorchScript exporter keeps
+process-wide state (``GLOBALS.in_onnx_export``), so two devices of one simulation exporting at
+once would break each other's export."""
+
+
 def export_onnx(
     model: nn.Module,
     path: str | os.PathLike[str],
@@ -193,7 +200,7 @@ def export_onnx(
     was_training = model.training
     model.eval()
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with _EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
             # "legacy TorchScript-based ONNX export" and its logging helper; scoped to this call.
             warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -608,7 +608,9 @@ class FedMCPClient(ClientAlgorithm):
                 return soft, protos, "onnxruntime"
             except (ImportError, ModelError) as exc:
                 if not self._onnx_warned:
-                    log.warning("FedMCP++ soft predictions through torch: ONNX Runtime unavailable (%s)", exc)
+                    log.warning("FedMCP++ soft predictions through torch: %s (%s)",
+                                "ONNX Runtime unavailable" if isinstance(exc, ImportError)
+                                else "the ONNX export or session failed", exc)
                     self._onnx_warned = True
         was_training = model.training
         model.eval()

@@ -196,7 +196,7 @@ def test_logits_only_export_has_no_features(tmp_path):
 def test_export_refuses_batch_of_one(tmp_path):
     model = _random_model(1, 28, seed=0)
     with pytest.raises(ModelError, match=">= 2"):
-        export_onnx(model, tmp_path / "m.onnx", example=torch.zeros(1, 1, 28, 28))
+        export_onnx(model, tmp_path / "m.onnx", example=torch.zeros(2, 1, 28, 28))
     assert not (tmp_path / "m.onnx").exists()
 
 
@@ -295,3 +295,37 @@ def test_repr_names_file_and_providers(exported):
 
 def test_model_file_is_path(exported):
     assert isinstance(exported["gray28"][1].path, Path)
+
+
+def test_exports_from_concurrent_threads_all_succeed_and_match(tmp_path):
+    """Devices of one simulation export at once: the TorchScript exporter's process-wide state
+    would make an unserialised pair fail ('GLOBALS.in_onnx_export must be False'). Every export
+    succeeds, and each file gives its own model's logits."""
+    import threading
+
+    models = [_random_model(1, 28, seed) for seed in range(4)]
+    x = torch.randn(3, 1, 28, 28)
+    errors: list[BaseException] = []
+    paths: dict[int, Path] = {}
+    start = threading.Barrier(len(models))
+
+    def export(i: int) -> None:
+        try:
+            start.wait()
+            for rep in range(3):
+                paths[i] = export_onnx(models[i], tmp_path / f"m{i}-{rep}.onnx", example=torch.zeros(2, 1, 28, 28))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=export, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for i, m in enumerate(models):
+        m.eval()
+        with torch.no_grad():
+            want = m(x).numpy()
+        got = OnnxModel(paths[i]).predict_logits(x.numpy())
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
