@@ -191,6 +191,17 @@ def _worker(job: Job, out_dir: str) -> dict:
         return {"key": job.key, **job.tags, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def records_cost(results: dict[str, dict]) -> str:
+    """One line on what the records on hand cost to make: the number of finished cells and the sum
+    of their own wall seconds (each cell a process with one torch thread, so the sum is close to
+    the CPU time of the grid, whatever the number of workers or invocations that made it)."""
+    secs = [float(r["seconds"]) for r in results.values() if "error" not in r and "seconds" in r]
+    if not secs:
+        return "No finished cell on record."
+    return (f"The {len(secs)} finished cells on record took {sum(secs) / 3600:.2f} cell-hours in all (the sum of "
+            f"each cell's wall time, one torch thread per cell; {sum(secs) / len(secs):.0f} s per cell on average).")
+
+
 def load_results(out_dir: str | Path) -> dict[str, dict]:
     """``results.jsonl`` of a grid folder as key → record (later lines win); ``{}`` if absent."""
     path = Path(out_dir) / "results.jsonl"

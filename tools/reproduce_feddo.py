@@ -265,7 +265,8 @@ def report(out: Path, results: dict[str, dict], *, datasets, partitions, methods
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/repro-feddo")
-    p.add_argument("--report", default="benchmarks/feddo.md")
+    p.add_argument("--report", default=None, help="the report (default: benchmarks/feddo.md; a smoke run's "
+                   "goes to OUT/report.md, so it never replaces the committed one)")
     p.add_argument("--datasets", default="fashion_mnist,cifar10")
     p.add_argument("--partitions", default="dir0.1,dir0.5,iid", help="of " + ", ".join(PARTITIONS))
     p.add_argument("--methods", default=",".join(METHODS), help="of " + ", ".join(METHODS))
@@ -283,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "1 pre-training episode of 2 rounds")
     p.add_argument("--report-only", action="store_true")
     a = p.parse_args(argv)
+    if a.report is None:
+        a.report = str(Path(a.out) / "report.md") if a.tiny else str(ROOT / "benchmarks" / "feddo.md")
     if a.tiny:
         a.datasets, a.partitions, a.seeds, a.clients, a.rounds = "digits", "dir0.5", "0", 4, 2
         a.train_samples, a.episodes, a.pretrain_rounds, a.participation = 0, 1, 2, 0.5

@@ -69,6 +69,7 @@ from broker_server.experiments import (  # noqa: E402
     name_list,
     pm,
     read_metrics,
+    records_cost,
     run_with_estimate,
     verify_records,
 )
@@ -197,7 +198,9 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
              "- Splits: Dirichlet(0.1) per class over clients; '2 classes/client': client i holds classes 2i, "
              "2i+1 mod 10, each class split evenly among its holders.", ""]
     if wall_s is not None:
-        lines += [f"Wall time: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} CPUs).", ""]
+        lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} "
+                  f"({os.cpu_count()} CPUs).", ""]
+    lines += [records_cost(results), ""]
     for ds in datasets:
         lines += [f"## {ds}", "", "| method | " + " | ".join(f"{sp}, {ct} test: best / last (%)" for sp, ct in columns)
                   + " | global prototype cosine (per column) |", "|---|" + "---|" * (len(columns) + 1)]
@@ -268,7 +271,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/repro-fedocp", help="grid folder (results.jsonl, runs/)")
-    p.add_argument("--report", default="benchmarks/fedocp.md")
+    p.add_argument("--report", default=None, help="the report (default: benchmarks/fedocp.md; a smoke run's "
+                   "goes to OUT/report.md, so it never replaces the committed one)")
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--clients", type=int, default=20)
@@ -292,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", type=int, default=0, metavar="K", help="re-run K recorded cells and compare")
     p.add_argument("--report-only", action="store_true", help="write the report from OUT/results.jsonl")
     a = p.parse_args(argv)
+    if a.report is None:
+        a.report = str(Path(a.out) / "report.md") if a.tiny else str(ROOT / "benchmarks" / "fedocp.md")
     if a.tiny:
         # 5 × 5 epochs: with 2 rounds of 1 epoch (3 SGD steps a round on ~100 samples) no model learns
         # anything, and neither protocol can tell a method from chance

@@ -77,6 +77,7 @@ from broker_server.experiments import (  # noqa: E402
     name_list,
     pm,
     read_metrics,
+    records_cost,
     rounds_to_target,
     run_with_estimate,
     verify_records,
@@ -348,6 +349,7 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} "
                   f"({os.cpu_count()} CPUs, {settings['workers']} worker processes, 1 torch thread each).", ""]
+    lines += [records_cost(results), ""]
     main = [r for r in ok if r.get("grid") == "main"]
     sweep = [r for r in ok if r.get("grid") == "sweep"]
 
@@ -471,7 +473,8 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/repro-fedpad", help="grid folder (results.jsonl, runs/)")
-    p.add_argument("--report", default="benchmarks/fedpad.md")
+    p.add_argument("--report", default=None, help="the report (default: benchmarks/fedpad.md; a smoke run's "
+                   "goes to OUT/report.md, so it never replaces the committed one)")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
     p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     p.add_argument("--seeds", default="0,1,2")
@@ -496,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", type=int, default=0, metavar="K", help="re-run K recorded cells and compare")
     p.add_argument("--report-only", action="store_true", help="write the report from OUT/results.jsonl")
     a = p.parse_args(argv)
+    if a.report is None:
+        a.report = str(Path(a.out) / "report.md") if a.tiny or a.quick else str(ROOT / "benchmarks" / "fedpad.md")
     sweeps: dict[str, list] = SWEEPS
     a.tiny = a.tiny or a.quick
     if a.tiny:

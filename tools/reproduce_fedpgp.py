@@ -57,6 +57,7 @@ from broker_server.experiments import (  # noqa: E402
     name_list,
     pm,
     read_metrics,
+    records_cost,
     run_with_estimate,
     verify_records,
 )
@@ -181,7 +182,9 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
              "models' and is low by construction; `[data] client_test = \"local\"` measures it on the "
              "device's own classes).", ""]
     if wall_s is not None:
-        lines += [f"Wall time: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} CPUs).", ""]
+        lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} "
+                  f"({os.cpu_count()} CPUs).", ""]
+    lines += [records_cost(results), ""]
     main = [r for r in ok if r.get("grid") == "main"]
     have = [d for d in DATASETS if any(r["dataset"] == d for r in main)]
     missing = [d for d in DATASETS if d not in have]
@@ -284,7 +287,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/repro-fedpgp", help="grid folder (results.jsonl, runs/)")
-    p.add_argument("--report", default="benchmarks/fedpgp.md")
+    p.add_argument("--report", default=None, help="the report (default: benchmarks/fedpgp.md; a smoke run's "
+                   "goes to OUT/report.md, so it never replaces the committed one)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--clients", type=int, default=20)
@@ -305,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", type=int, default=0, metavar="K", help="re-run K recorded cells and compare")
     p.add_argument("--report-only", action="store_true", help="write the report from OUT/results.jsonl")
     a = p.parse_args(argv)
+    if a.report is None:
+        a.report = str(Path(a.out) / "report.md") if a.tiny else str(ROOT / "benchmarks" / "fedpgp.md")
     if a.tiny:
         a.seeds, a.rounds, a.clients, a.train_samples = "0", 2, 4, 1000
         a.datasets, a.splits, a.methods, a.no_sweep = "MNIST", "Dir(0.5)", "FedAvg,FedPGP", True
