@@ -74,6 +74,12 @@ def run_audit(ns: argparse.Namespace) -> int:
                    for d in ns.run_dirs]
     except AuditError as exc:
         return _error(str(exc))
+    if ns.html:
+        try:  # before anything is written: a missing extra leaves no half of the outputs
+            import matplotlib.figure  # noqa: F401
+        except ImportError as exc:
+            return _error(f"--html draws its plots with matplotlib, which cannot be imported ({exc}); install it "
+                          "with pip install 'fedfleet[plots]', or leave out --html")
     written: list[Path] = []
     try:
         if ns.csv:

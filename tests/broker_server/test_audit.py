@@ -13,6 +13,7 @@ import html
 import json
 import re
 import sqlite3
+import sys
 from dataclasses import asdict, replace
 
 import matplotlib
@@ -986,3 +987,17 @@ def test_short_run_labels_are_distinct_folder_names() -> None:
     # same last component: one more level each, until they differ
     assert _short_run_labels(["/a/one/run", "/a/two/run"]) == ["one/run", "two/run"]
     assert _short_run_labels(["/p/q/r", "/z/q/r"]) == ["p/q/r", "z/q/r"]
+
+
+def test_html_without_matplotlib_is_a_clear_error_and_writes_nothing(ctrl_run, tmp_path, monkeypatch, capsys):
+    """--html needs the plots extra: without matplotlib the command says so in one line, names the
+    install command, and writes neither the page nor the CSV asked beside it."""
+    for name in [m for m in list(sys.modules) if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    page, table = tmp_path / "report.html", tmp_path / "rows.csv"
+    rc = fedfleet_main(["audit", str(ctrl_run), "--html", str(page), "--csv", str(table)])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "pip install 'fedfleet[plots]'" in err and "Traceback" not in err
+    assert not page.exists() and not list(tmp_path.glob("rows*.csv"))
