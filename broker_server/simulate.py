@@ -39,6 +39,7 @@ from edge_agent.errors import EdgeAgentError, LocalTestSplitError, ModelError, P
 from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import ClientSplits, client_splits, describe
 from edge_agent.runtime import agent_runtime
+from edge_agent.slots import TrainingSlots
 from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
 from protocol.errors import ConnectError, SecurityConfigError
@@ -440,6 +441,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     summaries: list[AgentSummary] = []
     server = None
     tracker = None
+    slots: TrainingSlots | None = None
     finished = False
     try:
         tracker = start_tracking(cfg, out, federation)
@@ -455,7 +457,10 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             if ckpt is not None:
                 server.resume(ckpt)
 
-        slots = threading.Semaphore(thread_plan.train_slots)
+        # the fleet trains on train_slots threads of their own, which lend their working model to
+        # agents whose algorithm keeps no model between rounds (edge_agent.slots: per-thread
+        # compute state and a model per agent were most of a virtual agent's memory)
+        slots = TrainingSlots(thread_plan.train_slots)
         defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
                                momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay, seed=cfg.run.seed)
         shared_eval = client_eval_split(cfg, ds) if splits.test is None else None
@@ -481,8 +486,9 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, security=agent_sec,
                          **{**channel_options(cfg), **channel_limits(rt, chunk_bytes=cfg.protocol.chunk_bytes,
                                                                      max_packet_bytes=cfg.protocol.max_packet_bytes)})
-            agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, train_lock=slots,
+            agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, slots=slots,
                                 emulate_link=cfg.agents.emulate_link)
+            del prepared  # a borrowing agent gave its model up: nothing else holds it
             if agent_hook is not None:
                 agent_hook(i, agent)
             agents.append(agent)
@@ -510,6 +516,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             tracker.close(status="FAILED")
         for a in agents:
             a.stop()
+        if slots is not None:
+            slots.close()  # trainings still waiting (a failed run) end with SlotsClosed
         for t in threads:
             t.join(timeout=5)
         for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):

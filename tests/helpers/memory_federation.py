@@ -41,12 +41,14 @@ def digits_model() -> torch.nn.Module:
 
 def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, Device], test, *, rounds: int,
                    quorum: int = 1, batch_size: int = 16, global_delivery: str = "auto",
-                   server_ledger=None, agent_ledger=None) -> AggregationServer:
+                   server_ledger=None, agent_ledger=None, slots=None,
+                   agents_out: list | None = None) -> AggregationServer:
     """Run ``rounds`` rounds; every agent must finish without an error.
 
     ``global_delivery``: the server's ``[server] global_delivery``; ``server_ledger`` /
     ``agent_ledger``: a :class:`~protocol.ledger.Ledger` for the server's channel / every
-    agent's (``None``: none).
+    agent's (``None``: none); ``slots``: :class:`edge_agent.slots.TrainingSlots` the agents train
+    on (``None``: each its own thread and model); ``agents_out``: a list the agents are appended to.
 
     Returns:
         The server (``metrics``, ``strategy``); the messages are in ``hub.published``.
@@ -65,8 +67,10 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
                         idle_timeout_s=60, profile=d.profile,
                         info=None if d.model is None else {"model": type(d.model).__name__, "num_classes": 10,
                                                            "feature_dim": int(d.model.classifier.weight.shape[1])},
-                        train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size))
+                        train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size), slots=slots)
               for i, (cid, d) in enumerate(devices.items())]
+    if agents_out is not None:
+        agents_out.extend(agents)
     errors: list[BaseException] = []
 
     def guarded(fn):
