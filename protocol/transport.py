@@ -68,7 +68,8 @@ from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
 from .transport_tls import tls_context
 
 __all__ = ["ACK_CLOSE_S", "MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "ConnectRetry", "Incoming",
-           "MqttTransport", "PacketEvent", "Transport", "Will", "parse_mqtt_version", "tls_context"]
+           "MqttTransport", "PacketEvent", "PollingClient", "Transport", "Will", "parse_mqtt_version",
+           "tls_context"]
 
 log = logging.getLogger(__name__)
 
@@ -181,40 +182,10 @@ def _unsupported_version(refusal: str | None) -> bool:
     return refusal is not None and ("0x84" in refusal or "0x01" in refusal or "protocol version" in refusal.lower())
 
 
-class _CountingClient(mqtt.Client):
-    """paho Client that reports every packet and counts socket bytes.
-
-    Two paho internals are wrapped (paho-mqtt 2.x): ``_packet_queue`` (each outgoing packet, as
-    complete bytes) and ``_packet_handle`` (each complete incoming packet); ``_sock_send`` /
-    ``_sock_recv`` count the raw bytes written to / read from the socket (before TLS).
-    """
-
-    def __init__(self, *args, on_packet, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._fedfleet_on_packet = on_packet
-        self.socket_bytes_out = 0
-        self.socket_bytes_in = 0
-        self.puback_codes: dict[int, int] = {}  # mid -> reason code >= 0x80 of its MQTT 5 PUBACK
-
-    def _packet_queue(self, command, packet, mid, qos, info=None):
-        first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
-        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet),
-                                             bool(first & 0x08) and first >> 4 == 3))
-        return super()._packet_queue(command, packet, mid, qos, info)
-
-    def _packet_handle(self):
-        ip = self._in_packet
-        rl = ip["remaining_length"]
-        size = 1 + (1 if rl < 128 else 2 if rl < 16_384 else 3 if rl < 2_097_152 else 4) + rl
-        self._fedfleet_on_packet(PacketEvent("in", PACKET_TYPES.get(ip["command"] >> 4, "?"), size,
-                                             bool(ip["command"] & 0x08) and ip["command"] >> 4 == 3))
-        if ip["command"] >> 4 == 4 and self._protocol == mqtt.MQTTv5 and len(ip["packet"]) >= 3:
-            code = ip["packet"][2]
-            if code >= 0x80:  # a refusal: remembered for on_publish; a code paho rejects becomes 0x80
-                self.puback_codes[int.from_bytes(ip["packet"][:2], "big")] = code
-                if code not in _PUBACK_VALID:
-                    ip["packet"] = bytearray(ip["packet"][:2]) + b"\x80" + ip["packet"][3:]
-        return super()._packet_handle()
+class PollingClient(mqtt.Client):
+    """paho-mqtt's ``Client`` whose network loop waits with ``poll()``, not ``select()``, so that it
+    works whatever its socket's descriptor number (see :meth:`_loop`). A drop-in for
+    ``paho.mqtt.client.Client``."""
 
     def _loop(self, timeout: float = 1.0):
         """paho 2.x's ``Client._loop`` (one pass of the network loop that ``loop_forever`` and
@@ -267,6 +238,42 @@ class _CountingClient(mqtt.Client):
             if rc or self._sock is None:
                 return rc
         return self.loop_misc()
+
+
+class _CountingClient(PollingClient):
+    """paho Client that reports every packet and counts socket bytes.
+
+    Two paho internals are wrapped (paho-mqtt 2.x): ``_packet_queue`` (each outgoing packet, as
+    complete bytes) and ``_packet_handle`` (each complete incoming packet); ``_sock_send`` /
+    ``_sock_recv`` count the raw bytes written to / read from the socket (before TLS).
+    """
+
+    def __init__(self, *args, on_packet, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._fedfleet_on_packet = on_packet
+        self.socket_bytes_out = 0
+        self.socket_bytes_in = 0
+        self.puback_codes: dict[int, int] = {}  # mid -> reason code >= 0x80 of its MQTT 5 PUBACK
+
+    def _packet_queue(self, command, packet, mid, qos, info=None):
+        first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
+        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet),
+                                             bool(first & 0x08) and first >> 4 == 3))
+        return super()._packet_queue(command, packet, mid, qos, info)
+
+    def _packet_handle(self):
+        ip = self._in_packet
+        rl = ip["remaining_length"]
+        size = 1 + (1 if rl < 128 else 2 if rl < 16_384 else 3 if rl < 2_097_152 else 4) + rl
+        self._fedfleet_on_packet(PacketEvent("in", PACKET_TYPES.get(ip["command"] >> 4, "?"), size,
+                                             bool(ip["command"] & 0x08) and ip["command"] >> 4 == 3))
+        if ip["command"] >> 4 == 4 and self._protocol == mqtt.MQTTv5 and len(ip["packet"]) >= 3:
+            code = ip["packet"][2]
+            if code >= 0x80:  # a refusal: remembered for on_publish; a code paho rejects becomes 0x80
+                self.puback_codes[int.from_bytes(ip["packet"][:2], "big")] = code
+                if code not in _PUBACK_VALID:
+                    ip["packet"] = bytearray(ip["packet"][:2]) + b"\x80" + ip["packet"][3:]
+        return super()._packet_handle()
 
     def _sock_send(self, buf):
         n = super()._sock_send(buf)
