@@ -562,7 +562,9 @@ class Channel:
         if outcome == "acked":
             self.acked += 1
             with self._delivery_lock:
-                self._acked_recently[id(handle)] = (handle, row, out, gen, time.monotonic())
+                # the message itself only while the transport may still report it refused
+                held = out if self._ack_hold_s() > 0 else None
+                self._acked_recently[id(handle)] = (handle, row, held, gen, time.monotonic())
                 while len(self._acked_recently) > _ACKED_RECENTLY:
                     _, (_, _, gone, _, _) = self._acked_recently.popitem(last=False)
                     if gone is not None and gone.sent is not None:
@@ -585,15 +587,23 @@ class Channel:
             if out.sent is not None and not any(e[2] is out for e in self._acked_recently.values()):
                 out.sent.settle()
 
+    def _ack_hold_s(self) -> float:
+        """Seconds an acknowledged message is held for a refusal its transport may report after
+        the acknowledgement: the transport's ``ack_refusal_window_s`` (MQTT 5: 0, a PUBACK there
+        carries its own reason code) or :data:`_ACKED_HOLD_S` for a transport that says nothing."""
+        window = getattr(self.transport, "ack_refusal_window_s", _ACKED_HOLD_S)
+        return float(window) if isinstance(window, (int, float)) else _ACKED_HOLD_S
+
     def _release_acked(self, now: float) -> None:
         """Keep the row of each acknowledged handle, but not its message once it was acknowledged
-        :data:`_ACKED_HOLD_S` ago: a refusal after the acknowledgement comes within
+        :meth:`_ack_hold_s` ago: a refusal after the acknowledgement comes within
         :data:`protocol.transport.ACK_CLOSE_S` of it or not at all, and an agent's update would
         otherwise stay held (payload and all) until eight more of its messages were acknowledged,
         a round or more later."""
+        hold = self._ack_hold_s()
         with self._delivery_lock:
             for key, (handle, row, out, gen, at) in list(self._acked_recently.items()):
-                if out is not None and now - at > _ACKED_HOLD_S:
+                if out is not None and now - at > hold:
                     self._acked_recently[key] = (handle, row, None, gen, at)
                     if out.sent is not None and not any(e[2] is out for e in self._acked_recently.values()):
                         out.sent.settle()

@@ -447,6 +447,14 @@ class MqttTransport:
         self._delivery_listener = listener
 
     @property
+    def ack_refusal_window_s(self) -> float:
+        """Seconds after a PUBACK within which this transport may still report that PUBLISH
+        refused (a close right after the acknowledgement, :data:`ACK_CLOSE_S`, with a tenfold
+        margin for a busy network thread): only under MQTT 3.1.1; under MQTT 5 a PUBACK carries
+        its own reason code and an acknowledged PUBLISH stays acknowledged (0)."""
+        return 0.0 if self.mqtt_version == MQTT_V5 else 10 * ACK_CLOSE_S
+
+    @property
     def max_packet_bytes(self) -> int:
         """The broker's packet limit as this transport knows it (bytes): the smaller of its CONNACK
         Maximum Packet Size and the inferred one; 0 when neither is known."""
