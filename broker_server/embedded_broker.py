@@ -121,7 +121,9 @@ def _probe_mqtt(host: str, port: int, timeout_s: float,
     """
     import paho.mqtt.client as mqtt
 
-    client = mqtt.Client(
+    from protocol.transport import PollingClient  # select() fails on a descriptor >= 1024 (a big fleet)
+
+    client = PollingClient(
         mqtt.CallbackAPIVersion.VERSION2,
         client_id=f"fedfleet-probe-{uuid.uuid4().hex[:12]}",
         protocol=mqtt.MQTTv311,

@@ -166,7 +166,11 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
         shutil.rmtree(run_dir)
     agents: list = []
     t0 = time.monotonic()
-    res = simulate(cfg, run_dir=run_dir, agent_hook=lambda i, a: agents.append(a))
+    def keep(i: int, a: Any) -> None:
+        a.keep_model = job.ensemble  # the ensemble reads every client's own model after the run
+        agents.append(a)
+
+    res = simulate(cfg, run_dir=run_dir, agent_hook=keep)
     seconds = time.monotonic() - t0
     audit = load_run(run_dir)
     last = dict(res.metrics[-1]) if res.metrics else {}

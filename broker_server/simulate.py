@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
 import sys
 import threading
@@ -38,12 +39,14 @@ from edge_agent.errors import EdgeAgentError, LocalTestSplitError, ModelError, P
 from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import ClientSplits, client_splits, describe
 from edge_agent.runtime import agent_runtime
+from edge_agent.slots import TrainingSlots
 from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
 from protocol.errors import ConnectError, SecurityConfigError
 from protocol.ledger import Ledger
 from protocol.messages import SERVER_ID
 from protocol.security import ChannelSecurity, Identity, enroll, generate_identity, load_identity, write_key_dir
+from protocol.transport import ConnectRetry
 
 from .config import Config
 from .embedded_broker import EmbeddedBroker
@@ -271,6 +274,42 @@ def fleet_security(cfg: Config, run_dir: Path, client_ids: list[str]
     return server_security(cfg, extra_peers={cid: ident.public for cid, ident in agents.items()}), agents
 
 
+#: Open files one virtual agent holds: its MQTT socket and paho's wake-up socket pair.
+FILES_PER_AGENT = 3
+
+#: Open files of a simulation beyond its agents' (server socket, ledger and checkpoint databases
+#: with their journals, data files, the broker's pipes, torch's own), with room to spare.
+FILES_FIXED = 256
+
+#: How a virtual agent retries its connect (:class:`protocol.transport.ConnectRetry`): agents
+#: connect one after another, so the embedded broker is never hit by all of them at once; a
+#: loaded machine may still leave a CONNACK late, and an external broker may be busy.
+AGENT_CONNECT_RETRY = ConnectRetry(attempts=5, base_s=0.5, cap_s=8.0)
+
+
+def ensure_open_files(clients: int) -> int:
+    """Raise this process's soft open-files limit (``RLIMIT_NOFILE``) to what ``clients`` virtual
+    agents need (:data:`FILES_PER_AGENT` each plus :data:`FILES_FIXED`) when it is lower, up to the
+    hard limit; the embedded broker, started afterwards, inherits it (Mosquitto holds one file per
+    connection). Returns the soft limit in force.
+
+    Raises:
+        ConfigError: the hard limit is below the need (the message says how many files and how to
+            raise the limit): otherwise connects would fail part-way through the fleet.
+    """
+    need = FILES_PER_AGENT * clients + FILES_FIXED
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(f"{clients} virtual agents need about {need:,} open files ({FILES_PER_AGENT} each plus "
+                          f"{FILES_FIXED}); this process may open at most {hard:,} (the hard limit, ulimit -Hn). "
+                          f"Raise it (ulimit -n {need}, or LimitNOFILE in a systemd unit) or simulate fewer clients")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    log.info("open files limit raised from %d to %d for %d virtual agents", soft, need, clients)
+    return need
+
+
 def progress_printer(rounds: int, stream: TextIO | None = None) -> Callable[[dict], None]:
     """A callback printing one line per round: round, accuracy, clients, bytes, elapsed (to
     ``stream``; ``None``: ``sys.stdout`` as it is when called, not when this module was imported)."""
@@ -351,6 +390,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                       domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
     splits = client_data(ds, cfg)
     parts = splits.train
+    ensure_open_files(len(parts))  # before anything is written, and before the broker starts: it inherits the limit
     record = partition_record(ds, cfg, splits)
     shards = record["clients"]
     if resume:
@@ -401,6 +441,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     summaries: list[AgentSummary] = []
     server = None
     tracker = None
+    slots: TrainingSlots | None = None
     finished = False
     try:
         tracker = start_tracking(cfg, out, federation)
@@ -416,10 +457,13 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             if ckpt is not None:
                 server.resume(ckpt)
 
-        slots = threading.Semaphore(thread_plan.train_slots)
-        # an evaluation while the devices train (evaluation overlap) takes a training slot: the
+        # the fleet trains on train_slots threads of their own, which lend their working model to
+        # agents whose algorithm keeps no model between rounds (edge_agent.slots: per-thread
+        # compute state and a model per agent were most of a virtual agent's memory)
+        slots = TrainingSlots(thread_plan.train_slots)
+        # an evaluation while the devices train (evaluation overlap) holds a training slot: the
         # busy threads never outnumber the plan's slots
-        server.eval_slot = slots
+        server.eval_slot = slots.holder()
         defaults = TrainConfig(local_epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
                                momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay, seed=cfg.run.seed)
         shared_eval = client_eval_split(cfg, ds) if splits.test is None else None
@@ -441,12 +485,13 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                 raise ConfigError(f"{cfg.source}: [model] for {cid}: {exc}") from None
             tr = open_transport(f"{federation[:40]}-{cid}", cfg, url, will=offline_will(federation, cid, agent_sec),
                                 receive_max_packet_bytes=rt.max_packet_bytes)
-            tr.connect()
+            tr.connect(retry=AGENT_CONNECT_RETRY)
             ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, security=agent_sec,
                          **{**channel_options(cfg), **channel_limits(rt, chunk_bytes=cfg.protocol.chunk_bytes,
                                                                      max_packet_bytes=cfg.protocol.max_packet_bytes)})
-            agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, train_lock=slots,
+            agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, slots=slots,
                                 emulate_link=cfg.agents.emulate_link)
+            del prepared  # a borrowing agent gave its model up: nothing else holds it
             if agent_hook is not None:
                 agent_hook(i, agent)
             agents.append(agent)
@@ -474,6 +519,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             tracker.close(status="FAILED")
         for a in agents:
             a.stop()
+        if slots is not None:
+            slots.close()  # trainings still waiting (a failed run) end with SlotsClosed
         for t in threads:
             t.join(timeout=5)
         for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):

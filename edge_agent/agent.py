@@ -7,11 +7,13 @@ a slow device trains.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -28,14 +30,16 @@ from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, S
 from protocol.phases import PhaseClock
 from protocol.tensors import Codec, ErrorFeedback
 
-from .algorithms import ClientAlgorithm, LocalResult, TrainConfig, predict_scores
+from .algorithms import ClientAlgorithm, LocalResult, TrainConfig, predict_scores, private_entries
 from .data import class_histogram
 from .errors import EdgeAgentError, ModelError, PartitionError
 from .models import manifest_hash, model_manifest
 from .partition import parse_domain_clients
+from .slots import SlotsClosed
 
 if TYPE_CHECKING:
     from .runtime import AgentRuntime
+    from .slots import TrainingSlots
 
 log = logging.getLogger(__name__)
 #: images per forward pass of :meth:`EdgeAgent.evaluate` (the server's ``eval_batch_size`` default:
@@ -177,6 +181,55 @@ def extras_codecs(text: str, extras: dict, default: Codec) -> dict[str, Codec] |
     return {n: per_name.get(n, default) for n in extras}
 
 
+class SharedGlobal:
+    """A decoded ``global``'s arrays, held by every agent of the process that received the same
+    payload (:func:`shared_global`). The arrays are read-only (``np.frombuffer`` views of the
+    payload, or made read-only here): an agent never writes into a global it received.
+
+    Attributes:
+        tensors: the model share, in manifest order.
+        extras: the named arrays.
+    """
+
+    __slots__ = ("__weakref__", "extras", "tensors")
+
+    def __init__(self, tensors: tuple[np.ndarray, ...], extras: dict[str, np.ndarray]) -> None:
+        self.tensors = tensors
+        self.extras = extras
+
+
+_NO_GLOBAL = SharedGlobal((), {})
+_SHARED_GLOBALS: weakref.WeakValueDictionary[bytes, SharedGlobal] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_global(sha256: bytes, tensors: tuple[np.ndarray, ...], extras: dict[str, np.ndarray]) -> SharedGlobal:
+    """The process's one copy of the ``global`` whose payload has digest ``sha256``.
+
+    Every virtual agent of a simulated fleet receives the round's broadcast global over its own
+    connection and decodes its own copy; between its arrival and that agent's turn in a training
+    slot, every copy would be held at once (500 agents × a 0.4 MB light CNN = 200 MB in each round).
+    The first agent to decode a payload keeps its arrays here (made read-only), as long as any agent
+    holds them; the others take those and drop their own. Per-device copies (``down/{client}/global``,
+    each with its own envelope) differ in their payload and are not shared. On a real device, one
+    agent per process, this changes nothing.
+
+    Args:
+        sha256: digest of the payload (:attr:`protocol.channel.Received.sha256`).
+        tensors, extras: the arrays just decoded from it.
+    """
+    with _SHARED_LOCK:
+        held = _SHARED_GLOBALS.get(sha256)
+        if held is not None:
+            return held
+        for a in (*tensors, *extras.values()):
+            if isinstance(a, np.ndarray) and a.flags.writeable:
+                a.flags.writeable = False
+        held = SharedGlobal(tuple(tensors), dict(extras))
+        _SHARED_GLOBALS[sha256] = held
+        return held
+
+
 class AgentError(EdgeAgentError):
     """The agent cannot take part (join refused, server silent past the idle timeout)."""
 
@@ -223,6 +276,14 @@ class EdgeAgent:
         profile: firmware profile name announced in ``join``.
         device: torch device to train on.
         train_lock: shared lock/semaphore limiting concurrent trainers in a simulated fleet.
+        slots: the simulated fleet's training slots (:class:`edge_agent.slots.TrainingSlots`):
+            each local round (and its ``client_eval``) runs on a slot's thread, not the agent's;
+            when the algorithm declares ``borrows_model`` the agent keeps only its model's
+            private state entries (:func:`~edge_agent.algorithms.private_entries`; none under
+            ``share = "all"``), as tensors, and trains on the slot's working model, into which they
+            are loaded for the round (with the model's training and ``requires_grad`` flags as it
+            left them). ``None`` (a real device): the agent trains its own model on its own
+            thread, under ``train_lock`` when given.
         idle_timeout_s: give up when nothing arrives for this many seconds.
         info: scalars announced in ``join.info`` (see :func:`data_announcement`).
         on_trained: called with (round, result, payload bytes) after each published update.
@@ -272,7 +333,7 @@ class EdgeAgent:
                  receipt_timeout_s: float = 10.0, max_resends: int = 3,
                  runtime: AgentRuntime | None = None, emulate_link: bool = False,
                  eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None,
-                 indices: np.ndarray | None = None) -> None:
+                 indices: np.ndarray | None = None, slots: TrainingSlots | None = None) -> None:
         self.channel = channel
         # seconds per phase over the run: wait_slot, train, evaluate, prepare_update, send_update
         # (encode, chunk, publish) and receive (the channel's decoding of what arrives)
@@ -281,10 +342,18 @@ class EdgeAgent:
             channel.accept = self.phases.timed("receive", channel.accept)  # type: ignore[method-assign]
         self.client_id = channel.node_id
         self.fed = channel.federation
-        self.model = model
         self.algorithm = algorithm
         self.device = device or torch.device("cpu")
-        self.model.to(self.device)
+        model.to(self.device)
+        self.slots = slots
+        #: keep the whole trained state after each round, so that :attr:`model` can be rebuilt
+        #: exactly after the run even when the agent borrows a slot's model (set it before the run)
+        self.keep_model = False
+        self._model: torch.nn.Module | None = model  # the agent's own model, unless it borrows one
+        self._private: dict[str, torch.Tensor] = {}  # a borrowing agent's model state between rounds
+        self._kept: dict[str, torch.Tensor] | None = None  # with keep_model: the last trained state
+        self._flags: tuple[tuple[bool, ...], tuple[bool, ...]] = ((), ())  # modules' training, requires_grad
+        self._model_key: tuple[str, ...] | None = None
         with warnings.catch_warnings():  # a fleet shares one read-only data set; training only reads it
             warnings.simplefilter("ignore", UserWarning)
             self.x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
@@ -323,7 +392,9 @@ class EdgeAgent:
         self.info = {**(runtime.join_info if runtime is not None else {}), **dict(info or {})}
         self.on_trained = on_trained
         self.manifest_hash = manifest_hash(model_manifest(model))
-        self._global: tuple[int, tuple[np.ndarray, ...], dict[str, np.ndarray]] | None = None
+        if slots is not None and algorithm.borrows_model:
+            self._lend(model, info)
+        self._global: tuple[int, SharedGlobal] | None = None  # the round of the last global and its arrays
         self._pending: tuple[int, RoundStart] | None = None
         self._stop = threading.Event()
         self._join_seq = -1
@@ -359,6 +430,7 @@ class EdgeAgent:
         self.finished = False
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
         channel.transfer_filter = lambda sender: sender == "server"
+        channel.keep_last_payload = False  # never read here; it would hold the update until the next message
         if hasattr(channel.transport, "add_connect_listener"):
             channel.transport.add_connect_listener(self._on_connect)
 
@@ -375,6 +447,84 @@ class EdgeAgent:
     def stop(self) -> None:
         """Ask :meth:`run` to return at its next check (within about a second)."""
         self._stop.set()
+
+    def _lend(self, model: torch.nn.Module, info: Mapping | None) -> None:
+        """Give up the own model for the slots' working model of its architecture: keep copies of
+        its private entries and its flags; the model itself becomes that architecture's template
+        (the first agent's) or is dropped."""
+        assert self.slots is not None, "called only with slots"
+        names = private_entries(model, self.algorithm.share, self.algorithm.buffers)
+        state = model.state_dict()
+        self._private = {n: state[n].detach().clone() for n in names}
+        self._flags = (tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()))
+        arch = str((info or {}).get("model", "")) or type(model).__qualname__
+        self._model_key = (arch, type(model).__module__, type(model).__qualname__, self.manifest_hash, str(self.device))
+        self.slots.offer_template(self._model_key, model)
+        self._model = None
+
+    @property
+    def borrows_model(self) -> bool:
+        """Whether the agent trains on a training slot's working model (it keeps no model of its own)."""
+        return self._model is None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The device's model: its own, or, for an agent that borrows a slot's model, a model
+        rebuilt from its architecture with the state the agent keeps: exact when that state is
+        the whole model (every entry private, or :attr:`keep_model` set before the run).
+
+        Raises:
+            AgentError: a borrowing agent without :attr:`keep_model` whose algorithm shares
+                entries it does not keep (the trained values of those are gone after each round).
+        """
+        if self._model is not None:
+            return self._model
+        assert self.slots is not None and self._model_key is not None, "a borrowing agent has slots"
+        template = self.slots.template(self._model_key)
+        names = list(template.state_dict())
+        state = self._kept if self._kept is not None else self._private
+        if state is not self._private or len(self._private) == len(names):
+            m = copy.deepcopy(template)
+            m.load_state_dict(state)
+            self._set_flags(m)
+            return m
+        raise AgentError(f"{self.client_id} trains on a training slot's model and keeps only its {len(self._private)} "
+                         f"private state entries of {len(names)} (algorithm {self.algorithm.name!r}): set "
+                         f"keep_model = True before the run (e.g. in simulate's agent_hook) to read its model after it")
+
+    def _set_flags(self, model: torch.nn.Module) -> None:
+        modes, grads = self._flags
+        for m, flag in zip(model.modules(), modes, strict=True):
+            m.training = flag
+        for p, flag in zip(model.parameters(), grads, strict=True):
+            p.requires_grad_(flag)
+
+    def _take_model(self) -> torch.nn.Module:
+        """The model to train this round: the own one, or the slot's working model with this
+        agent's private entries and flags loaded (on a slot thread)."""
+        if self._model is not None:
+            return self._model
+        assert self.slots is not None and self._model_key is not None, "a borrowing agent has slots"
+        model = self.slots.working_model(self._model_key)
+        if self._private:
+            model.load_state_dict(self._private, strict=False)
+        self._set_flags(model)
+        return model
+
+    def _give_back(self, model: torch.nn.Module) -> None:
+        """After a round: drop the gradients (no loop reads them before it zeroes them, and they
+        are a model's size); a borrowing agent copies its private entries and flags back."""
+        for p in model.parameters():
+            p.grad = None
+        if model is self._model:
+            return
+        state = model.state_dict()
+        with torch.no_grad():
+            for n, t in self._private.items():
+                t.copy_(state[n])
+        self._flags = (tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()))
+        if self.keep_model:
+            self._kept = {n: t.detach().clone() for n, t in state.items()}
 
     def join(self, wait_s: float = 30.0) -> None:
         """Publish the retained ``online`` status and the ``join`` message (QoS 1, acknowledged)."""
@@ -460,8 +610,9 @@ class EdgeAgent:
         if isinstance(body, Global):
             if self.emulate_link:
                 self._emulate("down", item.decoded.payload_bytes)
-            if self._global is None or env.round >= self._global[0]:
-                self._global = (env.round, body.tensors, dict(body.extras))
+            # the newest round's global, unless that round was trained already (a copy sent again)
+            if env.round > self._last_trained_round and (self._global is None or env.round >= self._global[0]):
+                self._global = (env.round, shared_global(item.sha256, body.tensors, dict(body.extras)))
             # confirm the (possibly chunked) transfer with its hash, as the protocol asks
             self.channel.send(topics.up(self.fed, self.client_id, Kind.RECEIPT),
                               Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True, sha256=item.sha256),
@@ -541,30 +692,47 @@ class EdgeAgent:
             return
         if self.runtime is not None and cfg.batch_size > self.runtime.plan.batch_size:
             cfg = dataclasses.replace(cfg, batch_size=self.runtime.plan.batch_size)  # the device's memory rule
-        global_tensors, global_extras = self._global[1], self._global[2]
+        global_tensors, global_extras = self._global[1].tensors, self._global[1].extras
         if self._unsettled is not None:
             log.warning("%s: no definite receipt for the update of round %d before round %d: the device state "
                         "it produced is discarded", self.client_id, self._unsettled, rnd)
             self._settle(self._unsettled, False)
         mark = self.phases.lap()
-        with self.train_lock if self.train_lock is not None else nullcontext():
+        client_eval = bool(params.get("client_eval", False)) and self.eval_x is not None
+
+        def work() -> tuple[LocalResult, dict]:
             mark("wait_slot")
+            model = self._take_model()
             try:
-                result = self.algorithm.local_round(self.model, global_tensors, self.train_x(), self.y, cfg, round=rnd,
+                result = self.algorithm.local_round(model, global_tensors, self.train_x(), self.y, cfg, round=rnd,
                                                     client_id=self.client_id, client_index=self.client_index,
                                                     device=self.device, params=params, global_extras=global_extras)
-            except ModelError as exc:  # e.g. a server of another algorithm: its global is another share
-                raise self._not_my_model(rnd, global_tensors, exc) from exc
-            except (ValueError, TypeError) as exc:  # an algorithm hyperparameter it cannot use
-                log.error("%s: round %d not trained: %s", self.client_id, rnd, exc)
-                self._settle(rnd, False)
-                self._withdraw(rnd, f"local training failed: {exc}")
-                return
-            metrics = dict(result.metrics)
-            mark("train")
-            if bool(params.get("client_eval", False)) and self.eval_x is not None and result.num_samples:
-                metrics.update(self.evaluate())
-                mark("evaluate")
+                metrics = dict(result.metrics)
+                mark("train")
+                if client_eval and result.num_samples:
+                    metrics.update(self.evaluate(model))
+                    mark("evaluate")
+            finally:
+                self._give_back(model)
+            return result, metrics
+
+        try:
+            if self.slots is not None:
+                result, metrics = self.slots.run(work)
+            else:
+                with self.train_lock if self.train_lock is not None else nullcontext():
+                    result, metrics = work()
+        except ModelError as exc:  # e.g. a server of another algorithm: its global is another share
+            raise self._not_my_model(rnd, global_tensors, exc) from exc
+        except (ValueError, TypeError) as exc:  # an algorithm hyperparameter it cannot use
+            log.error("%s: round %d not trained: %s", self.client_id, rnd, exc)
+            self._settle(rnd, False)
+            self._withdraw(rnd, f"local training failed: {exc}")
+            return
+        except SlotsClosed:  # the run is ending: the fleet's training slots were closed
+            log.info("%s: round %d not trained: the training slots were closed", self.client_id, rnd)
+            return
+        self._global = (rnd, _NO_GLOBAL)  # trained: the round's global is no longer needed (its round is kept)
         self._last_trained_round = rnd
         self._unsettled = rnd
         if result.num_samples == 0:
@@ -639,8 +807,9 @@ class EdgeAgent:
         except TransportError as exc:
             log.warning("%s: could not say it withdrew from round %d: %s", self.client_id, rnd, exc)
 
-    def evaluate(self) -> dict[str, float]:
-        """Accuracy and macro-F1 of this device's own model on its evaluation split.
+    def evaluate(self, model: torch.nn.Module | None = None) -> dict[str, float]:
+        """Accuracy and macro-F1 of this device's own model (``model``: the one it trains this
+        round; default :attr:`model`) on its evaluation split.
 
         Returns:
             ``{"eval_accuracy": fraction, "eval_macro_f1": fraction, "eval_samples": M}``; the
@@ -653,12 +822,14 @@ class EdgeAgent:
         eval_x, eval_y = self.eval_x, self.eval_y
         if eval_x is None or eval_y is None:
             raise AgentError(f"{self.client_id}: no evaluation split (build the agent with eval_x and eval_y)")
-        self.model.eval()
+        if model is None:
+            model = self.model
+        model.eval()
         preds = []
         with torch.inference_mode():
             for s in range(0, len(eval_y), EVAL_BATCH):
                 xb = eval_x[s:s + EVAL_BATCH].to(self.device)
-                preds.append(predict_scores(self.algorithm, self.model, xb).argmax(1).cpu().numpy())
+                preds.append(predict_scores(self.algorithm, model, xb).argmax(1).cpu().numpy())
         pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)
         return {"eval_accuracy": float((pred == eval_y).mean()) if len(pred) else 0.0,
                 "eval_macro_f1": macro_f1(eval_y, pred), "eval_samples": int(len(pred))}

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .data import ArraySplit, Dataset
     from .partition import ClientSplits
     from .runtime import AgentRuntime
+    from .slots import TrainingSlots
 
 __all__ = ["AgentSpec", "PreparedAgent", "build_agent", "channel_limits", "offline_will", "prepare_agent"]
 
@@ -220,7 +221,8 @@ def prepare_agent(spec: AgentSpec, dataset: Dataset, *, precision: str = "fp32",
 def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRuntime,
                 train_defaults: TrainConfig | None = None, device: torch.device | None = None,
                 train_lock: threading.Semaphore | threading.Lock | None = None, emulate_link: bool = False,
-                on_trained: Callable[[int, LocalResult, int], None] | None = None) -> EdgeAgent:
+                on_trained: Callable[[int, LocalResult, int], None] | None = None,
+                slots: TrainingSlots | None = None) -> EdgeAgent:
     """The :class:`~edge_agent.agent.EdgeAgent` of a prepared agent on ``channel``.
 
     Args:
@@ -234,6 +236,10 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
         train_lock: a semaphore shared by agents that must not train at once (a simulated fleet).
         emulate_link: make every transfer take the time the profile's link needs.
         on_trained: called after each local round with ``(round, result, bytes sent)``.
+        slots: a simulated fleet's training slots (:mod:`edge_agent.slots`): the agent trains on
+            their threads, and on their working model when its algorithm declares
+            ``borrows_model`` (the prepared model is then given up after its private entries are
+            copied).
     """
     from .agent import EdgeAgent
     from .algorithms import TrainConfig
@@ -247,7 +253,8 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
                      x=ds.train.x, y=ds.train.y, indices=idx, num_classes=ds.num_classes,
                      train_defaults=train_defaults, client_index=spec.shard, profile=runtime.profile.name,
                      device=device, runtime=runtime, emulate_link=emulate_link, train_lock=train_lock,
-                     idle_timeout_s=spec.idle_timeout_s, info=dict(prepared.info), on_trained=on_trained)
+                     idle_timeout_s=spec.idle_timeout_s, info=dict(prepared.info), on_trained=on_trained,
+                     slots=slots)
 
 
 def offline_will(federation: str, client_id: str, security: ChannelSecurity | None = None) -> Will:

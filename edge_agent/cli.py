@@ -54,6 +54,13 @@ JOIN_WARN_S = 30.0
 JOIN_TIMEOUT_S = 300.0
 """Default ``--join-timeout-s``: an agent whose join is unanswered this long exits 5."""
 
+CONNECT_ATTEMPTS = 10
+"""Default ``--connect-attempts``: connects tried while the broker is unreachable or does not answer."""
+
+CONNECT_BACKOFF_S = (1.0, 30.0)
+"""First and largest bound (seconds) of the jittered delay between connect attempts
+(:class:`protocol.transport.ConnectRetry`): about 8 minutes of trying in all at the default attempts."""
+
 NOT_JOINED_HINT = ("the likely causes: this device is not enrolled on a signing server (fedfleet keys enroll), "
                    "--server-pubkey is not that server's key, or --federation / --broker name another "
                    "federation (the server prints its own)")
@@ -134,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encrypt", action="store_true",
                    help="encrypt the body of every upload (AES-256-GCM; needs --key-dir)")
     p.add_argument("--keepalive-s", type=int, default=30)
+    p.add_argument("--connect-attempts", type=int, default=CONNECT_ATTEMPTS, metavar="N",
+                   help="connects tried while the broker is unreachable, does not answer in 30 s or says it is "
+                        "busy (a fleet rebooting together, a broker still starting), with a jittered delay growing "
+                        f"from {CONNECT_BACKOFF_S[0]:g} s to at most {CONNECT_BACKOFF_S[1]:g} s; each retry is "
+                        "logged; a refused login fails at once (exit 4)")
     p.add_argument("--mqtt-version", default="auto", choices=("auto", "5", "3.1.1"),
                    help="MQTT protocol: auto (MQTT 5 where the broker speaks it, else 3.1.1), 5 or 3.1.1; under "
                         "MQTT 5 the profile's max_packet_bytes is advertised to the broker")
@@ -184,7 +196,7 @@ def _main(argv: list[str] | None) -> int:
     from protocol.errors import ConnectError, FieldError
     from protocol.ledger import Ledger
     from protocol.messages import valid_id
-    from protocol.transport import MqttTransport
+    from protocol.transport import ConnectRetry, MqttTransport
 
     from .agent import param_value
     from .assembly import build_agent, channel_limits, offline_will, prepare_agent
@@ -283,8 +295,14 @@ def _main(argv: list[str] | None) -> int:
                        tls_check_time=not args.tls_no_time_check, clock_skew_s=args.clock_skew_s,
                        keepalive_s=args.keepalive_s, will=offline_will(args.federation, args.client_id, security),
                        mqtt_version=args.mqtt_version, receive_max_packet_bytes=rt.max_packet_bytes)
+    if args.connect_attempts < 1:
+        print(f"fedfleet-agent: --connect-attempts must be >= 1, got {args.connect_attempts}", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        tr.connect()
+        tr.connect(retry=ConnectRetry(attempts=args.connect_attempts, base_s=CONNECT_BACKOFF_S[0],
+                                      cap_s=CONNECT_BACKOFF_S[1]),
+                   on_retry=lambda n, exc, delay: print(f"broker not ready (attempt {n}/{args.connect_attempts}): "
+                                                        f"{exc}; trying again in {delay:.1f} s", flush=True))
     except ConnectError as exc:
         print(f"fedfleet-agent: broker error: {exc}", file=sys.stderr)
         return EXIT_BROKER

@@ -287,11 +287,14 @@ class Channel:
         self.delivered_max_payload_bytes = 0
         self.superseded_resend_requests = 0
         self.last_payload: bytes | None = None  # the unsealed payload of the last message sent
+        #: whether :attr:`last_payload` is kept (an agent, which never reads it, sets it False: a
+        #: model-sized payload would otherwise stay held until its next message)
+        self.keep_last_payload = True
         self._delivery_lock = threading.Lock()
         self._handles: dict[int, tuple[object, int, _Outgoing | None, int]] = {}
         # the last handles acknowledged: a transport may still report one refused (a broker that closed
         # the connection right after acknowledging it, which it reports at once)
-        self._acked_recently: collections.OrderedDict[int, tuple[object, int, _Outgoing | None, int]] = \
+        self._acked_recently: collections.OrderedDict[int, tuple[object, int, _Outgoing | None, int, float]] = \
             collections.OrderedDict()
         # the last messages sent, by seq (what a caller may ask about: in_flight, suspect_dropped)
         self._sent: collections.OrderedDict[int, _Sent] = collections.OrderedDict()
@@ -368,7 +371,7 @@ class Channel:
                         raw_bytes=enc.raw_tensor_bytes, retain=retain,
                         max_packet_bytes=max_packet_bytes if max_packet_bytes > 0 else _NO_LIMIT,
                         chunk_bytes=min(chunk_bytes, self.chunk_bytes) if chunk_bytes > 0 else self.chunk_bytes)
-        self.last_payload = enc.payload
+        self.last_payload = enc.payload if self.keep_last_payload else None
         out.sent = _Sent(topic, out.kind, round, out)
         with self._delivery_lock:
             self._sent[out.seq] = out.sent
@@ -540,7 +543,7 @@ class Channel:
                 late = self._acked_recently.pop(id(handle), None) if outcome != "acked" else None
                 if late is not None and late[0] is handle:
                     self.acked -= 1  # counted again below, as refused
-                    _, row, out, gen = late
+                    _, row, out, gen, _ = late
                     if out is not None:
                         out.pending += 1  # taken back below
                 else:
@@ -559,9 +562,11 @@ class Channel:
         if outcome == "acked":
             self.acked += 1
             with self._delivery_lock:
-                self._acked_recently[id(handle)] = (handle, row, out, gen)
+                # the message itself only while the transport may still report it refused
+                held = out if self._ack_hold_s() > 0 else None
+                self._acked_recently[id(handle)] = (handle, row, held, gen, time.monotonic())
                 while len(self._acked_recently) > _ACKED_RECENTLY:
-                    _, (_, _, gone, _) = self._acked_recently.popitem(last=False)
+                    _, (_, _, gone, _, _) = self._acked_recently.popitem(last=False)
                     if gone is not None and gone.sent is not None:
                         gone.sent.settle()
         else:
@@ -581,6 +586,27 @@ class Channel:
                 self._refusal_queue.append((out, gen, reason, 0))
             if out.sent is not None and not any(e[2] is out for e in self._acked_recently.values()):
                 out.sent.settle()
+
+    def _ack_hold_s(self) -> float:
+        """Seconds an acknowledged message is held for a refusal its transport may report after
+        the acknowledgement: the transport's ``ack_refusal_window_s`` (MQTT 5: 0, a PUBACK there
+        carries its own reason code) or :data:`_ACKED_HOLD_S` for a transport that says nothing."""
+        window = getattr(self.transport, "ack_refusal_window_s", _ACKED_HOLD_S)
+        return float(window) if isinstance(window, (int, float)) else _ACKED_HOLD_S
+
+    def _release_acked(self, now: float) -> None:
+        """Keep the row of each acknowledged handle, but not its message once it was acknowledged
+        :meth:`_ack_hold_s` ago: a refusal after the acknowledgement comes within
+        :data:`protocol.transport.ACK_CLOSE_S` of it or not at all, and an agent's update would
+        otherwise stay held (payload and all) until eight more of its messages were acknowledged,
+        a round or more later."""
+        hold = self._ack_hold_s()
+        with self._delivery_lock:
+            for key, (handle, row, out, gen, at) in list(self._acked_recently.items()):
+                if out is not None and now - at > hold:
+                    self._acked_recently[key] = (handle, row, None, gen, at)
+                    if out.sent is not None and not any(e[2] is out for e in self._acked_recently.values()):
+                        out.sent.settle()
 
     def _handle_refusals(self) -> None:
         """Send again (smaller) every message refused since the last call (caller's thread)."""
@@ -991,13 +1017,14 @@ class Channel:
                 self._refusal_queue.append((out, out.generation, exc.reason, exc.limit_bytes or 0))
 
     def _maintain(self) -> None:
-        """Send refused messages again; ask for missing chunks of stalled transfers; drop and
-        report expired ones."""
+        """Send refused messages again; let go of acknowledged messages past :data:`_ACKED_HOLD_S`;
+        ask for missing chunks of stalled transfers; drop and report expired ones."""
         self._handle_refusals()
         now = time.monotonic()
         if now - self._last_maintain < 0.2:
             return
         self._last_maintain = now
+        self._release_acked(now)
         for gone in self.reassembler.expire():
             self.incomplete_transfers += 1
             log.warning("%s: transfer %s from %s incomplete after %.0f s (%d/%d chunks); dropped",
@@ -1105,6 +1132,9 @@ _RECENT_SENT = 512
 _ACKED_RECENTLY = 8
 """Acknowledged PUBLISH handles kept (with their message) so that a refusal the transport reports right
 after the acknowledgement (the close that followed it) still finds its row and can send the message again."""
+_ACKED_HOLD_S = 5.0
+"""Seconds an acknowledged message stays held for such a refusal (ten times
+:data:`protocol.transport.ACK_CLOSE_S`, the window in which the transport reports one); its row stays known."""
 
 
 def _raw(body: Body) -> int:

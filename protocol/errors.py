@@ -128,7 +128,20 @@ class TransportError(FedfleetProtocolError):
 
 
 class ConnectError(TransportError):
-    """The broker did not accept the MQTT CONNECT within the timeout."""
+    """The broker did not accept the MQTT CONNECT within the timeout.
+
+    Attributes:
+        transient: whether the cause may pass by itself (nothing listening yet, no CONNACK in time,
+            a CONNACK saying the server is unavailable or busy), so that connecting again later can
+            succeed; ``False`` for a refused login, a refused certificate or a bad address.
+        attempts: connects tried before this error (1 without retries).
+    """
+
+    def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None,
+                 transient: bool = False, attempts: int = 1) -> None:
+        super().__init__(message, client_id=client_id, topic=topic)
+        self.transient = transient
+        self.attempts = attempts
 
 
 class PublishTimeout(TransportError):

@@ -45,11 +45,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
+import select
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 try:
     import paho.mqtt.client as mqtt
@@ -64,8 +67,9 @@ from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
 from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
 from .transport_tls import tls_context
 
-__all__ = ["ACK_CLOSE_S", "MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "Incoming", "MqttTransport",
-           "PacketEvent", "Transport", "Will", "parse_mqtt_version", "tls_context"]
+__all__ = ["ACK_CLOSE_S", "MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "ConnectRetry", "Incoming",
+           "MqttTransport", "PacketEvent", "PollingClient", "Transport", "Will", "parse_mqtt_version",
+           "tls_context"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,55 @@ PUBACK_REFUSALS = {0x80: "Unspecified error", 0x83: "Implementation specific err
                    0x90: "Topic Name invalid", 0x91: "Packet Identifier in use", 0x95: "Packet too large",
                    0x97: "Quota exceeded", 0x99: "Payload format invalid"}
 _PUBACK_VALID = frozenset(PUBACK_REFUSALS) - {0x95}
+
+#: CONNACK reason codes that say the broker cannot take the connection *now*: MQTT 3.1.1's return
+#: code 3 (paho 2.x reports it as 0x88), MQTT 5's 0x88 Server unavailable, 0x89 Server busy, 0x97
+#: Quota exceeded and 0x9F Connection rate exceeded. A connect refused with one of them is worth
+#: trying again later (:class:`ConnectRetry`); any other refusal (bad login, not authorised) is not.
+TRANSIENT_CONNACK_CODES = frozenset({0x03, 0x88, 0x89, 0x97, 0x9F})
+
+_POLL_READ = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | select.POLLNVAL
+_POLL_WRITE = select.POLLOUT | select.POLLERR | select.POLLHUP
+
+
+@dataclass(frozen=True)
+class ConnectRetry:
+    """How :meth:`MqttTransport.connect` tries again after a connect that failed for a reason that
+    may pass (:attr:`~protocol.errors.ConnectError.transient`: nothing listening yet, no CONNACK in
+    time, a CONNACK saying the broker is unavailable or busy).
+
+    A fleet that reboots together (a power cut, a firmware roll-out) connects all at once: a broker
+    that cannot answer every CONNECT in time, or is still starting, must not turn that moment into
+    devices that give up. Retry ``k`` (1, 2, …) waits a delay drawn uniformly from
+    ``[0, min(cap_s, base_s · 2^(k−1))]`` ("full jitter", M. Brooker, "Exponential Backoff And
+    Jitter", AWS Architecture Blog, 2015): the exponential part backs the fleet off as the broker
+    stays busy, the random part spreads devices that failed together so they do not all come back
+    in the same instant. Each retry is logged as a warning with its reason and delay.
+
+    Attributes:
+        attempts: connects tried in all (1: no retry), >= 1.
+        base_s: upper bound of the first retry's delay (seconds), > 0.
+        cap_s: largest delay (seconds), >= ``base_s``.
+        seed: seed of the jitter's generator (``None``: a fresh one; tests fix it to know the delays).
+
+    Raises:
+        ValueError: a value out of its range.
+    """
+
+    attempts: int = 1
+    base_s: float = 0.5
+    cap_s: float = 30.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"ConnectRetry.attempts must be >= 1, got {self.attempts}")
+        if not self.base_s > 0 or not self.cap_s >= self.base_s:
+            raise ValueError(f"ConnectRetry needs 0 < base_s <= cap_s, got base_s={self.base_s}, cap_s={self.cap_s}")
+
+    def delay_s(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before retry ``retry`` (1 = the first), drawn from ``rng``."""
+        return rng.uniform(0.0, min(self.cap_s, self.base_s * 2.0 ** (retry - 1)))
 
 
 def parse_mqtt_version(value: str | int) -> str:
@@ -129,7 +182,65 @@ def _unsupported_version(refusal: str | None) -> bool:
     return refusal is not None and ("0x84" in refusal or "0x01" in refusal or "protocol version" in refusal.lower())
 
 
-class _CountingClient(mqtt.Client):
+class PollingClient(mqtt.Client):
+    """paho-mqtt's ``Client`` whose network loop waits with ``poll()``, not ``select()``, so that it
+    works whatever its socket's descriptor number (see :meth:`_loop`). A drop-in for
+    ``paho.mqtt.client.Client``."""
+
+    def _loop(self, timeout: float = 1.0):
+        """paho 2.x's ``Client._loop`` (one pass of the network loop that ``loop_forever`` and
+        ``loop_start``'s thread run) with ``poll()`` where paho calls ``select()``.
+
+        ``select()`` cannot watch a file descriptor of 1024 (``FD_SETSIZE``) or more: it raises
+        ``ValueError``, which paho takes for a lost connection, so a client whose socket got such a
+        number never saw its CONNACK and reconnected forever. Each client holds three descriptors
+        (its socket and paho's wake-up socket pair), so one process could hold about 340 clients:
+        a simulated fleet of 500 virtual agents failed at its 338th connect ("no CONNACK").
+        ``poll()`` has no such bound. Everything else is paho's logic: read when readable (or when
+        TLS holds decrypted bytes), write when paho wants to and can, or when another thread woke
+        the loop through the socket pair; then ``loop_misc`` (keepalive).
+        """
+        if timeout < 0.0:
+            raise ValueError("Invalid timeout.")
+        sock = self._sock
+        if sock is None:
+            return mqtt.MQTT_ERR_NO_CONN
+        pending = sock.pending() if hasattr(sock, "pending") else 0
+        if pending > 0:  # bytes left in the TLS object: do not wait
+            timeout = 0.0
+        want_write = self.want_write()
+        pair = self._sockpairR
+        poller = select.poll()
+        try:
+            fd = sock.fileno()
+            poller.register(fd, select.POLLIN | (select.POLLOUT if want_write else 0))
+            pair_fd = pair.fileno() if pair is not None else -1
+            if pair_fd >= 0:
+                poller.register(pair_fd, select.POLLIN)
+            events = dict(poller.poll(timeout * 1000.0))
+        except (TypeError, ValueError, OSError):  # the socket was closed under the loop (disconnect)
+            if self._state not in (mqtt._ConnectionState.MQTT_CS_DISCONNECTING,
+                                   mqtt._ConnectionState.MQTT_CS_DISCONNECTED):
+                self._state = mqtt._ConnectionState.MQTT_CS_CONNECTION_LOST
+            return mqtt.MQTT_ERR_CONN_LOST
+        if events.get(fd, 0) & _POLL_READ or pending > 0:
+            rc = self.loop_read()
+            if rc or self._sock is None:
+                return rc
+        woken = pair_fd >= 0 and bool(events.get(pair_fd, 0) & select.POLLIN)
+        if woken and pair is not None:
+            try:  # one byte per wake-up; many may have accumulated
+                pair.recv(10000)
+            except BlockingIOError:
+                pass
+        if woken or (want_write and events.get(fd, 0) & _POLL_WRITE):
+            rc = self.loop_write()
+            if rc or self._sock is None:
+                return rc
+        return self.loop_misc()
+
+
+class _CountingClient(PollingClient):
     """paho Client that reports every packet and counts socket bytes.
 
     Two paho internals are wrapped (paho-mqtt 2.x): ``_packet_queue`` (each outgoing packet, as
@@ -228,6 +339,11 @@ class MqttTransport:
         self._connected = threading.Event()
         self._closed = False
         self._refused: str | None = None
+        self._refused_code = 0
+        #: connects tried by the last :meth:`connect` (1 when the first succeeded)
+        self.connect_attempts = 0
+        #: seconds waited before each retry of :meth:`connect` (:class:`ConnectRetry`)
+        self.connect_delays: list[float] = []
         self._closed_before_connack = False
         self.connects = 0
         self.disconnects = 0
@@ -331,6 +447,14 @@ class MqttTransport:
         self._delivery_listener = listener
 
     @property
+    def ack_refusal_window_s(self) -> float:
+        """Seconds after a PUBACK within which this transport may still report that PUBLISH
+        refused (a close right after the acknowledgement, :data:`ACK_CLOSE_S`, with a tenfold
+        margin for a busy network thread): only under MQTT 3.1.1; under MQTT 5 a PUBACK carries
+        its own reason code and an acknowledged PUBLISH stays acknowledged (0)."""
+        return 0.0 if self.mqtt_version == MQTT_V5 else 10 * ACK_CLOSE_S
+
+    @property
     def max_packet_bytes(self) -> int:
         """The broker's packet limit as this transport knows it (bytes): the smaller of its CONNACK
         Maximum Packet Size and the inferred one; 0 when neither is known."""
@@ -340,6 +464,7 @@ class MqttTransport:
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             self._refused = f"{reason_code} ({reason_code.value:#04x})"
+            self._refused_code = int(reason_code.value)
             trial = self.mqtt_choice == "auto" and self.mqtt_version == MQTT_V5 and not self.connects
             (log.info if trial else log.warning)("%s: broker refused the MQTT %s connection: %s", self.client_id,
                                                  "5" if self.mqtt_version == MQTT_V5 else "3.1.1", reason_code)
@@ -507,22 +632,87 @@ class MqttTransport:
 
     # API -------------------------------------------------------------------------------------
 
-    def connect(self, timeout_s: float = 30.0) -> None:
+    def connect(self, timeout_s: float = 30.0, *, retry: ConnectRetry | None = None,
+                on_retry: Callable[[int, ConnectError, float], None] | None = None) -> None:
         """Connect and start the network thread; return once CONNACK accepted the session.
 
         An unreachable broker fails at once (a TCP probe) and a refused login as soon as the
         CONNACK says so; ``timeout_s`` only bounds the wait of an accepted TCP connection for its
         CONNACK, which a broker serving many connects at once on a loaded machine may take a while to send.
 
+        With ``retry``, a failure that may pass (:attr:`ConnectError.transient`: nothing listening,
+        no CONNACK within ``timeout_s``, a CONNACK saying the broker is unavailable or busy) is
+        tried again after a jittered, exponentially growing delay (:class:`ConnectRetry`), up to
+        ``retry.attempts`` connects in all; each retry is logged as a warning with its reason and
+        delay, and recorded in :attr:`connect_attempts` / :attr:`connect_delays`. A refused login
+        or certificate fails at once, whatever ``retry`` says.
+
+        Args:
+            timeout_s: seconds each attempt waits for its CONNACK.
+            retry: the retry policy; ``None``: one attempt.
+            on_retry: called as ``on_retry(attempt, error, delay_s)`` after failed attempt
+                ``attempt`` and before the wait of ``delay_s`` seconds (tests, progress output).
+
         Raises:
-            ConnectError: refused, or no CONNACK within ``timeout_s`` seconds.
+            ConnectError: refused, or no CONNACK within ``timeout_s`` seconds (after the last
+                attempt: its ``attempts`` says how many were made).
+        """
+        policy = retry or ConnectRetry()
+        rng = random.Random(policy.seed)
+        first = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            self.connect_attempts = attempt
+            try:
+                self._connect_attempt(timeout_s)
+            except ConnectError as exc:
+                exc.attempts = attempt
+                if not exc.transient or attempt >= policy.attempts:
+                    if attempt > 1:
+                        log.error("%s: connect failed after %d attempts over %.1f s: %s", self.client_id, attempt,
+                                  time.monotonic() - first, exc)
+                        raise ConnectError(f"{exc} (gave up after {attempt} attempts over "
+                                           f"{time.monotonic() - first:.1f} s)", client_id=self.client_id,
+                                           transient=exc.transient, attempts=attempt) from None
+                    raise
+                delay = policy.delay_s(attempt, rng)
+                self.connect_delays.append(delay)
+                log.warning("%s: connect attempt %d of %d failed (%s); trying again in %.2f s", self.client_id,
+                            attempt, policy.attempts, exc, delay)
+                if on_retry is not None:
+                    on_retry(attempt, exc, delay)
+                time.sleep(delay)
+                self._replace_client(self.mqtt_version if self.mqtt_choice != "auto" or
+                                     (self.host, self.port) not in _V311_ONLY else MQTT_V311)
+                continue
+            if attempt > 1:
+                log.info("%s: connected at attempt %d, %.1f s after the first", self.client_id, attempt,
+                         time.monotonic() - first)
+            return
+
+    def _replace_client(self, version: int) -> None:
+        """A fresh paho client for protocol level ``version`` in place of one whose connect failed
+        (its socket bytes are kept in :attr:`socket_bytes`)."""
+        old = self._client
+        self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
+                              self._bytes_before[1] + old.socket_bytes_in)
+        self.mqtt_version = version
+        self._client = self._make_client(version)
+
+    def _connect_attempt(self, timeout_s: float) -> None:
+        """One connect (:meth:`connect` without retries): the TCP probe, then MQTT 5 or 3.1.1.
+
+        Raises:
+            ConnectError: refused, unreachable, or no CONNACK within ``timeout_s`` seconds.
         """
         try:  # fail fast, with the reason, when nothing listens there
             probe = socket.create_connection((self.host, self.port), timeout=min(timeout_s, 5.0))
         except OSError as exc:
             reason = exc.strerror or exc.__class__.__name__
             raise ConnectError(f"cannot reach the MQTT broker at {self.host}:{self.port}: {reason}. Is the broker "
-                               f"running, and are the host and port right?", client_id=self.client_id) from exc
+                               f"running, and are the host and port right?", client_id=self.client_id,
+                               transient=True) from exc
         with probe:
             if self._tls is not None:  # a refused certificate says why now, not as "no CONNACK" later
                 self._tls_probe(probe)
@@ -541,10 +731,7 @@ class MqttTransport:
                 log.info("%s: the broker at %s:%d does not take MQTT 5 (%s); connecting with MQTT 3.1.1",
                          self.client_id, self.host, self.port, self._refused or "closed before CONNACK")
                 del exc
-            old = self._client
-            self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
-                                  self._bytes_before[1] + old.socket_bytes_in)
-            self._client = self._make_client(MQTT_V311)
+            self._replace_client(MQTT_V311)
         self._connect_once(self.mqtt_version if self.mqtt_choice != "auto" else MQTT_V311, deadline, timeout_s)
 
     def _connect_once(self, version: int, deadline: float, timeout_s: float) -> None:
@@ -555,6 +742,7 @@ class MqttTransport:
         """
         self.mqtt_version = version
         self._refused = None
+        self._refused_code = 0
         self._closed_before_connack = False
         kwargs: dict = {}
         if version == MQTT_V5:
@@ -587,9 +775,14 @@ class MqttTransport:
                     pass
             reason = self._refused or ("closed before CONNACK" if self._closed_before_connack else "no CONNACK")
             level = "5" if version == MQTT_V5 else "3.1.1"
+            # unanswered, or answered "unavailable / busy": a broker overloaded by a connect storm, worth
+            # trying again; any other refusal (login, authorisation) is not
+            transient = self._refused is None or self._refused_code in TRANSIENT_CONNACK_CODES
+            hint = ("the broker may be overloaded or still starting" if transient
+                    else "check credentials and TLS settings")
             raise ConnectError(f"the MQTT broker at {self.host}:{self.port} did not accept the MQTT {level} connection "
-                               f"of {self.client_id!r} within {timeout_s:g} s ({reason}); check credentials and TLS "
-                               f"settings", client_id=self.client_id)
+                               f"of {self.client_id!r} within {timeout_s:g} s ({reason}); {hint}",
+                               client_id=self.client_id, transient=transient)
 
     def _tls_probe(self, sock: socket.socket) -> None:
         """TLS handshake on ``sock`` (then closed) with the transport's context.

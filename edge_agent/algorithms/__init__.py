@@ -49,6 +49,7 @@ from ._base import (
     load_shared,
     local_entries,
     predict_scores,
+    private_entries,
     shared_arrays,
     shared_indices,
 )
@@ -113,6 +114,6 @@ __all__ = [
     "BUFFERS", "ClientAlgorithm", "LocalResult", "SHARES", "StepContext", "TrainConfig", "algorithm_setup",
     "build_client_algorithm", "check_client_class",
     "algorithm_share", "evaluation_split", "get_client_algorithm", "get_client_algorithm_class",
-    "list_client_algorithms", "load_shared", "local_entries", "predict_scores", "register_client_algorithm",
-    "shared_arrays", "shared_indices",
+    "list_client_algorithms", "load_shared", "local_entries", "predict_scores", "private_entries",
+    "register_client_algorithm", "shared_arrays", "shared_indices",
 ]

@@ -87,6 +87,21 @@ def local_entries(model: torch.nn.Module, buffers: str) -> frozenset[str]:
     return frozenset(n for n, _ in model.named_buffers()) if buffers == "local" else frozenset()
 
 
+def private_entries(model: torch.nn.Module, share: str, buffers: str = "average") -> tuple[str, ...]:
+    """State entry names of ``model`` that the round's global does not overwrite under ``share`` and
+    ``buffers`` (:meth:`ClientAlgorithm.load_global`): what a device's model carries from one round
+    to the next. None under ``share = "all"`` with averaged buffers; the non-``backbone.*`` entries
+    (the personal head) under ``"backbone"``; every entry under ``"none"``; the buffers too under
+    ``buffers = "local"``. In state-dict order.
+
+    Raises:
+        ValueError: as :func:`shared_indices`.
+    """
+    names = list(model.state_dict())
+    shared = set(shared_indices(names, share, local_entries(model, buffers)))
+    return tuple(n for i, n in enumerate(names) if i not in shared)
+
+
 def shared_arrays(model: torch.nn.Module, share: str, buffers: str = "average") -> tuple[np.ndarray, ...]:
     """Copies (CPU numpy, manifest order) of the state entries exchanged under ``share`` and
     ``buffers``."""
@@ -236,13 +251,24 @@ class ClientAlgorithm(ABC):
     * ``buffers``: registered buffers averaged with the model (``"average"``) or kept on the
       device (``"local"``, FedBN; :func:`local_entries`).
 
+    * ``borrows_model``: whether the device's model between rounds is nothing but its state entries
+      that :meth:`load_global` does not overwrite (:func:`private_entries`): ``local_round`` keeps
+      no reference to the model object, its parameters or modules for a later round, and sets
+      nothing on the model beyond its state, training and ``requires_grad`` flags. Then a virtual
+      agent of a simulated fleet may keep just those entries (none at all for ``share = "all"``)
+      and train on a training slot's working model (:mod:`edge_agent.slots`), with the same
+      results. ``False`` (the base's default): the agent keeps its own model. The built-in
+      algorithms declare ``True``; a subclass of one that keeps the model object between rounds
+      must declare ``False``.
+
     One instance serves one device for the whole run and may keep per-device state between
-    rounds.
+    rounds (as tensors or arrays of its own, never as references to the model it was given).
     """
 
     name: ClassVar[str] = ""
     share: ClassVar[str] = "all"
     buffers: ClassVar[str] = "average"
+    borrows_model: ClassVar[bool] = False
 
     @classmethod
     def setup_kwargs(cls, dataset, params: Mapping[str, object], seed: int) -> dict:

@@ -171,6 +171,7 @@ class FedAvgClient(ClientAlgorithm):
     name = "fedavg"
     share = "all"
     buffers = "average"
+    borrows_model = True  # its model between rounds is its state entries (ClientAlgorithm)
 
 
     def __init__(self, *, precision: str = "fp32") -> None:

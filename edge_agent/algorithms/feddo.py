@@ -64,6 +64,7 @@ class FedDOClient(ClientAlgorithm):
     name = "feddo"
     share = "all"
     buffers = "average"
+    borrows_model = True  # its model between rounds is its state entries (ClientAlgorithm)
 
     def __init__(self, *, precision: str = "fp32") -> None:
         _check_precision(precision)

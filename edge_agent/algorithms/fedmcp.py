@@ -394,6 +394,7 @@ class FedMCPClient(ClientAlgorithm):
     name = "fedmcp"
     share = "none"
     buffers = "average"
+    borrows_model = True  # its model between rounds is its state entries (ClientAlgorithm)
 
     #: Defaults of :class:`FedMCPParams` that a subclass (EnsKD) changes.
     hyperparameter_defaults: Mapping[str, object] = {}

@@ -190,6 +190,7 @@ class PrototypeClient(ClientAlgorithm, abc.ABC):
     """
 
     share = "none"
+    borrows_model = True  # its model between rounds is its state entries (ClientAlgorithm)
     prototypes_from_last_epoch = False
 
     def __init__(self, *, precision: str = "fp32") -> None:

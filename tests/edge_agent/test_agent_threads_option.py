@@ -20,7 +20,8 @@ with socket.socket() as s:
     port = s.getsockname()[1]
 from edge_agent.cli import main
 args = ["--broker", f"mqtt://127.0.0.1:{port}", "--federation", "f", "--client-id", "pi-1", "--dataset", "mnist",
-        "--data-dir", sys.argv[1], "--shard", "0/2", "--profile", "x86-cpu", "--out", sys.argv[2]]
+        "--data-dir", sys.argv[1], "--shard", "0/2", "--profile", "x86-cpu", "--out", sys.argv[2],
+        "--connect-attempts", "1"]
 print("rc-negative", main([*args, "--torch-threads", "-1"]), flush=True)
 print("rc", main([*args, "--torch-threads", "1"]), "torch", torch.get_num_threads(), flush=True)
 """

@@ -46,7 +46,7 @@ with socket.socket() as s:
 from edge_agent.cli import main
 rc = main(["--broker", f"mqtt://127.0.0.1:{{port}}", "--federation", "f", "--client-id", "pi-1",
            "--dataset", "mnist", "--data-dir", {data!r}, "--shard", "0/2", "--profile", "rpi4",
-           "--out", {out!r}])
+           "--out", {out!r}, "--connect-attempts", "1"])
 loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set(OPTIONAL))
 print("rc", rc, "tried", sorted(set(tried)), "loaded", loaded)
 """

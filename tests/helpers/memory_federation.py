@@ -55,9 +55,11 @@ def federation_server(tmp: Path, hub: MemoryBroker, strategy, test, *, rounds: i
 
 
 def start_agents(hub: MemoryBroker, devices: dict[str, Device], *, batch_size: int = 16, agent_ledger=None,
-                 train_lock=None) -> tuple[list[EdgeAgent], list[threading.Thread], list[BaseException]]:
+                 train_lock=None, slots=None) -> tuple[list[EdgeAgent], list[threading.Thread], list[BaseException]]:
     """One :class:`EdgeAgent` thread per device (started), sharing ``train_lock`` (a semaphore of
-    training slots, or ``None``). Returns (agents, threads, the errors any of them raised)."""
+    training slots, or ``None``) or ``slots`` (:class:`edge_agent.slots.TrainingSlots` the agents
+    train on; ``None``: each its own thread and model). Returns (agents, threads, the errors any
+    of them raised)."""
     agents = [EdgeAgent(channel=Channel(hub.connect(cid), node_id=cid, side="agent", federation="mem",
                                         ledger=agent_ledger),
                         model=d.model if d.model is not None else digits_model(), algorithm=d.algorithm, x=d.x,
@@ -65,7 +67,8 @@ def start_agents(hub: MemoryBroker, devices: dict[str, Device], *, batch_size: i
                         idle_timeout_s=60, profile=d.profile,
                         info=None if d.model is None else {"model": type(d.model).__name__, "num_classes": 10,
                                                            "feature_dim": int(d.model.classifier.weight.shape[1])},
-                        train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size), train_lock=train_lock)
+                        train_defaults=TrainConfig(local_epochs=1, batch_size=batch_size), train_lock=train_lock,
+                        slots=slots)
               for i, (cid, d) in enumerate(devices.items())]
     errors: list[BaseException] = []
 
@@ -86,14 +89,17 @@ def start_agents(hub: MemoryBroker, devices: dict[str, Device], *, batch_size: i
 def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, Device], test, *, rounds: int,
                    quorum: int = 1, batch_size: int = 16, global_delivery: str = "auto",
                    overlap_evaluation: str = "auto", global_codec: str = "fp32", server_ledger=None,
-                   agent_ledger=None, train_lock=None, eval_slot=None) -> AggregationServer:
+                   agent_ledger=None, train_lock=None, eval_slot=None, slots=None,
+                   agents_out: list | None = None) -> AggregationServer:
     """Run ``rounds`` rounds; every agent must finish without an error.
 
     ``global_delivery`` / ``overlap_evaluation``: the server's ``[server]`` settings;
     ``global_codec``: its ``[protocol] global_codec``;
     ``server_ledger`` / ``agent_ledger``: a :class:`~protocol.ledger.Ledger` for the server's
     channel / every agent's (``None``: none); ``train_lock``: the agents' shared training slots,
-    ``eval_slot``: what the server holds while it evaluates during training (``None``: none).
+    ``eval_slot``: what the server holds while it evaluates during training (``None``: none);
+    ``slots``: :class:`edge_agent.slots.TrainingSlots` the agents train on (``None``: each its own
+    thread and model); ``agents_out``: a list the agents are appended to.
 
     Returns:
         The server (``metrics``, ``strategy``); the messages are in ``hub.published``.
@@ -101,8 +107,10 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
     server = federation_server(tmp, hub, strategy, test, rounds=rounds, clients=len(devices), quorum=quorum,
                                global_delivery=global_delivery, overlap_evaluation=overlap_evaluation,
                                global_codec=global_codec, server_ledger=server_ledger, eval_slot=eval_slot)
-    _, threads, errors = start_agents(hub, devices, batch_size=batch_size, agent_ledger=agent_ledger,
-                                      train_lock=train_lock)
+    agents, threads, errors = start_agents(hub, devices, batch_size=batch_size, agent_ledger=agent_ledger,
+                                           train_lock=train_lock, slots=slots)
+    if agents_out is not None:
+        agents_out.extend(agents)
     summary = server.run()
     for t in threads:
         t.join(30)
