@@ -24,7 +24,7 @@ from protocol.messages import SERVER_ID
 from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
 from protocol.transport import MqttTransport, Will
 
-from .config import Config
+from .config import Config, section_hint
 from .errors import ConfigError
 from .server import AggregationServer, ServerSettings
 from .strategies import Strategy, get_strategy_class
@@ -229,8 +229,9 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     unknown = sorted(set(params) - names) if not any_keyword else []
     if unknown:
         own = sorted(names - set(DRIVER_KWARGS))
+        hints = "".join(section_hint(key, "algorithm") for key in unknown)
         raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
-                          f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}")
+                          f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}{hints}")
     wrong = [problem for k, v in sorted(params.items()) if (problem := param_type_problem(declared, k, v))]
     if wrong:
         raise ConfigError(f"{where}: {'; '.join(wrong)}")
