@@ -96,16 +96,23 @@ def _cmd_simulate(args) -> int:
 
     cfg = _load(args)
     out = Path(args.out) if args.out else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
+    fin = _finished(args, cfg)
+    if fin is not None and fin.complete:
+        from .run_end import nothing_to_resume
+
+        print(nothing_to_resume(fin, cfg.run.rounds, "simulate"), flush=True)
+        return EXIT_OK
     print(run_header(cfg), flush=True)
     last = None
-    if args.resume and (out / "checkpoints.sqlite").exists():
-        from .checkpoint import CheckpointStore
+    if fin is not None:
+        from .run_end import finishing_line
 
-        store = CheckpointStore(out / "checkpoints.sqlite")
-        try:
-            last = max(store.rounds(), default=0)
-        finally:
-            store.close()
+        last = fin.rounds
+        print(finishing_line(fin, cfg.run.rounds, "simulate"), flush=True)
+    elif args.resume and (out / "checkpoints.sqlite").exists():
+        from .run_end import last_checkpoint_round
+
+        last = last_checkpoint_round(out / "checkpoints.sqlite") or 0
         print(f"fedfleet simulate: resuming {out} after round {last} of {cfg.run.rounds} (rounds {last + 1}.."
               f"{cfg.run.rounds} to go)", flush=True)
     show = None if args.quiet else progress_printer(cfg.run.rounds)
@@ -156,10 +163,26 @@ def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, 
     print(f"run folder: {run_dir}   (fedfleet audit {run_dir})")
 
 
+def _finished(args, cfg):
+    """With ``--resume``: the run's :class:`~broker_server.run_end.FinishedRun` when its rounds are
+    all done (:func:`~broker_server.run_end.finished_run`), else ``None``."""
+    if not getattr(args, "resume", None):
+        return None
+    from .run_end import finished_run
+
+    return finished_run(Path(args.resume), cfg.run.rounds)
+
+
 def _cmd_server(args) -> int:
     from .server_main import serve
 
     cfg = _load(args)
+    fin = _finished(args, cfg)
+    if fin is not None and fin.complete:  # one line, nothing written: no data set loaded, no broker
+        from .run_end import nothing_to_resume
+
+        print(nothing_to_resume(fin, cfg.run.rounds, "server"), flush=True)
+        return EXIT_OK
     print(run_header(cfg, "server"), flush=True)
     return serve(cfg, broker_url=args.broker, run_dir=args.out, resume=bool(args.resume),
                  verbose=args.verbose + args.sub_verbose > 0)

@@ -38,6 +38,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from edge_agent.partition import CLIENT_TEST_FRACTION_RANGE
+
 from .errors import ConfigError
 
 
@@ -63,7 +65,8 @@ class DataSection:
     ``train_samples`` partitions a seeded, class-stratified subset of that many training samples
     (0 = the whole split): the data-scarce regime (FedMCP++'s protocol), or a quick trial.
     ``partition = "classes"``: each client holds ``classes_per_client`` classes only (the
-    pathological split, :func:`edge_agent.partition.classes_per_client`).
+    pathological split, :func:`edge_agent.partition.classes_per_client`); ``fedfleet simulate``
+    only (:data:`edge_agent.partition.SIMULATION_ONLY_SCHEMES`: ``fedfleet server`` refuses it).
 
     ``client_test`` chooses what client-side evaluation (``[server] client_eval``) measures:
     ``"shared"`` (default, the behaviour before the key existed): every device trains on its
@@ -366,7 +369,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("data", "partition"): ("iid", "dirichlet", "domain-silo", "classes"),
     ("data", "classes_per_client"): (1, 100_000),
     ("data", "client_test"): ("shared", "local"),
-    ("data", "client_test_fraction"): (0.01, 0.9),
+    ("data", "client_test_fraction"): CLIENT_TEST_FRACTION_RANGE,
     ("data", "domain_train_cap"): (0, 10**9),
     ("data", "domain_test_cap"): (0, 10**9),
     ("train", "local_epochs"): (1, 1000),
@@ -621,6 +624,30 @@ def _validate_model(cfg: Config, src: str) -> None:
             f"[model] name (no group), or use a prototype-only algorithm ({', '.join(prototype_only)})")
 
 
+def section_hint(key: str, section: str, *, algorithm: str | None = None) -> str:
+    """``"; did you mean [data] client_test?"`` when ``key``, unknown in ``[section]``, is a key of
+    other sections (all of them named: ``[run] name or [model] name``) or, with ``algorithm``
+    (``[train] algorithm``), one of that algorithm's ``[algorithm]`` hyperparameters; ``""``
+    when it is neither (an algorithm that cannot be loaded gives no hint)."""
+    defaults = Config()
+    places = [f"[{sec}] {key}" for sec in _SECTIONS
+              if sec != section and key in {f.name for f in dataclasses.fields(getattr(defaults, sec))}]
+    if not places and algorithm is not None and section != "algorithm":
+        try:
+            from edge_agent.plugins import accepted_keywords
+
+            from .runtime import DRIVER_KWARGS
+            from .strategies import get_strategy_class
+
+            cls = get_strategy_class(algorithm)
+            names, _ = accepted_keywords(cls)
+            if key in (names | set(cls.extra_keys)) - set(DRIVER_KWARGS):
+                places = [f"[algorithm] {key} (a hyperparameter of {algorithm!r})"]
+        except Exception:  # noqa: BLE001 - only a hint: an algorithm that cannot be loaded is reported elsewhere
+            pass
+    return f"; did you mean {' or '.join(places)}?" if places else ""
+
+
 def from_dict(raw: dict, source: str = "<dict>") -> Config:
     """Build a :class:`Config` from parsed TOML.
 
@@ -647,7 +674,11 @@ def from_dict(raw: dict, source: str = "<dict>") -> Config:
         kw = {}
         for key, value in table.items():
             if key not in types:
-                raise ConfigError(f"{source}: unknown key [{sec}] {key}; allowed: {', '.join(types)}")
+                train = raw.get("train")
+                algorithm = train.get("algorithm", TrainSection.algorithm) if isinstance(train, dict) else \
+                    TrainSection.algorithm
+                hint = section_hint(key, sec, algorithm=algorithm if isinstance(algorithm, str) else None)
+                raise ConfigError(f"{source}: unknown key [{sec}] {key}; allowed: {', '.join(types)}{hint}")
             if (sec, key) == ("model", "group"):
                 kw[key] = _model_group(value, f"{source}: [model] group")
                 continue

@@ -24,7 +24,7 @@ from protocol.messages import SERVER_ID
 from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
 from protocol.transport import MqttTransport, Will
 
-from .config import Config
+from .config import Config, section_hint
 from .errors import ConfigError
 from .server import AggregationServer, ServerSettings
 from .strategies import Strategy, get_strategy_class
@@ -67,6 +67,34 @@ def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = No
         raise ConfigError(f"[broker] TLS: {exc}") from None
 
 
+def _needs_key_dir(cfg: Config) -> str:
+    return (f"{cfg.source}: [security] sign = true needs key_dir, the server's key folder (create it with "
+            f"`fedfleet keys gen --out DIR --id server`, then enrol each device with `fedfleet keys enroll "
+            f"DEVICE.pub --server-dir DIR`)")
+
+
+def check_server_keys(cfg: Config, *, simulated: bool) -> None:
+    """``[security] key_dir`` checked before a run writes anything: with ``sign`` on, the folder
+    must hold the server's keys (read only: no session counter is advanced). Without a
+    ``key_dir`` a simulation makes fresh keys (``simulated``); a server for a real fleet needs one.
+
+    Raises:
+        ConfigError: naming the configuration file and the key folder: no ``key_dir`` for a real
+            fleet, a missing folder, unusable keys (readable by others, of another id).
+    """
+    s = cfg.security
+    if not s.sign:
+        return
+    if not s.key_dir:
+        if simulated:
+            return
+        raise ConfigError(_needs_key_dir(cfg))
+    try:
+        load_identity(s.key_dir, expected_id=SERVER_ID)
+    except SecurityConfigError as exc:
+        raise ConfigError(f"{cfg.source}: [security] key_dir = {s.key_dir!r}: {exc}") from None
+
+
 def server_security(cfg: Config, *, identity: Identity | None = None,
                     extra_peers: dict[str, PublicIdentity] | None = None) -> ChannelSecurity | None:
     """The server channel's signing/verification state from ``[security]`` (``None`` when
@@ -76,7 +104,7 @@ def server_security(cfg: Config, *, identity: Identity | None = None,
 
     Raises:
         ConfigError: signing on without a key folder, or keys that cannot be used (missing,
-            readable by others, of another id).
+            readable by others, of another id); the message names the configuration file.
     """
     s = cfg.security
     if not s.sign:
@@ -84,15 +112,13 @@ def server_security(cfg: Config, *, identity: Identity | None = None,
     try:
         if identity is None:
             if not s.key_dir:
-                raise ConfigError(f"{cfg.source}: [security] sign = true needs key_dir, the server's key folder "
-                                  f"(create it with `fedfleet keys gen --out DIR --id server`, then enrol each "
-                                  f"device with `fedfleet keys enroll DEVICE.pub --server-dir DIR`)")
+                raise ConfigError(_needs_key_dir(cfg))
             identity = load_identity(s.key_dir, expected_id=SERVER_ID)
         allow = AllowList(s.key_dir or identity.key_dir, extra_peers)
         return ChannelSecurity(identity, side="server", peers=allow, require_encrypted=s.encrypt,
                                replay_window=s.replay_window)
     except SecurityConfigError as exc:
-        raise ConfigError(f"[security]: {exc}") from None
+        raise ConfigError(f"{cfg.source}: [security]: {exc}") from None
 
 
 def device_model(ds: Dataset, seed: int, name: str = "lightcnn", feature_dim: int = 64) -> torch.nn.Module:
@@ -229,8 +255,9 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     unknown = sorted(set(params) - names) if not any_keyword else []
     if unknown:
         own = sorted(names - set(DRIVER_KWARGS))
+        hints = "".join(section_hint(key, "algorithm") for key in unknown)
         raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
-                          f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}")
+                          f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}{hints}")
     wrong = [problem for k, v in sorted(params.items()) if (problem := param_type_problem(declared, k, v))]
     if wrong:
         raise ConfigError(f"{where}: {'; '.join(wrong)}")

@@ -135,7 +135,8 @@ from .strategies import (
 from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "OVERLAP_EVALUATIONS", "RoundStats", "RunSummary",
-           "ServerSettings", "client_eval_figures", "evaluate"]
+           "ServerSettings", "client_eval_figures", "evaluate", "export_final_onnx", "final_figures",
+           "write_final_model"]
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +315,52 @@ class RunSummary:
     final_accuracy: float
     final_loss: float
     metrics: list[dict]
+
+
+def final_figures(metrics: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """``(accuracy, loss)`` a run ends with: those of the last metrics line that has an
+    accuracy (``loss`` NaN when that line has none); ``(nan, nan)`` when no line has one."""
+    acc, loss = float("nan"), float("nan")
+    for m in metrics:
+        if m.get("accuracy") is not None:
+            acc, loss = m["accuracy"], m["loss"] if m.get("loss") is not None else float("nan")
+    return acc, loss
+
+
+def export_final_onnx(model: torch.nn.Module, run_dir: Path, test: ArraySplit) -> dict:
+    """Export ``model`` to ``run_dir/model_final.onnx`` and evaluate it with ONNX Runtime on
+    ``test`` (the deployable artefact is checked, not just written).
+
+    Returns:
+        ``{"onnx_accuracy", "onnx_loss", "onnx_providers"}``, or ``{"onnx_error": text}`` when
+        ONNX / ONNX Runtime is unavailable or the export failed (logged as a warning).
+    """
+    from edge_agent.errors import EdgeAgentError
+
+    try:
+        from edge_agent.onnx_runtime import OnnxModel, export_onnx  # ImportError: onnx(runtime) unavailable
+
+        path = export_onnx(model, Path(run_dir) / "model_final.onnx", input_shape=tuple(test.x.shape[1:]))
+        om = OnnxModel(path)
+        acc, loss = om.evaluate(np.asarray(test.x, dtype=np.float32), np.asarray(test.y))
+        return {"onnx_accuracy": acc, "onnx_loss": loss, "onnx_providers": list(om.providers_used)}
+    except (EdgeAgentError, OSError, ImportError) as exc:
+        log.warning("final model not exported to ONNX: %s", exc)
+        return {"onnx_error": str(exc)}
+
+
+def write_final_model(store: RunStore, model: torch.nn.Module, *, share: str, algorithm: str,
+                      test: ArraySplit) -> dict:
+    """What the end of a run writes of its final global ``model``: ``model_final.pt`` unless
+    the algorithm shares nothing (``share = "none"``; with ``"backbone"`` its shared entries are
+    the global backbone), and ``model_final.onnx`` (:func:`export_final_onnx`) when it shares
+    the whole model. Returns the ``onnx_*`` figures for ``summary.json`` (``onnx_skipped`` with
+    the reason when the server's copy is no model anyone trained end to end)."""
+    if share != "none":
+        store.save_final_model(model)
+    if share == "all":
+        return export_final_onnx(model, store.run_dir, test)
+    return {"onnx_skipped": f"{algorithm} shares {share} of the model: the trained models stay on the devices"}
 
 
 @dataclass
@@ -1047,23 +1094,15 @@ class AggregationServer:
                 except Exception:  # noqa: BLE001 - the first failure is the one raised; resume writes the line
                     log.exception("round %d could not be evaluated; --resume evaluates its checkpoint", pending.round)
             raise
-        last_acc, last_loss = float("nan"), float("nan")
-        for m in self.metrics:  # a resumed run's rounds before this session's too
-            if m.get("accuracy") is not None:
-                last_acc, last_loss = m["accuracy"], m["loss"] if m.get("loss") is not None else float("nan")
+        last_acc, last_loss = final_figures(self.metrics)  # a resumed run's rounds before this session's too
         packet, chunk = self._limits()
         self.channel.send(topics.down(self.fed, Kind.FINISH),
                           Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10,
                           max_packet_bytes=packet, chunk_bytes=chunk)
         self.pump(0.2)
         self.store.close()
-        if self.share != "none":  # with share="backbone" its shared entries are the global backbone
-            self.store.save_final_model(self.model)
-        if self.share == "all":
-            self.onnx_result = self._export_onnx()
-        else:  # the server's copy is not a model anyone trained end to end: nothing to deploy
-            self.onnx_result = {"onnx_skipped": f"{self.strategy.name} shares {self.share} of the model: the "
-                                                "trained models stay on the devices"}
+        self.onnx_result = write_final_model(self.store, self.model, share=self.share, algorithm=self.strategy.name,
+                                             test=self.test)
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
         return RunSummary(self.round, last_acc, last_loss, self.metrics)
@@ -1551,22 +1590,6 @@ class AggregationServer:
     def _bytes(self) -> tuple[int, int]:
         """(uplink, downlink) wire bytes on the server's link so far, from this side's ledger rows."""
         return self.channel.wire_bytes_received, self.channel.wire_bytes_sent
-
-    def _export_onnx(self) -> dict:
-        """Export the final model to ``model_final.onnx`` and evaluate it with ONNX Runtime on
-        the test split (the deployable artefact is checked, not just written)."""
-        from edge_agent.errors import EdgeAgentError
-
-        try:
-            from edge_agent.onnx_runtime import OnnxModel, export_onnx  # ImportError: onnx(runtime) unavailable
-
-            path = export_onnx(self.model, self.run_dir / "model_final.onnx", input_shape=tuple(self.test.x.shape[1:]))
-            om = OnnxModel(path)
-            acc, loss = om.evaluate(np.asarray(self.test.x, dtype=np.float32), np.asarray(self.test.y))
-            return {"onnx_accuracy": acc, "onnx_loss": loss, "onnx_providers": list(om.providers_used)}
-        except (EdgeAgentError, OSError, ImportError) as exc:
-            log.warning("final model not exported to ONNX: %s", exc)
-            return {"onnx_error": str(exc)}
 
     def write_registry(self) -> None:
         """``registry.json`` in the run folder (:meth:`DeviceRegistry.write`), rewritten each round."""

@@ -15,15 +15,16 @@ from pathlib import Path
 
 from edge_agent.data import load_dataset
 from edge_agent.optional_runtime import report as optional_runtimes
-from protocol.errors import ConnectError
 from protocol.ledger import Ledger
 
 from .config import Config
 from .embedded_broker import EmbeddedBroker
-from .errors import BrokerStartError, ConfigError
-from .runtime import make_server
-from .server import RunSummary
+from .errors import ConfigError
+from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, write_final_files
+from .runtime import check_server_keys, make_server
+from .server import RunSummary, final_figures
 from .simulate import (
+    STARTUP_ERRORS,
     check_partition_record,
     client_data,
     discard_unstarted,
@@ -146,6 +147,26 @@ def server_byte_summary(run_dir: Path) -> str:
             f"this run: fedfleet audit {run_dir}")
 
 
+def check_real_fleet(cfg: Config) -> None:
+    """Refuse, before anything is started or written, what a fleet of ``fedfleet-agent`` devices
+    cannot follow: a simulation-only ``[data] partition`` (:data:`edge_agent.partition.SIMULATION_ONLY_SCHEMES`:
+    ``"classes"``, whose ``classes_per_client`` no device is told, so ``fedfleet-agent
+    --partition`` refuses it), and ``[security] sign`` without a usable ``key_dir``
+    (:func:`~broker_server.runtime.check_server_keys`: a simulation makes its own keys, a real
+    fleet's devices need the server's).
+
+    Raises:
+        ConfigError: naming the configuration file, the key, its value and what a real fleet takes.
+    """
+    from edge_agent.partition import AGENT_SCHEMES, SIMULATION_ONLY_SCHEMES
+
+    scheme = cfg.data.partition
+    if scheme in SIMULATION_ONLY_SCHEMES:
+        raise ConfigError(f"{cfg.source}: [data] partition = {scheme!r} is simulation-only (fedfleet simulate): "
+                          f"a fleet of fedfleet-agent devices takes {', '.join(repr(s) for s in AGENT_SCHEMES)}")
+    check_server_keys(cfg, simulated=False)
+
+
 def security_text(cfg: Config) -> str:
     """``signed + encrypted`` / ``signed`` / ``unsigned`` for the start-up header."""
     if not cfg.security.sign:
@@ -172,13 +193,17 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
             broker and subscribed, before it waits for joins (start agents from here).
         on_event: the server's progress events (:mod:`broker_server.progress`).
 
-    A broker that cannot be started or reached leaves no run folder behind (what this call
-    wrote is removed; a ``--resume``d folder is left as it was).
+    A start-up failure (:data:`~broker_server.simulate.STARTUP_ERRORS`: a configuration error, a
+    broker that cannot be started or reached) leaves no run folder behind (what this call wrote
+    is removed; a ``--resume``d folder is left as it was); what a real fleet cannot run is
+    refused before anything is written (:func:`check_real_fleet`). ``resume`` of a run with no
+    round left starts no broker (:mod:`broker_server.run_end`).
 
     Raises:
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
     """
     out = Path(run_dir) if run_dir else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
+    check_real_fleet(cfg)
     if resume and not (out / "checkpoints.sqlite").exists():
         raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
     if not resume and (out / "metrics.jsonl").exists():
@@ -190,14 +215,35 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
     if resume:
         check_partition_record(out / "partition.json", record)
     check_tracking(cfg)  # a tracking package asked for but missing: said before anything is written
+    if resume and (fin := finished_run(out, cfg.run.rounds)) is not None:  # no round left: no broker, no agents
+        return _served_finished(cfg, ds, fin, federation, broker=broker_url or cfg.broker.url, say=say)
     before = run_folder_entries(out)
     try:
         return _serve_run(cfg, ds, record, out, federation, broker_url=broker_url, resume=resume, say=say,
                           on_round=on_round, on_start=on_start, on_event=on_event)
-    except (BrokerStartError, ConnectError):
+    except STARTUP_ERRORS:
         if not resume:
             discard_unstarted(out, before)
         raise
+
+
+def _served_finished(cfg: Config, ds, fin: FinishedRun, federation: str, *, broker: str,
+                     say: Callable[[str], None]) -> ServedRun:
+    """:func:`run_server` of a ``--resume`` whose rounds are all done (:mod:`broker_server.run_end`):
+    nothing written when its final files are there (said in one line), else those files
+    written from its last checkpoint, without a broker or agents."""
+    if fin.summary is not None:
+        say(nothing_to_resume(fin, cfg.run.rounds, "server"))
+        acc = float(fin.summary.get("final_accuracy", float("nan")))
+        summary = RunSummary(fin.rounds, acc, final_figures(fin.metrics)[1], fin.metrics)
+    else:
+        files = write_final_files(cfg, ds, fin, federation=federation, broker=broker,
+                                  extra={"resumed_after": fin.rounds})
+        summary = files.summary
+        say(f"{finishing_line(fin, cfg.run.rounds, 'server', files.written)}; final test accuracy "
+            f"{summary.final_accuracy:.4f} (agents still waiting for the run's finish message stop at their "
+            "--idle-timeout-s)")
+    return ServedRun(summary=summary, run_dir=fin.run_dir, federation=federation)
 
 
 def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, broker_url: str | None, resume: bool,

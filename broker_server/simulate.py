@@ -42,8 +42,8 @@ from edge_agent.runtime import agent_runtime
 from edge_agent.slots import TrainingSlots
 from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
-from protocol.errors import ConnectError, SecurityConfigError
-from protocol.ledger import Ledger
+from protocol.errors import ConnectError, LedgerError, SecurityConfigError
+from protocol.ledger import Ledger, read_meta
 from protocol.messages import SERVER_ID
 from protocol.security import ChannelSecurity, Identity, enroll, generate_identity, load_identity, write_key_dir
 from protocol.transport import ConnectRetry
@@ -51,9 +51,11 @@ from protocol.transport import ConnectRetry
 from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
+from .run_end import FinishedRun, finished_run, last_checkpoint_round, write_final_files
 from .runtime import (
     agent_spec,
     channel_options,
+    check_server_keys,
     client_eval_split,
     device_model,
     local_eval_split,
@@ -98,20 +100,31 @@ def make_run_id(name: str, seed: int) -> str:
     return f"{stem[:36]}-{time.strftime('%Y%m%d-%H%M%S')}-s{seed}"[:64]
 
 
+#: Errors of a run that never started (its configuration, its broker): :func:`simulate` and
+#: :func:`~broker_server.server_main.run_server` remove what it wrote (:func:`discard_unstarted`).
+STARTUP_ERRORS: tuple[type[Exception], ...] = (ConfigError, BrokerStartError, ConnectError)
+
+
 def run_folder_entries(out: Path) -> set[str] | None:
     """The names in run folder ``out`` now (``None``: it does not exist), for :func:`discard_unstarted`."""
     return {p.name for p in out.iterdir()} if out.is_dir() else None
 
 
 def discard_unstarted(out: Path, before: set[str] | None) -> None:
-    """Remove what a run that never started (the broker could not be started or reached) wrote to
-    ``out``: the folder itself when it did not exist before (``before`` is ``None``), else the
-    entries not in ``before``. A folder holding a checkpoint is a run that started: left alone.
-    Said in the log, so that nothing disappears without a word."""
+    """Remove what a run that never started (a :data:`STARTUP_ERRORS` error: its configuration,
+    its broker) wrote to ``out``: the folder itself when it did not exist before (``before`` is
+    ``None``), else the entries not in ``before``. A folder holding a checkpoint (a store with a
+    row, or one that cannot be read) is a run that started: left alone. Said in the log, so that
+    nothing disappears without a word."""
     if not out.is_dir() or (before is not None and "checkpoints.sqlite" in before):
         return
-    if (out / "checkpoints.sqlite").exists():
-        return
+    store = out / "checkpoints.sqlite"
+    if store.exists():
+        try:
+            if last_checkpoint_round(store) is not None:
+                return
+        except ConfigError:  # not readable: kept, as a run's
+            return
     made = sorted(p.name for p in out.iterdir() if before is None or p.name not in before)
     for name in made:
         path = out / name
@@ -270,7 +283,7 @@ def fleet_security(cfg: Config, run_dir: Path, client_ids: list[str]
                 enroll(root / SERVER_ID, ident.public, replace=True)
             return server_security(cfg, identity=server_id), agents
     except SecurityConfigError as exc:
-        raise ConfigError(f"[security] keys of the simulated fleet: {exc}") from None
+        raise ConfigError(f"{cfg.source}: [security] keys of the simulated fleet: {exc}") from None
     return server_security(cfg, extra_peers={cid: ident.public for cid, ident in agents.items()}), agents
 
 
@@ -328,6 +341,27 @@ def progress_printer(rounds: int, stream: TextIO | None = None) -> Callable[[dic
     return show
 
 
+def _finished_result(cfg: Config, ds, fin: FinishedRun, federation: str, t_start: float) -> SimulationResult:
+    """:func:`simulate`'s result for a ``--resume`` of a run whose rounds are all done
+    (:mod:`broker_server.run_end`): read from its files when they are complete (nothing is
+    written), else its final files written first (:func:`~broker_server.run_end.write_final_files`)."""
+    if fin.summary is not None:
+        acc, broker = float(fin.summary.get("final_accuracy", float("nan"))), str(fin.summary.get("broker", ""))
+    else:
+        try:  # the broker the run's rounds went over, as its ledger recorded it
+            broker = read_meta(fin.run_dir / "ledger.sqlite").get("broker", "")
+        except LedgerError:
+            broker = ""
+        profiles = assign_profiles(cfg.agents.profile_mix(), cfg.data.clients, cfg.run.seed)
+        acc = write_final_files(cfg, ds, fin, federation=federation, broker=broker, extra={
+            "substitutions": list(ds.substitutions), "agent_errors": [], "thread_plan": None,
+            "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
+            "emulated_link_s": None}).summary.final_accuracy
+    return SimulationResult(run_dir=fin.run_dir, federation=federation, final_accuracy=acc,
+                            rounds_completed=fin.rounds, metrics=fin.metrics, agents=[],
+                            seconds=time.monotonic() - t_start, broker=broker)
+
+
 def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
              on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None,
              resume: bool = False, on_plan: Callable[[ThreadPlan], None] | None = None,
@@ -343,7 +377,9 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
         agent_hook: called with (index, agent) before each agent thread starts (tests use it to
             make agents misbehave).
         resume: continue the run in ``run_dir`` from its last checkpoint (after a crash): same
-            federation, the ledger and metrics are appended to, the fleet joins again.
+            federation, the ledger and metrics are appended to, the fleet joins again. A run
+            with no round left starts no broker and no agent (:mod:`broker_server.run_end`):
+            its result is read from its files, its final files written first when missing.
         on_plan: called once with the thread plan (:func:`edge_agent.device.plan_threads`:
             torch threads and trainings at once, from the cores this process may use and
             ``[agents] torch_threads``/``train_slots``) before any agent starts; the plan is also
@@ -361,7 +397,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     try:
         return _simulate(cfg, out, broker_url=broker_url, on_round=on_round, agent_hook=agent_hook, resume=resume,
                          on_event=on_event, on_plan=on_plan)
-    except (BrokerStartError, ConnectError):  # nothing ran: no half-made run folder that --resume refuses
+    except STARTUP_ERRORS:  # nothing ran: no half-made run folder that --resume refuses
         if not resume:
             discard_unstarted(out, before)
         raise
@@ -401,8 +437,11 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
     make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written
     check_tracking(cfg)  # a tracking package asked for but missing: said now, not after the run
+    check_server_keys(cfg, simulated=True)  # [security] key_dir: said before the run folder is made
     for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once
         device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
+    if resume and (fin := finished_run(out, cfg.run.rounds)) is not None:  # no round left: no broker, no agents
+        return _finished_result(cfg, ds, fin, federation, t_start)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(record, indent=1), encoding="utf-8")

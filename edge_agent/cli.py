@@ -66,9 +66,35 @@ NOT_JOINED_HINT = ("the likely causes: this device is not enrolled on a signing 
                    "federation (the server prints its own)")
 
 
+def client_test_fraction(text: str) -> float:
+    """``--client-test-fraction``'s value: a number in
+    :data:`edge_agent.partition.CLIENT_TEST_FRACTION_RANGE` (the range ``[data]
+    client_test_fraction`` allows).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or outside that range (argparse exits 2 with it).
+    """
+    from .partition import CLIENT_TEST_FRACTION_RANGE
+
+    lo, hi = CLIENT_TEST_FRACTION_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not lo <= value <= hi:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text} is outside [{lo:g}, {hi:g}], the range of the server's "
+                                         "[data] client_test_fraction")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``fedfleet-agent``."""
-    from .partition import SCHEMES
+    from .partition import (
+        AGENT_SCHEMES,
+        CLIENT_TEST_FRACTION_RANGE,
+        DEFAULT_CLIENT_TEST_FRACTION,
+        SIMULATION_ONLY_SCHEMES,
+    )
 
     p = argparse.ArgumentParser(prog="fedfleet-agent", description="Run one fedfleet edge agent.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -79,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", "--data", dest="data", help="folder holding the data set files")
     p.add_argument("--shard", default="0/1",
                    help="i/n: take shard i of the n-way partition; n must equal the server's [data] clients")
-    p.add_argument("--partition", default="iid", choices=[s for s in SCHEMES if s != "classes"],
-                   help="must match the server's [data] partition (the server refuses a mismatch); the "
-                        "'classes' scheme is simulation-only (its classes_per_client is not announced yet)")
+    p.add_argument("--partition", default="iid", choices=AGENT_SCHEMES,
+                   help="must match the server's [data] partition (the server refuses a mismatch); "
+                        f"{', '.join(repr(s) for s in SIMULATION_ONLY_SCHEMES)} is simulation-only (its "
+                        "classes_per_client is not announced)")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet α; must match the server's [data] alpha")
     p.add_argument("--min-samples", type=int, default=10,
                    help="smallest shard; drives Dirichlet's redraws: must match the server's [data] min_samples")
@@ -98,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-test", default="shared", choices=("shared", "local"),
                    help="what this device's own-model evaluation uses: the test split ('shared') or a test set "
                         "held out of its own shard, per class ('local'); must match the server's [data] client_test")
-    p.add_argument("--client-test-fraction", type=float, default=0.25, metavar="F",
-                   help="with --client-test local: the share of the shard held out (0 < F < 1); the server's "
-                        "[data] client_test_fraction")
+    lo, hi = CLIENT_TEST_FRACTION_RANGE
+    p.add_argument("--client-test-fraction", type=client_test_fraction, default=DEFAULT_CLIENT_TEST_FRACTION,
+                   metavar="F", help=f"with --client-test local: the share of the shard held out ({lo:g} <= F <= "
+                                     f"{hi:g}); the server's [data] client_test_fraction")
     p.add_argument("--seed", type=int, default=0, help="partition seed; must match the server's [run] seed")
     p.add_argument("--out", help="folder for this device's byte ledger (ledger.sqlite; read it with "
                                  "`fedfleet audit`); default fedfleet-agent-<client-id>")

@@ -44,12 +44,15 @@ import numpy as np
 from edge_agent.errors import LocalTestSplitError, PartitionError
 
 __all__ = [
+    "AGENT_SCHEMES",
+    "CLIENT_TEST_FRACTION_RANGE",
     "CLIENT_TEST_MODES",
     "ClientSplits",
     "DEFAULT_CLIENT_TEST_FRACTION",
     "DEFAULT_DOMAIN_CLIENTS",
     "DomainSiloPartition",
     "SCHEMES",
+    "SIMULATION_ONLY_SCHEMES",
     "STRONG_DOMAIN_CLIENTS",
     "allocate_domain_clients",
     "classes_per_client",
@@ -67,6 +70,13 @@ __all__ = [
 SCHEMES: tuple[str, ...] = ("classes", "dirichlet", "domain-silo", "iid")
 """Names accepted by :func:`partition`, sorted."""
 
+SIMULATION_ONLY_SCHEMES: tuple[str, ...] = ("classes",)
+"""Schemes of :data:`SCHEMES` only ``fedfleet simulate`` runs: a device's join does not announce
+``classes_per_client``, so no server could check that a device split the data as it did."""
+
+AGENT_SCHEMES: tuple[str, ...] = tuple(s for s in SCHEMES if s not in SIMULATION_ONLY_SCHEMES)
+"""Schemes a fleet of ``fedfleet-agent`` devices runs (``--partition``; ``fedfleet server``)."""
+
 DEFAULT_DOMAIN_CLIENTS: tuple[int, ...] = (3, 4, 2, 1)
 """Clients per domain, by domain position, when none are configured: FedPAD's main protocol
 (SPECS.md §1.1: PACS photo 3 / art 4 / cartoon 2 / sketch 1; Digits mnist 3 / usps 4 / svhn 2 /
@@ -80,6 +90,10 @@ test split) or ``"local"`` (each client on a split held out of its own shard,
 DEFAULT_CLIENT_TEST_FRACTION = 0.25
 """Share of each client's samples held out as its local test set: PFLlib / HtFLlib's 75/25 split
 (``train_ratio = 0.75`` in ``utils/dataset_utils.py``; FedORGP §5.1, SPECS.md §3.1)."""
+
+CLIENT_TEST_FRACTION_RANGE: tuple[float, float] = (0.01, 0.9)
+"""Allowed ``[data] client_test_fraction`` (and ``fedfleet-agent --client-test-fraction``),
+inclusive: at least 1 % held out, at least 10 % left to train on."""
 
 STRONG_DOMAIN_CLIENTS: tuple[int, ...] = (6, 2, 1, 1)
 """FedPAD's stronger imbalance (SPECS.md §1.1, Tables 8–9: PACS 6/2/1/1), by domain position;

@@ -1,6 +1,7 @@
 """The ``fedfleet`` command line's small promises: ``-v`` after the command, the header's
-grammar and security, ``keys list`` without a key folder, and a broker error that leaves no
-half-made run folder behind."""
+grammar and security, ``keys list`` without a key folder, a broker or configuration error that
+leaves no half-made run folder behind, and ``fedfleet server`` refusing what only a simulation
+runs (``[data] partition = "classes"``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from pathlib import Path
 import pytest
 
 from broker_server import cli
+from broker_server import simulate as simulate_mod
+from broker_server.checkpoint import Checkpoint, CheckpointStore
 from broker_server.config import load
 from broker_server.server_main import security_text
 from broker_server.simulate import discard_unstarted, run_folder_entries
+from edge_agent.cli import build_parser as agent_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.toml"
@@ -81,5 +85,70 @@ def test_discard_unstarted_removes_only_what_the_run_wrote(tmp_path: Path) -> No
     (out / "checkpoints.sqlite").write_text("a run that started")
     (out / "config.toml").write_text("x")
     discard_unstarted(out, before)
-    assert (out / "config.toml").exists()  # a checkpoint: resumable, left alone
+    assert (out / "config.toml").exists()  # a store that cannot be read: kept as a run's
     assert run_folder_entries(tmp_path / "absent") is None
+
+
+def test_an_empty_checkpoint_store_is_no_started_run(tmp_path: Path) -> None:
+    """The server opens ``checkpoints.sqlite`` as it is built, before its first checkpoint (round 0,
+    written once the fleet joined): a start-up failure after that removes the folder; a store
+    holding a checkpoint keeps it."""
+    for rows, kept in ((0, False), (1, True)):
+        out = tmp_path / f"run{rows}"
+        out.mkdir()
+        (out / "config.toml").write_text("x")
+        store = CheckpointStore(out / "checkpoints.sqlite")
+        for _ in range(rows):
+            store.save(Checkpoint(round=0, tensors=[], strategy_state={}, rng_state={}, registry=[], meta={}))
+        store.close()
+        discard_unstarted(out, None)
+        assert out.exists() == kept
+        if kept:
+            assert sorted(p.name for p in out.iterdir()) == ["checkpoints.sqlite", "config.toml"]
+
+
+def _toml(tmp_path: Path, extra: str) -> Path:
+    path = tmp_path / "cfg.toml"
+    path.write_text(QUICKSTART.read_text() + extra)
+    return path
+
+
+@pytest.mark.parametrize("command", ["simulate", "server"])
+def test_a_missing_key_folder_is_said_before_the_run_folder_is_made(tmp_path: Path, command: str,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    cfg = _toml(tmp_path, f'\n[security]\nsign = true\nkey_dir = "{tmp_path / "nokeys"}"\n')
+    out = tmp_path / "runs" / "trial"
+    assert cli.main([command, "--config", str(cfg), "--rounds", "1", "--out", str(out)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"{cfg}: [security] key_dir = '{tmp_path / 'nokeys'}': key folder {tmp_path / 'nokeys'} does not exist" \
+        in err, err
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_configuration_error_after_the_run_folder_was_made_removes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The key folder's check skipped: the same error comes from the fleet's keys, once
+    config.toml and partition.json are written; the run never started, so they go, as after a
+    broker error."""
+    monkeypatch.setattr(simulate_mod, "check_server_keys", lambda cfg, simulated: None)
+    cfg = _toml(tmp_path, f'\n[security]\nsign = true\nkey_dir = "{tmp_path / "nokeys"}"\n')
+    out = tmp_path / "runs" / "trial"
+    assert cli.main(["simulate", "--config", str(cfg), "--rounds", "1", "--out", str(out)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"{cfg}: [security]: key folder {tmp_path / 'nokeys'} does not exist" in err, err
+    assert not out.exists() and (tmp_path / "runs").is_dir()  # the folder --out named, only
+
+
+def test_the_server_refuses_a_simulation_only_partition(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``partition = "classes"``: refused at start naming the key, the value and exactly the
+    schemes ``fedfleet-agent --partition`` takes; nothing is written. ``simulate`` takes it."""
+    cfg = _toml(tmp_path, "").read_text().replace('partition = "dirichlet"', 'partition = "classes"')
+    (tmp_path / "cfg.toml").write_text(cfg)
+    out = tmp_path / "runs" / "trial"
+    assert cli.main(["server", "--config", str(tmp_path / "cfg.toml"), "--out", str(out)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    choices = next(a.choices for a in agent_parser()._actions if "--partition" in a.option_strings)
+    assert sorted(choices) == ["dirichlet", "domain-silo", "iid"]
+    assert (f"{tmp_path / 'cfg.toml'}: [data] partition = 'classes' is simulation-only (fedfleet simulate): a fleet "
+            "of fedfleet-agent devices takes 'dirichlet', 'domain-silo', 'iid'") in err, err
+    assert not out.exists() and not (tmp_path / "runs").exists()

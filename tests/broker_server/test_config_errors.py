@@ -3,7 +3,9 @@ with a message from the ``fedfleet`` CLI (broker_server/cli.py's contract), neve
 and what the checks accept, the agents can use.
 
 Cases: partitions that cannot be made, ``--clients`` overrides checked after they apply, the
-``[protocol] extras_codec`` text (parsed as the agent parses it), FedMCP's ``[algorithm]`` keys."""
+``[protocol] extras_codec`` text (parsed as the agent parses it), FedMCP's ``[algorithm]`` keys, a
+key put under the wrong section (the error names the section it belongs to), and
+``fedfleet-agent --client-test-fraction`` taking the range ``[data] client_test_fraction`` takes."""
 
 from __future__ import annotations
 
@@ -106,3 +108,61 @@ def test_an_integer_is_a_number_for_a_float_key() -> None:
     """TOML's ``mu = 1`` is an integer: a float-annotated key takes it."""
     cfg = small_config(train={"algorithm": "moon"}, algorithm={"mu": 1, "tau": 1})
     assert make_strategy(cfg, load_dataset("digits")).mu == 1.0
+
+
+@pytest.mark.parametrize(("sections", "hint"), [
+    # a [data] key under [algorithm]: the algorithm's own message, then where the key belongs
+    ({"algorithm": {"client_test": "local"}}, "FedAvg takes weighting; did you mean [data] client_test?"),
+    # a key of two other sections names both
+    ({"data": {"name": "x"}}, "unknown key [data] name; allowed: dataset, data_dir, partition, alpha, clients, "
+                              "min_samples, train_samples, domain_clients, domain_train_cap, domain_test_cap, "
+                              "classes_per_client, client_test, client_test_fraction; "
+                              "did you mean [run] name or [model] name?"),
+    # the configured algorithm's hyperparameter put under [train]
+    ({"train": {"algorithm": "fedprox", "mu": 0.01}}, "unknown key [train] mu; allowed: algorithm, local_epochs, "
+                                                      "batch_size, lr, momentum, weight_decay; did you mean "
+                                                      "[algorithm] mu (a hyperparameter of 'fedprox')?"),
+])
+def test_a_key_in_the_wrong_section_says_where_it_belongs(sections: dict, hint: str) -> None:
+    with pytest.raises(ConfigError) as info:  # a section's key: from the loader; an [algorithm] key: the strategy
+        make_strategy(small_config(**sections), load_dataset("digits"))
+    assert hint in str(info.value)
+
+
+def test_a_key_known_nowhere_gets_no_hint() -> None:
+    with pytest.raises(ConfigError) as info:
+        small_config(data={"clientz": 3})
+    assert "did you mean" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        make_strategy(small_config(algorithm={"weightin": "uniform"}), load_dataset("digits"))
+    assert str(info.value).endswith("unknown key weightin: FedAvg takes weighting")
+
+
+@pytest.mark.parametrize(("value", "accepted"), [("0.01", True), ("0.25", True), ("0.9", True),
+                                                 ("0.009", False), ("0.95", False), ("0", False), ("nan", False)])
+def test_the_agent_takes_the_client_test_fractions_the_configuration_takes(
+        value: str, accepted: bool, capsys: pytest.CaptureFixture) -> None:
+    """``fedfleet-agent --client-test-fraction`` and ``[data] client_test_fraction`` allow the same
+    [0.01, 0.9] (the agent took 0.95, which no server configuration can announce)."""
+    from edge_agent.cli import build_parser as agent_parser
+
+    args = ["--broker", "mqtt://h:1", "--federation", "f", "--client-id", "c", "--client-test", "local"]
+    if accepted:
+        assert agent_parser().parse_args([*args, "--client-test-fraction", value]).client_test_fraction == float(value)
+        assert small_config(data={"client_test_fraction": float(value)}).data.client_test_fraction == float(value)
+        return
+    with pytest.raises(SystemExit) as stop:
+        agent_parser().parse_args([*args, "--client-test-fraction", value])
+    assert stop.value.code == 2
+    assert "--client-test-fraction" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="client_test_fraction"):
+        small_config(data={"client_test_fraction": float(value)})
+
+
+def test_the_agent_help_states_the_configuration_range(capsys: pytest.CaptureFixture) -> None:
+    from edge_agent.cli import build_parser as agent_parser
+
+    with pytest.raises(SystemExit):
+        agent_parser().parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(0.01 <= F <= 0.9)" in help_text and "0 < F < 1" not in help_text

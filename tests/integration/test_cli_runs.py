@@ -1,6 +1,7 @@
 """Whole ``fedfleet simulate`` runs through the command line (embedded broker, digits): a resumed
 run says it resumes and counts the whole run's rounds; Ctrl-C says how to resume; the server
-link's byte summary that ``fedfleet server`` ends with equals the ledger's server rows."""
+link's byte summary that ``fedfleet server`` ends with equals the ledger's server rows. (A resume
+with no round left: test_resume_finished_run.py.)"""
 
 from __future__ import annotations
 
@@ -49,21 +50,6 @@ def test_a_resumed_run_says_so_and_counts_the_whole_run(tmp_path: Path, capsys: 
     shown_up = int(text.split("up ")[1].split(" ")[0].replace(",", ""))
     shown_down = int(text.split("down ")[1].split(" ")[0].replace(",", ""))
     assert (shown_up, shown_down) == (up, down), text
-
-
-def test_resuming_a_finished_run_keeps_its_final_accuracy(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """A run that finished its rounds, resumed with nothing left to do: the summary's (and the
-    printed) final accuracy is still its last round's ``accuracy`` in ``metrics.jsonl``, not NaN."""
-    run = tmp_path / "run"
-    assert cli.main(["simulate", "--config", str(QUICKSTART), "--rounds", "1", "--out", str(run), "-q"]) == 0
-    (last,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    capsys.readouterr()
-    assert cli.main(["simulate", "--resume", str(run), "-q"]) == 0
-    out = capsys.readouterr().out
-    assert "finished 1 round of 1 (0 in this session, resumed after round 1)" in out
-    assert f"final test accuracy {last['accuracy']:.4f}" in out
-    assert json.loads((run / "summary.json").read_text())["final_accuracy"] == last["accuracy"]
-    assert _rounds(run) == [1]
 
 
 def test_ctrl_c_says_how_to_resume(tmp_path: Path) -> None:

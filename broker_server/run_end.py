@@ -1,0 +1,238 @@
+"""``--resume`` of a run with no round left to run.
+
+A run folder whose latest checkpoint is that of round ``[run] rounds`` (or later) and whose
+``metrics.jsonl`` has that round's line has finished its rounds. ``fedfleet simulate --resume``
+and ``fedfleet server --resume`` then start no broker and no agents:
+
+* its final files are there (``summary.json`` records those rounds): nothing is resumed and
+  nothing in the folder is written (:func:`nothing_to_resume` is the line said);
+* the process stopped while finishing (after the last round's metrics line and checkpoint,
+  before ``summary.json``): :func:`write_final_files` writes what the end of a run writes —
+  ``model_final.pt`` and ``model_final.onnx``
+  (:func:`broker_server.server.write_final_model`, as :meth:`AggregationServer.run
+  <broker_server.server.AggregationServer.run>` does after its last round) and
+  ``summary.json`` — from the last checkpoint and ``metrics.jsonl``. The ``finish`` message the
+  end of a run publishes is not sent (no broker is started): agents of a real fleet still
+  waiting for it stop at their ``--idle-timeout-s``. The ledger is not opened: its rows are
+  those the run wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_agent.data import Dataset
+from edge_agent.optional_runtime import report as optional_runtimes
+from edge_agent.state import load_arrays
+
+from .checkpoint import CheckpointStore
+from .config import Config
+from .errors import ConfigError
+from .persistence import RunStore
+from .runtime import make_strategy, server_model
+from .server import RunSummary, final_figures, write_final_model
+
+__all__ = ["FinalFiles", "FinishedRun", "finished_run", "finishing_line", "last_checkpoint_round",
+           "nothing_to_resume", "refusals_from_metrics", "write_final_files"]
+
+
+def last_checkpoint_round(path: Path) -> int | None:
+    """The latest round with a checkpoint in ``path`` (a run's ``checkpoints.sqlite``), read
+    without writing to the file (a store left in WAL mode by a killed server, which a read-only
+    connection cannot read, is opened as a resume opens it); ``None``: no file, or no checkpoint.
+
+    Raises:
+        ConfigError: the file is not a readable checkpoint store.
+    """
+    if not path.is_file():
+        return None
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            (last,) = db.execute("SELECT MAX(round) FROM checkpoints").fetchone()
+        finally:
+            db.close()
+        return None if last is None else int(last)
+    except sqlite3.Error:
+        pass
+    try:
+        store = CheckpointStore(path)
+        try:
+            return max(store.rounds(), default=None)
+        finally:
+            store.close()
+    except Exception as exc:  # noqa: BLE001 - any failure to read it is said with the file's name
+        raise ConfigError(f"--resume: cannot read the checkpoints in {path}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A run folder whose rounds are all done (:func:`finished_run`).
+
+    Attributes:
+        run_dir: the run folder.
+        rounds: rounds done (the latest checkpoint's round).
+        metrics: ``metrics.jsonl``'s lines of rounds ``1..rounds``, parsed.
+        summary: ``summary.json``, parsed, when it records those rounds; ``None``: the final
+            files are still to be written (:func:`write_final_files`).
+    """
+
+    run_dir: Path
+    rounds: int
+    metrics: list[dict]
+    summary: dict | None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run's final files are written (nothing is left to do)."""
+        return self.summary is not None
+
+
+def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
+    """The run in ``run_dir`` when its rounds are all done: its latest checkpoint is of round
+    ``rounds`` (``[run] rounds``) or later and ``metrics.jsonl`` has that round's line. ``None``:
+    rounds are left to run, there is no checkpoint, or the last round's line is still to be
+    completed from its checkpoint (evaluation overlap; a resume does that with its fleet).
+    Reads only.
+
+    Raises:
+        ConfigError: ``checkpoints.sqlite`` or ``metrics.jsonl`` cannot be read.
+    """
+    out = Path(run_dir)
+    last = last_checkpoint_round(out / "checkpoints.sqlite")
+    if last is None or last < rounds:
+        return None
+    path = out / "metrics.jsonl"
+    try:
+        lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines() if text.strip()]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+    metrics = [m for m in lines if isinstance(m, dict) and isinstance(m.get("round"), int) and m["round"] <= last]
+    if not any(m["round"] == last for m in metrics):
+        return None
+    summary = None
+    try:
+        recorded = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        if isinstance(recorded, dict) and int(recorded.get("rounds_completed", -1)) >= last:
+            summary = recorded
+    except (OSError, ValueError, TypeError):  # absent, cut short or not a summary: written again
+        pass
+    return FinishedRun(run_dir=out, rounds=last, metrics=metrics, summary=summary)
+
+
+def nothing_to_resume(fin: FinishedRun, rounds: int, command: str) -> str:
+    """The one line ``fedfleet COMMAND --resume`` says of a run with nothing left to do
+    (``fin.complete``): its rounds, its final accuracy, and how to run more rounds."""
+    n = fin.rounds
+    done = f"{'its' if n == 1 else 'all'} {n} round{'' if n == 1 else 's'}"
+    if n > rounds:
+        done += f" ([run] rounds is {rounds})"
+    acc = (fin.summary or {}).get("final_accuracy")
+    figure = f"final test accuracy {acc:.4f}; " if isinstance(acc, (int, float)) else ""
+    return (f"fedfleet {command}: run {fin.run_dir} has finished {done}; nothing to resume ({figure}more rounds: "
+            f"fedfleet {command} --resume {fin.run_dir} --rounds {n + 1} or more)")
+
+
+def finishing_line(fin: FinishedRun, rounds: int, command: str, written: list[str] | None = None) -> str:
+    """What ``fedfleet COMMAND --resume`` says of a run whose rounds were done but whose final
+    files were not: before writing them (``written`` ``None``), or after (the names,
+    :attr:`FinalFiles.written`)."""
+    if written is None:
+        what = "writing them"
+    else:
+        what = "wrote " + ", ".join(written[:-1]) + (" and " if len(written) > 1 else "") + written[-1]
+    return (f"fedfleet {command}: run {fin.run_dir} had finished {fin.rounds} of {rounds} rounds but not its final "
+            f"files (stopped while finishing): {what} from the checkpoint of round {fin.rounds} and metrics.jsonl, "
+            "without a broker or agents")
+
+
+def refusals_from_metrics(metrics: list[dict]) -> dict:
+    """``summary.json``'s ``refusals`` (:meth:`AggregationServer.refusal_totals
+    <broker_server.server.AggregationServer.refusal_totals>`'s keys) summed over the rounds'
+    metrics lines: ``invalid`` and ``rejected_by_reason``, ``late``, ``duplicates``,
+    ``unsolicited``, and ``dropped`` (round → ids)."""
+    by_reason: dict[str, int] = {}
+    for m in metrics:
+        for code, count in (m.get("rejected_by_reason") or {}).items():
+            by_reason[code] = by_reason.get(code, 0) + int(count)
+    return {"invalid": sum(int(m.get("invalid") or 0) for m in metrics), "rejected_by_reason": by_reason,
+            "late": sum(int(m.get("late") or 0) for m in metrics),
+            "duplicates": sum(int(m.get("duplicates") or 0) for m in metrics),
+            "unsolicited": sum(int(m.get("unsolicited") or 0) for m in metrics),
+            "dropped": {str(m["round"]): m["dropped"] for m in metrics if m.get("dropped")}}
+
+
+@dataclass(frozen=True)
+class FinalFiles:
+    """What :func:`write_final_files` wrote.
+
+    Attributes:
+        summary: the run's :class:`~broker_server.server.RunSummary` (rounds, final figures, metrics).
+        record: the ``summary.json`` content.
+        written: the names of the files written, in the order written.
+    """
+
+    summary: RunSummary
+    record: dict
+    written: list[str]
+
+
+def write_final_files(cfg: Config, ds: Dataset, fin: FinishedRun, *, federation: str, broker: str,
+                      extra: dict[str, Any] | None = None) -> FinalFiles:
+    """Write the final files of ``fin``'s run (its rounds done, its final files not): the
+    final global model of its last checkpoint as ``model_final.pt`` / ``model_final.onnx``
+    (:func:`~broker_server.server.write_final_model` of ``cfg``'s server model and algorithm)
+    and ``summary.json``: the keys :func:`~broker_server.simulate.simulate` and
+    :func:`~broker_server.server_main.run_server` write (``refusals``:
+    :func:`refusals_from_metrics`; ``seconds``: this call's), then ``extra``, and
+    ``finished_on_resume`` saying that only these files were written now.
+
+    Returns:
+        :class:`FinalFiles`.
+
+    Raises:
+        ConfigError: the checkpoint does not fit ``cfg``'s model.
+    """
+    from edge_agent.errors import ModelError
+
+    t0 = time.monotonic()
+    store = RunStore(fin.run_dir)
+    try:
+        ckpt = store.checkpoints.load(fin.rounds)
+    finally:
+        store.close()
+    if ckpt is None:  # finished_run read it a moment ago
+        raise ConfigError(f"--resume {fin.run_dir}: the checkpoint of round {fin.rounds} disappeared")
+    strategy = make_strategy(cfg, ds)
+    model = server_model(cfg, ds)
+    try:
+        load_arrays(model, ckpt.tensors)
+    except ModelError as exc:
+        raise ConfigError(f"--resume {fin.run_dir}: the checkpoint of round {fin.rounds} does not fit "
+                          f"{cfg.source}'s [model]: {exc}") from None
+    onnx = write_final_model(store, model, share=strategy.share, algorithm=strategy.name, test=ds.test)
+    written = (["model_final.pt"] if strategy.share != "none" else []) + (
+        ["model_final.onnx"] if "onnx_accuracy" in onnx else [])
+    acc, loss = final_figures(fin.metrics)
+    d = cfg.data
+    record = {
+        "federation": federation, "final_accuracy": acc, "rounds_completed": fin.rounds,
+        "seconds": time.monotonic() - t0, "broker": broker, "dataset": ds.name, "clients": d.clients,
+        "client_test": d.client_test,
+        "client_test_fraction": d.client_test_fraction if d.client_test == "local" else None,
+        "optional_runtimes": optional_runtimes(), "refusals": refusals_from_metrics(fin.metrics),
+        **(extra or {}),
+        "finished_on_resume": (f"the rounds were all done (checkpoint of round {fin.rounds}) but the final files "
+                               "were not: written now from that checkpoint and metrics.jsonl, without a broker "
+                               "or agents"),
+        **onnx,
+    }
+    (fin.run_dir / "summary.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return FinalFiles(RunSummary(fin.rounds, acc, loss, fin.metrics), record, [*written, "summary.json"])
