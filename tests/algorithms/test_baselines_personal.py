@@ -321,7 +321,7 @@ def test_fedper_federation_with_client_eval(tmp_path):
         spy = Spy(broker.host, broker.port)
         try:
             res = simulate(cfg, broker_url=broker.url, run_dir=tmp_path / "run",
-                           agent_hook=lambda i, a: agents.setdefault(a.client_id, a))
+                           agent_hook=lambda i, a: (setattr(a, "keep_model", True), agents.setdefault(a.client_id, a)))
             time.sleep(0.3)
         finally:
             spy.close()
