@@ -129,6 +129,36 @@ class CheckpointStore:
         return Checkpoint(round=rnd, tensors=arrays, strategy_state=_unpack_state(msgpack.unpackb(state, raw=False)),
                           rng_state=json.loads(rng), registry=json.loads(registry), meta=json.loads(meta))
 
+    @staticmethod
+    def latest_round(path: str | os.PathLike) -> int | None:
+        """The latest round with a checkpoint in the store at ``path``, read without writing to
+        it (a store a killed server left in WAL mode, which a read-only connection cannot read,
+        is opened as a store); ``None``: no file, or no checkpoint.
+
+        Raises:
+            CheckpointError: the file is not a readable checkpoint store.
+        """
+        p = Path(path)
+        if not p.is_file():
+            return None
+        try:
+            db = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                (last,) = db.execute("SELECT MAX(round) FROM checkpoints").fetchone()
+            finally:
+                db.close()
+            return None if last is None else int(last)
+        except sqlite3.Error:
+            pass
+        try:
+            store = CheckpointStore(p)
+            try:
+                return max(store.rounds(), default=None)
+            finally:
+                store.close()
+        except (CheckpointError, sqlite3.Error) as exc:
+            raise CheckpointError(f"cannot read the checkpoints in {p}: {exc}") from None
+
     def close(self) -> None:
         """Close the database (idempotent)."""
         if self._db is not None:

@@ -20,7 +20,6 @@ and ``fedfleet server --resume`` then start no broker and no agents:
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from edge_agent.data import Dataset
 from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.state import load_arrays
 
-from .checkpoint import CheckpointStore
+from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
 from .errors import ConfigError
 from .persistence import RunStore
@@ -38,36 +37,36 @@ from .runtime import make_strategy, server_model
 from .server import RunSummary, final_figures, write_final_model
 
 __all__ = ["FinalFiles", "FinishedRun", "finished_run", "finishing_line", "last_checkpoint_round",
-           "nothing_to_resume", "refusals_from_metrics", "write_final_files"]
+           "nothing_to_resume", "refusals_from_metrics", "summary_record", "write_final_files"]
 
 
 def last_checkpoint_round(path: Path) -> int | None:
     """The latest round with a checkpoint in ``path`` (a run's ``checkpoints.sqlite``), read
-    without writing to the file (a store left in WAL mode by a killed server, which a read-only
-    connection cannot read, is opened as a resume opens it); ``None``: no file, or no checkpoint.
+    without writing to it (:meth:`CheckpointStore.latest_round
+    <broker_server.checkpoint.CheckpointStore.latest_round>`); ``None``: no file, or no checkpoint.
 
     Raises:
         ConfigError: the file is not a readable checkpoint store.
     """
-    if not path.is_file():
-        return None
     try:
-        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            (last,) = db.execute("SELECT MAX(round) FROM checkpoints").fetchone()
-        finally:
-            db.close()
-        return None if last is None else int(last)
-    except sqlite3.Error:
-        pass
-    try:
-        store = CheckpointStore(path)
-        try:
-            return max(store.rounds(), default=None)
-        finally:
-            store.close()
-    except Exception as exc:  # noqa: BLE001 - any failure to read it is said with the file's name
-        raise ConfigError(f"--resume: cannot read the checkpoints in {path}: {exc}") from None
+        return CheckpointStore.latest_round(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+
+
+def summary_record(cfg: Config, ds: Dataset, *, federation: str, final_accuracy: float, rounds_completed: int,
+                   seconds: float, broker: str, refusals: dict, onnx: dict, **extra: Any) -> dict:
+    """``summary.json``'s content, the keys every way a run ends shares (:func:`~broker_server.
+    simulate.simulate`, :func:`~broker_server.server_main.run_server`, :func:`write_final_files`):
+    the federation, final accuracy, rounds, ``seconds`` (wall, this session), broker, data set,
+    clients and ``client_test`` (with its fraction under ``"local"``), the optional runtimes'
+    state, ``refusals``; then the caller's ``extra`` keys, then ``onnx``'s (``onnx_*``)."""
+    d = cfg.data
+    return {"federation": federation, "final_accuracy": final_accuracy, "rounds_completed": rounds_completed,
+            "seconds": seconds, "broker": broker, "dataset": ds.name, "clients": d.clients,
+            "client_test": d.client_test,
+            "client_test_fraction": d.client_test_fraction if d.client_test == "local" else None,
+            "optional_runtimes": optional_runtimes(), "refusals": refusals, **extra, **onnx}
 
 
 @dataclass(frozen=True)
@@ -221,18 +220,12 @@ def write_final_files(cfg: Config, ds: Dataset, fin: FinishedRun, *, federation:
     written = (["model_final.pt"] if strategy.share != "none" else []) + (
         ["model_final.onnx"] if "onnx_accuracy" in onnx else [])
     acc, loss = final_figures(fin.metrics)
-    d = cfg.data
-    record = {
-        "federation": federation, "final_accuracy": acc, "rounds_completed": fin.rounds,
-        "seconds": time.monotonic() - t0, "broker": broker, "dataset": ds.name, "clients": d.clients,
-        "client_test": d.client_test,
-        "client_test_fraction": d.client_test_fraction if d.client_test == "local" else None,
-        "optional_runtimes": optional_runtimes(), "refusals": refusals_from_metrics(fin.metrics),
+    record = summary_record(
+        cfg, ds, federation=federation, final_accuracy=acc, rounds_completed=fin.rounds,
+        seconds=time.monotonic() - t0, broker=broker, refusals=refusals_from_metrics(fin.metrics), onnx=onnx,
         **(extra or {}),
-        "finished_on_resume": (f"the rounds were all done (checkpoint of round {fin.rounds}) but the final files "
-                               "were not: written now from that checkpoint and metrics.jsonl, without a broker "
-                               "or agents"),
-        **onnx,
-    }
+        finished_on_resume=(f"the rounds were all done (checkpoint of round {fin.rounds}) but the final files "
+                            "were not: written now from that checkpoint and metrics.jsonl, without a broker "
+                            "or agents"))
     (fin.run_dir / "summary.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     return FinalFiles(RunSummary(fin.rounds, acc, loss, fin.metrics), record, [*written, "summary.json"])

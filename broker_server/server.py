@@ -1281,13 +1281,7 @@ class AggregationServer:
                 break
             self.pump(min(0.5, max(0.0, deadline - time.monotonic())), until=lambda: not o.awaiting())
         # what already arrived before the deadline still counts, however busy the server was
-        for _ in range(100_000):
-            if not o.awaiting():
-                break
-            item = self.channel.receive(0.0)
-            if item is None:
-                break
-            self._handle(item)
+        self._drain(until=lambda: not o.awaiting())
         self._log_unreported(r)
         o.close()
         mark("collect")
@@ -1442,9 +1436,12 @@ class AggregationServer:
         if self.on_round:
             self.on_round(p.line)
 
-    def _drain(self) -> None:
-        """Handle every message already waiting (at most 100,000), without waiting for more."""
+    def _drain(self, until: Callable[[], bool] | None = None) -> None:
+        """Handle every message already waiting (at most 100,000), without waiting for more;
+        ``until``: stop early once it returns true (checked before each message)."""
         for _ in range(100_000):
+            if until is not None and until():
+                return
             item = self.channel.receive(0.0)
             if item is None:
                 return

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.data import load_dataset
-from edge_agent.optional_runtime import report as optional_runtimes
 from protocol.ledger import Ledger
 
 from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
-from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, write_final_files
+from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, summary_record, write_final_files
 from .runtime import check_server_keys, make_server
 from .server import RunSummary, final_figures
 from .simulate import (
@@ -293,13 +292,10 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         t0 = time.monotonic()
         summary = server.run()
         server.channel.close()
-        (out / "summary.json").write_text(json.dumps({
-            "federation": federation, "final_accuracy": summary.final_accuracy,
-            "rounds_completed": summary.rounds_completed, "seconds": time.monotonic() - t0, "broker": url,
-            "dataset": ds.name, "clients": cfg.data.clients, "client_test": cfg.data.client_test,
-            "client_test_fraction": cfg.data.client_test_fraction if cfg.data.client_test == "local" else None,
-            "resumed_after": ckpt.round if ckpt else None,
-            "optional_runtimes": optional_runtimes(), "refusals": server.refusal_totals(), **server.onnx_result},
+        (out / "summary.json").write_text(json.dumps(summary_record(
+            cfg, ds, federation=federation, final_accuracy=summary.final_accuracy,
+            rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=url,
+            refusals=server.refusal_totals(), onnx=server.onnx_result, resumed_after=ckpt.round if ckpt else None),
             indent=1), encoding="utf-8")
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""

@@ -36,7 +36,6 @@ from edge_agent.assembly import build_agent, channel_limits, offline_will, prepa
 from edge_agent.data import load_dataset
 from edge_agent.device import ThreadPlan, apply_threads, detect, plan_threads, usable_cores
 from edge_agent.errors import EdgeAgentError, LocalTestSplitError, ModelError, PartitionError
-from edge_agent.optional_runtime import report as optional_runtimes
 from edge_agent.partition import ClientSplits, client_splits, describe
 from edge_agent.runtime import agent_runtime
 from edge_agent.slots import TrainingSlots
@@ -51,7 +50,7 @@ from protocol.transport import ConnectRetry
 from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
-from .run_end import FinishedRun, finished_run, last_checkpoint_round, write_final_files
+from .run_end import FinishedRun, finished_run, last_checkpoint_round, summary_record, write_final_files
 from .runtime import (
     agent_spec,
     channel_options,
@@ -573,17 +572,12 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                               rounds_completed=summary.rounds_completed, metrics=summary.metrics,
                               agents=sorted(summaries, key=lambda s: s.client_id),
                               seconds=time.monotonic() - t_start, broker=broker_name)
-    (out / "summary.json").write_text(json.dumps({
-        "federation": federation, "final_accuracy": result.final_accuracy,
-        "rounds_completed": result.rounds_completed, "seconds": result.seconds, "broker": broker_name,
-        "dataset": ds.name, "substitutions": list(ds.substitutions),
-        "clients": cfg.data.clients, "client_test": cfg.data.client_test,
-        "client_test_fraction": cfg.data.client_test_fraction if cfg.data.client_test == "local" else None,
-        "agent_errors": [repr(e) for e in errors],
-        "optional_runtimes": optional_runtimes(), "thread_plan": thread_plan.as_dict(),
-        "refusals": server.refusal_totals(),
-        "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
-        "emulated_link_s": {s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
-        **server.onnx_result,
-    }, indent=1), encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(summary_record(
+        cfg, ds, federation=federation, final_accuracy=result.final_accuracy,
+        rounds_completed=result.rounds_completed, seconds=result.seconds, broker=broker_name,
+        refusals=server.refusal_totals(), onnx=server.onnx_result, substitutions=list(ds.substitutions),
+        agent_errors=[repr(e) for e in errors], thread_plan=thread_plan.as_dict(),
+        profiles={name: profiles.count(name) for name in sorted(set(profiles))},
+        emulated_link_s={s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
+    ), indent=1), encoding="utf-8")
     return result
