@@ -718,7 +718,8 @@ class EdgeAgent:
 
         try:
             if self.slots is not None:
-                result, metrics = self.slots.run(work)
+                # the costliest waiting training goes first (TrainingSlots: a balanced round)
+                result, metrics = self.slots.run(work, cost=len(self.y) * max(1, cfg.local_epochs))
             else:
                 with self.train_lock if self.train_lock is not None else nullcontext():
                     result, metrics = work()

@@ -7,6 +7,7 @@ agents that received the same global payload share one decoded copy."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 
 import numpy as np
@@ -156,3 +157,122 @@ def test_a_holder_keeps_a_slot_so_no_training_runs_beside_it():
             raise AssertionError("entered a holder of closed slots")
     except SlotsClosed:
         pass
+
+
+def _queue_behind_a_gate(slots: TrainingSlots, costs: list[tuple[str, float]],
+                         order: list[str]) -> tuple[threading.Event, list[threading.Thread]]:
+    """Occupy the only slot with a gated task, then submit ``costs`` (name, cost) one after
+    another from their own threads, each waiting in the queue before the next is submitted;
+    returns the gate (set it to let the queue run) and the submitting threads."""
+    gate, started = threading.Event(), threading.Event()
+
+    def gated() -> None:
+        started.set()
+        gate.wait()
+
+    threading.Thread(target=lambda: slots.run(gated), daemon=True).start()
+    assert started.wait(10)
+    threads = []
+    for name, cost in costs:
+        waiting_before = len(slots._queue)
+        threads.append(threading.Thread(target=lambda n=name, c=cost: slots.run(lambda: order.append(n), cost=c),
+                                        daemon=True))
+        threads[-1].start()
+        while len(slots._queue) == waiting_before:  # the submit has reached the queue
+            threading.Event().wait(0.001)
+    return gate, threads
+
+
+def test_the_costliest_waiting_training_runs_first_and_equal_costs_in_arrival_order() -> None:
+    """Longest processing time first: queued costs 5, 11, 2, 11, 7 (arrival a..e) run as b, d
+    (the two 11s in arrival order), e, a, c."""
+    slots = TrainingSlots(1)
+    order: list[str] = []
+    gate, threads = _queue_behind_a_gate(slots, [("a", 5), ("b", 11), ("c", 2), ("d", 11), ("e", 7)], order)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    slots.close()
+    assert order == ["b", "d", "e", "a", "c"]
+
+
+def test_a_holder_goes_before_every_waiting_training() -> None:
+    """The evaluation's hold is queued after three trainings of cost 100 but takes the slot first."""
+    slots = TrainingSlots(1)
+    order: list[str] = []
+    gate, threads = _queue_behind_a_gate(slots, [("t1", 100), ("t2", 100), ("t3", 100)], order)
+    held = threading.Event()
+
+    def hold() -> None:
+        with slots.holder():
+            order.append("hold")
+        held.set()
+
+    threading.Thread(target=hold, daemon=True).start()
+    while len(slots._queue) < 4:
+        threading.Event().wait(0.001)
+    gate.set()
+    assert held.wait(10)
+    for t in threads:
+        t.join(10)
+    slots.close()
+    assert order == ["hold", "t1", "t2", "t3"]
+
+
+def test_closing_refuses_the_waiting_trainings_and_lets_the_running_one_finish() -> None:
+    slots = TrainingSlots(1)
+    order: list[str] = []
+    outcomes: list[str] = []
+    gate, _ = _queue_behind_a_gate(slots, [], order)
+
+    def waiting() -> None:
+        try:
+            slots.run(lambda: order.append("never"))
+            outcomes.append("ran")
+        except SlotsClosed:
+            outcomes.append("refused")
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    while len(slots._queue) < 1:
+        threading.Event().wait(0.001)
+    closer = threading.Thread(target=slots.close)
+    closer.start()
+    gate.set()  # the running task ends; close() returns once it has
+    closer.join(10)
+    t.join(10)
+    assert not closer.is_alive() and outcomes == ["refused"] and order == []
+    assert all(not th.is_alive() for th in slots._threads)
+
+
+def test_a_training_hands_its_freed_heap_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each training on a slot ends with one ``malloc_trim(0)``, also when it raised; on glibc
+    the real call returns the pages of 64 MiB of freed heap blocks that a live block above them
+    keeps from being trimmed by free() itself: RSS drops by at least 48 MiB."""
+    import edge_agent.slots as S
+
+    calls: list[int] = []
+    monkeypatch.setattr(S, "_MALLOC_TRIM", lambda pad: calls.append(pad) or 1)
+    with TrainingSlots(1) as slots:
+        slots.run(lambda: None)
+        with pytest.raises(ValueError):
+            slots.run(lambda: (_ for _ in ()).throw(ValueError("x")))
+    assert calls == [0, 0]
+    monkeypatch.undo()
+    if S._MALLOC_TRIM is None:
+        pytest.skip("no malloc_trim in this C library (not glibc)")
+    S.release_free_heap()
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    blocks = [bytearray(64 * 1024) for _ in range(1024)]  # below the mmap threshold: on the heap
+    for b in blocks:
+        b[::4096] = b"\x01" * len(b[::4096])  # touch every page
+    pin = bytearray(1024)  # a live block above them
+    before = rss_mib()
+    del blocks
+    assert S.release_free_heap() is True
+    assert before - rss_mib() >= 48, (before, rss_mib())
+    del pin
