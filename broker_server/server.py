@@ -26,7 +26,8 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    **refusals**: every refused update is answered with a receipt saying why and is a
    ``rejected`` row of the ledger; one refused while it was decoded is answered too when its
    header can be trusted (:attr:`protocol.channel.Rejected.answerable`), so the device does not
-   send it again and the round does not wait for it. ``invalid`` counts every message refused
+   send it again; the round stops waiting for the device at once when the fleet signs, else
+   when the device withdraws itself (:meth:`AggregationServer._on_rejected`). ``invalid`` counts every message refused
    as invalid and ``rejected_by_reason`` splits it by reason code (:data:`REFUSAL_CODES` and the
    channel's and security checks' codes); the two always agree;
 4. **quorum rule**: when fewer than ``quorum`` updates arrived by the deadline, the round is
@@ -601,11 +602,15 @@ class AggregationServer:
         """A payload the channel refused (already logged and a ``rejected`` ledger row): counted
         as invalid under its code. An update whose header can be trusted
         (:attr:`~protocol.channel.Rejected.answerable`) from a joined device is answered with a
-        refusal receipt for its ``seq``, so the agent does not send it again, and the open round
-        it belongs to no longer waits for that device. Nothing else is answered: a receipt to a
-        sender id read from a payload that failed its signature check could be forged to make a
-        device drop its real update (same seq), and refusing to wait for a device on such
-        evidence would let anyone knock devices out of a round."""
+        refusal receipt for its ``seq``, so the agent does not send it again. With signing on the
+        update is the device's own (its signature checked), so the open round it belongs to no
+        longer waits for that device; with signing off anyone who can publish on the device's
+        topic could have sent it, so the round keeps waiting, and the device, whose own ``seq``
+        the receipt names, withdraws itself (:class:`edge_agent.agent.EdgeAgent`; a receipt for a
+        ``seq`` it never sent it ignores): a malformed update forged in a device's name can
+        neither knock the device out of the round nor make it drop its real update. Nothing is
+        answered for a payload that failed its signature check: its sender id and ``seq`` are
+        whatever a forger wrote."""
         self._count_invalid(item.code)
         if not item.answerable or item.kind is not Kind.UPDATE or item.sender not in self.devices:
             return
@@ -615,7 +620,8 @@ class AggregationServer:
                     item.seq, item.reason)
         self._send_receipt(item.sender, Kind.UPDATE, item.seq, item.round, False, reason, item.sha256)
         o = self.open
-        if o.collecting is not None and item.round == o.collecting and item.sender in o.awaited():
+        if self.channel.security is not None and o.collecting is not None and item.round == o.collecting \
+                and item.sender in o.awaited():
             o.withdrawn.add(item.sender)
             log.warning("round %d no longer waits for %s: its update was refused", o.collecting, item.sender)
 
@@ -798,13 +804,16 @@ class AggregationServer:
 
     def _refuse(self, item: Received, reason: str, code: str) -> None:
         """Refuse a selected client's update for the open round as invalid under reason ``code``
-        (:data:`REFUSAL_CODES`): counted, answered with the reason, its ledger row ``rejected``,
-        and the client no longer awaited this round (its receipt is definite, it will not send
-        the same update again)."""
+        (:data:`REFUSAL_CODES`): counted, answered with the reason, its ledger row ``rejected``.
+        With signing on the update is the client's own, so the round no longer awaits it (its
+        receipt is definite, it will not send the same update again); with signing off the
+        client withdraws itself on the receipt for its own ``seq`` (:meth:`_on_rejected` says
+        why)."""
         self._count_invalid(code)
         log.warning("update from %s refused: %s", item.envelope.sender, reason)
-        self.open.withdrawn.add(item.envelope.sender)
-        self.open.offline_since.pop(item.envelope.sender, None)
+        if self.channel.security is not None:
+            self.open.withdrawn.add(item.envelope.sender)
+            self.open.offline_since.pop(item.envelope.sender, None)
         self._reply(item, False, reason)
         self._event("refused", item.envelope.sender, reason=reason)
 

@@ -10,13 +10,13 @@ import re
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edge_agent.data import load_dataset
 from protocol.ledger import Ledger
 
-from .config import Config
+from .config import AgentsSection, Config
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, summary_record, write_final_files
@@ -166,6 +166,16 @@ def check_real_fleet(cfg: Config) -> None:
     check_server_keys(cfg, simulated=False)
 
 
+def simulation_only_settings(cfg: Config) -> list[str]:
+    """The ``[agents]`` settings of ``cfg`` that differ from their defaults, as ``key = value``
+    texts: they shape the simulated fleet of ``fedfleet simulate`` (its firmware profiles, training
+    slots, torch threads, emulated links) and have no effect on ``fedfleet server``, whose devices
+    each take theirs from ``fedfleet-agent --profile`` and the device itself. Empty when none is set."""
+    default = AgentsSection()
+    return [f"{f.name} = {getattr(cfg.agents, f.name)!r}" for f in fields(AgentsSection)
+            if getattr(cfg.agents, f.name) != getattr(default, f.name)]
+
+
 def security_text(cfg: Config) -> str:
     """``signed + encrypted`` / ``signed`` / ``unsigned`` for the start-up header."""
     if not cfg.security.sign:
@@ -214,6 +224,9 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
     if resume:
         check_partition_record(out / "partition.json", record)
     check_tracking(cfg)  # a tracking package asked for but missing: said before anything is written
+    if (ignored := simulation_only_settings(cfg)):
+        log.warning("%s: [agents] %s: simulation settings (fedfleet simulate); fedfleet server does not use "
+                    "them: each device takes its own (fedfleet-agent --profile)", cfg.source, ", ".join(ignored))
     if resume and (fin := finished_run(out, cfg.run.rounds)) is not None:  # no round left: no broker, no agents
         return _served_finished(cfg, ds, fin, federation, broker=broker_url or cfg.broker.url, say=say)
     before = run_folder_entries(out)
@@ -295,7 +308,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         (out / "summary.json").write_text(json.dumps(summary_record(
             cfg, ds, federation=federation, final_accuracy=summary.final_accuracy,
             rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=url,
-            refusals=server.refusal_totals(), onnx=server.onnx_result, resumed_after=ckpt.round if ckpt else None),
+            refusals=server.refusal_totals(), onnx=server.onnx_result, resumed_after=ckpt.round if ckpt else None,
+            ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)]),
             indent=1), encoding="utf-8")
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""

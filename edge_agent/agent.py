@@ -660,6 +660,9 @@ class EdgeAgent:
                     self._settle(env.round, False)
                     if self._last_update is not None and self._last_update[0] == env.round:
                         self._last_update = None  # rolled back: never offered again
+                    # its own update (the seq is one it sent): the round need not wait for it (an
+                    # unsigned server cannot tell this device's refused update from a forged one)
+                    self._withdraw(env.round, f"its update was refused: {body.reason}")
         elif isinstance(body, Finish):
             self.finished = True
             return True

@@ -306,7 +306,11 @@ class MqttTransport:
             which back-pressures the broker instead of dropping.
         max_buffered_messages, max_buffered_bytes: bounds of the offline buffer: QoS 1 messages
             handed to paho and not yet acknowledged (all of them while the link is down). A publish
-            beyond either bound raises :class:`~protocol.errors.OfflineBufferFull`.
+            beyond either bound raises :class:`~protocol.errors.OfflineBufferFull` while the link
+            is down; while it is up, acknowledgements are on their way (a busy broker, a slow
+            link), so the publish waits for room up to ``full_wait_s`` seconds first
+            (back-pressure on the publishing thread; never on paho's network thread, which
+            brings the acknowledgements).
 
     Raises:
         SecurityConfigError: unusable TLS files (see :func:`tls_context`), at construction.
@@ -318,8 +322,14 @@ class MqttTransport:
                  tls_key: str | None = None, keepalive_s: int = 30, will: Will | None = None,
                  max_queue: int = 100_000, max_buffered_messages: int = 1000,
                  max_buffered_bytes: int = 256 * 1024 * 1024, tls: bool = False, tls_check_time: bool = True,
-                 clock_skew_s: float = 300.0, mqtt_version: str = "auto", receive_max_packet_bytes: int = 0) -> None:
+                 clock_skew_s: float = 300.0, mqtt_version: str = "auto", receive_max_packet_bytes: int = 0,
+                 full_wait_s: float = 60.0) -> None:
         self.client_id = client_id
+        if full_wait_s < 0:
+            raise ValueError(f"full_wait_s must be >= 0 seconds, got {full_wait_s}")
+        self.full_wait_s = full_wait_s
+        #: publishes that found the buffer full with the link up and waited for room
+        self.full_waits = 0
         self.host, self.port = host, port
         self.keepalive_s = keepalive_s
         self.mqtt_choice = parse_mqtt_version(mqtt_version)
@@ -845,15 +855,7 @@ class MqttTransport:
                                  topic=topic, reason=f"above the broker's maximum packet size of {limit:,} bytes",
                                  packet_bytes=size, limit_bytes=limit)
         if qos > 0:
-            with self._buffer_lock:
-                self._prune()
-                if (len(self._unacked) + 1 > self.max_buffered_messages
-                        or self._unacked_bytes + len(payload) > self.max_buffered_bytes):
-                    raise OfflineBufferFull(
-                        f"{self.client_id}: {len(self._unacked)} messages ({self._unacked_bytes:,} bytes) wait for "
-                        f"acknowledgement (link {'up' if self.connected else 'down'}); the offline buffer holds at "
-                        f"most {self.max_buffered_messages} messages / {self.max_buffered_bytes:,} bytes",
-                        client_id=self.client_id, topic=topic)
+            self._wait_for_room(topic, len(payload))
         try:
             info = self._client.publish(topic, payload, qos=qos, retain=retain)
         except (ValueError, TypeError) as exc:
@@ -890,6 +892,37 @@ class MqttTransport:
         """Why the broker refused the PUBLISH of ``handle`` (from :meth:`publish`), or ``None``."""
         held = self._refusals.get(id(handle))
         return held[1] if held is not None and held[0] is handle else None
+
+    def _wait_for_room(self, topic: str, nbytes: int) -> None:
+        """Return once one more QoS 1 message of ``nbytes`` fits the offline buffer; while the
+        link is up (and not on paho's network thread) wait for acknowledgements up to
+        :attr:`full_wait_s` seconds.
+
+        Raises:
+            OfflineBufferFull: no room, and the link is down, or the wait ran out, or the caller
+                is the network thread.
+        """
+        deadline: float | None = None
+        while True:
+            with self._buffer_lock:
+                self._prune()
+                count, held = len(self._unacked), self._unacked_bytes
+            if count + 1 <= self.max_buffered_messages and held + nbytes <= self.max_buffered_bytes:
+                return
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.full_wait_s
+                if self.connected:
+                    self.full_waits += 1
+            on_network_thread = threading.current_thread() is getattr(self._client, "_thread", None)
+            if not self.connected or on_network_thread or now >= deadline:
+                waited = f", {self.full_wait_s:g} s waited for room" if self.connected and not on_network_thread else ""
+                raise OfflineBufferFull(
+                    f"{self.client_id}: {count} messages ({held:,} bytes) wait for acknowledgement (link "
+                    f"{'up' if self.connected else 'down'}{waited}); the offline buffer holds at most "
+                    f"{self.max_buffered_messages} messages / {self.max_buffered_bytes:,} bytes",
+                    client_id=self.client_id, topic=topic)
+            time.sleep(0.005)
 
     def _prune(self) -> None:
         """Forget acknowledged messages (caller holds ``_buffer_lock``)."""

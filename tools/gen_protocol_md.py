@@ -767,7 +767,11 @@ agent → server   status/c               status offline                      ro
   same client for the same round is answered as accepted with reason `duplicate: already
   counted` and is **not** aggregated again.
 * `status` `idle` with round *r* (not retained) tells the server the device will not contribute
-  to round *r*, so the round need not wait for its deadline.
+  to round *r*, so the round need not wait for its deadline. An agent whose own update (a `seq`
+  it sent) is answered `accepted` = false sends one. Only a signed server (§6) stops waiting for
+  a device on the refusal alone: unsigned, a refused update on a device's topic may be anyone's,
+  so the round waits for the device's own word; an agent ignores a receipt for a `seq` it never
+  sent.
 * **Delta updates.** `update.delta` = true: each float tensor is `w_local − w_global`, where
   `w_global` is the round's global model **as decoded from the wire** (after the server's lossy
   codec, when it uses one: the server itself continues from the decoded values, so both sides

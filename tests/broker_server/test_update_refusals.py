@@ -18,7 +18,7 @@ from edge_agent.models import build_model
 from edge_agent.state import state_arrays
 from protocol import topics
 from protocol.ledger import Ledger
-from protocol.messages import Envelope, Kind, Update, encode
+from protocol.messages import Envelope, Kind, Status, Update, decode, encode
 
 FED = "mem"
 UP_A = topics.up(FED, "client-a", Kind.UPDATE)
@@ -48,27 +48,60 @@ def _server(tmp_path: Path, feed_items: list, *, rounds: int = 1):
     return srv, ledger, steps
 
 
-def test_update_refused_while_decoding_gets_one_refusal_and_the_round_does_not_wait(tmp_path: Path) -> None:
+def _withdrawal(cid: str, rnd: int, seq: int, why: str) -> tuple[str, bytes]:
+    """(topic, payload) of the ``idle`` status carrying round ``rnd`` by which a device says it
+    will not contribute to that round (``EdgeAgent._withdraw``)."""
+    return topics.status(FED, cid), encode(Envelope(round=rnd, sender=cid, seq=seq,
+                                                    body=Status("idle", f"round {rnd}: {why}"))).payload
+
+
+def test_update_refused_while_decoding_gets_one_refusal_and_the_device_may_withdraw(tmp_path: Path) -> None:
     """A's update for round 1 has a valid header (seq 7) and an undecodable body. A gets exactly
-    one receipt for seq 7, refused, saying it was refused while decoding; the round stops
-    waiting for A and closes on B's update (600 s deadline). The ledger's row of those bytes is
-    ``rejected``, carries A, round 1, seq 7 and kind ``update``; ``invalid`` = 1 =
-    ``rejected_by_reason["invalid"]``."""
+    one receipt for seq 7, refused, saying it was refused while decoding. Signing is off, so the
+    server cannot tell A's own refused update from one forged in A's name: the round keeps
+    waiting for A until A itself withdraws (its idle status for round 1, as the agent sends on a
+    refusal of its own seq), then closes on B's update (600 s deadline): withdrawn 1. The
+    ledger's row of those bytes is ``rejected``, carries A, round 1, seq 7 and kind ``update``;
+    ``invalid`` = 1 = ``rejected_by_reason["invalid"]``."""
     model, like = _model()
     rng = np.random.default_rng(0)
     srv, ledger, _ = _server(tmp_path, [incoming(UP_A, _garbage_body("client-a", 1, 7)),
-                                        incoming(*update_payload(FED, "client-b", 1, 2, like, rng))])
+                                        incoming(*update_payload(FED, "client-b", 1, 2, like, rng)),
+                                        incoming(*_withdrawal("client-a", 1, 8, "its update was refused"))])
     m = srv.run_round(1)
     answers = [(r, b.ref_seq, b.accepted) for r, b in receipts_to(srv.channel.transport, "client-a")
                if b.ref_kind == Kind.UPDATE]
     assert answers == [(1, 7, False)]
     reason = next(b.reason for _, b in receipts_to(srv.channel.transport, "client-a") if b.ref_kind == Kind.UPDATE)
     assert reason.startswith("refused while decoding: ") and "body" in reason
-    assert (m["clients_reported"], m["skipped"], m["unreported"]) == (1, False, [])
+    assert (m["clients_reported"], m["skipped"], m["unreported"], m["withdrawn"]) == (1, False, [], 1)
     assert (m["invalid"], m["rejected_by_reason"]) == (1, {"invalid": 1})
     rows = [r for r in ledger.rows("side = 'server' AND topic = ?", (UP_A,))]
     assert [(r.event, r.kind, r.round, r.sender, r.seq) for r in rows] == [("rejected", "update", 1, "client-a", 7)]
     assert "body" in rows[0].reason
+    ledger.close()
+
+
+def test_an_unsigned_refused_update_does_not_knock_its_named_device_out_of_the_round(tmp_path: Path) -> None:
+    """Signing off: a malformed update on A's topic (seq 99, as a forger would send it) is refused
+    and answered, but the round still waits for A, whose real update (seq 3) arrives after B's
+    and is aggregated: 2 reported, nothing withdrawn, the aggregate is the mean of A's and B's
+    tensors (equal sample counts)."""
+    model, like = _model()
+    rng = np.random.default_rng(3)
+    b_topic, b_payload = update_payload(FED, "client-b", 1, 2, like, rng)
+    a_topic, a_payload = update_payload(FED, "client-a", 1, 3, like, rng)
+    srv, ledger, _ = _server(tmp_path, [incoming(UP_A, _garbage_body("client-a", 1, 99)),
+                                        incoming(b_topic, b_payload), incoming(a_topic, a_payload)])
+    m = srv.run_round(1)
+    assert (m["clients_reported"], m["withdrawn"], m["invalid"]) == (2, 0, 1)
+    assert [(b.ref_seq, b.accepted) for _, b in receipts_to(srv.channel.transport, "client-a")
+            if b.ref_kind == Kind.UPDATE] == [(99, False), (3, True)]
+    mean = [(np.asarray(x, np.float64) + np.asarray(y, np.float64)) / 2 for x, y in zip(
+        decode(a_payload).envelope.body.tensors, decode(b_payload).envelope.body.tensors, strict=True)]
+    got = list(srv.model.state_dict().values())
+    floats = [(g, e) for g, e in zip(got, mean, strict=True) if g.is_floating_point()]
+    assert floats and all(np.allclose(g.numpy(), e, atol=1e-6) for g, e in floats)
     ledger.close()
 
 
@@ -106,7 +139,8 @@ def test_tensor_shape_refusal_names_the_tensor_and_both_shapes(tmp_path: Path) -
                 f"[{wrong_dims}] float32 received")
     rng = np.random.default_rng(2)
     srv, ledger, _ = _server(tmp_path, [incoming(*_update("client-a", 1, 5, [wrong, *like[1:]])),
-                                        incoming(*update_payload(FED, "client-b", 1, 2, like, rng))])
+                                        incoming(*update_payload(FED, "client-b", 1, 2, like, rng)),
+                                        incoming(*_withdrawal("client-a", 1, 6, "its update was refused"))])
     m = srv.run_round(1)
     (refusal,) = [b for _, b in receipts_to(srv.channel.transport, "client-a") if b.ref_kind == Kind.UPDATE]
     assert (refusal.accepted, refusal.reason) == (False, expected)
@@ -141,12 +175,14 @@ def test_each_refusal_counts_once_under_its_reason(tmp_path: Path, change, code:
     evaluation metric outside [0, 1]) and a garbage message from B between the two rounds:
     round 1's line has ``invalid`` 1 under ``code``, round 2's line counts the garbage
     (``invalid`` 1 under ``invalid``), and each line's and the run's per-reason counts add up
-    to its ``invalid``. The refused update's ledger row is ``rejected``, and A is not waited for."""
+    to its ``invalid``. The refused update's ledger row is ``rejected``; A, told so, withdraws
+    (signing off: the server takes the device's word for it, not the refused update's)."""
     model, like = _model()
     rng = np.random.default_rng(4)
     kw = change(like)
     bad = _update("client-a", 1, 5, kw.pop("tensors"), **kw)
-    items = [incoming(*bad), incoming(*update_payload(FED, "client-b", 1, 2, like, rng))]
+    items = [incoming(*bad), incoming(*update_payload(FED, "client-b", 1, 2, like, rng)),
+             incoming(*_withdrawal("client-a", 1, 6, "its update was refused"))]
     srv, ledger, steps = _server(tmp_path, items, rounds=2)
     m1 = srv.run_round(1)
     srv.channel.transport.deliver(incoming(topics.up(FED, "client-b", Kind.UPDATE), b"\x91"))  # between rounds

@@ -78,12 +78,11 @@ def _rogue_on_round_start(broker: EmbeddedBroker, fed: str, payloads: list[tuple
     return c, sent
 
 
-@pytest.mark.xfail(strict=False, reason="race under review: an answerable refused update makes the open round stop "
-                   "waiting for the named device, so whether client-000's honest update still counts depends on "
-                   "arrival order")
 def test_update_with_nil_extras_from_a_rogue_client_is_rejected_and_the_run_goes_on(tmp_path: Path) -> None:
     """One unauthenticated publish (signing off, the default) of an update with ``extras = nil``
-    is counted ``invalid``; the round completes with both honest clients."""
+    in client-000's name is counted ``invalid``; the round completes with both honest clients,
+    whichever arrives first: an unsigned refusal does not make the round stop waiting for the
+    device it names, and client-000 ignores the refusal of a seq it never sent."""
     fed = "fed-nil"
     bad = _update_payload("client-000", 1, [[], 10, 0.5, {}, False, None])
     with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
@@ -99,17 +98,23 @@ def test_update_with_nil_extras_from_a_rogue_client_is_rejected_and_the_run_goes
     assert m["clients_reported"] == 2 and m["invalid"] >= 1
 
 
-def test_fpl_prototypes_of_another_width_are_refused_not_a_server_crash(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sign", [False, True], ids=["unsigned", "signed"])
+def test_fpl_prototypes_of_another_width_are_refused_not_a_server_crash(tmp_path: Path, sign: bool) -> None:
     """FPL, round 1: one client uploads 32-d prototypes, the others the model's 64-d. The width is
     the classifier's input width (known from the update's model tensors, before any broadcast),
-    so the 32-d update is refused (``invalid`` 1) and the round aggregates the other two."""
+    so the 32-d update is refused (``invalid`` 1) and the round aggregates the other two. Who
+    ends the wait for the refused device: signing off, the device itself, told by the receipt
+    for its own seq (``withdrawn`` 1: its idle status); signing on, the server at once (the
+    update's signature is the device's), so the device's idle status comes too late to count
+    (``withdrawn`` 0)."""
     cfg = small_config(run={"rounds": 1}, data={"clients": 3}, train={"algorithm": "fpl"},
-                       server={"round_deadline_s": 12.0})
+                       server={"round_deadline_s": 12.0}, security={"sign": sign})
     hook = _tamper(0, lambda ex, r: {**ex, "prototypes": np.ascontiguousarray(ex["prototypes"][:, :32])})
     res = simulate(cfg, run_dir=tmp_path / "run", agent_hook=hook)
     m = _metrics(tmp_path / "run")[0]
     assert res.rounds_completed == 1
     assert m["clients_reported"] == 2 and m["invalid"] == 1 and not m["skipped"]
+    assert m["withdrawn"] == (0 if sign else 1)
 
 
 def test_fedproto_class_id_out_of_range_does_not_kill_the_honest_agents(tmp_path: Path) -> None:

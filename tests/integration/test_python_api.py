@@ -46,12 +46,15 @@ def test_the_readme_example_runs_and_returns_the_run_s_history(tmp_path) -> None
                      "uploaded by the devices"
 
 
-def test_a_server_and_its_agents_from_python(tmp_path) -> None:
+def test_a_server_and_its_agents_from_python(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """Also: the simulation-only ``[agents]`` settings of a shared configuration file are said to
+    be unused, in the log and in summary.json's ``ignored_settings``."""
     import fedfleet
 
     cfg = fedfleet.load_config({"run": {"name": "py", "rounds": 2, "seed": 1},
                                 "data": {"dataset": "digits", "partition": "iid", "clients": 2},
-                                "server": {"quorum": 2, "round_deadline_s": 60.0}, "broker": {"kind": "amqtt"}})
+                                "server": {"quorum": 2, "round_deadline_s": 60.0}, "broker": {"kind": "amqtt"},
+                                "agents": {"torch_threads": 1, "profile": "rpi4"}})
     agents: list = []
     threads: list[threading.Thread] = []
 
@@ -63,9 +66,15 @@ def test_a_server_and_its_agents_from_python(tmp_path) -> None:
             t.start()
             threads.append(t)
 
-    history = fedfleet.run_server(cfg, run_dir=tmp_path / "run", on_start=start_agents)
+    with caplog.at_level("WARNING", logger="broker_server.server_main"):
+        history = fedfleet.run_server(cfg, run_dir=tmp_path / "run", on_start=start_agents)
     for t in threads:
         t.join(60)
+    said = [r.getMessage() for r in caplog.records if r.name == "broker_server.server_main"]
+    assert any("[agents] profile = 'rpi4', torch_threads = 1: simulation settings (fedfleet simulate); fedfleet "
+               "server does not use them" in m for m in said), said
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["ignored_settings"] == ["[agents] profile = 'rpi4'", "[agents] torch_threads = 1"]
     assert history.metric("clients_reported") == [2, 2]
     assert sorted((a.client_id, a.rounds_trained, a.finished) for a in agents) == [("py-0", 2, True),
                                                                                   ("py-1", 2, True)]
