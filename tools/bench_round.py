@@ -111,6 +111,15 @@ DEFAULTS_PARTS = ("flower-sim-defaults", "flower-legacy-defaults")
 # helpers
 
 
+def code_commit() -> str:
+    """The checkout's short commit, with " (uncommitted changes)" when the tree is dirty."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True,
+                                text=True).stdout.strip())
+    return commit + (" (uncommitted changes)" * dirty)
+
+
 def machine() -> dict[str, Any]:
     import numpy as np
     import torch
@@ -123,12 +132,8 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True,
-                                text=True).stdout.strip())
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "torch": torch.__version__, "numpy": np.__version__, "commit": commit + (" (uncommitted changes)" * dirty),
+            "torch": torch.__version__, "numpy": np.__version__, "commit": code_commit(),
             "loadavg": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -428,6 +433,10 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
            f"average at the end {m['loadavg'][0]:.2f}/{m['loadavg'][1]:.2f}/{m['loadavg'][2]:.2f}: times are "
            "only meaningful on a quiet machine. Each part's own start time and load are in its JSON "
            f"(`{args.work}`).", ""]
+    ran_at = {p: r.get("commit", "not recorded") for p, r in results.items()}
+    if any(c != m["commit"] for c in ran_at.values()):
+        out += ["Parts run at other code than the report's: " + "; ".join(
+            f"{p} at {c}" for p, c in ran_at.items() if c != m["commit"]) + ".", ""]
     if args.tiny:
         out += ["**--tiny: a smoke run of the tool at toy sizes; no figure here means anything.**", ""]
     r = results.get("round")
@@ -697,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = path.exists() and json.loads(path.read_text(encoding="utf-8")).get("ok") is False
         if part in wanted and (args.redo or not path.exists() or failed):
             print(f"bench_round: part {part} …", flush=True)
-            started = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_before": os.getloadavg()}
+            started = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_before": os.getloadavg(),
+                       "commit": code_commit()}
             res = runners[part](args)
             res.update(started, loadavg_after=os.getloadavg())
             path.write_text(json.dumps(res, indent=1), encoding="utf-8")
