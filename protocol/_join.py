@@ -105,6 +105,40 @@ def join_in_place(segments: Sequence[bytes | memoryview], total: int) -> bytes:
     return out
 
 
+def fillable_bytes(total: int) -> tuple[bytes, memoryview] | None:
+    """A new ``bytes`` object of ``total`` bytes, uninitialised, and a writable ``"B"`` memoryview
+    onto its contents, to be filled in place before anyone else sees the object (the receiving
+    side of a chunked transfer: :class:`protocol.chunking.Reassembler` writes each chunk at its
+    offset and hands over the object itself, not a copy of a ``bytearray``). From
+    :data:`HUGE_FROM` bytes the 2 MiB pages wholly inside it are asked for as huge pages (a refusal
+    is ignored here: the object is still good, in 4 KiB pages).
+
+    Args:
+        total: the size in bytes (≥ 0).
+
+    Returns:
+        ``(obj, view)``: write through ``view`` only while no one else holds ``obj``, every byte
+        before ``obj`` is read, then ``view.release()``; ``None`` when this platform cannot build
+        bytes in place (not CPython, no ``ctypes``): the caller fills a ``bytearray`` instead.
+
+    Raises:
+        MemoryError: no memory for ``total`` bytes.
+    """
+    if _API is None or total <= 0:
+        return None
+    import ctypes
+
+    new, address, madvise, advice = _API
+    out = new(None, total)
+    at = address(out)
+    if total >= HUGE_FROM:
+        start = -(-at // _HUGE_PAGE) * _HUGE_PAGE
+        end = (at + total) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, advice)  # a refusal only costs page faults
+    return out, memoryview((ctypes.c_char * total).from_address(at)).cast("B")
+
+
 def join_segments(segments: Sequence[bytes | memoryview], total: int) -> bytes:
     """The payload ``b"".join(segments)``: its values copied once, on huge pages from
     :data:`HUGE_FROM` bytes (:func:`join_in_place`, see the module docstring), else by the join.

@@ -74,6 +74,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._join import fillable_bytes
 from .errors import ChunkError  # noqa: F401  (re-exported for callers of this module)
 from .messages import (
     MAX_CHUNKS,
@@ -322,7 +323,12 @@ class IncompleteTransfer:
 
 
 class _Transfer:
-    __slots__ = ("count", "total_bytes", "sha256", "slice_bytes", "buf", "seen", "received",
+    """One transfer being reassembled: the payload is written chunk by chunk into the ``bytes``
+    object that is handed over when it is whole (:func:`protocol._join.fillable_bytes`: one
+    payload-sized buffer, no copy at the end), or into a ``bytearray`` copied once at the end where
+    bytes cannot be built in place."""
+
+    __slots__ = ("count", "total_bytes", "sha256", "slice_bytes", "buf", "out", "seen", "received",
                  "bytes_received", "last_s")
 
     def __init__(self, chunk: Chunk, slice_bytes: int, now_s: float) -> None:
@@ -330,11 +336,26 @@ class _Transfer:
         self.total_bytes = chunk.total_bytes
         self.sha256 = bytes(chunk.sha256)
         self.slice_bytes = slice_bytes
-        self.buf = bytearray(chunk.total_bytes)
+        fillable = fillable_bytes(chunk.total_bytes)
+        self.out: bytes | None
+        self.buf: bytearray | memoryview
+        if fillable is None:
+            self.out, self.buf = None, bytearray(chunk.total_bytes)
+        else:
+            self.out, self.buf = fillable
         self.seen = bytearray((chunk.count + 7) // 8)  # bitmap of received indices
         self.received = 0
         self.bytes_received = 0
         self.last_s = now_s
+
+    def payload(self) -> bytes:
+        """The whole payload (every chunk written): the filled object itself, its view released
+        first, or a copy of the ``bytearray``."""
+        if self.out is None:
+            return bytes(self.buf)
+        assert isinstance(self.buf, memoryview)
+        self.buf.release()
+        return self.out
 
     def has(self, index: int) -> bool:
         return bool(self.seen[index >> 3] >> (index & 7) & 1)
@@ -521,7 +542,7 @@ class Reassembler:
                 self._done_payloads[(sender, t.sha256, t.total_bytes)] = None
                 while len(self._done_payloads) > self._recent_completed:
                     self._done_payloads.popitem(last=False)
-            return bytes(t.buf)
+            return t.payload()
 
     def _remember_done(self, key: tuple[str, bytes]) -> None:
         """Ignore later chunks of transfer ``key`` (completed or superseded); caller holds the lock."""
