@@ -16,7 +16,7 @@ from pathlib import Path
 from edge_agent.data import load_dataset
 from protocol.ledger import Ledger
 
-from .config import AgentsSection, Config
+from .config import AgentsSection, Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, summary_record, write_final_files
@@ -168,11 +168,12 @@ def check_real_fleet(cfg: Config) -> None:
 
 def simulation_only_settings(cfg: Config) -> list[str]:
     """The ``[agents]`` settings of ``cfg`` that differ from their defaults, as ``key = value``
-    texts: they shape the simulated fleet of ``fedfleet simulate`` (its firmware profiles, training
-    slots, torch threads, emulated links) and have no effect on ``fedfleet server``, whose devices
-    each take theirs from ``fedfleet-agent --profile`` and the device itself. Empty when none is set."""
+    texts in TOML, as a configuration file writes them: they shape the simulated fleet of
+    ``fedfleet simulate`` (its firmware profiles, training slots, torch threads, emulated links)
+    and have no effect on ``fedfleet server``, whose devices each take theirs from
+    ``fedfleet-agent --profile`` and the device itself. Empty when none is set."""
     default = AgentsSection()
-    return [f"{f.name} = {getattr(cfg.agents, f.name)!r}" for f in fields(AgentsSection)
+    return [f"{f.name} = {_toml_value(getattr(cfg.agents, f.name))}" for f in fields(AgentsSection)
             if getattr(cfg.agents, f.name) != getattr(default, f.name)]
 
 

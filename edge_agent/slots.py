@@ -275,6 +275,9 @@ class SlotHold:
     block ends: at most ``slots.slots`` busy threads between the trainings and the holder.
     Reusable, one block at a time per thread.
 
+    An entry interrupted while it waits (KeyboardInterrupt) withdraws its hold: no slot stays
+    held by it, whether the hold had started on a slot thread or was still queued.
+
     Raises (on entry):
         SlotsClosed: the slots are closed, or were closed before a slot came free.
     """
@@ -286,9 +289,14 @@ class SlotHold:
     def __enter__(self) -> SlotHold:
         started, release = threading.Event(), threading.Event()
         future = self.slots._occupy(started, release)
-        while not started.wait(0.05):
-            if future.done():  # cancelled by close() before it ran
-                raise SlotsClosed("the training slots were closed before a slot came free")
+        try:
+            while not started.wait(0.05):
+                if future.done():  # cancelled by close() before it ran
+                    raise SlotsClosed("the training slots were closed before a slot came free")
+        except BaseException:  # KeyboardInterrupt while it waited: the hold must never keep a slot
+            release.set()  # a hold already running, or one that runs later, ends at once
+            future.cancel()
+            raise
         self._local.release = release
         return self
 

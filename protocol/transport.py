@@ -896,11 +896,12 @@ class MqttTransport:
     def _wait_for_room(self, topic: str, nbytes: int) -> None:
         """Return once one more QoS 1 message of ``nbytes`` fits the offline buffer; while the
         link is up (and not on paho's network thread) wait for acknowledgements up to
-        :attr:`full_wait_s` seconds.
+        :attr:`full_wait_s` seconds, as long as some message awaits one (with none in flight no
+        acknowledgement can make room: a message above ``max_buffered_bytes`` fails at once).
 
         Raises:
             OfflineBufferFull: no room, and the link is down, or the wait ran out, or the caller
-                is the network thread.
+                is the network thread, or no message awaits an acknowledgement.
         """
         deadline: float | None = None
         while True:
@@ -910,17 +911,18 @@ class MqttTransport:
             if count + 1 <= self.max_buffered_messages and held + nbytes <= self.max_buffered_bytes:
                 return
             now = time.monotonic()
+            on_network_thread = threading.current_thread() is getattr(self._client, "_thread", None)
+            can_wait = self.connected and not on_network_thread and count > 0
             if deadline is None:
                 deadline = now + self.full_wait_s
-                if self.connected:
+                if can_wait:
                     self.full_waits += 1
-            on_network_thread = threading.current_thread() is getattr(self._client, "_thread", None)
-            if not self.connected or on_network_thread or now >= deadline:
-                waited = f", {self.full_wait_s:g} s waited for room" if self.connected and not on_network_thread else ""
+            if not can_wait or now >= deadline:
+                waited = f", {self.full_wait_s:g} s waited for room" if can_wait else ""
                 raise OfflineBufferFull(
-                    f"{self.client_id}: {count} messages ({held:,} bytes) wait for acknowledgement (link "
-                    f"{'up' if self.connected else 'down'}{waited}); the offline buffer holds at most "
-                    f"{self.max_buffered_messages} messages / {self.max_buffered_bytes:,} bytes",
+                    f"{self.client_id}: no room for a {nbytes:,}-byte message: {count} messages ({held:,} bytes) "
+                    f"wait for acknowledgement (link {'up' if self.connected else 'down'}{waited}); the offline "
+                    f"buffer holds at most {self.max_buffered_messages} messages / {self.max_buffered_bytes:,} bytes",
                     client_id=self.client_id, topic=topic)
             time.sleep(0.005)
 

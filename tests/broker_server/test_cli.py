@@ -14,7 +14,7 @@ from broker_server import cli
 from broker_server import simulate as simulate_mod
 from broker_server.checkpoint import Checkpoint, CheckpointStore
 from broker_server.config import load
-from broker_server.server_main import security_text
+from broker_server.server_main import security_text, simulation_only_settings
 from broker_server.simulate import discard_unstarted, run_folder_entries
 from edge_agent.cli import build_parser as agent_parser
 
@@ -152,3 +152,18 @@ def test_the_server_refuses_a_simulation_only_partition(tmp_path: Path, capsys: 
     assert (f"{tmp_path / 'cfg.toml'}: [data] partition = 'classes' is simulation-only (fedfleet simulate): a fleet "
             "of fedfleet-agent devices takes 'dirichlet', 'domain-silo', 'iid'") in err, err
     assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_the_server_names_its_unused_agents_settings_as_the_configuration_file_writes_them(tmp_path: Path) -> None:
+    """``fedfleet server``'s warning and ``summary.json``'s ``ignored_settings`` quote each unused
+    ``[agents]`` setting in TOML, as the file has it (``true``, a double-quoted string), so that
+    the text can be found in the file and pasted back: each one reads back as the same value."""
+    import tomllib
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('[data]\ndataset = "digits"\n[agents]\nprofile = "rpi4"\ntrain_slots = 2\n'
+                    'emulate_link = true\n', encoding="utf-8")
+    texts = simulation_only_settings(load(path))
+    assert texts == ['profile = "rpi4"', "train_slots = 2", "emulate_link = true"]
+    assert tomllib.loads("\n".join(texts)) == {"profile": "rpi4", "train_slots": 2, "emulate_link": True}
+    assert simulation_only_settings(load(QUICKSTART)) == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import threading
 
 import numpy as np
@@ -243,6 +244,39 @@ def test_closing_refuses_the_waiting_trainings_and_lets_the_running_one_finish()
     t.join(10)
     assert not closer.is_alive() and outcomes == ["refused"] and order == []
     assert all(not th.is_alive() for th in slots._threads)
+
+
+def test_a_hold_interrupted_while_it_waits_leaves_no_slot_held_and_close_returns() -> None:
+    """Ctrl-C (SIGINT on the main thread) while the evaluation waits for the only slot, busy with
+    a training: the KeyboardInterrupt reaches the holder, and the hold it had queued never keeps
+    a slot: the training after it still runs, and ``close()`` returns (before, the queued hold
+    took the slot once the training ended and waited for a release that no one would give, so
+    ``close()``, which a run's cleanup calls, never returned)."""
+    slots = TrainingSlots(1)
+    order: list[str] = []
+    gate, threads = _queue_behind_a_gate(slots, [], order)
+
+    def interrupt_once_queued() -> None:
+        while len(slots._queue) < 1:  # the hold waits in the queue
+            threading.Event().wait(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_queued, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            with slots.holder():
+                order.append("held")  # never: interrupted before a slot came free
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    gate.set()
+    after = threading.Thread(target=lambda: slots.run(lambda: order.append("after")), daemon=True)
+    after.start()
+    after.join(10)
+    closer = threading.Thread(target=slots.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert order == ["after"] and not closer.is_alive()
 
 
 def test_a_training_hands_its_freed_heap_back(monkeypatch: pytest.MonkeyPatch) -> None:

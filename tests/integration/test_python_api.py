@@ -71,10 +71,10 @@ def test_a_server_and_its_agents_from_python(tmp_path, caplog: pytest.LogCapture
     for t in threads:
         t.join(60)
     said = [r.getMessage() for r in caplog.records if r.name == "broker_server.server_main"]
-    assert any("[agents] profile = 'rpi4', torch_threads = 1: simulation settings (fedfleet simulate); fedfleet "
+    assert any('[agents] profile = "rpi4", torch_threads = 1: simulation settings (fedfleet simulate); fedfleet '
                "server does not use them" in m for m in said), said
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["ignored_settings"] == ["[agents] profile = 'rpi4'", "[agents] torch_threads = 1"]
+    assert summary["ignored_settings"] == ['[agents] profile = "rpi4"', "[agents] torch_threads = 1"]
     assert history.metric("clients_reported") == [2, 2]
     assert sorted((a.client_id, a.rounds_trained, a.finished) for a in agents) == [("py-0", 2, True),
                                                                                   ("py-1", 2, True)]

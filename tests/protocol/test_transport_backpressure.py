@@ -73,6 +73,24 @@ def test_a_stalled_broker_fails_the_publish_after_full_wait_s_and_keeps_the_buff
             pub.close()
 
 
+def test_a_message_that_no_acknowledgement_can_make_room_for_fails_at_once(tmp_path: Path) -> None:
+    """A 100-byte QoS 1 message with ``max_buffered_bytes`` 10 and nothing awaiting its PUBACK:
+    no acknowledgement can ever make room, so the publish raises at once (``full_waits`` stays 0,
+    the message says nothing of a wait), naming the message's size; nothing reaches the broker."""
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        pub = MqttTransport("bp-big", broker.host, broker.port, max_buffered_bytes=10, full_wait_s=5.0)
+        try:
+            pub.connect(timeout_s=10.0)
+            with pytest.raises(OfflineBufferFull) as err:
+                pub.publish("t/big", b"x" * 100, qos=1)
+            assert pub.full_waits == 0 and pub.buffered == (0, 0)
+            text = str(err.value)
+            assert "no room for a 100-byte message" in text and "waited" not in text
+            assert "0 messages (0 bytes) wait for acknowledgement (link up)" in text
+        finally:
+            pub.close()
+
+
 def test_full_wait_s_below_zero_is_refused() -> None:
     with pytest.raises(ValueError, match="full_wait_s must be >= 0 seconds, got -1"):
         MqttTransport("bp-bad", "127.0.0.1", 1, full_wait_s=-1)
