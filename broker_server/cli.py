@@ -91,6 +91,8 @@ def run_header(cfg, command: str = "simulate") -> str:
 
 
 def _cmd_simulate(args) -> int:
+    from protocol.errors import TransportError
+
     from .progress import make_progress
     from .simulate import make_run_id, progress_printer, simulate
 
@@ -122,9 +124,10 @@ def _cmd_simulate(args) -> int:
             res = simulate(cfg, broker_url=args.broker, run_dir=out, on_round=prog.on_round,
                            on_event=None if args.quiet else prog.on_event, resume=bool(args.resume),
                            on_plan=lambda plan: print(plan.describe(), flush=True))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, TransportError) as exc:
         if (out / "checkpoints.sqlite").exists():
-            print(f"fedfleet simulate: interrupted; continue the run from its last checkpoint with\n"
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"
+            print(f"fedfleet simulate: {why}; continue the run from its last checkpoint with\n"
                   f"  fedfleet simulate --resume {out}", flush=True)
         raise
     source = next((m.get("accuracy_source") for m in reversed(res.metrics) if m.get("accuracy_source")), "global")
@@ -321,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     """:func:`main` inside its stdout guard."""
     from edge_agent.errors import DataError
-    from protocol.errors import ConnectError
+    from protocol.errors import ConnectError, TransportError
 
     from .errors import BrokerStartError, FedfleetServerError
 
@@ -342,6 +345,9 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_DATA
     except (BrokerStartError, ConnectError) as exc:
         print(f"fedfleet: broker error: {exc}", file=sys.stderr)
+        return EXIT_BROKER
+    except TransportError as exc:  # the link failed during a run (a broker that stopped acknowledging)
+        print(f"fedfleet: broker link error: {exc}", file=sys.stderr)
         return EXIT_BROKER
     except FedfleetServerError as exc:
         print(f"fedfleet: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edge_agent.data import load_dataset
+from protocol.errors import TransportError
 from protocol.ledger import Ledger
 
 from .config import AgentsSection, Config, _toml_value
@@ -108,10 +109,13 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
     Prints the agent command line once the broker is reached, the wait for joins and each
     round's progress (:mod:`broker_server.progress`: a live line on a terminal, plain lines
     otherwise; ``verbose``: per device), a line per round, and at the end the server link's byte
-    summary. Interrupted (Ctrl-C) after its first checkpoint, it says how to resume.
+    summary. Interrupted (Ctrl-C), or stopped by the broker link (a broker that stopped
+    acknowledging: :class:`~protocol.errors.TransportError`), after its first checkpoint, it says
+    how to resume.
 
     Raises:
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`run_server`.
+        TransportError: the broker link failed during the run.
     """
     from .progress import make_progress
 
@@ -122,10 +126,11 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
             served = run_server(cfg, broker_url=broker_url, run_dir=out, resume=resume,
                                 say=lambda text: print(text, flush=True), on_round=prog.on_round,
                                 on_event=prog.on_event)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, TransportError) as exc:
         if (out / "checkpoints.sqlite").exists():
             broker = f" --broker {broker_url or cfg.broker.url}" if (broker_url or cfg.broker.url) else ""
-            print(f"fedfleet server: interrupted; the run continues from its last checkpoint with\n"
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"
+            print(f"fedfleet server: {why}; the run continues from its last checkpoint with\n"
                   f"  fedfleet server --resume {shlex.quote(str(out))}{broker}", flush=True)
         raise
     print(server_byte_summary(served.run_dir), flush=True)

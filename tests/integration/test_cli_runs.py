@@ -71,3 +71,56 @@ def test_ctrl_c_says_how_to_resume(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == cli.EXIT_INTERRUPTED == 128 + signal.SIGINT, err
     assert f"interrupted; continue the run from its last checkpoint with\n  fedfleet simulate --resume {run}" in out
+
+
+def test_a_broker_that_stops_acknowledging_ends_the_run_with_a_resume_hint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Mosquitto stopped (SIGSTOP) once round 1 is on record: its TCP connections stay up but no
+    acknowledgement comes. The server's link, with room for one unacknowledged message and
+    0.5 s to wait for more (the defaults are 1,000 and 60 s), gives up at its next publish:
+    ``fedfleet simulate`` exits with the broker error code, says what failed, and says how to
+    resume from the checkpoint it holds."""
+    import threading
+
+    import protocol.transport as transport
+    from broker_server.embedded_broker import EmbeddedBroker
+
+    init = transport.MqttTransport.__init__
+
+    def small_server_buffer(self, client_id, *a, **kw):
+        if client_id.endswith("-server"):
+            kw.update(max_buffered_messages=1, full_wait_s=0.5)
+        init(self, client_id, *a, **kw)
+
+    monkeypatch.setattr(transport.MqttTransport, "__init__", small_server_buffer)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(QUICKSTART.read_text().replace("rounds = 5", "rounds = 40").replace("round_deadline_s = 60.0",
+                                                                                       "round_deadline_s = 3.0"))
+    run = tmp_path / "run"
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker") as broker:
+        if broker.pid is None or broker.kind != "mosquitto":
+            pytest.skip("needs the mosquitto binary (a broker process that can be stopped alone)")
+        stopped = threading.Event()
+
+        def stop_after_round_1() -> None:
+            end = time.monotonic() + 240
+            while time.monotonic() < end and not ((run / "metrics.jsonl").exists()
+                                                   and (run / "metrics.jsonl").read_text().strip()):
+                time.sleep(0.05)
+            os.kill(broker.pid, signal.SIGSTOP)
+            stopped.set()
+
+        watcher = threading.Thread(target=stop_after_round_1, daemon=True)
+        watcher.start()
+        try:
+            code = cli.main(["simulate", "--config", str(cfg), "--broker", broker.url, "--out", str(run), "-q"])
+        finally:
+            watcher.join(5)
+            if stopped.is_set():
+                os.kill(broker.pid, signal.SIGCONT)
+    captured = capsys.readouterr()
+    assert stopped.is_set() and code == cli.EXIT_BROKER, captured.err[-2000:]
+    assert "fedfleet: broker link error: " in captured.err and "wait for acknowledgement (link up" in captured.err
+    assert (f"stopped by the broker link; continue the run from its last checkpoint with\n"
+            f"  fedfleet simulate --resume {run}") in captured.out
+    assert (run / "checkpoints.sqlite").exists() and 1 <= len(_rounds(run)) < 40
