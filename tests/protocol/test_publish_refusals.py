@@ -209,6 +209,35 @@ def test_suspect_dropped_learns_a_quarter_and_never_below_what_was_delivered(tmp
     ledger2.close()
 
 
+def test_a_packet_just_above_a_delivered_size_is_not_taken_for_dropped(tmp_path) -> None:
+    """The broker delivered what proves packets 32 bytes smaller than the update's fit (a global
+    of the same model, as when a loaded server's receipt came late): the update's silence is not
+    blamed on a size limit (nothing learned, sent again as before). 2,000 bytes smaller (more than
+    1 % and 1,024 bytes) it is: the packet limit becomes the proven size (the largest delivered,
+    being above an eighth of the packet)."""
+    def channel_proving(gap: int, where: str) -> tuple[Channel, Ledger, int]:
+        ch, ledger = _channel(tmp_path / where, RefusingTransport(limit=1 << 30))
+        probe, probe_ledger = _channel(tmp_path / f"{where}-probe", RefusingTransport(limit=1 << 30))
+        enc = probe.send(TOPIC, _update(12_000), round=1)
+        packet = probe.transport.sent[0][2]  # type: ignore[attr-defined]
+        _delivered(probe, packet - gap - 100)  # same framing length as the target's
+        offset = probe.delivered_packet_bytes(TOPIC) - (packet - gap - 100)  # framing of a payload, on TOPIC
+        probe_ledger.close()
+        assert enc.seq
+        _delivered(ch, packet - gap - offset)
+        assert ch.delivered_packet_bytes(TOPIC) == packet - gap
+        return ch, ledger, packet
+
+    near, ledger, packet = channel_proving(32, "near")
+    enc = near.send(TOPIC, _update(12_000), round=1)
+    assert near.suspect_dropped(enc.seq) == 0 and near.learned_max_packet_bytes == 0
+    far, ledger2, _ = channel_proving(2000, "far")
+    enc2 = far.send(TOPIC, _update(12_000), round=1)
+    assert far.suspect_dropped(enc2.seq) == far.learned_max_packet_bytes == packet - 2000
+    ledger.close()
+    ledger2.close()
+
+
 def test_a_request_for_chunks_of_a_replaced_transfer_is_not_answered_and_not_a_rejection(tmp_path, caplog) -> None:
     """A receiver that got some chunks of a transfer the broker then refused asks for the rest;
     the sender sent the message again as a new transfer: the request is ledgered as received,
