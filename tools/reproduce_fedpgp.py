@@ -204,17 +204,23 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
             cells, rtt = [], []
             for sp in splits:
                 rs = [r for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == label]
-                cells.append(pm([a for r in rs if (a := _acc(r)) is not None]) if rs else "–")
+                accs = [a for r in rs if (a := _acc(r)) is not None]
+                partial = f" ({len(accs)} of {len(seeds)} seeds)" if rs and len(accs) < len(seeds) else ""
+                cells.append(pm(accs, plain_single=True) + partial if rs else "–")
                 hits = [rounds_to_target(out, r["key"], target) for r in rs]
                 rtt.append("–" if not rs else "/".join("never" if h is None else str(h) for h in hits))
             lines.append(f"| {label} | " + " | ".join(cells) + " | " + "; ".join(rtt) + " |")
         for sp in splits:
-            means = {}
-            for label in ["FedPGP", *BASELINES]:
-                acc = [a for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == label
-                       and (a := _acc(r)) is not None]
-                if acc:
-                    means[label] = mean_std(acc)[0]
+            # a setting counts once FedPGP and FedAvg both have a seed; every method's mean is then
+            # over the seeds that all methods on record there share (a partly run grid compares like
+            # with like)
+            by_seed = {label: {int(r["seed"]): a for r in main if r["dataset"] == ds and r["split"] == sp
+                               and r["method"] == label and (a := _acc(r)) is not None}
+                       for label in ["FedPGP", *BASELINES]}
+            by_seed = {k: v for k, v in by_seed.items() if v}
+            shared = set.intersection(*(set(v) for v in by_seed.values())) if by_seed else set()
+            means = {label: mean_std([v[sd] for sd in sorted(shared)])[0] for label, v in by_seed.items()} \
+                if shared else {}
             if "FedPGP" in means and "FedAvg" in means:
                 settings_n += 1
                 gains.append(100 * (means["FedPGP"] - means["FedAvg"]))
