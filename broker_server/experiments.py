@@ -9,6 +9,10 @@ What a job reports (:func:`run_job`):
 
 - the last round's metrics line and the best round's accuracy, and ``client_test`` (which data
   the client figures were measured on: ``[data] client_test``);
+- ``per_round``: the run's per-round figures, column by column (:func:`round_series`), so that a
+  report made from the records alone (a fresh checkout has no ``runs/`` folders) still has the
+  curves, rounds to a target and per-round mechanism figures (:func:`read_metrics` falls back to
+  them);
 - wire bytes per client per round on the device links (``up``/``down``; MQTT headers, topic and
   envelope included; control packets, which carry no round, are not), the mean payload of an
   update and of a global, and the mean bytes of each update body field (``tensors``,
@@ -26,7 +30,8 @@ written before the fingerprint existed are taken as they are.
 The second half is the harness the ``tools/reproduce_*.py`` scripts share: the data folder
 default (:func:`default_data_dir`), option parsing of comma lists (:func:`int_list`,
 :func:`name_list`), the estimate-then-grid loop (:func:`run_with_estimate`), the re-run check
-(:func:`verify_records`), per-round metrics (:func:`read_metrics`, :func:`rounds_to_target`) and
+(:func:`verify_records`), per-round metrics (:func:`read_metrics`, :func:`rounds_to_target`,
+:func:`attach_round_series`) and
 mean ± std formatting (:func:`pm`).
 """
 
@@ -178,7 +183,8 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
     out = {"key": job.key, "client_test": cfg.data.client_test, **job.tags, "rounds": res.rounds_completed,
            "clients": cfg.data.clients,
            "seconds": round(seconds, 1), "final": last, "best_accuracy": max(accs) if accs else None,
-           **_device_bytes_per_client_round(audit.rows, cfg.data.clients, max(1, res.rounds_completed))}
+           **_device_bytes_per_client_round(audit.rows, cfg.data.clients, max(1, res.rounds_completed)),
+           "per_round": round_series(res.metrics)}
     if job.ensemble:
         ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None,
                           domain_train_cap=cfg.data.domain_train_cap, domain_test_cap=cfg.data.domain_test_cap)
@@ -355,13 +361,106 @@ def name_list(parser: argparse.ArgumentParser, option: str, text: str, known: It
     return names
 
 
+#: The longest list a per-round field may be to be kept in a record's ``per_round`` (per-device
+#: lists of a 100-device fleet over hundreds of rounds would make records megabytes long).
+SERIES_LIST_MAX = 64
+
+
+def _series_value(v: Any) -> bool:
+    """Whether a metrics value goes into :func:`round_series`: a number, a bool, ``None``, or a list
+    of at most :data:`SERIES_LIST_MAX` numbers."""
+    if v is None or isinstance(v, (bool, int, float)):
+        return True
+    return (isinstance(v, list) and len(v) <= SERIES_LIST_MAX
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v))
+
+
+def round_series(lines: Sequence[dict]) -> dict[str, list]:
+    """A run's per-round metrics lines as columns: ``{"round": [1, 2, …], "accuracy": [...], …}``.
+
+    Kept: every field whose value in each round is a number, a bool, ``None`` or a list of at most
+    :data:`SERIES_LIST_MAX` numbers (a round without the field gives ``None``); left out: strings,
+    dicts, longer lists and the timings (:data:`VOLATILE_METRICS`). :func:`series_lines` turns the
+    columns back into lines. ``{}`` for no lines.
+    """
+    names: list[str] = []
+    for m in lines:
+        names += [k for k in m if k not in names]
+    keep = [k for k in names if k not in VOLATILE_METRICS and all(_series_value(m.get(k)) for m in lines)]
+    return {k: [m.get(k) for m in lines] for k in keep} if lines else {}
+
+
+def series_lines(series: dict[str, list]) -> list[dict]:
+    """The inverse of :func:`round_series`: one dict per round, fields that were ``None`` in a
+    round left out of that round's dict."""
+    n = max((len(v) for v in series.values()), default=0)
+    return [{k: v[i] for k, v in series.items() if i < len(v) and v[i] is not None} for i in range(n)]
+
+
 def read_metrics(out_dir: str | Path, key: str) -> list[dict]:
-    """The per-round metrics lines of grid cell ``key`` (``OUT/runs/<key with / → __>/metrics.jsonl``);
-    ``[]`` when the run folder has none."""
+    """The per-round metrics lines of grid cell ``key``: ``OUT/runs/<key with / → __>/metrics.jsonl``
+    when the run folder is on disk, otherwise the record's own ``per_round`` columns (from
+    ``OUT/results.jsonl``, :func:`series_lines`; the fields :func:`round_series` keeps); ``[]``
+    when neither is there (a record made before records carried their rounds, and its run folder
+    gone: :func:`has_rounds` tells a caller which it is)."""
     path = Path(out_dir) / "runs" / key.replace("/", "__") / "metrics.jsonl"
+    if path.exists():
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rec = _records(Path(out_dir)).get(key) or {}
+    return series_lines(rec.get("per_round") or {})
+
+
+def has_rounds(out_dir: str | Path, key: str) -> bool:
+    """Whether :func:`read_metrics` has the rounds of cell ``key`` (its run folder or its record's
+    ``per_round``); a report prints "not recorded" rather than "never" when it has not."""
+    return bool(read_metrics(out_dir, key))
+
+
+def _records(out: Path) -> dict[str, dict]:
+    """:func:`load_results` of ``out``, read again only when ``results.jsonl`` changed (size or
+    modification time), for the per-cell lookups of :func:`read_metrics`."""
+    path = out / "results.jsonl"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {}
+    stamp = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if _RECORDS_CACHE.get("stamp") != stamp:
+        _RECORDS_CACHE.update(stamp=stamp, records=load_results(out))
+    return _RECORDS_CACHE["records"]
+
+
+_RECORDS_CACHE: dict[str, Any] = {}
+
+
+def attach_round_series(out_dir: str | Path) -> int:
+    """Give every finished record of ``OUT/results.jsonl`` that lacks ``per_round`` the columns of
+    its run folder's ``metrics.jsonl`` (:func:`round_series`), rewriting the file in place (through
+    a temporary file and a rename, so an interruption leaves the old file whole). For records made
+    by code from before records carried their rounds while their run folders are still on disk.
+
+    Returns:
+        The number of records given their rounds (0: the file is left untouched).
+    """
+    out = Path(out_dir)
+    path = out / "results.jsonl"
     if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return 0
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    added = 0
+    for rec in lines:
+        if "error" in rec or rec.get("per_round"):
+            continue
+        metrics = out / "runs" / rec["key"].replace("/", "__") / "metrics.jsonl"
+        if metrics.exists():
+            rec["per_round"] = round_series([json.loads(x) for x in metrics.read_text(encoding="utf-8").splitlines()
+                                             if x.strip()])
+            added += 1
+    if added:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+        os.replace(tmp, path)
+    return added
 
 
 def rounds_to_target(lines: Sequence[dict], target: float, metric: str = "accuracy") -> int | None:
@@ -372,6 +471,25 @@ def rounds_to_target(lines: Sequence[dict], target: float, metric: str = "accura
         if v is not None and v >= target:
             return int(m["round"])
     return None
+
+
+#: What a report prints for a figure that needs a cell's rounds when they are not recorded (a record
+#: made before records carried ``per_round``, whose run folder is gone): never "never".
+NOT_RECORDED = "n/r"
+
+
+def cell_rounds_to_target(out_dir: str | Path, key: str, target: float, metric: str = "accuracy") -> int | str | None:
+    """:func:`rounds_to_target` of grid cell ``key``'s rounds (:func:`read_metrics`): the first
+    round whose ``metric`` reaches ``target``, ``None`` when none did, :data:`NOT_RECORDED` when
+    the cell's rounds are not on hand."""
+    lines = read_metrics(out_dir, key)
+    return rounds_to_target(lines, target, metric) if lines else NOT_RECORDED
+
+
+def hits_text(hits: Sequence[int | str | None]) -> str:
+    """Per-seed rounds to a target as ``"3/never/n/r"``-style text: a round, *never*
+    (``None``) or :data:`NOT_RECORDED`, joined by ``/``."""
+    return "/".join("never" if h is None else str(h) for h in hits)
 
 
 def pm(values: Sequence[float | None], scale: float = 100.0, digits: int = 2, *, plain_single: bool = False) -> str:
@@ -414,11 +532,15 @@ def run_with_estimate(jobs: Sequence[Job], out_dir: str | Path, *, workers: int,
 
 def final_differences(a: dict, b: dict) -> list[str]:
     """The keys of two records' last-round metrics (``final``) whose values differ, timings
-    (:data:`VOLATILE_METRICS`) left out; ``["final"]`` when one record has none."""
+    (:data:`VOLATILE_METRICS`) left out; ``["final"]`` when one record has none. When both records
+    carry their rounds (``per_round``), a column that both have and that differs in any round is
+    named too, as ``per_round.<field>`` (a re-run that ends equal but got there otherwise)."""
     fa, fb = a.get("final"), b.get("final")
     if not fa or not fb:
         return ["final"]
-    return sorted(k for k in set(fa) | set(fb) if k not in VOLATILE_METRICS and fa.get(k) != fb.get(k))
+    diff = sorted(k for k in set(fa) | set(fb) if k not in VOLATILE_METRICS and fa.get(k) != fb.get(k))
+    ra, rb = a.get("per_round") or {}, b.get("per_round") or {}
+    return diff + sorted(f"per_round.{k}" for k in set(ra) & set(rb) if ra[k] != rb[k])
 
 
 def metrics_only_in_one(a: dict, b: dict) -> list[str]:

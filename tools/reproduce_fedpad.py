@@ -68,9 +68,12 @@ sys.path.insert(0, str(ROOT))
 
 from broker_server.experiments import (  # noqa: E402
     Job,
+    attach_round_series,
+    cell_rounds_to_target,
     code_commit,
     default_data_dir,
     failed_runs_section,
+    hits_text,
     int_list,
     load_results,
     mean_std,
@@ -78,7 +81,6 @@ from broker_server.experiments import (  # noqa: E402
     pm,
     read_metrics,
     records_cost,
-    rounds_to_target,
     run_with_estimate,
     verify_records,
 )
@@ -370,11 +372,10 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
                 continue
             cells = [pm([r["final"].get("domain_accuracy", {}).get(d) for r in rs]) for d in domains]
             agg = ", ".join("–" if (n := rounds_aggregated(out, r["key"])) is None else str(n) for r in rs)
-            hits = [rounds_to_target(read_metrics(out, r["key"]), TARGETS[bench], "accuracy_worst") for r in rs]
+            hits = [cell_rounds_to_target(out, r["key"], TARGETS[bench], "accuracy_worst") for r in rs]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {pm([_avg(r) for r in rs])} | "
                          f"**{pm([_worst(r) for r in rs])}** | {len(rs)} | {sum(collapsed(r) for r in rs)} | "
-                         f"{agg} of {rs[0]['rounds']} | " + "/".join("never" if h is None else str(h) for h in hits)
-                         + " |")
+                         f"{agg} of {rs[0]['rounds']} | " + hits_text(hits) + " |")
         fed = [weight_spread(out, r["key"]) for r in rows(bench, "FedPAD")]
         lines += ["", f"FedPAD's weights, last round (mean over seeds): α from {_spread_text([x for x in fed if x])}.",
                   "", "### What FedPAD's worst-domain figure is made of (per-seed differences, pp)", "",
@@ -541,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0  # an estimate leaves the committed report as it is
         if a.verify:
             verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit, headline=_worst)
+    attached = attach_round_series(out)  # records made before records carried their rounds
+    if attached:
+        print(f"{attached} records given their rounds from their run folders")
     text = report(load_results(out), jobs, out=out, benches=benches, methods=methods, seeds=seeds,
                   settings={**settings, "workers": a.workers}, wall_s=wall, commit=commit, verify=verify_lines,
                   sweeps=sweeps)

@@ -47,10 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from broker_server.experiments import (  # noqa: E402
+    NOT_RECORDED,
     Job,
+    attach_round_series,
+    cell_rounds_to_target,
     code_commit,
     default_data_dir,
     failed_runs_section,
+    hits_text,
     int_list,
     load_results,
     mean_std,
@@ -61,7 +65,6 @@ from broker_server.experiments import (  # noqa: E402
     run_with_estimate,
     verify_records,
 )
-from broker_server.experiments import rounds_to_target as _first_round  # noqa: E402
 
 #: method label → (registered algorithm, [algorithm] table). Baseline keys: SPECS.md §6 defaults.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -151,9 +154,19 @@ def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds:
     return jobs
 
 
-def rounds_to_target(out: Path, key: str, target: float) -> int | None:
-    """The first round whose accuracy reaches ``target`` (``None``: never, or no metrics on disk)."""
-    return _first_round(read_metrics(out, key), target)
+def _seed_matched(main: list[dict], ds: str, sp: str, labels: list[str]) -> dict[str, float]:
+    """label → mean final accuracy over the seeds that every label of ``labels`` on record in
+    setting (``ds``, ``sp``) shares (labels with no record there left out; ``{}`` when they share
+    none), so a partly run grid compares like with like."""
+    by_seed = {label: {int(r["seed"]): a for r in main if r["dataset"] == ds and r["split"] == sp
+                       and r["method"] == label and (a := _acc(r)) is not None} for label in labels}
+    by_seed = {k: v for k, v in by_seed.items() if v}
+    shared = set.intersection(*(set(v) for v in by_seed.values())) if by_seed else set()
+    return {label: mean_std([v[sd] for sd in sorted(shared)])[0] for label, v in by_seed.items()} if shared else {}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _acc(r: dict) -> float | None:
@@ -207,25 +220,21 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 accs = [a for r in rs if (a := _acc(r)) is not None]
                 partial = f" ({len(accs)} of {len(seeds)} seeds)" if rs and len(accs) < len(seeds) else ""
                 cells.append(pm(accs, plain_single=True) + partial if rs else "–")
-                hits = [rounds_to_target(out, r["key"], target) for r in rs]
-                rtt.append("–" if not rs else "/".join("never" if h is None else str(h) for h in hits))
+                hits = [cell_rounds_to_target(out, r["key"], target) for r in sorted(rs, key=lambda r: int(r["seed"]))]
+                rtt.append(hits_text(hits) if rs else "–")
             lines.append(f"| {label} | " + " | ".join(cells) + " | " + "; ".join(rtt) + " |")
         for sp in splits:
             # a setting counts once FedPGP and FedAvg both have a seed; every method's mean is then
             # over the seeds that all methods on record there share (a partly run grid compares like
             # with like)
-            by_seed = {label: {int(r["seed"]): a for r in main if r["dataset"] == ds and r["split"] == sp
-                               and r["method"] == label and (a := _acc(r)) is not None}
-                       for label in ["FedPGP", *BASELINES]}
-            by_seed = {k: v for k, v in by_seed.items() if v}
-            shared = set.intersection(*(set(v) for v in by_seed.values())) if by_seed else set()
-            means = {label: mean_std([v[sd] for sd in sorted(shared)])[0] for label, v in by_seed.items()} \
-                if shared else {}
+            means = _seed_matched(main, ds, sp, ["FedPGP", *BASELINES])
             if "FedPGP" in means and "FedAvg" in means:
                 settings_n += 1
                 gains.append(100 * (means["FedPGP"] - means["FedAvg"]))
                 best_count += int(max(means, key=lambda k: means[k]) == "FedPGP")
-        lines.append("")
+        lines += ["", f"Rounds to {target:.0%}: the first round whose global accuracy reached it, per seed (0/1/2); "
+                  f"*never*: not within {settings['rounds']} rounds; *{NOT_RECORDED}*: the cell's rounds are not "
+                  "recorded (a record made before records carried their rounds, whose run folder is gone).", ""]
     lines += ["## Bytes per client per round (device links, MQTT framing included)", "",
               "| method | up B | down B | update extras B |", "|---|---|---|---|"]
     for label in methods:
@@ -235,12 +244,29 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                                    if k.startswith("extras.")) for r in rs])[0]
             lines.append(f"| {label} | {mean_std([r['up_bytes_per_client_round'] for r in rs])[0]:,.0f} | "
                          f"{mean_std([r['down_bytes_per_client_round'] for r in rs])[0]:,.0f} | {extras:,.0f} |")
-    lines += ["", "## FedPGP's mechanism: projected share and the controls", ""]
-    for r in sorted((r for r in main if r["method"] == "FedPGP"), key=lambda r: r["key"])[:12]:
-        f = r.get("final", {})
-        lines.append(f"- {r['dataset']} {r['split']} s{r['seed']}: last round projected share "
-                     f"{f.get('pgp_projected_share')}, conflict share {f.get('pgp_conflict_share')}, pool "
-                     f"{f.get('pgp_pool_size')} prototypes / {f.get('pgp_pool_bytes')} B")
+    lines += ["", "## FedPGP's mechanism: how often the projection acts", "",
+              "Per setting, mean over the seeds on record: the share of layer-steps whose batch gradient "
+              "conflicted with the prototype gradient (⟨g, g_p⟩ < 0) and was projected, over all rounds "
+              "and in the last round, and the global prototype pool broadcast in the last round.", "",
+              "| setting | seeds | projected share, all rounds | last round | pool prototypes | pool B |",
+              "|---|---|---|---|---|---|"]
+    for ds in datasets:
+        for sp in splits:
+            rs = [r for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == "FedPGP"]
+            if not rs:
+                continue
+            every = [_mean([m["pgp_projected_share"] for m in read_metrics(out, r["key"])
+                            if m.get("pgp_projected_share") is not None]) for r in rs]
+            every_known = [v for v in every if v is not None]
+            last = [float(f["pgp_projected_share"]) for r in rs
+                    if (f := r.get("final", {})).get("pgp_projected_share") is not None]
+            size = [float(r["final"]["pgp_pool_size"]) for r in rs if r.get("final", {}).get("pgp_pool_size")]
+            nbytes = [float(r["final"]["pgp_pool_bytes"]) for r in rs if r.get("final", {}).get("pgp_pool_bytes")]
+            lines.append(f"| {ds} {sp} | {len(rs)} | "
+                         + (pm(every_known, digits=1, plain_single=True) + " %" if every_known else NOT_RECORDED)
+                         + (f" ({len(every_known)} of {len(rs)})" if every_known and len(every_known) < len(rs) else "")
+                         + f" | {pm(last, digits=1, plain_single=True)} % | {pm(size, 1.0, 0, plain_single=True)} | "
+                         f"{pm(nbytes, 1.0, 0, plain_single=True)} |")
     sweep = [r for r in ok if r.get("grid") == "sweep"]
     if sweep:
         swept_seeds = sorted({int(r["seed"]) for r in sweep})
@@ -258,7 +284,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                     # records before the tag was renamed hold the swept key in "key"
                     rs = [r for r in sweep if r.get("sweep_key", r["key"]) == key and r["value"] == v]
                 acc = [a for r in rs if (a := _acc(r)) is not None]
-                lines.append(f"| {key} | {v!r}{' (default)' if v == values[0] else ''} | {pm(acc)} | {len(acc)} |")
+                lines.append(f"| {key} | {v!r}{' (default)' if v == values[0] else ''} | "
+                             f"{pm(acc, plain_single=True)} | {len(acc)} |")
     lines += ["", "## Verdicts", ""]
     if gains:
         g = sum(gains) / len(gains)
@@ -272,15 +299,15 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                      f"{settings_n} (among FedPGP and the baselines) → **{verdict}**.")
     else:
         lines.append("- no FedPGP/FedAvg pair on record yet.")
-    # the mechanism: each control against FedPGP, per setting (mean over seeds), then over settings
+    # the mechanism: each control against FedPGP, per setting (mean over the seeds both have), then
+    # over settings
     for label in CONTROLS:
         diffs = []
         for ds in datasets:
             for sp in splits:
-                pair = [[a for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == m
-                         and (a := _acc(r)) is not None] for m in (label, "FedPGP")]
-                if pair[0] and pair[1]:
-                    diffs.append(100 * (mean_std(pair[0])[0] - mean_std(pair[1])[0]))
+                pair = _seed_matched(main, ds, sp, [label, "FedPGP"])
+                if len(pair) == 2:
+                    diffs.append(100 * (pair[label] - pair["FedPGP"]))
         if diffs:
             lines.append(f"- control '{label}' − FedPGP: {', '.join(f'{d:+.2f}' for d in diffs)} pp per setting, "
                          f"{sum(diffs) / len(diffs):+.2f} pp on average.")
@@ -344,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0  # an estimate leaves the committed report as it is
         if a.verify:
             verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit, headline=_acc)
+    attached = attach_round_series(out)
+    if attached:
+        print(f"{attached} records given their rounds from their run folders")
     results = load_results(out)
     text = report(results, out=out, datasets=datasets, splits=splits, methods=methods, seeds=seeds,
                   settings=settings, wall_s=wall, commit=commit, verify=verify_lines)

@@ -4,6 +4,7 @@ and the ensemble (GAcc) score checked against a second computation."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sqlite3
@@ -45,6 +46,10 @@ def test_grid_runs_resumes_and_accounts(tmp_path: Path) -> None:
                      "and direction='up' and event in ('sent') and round >= 1").fetchone()[0]
     assert two["up_bytes_per_client_round"] == pytest.approx(up / (2 * 2))
     assert two["method"] == "fedavg"
+    # the record carries its rounds: the accuracy curve of the run folder's metrics.jsonl
+    curve = [json.loads(x)["accuracy"] for x in
+             (tmp_path / "runs" / "digits__c2__fedavg__s1" / "metrics.jsonl").read_text().splitlines()]
+    assert len(curve) == 2 and two["per_round"]["accuracy"] == curve and two["per_round"]["round"] == [1, 2]
     body = con.execute("select avg(body_bytes), avg(payload_bytes) from messages where side='agent' and kind='update' "
                        "and event='sent'").fetchone()
     assert sum(two["update_field_bytes_mean"].values()) + 1 == pytest.approx(body[0])  # + the body array header

@@ -12,6 +12,7 @@ import pytest
 
 from broker_server.experiments import (
     Job,
+    attach_round_series,
     config_fingerprint,
     final_differences,
     int_list,
@@ -19,8 +20,10 @@ from broker_server.experiments import (
     name_list,
     pm,
     read_metrics,
+    round_series,
     rounds_to_target,
     run_grid,
+    series_lines,
 )
 
 CONFIG = {"run": {"name": "g", "seed": 0, "rounds": 2},
@@ -77,12 +80,73 @@ def test_rounds_to_target_reads_the_run_folder(tmp_path: Path) -> None:
     assert rounds_to_target(got, 0.2, "accuracy_worst") == 3
 
 
+LINES = [{"round": 1, "accuracy": 0.3, "seconds": 4.2, "phase_s": {"publish": 0.1}, "share": "all",
+          "dropped": [], "alpha": [0.5, 0.5], "skipped": False},
+         {"round": 2, "accuracy": None, "seconds": 3.9, "phase_s": {"publish": 0.2}, "share": "all",
+          "dropped": ["dev-3"], "alpha": [0.25, 0.75], "skipped": True, "pool": 40}]
+
+
+def test_round_series_keeps_numbers_and_short_number_lists_as_columns() -> None:
+    s = round_series(LINES)
+    # timings, strings, dicts and a list that once held a device name are left out; a field that a
+    # round lacks is None there
+    assert s == {"round": [1, 2], "accuracy": [0.3, None], "alpha": [[0.5, 0.5], [0.25, 0.75]],
+                 "skipped": [False, True], "pool": [None, 40]}
+    assert series_lines(s) == [{"round": 1, "accuracy": 0.3, "alpha": [0.5, 0.5], "skipped": False},
+                               {"round": 2, "alpha": [0.25, 0.75], "skipped": True, "pool": 40}]
+    assert round_series([]) == {} and series_lines({}) == []
+    long = [{"round": 1, "per_device": list(range(65))}]  # longer than SERIES_LIST_MAX = 64
+    assert round_series(long) == {"round": [1]}
+
+
+def test_read_metrics_falls_back_to_the_records_rounds(tmp_path: Path) -> None:
+    # a fresh checkout: the records are there, the run folders are not
+    rec = {"key": "a/b/s0", "final": {"accuracy": 0.9}, "per_round": {"round": [1, 2], "accuracy": [0.4, 0.9]}}
+    old = {"key": "a/b/s1", "final": {"accuracy": 0.8}}  # made before records carried their rounds
+    _write(tmp_path, rec, old)
+    assert read_metrics(tmp_path, "a/b/s0") == [{"round": 1, "accuracy": 0.4}, {"round": 2, "accuracy": 0.9}]
+    assert rounds_to_target(read_metrics(tmp_path, "a/b/s0"), 0.5) == 2
+    assert read_metrics(tmp_path, "a/b/s1") == [] and read_metrics(tmp_path, "nope") == []
+    # a run folder on disk wins over the record
+    run = tmp_path / "runs" / "a__b__s0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "accuracy": 0.95}) + "\n", encoding="utf-8")
+    assert read_metrics(tmp_path, "a/b/s0") == [{"round": 1, "accuracy": 0.95}]
+    # the records file changed: read again, not served from the cache
+    _write(tmp_path, {**old, "per_round": {"round": [1], "accuracy": [0.1]}})
+    assert read_metrics(tmp_path, "a/b/s1") == [{"round": 1, "accuracy": 0.1}]
+
+
+def test_attach_round_series_fills_only_records_without_rounds(tmp_path: Path) -> None:
+    have = {"key": "g/x/s0", "per_round": {"round": [1], "accuracy": [0.2]}}
+    lacks = {"key": "g/y/s0", "final": {}}
+    gone = {"key": "g/z/s0", "final": {}}  # no run folder either
+    failed = {"key": "g/w/s0", "error": "RuntimeError: boom"}
+    _write(tmp_path, have, lacks, gone, failed)
+    for key in ("g__x__s0", "g__y__s0", "g__w__s0"):
+        (tmp_path / "runs" / key).mkdir(parents=True)
+        (tmp_path / "runs" / key / "metrics.jsonl").write_text(
+            "".join(json.dumps(m) + "\n" for m in LINES), encoding="utf-8")
+    assert attach_round_series(tmp_path) == 1
+    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["key"] for r in recs] == ["g/x/s0", "g/y/s0", "g/z/s0", "g/w/s0"]  # order and count kept
+    assert recs[0] == have and recs[2] == gone and recs[3] == failed
+    assert recs[1]["per_round"] == round_series(LINES)
+    assert attach_round_series(tmp_path) == 0  # nothing left to attach: the file is not rewritten
+    assert attach_round_series(tmp_path / "empty") == 0
+
+
 def test_final_differences_leave_out_timings_only() -> None:
     a = {"final": {"accuracy": 0.5, "seconds": 3.0, "phase_s": {"collect": 1.0}, "loss": 1.0}}
     b = {"final": {"accuracy": 0.5, "seconds": 9.0, "phase_s": {"collect": 4.0}, "loss": 1.0}}
     assert final_differences(a, b) == []
     assert final_differences(a, {"final": {**b["final"], "loss": 1.1, "extra": 1}}) == ["extra", "loss"]
     assert final_differences(a, {}) == ["final"]
+    # the same last round reached by another path: the differing round column is named
+    ra = {**a, "per_round": {"round": [1, 2], "accuracy": [0.3, 0.5], "pool": [1, 2]}}
+    rb = {**b, "per_round": {"round": [1, 2], "accuracy": [0.4, 0.5], "late": [0, 0]}}
+    assert final_differences(ra, rb) == ["per_round.accuracy"]
+    assert final_differences(ra, b) == []  # one side without rounds: only the last round compared
     # a metric the code added since the record: named apart, not a changed value
     assert metrics_only_in_one(a, {"final": {**b["final"], "extra": 1}}) == ["extra"]
     assert metrics_only_in_one(a, b) == []

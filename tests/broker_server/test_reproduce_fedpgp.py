@@ -1,0 +1,73 @@
+"""The FedPGP reproduction report on hand-made records: means over seeds, rounds to target from the
+records' own rounds (``n/r`` where a record has none), the projection's share over all rounds,
+controls and claims compared over the seeds both sides have, the sweep table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("reproduce_fedpgp", ROOT / "tools" / "reproduce_fedpgp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SETTINGS = {"rounds": 3, "epochs": 1, "clients": 4, "train_samples": 0, "participation": 0.7, "lr": 0.01}
+
+
+def _rec(method: str, seed: int, acc: float, curve: list[float] | None = None, share: list[float] | None = None,
+         grid: str = "main", **tags) -> dict:
+    key = f"{grid}/MNIST/Dir_0.1/{method}/s{seed}" + (f"/{tags.get('sweep_key')}={tags.get('value')}"
+                                                      if grid == "sweep" else "")
+    final = {"accuracy": acc}
+    rec = {"key": key, "grid": grid, "dataset": "MNIST", "split": "Dir(0.1)", "method": method, "seed": seed,
+           "rounds": 3, "seconds": 10.0, "up_bytes_per_client_round": 100.0, "down_bytes_per_client_round": 200.0,
+           "commit": "abc1234", **tags}
+    if share is not None:
+        final.update(pgp_projected_share=share[-1], pgp_pool_size=40, pgp_pool_bytes=10880)
+    rec["final"] = final
+    if curve is not None:
+        rec["per_round"] = {"round": list(range(1, len(curve) + 1)), "accuracy": curve,
+                            **({"pgp_projected_share": share} if share is not None else {})}
+    return rec
+
+
+def test_report_figures_from_records(tmp_path: Path) -> None:
+    t = _tool()
+    recs = [
+        _rec("FedAvg", 0, 0.80, [0.5, 0.85, 0.80]),
+        _rec("FedAvg", 1, 0.84, [0.6, 0.7, 0.84]),
+        # FedPGP: seed 0's rounds recorded, seed 1's not (a record from before records carried them)
+        _rec("FedPGP", 0, 0.90, [0.88, 0.91, 0.90], share=[0.2, 0.4, 0.6]),
+        _rec("FedPGP", 1, 0.70, None, share=[0.5]),
+        # the control has seed 0 only: compared with FedPGP's seed 0 (0.90), not its mean (0.80)
+        _rec("FedPGP no projection (g+g_p)", 0, 0.95, [0.9, 0.95, 0.95]),
+        _rec("FedPGP", 0, 0.92, [0.9, 0.91, 0.92], grid="sweep", sweep_key="mix_size", value=32),
+    ]
+    # as in --report-only: the records in OUT/results.jsonl, no run folders
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    results = {r["key"]: r for r in recs}
+    methods = ["FedAvg", "FedPGP", "FedPGP no projection (g+g_p)"]
+    text = t.report(results, out=tmp_path, datasets=["MNIST"], splits=["Dir(0.1)"], methods=methods, seeds=[0, 1],
+                    settings=SETTINGS, wall_s=None, commit="def5678", verify=[])
+    # FedAvg: (80 + 84) / 2 = 82, population std 2; first round ≥ 90 %: never in either seed
+    assert "| FedAvg | 82.00 ± 2.00 | never/never |" in text
+    # FedPGP (90, 70) → 80 ± 10; rounds to 90 %: round 2 in seed 0, not recorded in seed 1
+    assert "| FedPGP | 80.00 ± 10.00 | 2/n/r |" in text
+    assert "| FedPGP no projection (g+g_p) | 95.00 (1 of 2 seeds) | 1 |" in text
+    # the projection's share: seed 0's mean over its rounds (0.2 + 0.4 + 0.6) / 3 = 40 %, the one
+    # seed with rounds (1 of 2); last round (60, 50) → 55 ± 5
+    assert "| MNIST Dir(0.1) | 2 | 40.0 % (1 of 2) | 55.0 ± 5.0 % | 40 ± 0 | 10880 ± 0 |" in text
+    # claims over the seeds FedPGP and FedAvg share (0, 1): 80 − 82 = −2 pp
+    assert "'+5.64 pp over FedAvg on average': -2.00 pp over 1 settings → **not reproduced**" in text
+    # the control against FedPGP on their shared seed 0: 95 − 90 = +5 pp
+    assert "control 'FedPGP no projection (g+g_p)' − FedPGP: +5.00 pp per setting, +5.00 pp on average." in text
+    # the sweep: one seed, printed without a ± 0; the default row is main FedPGP on the swept seed 0
+    assert "| mix_size | 8 (default) | 90.00 | 1 |" in text and "| mix_size | 32 | 92.00 | 1 |" in text
+    assert "Records made at commit(s) `abc1234`." in text and "commit `def5678`" in text
