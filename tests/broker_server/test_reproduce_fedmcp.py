@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.tools import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("reproduce_fedmcp", ROOT / "tools" / "reproduce_fedmcp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("reproduce_fedmcp")
 
 
 def test_job_keys_keep_the_default_budget_format_and_name_other_budgets() -> None:
@@ -67,10 +60,7 @@ def test_report_groups_runs_by_training_budget() -> None:
 
 
 def _diag():
-    spec = importlib.util.spec_from_file_location("diagnose_fedmcp_skew", ROOT / "tools" / "diagnose_fedmcp_skew.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("diagnose_fedmcp_skew")
 
 
 def _trace_record(n: int, variant: str, rnd: int, acc: float, *, top: float = 0.2, after: float | None = None) -> dict:

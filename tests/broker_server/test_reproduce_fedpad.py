@@ -3,20 +3,15 @@ tags in the keys), the claim verdicts and the report's figures on hand-made reco
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.tools import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("reproduce_fedpad", ROOT / "tools" / "reproduce_fedpad.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("reproduce_fedpad")
 
 
 def test_controls_differ_from_their_method_by_one_mechanism() -> None:

@@ -4,18 +4,14 @@ controls and claims compared over the seeds both sides have, the sweep table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.tools import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("reproduce_fedpgp", ROOT / "tools" / "reproduce_fedpgp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("reproduce_fedpgp")
 
 
 SETTINGS = {"rounds": 3, "epochs": 1, "clients": 4, "train_samples": 0, "participation": 0.7, "lr": 0.01}
