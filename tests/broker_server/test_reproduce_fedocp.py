@@ -1,12 +1,19 @@
 """The FedOCP reproduction grid: each cell names its evaluation protocol (key, tags, config), its
-configuration passes the run checks, and the report never mixes the two protocols."""
+configuration passes the run checks, each ablation is one key away from FedOCP, the sweep's cells
+and keys, and the report's figures on hand-made records (seed-matched differences, n/r where a
+record has no rounds, the sweep table, the verdicts) never mixing the two protocols."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from broker_server.config import from_dict
+from broker_server.strategies.fedocp import FedOCP
 
 ROOT = Path(__file__).resolve().parents[2]
 KW = dict(rounds=2, epochs=1, clients=4, train_samples=400, lr=0.01, group="htfe4-cpu", server_epochs=5,
@@ -15,6 +22,7 @@ KW = dict(rounds=2, epochs=1, clients=4, train_samples=400, lr=0.01, group="htfe
 
 def _tool():
     spec = importlib.util.spec_from_file_location("reproduce_fedocp", ROOT / "tools" / "reproduce_fedocp.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -35,6 +43,77 @@ def test_cells_are_keyed_and_configured_by_their_protocol() -> None:
     assert tool.make_jobs(["MNIST"], ["Dir(0.1)"], ["FedOCP"], [0], **KW)[0].tags["client_test"] == "local"
 
 
+@pytest.mark.parametrize("server_epochs", [0, 5])
+def test_each_ablation_is_one_key_from_fedocp(server_epochs: int) -> None:
+    tool = _tool()
+    kw = {**KW, "server_epochs": server_epochs}
+    jobs = {j.tags["method"]: j for j in tool.make_jobs(["CIFAR-10"], ["Dir(0.1)"], list(tool.METHODS), [0], **kw)}
+    full = jobs["FedOCP"].config
+    switched = {"FedOCP no orthogonal init": "orth_init", "FedOCP no server contrastive": "server_contrastive",
+                "FedOCP no client orthogonality": "client_orthogonality",
+                "FedOCP no client contrastive": "client_contrastive"}
+    assert sorted(tool.ABLATIONS) == sorted(switched)
+    for label, key in switched.items():
+        cfg = jobs[label].config
+        # the whole configuration is FedOCP's but for one [algorithm] key, set to false
+        assert {k: v for k, v in cfg.items() if k != "algorithm"} == {k: v for k, v in full.items() if k != "algorithm"}
+        diff = set(cfg["algorithm"].items()) ^ set(full["algorithm"].items())
+        assert diff == {(key, False)}, label
+
+
+def test_a_sweep_value_read_from_an_ablation_sends_the_same_round_config() -> None:
+    # lambda_orth = 0 and client_orthogonality = false, lambda_con = 0 and client_contrastive = false:
+    # the clients get the same round config, and the server the same training keys
+    tool = _tool()
+    rng = np.random.default_rng(0)
+    for (key, value), label in tool.SWEEP_AS_ABLATION.items():
+        swept = FedOCP(**{key: value})
+        ablation = FedOCP(**tool.METHODS[label][1])
+        a = swept.configure_round(1, ["c0", "c1"], np.random.default_rng(0)).config
+        b = ablation.configure_round(1, ["c0", "c1"], rng).config
+        assert a == b and a[key] == 0.0
+        server = ("server_contrastive", "server_epochs", "server_lr", "server_batch", "tau_server", "server_orth_init")
+        assert [getattr(swept, k) for k in server] == [getattr(ablation, k) for k in server]
+
+
+def test_sweep_cells_keys_and_order() -> None:
+    tool = _tool()
+    jobs = tool.make_jobs(["CIFAR-10", "MNIST"], ["Dir(0.1)"], list(tool.METHODS), [0, 1], ["local"],
+                          sweep=("CIFAR-10", "Dir(0.1)", "local"), **KW)
+    sweep = [j for j in jobs if j.tags["grid"] == "sweep"]
+    # per seed: λ_align 0, 10; λ_orth 10; λ_con 10 (their 0 is an ablation cell); τ_client and τ_server
+    # 0.01, 1; server_epochs 1 (the main grid's is 5 here); server_lr 0.1 → 10 cells, × 2 seeds
+    expect = ["lambda_align=0.0", "lambda_align=10.0", "lambda_orth=10.0", "lambda_con=10.0", "tau_client=0.01",
+              "tau_client=1.0", "tau_server=0.01", "tau_server=1.0", "server_epochs=1", "server_lr=0.1"]
+    assert [j.key for j in sweep] == [f"sweep/CIFAR-10/Dir_0.1/local/{v}/s{s}" for s in (0, 1) for v in expect]
+    assert all(not j.key.startswith("main/") for j in sweep) and len({j.key for j in jobs}) == len(jobs)
+    for j in sweep:  # one key changed from FedOCP (server_epochs 5 from the grid, unless it is the key)
+        key = j.tags["sweep_key"]
+        assert j.config["algorithm"] == {"server_epochs": 5, key: j.tags["value"]}
+        assert j.config["train"]["algorithm"] == "fedocp" and j.tags["method"] == "FedOCP"
+        assert from_dict(j.config, j.key).data.client_test == "local"
+    # CIFAR-10's main cells (16), its sweep (20), then MNIST's main cells (16)
+    grids = [(j.tags["grid"], j.tags["dataset"]) for j in jobs]
+    assert grids == [("main", "CIFAR-10")] * 16 + [("sweep", "CIFAR-10")] * 20 + [("main", "MNIST")] * 16
+    # a grid that leaves FedOCP and the two ablations out still runs the cells the sweep's table reads
+    only = tool.make_jobs(["CIFAR-10"], ["Dir(0.1)"], ["FedProto"], [0], sweep=("CIFAR-10", "Dir(0.1)", "local"),
+                          sweep_values=tool.sweep_plan(["lambda_con", "tau_server"], server_epochs=5), **KW)
+    assert [j.key for j in only] == ["main/CIFAR-10/Dir_0.1/local/FedProto/s0", "main/CIFAR-10/Dir_0.1/local/FedOCP/s0",
+                                     "main/CIFAR-10/Dir_0.1/local/FedOCP_no_client_contrastive/s0",
+                                     "sweep/CIFAR-10/Dir_0.1/local/lambda_con=10.0/s0",
+                                     "sweep/CIFAR-10/Dir_0.1/local/tau_server=0.01/s0",
+                                     "sweep/CIFAR-10/Dir_0.1/local/tau_server=1.0/s0"]
+    # extended: + λ × 0.1 (3), server_epochs 10, server_lr 0.001, server_batch 10, server_orth_init → 17
+    wide = tool.sweep_plan(extended=True)
+    assert sum(len(v) for _, v in wide.values()) - len(tool.SWEEP_AS_ABLATION) == 17
+    assert wide["server_orth_init"] == (False, [True]) and wide["server_epochs"] == (100, [1, 10])
+    with pytest.raises(ValueError, match="anchor_steps"):
+        tool.sweep_plan(["anchor_steps"])
+    with pytest.raises(SystemExit) as bad:
+        tool.main(["--sweep-bench", "CIFAR-100/Dir(0.1)", "--report-only"])
+    assert bad.value.code == 2
+
+
 def test_the_report_keeps_the_protocols_apart(tmp_path: Path) -> None:
     tool = _tool()
 
@@ -53,5 +132,119 @@ def test_the_report_keeps_the_protocols_apart(tmp_path: Path) -> None:
                        seeds=[0], settings={**KW}, wall_s=None, commit="x", verify=[],
                        client_tests=["local", "shared"])
     row = next(line for line in text.splitlines() if line.startswith("| FedOCP |"))
-    assert "| – / 60.00 ± 0.00 | – / 20.00 ± 0.00 |" in row  # no metrics.jsonl here: no best round
+    # no rounds on hand (no run folder, no per_round): the best round is n/r, the last is the record's
+    assert "| n/r / 60.00 | n/r / 20.00 |" in row
     assert "Dir(0.1), local test" in text and "Dir(0.1), shared test" in text
+
+
+SETTINGS = {"rounds": 3, "epochs": 1, "clients": 4, "train_samples": 10_000, "lr": 0.01, "group": "htfe4-cpu",
+            "server_epochs": 0}
+
+
+def _rec(method: str, seed: int, curve: list[float] | None, cos: list[float] | None = None, *,
+         last: float | None = None, sweep: tuple[str, float] | None = None) -> dict:
+    """A finished record on CIFAR-10 Dir(0.1), local test; ``curve`` the per-round client accuracy
+    (``None``: a record made before records carried their rounds)."""
+    key = (f"sweep/CIFAR-10/Dir_0.1/local/{sweep[0]}={sweep[1]}/s{seed}" if sweep
+           else f"main/CIFAR-10/Dir_0.1/local/{method}/s{seed}")
+    final = {"client_accuracy_weighted": curve[-1] if curve else last}
+    rec: dict[str, object] = {
+           "key": key, "grid": "sweep" if sweep else "main", "dataset": "CIFAR-10", "split": "Dir(0.1)",
+           "client_test": "local", "method": method, "seed": seed, "rounds": 3, "seconds": 36.0, "final": final,
+           "up_bytes_per_client_round": 100.0, "down_bytes_per_client_round": 200.0, "commit": "abc1234"}
+    if sweep:
+        rec.update(sweep_key=sweep[0], value=sweep[1])
+    if curve is not None:
+        rec["per_round"] = {"round": list(range(1, len(curve) + 1)), "client_accuracy_weighted": curve,
+                            **({"global_prototype_cosine": cos} if cos else {})}
+    return rec
+
+
+def test_report_figures_from_records(tmp_path: Path) -> None:
+    tool = _tool()
+    recs = [
+        # FedOCP, 3 seeds: best 72, 74, 68; last 70, 74, 68; last cosine −0.05, −0.07, −0.03
+        _rec("FedOCP", 0, [0.60, 0.72, 0.70], [0.2, 0.0, -0.05]),
+        _rec("FedOCP", 1, [0.62, 0.66, 0.74], [0.1, -0.07, -0.07]),
+        _rec("FedOCP", 2, [0.58, 0.64, 0.68], [0.1, 0.0, -0.03]),
+        # FedTGP on seeds 0 and 1 only: best 66, 72; cosine 0.30, 0.20
+        _rec("FedTGP", 0, [0.50, 0.60, 0.66], [0.4, 0.3, 0.30]),
+        _rec("FedTGP", 1, [0.55, 0.72, 0.70], [0.4, 0.3, 0.20]),
+        # FedProto: seed 1's record has no rounds (last 80 %, best and cosine n/r)
+        _rec("FedProto", 0, [0.65, 0.69, 0.69], [0.5, 0.5, 0.5]),
+        _rec("FedProto", 1, None, last=0.80),
+        _rec("FedProto", 2, [0.50, 0.60, 0.62], [0.6, 0.6, 0.6]),
+        # ablations: no orthogonal init on seeds 0, 1 (best 66, 71); no client contrastive on seed 0 (best 75)
+        _rec("FedOCP no orthogonal init", 0, [0.60, 0.65, 0.66]),
+        _rec("FedOCP no orthogonal init", 1, [0.60, 0.70, 0.71]),
+        _rec("FedOCP no client contrastive", 0, [0.70, 0.75, 0.74]),
+        # the sweep: τ_server = 1 on seeds 0, 1 (best 55, 60)
+        _rec("FedOCP", 0, [0.50, 0.55, 0.52], [0.9, 0.9, 0.9], sweep=("tau_server", 1.0)),
+        _rec("FedOCP", 1, [0.50, 0.60, 0.58], [0.8, 0.8, 0.8], sweep=("tau_server", 1.0)),
+    ]
+    # as in --report-only on a fresh checkout: the records in OUT/results.jsonl, no run folders
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    results = tool.load_results(tmp_path)
+    assert len(results) == len(recs)
+    text = tool.report(results, out=tmp_path, datasets=["CIFAR-10"], splits=["Dir(0.1)"], methods=list(tool.METHODS),
+                       seeds=[0, 1, 2], settings=SETTINGS, wall_s=None, commit="def5678", verify=[],
+                       sweep=("CIFAR-10", "Dir(0.1)", "local"))
+    lines = text.splitlines()
+
+    def row(prefix: str) -> str:
+        return next(line for line in lines if line.startswith(prefix))
+
+    # FedOCP: best (72 + 74 + 68) / 3 = 71.33, population std √((0.67² + 2.67² + 3.33²) / 3) = 2.49; last
+    # (70, 74, 68) → 70.67 ± 2.49; first round ≥ 70 %: 2, 3, never; cosine −0.050 ± √(0.0008 / 3) = 0.016
+    assert row("| FedOCP |") == "| FedOCP | 71.33 ± 2.49 / 70.67 ± 2.49 | 2/3/never | -0.050 ± 0.016 |"
+    # FedTGP on 2 of 3 seeds: best (66, 72) → 69 ± 3, last (66, 70) → 68 ± 2; rounds: never, 2
+    assert row("| FedTGP |") == ("| FedTGP | 69.00 ± 3.00 (2 of 3 seeds) / 68.00 ± 2.00 (2 of 3 seeds) | "
+                                 "never/2 (seeds 0, 1) | 0.250 ± 0.050 |")
+    # FedProto: best of the two seeds with rounds (69, 62) → 65.5 ± 3.5; last of all three (69, 80, 62)
+    # → 70.33 ± 7.41; rounds: never (69 < 70), n/r, never
+    assert row("| FedProto |") == ("| FedProto | 65.50 ± 3.50 (2 of 3 seeds) / 70.33 ± 7.41 | never/n/r/never | "
+                                   "0.550 ± 0.050 |")
+    assert row("| FedGH |") == "| FedGH | – | – | – |"
+    # the best baseline over the seeds FedOCP, FedProto and FedTGP all have (seed 0): FedProto 69 vs
+    # FedOCP 72 → +3 pp, under the +6.8 pp bar → direction only
+    assert ("- CIFAR-10 Dir(0.1) (local test), seeds [0]: FedOCP 72.00 vs the best baseline FedProto 69.00 → "
+            "+3.00 pp → **direction only**.") in lines
+    assert "- FedOCP vs the best baseline on average over 1 settings: +3.00 pp → **direction only**." in lines
+    # FedOCP − FedProto on seeds 0, 2: 72 − 69 = 3, 68 − 62 = 6 → 4.5 ± 1.5; − FedTGP on 0, 1: 6, 2 → 4 ± 2
+    assert "- FedOCP − FedProto: CIFAR-10 Dir(0.1) (local) +4.50 ± 1.50 pp (2 seeds); +4.50 pp on average." in lines
+    assert "- FedOCP − FedTGP: CIFAR-10 Dir(0.1) (local) +4.00 ± 2.00 pp (2 seeds); +4.00 pp on average." in lines
+    # no orthogonal init − FedOCP on seeds 0, 1: 66 − 72 = −6, 71 − 74 = −3 → −4.5 ± 1.5: costs accuracy
+    assert row("- FedOCP no orthogonal init − FedOCP:") == (
+        "- FedOCP no orthogonal init − FedOCP: CIFAR-10 Dir(0.1) (local) -4.50 ± 1.50 pp (2 seeds); -4.50 pp on "
+        "average; removing it costs accuracy in every setting → **reproduced (sign)**.")
+    # no client contrastive on seed 0: 75 − 72 = +3 → no cost
+    assert row("- FedOCP no client contrastive − FedOCP:").endswith(
+        "(local) +3.00 pp (1 seed); +3.00 pp on average; removing it does not cost accuracy on average "
+        "(0 of 1 settings) → **not reproduced**.")
+    assert not any(line.startswith("- FedOCP no server contrastive − FedOCP") for line in lines)  # none on record
+    # cosine: FedOCP −0.05 over 3 seeds, |−0.05| ≤ 0.1; vs FedProto on seeds 0, 2: FedOCP (−0.05 − 0.03) / 2
+    # = −0.04, FedProto (0.5 + 0.6) / 2 = 0.55; vs FedTGP on 0, 1: −0.06 against 0.25
+    assert ("- CIFAR-10 Dir(0.1) (local test): FedOCP -0.050 (3 of 3 seeds) → **near-orthogonal**; nearer orthogonal "
+            "than 2 of 2 baselines: FedProto +0.550 (FedOCP -0.040, 2 seeds); FedTGP +0.250 (FedOCP -0.060, "
+            "2 seeds).") in lines
+    # the sweep: the default row is main FedOCP on the swept seeds 0, 1 (72, 74 → 73 ± 1; cosine −0.05,
+    # −0.07 → −0.060 ± 0.010); τ_server = 1: (55, 60) → 57.5 ± 2.5, per seed 55 − 72 = −17, 60 − 74 = −14
+    assert "| tau_server | 0.1 (default) | 73.00 ± 1.00 | – | -0.060 ± 0.010 | 2 |" in lines
+    assert "| tau_server | 1.0 | 57.50 ± 2.50 | -15.50 ± 1.50 pp (2 seeds) | 0.850 ± 0.050 | 2 |" in lines
+    assert "| tau_server | 0.01 | – | – | – | 0 |" in lines  # planned, not run
+    # λ_con = 0 is the ablation's cell on the swept seed 0: 75, 75 − 72 = +3
+    assert ("| lambda_con | 0.0 (= ablation 'no client contrastive') | 75.00 | +3.00 pp (1 seed) | – | 1 |") in lines
+    assert ("- sweep `tau_server`: the default is the best value on record; drops of ≥ 10 pp: 1.0 -15.50 ± 1.50 pp "
+            "(2 seeds).") in lines
+    assert ("- sweep `lambda_con`: 0.0 (= ablation 'no client contrastive') beats the default by +3.00 pp "
+            "(1 seed).") in lines
+    assert "`anchor_steps`: unused here" in text
+    assert "+6.8 pp over FedORGP, is not tested here" in text
+    # the CPU plan at 3 rounds × 10,000 images: 8 + 3 × 36 = 116 s a cell; main 1 split × 8 methods × 3
+    # seeds = 24 cells → 0.77 core-hours, sweep 10 values × 3 seeds = 30 → 0.97; on record 11 main cells
+    # and 2 sweep cells of 36 s each: 0.11 and 0.02 cell-hours
+    assert "| main, CIFAR-10 | 24 | 0.8 | 11, 0.11 |" in lines
+    assert "| sweep, CIFAR-10 Dir(0.1) | 30 | 1.0 | 2, 0.02 |" in lines
+    assert "All parts: ≈ 1.7 core-hours, ≈ 0.9 h wall on 2 workers when nothing else runs. Each part resumes " \
+           "where it stopped." in lines
+    assert "Records made at commit(s) `abc1234`." in text and "commit `def5678`" in text
