@@ -330,9 +330,9 @@ def client_accuracy(out: Path, r: dict, which: str = "best") -> float | None:
 def rounds_to_client_target(out: Path, r: dict, target: float) -> int | str | None:
     """The first round whose client accuracy (:func:`_client_figure`) reached ``target`` (a
     fraction), ``None`` when none did, :data:`~broker_server.experiments.NOT_RECORDED` when the
-    cell's rounds are not on hand. (``cell_rounds_to_target`` of the shared harness over this
-    report's figure, which falls back to the unweighted mean for lines without the weighted one;
-    kept here while the harness is being changed elsewhere.)"""
+    cell's rounds are not on hand (:func:`~broker_server.experiments.cell_rounds_to_target` over
+    this report's figure, which falls back to the unweighted mean for lines without the weighted
+    one, so it is not one metric name)."""
     lines = read_metrics(out, r["key"])
     if not lines:
         return NOT_RECORDED

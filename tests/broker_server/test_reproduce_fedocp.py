@@ -5,27 +5,22 @@ record has no rounds, the sweep table, the verdicts) never mixing the two protoc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.tools import load_tool
 
 from broker_server.config import from_dict
 from broker_server.strategies.fedocp import FedOCP
 
-ROOT = Path(__file__).resolve().parents[2]
 KW = dict(rounds=2, epochs=1, clients=4, train_samples=400, lr=0.01, group="htfe4-cpu", server_epochs=5,
           data_dir="")
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("reproduce_fedocp", ROOT / "tools" / "reproduce_fedocp.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("reproduce_fedocp")
 
 
 def test_cells_are_keyed_and_configured_by_their_protocol() -> None:
