@@ -552,7 +552,7 @@ def estimate(grid: Grid, out: Path, *, workers: int, on_result, stamp: dict) -> 
         first = [r for r in rec.values() if "error" not in r and r.get("rounds")]
         per = (float(first[-1]["seconds"]) / int(first[-1]["rounds"])) if first else 0.0
         how = (f"{per:.2f} s a round: the last cell's, an upper bound (a pre-training round has no broker and no "
-               "test-set evaluation; measured 1.0 against 1.7 s at 10,000 images)")
+               "test-set evaluation; measured 1.0 against 2.5 s at 10,000 images)")
     known = grid.control_behaviour()
     missing_random = sum(len(grid.seeds) for ds in grid.datasets for part in grid.partitions
                          if "FedDO-random" in grid.methods and f"{ds}/{part}" not in known)
