@@ -43,7 +43,10 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
   empty = an untrained agent. ``learn`` (true), ``deterministic`` (false: sample π; true: tanh μ).
 * ``mode`` (``"agent"``): ``"random"`` replaces the policy by the control of the paper's claim:
   each device active with probability ``random_active`` (0.25) and d ~ U[max(0, 2m − 1),
-  min(1, 2m)] with m = ``random_mean`` (0.85), so E[d | active] = m.
+  min(1, 2m)] with m = ``random_mean`` (0.85), so E[d | active] = m. ``"full"`` replaces it by
+  no decision at all: every online device trains on its whole shard (d = 1), so the aggregate
+  is Σ (|D_k| / Σ|D|)·w_k, FedAvg's at participation 1.0 (the reference a decision is measured
+  against). In both the agent still observes the transitions (and learns, with ``learn``).
 * Agent sizes: ``hidden`` (256) wide ``layers`` (3) MLPs, ``rank`` (96: the low-rank r is not given; 96 gives
   about the paper's per-device slope of the low-rank agent, §4.3), ``batch_size`` (64),
   ``warmup`` (64 transitions: a deployed run has one per round), ``capacity`` (100,000),
@@ -73,7 +76,7 @@ log = logging.getLogger(__name__)
 
 REWARDS = ("seed", "continuous")
 DRIFT_MISSING = ("last", "zero")
-MODES = ("agent", "random")
+MODES = ("agent", "random", "full")
 #: global features after the K drifts in the state (:func:`build_state`).
 GLOBAL_FEATURES = 4
 
@@ -321,6 +324,8 @@ class FedDO(Strategy):
             active = rng.random(k) < self.random_active
             lo, hi = max(0.0, 2 * self.random_mean - 1), min(1.0, 2 * self.random_mean)
             a = np.where(active, rng.uniform(lo, hi, k), -1.0).astype(np.float32)
+        elif self.mode == "full":
+            a = np.ones(k, np.float32)
         else:
             a = agent.act(s, deterministic=self.deterministic)
         d = ratios_from_action(np.where(online, a, -1.0), min(self.min_clients, int(online.sum())), self.min_ratio)

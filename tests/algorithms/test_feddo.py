@@ -17,6 +17,8 @@ import torch
 from broker_server.checkpoint import CheckpointStore
 from broker_server.cli import main
 from broker_server.server import AggregationServer, ServerSettings
+from broker_server.strategies import ClientResult
+from broker_server.strategies.fedavg import FedAvg
 from broker_server.strategies.feddo import FedDO, build_state, feddo_reward, ratios_from_action
 from edge_agent.agent import EdgeAgent
 from edge_agent.algorithms import TrainConfig
@@ -48,6 +50,32 @@ def test_state_and_ratios_by_hand() -> None:
     assert subset_size(0.5, 7) == 4 and subset_size(0.001, 7) == 1 and subset_size(0.0, 7) == 0
     idx = subset_indices(10, 4, seed=0, round=2, client_index=1)
     assert len(set(idx.tolist())) == 4 and idx.tolist() == sorted(idx.tolist())
+
+
+def test_full_mode_asks_every_online_device_for_its_whole_shard_and_averages_as_fedavg() -> None:
+    """``mode = "full"``: no decision, d = 1 for every online device, so the round is FedAvg's at
+    participation 1.0 (the same members, the same |D_k|-weighted mean)."""
+    val = (np.zeros((2, 1, 8, 8), np.float32), np.zeros(2, np.int64))
+    s = FedDO(mode="full", validation=val, hidden=16, layers=2, rank=4, warmup=1, batch_size=2)
+    ids = ["dev-a", "dev-b", "dev-c"]
+    plan = s.configure_round(1, ids, np.random.default_rng(0))
+    assert plan.selected == tuple(ids)
+    assert {c: plan.instructions[c]["data_ratio"] for c in ids} == {"dev-a": 1.0, "dev-b": 1.0, "dev-c": 1.0}
+    # dev-b offline in round 2: the two others, still d = 1; FedAvg at participation 1.0 asks the same two
+    plan2 = s.configure_round(2, ["dev-a", "dev-c"], np.random.default_rng(0))
+    assert plan2.selected == ("dev-a", "dev-c") and s.ratios == {"dev-a": 1.0, "dev-c": 1.0}
+    assert FedAvg(participation_rate=1.0).configure_round(2, ["dev-a", "dev-c"],
+                                                          np.random.default_rng(0)).selected == plan2.selected
+    # the whole shards (40 and 60 samples) come back: w = 0.4·w_a + 0.6·w_c, by hand and as FedAvg
+    current = [np.zeros(3, np.float32)]
+    results = [ClientResult("dev-a", (np.array([1.0, 2.0, 3.0], np.float32),), 40, 0.0, {}),
+               ClientResult("dev-c", (np.array([6.0, 7.0, 8.0], np.float32),), 60, 0.0, {})]
+    s.shard_sizes = {"dev-a": 40, "dev-c": 60}
+    assert all(s.validate(r) is None for r in results)  # round(1·|D_k|) = |D_k|
+    ours, fedavg = s.aggregate(2, current, results), FedAvg().aggregate(2, current, results)
+    assert ours is not None and ours.tensors is not None and fedavg is not None and fedavg.tensors is not None
+    np.testing.assert_allclose(ours.tensors[0], [0.4 * 1 + 0.6 * 6, 0.4 * 2 + 0.6 * 7, 0.4 * 3 + 0.6 * 8], rtol=1e-6)
+    np.testing.assert_allclose(ours.tensors[0], fedavg.tensors[0], rtol=1e-6)
 
 
 class Recording(FedDO):

@@ -1,0 +1,298 @@
+"""The FedDO reproduction grid: its cells (controls one [algorithm] key away from FedDO, the sweep
+with a policy per value, budgets in the keys and the policies' names), the verdict thresholds, and
+the report's figures on hand-made records in ``OUT/results.jsonl`` (means over seeds, gains and
+ranks over the seeds the methods share, n/r for a cell without rounds, the behaviour table, the
+sweep, the verdict lines), worked out by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker_server.experiments import config_fingerprint
+from broker_server.strategies.feddo import FedDO
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("reproduce_feddo", ROOT / "tools" / "reproduce_feddo.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _grid(t, out: Path, **kw):
+    args = {"datasets": ["fashion_mnist", "cifar10"], "partitions": list(t.PARTITIONS), "methods": list(t.METHODS),
+            "seeds": [0, 1, 2], "clients": 100, "rounds": 80, "train_samples": 10000, "participation": 0.2,
+            "episodes": 10, "pretrain_rounds": 80, "sweep": "fashion_mnist/dir0.1"}
+    return t.Grid(out, **{**args, **kw})
+
+
+def test_controls_differ_from_their_method_by_one_mechanism(tmp_path: Path) -> None:
+    t = _tool()
+    assert t.METHODS["FedDO"] == ("feddo", {"policy": t.PRETRAINED})
+    one_key = {"FedDO-scratch": {"policy": ""}, "FedDO-frozen": {"policy": t.PRETRAINED, "learn": False},
+               "FedDO-all": {"policy": t.PRETRAINED, "mode": "full"},
+               "FedDO-random": {"policy": t.PRETRAINED, "mode": "random"}}
+    for label, params in one_key.items():
+        assert t.METHODS[label] == ("feddo", params) and label in t.CONTROLS
+    grid = _grid(t, tmp_path)
+    control = {"fashion_mnist/dir0.1": (22.0, 0.85)}
+    fed = grid.main_job("fashion_mnist", "dir0.1", "FedDO", 1, control).config
+    # the pre-trained policy of the setting; the agent keys of every FedDO cell
+    assert fed["algorithm"] == {**t.AGENT, "policy": grid.main_policy("fashion_mnist", "dir0.1")["path"]}
+    val = (np.zeros((2, 1, 28, 28), np.float32), np.zeros(2, np.int64))
+    # what each control changes in the whole configuration: one [algorithm] key (random: its mode and
+    # the two figures only that mode reads: 22 of 100 devices active → 0.22, mean d 0.85)
+    want = {"FedDO-scratch": {"policy": ""}, "FedDO-frozen": {"learn": False}, "FedDO-all": {"mode": "full"},
+            "FedDO-random": {"mode": "random", "random_active": 0.22, "random_mean": 0.85}}
+    for label, change in want.items():
+        cfg = grid.main_job("fashion_mnist", "dir0.1", label, 1, control).config
+        assert {k: v for k, v in cfg.items() if k != "algorithm"} == {k: v for k, v in fed.items() if k != "algorithm"}
+        diff = {k: v for k, v in cfg["algorithm"].items() if fed["algorithm"].get(k) != v}
+        assert diff == pytest.approx(change) and set(fed["algorithm"]) - set(cfg["algorithm"]) == set()
+        FedDO(**{k: v for k, v in cfg["algorithm"].items() if k != "policy"}, validation=val)  # keys the strategy takes
+    # no control figures yet: no FedDO-random cell
+    assert grid.main_job("fashion_mnist", "dir0.1", "FedDO-random", 0, {}) is None
+
+
+def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
+    t = _tool()
+    grid = _grid(t, tmp_path)
+    control = {f"{ds}/{p}": (20.0, 0.8) for ds in ("fashion_mnist", "cifar10") for p in t.PARTITIONS}
+    main = grid.main_jobs(control=control)
+    # 2 data sets × 3 partitions × 12 methods × 3 seeds; without the control figures 11 methods
+    assert len(main) == 2 * 3 * 12 * 3 == len({j.key for j in main})
+    assert len(grid.main_jobs(control={})) == 2 * 3 * 11 * 3
+    # data set by data set (Fashion-MNIST first), seed by seed within it
+    assert [j.tags["dataset"] for j in main[:108]] == ["fashion_mnist"] * 108
+    assert [j.tags["seed"] for j in main[:36]] == [0] * 36
+    sweep = grid.sweep_jobs()
+    # FedDO values: rank 3 + hidden 2 + min_ratio 2 + val_size 2 + reward 1 + drift_missing 1 + episodes 2
+    # = 13, and 4 participation rates × FedAvg, FedCross; each × 3 seeds
+    assert len(sweep) == (13 + 4 * 2) * 3 == len({j.key for j in sweep})
+    assert t.sweep_values("episodes", t.SWEEPS["episodes"], 10) == [10, 2, 30]  # round(2.5) = 2
+    by_key = {j.key: j for j in main + sweep}
+    pre = "fashion_mnist/dir0.1/c100/r80/n10000"
+    assert {f"main/{pre}/FedAvg/s0", f"main/{pre}/FedDO@p10x80/s0", f"main/{pre}/FedDO-scratch/s2",
+            f"sweep/{pre}/FedDO@p30x80/episodes=30/s2", f"sweep/{pre}/FedAvg@C0.05/s1",
+            f"sweep/{pre}/FedDO@p10x80/rank=4/s0"} <= set(by_key)
+    # a swept value runs with its own pre-trained policy, pre-trained at that value
+    rank4 = by_key[f"sweep/{pre}/FedDO@p10x80/rank=4/s0"].config
+    spec = grid.sweep_policy("rank", 4)
+    assert rank4["algorithm"] == {**t.AGENT, "rank": 4, "policy": spec["path"]}
+    assert spec["raw"]["algorithm"] == {**t.AGENT, "rank": 4} and "rank=4" in spec["name"]
+    ep30 = by_key[f"sweep/{pre}/FedDO@p30x80/episodes=30/s2"].config
+    assert ep30["algorithm"] == {**t.AGENT, "policy": grid.sweep_policy("episodes", 30)["path"]}
+    assert grid.sweep_policy("episodes", 30)["episodes"] == 30
+    # FedDO decides who trains (participation 1.0 in its cells); the baselines at 0.2, FedCross with one
+    # middleware model per device of a round
+    assert by_key[f"main/{pre}/FedDO@p10x80/s0"].config["server"]["participation_rate"] == 1.0
+    assert by_key[f"main/{pre}/FedAvg/s0"].config["server"]["participation_rate"] == 0.2
+    assert by_key[f"main/{pre}/FedCross/s0"].config["algorithm"] == {"models": 20}
+    assert by_key[f"sweep/{pre}/FedCross@C0.5/s0"].config["algorithm"] == {"models": 50}
+    assert by_key[f"main/{pre}/FedAvg/s0"].config["agents"] == {"train_slots": 1, "torch_threads": 1}
+    # policies: one per setting for the main grid, one per swept FedDO value; all distinct
+    mains, sweeps = grid.policies(), grid.policies(sweep=True)
+    assert len(mains) == 6 and len(sweeps) == 13 and len({s["path"] for s in mains + sweeps}) == 19
+    # another pre-training budget is another policy (and another key), never the same file
+    other = _grid(t, tmp_path, episodes=5)
+    assert other.main_policy("fashion_mnist", "dir0.1")["path"] != grid.main_policy("fashion_mnist", "dir0.1")["path"]
+    assert other.main_job("fashion_mnist", "dir0.1", "FedDO", 0, {}).key == f"main/{pre}/FedDO@p5x80/s0"
+    # the baselines' participation is in their keys when it is not the default; FedDO's cells keep theirs
+    p5 = _grid(t, tmp_path, participation=0.5)
+    assert p5.main_job("fashion_mnist", "dir0.1", "FedAvg", 0, {}).key == f"main/{pre}/FedAvg@C0.5/s0"
+    assert p5.main_job("fashion_mnist", "dir0.1", "FedDO", 0, {}).config == \
+        grid.main_job("fashion_mnist", "dir0.1", "FedDO", 0, {}).config
+    assert _grid(t, tmp_path, sweep=None).sweep_jobs() == []
+
+
+def test_verify_re_runs_feddo_and_other_cells_in_turn(tmp_path: Path) -> None:
+    t = _tool()
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], seeds=[0])
+    jobs = {j.tags["method"]: j for j in grid.main_jobs(control={})}
+    order = ["FedAvg", "MOON", "FedDO", "FedDO-frozen", "Oort"]  # the order the records were written in
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps({"key": jobs[m].key, "final": {"accuracy": 0.5}}) + "\n"
+                                                    for m in order), encoding="utf-8")
+    chosen = [j.tags["method"] for j in t.verify_choice(list(jobs.values()), tmp_path, 4)]
+    assert chosen == ["FedDO", "FedAvg", "FedDO-frozen", "MOON"]
+    assert [j.tags["method"] for j in t.verify_choice(list(jobs.values()), tmp_path, 9)] == [
+        "FedDO", "FedAvg", "FedDO-frozen", "MOON", "Oort"]
+
+
+def test_verdict_thresholds() -> None:
+    t = _tool()
+    # FedAvg-relative gain; paper FMNIST Dir(0.1): 87.49 − 83.66 = 3.83 pp
+    assert t.verdict(3.9, 3.83) == "reproduced"
+    assert t.verdict(1.0, 3.83) == "direction only"
+    assert t.verdict(0.0, 3.83) == "not reproduced" and t.verdict(-0.2, 3.83) == "not reproduced"
+    assert t.verdict(0.1, None) == "reproduced" and t.verdict(-0.1, None) == "not reproduced"
+    assert t.verdict(float("nan"), 3.83) == "no data"
+    assert t.verdict(0.5, 3.83, 0.8, 3).startswith("direction only (within seed noise")
+    # rank: first reproduced, ahead of FedAvg direction only
+    assert t.rank_of({"FedDO": 0.8, "FedAvg": 0.7, "MOON": 0.9}, "FedDO") == 2
+    assert t.rank_of({"FedDO": 0.8, "FedAvg": 0.8}, "FedDO") == 1  # a tie shares the rank
+    assert [t.rank_verdict(1, 5), t.rank_verdict(3, 5), t.rank_verdict(5, 5)] == [
+        "reproduced", "direction only", "not reproduced"]
+    # rounds to target over 80 rounds, paper ratio 344/1000: within 27.52 rounds on average.
+    # FedDO (20, 25, 30) → 25 ≤ 27.52, FedAvg (70, never → 81, 80) → 77: reproduced
+    assert t.rounds_verdict([20, 25, 30], [70, None, 80], 80, 0.344) == "reproduced"
+    # FedDO (20, never → 81, 30) → 43.67 against FedAvg 75: sooner, not every seed
+    assert t.rounds_verdict([20, None, 30], [70, 75, 80], 80, 0.344) == "direction only"
+    assert t.rounds_verdict([60, 70, 80], [50, 60, 70], 80, 0.344) == "not reproduced"
+    assert t.rounds_verdict([], [], 80, 0.344) == "no data"
+    # behaviour: Dir(0.1) 0.20–0.25 of the devices at d 0.8–0.9; IID > 0.5 at d 0.4–0.5
+    assert t.behaviour_verdict("dir0.1", 0.22, 0.85, None) == "reproduced"
+    assert t.behaviour_verdict("dir0.1", 0.40, 0.60, (0.60, 0.45)) == "direction only"  # fewer, at a higher d
+    assert t.behaviour_verdict("dir0.1", 0.40, 0.60, None) == "not reproduced"
+    assert t.behaviour_verdict("iid", 0.60, 0.45, None) == "reproduced"
+    assert t.behaviour_verdict("iid", 0.30, 0.70, (0.40, 0.60)) == "not reproduced"  # more active under skew
+    # agent sizes: the paper's own table reproduces itself; no saving is not reproduced
+    same = [(k, {"agent": int(d)}, {"agent": int(lo)}) for k, (d, lo) in t.PAPER_SIZES.items()]
+    assert all("**reproduced**" in line for line in t.size_verdicts(same))
+    flat = [(k, {"agent": int(d)}, {"agent": int(d)}) for k, (d, _) in t.PAPER_SIZES.items()]
+    assert all("**not reproduced**" in line for line in t.size_verdicts(flat))
+    # behaviour over the last quarter: 4 rounds → the last one
+    lines = [{"round": i + 1, "feddo_active": a, "feddo_mean_ratio": 0.5} for i, a in enumerate([18, 22, 24, 24])]
+    assert t.behaviour(lines) == (22.0, 0.5) and t.behaviour(lines, 0.25) == (24.0, 0.5)
+
+
+def _rec(job, acc: float, curve: list[float] | None = None, active: list[int] | None = None, ratio: float = 0.0,
+         up: float = 1000.0, down: float = 2000.0) -> dict:
+    rec = {"key": job.key, **job.tags, "rounds": 4, "seconds": 100.0, "final": {"accuracy": acc},
+           "best_accuracy": max(curve) if curve else acc, "up_bytes_per_client_round": up,
+           "down_bytes_per_client_round": down, "commit": "abc1234", "config_sha256": config_fingerprint(job.config)}
+    if curve is not None:
+        rec["per_round"] = {"round": [1, 2, 3, 4], "accuracy": curve}
+        if active is not None:
+            rec["per_round"].update(feddo_active=active, feddo_mean_ratio=[ratio] * 4)
+    return rec
+
+
+def test_report_figures_from_records(tmp_path: Path) -> None:
+    t = _tool()
+    methods = ["FedAvg", "FedCross", "FedDO", "FedDO-random", "FedDO-frozen"]
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1", "iid"], methods=methods,
+                 rounds=4, pretrain_rounds=4, sweeps={"rank": [96, 0, 4, 24]}, sweep_baselines=["FedAvg"],
+                 participations=[0.05, 0.1, 0.5, 1.0])
+    jobs = {(j.tags["partition"], j.tags["method"], j.tags["seed"], j.tags.get("sweep_key"), j.tags.get("value")): j
+            for j in grid.main_jobs(control={"fashion_mnist/dir0.1": (22.0, 0.85), "fashion_mnist/iid": (60.0, 0.45)})
+            + grid.sweep_jobs()}
+
+    def rec(part, method, seed, *a, sweep_key=None, value=None, **kw):
+        return _rec(jobs[(part, method, seed, sweep_key, value)], *a, **kw)
+
+    recs = [
+        # FedAvg Dir(0.1): 80, 82, 84 → 82.00 ± 1.63 (population std √(8/3)); it is the target, 82 %:
+        # seed 0 never reaches it, seed 1 in round 2, seed 2 has no rounds recorded (n/r)
+        rec("dir0.1", "FedAvg", 0, 0.80, [0.5, 0.7, 0.79, 0.80]),
+        rec("dir0.1", "FedAvg", 1, 0.82, [0.5, 0.83, 0.80, 0.82]),
+        rec("dir0.1", "FedAvg", 2, 0.84),
+        # FedDO: seeds 0 and 1 only → 85.00 ± 1.00 (2 of 3 seeds); 82 % in rounds 2 and 3; active
+        # (18 + 22 + 24 + 24)/4 = 22 and 30 → 26.0 ± 4.0, last quarter 24 and 30 → 27.0 ± 3.0;
+        # d 0.85 and 0.70 → 0.775 ± 0.075; bytes 600 and 400 up
+        rec("dir0.1", "FedDO", 0, 0.86, [0.6, 0.82, 0.85, 0.86], [18, 22, 24, 24], 0.85, up=600.0, down=1200.0),
+        rec("dir0.1", "FedDO", 1, 0.84, [0.7, 0.75, 0.83, 0.84], [30, 30, 30, 30], 0.70, up=400.0, down=800.0),
+        # FedCross 88, 84, 60: over all seeds 77.33 < FedDO, but over the seeds all share (0, 1) 86 > 85
+        rec("dir0.1", "FedCross", 0, 0.88), rec("dir0.1", "FedCross", 1, 0.84), rec("dir0.1", "FedCross", 2, 0.60),
+        # frozen 85 in every seed: − FedDO over seeds 0, 1 = (−1, +1) → +0.00 ± 1.00; no rounds → n/r
+        rec("dir0.1", "FedDO-frozen", 0, 0.85), rec("dir0.1", "FedDO-frozen", 1, 0.85),
+        rec("dir0.1", "FedDO-frozen", 2, 0.85),
+        # random: seed 0, 80 − 86 = −6.00
+        rec("dir0.1", "FedDO-random", 0, 0.80),
+        # IID: FedDO 90 at 60 active, d 0.45; FedAvg 88 without rounds
+        rec("iid", "FedDO", 0, 0.90, [0.7, 0.85, 0.89, 0.90], [60, 60, 60, 60], 0.45, up=500.0, down=1000.0),
+        rec("iid", "FedAvg", 0, 0.88),
+        # sweep: rank 4 collapsed to 10 % with every device at d = 1; FedAvg at participation 1.0: 83 %
+        rec("dir0.1", "FedDO", 0, 0.10, [0.1, 0.1, 0.1, 0.1], [100] * 4, 1.0, sweep_key="rank", value=4),
+        rec("dir0.1", "FedAvg", 0, 0.83, sweep_key="participation", value=1.0),
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    info = {}
+    for part, cpu, last in (("dir0.1", 800.0, {"episode": 10, "return": 3.0, "final_accuracy": 0.8, "mean_active": 22.0,
+                                               "mean_ratio": 0.85}), ("iid", 1000.0, None)):
+        spec = grid.main_policy("fashion_mnist", part)
+        first = {"episode": 1, "return": 1.5, "final_accuracy": 0.5, "mean_active": 50.0, "mean_ratio": 0.6}
+        info[spec["name"]] = {"path": spec["path"], "setting": spec["setting"], "tag": "", "cpu_seconds": cpu,
+                              "episodes": 10, "rounds": 4, "lines": [first] + ([last] if last else [])}
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps(info), encoding="utf-8")
+    (tmp_path / "verify.md").write_text("- a cell: recorded 0.8, re-run 0.8 → same\n", encoding="utf-8")
+    report = tmp_path / "r.md"
+    assert t.main(["--out", str(tmp_path), "--report", str(report), "--report-only", "--datasets", "fashion_mnist",
+                   "--partitions", "dir0.1,iid", "--methods", ",".join(methods), "--rounds", "4",
+                   "--sweep-keys", "rank,participation", "--sweep-baselines", "FedAvg"]) == 0
+    text = report.read_text(encoding="utf-8")
+    assert "## fashion_mnist, dir0.1 (target 82.00 %: FedAvg's mean final accuracy)" in text
+    # best: 80, 83, 84 → 82.33 ± 1.70
+    assert "| FedAvg | 82.00 ± 1.63 | 82.33 ± 1.70 | never/2/n/r | – | – |" in text
+    assert "| FedDO | 85.00 ± 1.00 (2 of 3 seeds) | 85.00 ± 1.00 | 2/3 | 26.0 ± 4.0 | 0.775 ± 0.075 |" in text
+    assert "| FedDO-frozen | 85.00 ± 0.00 | 85.00 ± 0.00 | n/r/n/r/n/r | – | – |" in text
+    assert "| FedDO-random | 80.00 (1 of 3 seeds) | 80.00 | n/r | – | – |" in text
+    # controls against FedDO over the seeds both have
+    assert "| fashion_mnist dir0.1 | FedDO-frozen | the online learning (the pre-trained policy, frozen) | " \
+           "+0.00 ± 1.00 | 2 |" in text
+    assert "| fashion_mnist dir0.1 | FedDO-random | the policy (random ratios, FedDO's mean ratio and active " \
+           "fraction) | -6.00 | 1 |" in text
+    # the behaviour table: whole run and last quarter
+    assert "| fashion_mnist dir0.1 | FedDO | 26.0 ± 4.0 | 0.775 ± 0.075 | 27.0 ± 3.0 | 0.775 ± 0.075 | 2 | " \
+           "20–25 active, d ≈ 0.8–0.9 |" in text
+    assert "| fashion_mnist iid | FedDO | 60.0 | 0.450 | 60.0 | 0.450 | 1 | > 50 active, d ≈ 0.4–0.5 |" in text
+    # bytes: FedAvg 1,000 / 2,000 over its 4 main cells; FedDO (600 + 400 + 500)/3 = 500 up, 1,000 down
+    assert "| FedAvg | 1,000 | 2,000 | 4 |" in text and "| FedDO | 500 | 1,000 | 3 |" in text
+    # the sweep: the default row is main FedDO on the swept seed 0; rank 4 collapsed (10 % < 15 %)
+    assert "| rank | 96 (default) | FedDO | 86.00 | 1 | 0 | 22.0 | 0.850 | 800 |" in text
+    assert "| rank | 4 | FedDO | 10.00 | 1 | 1 | 100.0 | 1.000 | – |" in text
+    assert "| rank | 0 | FedDO | – | 0 | 0 | – | – | – |" in text
+    assert "| participation | 0.2 (default) | FedAvg | 80.00 | 1 | 0 | – | – | – |" in text
+    assert "| participation | 1 | FedAvg | 83.00 | 1 | 0 | – | – | – |" in text
+    # verdicts: the gain over seeds 0, 1: (86 − 80, 84 − 82) = (6, 2) → 4.00 ± 2.00 ≥ 3.83
+    assert ("- fashion_mnist dir0.1, FedDO's gain over FedAvg: +4.00 ± 2.00 pp (2 seeds; paper 87.49 vs FedAvg "
+            "83.66, +3.83 pp) → **reproduced**.") in text
+    # rank over the shared seeds 0, 1: FedCross 86, FedDO 85, FedAvg 81 → second, ahead of FedAvg
+    assert ("- fashion_mnist dir0.1, FedDO's rank: 2 of 3 over seeds [0, 1] (FedCross 86.00, FedDO 85.00, FedAvg "
+            "81.00; paper: first with the CNN) → **direction only**.") in text
+    # rounds to 82 %: FedDO (2, 3) → 2.5; FedAvg (never → 5, 2) → 3.5: sooner, not within 0.344 × 4
+    assert ("- fashion_mnist dir0.1, rounds to 82.00 % (FedAvg's final): FedDO 2/3, FedAvg never/2 of 4 (2 seeds "
+            "with rounds;") in text
+    assert "every seed within 1 rounds on average) → **direction only**." in text
+    # behaviour: 26 of 100 at d 0.775, outside the paper's ranges, but fewer at a higher d than IID's 60 at 0.45
+    assert ("- fashion_mnist dir0.1, learned behaviour (whole run, mean over seeds): 26.0 of 100 active (0.26), d "
+            "0.775 (paper: active fraction 0.2–0.25, d 0.8–0.9; iid here: 60.0 active, d 0.450) → "
+            "**direction only**.") in text
+    iid = text.split("- fashion_mnist iid, learned behaviour (whole run, mean over seeds): ")[1].split("\n")[0]
+    assert iid.startswith("60.0 of 100 active (0.60), d 0.450") and iid.endswith("→ **reproduced**.")
+    # IID: 90 − 88 = +2 on one seed; the paper gives no FedAvg figure → judged on the sign; FedAvg's
+    # IID rounds are not recorded → no rounds verdict data
+    assert ("- fashion_mnist iid, FedDO's gain over FedAvg: +2.00 ± 0.00 pp (1 seed; paper FedDO 90.99, FedAvg not "
+            "given: judged on the sign) → **reproduced**.") in text
+    assert "FedDO –, FedAvg – of 4 (0 seeds with rounds;" in text and "→ **no data**." in text
+    assert "- control FedDO-random − FedDO: -6.00 pp per setting, -6.00 pp on average: removing the policy costs " \
+           "6.00 pp on average." in text
+    assert "removing the online learning costs nothing on average." in text
+    # pre-training: (800, 1000) → 900 ± 100 CPU s; 1,800 s / (2 × 10 × 4 rounds) = 22.50 s a round;
+    # 200 episodes × 4 rounds × 22.5 s = 18,000 s = 5.0 h
+    assert ("- Pre-training cost: 900 ± 100 CPU s per policy (2 policies, 10 episodes × 4 rounds, 22.50 CPU s a "
+            "round); the paper's 200 episodes of 4 rounds would take ≈ 5.0 CPU-hours per setting here.") in text
+    assert ("Pre-training: 800 CPU s for 10 episodes × 4 rounds; episode 1: return +1.50, accuracy 50.00 %, 50.0 "
+            "active at d 0.600; episode 10: return +3.00, accuracy 80.00 %, 22.0 active at d 0.850.") in text
+    # 16 cells × 100 s = 0.44 cell-hours; the records' commit; the earlier re-run check
+    assert "The 16 finished cells on record took 0.44 cell-hours" in text
+    assert "(made at `abc1234`)" in text
+    assert "(From an earlier invocation, `OUT/verify.md`.)" in text and "re-run 0.8 → same" in text
+    assert "## Agent parameters" in text and "Table 3, parameters per device" in text
+
+
+@pytest.mark.parametrize("argv", [["--methods", "FedAvg,Nope"], ["--seeds", "x"], ["--partitions", "dir0.3"],
+                                  ["--sweep-bench", "fashion_mnist"], ["--sweep-keys", "tau"],
+                                  ["--sweep-baselines", "FedDO"], ["--participation", "0"]])
+def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _tool().main([*argv, "--out", str(tmp_path), "--report", str(tmp_path / "r.md"), "--report-only"])
+    assert exc.value.code == 2
