@@ -235,7 +235,7 @@ def config_fingerprint(config: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Worker initializer: on Linux, ask the kernel to SIGKILL this worker when the grid's
     process dies (``prctl(PR_SET_PDEATHSIG)``), so a killed reproduction leaves no orphan
     training a cell whose result nobody records; elsewhere a no-op."""
@@ -280,7 +280,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     keys = {j.key for j in jobs} | set(done)
     if todo:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_die_with_parent) as pool, \
+        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             futures = {pool.submit(_worker, j, str(out)): j for j in todo}
             for fut in as_completed(futures):

@@ -93,12 +93,12 @@ sys.path.insert(0, str(ROOT))
 from broker_server.experiments import (  # noqa: E402
     NOT_RECORDED,
     Job,
-    _die_with_parent,
     attach_round_series,
     cell_rounds_to_target,
     code_commit,
     config_fingerprint,
     default_data_dir,
+    die_with_parent,
     failed_runs_section,
     hits_text,
     int_list,
@@ -297,7 +297,7 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
         print(f"pre-training {s['name']}: {s['episodes']} episodes x {s['rounds']} rounds", flush=True)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx,
-                             initializer=_die_with_parent) as pool:
+                             initializer=die_with_parent) as pool:
         futures = {pool.submit(_pretrain_task, s): name for name, s in todo.items()}
         for fut in as_completed(futures):
             name = futures[fut]

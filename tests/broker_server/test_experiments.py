@@ -71,9 +71,9 @@ def test_mean_std() -> None:
 _ORPHAN_SCRIPT = """
 import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
-from broker_server.experiments import _die_with_parent
+from broker_server.experiments import die_with_parent
 if __name__ == "__main__":
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent)
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent)
     print(pool.submit(os.getpid).result(), flush=True)
     pool.submit(time.sleep, 120)
     time.sleep(120)

@@ -6,25 +6,19 @@ sweep, the verdict lines), worked out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.tools import load_tool
 
 from broker_server.experiments import config_fingerprint
 from broker_server.strategies.feddo import FedDO
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("reproduce_feddo", ROOT / "tools" / "reproduce_feddo.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("reproduce_feddo")
 
 
 def _grid(t, out: Path, **kw):
