@@ -487,9 +487,9 @@ def cell_rounds_to_target(out_dir: str | Path, key: str, target: float, metric: 
 
 
 def hits_text(hits: Sequence[int | str | None]) -> str:
-    """Per-seed rounds to a target as ``"3/never/n/r"``-style text: a round, *never*
-    (``None``) or :data:`NOT_RECORDED`, joined by ``/``."""
-    return "/".join("never" if h is None else str(h) for h in hits)
+    """Per-seed rounds to a target as ``"3 · never · n/r"``-style text: a round, *never*
+    (``None``) or :data:`NOT_RECORDED`, joined by `` · `` (a ``/`` would run into ``n/r``)."""
+    return " · ".join("never" if h is None else str(h) for h in hits)
 
 
 def pm(values: Sequence[float | None], scale: float = 100.0, digits: int = 2, *, plain_single: bool = False) -> str:

@@ -225,9 +225,9 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     text = report.read_text(encoding="utf-8")
     assert "## fashion_mnist, dir0.1 (target 82.00 %: FedAvg's mean final accuracy)" in text
     # best: 80, 83, 84 → 82.33 ± 1.70
-    assert "| FedAvg | 82.00 ± 1.63 | 82.33 ± 1.70 | never/2/n/r | – | – |" in text
-    assert "| FedDO | 85.00 ± 1.00 (2 of 3 seeds) | 85.00 ± 1.00 | 2/3 | 26.0 ± 4.0 | 0.775 ± 0.075 |" in text
-    assert "| FedDO-frozen | 85.00 ± 0.00 | 85.00 ± 0.00 | n/r/n/r/n/r | – | – |" in text
+    assert "| FedAvg | 82.00 ± 1.63 | 82.33 ± 1.70 | never · 2 · n/r | – | – |" in text
+    assert "| FedDO | 85.00 ± 1.00 (2 of 3 seeds) | 85.00 ± 1.00 | 2 · 3 | 26.0 ± 4.0 | 0.775 ± 0.075 |" in text
+    assert "| FedDO-frozen | 85.00 ± 0.00 | 85.00 ± 0.00 | n/r · n/r · n/r | – | – |" in text
     assert "| FedDO-random | 80.00 (1 of 3 seeds) | 80.00 | n/r | – | – |" in text
     # controls against FedDO over the seeds both have
     assert "| fashion_mnist dir0.1 | FedDO-frozen | the online learning (the pre-trained policy, frozen) | " \
@@ -253,7 +253,7 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert ("- fashion_mnist dir0.1, FedDO's rank: 2 of 3 over seeds [0, 1] (FedCross 86.00, FedDO 85.00, FedAvg "
             "81.00; paper: first with the CNN) → **direction only**.") in text
     # rounds to 82 %: FedDO (2, 3) → 2.5; FedAvg (never → 5, 2) → 3.5: sooner, not within 0.344 × 4
-    assert ("- fashion_mnist dir0.1, rounds to 82.00 % (FedAvg's final): FedDO 2/3, FedAvg never/2 of 4 (2 seeds "
+    assert ("- fashion_mnist dir0.1, rounds to 82.00 % (FedAvg's final): FedDO 2 · 3, FedAvg never · 2 of 4 (2 seeds "
             "with rounds;") in text
     assert "every seed within 1 rounds on average) → **direction only**." in text
     # behaviour: 26 of 100 at d 0.775, outside the paper's ranges, but fewer at a higher d than IID's 60 at 0.45

@@ -191,13 +191,13 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
 
     # FedOCP: best (72 + 74 + 68) / 3 = 71.33, population std √((0.67² + 2.67² + 3.33²) / 3) = 2.49; last
     # (70, 74, 68) → 70.67 ± 2.49; first round ≥ 70 %: 2, 3, never; cosine −0.050 ± √(0.0008 / 3) = 0.016
-    assert row("| FedOCP |") == "| FedOCP | 71.33 ± 2.49 / 70.67 ± 2.49 | 2/3/never | -0.050 ± 0.016 |"
+    assert row("| FedOCP |") == "| FedOCP | 71.33 ± 2.49 / 70.67 ± 2.49 | 2 · 3 · never | -0.050 ± 0.016 |"
     # FedTGP on 2 of 3 seeds: best (66, 72) → 69 ± 3, last (66, 70) → 68 ± 2; rounds: never, 2
     assert row("| FedTGP |") == ("| FedTGP | 69.00 ± 3.00 (2 of 3 seeds) / 68.00 ± 2.00 (2 of 3 seeds) | "
-                                 "never/2 (seeds 0, 1) | 0.250 ± 0.050 |")
+                                 "never · 2 (seeds 0, 1) | 0.250 ± 0.050 |")
     # FedProto: best of the two seeds with rounds (69, 62) → 65.5 ± 3.5; last of all three (69, 80, 62)
     # → 70.33 ± 7.41; rounds: never (69 < 70), n/r, never
-    assert row("| FedProto |") == ("| FedProto | 65.50 ± 3.50 (2 of 3 seeds) / 70.33 ± 7.41 | never/n/r/never | "
+    assert row("| FedProto |") == ("| FedProto | 65.50 ± 3.50 (2 of 3 seeds) / 70.33 ± 7.41 | never · n/r · never | "
                                    "0.550 ± 0.050 |")
     assert row("| FedGH |") == "| FedGH | – | – | – |"
     # the best baseline over the seeds FedOCP, FedProto and FedTGP all have (seed 0): FedProto 69 vs

@@ -98,7 +98,7 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert "| FedPAD | 51.00 ± 1.00 | 34.00 ± 1.00 | 51.00 ± 1.00 | **34.00 ± 1.00** | 2 | 0 |" in text
     # seed 0: 2 rounds aggregated, worst ≥ 25 % first in round 2; seed 1's rounds are not recorded
     # (no run folder, no per_round in its record): "n/r", not "never"
-    assert "| 2, – of 2 | 2/n/r |" in text
+    assert "| 2, – of 2 | 2 · n/r |" in text
     # per-seed FedPAD − FedAvg uniform: worst (33 − 32, 35 − 34) = (+1, +1); avg (+1, −3) → −1 ± 2
     assert "| FedPAD − FedAvg uniform (FedPAD against equal weights) | +1.00 ± 0.00 | -1.00 ± 2.00 | 2 |" in text
     # equal weights alone: worst (+2, +6) → +4 ± 2

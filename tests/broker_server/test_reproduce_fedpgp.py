@@ -53,9 +53,9 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     text = t.report(results, out=tmp_path, datasets=["MNIST"], splits=["Dir(0.1)"], methods=methods, seeds=[0, 1],
                     settings=SETTINGS, wall_s=None, commit="def5678", verify=[])
     # FedAvg: (80 + 84) / 2 = 82, population std 2; first round ≥ 90 %: never in either seed
-    assert "| FedAvg | 82.00 ± 2.00 | never/never |" in text
+    assert "| FedAvg | 82.00 ± 2.00 | never · never |" in text
     # FedPGP (90, 70) → 80 ± 10; rounds to 90 %: round 2 in seed 0, not recorded in seed 1
-    assert "| FedPGP | 80.00 ± 10.00 | 2/n/r |" in text
+    assert "| FedPGP | 80.00 ± 10.00 | 2 · n/r |" in text
     assert "| FedPGP no projection (g+g_p) | 95.00 (1 of 2 seeds) | 1 |" in text
     # the projection's share: seed 0's mean over its rounds (0.2 + 0.4 + 0.6) / 3 = 40 %, the one
     # seed with rounds (1 of 2); last round (60, 50) → 55 ± 5
