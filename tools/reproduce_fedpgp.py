@@ -233,7 +233,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 gains.append(100 * (means["FedPGP"] - means["FedAvg"]))
                 best_count += int(max(means, key=lambda k: means[k]) == "FedPGP")
         lines += ["", f"Rounds to {target:.0%}: the first round whose global accuracy reached it, per seed "
-                  f"in seed order; *never*: not within {settings['rounds']} rounds; *{NOT_RECORDED}*: the cell's rounds "
+                  f"in seed order; *never*: not within {settings['rounds']} rounds; "
+                  f"*{NOT_RECORDED}*: the cell's rounds "
                   "are not recorded (a record made before records carried their rounds, whose run folder is gone).", ""]
     lines += ["## Bytes per client per round (device links, MQTT framing included)", "",
               "| method | up B | down B | update extras B |", "|---|---|---|---|"]
