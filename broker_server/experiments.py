@@ -22,15 +22,19 @@ What a job reports (:func:`run_job`):
   (FedMCP++'s "GAcc"/"GF1", SPECS.md §5.5).
 
 Each new record also carries ``config_sha256`` (:func:`config_fingerprint`: the job's
-configuration without its data folder) and what the caller stamps on it (the scripts: the code's
-commit, :func:`code_commit`). A resumed grid refuses a record whose fingerprint differs from its
-job's configuration (the cell would be skipped with another configuration's numbers); records
-written before the fingerprint existed are taken as they are.
+configuration without its data folder, a path inside the grid folder counted relative to it) and
+what the caller stamps on it (the scripts: the code's commit, :func:`code_commit`). A resumed
+grid refuses a record whose fingerprint differs from its job's configuration (the cell would be
+skipped with another configuration's numbers); records written before the fingerprint existed
+are taken as they are. An unfinished last line of ``results.jsonl`` (a write cut short) is left
+out, and cut off before the next record is appended; any other unreadable line is an error
+(:class:`RecordsError`).
 
 The second half is the harness the ``tools/reproduce_*.py`` scripts share: the data folder
 default (:func:`default_data_dir`), option parsing of comma lists (:func:`int_list`,
 :func:`name_list`), the estimate-then-grid loop (:func:`run_with_estimate`), the re-run check
-(:func:`verify_records`), per-round metrics (:func:`read_metrics`, :func:`rounds_to_target`,
+(:func:`verify_records`), the ``--out`` check (:func:`check_out_dir`) and the scripts' exit
+(:func:`script_exit`), per-round metrics (:func:`read_metrics`, :func:`rounds_to_target`,
 :func:`attach_round_series`) and
 mean ± std formatting (:func:`pm`).
 """
@@ -212,26 +216,119 @@ def records_cost(results: dict[str, dict]) -> str:
             f"each cell's wall time, one torch thread per cell; {sum(secs) / len(secs):.0f} s per cell on average).")
 
 
-def load_results(out_dir: str | Path) -> dict[str, dict]:
-    """``results.jsonl`` of a grid folder as key → record (later lines win); ``{}`` if absent."""
-    path = Path(out_dir) / "results.jsonl"
-    if not path.exists():
-        return {}
-    out = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
+class RecordsError(ValueError):
+    """A grid folder's records cannot be used as they are: a line of ``results.jsonl`` that is not
+    a record (other than an unfinished last one), or a record made with another configuration.
+    The message names the file, the line or cell, and what to do."""
+
+
+#: ``results.jsonl`` files whose unfinished last line was already reported (reported once each).
+_WARNED_TAILS: set[tuple[str, int]] = set()
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The records of a ``results.jsonl``, in file order. An unreadable **last** line is the trace
+    of a write cut short (a killed process, a power cut: a partial line, or NUL bytes): it is left
+    out, with a warning (once per file and size); its cell is not on record and runs again.
+
+    Raises:
+        RecordsError: any other line that is not a JSON object with a ``key`` (a damaged file:
+            the message names the line).
+    """
+    text = path.read_text(encoding="utf-8", errors="replace")
+    numbered = [(i, line) for i, line in enumerate(text.split("\n"), 1) if line.strip().strip("\x00")]
+    out = []
+    for n, (i, line) in enumerate(numbered):
+        try:
             rec = json.loads(line)
-            out[rec["key"]] = rec
+            if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+                raise ValueError("not an object with a 'key'")
+        except ValueError as exc:
+            if n == len(numbered) - 1:
+                stamp = (str(path), len(text))
+                if stamp not in _WARNED_TAILS:
+                    _WARNED_TAILS.add(stamp)
+                    log.warning("%s: line %d is unfinished (%s); left out: its cell is not on record and runs "
+                                "again", path, i, exc)
+                break
+            raise RecordsError(f"{path}: line {i} is not a record ({exc}); only the last line may be unfinished: "
+                               "mend or remove that line") from None
+        out.append(rec)
     return out
 
 
-def config_fingerprint(config: dict) -> str:
+def _mend_tail(path: Path) -> None:
+    """Make ``results.jsonl`` end at a whole record before records are appended: an unfinished
+    last line (see :func:`_read_records`) is cut off, a whole last record without its newline
+    gets one. A missing file is left missing."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    body = data.rstrip(b"\n\r\t \x00")
+    if not body:
+        if data:
+            path.write_bytes(b"")
+        return
+    start = body.rfind(b"\n") + 1
+    try:
+        rec = json.loads(body[start:].decode("utf-8"))
+        whole = isinstance(rec, dict) and isinstance(rec.get("key"), str)
+    except ValueError:
+        whole = False
+    with open(path, "r+b") as f:
+        if whole:
+            f.truncate(len(body))
+            f.seek(len(body))
+            f.write(b"\n")
+        else:
+            log.warning("%s: cutting off an unfinished last line (%d bytes)", path, len(data) - start)
+            f.truncate(start)
+
+
+def load_results(out_dir: str | Path) -> dict[str, dict]:
+    """``results.jsonl`` of a grid folder as key → record (later lines win); ``{}`` if absent.
+
+    An unfinished last line (a write cut short) is left out with a warning (:func:`_read_records`).
+
+    Raises:
+        RecordsError: another line is not a record.
+    """
+    path = Path(out_dir) / "results.jsonl"
+    if not path.exists():
+        return {}
+    return {rec["key"]: rec for rec in _read_records(path)}
+
+
+def _inside(value: str, root: str) -> str | None:
+    """``value`` as ``OUT/<path relative to root>`` when it is a path (it holds a ``/``) inside the
+    folder ``root`` (an absolute, normalised path), else ``None``."""
+    if "/" not in value:
+        return None
+    path = os.path.abspath(value)
+    if path == root or not path.startswith(root + os.sep):
+        return None
+    return "OUT/" + Path(os.path.relpath(path, root)).as_posix()
+
+
+def config_fingerprint(config: dict, out_dir: str | Path | None = None) -> str:
     """SHA-256 (hex) of a job's configuration as canonical JSON (sorted keys), without
     ``[data] data_dir``: the same cell read from another checkout's data folder keeps its
-    fingerprint (the data files themselves are not fingerprinted)."""
+    fingerprint (the data files themselves are not fingerprinted).
+
+    With ``out_dir`` (the grid folder), a table value that is a path inside it (a FedDO cell's
+    pre-trained policy, ``OUT/policies/…``) counts as its path relative to that folder, so the
+    fingerprint is the same however the folder is spelt (relative or absolute) and wherever it is
+    moved or copied to."""
     cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     if isinstance(cfg.get("data"), dict):
         cfg["data"].pop("data_dir", None)
+    if out_dir is not None:
+        root = os.path.abspath(out_dir)
+        for table in cfg.values():
+            if isinstance(table, dict):
+                for k, v in table.items():
+                    if isinstance(v, str) and (rel := _inside(v, root)) is not None:
+                        table[k] = rel
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
@@ -250,32 +347,52 @@ def die_with_parent() -> None:
         log.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
 
 
+def stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool now, for an interrupted grid (Ctrl-C): cancel the jobs not started and end the
+    workers' running ones (SIGTERM; each worker's broker has a watchdog that ends it with its
+    worker). Without this, leaving the pool's ``with`` block on an exception waits for every
+    queued job to finish, records none of them, and the grid goes on long after Ctrl-C."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(10)
+
+
 def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
              on_result: Callable[[dict], None] | None = None, stamp: dict | None = None) -> dict[str, dict]:
     """Run every job not yet in ``out_dir/results.jsonl`` in ``workers`` processes.
 
     A job that failed earlier (its record has ``error``) is run again. Each new record gets
-    ``config_sha256`` (:func:`config_fingerprint`) and the entries of ``stamp`` (e.g.
-    ``{"commit": code_commit(root)}``). The workers die with this process (Linux): killing a
-    reproduction stops its cells too.
+    ``config_sha256`` (:func:`config_fingerprint` with ``out_dir``, so the grid folder's spelling
+    does not count) and the entries of ``stamp`` (e.g. ``{"commit": code_commit(root)}``); a
+    record made before the folder was left out of the fingerprint is taken when it matches the
+    configuration as spelt now. An unfinished last line of ``results.jsonl`` is cut off first
+    (its cell runs again). The workers die with this process (Linux): killing a reproduction
+    stops its cells too; on an exception here (Ctrl-C) they are stopped (:func:`stop_pool`) and
+    the exception goes on.
 
     Returns:
         key → result record for every job of the grid (new and earlier ones).
 
     Raises:
-        ValueError: a finished record's ``config_sha256`` differs from its job's configuration
+        RecordsError: a finished record's ``config_sha256`` differs from its job's configuration
             (the grid folder holds another configuration's cell under that key: use a fresh
-            folder, or remove that record).
+            folder, or remove that record), or a line of ``results.jsonl`` is not a record.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs = list(jobs)
+    _mend_tail(out / "results.jsonl")
     done = {k: v for k, v in load_results(out).items() if "error" not in v}
     for j in jobs:
         rec = done.get(j.key)
-        if rec is not None and "config_sha256" in rec and rec["config_sha256"] != config_fingerprint(j.config):
-            raise ValueError(f"{out / 'results.jsonl'}: the record of {j.key!r} was made with another configuration "
-                             "(config_sha256 differs); use a fresh output folder or remove that record")
+        if (rec is not None and "config_sha256" in rec
+                and rec["config_sha256"] not in (config_fingerprint(j.config, out), config_fingerprint(j.config))):
+            raise RecordsError(f"{out / 'results.jsonl'}: the record of {j.key!r} was made with another configuration "
+                               "(config_sha256 differs); use a fresh output folder or remove that record")
     todo = [j for j in jobs if j.key not in done]
     keys = {j.key for j in jobs} | set(done)
     if todo:
@@ -283,13 +400,18 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
         with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             futures = {pool.submit(_worker, j, str(out)): j for j in todo}
-            for fut in as_completed(futures):
-                rec = {**fut.result(), "config_sha256": config_fingerprint(futures[fut].config), **(stamp or {})}
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-                done[rec["key"]] = rec
-                if on_result is not None:
-                    on_result(rec)
+            try:
+                for fut in as_completed(futures):
+                    rec = {**fut.result(), "config_sha256": config_fingerprint(futures[fut].config, out),
+                           **(stamp or {})}
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    done[rec["key"]] = rec
+                    if on_result is not None:
+                        on_result(rec)
+            except BaseException:
+                stop_pool(pool)
+                raise
     return {k: v for k, v in done.items() if k in keys}
 
 
@@ -359,6 +481,53 @@ def name_list(parser: argparse.ArgumentParser, option: str, text: str, known: It
     if unknown:
         parser.error(f"{option}: unknown {unknown}; known: {allowed}")
     return names
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out: str | Path, *, report_only: bool,
+                  report: str | Path | None = None) -> None:
+    """Check a reproduction's ``--out`` (and ``--report``) before any cell runs; otherwise
+    ``parser.error`` (exit 2) saying what is wrong. A grid needs a folder it can create and append
+    ``results.jsonl`` to (made here when missing); ``--report-only`` needs a folder holding
+    ``results.jsonl`` (a report of no records, over the committed one, is never what was meant:
+    a mistyped folder); the report needs a file path whose folder can be written."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        parser.error(f"--out {out}: is a file, not a folder")
+    if report_only:
+        if not (path / "results.jsonl").is_file():
+            parser.error(f"--report-only: {path / 'results.jsonl'} does not exist (no records to report; "
+                         "is --out the grid's folder?)")
+    else:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with open(path / "results.jsonl", "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            parser.error(f"--out {out}: cannot write the records there ({exc.strerror or exc})")
+    if report is not None:
+        target = Path(report)
+        if target.is_dir():
+            parser.error(f"--report {report}: is a folder, not a file")
+        folder = next((q for q in [target.parent, *target.parent.parents] if q.exists()), Path("."))
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or (target.exists()
+                                                                       and not os.access(target, os.W_OK)):
+            parser.error(f"--report {report}: cannot be written (its folder {folder} is not writable)")
+
+
+def script_exit(main: Callable[[], int]) -> int:
+    """Run a reproduction script's ``main`` and return its exit status, with a one-line message on
+    standard error instead of a traceback for what a user can fix: Ctrl-C (status 130; the cells
+    finished so far are on record and the same command resumes) and unusable records
+    (:class:`RecordsError`, status 1)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("interrupted: the finished cells are in OUT/results.jsonl; the same command resumes the grid",
+              file=sys.stderr)
+        return 130
+    except RecordsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 #: The longest list a per-round field may be to be kept in a record's ``per_round`` (per-device
@@ -446,7 +615,7 @@ def attach_round_series(out_dir: str | Path) -> int:
     path = out / "results.jsonl"
     if not path.exists():
         return 0
-    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = _read_records(path)
     added = 0
     for rec in lines:
         if "error" in rec or rec.get("per_round"):

@@ -1,10 +1,12 @@
 """The reproduction grid runner: resumable results, bytes per client per round from the ledger,
-and the ensemble (GAcc) score checked against a second computation."""
+the ensemble (GAcc) score checked against a second computation, and an interrupted or killed
+grid stopping its workers."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import sqlite3
@@ -55,11 +57,35 @@ def test_grid_runs_resumes_and_accounts(tmp_path: Path) -> None:
     assert sum(two["update_field_bytes_mean"].values()) + 1 == pytest.approx(body[0])  # + the body array header
     assert two["update_payload_bytes_mean"] == pytest.approx(body[1])
     # rerun: nothing new is run
-    seen = []
+    seen: list[dict] = []
     again = run_grid(jobs, tmp_path, workers=2, on_result=seen.append)
     assert seen == [] and set(again) == set(res)
     assert len(load_results(tmp_path)) == 2
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+
+
+def test_an_interrupted_grid_stops_its_queued_cells(tmp_path: Path) -> None:
+    """Ctrl-C in the grid's process (here: raised by the first record's callback) stops the grid:
+    the cell running in the worker is ended and the queued one never starts. (Leaving the pool's
+    block used to wait for every queued cell to run to its end, none of them recorded.)"""
+    bad = {**_config("fedavg", 1, 0), "train": {**_config("fedavg", 1, 0)["train"], "algorithm": "no-such"}}
+    jobs = [Job("g/bad/s0", bad), Job("g/fedavg/s1", _config("fedavg", 2, 1)),
+            Job("g/fedavg/s2", _config("fedavg", 2, 2))]
+
+    def interrupt(rec: dict) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(jobs, tmp_path, workers=1, on_result=interrupt)
+    # the first cell (failed at once on its configuration) is on record; nothing after it
+    assert [r["key"] for r in load_results(tmp_path).values()] == ["g/bad/s0"]
+    assert not (tmp_path / "runs" / "g__fedavg__s2").exists()  # queued: never started
+    assert not (tmp_path / "runs" / "g__fedavg__s1" / "metrics.jsonl").exists() or \
+        len((tmp_path / "runs" / "g__fedavg__s1" / "metrics.jsonl").read_text().splitlines()) < 2  # ended early
+    assert multiprocessing.active_children() == []  # no worker left
+    # the same grid again resumes: the two cells not on record run, the failed one runs again
+    res = run_grid(jobs[1:], tmp_path, workers=1)
+    assert all("error" not in res[j.key] for j in jobs[1:]) and res["g/fedavg/s2"]["rounds"] == 2
 
 
 def test_mean_std() -> None:

@@ -1,10 +1,12 @@
 """The harness the reproduction scripts share (broker_server/experiments.py): resuming only cells
-made with the same configuration, the records' stamps, formatting, per-round lookups, the re-run
-comparison and option parsing."""
+made with the same configuration (however the grid folder is spelt), the records' stamps, a
+records file cut short, formatting, per-round lookups, the re-run comparison, option parsing,
+the ``--out`` check and the scripts' exit on Ctrl-C or unusable records."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -12,10 +14,13 @@ import pytest
 
 from broker_server.experiments import (
     Job,
+    RecordsError,
     attach_round_series,
+    check_out_dir,
     config_fingerprint,
     final_differences,
     int_list,
+    load_results,
     metrics_only_in_one,
     name_list,
     pm,
@@ -23,6 +28,7 @@ from broker_server.experiments import (
     round_series,
     rounds_to_target,
     run_grid,
+    script_exit,
     series_lines,
 )
 
@@ -80,7 +86,7 @@ def test_rounds_to_target_reads_the_run_folder(tmp_path: Path) -> None:
     assert rounds_to_target(got, 0.2, "accuracy_worst") == 3
 
 
-LINES = [{"round": 1, "accuracy": 0.3, "seconds": 4.2, "phase_s": {"publish": 0.1}, "share": "all",
+LINES: list[dict] = [{"round": 1, "accuracy": 0.3, "seconds": 4.2, "phase_s": {"publish": 0.1}, "share": "all",
           "dropped": [], "alpha": [0.5, 0.5], "skipped": False},
          {"round": 2, "accuracy": None, "seconds": 3.9, "phase_s": {"publish": 0.2}, "share": "all",
           "dropped": ["dev-3"], "alpha": [0.25, 0.75], "skipped": True, "pool": 40}]
@@ -171,3 +177,117 @@ def test_tags_may_not_replace_the_records_own_fields() -> None:
         with pytest.raises(ValueError, match="reserved"):
             Job("g/fedavg/s0", CONFIG, tags={name: "x"})
     assert Job("g/fedavg/s0", CONFIG, tags={"sweep_key": "gamma"}).tags == {"sweep_key": "gamma"}
+
+
+def _lines(*records: dict) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+@pytest.mark.parametrize("tail", ['{"key": "g/fedavg/s2", "final": {"accur', "\x00" * 64],
+                         ids=["partial line", "NUL bytes"])
+def test_an_unfinished_last_line_is_left_out_then_cut_off(tmp_path: Path, tail: str) -> None:
+    """A write cut short (a killed grid, a power cut) leaves a partial last line or NUL bytes: the
+    records before it are read, the line is left out (its cell is not on record), and the next grid
+    run cuts it off before appending, so the file is whole again."""
+    job = Job("g/fedavg/s0", CONFIG)
+    whole = [{"key": "g/fedavg/s0", "final": {"accuracy": 0.5}, "config_sha256": config_fingerprint(CONFIG)},
+             {"key": "g/fedavg/s1", "final": {"accuracy": 0.25}}]
+    path = tmp_path / "results.jsonl"
+    path.write_text(_lines(*whole) + tail, encoding="utf-8")
+    assert load_results(tmp_path) == {r["key"]: r for r in whole}
+    assert attach_round_series(tmp_path) == 0  # no run folders: nothing to attach, no error
+    seen: list[dict] = []
+    assert run_grid([job], tmp_path, on_result=seen.append) == {r["key"]: r for r in whole}
+    assert seen == []  # the cell on record is skipped
+    assert path.read_text(encoding="utf-8") == _lines(*whole)  # the unfinished line is gone, nothing else
+    # a whole last record that lost only its newline keeps the record and gets the newline back
+    path.write_text(_lines(*whole).rstrip("\n"), encoding="utf-8")
+    run_grid([job], tmp_path)
+    assert path.read_text(encoding="utf-8") == _lines(*whole)
+
+
+def test_a_damaged_line_before_the_last_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    path.write_text(_lines({"key": "a"}) + '{"key": "b", broken\n' + _lines({"key": "c"}), encoding="utf-8")
+    with pytest.raises(RecordsError, match=r"results.jsonl: line 2 is not a record"):
+        load_results(tmp_path)
+    with pytest.raises(RecordsError, match="line 2"):
+        run_grid([Job("a", CONFIG)], tmp_path)
+    path.write_text(_lines({"key": "a"}) + "[1, 2]\n" + _lines({"key": "c"}), encoding="utf-8")
+    with pytest.raises(RecordsError, match="line 2 is not a record .not an object with a 'key'"):
+        load_results(tmp_path)
+
+
+def test_fingerprint_counts_a_path_in_the_grid_folder_relative_to_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FedDO cell names its policy as ``OUT/policies/...``: relative or absolute spelling of
+    ``OUT``, or a copy of the folder elsewhere, is the same configuration; a policy outside the
+    folder is not rewritten."""
+    monkeypatch.chdir(tmp_path)
+
+    def cfg(policy: str) -> dict:
+        return {**CONFIG, "algorithm": {"rank": 4, "policy": policy}}
+
+    absolute = config_fingerprint(cfg(str(tmp_path / "grid" / "policies" / "p.pt")), tmp_path / "grid")
+    assert config_fingerprint(cfg("grid/policies/p.pt"), "grid") == absolute
+    assert config_fingerprint(cfg("./grid/../grid/policies/p.pt"), "grid/") == absolute
+    assert config_fingerprint(cfg("copy/policies/p.pt"), "copy") == absolute
+    # the value by hand: canonical JSON without the data folder, the policy as OUT/policies/p.pt
+    by_hand = {**CONFIG, "data": {k: v for k, v in CONFIG["data"].items() if k != "data_dir"},
+               "algorithm": {"rank": 4, "policy": "OUT/policies/p.pt"}}
+    assert absolute == hashlib.sha256(json.dumps(by_hand, sort_keys=True).encode("utf-8")).hexdigest()
+    # outside the folder, or without a folder: the path as written
+    outside = cfg("elsewhere/policies/p.pt")
+    assert config_fingerprint(outside, "grid") == config_fingerprint(outside)
+    assert config_fingerprint(cfg("grid/policies/p.pt")) != absolute
+
+
+def test_resume_takes_a_record_made_with_the_folder_spelt_otherwise(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    made = {**CONFIG, "algorithm": {"policy": str(tmp_path / "grid" / "policies" / "p.pt")}}
+    rec = {"key": "g/feddo/s0", "final": {"accuracy": 0.5},
+           "config_sha256": config_fingerprint(made, tmp_path / "grid")}
+    _write(tmp_path / "grid", rec)
+    seen: list[dict] = []
+    resumed = Job("g/feddo/s0", {**CONFIG, "algorithm": {"policy": "grid/policies/p.pt"}})
+    assert run_grid([resumed], "grid", on_result=seen.append) == {rec["key"]: rec} and seen == []
+    # a record made before the folder was left out of the fingerprint: taken when spelt as then
+    legacy = {**rec, "config_sha256": config_fingerprint(resumed.config)}
+    _write(tmp_path / "grid", legacy)
+    assert run_grid([resumed], "grid", on_result=seen.append) == {rec["key"]: legacy} and seen == []
+
+
+def test_check_out_dir_says_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser(prog="repro")
+    (tmp_path / "afile").write_text("", encoding="utf-8")
+    for out, kw, said in ((tmp_path / "afile", {"report_only": False}, "is a file, not a folder"),
+                          (tmp_path / "afile", {"report_only": True}, "is a file, not a folder"),
+                          (tmp_path / "afile" / "sub", {"report_only": False}, "cannot write the records there"),
+                          (tmp_path / "none", {"report_only": True}, "results.jsonl does not exist"),
+                          (tmp_path / "g", {"report_only": False, "report": tmp_path}, "is a folder, not a file"),
+                          (tmp_path / "g", {"report_only": False, "report": tmp_path / "afile" / "r.md"},
+                           "cannot be written")):
+        with pytest.raises(SystemExit) as exc:
+            check_out_dir(p, out, **kw)
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()  # --report-only makes nothing
+    # a grid's folder is made, with an empty records file; then --report-only accepts it
+    check_out_dir(p, tmp_path / "new" / "grid", report_only=False, report=tmp_path / "new" / "reports" / "r.md")
+    assert (tmp_path / "new" / "grid" / "results.jsonl").read_text(encoding="utf-8") == ""
+    check_out_dir(p, tmp_path / "new" / "grid", report_only=True)
+
+
+def test_script_exit_turns_ctrl_c_and_unusable_records_into_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    def refused() -> int:
+        raise RecordsError("OUT/results.jsonl: line 2 is not a record")
+
+    assert script_exit(interrupted) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted:") and "resumes" in err and err.count("\n") == 1
+    assert script_exit(refused) == 1
+    assert capsys.readouterr().err == "error: OUT/results.jsonl: line 2 is not a record\n"
+    assert script_exit(lambda: 0) == 0
