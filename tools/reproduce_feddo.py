@@ -61,8 +61,10 @@ results go to ``OUT/results.jsonl`` (each record stamped with the commit and the
 its configuration, and carrying its rounds), policies to ``OUT/policies/`` (named by a
 fingerprint of their pre-training configuration, so another budget never reuses one); an
 interrupted reproduction resumes where it stopped. A FedDO cell's configuration names its policy
-file as ``OUT/policies/…``, so resume a grid with ``--out`` spelt as when it started (another
-spelling is another configuration, which the harness refuses to mix). ``--verify K`` re-runs K recorded cells and
+file as ``OUT/policies/…``; the records' fingerprints count that path relative to ``OUT``
+(:func:`~broker_server.experiments.config_fingerprint`), and a cell's policy is found by its name
+in ``OUT/policies/``, so a grid resumes with ``--out`` spelt either way (relative or absolute) and
+in a copied or moved folder. ``--verify K`` re-runs K recorded cells and
 compares (kept in ``OUT/verify.md`` for later reports). The script exits 1 when a run failed,
 2 on a usage error.
 
@@ -95,6 +97,7 @@ from broker_server.experiments import (  # noqa: E402
     Job,
     attach_round_series,
     cell_rounds_to_target,
+    check_out_dir,
     code_commit,
     config_fingerprint,
     default_data_dir,
@@ -110,6 +113,8 @@ from broker_server.experiments import (  # noqa: E402
     records_cost,
     run_grid,
     run_with_estimate,
+    script_exit,
+    stop_pool,
     verify_records,
 )
 
@@ -299,12 +304,16 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx,
                              initializer=die_with_parent) as pool:
         futures = {pool.submit(_pretrain_task, s): name for name, s in todo.items()}
-        for fut in as_completed(futures):
-            name = futures[fut]
-            info[name] = fut.result()
-            print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
-                                        else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
-            (out / "policies" / "pretrain.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+        try:
+            for fut in as_completed(futures):
+                name = futures[fut]
+                info[name] = fut.result()
+                print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
+                                            else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
+                (out / "policies" / "pretrain.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+        except BaseException:  # Ctrl-C: stop the pre-training now, not after every queued policy
+            stop_pool(pool)
+            raise
     return info
 
 
@@ -499,15 +508,35 @@ class Grid:
         return self.main_jobs() + self.sweep_jobs()
 
 
+def policy_made(path: str, info: dict[str, dict]) -> bool:
+    """Whether the policy a cell names (``OUT/policies/<name>.pt``, however ``OUT`` is spelt) was
+    pre-trained: ``pretrain.json`` has ``<name>`` without an error and the file is there (the
+    test :func:`pretrain_policies` makes before pre-training one again)."""
+    name = Path(path).stem
+    return name in info and "error" not in info[name] and Path(path).exists()
+
+
 def runnable(jobs: list[Job], info: dict[str, dict]) -> tuple[list[Job], list[Job]]:
-    """(cells that can run: no policy, or one pre-trained; cells whose policy is missing)."""
-    made = {v["path"] for v in info.values() if "error" not in v and Path(v.get("path", "")).exists()}
+    """(cells that can run: no policy, or one pre-trained (:func:`policy_made`); cells whose policy
+    is missing)."""
     ok: list[Job] = []
     blocked: list[Job] = []
     for j in jobs:
         pol = j.config["algorithm"].get("policy", "")
-        (ok if not pol or pol in made else blocked).append(j)
+        (ok if not pol or policy_made(pol, info) else blocked).append(j)
     return ok, blocked
+
+
+def blocked_reason(job: Job, info: dict[str, dict]) -> str:
+    """Why ``job`` cannot run (its policy, :func:`runnable`): the policy's pre-training error, or
+    that it was not pre-trained, or that its file is missing."""
+    path = job.config["algorithm"].get("policy", "")
+    entry = info.get(Path(path).stem)
+    if entry is None:
+        return f"its policy {path} was not pre-trained"
+    if "error" in entry:
+        return f"its policy failed to pre-train ({entry['error']})"
+    return f"its policy file {path} is missing"
 
 
 def verify_choice(jobs: list[Job], out: Path, k: int) -> list[Job]:
@@ -1051,9 +1080,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = name_list(p, "--methods", a.methods, METHODS)
     seeds = int_list(p, "--seeds", a.seeds)
     if (a.clients < 1 or a.rounds < 1 or a.episodes < 1 or a.pretrain_rounds < 1 or a.workers < 1
-            or not 0 < a.participation <= 1 or a.train_samples < 0):
-        p.error("--clients, --rounds, --episodes, --pretrain-rounds, --workers must be >= 1, --train-samples >= 0, "
-                "--participation in (0, 1]")
+            or not 0 < a.participation <= 1 or a.train_samples < 0 or a.verify < 0):
+        p.error("--clients, --rounds, --episodes, --pretrain-rounds, --workers must be >= 1, --train-samples and "
+                "--verify >= 0, --participation in (0, 1]")
     sweep_bench = None
     if not a.no_sweep:
         parts = a.sweep_bench.split("/")
@@ -1075,15 +1104,18 @@ def main(argv: list[str] | None = None) -> int:
                 rounds=a.rounds, train_samples=a.train_samples, participation=a.participation, episodes=a.episodes,
                 pretrain_rounds=a.pretrain_rounds, sweep=sweep_bench, sweeps=sweeps, sweep_baselines=sweep_baselines,
                 participations=participations, data_dir=data_dir)
-    if not a.report_only:
-        from edge_agent.data import load_dataset
-        from edge_agent.errors import DataError
+    from edge_agent.data import dataset_info, load_dataset
+    from edge_agent.errors import DataError
 
-        for ds in dict.fromkeys([*datasets, *([sweep_bench.split("/")[0]] if sweep_bench else [])]):
-            try:
+    for ds in dict.fromkeys([*datasets, *([sweep_bench.split("/")[0]] if sweep_bench else [])]):
+        try:  # a report needs the names only; a grid, the data
+            if a.report_only:
+                dataset_info(ds)
+            else:
                 load_dataset(ds, data_dir=data_dir or None, allow_download=False)
-            except DataError as exc:
-                p.error(f"data set {ds!r} is not available: {exc}")
+        except DataError as exc:
+            p.error(f"data set {ds!r} is not available: {exc}")
+    check_out_dir(p, out, report_only=a.report_only, report=a.report)
     commit = code_commit(ROOT)
     stamp = {"commit": commit}
     wall, verify_lines = None, []
@@ -1104,7 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
                 jobs = [j for j in grid.main_jobs([ds]) if int(j.tags["seed"]) in seeds[:i + 1]]
                 ok, blocked = runnable(jobs, info)
                 for j in blocked:
-                    print(f"{j.key}: not run, its policy failed to pre-train", flush=True)
+                    print(f"{j.key}: not run, {blocked_reason(j, info)}", flush=True)
                 if i == 0 and ds == datasets[0]:
                     run_with_estimate(ok, out, workers=a.workers, estimate_only=True, on_result=show, stamp=stamp,
                                       note="the first data set's seed; see --estimate-only for the whole grid")
@@ -1141,4 +1173,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_exit(main))

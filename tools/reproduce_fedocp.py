@@ -94,9 +94,11 @@ from broker_server.experiments import (  # noqa: E402
     NOT_RECORDED,
     Job,
     attach_round_series,
+    check_out_dir,
     code_commit,
     default_data_dir,
     failed_runs_section,
+    has_rounds,
     hits_text,
     int_list,
     load_results,
@@ -106,6 +108,7 @@ from broker_server.experiments import (  # noqa: E402
     read_metrics,
     records_cost,
     run_with_estimate,
+    script_exit,
     verify_records,
 )
 from broker_server.strategies.fedocp import (  # noqa: E402
@@ -582,10 +585,13 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 if diffs:
                     gains.append((100 * mean_std(diffs)[0], text, _diff_text(diffs)))
                 row_cos = [c for r in rs if (c := cosine(r)) is not None]
+                # records without their rounds (best round, last cosine unknown): n/r, not "–"
+                unknown = NOT_RECORDED if any(not has_rounds(out, r["key"]) for r in rs) else "–"
                 lines.append(f"| {key} | {text} | "
-                             + (pm(list(acc.values()), plain_single=True) if acc else "–") + " | "
+                             + (pm(list(acc.values()), plain_single=True) if acc else unknown) + " | "
                              + ("–" if not i else _diff_text(diffs) if diffs else "–") + " | "
-                             + (pm(row_cos, 1.0, 3, plain_single=True) if row_cos else "–") + f" | {len(acc)} |")
+                             + (pm(row_cos, 1.0, 3, plain_single=True) if row_cos else unknown)
+                             + f" | {len(acc)}{f' of {len(rs)}' if len(acc) < len(rs) else ''} |")
             if gains:
                 best_gain = max(gains)
                 drops = [f"{t} {d}" for g, t, d in gains if g <= -DROP_PP]
@@ -773,9 +779,14 @@ def main(argv: list[str] | None = None) -> int:
     client_tests = name_list(p, "--client-test", a.client_test, CLIENT_TESTS)
     if not client_tests:
         p.error("--client-test needs at least one protocol")
+    if (a.rounds < 1 or a.epochs < 1 or a.clients < 1 or a.workers < 1 or a.train_samples < 0 or a.verify < 0
+            or a.server_epochs < 0 or not a.lr > 0):
+        p.error("--rounds, --epochs, --clients, --workers must be >= 1, --train-samples, --server-epochs and "
+                "--verify >= 0, --lr > 0")
     sweep = None if a.no_sweep else _sweep_bench(p, a.sweep_bench, client_tests[0])
     sweep_values = sweep_plan(name_list(p, "--sweep-keys", a.sweep_keys, SWEEPS), extended=a.sweep_extended,
                               server_epochs=a.server_epochs) if sweep else None
+    check_out_dir(p, a.out, report_only=a.report_only, report=a.report)
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "lr": a.lr, "group": a.group, "server_epochs": a.server_epochs}
@@ -813,4 +824,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_exit(main))

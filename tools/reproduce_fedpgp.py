@@ -51,6 +51,7 @@ from broker_server.experiments import (  # noqa: E402
     Job,
     attach_round_series,
     cell_rounds_to_target,
+    check_out_dir,
     code_commit,
     default_data_dir,
     failed_runs_section,
@@ -63,6 +64,7 @@ from broker_server.experiments import (  # noqa: E402
     read_metrics,
     records_cost,
     run_with_estimate,
+    script_exit,
     verify_records,
 )
 
@@ -133,7 +135,8 @@ def job_config(dataset: str, split: str, algorithm: str, params: dict, seed: int
 
 def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds: list[int], *, sweep: str | None,
               **kw) -> list[Job]:
-    """The grid's cells (main grid, then the sweep on ``sweep`` = ``"dataset/split"``)."""
+    """The grid's cells (main grid, then the sweep on ``sweep`` = ``"dataset/split"``, split at its
+    first ``/``)."""
     jobs = []
     for seed in seeds:
         for ds in datasets:
@@ -144,7 +147,7 @@ def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds:
                                     job_config(ds, sp, algo, params, seed, **kw),
                                     tags={"grid": "main", "dataset": ds, "split": sp, "method": label, "seed": seed}))
         if sweep:
-            ds, sp = sweep.split("/")
+            ds, _, sp = sweep.partition("/")  # the split may hold a "/" ("2 classes/client")
             for key, values in SWEEPS.items():
                 for v in values[1:]:  # the default is the main grid's FedPGP cell
                     jobs.append(Job(f"sweep/{_slug(ds)}/{_slug(sp)}/{key}={_slug(str(v)) or 'features'}/s{seed}",
@@ -353,6 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     datasets = name_list(p, "--datasets", a.datasets, DATASETS)
     splits = name_list(p, "--splits", a.splits, SPLITS)
     methods = name_list(p, "--methods", a.methods, METHODS)
+    if (a.rounds < 1 or a.epochs < 1 or a.clients < 1 or a.workers < 1 or a.train_samples < 0 or a.verify < 0
+            or not 0 < a.participation <= 1 or not a.lr > 0):
+        p.error("--rounds, --epochs, --clients, --workers must be >= 1, --train-samples and --verify >= 0, "
+                "--participation in (0, 1], --lr > 0")
+    bench_ds, _, bench_sp = a.sweep_bench.partition("/")  # a split may hold a "/" ("2 classes/client")
+    if not a.no_sweep and (bench_ds not in DATASETS or bench_sp not in SPLITS):
+        p.error(f"--sweep-bench takes DATASET/SPLIT with a data set of {list(DATASETS)} and a split of "
+                f"{list(SPLITS)}; got {a.sweep_bench!r}")
+    check_out_dir(p, a.out, report_only=a.report_only, report=a.report)
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "participation": a.participation, "lr": a.lr}
@@ -388,4 +400,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_exit(main))

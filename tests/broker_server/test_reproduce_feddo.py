@@ -2,7 +2,8 @@
 with a policy per value, budgets in the keys and the policies' names), the verdict thresholds, and
 the report's figures on hand-made records in ``OUT/results.jsonl`` (means over seeds, gains and
 ranks over the seeds the methods share, n/r for a cell without rounds, the behaviour table, the
-sweep, the verdict lines), worked out by hand."""
+sweep, the verdict lines), worked out by hand; a cell finds its policy however ``--out`` is spelt;
+bad options are usage errors."""
 
 from __future__ import annotations
 
@@ -285,8 +286,43 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv", [["--methods", "FedAvg,Nope"], ["--seeds", "x"], ["--partitions", "dir0.3"],
                                   ["--sweep-bench", "fashion_mnist"], ["--sweep-keys", "tau"],
-                                  ["--sweep-baselines", "FedDO"], ["--participation", "0"]])
+                                  ["--sweep-baselines", "FedDO"], ["--participation", "0"], ["--verify", "-1"],
+                                  ["--datasets", "fashion_mnistt"]])
 def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         _tool().main([*argv, "--out", str(tmp_path), "--report", str(tmp_path / "r.md"), "--report-only"])
     assert exc.value.code == 2
+
+
+def test_a_cell_finds_its_policy_however_out_is_spelt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policies were pre-trained with ``--out`` absolute (``pretrain.json`` holds that path);
+    resumed with ``--out`` relative, the FedDO cells name ``grid/policies/<name>.pt``: the same
+    file, found by its name. (They used to be skipped as "failed to pre-train", for ever.)"""
+    t = _tool()
+    monkeypatch.chdir(tmp_path)
+    kw = {"datasets": ["fashion_mnist"], "partitions": ["dir0.1"], "seeds": [0], "sweep": None}
+    made = _grid(t, tmp_path / "grid", **kw)
+    spec = made.main_policy("fashion_mnist", "dir0.1")
+    (tmp_path / "grid" / "policies").mkdir(parents=True)
+    Path(spec["path"]).write_bytes(b"policy")
+    info = {spec["name"]: {"path": spec["path"], "cpu_seconds": 1.0, "episodes": 10, "rounds": 80}}
+    resumed = _grid(t, Path("grid"), **kw)
+    jobs = resumed.main_jobs(control={})
+    feddo = [j for j in jobs if j.config["algorithm"].get("policy")]
+    # FedDO, FedDO-frozen and FedDO-all load the policy (FedDO-random waits for FedDO's first seed)
+    assert [j.tags["method"] for j in feddo] == ["FedDO", "FedDO-frozen", "FedDO-all"]
+    assert {j.config["algorithm"]["policy"] for j in feddo} == {f"grid/policies/{spec['name']}.pt"}
+    ok, blocked = t.runnable(jobs, info)
+    assert blocked == [] and len(ok) == len(jobs) == 11
+    # the same configuration for the harness: the fingerprint counts the path relative to the folder
+    relative = next(j for j in feddo if j.tags["method"] == "FedDO")
+    absolute = made.main_job("fashion_mnist", "dir0.1", "FedDO", 0, {})
+    assert config_fingerprint(relative.config, "grid") == config_fingerprint(absolute.config, tmp_path / "grid")
+    # what a blocked cell says: not pre-trained, failed (with the error), or the file gone
+    assert t.runnable(jobs, {})[1] == feddo
+    assert t.blocked_reason(relative, {}) == f"its policy grid/policies/{spec['name']}.pt was not pre-trained"
+    failed = {spec["name"]: {"error": "RuntimeError: boom"}}
+    assert t.blocked_reason(relative, failed) == "its policy failed to pre-train (RuntimeError: boom)"
+    Path(spec["path"]).unlink()
+    assert t.runnable(jobs, info)[1] == feddo
+    assert t.blocked_reason(relative, info) == f"its policy file grid/policies/{spec['name']}.pt is missing"

@@ -1,7 +1,8 @@
 """The FedOCP reproduction grid: each cell names its evaluation protocol (key, tags, config), its
 configuration passes the run checks, each ablation is one key away from FedOCP, the sweep's cells
 and keys, and the report's figures on hand-made records (seed-matched differences, n/r where a
-record has no rounds, the sweep table, the verdicts) never mixing the two protocols."""
+record has no rounds, the sweep table, the verdicts) never mixing the two protocols; options that
+cannot make a grid are usage errors."""
 
 from __future__ import annotations
 
@@ -243,3 +244,31 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert "All parts: ≈ 1.7 core-hours, ≈ 0.9 h wall on 2 workers when nothing else runs. Each part resumes " \
            "where it stopped." in lines
     assert "Records made at commit(s) `abc1234`." in text and "commit `def5678`" in text
+
+
+def test_a_sweep_record_without_rounds_prints_not_recorded(tmp_path: Path) -> None:
+    """A sweep cell on record whose rounds are not (no ``per_round``, no run folder): its best
+    round and cosine are unknown, n/r, not "–" (which says the cell was not run)."""
+    tool = _tool()
+    recs = [_rec("FedOCP", 0, [0.60, 0.72, 0.70], [0.2, 0.0, -0.05]),
+            _rec("FedOCP", 0, None, last=0.5, sweep=("tau_server", 1.0))]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    text = tool.report(tool.load_results(tmp_path), out=tmp_path, datasets=["CIFAR-10"], splits=["Dir(0.1)"],
+                       methods=["FedOCP"], seeds=[0], settings=SETTINGS, wall_s=None, commit="def5678", verify=[],
+                       sweep=("CIFAR-10", "Dir(0.1)", "local"), sweep_values=tool.sweep_plan(["tau_server"]))
+    lines = text.splitlines()
+    # the default row: main FedOCP seed 0, best round 72 %, last cosine −0.05
+    assert "| tau_server | 0.1 (default) | 72.00 | – | -0.050 | 1 |" in lines
+    assert "| tau_server | 1.0 | n/r | – | n/r | 0 of 1 |" in lines  # on record, rounds not
+    assert "| tau_server | 0.01 | – | – | – | 0 |" in lines  # not run
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "-1"], ["--rounds", "0"], ["--clients", "0"], ["--epochs", "0"],
+                                  ["--workers", "0"], ["--verify", "-1"], ["--train-samples", "-5"],
+                                  ["--server-epochs", "-1"], ["--lr", "0"], ["--seeds", "x"], ["--methods", "Nope"]])
+def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
+    """Each used to reach the grid: every cell recorded as a ConfigError, exit 0."""
+    with pytest.raises(SystemExit) as exc:
+        _tool().main([*argv, "--out", str(tmp_path / "grid"), "--report", str(tmp_path / "r.md")])
+    assert exc.value.code == 2
+    assert not (tmp_path / "grid").exists()  # refused before any folder or cell was made

@@ -1,12 +1,14 @@
 """The FedPGP reproduction report on hand-made records: means over seeds, rounds to target from the
 records' own rounds (``n/r`` where a record has none), the projection's share over all rounds,
-controls and claims compared over the seeds both sides have, the sweep table."""
+controls and claims compared over the seeds both sides have, the sweep table; the sweep on a
+split whose name holds a ``/``; options that cannot make a grid are usage errors."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 from helpers.tools import load_tool
 
 
@@ -67,3 +69,26 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     # the sweep: one seed, printed without a ± 0; the default row is main FedPGP on the swept seed 0
     assert "| mix_size | 8 (default) | 90.00 | 1 |" in text and "| mix_size | 32 | 92.00 | 1 |" in text
     assert "Records made at commit(s) `abc1234`." in text and "commit `def5678`" in text
+
+
+def test_the_sweep_runs_on_a_split_whose_name_holds_a_slash() -> None:
+    """``--sweep-bench "MNIST/2 classes/client"``: the data set is before the first ``/``."""
+    kw = {"rounds": 1, "epochs": 1, "clients": 4, "train_samples": 0, "participation": 0.7, "lr": 0.01, "data_dir": ""}
+    jobs = _tool().make_jobs(["MNIST"], ["Dir(0.1)"], ["FedAvg"], [0], sweep="MNIST/2 classes/client", **kw)
+    sweep = [j for j in jobs if j.tags["grid"] == "sweep"]
+    # every non-default value of every key: 3 + 3 + 2 + 1 + 1 + 1
+    assert len(sweep) == 11 and sweep[0].key == "sweep/MNIST/2_classes_client/mix_size=2/s0"
+    assert {j.tags["split"] for j in sweep} == {"2 classes/client"}
+    assert sweep[0].config["data"]["partition"] == "classes" and sweep[0].config["data"]["classes_per_client"] == 2
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "-1"], ["--rounds", "0"], ["--clients", "0"], ["--epochs", "0"],
+                                  ["--workers", "0"], ["--verify", "-1"], ["--train-samples", "-5"],
+                                  ["--participation", "0"], ["--lr", "0"], ["--seeds", "x"], ["--methods", "Nope"],
+                                  ["--sweep-bench", "MNIST/Dir(0.3)"], ["--sweep-bench", "MNIST"]])
+def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
+    """Each used to reach the grid: a traceback, or every cell recorded as a ConfigError and exit 0."""
+    with pytest.raises(SystemExit) as exc:
+        _tool().main([*argv, "--out", str(tmp_path / "grid"), "--report", str(tmp_path / "r.md")])
+    assert exc.value.code == 2
+    assert not (tmp_path / "grid").exists()  # refused before any folder or cell was made
