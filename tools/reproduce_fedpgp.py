@@ -25,7 +25,8 @@ failed one runs again). Before the grid the first missing cell runs alone and it
 CPU estimate for the rest, printed (``--estimate-only`` stops there). Shrink knobs: ``--rounds``,
 ``--clients``, ``--train-samples`` (a class-stratified subset), ``--epochs``, ``--seeds``,
 ``--datasets``, ``--splits``, ``--methods``, ``--no-sweep``. ``--verify K`` re-runs K recorded cells
-into ``OUT/verify`` and reports whether they reproduce the recorded final accuracy.
+into a temporary folder inside ``OUT`` (removed after) and reports whether they reproduce the
+recorded final accuracy.
 
 Usage::
 
