@@ -349,16 +349,22 @@ def die_with_parent() -> None:
 
 def stop_pool(pool: ProcessPoolExecutor) -> None:
     """Stop a pool now, for an interrupted grid (Ctrl-C): cancel the jobs not started and end the
-    workers' running ones (SIGTERM; each worker's broker has a watchdog that ends it with its
-    worker). Without this, leaving the pool's ``with`` block on an exception waits for every
-    queued job to finish, records none of them, and the grid goes on long after Ctrl-C."""
+    workers' running ones (SIGTERM, then SIGKILL for a worker still alive 10 s later; each
+    worker's broker has a watchdog that ends it with its worker). Without this, leaving the
+    pool's ``with`` block on an exception waits for every queued job to finish, records none of
+    them, and the grid goes on long after Ctrl-C."""
     procs = list((getattr(pool, "_processes", None) or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
+    # a worker the pool started while it was being shut down is ended too
+    procs += [p for p in (getattr(pool, "_processes", None) or {}).values() if p not in procs]
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
     for proc in procs:
         proc.join(10)
+        if proc.is_alive():  # SIGTERM not honoured within 10 s (a loaded machine, a long teardown)
+            proc.kill()
+            proc.join()
 
 
 def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
@@ -566,15 +572,26 @@ def series_lines(series: dict[str, list]) -> list[dict]:
     return [{k: v[i] for k, v in series.items() if i < len(v) and v[i] is not None} for i in range(n)]
 
 
+def _run_metrics(out: Path, key: str) -> Path:
+    """``OUT/runs/<key with / → __>/metrics.jsonl``: where grid cell ``key``'s run wrote its rounds."""
+    return out / "runs" / key.replace("/", "__") / "metrics.jsonl"
+
+
 def read_metrics(out_dir: str | Path, key: str) -> list[dict]:
-    """The per-round metrics lines of grid cell ``key``: ``OUT/runs/<key with / → __>/metrics.jsonl``
-    when the run folder is on disk, otherwise the record's own ``per_round`` columns (from
-    ``OUT/results.jsonl``, :func:`series_lines`; the fields :func:`round_series` keeps); ``[]``
-    when neither is there (a record made before records carried their rounds, and its run folder
-    gone: :func:`has_rounds` tells a caller which it is)."""
-    path = Path(out_dir) / "runs" / key.replace("/", "__") / "metrics.jsonl"
-    if path.exists():
-        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The per-round metrics lines of grid cell ``key``: its run folder's ``metrics.jsonl`` when
+    on disk, otherwise the record's own ``per_round`` columns (from ``OUT/results.jsonl``,
+    :func:`series_lines`; the fields :func:`round_series` keeps); ``[]`` when neither is there (a
+    record made before records carried their rounds, and its run folder gone).
+
+    Raises:
+        AuditError: the run folder's ``metrics.jsonl`` is unreadable or holds a line that is not a
+            JSON object.
+    """
+    from .audit._load import read_metrics as read_metrics_file
+
+    path = _run_metrics(Path(out_dir), key)
+    if path.is_file():
+        return read_metrics_file(path)
     rec = _records(Path(out_dir)).get(key) or {}
     return series_lines(rec.get("per_round") or {})
 
@@ -611,6 +628,8 @@ def attach_round_series(out_dir: str | Path) -> int:
     Returns:
         The number of records given their rounds (0: the file is left untouched).
     """
+    from .audit._load import read_metrics as read_metrics_file
+
     out = Path(out_dir)
     path = out / "results.jsonl"
     if not path.exists():
@@ -620,10 +639,9 @@ def attach_round_series(out_dir: str | Path) -> int:
     for rec in lines:
         if "error" in rec or rec.get("per_round"):
             continue
-        metrics = out / "runs" / rec["key"].replace("/", "__") / "metrics.jsonl"
-        if metrics.exists():
-            rec["per_round"] = round_series([json.loads(x) for x in metrics.read_text(encoding="utf-8").splitlines()
-                                             if x.strip()])
+        metrics = _run_metrics(out, rec["key"])
+        if metrics.is_file():
+            rec["per_round"] = round_series(read_metrics_file(metrics))
             added += 1
     if added:
         tmp = path.with_suffix(".jsonl.tmp")
@@ -632,11 +650,14 @@ def attach_round_series(out_dir: str | Path) -> int:
     return added
 
 
-def rounds_to_target(lines: Sequence[dict], target: float, metric: str = "accuracy") -> int | None:
+def rounds_to_target(lines: Sequence[dict], target: float,
+                     metric: str | Callable[[dict], float | None] = "accuracy") -> int | None:
     """The first round whose ``metric`` reaches ``target`` (same unit, e.g. a fraction), or
-    ``None`` (never, or no lines)."""
+    ``None`` (never, or no lines). ``metric``: a field name, or a function of a metrics line
+    (``None`` where the line has no figure)."""
+    figure = metric if callable(metric) else (lambda m: m.get(metric))
     for m in lines:
-        v = m.get(metric)
+        v = figure(m)
         if v is not None and v >= target:
             return int(m["round"])
     return None
@@ -647,7 +668,8 @@ def rounds_to_target(lines: Sequence[dict], target: float, metric: str = "accura
 NOT_RECORDED = "n/r"
 
 
-def cell_rounds_to_target(out_dir: str | Path, key: str, target: float, metric: str = "accuracy") -> int | str | None:
+def cell_rounds_to_target(out_dir: str | Path, key: str, target: float,
+                          metric: str | Callable[[dict], float | None] = "accuracy") -> int | str | None:
     """:func:`rounds_to_target` of grid cell ``key``'s rounds (:func:`read_metrics`): the first
     round whose ``metric`` reaches ``target``, ``None`` when none did, :data:`NOT_RECORDED` when
     the cell's rounds are not on hand."""

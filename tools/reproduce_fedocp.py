@@ -94,6 +94,7 @@ from broker_server.experiments import (  # noqa: E402
     NOT_RECORDED,
     Job,
     attach_round_series,
+    cell_rounds_to_target,
     check_out_dir,
     code_commit,
     default_data_dir,
@@ -334,16 +335,8 @@ def rounds_to_client_target(out: Path, r: dict, target: float) -> int | str | No
     """The first round whose client accuracy (:func:`_client_figure`) reached ``target`` (a
     fraction), ``None`` when none did, :data:`~broker_server.experiments.NOT_RECORDED` when the
     cell's rounds are not on hand (:func:`~broker_server.experiments.cell_rounds_to_target` over
-    this report's figure, which falls back to the unweighted mean for lines without the weighted
-    one, so it is not one metric name)."""
-    lines = read_metrics(out, r["key"])
-    if not lines:
-        return NOT_RECORDED
-    for m in lines:
-        a = _client_figure(m)
-        if a is not None and a >= target:
-            return int(m["round"])
-    return None
+    this report's figure)."""
+    return cell_rounds_to_target(out, r["key"], target, _client_figure)
 
 
 def _protocol(r: dict) -> str:

@@ -84,6 +84,9 @@ def test_rounds_to_target_reads_the_run_folder(tmp_path: Path) -> None:
     assert got == lines and read_metrics(tmp_path, "a/b/s1") == []
     assert rounds_to_target(got, 0.7) == 3 and rounds_to_target(got, 0.95) is None
     assert rounds_to_target(got, 0.2, "accuracy_worst") == 3
+    # a figure computed from the line: round 1's 0.3 + 0.1 = 0.4 is the first to reach 0.35
+    assert rounds_to_target(got, 0.35, lambda m: None if "accuracy_worst" not in m
+                            else m["accuracy"] + m["accuracy_worst"]) == 1
 
 
 LINES: list[dict] = [{"round": 1, "accuracy": 0.3, "seconds": 4.2, "phase_s": {"publish": 0.1}, "share": "all",
