@@ -707,25 +707,37 @@ def pm(values: Sequence[float | None], scale: float = 100.0, digits: int = 2, *,
 def run_with_estimate(jobs: Sequence[Job], out_dir: str | Path, *, workers: int, estimate_only: bool = False,
                       on_result: Callable[[dict], None] | None = None, note: str = "",
                       stamp: dict | None = None) -> float:
-    """The reproduction loop: the first job not yet on record runs alone, and its time × the
-    number still to run is printed as the CPU estimate (``note`` says how cells differ); then,
-    unless ``estimate_only``, the whole grid (:func:`run_grid`; what is on record is skipped).
+    """The reproduction loop: print a CPU estimate for the jobs not yet on record, then, unless
+    ``estimate_only``, run the whole grid (:func:`run_grid`; what is on record is skipped).
+
+    The estimate: on a fresh grid (none of ``jobs`` on record) or with ``estimate_only``, the first
+    job not yet on record runs alone and its time × the number still to run is printed (``note``
+    says how cells differ). On a resumed grid the mean time of the cells of ``jobs`` already on
+    record stands in for it, and the grid starts at once on every worker (running one cell alone
+    there would leave the other workers idle for a cell's time, for a figure the records give).
 
     Returns:
         Wall seconds of this call.
     """
     t0 = time.monotonic()
-    done = {k for k, r in load_results(out_dir).items() if "error" not in r}
+    done = {k: r for k, r in load_results(out_dir).items() if "error" not in r}
     todo = [j for j in jobs if j.key not in done]
-    if todo:
+    recorded = [float(done[j.key].get("seconds", 0.0)) for j in jobs if j.key in done]
+    tail = f" ({note})" if note else ""
+    if not todo:
+        print(f"all {len(jobs)} cells on record in {out_dir}", flush=True)
+    elif recorded and not estimate_only:
+        secs = sum(recorded) / len(recorded)
+        cells = f"{len(recorded)} cell{'s' if len(recorded) != 1 else ''}"
+        print(f"{cells} on record (mean {secs:.0f} s); {len(todo)} to run ≈ "
+              f"{secs * len(todo) / 3600:.1f} CPU-hours, ≈ {secs * len(todo) / max(1, workers) / 3600:.1f} h wall "
+              f"on {workers} workers" + tail, flush=True)
+    else:
         first = run_grid([todo[0]], out_dir, workers=1, on_result=on_result, stamp=stamp)[todo[0].key]
         secs = float(first.get("seconds", 0.0))
         rest = len(todo) - 1
         print(f"first cell {secs:.0f} s; {rest} more cells ≈ {secs * rest / 3600:.1f} CPU-hours, "
-              f"≈ {secs * rest / max(1, workers) / 3600:.1f} h wall on {workers} workers"
-              + (f" ({note})" if note else ""), flush=True)
-    else:
-        print(f"all {len(jobs)} cells on record in {out_dir}", flush=True)
+              f"≈ {secs * rest / max(1, workers) / 3600:.1f} h wall on {workers} workers" + tail, flush=True)
     if not estimate_only:
         run_grid(jobs, out_dir, workers=workers, on_result=on_result, stamp=stamp)
     return time.monotonic() - t0

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.experiments import Job, config_fingerprint, load_results, mean_std, run_grid
+import broker_server.experiments as experiments
+from broker_server.experiments import Job, config_fingerprint, load_results, mean_std, run_grid, run_with_estimate
 
 
 def _config(algorithm: str, clients: int, seed: int) -> dict:
@@ -86,6 +87,33 @@ def test_an_interrupted_grid_stops_its_queued_cells(tmp_path: Path) -> None:
     # the same grid again resumes: the two cells not on record run, the failed one runs again
     res = run_grid(jobs[1:], tmp_path, workers=1)
     assert all("error" not in res[j.key] for j in jobs[1:]) and res["g/fedavg/s2"]["rounds"] == 2
+
+
+def test_a_resumed_grid_takes_its_estimate_from_the_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh grid runs its first cell alone for the estimate; a resumed one prints the mean time
+    of the cells on record and hands every missing cell to the workers at once (one cell run
+    alone would leave a worker idle for a cell's time)."""
+    calls: list[tuple[list[str], int]] = []
+    real = experiments.run_grid
+
+    def counting(jobs: list[Job], out_dir: Path, *, workers: int, **kw: object) -> dict:
+        calls.append(([j.key for j in jobs], workers))
+        return real(jobs, out_dir, workers=workers, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(experiments, "run_grid", counting)
+    first = [Job("g/fedavg/s0", _config("fedavg", 1, 0))]
+    run_with_estimate(first, tmp_path, workers=2)
+    assert calls == [(["g/fedavg/s0"], 1), (["g/fedavg/s0"], 2)]  # alone, then the grid (nothing left)
+    assert "first cell" in capsys.readouterr().out
+    calls.clear()
+    more = [*first, Job("g/fedavg/s1", _config("fedavg", 1, 1)), Job("g/fedavg/s2", _config("fedavg", 1, 2))]
+    run_with_estimate(more, tmp_path, workers=2)
+    assert calls == [([j.key for j in more], 2)]  # straight to the workers
+    recorded = load_results(tmp_path)["g/fedavg/s0"]["seconds"]
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"1 cell on record (mean {recorded:.0f} s); 2 to run")
+    assert all("error" not in r for r in load_results(tmp_path).values()) and len(load_results(tmp_path)) == 3
 
 
 def test_mean_std() -> None:
