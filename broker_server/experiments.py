@@ -367,6 +367,37 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
             proc.join()
 
 
+def records_of_other_configs(jobs: Iterable[Job], out_dir: str | Path, records: dict[str, dict] | None = None,
+                             ) -> list[str]:
+    """The keys of ``jobs`` whose finished record in ``out_dir`` was made with another configuration
+    than the job's (``config_sha256`` differs from :func:`config_fingerprint` of the job's config,
+    with or without the grid folder); records without a fingerprint (made before it existed) and
+    failed records are not counted. ``records`` (default: :func:`load_results` of ``out_dir``)
+    saves a second read."""
+    out = Path(out_dir)
+    done = {k: v for k, v in (load_results(out) if records is None else records).items() if "error" not in v}
+    return [j.key for j in jobs if j.key in done and "config_sha256" in done[j.key]
+            and done[j.key]["config_sha256"] not in (config_fingerprint(j.config, out), config_fingerprint(j.config))]
+
+
+def check_report_records(jobs: Iterable[Job], out_dir: str | Path) -> None:
+    """``--report-only``: refuse to describe records with options they were not made with.
+
+    The report's protocol section and its cells come from the command line's options; a record
+    of the same key made with other options (another ``--rounds``, ``--train-samples``, …) would be
+    reported under a protocol it did not run.
+
+    Raises:
+        RecordsError: some records' ``config_sha256`` differ from the jobs' configurations (the
+            message names how many and the first, and asks for the grid's own options).
+    """
+    bad = records_of_other_configs(jobs, out_dir)
+    if bad:
+        raise RecordsError(f"{Path(out_dir) / 'results.jsonl'}: {len(bad)} record(s) (first {bad[0]!r}) were made "
+                           "with other options than these (config_sha256 differs): pass the options the grid was "
+                           "run with (its report's 'Command' line) so the report describes what ran")
+
+
 def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
              on_result: Callable[[dict], None] | None = None, stamp: dict | None = None) -> dict[str, dict]:
     """Run every job not yet in ``out_dir/results.jsonl`` in ``workers`` processes.
@@ -393,12 +424,10 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     jobs = list(jobs)
     _mend_tail(out / "results.jsonl")
     done = {k: v for k, v in load_results(out).items() if "error" not in v}
-    for j in jobs:
-        rec = done.get(j.key)
-        if (rec is not None and "config_sha256" in rec
-                and rec["config_sha256"] not in (config_fingerprint(j.config, out), config_fingerprint(j.config))):
-            raise RecordsError(f"{out / 'results.jsonl'}: the record of {j.key!r} was made with another configuration "
-                               "(config_sha256 differs); use a fresh output folder or remove that record")
+    mismatched = records_of_other_configs(jobs, out, done)
+    if mismatched:
+        raise RecordsError(f"{out / 'results.jsonl'}: the record of {mismatched[0]!r} was made with another "
+                           "configuration (config_sha256 differs); use a fresh output folder or remove that record")
     todo = [j for j in jobs if j.key not in done]
     keys = {j.key for j in jobs} | set(done)
     if todo:

@@ -54,6 +54,7 @@ from broker_server.experiments import (  # noqa: E402
     attach_round_series,
     cell_rounds_to_target,
     check_out_dir,
+    check_report_records,
     code_commit,
     default_data_dir,
     failed_runs_section,
@@ -386,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0  # an estimate leaves the committed report as it is
         if a.verify:
             verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit, headline=_acc)
+    else:
+        check_report_records(jobs, out)  # the report describes these options: the records must be theirs
     attached = attach_round_series(out)
     if attached:
         print(f"{attached} records given their rounds from their run folders")

@@ -92,3 +92,24 @@ def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
         _tool().main([*argv, "--out", str(tmp_path / "grid"), "--report", str(tmp_path / "r.md")])
     assert exc.value.code == 2
     assert not (tmp_path / "grid").exists()  # refused before any folder or cell was made
+
+
+def test_report_only_refuses_records_of_other_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--report-only`` describes the command line's options; a record of the same key made with
+    another ``--rounds`` would be reported under a protocol it did not run, so it is refused."""
+    from broker_server.experiments import config_fingerprint
+
+    t = _tool()
+    out, report = tmp_path / "grid", tmp_path / "r.md"
+    kw = {"rounds": 3, "epochs": 1, "clients": 4, "train_samples": 0, "participation": 0.7, "lr": 0.01, "data_dir": ""}
+    job = t.make_jobs(["MNIST"], ["Dir(0.1)"], ["FedAvg"], [0], sweep=None, **kw)[0]
+    rec = {**_rec("FedAvg", 0, 0.8, [0.5, 0.7, 0.8]), "key": job.key,
+           "config_sha256": config_fingerprint(job.config, out)}
+    out.mkdir()
+    (out / "results.jsonl").write_text(json.dumps(rec) + "\n", encoding="utf-8")
+    argv = ["--out", str(out), "--report", str(report), "--report-only", "--datasets", "MNIST", "--splits",
+            "Dir(0.1)", "--methods", "FedAvg", "--seeds", "0", "--no-sweep", "--epochs", "1", "--clients", "4"]
+    assert t.script_exit(lambda: t.main([*argv, "--rounds", "5"])) == 1
+    assert "other options than these" in capsys.readouterr().err and not report.exists()
+    assert t.script_exit(lambda: t.main([*argv, "--rounds", "3"])) == 0
+    assert "| FedAvg | 80.00 |" in report.read_text(encoding="utf-8")
