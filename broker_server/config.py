@@ -116,6 +116,14 @@ class ServerSection:
     ``client_eval_max`` test samples (0 = the whole test split, minus a proxy set if any; it caps
     the shared split only and must be 0 with ``[data] client_test = "local"``, where each device
     evaluates on its whole local test set), in every ``client_eval_every``-th round and the last.
+    ``eval_every``: the server evaluates the global model on the test split (and each test
+    domain) in every ``eval_every``-th round and the last (default 1: every round); the other
+    rounds' ``metrics.jsonl`` lines have no ``accuracy``/``loss`` (``test_evaluated`` false), so
+    rounds to a target are resolved to ``eval_every`` rounds. A strategy's own
+    :meth:`~broker_server.strategies.Strategy.evaluate` (FedDO's and FedAA's reward from their
+    validation set) still runs every round, and training is the same whatever the value (the
+    evaluation draws from no generator). It does not apply to the devices' own evaluations
+    (``client_eval_every``), the accuracy of an algorithm that shares less than the whole model.
     ``offline_grace_s``: seconds a selected device whose last will (``offline``) arrived during a
     round may take to come back before the round stops waiting for it (default 30).
     ``global_delivery``: how a round's ``global`` reaches the selected devices: ``"broadcast"``
@@ -140,6 +148,7 @@ class ServerSection:
     client_eval: bool = False
     client_eval_max: int = 0
     client_eval_every: int = 1
+    eval_every: int = 1
     offline_grace_s: float = 30.0
     global_delivery: str = "auto"
     global_confirm_s: float = 10.0
@@ -388,6 +397,7 @@ _RANGES: dict[tuple[str, str], Any] = {
     ("server", "eval_batch_size"): (1, 1 << 20),
     ("server", "client_eval_max"): (0, 1 << 30),
     ("server", "client_eval_every"): (1, 1 << 30),
+    ("server", "eval_every"): (1, 1 << 30),
     ("broker", "kind"): ("auto", "mosquitto", "amqtt"),
     ("broker", "mqtt_version"): ("auto", "5", "3.1.1"),
     ("broker", "keepalive_s"): (5, 65535),

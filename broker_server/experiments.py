@@ -7,8 +7,9 @@ already there, so an interrupted reproduction resumes where it stopped.
 
 What a job reports (:func:`run_job`):
 
-- the last round's metrics line and the best round's accuracy, and ``client_test`` (which data
-  the client figures were measured on: ``[data] client_test``);
+- the last round's metrics line (the last round is always evaluated, whatever ``[server]
+  eval_every``) and the best evaluated round's accuracy, and ``client_test`` (which data the
+  client figures were measured on: ``[data] client_test``);
 - ``per_round``: the run's per-round figures, column by column (:func:`round_series`), so that a
   report made from the records alone (a fresh checkout has no ``runs/`` folders) still has the
   curves, rounds to a target and per-round mechanism figures (:func:`read_metrics` falls back to
@@ -583,7 +584,8 @@ def round_series(lines: Sequence[dict]) -> dict[str, list]:
     """A run's per-round metrics lines as columns: ``{"round": [1, 2, …], "accuracy": [...], …}``.
 
     Kept: every field whose value in each round is a number, a bool, ``None`` or a list of at most
-    :data:`SERIES_LIST_MAX` numbers (a round without the field gives ``None``); left out: strings,
+    :data:`SERIES_LIST_MAX` numbers (a round without the field gives ``None``: e.g. the
+    ``accuracy`` of a round not evaluated, ``[server] eval_every``); left out: strings,
     dicts, longer lists and the timings (:data:`VOLATILE_METRICS`). :func:`series_lines` turns the
     columns back into lines. ``{}`` for no lines.
     """
@@ -683,7 +685,13 @@ def rounds_to_target(lines: Sequence[dict], target: float,
                      metric: str | Callable[[dict], float | None] = "accuracy") -> int | None:
     """The first round whose ``metric`` reaches ``target`` (same unit, e.g. a fraction), or
     ``None`` (never, or no lines). ``metric``: a field name, or a function of a metrics line
-    (``None`` where the line has no figure)."""
+    (``None`` where the line has no figure).
+
+    Only the lines that have the figure count: with ``[server] eval_every`` = E > 1 the global
+    model is evaluated in every E-th round and the last only (the other lines have no
+    ``accuracy``, ``loss`` or per-domain figures), so the round returned is the first
+    *evaluated* one at or above ``target``: the true first round lies in the E − 1 rounds before
+    it at most (resolution E rounds)."""
     figure = metric if callable(metric) else (lambda m: m.get(metric))
     for m in lines:
         v = figure(m)

@@ -74,6 +74,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     Raises:
         ConfigError: another algorithm, episodes or rounds below 1, a partition that cannot be made.
         DataError: the data set cannot be found.
+        RunError: a starting ``policy`` trained for fewer devices than ``[data] clients``
+            (:class:`~broker_server.strategies.feddo.FedDO`'s slots).
     """
     if cfg.train.algorithm != "feddo":
         raise ConfigError(f"fedfleet feddo pretrain needs [train] algorithm = \"feddo\", not {cfg.train.algorithm!r}")

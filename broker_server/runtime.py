@@ -350,5 +350,6 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
                                 offline_grace_s=cfg.server.offline_grace_s,
                                 global_delivery=cfg.server.global_delivery,
                                 global_confirm_s=cfg.server.global_confirm_s,
-                                overlap_evaluation=cfg.server.overlap_evaluation),
+                                overlap_evaluation=cfg.server.overlap_evaluation,
+                                eval_every=cfg.server.eval_every),
         run_dir=run_dir, on_round=on_round, test_domains=getattr(ds, "test_domains", None) or None)

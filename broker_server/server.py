@@ -44,6 +44,18 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    so a skipped round never repeats the round before's;
 6. evaluate on the held-out test split, write one ``metrics.jsonl`` line and a checkpoint.
 
+**Evaluation rounds** (``[server] eval_every`` = E, default 1): the global model is evaluated on
+the test split and each test domain only in rounds r with r mod E = 0 and in the last round
+(:meth:`AggregationServer.evaluates_round`); the other rounds' lines carry no ``accuracy`` and
+no ``loss`` (the keys are absent: not 0, not the last evaluated round's copy), no
+``domain_accuracy``/``accuracy_avg``/``accuracy_worst``, and ``test_evaluated`` false. The
+strategy's :meth:`Strategy.evaluate <broker_server.strategies.Strategy.evaluate>` runs every
+round all the same (FedDO and FedAA compute their reward from it; an ``accuracy`` it returns
+is the line's in every round), and nothing else changes: the evaluation draws from no generator
+and only reads the model, so a run's training, selections and evaluated figures are those of
+the same run with E = 1. ``share != "all"``: the line's accuracy is the devices' own
+(``client_eval``, every ``client_eval_every``-th round), which E does not change.
+
 **Evaluation overlap** (``[server] overlap_evaluation = "auto"``, the default, and a strategy
 whose next plan does not read the round's evaluation: :attr:`Strategy.plans_from_evaluation
 <broker_server.strategies.Strategy.plans_from_evaluation>` false): step 6 of round r, but the
@@ -144,9 +156,9 @@ log = logging.getLogger(__name__)
 
 #: The keys of a round's metrics line that the driver writes: a strategy hook's figures
 #: (``aggregate_metrics``, ``evaluate``) never replace them (``evaluate`` may give accuracy and loss).
-DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "share", "clients_selected", "clients_reported",
-               "bytes_up", "bytes_down", "seconds", "skipped", "skip_reason", "duplicates", "late", "invalid",
-               "global_receipts", "unsolicited", "withdrawn", "dropped", "resent_to", "unreported",
+DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "test_evaluated", "share", "clients_selected",
+               "clients_reported", "bytes_up", "bytes_down", "seconds", "skipped", "skip_reason", "duplicates", "late",
+               "invalid", "global_receipts", "unsolicited", "withdrawn", "dropped", "resent_to", "unreported",
                "rejected_by_reason", "train_loss", "clients_train_s", "phase_s", "metrics_refused",
                "global_delivery")
 
@@ -230,6 +242,9 @@ class ServerSettings:
             train the next, unless the strategy's plan reads the evaluation: the module
             docstring's "Evaluation overlap") or ``"off"`` (evaluate before the next round
             opens), ``[server] overlap_evaluation``; one of :data:`OVERLAP_EVALUATIONS`.
+        eval_every: E ≥ 1, ``[server] eval_every``: the global model is evaluated on the test
+            split (and the test domains) in every E-th round and the last only (the module
+            docstring's "Evaluation rounds"); the strategy's ``evaluate`` runs every round.
     """
 
     rounds: int
@@ -249,6 +264,7 @@ class ServerSettings:
     global_confirm_s: float = 10.0
     global_delivery: str = "auto"
     overlap_evaluation: str = "auto"
+    eval_every: int = 1
 
 
 #: ``[server] global_delivery`` values.
@@ -474,7 +490,8 @@ class AggregationServer:
             as the :attr:`eval_slot` attribute before :meth:`run`.
 
     Raises:
-        RunError: ``settings.global_delivery`` or ``settings.overlap_evaluation`` is not a known value.
+        RunError: ``settings.global_delivery`` or ``settings.overlap_evaluation`` is not a known
+            value, or ``settings.eval_every`` is not an integer ≥ 1.
     """
 
     def __init__(self, *, channel: Channel, strategy: Strategy, model: torch.nn.Module, test: ArraySplit,
@@ -493,6 +510,9 @@ class AggregationServer:
         if settings.overlap_evaluation not in OVERLAP_EVALUATIONS:
             raise RunError(f"overlap_evaluation = {settings.overlap_evaluation!r} is not one of "
                            f"{', '.join(OVERLAP_EVALUATIONS)}")
+        if isinstance(settings.eval_every, bool) or not isinstance(settings.eval_every, int) or settings.eval_every < 1:
+            raise RunError(f"eval_every = {settings.eval_every!r} must be an integer >= 1 (evaluate the global model "
+                           "in every eval_every-th round and the last)")
         self.settings = settings
         self.run_dir = Path(run_dir)
         self.on_round = on_round
@@ -1331,7 +1351,7 @@ class AggregationServer:
         self._write_line(line)
         # after the metrics line (a crash between the two re-runs the round): timed into the next line
         mark = self.phases.lap()
-        self._checkpoint(accuracy=line["accuracy"])
+        self._checkpoint(accuracy=line.get("accuracy"))
         mark("checkpoint")
         self.write_registry()
         mark("registry")
@@ -1395,17 +1415,37 @@ class AggregationServer:
         metrics["clients_train_s"] = _train_seconds(results)
         return metrics
 
+    def evaluates_round(self, r: int) -> bool:
+        """Whether round ``r`` is an evaluation round (the module docstring's "Evaluation
+        rounds"): ``r`` a multiple of ``eval_every``, or the last round."""
+        return r % self.settings.eval_every == 0 or r >= self.settings.rounds
+
+    def _evaluates_model(self, r: int) -> bool:
+        """Whether completing round ``r``'s line reads its model: an evaluation round, or a
+        strategy that overrides :meth:`Strategy.evaluate <broker_server.strategies.Strategy.evaluate>`."""
+        return self.evaluates_round(r) or type(self.strategy).evaluate is not Strategy.evaluate
+
     def _evaluate_line(self, r: int, line: dict, model: torch.nn.Module) -> None:
         """Complete round ``r``'s ``line`` (:meth:`_round_line`) with the evaluations of its global
-        ``model``: ``accuracy``/``loss`` on the test split (``share = "all"`` only: otherwise the
-        clients' figures stand), each test domain's accuracy, and :meth:`Strategy.evaluate
+        ``model``: in an evaluation round (:meth:`evaluates_round`) ``accuracy``/``loss`` on the
+        test split (``share = "all"`` only: otherwise the clients' figures stand) and each test
+        domain's accuracy; in every round :meth:`Strategy.evaluate
         <broker_server.strategies.Strategy.evaluate>`'s figures (whose ``accuracy`` replaces the
         line's). A figure the strategy's hooks already gave the line is not replaced by a
-        domain figure; the strategy's evaluation replaces any."""
+        domain figure; the strategy's evaluation replaces any. ``test_evaluated``: whether the
+        test split was evaluated; a round that was not has no ``accuracy``/``loss`` keys
+        (``share = "all"``), never a stand-in value."""
+        tested = self.evaluates_round(r)
         if self.share == "all":
-            line["accuracy"], line["loss"] = evaluate(model, self.test, batch_size=self.settings.eval_batch_size)
-        for key, value in self._domain_metrics(model).items():
-            line.setdefault(key, value)
+            if tested:
+                line["accuracy"], line["loss"] = evaluate(model, self.test, batch_size=self.settings.eval_batch_size)
+            else:
+                line.pop("accuracy", None)
+                line.pop("loss", None)
+        line["test_evaluated"] = tested and self.share == "all"
+        if tested:
+            for key, value in self._domain_metrics(model).items():
+                line.setdefault(key, value)
         own = server_evaluate(self.strategy, r, model, [k for k in DRIVER_KEYS if k not in ("accuracy", "loss")])
         refused = own.pop("metrics_refused", [])
         if "accuracy" in own:
@@ -1428,15 +1468,20 @@ class AggregationServer:
         """Evaluate the round ``p`` waits for on a copy of its model, holding :attr:`eval_slot`,
         and write its line (then :attr:`on_round`). Its ``phase_s`` gains ``open_next`` (from its
         checkpoint to now: the next round's opening), ``slot_wait`` and ``evaluate_overlapped``;
-        its ``seconds`` run from its opening to its line."""
+        its ``seconds`` run from its opening to its line. A round that is no evaluation round of a
+        strategy without its own ``evaluate`` reads no model: no slot is held, no copy loaded."""
         p.started = True
         t_open = time.monotonic()
-        with self.eval_slot:
+        reads_model = self._evaluates_model(p.round)
+        with self.eval_slot if reads_model else nullcontext():
             t_slot = time.monotonic()
-            if self._eval_model is None:
-                self._eval_model = copy.deepcopy(self.model)
-            load_arrays(self._eval_model, p.tensors)
-            self._evaluate_line(p.round, p.line, self._eval_model)
+            model = self.model  # not read when reads_model is false
+            if reads_model:
+                if self._eval_model is None:
+                    self._eval_model = copy.deepcopy(self.model)
+                load_arrays(self._eval_model, p.tensors)
+                model = self._eval_model
+            self._evaluate_line(p.round, p.line, model)
             t_done = time.monotonic()
         p.line["phase_s"].update(open_next=round(t_open - p.closed, 4), slot_wait=round(t_slot - t_open, 4),
                                  evaluate_overlapped=round(t_done - t_slot, 4))

@@ -331,7 +331,7 @@ def progress_printer(rounds: int, stream: TextIO | None = None) -> Callable[[dic
     def show(m: dict) -> None:
         skipped = "  SKIPPED: " + m.get("skip_reason", "") if m.get("skipped") else ""
         out.write(
-            f"round {m['round']:>3}/{rounds}  acc {_num(m['accuracy'])}{_source(m)}  loss {_num(m['loss'])}  "
+            f"round {m['round']:>3}/{rounds}  acc {_num(m.get('accuracy'))}{_source(m)}  loss {_num(m.get('loss'))}  "
             f"clients {m['clients_reported']}/{m['clients_selected']}  "
             f"server link: up {m['bytes_up'] / 1024:,.1f} KiB, down {m['bytes_down'] / 1024:,.1f} KiB  "
             f"{m['seconds']:.1f} s  (elapsed {time.monotonic() - t0:.0f} s){skipped}\n")

@@ -292,7 +292,7 @@ def child_main(spec_path: Path, result_path: Path) -> None:
         "round_seconds": [m["seconds"] for m in metrics],
         "clients_reported": [m["clients_reported"] for m in metrics],
         "skipped": [m["skipped"] for m in metrics],
-        "accuracy": [m["accuracy"] for m in metrics],
+        "accuracy": [m.get("accuracy") for m in metrics],
         "bytes_up": [m["bytes_up"] for m in metrics], "bytes_down": [m["bytes_down"] for m in metrics],
         "agent_errors": summary.get("agent_errors", []),
         "profiles": summary.get("profiles"), "emulated_link_s": summary.get("emulated_link_s"),

@@ -156,7 +156,8 @@ def median_time(fn: Any, reps: int) -> float:
 
 def job_overrides(args: argparse.Namespace, over: dict[tuple[str, str], Any] | None = None) -> dict:
     """The ``{(section, key): value}`` overrides of the job's configuration file."""
-    o: dict[tuple[str, str], Any] = {("run", "rounds"): args.rounds}
+    # every round evaluated, as the Flower runs it is compared with (their rounds end after it)
+    o: dict[tuple[str, str], Any] = {("run", "rounds"): args.rounds, ("server", "eval_every"): 1}
     if getattr(args, "overlap_evaluation", ""):
         o[("server", "overlap_evaluation")] = args.overlap_evaluation
     if args.tiny:
@@ -189,7 +190,7 @@ def part_round(args: argparse.Namespace) -> dict[str, Any]:
     res = simulate(cfg, run_dir=run_dir, on_plan=plans.append, agent_hook=lambda i, a: agents.append(a))
     wall = time.perf_counter() - t0
     plan = plans[0]
-    rounds = [{"round": m["round"], "seconds": m["seconds"], "accuracy": m["accuracy"],
+    rounds = [{"round": m["round"], "seconds": m["seconds"], "accuracy": m.get("accuracy"),
                "phase_s": m.get("phase_s", {}), "clients_train_s": m.get("clients_train_s", {}),
                **({"ended_s": m["ended_s"]} if "ended_s" in m else {})}
               for m in res.metrics]

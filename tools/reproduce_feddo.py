@@ -38,21 +38,33 @@ fills one transition per round, so the strategy's default warm-up of 64 would le
 75 rounds to online learning and make *FedDO-frozen* nearly a copy of FedDO; with 32, 43).
 
 **CPU plan for 2 cores** (measured here on Fashion-MNIST, 100 clients, one torch thread per
-cell, at nice 5 beside a nice-19 job). FedAvg at participation 0.2: 25.2 s for 5 rounds and
-56.4 s for 15 with 20,000 training images, 17.7 s and 42.8 s with 10,000; at participation 1.0
-(= FedDO-all) 59.0 s (20,000) and 31.2 s (10,000) for 5 rounds; FedDO with an untrained agent
-(53 of 100 active at d ≈ 0.58) 36.4 s for 10 rounds at 10,000; a pre-training round 1.0 CPU s
-at 10,000 images (no broker, no test-set evaluation); a DSAC-T update (K = 100, batch 64)
-0.01 s (0.09 s at hidden 1,024). So a round costs ≈ 1.8 s (1.55 s of it the global model's
-evaluation on the 10,000 test images, the same for CIFAR-10) + 0.34 ms per training image, a
-cell 5–10 s of start-up. Chosen defaults: 10,000 training images (100 per client), 75 rounds,
-pre-training 10 episodes × 75 rounds (an episode as long as the deployed run). Then a baseline
-cell ≈ 195 s, a FedDO-family cell ≈ 240 s, FedDO-all ≈ 395 s; one data set's main grid (3
-partitions × 12 methods × 3 seeds = 108 cells) ≈ 24,300 s plus 3 policies ≈ 2,250 s: **≈ 7.4
-core-hours, ≈ 3.7 h wall on 2 workers**; the sweep ≈ 7.2 core-hours (13 FedDO values, each a
-policy and 3 cells, and 24 participation cells); the default invocation (Fashion-MNIST first,
-then CIFAR-10, then the sweep) ≈ 22 core-hours, ≈ 11 h wall. The fixed evaluation cost is why
-fewer rounds, not fewer images, is what fits the budget.
+cell, at nice 5 beside a nice-19 job; every round evaluated). FedAvg at participation 0.2:
+25.2 s for 5 rounds and 56.4 s for 15 with 20,000 training images, 17.7 s and 42.8 s with
+10,000; at participation 1.0 (= FedDO-all) 59.0 s (20,000) and 31.2 s (10,000) for 5 rounds;
+FedDO with an untrained agent (53 of 100 active at d ≈ 0.58) 36.4 s for 10 rounds at 10,000; a
+pre-training round 1.0 CPU s at 10,000 images (no broker, no test-set evaluation); a DSAC-T
+update (K = 100, batch 64) 0.01 s (0.09 s at hidden 1,024). So a round costs ≈ 0.25 s +
+1.55 s/E (the global model's evaluation on the 10,000 test images, the same for CIFAR-10, in
+one round of E: ``--eval-every``, ``[server] eval_every``) + 0.34 ms per training image, a cell
+5–10 s of start-up. With E = 1 the evaluation was 1.55 s of a 1.8-s round's fixed cost and the
+grid mostly evaluation. **E = 5, measured**: a FedAvg cell (participation 0.2, 75 rounds, 10,000
+images) took 178 s at nice 5 while a two-worker grid ran at nice 19; its 15 evaluations took
+2.03 s each there (its ``phase_s``), so the same cell evaluated every round would have taken
+≈ 178 + 60 × 2.03 ≈ 300 s under the same load: E = 5 took 0.59 of E = 1. The model gives 0.52
+(100 s against 193 s); under that load the training ran about 2× slower than the model's
+figures, the evaluation 1.3×, so the absolute times were ≈ 1.8× the model's. E = 10 would save
+another ≈ 11 s a cell at half the rounds-to-target resolution, E = 3 cost ≈ 16 s more; E = 5
+leaves the evaluation ≈ 23 % of a baseline cell and resolves rounds to a target to 5 rounds.
+Chosen defaults: 10,000 training images (100 per client), 75 rounds, E = 5, pre-training
+10 episodes × 75 rounds (an episode as long as the deployed run). Then a baseline cell ≈ 100 s,
+a FedDO-family cell ≈ 145 s, FedDO-all ≈ 305 s; one data set's main grid (3 partitions ×
+12 methods × 3 seeds = 108 cells) ≈ 14,300 s plus 3 policies ≈ 2,250 s: **≈ 4.6 core-hours,
+≈ 2.3 h wall on 2 workers** (7.4 and 3.7 with E = 1); the sweep ≈ 5.5 core-hours (13 FedDO
+values, each a policy and 3 cells, and 24 participation cells; 7.2 with E = 1); the default
+invocation (Fashion-MNIST first, then CIFAR-10, then the sweep) ≈ 15 core-hours, ≈ 7.4 h wall
+(22 and 11 with E = 1); under a load like the measurement's, about 1.8× these. Rounds, not
+images, are still what fits the budget best: the fixed cost (0.56 s at E = 5) is nearly half
+of a baseline round.
 ``--estimate-only`` runs the first missing cell alone and prints its time × the cells left and
 the pre-training still to do.
 
@@ -156,6 +168,8 @@ DATASETS = ("fashion_mnist", "cifar10")
 #: the agent's keys in every FedDO cell (the strategy's defaults but the warm-up: see the module)
 AGENT: dict = {"hidden": 256, "layers": 3, "rank": 96, "warmup": 32}
 DEFAULT_PARTICIPATION = 0.2
+#: ``--eval-every``: the test split every 5th round and the last (the module's CPU plan)
+DEFAULT_EVAL_EVERY = 5
 
 #: FedDO keys the paper does not fix (SPECS §4.2–4.3, §7.4), each over a range wide enough to look
 #: for collapse; the first value is FedDO's (the main grid's cell). Every value gets its own
@@ -201,9 +215,13 @@ def _slug(text: str) -> str:
 
 
 def job_config(dataset: str, partition: str, clients: int, algorithm: str, params: dict, seed: int, *, rounds: int,
-               train_samples: int, participation: float, data_dir: str = "") -> dict:
+               train_samples: int, participation: float, data_dir: str = "", eval_every: int = 1) -> dict:
     """The configuration of one run (as parsed TOML). A FedDO cell gets :data:`AGENT` under its
-    own ``params`` and participation 1.0 (FedDO decides itself who trains; the rate is not read)."""
+    own ``params`` and participation 1.0 (FedDO decides itself who trains; the rate is not read).
+    ``eval_every`` (``[server] eval_every``: the global model evaluated on the test split every
+    ``eval_every``-th round and the last) is written only when it is not the server's default 1,
+    so a cell evaluated every round keeps the configuration, and the fingerprint, it had before
+    the option existed, and a cell of another ``eval_every`` never matches its record."""
     scheme, alpha = PARTITIONS[partition]
     extra = dict(AGENT) if algorithm == "feddo" else {}
     if algorithm == "feddo":
@@ -214,13 +232,16 @@ def job_config(dataset: str, partition: str, clients: int, algorithm: str, param
             "train_samples": train_samples, "min_samples": 2}
     if data_dir:
         data["data_dir"] = data_dir
+    server: dict = {"quorum": 1, "participation_rate": participation, "round_deadline_s": 900.0,
+                    "join_timeout_s": 300.0}
+    if eval_every != 1:
+        server["eval_every"] = eval_every
     return {
         "run": {"name": f"feddo-{dataset}", "seed": seed, "rounds": rounds},
         "data": data,
         "model": {"name": "lightcnn"},
         "train": {"algorithm": algorithm, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
-        "server": {"quorum": 1, "participation_rate": participation, "round_deadline_s": 900.0,
-                   "join_timeout_s": 300.0},
+        "server": server,
         "broker": {"kind": "auto"},
         "agents": {"train_slots": 1, "torch_threads": 1},
         "algorithm": {**extra, **params},
@@ -250,7 +271,9 @@ def policy_spec(out: Path, dataset: str, partition: str, *, clients: int, train_
     """One policy to pre-train: ``{"name", "path", "raw", "episodes", "rounds", "fingerprint"}``.
 
     The policy is pre-trained on seed 0's partition (episodes from seeds 1 … E, SPECS §4.3 [guess])
-    with FedDO's [algorithm] table (:data:`AGENT` under ``keys``). Its file is named by the
+    with FedDO's [algorithm] table (:data:`AGENT` under ``keys``); a pre-training evaluates no test
+    split, so cells of every ``--eval-every`` share it (its configuration has the server's
+    default ``eval_every``). Its file is named by the
     setting, ``tag`` and a fingerprint of that configuration and of (episodes, rounds)
     (:func:`~broker_server.experiments.config_fingerprint`, without the data folder), so a cell
     names the exact policy it loads and another budget never reuses it.
@@ -369,13 +392,15 @@ class Grid:
         sweeps: FedDO key → values (default first; :data:`SWEEPS`).
         sweep_baselines, participations: the baselines whose participation is swept, and the rates.
         data_dir: the data folder (not part of any fingerprint).
+        eval_every: ``[server] eval_every`` of every cell (default 1, the server's: every round
+            evaluated); another value is in every cell's key (``…/n10000/e5/…``) and configuration.
     """
 
     def __init__(self, out: Path, *, datasets: list[str], partitions: list[str], methods: list[str],
                  seeds: list[int], clients: int, rounds: int, train_samples: int, participation: float,
                  episodes: int, pretrain_rounds: int, sweep: str | None = None, sweeps: dict | None = None,
                  sweep_baselines: list[str] | None = None, participations: list[float] | None = None,
-                 data_dir: str = "") -> None:
+                 data_dir: str = "", eval_every: int = 1) -> None:
         self.out, self.datasets, self.partitions, self.methods, self.seeds = out, datasets, partitions, methods, seeds
         self.clients, self.rounds, self.train_samples = clients, rounds, train_samples
         self.participation, self.episodes, self.pretrain_rounds = participation, episodes, pretrain_rounds
@@ -386,6 +411,7 @@ class Grid:
         self.participations = [p for p in (PARTICIPATIONS if participations is None else participations)
                                if p != participation]
         self.data_dir = data_dir
+        self.eval_every = eval_every
 
     # -- policies
 
@@ -418,7 +444,8 @@ class Grid:
     # -- cells
 
     def _prefix(self, grid: str, ds: str, part: str) -> str:
-        return f"{grid}/{ds}/{part}/c{self.clients}/r{self.rounds}/n{self.train_samples}"
+        every = f"/e{self.eval_every}" if self.eval_every != 1 else ""
+        return f"{grid}/{ds}/{part}/c{self.clients}/r{self.rounds}/n{self.train_samples}{every}"
 
     def _label_key(self, label: str, participation: float, episodes: int) -> str:
         algo, params = METHODS[label]
@@ -445,7 +472,7 @@ class Grid:
         key = f"{self._prefix('main', ds, part)}/{self._label_key(label, self.participation, self.episodes)}/s{seed}"
         return Job(key, job_config(ds, part, self.clients, algo, params, seed, rounds=self.rounds,
                                    train_samples=self.train_samples, participation=self.participation,
-                                   data_dir=self.data_dir),
+                                   data_dir=self.data_dir, eval_every=self.eval_every),
                    tags={"grid": "main", "dataset": ds, "partition": part, "method": label, "seed": seed})
 
     def control_behaviour(self) -> dict[str, tuple[float, float]]:
@@ -490,7 +517,7 @@ class Grid:
                                     f"{key}={_slug(str(v))}/s{seed}",
                                     job_config(ds, part, self.clients, "feddo", params, seed, rounds=self.rounds,
                                                train_samples=self.train_samples, participation=1.0,
-                                               data_dir=self.data_dir),
+                                               data_dir=self.data_dir, eval_every=self.eval_every),
                                     tags={"grid": "sweep", "dataset": ds, "partition": part, "method": "FedDO",
                                           "sweep_key": key, "value": v, "seed": seed}))
             for label in self.sweep_baselines:
@@ -499,7 +526,7 @@ class Grid:
                     jobs.append(Job(f"{self._prefix('sweep', ds, part)}/{self._label_key(label, p, 0)}/s{seed}",
                                     job_config(ds, part, self.clients, algo, dict(params), seed, rounds=self.rounds,
                                                train_samples=self.train_samples, participation=p,
-                                               data_dir=self.data_dir),
+                                               data_dir=self.data_dir, eval_every=self.eval_every),
                                     tags={"grid": "sweep", "dataset": ds, "partition": part, "method": label,
                                           "sweep_key": "participation", "value": p, "seed": seed}))
         return jobs
@@ -721,12 +748,14 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
            target: float | None, commit: str, verify: list[str], wall_s: float | None,
            sweeps: dict[str, list] | None = None, sweep_bench: str | None = None) -> str:
     """The Markdown report of the cells of ``jobs`` on record in ``results`` (``settings``:
-    clients, rounds, train_samples, participation, episodes, pretrain_rounds, workers)."""
+    clients, rounds, train_samples, participation, episodes, pretrain_rounds, workers, eval_every: 1
+    when absent)."""
     keys = {j.key for j in jobs}
     ok = [r for k, r in results.items() if k in keys and "error" not in r]
     main = [r for r in ok if r.get("grid") == "main"]
     sweep = [r for r in ok if r.get("grid") == "sweep"]
     n_seeds, R, C = len(seeds), settings["rounds"], settings["clients"]
+    E = int(settings.get("eval_every", 1))
     lines = [*report_header("FedDO: reproduction with baselines, one-mechanism controls and sweeps",
                             "tools/reproduce_feddo.py", commit, ok),
              "## Protocol (and how it differs from the paper)", "",
@@ -750,18 +779,25 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
              f"first-seed ({seeds[0]}) run of the same setting.",
              "- Accuracy: the global model on the test split after the last round. Rounds to target: the first "
              "round whose accuracy reaches the setting's target, per seed; *never*: not within the rounds run; "
-             f"*{NOT_RECORDED}*: the cell's rounds are not recorded.", ""]
+             f"*{NOT_RECORDED}*: the cell's rounds are not recorded. "
+             + (f"The test split is evaluated every {E} rounds and after the last (`[server] eval_every = {E}`), "
+                f"so a round to target is the first evaluated one: the true round lies up to {E - 1} rounds "
+                "before it; best % is the best evaluated round. FedDO's and FedAA's rewards still come from "
+                "their validation set every round." if E > 1 else "The test split is evaluated every round."), ""]
     for m, why in skipped.items():
         lines.append(f"- skipped {m}: {why}")
     lines += ["## CPU plan (2 cores)", "",
-              "Measured on this machine (Fashion-MNIST, 100 clients, one torch thread per cell): FedAvg at "
-              "participation 0.2 took 17.7 s for 5 rounds and 42.8 s for 15 with 10,000 training images (25.2 s and "
-              "56.4 s with 20,000); at participation 1.0 (= FedDO-all) 31.2 s for 5 rounds; FedDO with an untrained "
-              "agent (53 of 100 active at d ≈ 0.58) 36.4 s for 10 rounds; a pre-training round 1.0 CPU s. A round "
-              "costs ≈ 1.8 s (1.55 s of it evaluating the global model on the 10,000 test images) + 0.34 ms per "
-              "training image. Chosen defaults: 10,000 training images, 75 rounds, 10 pre-training episodes × 75 "
-              "rounds: one data set's main grid (108 cells, 3 policies) ≈ 7.4 core-hours, ≈ 3.7 h on 2 workers; the "
-              "sweep ≈ 7.2 core-hours; both data sets and the sweep ≈ 22 core-hours.", ""]
+              "Measured on this machine (Fashion-MNIST, 100 clients, one torch thread per cell), every round "
+              "evaluated: FedAvg at participation 0.2 took 17.7 s for 5 rounds and 42.8 s for 15 with 10,000 training "
+              "images (25.2 s and 56.4 s with 20,000); at participation 1.0 (= FedDO-all) 31.2 s for 5 rounds; FedDO "
+              "with an untrained agent (53 of 100 active at d ≈ 0.58) 36.4 s for 10 rounds; a pre-training round "
+              "1.0 CPU s. A round costs ≈ 0.25 s + 1.55 s/E (evaluating the global model on the 10,000 test images "
+              "in one round of E, `--eval-every`) + 0.34 ms per training image. With E = 5 a FedAvg cell (75 rounds) "
+              "took 178 s at nice 5 beside a two-worker nice-19 grid, its 15 evaluations 2.03 s each: evaluated "
+              "every round it would have taken ≈ 300 s under that load (0.59 of it; the model: 0.52). Chosen "
+              "defaults: 10,000 training images, 75 rounds, E = 5, 10 pre-training episodes × 75 rounds: one data "
+              "set's main grid (108 cells, 3 policies) ≈ 4.6 core-hours, ≈ 2.3 h on 2 workers (7.4 with E = 1); the "
+              "sweep ≈ 5.5 core-hours; both data sets and the sweep ≈ 15 core-hours (22 with E = 1).", ""]
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} "
                   f"CPUs, {settings.get('workers', 2)} worker processes, 1 torch thread each).", ""]
@@ -1047,6 +1083,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-rounds", type=int, default=None, help="rounds per pre-training episode "
                    "(default: --rounds)")
     p.add_argument("--target", type=float, default=None, help="one target accuracy (fraction) for every cell")
+    p.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
+                   help="evaluate the global model on the test split every N-th round and the last ([server] "
+                        f"eval_every; default {DEFAULT_EVAL_EVERY}: see the CPU plan; 1 = every round)")
     p.add_argument("--sweep-bench", default="fashion_mnist/dir0.1", help="dataset/partition of the sweep")
     p.add_argument("--sweep-keys", default=",".join([*SWEEPS, "participation"]), help="which keys to sweep")
     p.add_argument("--sweep-baselines", default=",".join(SWEEP_BASELINES),
@@ -1079,9 +1118,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = name_list(p, "--methods", a.methods, METHODS)
     seeds = int_list(p, "--seeds", a.seeds)
     if (a.clients < 1 or a.rounds < 1 or a.episodes < 1 or a.pretrain_rounds < 1 or a.workers < 1
-            or not 0 < a.participation <= 1 or a.train_samples < 0 or a.verify < 0):
-        p.error("--clients, --rounds, --episodes, --pretrain-rounds, --workers must be >= 1, --train-samples and "
-                "--verify >= 0, --participation in (0, 1]")
+            or a.eval_every < 1 or not 0 < a.participation <= 1 or a.train_samples < 0 or a.verify < 0):
+        p.error("--clients, --rounds, --episodes, --pretrain-rounds, --workers, --eval-every must be >= 1, "
+                "--train-samples and --verify >= 0, --participation in (0, 1]")
     sweep_bench = None
     if not a.no_sweep:
         parts = a.sweep_bench.split("/")
@@ -1102,7 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = Grid(out, datasets=datasets, partitions=partitions, methods=methods, seeds=seeds, clients=a.clients,
                 rounds=a.rounds, train_samples=a.train_samples, participation=a.participation, episodes=a.episodes,
                 pretrain_rounds=a.pretrain_rounds, sweep=sweep_bench, sweeps=sweeps, sweep_baselines=sweep_baselines,
-                participations=participations, data_dir=data_dir)
+                participations=participations, data_dir=data_dir, eval_every=a.eval_every)
     from edge_agent.data import dataset_info, load_dataset
     from edge_agent.errors import DataError
 
@@ -1159,7 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
     results = load_results(out)
     settings = {"clients": a.clients, "rounds": a.rounds, "train_samples": a.train_samples,
                 "participation": a.participation, "episodes": a.episodes, "pretrain_rounds": a.pretrain_rounds,
-                "workers": a.workers}
+                "workers": a.workers, "eval_every": a.eval_every}
     text = report(results, grid.jobs(), out=out, datasets=datasets, partitions=partitions, methods=methods,
                   seeds=seeds, settings=settings, skipped=skipped, info=load_pretrain_info(out), target=a.target,
                   commit=commit, verify=verify_lines, wall_s=wall, sweeps=sweeps, sweep_bench=sweep_bench)

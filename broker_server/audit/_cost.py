@@ -34,7 +34,9 @@ def final_accuracy(metrics: Iterable[Mapping[str, Any]]) -> Any:
 
 
 def first_round_reaching(metrics: Iterable[Mapping[str, Any]], target: float) -> int | None:
-    """The first round (in ``metrics`` order) whose ``accuracy`` (fraction) is ≥ ``target``, or None."""
+    """The first round (in ``metrics`` order) whose ``accuracy`` (fraction) is ≥ ``target``, or None.
+    Records without an accuracy (rounds the server did not evaluate, ``[server] eval_every``) are
+    passed over: the round is the first evaluated one, within ``eval_every`` rounds of the true one."""
     for rnd, acc in _accuracy_records(metrics):
         if acc >= target:
             return rnd

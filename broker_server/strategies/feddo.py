@@ -27,7 +27,15 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
 
 * ``num_devices`` (0): K, the action width; 0 = the pre-trained policy's, else the number of
   devices available in round 1. Devices get slots in the order they are first seen (sorted ids
-  within a round); a device beyond K is never asked (logged once).
+  within a round). **A federation of another size than K**: with a pre-trained ``policy`` a
+  device beyond its K is an error (:class:`~broker_server.errors.RunError` when that device
+  would get a slot: the policy's inputs and outputs are K devices wide, and the device would
+  never train); fewer devices than K is allowed (devices that have not joined yet, or have left:
+  the agent sees their slots as offline devices) and logged as a warning each time the number of
+  filled slots changes; without a policy a device beyond K (``num_devices``, or the devices of
+  round 1) is never asked (logged once per device). Every round's line records ``feddo_slots``
+  (K), ``feddo_slots_filled`` (devices holding a slot) and ``feddo_unslotted`` (devices seen that
+  hold none and are never asked).
 * ``drift_missing`` (``"last"``): what a device that did not train contributes to o_t — its
   last measured drift (``"last"``; 0 before it ever trained), or 0 (``"zero"``). Keeping each
   device's last *model* would cost K model copies on the server; its last drift costs K numbers.
@@ -68,6 +76,7 @@ import torch.nn.functional as F
 from edge_agent.algorithms.feddo import RATIO_KEY, subset_size
 
 from ..aggregate import weighted_average
+from ..errors import RunError
 from ..rl.dsac_t import DSACTAgent, DSACTConfig
 from ._base import ClientResult, GlobalUpdate, RoundPlan, Scalar, Strategy
 from ._registry import register_strategy
@@ -249,6 +258,7 @@ class FedDO(Strategy):
         self.slots: list[str] = []
         self.shard_sizes: dict[str, int] = {}
         self._warned: set[str] = set()
+        self._filled_warned = -1  # the filled-slot count last warned about (a policy's K not reached)
         self.reset_episode()
 
     # ------------------------------------------------------------------ setup
@@ -290,15 +300,36 @@ class FedDO(Strategy):
         return self.agent
 
     def _slot_ids(self, available: Sequence[str]) -> list[str]:
+        """The slots after giving each new device of ``available`` one (module docstring,
+        ``num_devices``).
+
+        Raises:
+            RunError: a pre-trained policy's K slots are all taken and a new device would get
+                none (the message names the policy, K, the devices seen and those left out).
+        """
         for cid in sorted(available):
             if cid in self.slots:
                 continue
             if self.num_devices and len(self.slots) >= self.num_devices:
+                if self.policy_path:
+                    seen = set(self.slots) | set(available) | set(self.shard_sizes)
+                    out = sorted(seen - set(self.slots))
+                    raise RunError(
+                        f"FedDO: the policy {self.policy_path} was trained for {self.num_devices} devices, but "
+                        f"{len(seen)} devices have joined; {len(out)} of them ({', '.join(out[:3])}"
+                        f"{', …' if len(out) > 3 else ''}) would get no slot and never train. Pre-train a policy for "
+                        f"this federation (fedfleet feddo pretrain with [data] clients = {len(seen)}) or run it "
+                        f"with {self.num_devices} devices")
                 if cid not in self._warned:
                     self._warned.add(cid)
                     log.warning("FedDO: %s is beyond the agent's %d devices and is never asked", cid, self.num_devices)
                 continue
             self.slots.append(cid)
+        if self.policy_path and len(self.slots) < self.num_devices and len(self.slots) != self._filled_warned:
+            self._filled_warned = len(self.slots)
+            log.warning("FedDO: the policy %s was trained for %d devices; %d have joined: %d of its slots stay "
+                        "empty (the agent sees them as offline devices) until more devices join", self.policy_path,
+                        self.num_devices, len(self.slots), self.num_devices - len(self.slots))
         return self.slots
 
     def state(self, round: int) -> np.ndarray:
@@ -391,10 +422,14 @@ class FedDO(Strategy):
         return validate_model(model, self.validation)
 
     def round_metrics(self) -> dict:
-        """Active devices, their mean ratio, the replay size and the agent's last losses."""
+        """Active devices, their mean ratio, the replay size, the slots (K, those filled, the
+        devices seen without one: the module docstring's ``num_devices``) and the agent's last
+        losses."""
         d = list(self.ratios.values())
         out: dict[str, Any] = {"feddo_active": len(d), "feddo_mean_ratio": float(np.mean(d)) if d else 0.0,
-                               "feddo_replay": len(self.agent.buffer) if self.agent is not None else 0}
+                               "feddo_replay": len(self.agent.buffer) if self.agent is not None else 0,
+                               "feddo_slots": self.num_devices, "feddo_slots_filled": len(self.slots),
+                               "feddo_unslotted": len(self._warned)}
         out.update({f"feddo_{k}": v for k, v in self.last_update.items()})
         return out
 

@@ -3,7 +3,9 @@ devices, three rounds) checked on the wire — each device's ``data_ratio`` is t
 max(a_k, 0), it trains on round(d_k·|D_k|) samples, the weights are |S_k|/Σ|S| and the global
 is their weighted mean —; a resume from the checkpoint that restores the replay buffer and the
 agent bit for bit and keeps learning; ``fedfleet feddo pretrain`` writing a policy the server
-loads."""
+loads; a pre-trained policy in a federation of another size: one device more than it was
+trained for is an error naming the counts (alone and in a federation), fewer devices run with
+the empty slots offline, logged and recorded in every round's line."""
 
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers.memory_federation import Device, federation_server, start_agents
 
 from broker_server.checkpoint import CheckpointStore
 from broker_server.cli import main
+from broker_server.errors import RunError
+from broker_server.rl.dsac_t import DSACTAgent, DSACTConfig
 from broker_server.server import AggregationServer, ServerSettings
 from broker_server.strategies import ClientResult
 from broker_server.strategies.fedavg import FedAvg
-from broker_server.strategies.feddo import FedDO, build_state, feddo_reward, ratios_from_action
+from broker_server.strategies.feddo import GLOBAL_FEATURES, FedDO, build_state, feddo_reward, ratios_from_action
 from edge_agent.agent import EdgeAgent
 from edge_agent.algorithms import TrainConfig
 from edge_agent.algorithms.feddo import FedDOClient, subset_indices, subset_size
@@ -229,3 +234,71 @@ val_size = 100
     for a, b in zip(blob["agent"]["actor"].values(), loaded.agent.actor.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert not math.isnan(loaded.agent.alpha)
+
+
+def _policy(path, k: int) -> str:
+    """A DSAC-T policy file for ``k`` devices (an untrained agent of SMALL's sizes, as
+    ``fedfleet feddo pretrain`` writes one)."""
+    agent = DSACTAgent(k + GLOBAL_FEATURES, k, DSACTConfig(hidden=(16, 16), rank=4, warmup=1, batch_size=2), seed=0)
+    agent.save_policy(path, {"num_devices": k, "global_features": GLOBAL_FEATURES})
+    return str(path)
+
+
+def _loaded(policy: str) -> FedDO:
+    return FedDO(policy=policy, validation=(np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64)), warmup=1,
+                 batch_size=2)
+
+
+def test_a_policy_for_three_devices_refuses_a_fourth(tmp_path) -> None:
+    s = _loaded(_policy(tmp_path / "k3.pt", 3))
+    assert s.num_devices == 3  # num_devices = 0: the policy's
+    for cid in ("dev-a", "dev-b", "dev-c", "dev-d"):
+        s.on_join(cid, "x86-cpu", 50)
+    with pytest.raises(RunError, match=r"trained for 3 devices, but 4 devices have joined; 1 of them \(dev-d\) "
+                                       r"would get no slot and never train.*\[data\] clients = 4"):
+        s.configure_round(1, ["dev-a", "dev-b", "dev-c", "dev-d"], np.random.default_rng(0))
+    # a device joining later than round 1 is refused as well, when it would first get a slot
+    late = _loaded(_policy(tmp_path / "k3.pt", 3))
+    plan = late.configure_round(1, ["dev-a", "dev-b", "dev-c"], np.random.default_rng(0))
+    assert set(plan.selected) <= {"dev-a", "dev-b", "dev-c"} and late.slots == ["dev-a", "dev-b", "dev-c"]
+    with pytest.raises(RunError, match=r"trained for 3 devices, but 4 devices have joined; 1 of them \(dev-0\)"):
+        late.configure_round(2, ["dev-0", "dev-a", "dev-b", "dev-c"], np.random.default_rng(0))
+
+
+def test_a_policy_for_three_devices_runs_two_with_its_third_slot_empty_and_says_so(tmp_path, caplog) -> None:
+    s = _loaded(_policy(tmp_path / "k3.pt", 3))
+    with caplog.at_level("WARNING", logger="broker_server.strategies.feddo"):
+        plans = [s.configure_round(r, ["dev-a", "dev-b"], np.random.default_rng(r)) for r in (1, 2)]
+    warned = [r.getMessage() for r in caplog.records if "trained for 3 devices" in r.getMessage()]
+    assert len(warned) == 1 and "2 have joined: 1 of its slots stay empty" in warned[0]  # once per count
+    assert s.slots == ["dev-a", "dev-b"] and all(set(p.selected) <= {"dev-a", "dev-b"} for p in plans)
+    # the state keeps the policy's width: 3 drifts + 4 global features
+    assert s.state(3).shape == (3 + GLOBAL_FEATURES,)
+    m = s.round_metrics()
+    assert (m["feddo_slots"], m["feddo_slots_filled"], m["feddo_unslotted"]) == (3, 2, 0)
+    # the third device joins: its slot is filled, nothing is refused
+    s.configure_round(3, ["dev-a", "dev-b", "dev-c"], np.random.default_rng(3))
+    assert s.slots == ["dev-a", "dev-b", "dev-c"] and s.round_metrics()["feddo_slots_filled"] == 3
+
+
+def test_a_federation_larger_than_its_policy_fails_before_training(tmp_path, digits, memory_hub) -> None:
+    """Four devices and a policy for three: the run stops at round 1 with the RunError, no device
+    trained, no metrics line written."""
+    policy = _policy(tmp_path / "k3.pt", 3)
+    val = (np.asarray(digits.test.x[:100]), np.asarray(digits.test.y[:100]))
+    strategy = FedDO(policy=policy, validation=val, train_config={"lr": 0.05}, warmup=1, batch_size=2)
+    devices = {f"dev-{k}": Device(FedDOClient(), digits.train.x[40 * i:40 * i + 40], digits.train.y[40 * i:40 * i + 40])
+               for i, k in enumerate("abcd")}
+    server = federation_server(tmp_path / "run", memory_hub, strategy, digits.test, rounds=2, clients=4)
+    agents, threads, errors = start_agents(memory_hub, devices)
+    try:
+        with pytest.raises(RunError, match="trained for 3 devices, but 4 devices have joined"):
+            server.run()
+    finally:
+        for a in agents:
+            a.stop()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    assert server.metrics == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not any(isinstance(decode(m.payload).envelope.body, Update) for m in memory_hub.published)

@@ -133,12 +133,24 @@ def test_wrong_type(tmp_path: Path, text: str, where: str) -> None:
     pytest.param("[train]\nmomentum = 1.5\n", "[train] momentum", id="momentum-1.5"),
     pytest.param("[server]\nround_deadline_s = inf\n", "[server] round_deadline_s", id="deadline-inf"),
     pytest.param("[data]\nclients = 0\n", "[data] clients", id="clients-0"),
+    pytest.param("[server]\neval_every = 0\n", "[server] eval_every", id="eval-every-0"),
+    pytest.param("[server]\neval_every = -3\n", "[server] eval_every", id="eval-every-negative"),
+    pytest.param("[server]\neval_every = 2.5\n", "[server] eval_every", id="eval-every-float"),
 ])
 def test_out_of_range(tmp_path: Path, text: str, where: str) -> None:
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
         C.load(p)
     assert where in str(info.value) and str(p) in str(info.value)
+
+
+def test_eval_every_is_read_and_a_bad_value_says_what_is_allowed(tmp_path: Path) -> None:
+    assert C.load(write(tmp_path, "[run]\nrounds = 7\n")).server.eval_every == 1  # every round by default
+    assert C.load(write(tmp_path, "[server]\neval_every = 5\n")).server.eval_every == 5
+    p = write(tmp_path, "[server]\neval_every = 0\n")
+    with pytest.raises(ConfigError) as info:
+        C.load(p)
+    assert str(info.value) == f"{p}: [server] eval_every = 0 is outside the allowed range [1, {1 << 30}]"
 
 
 def test_quorum_above_clients(tmp_path: Path) -> None:

@@ -108,6 +108,37 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert _grid(t, tmp_path, sweep=None).sweep_jobs() == []
 
 
+def test_eval_every_is_in_every_cells_key_and_configuration_but_not_in_the_policies(tmp_path: Path) -> None:
+    from broker_server.config import from_dict
+
+    t = _tool()
+    every, fifth = _grid(t, tmp_path), _grid(t, tmp_path, eval_every=5)
+    control = {"fashion_mnist/dir0.1": (22.0, 0.85)}
+    pre = "fashion_mnist/dir0.1/c100/r80/n10000"
+    for label, name in (("FedAvg", "FedAvg"), ("FedDO", "FedDO@p10x80"), ("FedDO-random", "FedDO-random@p10x80")):
+        a = every.main_job("fashion_mnist", "dir0.1", label, 0, control)
+        b = fifth.main_job("fashion_mnist", "dir0.1", label, 0, control)
+        assert (a.key, b.key) == (f"main/{pre}/{name}/s0", f"main/{pre}/e5/{name}/s0")
+        # every round evaluated: the configuration as before the option (no key); else [server] eval_every
+        assert "eval_every" not in a.config["server"] and b.config["server"]["eval_every"] == 5
+        assert {**b.config, "server": {k: v for k, v in b.config["server"].items() if k != "eval_every"}} == a.config
+        assert config_fingerprint(a.config) != config_fingerprint(b.config)
+        assert from_dict(b.config, "<cell>").server.eval_every == 5
+    assert {j.key.split("/")[6] for j in fifth.sweep_jobs()} == {"e5"}
+    assert all(j.config["server"]["eval_every"] == 5 for j in fifth.sweep_jobs())
+    # a pre-training evaluates no test split: the same policies (and files) for every eval_every
+    assert [s["path"] for s in fifth.policies() + fifth.policies(sweep=True)] == \
+        [s["path"] for s in every.policies() + every.policies(sweep=True)]
+    # the report says how often the test split was evaluated
+    (tmp_path / "results.jsonl").write_text("", encoding="utf-8")
+    for e, says in ((5, "The test split is evaluated every 5 rounds and after the last (`[server] eval_every = 5`), "
+                        "so a round to target is the first evaluated one: the true round lies up to 4 rounds before "
+                        "it"), (1, "The test split is evaluated every round.")):
+        assert t.main(["--out", str(tmp_path), "--report", str(tmp_path / "r.md"), "--report-only",
+                       "--eval-every", str(e)]) == 0
+        assert says in (tmp_path / "r.md").read_text(encoding="utf-8")
+
+
 def test_verify_re_runs_feddo_and_other_cells_in_turn(tmp_path: Path) -> None:
     t = _tool()
     grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], seeds=[0])
@@ -222,7 +253,7 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     report = tmp_path / "r.md"
     assert t.main(["--out", str(tmp_path), "--report", str(report), "--report-only", "--datasets", "fashion_mnist",
                    "--partitions", "dir0.1,iid", "--methods", ",".join(methods), "--rounds", "4",
-                   "--sweep-keys", "rank,participation", "--sweep-baselines", "FedAvg"]) == 0
+                   "--sweep-keys", "rank,participation", "--sweep-baselines", "FedAvg", "--eval-every", "1"]) == 0
     text = report.read_text(encoding="utf-8")
     assert "## fashion_mnist, dir0.1 (target 82.00 %: FedAvg's mean final accuracy)" in text
     # best: 80, 83, 84 → 82.33 ± 1.70
@@ -287,6 +318,7 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv", [["--methods", "FedAvg,Nope"], ["--seeds", "x"], ["--partitions", "dir0.3"],
                                   ["--sweep-bench", "fashion_mnist"], ["--sweep-keys", "tau"],
                                   ["--sweep-baselines", "FedDO"], ["--participation", "0"], ["--verify", "-1"],
+                                  ["--eval-every", "0"],
                                   ["--datasets", "fashion_mnistt"]])
 def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -41,16 +41,18 @@ def digits_model() -> torch.nn.Module:
 
 def federation_server(tmp: Path, hub: MemoryBroker, strategy, test, *, rounds: int, clients: int, quorum: int = 1,
                       global_delivery: str = "auto", overlap_evaluation: str = "auto", global_codec: str = "fp32",
-                      server_ledger=None, eval_slot=None) -> AggregationServer:
+                      server_ledger=None, eval_slot=None, eval_every: int = 1) -> AggregationServer:
     """The server of :func:`run_federation` (run folder ``tmp``, waiting for ``clients`` joins),
-    not started; ``eval_slot``: held during an overlapped evaluation (``None``: nothing)."""
+    not started; ``eval_slot``: held during an overlapped evaluation (``None``: nothing);
+    ``eval_every``: its ``[server] eval_every``."""
     return AggregationServer(
         channel=Channel(hub.connect("server"), node_id="server", side="server", federation="mem",
                         ledger=server_ledger),
         strategy=strategy, model=digits_model(), test=test,
         settings=ServerSettings(rounds=rounds, quorum=quorum, round_deadline_s=60, join_timeout_s=30,
                                 expected_clients=clients, global_delivery=global_delivery,
-                                overlap_evaluation=overlap_evaluation, global_codec=global_codec),
+                                overlap_evaluation=overlap_evaluation, global_codec=global_codec,
+                                eval_every=eval_every),
         run_dir=tmp, eval_slot=eval_slot)
 
 
@@ -90,10 +92,10 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
                    quorum: int = 1, batch_size: int = 16, global_delivery: str = "auto",
                    overlap_evaluation: str = "auto", global_codec: str = "fp32", server_ledger=None,
                    agent_ledger=None, train_lock=None, eval_slot=None, slots=None,
-                   agents_out: list | None = None) -> AggregationServer:
+                   agents_out: list | None = None, eval_every: int = 1) -> AggregationServer:
     """Run ``rounds`` rounds; every agent must finish without an error.
 
-    ``global_delivery`` / ``overlap_evaluation``: the server's ``[server]`` settings;
+    ``global_delivery`` / ``overlap_evaluation`` / ``eval_every``: the server's ``[server]`` settings;
     ``global_codec``: its ``[protocol] global_codec``;
     ``server_ledger`` / ``agent_ledger``: a :class:`~protocol.ledger.Ledger` for the server's
     channel / every agent's (``None``: none); ``train_lock``: the agents' shared training slots,
@@ -106,7 +108,8 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
     """
     server = federation_server(tmp, hub, strategy, test, rounds=rounds, clients=len(devices), quorum=quorum,
                                global_delivery=global_delivery, overlap_evaluation=overlap_evaluation,
-                               global_codec=global_codec, server_ledger=server_ledger, eval_slot=eval_slot)
+                               global_codec=global_codec, server_ledger=server_ledger, eval_slot=eval_slot,
+                               eval_every=eval_every)
     agents, threads, errors = start_agents(hub, devices, batch_size=batch_size, agent_ledger=agent_ledger,
                                            train_lock=train_lock, slots=slots)
     if agents_out is not None:
