@@ -110,6 +110,7 @@ from broker_server.experiments import (  # noqa: E402
     attach_round_series,
     cell_rounds_to_target,
     check_out_dir,
+    check_report_records,
     code_commit,
     config_fingerprint,
     default_data_dir,
@@ -1175,10 +1176,11 @@ def main(argv: list[str] | None = None) -> int:
                 ok, blocked = runnable(jobs, info)
                 for j in blocked:
                     print(f"{j.key}: not run, {blocked_reason(j, info)}", flush=True)
-                if i == 0 and ds == datasets[0]:
-                    run_with_estimate(ok, out, workers=a.workers, estimate_only=True, on_result=show, stamp=stamp,
+                if i == 0 and ds == datasets[0]:  # the estimate (a fresh grid: its first cell alone), then the cells
+                    run_with_estimate(ok, out, workers=a.workers, on_result=show, stamp=stamp,
                                       note="the first data set's seed; see --estimate-only for the whole grid")
-                run_grid(ok, out, workers=a.workers, on_result=show, stamp=stamp)
+                else:
+                    run_grid(ok, out, workers=a.workers, on_result=show, stamp=stamp)
             run_grid(runnable(grid.main_jobs([ds]), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
         if sweep_bench:
             info = pretrain_policies(out, grid.policies(sweep=True), workers=a.workers)
@@ -1189,6 +1191,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         a.verify), out, a.verify, workers=a.workers, commit=commit,
                                           headline=_acc)
             (out / "verify.md").write_text("\n".join(verify_lines) + "\n", encoding="utf-8")
+    else:
+        check_report_records(grid.jobs(), out)  # the report describes these options: the records must be theirs
     if not verify_lines and (out / "verify.md").exists():
         verify_lines = ["(From an earlier invocation, `OUT/verify.md`.)", "",
                         *(out / "verify.md").read_text(encoding="utf-8").splitlines()]
