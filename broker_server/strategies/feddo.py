@@ -59,11 +59,16 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
   about the paper's per-device slope of the low-rank agent, §4.3), ``batch_size`` (64),
   ``warmup`` (64 transitions: a deployed run has one per round), ``capacity`` (100,000),
   ``updates_per_round`` (1), ``lr_actor``/``lr_critic`` (1e-4), ``lr_alpha`` (3e-4), ``gamma``
-  (0.99), ``tau`` (0.005).
+  (0.99), ``tau`` (0.005). With a pre-trained ``policy`` the architecture keys (``hidden``,
+  ``layers``, ``rank``) must be the policy's (a ValueError names both; the weights have that
+  shape), and the learning keys (``batch_size``, ``warmup``, ``capacity``, the three learning
+  rates, ``gamma``, ``tau``) are this run's: the loaded agent goes on learning with them (its
+  optimisers' rates set to them), each one that differs from the pre-training's logged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -86,6 +91,8 @@ log = logging.getLogger(__name__)
 REWARDS = ("seed", "continuous")
 DRIFT_MISSING = ("last", "zero")
 MODES = ("agent", "random", "full")
+#: the DSAC-T keys a deployed run sets for a loaded policy (its architecture keys must match).
+LEARNING_KEYS = ("batch_size", "warmup", "capacity", "lr_actor", "lr_critic", "lr_alpha", "gamma", "tau")
 #: global features after the K drifts in the state (:func:`build_state`).
 GLOBAL_FEATURES = 4
 
@@ -254,12 +261,42 @@ class FedDO(Strategy):
                 raise ValueError(f"policy {policy}: state width {self.agent.state_dim}, "
                                  f"expected {k} + {GLOBAL_FEATURES}")
             self.num_devices = k
-            self.agent.buffer = type(self.agent.buffer)(self.agent_config.capacity, self.agent.state_dim, k)
+            self._adopt_run_config(policy)
         self.slots: list[str] = []
         self.shard_sizes: dict[str, int] = {}
         self._warned: set[str] = set()
         self._filled_warned = -1  # the filled-slot count last warned about (a policy's K not reached)
         self.reset_episode()
+
+    def _adopt_run_config(self, policy: str) -> None:
+        """The loaded policy's agent set to this run's ``[algorithm]`` agent keys: the architecture
+        checked against the policy's, the learning keys (:data:`LEARNING_KEYS`) replacing the
+        pre-training's (the optimisers' rates included), an empty replay buffer of this run's
+        ``capacity``.
+
+        Raises:
+            ValueError: ``hidden``/``layers``/``rank`` other than the policy's (the message names
+                both sets and how to fix it).
+        """
+        assert self.agent is not None
+        saved, want = self.agent.config, self.agent_config
+        if (saved.hidden, saved.rank) != (want.hidden, want.rank):
+            def sizes(c: DSACTConfig) -> str:
+                return f"hidden = {c.hidden[0] if c.hidden else 0}, layers = {len(c.hidden)}, rank = {c.rank}"
+            raise ValueError(f"policy {policy} was pre-trained with {sizes(saved)}, but [algorithm] asks "
+                             f"{sizes(want)} (256, 3 and 96 where not set): set them to the policy's, or pre-train "
+                             "a policy with these (fedfleet feddo pretrain)")
+        changed = [f"{k} {getattr(saved, k)} → {getattr(want, k)}" for k in LEARNING_KEYS
+                   if getattr(saved, k) != getattr(want, k)]
+        self.agent.config = dataclasses.replace(saved, **{k: getattr(want, k) for k in LEARNING_KEYS})
+        for opt, lr in ((self.agent.actor_opt, want.lr_actor), *((o, want.lr_critic) for o in self.agent.critic_opts),
+                        (self.agent.alpha_opt, want.lr_alpha)):
+            for group in opt.param_groups:
+                group["lr"] = lr
+        self.agent.buffer = type(self.agent.buffer)(want.capacity, self.agent.state_dim, self.agent.action_dim)
+        if changed:
+            log.info("FedDO: policy %s goes on learning with this run's %s (pre-trained with the former)",
+                     policy, ", ".join(changed))
 
     # ------------------------------------------------------------------ setup
 

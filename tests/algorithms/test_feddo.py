@@ -5,7 +5,9 @@ is their weighted mean —; a resume from the checkpoint that restores the repla
 agent bit for bit and keeps learning; ``fedfleet feddo pretrain`` writing a policy the server
 loads; a pre-trained policy in a federation of another size: one device more than it was
 trained for is an error naming the counts (alone and in a federation), fewer devices run with
-the empty slots offline, logged and recorded in every round's line."""
+the empty slots offline, logged and recorded in every round's line; a policy deployed with other
+agent sizes than its own is an error naming both, and the run's learning keys replace the
+pre-training's (the optimisers' rates too), each change logged."""
 
 from __future__ import annotations
 
@@ -229,7 +231,7 @@ val_size = 100
     # the pre-training cost is recorded with the policy (a figure, not a bound on it)
     assert isinstance(blob["metadata"]["cpu_seconds"], float) and math.isfinite(blob["metadata"]["cpu_seconds"])
     loaded = FedDO(policy=str(out), validation=(np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64)),
-                   **{k: v for k, v in SMALL.items() if k in ("warmup", "batch_size")})
+                   **SMALL)
     assert loaded.num_devices == 3 and loaded.agent is not None and len(loaded.agent.buffer) == 0
     for a, b in zip(blob["agent"]["actor"].values(), loaded.agent.actor.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -245,8 +247,7 @@ def _policy(path, k: int) -> str:
 
 
 def _loaded(policy: str) -> FedDO:
-    return FedDO(policy=policy, validation=(np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64)), warmup=1,
-                 batch_size=2)
+    return FedDO(policy=policy, validation=(np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64)), **SMALL)
 
 
 def test_a_policy_for_three_devices_refuses_a_fourth(tmp_path) -> None:
@@ -286,7 +287,7 @@ def test_a_federation_larger_than_its_policy_fails_before_training(tmp_path, dig
     trained, no metrics line written."""
     policy = _policy(tmp_path / "k3.pt", 3)
     val = (np.asarray(digits.test.x[:100]), np.asarray(digits.test.y[:100]))
-    strategy = FedDO(policy=policy, validation=val, train_config={"lr": 0.05}, warmup=1, batch_size=2)
+    strategy = FedDO(policy=policy, validation=val, train_config={"lr": 0.05}, **SMALL)
     devices = {f"dev-{k}": Device(FedDOClient(), digits.train.x[40 * i:40 * i + 40], digits.train.y[40 * i:40 * i + 40])
                for i, k in enumerate("abcd")}
     server = federation_server(tmp_path / "run", memory_hub, strategy, digits.test, rounds=2, clients=4)
@@ -302,3 +303,37 @@ def test_a_federation_larger_than_its_policy_fails_before_training(tmp_path, dig
     assert not errors, errors
     assert server.metrics == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
     assert not any(isinstance(decode(m.payload).envelope.body, Update) for m in memory_hub.published)
+
+
+def test_a_policy_deployed_with_other_sizes_is_an_error_naming_both(tmp_path) -> None:
+    policy = _policy(tmp_path / "k3.pt", 3)  # hidden 16 × 2 layers, rank 4
+    val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match=r"pre-trained with hidden = 16, layers = 2, rank = 4, but \[algorithm\] "
+                                         r"asks hidden = 16, layers = 3, rank = 4"):
+        FedDO(policy=policy, validation=val, **{**SMALL, "layers": 3})
+    with pytest.raises(ValueError, match=r"asks hidden = 256, layers = 3, rank = 96 \(256, 3 and 96 where not set\)"):
+        FedDO(policy=policy, validation=val)
+
+
+def test_a_loaded_policy_goes_on_learning_with_the_runs_learning_keys(tmp_path, caplog) -> None:
+    """The policy was pre-trained with lr_critic 3e-4, batch 2, warm-up 1, capacity 100,000; the
+    run says lr_actor 5e-4, batch 8, warm-up 5, capacity 50 and leaves lr_critic at its 1e-4."""
+    agent = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4, warmup=1, batch_size=2,
+                                                           lr_critic=3e-4), seed=0)
+    agent.save_policy(tmp_path / "k3.pt", {"num_devices": 3, "global_features": GLOBAL_FEATURES})
+    val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
+    with caplog.at_level("INFO", logger="broker_server.strategies.feddo"):
+        s = FedDO(policy=str(tmp_path / "k3.pt"), validation=val, hidden=16, layers=2, rank=4, batch_size=8, warmup=5,
+                  capacity=50, lr_actor=5e-4)
+    assert s.agent is not None
+    c = s.agent.config
+    assert (c.batch_size, c.warmup, c.capacity, c.lr_actor, c.lr_critic) == (8, 5, 50, 5e-4, 1e-4)
+    assert c.hidden == (16, 16) and c.rank == 4 and s.agent.buffer.capacity == 50
+    assert [g["lr"] for g in s.agent.actor_opt.param_groups] == [5e-4]
+    assert all(g["lr"] == 1e-4 for o in s.agent.critic_opts for g in o.param_groups)
+    assert [g["lr"] for g in s.agent.alpha_opt.param_groups] == [3e-4]  # the same in both: unchanged
+    said = " ".join(r.getMessage() for r in caplog.records)
+    for change in ("batch_size 2 → 8", "warmup 1 → 5", "capacity 100000 → 50", "lr_actor 0.0001 → 0.0005",
+                   "lr_critic 0.0003 → 0.0001"):
+        assert change in said
+    assert "lr_alpha" not in said and "gamma" not in said
