@@ -279,20 +279,28 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
         swept_seeds = sorted({int(r["seed"]) for r in sweep})
         lines += ["", "## Sweep of FedPGP's unfixed keys", "",
                   f"The default row is the main grid's FedPGP cell on the seeds the sweep has run ({swept_seeds}), "
-                  "so every row of a key compares the same seeds.", "",
-                  "| key | value | accuracy | seeds |", "|---|---|---|---|"]
+                  "so every row of a key compares the same seeds. *Δ paired*: the value's accuracy minus the "
+                  "default's on the same seed, mean ± std over the seeds both have (pp; the seeds' own spread, "
+                  "which the accuracy column's std holds, cancels).", "",
+                  "| key | value | accuracy | Δ paired (pp) | seeds |", "|---|---|---|---|---|"]
+        ds, sp = sweep[0]["dataset"], sweep[0]["split"]
+        default = {int(r["seed"]): a for r in main if r["dataset"] == ds and r["split"] == sp
+                   and r["method"] == "FedPGP" and int(r["seed"]) in swept_seeds and (a := _acc(r)) is not None}
         for key, values in SWEEPS.items():
-            ds, sp = sweep[0]["dataset"], sweep[0]["split"]
             for v in values:
                 if v == values[0]:
-                    rs = [r for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == "FedPGP"
-                          and int(r["seed"]) in swept_seeds]
+                    by_seed = default
                 else:
                     # records before the tag was renamed hold the swept key in "key"
-                    rs = [r for r in sweep if r.get("sweep_key", r["key"]) == key and r["value"] == v]
-                acc = [a for r in rs if (a := _acc(r)) is not None]
+                    by_seed = {int(r["seed"]): a for r in sweep if r.get("sweep_key", r["key"]) == key
+                               and r["value"] == v and (a := _acc(r)) is not None}
+                acc = list(by_seed.values())
+                deltas = [100.0 * (a - default[seed]) for seed, a in by_seed.items() if seed in default]
+                d_mean, d_std = mean_std(deltas)
+                delta = ("–" if v == values[0] or not deltas else f"{d_mean:+.2f}" if len(deltas) == 1
+                         else f"{d_mean:+.2f} ± {d_std:.2f}")
                 lines.append(f"| {key} | {v!r}{' (default)' if v == values[0] else ''} | "
-                             f"{pm(acc, plain_single=True)} | {len(acc)} |")
+                             f"{pm(acc, plain_single=True)} | {delta} | {len(acc)} |")
     lines += ["", "## Verdicts", ""]
     if gains:
         g = sum(gains) / len(gains)

@@ -47,6 +47,7 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
         # the control has seed 0 only: compared with FedPGP's seed 0 (0.90), not its mean (0.80)
         _rec("FedPGP no projection (g+g_p)", 0, 0.95, [0.9, 0.95, 0.95]),
         _rec("FedPGP", 0, 0.92, [0.9, 0.91, 0.92], grid="sweep", sweep_key="mix_size", value=32),
+        _rec("FedPGP", 1, 0.74, None, grid="sweep", sweep_key="mix_size", value=32),
     ]
     # as in --report-only: the records in OUT/results.jsonl, no run folders
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
@@ -66,8 +67,10 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert "'+5.64 pp over FedAvg on average': -2.00 pp over 1 settings → **not reproduced**" in text
     # the control against FedPGP on their shared seed 0: 95 − 90 = +5 pp
     assert "control 'FedPGP no projection (g+g_p)' − FedPGP: +5.00 pp per setting, +5.00 pp on average." in text
-    # the sweep: one seed, printed without a ± 0; the default row is main FedPGP on the swept seed 0
-    assert "| mix_size | 8 (default) | 90.00 | 1 |" in text and "| mix_size | 32 | 92.00 | 1 |" in text
+    # the sweep: the default row is main FedPGP on the swept seeds 0, 1 (90, 70 → 80 ± 10); mix_size 32
+    # (92, 74 → 83 ± 9), Δ paired per seed +2, +4 → +3 ± 1
+    assert "| mix_size | 8 (default) | 80.00 ± 10.00 | – | 2 |" in text
+    assert "| mix_size | 32 | 83.00 ± 9.00 | +3.00 ± 1.00 | 2 |" in text
     assert "Records made at commit(s) `abc1234`." in text and "commit `def5678`" in text
 
 
