@@ -9,7 +9,9 @@ the empty slots offline, logged and recorded in every round's line; a policy dep
 agent sizes than its own is an error naming both, and the run's learning keys replace the
 pre-training's (the optimisers' rates too), each change logged; a policy file that is not one
 (garbage, a cut-short file, one with a part missing or of other shapes) is a ValueError naming
-the file, which ``fedfleet simulate`` says as its one-line configuration error."""
+the file, which ``fedfleet simulate`` says as its one-line configuration error; ``fedfleet feddo
+pretrain --out`` that could not be written (a folder, a path under a file) is refused before
+any episode."""
 
 from __future__ import annotations
 
@@ -382,3 +384,19 @@ def test_simulate_says_a_damaged_policy_in_one_line(tmp_path, capsys) -> None:
                      "(UnpicklingError: pickle data was truncated); [algorithm] policy must name a file that "
                      "fedfleet feddo pretrain wrote"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_pretrain_refuses_an_out_it_could_not_write_before_training(tmp_path, capsys, where: str) -> None:
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML, encoding="utf-8")
+    if where == "a folder":
+        out, why = tmp_path, f"--out {tmp_path} is a folder: give the policy file's path"
+    else:
+        (tmp_path / "notes.txt").write_text("x")
+        out = tmp_path / "notes.txt" / "policy.pt"
+        why = f"--out {out}: {tmp_path / 'notes.txt'} is a file, not a folder"
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)]) == 2
+    text = capsys.readouterr()
+    assert why in text.err and "Traceback" not in text.err
+    assert "episode" not in text.out.replace("1 episodes", "")  # no episode ran
