@@ -130,7 +130,9 @@ def _cmd_simulate(args) -> int:
             print(f"fedfleet simulate: {why}; continue the run from its last checkpoint with\n"
                   f"  fedfleet simulate --resume {out}", flush=True)
         raise
-    source = next((m.get("accuracy_source") for m in reversed(res.metrics) if m.get("accuracy_source")), "global")
+    from .server import final_accuracy_source
+
+    source = final_accuracy_source(res.metrics)  # that of the line the final accuracy is from
     _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker,
                    accuracy_source=source, total_rounds=cfg.run.rounds,
                    resumed_after=last)
@@ -146,19 +148,21 @@ def _cmd_simulate(args) -> int:
 
 
 def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, broker: str, *,
-                   accuracy_source: str = "global", total_rounds: int | None = None,
+                   accuracy_source: str | None = "global", total_rounds: int | None = None,
                    resumed_after: int | None = None) -> None:
+    """The end of ``fedfleet simulate``: rounds, time, the final accuracy named by the
+    ``accuracy_source`` of its line (:func:`~broker_server.server.final_accuracy_text`), the
+    device links' bytes per kind and the run folder."""
     from .audit import audit_report
+    from .server import final_accuracy_text
 
     rep = audit_report(run_dir)
     dev = rep["totals"]["device"]
-    what = ("final test accuracy" if accuracy_source == "global" else
-            "final test accuracy of the devices' own models (mean over clients)")
     of = f" of {total_rounds}" if total_rounds is not None else ""
     session = (f" ({rounds - resumed_after} in this session, resumed after round {resumed_after})"
                if resumed_after is not None else "")
     print(f"\nfinished {_plural(rounds, 'round')}{of}{session} in {seconds:.1f} s over {broker}; "
-          f"{what} {accuracy:.4f}")
+          f"{final_accuracy_text(accuracy, accuracy_source)}")
     print(f"bytes on the device links (all agents together): up {dev['up']['wire_bytes']:,}  "
           f"down {dev['down']['wire_bytes']:,}  (protocol overhead {100 * (dev['all']['overhead_share'] or 0):.2f} %)")
     for k in rep["by_kind"]:

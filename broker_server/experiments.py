@@ -520,12 +520,20 @@ def name_list(parser: argparse.ArgumentParser, option: str, text: str, known: It
 
 
 def check_out_dir(parser: argparse.ArgumentParser, out: str | Path, *, report_only: bool,
-                  report: str | Path | None = None) -> None:
+                  report: str | Path | None = None, estimate_only: bool = False, verify: int = 0) -> None:
     """Check a reproduction's ``--out`` (and ``--report``) before any cell runs; otherwise
     ``parser.error`` (exit 2) saying what is wrong. A grid needs a folder it can create and append
     ``results.jsonl`` to (made here when missing); ``--report-only`` needs a folder holding
     ``results.jsonl`` (a report of no records, over the committed one, is never what was meant:
-    a mistyped folder); the report needs a file path whose folder can be written."""
+    a mistyped folder); the report needs a file path whose folder can be written. Modes that
+    exclude each other are refused rather than one of them left out without a word:
+    ``--report-only`` (runs no cell) with ``--estimate-only`` or ``--verify K``, and
+    ``--estimate-only`` (stops after its estimate) with ``--verify K``."""
+    if report_only and (estimate_only or verify):
+        parser.error("--report-only runs no cell: it does not go with "
+                     f"{'--estimate-only' if estimate_only else f'--verify {verify}'} (run that without --report-only)")
+    if estimate_only and verify:
+        parser.error(f"--estimate-only stops after its estimate: --verify {verify} would not run (run it on its own)")
     path = Path(out)
     if path.exists() and not path.is_dir():
         parser.error(f"--out {out}: is a file, not a folder")

@@ -14,6 +14,7 @@ episodes, rounds, data settings, CPU seconds) and a deployed run loads it with
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -72,7 +73,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         on_episode: called with each episode's line.
 
     Raises:
-        ConfigError: another algorithm, episodes or rounds below 1, a partition that cannot be made.
+        ConfigError: another algorithm, episodes or rounds below 1, an ``out`` that cannot be
+            written (:func:`check_policy_out`, before any training), a partition that cannot be made.
         DataError: the data set cannot be found.
         RunError: a starting ``policy`` trained for fewer devices than ``[data] clients``
             (:class:`~broker_server.strategies.feddo.FedDO`'s slots).
@@ -81,6 +83,7 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         raise ConfigError(f"fedfleet feddo pretrain needs [train] algorithm = \"feddo\", not {cfg.train.algorithm!r}")
     if episodes < 1 or rounds < 1:
         raise ConfigError(f"--episodes ({episodes}) and --rounds ({rounds}) must be >= 1")
+    check_policy_out(Path(out))
     cpu0 = time.process_time()
     ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
     parts = split_clients(ds, cfg)
@@ -148,6 +151,25 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
                             "partition": cfg.data.partition, "alpha": cfg.data.alpha, "clients": cfg.data.clients,
                             "seed": cfg.run.seed, "cpu_seconds": cpu_s, "reward": strategy.reward})
     return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
+
+
+def check_policy_out(out: Path) -> None:
+    """Refuse a policy path that the end of a pre-training could not write, before it trains
+    (the episodes would be lost): a folder, or a path under a file or under a folder this
+    process may not write in. A missing parent folder is fine (it is made at the end).
+
+    Raises:
+        ConfigError: naming ``out`` and what is wrong with it.
+    """
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder: give the policy file's path (e.g. {out / 'feddo_policy.pt'})")
+    here = out.absolute().parent
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise ConfigError(f"--out {out}: {here} is a file, not a folder")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: the folder {here} is not writable")
 
 
 def run_pretrain(args, stream: TextIO | None = None) -> int:

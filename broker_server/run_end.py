@@ -34,7 +34,7 @@ from .config import Config
 from .errors import ConfigError
 from .persistence import RunStore
 from .runtime import make_strategy, server_model
-from .server import RunSummary, final_figures, write_final_model
+from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, write_final_model
 
 __all__ = ["FinalFiles", "FinishedRun", "finished_run", "finishing_line", "last_checkpoint_round",
            "nothing_to_resume", "refusals_from_metrics", "summary_record", "write_final_files"]
@@ -134,7 +134,8 @@ def nothing_to_resume(fin: FinishedRun, rounds: int, command: str) -> str:
     if n > rounds:
         done += f" ([run] rounds is {rounds})"
     acc = (fin.summary or {}).get("final_accuracy")
-    figure = f"final test accuracy {acc:.4f}; " if isinstance(acc, (int, float)) else ""
+    figure = (f"{final_accuracy_text(acc, final_accuracy_source(fin.metrics))}; "
+              if isinstance(acc, (int, float)) and not isinstance(acc, bool) else "")
     return (f"fedfleet {command}: run {fin.run_dir} has finished {done}; nothing to resume ({figure}more rounds: "
             f"fedfleet {command} --resume {fin.run_dir} --rounds {n + 1} or more)")
 

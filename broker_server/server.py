@@ -46,8 +46,9 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
 
 **Evaluation rounds** (``[server] eval_every`` = E, default 1): the global model is evaluated on
 the test split and each test domain only in rounds r with r mod E = 0 and in the last round
-(:meth:`AggregationServer.evaluates_round`); the other rounds' lines carry no ``accuracy`` and
-no ``loss`` (the keys are absent: not 0, not the last evaluated round's copy), no
+(:meth:`AggregationServer.evaluates_round`); the other rounds' lines carry no ``accuracy``,
+``loss`` or ``accuracy_source`` (the keys are absent: not 0, not the last evaluated round's
+copy, and no source named for a figure that is not there), no
 ``domain_accuracy``/``accuracy_avg``/``accuracy_worst``, and ``test_evaluated`` false. The
 strategy's :meth:`Strategy.evaluate <broker_server.strategies.Strategy.evaluate>` runs every
 round all the same (FedDO and FedAA compute their reward from it; an ``accuracy`` it returns
@@ -90,6 +91,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -148,8 +150,8 @@ from .strategies import (
 from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "OVERLAP_EVALUATIONS", "RoundStats", "RunSummary",
-           "ServerSettings", "client_eval_figures", "evaluate", "export_final_onnx", "final_figures",
-           "write_final_model"]
+           "ServerSettings", "client_eval_figures", "evaluate", "export_final_onnx", "final_accuracy_source",
+           "final_accuracy_text", "final_figures", "write_final_model"]
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +344,38 @@ def final_figures(metrics: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
         if m.get("accuracy") is not None:
             acc, loss = m["accuracy"], m["loss"] if m.get("loss") is not None else float("nan")
     return acc, loss
+
+
+def final_accuracy_source(metrics: Sequence[Mapping[str, Any]]) -> str | None:
+    """The ``accuracy_source`` of the line :func:`final_figures` takes its accuracy from (the last
+    metrics line that has an accuracy): ``"global"`` when that line names none (lines written
+    before the key existed), ``None`` when no line has an accuracy. A later line without an
+    accuracy (a round the server did not evaluate) does not count."""
+    source = None
+    for m in metrics:
+        if m.get("accuracy") is not None:
+            source = m.get("accuracy_source") or "global"
+    return source
+
+
+#: How the end-of-run line names a final accuracy, by the ``accuracy_source`` of its line.
+FINAL_ACCURACY_WORDS = {
+    "global": "final test accuracy",
+    "clients": "final test accuracy of the devices' own models (mean over clients)",
+    "strategy": "final accuracy from the algorithm's own evaluation",
+}
+
+
+def final_accuracy_text(accuracy: float | None, source: str | None = "global") -> str:
+    """The end-of-run words for a final ``accuracy`` (a fraction) whose line's
+    ``accuracy_source`` is ``source`` (:func:`final_accuracy_source`): e.g. ``"final test
+    accuracy 0.8329"``; ``"no accuracy was measured"`` when ``accuracy`` is ``None`` or NaN (no
+    line had one, e.g. a personalised algorithm whose devices never evaluated). An unknown
+    source is named as it is."""
+    if accuracy is None or not math.isfinite(float(accuracy)):
+        return "no accuracy was measured"
+    words = FINAL_ACCURACY_WORDS.get(source or "global", f"final accuracy ({source})")
+    return f"{words} {float(accuracy):.4f}"
 
 
 def export_final_onnx(model: torch.nn.Module, run_dir: Path, test: ArraySplit) -> dict:
@@ -1434,14 +1468,15 @@ class AggregationServer:
         line's). A figure the strategy's hooks already gave the line is not replaced by a
         domain figure; the strategy's evaluation replaces any. ``test_evaluated``: whether the
         test split was evaluated; a round that was not has no ``accuracy``/``loss`` keys
-        (``share = "all"``), never a stand-in value."""
+        (``share = "all"``), never a stand-in value, and no ``accuracy_source`` (unless the
+        strategy's evaluation gives the accuracy: ``"strategy"``)."""
         tested = self.evaluates_round(r)
         if self.share == "all":
             if tested:
                 line["accuracy"], line["loss"] = evaluate(model, self.test, batch_size=self.settings.eval_batch_size)
-            else:
-                line.pop("accuracy", None)
-                line.pop("loss", None)
+            else:  # no figure, so no source of one either
+                for key in ("accuracy", "loss", "accuracy_source"):
+                    line.pop(key, None)
         line["test_evaluated"] = tested and self.share == "all"
         if tested:
             for key, value in self._domain_metrics(model).items():

@@ -22,7 +22,7 @@ from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, summary_record, write_final_files
 from .runtime import check_server_keys, make_server
-from .server import RunSummary, final_figures
+from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures
 from .simulate import (
     STARTUP_ERRORS,
     check_partition_record,
@@ -258,9 +258,9 @@ def _served_finished(cfg: Config, ds, fin: FinishedRun, federation: str, *, brok
         files = write_final_files(cfg, ds, fin, federation=federation, broker=broker,
                                   extra={"resumed_after": fin.rounds})
         summary = files.summary
-        say(f"{finishing_line(fin, cfg.run.rounds, 'server', files.written)}; final test accuracy "
-            f"{summary.final_accuracy:.4f} (agents still waiting for the run's finish message stop at their "
-            "--idle-timeout-s)")
+        say(f"{finishing_line(fin, cfg.run.rounds, 'server', files.written)}; "
+            f"{final_accuracy_text(summary.final_accuracy, final_accuracy_source(fin.metrics))} (agents still "
+            "waiting for the run's finish message stop at their --idle-timeout-s)")
     return ServedRun(summary=summary, run_dir=fin.run_dir, federation=federation)
 
 
@@ -319,8 +319,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             indent=1), encoding="utf-8")
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
-        say(f"finished {done} round{'s' if done != 1 else ''} of {cfg.run.rounds}{this_time}; final test accuracy "
-            f"{summary.final_accuracy:.4f}; run folder {out}")
+        say(f"finished {done} round{'s' if done != 1 else ''} of {cfg.run.rounds}{this_time}; "
+            f"{final_accuracy_text(summary.final_accuracy, final_accuracy_source(summary.metrics))}; run folder {out}")
         finished = True
     finally:
         if tracker is not None and not finished:

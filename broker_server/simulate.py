@@ -324,14 +324,22 @@ def ensure_open_files(clients: int) -> int:
 
 def progress_printer(rounds: int, stream: TextIO | None = None) -> Callable[[dict], None]:
     """A callback printing one line per round: round, accuracy, clients, bytes, elapsed (to
-    ``stream``; ``None``: ``sys.stdout`` as it is when called, not when this module was imported)."""
+    ``stream``; ``None``: ``sys.stdout`` as it is when called, not when this module was imported).
+    A round the server did not evaluate (``[server] eval_every``: no ``accuracy`` key,
+    ``test_evaluated`` false) shows ``-`` for its accuracy and loss and says so at the end;
+    ``n/a`` is a figure that was to be measured and was not (a personalised algorithm's round
+    without client evaluation)."""
     t0 = time.monotonic()
     out = stream if stream is not None else sys.stdout
 
     def show(m: dict) -> None:
         skipped = "  SKIPPED: " + m.get("skip_reason", "") if m.get("skipped") else ""
+        untested = "accuracy" not in m and m.get("test_evaluated") is False
+        acc, loss = ("     -", "     -") if untested else (_num(m.get("accuracy")), _num(m.get("loss")))
+        if untested:
+            skipped += "  (not evaluated this round: [server] eval_every)"
         out.write(
-            f"round {m['round']:>3}/{rounds}  acc {_num(m.get('accuracy'))}{_source(m)}  loss {_num(m.get('loss'))}  "
+            f"round {m['round']:>3}/{rounds}  acc {acc}{_source(m)}  loss {loss}  "
             f"clients {m['clients_reported']}/{m['clients_selected']}  "
             f"server link: up {m['bytes_up'] / 1024:,.1f} KiB, down {m['bytes_down'] / 1024:,.1f} KiB  "
             f"{m['seconds']:.1f} s  (elapsed {time.monotonic() - t0:.0f} s){skipped}\n")

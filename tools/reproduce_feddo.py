@@ -1154,7 +1154,8 @@ def main(argv: list[str] | None = None) -> int:
                 load_dataset(ds, data_dir=data_dir or None, allow_download=False)
         except DataError as exc:
             p.error(f"data set {ds!r} is not available: {exc}")
-    check_out_dir(p, out, report_only=a.report_only, report=a.report)
+    check_out_dir(p, out, report_only=a.report_only, report=a.report, estimate_only=a.estimate_only,
+                  verify=a.verify)
     commit = code_commit(ROOT)
     stamp = {"commit": commit}
     wall, verify_lines = None, []

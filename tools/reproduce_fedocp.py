@@ -781,7 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = None if a.no_sweep else _sweep_bench(p, a.sweep_bench, client_tests[0])
     sweep_values = sweep_plan(name_list(p, "--sweep-keys", a.sweep_keys, SWEEPS), extended=a.sweep_extended,
                               server_epochs=a.server_epochs) if sweep else None
-    check_out_dir(p, a.out, report_only=a.report_only, report=a.report)
+    check_out_dir(p, a.out, report_only=a.report_only, report=a.report, estimate_only=a.estimate_only,
+                  verify=a.verify)
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "lr": a.lr, "group": a.group, "server_epochs": a.server_epochs}

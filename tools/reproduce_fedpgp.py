@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_sweep and (bench_ds not in DATASETS or bench_sp not in SPLITS):
         p.error(f"--sweep-bench takes DATASET/SPLIT with a data set of {list(DATASETS)} and a split of "
                 f"{list(SPLITS)}; got {a.sweep_bench!r}")
-    check_out_dir(p, a.out, report_only=a.report_only, report=a.report)
+    check_out_dir(p, a.out, report_only=a.report_only, report=a.report, estimate_only=a.estimate_only,
+                  verify=a.verify)
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "participation": a.participation, "lr": a.lr}

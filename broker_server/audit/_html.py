@@ -115,7 +115,8 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
         body.append(cells)
     note = ("<p class=\"note\">Device links (what the agents sent and received). Bytes to target: cumulative "
             "device-link wire bytes up to and including the first round whose test accuracy reached the "
-            "target (session traffic recorded before then included).")
+            "target, of the rounds with an accuracy (a run with [server] eval_every = E measures it every "
+            "E-th round and the last; session traffic recorded before then included).")
     if link:
         note += (f" Transfer time: uplink {_esc(kbps(link['uplink_kbps']))}, downlink "
                  f"{_esc(kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "

@@ -198,7 +198,8 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
         t.add_row(*cells)
     console.print(t)
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
-                  "accuracy reached the target.")
+                  "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
+                  "measures it every E-th round and the last).")
     if (fleet := fleet_total(reports)) is not None:
         console.print(f"Fleet total of federation {fleet['federation']} ({fleet['runs']} ledgers, e.g. one per "
                       f"device): up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, "

@@ -522,17 +522,26 @@ class DSACTAgent:
         """An agent from :meth:`save_policy`'s file and its metadata.
 
         Raises:
-            ValueError: not such a file (the message names it).
+            ValueError: not such a file — absent, unreadable, not a torch file (whatever
+                ``torch.load`` raises: a pickle error, a zip error, a class it cannot find …), not
+                a policy, or a policy whose parts are missing or do not fit together; the message
+                names the file and what was wrong.
         """
         try:
             blob = torch.load(Path(path), weights_only=False)
-        except (OSError, RuntimeError, EOFError) as exc:
-            raise ValueError(f"policy {path}: cannot be read: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways: each is the same refusal
+            raise ValueError(f"policy {path}: cannot be read ({type(exc).__name__}: {exc}); [algorithm] policy must "
+                             "name a file that fedfleet feddo pretrain wrote") from exc
         if not isinstance(blob, dict) or blob.get("format") != "fedfleet-dsac-t/1":
             raise ValueError(f"policy {path}: not a fedfleet DSAC-T policy (format fedfleet-dsac-t/1)")
-        conf = dict(blob["config"])
-        conf["hidden"] = tuple(conf["hidden"])
-        agent = cls(int(blob["state_dim"]), int(blob["action_dim"]), DSACTConfig(**conf), seed=seed)
-        agent.load_networks_state(blob["agent"])
-        return agent, dict(blob["metadata"])
+        try:
+            conf = dict(blob["config"])
+            conf["hidden"] = tuple(conf["hidden"])
+            agent = cls(int(blob["state_dim"]), int(blob["action_dim"]), DSACTConfig(**conf), seed=seed)
+            agent.load_networks_state(blob["agent"])
+            metadata = dict(blob["metadata"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            raise ValueError(f"policy {path}: a damaged fedfleet DSAC-T policy ({type(exc).__name__}: {exc}); write "
+                             "it again with fedfleet feddo pretrain") from exc
+        return agent, metadata
 

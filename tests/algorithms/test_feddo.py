@@ -7,7 +7,11 @@ loads; a pre-trained policy in a federation of another size: one device more tha
 trained for is an error naming the counts (alone and in a federation), fewer devices run with
 the empty slots offline, logged and recorded in every round's line; a policy deployed with other
 agent sizes than its own is an error naming both, and the run's learning keys replace the
-pre-training's (the optimisers' rates too), each change logged."""
+pre-training's (the optimisers' rates too), each change logged; a policy file that is not one
+(garbage, a cut-short file, one with a part missing or of other shapes) is a ValueError naming
+the file, which ``fedfleet simulate`` says as its one-line configuration error; ``fedfleet feddo
+pretrain --out`` that could not be written (a folder, a path under a file) is refused before
+any episode."""
 
 from __future__ import annotations
 
@@ -194,9 +198,8 @@ def test_a_resumed_feddo_keeps_its_replay_buffer_and_agent_and_learns_on(tmp_pat
     assert dict(p1.instructions) == dict(p2.instructions)
 
 
-def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> None:
-    cfg = tmp_path / "feddo.toml"
-    cfg.write_text("""
+#: A tiny FedDO run (3 devices, 2 rounds of digits, a 16-wide agent of rank 4).
+TINY_TOML = """
 [run]
 name = "pre"
 seed = 0
@@ -221,7 +224,12 @@ rank = 4
 warmup = 1
 batch_size = 2
 val_size = 100
-""", encoding="utf-8")
+"""
+
+
+def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> None:
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML, encoding="utf-8")
     out = tmp_path / "policy.pt"
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "2", "--rounds", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -337,3 +345,58 @@ def test_a_loaded_policy_goes_on_learning_with_the_runs_learning_keys(tmp_path, 
                    "lr_critic 0.0003 → 0.0001"):
         assert change in said
     assert "lr_alpha" not in said and "gamma" not in said
+
+
+def _damaged(path, how: str) -> str:
+    """A file at ``path`` that is no usable policy: ``how`` names the damage."""
+    if how == "garbage":  # a pickle cut short: torch.load raises pickle.UnpicklingError
+        path.write_bytes(b"garbage")
+        return str(path)
+    good = _policy(path, 3)
+    if how == "cut short":  # a torch zip without its central directory
+        path.write_bytes(path.read_bytes()[:3000])
+        return good
+    blob = torch.load(path, weights_only=False)
+    if how == "part missing":
+        del blob["agent"]["actor"]
+    elif how == "other shapes":  # the state width of 4 devices on an agent of 3
+        blob["state_dim"] += 1
+    torch.save(blob, path)
+    return good
+
+
+@pytest.mark.parametrize("how", ["garbage", "cut short", "part missing", "other shapes"])
+def test_a_damaged_policy_file_is_a_value_error_naming_it(tmp_path, how: str) -> None:
+    path = _damaged(tmp_path / "policy.pt", how)
+    with pytest.raises(ValueError, match=f"^policy {path}: "):
+        _loaded(path)
+
+
+def test_simulate_says_a_damaged_policy_in_one_line(tmp_path, capsys) -> None:
+    path = _damaged(tmp_path / "policy.pt", "garbage")
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML + f'policy = "{path}"\n', encoding="utf-8")
+    assert main(["simulate", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"fedfleet: configuration error: {cfg}: [algorithm] for 'feddo': policy {path}: cannot be read "
+                     "(UnpicklingError: pickle data was truncated); [algorithm] policy must name a file that "
+                     "fedfleet feddo pretrain wrote"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_pretrain_refuses_an_out_it_could_not_write_before_training(tmp_path, capsys, where: str) -> None:
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML, encoding="utf-8")
+    if where == "a folder":
+        out, why = tmp_path, f"--out {tmp_path} is a folder: give the policy file's path"
+    else:
+        (tmp_path / "notes.txt").write_text("x")
+        out = tmp_path / "notes.txt" / "policy.pt"
+        why = f"--out {out}: {tmp_path / 'notes.txt'} is a file, not a folder"
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)]) == 2
+    text = capsys.readouterr()
+    assert why in text.err and "Traceback" not in text.err
+    assert "episode" not in text.out.replace("1 episodes", "")  # no episode ran

@@ -1,7 +1,9 @@
 """The ``fedfleet`` command line's small promises: ``-v`` after the command, the header's
 grammar and security, ``keys list`` without a key folder, a broker or configuration error that
 leaves no half-made run folder behind, and ``fedfleet server`` refusing what only a simulation
-runs (``[data] partition = "classes"``)."""
+runs (``[data] partition = "classes"``), and the end-of-run line naming the final accuracy by
+where it came from (the global model, the devices' own models, the algorithm's own evaluation;
+none measured said in words, not ``nan``)."""
 
 from __future__ import annotations
 
@@ -167,3 +169,25 @@ def test_the_server_names_its_unused_agents_settings_as_the_configuration_file_w
     assert texts == ['profile = "rpi4"', "train_slots = 2", "emulate_link = true"]
     assert tomllib.loads("\n".join(texts)) == {"profile": "rpi4", "train_slots": 2, "emulate_link": True}
     assert simulation_only_settings(load(QUICKSTART)) == []
+
+
+def _fake_audit(run_dir) -> dict:
+    """The part of an audit report the end-of-run lines read (bytes of the device links)."""
+    side = {"wire_bytes": 1000}
+    return {"totals": {"device": {"up": side, "down": side, "all": {"overhead_share": 0.0}}}, "by_kind": []}
+
+
+@pytest.mark.parametrize(("source", "accuracy", "said"), [
+    ("global", 0.8125, "final test accuracy 0.8125"),
+    ("clients", 0.8125, "final test accuracy of the devices' own models (mean over clients) 0.8125"),
+    ("strategy", 0.25, "final accuracy from the algorithm's own evaluation 0.2500"),
+    (None, float("nan"), "no accuracy was measured"),
+])
+def test_the_end_of_a_run_names_where_its_final_accuracy_came_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, source, accuracy, said) -> None:
+    import broker_server.audit as audit_mod
+
+    monkeypatch.setattr(audit_mod, "audit_report", _fake_audit)
+    cli._print_summary(tmp_path, accuracy, 3, 1.0, "amqtt", accuracy_source=source, total_rounds=3)
+    first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("finished")]
+    assert first == [f"finished 3 rounds of 3 in 1.0 s over amqtt; {said}"]

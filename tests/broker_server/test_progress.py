@@ -1,7 +1,10 @@
 """Progress while a round runs (:mod:`broker_server.progress`): the state and its text from a
 scripted event sequence (a fake clock), the plain lines for a stream that is not a terminal, the
 live line on a (forced) terminal, and the events the real server emits in a round on the
-in-process broker, with the bytes they carry checked against the MQTT framing of the messages."""
+in-process broker, with the bytes they carry checked against the MQTT framing of the messages;
+``fedfleet simulate``'s round line for a round the server evaluated, one it did not
+(``[server] eval_every``: ``-`` and a note, not ``n/a``), and a personalised round without
+client evaluation (``n/a``)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import numpy as np
 from helpers.memory_server import incoming, memory_server, update_payload
 
 from broker_server.progress import LiveProgress, PlainProgress, RoundProgress, make_progress
+from broker_server.simulate import progress_printer
 from edge_agent.models import build_model
 from edge_agent.state import state_arrays
 from protocol.mqtt_bytes import publish_size
@@ -188,3 +192,24 @@ def test_log_records_print_above_the_live_line_and_go_back_to_stderr_after(monke
     assert "join: client-000" not in err.getvalue()
     assert err.getvalue() == "LOG after the round\n"
     assert handler.stream is err
+
+
+def test_the_round_line_tells_a_round_not_evaluated_from_a_figure_not_measured() -> None:
+    base = {"clients_reported": 3, "clients_selected": 3, "bytes_up": 2048, "bytes_down": 1024, "seconds": 0.5,
+            "skipped": False}
+    lines = [
+        {"round": 1, **base, "test_evaluated": False},  # eval_every = 2: no accuracy, loss or source
+        {"round": 2, **base, "accuracy": 0.83287, "loss": 0.5, "accuracy_source": "global", "test_evaluated": True},
+        {"round": 3, **base, "accuracy": None, "loss": None, "accuracy_source": "clients", "test_evaluated": False},
+    ]
+    buf = io.StringIO()
+    show = progress_printer(3, stream=buf)
+    for m in lines:
+        show(m)
+    out = [line.split("  (elapsed")[0] + " | " + line.split(" s)", 1)[1] for line in buf.getvalue().splitlines()]
+    link = "clients 3/3  server link: up 2.0 KiB, down 1.0 KiB  0.5 s"
+    assert out == [
+        f"round   1/3  acc      -  loss      -  {link} |   (not evaluated this round: [server] eval_every)",
+        f"round   2/3  acc 0.8329  loss 0.5000  {link} | ",
+        f"round   3/3  acc    n/a (clients' own models)  loss    n/a  {link} | ",
+    ]

@@ -88,7 +88,9 @@ def test_the_sweep_runs_on_a_split_whose_name_holds_a_slash() -> None:
 @pytest.mark.parametrize("argv", [["--rounds", "-1"], ["--rounds", "0"], ["--clients", "0"], ["--epochs", "0"],
                                   ["--workers", "0"], ["--verify", "-1"], ["--train-samples", "-5"],
                                   ["--participation", "0"], ["--lr", "0"], ["--seeds", "x"], ["--methods", "Nope"],
-                                  ["--sweep-bench", "MNIST/Dir(0.3)"], ["--sweep-bench", "MNIST"]])
+                                  ["--sweep-bench", "MNIST/Dir(0.3)"], ["--sweep-bench", "MNIST"],
+                                  ["--estimate-only", "--verify", "2"], ["--report-only", "--verify", "1"],
+                                  ["--report-only", "--estimate-only"]])
 def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
     """Each used to reach the grid: a traceback, or every cell recorded as a ConfigError and exit 0."""
     with pytest.raises(SystemExit) as exc:

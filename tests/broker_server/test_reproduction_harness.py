@@ -1,7 +1,9 @@
 """The harness the reproduction scripts share (broker_server/experiments.py): resuming only cells
 made with the same configuration (however the grid folder is spelt), the records' stamps, a
 records file cut short, formatting, per-round lookups, the re-run comparison, option parsing,
-the ``--out`` check and the scripts' exit on Ctrl-C or unusable records."""
+the ``--out`` check (and the modes that exclude each other: ``--report-only`` with
+``--estimate-only`` or ``--verify``, ``--estimate-only`` with ``--verify``) and the scripts'
+exit on Ctrl-C or unusable records."""
 
 from __future__ import annotations
 
@@ -279,6 +281,27 @@ def test_check_out_dir_says_what_is_wrong(tmp_path: Path, capsys: pytest.Capture
     check_out_dir(p, tmp_path / "new" / "grid", report_only=False, report=tmp_path / "new" / "reports" / "r.md")
     assert (tmp_path / "new" / "grid" / "results.jsonl").read_text(encoding="utf-8") == ""
     check_out_dir(p, tmp_path / "new" / "grid", report_only=True)
+
+
+def test_modes_that_exclude_each_other_are_refused_not_one_left_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each combination used to run one mode and leave the other out without a word (the FedPGP
+    and FedOCP scripts reported and verified nothing; the FedDO one ran the estimate's cell)."""
+    p = argparse.ArgumentParser(prog="repro")
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    (grid / "results.jsonl").write_text("", encoding="utf-8")
+    for kw, said in (({"report_only": True, "estimate_only": True}, "--report-only runs no cell: it does not go "
+                      "with --estimate-only"),
+                     ({"report_only": True, "verify": 3}, "--report-only runs no cell: it does not go with --verify 3"),
+                     ({"report_only": False, "estimate_only": True, "verify": 2},
+                      "--estimate-only stops after its estimate: --verify 2 would not run")):
+        with pytest.raises(SystemExit) as exc:
+            check_out_dir(p, grid, **kw)
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+    for kw in ({"report_only": True}, {"report_only": False, "estimate_only": True},
+               {"report_only": False, "verify": 2}):
+        check_out_dir(p, grid, **kw)  # each mode alone is taken
 
 
 def test_script_exit_turns_ctrl_c_and_unusable_records_into_one_line(capsys: pytest.CaptureFixture[str]) -> None:

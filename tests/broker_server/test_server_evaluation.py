@@ -17,6 +17,10 @@ the test split in every E-th round and the last only, and nothing else changes.
 * A server killed between round 2's checkpoint and its line (round 2 not an evaluation round):
   ``resume`` writes the line without an accuracy, and the lines are an uninterrupted run's.
 * ``eval_every`` below 1 is refused by the server settings.
+* A line without an accuracy names no ``accuracy_source`` (there is no figure to have one); a
+  strategy whose own evaluation gives the accuracy names itself in every round. The end of a run
+  names its final accuracy by the source of the line it comes from: the last line with an
+  accuracy, a later line without one passing over; NaN (no line had one) is said in words.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import broker_server.server as server_mod
 from broker_server.checkpoint import CheckpointStore
 from broker_server.errors import RunError
 from broker_server.experiments import VOLATILE_METRICS, Job, rounds_to_target, run_job, series_lines
+from broker_server.server import final_accuracy_source, final_accuracy_text, final_figures
 from broker_server.strategies.fedaa import FedAA
 from broker_server.strategies.fedavg import FedAvg
 from broker_server.strategies.feddo import FedDO
@@ -45,7 +50,7 @@ ROUNDS = 7
 EVERY = 3
 EVALUATED = [3, 6, 7]  # multiples of 3 up to 7, and the last round
 #: what a round not evaluated lacks, besides the timings, when compared with the E = 1 run's line
-EVALUATION_KEYS = {"accuracy", "loss", "test_evaluated"}
+EVALUATION_KEYS = {"accuracy", "loss", "accuracy_source", "test_evaluated"}
 
 
 def _lines(run_dir: Path) -> list[dict]:
@@ -258,3 +263,38 @@ def test_resume_writes_a_line_not_evaluated_without_an_accuracy(tmp_path: Path, 
 def test_eval_every_below_one_is_refused(tmp_path: Path, digits, every) -> None:
     with pytest.raises(RunError, match=f"eval_every = {every!r} must be an integer >= 1"):
         federation_server(tmp_path, MemoryBroker(), FedAvg(), digits.test, rounds=3, clients=1, eval_every=every)
+
+
+class _OwnAccuracy(FedAvg):
+    """FedAvg whose own evaluation gives every round's accuracy (a fixed 0.25, loss 2.0)."""
+
+    def evaluate(self, round: int, model: torch.nn.Module) -> dict:
+        return {"accuracy": 0.25, "loss": 2.0}
+
+
+def test_a_line_without_an_accuracy_names_no_source_of_one(tmp_path: Path, digits) -> None:
+    rounds = 4  # E = 3: rounds 3 and 4 (the last) are evaluated
+    server = run_federation(tmp_path / "fedavg", MemoryBroker(), FedAvg(participation_rate=1.0),
+                            _devices(digits, FedAvgClient), digits.test, rounds=rounds, eval_every=EVERY)
+    lines = _lines(tmp_path / "fedavg")
+    assert lines == json.loads(json.dumps(server.metrics))
+    assert [m.get("accuracy_source") for m in lines] == [None, None, "global", "global"]
+    assert ["accuracy_source" in m for m in lines] == ["accuracy" in m for m in lines] == [False, False, True, True]
+    # the strategy's own accuracy is every round's line's, evaluated test split or not
+    own = run_federation(tmp_path / "own", MemoryBroker(), _OwnAccuracy(participation_rate=1.0),
+                         _devices(digits, FedAvgClient), digits.test, rounds=rounds, eval_every=EVERY)
+    assert [(m["accuracy"], m["loss"], m["accuracy_source"]) for m in own.metrics] == [(0.25, 2.0, "strategy")] * 4
+    assert [m["test_evaluated"] for m in own.metrics] == [False, False, True, True]
+
+
+def test_the_final_accuracy_is_named_by_the_source_of_its_own_line() -> None:
+    clients_then_none = [{"round": 1, "accuracy": 0.5, "accuracy_source": "clients"}, {"round": 2}]
+    assert final_figures(clients_then_none)[0] == 0.5 and final_accuracy_source(clients_then_none) == "clients"
+    # a line written before the key existed is the global model's; no accuracy at all: no source
+    assert final_accuracy_source([{"round": 1, "accuracy": 0.5}, {"round": 2, "accuracy": None}]) == "global"
+    assert final_accuracy_source([{"round": 1, "accuracy": None, "accuracy_source": "clients"}]) is None
+    assert final_accuracy_text(0.83287, "global") == "final test accuracy 0.8329"
+    assert final_accuracy_text(0.5, "clients") == \
+        "final test accuracy of the devices' own models (mean over clients) 0.5000"
+    assert final_accuracy_text(0.25, "strategy") == "final accuracy from the algorithm's own evaluation 0.2500"
+    assert final_accuracy_text(float("nan"), None) == final_accuracy_text(None) == "no accuracy was measured"
