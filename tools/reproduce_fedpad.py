@@ -71,6 +71,7 @@ from broker_server.experiments import (  # noqa: E402
     Job,
     attach_round_series,
     cell_rounds_to_target,
+    check_out_dir,
     check_report_records,
     code_commit,
     default_data_dir,
@@ -524,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
                 "test_cap": a.test_cap}
     jobs = make_jobs(benches, methods, seeds, sweeps=sweeps, sweep_benches=sweep_benches,
                      data_dir=default_data_dir(ROOT, a.data_dir), **settings)
+    if a.verify < 0:
+        p.error(f"--verify must be >= 0, got {a.verify}")
+    check_out_dir(p, a.out, report_only=a.report_only, report=a.report, estimate_only=a.estimate_only,
+                  verify=a.verify)
     out = Path(a.out)
     commit = code_commit(ROOT)
     wall, verify_lines = None, []

@@ -113,7 +113,11 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--bench", "Office"], ["--methods", "FedAvg,Nope"], ["--seeds", "x"],
-                                  ["--train-cap", "0"], ["--sweep-keys", "tau"]])
+                                  ["--train-cap", "0"], ["--sweep-keys", "tau"],
+                                  # --report-only runs no cell: with --verify/--estimate-only one would be dropped
+                                  ["--verify", "2"], ["--estimate-only"], ["--verify", "-1"],
+                                  # and needs records: tmp_path has no results.jsonl (a mistyped --out)
+                                  []])
 def test_bad_options_are_usage_errors(argv: list[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         _tool().main([*argv, "--out", str(tmp_path), "--report", str(tmp_path / "r.md"), "--report-only"])
