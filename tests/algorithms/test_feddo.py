@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers.memory_federation import Device, federation_server, start_agents
+from helpers.memory_federation import Device, federation_server, run_expecting
 
 from broker_server.checkpoint import CheckpointStore
 from broker_server.cli import main
@@ -299,16 +299,7 @@ def test_a_federation_larger_than_its_policy_fails_before_training(tmp_path, dig
     devices = {f"dev-{k}": Device(FedDOClient(), digits.train.x[40 * i:40 * i + 40], digits.train.y[40 * i:40 * i + 40])
                for i, k in enumerate("abcd")}
     server = federation_server(tmp_path / "run", memory_hub, strategy, digits.test, rounds=2, clients=4)
-    agents, threads, errors = start_agents(memory_hub, devices)
-    try:
-        with pytest.raises(RunError, match="trained for 3 devices, but 4 devices have joined"):
-            server.run()
-    finally:
-        for a in agents:
-            a.stop()
-        for t in threads:
-            t.join(30)
-    assert not errors, errors
+    run_expecting(server, memory_hub, devices, RunError, "trained for 3 devices, but 4 devices have joined")
     assert server.metrics == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
     assert not any(isinstance(decode(m.payload).envelope.body, Update) for m in memory_hub.published)
 

@@ -23,7 +23,16 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers.memory_federation import Device, digits_model, federation_server, run_federation, start_agents
+from helpers.memory_federation import (
+    Device,
+    Killed,
+    digits_model,
+    federation_server,
+    kill_before_line,
+    run_expecting,
+    run_federation,
+    start_agents,
+)
 
 import broker_server.server as server_mod
 from broker_server.checkpoint import CheckpointStore
@@ -180,10 +189,6 @@ def test_overlap_setting_is_checked(tmp_path: Path, digits) -> None:
                           overlap_evaluation="on")
 
 
-class _Killed(BaseException):
-    """Stands for the process dying (nothing after it runs)."""
-
-
 def test_resume_writes_the_line_a_crash_left_unwritten(tmp_path: Path, digits) -> None:
     reference_strategy = _strategy()
     reference_picks = _recording(reference_strategy)
@@ -195,23 +200,9 @@ def test_resume_writes_the_line_a_crash_left_unwritten(tmp_path: Path, digits) -
     first_strategy = _strategy()
     picks = _recording(first_strategy)
     first = federation_server(run_dir, hub, first_strategy, digits.test, rounds=ROUNDS, clients=len(CIDS))
-    append = first.store.append_metrics
-
-    def dies_before_line_2(line: dict) -> None:
-        if line["round"] == 2:  # written while round 3 trains, after round 2's checkpoint
-            raise _Killed
-        append(line)
-
-    first.store.append_metrics = dies_before_line_2  # type: ignore[method-assign]
-    agents, threads, errors = start_agents(hub, _devices(digits))
-    with pytest.raises(_Killed):
-        first.run()
-    for a in agents:
-        a.stop()
-    for t in threads:
-        t.join(30)
+    kill_before_line(first, 2)  # written while round 3 trains, after round 2's checkpoint
+    run_expecting(first, hub, _devices(digits), Killed)
     first.store.close()
-    assert not errors, errors
     assert [m["round"] for m in _lines(run_dir)] == [1]
     assert CheckpointStore(run_dir / "checkpoints.sqlite").rounds() == [0, 1, 2]
 
@@ -250,16 +241,7 @@ def test_a_failing_round_still_writes_the_line_it_was_to_evaluate(tmp_path: Path
     hub = MemoryBroker()
     server = federation_server(tmp_path, hub, _strategy(_FailsAtRound3), digits.test, rounds=ROUNDS,
                                clients=len(CIDS))
-    agents, threads, errors = start_agents(hub, _devices(digits))
-    try:
-        with pytest.raises(RunError, match="planning round 3 failed"):
-            server.run()
-    finally:
-        for a in agents:
-            a.stop()
-        for t in threads:
-            t.join(30)
-    assert not errors, errors
+    run_expecting(server, hub, _devices(digits), RunError, "planning round 3 failed")
     lines = _lines(tmp_path)
     assert [m["round"] for m in lines] == [1, 2]
     scores = _checkpointed_scores(tmp_path, digits.test)

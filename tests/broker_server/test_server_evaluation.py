@@ -32,7 +32,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.memory_federation import Device, federation_server, run_federation, start_agents
+from helpers.memory_federation import (
+    Device,
+    Killed,
+    federation_server,
+    kill_before_line,
+    run_expecting,
+    run_federation,
+    start_agents,
+)
 
 import broker_server.server as server_mod
 from broker_server.checkpoint import CheckpointStore
@@ -207,10 +215,6 @@ def test_overlapped_rounds_not_evaluated_read_no_test_split_and_hold_no_slot(
     assert len(slots.takers) == 2 + ROUNDS * len(CIDS)  # and each device's training of each round
 
 
-class _Killed(BaseException):
-    """Stands for the process dying (nothing after it runs)."""
-
-
 def test_resume_writes_a_line_not_evaluated_without_an_accuracy(tmp_path: Path, digits) -> None:
     rounds = 3  # E = 3: round 3 alone is evaluated
     reference = run_federation(tmp_path / "reference", MemoryBroker(), FedAvg(participation_rate=1.0),
@@ -219,23 +223,9 @@ def test_resume_writes_a_line_not_evaluated_without_an_accuracy(tmp_path: Path, 
     hub = MemoryBroker()
     first = federation_server(run_dir, hub, FedAvg(participation_rate=1.0), digits.test, rounds=rounds,
                               clients=len(CIDS), eval_every=EVERY)
-    append = first.store.append_metrics
-
-    def dies_before_line_2(line: dict) -> None:
-        if line["round"] == 2:  # written while round 3 trains, after round 2's checkpoint
-            raise _Killed
-        append(line)
-
-    first.store.append_metrics = dies_before_line_2  # type: ignore[method-assign]
-    agents, threads, errors = start_agents(hub, _devices(digits, FedAvgClient))
-    with pytest.raises(_Killed):
-        first.run()
-    for a in agents:
-        a.stop()
-    for t in threads:
-        t.join(30)
+    kill_before_line(first, 2)  # written while round 3 trains, after round 2's checkpoint
+    run_expecting(first, hub, _devices(digits, FedAvgClient), Killed)
     first.store.close()
-    assert not errors, errors
     assert CheckpointStore(run_dir / "checkpoints.sqlite").rounds() == [0, 1, 2]
 
     hub = MemoryBroker()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from broker_server.server import AggregationServer, ServerSettings
@@ -120,6 +121,39 @@ def run_federation(tmp: Path, hub: MemoryBroker, strategy, devices: dict[str, De
     assert not errors, errors
     assert summary.rounds_completed == rounds
     return server
+
+
+class Killed(BaseException):
+    """Stands for the server's process dying (nothing after it runs): see :func:`kill_before_line`."""
+
+
+def kill_before_line(server: AggregationServer, round: int) -> None:
+    """Make ``server`` die (:class:`Killed`) when it writes round ``round``'s metrics line, before
+    the line reaches ``metrics.jsonl`` (the lines before it are written)."""
+    append = server.store.append_metrics
+
+    def dies(line: dict) -> None:
+        if line["round"] == round:
+            raise Killed
+        append(line)
+
+    server.store.append_metrics = dies  # type: ignore[method-assign]
+
+
+def run_expecting(server: AggregationServer, hub: MemoryBroker, devices: dict[str, Device],
+                  expected: type[BaseException], match: str | None = None) -> None:
+    """Start the agents of ``devices``, run ``server`` until it raises ``expected`` (its message
+    matching ``match``; the test fails otherwise), then stop the agents; none may have failed."""
+    agents, threads, errors = start_agents(hub, devices)
+    try:
+        with pytest.raises(expected, match=match):
+            server.run()
+    finally:
+        for a in agents:
+            a.stop()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
 
 
 def wire(hub: MemoryBroker) -> list[tuple[str, str, object]]:
