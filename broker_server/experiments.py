@@ -815,6 +815,9 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
     temporary folder inside ``out_dir``) and compare each re-run with its record: the headline
     figure (``headline(record)``) and every last-round metric but the timings.
 
+    The lines are also written to ``out_dir/verify.md`` (:data:`VERIFY_FILE`), so a later
+    ``--report-only`` keeps the check (:func:`earlier_verify`).
+
     Returns:
         Markdown lines: which commit made the records and which made the re-runs, then one line
         per cell, ``same`` only when every compared metric is equal.
@@ -836,4 +839,18 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
         lines.append(f"- {r['key']}: recorded {headline(r)}, re-run {headline(b)} → "
                      + ("same" if not diff else f"**differs** ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})")
                      + (f"; metrics in only one of the two: {', '.join(one_side)}" if one_side else ""))
+    (Path(out_dir) / VERIFY_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return lines
+
+
+#: where :func:`verify_records` keeps its lines in the grid folder.
+VERIFY_FILE = "verify.md"
+
+
+def earlier_verify(out_dir: str | Path) -> list[str]:
+    """The re-run check of an earlier invocation (``out_dir/verify.md``, :func:`verify_records`)
+    as report lines under a line saying where they come from; ``[]`` when there is none."""
+    path = Path(out_dir) / VERIFY_FILE
+    if not path.is_file():
+        return []
+    return [f"(From an earlier invocation, `OUT/{VERIFY_FILE}`.)", "", *path.read_text(encoding="utf-8").splitlines()]

@@ -115,6 +115,7 @@ from broker_server.experiments import (  # noqa: E402
     config_fingerprint,
     default_data_dir,
     die_with_parent,
+    earlier_verify,
     failed_runs_section,
     hits_text,
     int_list,
@@ -1191,12 +1192,9 @@ def main(argv: list[str] | None = None) -> int:
             verify_lines = verify_records(verify_choice(runnable(grid.jobs(), load_pretrain_info(out))[0], out,
                                                         a.verify), out, a.verify, workers=a.workers, commit=commit,
                                           headline=_acc)
-            (out / "verify.md").write_text("\n".join(verify_lines) + "\n", encoding="utf-8")
     else:
         check_report_records(grid.jobs(), out)  # the report describes these options: the records must be theirs
-    if not verify_lines and (out / "verify.md").exists():
-        verify_lines = ["(From an earlier invocation, `OUT/verify.md`.)", "",
-                        *(out / "verify.md").read_text(encoding="utf-8").splitlines()]
+    verify_lines = verify_lines or earlier_verify(out)
     attached = attach_round_series(out)
     if attached:
         print(f"{attached} records given their rounds from their run folders")

@@ -100,6 +100,7 @@ from broker_server.experiments import (  # noqa: E402
     check_report_records,
     code_commit,
     default_data_dir,
+    earlier_verify,
     failed_runs_section,
     has_rounds,
     hits_text,
@@ -805,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                                           headline=lambda r: _client_figure(r.get("final", {})))
     else:
         check_report_records(jobs, out)  # the report describes these options: the records must be theirs
+    verify_lines = verify_lines or earlier_verify(out)  # a --report-only keeps the last re-run check
     attached = attach_round_series(out)
     if attached:
         print(f"{attached} records given their rounds from their run folders")

@@ -75,6 +75,7 @@ from broker_server.experiments import (  # noqa: E402
     check_report_records,
     code_commit,
     default_data_dir,
+    earlier_verify,
     failed_runs_section,
     hits_text,
     int_list,
@@ -550,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             verify_lines = verify_records(jobs, out, a.verify, workers=a.workers, commit=commit, headline=_worst)
     else:
         check_report_records(jobs, out)  # the report describes these options: the records must be theirs
+    verify_lines = verify_lines or earlier_verify(out)  # a --report-only keeps the last re-run check
     attached = attach_round_series(out)  # records made before records carried their rounds
     if attached:
         print(f"{attached} records given their rounds from their run folders")

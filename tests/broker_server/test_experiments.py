@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 
 import broker_server.experiments as experiments
-from broker_server.experiments import Job, config_fingerprint, load_results, mean_std, run_grid, run_with_estimate
+from broker_server.experiments import (
+    Job,
+    config_fingerprint,
+    earlier_verify,
+    load_results,
+    mean_std,
+    run_grid,
+    run_with_estimate,
+    verify_records,
+)
 
 
 def _config(algorithm: str, clients: int, seed: int) -> dict:
@@ -114,6 +123,26 @@ def test_a_resumed_grid_takes_its_estimate_from_the_records(tmp_path: Path, monk
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith(f"1 cell on record (mean {recorded:.0f} s); 2 to run")
     assert all("error" not in r for r in load_results(tmp_path).values()) and len(load_results(tmp_path)) == 3
+
+
+def test_a_cell_re_runs_to_its_record_and_a_changed_record_is_named(tmp_path: Path) -> None:
+    """``verify_records``: a cell run again at the same code gives its record's every last-round
+    metric and every round's figures (the grids' determinism); a record whose accuracy was changed
+    by hand is reported as differing, naming the field; the lines are kept for a later report."""
+    jobs = [Job("g/fedavg/s0", _config("fedavg", 2, 0)), Job("g/fedavg/s1", _config("fedavg", 2, 1))]
+    run_grid(jobs, tmp_path, workers=2, stamp={"commit": "abc1234"})
+    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    changed = next(r for r in recs if r["key"] == "g/fedavg/s1")
+    changed["final"]["accuracy"] += 0.01
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    lines = verify_records(jobs, tmp_path, 2, workers=2, commit="def5678", headline=lambda r: r["final"]["accuracy"])
+    assert lines[0].startswith("Re-ran 2 recorded cells at commit `def5678`; the records were made at `abc1234`.")
+    same = next(x for x in lines if x.startswith("- g/fedavg/s0"))
+    differs = next(x for x in lines if x.startswith("- g/fedavg/s1"))
+    assert same.endswith("→ same"), same
+    assert "**differs** (accuracy)" in differs, differs
+    assert earlier_verify(tmp_path)[2:] == lines and "OUT/verify.md" in earlier_verify(tmp_path)[0]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]  # the re-runs' folder is gone
 
 
 def test_mean_std() -> None:
