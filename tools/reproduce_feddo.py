@@ -111,6 +111,7 @@ from broker_server.experiments import (  # noqa: E402
     cell_rounds_to_target,
     check_out_dir,
     check_report_records,
+    claim_verdict,
     code_commit,
     config_fingerprint,
     default_data_dir,
@@ -651,19 +652,6 @@ def paired(a: list[dict], b: list[dict]) -> tuple[float, float, int]:
     return m, s, len(diffs)
 
 
-def verdict(measured: float, claimed: float | None, std: float = 0.0, seeds: int = 1) -> str:
-    """reproduced (the measured gain reaches the paper's; with no margin given: any gain),
-    direction only (positive, smaller), or not reproduced (zero or negative); "no data" for NaN.
-    A positive mean no larger than the std of the per-seed differences (``seeds`` ≥ 2) is said to
-    be within seed noise."""
-    if measured != measured:
-        return "no data"
-    noise = " (within seed noise: mean ≤ std of the per-seed differences)" if seeds >= 2 and 0 < measured <= std else ""
-    if claimed is None:
-        return ("reproduced" + noise) if measured > 0 else "not reproduced"
-    if measured >= claimed:
-        return "reproduced" + noise
-    return ("direction only" + noise) if measured > 0 else "not reproduced"
 
 
 def rank_of(means: dict[str, float], label: str) -> int:
@@ -993,7 +981,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
             if flagged:
                 ptxt += "; flagged implausible by SPECS §4.5: judged on the sign"
             lines.append(f"- {ds} {part}, FedDO's gain over FedAvg: {gm:+.2f} ± {gs:.2f} pp ({n} seed{'s' * (n != 1)}; "
-                         f"{ptxt}) → **{verdict(gm, claimed, gs, n)}**.")
+                         f"{ptxt}) → **{claim_verdict(gm, claimed, gs, n)}**.")
             means, shared = seed_matched(rs, ["FedDO", *BASELINES])
             if "FedDO" in means and len(means) > 1:
                 rk, ra = rank_of(means, "FedDO"), rank_of(means, "FedAvg") if "FedAvg" in means else len(means) + 1

@@ -98,6 +98,7 @@ from broker_server.experiments import (  # noqa: E402
     cell_rounds_to_target,
     check_out_dir,
     check_report_records,
+    claim_verdict,
     code_commit,
     default_data_dir,
     earlier_verify,
@@ -391,10 +392,6 @@ def _diff_text(diffs: list[float], scale: float = 100.0, unit: str = " pp") -> s
     return (f"{m:+.2f}{unit}" if n == 1 else f"{m:+.2f} ± {s:.2f}{unit}") + f" ({n} seed{'s' * (n != 1)})"
 
 
-def _claim_verdict(gain_pp: float) -> str:
-    return "reproduced" if gain_pp >= CLAIM_GAIN_PP else "direction only" if gain_pp > 0 else "not reproduced"
-
-
 def cell_core_seconds(rounds: int, train_samples: int) -> float:
     """The plan's cost of one cell in seconds of one core: start-up + rounds × the measured round,
     scaled linearly by the training images (``0`` = all of CIFAR-10's 50,000) against the
@@ -614,13 +611,14 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
             if "FedOCP" in means and base:
                 top = max(base, key=lambda k: base[k])
                 gains_best.append(100 * (means["FedOCP"] - base[top]))
+                diffs = [100 * (by["FedOCP"][s] - by[top][s]) for s in shared]
                 lines.append(f"- {ds} {sp} ({ct} test), seeds {shared}: FedOCP {100 * means['FedOCP']:.2f} vs the best "
-                             f"baseline {top} {100 * base[top]:.2f} → {gains_best[-1]:+.2f} pp → "
-                             f"**{_claim_verdict(gains_best[-1])}**.")
+                             f"baseline {top} {100 * base[top]:.2f} → {_diff_text(diffs, scale=1.0)} → "
+                             f"**{claim_verdict(gains_best[-1], CLAIM_GAIN_PP, mean_std(diffs)[1], len(diffs))}**.")
     if gains_best:
         g = sum(gains_best) / len(gains_best)
         lines.append(f"- FedOCP vs the best baseline on average over {len(gains_best)} settings: {g:+.2f} pp → "
-                     f"**{_claim_verdict(g)}**.")
+                     f"**{claim_verdict(g, CLAIM_GAIN_PP)}**.")
     else:
         lines.append("- no FedOCP/baseline pair on record yet.")
 

@@ -73,6 +73,7 @@ from broker_server.experiments import (  # noqa: E402
     cell_rounds_to_target,
     check_out_dir,
     check_report_records,
+    claim_verdict,
     code_commit,
     default_data_dir,
     earlier_verify,
@@ -280,20 +281,6 @@ def paired(a: list[dict], b: list[dict], fig) -> tuple[float, float, int]:
     return m, s, len(diffs)
 
 
-def verdict(measured: float, claimed: float | None, std: float = 0.0, seeds: int = 1) -> str:
-    """reproduced (the measured gain reaches the paper's; with no margin given: any gain),
-    direction only (positive, smaller), or not reproduced; a positive mean smaller than the
-    spread of the per-seed differences (``measured <= std`` over ``seeds >= 2``) is said to be
-    within seed noise, since the seeds disagree on its sign or size as much as they agree."""
-    if measured != measured:
-        return "no data"
-    noise = " (within seed noise: mean ≤ std of the per-seed differences)" if (
-        seeds >= 2 and 0 < measured <= std) else ""
-    if claimed is None:
-        return ("reproduced" + noise) if measured > 0 else "not reproduced"
-    if measured >= claimed:
-        return "reproduced" + noise
-    return ("direction only" + noise) if measured > 0 else "not reproduced"
 
 
 def _spread_text(sp: list[dict]) -> str:
@@ -457,17 +444,22 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
         m, s, n = paired(ra, rb, fig)
         lines.append(f"- {text}: measured {a} − {b} = {m:+.2f} ± {s:.2f} pp ({kind}, {n} seed{'s' * (n != 1)}; paper "
                      f"{'+' + format(claimed, '.2f') + ' pp' if claimed is not None else 'no margin'}) → "
-                     f"**{verdict(m, claimed, s, n)}**.")
+                     f"**{claim_verdict(m, claimed, s, n)}**.")
     for bench in benches:
-        pad, avg = rows(bench, "FedPAD"), rows(bench, "FedAvg")
-        if pad and avg:
-            share = (mean_std([r["up_bytes_per_client_round"] for r in pad])[0]
-                     / mean_std([r["up_bytes_per_client_round"] for r in avg])[0] - 1)
+        pad = rows(bench, "FedPAD")
+        fields = pad[0].get("update_field_bytes_mean", {}) if pad else {}
+        tensors = float(fields.get("tensors", 0))
+        if tensors > 0:
+            # what the prototypes add to an update: their bytes over the model's in the same body
+            proto = sum(v for k, v in fields.items() if k in ("extras.prototypes", "extras.proto_classes",
+                                                               "extras.proto_counts"))
+            share = proto / tensors
             v = ("reproduced" if share <= 2 * CLAIM_PROTO_SHARE else "direction only" if share < 0.05
                  else "not reproduced")
             lines.append(f"- {bench}: the prototypes cost a negligible share of the traffic (paper: 0.24 MiB on 900 "
-                         f"MiB, +{100 * CLAIM_PROTO_SHARE:.3f} %): FedPAD's upload is {100 * share:+.3f} % of FedAvg's "
-                         f"(a 64-d feature on a 136K-parameter model, against 512-d on ResNet-18) → **{v}**.")
+                         f"MiB, +{100 * CLAIM_PROTO_SHARE:.3f} %): FedPAD's update carries {proto:,.0f} B of "
+                         f"prototypes (with their classes and counts) on {tensors:,.0f} B of `{settings['model']}` "
+                         f"tensors, +{100 * share:.3f} % (a 64-d feature, against 512-d on ResNet-18) → **{v}**.")
     lines.append("")
     lines += ["## Re-run check", ""] + (verify or ["Not run in this invocation (`--verify K` re-runs K recorded cells "
                                                    "and compares every last-round metric)."]) + [""]

@@ -154,13 +154,6 @@ def test_verify_re_runs_feddo_and_other_cells_in_turn(tmp_path: Path) -> None:
 
 def test_verdict_thresholds() -> None:
     t = _tool()
-    # FedAvg-relative gain; paper FMNIST Dir(0.1): 87.49 − 83.66 = 3.83 pp
-    assert t.verdict(3.9, 3.83) == "reproduced"
-    assert t.verdict(1.0, 3.83) == "direction only"
-    assert t.verdict(0.0, 3.83) == "not reproduced" and t.verdict(-0.2, 3.83) == "not reproduced"
-    assert t.verdict(0.1, None) == "reproduced" and t.verdict(-0.1, None) == "not reproduced"
-    assert t.verdict(float("nan"), 3.83) == "no data"
-    assert t.verdict(0.5, 3.83, 0.8, 3).startswith("direction only (within seed noise")
     # rank: first reproduced, ahead of FedAvg direction only
     assert t.rank_of({"FedDO": 0.8, "FedAvg": 0.7, "MOON": 0.9}, "FedDO") == 2
     assert t.rank_of({"FedDO": 0.8, "FedAvg": 0.8}, "FedDO") == 1  # a tie shares the rank

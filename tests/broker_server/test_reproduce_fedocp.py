@@ -204,7 +204,7 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     # the best baseline over the seeds FedOCP, FedProto and FedTGP all have (seed 0): FedProto 69 vs
     # FedOCP 72 → +3 pp, under the +6.8 pp bar → direction only
     assert ("- CIFAR-10 Dir(0.1) (local test), seeds [0]: FedOCP 72.00 vs the best baseline FedProto 69.00 → "
-            "+3.00 pp → **direction only**.") in lines
+            "+3.00 pp (1 seed) → **direction only**.") in lines
     assert "- FedOCP vs the best baseline on average over 1 settings: +3.00 pp → **direction only**." in lines
     # FedOCP − FedProto on seeds 0, 2: 72 − 69 = 3, 68 − 62 = 6 → 4.5 ± 1.5; − FedTGP on 0, 1: 6, 2 → 4 ± 2
     assert "- FedOCP − FedProto: CIFAR-10 Dir(0.1) (local) +4.50 ± 1.50 pp (2 seeds); +4.50 pp on average." in lines

@@ -19,6 +19,7 @@ from broker_server.experiments import (
     RecordsError,
     attach_round_series,
     check_out_dir,
+    claim_verdict,
     config_fingerprint,
     final_differences,
     int_list,
@@ -317,3 +318,24 @@ def test_script_exit_turns_ctrl_c_and_unusable_records_into_one_line(capsys: pyt
     assert script_exit(refused) == 1
     assert capsys.readouterr().err == "error: OUT/results.jsonl: line 2 is not a record\n"
     assert script_exit(lambda: 0) == 0
+
+
+def test_claim_verdict_thresholds() -> None:
+    """claim_verdict: the paper's gain reached, positive but smaller, zero or negative; a mean
+    within the seeds' spread is at most direction only."""
+    assert claim_verdict(2.6, 2.55) == "reproduced"
+    assert claim_verdict(0.4, 2.55) == "direction only"
+    assert claim_verdict(-0.1, 2.55) == "not reproduced" and claim_verdict(0.0, 2.55) == "not reproduced"
+    assert claim_verdict(0.1, None) == "reproduced" and claim_verdict(-0.1, None) == "not reproduced"
+    assert claim_verdict(float("nan"), 1.0) == "no data"
+    # three seeds whose differences are +0.2, -0.5, +1.0 pp: mean 0.23, population std 0.62
+    diffs = [0.2, -0.5, 1.0]
+    m = sum(diffs) / 3
+    sd = (sum((d - m) ** 2 for d in diffs) / 3) ** 0.5
+    assert claim_verdict(m, 2.55, sd, 3) == "direction only (within seed noise: mean ≤ std of the per-seed differences)"
+    assert claim_verdict(m, 2.55, sd, 1) == "direction only"  # one seed: no spread to compare with
+    assert claim_verdict(0.9, 2.55, 0.3, 3) == "direction only"
+    # a mean past the paper's gain but no larger than the seeds' spread shows no gain: at most direction only
+    noisy = "direction only (within seed noise: mean ≤ std of the per-seed differences)"
+    assert claim_verdict(3.89, 1.34, 7.06, 3) == noisy and claim_verdict(0.5, None, 0.6, 3) == noisy
+    assert claim_verdict(3.89, 1.34, 7.06, 1) == "reproduced"  # one seed: no spread to compare with
