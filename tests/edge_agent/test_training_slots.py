@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers.memory_federation import Device, digits_model, run_federation
 
+import edge_agent.slots as S
 from broker_server.strategies import get_strategy
 from edge_agent.agent import AgentError, EdgeAgent, shared_global
 from edge_agent.algorithms import TrainConfig, get_client_algorithm, private_entries
@@ -280,11 +281,7 @@ def test_a_hold_interrupted_while_it_waits_leaves_no_slot_held_and_close_returns
 
 
 def test_a_training_hands_its_freed_heap_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each training on a slot ends with one ``malloc_trim(0)``, also when it raised; on glibc
-    the real call returns the pages of 64 MiB of freed heap blocks that a live block above them
-    keeps from being trimmed by free() itself: RSS drops by at least 48 MiB."""
-    import edge_agent.slots as S
-
+    """Each training on a slot ends with one ``malloc_trim(0)``, also when it raised."""
     calls: list[int] = []
     monkeypatch.setattr(S, "_MALLOC_TRIM", lambda pad: calls.append(pad) or 1)
     with TrainingSlots(1) as slots:
@@ -292,9 +289,12 @@ def test_a_training_hands_its_freed_heap_back(monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(ValueError):
             slots.run(lambda: (_ for _ in ()).throw(ValueError("x")))
     assert calls == [0, 0]
-    monkeypatch.undo()
-    if S._MALLOC_TRIM is None:
-        pytest.skip("no malloc_trim in this C library (not glibc)")
+
+
+@pytest.mark.skipif(S._MALLOC_TRIM is None, reason="no malloc_trim in this C library (not glibc)")
+def test_malloc_trim_returns_freed_heap_pages() -> None:
+    """On glibc the real call returns the pages of 64 MiB of freed heap blocks that a live block
+    above them keeps from being trimmed by free() itself: RSS drops by at least 48 MiB."""
     S.release_free_heap()
 
     def rss_mib() -> float:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.brokers import require_mosquitto
 
 from broker_server import cli
 from broker_server.server_main import server_byte_summary
@@ -97,9 +98,9 @@ def test_a_broker_that_stops_acknowledging_ends_the_run_with_a_resume_hint(
     cfg.write_text(QUICKSTART.read_text().replace("rounds = 5", "rounds = 40").replace("round_deadline_s = 60.0",
                                                                                        "round_deadline_s = 3.0"))
     run = tmp_path / "run"
+    require_mosquitto()  # a broker process that can be stopped alone
     with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker") as broker:
-        if broker.pid is None or broker.kind != "mosquitto":
-            pytest.skip("needs the mosquitto binary (a broker process that can be stopped alone)")
+        assert broker.pid is not None and broker.kind == "mosquitto"
         stopped = threading.Event()
 
         def stop_after_round_1() -> None:

@@ -14,6 +14,7 @@ import pytest
 from broker_server.embedded_broker import EmbeddedBroker
 from protocol.errors import OfflineBufferFull
 from protocol.transport import MqttTransport
+from tests.helpers.brokers import require_mosquitto
 
 
 def test_a_full_buffer_with_the_link_up_waits_for_acknowledgements_and_loses_nothing(tmp_path: Path) -> None:
@@ -47,10 +48,10 @@ def test_a_stalled_broker_fails_the_publish_after_full_wait_s_and_keeps_the_buff
     for one message and ``full_wait_s`` 0.3 s, the second publish raises OfflineBufferFull saying
     the link is up and how long it waited; once the broker runs again, the first message is
     acknowledged and the next publish goes through."""
-    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+    require_mosquitto()  # a broker process that can be stopped alone (amqtt runs in this one)
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker") as broker:
         pid = broker.pid
-        if pid is None:
-            pytest.skip("the embedded broker runs in this process: it cannot be stopped alone")
+        assert pid is not None
         pub = MqttTransport("bp-stall", broker.host, broker.port, max_buffered_messages=1, full_wait_s=0.3,
                             keepalive_s=60)
         try:
