@@ -346,6 +346,12 @@ def final_figures(metrics: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     return acc, loss
 
 
+def _scheduled(r: int, every: int, rounds: int) -> bool:
+    """Whether round ``r`` is in an every-``every``-rounds schedule that always takes the last
+    round (``rounds``): the global evaluation's (``eval_every``) and the devices' (``client_eval_every``)."""
+    return r % every == 0 or r >= rounds
+
+
 def final_accuracy_source(metrics: Sequence[Mapping[str, Any]]) -> str | None:
     """The ``accuracy_source`` of the line :func:`final_figures` takes its accuracy from (the last
     metrics line that has an accuracy): ``"global"`` when that line names none (lines written
@@ -1319,7 +1325,7 @@ class AggregationServer:
             config = round_config(self.strategy, r, plan.config)
         except ValueError as exc:
             raise RunError(f"strategy {self.strategy.name!r}: {exc}") from None
-        if self.settings.client_eval and (r % self.settings.client_eval_every == 0 or r == self.settings.rounds):
+        if self.settings.client_eval and _scheduled(r, self.settings.client_eval_every, self.settings.rounds):
             config["client_eval"] = True
         o.messages = (glob, self._round_starts(tuple(plan.selected), config, dict(plan.instructions)))
         self._extra_codecs = extras_codecs(self.settings.extras_codec, dict(glob.extras), self.global_codec)
@@ -1452,7 +1458,7 @@ class AggregationServer:
     def evaluates_round(self, r: int) -> bool:
         """Whether round ``r`` is an evaluation round (the module docstring's "Evaluation
         rounds"): ``r`` a multiple of ``eval_every``, or the last round."""
-        return r % self.settings.eval_every == 0 or r >= self.settings.rounds
+        return _scheduled(r, self.settings.eval_every, self.settings.rounds)
 
     def _evaluates_model(self, r: int) -> bool:
         """Whether completing round ``r``'s line reads its model: an evaluation round, or a
