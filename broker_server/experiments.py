@@ -43,6 +43,7 @@ mean ± std formatting (:func:`pm`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -52,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,11 +200,17 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
 
 
 def _worker(job: Job, out_dir: str) -> dict:
+    """One cell in a worker process: its record, with the worker's numerics
+    (:func:`broker_server.numerics.fingerprint`) as ``machine``; an exception becomes the record's
+    ``error``."""
+    from .numerics import fingerprint
+
     logging.basicConfig(level=logging.WARNING)
     try:
-        return run_job(job, out_dir)
+        rec = run_job(job, out_dir)
     except Exception as exc:  # recorded, the grid goes on
-        return {"key": job.key, **job.tags, "error": f"{type(exc).__name__}: {exc}"}
+        rec = {"key": job.key, **job.tags, "error": f"{type(exc).__name__}: {exc}"}
+    return {**rec, "machine": fingerprint()}
 
 
 def records_cost(results: dict[str, dict]) -> str:
@@ -399,9 +406,40 @@ def check_report_records(jobs: Iterable[Job], out_dir: str | Path) -> None:
                            "run with (its report's 'Command' line) so the report describes what ran")
 
 
+#: the CPU numerics a grid's workers can run with (:func:`run_grid`)
+NUMERICS = ("portable", "native")
+
+
+@contextlib.contextmanager
+def pinned_numerics(numerics: str) -> Iterator[None]:
+    """With ``"portable"``: :data:`~broker_server.numerics.PORTABLE_ENV` in ``os.environ`` for the
+    block (processes started in it inherit it), the earlier values put back afterwards; with
+    ``"native"``: ``os.environ`` as it is."""
+    from .numerics import PORTABLE_ENV, pin_portable
+
+    saved = {k: os.environ.get(k) for k in PORTABLE_ENV}
+    try:
+        if numerics == "portable":
+            pin_portable()
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
-             on_result: Callable[[dict], None] | None = None, stamp: dict | None = None) -> dict[str, dict]:
+             on_result: Callable[[dict], None] | None = None, stamp: dict | None = None,
+             numerics: str = "portable") -> dict[str, dict]:
     """Run every job not yet in ``out_dir/results.jsonl`` in ``workers`` processes.
+
+    With ``numerics = "portable"`` (the default) the workers load torch with
+    :data:`broker_server.numerics.PORTABLE_ENV`, so a cell gives the same bits on any x86-64 AVX2
+    machine; ``"native"`` leaves the kernels to the machine. Each new record carries the worker's
+    ``machine`` fingerprint (:func:`broker_server.numerics.fingerprint`); a cell that ran native
+    although portable was asked (a CPU without AVX2) is logged as a warning.
 
     A job that failed earlier (its record has ``error``) is run again. Each new record gets
     ``config_sha256`` (:func:`config_fingerprint` with ``out_dir``, so the grid folder's spelling
@@ -420,6 +458,8 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
             (the grid folder holds another configuration's cell under that key: use a fresh
             folder, or remove that record), or a line of ``results.jsonl`` is not a record.
     """
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs = list(jobs)
@@ -433,13 +473,19 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     keys = {j.key for j in jobs} | set(done)
     if todo:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=die_with_parent) as pool, \
+        # the workers are spawned inside this block and load torch with the portable settings
+        # (broker_server.numerics): the records re-run to the same bits on another machine
+        with pinned_numerics(numerics), \
+                ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             futures = {pool.submit(_worker, j, str(out)): j for j in todo}
             try:
                 for fut in as_completed(futures):
                     rec = {**fut.result(), "config_sha256": config_fingerprint(futures[fut].config, out),
                            **(stamp or {})}
+                    if numerics == "portable" and rec.get("machine", {}).get("numerics") != "portable":
+                        log.warning("%s ran with native CPU numerics (%s): its numbers re-run bit for bit only on "
+                                    "this kind of machine", rec["key"], rec.get("machine"))
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     done[rec["key"]] = rec
@@ -838,25 +884,60 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
         Markdown lines: which commit made the records and which made the re-runs, then one line
         per cell, ``same`` only when every compared metric is equal.
     """
+    from .numerics import fingerprint_differences
+
     recorded = [r for r in load_results(out_dir).values() if "error" not in r]
     by_key = {j.key: j for j in jobs}
     recorded = [r for r in recorded if r["key"] in by_key][:k]
     made = sorted({str(r.get("commit", "not recorded")) for r in recorded})
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         again = run_grid([by_key[r["key"]] for r in recorded], tmp, workers=workers)
-    lines = [f"Re-ran {len(recorded)} recorded cells at commit `{commit}`; the records were made at "
+    machine = next((b["machine"] for b in again.values() if b.get("machine")), None)
+    lines = [f"Re-ran {len(recorded)} recorded cells at commit `{commit}`"
+             + (f" on {machine_text(machine)}" if machine else "") + "; the records were made at "
              f"{', '.join(f'`{c}`' for c in made) or '–'}. *same* = every last-round metric equal (timings left "
-             "out).", ""]
+             "out); where the two runs' CPU numerics differ (broker_server/numerics.py) the line says how, since "
+             "then equal bits are not expected even from equal code.", ""]
     for r in recorded:
         b = again.get(r["key"], {})
         one_side = metrics_only_in_one(r, b) if "error" not in b else []
         diff = ([k for k in final_differences(r, b) if k not in one_side] if "error" not in b
                 else ["error: " + str(b["error"])])
+        why = fingerprint_differences(r.get("machine"), b.get("machine"))
         lines.append(f"- {r['key']}: recorded {headline(r)}, re-run {headline(b)} → "
                      + ("same" if not diff else f"**differs** ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})")
-                     + (f"; metrics in only one of the two: {', '.join(one_side)}" if one_side else ""))
+                     + (f"; metrics in only one of the two: {', '.join(one_side)}" if one_side else "")
+                     + (f"; numerics differ: {why}" if why else ""))
     (Path(out_dir) / VERIFY_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return lines
+
+
+def machine_text(machine: dict) -> str:
+    """``"portable numerics (AMD EPYC, torch 2.14.1)"``: a :func:`~broker_server.numerics.fingerprint`
+    in a few words."""
+    return f"{machine.get('numerics')} numerics ({machine.get('cpu')}, torch {machine.get('torch')})"
+
+
+def numerics_line(results: dict[str, dict]) -> str:
+    """One report line on the CPU numerics of the finished records: how many were made with
+    portable numerics (they re-run to the same bits on any x86-64 AVX2 machine,
+    :mod:`broker_server.numerics`) and, for the others, on which machines."""
+    ok = [r for r in results.values() if "error" not in r]
+    if not ok:
+        return ""
+    portable = sum(1 for r in ok if (r.get("machine") or {}).get("numerics") == "portable")
+    others: dict[str, int] = {}
+    for r in ok:
+        m = r.get("machine")
+        if (m or {}).get("numerics") != "portable":
+            name = f"native on {m.get('cpu')} ({m.get('cpu_capability')})" if m else "no machine fingerprint"
+            others[name] = others.get(name, 0) + 1
+    line = (f"{portable} of {len(ok)} records were made with portable CPU numerics (the same bits on any x86-64 "
+            "AVX2 machine)")
+    if others:
+        line += "; the others re-run to the same bits only on the machine kind that made them: " + ", ".join(
+            f"{n} {name}" for name, n in sorted(others.items()))
+    return line + "."
 
 
 #: where :func:`verify_records` keeps its lines in the grid folder.

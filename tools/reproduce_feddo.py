@@ -123,6 +123,7 @@ from broker_server.experiments import (  # noqa: E402
     load_results,
     mean_std,
     name_list,
+    numerics_line,
     pm,
     read_metrics,
     records_cost,
@@ -792,6 +793,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} "
                   f"CPUs, {settings.get('workers', 2)} worker processes, 1 torch thread each).", ""]
     lines.append(records_cost({r["key"]: r for r in ok}))
+    lines += ["", numerics_line({r["key"]: r for r in ok})]
     pol_ok = [v for v in info.values() if "error" not in v and v.get("cpu_seconds") is not None]
     if pol_ok:
         hours = sum(v["cpu_seconds"] for v in pol_ok) / 3600

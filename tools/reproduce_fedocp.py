@@ -109,6 +109,7 @@ from broker_server.experiments import (  # noqa: E402
     load_results,
     mean_std,
     name_list,
+    numerics_line,
     pm,
     read_metrics,
     records_cost,
@@ -486,7 +487,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} "
                   f"({os.cpu_count()} CPUs).", ""]
-    lines += [records_cost(results), ""]
+    lines += [records_cost(results), "", numerics_line(results), ""]
     stamped = sorted({str(r["commit"]) for r in ok if r.get("commit")})
     if stamped:
         lines += [f"Records made at commit(s) {', '.join(f'`{c}`' for c in stamped)}.", ""]

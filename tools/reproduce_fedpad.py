@@ -83,6 +83,7 @@ from broker_server.experiments import (  # noqa: E402
     load_results,
     mean_std,
     name_list,
+    numerics_line,
     pm,
     read_metrics,
     records_cost,
@@ -341,7 +342,7 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} "
                   f"({os.cpu_count()} CPUs, {settings['workers']} worker processes, 1 torch thread each).", ""]
-    lines += [records_cost(results), ""]
+    lines += [records_cost(results), "", numerics_line(results), ""]
     main = [r for r in ok if r.get("grid") == "main"]
     sweep = [r for r in ok if r.get("grid") == "sweep"]
 

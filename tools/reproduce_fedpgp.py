@@ -64,6 +64,7 @@ from broker_server.experiments import (  # noqa: E402
     load_results,
     mean_std,
     name_list,
+    numerics_line,
     pm,
     read_metrics,
     records_cost,
@@ -204,7 +205,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} "
                   f"({os.cpu_count()} CPUs).", ""]
-    lines += [records_cost(results), ""]
+    lines += [records_cost(results), "", numerics_line(results), ""]
     main = [r for r in ok if r.get("grid") == "main"]
     have = [d for d in DATASETS if any(r["dataset"] == d for r in main)]
     missing = [d for d in DATASETS if d not in have]

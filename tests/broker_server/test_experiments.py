@@ -134,13 +134,17 @@ def test_a_cell_re_runs_to_its_record_and_a_changed_record_is_named(tmp_path: Pa
     recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     changed = next(r for r in recs if r["key"] == "g/fedavg/s1")
     changed["final"]["accuracy"] += 0.01
+    assert changed["machine"]["numerics"] == "portable" and changed["machine"]["cpu_capability"] == "AVX2"
+    changed["machine"] = {**changed["machine"], "cpu": "Other CPU", "cpu_capability": "AVX512", "numerics": "native"}
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     lines = verify_records(jobs, tmp_path, 2, workers=2, commit="def5678", headline=lambda r: r["final"]["accuracy"])
-    assert lines[0].startswith("Re-ran 2 recorded cells at commit `def5678`; the records were made at `abc1234`.")
+    assert lines[0].startswith("Re-ran 2 recorded cells at commit `def5678` on portable numerics (")
+    assert "the records were made at `abc1234`." in lines[0]
     same = next(x for x in lines if x.startswith("- g/fedavg/s0"))
     differs = next(x for x in lines if x.startswith("- g/fedavg/s1"))
     assert same.endswith("→ same"), same
     assert "**differs** (accuracy)" in differs, differs
+    assert differs.endswith("numerics differ: cpu_capability AVX512 vs AVX2"), differs
     assert earlier_verify(tmp_path)[2:] == lines and "OUT/verify.md" in earlier_verify(tmp_path)[0]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]  # the re-runs' folder is gone
 

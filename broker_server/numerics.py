@@ -1,0 +1,125 @@
+"""Portable CPU numerics for the reproduction grids: the same cell gives the same bits on any
+x86-64 machine with AVX2, Intel or AMD, AVX-512 or not.
+
+A grid of hundreds of cells is made over several sessions, on whatever machine each one gets, and
+its records must re-run to the committed numbers. Left alone, PyTorch's CPU kernels are chosen
+by the machine: ATen's own kernels by the widest vector instructions the CPU has (AVX-512 or
+AVX2), oneDNN's convolutions likewise, and MKL's matrix products by the CPU's vendor and
+instructions. Their sums are ordered differently, so the same training gives other float32 bits,
+and 15 rounds of SGD turn a last-bit difference into a different accuracy (measured: the CIFAR-10
+FedAvg Dir(0.1) cell of the FedPGP grid, seed 0, ended at 27.59 % on the machine that recorded it
+and at 27.52 % here, with the same code, the same messages and the same bytes).
+
+Three settings, read by the libraries when torch is loaded, pin the kernels (:data:`PORTABLE_ENV`):
+
+* ``ATEN_CPU_CAPABILITY=avx2``: ATen's vectorised kernels use their AVX2 build even where the CPU
+  has AVX-512;
+* ``ONEDNN_MAX_CPU_ISA=AVX2``: oneDNN's just-in-time kernels (convolutions) are AVX2 ones;
+* ``MKL_CBWR=COMPATIBLE``: MKL's conditional numerical reproducibility in its vendor-neutral
+  branch. Its ``AVX2`` branch is not enough: it gave other bits on an Intel CPU than on an AMD one.
+
+Measured with three SGD steps of the light CNN on CIFAR-shaped data (one torch thread, the
+parameters' SHA-256 compared): with the three settings the bits were the same natively on an AMD
+EPYC with AVX-512 and under ``qemu-x86_64 -cpu Haswell-v4`` (an Intel AVX2 CPU) and ``-cpu
+EPYC-v3`` (an AMD one without AVX-512); without them, or with ``MKL_CBWR=AVX2`` instead, each of
+the three gave other bits (``tests/integration/test_portable_numerics.py`` runs that comparison
+where qemu is installed). The cost, side by side on one machine: ``tools/bench_numerics.py``.
+
+What this does not cover: another torch (or MKL, oneDNN) version, more than one torch thread (a
+reduction split over threads is ordered by their count), a CPU without AVX2 (ATen then falls back
+to its default build, and the record says so), and non-x86 machines (ARM has none of these
+libraries' x86 kernels; the settings are not applied there). :func:`fingerprint` records which
+case a record was made in, so a re-run check can tell a machine difference from a code change.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Mapping, MutableMapping
+
+__all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portable"]
+
+#: The settings that make the CPU kernels machine-independent (read when torch is first imported).
+PORTABLE_ENV: dict[str, str] = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_CBWR": "COMPATIBLE",
+}
+
+#: fingerprint keys a re-run must share with a record for bit-equal numbers to be expected
+NUMERIC_KEYS = ("arch", "torch", "cpu_capability", "numerics", "torch_threads")
+
+
+def pin_portable(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set :data:`PORTABLE_ENV` in ``environ`` (default ``os.environ``) for the processes started
+    afterwards (the grid's workers are spawned, so they load torch with it). Nothing is set off
+    x86-64 (the settings are x86 kernels' settings).
+
+    Returns:
+        The settings applied (empty off x86-64).
+    """
+    env = os.environ if environ is None else environ
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return {}
+    env.update(PORTABLE_ENV)
+    return dict(PORTABLE_ENV)
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`, else ``"unknown"``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def fingerprint(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """What decides this process's CPU numerics, for a record (call it where the work ran: it
+    imports torch).
+
+    Returns:
+        ``cpu`` (model name), ``arch``, ``torch`` (version), ``cpu_capability`` (the ATen kernel
+        build in use: ``"AVX2"``, ``"AVX512"``, ``"DEFAULT"`` …), ``torch_threads``, and
+        ``numerics``: ``"portable"`` when every :data:`PORTABLE_ENV` setting is in ``environ``
+        (default ``os.environ``) and ATen runs its AVX2 build, else ``"native"``.
+    """
+    import torch
+
+    env = os.environ if environ is None else environ
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    pinned = all(env.get(k) == v for k, v in PORTABLE_ENV.items()) and capability == "AVX2"
+    return {"cpu": _cpu_model(), "arch": platform.machine(), "torch": torch.__version__,
+            "cpu_capability": capability, "torch_threads": torch.get_num_threads(),
+            "numerics": "portable" if pinned else "native"}
+
+
+def fingerprint_differences(recorded: Mapping[str, object] | None, rerun: Mapping[str, object] | None) -> str:
+    """Why two runs of one cell need not give the same bits, or ``""`` when nothing says so.
+
+    Args:
+        recorded, rerun: the two records' :func:`fingerprint` (``None``: the record has none).
+
+    Returns:
+        ``""`` when both are portable and share :data:`NUMERIC_KEYS`, or when both are native on
+        the same CPU model with the same keys; otherwise a short phrase naming the difference
+        (``"the record has no machine fingerprint"``, ``"native numerics on AMD EPYC (AVX512) vs
+        Intel … (AVX2)"``, ``"torch 2.14.1 vs 2.13.0"`` …).
+    """
+    if not recorded:
+        return "the record has no machine fingerprint (made before records carried one)"
+    if not rerun:
+        return "the re-run has no machine fingerprint"
+    for key in NUMERIC_KEYS:
+        if key != "numerics" and recorded.get(key) != rerun.get(key):
+            return f"{key} {recorded.get(key)} vs {rerun.get(key)}"
+    if recorded.get("numerics") != "portable" or rerun.get("numerics") != "portable":
+        if recorded.get("numerics") == rerun.get("numerics") == "native" and recorded.get("cpu") == rerun.get("cpu"):
+            return ""
+        return (f"{recorded.get('numerics')} numerics on {recorded.get('cpu')} ({recorded.get('cpu_capability')}) "
+                f"vs {rerun.get('numerics')} on {rerun.get('cpu')} ({rerun.get('cpu_capability')})")
+    return ""
