@@ -22,8 +22,10 @@ Measured with three SGD steps of the light CNN on CIFAR-shaped data (one torch t
 parameters' SHA-256 compared): with the three settings the bits were the same natively on an AMD
 EPYC with AVX-512 and under ``qemu-x86_64 -cpu Haswell-v4`` (an Intel AVX2 CPU) and ``-cpu
 EPYC-v3`` (an AMD one without AVX-512); without them, or with ``MKL_CBWR=AVX2`` instead, each of
-the three gave other bits (``tests/integration/test_portable_numerics.py`` runs that comparison
-where qemu is installed). The cost, side by side on one machine: ``tools/bench_numerics.py``.
+the three gave other bits (``tests/broker_server/test_numerics.py`` runs the Intel comparison where
+qemu is installed; ``tools/check_numerics.py`` compares a machine with the reference digest). The
+cost, side by side in one run (``tools/bench_numerics.py``, ``benchmarks/numerics.md``): a local
+round of the light CNN took 1.26× as long on MNIST-shaped inputs and 0.96× on CIFAR-shaped ones.
 
 What this does not cover: another torch (or MKL, oneDNN) version, more than one torch thread (a
 reduction split over threads is ordered by their count), a CPU without AVX2 (ATen then falls back

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Does this machine compute the reproduction grids' bits? Three SGD steps of the light CNN under
+the portable CPU numerics (``broker_server.numerics``), their parameters' SHA-256 beside the
+reference machines' one.
+
+    python tools/check_numerics.py            # portable numerics (what the grids use)
+    python tools/check_numerics.py --native   # the machine's own kernels, for comparison
+
+Prints the machine fingerprint, the digest and whether it is the reference digest of this torch
+version (:data:`REFERENCE`): the same digest means the committed records re-run here to the same
+bits; another one means they will differ in their last digits and, after 15 rounds, in their
+accuracy (a record's re-run check then says so). Exit status 0 when the digest is the reference
+one, 1 when it is not or no reference is known for this torch version.
+
+The training runs in a child process started with the settings, since they are read when torch
+is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from broker_server.numerics import PORTABLE_ENV  # noqa: E402
+
+#: torch version → the reference digest (16 hex digits) of :func:`reference_training` under portable
+#: numerics, one torch thread: the same on an AMD EPYC with AVX-512 (native) and under qemu-x86_64's
+#: Intel Haswell-v4 and AMD EPYC-v3 CPU models (measured 2026-12-04).
+REFERENCE = {"2.14.1": "591666fed7e6211f"}
+
+
+def reference_training() -> str:
+    """Three SGD steps (lr 0.05, momentum 0.9, weight decay 5e-4) of the light CNN for
+    3×32×32 inputs and 10 classes (``torch.manual_seed(0)`` weights) on one batch of 64 standard-
+    normal images and uniform labels (``torch.Generator`` seed 1), one torch thread.
+
+    Returns:
+        The first 16 hex digits of the SHA-256 of the trained ``state_dict``'s float32 bytes, in
+        its order.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from edge_agent.models import make_model
+
+    torch.set_num_threads(1)
+    model = make_model("lightcnn", in_channels=3, image_size=32, num_classes=10, seed=0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    for _ in range(3):
+        opt.zero_grad()
+        out = model(x)
+        logits = out[0] if isinstance(out, tuple) else out
+        F.cross_entropy(logits, y).backward()
+        opt.step()
+    state = model.state_dict().values()
+    return hashlib.sha256(b"".join(t.detach().contiguous().numpy().tobytes() for t in state)).hexdigest()[:16]
+
+
+def _child() -> None:
+    """In the child: the fingerprint and the digest, as one JSON line."""
+    from broker_server.numerics import fingerprint
+
+    digest = reference_training()  # sets the one torch thread the fingerprint then reports
+    print(json.dumps({"machine": fingerprint(), "digest": digest}))
+
+
+def measure(*, portable: bool = True, wrapper: list[str] | None = None,
+            extra_env: dict[str, str] | None = None) -> dict:
+    """Run :func:`reference_training` in a child process (under ``wrapper``, e.g. an emulator's
+    command line, when given) with or without :data:`PORTABLE_ENV` (then with none of its
+    settings, whatever this process's environment holds), plus ``extra_env``.
+
+    Returns:
+        ``{"machine": fingerprint, "digest": hex}``.
+
+    Raises:
+        RuntimeError: the child failed (its stderr's last lines in the message).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
+    if portable:
+        env.update(PORTABLE_ENV)
+    env.update(extra_env or {})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONWARNINGS"] = "ignore"
+    cmd = [*(wrapper or []), os.path.realpath(sys.executable), str(Path(__file__).resolve()), "--child"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}: {tail}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--native", action="store_true", help="the machine's own kernels instead of the portable ones")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child()
+        return 0
+    got = measure(portable=not args.native)
+    m = got["machine"]
+    print(f"machine: {m['cpu']} ({m['arch']}), torch {m['torch']}, ATen kernels {m['cpu_capability']}, "
+          f"{m['torch_threads']} torch thread(s), {m['numerics']} numerics")
+    print(f"digest:  {got['digest']}")
+    version = str(m["torch"]).split("+")[0]
+    ref = REFERENCE.get(version)
+    if ref is None:
+        print(f"no reference digest for torch {version} (known: {', '.join(sorted(REFERENCE))})")
+        return 1
+    if got["digest"] == ref:
+        print(f"the reference digest of torch {version}: the committed grid records re-run here to the same bits")
+        return 0
+    print(f"not the reference digest {ref} of torch {version}: re-runs here differ from the committed records in "
+          "their last bits" + ("" if m["numerics"] == "portable" else " (native numerics: run without --native)"))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
