@@ -208,9 +208,9 @@ def _worker(job: Job, out_dir: str) -> dict:
     logging.basicConfig(level=logging.WARNING)
     try:
         rec = run_job(job, out_dir)
+        return {**rec, "machine": fingerprint()}
     except Exception as exc:  # recorded, the grid goes on
-        rec = {"key": job.key, **job.tags, "error": f"{type(exc).__name__}: {exc}"}
-    return {**rec, "machine": fingerprint()}
+        return {"key": job.key, **job.tags, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def records_cost(results: dict[str, dict]) -> str:
@@ -411,17 +411,16 @@ NUMERICS = ("portable", "native")
 
 
 @contextlib.contextmanager
-def pinned_numerics(numerics: str) -> Iterator[None]:
+def pinned_numerics(numerics: str) -> Iterator[dict[str, str]]:
     """With ``"portable"``: :data:`~broker_server.numerics.PORTABLE_ENV` in ``os.environ`` for the
-    block (processes started in it inherit it), the earlier values put back afterwards; with
-    ``"native"``: ``os.environ`` as it is."""
+    block (processes started in it inherit it; :func:`~broker_server.numerics.pin_portable`, which
+    applies nothing, with a warning, where the CPU cannot run them), the earlier values put back
+    afterwards; with ``"native"``: ``os.environ`` as it is. Yields the settings applied."""
     from .numerics import PORTABLE_ENV, pin_portable
 
     saved = {k: os.environ.get(k) for k in PORTABLE_ENV}
     try:
-        if numerics == "portable":
-            pin_portable()
-        yield
+        yield pin_portable() if numerics == "portable" else {}
     finally:
         for k, v in saved.items():
             if v is None:
@@ -475,7 +474,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
         ctx = multiprocessing.get_context("spawn")
         # the workers are spawned inside this block and load torch with the portable settings
         # (broker_server.numerics): the records re-run to the same bits on another machine
-        with pinned_numerics(numerics), \
+        with pinned_numerics(numerics) as pinned, \
                 ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             futures = {pool.submit(_worker, j, str(out)): j for j in todo}
@@ -483,7 +482,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                 for fut in as_completed(futures):
                     rec = {**fut.result(), "config_sha256": config_fingerprint(futures[fut].config, out),
                            **(stamp or {})}
-                    if numerics == "portable" and rec.get("machine", {}).get("numerics") != "portable":
+                    if pinned and "error" not in rec and rec.get("machine", {}).get("numerics") != "portable":
                         log.warning("%s ran with native CPU numerics (%s): its numbers re-run bit for bit only on "
                                     "this kind of machine", rec["key"], rec.get("machine"))
                     f.write(json.dumps(rec) + "\n")
@@ -890,14 +889,20 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
     by_key = {j.key: j for j in jobs}
     recorded = [r for r in recorded if r["key"] in by_key][:k]
     made = sorted({str(r.get("commit", "not recorded")) for r in recorded})
+    again: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        again = run_grid([by_key[r["key"]] for r in recorded], tmp, workers=workers)
+        for numerics in NUMERICS:  # each record re-runs with its own numerics (no fingerprint: portable)
+            same = [r for r in recorded if ((r.get("machine") or {}).get("numerics") or "portable") == numerics]
+            if same:
+                again.update(run_grid([by_key[r["key"]] for r in same], Path(tmp) / numerics, workers=workers,
+                                      numerics=numerics))
     machine = next((b["machine"] for b in again.values() if b.get("machine")), None)
     lines = [f"Re-ran {len(recorded)} recorded cells at commit `{commit}`"
              + (f" on {machine_text(machine)}" if machine else "") + "; the records were made at "
              f"{', '.join(f'`{c}`' for c in made) or '–'}. *same* = every last-round metric equal (timings left "
-             "out); where the two runs' CPU numerics differ (broker_server/numerics.py) the line says how, since "
-             "then equal bits are not expected even from equal code.", ""]
+             "out); each cell re-runs with its record's CPU numerics (broker_server/numerics.py), and where a cell "
+             "differs while the two runs' numerics differ too, the line says how: then equal bits are not expected "
+             "even from equal code.", ""]
     for r in recorded:
         b = again.get(r["key"], {})
         one_side = metrics_only_in_one(r, b) if "error" not in b else []
@@ -907,7 +912,7 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
         lines.append(f"- {r['key']}: recorded {headline(r)}, re-run {headline(b)} → "
                      + ("same" if not diff else f"**differs** ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})")
                      + (f"; metrics in only one of the two: {', '.join(one_side)}" if one_side else "")
-                     + (f"; numerics differ: {why}" if why else ""))
+                     + (f"; numerics differ: {why}" if why and diff else ""))
     (Path(out_dir) / VERIFY_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return lines
 

@@ -25,22 +25,27 @@ EPYC-v3`` (an AMD one without AVX-512); without them, or with ``MKL_CBWR=AVX2`` 
 the three gave other bits (``tests/broker_server/test_numerics.py`` runs the Intel comparison where
 qemu is installed; ``tools/check_numerics.py`` compares a machine with the reference digest). The
 cost, side by side in one run (``tools/bench_numerics.py``, ``benchmarks/numerics.md``): a local
-round of the light CNN took 1.26× as long on MNIST-shaped inputs and 0.96× on CIFAR-shaped ones.
+round of the light CNN took 1.26× as long on MNIST-shaped inputs and 0.96× (within the runs'
+spread) on CIFAR-shaped ones.
 
-What this does not cover: another torch (or MKL, oneDNN) version, more than one torch thread (a
-reduction split over threads is ordered by their count), a CPU without AVX2 (ATen then falls back
-to its default build, and the record says so), and non-x86 machines (ARM has none of these
-libraries' x86 kernels; the settings are not applied there). :func:`fingerprint` records which
-case a record was made in, so a re-run check can tell a machine difference from a code change.
+What this does not cover: another torch (or MKL, oneDNN) build, more than one torch thread (a
+reduction split over threads is ordered by their count), an x86 CPU without AVX2 and FMA (ATen
+obeys ``ATEN_CPU_CAPABILITY`` without checking the CPU, so the settings would make it run
+instructions it lacks: they are not applied there), non-x86 machines (ARM has none of these
+libraries' x86 kernels) and x86 machines other than Linux (the CPU's flags are read from
+``/proc/cpuinfo``). :func:`fingerprint` records which case a record was made in, so a re-run
+check can tell a machine difference from a code change.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import platform
 from collections.abc import Mapping, MutableMapping
 
-__all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portable"]
+__all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portable", "portable_supported"]
 
 #: The settings that make the CPU kernels machine-independent (read when torch is first imported).
 PORTABLE_ENV: dict[str, str] = {
@@ -52,32 +57,80 @@ PORTABLE_ENV: dict[str, str] = {
 #: fingerprint keys a re-run must share with a record for bit-equal numbers to be expected
 NUMERIC_KEYS = ("arch", "torch", "cpu_capability", "numerics", "torch_threads")
 
+log = logging.getLogger(__name__)
+
+
+def _arch() -> str:
+    """The machine's architecture, x86-64 spelt one way (``AMD64`` on Windows is ``x86_64``)."""
+    m = platform.machine()
+    return "x86_64" if m.lower() in ("x86_64", "amd64") else m
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (lower-case keys); ``{}`` without it."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip().lower(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def portable_supported() -> bool:
+    """Whether the portable settings can be applied here: Linux on x86-64 with a CPU whose
+    ``/proc/cpuinfo`` flags include ``avx2`` and ``fma`` (what ATen's AVX2 build needs)."""
+    if _arch() != "x86_64":
+        return False
+    flags = set(_cpuinfo().get("flags", "").split())
+    return {"avx2", "fma"} <= flags
+
 
 def pin_portable(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set :data:`PORTABLE_ENV` in ``environ`` (default ``os.environ``) for the processes started
-    afterwards (the grid's workers are spawned, so they load torch with it). Nothing is set off
-    x86-64 (the settings are x86 kernels' settings).
+    afterwards (the grid's workers are spawned, so they load torch with it). A value set before
+    that differs is replaced, and the replacement logged. Nothing is set where
+    :func:`portable_supported` is false (logged as a warning: the records made then re-run to the
+    same bits only on their own kind of machine).
 
     Returns:
-        The settings applied (empty off x86-64).
+        The settings applied (empty where they cannot be).
     """
     env = os.environ if environ is None else environ
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not portable_supported():
+        log.warning("portable CPU numerics need Linux on an x86-64 CPU with AVX2 and FMA (this is %s, %s): the "
+                    "kernels are left to the machine", _arch(), _cpu_model())
         return {}
+    replaced = {k: env[k] for k, v in PORTABLE_ENV.items() if k in env and env[k] != v}
+    if replaced:
+        log.info("portable CPU numerics replace %s", ", ".join(f"{k}={v}" for k, v in replaced.items()))
     env.update(PORTABLE_ENV)
     return dict(PORTABLE_ENV)
 
 
 def _cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`, else ``"unknown"``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``, or on ARM its implementer and
+    part numbers), else :func:`platform.processor`, else ``"unknown"``."""
+    info = _cpuinfo()
+    if info.get("model name"):
+        return info["model name"]
+    if info.get("cpu implementer"):
+        return f"implementer {info['cpu implementer']} part {info.get('cpu part', '?')}"
     return platform.processor() or "unknown"
+
+
+def _cpu_flags_digest() -> str:
+    """8 hex digits of the SHA-256 of the CPU's sorted ``/proc/cpuinfo`` flags (``features`` on
+    ARM): two CPUs of one model name but other instruction sets differ here; ``""`` without them."""
+    info = _cpuinfo()
+    flags = info.get("flags") or info.get("features") or ""
+    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8] if flags else ""
 
 
 def fingerprint(environ: Mapping[str, str] | None = None) -> dict[str, object]:
@@ -85,17 +138,20 @@ def fingerprint(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     imports torch).
 
     Returns:
-        ``cpu`` (model name), ``arch``, ``torch`` (version), ``cpu_capability`` (the ATen kernel
+        ``cpu`` (model name), ``cpu_flags`` (:func:`_cpu_flags_digest`), ``arch``, ``torch``
+        (version with its build suffix: ``2.14.1+cu130``), ``cpu_capability`` (the ATen kernel
         build in use: ``"AVX2"``, ``"AVX512"``, ``"DEFAULT"`` …), ``torch_threads``, and
         ``numerics``: ``"portable"`` when every :data:`PORTABLE_ENV` setting is in ``environ``
-        (default ``os.environ``) and ATen runs its AVX2 build, else ``"native"``.
+        (default ``os.environ``), the CPU can run them (:func:`portable_supported`) and ATen runs
+        its AVX2 build, else ``"native"``.
     """
     import torch
 
     env = os.environ if environ is None else environ
     capability = str(torch.backends.cpu.get_cpu_capability())
-    pinned = all(env.get(k) == v for k, v in PORTABLE_ENV.items()) and capability == "AVX2"
-    return {"cpu": _cpu_model(), "arch": platform.machine(), "torch": torch.__version__,
+    pinned = (all(env.get(k) == v for k, v in PORTABLE_ENV.items()) and capability == "AVX2"
+              and portable_supported())
+    return {"cpu": _cpu_model(), "cpu_flags": _cpu_flags_digest(), "arch": _arch(), "torch": torch.__version__,
             "cpu_capability": capability, "torch_threads": torch.get_num_threads(),
             "numerics": "portable" if pinned else "native"}
 
@@ -108,19 +164,22 @@ def fingerprint_differences(recorded: Mapping[str, object] | None, rerun: Mappin
 
     Returns:
         ``""`` when both are portable and share :data:`NUMERIC_KEYS`, or when both are native on
-        the same CPU model with the same keys; otherwise a short phrase naming the difference
-        (``"the record has no machine fingerprint"``, ``"native numerics on AMD EPYC (AVX512) vs
-        Intel … (AVX2)"``, ``"torch 2.14.1 vs 2.13.0"`` …).
+        a known CPU of the same model and flags with the same keys; otherwise a short phrase
+        naming the difference (``"unknown: the record has no machine fingerprint"``, ``"native
+        numerics on AMD EPYC (AVX512) vs native on Intel … (AVX2)"``, ``"torch 2.14.1+cu130 vs
+        2.13.0+cpu"`` …).
     """
     if not recorded:
-        return "the record has no machine fingerprint (made before records carried one)"
+        return "unknown: the record has no machine fingerprint (made before records carried one)"
     if not rerun:
-        return "the re-run has no machine fingerprint"
+        return "unknown: the re-run has no machine fingerprint"
     for key in NUMERIC_KEYS:
         if key != "numerics" and recorded.get(key) != rerun.get(key):
             return f"{key} {recorded.get(key)} vs {rerun.get(key)}"
     if recorded.get("numerics") != "portable" or rerun.get("numerics") != "portable":
-        if recorded.get("numerics") == rerun.get("numerics") == "native" and recorded.get("cpu") == rerun.get("cpu"):
+        same_cpu = (recorded.get("cpu") == rerun.get("cpu") not in (None, "", "unknown")
+                    and recorded.get("cpu_flags", "") == rerun.get("cpu_flags", ""))
+        if recorded.get("numerics") == rerun.get("numerics") == "native" and same_cpu:
             return ""
         return (f"{recorded.get('numerics')} numerics on {recorded.get('cpu')} ({recorded.get('cpu_capability')}) "
                 f"vs {rerun.get('numerics')} on {rerun.get('cpu')} ({rerun.get('cpu_capability')})")

@@ -68,8 +68,12 @@ def _run(portable: bool, channels: int, size: int, samples: int, epochs: int) ->
     env["PYTHONPATH"] = str(ROOT)
     env["PYTHONWARNINGS"] = "ignore"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{channels},{size},{samples},{epochs}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.splitlines()[-5:])
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}: {tail}")
+    return json.loads(lines[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=600)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--note", default="", help="a sentence on the conditions (machine load …) for the table's foot")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
              f"({platform.machine()}, {os.cpu_count()} CPUs), torch {m['torch']}; native ATen kernels "
              f"{m['cpu_capability']}, portable "
              f"{machines[True]['cpu_capability']} ({', '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())}).", "",
-             *rows, "", "Produced by `python tools/bench_numerics.py`."]
+             *rows, "", "Produced by `python tools/bench_numerics.py`." + (f" {args.note}" if args.note else "")]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -32,10 +32,11 @@ if str(ROOT) not in sys.path:
 
 from broker_server.numerics import PORTABLE_ENV  # noqa: E402
 
-#: torch version → the reference digest (16 hex digits) of :func:`reference_training` under portable
-#: numerics, one torch thread: the same on an AMD EPYC with AVX-512 (native) and under qemu-x86_64's
-#: Intel Haswell-v4 and AMD EPYC-v3 CPU models (measured 2026-12-04).
-REFERENCE = {"2.14.1": "591666fed7e6211f"}
+#: torch version (with its build suffix, as ``torch.__version__`` spells it) → the reference
+#: digest (16 hex digits) of :func:`reference_training` under portable numerics, one torch thread:
+#: the same on an AMD EPYC with AVX-512 (native) and under qemu-x86_64's Intel Haswell-v4 and AMD
+#: EPYC-v3 CPU models (measured 2026-12-04).
+REFERENCE = {"2.14.1+cu130": "591666fed7e6211f"}
 
 
 def reference_training() -> str:
@@ -70,23 +71,29 @@ def reference_training() -> str:
 
 def _child() -> None:
     """In the child: the fingerprint and the digest, as one JSON line."""
+    import torch
+
     from broker_server.numerics import fingerprint
 
     digest = reference_training()  # sets the one torch thread the fingerprint then reports
-    print(json.dumps({"machine": fingerprint(), "digest": digest}))
+    # the CPU's own instruction sets (cpuid: an emulator's CPU model where there is one)
+    avx512 = bool(getattr(torch.cpu, "_is_avx512_supported", lambda: False)())
+    print(json.dumps({"machine": fingerprint(), "digest": digest, "cpuid_avx512": avx512}))
 
 
 def measure(*, portable: bool = True, wrapper: list[str] | None = None,
-            extra_env: dict[str, str] | None = None) -> dict:
+            extra_env: dict[str, str] | None = None, timeout_s: float | None = None) -> dict:
     """Run :func:`reference_training` in a child process (under ``wrapper``, e.g. an emulator's
     command line, when given) with or without :data:`PORTABLE_ENV` (then with none of its
     settings, whatever this process's environment holds), plus ``extra_env``.
 
     Returns:
-        ``{"machine": fingerprint, "digest": hex}``.
+        ``{"machine": fingerprint, "digest": hex, "cpuid_avx512": bool}`` (the last: whether the
+        CPU the child saw, emulated or not, has AVX-512).
 
     Raises:
-        RuntimeError: the child failed (its stderr's last lines in the message).
+        RuntimeError: the child failed, or ran past ``timeout_s`` seconds (the message says
+            which, with its stderr's last lines).
     """
     env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
     if portable:
@@ -95,7 +102,10 @@ def measure(*, portable: bool = True, wrapper: list[str] | None = None,
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONWARNINGS"] = "ignore"
     cmd = [*(wrapper or []), os.path.realpath(sys.executable), str(Path(__file__).resolve()), "--child"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(cmd)} ran past {timeout_s:g} s") from None
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {m['cpu']} ({m['arch']}), torch {m['torch']}, ATen kernels {m['cpu_capability']}, "
           f"{m['torch_threads']} torch thread(s), {m['numerics']} numerics")
     print(f"digest:  {got['digest']}")
-    version = str(m["torch"]).split("+")[0]
+    version = str(m["torch"])
     ref = REFERENCE.get(version)
     if ref is None:
         print(f"no reference digest for torch {version} (known: {', '.join(sorted(REFERENCE))})")
@@ -124,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     if got["digest"] == ref:
         print(f"the reference digest of torch {version}: the committed grid records re-run here to the same bits")
         return 0
+    why = ""
+    if args.native:
+        why = " (native numerics: run without --native)"
+    elif m["numerics"] != "portable":
+        why = " (the portable settings cannot be applied here: Linux on an x86-64 CPU with AVX2 and FMA)"
     print(f"not the reference digest {ref} of torch {version}: re-runs here differ from the committed records in "
-          "their last bits" + ("" if m["numerics"] == "portable" else " (native numerics: run without --native)"))
+          f"their last bits{why}")
     return 1
 
 

@@ -124,6 +124,7 @@ from broker_server.experiments import (  # noqa: E402
     mean_std,
     name_list,
     numerics_line,
+    pinned_numerics,
     pm,
     read_metrics,
     records_cost,
@@ -312,7 +313,10 @@ def _pretrain_task(spec: dict) -> dict:
                                                   flush=True))
     except Exception as exc:  # recorded; the cells that need this policy are not run
         return {"error": f"{type(exc).__name__}: {exc}"}
+    from broker_server.numerics import fingerprint
+
     return {"path": spec["path"], "setting": spec["setting"], "tag": spec["tag"], "cpu_seconds": res.cpu_seconds,
+            "machine": fingerprint(),
             "episodes": spec["episodes"], "rounds": spec["rounds"], "parameters": res.parameter_counts,
             "fingerprint": spec["fingerprint"], "lines": res.episodes}
 
@@ -329,8 +333,10 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
     for s in todo.values():
         print(f"pre-training {s['name']}: {s['episodes']} episodes x {s['rounds']} rounds", flush=True)
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx,
-                             initializer=die_with_parent) as pool:
+    # the policies are trained with the grid's portable CPU numerics (broker_server.numerics), so a
+    # fresh grid on another machine pre-trains the same policies
+    with pinned_numerics("portable"), ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx,
+                                                          initializer=die_with_parent) as pool:
         futures = {pool.submit(_pretrain_task, s): name for name, s in todo.items()}
         try:
             for fut in as_completed(futures):

@@ -52,6 +52,7 @@ from broker_server.experiments import (  # noqa: E402
     int_list,
     load_results,
     mean_std,
+    numerics_line,
     pm,
     run_grid,
 )
@@ -207,7 +208,8 @@ def report(results: dict[str, dict], *, rounds: int, train_samples: int, seeds: 
              "(`tools/diagnose_fedmcp_skew.py`).", ""]
     if ok:
         lines += [f"Runs on record: {len(ok)}; their run times add up to "
-                  f"{sum(float(r.get('seconds', 0.0)) for r in ok) / 3600:.1f} h (each run in one worker process).", ""]
+                  f"{sum(float(r.get('seconds', 0.0)) for r in ok) / 3600:.1f} h (each run in one worker process).", "",
+                  numerics_line(results), ""]
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min ({platform.machine()}, {workers} worker "
                   f"process{'es' if workers != 1 else ''}, 1 torch thread each).",

@@ -7,7 +7,6 @@ import importlib.util
 import os
 import platform
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,29 @@ def _check_tool():
     return mod
 
 
-def test_pin_portable_sets_the_three_settings_on_x86_and_nothing_elsewhere(monkeypatch) -> None:
-    env: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx512", "OTHER": "1"}
+def test_pin_portable_sets_the_three_settings_where_the_cpu_runs_them_and_nothing_elsewhere(monkeypatch,
+                                                                                            caplog) -> None:
+    """Applied on x86-64 with AVX2 and FMA, a different earlier value replaced (and logged); not
+    on an x86 CPU without AVX2 (ATen would run instructions it lacks), nor on ARM."""
+    avx2 = {"model name": "Some CPU", "flags": "sse2 avx fma avx2"}
+    monkeypatch.setattr(numerics, "_cpuinfo", lambda: avx2)
     monkeypatch.setattr(numerics.platform, "machine", lambda: "x86_64")
-    assert pin_portable(env) == PORTABLE_ENV
+    env: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx512", "OTHER": "1"}
+    with caplog.at_level("INFO", logger="broker_server.numerics"):
+        assert pin_portable(env) == PORTABLE_ENV
     assert env == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE", "OTHER": "1"}
+    assert "replace ATEN_CPU_CAPABILITY=avx512" in caplog.text
+    monkeypatch.setattr(numerics.platform, "machine", lambda: "AMD64")  # Windows spells it so
+    assert numerics._arch() == "x86_64"
+    old: dict[str, str] = {}
+    monkeypatch.setattr(numerics, "_cpuinfo", lambda: {"model name": "Old CPU", "flags": "sse2 avx"})
+    assert pin_portable(old) == {} and old == {}
     arm: dict[str, str] = {}
+    monkeypatch.setattr(numerics, "_cpuinfo", lambda: {"cpu implementer": "0x41", "cpu part": "0xd08",
+                                                       "features": "fp asimd"})
     monkeypatch.setattr(numerics.platform, "machine", lambda: "aarch64")
     assert pin_portable(arm) == {} and arm == {}
+    assert numerics._cpu_model() == "implementer 0x41 part 0xd08"
 
 
 def test_pinned_numerics_puts_the_environment_back(monkeypatch) -> None:
@@ -58,8 +72,8 @@ _PORTABLE = {"cpu": "AMD EPYC", "arch": "x86_64", "torch": "2.14.1", "cpu_capabi
 def test_fingerprint_differences_by_case() -> None:
     intel = {**_PORTABLE, "cpu": "Intel Xeon"}
     assert fingerprint_differences(_PORTABLE, intel) == ""  # portable: the CPU model does not matter
-    assert fingerprint_differences(None, _PORTABLE).startswith("the record has no machine fingerprint")
-    assert fingerprint_differences(_PORTABLE, None) == "the re-run has no machine fingerprint"
+    assert fingerprint_differences(None, _PORTABLE).startswith("unknown: the record has no machine fingerprint")
+    assert fingerprint_differences(_PORTABLE, None) == "unknown: the re-run has no machine fingerprint"
     assert fingerprint_differences(_PORTABLE, {**_PORTABLE, "torch": "2.13.0"}) == "torch 2.14.1 vs 2.13.0"
     assert fingerprint_differences(_PORTABLE, {**_PORTABLE, "torch_threads": 2}) == "torch_threads 1 vs 2"
     native = {**_PORTABLE, "cpu_capability": "AVX512", "numerics": "native"}
@@ -68,6 +82,10 @@ def test_fingerprint_differences_by_case() -> None:
     native_avx2 = {**_PORTABLE, "numerics": "native"}
     assert fingerprint_differences(native_avx2, {**native_avx2, "cpu": "Intel Xeon"}) == (
         "native numerics on AMD EPYC (AVX2) vs native on Intel Xeon (AVX2)")
+    flags = {**native_avx2, "cpu_flags": "0000aaaa"}  # one model name, other instruction sets
+    assert fingerprint_differences(flags, {**flags, "cpu_flags": "1111bbbb"}) != ""
+    unknown = {**native_avx2, "cpu": "unknown"}
+    assert fingerprint_differences(unknown, unknown) != ""  # nothing says the two CPUs are alike
     assert fingerprint_differences(native_avx2, _PORTABLE) == (
         "native numerics on AMD EPYC (AVX2) vs portable on AMD EPYC (AVX2)")
 
@@ -83,7 +101,7 @@ def test_numerics_line_counts_records_by_machine() -> None:
     assert numerics_line({}) == ""
 
 
-@pytest.mark.skipif(not X86, reason="the portable settings are x86 kernels' settings")
+@pytest.mark.skipif(not numerics.portable_supported(), reason="portable numerics need Linux x86-64 with AVX2 and FMA")
 def test_the_settings_reach_a_child_and_change_its_bits_only_through_the_kernels() -> None:
     """A child started with the settings runs ATen's AVX2 kernels and says "portable"; one with
     ATen's default build instead is "native". Two portable children give the same digest; the
@@ -112,15 +130,17 @@ def _require_qemu() -> None:
     pytest.skip(reason=reason)
 
 
-@pytest.mark.skipif(not X86 or not sys.platform.startswith("linux"), reason="qemu-x86_64 user mode: Linux x86-64")
+@pytest.mark.skipif(not numerics.portable_supported(), reason="qemu-x86_64 user mode on Linux x86-64 with AVX2")
+@pytest.mark.timeout(400)
 def test_portable_bits_are_the_same_on_an_emulated_intel_cpu() -> None:
     """The reference training under portable numerics gives the same digest on this CPU and on
     qemu's Intel Haswell-v4 model (AVX2, no AVX-512, GenuineIntel: MKL and oneDNN pick their code
     by vendor and instructions). That the digest is sensitive to the kernels is the test above;
-    that qemu's CPU model took effect, its AVX2 kernels (where this CPU has AVX-512)."""
+    that qemu's CPU model took effect, the child's cpuid, which has no AVX-512."""
     _require_qemu()
     tool = _check_tool()
     here = tool.measure(portable=True)
-    haswell = tool.measure(portable=True, wrapper=[str(QEMU), "-cpu", "Haswell-v4"])
-    assert haswell["machine"]["cpu_capability"] == "AVX2"
+    haswell = tool.measure(portable=True, wrapper=[str(QEMU), "-cpu", "Haswell-v4"], timeout_s=240)
+    assert not haswell["cpuid_avx512"]  # the emulated CPU model took effect (cpuid is qemu's)
+    assert haswell["machine"]["numerics"] == "portable"
     assert here["digest"] == haswell["digest"]
