@@ -324,6 +324,20 @@ def _count(module: nn.Module) -> int:
     return sum(int(p.numel()) for p in module.parameters())
 
 
+def _load_reason(exc: BaseException) -> str:
+    """What ``torch.load(..., weights_only=True)`` found wrong, in one line: its restricted
+    unpickler's own reason (``Unsupported global: GLOBAL …``, ``Unsupported operand 103``), not the
+    advice around it (which suggests loading with ``weights_only=False``, i.e. running the file's
+    code); another exception's first line as it is."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        rest = text.split("WeightsUnpickler error:", 1)[1]
+        lines = [x.strip() for x in rest.splitlines()
+                 if x.strip() and not x.strip().startswith("Check the documentation")]
+        return "a restricted load refused it: " + (lines[0] if lines else "an object that is no tensor or container")
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
 class DSACTAgent:
     """A DSAC-T agent for a continuous action space (−1, 1)^A.
 
@@ -507,7 +521,7 @@ class DSACTAgent:
 
     def load_bytes(self, data: bytes) -> None:
         """Restore :meth:`to_bytes`."""
-        self.load_networks_state(torch.load(io.BytesIO(data), weights_only=False))
+        self.load_networks_state(torch.load(io.BytesIO(data), weights_only=True))
 
     def save_policy(self, path: str | Path, metadata: Mapping[str, Any]) -> None:
         """Write the trained agent to ``path`` (``torch.save``): ``metadata`` (device count,
@@ -523,15 +537,18 @@ class DSACTAgent:
 
         Raises:
             ValueError: not such a file — absent, unreadable, not a torch file (whatever
-                ``torch.load`` raises: a pickle error, a zip error, a class it cannot find …), not
+                ``torch.load`` raises: a pickle error, a zip error, a class it cannot find, any
+                object but tensors, containers and numbers, which ``weights_only`` refuses …), not
                 a policy, or a policy whose parts are missing or do not fit together; the message
                 names the file and what was wrong.
         """
         try:
-            blob = torch.load(Path(path), weights_only=False)
+            # tensors, dicts, lists and numbers only: a policy file from elsewhere cannot run code
+            # here (torch's restricted unpickler refuses any other object)
+            blob = torch.load(Path(path), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways: each is the same refusal
-            raise ValueError(f"policy {path}: cannot be read ({type(exc).__name__}: {exc}); [algorithm] policy must "
-                             "name a file that fedfleet feddo pretrain wrote") from exc
+            raise ValueError(f"policy {path}: cannot be read ({type(exc).__name__}: {_load_reason(exc)}); [algorithm] "
+                             "policy must name a file that fedfleet feddo pretrain wrote") from exc
         if not isinstance(blob, dict) or blob.get("format") != "fedfleet-dsac-t/1":
             raise ValueError(f"policy {path}: not a fedfleet DSAC-T policy (format fedfleet-dsac-t/1)")
         try:

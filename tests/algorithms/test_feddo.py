@@ -347,7 +347,7 @@ def _damaged(path, how: str) -> str:
     if how == "cut short":  # a torch zip without its central directory
         path.write_bytes(path.read_bytes()[:3000])
         return good
-    blob = torch.load(path, weights_only=False)
+    blob = torch.load(path, weights_only=True)
     if how == "part missing":
         del blob["agent"]["actor"]
     elif how == "other shapes":  # the state width of 4 devices on an agent of 3
@@ -363,6 +363,33 @@ def test_a_damaged_policy_file_is_a_value_error_naming_it(tmp_path, how: str) ->
         _loaded(path)
 
 
+class _Planted:
+    """An object whose unpickling would touch ``marker`` (as a policy file from elsewhere could
+    run any code through pickle)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (type(self.marker).touch, (self.marker,))
+
+
+def test_a_policy_file_carrying_code_is_refused_without_running_it(tmp_path) -> None:
+    """A policy file is read with torch's restricted unpickler (tensors, containers, numbers): one
+    that also carries an object is a ValueError naming the file, and the object's code never ran."""
+    path = tmp_path / "policy.pt"
+    _policy(path, 3)
+    blob = torch.load(path, weights_only=True)
+    marker = tmp_path / "ran"
+    blob["metadata"]["note"] = _Planted(marker)
+    torch.save(blob, path)
+    with pytest.raises(ValueError, match=f"^policy {path}: cannot be read .*restricted load refused it: "
+                       "Unsupported global") as caught:
+        _loaded(str(path))
+    assert "weights_only` set to `False`" not in str(caught.value)  # no advice to run the file's code
+    assert not marker.exists()
+
+
 def test_simulate_says_a_damaged_policy_in_one_line(tmp_path, capsys) -> None:
     path = _damaged(tmp_path / "policy.pt", "garbage")
     cfg = tmp_path / "feddo.toml"
@@ -372,8 +399,8 @@ def test_simulate_says_a_damaged_policy_in_one_line(tmp_path, capsys) -> None:
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [f"fedfleet: configuration error: {cfg}: [algorithm] for 'feddo': policy {path}: cannot be read "
-                     "(UnpicklingError: pickle data was truncated); [algorithm] policy must name a file that "
-                     "fedfleet feddo pretrain wrote"]
+                     "(UnpicklingError: a restricted load refused it: Unsupported operand 103); [algorithm] "
+                     "policy must name a file that fedfleet feddo pretrain wrote"]
     assert not (tmp_path / "run").exists()
 
 
