@@ -1,0 +1,74 @@
+"""The grid queue (tools/grid_queue.py): which committed records seed a grid folder, what is
+committed after a grid ran, and a seed-then-merge round trip whose report is regenerated from
+the merged records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers.tools import load_tool
+
+PORTABLE = {"cpu": "AMD EPYC", "arch": "x86_64", "torch": "2.14.1+cu130", "cpu_capability": "AVX2",
+            "torch_threads": 1, "numerics": "portable"}
+NATIVE = {**PORTABLE, "cpu_capability": "AVX512", "numerics": "native"}
+
+
+def test_a_grid_folder_is_seeded_with_the_portable_records_only() -> None:
+    q = load_tool("grid_queue")
+    recs = [{"key": "a", "machine": PORTABLE}, {"key": "b", "machine": NATIVE}, {"key": "c"},
+            {"key": "d", "machine": PORTABLE, "error": "boom"}]
+    assert [r["key"] for r in q.seed_records(recs)] == ["a"]
+
+
+def test_merged_records_by_hand() -> None:
+    """The folder's finished records first; then the committed ones of other cells in committed
+    order (a committed finished record beats the folder's failure); then failures of cells with
+    nothing else."""
+    q = load_tool("grid_queue")
+    folder = [{"key": "b", "v": 2}, {"key": "x", "error": "boom"}, {"key": "y", "error": "boom"}]
+    committed = [{"key": "a", "v": 1}, {"key": "b", "v": 1}, {"key": "x", "v": 1}]
+    assert q.merged_records(folder, committed) == [
+        {"key": "b", "v": 2}, {"key": "a", "v": 1}, {"key": "x", "v": 1}, {"key": "y", "error": "boom"}]
+
+
+def _record(t, method: str, acc: float, machine: dict, out: Path) -> dict:
+    from broker_server.experiments import config_fingerprint
+
+    kw = {"rounds": 3, "epochs": 1, "clients": 4, "train_samples": 0, "participation": 0.7, "lr": 0.01, "data_dir": ""}
+    job = t.make_jobs(["MNIST"], ["Dir(0.1)"], [method], [0], sweep=None, **kw)[0]
+    return {"key": job.key, "grid": "main", "dataset": "MNIST", "split": "Dir(0.1)", "method": method, "seed": 0,
+            "rounds": 3, "seconds": 10.0, "up_bytes_per_client_round": 100.0, "down_bytes_per_client_round": 200.0,
+            "commit": "abc1234", "final": {"accuracy": acc}, "machine": machine,
+            "per_round": {"round": [1, 2, 3], "accuracy": [acc / 2, acc * 0.9, acc]},
+            "config_sha256": config_fingerprint(job.config, out)}
+
+
+def test_seed_run_and_merge_round_trip(tmp_path: Path, monkeypatch) -> None:
+    """A committed native FedAvg record is left out of the new folder and a portable FedPGP one
+    is carried in; after a portable FedAvg record lands in the folder, the committed file holds
+    it and the FedPGP one, and the report, regenerated from them, shows the new accuracy."""
+    q = load_tool("grid_queue")
+    t = load_tool("reproduce_fedpgp")
+    reports, base = tmp_path / "benchmarks", tmp_path / "grids"
+    monkeypatch.setattr(q, "REPORTS", reports)
+    monkeypatch.setattr(q, "RESULTS", reports / "results")
+    grid = q.Grid("pgp", "tools/reproduce_fedpgp.py",
+                  ("--datasets", "MNIST", "--splits", "Dir(0.1)", "--methods", "FedAvg,FedPGP", "--seeds", "0",
+                   "--no-sweep", "--epochs", "1", "--clients", "4", "--rounds", "3"), "pgp.jsonl", "pgp.md")
+    out = base / "pgp"
+    old = _record(t, "FedAvg", 0.5, NATIVE, out)
+    kept = _record(t, "FedPGP", 0.7, PORTABLE, out)
+    (reports / "results").mkdir(parents=True)
+    (reports / "results" / "pgp.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(kept) + "\n", encoding="utf-8")
+    assert q.seed(grid, base) == out
+    assert [r["key"] for r in q.read_records(out / "results.jsonl")] == [kept["key"]]
+    new = _record(t, "FedAvg", 0.9, PORTABLE, out)
+    with open(out / "results.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(new) + "\n")
+    q.merge(grid, base)
+    merged = q.read_records(reports / "results" / "pgp.jsonl")
+    assert [(r["key"], r["final"]["accuracy"]) for r in merged] == [(kept["key"], 0.7), (new["key"], 0.9)]
+    text = (reports / "pgp.md").read_text(encoding="utf-8")
+    assert "| FedAvg | 90.00 |" in text and "| FedPGP | 70.00 |" in text
+    assert "2 of 2 records were made with portable CPU numerics" in text

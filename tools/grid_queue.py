@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Run the committed reproduction grids one after another, each resuming from its committed
+records, and fold what ran back into ``benchmarks/``: the one command a session on a fresh machine
+needs to go on with the grids.
+
+    python tools/grid_queue.py --list               # per grid: records committed, portable, cells left
+    python tools/grid_queue.py --hours 2.5          # the grids in QUEUE order, stopped after 2.5 h
+    python tools/grid_queue.py --only fedpgp        # one grid (comma list)
+    python tools/grid_queue.py --merge              # no cell: fold what ran in and regenerate the reports
+
+Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
+
+1. **seed**: a folder without ``results.jsonl`` gets the committed records (``benchmarks/results/``)
+   made with portable CPU numerics (:mod:`broker_server.numerics`), which re-run to the same bits
+   here; the others are left out, so their cells run again, now portable; the grid's extra folders
+   (FedDO's pre-trained policies) are copied in too;
+2. **run**: the grid's script with its committed options (the report's ``Command`` line), into the
+   folder, ``--workers`` processes; when every cell is on record and the folder has no
+   ``verify.md``, ``--verify K`` re-runs its first K cells and compares;
+3. **merge** (after each grid, and on ``--merge``): the committed records become the folder's,
+   plus the committed ones of cells the folder holds no record of (kept, and counted in the
+   report as not portable); ``verify.md`` and the extra folders are copied back; the committed
+   report is regenerated with ``--report-only`` (in a temporary folder, never the live one).
+
+``--hours`` stops the running grid with SIGINT at the deadline (its unfinished cells are not
+recorded; the next invocation runs them) and merges what finished. The grids' CPU plans are in
+their reports; the whole queue is several sessions of 2 cores. Run it from a frozen checkout
+(``git worktree add --detach ../grid HEAD``) so that edits made meanwhile do not change the code
+under a running grid (each record carries the commit that made it), and copy
+``benchmarks/results/`` and the reports back from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from broker_server.experiments import load_results  # noqa: E402
+
+#: where the committed reports and, in ``results/``, their records are
+REPORTS = ROOT / "benchmarks"
+RESULTS = REPORTS / "results"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One committed grid: its script, the options its report was made with, and where its
+    records, report and extra folders are committed."""
+
+    name: str
+    script: str
+    options: tuple[str, ...]
+    results: str
+    report: str
+    #: folder in the grid folder → committed folder (copied in at seeding, back at merging)
+    extra_dirs: dict[str, str] = field(default_factory=dict)
+    #: cells re-run by ``--verify`` once the grid is whole
+    verify: int = 3
+
+
+#: the grids, in the order they run (the FedPGP issue's two reports first, then FedOCP and FedDO)
+QUEUE: tuple[Grid, ...] = (
+    Grid("fedpad", "tools/reproduce_fedpad.py", (), "fedpad.jsonl", "fedpad.md"),
+    Grid("fedpgp", "tools/reproduce_fedpgp.py",
+         ("--rounds", "15", "--train-samples", "6000", "--epochs", "2", "--datasets", "MNIST,Fashion-MNIST,CIFAR-10"),
+         "fedpgp.jsonl", "fedpgp.md"),
+    Grid("fedpad-resnet8", "tools/reproduce_fedpad.py",
+         ("--model", "resnet8", "--bench", "PACS", "--methods", "FedAvg,FedAvg uniform,FedPAD,FedPAD λ=0",
+          "--no-sweep"),
+         "fedpad-resnet8.jsonl", "fedpad-resnet8.md", verify=1),
+    Grid("fedocp", "tools/reproduce_fedocp.py", (), "fedocp.jsonl", "fedocp.md"),
+    Grid("feddo", "tools/reproduce_feddo.py", (), "feddo.jsonl", "feddo.md",
+         extra_dirs={"policies": "feddo-policies"}, verify=2),
+)
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (``[]`` when absent), one per key (a later line of a key
+    replaces an earlier one), read as a grid folder's ``results.jsonl`` is
+    (:func:`broker_server.experiments.load_results`)."""
+    if not path.is_file():
+        return []
+    if path.name == "results.jsonl":
+        return list(load_results(path.parent).values())
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(path, Path(tmp) / "results.jsonl")
+        return list(load_results(tmp).values())
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+
+
+def portable(record: dict) -> bool:
+    """Whether a record was made with portable CPU numerics (and finished)."""
+    return "error" not in record and (record.get("machine") or {}).get("numerics") == "portable"
+
+
+def seed_records(committed: list[dict]) -> list[dict]:
+    """The committed records a fresh grid folder starts from: the portable ones (the others'
+    cells run again)."""
+    return [r for r in committed if portable(r)]
+
+
+def merged_records(folder: list[dict], committed: list[dict]) -> list[dict]:
+    """What is committed after a grid ran: the folder's finished records, then the committed
+    records of the other cells (in their committed order: a committed finished record also
+    beats the folder's failed one), then the folder's failed records of cells with nothing else."""
+    out = [r for r in folder if "error" not in r]
+    seen = {r["key"] for r in out}
+    for r in committed + [r for r in folder if "error" in r]:
+        if r["key"] not in seen:
+            out.append(r)
+            seen.add(r["key"])
+    return out
+
+
+def _folder(grid: Grid, base: Path) -> Path:
+    return base / grid.name
+
+
+def seed(grid: Grid, base: Path) -> Path:
+    """The grid folder, seeded when new (module docstring, step 1)."""
+    out = _folder(grid, base)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "results.jsonl").exists():
+        records = seed_records(read_records(RESULTS / grid.results))
+        _write_jsonl(out / "results.jsonl", records)
+        print(f"{grid.name}: seeded {out} with {len(records)} portable committed records", flush=True)
+    for inside, committed in grid.extra_dirs.items():
+        src = RESULTS / committed
+        if src.is_dir() and not (out / inside).exists():
+            shutil.copytree(src, out / inside)
+    return out
+
+
+def _run(cmd: list[str], deadline: float | None) -> int:
+    """Run ``cmd`` (in the repository root); SIGINT at ``deadline`` (monotonic seconds), then wait.
+    Its return code (the SIGINT one when stopped)."""
+    print("+ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    while True:
+        try:
+            return proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                print(f"deadline reached: stopping {cmd[1]}", flush=True)
+                proc.send_signal(signal.SIGINT)
+                return proc.wait()
+
+
+def merge(grid: Grid, base: Path) -> None:
+    """Step 3 of the module docstring."""
+    out = _folder(grid, base)
+    if not (out / "results.jsonl").is_file():
+        print(f"{grid.name}: no grid folder {out}: nothing to merge", flush=True)
+        return
+    committed_path = RESULTS / grid.results
+    records = merged_records(read_records(out / "results.jsonl"), read_records(committed_path))
+    _write_jsonl(committed_path, records)
+    for inside, committed_dir in grid.extra_dirs.items():
+        if (out / inside).is_dir():
+            shutil.copytree(out / inside, RESULTS / committed_dir, dirs_exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_jsonl(Path(tmp) / "results.jsonl", records)
+        if (out / "verify.md").is_file():
+            shutil.copyfile(out / "verify.md", Path(tmp) / "verify.md")
+        for inside in grid.extra_dirs:
+            if (out / inside).is_dir():
+                shutil.copytree(out / inside, Path(tmp) / inside)
+        rc = _run([sys.executable, grid.script, *grid.options, "--out", tmp,
+                   "--report", str(REPORTS / grid.report), "--report-only"], None)
+    n = sum(1 for r in records if portable(r))
+    print(f"{grid.name}: {committed_path} holds {len(records)} records ({n} portable); "
+          f"report {'regenerated' if rc == 0 else f'NOT regenerated (exit {rc})'}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma list of grid names (default: all, in order)")
+    ap.add_argument("--hours", type=float, default=0.0, help="stop after this many hours (0: no limit)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--base", default=str(ROOT / "runs" / "grids"), help="where the grid folders are")
+    ap.add_argument("--merge", action="store_true", help="run no cell: merge the grid folders and regenerate")
+    ap.add_argument("--list", action="store_true", help="per grid: committed records and how many are portable")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    known = {g.name: g for g in QUEUE}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"unknown grid(s) {', '.join(unknown)}; the queue is {', '.join(known)}")
+    if args.hours < 0 or args.workers < 1:
+        ap.error("--hours must be >= 0 and --workers >= 1")
+    grids = [known[n] for n in names] if names else list(QUEUE)
+    base = Path(args.base)
+    if args.list:
+        for g in grids:
+            committed = read_records(RESULTS / g.results)
+            folder = read_records(_folder(g, base) / "results.jsonl")
+            print(f"{g.name}: {len(committed)} committed records, {sum(map(portable, committed))} portable; "
+                  f"grid folder: {len(folder)} records")
+        return 0
+    if args.merge:
+        for g in grids:
+            merge(g, base)
+        return 0
+    deadline = time.monotonic() + args.hours * 3600 if args.hours else None
+    for g in grids:
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        out = seed(g, base)
+        rc = _run([sys.executable, g.script, *g.options, "--out", str(out), "--workers", str(args.workers)], deadline)
+        stopped = deadline is not None and time.monotonic() >= deadline
+        if rc == 0 and not stopped and g.verify and not (out / "verify.md").exists():
+            _run([sys.executable, g.script, *g.options, "--out", str(out), "--workers", str(args.workers),
+                  "--verify", str(g.verify)], deadline)
+        merge(g, base)
+        if stopped:
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
