@@ -10,13 +10,20 @@ and 15 rounds of SGD turn a last-bit difference into a different accuracy (measu
 FedAvg Dir(0.1) cell of the FedPGP grid, seed 0, ended at 27.59 % on the machine that recorded it
 and at 27.52 % here, with the same code, the same messages and the same bytes).
 
-Three settings, read by the libraries when torch is loaded, pin the kernels (:data:`PORTABLE_ENV`):
+Settings read by the libraries when they are loaded pin the kernels (:data:`PORTABLE_ENV`):
 
 * ``ATEN_CPU_CAPABILITY=avx2``: ATen's vectorised kernels use their AVX2 build even where the CPU
   has AVX-512;
 * ``ONEDNN_MAX_CPU_ISA=AVX2``: oneDNN's just-in-time kernels (convolutions) are AVX2 ones;
 * ``MKL_CBWR=COMPATIBLE``: MKL's conditional numerical reproducibility in its vendor-neutral
-  branch. Its ``AVX2`` branch is not enough: it gave other bits on an Intel CPU than on an AMD one.
+  branch. Its ``AVX2`` branch is not enough: it gave other bits on an Intel CPU than on an AMD one;
+* the server's numpy arithmetic (FedPAD's softmax weights, norms, FedOCP's QR): numpy dispatches
+  ``exp``/``log``/``power`` to AVX-512 loops where it can (``NPY_DISABLE_CPU_FEATURES`` names
+  those targets, read from numpy's own list) and its OpenBLAS picks kernels by CPU core
+  (``OPENBLAS_CORETYPE=Haswell``, the AVX2 ones, on ``OPENBLAS_NUM_THREADS=1``). Measured on 13
+  numpy operations: float64 ``exp`` and ``log``, a float32 dot product and ``power`` gave other
+  bits under qemu's Haswell than natively until these were set; then all 13 were equal there and
+  under qemu's EPYC-v3.
 
 Measured with three SGD steps of the light CNN on CIFAR-shaped data (one torch thread, the
 parameters' SHA-256 compared): with the three settings the bits were the same natively on an AMD
@@ -47,15 +54,35 @@ from collections.abc import Mapping, MutableMapping
 
 __all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portable", "portable_supported"]
 
-#: The settings that make the CPU kernels machine-independent (read when torch is first imported).
+def _numpy_wide_targets() -> str:
+    """numpy's run-time dispatch targets wider than AVX2 (``X86_V4``, ``AVX512_*`` …), space-separated:
+    what ``NPY_DISABLE_CPU_FEATURES`` must name so that numpy runs its AVX2 loops. Read from this
+    numpy's own dispatch list, since the names differ between numpy versions and numpy refuses to
+    import with a name it does not dispatch on; ``""`` when it has none (or is not numpy 1.22+)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__ as dispatch
+    except ImportError:
+        try:
+            from numpy.core._multiarray_umath import __cpu_dispatch__ as dispatch
+        except ImportError:
+            return ""
+    return " ".join(t for t in dispatch if t.startswith(("AVX512", "X86_V4")))
+
+
+#: The settings that make the CPU kernels machine-independent (read when torch, numpy and
+#: OpenBLAS are loaded): torch's three, numpy's wider-than-AVX2 loops off, OpenBLAS's Haswell
+#: (AVX2) kernels on one thread.
 PORTABLE_ENV: dict[str, str] = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_CBWR": "COMPATIBLE",
+    "OPENBLAS_CORETYPE": "Haswell",
+    "OPENBLAS_NUM_THREADS": "1",
+    **({"NPY_DISABLE_CPU_FEATURES": _numpy_wide_targets()} if _numpy_wide_targets() else {}),
 }
 
 #: fingerprint keys a re-run must share with a record for bit-equal numbers to be expected
-NUMERIC_KEYS = ("arch", "torch", "cpu_capability", "numerics", "torch_threads")
+NUMERIC_KEYS = ("arch", "torch", "numpy", "cpu_capability", "numerics", "torch_threads")
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +166,7 @@ def fingerprint(environ: Mapping[str, str] | None = None) -> dict[str, object]:
 
     Returns:
         ``cpu`` (model name), ``cpu_flags`` (:func:`_cpu_flags_digest`), ``arch``, ``torch``
-        (version with its build suffix: ``2.14.1+cu130``), ``cpu_capability`` (the ATen kernel
+        (version with its build suffix: ``2.14.1+cu130``), ``numpy`` (version), ``cpu_capability`` (the ATen kernel
         build in use: ``"AVX2"``, ``"AVX512"``, ``"DEFAULT"`` …), ``torch_threads``, and
         ``numerics``: ``"portable"`` when every :data:`PORTABLE_ENV` setting is in ``environ``
         (default ``os.environ``), the CPU can run them (:func:`portable_supported`) and ATen runs
@@ -151,8 +178,10 @@ def fingerprint(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     capability = str(torch.backends.cpu.get_cpu_capability())
     pinned = (all(env.get(k) == v for k, v in PORTABLE_ENV.items()) and capability == "AVX2"
               and portable_supported())
+    import numpy
+
     return {"cpu": _cpu_model(), "cpu_flags": _cpu_flags_digest(), "arch": _arch(), "torch": torch.__version__,
-            "cpu_capability": capability, "torch_threads": torch.get_num_threads(),
+            "numpy": numpy.__version__, "cpu_capability": capability, "torch_threads": torch.get_num_threads(),
             "numerics": "portable" if pinned else "native"}
 
 

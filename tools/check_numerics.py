@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Does this machine compute the reproduction grids' bits? Three SGD steps of the light CNN under
-the portable CPU numerics (``broker_server.numerics``), their parameters' SHA-256 beside the
-reference machines' one.
+"""Does this machine compute the reproduction grids' bits? Three SGD steps of the light CNN and a
+few numpy operations under the portable CPU numerics (``broker_server.numerics``), their SHA-256
+beside the reference machines' one.
 
     python tools/check_numerics.py            # portable numerics (what the grids use)
     python tools/check_numerics.py --native   # the machine's own kernels, for comparison
@@ -32,11 +32,11 @@ if str(ROOT) not in sys.path:
 
 from broker_server.numerics import PORTABLE_ENV  # noqa: E402
 
-#: torch version (with its build suffix, as ``torch.__version__`` spells it) → the reference
+#: torch and numpy versions (torch's with its build suffix, as ``torch.__version__`` spells it) → the reference
 #: digest (16 hex digits) of :func:`reference_training` under portable numerics, one torch thread:
 #: the same on an AMD EPYC with AVX-512 (native) and under qemu-x86_64's Intel Haswell-v4 and AMD
 #: EPYC-v3 CPU models (measured 2026-12-04).
-REFERENCE = {"2.14.1+cu130": "591666fed7e6211f"}
+REFERENCE = {"torch 2.14.1+cu130, numpy 2.4.6": "2e4e2b8e5d511876"}
 
 
 def reference_training() -> str:
@@ -46,7 +46,7 @@ def reference_training() -> str:
 
     Returns:
         The first 16 hex digits of the SHA-256 of the trained ``state_dict``'s float32 bytes, in
-        its order.
+        its order, followed by :func:`reference_numpy`'s bytes.
     """
     import torch
     import torch.nn.functional as F
@@ -65,8 +65,24 @@ def reference_training() -> str:
         logits = out[0] if isinstance(out, tuple) else out
         F.cross_entropy(logits, y).backward()
         opt.step()
-    state = model.state_dict().values()
-    return hashlib.sha256(b"".join(t.detach().contiguous().numpy().tobytes() for t in state)).hexdigest()[:16]
+    state = b"".join(t.detach().contiguous().numpy().tobytes() for t in model.state_dict().values())
+    return hashlib.sha256(state + reference_numpy()).hexdigest()[:16]
+
+
+def reference_numpy() -> bytes:
+    """The bytes of numpy operations of the kind the server's strategies run (softmax weights,
+    norms, a QR factorisation, float32 and float64) on seeded standard-normal data: the part of a
+    cell that numpy's run-time dispatch and its OpenBLAS compute."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x64 = rng.standard_normal(100_003) * 5
+    x32 = x64.astype(np.float32)
+    m = rng.standard_normal((64, 10))
+    outs = [np.exp(x64), np.exp(x32), np.log(np.abs(x64) + 1e-3), np.log(np.abs(x32) + np.float32(1e-3)),
+            np.tanh(x32), np.sum(x64), np.sum(x32), x32 @ x32, np.power(np.abs(x32), np.float32(0.7)),
+            np.linalg.norm(m, axis=1), np.linalg.qr(m)[0], m.T @ m]
+    return b"".join(np.asarray(o).tobytes() for o in outs)
 
 
 def _child() -> None:
@@ -123,23 +139,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     got = measure(portable=not args.native)
     m = got["machine"]
-    print(f"machine: {m['cpu']} ({m['arch']}), torch {m['torch']}, ATen kernels {m['cpu_capability']}, "
+    print(f"machine: {m['cpu']} ({m['arch']}), torch {m['torch']}, numpy {m.get('numpy')}, ATen kernels "
+          f"{m['cpu_capability']}, "
           f"{m['torch_threads']} torch thread(s), {m['numerics']} numerics")
     print(f"digest:  {got['digest']}")
-    version = str(m["torch"])
+    version = f"torch {m['torch']}, numpy {m.get('numpy')}"
     ref = REFERENCE.get(version)
     if ref is None:
-        print(f"no reference digest for torch {version} (known: {', '.join(sorted(REFERENCE))})")
+        print(f"no reference digest for {version} (known: {', '.join(sorted(REFERENCE))})")
         return 1
     if got["digest"] == ref:
-        print(f"the reference digest of torch {version}: the committed grid records re-run here to the same bits")
+        print(f"the reference digest of {version}: the committed grid records re-run here to the same bits")
         return 0
     why = ""
     if args.native:
         why = " (native numerics: run without --native)"
     elif m["numerics"] != "portable":
         why = " (the portable settings cannot be applied here: Linux on an x86-64 CPU with AVX2 and FMA)"
-    print(f"not the reference digest {ref} of torch {version}: re-runs here differ from the committed records in "
+    print(f"not the reference digest {ref} of {version}: re-runs here differ from the committed records in "
           f"their last bits{why}")
     return 1
 

@@ -37,7 +37,9 @@ def test_pin_portable_sets_the_three_settings_where_the_cpu_runs_them_and_nothin
     env: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx512", "OTHER": "1"}
     with caplog.at_level("INFO", logger="broker_server.numerics"):
         assert pin_portable(env) == PORTABLE_ENV
-    assert env == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE", "OTHER": "1"}
+    assert env == {**PORTABLE_ENV, "OTHER": "1"} and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    pins = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE", "OPENBLAS_CORETYPE": "Haswell"}
+    assert pins.items() <= env.items()
     assert "replace ATEN_CPU_CAPABILITY=avx512" in caplog.text
     monkeypatch.setattr(numerics.platform, "machine", lambda: "AMD64")  # Windows spells it so
     assert numerics._arch() == "x86_64"
@@ -144,3 +146,14 @@ def test_portable_bits_are_the_same_on_an_emulated_intel_cpu() -> None:
     assert not haswell["cpuid_avx512"]  # the emulated CPU model took effect (cpuid is qemu's)
     assert haswell["machine"]["numerics"] == "portable"
     assert here["digest"] == haswell["digest"]
+
+
+def test_numpy_is_asked_to_drop_exactly_its_wider_than_avx2_targets() -> None:
+    """``NPY_DISABLE_CPU_FEATURES`` names only targets this numpy dispatches on (numpy refuses to
+    import with any other name) and every AVX-512 one, none at AVX2 level."""
+    from numpy._core._multiarray_umath import __cpu_dispatch__ as dispatch
+
+    named = PORTABLE_ENV.get("NPY_DISABLE_CPU_FEATURES", "").split()
+    assert set(named) <= set(dispatch)
+    assert set(named) == {t for t in dispatch if t.startswith("AVX512") or t == "X86_V4"}
+    assert not {"X86_V3", "AVX2", "FMA3"} & set(named)
