@@ -930,12 +930,15 @@ def numerics_line(results: dict[str, dict]) -> str:
     ok = [r for r in results.values() if "error" not in r]
     if not ok:
         return ""
-    portable = sum(1 for r in ok if (r.get("machine") or {}).get("numerics") == "portable")
+    from .numerics import portable_record
+
+    portable = sum(1 for r in ok if portable_record(r.get("machine")))
     others: dict[str, int] = {}
     for r in ok:
         m = r.get("machine")
-        if (m or {}).get("numerics") != "portable":
-            name = f"native on {m.get('cpu')} ({m.get('cpu_capability')})" if m else "no machine fingerprint"
+        if not portable_record(m):
+            name = (f"native on {m.get('cpu')} ({m.get('cpu_capability')})" if m and m.get("numerics") != "portable"
+                    else "portable before numpy was pinned" if m else "no machine fingerprint")
             others[name] = others.get(name, 0) + 1
     line = (f"{portable} of {len(ok)} records were made with portable CPU numerics (the same bits on any x86-64 "
             "AVX2 machine)")

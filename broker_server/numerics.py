@@ -52,7 +52,9 @@ import os
 import platform
 from collections.abc import Mapping, MutableMapping
 
-__all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portable", "portable_supported"]
+__all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portable", "portable_record",
+           "portable_supported"]
+
 
 def _numpy_wide_targets() -> str:
     """numpy's run-time dispatch targets wider than AVX2 (``X86_V4``, ``AVX512_*`` …), space-separated:
@@ -183,6 +185,13 @@ def fingerprint(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     return {"cpu": _cpu_model(), "cpu_flags": _cpu_flags_digest(), "arch": _arch(), "torch": torch.__version__,
             "numpy": numpy.__version__, "cpu_capability": capability, "torch_threads": torch.get_num_threads(),
             "numerics": "portable" if pinned else "native"}
+
+
+def portable_record(machine: Mapping[str, object] | None) -> bool:
+    """Whether a record's :func:`fingerprint` says it was made with every library pinned: portable
+    numerics and a ``numpy`` entry (a fingerprint without one predates numpy's and OpenBLAS's
+    settings, so its server arithmetic was the machine's own)."""
+    return bool(machine) and machine.get("numerics") == "portable" and "numpy" in machine  # type: ignore[union-attr]
 
 
 def fingerprint_differences(recorded: Mapping[str, object] | None, rerun: Mapping[str, object] | None) -> str:

@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from broker_server.experiments import load_results  # noqa: E402
+from broker_server.numerics import portable_record  # noqa: E402
 
 #: where the committed reports and, in ``results/``, their records are
 REPORTS = ROOT / "benchmarks"
@@ -105,8 +106,9 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def portable(record: dict) -> bool:
-    """Whether a record was made with portable CPU numerics (and finished)."""
-    return "error" not in record and (record.get("machine") or {}).get("numerics") == "portable"
+    """Whether a record finished with portable CPU numerics, every library pinned
+    (:func:`broker_server.numerics.portable_record`)."""
+    return "error" not in record and portable_record(record.get("machine"))
 
 
 def seed_records(committed: list[dict]) -> list[dict]:

@@ -9,15 +9,16 @@ from pathlib import Path
 
 from helpers.tools import load_tool
 
-PORTABLE = {"cpu": "AMD EPYC", "arch": "x86_64", "torch": "2.14.1+cu130", "cpu_capability": "AVX2",
+PORTABLE = {"cpu": "AMD EPYC", "arch": "x86_64", "torch": "2.14.1+cu130", "numpy": "2.4.6", "cpu_capability": "AVX2",
             "torch_threads": 1, "numerics": "portable"}
 NATIVE = {**PORTABLE, "cpu_capability": "AVX512", "numerics": "native"}
 
 
 def test_a_grid_folder_is_seeded_with_the_portable_records_only() -> None:
     q = load_tool("grid_queue")
+    before_numpy = {k: v for k, v in PORTABLE.items() if k != "numpy"}  # torch pinned, numpy not yet
     recs = [{"key": "a", "machine": PORTABLE}, {"key": "b", "machine": NATIVE}, {"key": "c"},
-            {"key": "d", "machine": PORTABLE, "error": "boom"}]
+            {"key": "d", "machine": PORTABLE, "error": "boom"}, {"key": "e", "machine": before_numpy}]
     assert [r["key"] for r in q.seed_records(recs)] == ["a"]
 
 

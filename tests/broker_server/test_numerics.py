@@ -67,8 +67,8 @@ def test_pinned_numerics_puts_the_environment_back(monkeypatch) -> None:
         assert os.environ.get("MKL_CBWR") == "AVX2" and "ATEN_CPU_CAPABILITY" not in os.environ
 
 
-_PORTABLE = {"cpu": "AMD EPYC", "arch": "x86_64", "torch": "2.14.1", "cpu_capability": "AVX2", "torch_threads": 1,
-             "numerics": "portable"}
+_PORTABLE = {"cpu": "AMD EPYC", "arch": "x86_64", "torch": "2.14.1", "numpy": "2.4.6", "cpu_capability": "AVX2",
+             "torch_threads": 1, "numerics": "portable"}
 
 
 def test_fingerprint_differences_by_case() -> None:
@@ -94,12 +94,13 @@ def test_fingerprint_differences_by_case() -> None:
 
 def test_numerics_line_counts_records_by_machine() -> None:
     native = {**_PORTABLE, "cpu": "Intel Xeon", "cpu_capability": "AVX512", "numerics": "native"}
+    before_numpy = {k: v for k, v in _PORTABLE.items() if k != "numpy"}
     results = {"a": {"machine": _PORTABLE}, "b": {"machine": _PORTABLE}, "c": {"machine": native}, "d": {},
-               "e": {"error": "boom"}}
+               "e": {"error": "boom"}, "f": {"machine": before_numpy}}
     assert numerics_line(results) == (
-        "2 of 4 records were made with portable CPU numerics (the same bits on any x86-64 AVX2 machine); the others "
+        "2 of 5 records were made with portable CPU numerics (the same bits on any x86-64 AVX2 machine); the others "
         "re-run to the same bits only on the machine kind that made them: 1 native on Intel Xeon (AVX512), "
-        "1 no machine fingerprint.")
+        "1 no machine fingerprint, 1 portable before numpy was pinned.")
     assert numerics_line({}) == ""
 
 
