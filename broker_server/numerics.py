@@ -35,8 +35,8 @@ cost, side by side in one run (``tools/bench_numerics.py``, ``benchmarks/numeric
 round of the light CNN took 1.26× as long on MNIST-shaped inputs and 0.96× (within the runs'
 spread) on CIFAR-shaped ones.
 
-What this does not cover: another torch (or MKL, oneDNN) build, more than one torch thread (a
-reduction split over threads is ordered by their count), an x86 CPU without AVX2 and FMA (ATen
+What this does not cover: another torch (or MKL, oneDNN) build, another numpy or BLAS build, more
+than one torch thread (a reduction split over threads is ordered by their count), an x86 CPU without AVX2 and FMA (ATen
 obeys ``ATEN_CPU_CAPABILITY`` without checking the CPU, so the settings would make it run
 instructions it lacks: they are not applied there), non-x86 machines (ARM has none of these
 libraries' x86 kernels) and x86 machines other than Linux (the CPU's flags are read from
@@ -59,16 +59,26 @@ __all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portab
 def _numpy_wide_targets() -> str:
     """numpy's run-time dispatch targets wider than AVX2 (``X86_V4``, ``AVX512_*`` …), space-separated:
     what ``NPY_DISABLE_CPU_FEATURES`` must name so that numpy runs its AVX2 loops. Read from this
-    numpy's own dispatch list, since the names differ between numpy versions and numpy refuses to
-    import with a name it does not dispatch on; ``""`` when it has none (or is not numpy 1.22+)."""
-    try:
-        from numpy._core._multiarray_umath import __cpu_dispatch__ as dispatch
-    except ImportError:
-        try:
-            from numpy.core._multiarray_umath import __cpu_dispatch__ as dispatch
-        except ImportError:
-            return ""
+    numpy's own dispatch list, since the names differ between numpy versions (a name it does not
+    dispatch on is only warned about, and its target stays on; a baseline name makes the import
+    fail); ``""`` when it has none (or is not numpy 1.22+). :func:`fingerprint` checks that the
+    targets are off."""
+    dispatch = getattr(_umath(), "__cpu_dispatch__", [])
     return " ".join(t for t in dispatch if t.startswith(("AVX512", "X86_V4")))
+
+
+def _umath() -> object:
+    """numpy's ``_multiarray_umath`` module (``numpy._core`` in numpy 2, ``numpy.core`` before),
+    whose ``__cpu_dispatch__`` and ``__cpu_features__`` describe its run-time dispatch; None
+    without one."""
+    import importlib
+
+    for name in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
 
 
 #: The settings that make the CPU kernels machine-independent (read when torch, numpy and
@@ -84,7 +94,7 @@ PORTABLE_ENV: dict[str, str] = {
 }
 
 #: fingerprint keys a re-run must share with a record for bit-equal numbers to be expected
-NUMERIC_KEYS = ("arch", "torch", "numpy", "cpu_capability", "numerics", "torch_threads")
+NUMERIC_KEYS = ("arch", "torch", "numpy", "blas", "cpu_capability", "numerics", "torch_threads")
 
 log = logging.getLogger(__name__)
 
@@ -168,30 +178,73 @@ def fingerprint(environ: Mapping[str, str] | None = None) -> dict[str, object]:
 
     Returns:
         ``cpu`` (model name), ``cpu_flags`` (:func:`_cpu_flags_digest`), ``arch``, ``torch``
-        (version with its build suffix: ``2.14.1+cu130``), ``numpy`` (version), ``cpu_capability`` (the ATen kernel
+        (version with its build suffix: ``2.14.1+cu130``), ``numpy`` (version), ``blas`` (numpy's
+        BLAS and the OpenBLAS kernel set in use, ``"scipy-openblas Haswell"``), ``cpu_capability`` (the ATen kernel
         build in use: ``"AVX2"``, ``"AVX512"``, ``"DEFAULT"`` …), ``torch_threads``, and
         ``numerics``: ``"portable"`` when every :data:`PORTABLE_ENV` setting is in ``environ``
-        (default ``os.environ``), the CPU can run them (:func:`portable_supported`) and ATen runs
-        its AVX2 build, else ``"native"``.
+        (default ``os.environ``), the CPU can run them (:func:`portable_supported`), ATen runs
+        its AVX2 build, numpy's wider targets are off and OpenBLAS runs its Haswell kernels, else
+        ``"native"``.
     """
+    import numpy
     import torch
 
     env = os.environ if environ is None else environ
     capability = str(torch.backends.cpu.get_cpu_capability())
+    core = _openblas_core()
+    try:
+        blas = str(numpy.__config__.CONFIG["Build Dependencies"]["blas"]["name"])
+    except (AttributeError, KeyError, TypeError):  # numpy < 1.26 has no CONFIG
+        blas = "unknown"
+    # what the libraries did, not only what was asked: ATen's AVX2 build, numpy's wide loops off,
+    # OpenBLAS on its Haswell kernels (a numpy on another BLAS is not portable by these settings)
     pinned = (all(env.get(k) == v for k, v in PORTABLE_ENV.items()) and capability == "AVX2"
-              and portable_supported())
-    import numpy
-
+              and portable_supported() and _numpy_features_off(PORTABLE_ENV.get("NPY_DISABLE_CPU_FEATURES", ""))
+              and core.lower() == "haswell")
     return {"cpu": _cpu_model(), "cpu_flags": _cpu_flags_digest(), "arch": _arch(), "torch": torch.__version__,
-            "numpy": numpy.__version__, "cpu_capability": capability, "torch_threads": torch.get_num_threads(),
-            "numerics": "portable" if pinned else "native"}
+            "numpy": numpy.__version__, "blas": f"{blas} {core}".strip(), "cpu_capability": capability,
+            "torch_threads": torch.get_num_threads(), "numerics": "portable" if pinned else "native"}
+
+
+def _numpy_features_off(names: str) -> bool:
+    """Whether every dispatch target in ``names`` is off in this process's numpy (its CPU feature
+    table after ``NPY_DISABLE_CPU_FEATURES``: a name numpy did not take leaves its target on)."""
+    features = getattr(_umath(), "__cpu_features__", None)
+    if features is None:
+        return not names
+    return not any(features.get(t, False) for t in names.split())
+
+
+def _openblas_core() -> str:
+    """The kernel set the OpenBLAS loaded in this process runs (``"Haswell"``, ``"SkylakeX"`` …),
+    asked through its ``*openblas_get_corename*`` function; ``""`` when no OpenBLAS is loaded (a
+    numpy on MKL or Accelerate) or it cannot be asked."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            libs = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return ""
+    for lib in libs:
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename64_",
+                     "openblas_get_corename"):
+            fn = getattr(handle, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                return (fn() or b"").decode(errors="replace").strip()
+    return ""
 
 
 def portable_record(machine: Mapping[str, object] | None) -> bool:
     """Whether a record's :func:`fingerprint` says it was made with every library pinned: portable
     numerics and a ``numpy`` entry (a fingerprint without one predates numpy's and OpenBLAS's
     settings, so its server arithmetic was the machine's own)."""
-    return bool(machine) and machine.get("numerics") == "portable" and "numpy" in machine  # type: ignore[union-attr]
+    return machine is not None and machine.get("numerics") == "portable" and "numpy" in machine
 
 
 def fingerprint_differences(recorded: Mapping[str, object] | None, rerun: Mapping[str, object] | None) -> str:
@@ -212,7 +265,11 @@ def fingerprint_differences(recorded: Mapping[str, object] | None, rerun: Mappin
     if not rerun:
         return "unknown: the re-run has no machine fingerprint"
     for key in NUMERIC_KEYS:
+        if key == "blas" and key not in recorded:
+            continue  # recorded since the fingerprint checks OpenBLAS's kernels; the settings were the same
         if key != "numerics" and recorded.get(key) != rerun.get(key):
+            if key == "numpy" and key not in recorded:
+                return f"numpy not recorded (made before numpy was pinned) vs {rerun.get(key)}"
             return f"{key} {recorded.get(key)} vs {rerun.get(key)}"
     if recorded.get("numerics") != "portable" or rerun.get("numerics") != "portable":
         same_cpu = (recorded.get("cpu") == rerun.get("cpu") not in (None, "", "unknown")

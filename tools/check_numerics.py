@@ -7,7 +7,7 @@ beside the reference machines' one.
     python tools/check_numerics.py --native   # the machine's own kernels, for comparison
 
 Prints the machine fingerprint, the digest and whether it is the reference digest of this torch
-version (:data:`REFERENCE`): the same digest means the committed records re-run here to the same
+version (:data:`REFERENCE`): the same digest means records made with portable numerics re-run here to the same
 bits; another one means they will differ in their last digits and, after 15 rounds, in their
 accuracy (a record's re-run check then says so). Exit status 0 when the digest is the reference
 one, 1 when it is not or no reference is known for this torch version.
@@ -149,14 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no reference digest for {version} (known: {', '.join(sorted(REFERENCE))})")
         return 1
     if got["digest"] == ref:
-        print(f"the reference digest of {version}: the committed grid records re-run here to the same bits")
+        print(f"the reference digest of {version}: grid records made with portable numerics re-run here to the "
+              "same bits")
         return 0
     why = ""
     if args.native:
         why = " (native numerics: run without --native)"
     elif m["numerics"] != "portable":
         why = " (the portable settings cannot be applied here: Linux on an x86-64 CPU with AVX2 and FMA)"
-    print(f"not the reference digest {ref} of {version}: re-runs here differ from the committed records in "
+    print(f"not the reference digest {ref} of {version}: re-runs here of records made with portable numerics differ in "
           f"their last bits{why}")
     return 1
 

@@ -17,10 +17,17 @@ Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
 2. **run**: the grid's script with its committed options (the report's ``Command`` line), into the
    folder, ``--workers`` processes; when every cell is on record and the folder has no
    ``verify.md``, ``--verify K`` re-runs its first K cells and compares;
-3. **merge** (after each grid, and on ``--merge``): the committed records become the folder's,
-   plus the committed ones of cells the folder holds no record of (kept, and counted in the
-   report as not portable); ``verify.md`` and the extra folders are copied back; the committed
-   report is regenerated with ``--report-only`` (in a temporary folder, never the live one).
+3. **merge** (after each grid, and on ``--merge``): per cell the better of the folder's record and
+   the committed one is committed (portable over native over failed; the folder's on a tie), so
+   the committed records of cells not yet re-run are kept, and counted in the report as not
+   portable; the folder's ``verify.md`` is committed as ``benchmarks/results/<name>.verify.md``
+   and the extra folders are copied back; the committed report is regenerated from the merged
+   records and that re-run check with ``--report-only`` (in a temporary folder, never the live
+   one), its ``Command`` line naming the queue.
+
+The queue exits 1 when a script failed, a cell's record is an error, a re-run check failed or a
+report could not be regenerated (each named on stderr), 130 on Ctrl-C (after merging what
+finished), else 0.
 
 ``--hours`` stops the running grid with SIGINT at the deadline (its unfinished cells are not
 recorded; the next invocation runs them) and merges what finished. The grids' CPU plans are in
@@ -34,6 +41,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -101,8 +111,12 @@ def read_records(path: Path) -> list[dict]:
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
+    """Write ``records`` as JSON lines (spelt as :func:`broker_server.experiments.run_grid` spells
+    them) through a temporary file renamed over ``path``: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def portable(record: dict) -> bool:
@@ -117,17 +131,24 @@ def seed_records(committed: list[dict]) -> list[dict]:
     return [r for r in committed if portable(r)]
 
 
+def _rank(record: dict) -> int:
+    """A record's worth for its cell: 2 finished with portable numerics, 1 finished otherwise,
+    0 failed."""
+    return 0 if "error" in record else 2 if portable(record) else 1
+
+
 def merged_records(folder: list[dict], committed: list[dict]) -> list[dict]:
-    """What is committed after a grid ran: the folder's finished records, then the committed
-    records of the other cells (in their committed order: a committed finished record also
-    beats the folder's failed one), then the folder's failed records of cells with nothing else."""
-    out = [r for r in folder if "error" not in r]
-    seen = {r["key"] for r in out}
-    for r in committed + [r for r in folder if "error" in r]:
-        if r["key"] not in seen:
-            out.append(r)
-            seen.add(r["key"])
-    return out
+    """What is committed after a grid ran: per cell, the better of the folder's record and the
+    committed one (portable over native over failed, :func:`_rank`; the folder's on a tie); the
+    folder's cells first, in its order, then the committed cells it has not, in theirs."""
+    best: dict[str, dict] = {}
+    for r in folder:
+        best[r["key"]] = r
+    for r in committed:
+        if r["key"] not in best or _rank(r) > _rank(best[r["key"]]):
+            best[r["key"]] = r
+    order = [r["key"] for r in folder] + [r["key"] for r in committed if r["key"] not in {x["key"] for x in folder}]
+    return [best[k] for k in dict.fromkeys(order)]
 
 
 def _folder(grid: Grid, base: Path) -> Path:
@@ -149,45 +170,95 @@ def seed(grid: Grid, base: Path) -> Path:
     return out
 
 
-def _run(cmd: list[str], deadline: float | None) -> int:
-    """Run ``cmd`` (in the repository root); SIGINT at ``deadline`` (monotonic seconds), then wait.
-    Its return code (the SIGINT one when stopped)."""
+#: seconds a stopped grid gets to end after its SIGINT, and again after a SIGTERM, before SIGKILL
+STOP_GRACE_S = 120.0
+
+
+def _default_sigint() -> None:
+    """In the child, before it runs: SIGINT back to its default (a queue started in the
+    background by a non-interactive shell has it ignored, and a child would inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _run(cmd: list[str], deadline: float | None) -> tuple[int, bool]:
+    """Run ``cmd`` (in the repository root) until it ends or ``deadline`` (monotonic seconds);
+    at the deadline SIGINT (the scripts stop their grid at once: unfinished cells are not
+    recorded), then SIGTERM and SIGKILL after :data:`STOP_GRACE_S` each. A KeyboardInterrupt here
+    stops it the same way and goes on.
+
+    Returns:
+        (its return code, whether it was stopped).
+    """
     print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    while True:
+    proc = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_default_sigint if os.name == "posix" else None)
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=5), False
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    print(f"deadline reached: stopping {cmd[1]}", flush=True)
+                    return _stop(proc), True
+    except KeyboardInterrupt:
+        print(f"interrupted: stopping {cmd[1]}", flush=True)
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGINT, then SIGTERM, then SIGKILL, :data:`STOP_GRACE_S` apart; the return code."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            break
+        proc.send_signal(sig)
         try:
-            return proc.wait(timeout=5)
+            return proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            if deadline is not None and time.monotonic() >= deadline:
-                print(f"deadline reached: stopping {cmd[1]}", flush=True)
-                proc.send_signal(signal.SIGINT)
-                return proc.wait()
+            continue
+    return proc.wait()
 
 
-def merge(grid: Grid, base: Path) -> None:
-    """Step 3 of the module docstring."""
+def _verify_file(grid: Grid) -> Path:
+    """Where a grid's re-run check (its folder's ``verify.md``) is committed."""
+    return RESULTS / f"{Path(grid.results).stem}.verify.md"
+
+
+def merge(grid: Grid, base: Path) -> bool:
+    """Step 3 of the module docstring. Returns whether the report was regenerated (True too when
+    there is no grid folder, and so nothing to do)."""
     out = _folder(grid, base)
     if not (out / "results.jsonl").is_file():
         print(f"{grid.name}: no grid folder {out}: nothing to merge", flush=True)
-        return
+        return True
     committed_path = RESULTS / grid.results
     records = merged_records(read_records(out / "results.jsonl"), read_records(committed_path))
     _write_jsonl(committed_path, records)
+    if (out / "verify.md").is_file():
+        shutil.copyfile(out / "verify.md", _verify_file(grid))
     for inside, committed_dir in grid.extra_dirs.items():
         if (out / inside).is_dir():
             shutil.copytree(out / inside, RESULTS / committed_dir, dirs_exist_ok=True)
+    report = REPORTS / grid.report
     with tempfile.TemporaryDirectory() as tmp:
         _write_jsonl(Path(tmp) / "results.jsonl", records)
-        if (out / "verify.md").is_file():
-            shutil.copyfile(out / "verify.md", Path(tmp) / "verify.md")
+        if _verify_file(grid).is_file():
+            shutil.copyfile(_verify_file(grid), Path(tmp) / "verify.md")
         for inside in grid.extra_dirs:
             if (out / inside).is_dir():
                 shutil.copytree(out / inside, Path(tmp) / inside)
-        rc = _run([sys.executable, grid.script, *grid.options, "--out", tmp,
-                   "--report", str(REPORTS / grid.report), "--report-only"], None)
+        rc, _ = _run([sys.executable, grid.script, *grid.options, "--out", tmp, "--report", str(report),
+                      "--report-only"], None)
+    if rc == 0 and report.is_file():  # the Command line names the queue, not the temporary folder
+        command = " ".join(shlex.quote(x) for x in (grid.script, *grid.options))
+        text = re.sub(r"(?m)^Command \(records and report\): .*$",
+                      f"Command (records and report): `python tools/grid_queue.py --only {grid.name}` (it runs "
+                      f"`python {command} --out runs/grids/{grid.name}`, then this report with `--report-only`)",
+                      report.read_text(encoding="utf-8"))
+        report.write_text(text, encoding="utf-8")
     n = sum(1 for r in records if portable(r))
     print(f"{grid.name}: {committed_path} holds {len(records)} records ({n} portable); "
           f"report {'regenerated' if rc == 0 else f'NOT regenerated (exit {rc})'}", flush=True)
+    return rc == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hours < 0 or args.workers < 1:
         ap.error("--hours must be >= 0 and --workers >= 1")
     grids = [known[n] for n in names] if names else list(QUEUE)
-    base = Path(args.base)
+    base = Path(args.base).resolve()  # the scripts run in the repository root
     if args.list:
         for g in grids:
             committed = read_records(RESULTS / g.results)
@@ -216,23 +287,35 @@ def main(argv: list[str] | None = None) -> int:
                   f"grid folder: {len(folder)} records")
         return 0
     if args.merge:
-        for g in grids:
-            merge(g, base)
-        return 0
+        return 0 if all([merge(g, base) for g in grids]) else 1
     deadline = time.monotonic() + args.hours * 3600 if args.hours else None
+    failures: list[str] = []
     for g in grids:
         if deadline is not None and time.monotonic() >= deadline:
             break
         out = seed(g, base)
-        rc = _run([sys.executable, g.script, *g.options, "--out", str(out), "--workers", str(args.workers)], deadline)
-        stopped = deadline is not None and time.monotonic() >= deadline
-        if rc == 0 and not stopped and g.verify and not (out / "verify.md").exists():
-            _run([sys.executable, g.script, *g.options, "--out", str(out), "--workers", str(args.workers),
-                  "--verify", str(g.verify)], deadline)
-        merge(g, base)
+        run = [sys.executable, g.script, *g.options, "--out", str(out), "--workers", str(args.workers)]
+        try:
+            rc, stopped = _run(run, deadline)
+            failed = [r["key"] for r in read_records(out / "results.jsonl") if "error" in r]
+            if rc != 0 and not stopped:
+                failures.append(f"{g.name}: {g.script} exited with {rc}")
+            if failed:
+                failures.append(f"{g.name}: {len(failed)} cell(s) failed (first {failed[0]})")
+            if rc == 0 and not stopped and not failed and g.verify and not (out / "verify.md").exists():
+                vrc, stopped = _run([*run, "--verify", str(g.verify)], deadline)
+                if vrc != 0 and not stopped:
+                    failures.append(f"{g.name}: --verify {g.verify} exited with {vrc}")
+        except KeyboardInterrupt:  # what finished is kept: merge it, then stop
+            merge(g, base)
+            return 130
+        if not merge(g, base):
+            failures.append(f"{g.name}: the report was not regenerated")
         if stopped:
             break
-    return 0
+    for f in failures:
+        print(f"FAILED {f}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -23,14 +23,16 @@ def test_a_grid_folder_is_seeded_with_the_portable_records_only() -> None:
 
 
 def test_merged_records_by_hand() -> None:
-    """The folder's finished records first; then the committed ones of other cells in committed
-    order (a committed finished record beats the folder's failure); then failures of cells with
-    nothing else."""
+    """Per cell the better record (portable over native over failed; the folder's on a tie), the
+    folder's cells first in its order, then the committed cells it has not."""
     q = load_tool("grid_queue")
-    folder = [{"key": "b", "v": 2}, {"key": "x", "error": "boom"}, {"key": "y", "error": "boom"}]
-    committed = [{"key": "a", "v": 1}, {"key": "b", "v": 1}, {"key": "x", "v": 1}]
+    folder = [{"key": "b", "v": 2}, {"key": "x", "error": "boom"}, {"key": "y", "error": "boom"},
+              {"key": "p", "v": 2, "machine": NATIVE}, {"key": "n", "v": 2, "machine": PORTABLE}]
+    committed = [{"key": "a", "v": 1}, {"key": "b", "v": 1}, {"key": "x", "v": 1},
+                 {"key": "p", "v": 1, "machine": PORTABLE}, {"key": "n", "v": 1, "machine": NATIVE}]
     assert q.merged_records(folder, committed) == [
-        {"key": "b", "v": 2}, {"key": "a", "v": 1}, {"key": "x", "v": 1}, {"key": "y", "error": "boom"}]
+        {"key": "b", "v": 2}, {"key": "x", "v": 1}, {"key": "y", "error": "boom"},
+        {"key": "p", "v": 1, "machine": PORTABLE}, {"key": "n", "v": 2, "machine": PORTABLE}, {"key": "a", "v": 1}]
 
 
 def _record(t, method: str, acc: float, machine: dict, out: Path) -> dict:
@@ -73,3 +75,24 @@ def test_seed_run_and_merge_round_trip(tmp_path: Path, monkeypatch) -> None:
     text = (reports / "pgp.md").read_text(encoding="utf-8")
     assert "| FedAvg | 90.00 |" in text and "| FedPGP | 70.00 |" in text
     assert "2 of 2 records were made with portable CPU numerics" in text
+    assert "Command (records and report): `python tools/grid_queue.py --only pgp`" in text
+    assert str(tmp_path) not in text.split("## Protocol")[0].split("Command")[1]  # no temporary folder named
+
+
+def test_a_grid_is_stopped_at_the_deadline_even_when_the_queue_ignores_sigint(monkeypatch) -> None:
+    """A queue started in the background by a non-interactive shell has SIGINT ignored; the
+    script it runs still gets SIGINT's default at the deadline and ends (exit -2 or 130), and
+    the call says it was stopped."""
+    import signal
+    import sys
+    import time
+
+    q = load_tool("grid_queue")
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        rc, stopped = q._run([sys.executable, "-c", "import time; time.sleep(60)"], time.monotonic() + 1.0)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert stopped and rc in (-signal.SIGINT, 130)
+    rc, stopped = q._run([sys.executable, "-c", "raise SystemExit(3)"], None)
+    assert (rc, stopped) == (3, False)

@@ -78,6 +78,12 @@ def test_fingerprint_differences_by_case() -> None:
     assert fingerprint_differences(_PORTABLE, None) == "unknown: the re-run has no machine fingerprint"
     assert fingerprint_differences(_PORTABLE, {**_PORTABLE, "torch": "2.13.0"}) == "torch 2.14.1 vs 2.13.0"
     assert fingerprint_differences(_PORTABLE, {**_PORTABLE, "torch_threads": 2}) == "torch_threads 1 vs 2"
+    blas = {**_PORTABLE, "blas": "scipy-openblas Haswell"}
+    assert fingerprint_differences(_PORTABLE, blas) == ""  # a record from before the BLAS was recorded
+    assert fingerprint_differences(blas, {**blas, "blas": "mkl"}) == "blas scipy-openblas Haswell vs mkl"
+    before_numpy = {k: v for k, v in _PORTABLE.items() if k != "numpy"}
+    assert fingerprint_differences(before_numpy, _PORTABLE) == (
+        "numpy not recorded (made before numpy was pinned) vs 2.4.6")
     native = {**_PORTABLE, "cpu_capability": "AVX512", "numerics": "native"}
     assert fingerprint_differences(native, native) == ""  # native on the same CPU model: equal bits expected
     assert fingerprint_differences(native, _PORTABLE) == "cpu_capability AVX512 vs AVX2"
@@ -112,7 +118,7 @@ def test_the_settings_reach_a_child_and_change_its_bits_only_through_the_kernels
     tool = _check_tool()
     a, b = tool.measure(portable=True), tool.measure(portable=True)
     assert a["machine"]["cpu_capability"] == "AVX2" and a["machine"]["numerics"] == "portable"
-    assert a["machine"]["torch_threads"] == 1
+    assert a["machine"]["torch_threads"] == 1 and a["machine"]["blas"].endswith("Haswell")
     assert a["digest"] == b["digest"]
     other = tool.measure(portable=False, extra_env={"ATEN_CPU_CAPABILITY": "default"})
     assert other["machine"]["cpu_capability"] == "DEFAULT" and other["machine"]["numerics"] == "native"
