@@ -94,7 +94,7 @@ PORTABLE_ENV: dict[str, str] = {
 }
 
 #: fingerprint keys a re-run must share with a record for bit-equal numbers to be expected
-NUMERIC_KEYS = ("arch", "torch", "numpy", "blas", "cpu_capability", "numerics", "torch_threads")
+NUMERIC_KEYS = ("arch", "torch", "numpy", "cpu_capability", "blas", "numerics", "torch_threads")
 
 log = logging.getLogger(__name__)
 
