@@ -862,6 +862,18 @@ def final_differences(a: dict, b: dict) -> list[str]:
     return diff + sorted(f"per_round.{k}" for k in set(ra) & set(rb) if ra[k] != rb[k])
 
 
+#: Metrics of the wire's delivery, not of the training: a resend under load (a receipt late by
+#: more than the resend interval) changes them and nothing the devices computed.
+DELIVERY_METRICS = frozenset({"bytes_up", "bytes_down", "duplicates", "late", "global_receipts", "global_resends",
+                              "global_delivery", "resent_to", "unsolicited", "undeliverable", "broker_refusals"})
+
+
+def delivery_only(differences: Sequence[str]) -> bool:
+    """Whether every name of :func:`final_differences` is a delivery metric
+    (:data:`DELIVERY_METRICS`, also as ``per_round.<name>``): the training figures are equal."""
+    return bool(differences) and all(d.removeprefix("per_round.") in DELIVERY_METRICS for d in differences)
+
+
 def metrics_only_in_one(a: dict, b: dict) -> list[str]:
     """Last-round metric names that only one of two records has (a metric the code added or
     dropped since the record was made), timings left out; such a name is reported, not counted
@@ -902,17 +914,20 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
              f"{', '.join(f'`{c}`' for c in made) or '–'}. *same* = every last-round metric equal (timings left "
              "out); each cell re-runs with its record's CPU numerics (broker_server/numerics.py), and where a cell "
              "differs while the two runs' numerics differ too, the line says how: then equal bits are not expected "
-             "even from equal code.", ""]
+             "even from equal code. *same training; the wire differs*: only delivery figures differ (bytes, resends, "
+             "duplicates: a receipt that came late on a loaded machine), every figure of the training is equal.", ""]
     for r in recorded:
         b = again.get(r["key"], {})
         one_side = metrics_only_in_one(r, b) if "error" not in b else []
         diff = ([k for k in final_differences(r, b) if k not in one_side] if "error" not in b
                 else ["error: " + str(b["error"])])
         why = fingerprint_differences(r.get("machine"), b.get("machine"))
-        lines.append(f"- {r['key']}: recorded {headline(r)}, re-run {headline(b)} → "
-                     + ("same" if not diff else f"**differs** ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})")
+        wire = delivery_only(diff)
+        verdict = "same" if not diff else "same training; the wire differs" if wire else "**differs**"
+        lines.append(f"- {r['key']}: recorded {headline(r)}, re-run {headline(b)} → {verdict}"
+                     + (f" ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})" if diff else "")
                      + (f"; metrics in only one of the two: {', '.join(one_side)}" if one_side else "")
-                     + (f"; numerics differ: {why}" if why and diff else ""))
+                     + (f"; numerics differ: {why}" if why and diff and not wire else ""))
     (Path(out_dir) / VERIFY_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return lines
 

@@ -164,6 +164,29 @@ def test_a_cell_re_runs_to_its_record_and_a_changed_record_is_named(tmp_path: Pa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]  # the re-runs' folder is gone
 
 
+def test_a_re_run_whose_only_differences_are_the_wires_says_so(tmp_path: Path, monkeypatch) -> None:
+    """A re-run that resent an update (a late receipt on a loaded machine) differs in bytes and
+    resends only: its line says the training is the same and names the delivery figures; one
+    that also differs in accuracy is **differs**."""
+    base = {"final": {"accuracy": 0.5, "loss": 1.0, "bytes_up": 100, "global_resends": 0},
+            "per_round": {"round": [1], "accuracy": [0.5], "bytes_up": [100]}}
+    recs = {"g/a": {"key": "g/a", **base}, "g/b": {"key": "g/b", **base}}
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs.values()), encoding="utf-8")
+    again = {"g/a": {"key": "g/a", "final": {**base["final"], "bytes_up": 140, "global_resends": 1},
+                     "per_round": {**base["per_round"], "bytes_up": [140]}},
+             "g/b": {"key": "g/b", "final": {**base["final"], "accuracy": 0.6, "bytes_up": 140},
+                     "per_round": base["per_round"]}}
+    monkeypatch.setattr(experiments, "run_grid", lambda jobs, out, **kw: {j.key: again[j.key] for j in jobs})
+    jobs = [Job("g/a", {}), Job("g/b", {})]
+    lines = verify_records(jobs, tmp_path, 2, workers=1, commit="abc", headline=lambda r: r["final"]["accuracy"])
+    wire = next(x for x in lines if x.startswith("- g/a"))
+    assert wire.endswith("→ same training; the wire differs (bytes_up, global_resends, per_round.bytes_up)"), wire
+    trained = next(x for x in lines if x.startswith("- g/b"))
+    assert "→ **differs** (accuracy, bytes_up)" in trained, trained
+    assert experiments.delivery_only(["bytes_down", "per_round.duplicates"])
+    assert not experiments.delivery_only([]) and not experiments.delivery_only(["per_round.loss"])
+
+
 def test_mean_std() -> None:
     assert mean_std([1.0, 3.0]) == (2.0, 1.0)
     m, s = mean_std([])
