@@ -520,13 +520,15 @@ VOLATILE_METRICS = frozenset({"seconds", "ended_s", "phase_s", "clients_train_s"
 
 
 def code_commit(root: str | Path) -> str:
-    """The short commit of the checkout at ``root``, with ``+dirty`` when tracked files differ
-    from it; ``"unknown"`` outside a git checkout (or without git)."""
+    """The short commit of the checkout at ``root``, with ``+dirty`` when tracked files other
+    than ``benchmarks/`` (the records and reports, which are data, not code) differ from it;
+    ``"unknown"`` outside a git checkout (or without git)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
