@@ -231,3 +231,26 @@ def test_grid_workers_die_with_a_killed_grid_process(tmp_path: Path) -> None:
             pytest.fail(f"worker {worker} outlived its killed grid process")
     finally:
         parent.kill()
+
+
+def test_code_commit_is_dirty_for_code_changes_not_for_records(tmp_path: Path) -> None:
+    """A changed record or report under ``benchmarks/`` leaves the commit clean; a changed code
+    file makes it ``+dirty``; outside a checkout it is ``unknown``."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    from broker_server.experiments import code_commit
+
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "r.md").write_text("a\n", encoding="utf-8")
+    (tmp_path / "code.py").write_text("x = 1\n", encoding="utf-8")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "--short", "HEAD")
+    assert code_commit(tmp_path) == head
+    (tmp_path / "benchmarks" / "r.md").write_text("b\n", encoding="utf-8")
+    assert code_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n", encoding="utf-8")
+    assert code_commit(tmp_path) == head + "+dirty"
+    assert code_commit(tmp_path / "benchmarks" / "none") == "unknown"
