@@ -52,8 +52,8 @@ import os
 import platform
 from collections.abc import Mapping, MutableMapping
 
-__all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "pin_portable", "portable_record",
-           "portable_supported"]
+__all__ = ["PORTABLE_ENV", "fingerprint", "fingerprint_differences", "child_env", "pin_portable",
+           "portable_record", "portable_supported"]
 
 
 def _numpy_wide_targets() -> str:
@@ -90,8 +90,19 @@ PORTABLE_ENV: dict[str, str] = {
     "MKL_CBWR": "COMPATIBLE",
     "OPENBLAS_CORETYPE": "Haswell",
     "OPENBLAS_NUM_THREADS": "1",
-    **({"NPY_DISABLE_CPU_FEATURES": _numpy_wide_targets()} if _numpy_wide_targets() else {}),
 }
+_WIDE = _numpy_wide_targets()
+if _WIDE:
+    PORTABLE_ENV["NPY_DISABLE_CPU_FEATURES"] = _WIDE
+
+
+def child_env(portable: bool, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """An environment for a child process: ``base`` (default ``os.environ``) without any
+    :data:`PORTABLE_ENV` setting, then with all of them when ``portable``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in PORTABLE_ENV}
+    if portable:
+        env.update(PORTABLE_ENV)
+    return env
 
 #: fingerprint keys a re-run must share with a record for bit-equal numbers to be expected
 NUMERIC_KEYS = ("arch", "torch", "numpy", "cpu_capability", "blas", "numerics", "torch_threads")

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from broker_server.numerics import PORTABLE_ENV  # noqa: E402
+from broker_server.numerics import PORTABLE_ENV, child_env  # noqa: E402
 
 SHAPES = {"MNIST-shaped 1×28×28": (1, 28), "CIFAR-shaped 3×32×32": (3, 32)}
 
@@ -62,9 +62,7 @@ def _child(channels: int, size: int, samples: int, epochs: int) -> None:
 
 
 def _run(portable: bool, channels: int, size: int, samples: int, epochs: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
-    if portable:
-        env.update(PORTABLE_ENV)
+    env = child_env(portable)
     env["PYTHONPATH"] = str(ROOT)
     env["PYTHONWARNINGS"] = "ignore"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{channels},{size},{samples},{epochs}"]

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from broker_server.numerics import PORTABLE_ENV  # noqa: E402
+from broker_server.numerics import child_env  # noqa: E402
 
 #: torch and numpy versions (torch's with its build suffix, as ``torch.__version__`` spells it) → the reference
 #: digest (16 hex digits) of :func:`reference_training` under portable numerics, one torch thread:
@@ -111,9 +111,7 @@ def measure(*, portable: bool = True, wrapper: list[str] | None = None,
         RuntimeError: the child failed, or ran past ``timeout_s`` seconds (the message says
             which, with its stderr's last lines).
     """
-    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
-    if portable:
-        env.update(PORTABLE_ENV)
+    env = child_env(portable)
     env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONWARNINGS"] = "ignore"

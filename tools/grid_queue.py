@@ -147,8 +147,8 @@ def merged_records(folder: list[dict], committed: list[dict]) -> list[dict]:
     for r in committed:
         if r["key"] not in best or _rank(r) > _rank(best[r["key"]]):
             best[r["key"]] = r
-    order = [r["key"] for r in folder] + [r["key"] for r in committed if r["key"] not in {x["key"] for x in folder}]
-    return [best[k] for k in dict.fromkeys(order)]
+    order = dict.fromkeys([r["key"] for r in folder] + [r["key"] for r in committed])  # folder's cells first
+    return [best[k] for k in order]
 
 
 def _folder(grid: Grid, base: Path) -> Path:
