@@ -31,7 +31,7 @@ from edge_agent.state import load_arrays
 
 from .config import Config
 from .errors import ConfigError
-from .runtime import device_model, make_client_algorithm, make_strategy, train_config
+from .runtime import check_fleet_size, device_model, make_client_algorithm, make_strategy, train_config
 from .simulate import split_clients
 from .strategies import ClientResult, apply_update
 from .strategies.feddo import GLOBAL_FEATURES, FedDO
@@ -74,10 +74,10 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
 
     Raises:
         ConfigError: another algorithm, episodes or rounds below 1, an ``out`` that cannot be
-            written (:func:`check_policy_out`, before any training), a partition that cannot be made.
+            written (:func:`check_policy_out`, before any training), a partition that cannot be
+            made, a starting ``policy`` trained for fewer devices than ``[data] clients``
+            (:func:`~broker_server.runtime.check_fleet_size`, before any training).
         DataError: the data set cannot be found.
-        RunError: a starting ``policy`` trained for fewer devices than ``[data] clients``
-            (:class:`~broker_server.strategies.feddo.FedDO`'s slots).
     """
     if cfg.train.algorithm != "feddo":
         raise ConfigError(f"fedfleet feddo pretrain needs [train] algorithm = \"feddo\", not {cfg.train.algorithm!r}")
@@ -90,6 +90,7 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     strategy = make_strategy(cfg, ds)
     if not isinstance(strategy, FedDO):
         raise ConfigError("[train] algorithm 'feddo' did not build the FedDO strategy")
+    check_fleet_size(cfg, strategy)
     ids = [f"dev-{i:03d}" for i in range(len(parts))]
     shards = [(torch.from_numpy(np.ascontiguousarray(ds.train.x[p])), torch.from_numpy(np.asarray(ds.train.y[p])))
               for p in parts]

@@ -279,6 +279,29 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     return strategy
 
 
+def check_fleet_size(cfg: Config, strategy: Strategy) -> None:
+    """Refuse a simulated fleet (``[data] clients`` devices, each on its shard) larger than the
+    strategy can serve (:attr:`Strategy.max_devices <broker_server.strategies.Strategy>`): FedDO
+    with a pre-trained policy for K devices, where device K+1 would get no slot and never train.
+    Called by ``fedfleet simulate`` and ``fedfleet feddo pretrain`` before a broker starts or
+    anything is written; a server (``fedfleet server``) meets the same limit when the device
+    beyond it joins (its strategy's own error), since its ``[data] clients`` counts shards, not
+    the devices that will join.
+
+    Raises:
+        ConfigError: ``[data] clients`` above ``strategy.max_devices`` (the message names both
+            and what to do).
+    """
+    cap = strategy.max_devices
+    if cap is not None and cfg.data.clients > cap:
+        policy = getattr(strategy, "policy_path", "")
+        what = f"the policy {policy}" if policy else f"[train] algorithm {cfg.train.algorithm!r}"
+        raise ConfigError(
+            f"{cfg.source}: [data] clients = {cfg.data.clients}, but {what} serves at most {cap} devices: "
+            f"{cfg.data.clients - cap} of them would never train. Set [data] clients = {cap}"
+            + (f", or pre-train a policy for {cfg.data.clients} devices (fedfleet feddo pretrain)" if policy else ""))
+
+
 def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):
     """The client half of ``[train] algorithm`` for one device (its data-dependent setup, such
     as a proxy set, from the class's ``setup_kwargs``)."""

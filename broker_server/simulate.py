@@ -54,6 +54,7 @@ from .run_end import FinishedRun, finished_run, last_checkpoint_round, summary_r
 from .runtime import (
     agent_spec,
     channel_options,
+    check_fleet_size,
     check_server_keys,
     client_eval_split,
     device_model,
@@ -442,7 +443,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
-    make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written
+    check_fleet_size(cfg, make_strategy(cfg, ds))  # the [algorithm] table is checked before anything is written
     check_tracking(cfg)  # a tracking package asked for but missing: said now, not after the run
     check_server_keys(cfg, simulated=True)  # [security] key_dir: said before the run folder is made
     for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once

@@ -518,6 +518,10 @@ class Strategy(ABC):
     * ``extra_keys``: ``[algorithm]`` keys the constructor takes through its own ``**kwargs`` and
       checks itself (hyperparameters it relays to the devices), besides its named keywords; the
       configuration check (:func:`broker_server.runtime.make_strategy`) accepts them.
+    * ``max_devices``: the most devices the strategy can serve (``None``, the default: any
+      number); an instance may set it in its constructor (FedDO with a pre-trained policy: the
+      policy's K). :func:`broker_server.runtime.make_strategy` refuses a configuration whose
+      ``[data] clients`` is larger, before a broker starts or anything is written.
     * ``plans_from_evaluation``: ``True`` when anything the strategy does after a round depends
       on that round's evaluation — its next :meth:`configure_round`, instructions or config, its
       next aggregation or commit, its :meth:`state_dict` — as when :meth:`evaluate` computes a
@@ -538,6 +542,7 @@ class Strategy(ABC):
     instructions: ClassVar[tuple[str, ...]] = ()
     extra_keys: ClassVar[tuple[str, ...]] = ()
     plans_from_evaluation: ClassVar[bool] = False
+    max_devices: int | None = None
 
     #: the ``metrics`` of the last update :meth:`commit` adopted (``{}`` before any), for offline
     #: callers of :meth:`step` and tests; replaced on each commit, never mutated. The driver does

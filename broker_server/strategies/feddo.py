@@ -30,7 +30,9 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
   within a round). **A federation of another size than K**: with a pre-trained ``policy`` a
   device beyond its K is an error (:class:`~broker_server.errors.RunError` when that device
   would get a slot: the policy's inputs and outputs are K devices wide, and the device would
-  never train); fewer devices than K is allowed (devices that have not joined yet, or have left:
+  never train; ``fedfleet simulate`` and ``fedfleet feddo pretrain``, whose ``[data] clients``
+  is the fleet, refuse ``[data] clients`` > K before anything runs, through
+  :attr:`~broker_server.strategies.Strategy.max_devices`); fewer devices than K is allowed (devices that have not joined yet, or have left:
   the agent sees their slots as offline devices) and logged as a warning each time the number of
   filled slots changes; without a policy a device beyond K (``num_devices``, or the devices of
   round 1) is never asked (logged once per device). Every round's line records ``feddo_slots``
@@ -261,6 +263,7 @@ class FedDO(Strategy):
                 raise ValueError(f"policy {policy}: state width {self.agent.state_dim}, "
                                  f"expected {k} + {GLOBAL_FEATURES}")
             self.num_devices = k
+            self.max_devices = k  # a device beyond the policy's K would never train (module docstring)
             self._adopt_run_config(policy)
         self.slots: list[str] = []
         self.shard_sizes: dict[str, int] = {}

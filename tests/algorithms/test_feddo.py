@@ -304,6 +304,41 @@ def test_a_federation_larger_than_its_policy_fails_before_training(tmp_path, dig
     assert not any(isinstance(decode(m.payload).envelope.body, Update) for m in memory_hub.published)
 
 
+@pytest.mark.parametrize("command", ["simulate", "pretrain"])
+def test_a_fleet_larger_than_its_policy_is_refused_before_anything_runs(tmp_path, capsys, command: str) -> None:
+    """TINY_TOML's 3 devices and a policy for 2: fedfleet simulate and fedfleet feddo pretrain
+    say it in one configuration-error line before a broker starts or an episode trains (the
+    round-1 RunError of a server stays for real fleets), and write nothing."""
+    policy = _policy(tmp_path / "k2.pt", 2)
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML + f'policy = "{policy}"\n', encoding="utf-8")
+    out = tmp_path / ("run" if command == "simulate" else "policy.pt")
+    argv = (["simulate", "--config", str(cfg), "--out", str(out)] if command == "simulate" else
+            ["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)])
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert lines == [f"fedfleet: configuration error: {cfg}: [data] clients = 3, but the policy {policy} serves "
+                     "at most 2 devices: 1 of them would never train. Set [data] clients = 2, or pre-train a policy "
+                     "for 3 devices (fedfleet feddo pretrain)"]
+    assert "episode   1/1" not in captured.out and not out.exists()  # no episode trained
+
+
+def test_a_fleet_within_its_policy_passes_the_size_check(tmp_path) -> None:
+    """The check's boundary: a policy for exactly [data] clients devices, and no policy at all
+    (an agent sized by round 1), are accepted."""
+    from broker_server.config import load as load_config
+    from broker_server.runtime import check_fleet_size
+
+    val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
+    cfg_path = tmp_path / "feddo.toml"
+    cfg_path.write_text(TINY_TOML, encoding="utf-8")
+    cfg = load_config(cfg_path)
+    check_fleet_size(cfg, _loaded(_policy(tmp_path / "k3.pt", 3)))  # 3 = 3
+    check_fleet_size(cfg, FedDO(validation=val, **SMALL))  # no policy: any size
+    assert FedDO(validation=val, **SMALL).max_devices is None and _loaded(str(tmp_path / "k3.pt")).max_devices == 3
+
+
 def test_a_policy_deployed_with_other_sizes_is_an_error_naming_both(tmp_path) -> None:
     policy = _policy(tmp_path / "k3.pt", 3)  # hidden 16 × 2 layers, rank 4
     val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
