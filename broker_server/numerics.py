@@ -32,8 +32,8 @@ EPYC-v3`` (an AMD one without AVX-512); without them, or with ``MKL_CBWR=AVX2`` 
 the three gave other bits (``tests/broker_server/test_numerics.py`` runs the Intel comparison where
 qemu is installed; ``tools/check_numerics.py`` compares a machine with the reference digest). The
 cost, side by side in one run (``tools/bench_numerics.py``, ``benchmarks/numerics.md``): a local
-round of the light CNN took 1.26× as long on MNIST-shaped inputs and 0.96× (within the runs'
-spread) on CIFAR-shaped ones.
+round of the light CNN took a median 1.07× as long on MNIST-shaped inputs and 1.09× on
+CIFAR-shaped ones over 7 alternating pairs, whose own ratios spanned 0.86–1.23 (beside a grid).
 
 What this does not cover: another torch (or MKL, oneDNN) build, another numpy or BLAS build, more
 than one torch thread (a reduction split over threads is ordered by their count), an x86 CPU without AVX2 and FMA (ATen

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(*(int(v) for v in args.child.split(",")))
         return 0
-    rows = ["| input | native s (median) | portable s (median) | portable / native |", "|---|---:|---:|---:|"]
+    rows = ["| input | native s (median) | portable s (median) | portable / native | pairs' ratios (min–max) |",
+            "|---|---:|---:|---:|---:|"]
     machines = {}
     for name, (c, s) in SHAPES.items():
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -96,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                 times[portable].append(got["seconds"])
                 machines[portable] = got["machine"]
         nat, por = statistics.median(times[False]), statistics.median(times[True])
-        rows.append(f"| {name} | {nat:.2f} | {por:.2f} | {por / nat:.2f} |")
+        # each portable run over the native run just before it: the spread the load left
+        pairs = [p / n for n, p in zip(times[False], times[True], strict=True)]
+        rows.append(f"| {name} | {nat:.2f} | {por:.2f} | {por / nat:.2f} | {min(pairs):.2f}–{max(pairs):.2f} |")
     m = machines[False]
     lines = ["# Portable CPU numerics: cost", "",
              f"One local round ({args.samples} samples, {args.epochs} epochs, batch 32, SGD with momentum) of the "
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
              f"({platform.machine()}, {os.cpu_count()} CPUs), torch {m['torch']}; native ATen kernels "
              f"{m['cpu_capability']}, portable "
              f"{machines[True]['cpu_capability']} ({', '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())}).", "",
-             *rows, "", "Produced by `python tools/bench_numerics.py`." + (f" {args.note}" if args.note else "")]
+             *rows, "", f"Produced by `python tools/bench_numerics.py --repeats {args.repeats} "
+             f"--samples {args.samples} --epochs {args.epochs}`." + (f" {args.note}" if args.note else "")]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -32,12 +32,12 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
   would get a slot: the policy's inputs and outputs are K devices wide, and the device would
   never train; ``fedfleet simulate`` and ``fedfleet feddo pretrain``, whose ``[data] clients``
   is the fleet, refuse ``[data] clients`` > K before anything runs, through
-  :attr:`~broker_server.strategies.Strategy.max_devices`); fewer devices than K is allowed (devices that have not joined yet, or have left:
-  the agent sees their slots as offline devices) and logged as a warning each time the number of
-  filled slots changes; without a policy a device beyond K (``num_devices``, or the devices of
-  round 1) is never asked (logged once per device). Every round's line records ``feddo_slots``
-  (K), ``feddo_slots_filled`` (devices holding a slot) and ``feddo_unslotted`` (devices seen that
-  hold none and are never asked).
+  :attr:`~broker_server.strategies.Strategy.max_devices`); fewer devices than K is allowed
+  (devices that have not joined yet, or have left: the agent sees their slots as offline
+  devices) and logged as a warning each time the number of filled slots changes; without a policy
+  a device beyond K (``num_devices``, or the devices of round 1) is never asked (logged once per
+  device). Every round's line records ``feddo_slots`` (K), ``feddo_slots_filled`` (devices holding
+  a slot) and ``feddo_unslotted`` (devices seen that hold none and are never asked).
 * ``drift_missing`` (``"last"``): what a device that did not train contributes to o_t — its
   last measured drift (``"last"``; 0 before it ever trained), or 0 (``"zero"``). Keeping each
   device's last *model* would cost K model copies on the server; its last drift costs K numbers.
