@@ -427,6 +427,11 @@ class EdgeAgent:
         self.join_timeout_s: float | None = None
         self._joining_since = 0.0
         self.member_index: int | None = None  # this device's index in round_start.members (join receipt)
+        # the newest round_start naming devices by member index that came before the join receipt
+        # (a resumed server opens a round for the devices of its registry as soon as they are
+        # online, and its join receipt may arrive after it): (round, start, received at), decided
+        # when the receipt brings the member index
+        self._before_join: tuple[int, RoundStart, float] | None = None
         self.finished = False
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
         channel.transfer_filter = lambda sender: sender == "server"
@@ -628,9 +633,12 @@ class EdgeAgent:
                     own = item.topic_info.client_id == self.client_id
                     self._again[env.round] = self._again.get(env.round, True) and own
                 return False
-            if self.selected_by(body) and (self._pending is None or env.round >= self._pending[0]):
-                self._pending = (env.round, body)
-                self._pending_at = item.received_at or time.monotonic()
+            if self.selected_by(body):
+                self._take_round(env.round, body, item.received_at or time.monotonic())
+            elif body.members and self.member_index is None and not self.joined:
+                # it may name this device by the member index its join receipt has not brought yet
+                if self._before_join is None or env.round >= self._before_join[0]:
+                    self._before_join = (env.round, body, item.received_at or time.monotonic())
         elif isinstance(body, Receipt):
             if body.ref_kind == Kind.JOIN:
                 if body.ref_seq not in self._join_seqs:
@@ -642,6 +650,11 @@ class EdgeAgent:
                     self.joined = True
                     if body.member_index is not None:  # the server names this device in round_start.members
                         self.member_index = body.member_index
+                    held, self._before_join = self._before_join, None
+                    if held is not None and held[0] > self._last_trained_round and self.selected_by(held[1]):
+                        log.info("%s: round %d's start came before the join receipt and names it by member "
+                                 "index %d: taken", self.client_id, held[0], self.member_index)
+                        self._take_round(*held)
             elif body.ref_kind == Kind.UPDATE:
                 if body.ref_seq not in self._update_seqs:
                     log.warning("%s: receipt for an update it did not send (seq %d) ignored", self.client_id,
@@ -667,6 +680,14 @@ class EdgeAgent:
             self.finished = True
             return True
         return False
+
+    def _take_round(self, rnd: int, start: RoundStart, received_at: float) -> None:
+        """Make round ``rnd`` (whose ``start`` selects this device) the one to train next,
+        unless a newer round is pending already; its deadline counts from ``received_at``
+        (monotonic seconds)."""
+        if self._pending is None or rnd >= self._pending[0]:
+            self._pending = (rnd, start)
+            self._pending_at = received_at
 
     def selected_by(self, start: RoundStart) -> bool:
         """Whether ``start`` selects this device: its id is in ``selected``, or its member index
