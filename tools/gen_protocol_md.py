@@ -746,7 +746,10 @@ agent → server   status/c               status offline                      ro
 * Every `join` is answered with a `receipt` on `down/{client_id}/receipt` (`ref_kind` 1),
   round 0: accepted, or refused with the reason (manifest or data settings differ). An agent that
   reads member sets says so in its join (`join.info.members` = true); its accepted join receipt
-  then carries its `member_index`, and it keeps the index of the latest such receipt.
+  then carries its `member_index`, and it keeps the index of the latest such receipt. A broadcast
+  `round_start` with `members` that arrives before that receipt (a resumed server opens a round
+  for the devices it knows as soon as they are online) is kept, the newest one, and decided when
+  the receipt brings the index: the agent trains that round when its index is in `members`.
 * **Who is selected.** A broadcast `round_start` names the selected agents that read member sets
   in `members` (§3) and the other selected agents by id in `selected`; an agent is selected
   when either names it. So a device downloads the round's settings and about one bit per joined
