@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+from helpers.waiting import wait_for
 
 from edge_agent.agent import EdgeAgent
 from edge_agent.algorithms import TrainConfig
@@ -16,15 +17,6 @@ from protocol import topics
 from protocol.channel import Channel
 from protocol.memory_transport import MemoryBroker
 from protocol.messages import Finish, Join, Kind, Receipt, decode
-
-
-def _wait(cond, bound_s: float = 60.0) -> bool:
-    end = time.monotonic() + bound_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_an_unanswered_join_is_sent_again_and_any_answer_counts() -> None:
@@ -41,7 +33,7 @@ def test_an_unanswered_join_is_sent_again_and_any_answer_counts() -> None:
     t.start()
     # nobody answers: the broker saw the first join before any server subscribed
     joins = lambda: [m for m in hub.published if m.topic == topics.up("mem", "dev-a", Kind.JOIN)]  # noqa: E731
-    assert _wait(lambda: len(joins()) >= 2), "the unanswered join was not sent again"
+    assert wait_for(lambda: len(joins()) >= 2), "the unanswered join was not sent again"
     assert not agent.joined
     # a server now answers the FIRST join: it is the agent's own
     server = Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None)
@@ -51,7 +43,7 @@ def test_an_unanswered_join_is_sent_again_and_any_answer_counts() -> None:
     server.send(topics.down_to("mem", "dev-a", Kind.RECEIPT),
                 Receipt(ref_kind=int(Kind.JOIN), ref_seq=seq, accepted=True, reason="", sha256=b""),
                 round=0, recipient="dev-a")
-    assert _wait(lambda: agent.joined)
+    assert wait_for(lambda: agent.joined)
     n = len(joins())
     server.send(topics.down("mem", Kind.FINISH), Finish(reason="completed", rounds_completed=0), round=0)
     t.join(60)

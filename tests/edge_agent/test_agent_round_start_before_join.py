@@ -9,10 +9,10 @@ not when it is not."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
+from helpers.waiting import wait_for
 
 from edge_agent.agent import EdgeAgent
 from edge_agent.algorithms import TrainConfig
@@ -28,12 +28,6 @@ from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, U
 FED = "mem"
 DEV = "dev-b"
 
-
-def _wait(cond, bound_s: float = 60.0) -> bool:
-    end = time.monotonic() + bound_s
-    while time.monotonic() < end and not cond():
-        time.sleep(0.02)
-    return cond()
 
 
 def _sent(hub: MemoryBroker, body_type) -> list:
@@ -58,7 +52,7 @@ def test_a_round_start_before_the_join_receipt_is_decided_by_the_receipts_index(
     server.transport.subscribe(topics.server_filters(FED))
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
-    assert _wait(lambda: _sent(hub, Join))
+    assert wait_for(lambda: _sent(hub, Join))
     join = _sent(hub, Join)[0]
     assert join.body.info.get(JOIN_INFO_KEY) is True  # it reads member sets, so the server may name it so
     # round 3 (a resumed run) opens before the server has answered the join
@@ -66,21 +60,21 @@ def test_a_round_start_before_the_join_receipt_is_decided_by_the_receipts_index(
     server.send(topics.down(FED, Kind.GLOBAL), Global(tensors=state_arrays(model),
                 meta={"manifest_hash": agent.manifest_hash}), round=3)
     server.send(topics.down(FED, Kind.ROUND_START), start, round=3)
-    assert _wait(lambda: agent._before_join is not None)  # held: its index is not known yet
+    assert wait_for(lambda: agent._before_join is not None)  # held: its index is not known yet
     assert not _sent(hub, Update)
     server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.JOIN), ref_seq=join.seq,
                 accepted=True, member_index=index), round=0, recipient=DEV)
-    assert _wait(lambda: agent.joined and agent._before_join is None)
+    assert wait_for(lambda: agent.joined and agent._before_join is None)
     assert agent.member_index == index
     if trains:
-        assert _wait(lambda: len(_sent(hub, Update)) == 1)
+        assert wait_for(lambda: len(_sent(hub, Update)) == 1)
         assert [e.round for e in _sent(hub, Update)] == [3] and agent.rounds_trained == 1
     else:  # round 4 names it by id: the one update that follows is round 4's, none was round 3's
         server.send(topics.down(FED, Kind.GLOBAL), Global(tensors=state_arrays(model),
                     meta={"manifest_hash": agent.manifest_hash}), round=4)
         server.send(topics.down(FED, Kind.ROUND_START), RoundStart(selected=(DEV,), deadline_s=600.0, config={}),
                     round=4)
-        assert _wait(lambda: len(_sent(hub, Update)) == 1)
+        assert wait_for(lambda: len(_sent(hub, Update)) == 1)
         assert [e.round for e in _sent(hub, Update)] == [4] and agent.rounds_trained == 1
     server.send(topics.down(FED, Kind.FINISH), Finish(reason="completed", rounds_completed=4), round=4)
     thread.join(60)

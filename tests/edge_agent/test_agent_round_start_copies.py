@@ -7,9 +7,9 @@ that reconnect: the update was not lost to it)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
+from helpers.waiting import wait_for
 
 from edge_agent.agent import EdgeAgent
 from edge_agent.algorithms import TrainConfig
@@ -24,12 +24,6 @@ from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, U
 FED = "mem"
 DEV = "dev-a"
 
-
-def _wait(cond, bound_s: float = 60.0) -> bool:
-    end = time.monotonic() + bound_s
-    while time.monotonic() < end and not cond():
-        time.sleep(0.02)
-    return cond()
 
 
 class _Fleet:
@@ -61,11 +55,11 @@ class _Fleet:
         join = next(iter(self._wait_for(Join)))
         self.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.JOIN), ref_seq=join.seq,
                          accepted=True), round=0, recipient=DEV)
-        assert _wait(lambda: self.agent.joined)
+        assert wait_for(lambda: self.agent.joined)
         self.start = RoundStart(selected=(DEV,), deadline_s=600.0, config={})
 
     def _wait_for(self, body_type) -> list:
-        assert _wait(lambda: self.sent(body_type)), f"no {body_type.__name__} from the agent"
+        assert wait_for(lambda: self.sent(body_type)), f"no {body_type.__name__} from the agent"
         return self.sent(body_type)
 
     def sent(self, body_type) -> list:
@@ -92,8 +86,8 @@ def test_round_starts_queued_for_a_trained_round_are_answered_once() -> None:
     for _ in range(3):  # three copies queued while the agent is busy (a flapping link: one per reconnect)
         f.server.send(topics.down(FED, Kind.ROUND_START), f.start, round=1)
     f.gate.set()
-    assert _wait(lambda: len(f.sent(Update)) == 2)
-    assert _wait(lambda: f.agent.round_starts_not_answered == 2)  # the 2nd and 3rd copy of the batch
+    assert wait_for(lambda: len(f.sent(Update)) == 2)
+    assert wait_for(lambda: f.agent.round_starts_not_answered == 2)  # the 2nd and 3rd copy of the batch
     f.finish()
     ups = f.sent(Update)
     assert [e.round for e in ups] == [1, 1] and ups[0].seq != ups[1].seq  # the original and one copy
@@ -104,17 +98,17 @@ def test_the_copy_answering_a_reconnect_is_not_answered_when_the_update_went_out
     f = _Fleet()
     with f.lock:  # the agent waits for its training slot: the link breaks and comes back meanwhile
         f.open_round()
-        assert _wait(lambda: f.agent._pending is None and f.agent._global is not None)
+        assert wait_for(lambda: f.agent._pending is None and f.agent._global is not None)
         f.agent.channel.transport.drop_link()
         assert f.agent.channel.transport.connects == 2
     assert f.trained.wait(60)  # trained; its update went out on connection 2
     # the server's copy for a device that came back, on the device's own topic
     f.server.send(topics.down_to(FED, DEV, Kind.ROUND_START), f.start, round=1, recipient=DEV)
     f.gate.set()
-    assert _wait(lambda: f.agent.round_starts_not_answered == 1)
+    assert wait_for(lambda: f.agent.round_starts_not_answered == 1)
     assert len(f.sent(Update)) == 1
     # a broadcast copy (the server's link broke: it re-sends the round) is answered
     f.server.send(topics.down(FED, Kind.ROUND_START), f.start, round=1)
-    assert _wait(lambda: len(f.sent(Update)) == 2)
+    assert wait_for(lambda: len(f.sent(Update)) == 2)
     f.finish()
     assert f.agent.round_starts_not_answered == 1 and f.agent.resends == 1

@@ -7,6 +7,7 @@
 - :mod:`helpers.memory_server`: an ``AggregationServer`` on :mod:`protocol.memory_transport`
   (``memory_server``, ``update_payload``, ``incoming``, ``receipts_to``).
 - :mod:`helpers.checkpoints`: ``checkpoint_round`` (the newest round a run's checkpoint store holds).
+- :mod:`helpers.waiting`: ``wait_for`` (poll a condition another thread makes true, with a bound).
 
 Import them as ``from helpers.federation import small_config`` (``pythonpath = ["tests"]`` in
 pyproject.toml); fixtures built on them live in tests/conftest.py.
