@@ -297,9 +297,10 @@ def check_fleet_size(cfg: Config, strategy: Strategy) -> None:
         policy = getattr(strategy, "policy_path", "")
         what = f"the policy {policy}" if policy else f"[train] algorithm {cfg.train.algorithm!r}"
         raise ConfigError(
-            f"{cfg.source}: [data] clients = {cfg.data.clients}, but {what} serves at most {cap} devices: "
-            f"{cfg.data.clients - cap} of them would never train. Set [data] clients = {cap}"
-            + (f", or pre-train a policy for {cfg.data.clients} devices (fedfleet feddo pretrain)" if policy else ""))
+            f"{cfg.source}: {cfg.data.clients} devices ([data] clients, or --clients), but {what} serves at most "
+            f"{cap} devices: {cfg.data.clients - cap} of them would never train. Run {cap} devices"
+            + (f", or pre-train a policy for {cfg.data.clients} devices (fedfleet feddo pretrain, without "
+               "[algorithm] policy)" if policy else ""))
 
 
 def make_client_algorithm(cfg: Config, ds: Dataset, precision: str = "fp32"):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from edge_agent.agent import AgentSummary, EdgeAgent
-from edge_agent.algorithms import TrainConfig, get_client_algorithm_class
+from edge_agent.algorithms import TrainConfig, get_client_algorithm_class, restarted_device_state
 from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
 from edge_agent.device import ThreadPlan, apply_threads, detect, plan_threads, usable_cores
@@ -67,6 +67,10 @@ from .runtime import (
 from .tracking import check_tracking, start_tracking
 
 log = logging.getLogger(__name__)
+
+#: the ledger's meta key listing the rounds after which a resume restarted the devices' own state
+#: (``summary.json``'s ``device_state_restarted``)
+RESTARTED_META = "device_state_restarted_after_rounds"
 
 
 @dataclass(frozen=True)
@@ -499,10 +503,19 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         server.on_event = on_event
         # each device announces its own packet limit and chunk size in its join (and, over MQTT 5,
         # in its CONNECT): the server sizes every download for the devices it goes to
+        restarted: list[int] = json.loads(read_meta(ledger.path).get(RESTARTED_META, "[]")) if resume else []
+        lost = restarted_device_state(get_client_algorithm_class(cfg.train.algorithm), type(server.strategy).buffers)
         if resume:
             ckpt = server.checkpoints.load()
             if ckpt is not None:
                 server.resume(ckpt)
+                if lost:  # said out loud: the devices are new objects, the server's state is the checkpoint's
+                    restarted.append(int(ckpt.round))
+                    ledger.set_meta(RESTARTED_META, json.dumps(restarted))
+                    log.warning("--resume: every simulated device starts afresh, and a %s device keeps %s between "
+                                "rounds: those start again from their initial values, so from round %d on this run "
+                                "is not the one that was interrupted (the server's state continues from its "
+                                "checkpoint)", cfg.train.algorithm, "; ".join(lost), ckpt.round + 1)
 
         # the fleet trains on train_slots threads of their own, which lend their working model to
         # agents whose algorithm keeps no model between rounds (edge_agent.slots: per-thread
@@ -588,5 +601,6 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         agent_errors=[repr(e) for e in errors], thread_plan=thread_plan.as_dict(),
         profiles={name: profiles.count(name) for name in sorted(set(profiles))},
         emulated_link_s={s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
+        device_state_restarted={"after_rounds": restarted, "state": lost} if restarted else None,
     ), indent=1), encoding="utf-8")
     return result

@@ -50,6 +50,7 @@ from ._base import (
     local_entries,
     predict_scores,
     private_entries,
+    restarted_device_state,
     shared_arrays,
     shared_indices,
 )
@@ -115,5 +116,5 @@ __all__ = [
     "build_client_algorithm", "check_client_class",
     "algorithm_share", "evaluation_split", "get_client_algorithm", "get_client_algorithm_class",
     "list_client_algorithms", "load_shared", "local_entries", "predict_scores", "private_entries",
-    "register_client_algorithm", "shared_arrays", "shared_indices",
+    "register_client_algorithm", "restarted_device_state", "shared_arrays", "shared_indices",
 ]

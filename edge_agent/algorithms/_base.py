@@ -261,6 +261,11 @@ class ClientAlgorithm(ABC):
       algorithms declare ``True``; a subclass of one that keeps the model object between rounds
       must declare ``False``.
 
+    * ``device_state``: what the device keeps between rounds besides its model, in words
+      (``""``: nothing; SCAFFOLD's control variate c_i, FedDyn's gradient state, MOON's previous
+      local model). It lives in this object only: a device that restarts starts it afresh, and
+      a resumed simulation, whose devices all restart, says so (:func:`restarted_device_state`).
+
     One instance serves one device for the whole run and may keep per-device state between
     rounds (as tensors or arrays of its own, never as references to the model it was given).
     """
@@ -269,6 +274,7 @@ class ClientAlgorithm(ABC):
     share: ClassVar[str] = "all"
     buffers: ClassVar[str] = "average"
     borrows_model: ClassVar[bool] = False
+    device_state: ClassVar[str] = ""
 
     @classmethod
     def setup_kwargs(cls, dataset, params: Mapping[str, object], seed: int) -> dict:
@@ -410,3 +416,23 @@ class StateOnReceipt(ClientAlgorithm):
         if not accepted:
             setattr(self, self.state_attr, self._unsettled[1])
         self._unsettled = None
+
+
+def restarted_device_state(cls: type[ClientAlgorithm], buffers: str | None = None) -> list[str]:
+    """What a device of algorithm ``cls`` keeps between rounds and loses when it restarts, one
+    phrase per part (``[]``: nothing, as FedAvg: its whole model comes with every global): the
+    model entries it never sends (``share`` other than ``"all"``: FedProto's whole model,
+    FedPer's head), its BatchNorm statistics under ``buffers = "local"`` (``buffers``: the
+    server half's setting, default the class's), and :attr:`ClientAlgorithm.device_state`.
+    A resumed simulation restarts every device (:func:`broker_server.simulate.simulate`), so
+    these start again from their initial values there."""
+    parts = []
+    if cls.share == "none":
+        parts.append("its whole model (share = 'none': nothing of it leaves the device)")
+    elif cls.share != "all":
+        parts.append(f"the model entries it never sends (share = {cls.share!r})")
+    if (buffers or cls.buffers) == "local":
+        parts.append("its BatchNorm statistics (buffers = 'local')")
+    if cls.device_state:
+        parts.append(cls.device_state)
+    return parts

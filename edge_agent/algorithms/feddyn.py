@@ -92,6 +92,7 @@ class FedDynClient(StateOnReceipt, LocalSGDClient):
     name = "feddyn"
     share = "all"
     buffers = "average"
+    device_state = "its gradient state ∇L_k"
 
     state_attr = "grad_state"
 

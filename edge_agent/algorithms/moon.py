@@ -73,6 +73,7 @@ class MoonClient(LocalSGDClient):
     name = "moon"
     share = "all"
     buffers = "average"
+    device_state = "its previous local model (the contrastive negative)"
 
     def __init__(self, *, precision: str = "fp32") -> None:
         super().__init__(precision=precision)

@@ -126,6 +126,7 @@ class ScaffoldClient(StateOnReceipt, LocalSGDClient):
     name = "scaffold"
     share = "all"
     buffers = "average"
+    device_state = "its control variate c_i"
 
     state_attr = "control"
 

@@ -318,9 +318,9 @@ def test_a_fleet_larger_than_its_policy_is_refused_before_anything_runs(tmp_path
     assert main(argv) == 2
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert lines == [f"fedfleet: configuration error: {cfg}: [data] clients = 3, but the policy {policy} serves "
-                     "at most 2 devices: 1 of them would never train. Set [data] clients = 2, or pre-train a policy "
-                     "for 3 devices (fedfleet feddo pretrain)"]
+    assert lines == [f"fedfleet: configuration error: {cfg}: 3 devices ([data] clients, or --clients), but the "
+                     f"policy {policy} serves at most 2 devices: 1 of them would never train. Run 2 devices, or "
+                     "pre-train a policy for 3 devices (fedfleet feddo pretrain, without [algorithm] policy)"]
     assert "episode   1/1" not in captured.out and not out.exists()  # no episode trained
 
 

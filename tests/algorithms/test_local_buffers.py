@@ -177,3 +177,30 @@ def test_every_model_sharing_client_algorithm_honours_a_local_buffers_declaratio
         assert np.all(after > 2.5), name
         checked.append(name)
     assert {"fedavg", "fedprox", "scaffold", "feddyn", "fedper", "fedrep"} <= set(checked)
+
+
+def test_what_a_restarted_device_loses_is_named_per_algorithm() -> None:
+    """restarted_device_state, by hand from each class's declarations: FedAvg's device keeps
+    nothing between rounds (its whole model comes with every global), FedBN-style local buffers
+    are its BatchNorm statistics, FedPer keeps its unshared head, FedProto its whole model,
+    SCAFFOLD its c_i, MOON its previous model, and a user's class that declares both parts gets
+    both, in that order."""
+    from edge_agent.algorithms import get_client_algorithm_class, restarted_device_state
+
+    assert restarted_device_state(FedAvgClient) == []
+    assert restarted_device_state(FedAvgClient, buffers="local") == ["its BatchNorm statistics (buffers = 'local')"]
+    assert restarted_device_state(LocalStatsFedAvgClient) == ["its BatchNorm statistics (buffers = 'local')"]
+    assert restarted_device_state(get_client_algorithm_class("fedper")) == [
+        "the model entries it never sends (share = 'backbone')"]
+    assert restarted_device_state(get_client_algorithm_class("fedproto")) == [
+        "its whole model (share = 'none': nothing of it leaves the device)"]
+    assert restarted_device_state(get_client_algorithm_class("scaffold")) == ["its control variate c_i"]
+    assert restarted_device_state(get_client_algorithm_class("moon")) == [
+        "its previous local model (the contrastive negative)"]
+
+    class Both(LocalStatsFedAvgClient):
+        share = "backbone"
+        device_state = "its own counter"
+
+    assert restarted_device_state(Both) == ["the model entries it never sends (share = 'backbone')",
+                                            "its BatchNorm statistics (buffers = 'local')", "its own counter"]

@@ -92,12 +92,23 @@ def _globals(msgs, rnd):
     return [env.body for _, env in msgs if type(env.body).__name__ == "Global" and env.round == rnd]
 
 
-def _check_resumed(res, ckpt, run):
+#: what the devices of each algorithm keep between rounds, which a resumed simulation restarts
+#: (summary.json's device_state_restarted; none for the algorithms whose devices keep nothing)
+DEVICE_STATE = {"scaffold": ["its control variate c_i"], "feddyn": ["its gradient state ∇L_k"],
+                "fedmcp": ["its whole model (share = 'none': nothing of it leaves the device)"]}
+
+
+def _check_resumed(res, ckpt, run, algorithm: str = ""):
     assert ckpt.round >= 1
     assert res.rounds_completed == 2
     assert [m["round"] for m in _metrics(run)] == [1, 2]
-    assert _summary(run)["agent_errors"] == []
+    summary = _summary(run)
+    assert summary["agent_errors"] == []
     assert all(m["clients_reported"] == 2 and not m["skipped"] for m in _metrics(run))
+    # the devices restarted after the checkpoint's round: said in summary.json when they keep state
+    # (a run killed after its last round is finished without devices: nothing restarted)
+    lost = DEVICE_STATE.get(algorithm) if ckpt.round < 2 else None
+    assert summary.get("device_state_restarted") == ({"after_rounds": [ckpt.round], "state": lost} if lost else None)
 
 
 @pytest.mark.parametrize("algorithm,over,extras", [
@@ -110,7 +121,7 @@ def test_resume_broadcasts_the_restored_state(tmp_path: Path, algorithm: str, ov
     """kill -9 after round 1's checkpoint; the resumed server's round-2 global carries exactly the
     strategy state of that checkpoint (SCAFFOLD c, FedPAD's global prototypes, FedMCP's teacher)."""
     res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg(algorithm, **over))
-    _check_resumed(res, ckpt, run)
+    _check_resumed(res, ckpt, run, algorithm)
     if ckpt.round >= 2:
         pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
     g = _globals(msgs, 2)
@@ -132,7 +143,7 @@ def test_resume_sends_each_device_its_restored_fedcross_model(tmp_path: Path) ->
     nobody."""
     cfg = _resume_cfg("fedcross", data={"clients": 3}, algorithm={"models": 2})
     res, ckpt, msgs, run = _kill_and_resume(tmp_path, cfg)
-    _check_resumed(res, ckpt, run)
+    _check_resumed(res, ckpt, run, "fedcross")
     if ckpt.round >= 2:
         pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
     assert [m["global_delivery"] for m in _metrics(run)] == ["per_device"] * 2
@@ -152,7 +163,7 @@ def test_resume_fedadam_keeps_its_moments(tmp_path: Path) -> None:
     """FedAdam after kill -9 + resume: the step count and the moments continue from the checkpoint
     (m_2 = β1·m_1 + (1−β1)·Δ_2 with Δ_2 from the resumed round's updates)."""
     res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg("fedadam"))
-    _check_resumed(res, ckpt, run)
+    _check_resumed(res, ckpt, run, "fedadam")
     store = CheckpointStore(run / "checkpoints.sqlite")
     final = store.load(2).strategy_state
     store.close()
@@ -171,7 +182,7 @@ def test_resume_fedadam_keeps_its_moments(tmp_path: Path) -> None:
 def test_resume_feddyn_keeps_h(tmp_path: Path) -> None:
     """FedDyn after kill -9 + resume: h_2 = h_1 − (α/N)·Σ_i (w_i − w_g) from the checkpoint's h_1."""
     res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg("feddyn"))
-    _check_resumed(res, ckpt, run)
+    _check_resumed(res, ckpt, run, "feddyn")
     if ckpt.round >= 2:
         pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
     store = CheckpointStore(run / "checkpoints.sqlite")
