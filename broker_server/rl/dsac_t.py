@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -547,8 +548,14 @@ class DSACTAgent:
             # here (torch's restricted unpickler refuses any other object)
             blob = torch.load(Path(path), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways: each is the same refusal
-            raise ValueError(f"policy {path}: cannot be read ({type(exc).__name__}: {_load_reason(exc)}); [algorithm] "
-                             "policy must name a file that fedfleet feddo pretrain wrote") from exc
+            # torch.save writes a zip archive: one without its end record was cut short (a copy
+            # stopped early, a full disk), which torch's own reason (often "[Errno 22] Invalid
+            # argument") does not say
+            cut = Path(path).is_file() and not zipfile.is_zipfile(Path(path))
+            raise ValueError(f"policy {path}: cannot be read ({type(exc).__name__}: {_load_reason(exc)})"
+                             + ("; it is not a whole torch archive (cut short, or not written by torch.save)"
+                                if cut else "")
+                             + "; [algorithm] policy must name a file that fedfleet feddo pretrain wrote") from exc
         if not isinstance(blob, dict) or blob.get("format") != "fedfleet-dsac-t/1":
             raise ValueError(f"policy {path}: not a fedfleet DSAC-T policy (format fedfleet-dsac-t/1)")
         try:

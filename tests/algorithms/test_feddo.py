@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -394,8 +395,23 @@ def _damaged(path, how: str) -> str:
 @pytest.mark.parametrize("how", ["garbage", "cut short", "part missing", "other shapes"])
 def test_a_damaged_policy_file_is_a_value_error_naming_it(tmp_path, how: str) -> None:
     path = _damaged(tmp_path / "policy.pt", how)
-    with pytest.raises(ValueError, match=f"^policy {path}: "):
+    with pytest.raises(ValueError, match=f"^policy {path}: ") as caught:
         _loaded(path)
+    # a file that is no whole zip archive (torch.save writes one) is said to be cut short
+    assert ("it is not a whole torch archive (cut short" in str(caught.value)) == (how in ("garbage", "cut short"))
+
+
+@pytest.mark.parametrize("keep", [500, 10_000, -300, -10])
+def test_a_policy_cut_short_anywhere_says_so(tmp_path, keep: int) -> None:
+    """A policy file cut at 500 or 10,000 bytes, or 300 or 10 bytes before its end: torch's own
+    reason differs (a zip error, or "[Errno 22] Invalid argument"), the message says the file is
+    not a whole torch archive either way."""
+    full = Path(_policy(tmp_path / "whole.pt", 3)).read_bytes()
+    path = tmp_path / "cut.pt"
+    path.write_bytes(full[:keep])
+    with pytest.raises(ValueError, match=rf"^policy {path}: cannot be read \(.*\); it is not a whole torch archive "
+                                         r"\(cut short, or not written by torch\.save\); \[algorithm\] policy must"):
+        _loaded(str(path))
 
 
 class _Planted:
@@ -434,8 +450,9 @@ def test_simulate_says_a_damaged_policy_in_one_line(tmp_path, capsys) -> None:
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [f"fedfleet: configuration error: {cfg}: [algorithm] for 'feddo': policy {path}: cannot be read "
-                     "(UnpicklingError: a restricted load refused it: Unsupported operand 103); [algorithm] "
-                     "policy must name a file that fedfleet feddo pretrain wrote"]
+                     "(UnpicklingError: a restricted load refused it: Unsupported operand 103); it is not a whole "
+                     "torch archive (cut short, or not written by torch.save); [algorithm] policy must name a file "
+                     "that fedfleet feddo pretrain wrote"]
     assert not (tmp_path / "run").exists()
 
 
