@@ -1174,7 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
                 ok, blocked = runnable(jobs, info)
                 for j in blocked:
                     print(f"{j.key}: not run, {blocked_reason(j, info)}", flush=True)
-                if i == 0 and ds == datasets[0]:  # the estimate (a fresh grid: its first cell alone), then the cells
+                if i == 0 and ds == datasets[0]:  # the cells and the estimate (fresh: when its first cell ends)
                     run_with_estimate(ok, out, workers=a.workers, on_result=show, stamp=stamp,
                                       note="the first data set's seed; see --estimate-only for the whole grid")
                 else:

@@ -64,9 +64,9 @@ CPU plan for 2 cores (the defaults; :func:`cell_core_seconds`, the report's "CPU
   core-hours. The grid resumes where it stopped, so each extension is one more invocation.
 
 Resumable: each finished cell is appended to ``OUT/results.jsonl`` and skipped when present (a
-failed one runs again). Before a fresh grid the first missing cell runs alone and its time gives a
-CPU estimate for the rest (``--estimate-only`` stops there); a resumed grid takes the mean time
-of its recorded cells and starts on every worker at once. Shrink knobs: ``--rounds``,
+failed one runs again). A grid starts on every worker at once; a fresh one prints a CPU estimate
+for the rest when its first cell finishes (``--estimate-only`` runs that cell alone and stops), a
+resumed one takes the mean time of its recorded cells. Shrink knobs: ``--rounds``,
 ``--clients``, ``--train-samples``, ``--epochs``, ``--seeds``, ``--datasets``, ``--splits``,
 ``--methods``, ``--group``, ``--server-epochs``, ``--sweep-keys``, ``--no-sweep``. ``--verify K``
 re-runs K recorded cells and reports whether they reproduce the recorded accuracy.

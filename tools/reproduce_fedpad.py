@@ -39,9 +39,9 @@ FedPAD aggregates in client-id order, so a cell re-run at the same commit gives 
 its configuration (a resumed grid refuses a record of another configuration).
 
 Resumable: each finished cell is appended to ``OUT/results.jsonl`` and skipped when present (a
-failed one runs again). Before a fresh grid the first missing cell runs alone and its time gives a
-CPU estimate for the rest (``--estimate-only`` stops there); a resumed grid takes the mean time
-of its recorded cells and starts on every worker at once. Shrink knobs: ``--rounds``,
+failed one runs again). A grid starts on every worker at once; a fresh one prints a CPU estimate
+for the rest when its first cell finishes (``--estimate-only`` runs that cell alone and stops), a
+resumed one takes the mean time of its recorded cells. Shrink knobs: ``--rounds``,
 ``--epochs``, ``--seeds``, ``--bench``, ``--methods``, ``--train-cap``, ``--test-cap``,
 ``--sweep-keys``, ``--sweep-bench``, ``--no-sweep``, ``--tiny``. Cells run with a non-default
 budget, model or lr carry it in their key (``main@r2-e1/…``), so they never mix with the default

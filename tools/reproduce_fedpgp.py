@@ -21,9 +21,9 @@ Grid (one real federation per cell, :func:`broker_server.simulate.simulate`, run
 - 3 seeds; mean ± std (population).
 
 Resumable: each finished cell is appended to ``OUT/results.jsonl`` and skipped when present (a
-failed one runs again). Before a fresh grid the first missing cell runs alone and its time gives a
-CPU estimate for the rest (``--estimate-only`` stops there); a resumed grid takes the mean time
-of its recorded cells and starts on every worker at once. Shrink knobs: ``--rounds``,
+failed one runs again). A grid starts on every worker at once; a fresh one prints a CPU estimate
+for the rest when its first cell finishes (``--estimate-only`` runs that cell alone and stops), a
+resumed one takes the mean time of its recorded cells. Shrink knobs: ``--rounds``,
 ``--clients``, ``--train-samples`` (a class-stratified subset), ``--epochs``, ``--seeds``,
 ``--datasets``, ``--splits``, ``--methods``, ``--no-sweep``. ``--verify K`` re-runs K recorded cells
 into a temporary folder inside ``OUT`` (removed after) and reports whether they reproduce the

@@ -101,9 +101,10 @@ def test_an_interrupted_grid_stops_its_queued_cells(tmp_path: Path) -> None:
 
 def test_a_resumed_grid_takes_its_estimate_from_the_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """A fresh grid runs its first cell alone for the estimate; a resumed one prints the mean time
-    of the cells on record and hands every missing cell to the workers at once (one cell run
-    alone would leave a worker idle for a cell's time)."""
+    """A fresh grid hands every cell to the workers at once and prints the estimate when its first
+    cell finishes; a resumed one prints the mean time of the cells on record first and hands
+    every missing cell to the workers at once (a cell run alone first would leave a worker idle
+    for a cell's time); only --estimate-only runs one cell alone."""
     calls: list[tuple[list[str], int]] = []
     real = experiments.run_grid
 
@@ -113,9 +114,16 @@ def test_a_resumed_grid_takes_its_estimate_from_the_records(tmp_path: Path, monk
 
     monkeypatch.setattr(experiments, "run_grid", counting)
     first = [Job("g/fedavg/s0", _config("fedavg", 1, 0))]
-    run_with_estimate(first, tmp_path, workers=2)
-    assert calls == [(["g/fedavg/s0"], 1), (["g/fedavg/s0"], 2)]  # alone, then the grid (nothing left)
-    assert "first cell" in capsys.readouterr().out
+    run_with_estimate(first, tmp_path / "estimate", workers=2, estimate_only=True)
+    assert calls == [(["g/fedavg/s0"], 1)]  # --estimate-only: the first cell alone, nothing more
+    assert capsys.readouterr().out.startswith("first cell ")
+    calls.clear()
+    seen: list[str] = []
+    run_with_estimate(first, tmp_path, workers=2, on_result=lambda r: seen.append(r["key"]))
+    assert calls == [(["g/fedavg/s0"], 2)] and seen == ["g/fedavg/s0"]  # fresh: straight to the workers
+    recorded = load_results(tmp_path)["g/fedavg/s0"]["seconds"]
+    assert capsys.readouterr().out.splitlines() == [  # the estimate, once the first cell is on record
+        f"first cell {recorded:.0f} s; 0 more cells ≈ 0.0 CPU-hours, ≈ 0.0 h wall on 2 workers"]
     calls.clear()
     more = [*first, Job("g/fedavg/s1", _config("fedavg", 1, 1)), Job("g/fedavg/s2", _config("fedavg", 1, 2))]
     run_with_estimate(more, tmp_path, workers=2)
