@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,6 +228,40 @@ class RecordsError(ValueError):
     """A grid folder's records cannot be used as they are: a line of ``results.jsonl`` that is not
     a record (other than an unfinished last one), or a record made with another configuration.
     The message names the file, the line or cell, and what to do."""
+
+
+class GridStopped(Exception):
+    """A grid stopped at its stop time (:data:`STOP_AT_ENV`): the cells that ran are on record,
+    the others were not started (each would have ended after the stop time). The same command
+    resumes the grid."""
+
+
+#: Environment variable: a Unix time (seconds) by which a grid should be done. :func:`run_grid`
+#: starts a cell only when it is expected to end by then (:data:`STOP_MARGIN` × the mean time of
+#: the grid's cells on record, 0 while none is), lets the running ones finish, and raises
+#: :class:`GridStopped` when it left cells unstarted. Set by ``tools/grid_queue.py --hours`` so
+#: that a session's grid ends with its last cells finished instead of killed at the deadline.
+STOP_AT_ENV = "FEDFLEET_GRID_STOP_AT"
+#: how much longer than the mean cell a cell is allowed for, when deciding whether it ends in time
+STOP_MARGIN = 1.25
+#: exit status of a reproduction script whose grid stopped at its stop time (EX_TEMPFAIL: the
+#: same command goes on)
+EXIT_STOPPED = 75
+
+
+def grid_stop_at(environ: dict[str, str] | None = None) -> float | None:
+    """The stop time of :data:`STOP_AT_ENV` (Unix seconds), or ``None`` when unset.
+
+    Raises:
+        ValueError: a value that is not a number of seconds.
+    """
+    text = (os.environ if environ is None else environ).get(STOP_AT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{STOP_AT_ENV} must be a Unix time in seconds, got {text!r}") from None
 
 
 #: ``results.jsonl`` files whose unfinished last line was already reported (reported once each).
@@ -440,6 +474,10 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     ``machine`` fingerprint (:func:`broker_server.numerics.fingerprint`); a cell that ran native
     although portable was asked (a CPU without AVX2) is logged as a warning.
 
+    With :data:`STOP_AT_ENV` set, a cell starts only when it is expected to end by that time
+    (:data:`STOP_MARGIN` × the mean seconds of the grid's cells on record); the running ones
+    finish and are recorded, and :class:`GridStopped` is raised when cells were left unstarted.
+
     A job that failed earlier (its record has ``error``) is run again. Each new record gets
     ``config_sha256`` (:func:`config_fingerprint` with ``out_dir``, so the grid folder's spelling
     does not count) and the entries of ``stamp`` (e.g. ``{"commit": code_commit(root)}``); a
@@ -456,7 +494,10 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
         RecordsError: a finished record's ``config_sha256`` differs from its job's configuration
             (the grid folder holds another configuration's cell under that key: use a fresh
             folder, or remove that record), or a line of ``results.jsonl`` is not a record.
+        GridStopped: the stop time (:data:`STOP_AT_ENV`) left cells unstarted.
+        ValueError: ``numerics`` unknown, or :data:`STOP_AT_ENV` not a number.
     """
+    stop_at = grid_stop_at()
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     out = Path(out_dir)
@@ -477,22 +518,40 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
         with pinned_numerics(numerics) as pinned, \
                 ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
-            futures = {pool.submit(_worker, j, str(out)): j for j in todo}
+            # cells are handed out as workers free up, so that a stop time can hold back the rest
+            waiting, running = list(todo), {}
+            seconds = [float(r.get("seconds", 0.0)) for k, r in done.items() if k in keys]
             try:
-                for fut in as_completed(futures):
-                    rec = {**fut.result(), "config_sha256": config_fingerprint(futures[fut].config, out),
-                           **(stamp or {})}
-                    if pinned and "error" not in rec and rec.get("machine", {}).get("numerics") != "portable":
-                        log.warning("%s ran with native CPU numerics (%s): its numbers re-run bit for bit only on "
-                                    "this kind of machine", rec["key"], rec.get("machine"))
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
-                    done[rec["key"]] = rec
-                    if on_result is not None:
-                        on_result(rec)
+                while waiting or running:
+                    while waiting and len(running) < max(1, workers):
+                        expected = STOP_MARGIN * sum(seconds) / len(seconds) if seconds else 0.0
+                        if stop_at is not None and time.time() + expected > stop_at:
+                            break
+                        j = waiting.pop(0)
+                        running[pool.submit(_worker, j, str(out))] = j
+                    if not running:
+                        break
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        job = running.pop(fut)
+                        rec = {**fut.result(), "config_sha256": config_fingerprint(job.config, out), **(stamp or {})}
+                        if pinned and "error" not in rec and rec.get("machine", {}).get("numerics") != "portable":
+                            log.warning("%s ran with native CPU numerics (%s): its numbers re-run bit for bit only "
+                                        "on this kind of machine", rec["key"], rec.get("machine"))
+                        f.write(json.dumps(rec) + "\n")
+                        f.flush()
+                        done[rec["key"]] = rec
+                        if "error" not in rec:
+                            seconds.append(float(rec.get("seconds", 0.0)))
+                        if on_result is not None:
+                            on_result(rec)
             except BaseException:
                 stop_pool(pool)
                 raise
+            if waiting:
+                raise GridStopped(f"{out}: {len(waiting)} cell(s) not started: each would have ended after the "
+                                  f"stop time ({STOP_AT_ENV}); the {len(todo) - len(waiting)} that ran are on record, "
+                                  "and the same command goes on")
     return {k: v for k, v in done.items() if k in keys}
 
 
@@ -608,8 +667,9 @@ def check_out_dir(parser: argparse.ArgumentParser, out: str | Path, *, report_on
 def script_exit(main: Callable[[], int]) -> int:
     """Run a reproduction script's ``main`` and return its exit status, with a one-line message on
     standard error instead of a traceback for what a user can fix: Ctrl-C (status 130; the cells
-    finished so far are on record and the same command resumes) and unusable records
-    (:class:`RecordsError`, status 1)."""
+    finished so far are on record and the same command resumes), unusable records
+    (:class:`RecordsError`, status 1) and a grid stopped at its stop time (:class:`GridStopped`,
+    status :data:`EXIT_STOPPED`)."""
     try:
         return main()
     except KeyboardInterrupt:
@@ -619,6 +679,9 @@ def script_exit(main: Callable[[], int]) -> int:
     except RecordsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except GridStopped as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
 
 
 #: The longest list a per-round field may be to be kept in a record's ``per_round`` (per-device

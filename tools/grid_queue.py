@@ -29,8 +29,10 @@ The queue exits 1 when a script failed, a cell's record is an error, a re-run ch
 report could not be regenerated (each named on stderr), 130 on Ctrl-C (after merging what
 finished), else 0.
 
-``--hours`` stops the running grid with SIGINT at the deadline (its unfinished cells are not
-recorded; the next invocation runs them) and merges what finished. The grids' CPU plans are in
+``--hours`` is the grids' stop time (``FEDFLEET_GRID_STOP_AT``, :func:`broker_server.experiments.
+run_grid`): no cell starts that would end after it (by the grid's mean cell time × 1.25), the
+running ones finish, and what finished is merged; a cell still running 5 minutes after it is
+stopped with SIGINT (not recorded; the next invocation runs it). The grids' CPU plans are in
 their reports; the whole queue is several sessions of 2 cores. Run it from a frozen checkout
 (``git worktree add --detach ../grid HEAD``) so that edits made meanwhile do not change the code
 under a running grid (each record carries the commit that made it), and copy
@@ -57,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from broker_server.experiments import load_results  # noqa: E402
+from broker_server.experiments import EXIT_STOPPED, STOP_AT_ENV, load_results  # noqa: E402
 from broker_server.numerics import portable_record  # noqa: E402
 
 #: where the committed reports and, in ``results/``, their records are
@@ -172,6 +174,9 @@ def seed(grid: Grid, base: Path) -> Path:
 
 #: seconds a stopped grid gets to end after its SIGINT, and again after a SIGTERM, before SIGKILL
 STOP_GRACE_S = 120.0
+#: seconds after ``--hours``' deadline that a grid's last cells may run before SIGINT stops them
+#: (they started only when expected to end by the deadline: this catches a slow one)
+OVERRUN_S = 300.0
 
 
 def _default_sigint() -> None:
@@ -181,22 +186,30 @@ def _default_sigint() -> None:
 
 
 def _run(cmd: list[str], deadline: float | None) -> tuple[int, bool]:
-    """Run ``cmd`` (in the repository root) until it ends or ``deadline`` (monotonic seconds);
-    at the deadline SIGINT (the scripts stop their grid at once: unfinished cells are not
-    recorded), then SIGTERM and SIGKILL after :data:`STOP_GRACE_S` each. A KeyboardInterrupt here
-    stops it the same way and goes on.
+    """Run ``cmd`` (in the repository root) until it ends or ``deadline`` (monotonic seconds).
+    The script gets the deadline as its grid's stop time (:data:`~broker_server.experiments.
+    STOP_AT_ENV`): it starts no cell that would end after it and exits with
+    :data:`~broker_server.experiments.EXIT_STOPPED` once its running cells are recorded. A cell
+    still running :data:`OVERRUN_S` after the deadline (one slower than the grid's mean by more
+    than the margin) is stopped: SIGINT (unfinished cells are not recorded), then SIGTERM and
+    SIGKILL after :data:`STOP_GRACE_S` each. A KeyboardInterrupt here stops it the same way and
+    goes on.
 
     Returns:
-        (its return code, whether it was stopped).
+        (its return code, whether it was stopped, at its stop time or by a signal).
     """
     print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_default_sigint if os.name == "posix" else None)
+    env = dict(os.environ)
+    if deadline is not None:
+        env[STOP_AT_ENV] = f"{time.time() + deadline - time.monotonic():.0f}"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, preexec_fn=_default_sigint if os.name == "posix" else None)
     try:
         while True:
             try:
-                return proc.wait(timeout=5), False
+                rc = proc.wait(timeout=5)
+                return rc, rc == EXIT_STOPPED
             except subprocess.TimeoutExpired:
-                if deadline is not None and time.monotonic() >= deadline:
+                if deadline is not None and time.monotonic() >= deadline + OVERRUN_S:
                     print(f"deadline reached: stopping {cmd[1]}", flush=True)
                     return _stop(proc), True
     except KeyboardInterrupt:

@@ -89,6 +89,7 @@ from broker_server.experiments import (  # noqa: E402
     records_cost,
     report_header,
     run_with_estimate,
+    script_exit,
     verify_records,
 )
 
@@ -558,4 +559,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_exit(main))

@@ -19,6 +19,9 @@ import pytest
 
 import broker_server.experiments as experiments
 from broker_server.experiments import (
+    EXIT_STOPPED,
+    STOP_AT_ENV,
+    GridStopped,
     Job,
     config_fingerprint,
     earlier_verify,
@@ -26,6 +29,7 @@ from broker_server.experiments import (
     mean_std,
     run_grid,
     run_with_estimate,
+    script_exit,
     verify_records,
 )
 from broker_server.numerics import portable_supported
@@ -132,6 +136,36 @@ def test_a_resumed_grid_takes_its_estimate_from_the_records(tmp_path: Path, monk
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith(f"1 cell on record (mean {recorded:.0f} s); 2 to run")
     assert all("error" not in r for r in load_results(tmp_path).values()) and len(load_results(tmp_path)) == 3
+
+
+def test_a_grid_starts_no_cell_that_would_end_after_its_stop_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """FEDFLEET_GRID_STOP_AT: a stop time already past starts nothing; with one cell on record
+    (its time s), a stop time s/2 away starts nothing either (1.25 s > s/2: the next cell would
+    end after it), leaving that cell unrecorded and saying how many were not started; an hour
+    away, the grid goes on. A reproduction script stopped so exits with EXIT_STOPPED and a line."""
+    jobs = [Job(f"g/fedavg/s{i}", _config("fedavg", 1, i)) for i in range(2)]
+    monkeypatch.setenv(STOP_AT_ENV, f"{time.time() - 1:.0f}")
+    with pytest.raises(GridStopped, match=r"2 cell\(s\) not started: each would have ended after the stop time"):
+        run_grid(jobs, tmp_path, workers=2)
+    assert load_results(tmp_path) == {}
+    monkeypatch.delenv(STOP_AT_ENV)
+    first = run_grid(jobs[:1], tmp_path, workers=2)["g/fedavg/s0"]
+    monkeypatch.setenv(STOP_AT_ENV, f"{time.time() + first['seconds'] / 2:.3f}")
+    with pytest.raises(GridStopped, match=r"1 cell\(s\) not started.*the 0 that ran are on record"):
+        run_grid(jobs, tmp_path, workers=2)
+    assert set(load_results(tmp_path)) == {"g/fedavg/s0"}
+    monkeypatch.setenv(STOP_AT_ENV, f"{time.time() + 3600:.0f}")
+    assert set(run_grid(jobs, tmp_path, workers=2)) == {"g/fedavg/s0", "g/fedavg/s1"}
+    monkeypatch.setenv(STOP_AT_ENV, "tomorrow")
+    with pytest.raises(ValueError, match=f"{STOP_AT_ENV} must be a Unix time in seconds, got 'tomorrow'"):
+        run_grid(jobs, tmp_path, workers=2)
+
+    def stopped() -> int:
+        raise GridStopped("OUT: 3 cell(s) not started")
+
+    assert script_exit(stopped) == EXIT_STOPPED == 75
+    assert capsys.readouterr().err == "stopped: OUT: 3 cell(s) not started\n"
 
 
 def native_capability() -> str:

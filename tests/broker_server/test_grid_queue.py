@@ -88,6 +88,7 @@ def test_a_grid_is_stopped_at_the_deadline_even_when_the_queue_ignores_sigint(mo
     import time
 
     q = load_tool("grid_queue")
+    monkeypatch.setattr(q, "OVERRUN_S", 0.0)  # a cell running past the deadline is stopped at once
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         rc, stopped = q._run([sys.executable, "-c", "import time; time.sleep(60)"], time.monotonic() + 1.0)
@@ -96,3 +97,24 @@ def test_a_grid_is_stopped_at_the_deadline_even_when_the_queue_ignores_sigint(mo
     assert stopped and rc in (-signal.SIGINT, 130)
     rc, stopped = q._run([sys.executable, "-c", "raise SystemExit(3)"], None)
     assert (rc, stopped) == (3, False)
+
+
+def test_the_deadline_reaches_the_script_as_its_grids_stop_time(tmp_path: Path) -> None:
+    """The script runs with FEDFLEET_GRID_STOP_AT = the deadline as a Unix time (within a second
+    of 1 h from now here); a script that ends with EXIT_STOPPED (its grid left cells unstarted)
+    counts as stopped, so the queue neither re-runs a check nor goes on to the next grid; without
+    a deadline no stop time is passed on."""
+    import sys
+    import time
+
+    from broker_server.experiments import EXIT_STOPPED, STOP_AT_ENV
+
+    q = load_tool("grid_queue")
+    seen = tmp_path / "stop_at"
+    show = (f"import os, sys; open({str(seen)!r}, 'w').write(os.environ.get({STOP_AT_ENV!r}, 'unset')); "
+            f"sys.exit({EXIT_STOPPED})")
+    want = time.time() + 3600
+    assert q._run([sys.executable, "-c", show], time.monotonic() + 3600) == (EXIT_STOPPED, True)
+    assert abs(float(seen.read_text()) - want) <= 1.5
+    assert q._run([sys.executable, "-c", show.replace(str(EXIT_STOPPED), "0")], None) == (0, False)
+    assert seen.read_text() == "unset"
