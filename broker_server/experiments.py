@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -519,7 +519,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                 ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=die_with_parent) as pool, \
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             # cells are handed out as workers free up, so that a stop time can hold back the rest
-            waiting, running = list(todo), {}
+            waiting, running = list(todo), dict[Future[dict], Job]()
             seconds = [float(r.get("seconds", 0.0)) for k, r in done.items() if k in keys]
             try:
                 while waiting or running:
