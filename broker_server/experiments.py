@@ -520,7 +520,11 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             # cells are handed out as workers free up, so that a stop time can hold back the rest
             waiting, running = list(todo), dict[Future[dict], Job]()
-            seconds = [float(r.get("seconds", 0.0)) for k, r in done.items() if k in keys]
+            # the expected cell: these jobs' records (the folder's others, another budget's or data
+            # set's cells, only when none of these is on record yet)
+            mine = {j.key for j in jobs}
+            seconds = [float(r.get("seconds", 0.0)) for k, r in done.items() if k in mine] or \
+                [float(r.get("seconds", 0.0)) for r in done.values()]
             try:
                 while waiting or running:
                     while waiting and len(running) < max(1, workers):
@@ -532,7 +536,9 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                     if not running:
                         break
                     finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for fut in finished:
+                    # the cells that ended well are recorded before a failed future's exception
+                    # (a worker that died) goes on: one ending beside it is not lost
+                    for fut in sorted(finished, key=lambda f: f.exception() is not None):
                         job = running.pop(fut)
                         rec = {**fut.result(), "config_sha256": config_fingerprint(job.config, out), **(stamp or {})}
                         if pinned and "error" not in rec and rec.get("machine", {}).get("numerics") != "portable":
@@ -908,7 +914,9 @@ def run_with_estimate(jobs: Sequence[Job], out_dir: str | Path, *, workers: int,
         def estimate(first: dict) -> None:
             secs = float(first.get("seconds", 0.0))
             rest = len(todo) - 1
-            print(f"first cell {secs:.0f} s; {rest} more cells ≈ {secs * rest / 3600:.1f} CPU-hours, "
+            together = "" if estimate_only or workers < 2 or len(todo) < 2 else \
+                f" (the first of {min(workers, len(todo))} started together to end: the estimate is low)"
+            print(f"first cell {secs:.0f} s{together}; {rest} more cells ≈ {secs * rest / 3600:.1f} CPU-hours, "
                   f"≈ {secs * rest / max(1, workers) / 3600:.1f} h wall on {workers} workers" + tail, flush=True)
 
         if estimate_only:

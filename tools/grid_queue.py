@@ -29,10 +29,11 @@ The queue exits 1 when a script failed, a cell's record is an error, a re-run ch
 report could not be regenerated (each named on stderr), 130 on Ctrl-C (after merging what
 finished), else 0.
 
-``--hours`` is the grids' stop time (``FEDFLEET_GRID_STOP_AT``, :func:`broker_server.experiments.
-run_grid`): no cell starts that would end after it (by the grid's mean cell time × 1.25), the
-running ones finish, and what finished is merged; a cell still running 5 minutes after it is
-stopped with SIGINT (not recorded; the next invocation runs it). The grids' CPU plans are in
+``--hours`` is a hard end: the grids' stop time (``FEDFLEET_GRID_STOP_AT``,
+:func:`broker_server.experiments.run_grid`) is 5 minutes before it, so no cell starts that would
+end after that (by the grid's mean cell time × 1.25), the running ones finish, and what finished
+is merged; a cell still running at the deadline is stopped with SIGINT (not recorded; the next
+invocation runs it); no grid or re-run check starts in its last 15 minutes. The grids' CPU plans are in
 their reports; the whole queue is several sessions of 2 cores. Run it from a frozen checkout
 (``git worktree add --detach ../grid HEAD``) so that edits made meanwhile do not change the code
 under a running grid (each record carries the commit that made it), and copy
@@ -174,9 +175,12 @@ def seed(grid: Grid, base: Path) -> Path:
 
 #: seconds a stopped grid gets to end after its SIGINT, and again after a SIGTERM, before SIGKILL
 STOP_GRACE_S = 120.0
-#: seconds after ``--hours``' deadline that a grid's last cells may run before SIGINT stops them
-#: (they started only when expected to end by the deadline: this catches a slow one)
+#: seconds before ``--hours``' deadline by which a grid's cells are to end (its stop time): a cell
+#: slower than expected has them before the SIGINT at the deadline
 OVERRUN_S = 300.0
+#: a grid (or its re-run check) is not started with less than this many seconds to the deadline
+#: (with no cell on record its cells' time is unknown, and a cell cut off is lost)
+MIN_START_S = 900.0
 
 
 def _default_sigint() -> None:
@@ -187,11 +191,12 @@ def _default_sigint() -> None:
 
 def _run(cmd: list[str], deadline: float | None) -> tuple[int, bool]:
     """Run ``cmd`` (in the repository root) until it ends or ``deadline`` (monotonic seconds).
-    The script gets the deadline as its grid's stop time (:data:`~broker_server.experiments.
-    STOP_AT_ENV`): it starts no cell that would end after it and exits with
+    The script gets ``deadline`` − :data:`OVERRUN_S` as its grid's stop time
+    (:data:`~broker_server.experiments.STOP_AT_ENV`; one set in this process's environment is not
+    passed on): it starts no cell that would end after it and exits with
     :data:`~broker_server.experiments.EXIT_STOPPED` once its running cells are recorded. A cell
-    still running :data:`OVERRUN_S` after the deadline (one slower than the grid's mean by more
-    than the margin) is stopped: SIGINT (unfinished cells are not recorded), then SIGTERM and
+    still running at the deadline (one slower than the grid's mean by more than the margin and
+    :data:`OVERRUN_S`) is stopped: SIGINT (unfinished cells are not recorded), then SIGTERM and
     SIGKILL after :data:`STOP_GRACE_S` each. A KeyboardInterrupt here stops it the same way and
     goes on.
 
@@ -199,9 +204,9 @@ def _run(cmd: list[str], deadline: float | None) -> tuple[int, bool]:
         (its return code, whether it was stopped, at its stop time or by a signal).
     """
     print("+ " + " ".join(cmd), flush=True)
-    env = dict(os.environ)
-    if deadline is not None:
-        env[STOP_AT_ENV] = f"{time.time() + deadline - time.monotonic():.0f}"
+    env = {k: v for k, v in os.environ.items() if k != STOP_AT_ENV}  # only the queue's own deadline
+    if deadline is not None:  # the cells end OVERRUN_S before the deadline, where SIGINT would come
+        env[STOP_AT_ENV] = f"{time.time() + deadline - OVERRUN_S - time.monotonic():.0f}"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, preexec_fn=_default_sigint if os.name == "posix" else None)
     try:
         while True:
@@ -209,7 +214,7 @@ def _run(cmd: list[str], deadline: float | None) -> tuple[int, bool]:
                 rc = proc.wait(timeout=5)
                 return rc, rc == EXIT_STOPPED
             except subprocess.TimeoutExpired:
-                if deadline is not None and time.monotonic() >= deadline + OVERRUN_S:
+                if deadline is not None and time.monotonic() >= deadline:
                     print(f"deadline reached: stopping {cmd[1]}", flush=True)
                     return _stop(proc), True
     except KeyboardInterrupt:
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.hours * 3600 if args.hours else None
     failures: list[str] = []
     for g in grids:
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and time.monotonic() >= deadline - MIN_START_S:
             break
         out = seed(g, base)
         run = [sys.executable, g.script, *g.options, "--out", str(out), "--workers", str(args.workers)]
@@ -315,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"{g.name}: {g.script} exited with {rc}")
             if failed:
                 failures.append(f"{g.name}: {len(failed)} cell(s) failed (first {failed[0]})")
-            if rc == 0 and not stopped and not failed and g.verify and not (out / "verify.md").exists():
+            late = deadline is not None and time.monotonic() >= deadline - MIN_START_S
+            if rc == 0 and not stopped and not failed and g.verify and not (out / "verify.md").exists() and not late:
                 vrc, stopped = _run([*run, "--verify", str(g.verify)], deadline)
                 if vrc != 0 and not stopped:
                     failures.append(f"{g.name}: --verify {g.verify} exited with {vrc}")
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         if not merge(g, base):
             failures.append(f"{g.name}: the report was not regenerated")
-        if stopped:
+        if stopped or (deadline is not None and time.monotonic() >= deadline - MIN_START_S):
             break
     for f in failures:
         print(f"FAILED {f}", file=sys.stderr)

@@ -55,6 +55,7 @@ from broker_server.experiments import (  # noqa: E402
     numerics_line,
     pm,
     run_grid,
+    script_exit,
 )
 
 #: method label → (registered algorithm, [algorithm] table)
@@ -378,4 +379,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_exit(main))

@@ -168,6 +168,45 @@ def test_a_grid_starts_no_cell_that_would_end_after_its_stop_time(tmp_path: Path
     assert capsys.readouterr().err == "stopped: OUT: 3 cell(s) not started\n"
 
 
+def test_a_running_cell_finishes_and_is_recorded_when_the_stop_time_comes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker, three cells, the first on record at 100 s, the stop time 1,000 s away on the
+    grid's clock: the second starts (1.25 × 100 s ends in time); while it runs the clock moves
+    past the stop time (each record moves it 2,000 s on), so the third does not start. The
+    second is recorded whole, the third is not, and the grid says 1 cell was not started and 1
+    ran; the first cell's 100 s (not the folder's other cell, an hour long) set the expectation."""
+    jobs = [Job(f"g/fedavg/s{i}", _config("fedavg", 1, i)) for i in range(3)]
+    other = Job("other/fedavg/s0", _config("fedavg", 1, 5))
+    with open(tmp_path / "results.jsonl", "w", encoding="utf-8") as f:
+        for job, secs in ((jobs[0], 100.0), (other, 3600.0)):
+            f.write(json.dumps({"key": job.key, "seconds": secs, "final": {"accuracy": 0.5},
+                                "config_sha256": config_fingerprint(job.config, tmp_path)}) + "\n")
+    clock = {"now": 1.0e9}
+
+    class Clock:  # experiments' time module, its wall clock moved by the test
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+        @staticmethod
+        def time() -> float:
+            return clock["now"]
+
+    monkeypatch.setattr(experiments, "time", Clock())
+    monkeypatch.setenv(STOP_AT_ENV, f"{clock['now'] + 1000:.0f}")
+    ran: list[str] = []
+
+    def later(rec: dict) -> None:
+        ran.append(rec["key"])
+        clock["now"] += 2000
+
+    with pytest.raises(GridStopped, match=r"1 cell\(s\) not started.*the 1 that ran are on record"):
+        run_grid(jobs, tmp_path, workers=1, on_result=later)
+    assert ran == ["g/fedavg/s1"]
+    on_record = load_results(tmp_path)
+    assert set(on_record) == {"g/fedavg/s0", "other/fedavg/s0", "g/fedavg/s1"}
+    assert "error" not in on_record["g/fedavg/s1"] and on_record["g/fedavg/s1"]["rounds"] == 2
+
+
 def native_capability() -> str:
     """The ATen kernel build a process without the portable settings runs here (this one's)."""
     import torch

@@ -88,7 +88,6 @@ def test_a_grid_is_stopped_at_the_deadline_even_when_the_queue_ignores_sigint(mo
     import time
 
     q = load_tool("grid_queue")
-    monkeypatch.setattr(q, "OVERRUN_S", 0.0)  # a cell running past the deadline is stopped at once
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         rc, stopped = q._run([sys.executable, "-c", "import time; time.sleep(60)"], time.monotonic() + 1.0)
@@ -99,11 +98,11 @@ def test_a_grid_is_stopped_at_the_deadline_even_when_the_queue_ignores_sigint(mo
     assert (rc, stopped) == (3, False)
 
 
-def test_the_deadline_reaches_the_script_as_its_grids_stop_time(tmp_path: Path) -> None:
-    """The script runs with FEDFLEET_GRID_STOP_AT = the deadline as a Unix time (within a second
-    of 1 h from now here); a script that ends with EXIT_STOPPED (its grid left cells unstarted)
-    counts as stopped, so the queue neither re-runs a check nor goes on to the next grid; without
-    a deadline no stop time is passed on."""
+def test_the_deadline_reaches_the_script_as_its_grids_stop_time(tmp_path: Path, monkeypatch) -> None:
+    """The script runs with FEDFLEET_GRID_STOP_AT = the deadline − OVERRUN_S as a Unix time
+    (within a second or two of 1 h − 5 min from now here); a script that ends with EXIT_STOPPED
+    (its grid left cells unstarted) counts as stopped; without a deadline no stop time is passed
+    on, not even one set in the queue's own environment."""
     import sys
     import time
 
@@ -113,8 +112,35 @@ def test_the_deadline_reaches_the_script_as_its_grids_stop_time(tmp_path: Path) 
     seen = tmp_path / "stop_at"
     show = (f"import os, sys; open({str(seen)!r}, 'w').write(os.environ.get({STOP_AT_ENV!r}, 'unset')); "
             f"sys.exit({EXIT_STOPPED})")
-    want = time.time() + 3600
+    want = time.time() + 3600 - 300
+    assert q.OVERRUN_S == 300
     assert q._run([sys.executable, "-c", show], time.monotonic() + 3600) == (EXIT_STOPPED, True)
     assert abs(float(seen.read_text()) - want) <= 1.5
+    monkeypatch.setenv(STOP_AT_ENV, "12345")  # left over in the shell: not the queue's deadline
     assert q._run([sys.executable, "-c", show.replace(str(EXIT_STOPPED), "0")], None) == (0, False)
     assert seen.read_text() == "unset"
+
+
+def test_a_grid_stopped_at_its_stop_time_is_merged_and_ends_the_queue(tmp_path: Path, monkeypatch) -> None:
+    """Two grids whose script exits EXIT_STOPPED: the first is run once (no re-run check after a
+    stop), merged, and the queue ends without starting the second (exit 0: a stop is no failure);
+    with less than MIN_START_S to the deadline no grid starts at all."""
+
+    from broker_server.experiments import EXIT_STOPPED
+
+    q = load_tool("grid_queue")
+    calls = tmp_path / "calls"
+    stub = tmp_path / "stub.py"
+    stub.write_text(f"import sys\nopen({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                    f"sys.exit({EXIT_STOPPED})\n", encoding="utf-8")
+    grids = [q.Grid(name, str(stub), ("--grid", name), f"{name}.jsonl", f"{name}.md", verify=2) for name in "ab"]
+    monkeypatch.setattr(q, "QUEUE", grids)
+    monkeypatch.setattr(q, "seed", lambda g, base: tmp_path / g.name)
+    merged: list[str] = []
+    monkeypatch.setattr(q, "merge", lambda g, base: merged.append(g.name) or True)
+    assert q.main(["--hours", "1", "--base", str(tmp_path)]) == 0
+    assert calls.read_text().splitlines() == [f"--grid a --out {tmp_path / 'a'} --workers 2"]
+    assert merged == ["a"]
+    calls.unlink()
+    assert q.main(["--hours", f"{(q.MIN_START_S - 60) / 3600}", "--base", str(tmp_path)]) == 0
+    assert not calls.exists() and merged == ["a"]
