@@ -264,6 +264,14 @@ def grid_stop_at(environ: dict[str, str] | None = None) -> float | None:
         raise ValueError(f"{STOP_AT_ENV} must be a Unix time in seconds, got {text!r}") from None
 
 
+def ends_after_stop(stop_at: float | None, seconds: Sequence[float]) -> bool:
+    """Whether a task started now, expected to take :data:`STOP_MARGIN` × the mean of ``seconds``
+    (earlier tasks of its kind; 0 when there are none), would end after ``stop_at`` (Unix
+    seconds; ``None``: no stop time, never)."""
+    expected = STOP_MARGIN * sum(seconds) / len(seconds) if seconds else 0.0
+    return stop_at is not None and time.time() + expected > stop_at
+
+
 #: ``results.jsonl`` files whose unfinished last line was already reported (reported once each).
 _WARNED_TAILS: set[tuple[str, int]] = set()
 
@@ -527,10 +535,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                 [float(r.get("seconds", 0.0)) for r in done.values()]
             try:
                 while waiting or running:
-                    while waiting and len(running) < max(1, workers):
-                        expected = STOP_MARGIN * sum(seconds) / len(seconds) if seconds else 0.0
-                        if stop_at is not None and time.time() + expected > stop_at:
-                            break
+                    while waiting and len(running) < max(1, workers) and not ends_after_stop(stop_at, seconds):
                         j = waiting.pop(0)
                         running[pool.submit(_worker, j, str(out))] = j
                     if not running:
@@ -923,16 +928,15 @@ def run_with_estimate(jobs: Sequence[Job], out_dir: str | Path, *, workers: int,
             estimate(run_grid([todo[0]], out_dir, workers=1, on_result=on_result, stamp=stamp)[todo[0].key])
         else:  # every worker at once; the first cell that finishes without an error gives the line
             told: list[bool] = []
+            caller = on_result
 
-            def first_then(rec: dict) -> None:
-                if on_result is not None:
-                    on_result(rec)
+            def on_result(rec: dict) -> None:
+                if caller is not None:
+                    caller(rec)
                 if not told and "error" not in rec:
                     told.append(True)
                     estimate(rec)
 
-            run_grid(jobs, out_dir, workers=workers, on_result=first_then, stamp=stamp)
-            return time.monotonic() - t0
     if not estimate_only:
         run_grid(jobs, out_dir, workers=workers, on_result=on_result, stamp=stamp)
     return time.monotonic() - t0

@@ -503,9 +503,12 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         server.on_event = on_event
         # each device announces its own packet limit and chunk size in its join (and, over MQTT 5,
         # in its CONNECT): the server sizes every download for the devices it goes to
-        restarted: list[int] = json.loads(read_meta(ledger.path).get(RESTARTED_META, "[]")) if resume else []
-        lost = restarted_device_state(get_client_algorithm_class(cfg.train.algorithm), type(server.strategy).buffers)
+        restarted: list[int] = []  # rounds after which a resume restarted the devices' own state
+        lost: list[str] = []  # what that state is
         if resume:
+            restarted = json.loads(read_meta(ledger.path).get(RESTARTED_META, "[]"))
+            lost = restarted_device_state(get_client_algorithm_class(cfg.train.algorithm),
+                                          type(server.strategy).buffers)
             ckpt = server.checkpoints.load()
             if ckpt is not None:
                 server.resume(ckpt)

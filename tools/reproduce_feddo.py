@@ -107,7 +107,6 @@ sys.path.insert(0, str(ROOT))
 from broker_server.experiments import (  # noqa: E402
     NOT_RECORDED,
     STOP_AT_ENV,
-    STOP_MARGIN,
     GridStopped,
     Job,
     attach_round_series,
@@ -120,6 +119,7 @@ from broker_server.experiments import (  # noqa: E402
     default_data_dir,
     die_with_parent,
     earlier_verify,
+    ends_after_stop,
     failed_runs_section,
     grid_stop_at,
     hits_text,
@@ -333,10 +333,8 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
             if not (s["name"] in info and "error" not in info[s["name"]] and Path(s["path"]).exists())}
     if not todo:
         return info
-    stop_at = grid_stop_at()
     made = [float(v["cpu_seconds"]) for v in info.values() if "error" not in v and "cpu_seconds" in v]
-    expected = STOP_MARGIN * sum(made) / len(made) if made else 0.0
-    if stop_at is not None and time.time() + expected > stop_at:  # a policy cut off is lost
+    if ends_after_stop(grid_stop_at(), made):  # a policy cut off is lost
         raise GridStopped(f"{out}: {len(todo)} policies not pre-trained: each would have ended after the stop time "
                           f"({STOP_AT_ENV}); the same command goes on")
     (out / "policies").mkdir(parents=True, exist_ok=True)
