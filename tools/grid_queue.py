@@ -12,8 +12,9 @@ Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
 
 1. **seed**: a folder without ``results.jsonl`` gets the committed records (``benchmarks/results/``)
    made with portable CPU numerics (:mod:`broker_server.numerics`), which re-run to the same bits
-   here; the others are left out, so their cells run again, now portable; the grid's extra folders
-   (FedDO's pre-trained policies) are copied in too;
+   here; the others are left out, so their cells run again, now portable; a committed re-run check
+   (``<name>.verify.md``) that passed on seeded records comes in as its ``verify.md``, so it is not
+   run again; the grid's extra folders (FedDO's pre-trained policies) are copied in too;
 2. **run**: the grid's script with its committed options (the report's ``Command`` line), into the
    folder, ``--workers`` processes; when every cell is on record and the folder has no
    ``verify.md``, ``--verify K`` re-runs its first K cells and compares;
@@ -154,6 +155,19 @@ def merged_records(folder: list[dict], committed: list[dict]) -> list[dict]:
     return [best[k] for k in order]
 
 
+def passed_verify(path: Path, seeded: set[str]) -> bool:
+    """Whether the committed re-run check at ``path``
+    (:func:`broker_server.experiments.verify_records`'s lines) passed on records that are all among
+    the ``seeded`` keys: it names at least one cell, none of its cells **differs** or failed to
+    re-run, and every cell it names is seeded; such a check is carried into a new grid folder
+    instead of re-running its cells (they would re-run to the same bits)."""
+    if not path.is_file():
+        return False
+    cells = [line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("- ")]
+    keys = {line[2:].split(": recorded ", 1)[0] for line in cells}
+    return bool(cells) and all("**differs**" not in line and ": recorded " in line for line in cells) and keys <= seeded
+
+
 def _folder(grid: Grid, base: Path) -> Path:
     return base / grid.name
 
@@ -166,6 +180,10 @@ def seed(grid: Grid, base: Path) -> Path:
         records = seed_records(read_records(RESULTS / grid.results))
         _write_jsonl(out / "results.jsonl", records)
         print(f"{grid.name}: seeded {out} with {len(records)} portable committed records", flush=True)
+        if passed_verify(_verify_file(grid), {r["key"] for r in records}):
+            shutil.copyfile(_verify_file(grid), out / "verify.md")
+            print(f"{grid.name}: the committed re-run check {_verify_file(grid).name} passed on records seeded "
+                  "here: it is kept (no --verify runs again)", flush=True)
     for inside, committed in grid.extra_dirs.items():
         src = RESULTS / committed
         if src.is_dir() and not (out / inside).exists():

@@ -22,6 +22,21 @@ def test_a_grid_folder_is_seeded_with_the_portable_records_only() -> None:
     assert [r["key"] for r in q.seed_records(recs)] == ["a"]
 
 
+def test_a_committed_rerun_check_is_carried_only_when_it_passed_on_seeded_records(tmp_path: Path) -> None:
+    q = load_tool("grid_queue")
+    head = "Re-ran 2 recorded cells at commit `abc`; the records were made at `def`.\n\n"
+    path = tmp_path / "g.verify.md"
+    path.write_text(head + "- a: recorded 0.5, re-run 0.5 → same\n"
+                    "- b: recorded 0.7, re-run 0.7 → same training; the wire differs (up_bytes)\n", encoding="utf-8")
+    assert q.passed_verify(path, {"a", "b", "c"})
+    assert not q.passed_verify(path, {"a", "c"})  # b's record is not seeded: its check says nothing here
+    path.write_text(head + "- a: recorded 0.5, re-run 0.6 → **differs** (accuracy)\n", encoding="utf-8")
+    assert not q.passed_verify(path, {"a"})
+    path.write_text(head, encoding="utf-8")  # no cell re-ran
+    assert not q.passed_verify(path, {"a"})
+    assert not q.passed_verify(tmp_path / "absent.verify.md", {"a"})
+
+
 def test_merged_records_by_hand() -> None:
     """Per cell the better record (portable over native over failed; the folder's on a tie), the
     folder's cells first in its order, then the committed cells it has not."""
@@ -64,8 +79,11 @@ def test_seed_run_and_merge_round_trip(tmp_path: Path, monkeypatch) -> None:
     kept = _record(t, "FedPGP", 0.7, PORTABLE, out)
     (reports / "results").mkdir(parents=True)
     (reports / "results" / "pgp.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(kept) + "\n", encoding="utf-8")
+    (reports / "results" / "pgp.verify.md").write_text(
+        f"Re-ran 1 recorded cell.\n\n- {kept['key']}: recorded 0.7, re-run 0.7 → same\n", encoding="utf-8")
     assert q.seed(grid, base) == out
     assert [r["key"] for r in q.read_records(out / "results.jsonl")] == [kept["key"]]
+    assert (out / "verify.md").read_text(encoding="utf-8").endswith("→ same\n")  # passed on a seeded record
     new = _record(t, "FedAvg", 0.9, PORTABLE, out)
     with open(out / "results.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(new) + "\n")
