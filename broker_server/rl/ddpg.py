@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .dsac_t import ReplayBuffer
+from .dsac_t import ReplayBuffer, _load_reason
 
 #: keeps the L1 normalisation of the actor's output defined when every entry is 0.
 SIMPLEX_EPS = 1e-12
@@ -219,22 +219,34 @@ class DDPGAgent:
         return sum(p.numel() for m in (self.actor, self.critic) for p in m.parameters())
 
     def to_bytes(self) -> bytes:
-        """Networks, targets, optimisers, generators and the replay buffer, for a checkpoint."""
+        """Networks, targets, optimisers, generators and the replay buffer, for a checkpoint:
+        tensors, containers and numbers only (the buffer's float32 arrays as tensors), so that
+        :meth:`load_bytes` reads it with torch's restricted unpickler."""
         buf = io.BytesIO()
+        buffer = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                  for k, v in self.buffer.state_dict().items()}
         torch.save({"config": asdict(self.config), "dims": (self.state_dim, self.action_dim),
                     "nets": {k: getattr(self, k).state_dict() for k in
                              ("actor", "critic", "actor_target", "critic_target", "actor_opt", "critic_opt")},
                     "noise": self.noise.get_state(), "rng": self.rng.bit_generator.state,
-                    "buffer": self.buffer.state_dict(), "updates": self.updates}, buf)
+                    "buffer": buffer, "updates": self.updates}, buf)
         return buf.getvalue()
 
     def load_bytes(self, data: bytes) -> None:
-        """Restore :meth:`to_bytes`.
+        """Restore :meth:`to_bytes`. Read with ``torch.load(..., weights_only=True)``: a
+        checkpoint from elsewhere cannot run code here.
 
         Raises:
-            ValueError: the saved agent has other dimensions.
+            ValueError: the bytes are no such agent (torch's restricted unpickler refused them:
+                an object that is no tensor, container or number, as a checkpoint written before
+                the replay buffer was kept as tensors holds numpy arrays; or not a torch archive),
+                or the saved agent has other dimensions.
         """
-        st: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=False)
+        try:
+            st: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a foreign or damaged blob fails in many ways: one refusal
+            raise ValueError(f"saved DDPG agent cannot be read ({type(exc).__name__}: {_load_reason(exc)})") from exc
+        st["buffer"] = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in st["buffer"].items()}
         if tuple(st["dims"]) != (self.state_dim, self.action_dim):
             raise ValueError(f"saved DDPG agent is {tuple(st['dims'])} (state, action), this one "
                              f"{(self.state_dim, self.action_dim)}")

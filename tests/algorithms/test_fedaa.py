@@ -7,6 +7,7 @@ three devices) checked on the wire."""
 from __future__ import annotations
 
 import copy
+import io
 
 import numpy as np
 import pytest
@@ -148,6 +149,35 @@ def test_commit_stores_the_transition_with_the_evaluated_reward_and_the_checkpoi
     np.testing.assert_array_equal(fresh.agent.act(s, explore=False), strategy.agent.act(s, explore=False))
     assert fresh.agent.updates == 1 and fresh.pending["r"] is None
     np.testing.assert_array_equal(fresh.pending["s"], strategy.pending["s"])
+    restored = fresh.agent.buffer.state_dict()
+    for k in ("s", "a", "r", "s2", "done"):  # the replay buffer comes back as float32 arrays, row for row
+        assert restored[k].dtype == np.float32
+        np.testing.assert_array_equal(restored[k], buf[k])
+
+
+RAN: list[str] = []
+
+
+class _Payload:
+    """An object whose unpickling would run code (appends to RAN)."""
+
+    def __reduce__(self):
+        return (RAN.append, ("code ran",))
+
+
+def test_a_checkpointed_ddpg_agent_is_read_without_running_the_blobs_code() -> None:
+    """The agent's checkpoint bytes are read by torch's restricted unpickler: a blob holding an
+    object that would run code on load, or numpy arrays (the older buffer format), is refused
+    with a ValueError that says why, and nothing in it runs."""
+    agent = DDPGAgent(3, 3, DDPGConfig(hidden=6, batch_size=4, warmup=1), seed=1)
+    for bad in ({"dims": (3, 3), "x": _Payload()}, {"dims": (3, 3), "buffer": {"s": np.zeros((1, 3), np.float32)}}):
+        blob = io.BytesIO()
+        torch.save(bad, blob)
+        with pytest.raises(ValueError, match="saved DDPG agent cannot be read .*restricted load refused it"):
+            agent.load_bytes(blob.getvalue())
+    assert RAN == []
+    with pytest.raises(ValueError, match="saved DDPG agent cannot be read"):
+        agent.load_bytes(b"not a torch archive")
 
 
 def test_client_clip_bounds_the_step_by_lr_times_clip_norm(digits) -> None:

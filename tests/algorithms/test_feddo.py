@@ -235,7 +235,7 @@ def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> No
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "2", "--rounds", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "episode   1/2" in text and "episode   2/2" in text and "policy written" in text
-    blob = torch.load(out, weights_only=False)
+    blob = torch.load(out, weights_only=True)
     assert blob["metadata"]["num_devices"] == 3 and blob["metadata"]["episodes"] == 2
     # the pre-training cost is recorded with the policy (a figure, not a bound on it)
     assert isinstance(blob["metadata"]["cpu_seconds"], float) and math.isfinite(blob["metadata"]["cpu_seconds"])
