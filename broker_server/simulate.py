@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from edge_agent.agent import AgentSummary, EdgeAgent
-from edge_agent.algorithms import TrainConfig, get_client_algorithm_class, restarted_device_state
+from edge_agent.algorithms import ClientAlgorithm, TrainConfig, get_client_algorithm_class, restarted_device_state
 from edge_agent.assembly import build_agent, channel_limits, offline_will, prepare_agent
 from edge_agent.data import load_dataset
 from edge_agent.device import ThreadPlan, apply_threads, detect, plan_threads, usable_cores
@@ -39,6 +39,7 @@ from edge_agent.errors import EdgeAgentError, LocalTestSplitError, ModelError, P
 from edge_agent.partition import ClientSplits, client_splits, describe
 from edge_agent.runtime import agent_runtime
 from edge_agent.slots import TrainingSlots
+from edge_agent.state_store import DeviceStateStore
 from protocol.broker_url import parse_broker_url
 from protocol.channel import Channel
 from protocol.errors import ConnectError, LedgerError, SecurityConfigError
@@ -71,6 +72,20 @@ log = logging.getLogger(__name__)
 #: the ledger's meta key listing the rounds after which a resume restarted the devices' own state
 #: (``summary.json``'s ``device_state_restarted``)
 RESTARTED_META = "device_state_restarted_after_rounds"
+#: the simulated devices' state file in the run folder (:mod:`edge_agent.state_store`), for an
+#: algorithm whose devices keep something between rounds: ``--resume`` carries on from it
+DEVICE_STATE_FILE = "device_state.sqlite"
+
+
+def device_state_summary(agents: list[EdgeAgent]) -> dict:
+    """``summary.json``'s account of a resumed fleet's kept state: per device, the round whose
+    state it carried on from (``device_state_restored``) and the round of an update whose answer
+    it never read and took as accepted (``device_state_taken_as_accepted``,
+    :mod:`edge_agent.state_store`); ``{}`` when no device kept state."""
+    restored = {a.client_id: a.restored_round for a in agents if a.restored_round is not None}
+    taken = {a.client_id: a.taken_as_accepted for a in agents if a.taken_as_accepted is not None}
+    return ({"device_state_restored": restored, "device_state_taken_as_accepted": taken} if restored or taken
+            else {})
 
 
 @dataclass(frozen=True)
@@ -493,6 +508,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     server = None
     tracker = None
     slots: TrainingSlots | None = None
+    state_store: DeviceStateStore | None = None
     finished = False
     try:
         tracker = start_tracking(cfg, out, federation)
@@ -505,10 +521,18 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         # in its CONNECT): the server sizes every download for the devices it goes to
         restarted: list[int] = []  # rounds after which a resume restarted the devices' own state
         lost: list[str] = []  # what that state is
+        algo_cls: type[ClientAlgorithm] = get_client_algorithm_class(cfg.train.algorithm)
+        keeps = restarted_device_state(algo_cls, type(server.strategy).buffers)
+        had_state = (out / DEVICE_STATE_FILE).exists()
+        if keeps:  # what the devices keep between rounds is kept on disk: a resumed fleet carries on from it
+            state_store = DeviceStateStore(out / DEVICE_STATE_FILE)
+            if not resume:
+                state_store.clear()
         if resume:
             restarted = json.loads(read_meta(ledger.path).get(RESTARTED_META, "[]"))
-            lost = restarted_device_state(get_client_algorithm_class(cfg.train.algorithm),
-                                          type(server.strategy).buffers)
+            # a run folder of a version that kept no device state, or an algorithm that cannot write its own
+            lost = keeps if not had_state else ([algo_cls.device_state] if algo_cls.device_state
+                                                  and not algo_cls.keeps_device_state_on_disk() else [])
             ckpt = server.checkpoints.load()
             if ckpt is not None:
                 server.resume(ckpt)
@@ -516,9 +540,13 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                     restarted.append(int(ckpt.round))
                     ledger.set_meta(RESTARTED_META, json.dumps(restarted))
                     log.warning("--resume: every simulated device starts afresh, and a %s device keeps %s between "
-                                "rounds: those start again from their initial values, so from round %d on this run "
+                                "rounds: those start again from their initial values%s, so from round %d on this run "
                                 "is not the one that was interrupted (the server's state continues from its "
-                                "checkpoint)", cfg.train.algorithm, "; ".join(lost), ckpt.round + 1)
+                                "checkpoint)", cfg.train.algorithm, "; ".join(lost),
+                                "" if had_state else f" (this run folder has no {DEVICE_STATE_FILE})", ckpt.round + 1)
+                elif keeps:
+                    log.info("--resume: the devices carry on from their state in %s (%s)", DEVICE_STATE_FILE,
+                             "; ".join(keeps))
 
         # the fleet trains on train_slots threads of their own, which lend their working model to
         # agents whose algorithm keeps no model between rounds (edge_agent.slots: per-thread
@@ -553,7 +581,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                          **{**channel_options(cfg), **channel_limits(rt, chunk_bytes=cfg.protocol.chunk_bytes,
                                                                      max_packet_bytes=cfg.protocol.max_packet_bytes)})
             agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, slots=slots,
-                                emulate_link=cfg.agents.emulate_link)
+                                emulate_link=cfg.agents.emulate_link, state_store=state_store)
             del prepared  # a borrowing agent gave its model up: nothing else holds it
             if agent_hook is not None:
                 agent_hook(i, agent)
@@ -589,6 +617,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):
             ch.close()  # every exit path closes what it opened; a second close is a no-op
         ledger.close()
+        if state_store is not None:
+            state_store.close()
         if broker is not None:
             broker.stop()
     if tracker is not None:  # the ledger is complete now: the device links' bytes per round
@@ -605,5 +635,6 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         profiles={name: profiles.count(name) for name in sorted(set(profiles))},
         emulated_link_s={s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         device_state_restarted={"after_rounds": restarted, "state": lost} if restarted else None,
+        **device_state_summary(agents) if resume else {},
     ), indent=1), encoding="utf-8")
     return result

@@ -40,6 +40,7 @@ from .slots import SlotsClosed
 if TYPE_CHECKING:
     from .runtime import AgentRuntime
     from .slots import TrainingSlots
+    from .state_store import DeviceStateStore
 
 log = logging.getLogger(__name__)
 #: images per forward pass of :meth:`EdgeAgent.evaluate` (the server's ``eval_batch_size`` default:
@@ -299,6 +300,13 @@ class EdgeAgent:
             local training (through the algorithm's ``predict``) and adds ``eval_accuracy``,
             ``eval_macro_f1`` and ``eval_samples`` to the update's metrics (personalised methods
             are judged on the clients' own models).
+        state_store: the device's state file (:class:`edge_agent.state_store.DeviceStateStore`),
+            for an algorithm whose device keeps something between rounds beyond what every
+            global brings (:func:`~edge_agent.algorithms.restarted_device_state`: the model's
+            private entries, SCAFFOLD's c_i, FedDyn's ∇L_k, MOON's previous model): the state is
+            written there on every accepted receipt, a restarted agent carries on from the
+            newest one (:attr:`restored_round`), and a round that a resumed server runs again
+            is trained from the state as of the round before it. ``None``: kept in memory only.
 
     A ``round_start`` may come broadcast or on this device's own topic with its ``instructions``
     (named scalars for this device only), which are merged over the round's ``config``
@@ -333,7 +341,8 @@ class EdgeAgent:
                  receipt_timeout_s: float = 10.0, max_resends: int = 3,
                  runtime: AgentRuntime | None = None, emulate_link: bool = False,
                  eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None,
-                 indices: np.ndarray | None = None, slots: TrainingSlots | None = None) -> None:
+                 indices: np.ndarray | None = None, slots: TrainingSlots | None = None,
+                 state_store: DeviceStateStore | None = None) -> None:
         self.channel = channel
         # seconds per phase over the run: wait_slot, train, evaluate, prepare_update, send_update
         # (encode, chunk, publish) and receive (the channel's decoding of what arrives)
@@ -433,6 +442,17 @@ class EdgeAgent:
         # when the receipt brings the member index
         self._before_join: tuple[int, RoundStart, float] | None = None
         self.finished = False
+        #: where the device keeps what it carries between rounds (None: memory only, lost on a restart)
+        self.state_store: DeviceStateStore | None = None
+        self._state_round = 0  # the round of the last accepted update the kept state is as of (0: initial)
+        #: the round whose kept state a restarted device carried on from (None: none was kept)
+        self.restored_round: int | None = None
+        #: the round of an update sent before a restart whose answer was never read, taken as
+        #: accepted since the server had finished that round (None: none)
+        self.taken_as_accepted: int | None = None
+        self._unread_answer: int | None = None
+        if state_store is not None:
+            self._open_state(state_store)
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
         channel.transfer_filter = lambda sender: sender == "server"
         channel.keep_last_payload = False  # never read here; it would hold the update until the next message
@@ -466,6 +486,94 @@ class EdgeAgent:
         self._model_key = (arch, type(model).__module__, type(model).__qualname__, self.manifest_hash, str(self.device))
         self.slots.offer_template(self._model_key, model)
         self._model = None
+
+    def _private_names(self) -> tuple[str, ...]:
+        if self._model is None:
+            return tuple(self._private)
+        return private_entries(self._model, self.algorithm.share, self.algorithm.buffers)
+
+    def _open_state(self, store: DeviceStateStore) -> None:
+        """Carry on from the newest state ``store`` keeps for this device (a restart), or keep
+        the initial state there as round 0; nothing when the algorithm keeps nothing between
+        rounds beyond what every global brings."""
+        if not self._private_names() and not self.algorithm.device_state:
+            return
+        if not type(self.algorithm).keeps_device_state_on_disk():
+            log.warning("%s: algorithm %r keeps %s between rounds but cannot write it (it does not override "
+                        "device_state_arrays): that part starts afresh when this device restarts", self.client_id,
+                        self.algorithm.name, self.algorithm.device_state)
+        self.state_store = store
+        row = store.newest(self.client_id)
+        if row is None:
+            store.put(self.client_id, 0, self._state_snapshot())
+            return
+        self._apply_state(*row)
+        self.restored_round = row[0]
+        self._unread_answer = store.unsettled(self.client_id)
+        log.info("%s: carries on from its state as of round %d (%s)%s", self.client_id, row[0], store.path,
+                 "" if self._unread_answer is None else
+                 f"; the answer to its update of round {self._unread_answer} was never read")
+
+    def _resolve_unread_answer(self, rnd: int) -> None:
+        """Before training round ``rnd`` after a restart: an update whose answer the device never
+        read (:mod:`edge_agent.state_store`) is taken as accepted when ``rnd`` is a later round
+        (the server finished that round), said in a warning and :attr:`taken_as_accepted`; else
+        dropped (the server runs that round again)."""
+        t, self._unread_answer = self._unread_answer, None
+        assert t is not None and self.state_store is not None
+        if rnd > t:
+            row = self.state_store.newest(self.client_id, settled=False)
+            if row is not None and row[0] == t:
+                log.warning("%s: restarted after sending its update of round %d and before reading the answer; the "
+                            "server has finished that round, so the update is taken as accepted and its state kept "
+                            "(were it refused, this device's state would differ from what the server counted)",
+                            self.client_id, t)
+                self._apply_state(*row)
+                self.state_store.settle(self.client_id, t, True)
+                self.taken_as_accepted = t
+                return
+        self.state_store.settle(self.client_id, t, False)
+
+    def _state_snapshot(self, *, settled: bool = True) -> dict[str, np.ndarray]:
+        """The model's private entries (``model.<name>``) and the algorithm's device state as
+        of the last accepted update (``settled=False``: after the last local round), as arrays
+        (copies)."""
+        if self._model is None:
+            private = {n: t.detach().to("cpu", copy=True).numpy() for n, t in self._private.items()}
+        else:
+            state = self._model.state_dict()
+            private = {n: state[n].detach().to("cpu", copy=True).numpy() for n in self._private_names()}
+        own = (self.algorithm.device_state_arrays(settled=settled)
+               if type(self.algorithm).keeps_device_state_on_disk() else {})
+        return {**{f"model.{n}": a for n, a in private.items()}, **own}
+
+    def _apply_state(self, rnd: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Make ``arrays`` (:meth:`_state_snapshot`'s, as of round ``rnd``) this device's state.
+
+        Raises:
+            AgentError: entries of another model, or state the algorithm does not keep.
+        """
+        model_part = {k.removeprefix("model."): v for k, v in arrays.items() if k.startswith("model.")}
+        names = set(self._private_names())
+        if set(model_part) != names:
+            where = self.state_store.path if self.state_store is not None else "its state file"
+            raise AgentError(f"{self.client_id}: the kept state of round {rnd} ({where}) holds model entries "
+                             f"{sorted(model_part)[:4]}, this model's private entries are "
+                             f"{sorted(names)[:4]}: another model or algorithm wrote it")
+        target = self._private if self._model is None else self._model.state_dict()
+        with torch.no_grad():
+            for n, a in model_part.items():
+                if tuple(a.shape) != tuple(target[n].shape):
+                    raise AgentError(f"{self.client_id}: kept entry {n} of round {rnd} has shape {tuple(a.shape)}, "
+                                     f"the model {tuple(target[n].shape)}")
+                target[n].copy_(torch.from_numpy(np.array(a, copy=True)))
+        own = {k: v for k, v in arrays.items() if not k.startswith("model.")}
+        if type(self.algorithm).keeps_device_state_on_disk():
+            try:
+                self.algorithm.load_device_state_arrays(own)
+            except ValueError as exc:
+                raise AgentError(f"{self.client_id}: the kept state of round {rnd}: {exc}") from None
+        self._state_round = rnd
 
     @property
     def borrows_model(self) -> bool:
@@ -721,6 +829,17 @@ class EdgeAgent:
             log.warning("%s: no definite receipt for the update of round %d before round %d: the device state "
                         "it produced is discarded", self.client_id, self._unsettled, rnd)
             self._settle(self._unsettled, False)
+        if self._unread_answer is not None:
+            self._resolve_unread_answer(rnd)
+        if self.state_store is not None and self._state_round >= rnd:
+            # a server resumed from a checkpoint taken before this device's accepted update of round
+            # _state_round was aggregated runs that round again: back to the state it counted
+            row = self.state_store.newest(self.client_id, before=rnd)
+            if row is not None:
+                log.warning("%s: round %d runs again while its kept state is as of round %d: back to its state as "
+                            "of round %d", self.client_id, rnd, self._state_round, row[0])
+                self._apply_state(*row)
+                self.state_store.forget_from(self.client_id, rnd)
         mark = self.phases.lap()
         client_eval = bool(params.get("client_eval", False)) and self.eval_x is not None
 
@@ -771,6 +890,8 @@ class EdgeAgent:
             self._settle(rnd, False)
             self._withdraw(rnd, "local training diverged (NaN/Inf); no update sent")
             return
+        if self.state_store is not None:  # the state this update goes with, settled by its answer
+            self.state_store.put(self.client_id, rnd, self._state_snapshot(settled=False), settled=False)
         codec, tensors, delta = self._encode_update(params, result.tensors, global_tensors)
         try:
             extra_codecs = extras_codecs(str(params.get("extras_codec", "")), result.extras, codec)
@@ -808,6 +929,10 @@ class EdgeAgent:
             return
         self._unsettled = None
         self.algorithm.on_update_receipt(rnd, accepted)
+        if self.state_store is not None:
+            self.state_store.settle(self.client_id, rnd, accepted)
+            if accepted:
+                self._state_round = rnd
 
     def _not_my_model(self, rnd: int, global_tensors: tuple[np.ndarray, ...], exc: ModelError) -> AgentError:
         """When round ``rnd``'s global does not fit this device's model share (the server runs

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .partition import ClientSplits
     from .runtime import AgentRuntime
     from .slots import TrainingSlots
+    from .state_store import DeviceStateStore
 
 __all__ = ["AgentSpec", "PreparedAgent", "build_agent", "channel_limits", "offline_will", "prepare_agent"]
 
@@ -222,7 +223,7 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
                 train_defaults: TrainConfig | None = None, device: torch.device | None = None,
                 train_lock: threading.Semaphore | threading.Lock | None = None, emulate_link: bool = False,
                 on_trained: Callable[[int, LocalResult, int], None] | None = None,
-                slots: TrainingSlots | None = None) -> EdgeAgent:
+                slots: TrainingSlots | None = None, state_store: DeviceStateStore | None = None) -> EdgeAgent:
     """The :class:`~edge_agent.agent.EdgeAgent` of a prepared agent on ``channel``.
 
     Args:
@@ -240,6 +241,8 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
             their threads, and on their working model when its algorithm declares
             ``borrows_model`` (the prepared model is then given up after its private entries are
             copied).
+        state_store: the device's state file (:class:`~edge_agent.agent.EdgeAgent`'s
+            ``state_store``): what it keeps between rounds survives a restart.
     """
     from .agent import EdgeAgent
     from .algorithms import TrainConfig
@@ -254,7 +257,7 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
                      train_defaults=train_defaults, client_index=spec.shard, profile=runtime.profile.name,
                      device=device, runtime=runtime, emulate_link=emulate_link, train_lock=train_lock,
                      idle_timeout_s=spec.idle_timeout_s, info=dict(prepared.info), on_trained=on_trained,
-                     slots=slots)
+                     slots=slots, state_store=state_store)
 
 
 def offline_will(federation: str, client_id: str, security: ChannelSecurity | None = None) -> Will:

@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      f"{hi:g}); the server's [data] client_test_fraction")
     p.add_argument("--seed", type=int, default=0, help="partition seed; must match the server's [run] seed")
     p.add_argument("--out", help="folder for this device's byte ledger (ledger.sqlite; read it with "
-                                 "`fedfleet audit`); default fedfleet-agent-<client-id>")
+                                 "`fedfleet audit`) and the state it keeps between rounds "
+                                 "(device_state-<federation>.sqlite: a restarted agent carries on from it); "
+                                 "default fedfleet-agent-<client-id>")
     p.add_argument("--algorithm", default="fedavg",
                    help="the server's [train] algorithm (the server refuses another one at join)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -233,6 +235,7 @@ def _main(argv: list[str] | None) -> int:
     from .optional_runtime import unavailable
     from .profiles import ProfileError, get_profile, load_profile
     from .runtime import agent_runtime
+    from .state_store import DeviceStateStore, StateStoreError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO,
@@ -336,6 +339,11 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BROKER
     out = Path(args.out or f"fedfleet-agent-{args.client_id}")
     out.mkdir(parents=True, exist_ok=True)
+    try:  # what the device keeps between rounds (SCAFFOLD's c_i, a personal head …) survives a restart
+        state = DeviceStateStore(out / f"device_state-{args.federation}.sqlite")
+    except StateStoreError as exc:
+        print(f"fedfleet-agent: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     ledger = Ledger(out / "ledger.sqlite")
     ledger.set_meta("federation", args.federation)
     ch = Channel(tr, node_id=args.client_id, side="agent", federation=args.federation, ledger=ledger,
@@ -349,12 +357,15 @@ def _main(argv: list[str] | None) -> int:
     agent = None
     warn = None
     try:
-        agent = build_agent(prepared, ch, runtime=rt, device=rt.plan.device,
+        agent = build_agent(prepared, ch, runtime=rt, device=rt.plan.device, state_store=state,
                             on_trained=lambda rnd, res, nbytes: print(
                                 f"round {rnd}: trained {res.num_samples} samples in "
                                 f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "
                                 f"sent {nbytes:,} bytes", flush=True))
         agent.join_timeout_s = args.join_timeout_s
+        if agent.restored_round is not None:
+            print(f"{args.client_id}: carries on from the state it kept after round {agent.restored_round} "
+                  f"({state.path})", flush=True)
         warn = threading.Timer(min(JOIN_WARN_S, args.join_timeout_s / 2), _warn_unanswered, args=(agent,))
         warn.daemon = True
         warn.start()
@@ -374,6 +385,7 @@ def _main(argv: list[str] | None) -> int:
             warn.cancel()
         ch.close()
         ledger.close()
+        state.close()
     if args.onnx_eval and (why := unavailable("onnx", "onnxruntime")):  # probed in a child: cannot crash us
         print(f"onnx: --onnx-eval skipped: {why}", file=sys.stderr)
     elif args.onnx_eval:

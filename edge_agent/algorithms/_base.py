@@ -263,8 +263,11 @@ class ClientAlgorithm(ABC):
 
     * ``device_state``: what the device keeps between rounds besides its model, in words
       (``""``: nothing; SCAFFOLD's control variate c_i, FedDyn's gradient state, MOON's previous
-      local model). It lives in this object only: a device that restarts starts it afresh, and
-      a resumed simulation, whose devices all restart, says so (:func:`restarted_device_state`).
+      local model). The agent keeps it in the device's state file through
+      :meth:`device_state_arrays` and :meth:`load_device_state_arrays` (:mod:`edge_agent.state_store`),
+      so a restarted device carries on from it; a class that declares it without overriding
+      those starts it afresh on a restart, which the agent and a resumed simulation say
+      (:func:`restarted_device_state`).
 
     One instance serves one device for the whole run and may keep per-device state between
     rounds (as tensors or arrays of its own, never as references to the model it was given).
@@ -351,6 +354,31 @@ class ClientAlgorithm(ABC):
         rolls back per-device state)."""
         return None  # a default hook: nothing to do
 
+    def device_state_arrays(self, *, settled: bool = True) -> dict[str, np.ndarray]:
+        """:attr:`device_state` as named numeric arrays (copies), as of the last update the
+        server accepted (``settled=False``: after the last local round, whatever the answer to
+        its update), for the device's state file (:mod:`edge_agent.state_store`); the
+        model's private entries are kept by the agent, not here. Default ``{}``: the algorithm
+        keeps nothing beyond its model. An algorithm that declares :attr:`device_state`
+        overrides this and :meth:`load_device_state_arrays` (the agent warns when it does not:
+        that state would start afresh after a restart)."""
+        return {}
+
+    def load_device_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`device_state_arrays` (``{}``: the initial state, as before round 1).
+
+        Raises:
+            ValueError: ``arrays`` names state this algorithm does not keep.
+        """
+        if arrays:
+            raise ValueError(f"{type(self).__name__} keeps no device state, got {sorted(arrays)}")
+
+    @classmethod
+    def keeps_device_state_on_disk(cls) -> bool:
+        """Whether the class can write and read its :attr:`device_state` (it overrides
+        :meth:`device_state_arrays` when it declares any)."""
+        return not cls.device_state or cls.device_state_arrays is not ClientAlgorithm.device_state_arrays
+
 
 def step_hook(algorithm: ClientAlgorithm):
     """``algorithm.before_step`` when its class overrides the base's no-op, else ``None``: what
@@ -417,6 +445,34 @@ class StateOnReceipt(ClientAlgorithm):
             setattr(self, self.state_attr, self._unsettled[1])
         self._unsettled = None
 
+    def state_to_arrays(self, state: object) -> dict[str, np.ndarray]:
+        """The state held in :attr:`state_attr` (not ``None``) as named arrays (copies)."""
+        raise NotImplementedError
+
+    def state_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> object:
+        """The inverse of :meth:`state_to_arrays` (``arrays`` not empty).
+
+        Raises:
+            ValueError: arrays of another layout.
+        """
+        raise NotImplementedError
+
+    def device_state_arrays(self, *, settled: bool = True) -> dict[str, np.ndarray]:
+        """The committed state (:attr:`committed_state`; ``settled=False``: the state after the
+        last local round) as named arrays; ``{}`` before round 1."""
+        state = self.committed_state if settled else getattr(self, self.state_attr)
+        return {} if state is None else self.state_to_arrays(state)
+
+    def load_device_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Make ``arrays`` the committed state (``{}``: ``None``, zeros before round 1); a round
+        awaiting its answer is dropped with the state it produced.
+
+        Raises:
+            ValueError: arrays of another layout than :meth:`state_to_arrays` writes.
+        """
+        setattr(self, self.state_attr, self.state_from_arrays(arrays) if arrays else None)
+        self._unsettled = None
+
 
 def restarted_device_state(cls: type[ClientAlgorithm], buffers: str | None = None) -> list[str]:
     """What a device of algorithm ``cls`` keeps between rounds and loses when it restarts, one
@@ -424,8 +480,9 @@ def restarted_device_state(cls: type[ClientAlgorithm], buffers: str | None = Non
     model entries it never sends (``share`` other than ``"all"``: FedProto's whole model,
     FedPer's head), its BatchNorm statistics under ``buffers = "local"`` (``buffers``: the
     server half's setting, default the class's), and :attr:`ClientAlgorithm.device_state`.
-    A resumed simulation restarts every device (:func:`broker_server.simulate.simulate`), so
-    these start again from their initial values there."""
+    The agent keeps these in the device's state file (:mod:`edge_agent.state_store`); a resumed
+    simulation whose run folder has none (:func:`broker_server.simulate.simulate`) starts them
+    again from their initial values and says so."""
     parts = []
     if cls.share == "none":
         parts.append("its whole model (share = 'none': nothing of it leaves the device)")

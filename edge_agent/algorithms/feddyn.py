@@ -31,6 +31,7 @@ restarts (it starts again from zero).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 import torch
@@ -101,6 +102,23 @@ class FedDynClient(StateOnReceipt, LocalSGDClient):
         self.grad_state: list[torch.Tensor] | None = None
         self._anchors: list[torch.Tensor] = []
         self._alpha = ALPHA
+
+    def state_to_arrays(self, state: object) -> dict[str, np.ndarray]:
+        """∇L_k as ``{"grad_state.000": float32 [shape of parameter 0], …}``, parameter order."""
+        return {f"grad_state.{j:03d}": g.detach().to("cpu", copy=True).numpy()
+                for j, g in enumerate(cast("list[torch.Tensor]", state))}
+
+    def state_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> object:
+        """∇L_k from :meth:`state_to_arrays`' arrays (float32 tensors, parameter order).
+
+        Raises:
+            ValueError: names other than ``grad_state.000`` … ``grad_state.{n−1}``.
+        """
+        names = [f"grad_state.{j:03d}" for j in range(len(arrays))]
+        if sorted(arrays) != names:
+            raise ValueError(f"FedDyn's device state is grad_state.000 … grad_state.{len(arrays) - 1:03d}, "
+                             f"got {sorted(arrays)}")
+        return [torch.from_numpy(np.array(arrays[n], np.float32, copy=True)) for n in names]
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
                     global_extras: Mapping[str, np.ndarray]) -> LossFn:

@@ -78,6 +78,31 @@ class MoonClient(LocalSGDClient):
     def __init__(self, *, precision: str = "fp32") -> None:
         super().__init__(precision=precision)
         self.previous: torch.nn.Module | None = None
+        # a previous model read from the device's state file, built on the next round's model
+        self._previous_state: dict[str, np.ndarray] | None = None
+
+    def device_state_arrays(self, *, settled: bool = True) -> dict[str, np.ndarray]:
+        """The previous local model's state entries as ``{"previous.<entry>": array}`` (``{}``
+        before the device has trained); the last trained model whatever the answer to its
+        update (``settled`` changes nothing: MOON's negative is the device's own last model)."""
+        if self._previous_state is not None:
+            return {f"previous.{k}": v.copy() for k, v in self._previous_state.items()}
+        if self.previous is None:
+            return {}
+        return {f"previous.{k}": v.detach().to("cpu", copy=True).numpy() for k, v in self.previous.state_dict().items()}
+
+    def load_device_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore the previous local model (built on the next round's model, whose entries it
+        must have; ``{}``: none, as before round 1).
+
+        Raises:
+            ValueError: a name without the ``previous.`` prefix.
+        """
+        bad = [k for k in arrays if not k.startswith("previous.")]
+        if bad:
+            raise ValueError(f"MOON's device state is the previous model's entries 'previous.*', got {bad}")
+        self.previous = None
+        self._previous_state = {k.removeprefix("previous."): np.array(v, copy=True) for k, v in arrays.items()} or None
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
                     global_extras: Mapping[str, np.ndarray]) -> LossFn | None:
@@ -91,6 +116,15 @@ class MoonClient(LocalSGDClient):
         tau = read_param(params, "tau", TAU)
         if not tau > 0:
             raise ValueError(f"tau must be > 0, got {tau}")
+        if self._previous_state is not None:  # read from the state file: now there is a model to build it on
+            prev_model = copy.deepcopy(model)
+            ref = prev_model.state_dict()
+            if set(ref) != set(self._previous_state):
+                raise ValueError(f"MOON's kept previous model has entries {sorted(self._previous_state)[:3]} …, "
+                                 f"this model {sorted(ref)[:3]} …")
+            prev_model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)).to(ref[k].device)
+                                        for k, v in self._previous_state.items()})
+            self.previous, self._previous_state = prev_model.eval().requires_grad_(False), None
         if self.previous is None or mu == 0:
             return None
         glob = copy.deepcopy(model).eval().requires_grad_(False)

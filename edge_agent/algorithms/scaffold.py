@@ -186,6 +186,21 @@ class ScaffoldClient(StateOnReceipt, LocalSGDClient):
         self.control = old + delta  # exactly what the server adds up, so c stays the mean of the c_i
         return {CONTROL_DELTA: delta}
 
+    def state_to_arrays(self, state: object) -> dict[str, np.ndarray]:
+        """c_i as ``{"control": float64 [P]}``."""
+        return {"control": np.array(state, np.float64, copy=True)}
+
+    def state_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> object:
+        """c_i from ``{"control": [P]}``.
+
+        Raises:
+            ValueError: any other set of names, or not one flat array.
+        """
+        if set(arrays) != {"control"} or np.asarray(arrays["control"]).ndim != 1:
+            raise ValueError(f"SCAFFOLD's device state is one flat array 'control', got "
+                             f"{ {k: np.asarray(v).shape for k, v in arrays.items()} }")
+        return np.array(arrays["control"], np.float64, copy=True)
+
     @property
     def committed_control(self) -> np.ndarray | None:
         """c_i as of the last update the server accepted (:attr:`control` once the round is settled)."""

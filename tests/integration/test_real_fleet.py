@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from broker_server import config as config_mod
@@ -395,3 +396,64 @@ def test_a_global_that_does_not_fit_the_algorithm_stops_the_agent_clearly(tmp_pa
     idle = [s for s in srv.statuses if s[1] == "idle"]
     assert len(idle) == 1 and idle[0][0] == 1 and "does not fit" in idle[0][2]
     assert srv.statuses[-1][1] == "offline"
+
+
+def test_a_scaffold_agent_killed_and_restarted_carries_on_from_its_kept_state(tmp_path: Path, broker) -> None:
+    """A real SCAFFOLD fleet (server and two agents as processes, the printed command): agent d1
+    is killed (SIGKILL) once the server accepted its round-1 update and it wrote that state, and
+    started again with the same command; it carries on from its state file
+    (``OUT/device_state-<federation>.sqlite``), so after round 3 the server's c is still the mean
+    of the devices' c_i (SCAFFOLD's invariant, broker_server/strategies/scaffold.py). A device
+    that restarted at c_i = 0 would leave c holding its old contribution."""
+    from broker_server.checkpoint import CheckpointStore
+    from edge_agent.state_store import DeviceStateStore
+
+    config = _write_config(tmp_path, name="scaf", dataset="digits", partition="iid", clients=2, data_extra="",
+                           algorithm="scaffold", algorithm_table="").read_text(encoding="utf-8")
+    config = config.replace("rounds = 2", "rounds = 3")
+    (tmp_path / "scaf.toml").write_text(config, encoding="utf-8")
+    run = tmp_path / "run-scaf"
+    server, words = _start_server(tmp_path, tmp_path / "scaf.toml", broker.url, run)
+    fed = _option(words, "--federation")[0]
+    procs, logs = {"server": server}, {"server": tmp_path / "server.log"}
+    for i in range(2):
+        logs[f"d{i}"] = tmp_path / f"d{i}.log"
+        procs[f"d{i}"] = _popen(_agent_argv(words, f"d{i}", i, tmp_path), logs[f"d{i}"], tmp_path)
+    state_file = tmp_path / "d1" / f"device_state-{fed}.sqlite"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # d1 has read the server's acceptance of its round-1 update
+        if state_file.exists():
+            s = DeviceStateStore(state_file)
+            done = 1 in s.rounds("d1")
+            s.close()
+            if done:
+                break
+        assert procs["d1"].poll() is None, logs["d1"].read_text()[-2000:]
+        time.sleep(0.05)
+    else:
+        raise AssertionError("d1 never kept a settled round-1 state:\n" + logs["d1"].read_text()[-2000:])
+    procs["d1"].kill()
+    procs["d1"].wait(timeout=30)
+    logs["d1b"] = tmp_path / "d1b.log"
+    procs["d1b"] = _popen(_agent_argv(words, "d1", 1, tmp_path), logs["d1b"], tmp_path)
+    procs.pop("d1")
+    codes = _wait(procs, logs, 180)
+    assert codes == {n: 0 for n in procs}, {n: logs[n].read_text()[-2000:] for n in procs}
+    text = logs["d1b"].read_text()
+    carried = int(re.search(r"carries on from the state it kept after round (\d+)", text).group(1))
+    assert carried in (1, 2)  # round 1's, or round 2's when its answer came just before the kill
+    assert [r["round"] for r in _metrics(run)] == [1, 2, 3]
+    store = CheckpointStore(run / "checkpoints.sqlite")
+    final = store.load(3).strategy_state
+    store.close()
+    assert int(final["clients_seen"]) == 2
+    devices = []
+    for d in ("d0", "d1"):
+        s = DeviceStateStore(tmp_path / d / f"device_state-{fed}.sqlite")
+        rnd, arrays = s.newest(d)
+        s.close()
+        assert rnd == 3  # each device's state after its accepted round-3 update
+        devices.append(arrays["control"])
+    c = np.asarray(final["control"], np.float64)
+    assert np.abs(c).max() > 1e-4
+    np.testing.assert_allclose(c, np.mean(devices, axis=0), rtol=0, atol=1e-6)

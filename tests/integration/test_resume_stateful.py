@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers.checkpoints import checkpoint_round
 from helpers.federation import Spy, small_config
 from helpers.federation import read_metrics as _metrics
@@ -26,7 +27,7 @@ from helpers.federation import read_summary as _summary
 from broker_server.checkpoint import CheckpointStore
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.runtime import make_strategy
-from broker_server.simulate import simulate
+from broker_server.simulate import DEVICE_STATE_FILE, simulate
 from edge_agent.algorithms.fedcross import flatten_state
 from edge_agent.data import load_dataset
 from protocol.errors import ProtocolError
@@ -35,12 +36,14 @@ from protocol.messages import decode
 pytestmark = pytest.mark.slow
 
 
-def _kill_and_resume(tmp_path: Path, cfg, *, kill_after: int = 1):
+def _kill_and_resume(tmp_path: Path, cfg, *, kill_after: int = 1, agent_hook=None, drop_device_state: bool = False):
     """Run ``fedfleet simulate`` in a subprocess against a broker of this process, SIGKILL it once
     its checkpoint of round ``kill_after`` is written, then ``simulate(..., resume=True)`` here
     with a spy on the broker. Returns (result, checkpoint at the kill, the spied messages of the
     resumed session, the run folder). A subprocess that ends before that checkpoint fails the
-    test with its log; one that never writes it is stopped by pytest-timeout."""
+    test with its log; one that never writes it is stopped by pytest-timeout. ``agent_hook`` goes
+    to the resumed ``simulate``; ``drop_device_state`` deletes the devices' state file before
+    the resume (a run folder of a version that kept none)."""
     repo = Path(__file__).resolve().parents[2]
     toml = tmp_path / "cfg.toml"
     toml.write_text(cfg.to_toml(), encoding="utf-8")
@@ -64,9 +67,12 @@ def _kill_and_resume(tmp_path: Path, cfg, *, kill_after: int = 1):
         store = CheckpointStore(run / "checkpoints.sqlite")
         ckpt = store.load()
         store.close()
+        if drop_device_state:
+            for f in run.glob(DEVICE_STATE_FILE + "*"):  # with its WAL
+                f.unlink()
         spy = Spy(broker.host, broker.port)
         try:
-            res = simulate(cfg, broker_url=broker.url, run_dir=run, resume=True)
+            res = simulate(cfg, broker_url=broker.url, run_dir=run, resume=True, agent_hook=agent_hook)
             time.sleep(0.3)
         finally:
             spy.close()
@@ -92,23 +98,65 @@ def _globals(msgs, rnd):
     return [env.body for _, env in msgs if type(env.body).__name__ == "Global" and env.round == rnd]
 
 
-#: what the devices of each algorithm keep between rounds, which a resumed simulation restarts
+#: what the devices of each algorithm keep between rounds: kept in the run folder's device state
+#: file, so a resumed simulation carries on from it; lost only where that file is gone
 #: (summary.json's device_state_restarted; none for the algorithms whose devices keep nothing)
 DEVICE_STATE = {"scaffold": ["its control variate c_i"], "feddyn": ["its gradient state ∇L_k"],
                 "fedmcp": ["its whole model (share = 'none': nothing of it leaves the device)"]}
 
 
-def _check_resumed(res, ckpt, run, algorithm: str = ""):
+def _check_resumed(res, ckpt, run, algorithm: str = "", *, rounds: int = 2, dropped: bool = False):
     assert ckpt.round >= 1
-    assert res.rounds_completed == 2
-    assert [m["round"] for m in _metrics(run)] == [1, 2]
+    assert res.rounds_completed == rounds
+    assert [m["round"] for m in _metrics(run)] == list(range(1, rounds + 1))
     summary = _summary(run)
     assert summary["agent_errors"] == []
     assert all(m["clients_reported"] == 2 and not m["skipped"] for m in _metrics(run))
-    # the devices restarted after the checkpoint's round: said in summary.json when they keep state
-    # (a run killed after its last round is finished without devices: nothing restarted)
-    lost = DEVICE_STATE.get(algorithm) if ckpt.round < 2 else None
+    # the devices keep their state in the run folder (algorithms whose devices keep something)
+    assert (run / DEVICE_STATE_FILE).exists() == (algorithm in DEVICE_STATE and not (dropped and ckpt.round >= rounds))
+    # lost only when that file was gone: said in summary.json (a run killed after its last round
+    # is finished without devices: nothing restarted)
+    lost = DEVICE_STATE.get(algorithm) if ckpt.round < rounds and dropped else None
     assert summary.get("device_state_restarted") == ({"after_rounds": [ckpt.round], "state": lost} if lost else None)
+
+
+def _flat(state) -> np.ndarray:
+    """c_i (an array) or ∇L_k (a list of tensors) as one float64 vector."""
+    if isinstance(state, np.ndarray):
+        return state.astype(np.float64).reshape(-1)
+    return np.concatenate([np.asarray(t.detach().cpu() if isinstance(t, torch.Tensor) else t, np.float64).reshape(-1)
+                           for t in state])
+
+
+@pytest.mark.parametrize("algorithm,key", [("scaffold", "control"), ("feddyn", "h")])
+def test_resumed_devices_carry_on_from_their_kept_state(tmp_path: Path, algorithm: str, key: str) -> None:
+    """kill -9 after round 1's checkpoint of a 3-round run; the resumed devices carry on from
+    their state file, so at the end the server's c (SCAFFOLD) or h (FedDyn) is still the mean
+    of the devices' committed c_i or ∇L_k, as in an uninterrupted run (module docstring of
+    broker_server/strategies/scaffold.py and feddyn.py). Devices restarted from zeros would
+    leave the server's state holding their pre-kill contributions: the gap would be their size."""
+    agents = {}
+    res, ckpt, _, run = _kill_and_resume(tmp_path, _resume_cfg(algorithm, run={"rounds": 3}),
+                                         agent_hook=lambda i, a: agents.setdefault(i, a))
+    _check_resumed(res, ckpt, run, algorithm, rounds=3)
+    if ckpt.round >= 3:
+        pytest.skip(reason="the server was killed after the last round: no device was restarted")
+    # each device carried on from its state as of the checkpoint's round, or of the round after it
+    # (accepted before the kill, not yet aggregated: rolled back when the server ran it again), or
+    # took the update it sent in the checkpoint's round as accepted (killed before it read the answer)
+    carried = {a.client_id: max(a.restored_round, a.taken_as_accepted or 0) for a in agents.values()}
+    assert all(r in (ckpt.round, ckpt.round + 1) for r in carried.values()), carried
+    summary = _summary(run)
+    assert {c: max(r, summary["device_state_taken_as_accepted"].get(c, 0))
+            for c, r in summary["device_state_restored"].items()} == carried
+    store = CheckpointStore(run / "checkpoints.sqlite")
+    final = store.load(3).strategy_state
+    store.close()
+    assert int(final["clients_seen"]) == len(agents) == 2
+    server = _flat(final[key])
+    mean = np.mean([_flat(a.algorithm.committed_state) for a in agents.values()], axis=0)
+    assert np.abs(server).max() > 1e-4  # a state worth checking
+    np.testing.assert_allclose(server, mean, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("algorithm,over,extras", [
@@ -120,8 +168,9 @@ def _check_resumed(res, ckpt, run, algorithm: str = ""):
 def test_resume_broadcasts_the_restored_state(tmp_path: Path, algorithm: str, over: dict, extras: tuple) -> None:
     """kill -9 after round 1's checkpoint; the resumed server's round-2 global carries exactly the
     strategy state of that checkpoint (SCAFFOLD c, FedPAD's global prototypes, FedMCP's teacher)."""
-    res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg(algorithm, **over))
-    _check_resumed(res, ckpt, run, algorithm)
+    dropped = algorithm == "fedmcp"  # its devices' state file gone: the restart is said out loud
+    res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg(algorithm, **over), drop_device_state=dropped)
+    _check_resumed(res, ckpt, run, algorithm, dropped=dropped)
     if ckpt.round >= 2:
         pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
     g = _globals(msgs, 2)
