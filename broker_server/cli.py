@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     """:func:`main` inside its stdout guard."""
-    from edge_agent.errors import DataError
+    from edge_agent.errors import DataError, EdgeAgentError
     from protocol.errors import ConnectError, TransportError
 
     from .errors import BrokerStartError, FedfleetServerError
@@ -347,6 +347,9 @@ def _main(argv: list[str] | None) -> int:
     except DataError as exc:
         print(f"fedfleet: data error: {exc}", file=sys.stderr)
         return EXIT_DATA
+    except EdgeAgentError as exc:  # a simulated device that cannot start: its kept state (state file) unusable …
+        print(f"fedfleet: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (BrokerStartError, ConnectError) as exc:
         print(f"fedfleet: broker error: {exc}", file=sys.stderr)
         return EXIT_BROKER

@@ -166,7 +166,7 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
     from .audit import load_run
     from .config import from_dict
     from .runtime import client_eval_split
-    from .simulate import DEVICE_STATE_FILE, simulate
+    from .simulate import simulate
 
     torch.set_num_threads(1)
     cfg = from_dict(job.config, f"<{job.key}>")
@@ -183,8 +183,6 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
 
     res = simulate(cfg, run_dir=run_dir, agent_hook=keep)
     seconds = time.monotonic() - t0
-    for f in run_dir.glob(DEVICE_STATE_FILE + "*"):  # a cell is never resumed (it runs again whole):
-        f.unlink()                                    # its devices' kept state is of no further use
 
     audit = load_run(run_dir)
     last = dict(res.metrics[-1]) if res.metrics else {}

@@ -104,7 +104,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge_agent.agent import extras_codecs
+from edge_agent.agent import STATE_ROUND_KEY, extras_codecs
 from edge_agent.algorithms import local_entries, shared_indices
 from edge_agent.data import ArraySplit
 from edge_agent.models import manifest_hash, model_manifest
@@ -578,6 +578,9 @@ class AggregationServer:
         self._manifest = model_manifest(model)
         self.metrics: list[dict] = []
         self.refused_joins: dict[str, str] = {}  # device → why its last join was refused (until admitted)
+        #: device → the round in which it joined again without the state it had kept (join.info
+        #: state_round 0 after accepted updates: a restart that lost it; summary.json)
+        self.rejoined_without_state: dict[str, int] = {}
         self.store = RunStore(self.run_dir)
         self.checkpoints = self.store.checkpoints
         self.global_codec = Codec.parse(settings.global_codec)
@@ -719,6 +722,16 @@ class AggregationServer:
                 self._reply(item, False, reason)
                 return
             self.refused_joins.pop(env.sender, None)
+            before = self.devices.records.get(env.sender)
+            counted = before.updates_accepted if before is not None else 0
+            if counted and body.info.get(STATE_ROUND_KEY) == 0:
+                # a restarted agent without its state file (another --out, a wiped disk): what its
+                # algorithm keeps between rounds starts afresh, which the server's state still counts
+                log.warning("%s joined again with no kept state (join.info %s = 0) after %d accepted updates: what "
+                            "its algorithm keeps between rounds starts afresh on the device, while the server's state "
+                            "still counts what it had (fedfleet-agent keeps it in its --out folder: restart it with "
+                            "the same one)", env.sender, STATE_ROUND_KEY, counted)
+                self.rejoined_without_state[env.sender] = self.round
             joined = self.devices.admit(env.sender, body, round=self.round, now=now)
             try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
                 self.strategy.on_join(env.sender, body.profile, int(body.num_samples))

@@ -315,7 +315,9 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             cfg, ds, federation=federation, final_accuracy=summary.final_accuracy,
             rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=url,
             refusals=server.refusal_totals(), onnx=server.onnx_result, resumed_after=ckpt.round if ckpt else None,
-            ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)]),
+            ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)],
+            **({"devices_rejoined_without_state": server.rejoined_without_state}
+               if server.rejoined_without_state else {})),
             indent=1), encoding="utf-8")
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""

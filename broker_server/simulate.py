@@ -81,11 +81,14 @@ def device_state_summary(agents: list[EdgeAgent]) -> dict:
     """``summary.json``'s account of a resumed fleet's kept state: per device, the round whose
     state it carried on from (``device_state_restored``) and the round of an update whose answer
     it never read and took as accepted (``device_state_taken_as_accepted``,
-    :mod:`edge_agent.state_store`); ``{}`` when no device kept state."""
+    :mod:`edge_agent.state_store`), and why a device's state file stopped being written during
+    the run (``device_state_errors``); ``{}`` when none of these happened."""
     restored = {a.client_id: a.restored_round for a in agents if a.restored_round is not None}
     taken = {a.client_id: a.taken_as_accepted for a in agents if a.taken_as_accepted is not None}
-    return ({"device_state_restored": restored, "device_state_taken_as_accepted": taken} if restored or taken
-            else {})
+    failed = {a.client_id: a.state_store_error for a in agents if a.state_store_error is not None}
+    out: dict = ({"device_state_restored": restored, "device_state_taken_as_accepted": taken}
+                 if restored or taken else {})
+    return {**out, "device_state_errors": failed} if failed else out
 
 
 @dataclass(frozen=True)
@@ -521,29 +524,36 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         # in its CONNECT): the server sizes every download for the devices it goes to
         restarted: list[int] = []  # rounds after which a resume restarted the devices' own state
         lost: list[str] = []  # what that state is
+        lost_devices: list[str] = []  # whose
         algo_cls: type[ClientAlgorithm] = get_client_algorithm_class(cfg.train.algorithm)
         keeps = restarted_device_state(algo_cls, type(server.strategy).buffers)
-        had_state = (out / DEVICE_STATE_FILE).exists()
         if keeps:  # what the devices keep between rounds is kept on disk: a resumed fleet carries on from it
             state_store = DeviceStateStore(out / DEVICE_STATE_FILE)
             if not resume:
                 state_store.clear()
         if resume:
             restarted = json.loads(read_meta(ledger.path).get(RESTARTED_META, "[]"))
-            # a run folder of a version that kept no device state, or an algorithm that cannot write its own
-            lost = keeps if not had_state else ([algo_cls.device_state] if algo_cls.device_state
-                                                  and not algo_cls.keeps_device_state_on_disk() else [])
             ckpt = server.checkpoints.load()
             if ckpt is not None:
                 server.resume(ckpt)
-                if lost:  # said out loud: the devices are new objects, the server's state is the checkpoint's
+                ids = [f"client-{i:03d}" for i in range(len(parts))]
+                # a device with no row at all, not even its initial state, lost what it kept: the run
+                # folder has no state file (made before it existed), or it was emptied or copied
+                # without its -wal file; an algorithm that cannot write its state loses that part
+                missing = [c for c in ids if not state_store.rounds(c)] if state_store is not None else []
+                cannot = ([algo_cls.device_state] if algo_cls.device_state
+                          and not algo_cls.keeps_device_state_on_disk() else [])
+                if ckpt.round >= 1 and (missing or cannot):
+                    lost, lost_devices = (keeps, missing) if missing else (cannot, ids)
+                if lost:  # said out loud: those devices are new objects, the server's state is the checkpoint's
                     restarted.append(int(ckpt.round))
                     ledger.set_meta(RESTARTED_META, json.dumps(restarted))
-                    log.warning("--resume: every simulated device starts afresh, and a %s device keeps %s between "
-                                "rounds: those start again from their initial values%s, so from round %d on this run "
-                                "is not the one that was interrupted (the server's state continues from its "
-                                "checkpoint)", cfg.train.algorithm, "; ".join(lost),
-                                "" if had_state else f" (this run folder has no {DEVICE_STATE_FILE})", ckpt.round + 1)
+                    log.warning("--resume: %d of %d simulated devices start afresh (%s%s): a %s device keeps %s "
+                                "between rounds, which starts again from its initial values there, so from round %d "
+                                "on this run is not the one that was interrupted (the server's state continues from "
+                                "its checkpoint)", len(lost_devices), len(ids), ", ".join(lost_devices[:5]),
+                                " …" if len(lost_devices) > 5 else "", cfg.train.algorithm, "; ".join(lost),
+                                ckpt.round + 1)
                 elif keeps:
                     log.info("--resume: the devices carry on from their state in %s (%s)", DEVICE_STATE_FILE,
                              "; ".join(keeps))
@@ -580,8 +590,12 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, security=agent_sec,
                          **{**channel_options(cfg), **channel_limits(rt, chunk_bytes=cfg.protocol.chunk_bytes,
                                                                      max_packet_bytes=cfg.protocol.max_packet_bytes)})
-            agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, slots=slots,
-                                emulate_link=cfg.agents.emulate_link, state_store=state_store)
+            try:
+                agent = build_agent(prepared, ch, runtime=rt, train_defaults=defaults, slots=slots,
+                                    emulate_link=cfg.agents.emulate_link, state_store=state_store)
+            except BaseException:  # e.g. its kept state does not fit: its connection is not an agent's yet
+                ch.close()
+                raise
             del prepared  # a borrowing agent gave its model up: nothing else holds it
             if agent_hook is not None:
                 agent_hook(i, agent)
@@ -634,7 +648,13 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         agent_errors=[repr(e) for e in errors], thread_plan=thread_plan.as_dict(),
         profiles={name: profiles.count(name) for name in sorted(set(profiles))},
         emulated_link_s={s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
-        device_state_restarted={"after_rounds": restarted, "state": lost} if restarted else None,
-        **device_state_summary(agents) if resume else {},
+        device_state_restarted=({"after_rounds": restarted, "state": lost or keeps,
+                                 **({"devices": lost_devices} if lost else {})} if restarted else None),
+        **device_state_summary(agents),
+        **({"devices_rejoined_without_state": server.rejoined_without_state}
+           if server.rejoined_without_state else {}),
     ), indent=1), encoding="utf-8")
+    if state_store is not None and finished_run(out, cfg.run.rounds) is not None:
+        for f in out.glob(DEVICE_STATE_FILE + "*"):  # no round left to resume: the devices' kept state is spent
+            f.unlink()
     return result

@@ -36,6 +36,7 @@ from .errors import EdgeAgentError, ModelError, PartitionError
 from .models import manifest_hash, model_manifest
 from .partition import parse_domain_clients
 from .slots import SlotsClosed
+from .state_store import StateStoreError
 
 if TYPE_CHECKING:
     from .runtime import AgentRuntime
@@ -46,6 +47,12 @@ log = logging.getLogger(__name__)
 #: images per forward pass of :meth:`EdgeAgent.evaluate` (the server's ``eval_batch_size`` default:
 #: activations of larger batches leave the cache and a pass gets slower per image)
 EVAL_BATCH = 256
+
+
+#: ``join.info`` key of a device whose algorithm keeps state between rounds: the newest round its
+#: kept state is as of (0: its initial state; :mod:`edge_agent.state_store`), so that a server
+#: that has counted this device's updates can tell a restart that lost that state
+STATE_ROUND_KEY = "state_round"
 
 
 def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed: int, shards: int,
@@ -303,10 +310,13 @@ class EdgeAgent:
         state_store: the device's state file (:class:`edge_agent.state_store.DeviceStateStore`),
             for an algorithm whose device keeps something between rounds beyond what every
             global brings (:func:`~edge_agent.algorithms.restarted_device_state`: the model's
-            private entries, SCAFFOLD's c_i, FedDyn's ∇L_k, MOON's previous model): the state is
-            written there on every accepted receipt, a restarted agent carries on from the
-            newest one (:attr:`restored_round`), and a round that a resumed server runs again
-            is trained from the state as of the round before it. ``None``: kept in memory only.
+            private entries, SCAFFOLD's c_i, FedDyn's ∇L_k, MOON's previous model): the state
+            after a local round is written there, unsettled, when its update goes out, and
+            settled or dropped by the update's receipt; a restarted agent carries on from the
+            newest settled one (:attr:`restored_round`, and :attr:`taken_as_accepted` for an
+            update whose answer it never read, module :mod:`edge_agent.state_store`), and a
+            round that a resumed server runs again is trained from the state as of the round
+            before it. ``None``: kept in memory only.
 
     A ``round_start`` may come broadcast or on this device's own topic with its ``instructions``
     (named scalars for this device only), which are merged over the round's ``config``
@@ -450,6 +460,8 @@ class EdgeAgent:
         #: the round of an update sent before a restart whose answer was never read, taken as
         #: accepted since the server had finished that round (None: none)
         self.taken_as_accepted: int | None = None
+        #: why the state file stopped being written during the run (None: it never failed)
+        self.state_store_error: str | None = None
         self._unread_answer: int | None = None
         if state_store is not None:
             self._open_state(state_store)
@@ -506,33 +518,77 @@ class EdgeAgent:
         row = store.newest(self.client_id)
         if row is None:
             store.put(self.client_id, 0, self._state_snapshot())
+            self.info[STATE_ROUND_KEY] = 0
             return
         self._apply_state(*row)
         self.restored_round = row[0]
         self._unread_answer = store.unsettled(self.client_id)
+        # announced at join: a server that counted updates of this device learns whether it kept its state
+        self.info[STATE_ROUND_KEY] = max(row[0], self._unread_answer or 0)
         log.info("%s: carries on from its state as of round %d (%s)%s", self.client_id, row[0], store.path,
                  "" if self._unread_answer is None else
                  f"; the answer to its update of round {self._unread_answer} was never read")
 
-    def _resolve_unread_answer(self, rnd: int) -> None:
-        """Before training round ``rnd`` after a restart: an update whose answer the device never
-        read (:mod:`edge_agent.state_store`) is taken as accepted when ``rnd`` is a later round
-        (the server finished that round), said in a warning and :attr:`taken_as_accepted`; else
-        dropped (the server runs that round again)."""
-        t, self._unread_answer = self._unread_answer, None
-        assert t is not None and self.state_store is not None
-        if rnd > t:
-            row = self.state_store.newest(self.client_id, settled=False)
+    def _server_at(self, rnd: int) -> None:
+        """A ``round_start`` of round ``rnd`` (selecting this device or not) that this process has
+        not trained: where the server is tells a restarted device what its kept state must be
+        (:mod:`edge_agent.state_store`). An update whose answer it never read is taken as
+        accepted when ``rnd`` is a later round (the server finished that round; a warning and
+        :attr:`taken_as_accepted` say so), else dropped (the server runs that round again);
+        then, when the kept state is not older than ``rnd`` (a server resumed from a checkpoint
+        taken before that state's round was aggregated), the device goes back to its newest
+        state before ``rnd`` and forgets the later ones."""
+        if rnd <= self._last_trained_round or self.state_store is None:
+            return  # a round trained in this process: answered by sending its update again
+        store = self.state_store
+        if self._unread_answer is not None:
+            t, self._unread_answer = self._unread_answer, None
+            row = None
+            if rnd > t:
+                try:
+                    row = store.newest(self.client_id, settled=False)
+                except StateStoreError as exc:
+                    log.error("%s: its update of round %d, sent before a restart, cannot be taken as accepted: %s; "
+                              "the device carries on from its state as of round %d, which differs from what the "
+                              "server counted if it accepted that update", self.client_id, t, exc, self._state_round)
             if row is not None and row[0] == t:
                 log.warning("%s: restarted after sending its update of round %d and before reading the answer; the "
                             "server has finished that round, so the update is taken as accepted and its state kept "
                             "(were it refused, this device's state would differ from what the server counted)",
                             self.client_id, t)
                 self._apply_state(*row)
-                self.state_store.settle(self.client_id, t, True)
+                self._state_io("settle", store.settle, self.client_id, t, True)
                 self.taken_as_accepted = t
-                return
-        self.state_store.settle(self.client_id, t, False)
+            else:
+                self._state_io("drop", store.settle, self.client_id, t, False)
+        if self.state_store is None or self._state_round < rnd:
+            return
+        row = self._state_io("read", store.newest, self.client_id, before=rnd)
+        if row is None:
+            if self.state_store is not None:
+                log.error("%s: round %d runs while its kept state is as of round %d, and no earlier state is kept "
+                          "(%s): it carries on from that state, which the server has not counted", self.client_id,
+                          rnd, self._state_round, store.path)
+            return
+        log.warning("%s: round %d runs again while its kept state is as of round %d: back to its state as of round %d",
+                    self.client_id, rnd, self._state_round, row[0])
+        self._apply_state(*row)
+        if self.rounds_trained == 0 and self.restored_round is not None:
+            self.restored_round = row[0]  # what this restarted device carries on from
+        self._state_io("forget", store.forget_from, self.client_id, rnd)
+
+    def _state_io(self, what: str, fn, *args, **kw):
+        """``fn(*args, **kw)`` on the state file; when the file fails (read-only, full disk,
+        damaged) the error is logged, kept in :attr:`state_store_error`, and the device goes on
+        with its state in memory only (``None`` is returned)."""
+        try:
+            return fn(*args, **kw)
+        except StateStoreError as exc:
+            log.error("%s: %s: %s; from now on this device keeps its state in memory only (a restart would start "
+                      "it afresh)", self.client_id, what, exc)
+            self.state_store_error = str(exc)
+            self.state_store = None
+            return None
 
     def _state_snapshot(self, *, settled: bool = True) -> dict[str, np.ndarray]:
         """The model's private entries (``model.<name>``) and the algorithm's device state as
@@ -555,8 +611,8 @@ class EdgeAgent:
         """
         model_part = {k.removeprefix("model."): v for k, v in arrays.items() if k.startswith("model.")}
         names = set(self._private_names())
+        where = self.state_store.path if self.state_store is not None else "its state file"
         if set(model_part) != names:
-            where = self.state_store.path if self.state_store is not None else "its state file"
             raise AgentError(f"{self.client_id}: the kept state of round {rnd} ({where}) holds model entries "
                              f"{sorted(model_part)[:4]}, this model's private entries are "
                              f"{sorted(names)[:4]}: another model or algorithm wrote it")
@@ -564,16 +620,25 @@ class EdgeAgent:
         with torch.no_grad():
             for n, a in model_part.items():
                 if tuple(a.shape) != tuple(target[n].shape):
-                    raise AgentError(f"{self.client_id}: kept entry {n} of round {rnd} has shape {tuple(a.shape)}, "
-                                     f"the model {tuple(target[n].shape)}")
+                    raise AgentError(f"{self.client_id}: kept entry {n} of round {rnd} ({where}) has shape "
+                                     f"{tuple(a.shape)}, the model {tuple(target[n].shape)}")
                 target[n].copy_(torch.from_numpy(np.array(a, copy=True)))
         own = {k: v for k, v in arrays.items() if not k.startswith("model.")}
         if type(self.algorithm).keeps_device_state_on_disk():
             try:
                 self.algorithm.load_device_state_arrays(own)
+                self.algorithm.check_device_state(self._model if self._model is not None else self.model_template())
             except ValueError as exc:
-                raise AgentError(f"{self.client_id}: the kept state of round {rnd}: {exc}") from None
+                raise AgentError(f"{self.client_id}: the kept state of round {rnd} ({where}): {exc}") from None
         self._state_round = rnd
+
+    def model_template(self) -> torch.nn.Module:
+        """A model of this device's architecture (its own, or the training slots' template of a
+        borrowing agent): for shapes only, never trained."""
+        if self._model is not None:
+            return self._model
+        assert self.slots is not None and self._model_key is not None, "a borrowing agent has slots"
+        return self.slots.template(self._model_key)
 
     @property
     def borrows_model(self) -> bool:
@@ -741,6 +806,8 @@ class EdgeAgent:
                     own = item.topic_info.client_id == self.client_id
                     self._again[env.round] = self._again.get(env.round, True) and own
                 return False
+            if self.state_store is not None:
+                self._server_at(env.round)
             if self.selected_by(body):
                 self._take_round(env.round, body, item.received_at or time.monotonic())
             elif body.members and self.member_index is None and not self.joined:
@@ -829,17 +896,6 @@ class EdgeAgent:
             log.warning("%s: no definite receipt for the update of round %d before round %d: the device state "
                         "it produced is discarded", self.client_id, self._unsettled, rnd)
             self._settle(self._unsettled, False)
-        if self._unread_answer is not None:
-            self._resolve_unread_answer(rnd)
-        if self.state_store is not None and self._state_round >= rnd:
-            # a server resumed from a checkpoint taken before this device's accepted update of round
-            # _state_round was aggregated runs that round again: back to the state it counted
-            row = self.state_store.newest(self.client_id, before=rnd)
-            if row is not None:
-                log.warning("%s: round %d runs again while its kept state is as of round %d: back to its state as "
-                            "of round %d", self.client_id, rnd, self._state_round, row[0])
-                self._apply_state(*row)
-                self.state_store.forget_from(self.client_id, rnd)
         mark = self.phases.lap()
         client_eval = bool(params.get("client_eval", False)) and self.eval_x is not None
 
@@ -891,7 +947,8 @@ class EdgeAgent:
             self._withdraw(rnd, "local training diverged (NaN/Inf); no update sent")
             return
         if self.state_store is not None:  # the state this update goes with, settled by its answer
-            self.state_store.put(self.client_id, rnd, self._state_snapshot(settled=False), settled=False)
+            self._state_io("write", self.state_store.put, self.client_id, rnd, self._state_snapshot(settled=False),
+                           settled=False)
         codec, tensors, delta = self._encode_update(params, result.tensors, global_tensors)
         try:
             extra_codecs = extras_codecs(str(params.get("extras_codec", "")), result.extras, codec)
@@ -930,7 +987,7 @@ class EdgeAgent:
         self._unsettled = None
         self.algorithm.on_update_receipt(rnd, accepted)
         if self.state_store is not None:
-            self.state_store.settle(self.client_id, rnd, accepted)
+            self._state_io("settle", self.state_store.settle, self.client_id, rnd, accepted)
             if accepted:
                 self._state_round = rnd
 

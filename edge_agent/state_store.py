@@ -18,7 +18,8 @@ refused one would be counted wrongly, which the warning names); when the server 
 or an earlier one again (it was resumed from a checkpoint taken before the round was
 aggregated), the row is dropped and the device goes back to its newest settled row of an earlier
 round, so its state is again the one the server's checkpoint counted. The newest :data:`KEEP`
-settled rows per device are kept, and one unsettled row.
+settled rows per device are kept, the round-0 row (the initial state: where a device goes back
+to when a new run under the same federation id starts at round 1), and one unsettled row.
 
 Arrays are written with :func:`numpy.save` (no pickle) in one blob per row and read back with
 ``allow_pickle=False``: a state file from elsewhere cannot run code here.
@@ -29,12 +30,15 @@ from __future__ import annotations
 import io
 import sqlite3
 import threading
+import time
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .errors import EdgeAgentError
 
 __all__ = ["KEEP", "DeviceStateStore", "StateStoreError"]
 
@@ -51,10 +55,11 @@ CREATE TABLE IF NOT EXISTS device_state (
     settled INTEGER NOT NULL,
     PRIMARY KEY (client_id, round)
 );
+CREATE TABLE IF NOT EXISTS opened (id INTEGER PRIMARY KEY, at REAL NOT NULL);
 """
 
 
-class StateStoreError(RuntimeError):
+class StateStoreError(EdgeAgentError):
     """The state file cannot be opened, or a row cannot be read back (names the file, the device
     and the round)."""
 
@@ -93,22 +98,33 @@ class DeviceStateStore:
             self._db.executescript(_SCHEMA)
         except (sqlite3.Error, OSError) as exc:
             raise StateStoreError(f"device state file {self.path}: cannot be opened ({exc})") from None
+        # written now, not at the first round's update: a file that cannot be written is said at start
+        self._write(("INSERT OR REPLACE INTO opened VALUES (1, ?)", (time.time(),)))
 
     def _write(self, *statements: tuple[str, tuple]) -> None:
-        """Run ``statements`` as one transaction (a killed process leaves all or none)."""
+        """Run ``statements`` as one transaction (a killed process leaves all or none).
+
+        Raises:
+            StateStoreError: SQLite refused the write (a read-only file or folder, a full disk,
+                a file locked by another process for longer than its timeout).
+        """
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
-                for sql, args in statements:
-                    self._db.execute(sql, args)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for sql, args in statements:
+                        self._db.execute(sql, args)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StateStoreError(f"device state file {self.path}: cannot be written ({exc})") from None
 
     def _prune(self, client_id: str) -> tuple[str, tuple]:
-        return ("DELETE FROM device_state WHERE client_id = ? AND settled = 1 AND round NOT IN (SELECT round FROM "
-                "device_state WHERE client_id = ? AND settled = 1 ORDER BY round DESC LIMIT ?)",
+        """Drop the settled rows but round 0's and the newest :data:`KEEP`."""
+        return ("DELETE FROM device_state WHERE client_id = ? AND settled = 1 AND round > 0 AND round NOT IN "
+                "(SELECT round FROM device_state WHERE client_id = ? AND settled = 1 ORDER BY round DESC LIMIT ?)",
                 (client_id, client_id, KEEP))
 
     def put(self, client_id: str, round: int, arrays: Mapping[str, np.ndarray], *, settled: bool = True) -> None:
@@ -149,18 +165,29 @@ class DeviceStateStore:
 
     def rounds(self, client_id: str) -> list[int]:
         """The settled rounds kept for ``client_id``, oldest first (``[]``: none)."""
-        with self._lock:
-            rows = self._db.execute("SELECT round FROM device_state WHERE client_id = ? AND settled = 1 ORDER BY round",
-                                    (client_id,)).fetchall()
+        rows = self._read("SELECT round FROM device_state WHERE client_id = ? AND settled = 1 ORDER BY round",
+                          (client_id,), all_rows=True)
         return [int(r[0]) for r in rows]
+
+    def _read(self, sql: str, args: tuple, *, all_rows: bool = False):
+        """One query's first row (``all_rows``: every row).
+
+        Raises:
+            StateStoreError: SQLite could not read the file (damaged, not a database).
+        """
+        with self._lock:
+            try:
+                cur = self._db.execute(sql, args)
+                return cur.fetchall() if all_rows else cur.fetchone()
+            except sqlite3.Error as exc:
+                raise StateStoreError(f"device state file {self.path}: cannot be read ({exc})") from None
 
     def unsettled(self, client_id: str) -> int | None:
         """The round of ``client_id``'s unsettled row, if it is newer than every settled one
         (an update sent whose answer was never read); else ``None``."""
-        with self._lock:
-            row = self._db.execute("SELECT MAX(round) FROM device_state WHERE client_id = ? AND settled = 0 AND "
-                                   "round > (SELECT COALESCE(MAX(round), -1) FROM device_state WHERE client_id = ? "
-                                   "AND settled = 1)", (client_id, client_id)).fetchone()
+        row = self._read("SELECT MAX(round) FROM device_state WHERE client_id = ? AND settled = 0 AND round > "
+                         "(SELECT COALESCE(MAX(round), -1) FROM device_state WHERE client_id = ? AND settled = 1)",
+                         (client_id, client_id))
         return None if row is None or row[0] is None else int(row[0])
 
     def newest(self, client_id: str, before: int | None = None, *,
@@ -177,20 +204,20 @@ class DeviceStateStore:
         if before is not None:
             sql += " AND round < ?"
             args += (int(before),)
-        with self._lock:
-            row = self._db.execute(sql + " ORDER BY round DESC LIMIT 1", args).fetchone()
+        row = self._read(sql + " ORDER BY round DESC LIMIT 1", args)
         if row is None:
             return None
         try:
             return int(row[0]), _unpack(row[1])
         except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+            why = ("it holds a pickled object, which is never loaded (the file keeps numeric arrays only)"
+                   if "allow_pickle" in str(exc) else f"{type(exc).__name__}: {exc}")
             raise StateStoreError(f"device state file {self.path}: {client_id}'s state of round {row[0]} cannot be "
-                                  f"read ({type(exc).__name__}: {exc})") from None
+                                  f"read ({why})") from None
 
     def clear(self) -> None:
         """Drop every row (a fresh run into the file of an earlier one)."""
-        with self._lock:
-            self._db.execute("DELETE FROM device_state")
+        self._write(("DELETE FROM device_state", ()))
 
     def close(self) -> None:
         """Close the file (a second close is a no-op)."""

@@ -330,7 +330,9 @@ join whose data settings differ from its own (receipt `accepted` = false), and t
 `max_packet_bytes` (1,024 … 268,435,460), the largest whole MQTT PUBLISH packet the device takes, and `chunk_bytes` \
 (64 … 268,435,456), its chunk size: a server sends every message to the device (each broadcast: to the smallest \
 limit among the joined devices) as a chunked transfer whose packets fit, sized for MQTT 5 framing; a value outside \
-those ranges is refused |
+those ranges is refused; and `state_round` (uint), sent by a device whose algorithm keeps state between rounds: the \
+newest round its kept state is as of (0: its initial state). A server that has counted updates of that device and \
+reads `state_round` = 0 says that the device restarted without its state (informational: the join is accepted) |
 | round_start | selected | array of str | ids of the agents asked to train this round |
 | round_start | deadline_s | float64 > 0 | seconds after this message within which updates are accepted |
 | round_start | config | M | training settings for every selected agent: `lr`, `local_epochs`, `batch_size`, \

@@ -373,6 +373,15 @@ class ClientAlgorithm(ABC):
         if arrays:
             raise ValueError(f"{type(self).__name__} keeps no device state, got {sorted(arrays)}")
 
+    def check_device_state(self, model: torch.nn.Module) -> None:
+        """After :meth:`load_device_state_arrays`: whether the loaded state fits ``model`` (the
+        device's architecture; only its shapes are read). Default: nothing to check.
+
+        Raises:
+            ValueError: the state was kept for another model (says which shapes differ).
+        """
+        return None  # a default hook: nothing to check
+
     @classmethod
     def keeps_device_state_on_disk(cls) -> bool:
         """Whether the class can write and read its :attr:`device_state` (it overrides

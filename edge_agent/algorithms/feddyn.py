@@ -116,9 +116,23 @@ class FedDynClient(StateOnReceipt, LocalSGDClient):
         """
         names = [f"grad_state.{j:03d}" for j in range(len(arrays))]
         if sorted(arrays) != names:
-            raise ValueError(f"FedDyn's device state is grad_state.000 … grad_state.{len(arrays) - 1:03d}, "
-                             f"got {sorted(arrays)}")
+            raise ValueError(f"FedDyn's device state is arrays grad_state.000, grad_state.001, … (one per model "
+                             f"parameter), got {sorted(arrays)[:4]}")
         return [torch.from_numpy(np.array(arrays[n], np.float32, copy=True)) for n in names]
+
+    def check_device_state(self, model: torch.nn.Module) -> None:
+        """∇L_k has one array per model parameter, of its shape.
+
+        Raises:
+            ValueError: another count or shape.
+        """
+        if self.grad_state is None:
+            return
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        kept = [tuple(g.shape) for g in self.grad_state]
+        if kept != shapes:
+            raise ValueError(f"the kept ∇L_k has {len(kept)} arrays {kept[:3]} …, this model {len(shapes)} "
+                             f"parameters {shapes[:3]} …")
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
                     global_extras: Mapping[str, np.ndarray]) -> LossFn:

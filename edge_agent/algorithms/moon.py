@@ -104,6 +104,21 @@ class MoonClient(LocalSGDClient):
         self.previous = None
         self._previous_state = {k.removeprefix("previous."): np.array(v, copy=True) for k, v in arrays.items()} or None
 
+    def check_device_state(self, model: torch.nn.Module) -> None:
+        """The kept previous model has this model's state entries, of their shapes.
+
+        Raises:
+            ValueError: other entries or shapes.
+        """
+        if self._previous_state is None:
+            return
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in self._previous_state.items()}
+        if got != want:
+            diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            raise ValueError(f"the kept previous model differs from this model in {len(diff)} entries, "
+                             f"first {diff[:3]}")
+
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, params: Mapping[str, object],
                     global_extras: Mapping[str, np.ndarray]) -> LossFn | None:
         """CE + μ·ℓ_con against frozen copies of the just-loaded global model and the previous

@@ -201,6 +201,16 @@ class ScaffoldClient(StateOnReceipt, LocalSGDClient):
                              f"{ {k: np.asarray(v).shape for k, v in arrays.items()} }")
         return np.array(arrays["control"], np.float64, copy=True)
 
+    def check_device_state(self, model: torch.nn.Module) -> None:
+        """c_i has one entry per model parameter (P).
+
+        Raises:
+            ValueError: another length.
+        """
+        p = sum(t.numel() for t in model.parameters())
+        if self.control is not None and self.control.shape != (p,):
+            raise ValueError(f"the kept c_i has {self.control.size} entries, this model {p} parameters")
+
     @property
     def committed_control(self) -> np.ndarray | None:
         """c_i as of the last update the server accepted (:attr:`control` once the round is settled)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from broker_server import cli
@@ -191,3 +192,36 @@ def test_the_end_of_a_run_names_where_its_final_accuracy_came_from(
     cli._print_summary(tmp_path, accuracy, 3, 1.0, "amqtt", accuracy_source=source, total_rounds=3)
     first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("finished")]
     assert first == [f"finished 3 rounds of 3 in 1.0 s over amqtt; {said}"]
+
+
+def test_a_damaged_device_state_file_on_resume_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A SCAFFOLD run stopped after round 1 (its on_round raises), its devices' state file then
+    overwritten with a row of another model: ``--resume`` exits 1 with one line naming the file
+    and what does not fit, no traceback."""
+    import sqlite3
+
+    from edge_agent.state_store import DeviceStateStore
+
+    cfg = load(QUICKSTART, {("data", "clients"): 2, ("run", "rounds"): 2, ("server", "quorum"): 2,
+                            ("train", "algorithm"): "scaffold", ("data", "dataset"): "digits"})
+    run = tmp_path / "run"
+
+    def stop(m) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate_mod.simulate(cfg, run_dir=run, on_round=stop)
+    state = run / simulate_mod.DEVICE_STATE_FILE
+    store = DeviceStateStore(state)
+    assert store.rounds("client-000")  # kept while the run is unfinished
+    store.put("client-000", 1, {"control": np.zeros(5)})
+    store.close()
+    capsys.readouterr()
+    code = cli.main(["simulate", "--resume", str(run)])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILED, err
+    assert "Traceback" not in err
+    assert f"({state})" in err and "the kept c_i has 5 entries" in err
+    con = sqlite3.connect(state)
+    assert con.execute("select count(*) from device_state").fetchone()[0] > 0  # nothing was thrown away
+    con.close()

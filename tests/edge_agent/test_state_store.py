@@ -30,14 +30,15 @@ def test_rows_per_device_and_round_the_newest_before_a_round_and_the_newest_kept
     for r in range(KEEP + 2):
         store.put("client-000", r, {k: v + r for k, v in a.items()})
     store.put("client-001", 4, {"x": np.array([1, 2], np.int64)})
-    assert store.rounds("client-000") == list(range(2, KEEP + 2))  # the newest KEEP rows
+    assert store.rounds("client-000") == [0, *range(2, KEEP + 2)]  # the initial state and the newest KEEP
     rnd, got = store.newest("client-000")
     assert rnd == KEEP + 1
     for k, v in a.items():
         assert got[k].dtype == v.dtype
         np.testing.assert_array_equal(got[k], v + (KEEP + 1))  # bit for bit
     assert store.newest("client-000", before=KEEP + 1)[0] == KEEP
-    assert store.newest("client-000", before=2) is None  # nothing older is kept
+    assert store.newest("client-000", before=2)[0] == 0  # round 1's is gone, the initial state stays
+    assert store.newest("client-000", before=0) is None
     assert store.newest("client-002") is None
     store.close()
     again = DeviceStateStore(tmp_path / "s.sqlite")  # on disk: a restarted process reads it
@@ -85,6 +86,17 @@ def test_bad_rows_and_files_are_refused_and_nothing_in_them_runs(tmp_path) -> No
     (tmp_path / "not.sqlite").write_bytes(b"this is no SQLite file at all" * 100)
     with pytest.raises(StateStoreError, match="cannot be opened"):
         DeviceStateStore(tmp_path / "not.sqlite")
+
+
+def test_a_file_that_cannot_be_written_is_refused_when_it_is_opened(tmp_path, monkeypatch) -> None:
+    """A read-only state file is said when the store opens, not at the first round's update
+    (root ignores file modes: SQLite's read-only open stands in for them)."""
+    path = tmp_path / "s.sqlite"
+    DeviceStateStore(path).close()
+    real = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda p, **kw: real(f"file:{p}?mode=ro", uri=True, **kw))
+    with pytest.raises(StateStoreError, match=r"s\.sqlite: cannot be (written|opened)"):
+        DeviceStateStore(path)
 
 
 def _round(alg, model, seed: int, rnd: int):
