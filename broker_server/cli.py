@@ -94,7 +94,7 @@ def _cmd_simulate(args) -> int:
     from protocol.errors import TransportError
 
     from .progress import make_progress
-    from .simulate import make_run_id, progress_printer, simulate
+    from .simulate import DEVICE_STATE_FILE, kept_device_state, make_run_id, progress_printer, simulate
 
     cfg = _load(args)
     out = Path(args.out) if args.out else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
@@ -117,6 +117,9 @@ def _cmd_simulate(args) -> int:
         last = last_checkpoint_round(out / "checkpoints.sqlite") or 0
         print(f"fedfleet simulate: resuming {out} after round {last} of {cfg.run.rounds} (rounds {last + 1}.."
               f"{cfg.run.rounds} to go)", flush=True)
+        if (out / DEVICE_STATE_FILE).exists() and (kept := kept_device_state(cfg)):
+            print(f"fedfleet simulate: the devices carry on from their kept state in {DEVICE_STATE_FILE} "
+                  f"({'; '.join(kept)})", flush=True)
     show = None if args.quiet else progress_printer(cfg.run.rounds)
     prog = make_progress(cfg.run.rounds, verbose=args.verbose + args.sub_verbose > 0, round_line=show)
     try:

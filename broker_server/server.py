@@ -729,8 +729,8 @@ class AggregationServer:
                 # algorithm keeps between rounds starts afresh, which the server's state still counts
                 log.warning("%s joined again with no kept state (join.info %s = 0) after %d accepted updates: what "
                             "its algorithm keeps between rounds starts afresh on the device, while the server's state "
-                            "still counts what it had (fedfleet-agent keeps it in its --out folder: restart it with "
-                            "the same one)", env.sender, STATE_ROUND_KEY, counted)
+                            "still counts what it had (fedfleet-agent keeps it in its --out folder, a simulation in "
+                            "its run folder)", env.sender, STATE_ROUND_KEY, counted)
                 self.rejoined_without_state[env.sender] = self.round
             joined = self.devices.admit(env.sender, body, round=self.round, now=now)
             try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
@@ -1341,6 +1341,9 @@ class AggregationServer:
         if self.settings.client_eval and _scheduled(r, self.settings.client_eval_every, self.settings.rounds):
             config["client_eval"] = True
         o.messages = (glob, self._round_starts(tuple(plan.selected), config, dict(plan.instructions)))
+        # set before anything is handled: a device that comes back while the previous round is
+        # still evaluated is sent the time left (never an infinite deadline_s, which it refuses)
+        o.deadline = t0 + self.settings.round_deadline_s
         self._extra_codecs = extras_codecs(self.settings.extras_codec, dict(glob.extras), self.global_codec)
         self._extras_seen.update(glob.extras)
         self._plan_delivery(r, glob, len(available))
@@ -1355,8 +1358,7 @@ class AggregationServer:
             # what arrived meanwhile (receipts of this round's global among it) is handled before
             # anything decides from it (a resend of the global for want of receipts)
             self._drain()
-        deadline = t0 + self.settings.round_deadline_s
-        o.deadline = deadline
+        deadline = o.deadline
         while True:
             self._drop_overdue(time.monotonic())
             if not o.awaiting() or time.monotonic() >= deadline:

@@ -77,18 +77,27 @@ RESTARTED_META = "device_state_restarted_after_rounds"
 DEVICE_STATE_FILE = "device_state.sqlite"
 
 
-def device_state_summary(agents: list[EdgeAgent]) -> dict:
+def kept_device_state(cfg: Config, buffers: str | None = None) -> list[str]:
+    """What a device of ``cfg``'s algorithm keeps between rounds, one phrase per part
+    (:func:`~edge_agent.algorithms.restarted_device_state`; ``buffers``: the server half's
+    setting, default the client class's); ``[]``: nothing, no state file is kept."""
+    return restarted_device_state(get_client_algorithm_class(cfg.train.algorithm), buffers)
+
+
+def device_state_summary(agents: list[EdgeAgent], *, resumed: bool) -> dict:
     """``summary.json``'s account of a resumed fleet's kept state: per device, the round whose
     state it carried on from (``device_state_restored``) and the round of an update whose answer
     it never read and took as accepted (``device_state_taken_as_accepted``,
-    :mod:`edge_agent.state_store`), and why a device's state file stopped being written during
-    the run (``device_state_errors``); ``{}`` when none of these happened."""
+    :mod:`edge_agent.state_store`), both on a resume only, and why a device's state file stopped
+    being written during the run (``device_state_errors``, ``{}`` when it never failed); ``{}``
+    for an algorithm whose devices keep nothing between rounds."""
     restored = {a.client_id: a.restored_round for a in agents if a.restored_round is not None}
     taken = {a.client_id: a.taken_as_accepted for a in agents if a.taken_as_accepted is not None}
     failed = {a.client_id: a.state_store_error for a in agents if a.state_store_error is not None}
-    out: dict = ({"device_state_restored": restored, "device_state_taken_as_accepted": taken}
-                 if restored or taken else {})
-    return {**out, "device_state_errors": failed} if failed else out
+    if not any(a.state_store is not None or a.state_store_error is not None for a in agents):
+        return {}  # the algorithm's devices keep nothing between rounds
+    out: dict = {"device_state_restored": restored, "device_state_taken_as_accepted": taken} if resumed else {}
+    return {**out, "device_state_errors": failed}
 
 
 @dataclass(frozen=True)
@@ -526,7 +535,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         lost: list[str] = []  # what that state is
         lost_devices: list[str] = []  # whose
         algo_cls: type[ClientAlgorithm] = get_client_algorithm_class(cfg.train.algorithm)
-        keeps = restarted_device_state(algo_cls, type(server.strategy).buffers)
+        keeps = kept_device_state(cfg, type(server.strategy).buffers)
         if keeps:  # what the devices keep between rounds is kept on disk: a resumed fleet carries on from it
             state_store = DeviceStateStore(out / DEVICE_STATE_FILE)
             if not resume:
@@ -650,7 +659,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         emulated_link_s={s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         device_state_restarted=({"after_rounds": restarted, "state": lost or keeps,
                                  **({"devices": lost_devices} if lost else {})} if restarted else None),
-        **device_state_summary(agents),
+        **device_state_summary(agents, resumed=resume),
         **({"devices_rejoined_without_state": server.rejoined_without_state}
            if server.rejoined_without_state else {}),
     ), indent=1), encoding="utf-8")

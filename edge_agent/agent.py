@@ -455,7 +455,8 @@ class EdgeAgent:
         #: where the device keeps what it carries between rounds (None: memory only, lost on a restart)
         self.state_store: DeviceStateStore | None = None
         self._state_round = 0  # the round of the last accepted update the kept state is as of (0: initial)
-        #: the round whose kept state a restarted device carried on from (None: none was kept)
+        #: the round whose kept state a restarted device carried on from (None: none was kept): its
+        #: newest settled state, or an update taken as accepted, or where it went back to
         self.restored_round: int | None = None
         #: the round of an update sent before a restart whose answer was never read, taken as
         #: accepted since the server had finished that round (None: none)
@@ -559,6 +560,8 @@ class EdgeAgent:
                 self._apply_state(*row)
                 self._state_io("settle", store.settle, self.client_id, t, True)
                 self.taken_as_accepted = t
+                if self.rounds_trained == 0:
+                    self.restored_round = t  # what this restarted device carries on from
             else:
                 self._state_io("drop", store.settle, self.client_id, t, False)
         if self.state_store is None or self._state_round < rnd:

@@ -366,6 +366,9 @@ def _main(argv: list[str] | None) -> int:
         if agent.restored_round is not None:
             print(f"{args.client_id}: carries on from the state it kept after round {agent.restored_round} "
                   f"({state.path})", flush=True)
+        elif agent.state_store is not None:
+            print(f"{args.client_id}: no state kept for federation {args.federation} in {out}: starts from its "
+                  "initial state (an agent restarted with another --out loses what it kept)", flush=True)
         warn = threading.Timer(min(JOIN_WARN_S, args.join_timeout_s / 2), _warn_unanswered, args=(agent,))
         warn.daemon = True
         warn.start()

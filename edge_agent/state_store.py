@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import sqlite3
 import threading
-import time
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,7 +54,6 @@ CREATE TABLE IF NOT EXISTS device_state (
     settled INTEGER NOT NULL,
     PRIMARY KEY (client_id, round)
 );
-CREATE TABLE IF NOT EXISTS opened (id INTEGER PRIMARY KEY, at REAL NOT NULL);
 """
 
 
@@ -98,8 +96,18 @@ class DeviceStateStore:
             self._db.executescript(_SCHEMA)
         except (sqlite3.Error, OSError) as exc:
             raise StateStoreError(f"device state file {self.path}: cannot be opened ({exc})") from None
-        # written now, not at the first round's update: a file that cannot be written is said at start
-        self._write(("INSERT OR REPLACE INTO opened VALUES (1, ?)", (time.time(),)))
+        # a write tried now and rolled back (the rows stay as they are): a file that cannot be written
+        # is said at start, not at the first round's update
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute("INSERT OR REPLACE INTO device_state VALUES ('', -1, x'', 1)")
+                finally:
+                    self._db.execute("ROLLBACK")
+            except sqlite3.Error as exc:
+                self._db.close()
+                raise StateStoreError(f"device state file {self.path}: cannot be written ({exc})") from None
 
     def _write(self, *statements: tuple[str, tuple]) -> None:
         """Run ``statements`` as one transaction (a killed process leaves all or none).

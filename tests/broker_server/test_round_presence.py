@@ -183,3 +183,40 @@ def test_a_flapping_device_is_sent_the_round_at_most_max_round_resends_times(tmp
     assert (m["clients_reported"], m["resent_to"]) == (2, ["client-a"])
     stops = [r for r in caplog.records if "nothing more is sent to it this round" in r.getMessage()]
     assert len(stops) == 1
+
+
+def test_a_device_back_while_the_previous_round_is_evaluated_is_sent_the_time_left(tmp_path: Path) -> None:
+    """Evaluation overlap: round 2's messages are out while round 1 is still being evaluated,
+    and the messages that arrived meanwhile are handled before round 2 waits for updates. A's
+    last will and its ``online`` come then: the round_start sent to A again carries the time
+    left of round 2 (0 < deadline_s ≤ 600), not an infinite one, which every agent refuses as
+    not finite (seen with a real agent restarted between rounds: its round closed at the
+    deadline without it)."""
+    model, like = _model()
+    rng = np.random.default_rng(0)
+    script: deque = deque([
+        [incoming(*update_payload(FED, "client-a", 1, 3, like, rng)),
+         incoming(*update_payload(FED, "client-b", 1, 3, like, rng))],
+        "round 2 is out",
+        [incoming(*status_payload(FED, "client-a", "offline", "connection lost")),
+         incoming(*status_payload(FED, "client-a", "online", "reconnected", seq=5))],
+        [incoming(*update_payload(FED, "client-a", 2, 6, like, rng)),
+         incoming(*update_payload(FED, "client-b", 2, 6, like, rng))],
+    ])
+
+    def feed():
+        if not script:
+            return None
+        if script[0] == "round 2 is out":  # held until round 2's round_start is on the wire
+            if not sent_on(srv.channel.transport, "/down/round_start")[1:]:
+                return None
+            script.popleft()
+        return script.popleft()
+
+    srv = memory_server(tmp_path, model=model, clients=["client-a", "client-b"], rounds=2, feed=feed, fed=FED)
+    pending = srv._run_round(1, previous=None, defer=True)
+    m = srv._run_round(2, previous=pending, defer=False)
+    (start_a,) = sent_on(srv.channel.transport, "/down/client-a/round_start")
+    assert start_a.round == 2 and start_a.body.selected == ("client-a",)
+    assert 0 < start_a.body.deadline_s <= 600.0
+    assert (m["round"], m["clients_reported"], m["resent_to"]) == (2, 2, ["client-a"])

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -432,11 +433,21 @@ def test_a_scaffold_agent_killed_and_restarted_carries_on_from_its_kept_state(tm
         time.sleep(0.05)
     else:
         raise AssertionError("d1 never kept a settled round-1 state:\n" + logs["d1"].read_text()[-2000:])
-    procs["d1"].kill()
-    procs["d1"].wait(timeout=30)
-    logs["d1b"] = tmp_path / "d1b.log"
-    procs["d1b"] = _popen(_agent_argv(words, "d1", 1, tmp_path), logs["d1b"], tmp_path)
-    procs.pop("d1")
+    # the server is held (SIGSTOP) while d1 is down, so that it neither finishes the run without
+    # it nor starts a round for d0 alone: the restarted d1 takes part in the rounds that follow
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        procs["d1"].kill()
+        procs["d1"].wait(timeout=30)
+        logs["d1b"] = tmp_path / "d1b.log"
+        procs["d1b"] = _popen(_agent_argv(words, "d1", 1, tmp_path), logs["d1b"], tmp_path)
+        procs.pop("d1")
+        deadline = time.monotonic() + 90
+        while "carries on from" not in logs["d1b"].read_text(errors="replace") and time.monotonic() < deadline:
+            assert procs["d1b"].poll() is None, logs["d1b"].read_text()[-2000:]
+            time.sleep(0.1)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
     codes = _wait(procs, logs, 180)
     assert codes == {n: 0 for n in procs}, {n: logs[n].read_text()[-2000:] for n in procs}
     text = logs["d1b"].read_text()
