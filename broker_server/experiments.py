@@ -183,7 +183,6 @@ def run_job(job: Job, out_dir: str | Path) -> dict:
 
     res = simulate(cfg, run_dir=run_dir, agent_hook=keep)
     seconds = time.monotonic() - t0
-
     audit = load_run(run_dir)
     last = dict(res.metrics[-1]) if res.metrics else {}
     accs = [m["accuracy"] for m in res.metrics if m.get("accuracy") is not None]

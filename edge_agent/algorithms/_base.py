@@ -454,17 +454,19 @@ class StateOnReceipt(ClientAlgorithm):
             setattr(self, self.state_attr, self._unsettled[1])
         self._unsettled = None
 
+    @abstractmethod
     def state_to_arrays(self, state: object) -> dict[str, np.ndarray]:
-        """The state held in :attr:`state_attr` (not ``None``) as named arrays (copies)."""
-        raise NotImplementedError
+        """The state held in :attr:`state_attr` (not ``None``) as named arrays (copies), for the
+        device's state file; each algorithm names its own layout (SCAFFOLD ``control``, FedDyn
+        ``grad_state.000`` …)."""
 
+    @abstractmethod
     def state_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> object:
         """The inverse of :meth:`state_to_arrays` (``arrays`` not empty).
 
         Raises:
             ValueError: arrays of another layout.
         """
-        raise NotImplementedError
 
     def device_state_arrays(self, *, settled: bool = True) -> dict[str, np.ndarray]:
         """The committed state (:attr:`committed_state`; ``settled=False``: the state after the
