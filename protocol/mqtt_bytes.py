@@ -99,3 +99,41 @@ def max_payload_for(topic: str, max_packet_bytes: int, qos: int, *, protocol: in
         else:
             hi = mid - 1
     return lo
+
+
+def connect_client_id(packet: bytes) -> str | None:
+    """The client identifier in an MQTT CONNECT packet (3.1.1 §3.1.3.1, or 5 §3.1.3.1, where the
+    CONNECT properties come between the keep-alive and the identifier); for tools that watch the
+    wire (relays, packet captures).
+
+    Args:
+        packet: the bytes a connection began with (at least the whole CONNECT; more is ignored).
+
+    Returns:
+        The identifier decoded as UTF-8 (invalid bytes replaced); ``None`` when ``packet`` is not a
+        CONNECT or not all of it is there yet.
+    """
+
+    def varint(i: int) -> tuple[int, int] | None:  # (value, index after it), None past the end
+        value, shift = 0, 0
+        while i < len(packet):
+            value |= (packet[i] & 0x7F) << shift
+            shift += 7
+            i += 1
+            if not packet[i - 1] & 0x80:
+                return value, i
+        return None
+
+    if len(packet) < 2 or packet[0] >> 4 != 1:
+        return None
+    head = varint(1)
+    if head is None or len(packet) < head[1] + head[0]:
+        return None
+    i = head[1] + 10  # protocol name (2 + 4), level, flags, keep-alive (2)
+    if packet[head[1] + 6] == MQTT_V5:
+        props = varint(i)
+        if props is None:
+            return None
+        i = props[1] + props[0]
+    ln = int.from_bytes(packet[i:i + 2], "big")
+    return bytes(packet[i + 2:i + 2 + ln]).decode("utf-8", "replace")

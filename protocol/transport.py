@@ -246,6 +246,12 @@ class _CountingClient(PollingClient):
     Two paho internals are wrapped (paho-mqtt 2.x): ``_packet_queue`` (each outgoing packet, as
     complete bytes) and ``_packet_handle`` (each complete incoming packet); ``_sock_send`` /
     ``_sock_recv`` count the raw bytes written to / read from the socket (before TLS).
+
+    paho marks a QoS 1 PUBLISH as awaiting its PUBACK when it queues the packet, not when the
+    socket takes it; a connection lost with the packet still unwritten in paho's queue drops the
+    packet, and after the reconnect paho sends the message with DUP set although it was never on the
+    wire. :meth:`reconnect` notes such messages (:meth:`unwritten_mids`), and their next PUBLISH is
+    reported as a first transmission (``dup=False``), so the ledger counts it once, as the wire does.
     """
 
     def __init__(self, *args, on_packet, **kwargs) -> None:
@@ -254,11 +260,29 @@ class _CountingClient(PollingClient):
         self.socket_bytes_out = 0
         self.socket_bytes_in = 0
         self.puback_codes: dict[int, int] = {}  # mid -> reason code >= 0x80 of its MQTT 5 PUBACK
+        self._never_written: set[int] = set()  # mids whose every PUBLISH so far was dropped unwritten
+
+    def unwritten_mids(self) -> set[int]:
+        """Message ids of the QoS > 0 PUBLISH packets in paho's queue of which the socket has taken
+        no byte yet (any thread; a copy of the queue is read, which paho may change meanwhile)."""
+        return {p["mid"] for p in tuple(self._out_packet)
+                if p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] > 0 and p["pos"] == 0}
+
+    def reconnect(self):
+        """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
+        PUBLISH packets it drops unwritten (paho thread)."""
+        with self._out_message_mutex:
+            live = set(self._out_messages)
+        self._never_written = (self._never_written & live) | self.unwritten_mids()
+        return super().reconnect()
 
     def _packet_queue(self, command, packet, mid, qos, info=None):
         first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
-        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet),
-                                             bool(first & 0x08) and first >> 4 == 3))
+        dup = bool(first & 0x08) and first >> 4 == 3
+        if dup and mid in self._never_written:  # the first of its PUBLISH packets to reach the socket
+            self._never_written.discard(mid)
+            dup = False
+        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet), dup))
         return super()._packet_queue(command, packet, mid, qos, info)
 
     def _packet_handle(self):
@@ -526,9 +550,10 @@ class MqttTransport:
         info, size, topic, at = last
         if time.monotonic() - at > ACK_CLOSE_S or size <= self.kept_packet_bytes:
             return False
+        unwritten = client.unwritten_mids()
         with client._out_message_mutex:
             waiting = [self._packet_size(m) for m in client._out_messages.values()
-                       if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback]
+                       if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback and m.mid not in unwritten]
         if waiting and max(waiting) > size + max(64, size // 64):  # chunks of one transfer differ by a few bytes
             return False
         limit = size // 2
@@ -554,9 +579,10 @@ class MqttTransport:
         to be at most half its size, and that PUBLISH (with every other one above the limit) is
         withdrawn from paho's queue at the next CONNACK, before paho re-sends (paho thread; paho
         may be iterating its queue here, so nothing is removed now)."""
+        unwritten = client.unwritten_mids()
         with client._out_message_mutex:
             sent = [m for m in client._out_messages.values()
-                    if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback]
+                    if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback and m.mid not in unwritten]
             if not sent:
                 return
             biggest = max(sent, key=self._packet_size)

@@ -39,14 +39,11 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +55,7 @@ if str(REPO) not in sys.path:  # run as a script: make protocol/, edge_agent/, b
     sys.path.insert(0, str(REPO))
 
 from tools import _flower  # noqa: E402  (REPO on sys.path first)
+from tools.counting_relay import CountingRelay  # noqa: E402
 
 EXAMPLE_CONFIG = REPO / "examples" / "mnist-fedavg.toml"
 DEFAULT_CODECS = ("fp32", "fp16", "int8", "topk:0.1", "int8+zstd")
@@ -67,103 +65,6 @@ SOFT_SENDER = "client-007"
 SOFT_TENSOR_BYTES = 42_560  # [1000, 10] + [10, 64] float32
 SMALL_FLOATS = 10_000       # 40 KB of float32
 LARGE_FLOATS = 11_200_000   # 44.8 MB of float32
-
-
-# --------------------------------------------------------------------------------------------
-# Byte-counting TCP relay (as in tests/test_wire_accounting.py)
-
-
-class CountingRelay:
-    """TCP relay ``127.0.0.1:self.port`` → ``127.0.0.1:target_port`` counting the bytes of each
-    connection in each direction (the TCP payload stream: everything the application protocol
-    wrote, framing included; not IP/TCP headers).
-
-    Attributes:
-        up: connection number → bytes client → server.
-        down: connection number → bytes server → client.
-        first: connection number → the first ≤ 512 bytes sent by the client (to read an MQTT
-            CONNECT's client id).
-    """
-
-    def __init__(self, target_port: int) -> None:
-        self.target = ("127.0.0.1", target_port)
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        self.up: dict[int, int] = defaultdict(int)
-        self.down: dict[int, int] = defaultdict(int)
-        self.first: dict[int, bytearray] = defaultdict(bytearray)
-        self.lock = threading.Lock()
-        self.threads: list[threading.Thread] = []
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        n = 0
-        while not self._stop:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            try:
-                b = socket.create_connection(self.target)
-            except OSError:
-                c.close()
-                continue
-            for src, dst, up in ((c, b, True), (b, c, False)):
-                t = threading.Thread(target=self._pump, args=(n, src, dst, up), daemon=True)
-                t.start()
-                self.threads.append(t)
-            n += 1
-
-    def _pump(self, n: int, src: socket.socket, dst: socket.socket, up: bool) -> None:
-        try:
-            while True:
-                data = src.recv(262144)
-                if not data:
-                    break
-                with self.lock:
-                    (self.up if up else self.down)[n] += len(data)
-                    if up and len(self.first[n]) < 512:
-                        self.first[n] += data[:512]
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def mqtt_client_id(self, n: int) -> str:
-        """Client id of connection ``n`` from its CONNECT packet: MQTT 3.1.1 (§3.1) or MQTT 5
-        (§3.1, whose properties come between the keep-alive and the client id)."""
-        pkt = bytes(self.first[n])
-
-        def varint(i: int) -> tuple[int, int]:  # (value, index after it)
-            value, shift = 0, 0
-            while True:
-                value |= (pkt[i] & 0x7F) << shift
-                shift += 7
-                i += 1
-                if not pkt[i - 1] & 0x80:
-                    return value, i
-
-        _, i = varint(1)  # remaining length
-        level = pkt[i + 6]  # after the protocol name (2 + 4)
-        i += 10  # protocol name, level, flags, keep-alive (2)
-        if level == 5:
-            props, i = varint(i)
-            i += props
-        ln = int.from_bytes(pkt[i:i + 2], "big")
-        return pkt[i + 2:i + 2 + ln].decode()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting and wait (≤ ``timeout_s`` per pump) for open connections to end."""
-        self._stop = True
-        self.srv.close()
-        for t in self.threads:
-            t.join(timeout=timeout_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,13 +308,9 @@ def bench_codecs(codecs: list[str], rounds: int, work: Path, data_dir: str | Non
             finally:
                 relay.close()
             broker_kind = broker.kind
-        agent_bytes = server_bytes = 0
-        for n in sorted(set(relay.up) | set(relay.down)):
-            both = relay.up[n] + relay.down[n]
-            if relay.mqtt_client_id(n).endswith("-server"):
-                server_bytes += both
-            else:
-                agent_bytes += both
+        wire = relay.bytes_per_node()
+        server_bytes = sum(n for (node, _), n in wire.items() if node == "server")
+        agent_bytes = sum(n for (node, _), n in wire.items() if node != "server")
         report = audit_report(run_dir)
         dev = report["totals"]["device"]
         row = {
@@ -478,8 +375,8 @@ def bench_flower(flower_venv: str, rounds: int, work: Path, data_dir: str | None
     relay = relays[0]
     curve = [r["accuracy"] for r in res["rounds"]]
     return {"ok": True, "flwr_version": venv.version, "accuracy_curve": curve, "final_accuracy": curve[-1],
-            "relay_up_bytes": sum(relay.up.values()), "relay_down_bytes": sum(relay.down.values()),
-            "connections": len(set(relay.up) | set(relay.down)), "seconds": res["wall_s"],
+            "relay_up_bytes": relay.total_bytes("up"), "relay_down_bytes": relay.total_bytes("down"),
+            "connections": relay.connections, "seconds": res["wall_s"],
             "client_exit_codes": res["client_exit_codes"]}
 
 

@@ -72,6 +72,7 @@ from protocol.channel import Channel
 from protocol.errors import OfflineBufferFull
 from protocol.ledger import Ledger
 from protocol.messages import Chunk, Envelope, Kind, Receipt, Status, Update, decode, encode
+from protocol.mqtt_bytes import connect_client_id
 from protocol.transport import MqttTransport, Will
 
 pytestmark = pytest.mark.slow
@@ -354,37 +355,6 @@ def assert_accounting(acc: Accounting, rounds: int, *, strict: bool = True) -> N
 # ============================================================================ relays
 
 
-def _connect_client_id(pkt: bytes) -> str | None:
-    """Client id of an MQTT 3.1.1 or 5 CONNECT packet, or None while incomplete."""
-    if len(pkt) < 2 or pkt[0] >> 4 != 1:
-        return None
-    i, mult, rl = 1, 1, 0
-    while True:
-        if i >= len(pkt):
-            return None
-        b = pkt[i]
-        rl += (b & 0x7F) * mult
-        mult *= 128
-        i += 1
-        if not b & 0x80:
-            break
-    if len(pkt) < i + rl:
-        return None
-    level = pkt[i + 6] if len(pkt) > i + 6 else 4
-    j = i + 10  # protocol name (2 + 4), level, flags, keepalive (2)
-    if level == 5:  # MQTT 5 §3.1.2.11: CONNECT properties (a varint length, then them) before the id
-        n, shift = 0, 0
-        while True:
-            n |= (pkt[j] & 0x7F) << shift
-            shift += 7
-            j += 1
-            if not pkt[j - 1] & 0x80:
-                break
-        j += n
-    ln = int.from_bytes(pkt[j:j + 2], "big")
-    return pkt[j + 2:j + 2 + ln].decode("utf-8", "replace")
-
-
 class FaultyRelay:
     """TCP relay 127.0.0.1:port → broker that breaks connections on purpose.
 
@@ -446,7 +416,7 @@ class FaultyRelay:
                 if not data:
                     break
                 first += data
-                cid = _connect_client_id(bytes(first))
+                cid = connect_client_id(bytes(first))
                 if cid is not None:
                     break
         except OSError:
