@@ -45,7 +45,10 @@ sent (above a known limit) count no wire bytes: their ``mqtt_header_bytes``, ``t
 
 Rows with ``reason='control'`` are MQTT control packets (CONNECT, CONNACK, SUBSCRIBE, SUBACK,
 PUBACK, PINGREQ, PINGRESP, DISCONNECT, and PUBLISH retransmissions as ``PUBLISH-DUP``): their
-whole packet size is in ``mqtt_header_bytes``.
+whole packet size is in ``mqtt_header_bytes``. A ``PUBLISH-DUP`` row is a packet that was on the
+wire before: a QoS 1 PUBLISH that a lost connection dropped from paho's queue before the socket
+took a byte of it goes out after the reconnect with the DUP flag, but as its first transmission,
+counted by its ``sent`` row alone.
 
 ``direction`` is ``up`` (agent → server: join, update, status) or ``down`` (server → agents).
 ``client`` is the agent the row concerns: the sender of an upload, the recipient of a download
