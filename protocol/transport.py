@@ -260,7 +260,7 @@ class _CountingClient(PollingClient):
         self.socket_bytes_out = 0
         self.socket_bytes_in = 0
         self.puback_codes: dict[int, int] = {}  # mid -> reason code >= 0x80 of its MQTT 5 PUBACK
-        self._never_written: set[int] = set()  # mids whose every PUBLISH so far was dropped unwritten
+        self._never_written: set[int] = set()  # mids whose last PUBLISH was dropped unwritten
 
     def unwritten_mids(self) -> set[int]:
         """Message ids of the QoS > 0 PUBLISH packets in paho's queue of which the socket has taken
@@ -279,7 +279,9 @@ class _CountingClient(PollingClient):
     def _packet_queue(self, command, packet, mid, qos, info=None):
         first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
         dup = bool(first & 0x08) and first >> 4 == 3
-        if dup and mid in self._never_written:  # the first of its PUBLISH packets to reach the socket
+        if first >> 4 == 3 and qos > 0 and mid in self._never_written:
+            # the re-send in place of a packet that never reached the socket (not a retransmission),
+            # or a new message under a reused mid (the note was stale: a withdrawn message's)
             self._never_written.discard(mid)
             dup = False
         self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet), dup))

@@ -203,13 +203,21 @@ class CountingRelay:
                     out[node][way][key] = max(out[node][way][key], max(p.publish_sizes))
         return dict(out)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, let the open connections end on their own for at most ``timeout_s``
+        (their last bytes are counted), then close every socket."""
         self._stop = True
         self._held.clear()
         self.srv.close()
-        end = time.monotonic() + 5.0
+        end = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(timeout=max(0.0, end - time.monotonic()))
+        with self.lock:
+            links = list(self._links.values())
+        for c, b in links:
+            for s in (c, b):
+                _shutdown(s, socket.SHUT_RDWR)
+                s.close()
 
 
 def _shutdown(s: socket.socket, how: int) -> None:

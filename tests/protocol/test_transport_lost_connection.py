@@ -10,10 +10,12 @@ import socket
 import time
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
+import pytest
 from helpers.waiting import wait_for
 
 from broker_server.embedded_broker import EmbeddedBroker
-from protocol.transport import MqttTransport
+from protocol.transport import MqttTransport, _CountingClient
 from protocol.transport_base import PacketEvent
 from tools.counting_relay import CountingRelay
 
@@ -55,3 +57,36 @@ def test_a_publish_dropped_unwritten_is_a_first_transmission_after_the_reconnect
     assert again["PUBLISH-DUP"] == 3 and again["PUBLISH"] == 0  # paho sets DUP on all three
     ledger_rows = 3 + sum(e.dup for e in publishes)
     assert ledger_rows == cut["partial"] + again["PUBLISH-DUP"] == 4
+
+
+def test_the_note_of_an_unwritten_publish_covers_one_re_send_and_not_a_reused_message_id() -> None:
+    """Packets queued by hand (no socket: nothing is written), then a reconnect to a closed port.
+    Message 7: its re-send with DUP is its first transmission, a second re-send a retransmission.
+    Message 9 is withdrawn instead (never re-sent) and a new message reuses id 9: the note ends
+    there, so the new message's re-send with DUP is a retransmission. By hand: dup = F, F, T, F, F, T."""
+    with socket.socket() as s:  # a loopback port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    events: list[PacketEvent] = []
+    client = _CountingClient(mqtt.CallbackAPIVersion.VERSION2, client_id="note", on_packet=events.append)
+    client.connect_async("127.0.0.1", port)
+    topic = b"\x00\x01t"
+
+    def publish(mid: int, dup: bool = False) -> None:  # QoS 1, payload "x"
+        packet = bytes([0x32 | (0x08 if dup else 0), len(topic) + 3]) + topic + mid.to_bytes(2, "big") + b"x"
+        client._packet_queue(0x30, packet, mid, 1)
+
+    publish(7)
+    assert client.unwritten_mids() == {7}
+    with pytest.raises(ConnectionRefusedError):
+        client.reconnect()  # notes mid 7, then paho empties its queue and fails to connect
+    assert client.unwritten_mids() == set()
+    publish(7, dup=True)  # paho's re-send: the first time on the wire
+    publish(7, dup=True)  # a retransmission of that
+    publish(9)
+    with pytest.raises(ConnectionRefusedError):
+        client.reconnect()  # notes mid 9
+    publish(9)  # a new message reusing mid 9 (the old one was withdrawn)
+    publish(9, dup=True)  # its retransmission
+    assert [e.dup for e in events] == [False, False, True, False, False, True]
+    assert {e.packet_type for e in events} == {"PUBLISH"}
