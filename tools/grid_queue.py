@@ -7,6 +7,7 @@ needs to go on with the grids.
     python tools/grid_queue.py --hours 2.5          # the grids in QUEUE order, stopped after 2.5 h
     python tools/grid_queue.py --only fedpgp        # one grid (comma list)
     python tools/grid_queue.py --merge              # no cell: fold what ran in and regenerate the reports
+                                                    # (from the committed records alone where no grid ran)
 
 Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
 
@@ -260,15 +261,20 @@ def _verify_file(grid: Grid) -> Path:
 
 
 def merge(grid: Grid, base: Path) -> bool:
-    """Step 3 of the module docstring. Returns whether the report was regenerated (True too when
-    there is no grid folder, and so nothing to do)."""
+    """Step 3 of the module docstring; with no grid folder, only the report is regenerated from
+    the committed records (after a change to its script's report). Returns whether the report was
+    regenerated (True too when there are no records at all, and so nothing to do)."""
     out = _folder(grid, base)
-    if not (out / "results.jsonl").is_file():
-        print(f"{grid.name}: no grid folder {out}: nothing to merge", flush=True)
-        return True
     committed_path = RESULTS / grid.results
-    records = merged_records(read_records(out / "results.jsonl"), read_records(committed_path))
-    _write_jsonl(committed_path, records)
+    if not (out / "results.jsonl").is_file():
+        if not committed_path.is_file():
+            print(f"{grid.name}: no grid folder {out} and no committed records: nothing to merge", flush=True)
+            return True
+        print(f"{grid.name}: no grid folder {out}: the report is regenerated from the committed records", flush=True)
+        records = read_records(committed_path)
+    else:
+        records = merged_records(read_records(out / "results.jsonl"), read_records(committed_path))
+        _write_jsonl(committed_path, records)
     if (out / "verify.md").is_file():
         shutil.copyfile(out / "verify.md", _verify_file(grid))
     for inside, committed_dir in grid.extra_dirs.items():

@@ -55,6 +55,7 @@ from broker_server.experiments import (  # noqa: E402
     cell_rounds_to_target,
     check_out_dir,
     check_report_records,
+    claim_verdict,
     code_commit,
     default_data_dir,
     earlier_verify,
@@ -171,6 +172,20 @@ def _seed_matched(main: list[dict], ds: str, sp: str, labels: list[str]) -> dict
     by_seed = {k: v for k, v in by_seed.items() if v}
     shared = set.intersection(*(set(v) for v in by_seed.values())) if by_seed else set()
     return {label: mean_std([v[sd] for sd in sorted(shared)])[0] for label, v in by_seed.items()} if shared else {}
+
+
+def _paired(main: list[dict], datasets: list[str], splits: list[str], a: str, b: str) -> list[list[float]]:
+    """Per setting (data set × split, in report order, settings where both have a seed), the
+    paired differences ``a`` − ``b`` of final accuracy on each seed both have, in pp."""
+    out = []
+    for ds in datasets:
+        for sp in splits:
+            acc = {label: {int(r["seed"]): x for r in main if r["dataset"] == ds and r["split"] == sp
+                           and r["method"] == label and (x := _acc(r)) is not None} for label in (a, b)}
+            shared = sorted(set(acc[a]) & set(acc[b]))
+            if shared:
+                out.append([100.0 * (acc[a][sd] - acc[b][sd]) for sd in shared])
+    return out
 
 
 def _mean(values: list[float]) -> float | None:
@@ -303,12 +318,20 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                          else f"{d_mean:+.2f} ± {d_std:.2f}")
                 lines.append(f"| {key} | {v!r}{' (default)' if v == values[0] else ''} | "
                              f"{pm(acc, plain_single=True)} | {delta} | {len(acc)} |")
-    lines += ["", "## Verdicts", ""]
+    lines += ["", "## Verdicts", "",
+              "Differences are paired: per setting and seed, a method's final accuracy minus the other's on the "
+              "same seed (pp); mean ± population std over those (setting, seed) pairs. A positive mean no larger "
+              "than that std is at most *direction only (within seed noise)* "
+              "(`broker_server.experiments.claim_verdict`).", ""]
     if gains:
-        g = sum(gains) / len(gains)
-        verdict = ("reproduced" if g >= CLAIM_GAIN_PP else "direction only" if g > 0 else "not reproduced")
-        lines.append(f"- '+{CLAIM_GAIN_PP} pp over FedAvg on average': {g:+.2f} pp over {settings_n} settings → "
-                     f"**{verdict}**.")
+        pairs = _paired(main, datasets, splits, "FedPGP", "FedAvg")
+        flat = [d for per in pairs for d in per]
+        g, g_std = mean_std(flat)
+        up = sum(1 for per in pairs if sum(per) > 0)
+        verdict = claim_verdict(g, CLAIM_GAIN_PP, g_std, len(flat))
+        lines.append(f"- '+{CLAIM_GAIN_PP} pp over FedAvg on average': {g:+.2f} ± {g_std:.2f} pp over {len(flat)} "
+                     f"(setting, seed) pairs in {len(pairs)} settings, ahead in {up} of {len(pairs)} settings "
+                     f"→ **{verdict}**.")
         frac = best_count / settings_n
         need = CLAIM_BEST[0] / CLAIM_BEST[1]
         verdict = "reproduced" if frac >= need else "direction only" if best_count > 0 else "not reproduced"
@@ -319,15 +342,13 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
     # the mechanism: each control against FedPGP, per setting (mean over the seeds both have), then
     # over settings
     for label in CONTROLS:
-        diffs = []
-        for ds in datasets:
-            for sp in splits:
-                pair = _seed_matched(main, ds, sp, [label, "FedPGP"])
-                if len(pair) == 2:
-                    diffs.append(100 * (pair[label] - pair["FedPGP"]))
-        if diffs:
-            lines.append(f"- control '{label}' − FedPGP: {', '.join(f'{d:+.2f}' for d in diffs)} pp per setting, "
-                         f"{sum(diffs) / len(diffs):+.2f} pp on average.")
+        pairs = _paired(main, datasets, splits, label, "FedPGP")
+        if pairs:
+            per_setting = [sum(per) / len(per) for per in pairs]
+            d, d_std = mean_std([x for per in pairs for x in per])
+            lines.append(f"- control '{label}' − FedPGP: {', '.join(f'{x:+.2f}' for x in per_setting)} pp per "
+                         f"setting (mean over its seeds), {d:+.2f} ± {d_std:.2f} pp over the (setting, seed) pairs, "
+                         f"ahead in {sum(1 for x in per_setting if x > 0)} of {len(per_setting)} settings.")
     if verify:
         lines += ["", "## Re-run check", ""] + verify
     lines.append("")

@@ -5,6 +5,7 @@ the merged records."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from helpers.tools import load_tool
@@ -95,6 +96,15 @@ def test_seed_run_and_merge_round_trip(tmp_path: Path, monkeypatch) -> None:
     assert "2 of 2 records were made with portable CPU numerics" in text
     assert "Command (records and report): `python tools/grid_queue.py --only pgp`" in text
     assert str(tmp_path) not in text.split("## Protocol")[0].split("Command")[1]  # no temporary folder named
+    # by hand: FedPGP − FedAvg on seed 0 = 70 − 90 pp, one (setting, seed) pair
+    assert ("'+5.64 pp over FedAvg on average': -20.00 ± 0.00 pp over 1 (setting, seed) pairs in 1 settings, "
+            "ahead in 0 of 1 settings → **not reproduced**") in text
+    # no grid folder (a report script changed, nothing re-run): the report comes from the committed records
+    shutil.rmtree(out)
+    (reports / "pgp.md").unlink()
+    assert q.merge(grid, base)
+    assert (reports / "pgp.md").read_text(encoding="utf-8") == text
+    assert q.read_records(reports / "results" / "pgp.jsonl") == merged
 
 
 def test_a_grid_is_stopped_at_the_deadline_even_when_the_queue_ignores_sigint(monkeypatch) -> None:
