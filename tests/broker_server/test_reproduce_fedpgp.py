@@ -63,10 +63,13 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     # the projection's share: seed 0's mean over its rounds (0.2 + 0.4 + 0.6) / 3 = 40 %, the one
     # seed with rounds (1 of 2); last round (60, 50) → 55 ± 5
     assert "| MNIST Dir(0.1) | 2 | 40.0 % (1 of 2) | 55.0 ± 5.0 % | 40 ± 0 | 10880 ± 0 |" in text
-    # claims over the seeds FedPGP and FedAvg share (0, 1): 80 − 82 = −2 pp
-    assert "'+5.64 pp over FedAvg on average': -2.00 pp over 1 settings → **not reproduced**" in text
+    # claims paired per seed FedPGP and FedAvg share: 90 − 80 = +10, 70 − 84 = −14 pp: mean −2, population
+    # std 12; the one setting's mean is negative, so it is not ahead there
+    assert ("'+5.64 pp over FedAvg on average': -2.00 ± 12.00 pp over 2 (setting, seed) pairs in 1 settings, "
+            "ahead in 0 of 1 settings → **not reproduced**") in text
     # the control against FedPGP on their shared seed 0: 95 − 90 = +5 pp
-    assert "control 'FedPGP no projection (g+g_p)' − FedPGP: +5.00 pp per setting, +5.00 pp on average." in text
+    assert ("control 'FedPGP no projection (g+g_p)' − FedPGP: +5.00 pp per setting (mean over its seeds), "
+            "+5.00 ± 0.00 pp over the (setting, seed) pairs, ahead in 1 of 1 settings.") in text
     # the sweep: the default row is main FedPGP on the swept seeds 0, 1 (90, 70 → 80 ± 10); mix_size 32
     # (92, 74 → 83 ± 9), Δ paired per seed +2, +4 → +3 ± 1
     assert "| mix_size | 8 (default) | 80.00 ± 10.00 | – | 2 |" in text
