@@ -870,19 +870,23 @@ def pm(values: Sequence[float | None], scale: float = 100.0, digits: int = 2, *,
     return f"{m:.{digits}f}" if plain_single and len(values) == 1 else f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
+#: :func:`claim_verdict` of a positive mean within the spread of its paired differences
+NOISY_VERDICT = "not reproduced (a positive mean within the spread: mean ≤ std of the paired differences)"
+
+
 def claim_verdict(measured: float, claimed: float | None, std: float = 0.0, seeds: int = 1) -> str:
-    """A paper claim's verdict from the measured per-seed gain (pp): *reproduced* (the mean reaches
-    the paper's gain ``claimed``; with no margin given, any gain), *direction only* (positive,
-    smaller), *not reproduced* (zero or negative); ``"no data"`` for NaN. A positive mean no
-    larger than the std of the per-seed differences (``seeds`` ≥ 2) is at most *direction only
-    (within seed noise)*, however large: the seeds disagree on its sign or size as much as they
-    agree, so it does not show the paper's gain."""
+    """A paper claim's verdict from the measured paired gain (pp; per seed, or per setting and
+    seed): *reproduced* (the mean reaches the paper's gain ``claimed``; with no margin given, any
+    gain), *direction only* (positive, smaller), *not reproduced* (zero or negative); ``"no data"``
+    for NaN. A positive mean no larger than the std of the paired differences (``seeds`` ≥ 2
+    differences) is *not reproduced*, with that said, however large: the pairs disagree on its
+    sign or size as much as they agree, so they show neither the paper's gain nor its direction."""
     if measured != measured:
         return "no data"
     if measured <= 0:
         return "not reproduced"
     if seeds >= 2 and measured <= std:
-        return "direction only (within seed noise: mean ≤ std of the per-seed differences)"
+        return NOISY_VERDICT
     return "reproduced" if claimed is None or measured >= claimed else "direction only"
 
 

@@ -3,7 +3,7 @@
 records, and fold what ran back into ``benchmarks/``: the one command a session on a fresh machine
 needs to go on with the grids.
 
-    python tools/grid_queue.py --list               # per grid: records committed, portable, cells left
+    python tools/grid_queue.py --list               # per grid: records committed, portable, in its folder
     python tools/grid_queue.py --hours 2.5          # the grids in QUEUE order, stopped after 2.5 h
     python tools/grid_queue.py --only fedpgp        # one grid (comma list)
     python tools/grid_queue.py --merge              # no cell: fold what ran in and regenerate the reports

@@ -97,13 +97,14 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
             "0.300–0.700 (max spread 0.400, θ_max 0.600) |") in text
     # the claim against the best baseline (FedAvg, the only one on record): worst (+3, +7) → +5 ± 2 ≥ 2.55,
     # said to hold against that one only; against equal weights (+1, +1) → +1 ± 0: ahead
-    assert ("measured FedPAD − FedAvg = +5.00 ± 2.00 pp (worst, 2 seeds; paper +2.55 pp; the best of the 1 of 7 "
-            "baselines on record (FedAvg)) → **reproduced**; against equal client weights (the control *FedAvg "
+    assert ("measured FedPAD − FedAvg = +5.00 ± 2.00 pp (worst, 2 seeds; paper +2.55 pp) → **reproduced against "
+            "FedAvg only: 1 of the 7 baselines are on record**; against equal client weights (the control *FedAvg "
             "uniform*) +1.00 ± 0.00 pp (2 seeds): ahead.") in text
     # avg: FedPAD − FedAvg (+2, +2) → +2 ± 0 ≥ 1.34; against equal weights (+1, −3) → −1 ± 2: not ahead
-    assert ("measured FedPAD − FedAvg = +2.00 ± 0.00 pp (avg, 2 seeds; paper +1.34 pp; the best of the 1 of 7 "
-            "baselines on record (FedAvg)) → **reproduced**; against equal client weights (the control *FedAvg "
+    assert ("measured FedPAD − FedAvg = +2.00 ± 0.00 pp (avg, 2 seeds; paper +1.34 pp) → **reproduced against "
+            "FedAvg only: 1 of the 7 baselines are on record**; against equal client weights (the control *FedAvg "
             "uniform*) -1.00 ± 2.00 pp (2 seeds): not ahead.") in text
+    assert "- Ran here: benchmarks PACS; methods FedAvg, FedAvg uniform, FedPAD; sweeps of gamma." in text
     # the prototypes' share of an update: (500 + 10 + 10) / 100,000 = 0.520 % (θ is not a prototype),
     # above twice the paper's 0.027 %, under 5 %
     assert ("FedPAD's update carries 520 B of prototypes (with their classes and counts) on 100,000 B of "

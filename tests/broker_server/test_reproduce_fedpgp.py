@@ -70,6 +70,11 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     # the control against FedPGP on their shared seed 0: 95 − 90 = +5 pp
     assert ("control 'FedPGP no projection (g+g_p)' − FedPGP: +5.00 pp per setting (mean over its seeds), "
             "+5.00 ± 0.00 pp over the (setting, seed) pairs, ahead in 1 of 1 settings.") in text
+    assert "- reading: adding g_p to the batch gradient without projecting did better than FedPGP's projection " \
+        "(+5.00 pp on average)" in text
+    # FedPGP's mean (80) is below FedAvg's (82) in the one setting: best in 0 of 1, FedAvg the one baseline run
+    assert ("'best in 10 of 12 settings': best in 0 of 1 (among FedPGP and the 1 of 7 baselines on record: FedAvg) "
+            "→ **not reproduced**") in text
     # the sweep: the default row is main FedPGP on the swept seeds 0, 1 (90, 70 → 80 ± 10); mix_size 32
     # (92, 74 → 83 ± 9), Δ paired per seed +2, +4 → +3 ± 1
     assert "| mix_size | 8 (default) | 80.00 ± 10.00 | – | 2 |" in text

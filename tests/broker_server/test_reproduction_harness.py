@@ -322,7 +322,7 @@ def test_script_exit_turns_ctrl_c_and_unusable_records_into_one_line(capsys: pyt
 
 def test_claim_verdict_thresholds() -> None:
     """claim_verdict: the paper's gain reached, positive but smaller, zero or negative; a mean
-    within the seeds' spread is at most direction only."""
+    within the spread of its paired differences is not reproduced (and says why)."""
     assert claim_verdict(2.6, 2.55) == "reproduced"
     assert claim_verdict(0.4, 2.55) == "direction only"
     assert claim_verdict(-0.1, 2.55) == "not reproduced" and claim_verdict(0.0, 2.55) == "not reproduced"
@@ -332,10 +332,10 @@ def test_claim_verdict_thresholds() -> None:
     diffs = [0.2, -0.5, 1.0]
     m = sum(diffs) / 3
     sd = (sum((d - m) ** 2 for d in diffs) / 3) ** 0.5
-    assert claim_verdict(m, 2.55, sd, 3) == "direction only (within seed noise: mean ≤ std of the per-seed differences)"
+    noisy = "not reproduced (a positive mean within the spread: mean ≤ std of the paired differences)"
+    assert claim_verdict(m, 2.55, sd, 3) == noisy
     assert claim_verdict(m, 2.55, sd, 1) == "direction only"  # one seed: no spread to compare with
     assert claim_verdict(0.9, 2.55, 0.3, 3) == "direction only"
-    # a mean past the paper's gain but no larger than the seeds' spread shows no gain: at most direction only
-    noisy = "direction only (within seed noise: mean ≤ std of the per-seed differences)"
+    # a mean past the paper's gain but no larger than the seeds' spread shows no gain, nor a direction
     assert claim_verdict(3.89, 1.34, 7.06, 3) == noisy and claim_verdict(0.5, None, 0.6, 3) == noisy
     assert claim_verdict(3.89, 1.34, 7.06, 1) == "reproduced"  # one seed: no spread to compare with
