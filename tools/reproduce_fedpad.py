@@ -341,7 +341,8 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
              "- Determinism: one training at a time with one torch thread per cell, every draw seeded, FedPAD "
              "aggregating in client-id order; see *Re-run check*.",
              f"- Ran here: benchmarks {', '.join(benches)}; methods {', '.join(methods)}; "
-             + (f"sweeps of {', '.join(sweeps)}." if sweeps else "no sweep.")
+             + (f"sweeps of {', '.join(swept)}." if (swept := list(dict.fromkeys(
+                 j.tags["sweep_key"] for j in jobs if j.tags.get("grid") == "sweep"))) else "no sweep.")
              + " What this list leaves out above (other benchmarks, baselines, controls) is not in this report.", ""]
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} "
