@@ -986,7 +986,8 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
     figure (``headline(record)``) and every last-round metric but the timings.
 
     The lines are also written to ``out_dir/verify.md`` (:data:`VERIFY_FILE`), so a later
-    ``--report-only`` keeps the check (:func:`earlier_verify`).
+    ``--report-only`` keeps the check (:func:`earlier_verify`), and the per-cell lines are printed
+    under a count of the cells that came out the same.
 
     Returns:
         Markdown lines: which commit made the records and which made the re-runs, then one line
@@ -1025,7 +1026,11 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
                      + (f" ({', '.join(diff[:6])}{' …' if len(diff) > 6 else ''})" if diff else "")
                      + (f"; metrics in only one of the two: {', '.join(one_side)}" if one_side else "")
                      + (f"; numerics differ: {why}" if why and diff and not wire else ""))
-    (Path(out_dir) / VERIFY_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path = Path(out_dir) / VERIFY_FILE
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cells = [x for x in lines if x.startswith("- ")]
+    print(f"re-run check ({path}): {sum(1 for x in cells if x.endswith('→ same'))} of {len(cells)} cells the same",
+          *cells, sep="\n", flush=True)
     return lines
 
 

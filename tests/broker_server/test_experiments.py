@@ -245,7 +245,8 @@ def test_a_cell_re_runs_to_its_record_and_a_changed_record_is_named(tmp_path: Pa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]  # the re-runs' folder is gone
 
 
-def test_a_re_run_whose_only_differences_are_the_wires_says_so(tmp_path: Path, monkeypatch) -> None:
+def test_a_re_run_whose_only_differences_are_the_wires_says_so(tmp_path: Path, monkeypatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """A re-run that resent an update (a late receipt on a loaded machine) differs in bytes and
     resends only: its line says the training is the same and names the delivery figures; one
     that also differs in accuracy is **differs**."""
@@ -264,6 +265,9 @@ def test_a_re_run_whose_only_differences_are_the_wires_says_so(tmp_path: Path, m
     assert wire.endswith("→ same training; the wire differs (bytes_up, global_resends, per_round.bytes_up)"), wire
     trained = next(x for x in lines if x.startswith("- g/b"))
     assert "→ **differs** (accuracy, bytes_up)" in trained, trained
+    # printed too: neither cell is "same" (one differs on the wire only), then both lines
+    assert capsys.readouterr().out.splitlines() == [
+        f"re-run check ({tmp_path / 'verify.md'}): 0 of 2 cells the same", wire, trained]
     assert experiments.delivery_only(["bytes_down", "per_round.duplicates"])
     assert not experiments.delivery_only([]) and not experiments.delivery_only(["per_round.loss"])
 
