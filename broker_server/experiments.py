@@ -874,6 +874,12 @@ def pm(values: Sequence[float | None], scale: float = 100.0, digits: int = 2, *,
 NOISY_VERDICT = "not reproduced (a positive mean within the spread: mean ≤ std of the paired differences)"
 
 
+def within_spread(mean: float, std: float, n: int) -> bool:
+    """Whether a mean of ``n`` paired differences is no larger than their std (``n`` ≥ 2): the pairs
+    disagree on its sign or size as much as they agree (the rule of :func:`claim_verdict`)."""
+    return n >= 2 and mean <= std
+
+
 def claim_verdict(measured: float, claimed: float | None, std: float = 0.0, seeds: int = 1) -> str:
     """A paper claim's verdict from the measured paired gain (pp; per seed, or per setting and
     seed): *reproduced* (the mean reaches the paper's gain ``claimed``; with no margin given, any
@@ -885,7 +891,7 @@ def claim_verdict(measured: float, claimed: float | None, std: float = 0.0, seed
         return "no data"
     if measured <= 0:
         return "not reproduced"
-    if seeds >= 2 and measured <= std:
+    if within_spread(measured, std, seeds):
         return NOISY_VERDICT
     return "reproduced" if claimed is None or measured >= claimed else "direction only"
 

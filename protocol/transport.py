@@ -268,6 +268,14 @@ class _CountingClient(PollingClient):
         return {p["mid"] for p in tuple(self._out_packet)
                 if p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] > 0 and p["pos"] == 0}
 
+    def written_awaiting_puback(self) -> list[mqtt.MQTTMessage]:
+        """The QoS > 0 messages whose PUBLISH the socket took (a byte of it at least) and whose
+        PUBACK has not come: those a broker that closes the connection can have refused."""
+        unwritten = self.unwritten_mids()
+        with self._out_message_mutex:
+            return [m for m in self._out_messages.values()
+                    if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback and m.mid not in unwritten]
+
     def reconnect(self):
         """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
         PUBLISH packets it drops unwritten (paho thread)."""
@@ -552,10 +560,7 @@ class MqttTransport:
         info, size, topic, at = last
         if time.monotonic() - at > ACK_CLOSE_S or size <= self.kept_packet_bytes:
             return False
-        unwritten = client.unwritten_mids()
-        with client._out_message_mutex:
-            waiting = [self._packet_size(m) for m in client._out_messages.values()
-                       if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback and m.mid not in unwritten]
+        waiting = [self._packet_size(m) for m in client.written_awaiting_puback()]
         if waiting and max(waiting) > size + max(64, size // 64):  # chunks of one transfer differ by a few bytes
             return False
         limit = size // 2
@@ -581,25 +586,22 @@ class MqttTransport:
         to be at most half its size, and that PUBLISH (with every other one above the limit) is
         withdrawn from paho's queue at the next CONNACK, before paho re-sends (paho thread; paho
         may be iterating its queue here, so nothing is removed now)."""
-        unwritten = client.unwritten_mids()
-        with client._out_message_mutex:
-            sent = [m for m in client._out_messages.values()
-                    if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback and m.mid not in unwritten]
-            if not sent:
-                return
-            biggest = max(sent, key=self._packet_size)
-            key = id(biggest.info)
-            n = self._strikes.get(key, (biggest.info, 0))[1] + 1
-            self._strikes[key] = (biggest.info, n)
-            if n < OVERSIZE_STRIKES:
-                return
-            size = self._packet_size(biggest)
-            limit = size // 2
-            prev = self.inferred_max_packet_bytes
-            self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
-            self._withdraw = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited "
-                              f"its PUBACK ({why}): taken for a packet above its maximum packet size, now assumed "
-                              f"to be at most {self.inferred_max_packet_bytes:,} bytes")
+        sent = client.written_awaiting_puback()
+        if not sent:
+            return
+        biggest = max(sent, key=self._packet_size)
+        key = id(biggest.info)
+        n = self._strikes.get(key, (biggest.info, 0))[1] + 1
+        self._strikes[key] = (biggest.info, n)
+        if n < OVERSIZE_STRIKES:
+            return
+        size = self._packet_size(biggest)
+        limit = size // 2
+        prev = self.inferred_max_packet_bytes
+        self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
+        self._withdraw = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited "
+                          f"its PUBACK ({why}): taken for a packet above its maximum packet size, now assumed "
+                          f"to be at most {self.inferred_max_packet_bytes:,} bytes")
 
     def _withdraw_oversize(self, client: _CountingClient) -> None:
         """Take every QoS 1 PUBLISH above the inferred limit out of paho's queue and report it

@@ -91,6 +91,7 @@ from broker_server.experiments import (  # noqa: E402
     run_with_estimate,
     script_exit,
     verify_records,
+    within_spread,
 )
 
 #: FedPAD's keys, set in every FedPAD cell (so a record names them; SPECS §1.4; γ is ours, see
@@ -460,8 +461,8 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
         equal = rows(bench, "FedAvg uniform")
         if b == "FedAvg" and equal:  # the same gain against equal weights: what FedPAD's mechanism adds
             mu, su, nu = paired(ra, equal, fig)
-            ahead = ("not ahead" if mu <= 0 else "ahead within seed noise (mean ≤ std)" if nu >= 2 and mu <= su
-                     else "ahead")
+            ahead = ("not ahead" if mu <= 0 else "ahead within seed noise (mean ≤ std)"
+                     if within_spread(mu, su, nu) else "ahead")
             line += (f"; against equal client weights (the control *FedAvg uniform*) {mu:+.2f} ± {su:.2f} pp "
                      f"({nu} seed{'s' * (nu != 1)}): {ahead}")
         lines.append(line + ".")

@@ -163,13 +163,17 @@ def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds:
     return jobs
 
 
+def _by_seed(main: list[dict], ds: str, sp: str, label: str) -> dict[int, float]:
+    """seed → final accuracy of ``label``'s records in setting (``ds``, ``sp``)."""
+    return {int(r["seed"]): a for r in main if r["dataset"] == ds and r["split"] == sp and r["method"] == label
+            and (a := _acc(r)) is not None}
+
+
 def _seed_matched(main: list[dict], ds: str, sp: str, labels: list[str]) -> dict[str, float]:
     """label → mean final accuracy over the seeds that every label of ``labels`` on record in
     setting (``ds``, ``sp``) shares (labels with no record there left out; ``{}`` when they share
     none), so a partly run grid compares like with like."""
-    by_seed = {label: {int(r["seed"]): a for r in main if r["dataset"] == ds and r["split"] == sp
-                       and r["method"] == label and (a := _acc(r)) is not None} for label in labels}
-    by_seed = {k: v for k, v in by_seed.items() if v}
+    by_seed = {label: v for label in labels if (v := _by_seed(main, ds, sp, label))}
     shared = set.intersection(*(set(v) for v in by_seed.values())) if by_seed else set()
     return {label: mean_std([v[sd] for sd in sorted(shared)])[0] for label, v in by_seed.items()} if shared else {}
 
@@ -180,11 +184,10 @@ def _paired(main: list[dict], datasets: list[str], splits: list[str], a: str, b:
     out = []
     for ds in datasets:
         for sp in splits:
-            acc = {label: {int(r["seed"]): x for r in main if r["dataset"] == ds and r["split"] == sp
-                           and r["method"] == label and (x := _acc(r)) is not None} for label in (a, b)}
-            shared = sorted(set(acc[a]) & set(acc[b]))
+            acc_a, acc_b = _by_seed(main, ds, sp, a), _by_seed(main, ds, sp, b)
+            shared = sorted(set(acc_a) & set(acc_b))
             if shared:
-                out.append([100.0 * (acc[a][sd] - acc[b][sd]) for sd in shared])
+                out.append([100.0 * (acc_a[sd] - acc_b[sd]) for sd in shared])
     return out
 
 
@@ -231,7 +234,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
     stamped = sorted({str(r["commit"]) for r in ok if r.get("commit")})
     if stamped:
         lines += [f"Records made at commit(s) {', '.join(f'`{c}`' for c in stamped)}.", ""]
-    gains, best_count, settings_n = [], 0, 0
+    best_count, settings_n = 0, 0
     for ds in datasets:
         target = TARGETS[ds]
         lines += [f"## {ds}", "", "| method | " + " | ".join(splits) + f" | rounds to {target:.0%} (per split) |",
@@ -253,7 +256,6 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
             means = _seed_matched(main, ds, sp, ["FedPGP", *BASELINES])
             if "FedPGP" in means and "FedAvg" in means:
                 settings_n += 1
-                gains.append(100 * (means["FedPGP"] - means["FedAvg"]))
                 best_count += int(max(means, key=lambda k: means[k]) == "FedPGP")
         lines += ["", f"Rounds to {target:.0%}: the first round whose global accuracy reached it, per seed "
                   f"in seed order; *never*: not within {settings['rounds']} rounds; "
@@ -329,7 +331,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
     if settings.get("tiny"):
         lines += ["**A smoke run (`--tiny`)**: a few clients, rounds and samples; its figures test the "
                   "plumbing, and the verdicts below say nothing about the paper.", ""]
-    if gains:
+    if settings_n:
         pairs = _paired(main, datasets, splits, "FedPGP", "FedAvg")
         flat = [d for per in pairs for d in per]
         g, g_std = mean_std(flat)
