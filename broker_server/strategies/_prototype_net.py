@@ -128,6 +128,39 @@ class PrototypeUploads:
             self.dim = p.shape[1]
         self.pairs[result.client_id] = (p, c)
 
+    def train_network(self, protos: np.ndarray, classes: np.ndarray, loss: PrototypeLoss,
+                      embedding: Callable[[int, int], np.ndarray | None] | None = None
+                      ) -> tuple[np.ndarray, list[np.ndarray], float]:
+        """Train the strategy's prototype network on this round's uploads (:meth:`stacked`): a
+        network of C classes and width d (the bound model's classifier; unbound, the trained
+        network's embedding, else the uploads' largest class + 1 and their width), initialised
+        from ``server_seed`` (the first round: ``embedding(C, d)`` may replace Emb's rows) or
+        loaded from the strategy's ``generator_state``, then :func:`train_prototype_net` with the
+        strategy's ``server_epochs``, ``server_lr``, ``server_batch`` and a shuffling seed of
+        (``server_seed``, round). The strategy's state is not changed (the driver commits it).
+
+        Returns:
+            as :func:`train_prototype_net`: (prototypes float32 [C, d], network state, last loss).
+
+        Raises:
+            ValueError: uploads of another width than the network's, or a class id ≥ C.
+        """
+        s = self.strategy
+        if s.head is not None:
+            num_classes, dim = s.head
+        elif s.generator_state:  # unbound, resumed: the embedding [C, d] of the trained network
+            num_classes, dim = (int(v) for v in np.shape(s.generator_state[0]))
+        else:
+            num_classes, dim = int(classes.max()) + 1, self.dim
+        if dim != self.dim or classes.max() >= num_classes:
+            raise ValueError(f"uploads of width {self.dim} / class {int(classes.max())} for C={num_classes}, d={dim}")
+        emb = embedding(num_classes, dim) if embedding is not None and not s.generator_state else None
+        net = prototype_net(num_classes, dim, s.server_seed, embedding=emb)
+        if s.generator_state:
+            load_net_state(net, s.generator_state)
+        return train_prototype_net(net, protos, classes, loss, epochs=s.server_epochs, lr=s.server_lr,
+                                   batch=s.server_batch, seed=s.server_seed * 1_000_003 + self.round)
+
     def stacked(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(prototypes float32 [N, d], classes int64 [N]) of every upload in client-id order, or
         ``None`` when no prototype arrived."""

@@ -65,13 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._base import ClientResult, GlobalUpdate, RoundPlan, fold
-from ._prototype_net import (
-    PrototypeUploads,
-    load_net_state,
-    mean_interclass_cosine,
-    prototype_net,
-    train_prototype_net,
-)
+from ._prototype_net import PrototypeUploads, mean_interclass_cosine
 from ._registry import register_strategy
 from .fedavg import FedAvg
 from .fedopt import check_range
@@ -234,27 +228,20 @@ class FedOCPAccumulator(PrototypeUploads):
                 metrics["global_prototype_cosine"] = mean_interclass_cosine(glob)
             return GlobalUpdate(tensors=[], extras={"prototypes": glob, "proto_classes": ids},
                                 state={"prototypes": glob, "proto_classes": ids}, metrics=metrics)
-        from edge_agent.algorithms.fedocp import orthogonal_anchors, prototype_infonce
-
-        if s.head is not None:
-            num_classes, dim = s.head
-        elif s.generator_state:
-            num_classes, dim = (int(v) for v in np.shape(s.generator_state[0]))
-        else:
-            num_classes, dim = int(classes.max()) + 1, self.dim
-        if dim != self.dim or classes.max() >= num_classes:
-            raise ValueError(f"uploads of width {self.dim} / class {int(classes.max())} for C={num_classes}, d={dim}")
-        emb = (orthogonal_anchors(num_classes, dim, s.server_seed, s.anchor_steps) * math.sqrt(dim)
-               if s.server_orth_init and not s.generator_state else None)
-        net = prototype_net(num_classes, dim, s.server_seed, embedding=emb)
-        if s.generator_state:
-            load_net_state(net, s.generator_state)
         import torch
 
-        every = torch.ones(num_classes, dtype=torch.bool)
-        glob, state, last = train_prototype_net(
-            net, protos, classes, lambda p, c, centers: prototype_infonce(p, c, centers, every, s.tau_server),
-            epochs=s.server_epochs, lr=s.server_lr, batch=s.server_batch, seed=s.server_seed * 1_000_003 + self.round)
+        from edge_agent.algorithms.fedocp import orthogonal_anchors, prototype_infonce
+
+        def anchors(num_classes: int, dim: int) -> np.ndarray | None:
+            """Emb's first rows: √d × the orthogonal anchors with ``server_orth_init``."""
+            if not s.server_orth_init:
+                return None
+            return orthogonal_anchors(num_classes, dim, s.server_seed, s.anchor_steps) * math.sqrt(dim)
+
+        glob, state, last = self.train_network(
+            protos, classes, lambda p, c, centers: prototype_infonce(
+                p, c, centers, torch.ones(centers.shape[0], dtype=torch.bool), s.tau_server), embedding=anchors)
+        num_classes = glob.shape[0]
         ids = np.arange(num_classes, dtype=np.int64)
         metrics.update(prototype_classes=int(num_classes), global_prototype_cosine=mean_interclass_cosine(glob))
         if last == last:

@@ -42,13 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._base import ClientResult, GlobalUpdate, fold
-from ._prototype_net import (
-    PrototypeUploads,
-    load_net_state,
-    mean_interclass_cosine,
-    prototype_net,
-    train_prototype_net,
-)
+from ._prototype_net import PrototypeUploads, mean_interclass_cosine
 from ._registry import register_strategy
 from .fedopt import check_range
 from .fedproto import FedProto
@@ -160,22 +154,11 @@ class FedTGPAccumulator(PrototypeUploads):
         if uploads is None or self.dim is None:
             return None
         protos, classes = uploads
-        if s.head is not None:
-            num_classes, dim = s.head
-        elif s.generator_state:  # unbound, resumed: the embedding [C, d] of the trained network
-            num_classes, dim = (int(v) for v in np.shape(s.generator_state[0]))
-        else:
-            num_classes, dim = int(classes.max()) + 1, self.dim
-        if dim != self.dim or classes.max() >= num_classes:
-            raise ValueError(f"uploads of width {self.dim} / class {int(classes.max())} for C={num_classes}, d={dim}")
         means = {int(c): protos[classes == c].astype(np.float64).mean(axis=0) for c in np.unique(classes)}
         margin = adaptive_margin(means, s.margin_threshold)
-        net = prototype_net(num_classes, dim, s.server_seed)
-        if s.generator_state:
-            load_net_state(net, s.generator_state)
-        glob, state, last = train_prototype_net(
-            net, protos, classes, lambda p, c, centers: margin_contrastive_loss(p, c, centers, margin),
-            epochs=s.server_epochs, lr=s.server_lr, batch=s.server_batch, seed=s.server_seed * 1_000_003 + self.round)
+        glob, state, last = self.train_network(
+            protos, classes, lambda p, c, centers: margin_contrastive_loss(p, c, centers, margin))
+        num_classes = glob.shape[0]
         ids = np.arange(num_classes, dtype=np.int64)
         metrics = {"tgp_margin": float(margin), "prototype_classes": int(num_classes),
                    "global_prototype_cosine": mean_interclass_cosine(glob)}
