@@ -14,7 +14,7 @@ SERVER_HOOKS = ("setup_kwargs", "bind_model", "on_join", "configure_round", "con
 CLIENT_HOOKS = ("setup_kwargs", "eval_split", "local_round", "before_step", "predict", "on_update_receipt")
 
 #: what the join admission reads: prototype-only methods admit any architecture.
-PROTOTYPE_ONLY = {"fedproto", "fedtgp", "fedgh", "fedocp", "fedmcp", "enskd", "local"}
+PROTOTYPE_ONLY = {"fedproto", "fedtgp", "fedgh", "fedocp", "fedorgp", "fedmcp", "enskd", "local"}
 
 
 def _resolves(cls: type, base: type, hook: str) -> bool:
