@@ -251,7 +251,8 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     # no client contrastive on seed 0: 75 − 72 = +3 → it costs −3 → not reproduced
     assert row("- FedOCP no client contrastive − FedOCP:").endswith(
         "(local) +3.00 pp (1 seed); removing it costs -3.00 ± 0.00 pp over 1 (setting, seed) pair, costs accuracy "
-        "in 0 of 1 setting; against the sign: T5 gives no single step for it → **not reproduced, provisional: 1 pair, no spread to judge it by**.")
+        "in 0 of 1 setting; against the sign: T5 gives no single step for it → **not reproduced, provisional: 1 "
+        "pair, no spread to judge it by**.")
     # no client orthogonality on seeds 0, 1: 70 − 72 = −2, 75 − 74 = +1 → it costs +0.5 ± 1.5: a positive
     # mean no larger than its spread → not reproduced, with that said
     assert row("- FedOCP no client orthogonality − FedOCP:").endswith(
