@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from edge_agent.agent import data_announcement
@@ -224,6 +225,20 @@ def param_type_problem(cls: type, key: str, value: object) -> str | None:
     return None
 
 
+def device_training_pool(cfg: Config, ds: Dataset) -> np.ndarray:
+    """The indices into ``ds.train`` that the devices' shards are cut from (int64, sorted): the
+    seeded, class-stratified subset of ``[data] train_samples`` that
+    :func:`edge_agent.partition.split_dataset` partitions, or every index when it is 0 or not
+    below the split's size. What is outside it no device trains on."""
+    from edge_agent.data import stratified_subsample
+
+    y = np.asarray(ds.train.y)
+    n = cfg.data.train_samples
+    if 0 < n < len(y):
+        return np.sort(np.asarray(stratified_subsample(y, n, seed=cfg.run.seed), np.int64))
+    return np.arange(len(y), dtype=np.int64)
+
+
 def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     """The server half of ``[train] algorithm`` built with the ``[algorithm]`` hyperparameters.
 
@@ -267,7 +282,10 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     kwargs = {k: v for k, v in driver.items() if any_keyword or k in names}
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
-        extra = dict(declared.setup_kwargs(ds, params, cfg.run.seed))
+        setup: dict = {}
+        if "device_samples" in inspect.signature(declared.setup_kwargs).parameters:
+            setup["device_samples"] = device_training_pool(cfg, ds)
+        extra = dict(declared.setup_kwargs(ds, params, cfg.run.seed, **setup))
         strategy = cls(**kwargs, **params, **extra)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -9,20 +9,28 @@ accuracy**; the learned behaviour (active devices per round, mean ratio d) again
 One report (``benchmarks/feddo.md``) holds all of it:
 
 - **methods**: FedAvg, MOON, Oort, FedLC, FedNTD, FedCross, FedAA (strategy defaults = SPECS §6:
-  MOON μ 1, τ 0.5; FedLC τ 1; FedNTD β 1, τ 1; FedCross α 0.99 with as many middleware models
-  as devices per round; FedAA's DDPG learns online within the run) and FedDO with a policy
-  pre-trained per (data set, partition) (:func:`broker_server.feddo_pretrain.pretrain`) that
-  keeps learning online;
+  MOON μ 1, τ 0.5, and μ 5 on CIFAR-10, the official value there (:data:`DATASET_PARAMS`);
+  FedLC τ 1; FedNTD β 1, τ 1; FedCross α 0.99 with as many middleware models as devices per
+  round; Oort without the duration factor, ``round_penalty = 0``, SPECS §6.11 for a simulation
+  without system heterogeneity, where a duration would only be the shard's size; FedAA's DDPG
+  learns online within the run) and FedDO with a policy pre-trained per (data set, partition)
+  (:func:`broker_server.feddo_pretrain.pretrain`) on a data draw of its own
+  (:data:`PRETRAIN_SEED`) that keeps learning online. FedDO's and FedAA's validation sets are
+  held out from every device's training images (``[data] train_samples`` leaves the rest of the
+  training split to the server, :func:`broker_server.strategies.feddo.validation_split`);
 - **controls**, each one ``[algorithm]`` key away from FedDO (:data:`CONTROLS`):
-  *FedDO-random* (``mode = "random"``: random ratios with the mean ratio and active fraction
-  FedDO's first-seed run showed in the same setting), *FedDO-scratch* (``policy = ""``: no
+  *FedDO-random* (``mode = "random"``: random ratios with the active fraction and the mean
+  ratio over active device-rounds, so as many training images in expectation, that FedDO's first-seed
+  run showed in the same setting), *FedDO-scratch* (``policy = ""``: no
   pre-training, learned online from an untrained agent), *FedDO-frozen* (``learn = false``: the
   pre-trained policy, no online learning) and *FedDO-all* (``mode = "full"``: every device on all
   its data, d = 1, which is FedAvg at participation 1.0: the no-decision reference);
 - **sweep** (:data:`SWEEPS`, ``--sweep-bench``, default fashion_mnist/dir0.1, every seed) of the
-  keys the paper does not fix: rank, hidden width, min_ratio, validation-set size, reward
+  keys the paper does not fix: rank, hidden width, validation-set size, reward
   variant, drift_missing, pre-training episodes (each FedDO value with its own pre-trained
   policy), and the baselines' participation rate (FedAvg and FedCross, ``--sweep-baselines``);
+  ``min_ratio`` is not swept: with quorum 1 it acts only in a round where no device gets d > 0,
+  which a 100-dimensional tanh-Gaussian action practically never gives;
 - 3 seeds, mean ± population std, a cell on fewer seeds says so; bytes per client per round;
   rounds to a target per seed (the target of a setting is FedAvg's mean final accuracy there,
   ``--target`` fixes one); the learned behaviour; a verdict per paper claim, methods compared
@@ -142,12 +150,19 @@ from broker_server.experiments import (  # noqa: E402
 
 #: stands for the setting's pre-trained policy in :data:`METHODS` (replaced by its path)
 PRETRAINED = "<pre-trained>"
+#: (method label, data set) → [algorithm] keys that replace the method's there: MOON's official
+#: μ = 5 on CIFAR-10 (SPECS §6.7; 1 elsewhere, its CIFAR-100/Tiny value)
+DATASET_PARAMS: dict[tuple[str, str], dict] = {("MOON", "cifar10"): {"mu": 5.0}}
+#: the run seed of every policy's pre-training: its partition and episode e's model (seed
+#: PRETRAIN_SEED + e) are draws no grid seed (0, 1, 2) shares, so no seed's cell is deployed on
+#: the very data split its policy learned on
+PRETRAIN_SEED = 1000
 #: method label → (registered algorithm, [algorithm] table). Baselines at their strategies'
 #: defaults (SPECS §6); FedDO's agent keys (:data:`AGENT`) are added to every FedDO cell.
 METHODS: dict[str, tuple[str, dict]] = {
     "FedAvg": ("fedavg", {}),
     "MOON": ("moon", {}),
-    "Oort": ("oort", {}),
+    "Oort": ("oort", {"round_penalty": 0.0}),
     "FedLC": ("fedlc", {}),
     "FedNTD": ("fedntd", {}),
     "FedCross": ("fedcross", {}),
@@ -186,7 +201,6 @@ DEFAULT_EVAL_EVERY = 5
 SWEEPS: dict[str, list] = {
     "rank": [96, 0, 4, 24],
     "hidden": [256, 32, 1024],
-    "min_ratio": [0.05, 0.01, 0.5],
     "val_size": [500, 50, 5000],
     "reward": ["seed", "continuous"],
     "drift_missing": ["last", "zero"],
@@ -279,7 +293,8 @@ def policy_spec(out: Path, dataset: str, partition: str, *, clients: int, train_
                 rounds: int, keys: dict | None = None, tag: str = "", data_dir: str = "") -> dict:
     """One policy to pre-train: ``{"name", "path", "raw", "episodes", "rounds", "fingerprint"}``.
 
-    The policy is pre-trained on seed 0's partition (episodes from seeds 1 … E, SPECS §4.3 [guess])
+    The policy is pre-trained on the partition of :data:`PRETRAIN_SEED` (episode e from seed
+    PRETRAIN_SEED + e, SPECS §4.3 [guess]: a simulation of its own, no evaluated seed's data)
     with FedDO's [algorithm] table (:data:`AGENT` under ``keys``); a pre-training evaluates no test
     split, so cells of every ``--eval-every`` share it (its configuration has the server's
     default ``eval_every``). Its file is named by the
@@ -287,7 +302,7 @@ def policy_spec(out: Path, dataset: str, partition: str, *, clients: int, train_
     (:func:`~broker_server.experiments.config_fingerprint`, without the data folder), so a cell
     names the exact policy it loads and another budget never reuses it.
     """
-    raw = job_config(dataset, partition, clients, "feddo", dict(keys or {}), 0, rounds=rounds,
+    raw = job_config(dataset, partition, clients, "feddo", dict(keys or {}), PRETRAIN_SEED, rounds=rounds,
                      train_samples=train_samples, participation=1.0, data_dir=data_dir)
     fp = config_fingerprint({**raw, "pretrain": {"episodes": episodes, "rounds": rounds}})
     name = f"{dataset}-{partition}{'-' + _slug(tag) if tag else ''}-{fp[:10]}"
@@ -363,13 +378,18 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
 
 
 def behaviour(lines: list[dict], tail: float = 1.0) -> tuple[float, float]:
-    """(mean active devices per round, mean ratio d of the active ones) of a FedDO run over the
-    last ``tail`` fraction of its rounds (at least one); (0, 0) without FedDO metrics."""
+    """(mean active devices per round, mean ratio d over the active device-rounds) of a FedDO run
+    over the last ``tail`` fraction of its rounds (at least one); (0, 0) without FedDO metrics.
+
+    The ratio is Σ_t n_t·d̄_t / Σ_t n_t (n_t active devices of mean ratio d̄_t in round t), not
+    the mean of the rounds' means: a random control at (mean active / K, this ratio) then trains
+    on as many images in expectation as the run did, where the two move together."""
     lines = [m for m in lines if "feddo_active" in m]
     lines = lines[len(lines) - max(1, round(tail * len(lines))):] if lines else []
     act = [m["feddo_active"] for m in lines]
-    rat = [m["feddo_mean_ratio"] for m in lines if "feddo_mean_ratio" in m]
-    return (sum(act) / len(act) if act else 0.0, sum(rat) / len(rat) if rat else 0.0)
+    pairs = [(m["feddo_active"], m["feddo_mean_ratio"]) for m in lines if "feddo_mean_ratio" in m]
+    weight = sum(n for n, _ in pairs)
+    return (sum(act) / len(act) if act else 0.0, sum(n * d for n, d in pairs) / weight if weight else 0.0)
 
 
 def agent_sizes() -> list[tuple[int, dict, dict]]:
@@ -478,7 +498,7 @@ class Grid:
         """The main grid's cell, or ``None`` for FedDO-random while FedDO's first-seed behaviour in
         the setting (``control["ds/part"]`` = (mean active, mean d)) is not on record."""
         algo, params = METHODS[label]
-        params = dict(params)
+        params = {**params, **DATASET_PARAMS.get((label, ds), {})}
         if params.get("policy") == PRETRAINED:
             params["policy"] = self.main_policy(ds, part)["path"]
         if label == "FedDO-random":
@@ -770,14 +790,17 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
              f"up to {PAPER_T2_BUDGET} rounds; its local epochs, lr, batch and the baselines' participation are not "
              "given (SPECS §4.4).",
              f"- Baselines at participation {settings['participation']} ({round(settings['participation'] * C)} of {C} "
-             "devices a round; swept below), at their strategies' defaults (SPECS §6): MOON μ 1, τ 0.5; FedLC τ 1; "
-             "FedNTD β 1, τ 1; FedCross α 0.99, one middleware model per device of a round; Oort without the "
-             "duration factor; FedAA's DDPG learns online within the run (its episodes of re-initialisation are "
-             "not run).",
+             "devices a round; swept below), at their strategies' defaults (SPECS §6): MOON μ 1, τ 0.5 (μ 5 on "
+             "CIFAR-10, the official value there); FedLC τ 1; FedNTD β 1, τ 1; FedCross α 0.99, one middleware "
+             "model per device of a round; Oort without the duration factor (`round_penalty = 0`: every device "
+             "runs at the same speed here, SPECS §6.11); FedAA's DDPG learns online within the run (its episodes "
+             "of re-initialisation are not run). FedDO's and FedAA's validation images are held out from every "
+             "device's training images.",
              f"- FedDO: DSAC-T, hidden {AGENT['hidden']} × {AGENT['layers']}, rank {AGENT['rank']}, warm-up "
              f"{AGENT['warmup']} transitions, reward 'seed' (Ξ = 64), validation 500 training images; the policy "
              f"pre-trained per setting for {settings['episodes']} episodes × {settings['pretrain_rounds']} rounds on "
-             f"seed 0's partition (episode e from seed e; the paper: {PAPER_EPISODES} episodes), then loaded and kept "
+             f"a data draw of its own (seed {PRETRAIN_SEED}, episode e from seed {PRETRAIN_SEED} + e, so no evaluated "
+             f"seed's split; the paper: {PAPER_EPISODES} episodes), then loaded and kept "
              "learning online (its replay buffer starts empty).",
              "- Controls, each one `[algorithm]` key away from FedDO: " + "; ".join(
                  f"*{c}* removes {why}" for c, why in CONTROLS.items()) + ". FedDO-random copies FedDO's "
@@ -922,8 +945,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
         lines += ["", f"## Sweep of the keys the paper does not fix ({ds}, {part})", "",
                   f"Each value a run per seed, FedDO otherwise at its defaults with a policy pre-trained at that value "
                   f"(`episodes`: the pre-training length); the default row is the main grid's cell on the seeds the "
-                  f"sweep has run ({swept}). *collapsed*: seeds ending below 1.5× chance (15 %). `min_ratio` acts "
-                  "only in a round where no device gets d > 0 (quorum 1).", "",
+                  f"sweep has run ({swept}). *collapsed*: seeds ending below 1.5× chance (15 %). `min_ratio` is not "
+                  "swept: with quorum 1 it acts only in a round where no device gets d > 0.", "",
                   "| key | value | method | final accuracy % | seeds | collapsed | active/round | mean d | "
                   "pre-training CPU s |", "|---|---|---|---|---|---|---|---|---|"]
         for key, values in (sweeps or {}).items():

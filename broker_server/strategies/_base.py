@@ -555,7 +555,9 @@ class Strategy(ABC):
     def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int) -> dict:
         """Data-dependent constructor arguments (FedMCP++'s proxy labels), called by the runtime
         before the strategy is built, with the loaded data set, the ``[algorithm]`` table and the
-        run seed. Default ``{}``."""
+        run seed; an override that also takes ``device_samples`` is given the training indices
+        the devices' shards come from (int64, sorted; :func:`device_training_pool`), so a server
+        set can be held out from them (FedDO's and FedAA's validation set). Default ``{}``."""
         return {}
 
     def bind_model(self, model: torch.nn.Module) -> None:

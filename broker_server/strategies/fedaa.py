@@ -128,9 +128,11 @@ class FedAA(Strategy):
         self.next_action: np.ndarray | None = None
 
     @classmethod
-    def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int) -> dict:
-        """The validation set (:func:`~broker_server.strategies.feddo.validation_split`) and the run seed."""
-        return {"validation": validation_split(dataset, params, seed), "run_seed": seed}
+    def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int,
+                     device_samples: np.ndarray | None = None) -> dict:
+        """The validation set (:func:`~broker_server.strategies.feddo.validation_split`, held out
+        from ``device_samples``) and the run seed."""
+        return {"validation": validation_split(dataset, params, seed, device_samples), "run_seed": seed}
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """FedAvg's selection, at most ``aggregated`` devices once the width is fixed."""

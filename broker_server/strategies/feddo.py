@@ -159,23 +159,41 @@ def _flat_drift(update: Sequence[np.ndarray], current: Sequence[np.ndarray]) -> 
     return math.sqrt(s)
 
 
-def validation_split(dataset: Any, params: Mapping[str, object], seed: int) -> tuple[np.ndarray, np.ndarray]:
+def validation_split(dataset: Any, params: Mapping[str, object], seed: int,
+                     device_samples: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The server's validation set of a reward-driven strategy (FedDO, FedAA): ``val_size``
     (default 500) samples of the ``val_source`` split (``"train"``, default, so no test sample
     feeds the reward; or ``"test"``), drawn without replacement by a generator of ``seed``.
 
+    With ``"train"`` the set is **held out** (SPECS §4.1: "a held-out validation set"): drawn
+    from the training images no device holds, the complement of ``device_samples`` (the indices
+    the devices' shards come from, :func:`~edge_agent.partition.split_dataset`'s subset; ``None``
+    = the whole split). When the devices hold every training image, the set is drawn from all of
+    them and a warning says that it overlaps the devices' training data (``[data]
+    train_samples`` below the split's size, or ``val_source = "test"``, avoids it).
+
     Returns:
-        ``(x float32 [V, C, H, W], y int64 [V])``, V = min(val_size, split size).
+        ``(x float32 [V, C, H, W], y int64 [V])``, V = min(val_size, pool size).
 
     Raises:
         ValueError: ``val_size`` < 1.
     """
-    src = dataset.train if str(params.get("val_source", "train")) == "train" else dataset.test
+    train = str(params.get("val_source", "train")) == "train"
+    src = dataset.train if train else dataset.test
     n = len(src.y)
     want = int(params.get("val_size", 500))  # type: ignore[call-overload]
     if want < 1:
         raise ValueError(f"val_size = {want} must be >= 1 (validation samples)")
-    idx = np.sort(np.random.default_rng(seed + 104729).choice(n, min(want, n), replace=False))
+    pool = np.arange(n)
+    if train:
+        held = np.setdiff1d(pool, np.arange(n) if device_samples is None else np.asarray(device_samples, np.int64))
+        if held.size:
+            pool = held
+        else:
+            log.warning("the validation set (%d images) is drawn from training images the devices also train on "
+                        "(they hold all %d): set [data] train_samples below %d, or [algorithm] val_source = "
+                        "\"test\", for a held-out one", min(want, n), n, n)
+    idx = np.sort(np.random.default_rng(seed + 104729).choice(pool, min(want, pool.size), replace=False))
     return np.asarray(src.x[idx], np.float32), np.asarray(src.y[idx], np.int64)
 
 
@@ -304,9 +322,11 @@ class FedDO(Strategy):
     # ------------------------------------------------------------------ setup
 
     @classmethod
-    def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int) -> dict:
-        """The validation set (:func:`validation_split`) and the run seed."""
-        return {"validation": validation_split(dataset, params, seed), "run_seed": seed}
+    def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int,
+                     device_samples: np.ndarray | None = None) -> dict:
+        """The validation set (:func:`validation_split`, held out from ``device_samples``) and the
+        run seed."""
+        return {"validation": validation_split(dataset, params, seed, device_samples), "run_seed": seed}
 
     def reset_episode(self) -> None:
         """Forget the per-run state (drifts, φ, the pending transition), keep the agent and its

@@ -470,3 +470,42 @@ def test_pretrain_refuses_an_out_it_could_not_write_before_training(tmp_path, ca
     text = capsys.readouterr()
     assert why in text.err and "Traceback" not in text.err
     assert "episode" not in text.out.replace("1 episodes", "")  # no episode ran
+
+
+def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_path, caplog) -> None:
+    """SPECS §4.1's held-out validation set: with [data] train_samples below the split's size the
+    devices' shards are cut from a stratified subset (``split_dataset``), and the strategy the
+    runtime builds draws its val_size images from the rest: the union of the shards and the
+    validation images share no index (matched here by pixels, since the set carries no index),
+    for FedDO and FedAA alike. With every image on a device the set overlaps them and a warning
+    says so."""
+    import logging
+
+    from broker_server.config import load as load_config
+    from broker_server.runtime import device_training_pool, make_strategy
+    from broker_server.strategies.feddo import validation_split
+    from edge_agent.data import load_dataset
+    from edge_agent.partition import split_dataset
+
+    cfg_path = tmp_path / "feddo.toml"
+    cfg_path.write_text(TINY_TOML.replace('clients = 3\n', 'clients = 3\ntrain_samples = 600\n'), encoding="utf-8")
+    cfg = load_config(cfg_path)
+    ds = load_dataset("digits")
+    shards = split_dataset(ds, 3, scheme="dirichlet", seed=cfg.run.seed, alpha=0.5, train_samples=600)
+    used = np.unique(np.concatenate(shards))
+    np.testing.assert_array_equal(used, device_training_pool(cfg, ds))  # the pool is the shards' union
+    assert used.size == 600 < len(ds.train.y)
+    pixels = {np.asarray(ds.train.x[i], np.float32).tobytes() for i in used}
+    for algorithm in ("feddo", "fedaa"):
+        raw = TINY_TOML.replace('clients = 3\n', 'clients = 3\ntrain_samples = 600\n')
+        raw = raw.replace('algorithm = "feddo"', f'algorithm = "{algorithm}"')
+        if algorithm == "fedaa":
+            raw = raw[:raw.index("[algorithm]")] + "[algorithm]\nval_size = 100\n"
+        cfg_path.write_text(raw, encoding="utf-8")
+        x, y = make_strategy(load_config(cfg_path), ds).validation
+        assert len(y) == 100
+        assert not any(np.asarray(row, np.float32).tobytes() in pixels for row in x), algorithm
+    # every image on a device: drawn from all of them, said out loud
+    with caplog.at_level(logging.WARNING, logger="broker_server.strategies.feddo"):
+        x, y = validation_split(ds, {"val_size": 50}, 0, np.arange(len(ds.train.y)))
+    assert len(y) == 50 and "drawn from training images the devices also train on" in caplog.text

@@ -69,9 +69,10 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert [j.tags["dataset"] for j in main[:108]] == ["fashion_mnist"] * 108
     assert [j.tags["seed"] for j in main[:36]] == [0] * 36
     sweep = grid.sweep_jobs()
-    # FedDO values: rank 3 + hidden 2 + min_ratio 2 + val_size 2 + reward 1 + drift_missing 1 + episodes 2
-    # = 13, and 4 participation rates × FedAvg, FedCross; each × 3 seeds
-    assert len(sweep) == (13 + 4 * 2) * 3 == len({j.key for j in sweep})
+    # FedDO values: rank 3 + hidden 2 + val_size 2 + reward 1 + drift_missing 1 + episodes 2 = 11 (min_ratio,
+    # a no-op at quorum 1, is not swept), and 4 participation rates × FedAvg, FedCross; each × 3 seeds
+    assert "min_ratio" not in t.SWEEPS
+    assert len(sweep) == (11 + 4 * 2) * 3 == len({j.key for j in sweep})
     assert t.sweep_values("episodes", t.SWEEPS["episodes"], 10) == [10, 2, 30]  # round(2.5) = 2
     by_key = {j.key: j for j in main + sweep}
     pre = "fashion_mnist/dir0.1/c100/r80/n10000"
@@ -95,7 +96,13 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert by_key[f"main/{pre}/FedAvg/s0"].config["agents"] == {"train_slots": 1, "torch_threads": 1}
     # policies: one per setting for the main grid, one per swept FedDO value; all distinct
     mains, sweeps = grid.policies(), grid.policies(sweep=True)
-    assert len(mains) == 6 and len(sweeps) == 13 and len({s["path"] for s in mains + sweeps}) == 19
+    assert len(mains) == 6 and len(sweeps) == 11 and len({s["path"] for s in mains + sweeps}) == 17
+    # pre-trained on a seed of its own: no evaluated seed's partition, no evaluated seed's models
+    assert all(s["raw"]["run"]["seed"] == t.PRETRAIN_SEED not in grid.seeds for s in mains + sweeps)
+    # Oort without the duration factor; MOON at the official μ = 5 on CIFAR-10 only
+    assert by_key[f"main/{pre}/Oort/s0"].config["algorithm"] == {"round_penalty": 0.0}
+    assert by_key[f"main/{pre}/MOON/s0"].config["algorithm"] == {}
+    assert by_key["main/cifar10/dir0.1/c100/r80/n10000/MOON/s0"].config["algorithm"] == {"mu": 5.0}
     # another pre-training budget is another policy (and another key), never the same file
     other = _grid(t, tmp_path, episodes=5)
     assert other.main_policy("fashion_mnist", "dir0.1")["path"] != grid.main_policy("fashion_mnist", "dir0.1")["path"]
@@ -180,6 +187,11 @@ def test_verdict_thresholds() -> None:
     # behaviour over the last quarter: 4 rounds → the last one
     lines = [{"round": i + 1, "feddo_active": a, "feddo_mean_ratio": 0.5} for i, a in enumerate([18, 22, 24, 24])]
     assert t.behaviour(lines) == (22.0, 0.5) and t.behaviour(lines, 0.25) == (24.0, 0.5)
+    # the ratio over active device-rounds: 10 devices at 0.9 and 30 at 0.1 → (9 + 3) / 40 = 0.3, not the
+    # rounds' mean 0.5, so a random control at (20 of K, 0.3) trains on as many images (12·|D|) in expectation
+    lines = [{"round": 1, "feddo_active": 10, "feddo_mean_ratio": 0.9}, {"round": 2, "feddo_active": 30,
+                                                                         "feddo_mean_ratio": 0.1}]
+    assert t.behaviour(lines) == (20.0, pytest.approx(0.3))
 
 
 def _rec(job, acc: float, curve: list[float] | None = None, active: list[int] | None = None, ratio: float = 0.0,
