@@ -182,6 +182,8 @@ ORTHOGONAL_COS = 0.1
 #: a swept value this many pp below the default (same seeds) is called a drop in the verdicts
 DROP_PP = 10.0
 
+#: the prototype width d of every member of the group (the paper's 512: a 2-core budget)
+FEATURE_DIM = 64
 #: The CPU plan's defaults (module docstring).
 ROUNDS = 10
 TRAIN_SAMPLES = 10_000
@@ -260,7 +262,7 @@ def job_config(dataset: str, split: str, algorithm: str, params: dict, seed: int
                    "client_eval": True, "client_eval_max": SHARED_EVAL_MAX if client_test == "shared" else 0},
         "broker": {"kind": "auto"},
         "agents": {"train_slots": 1, "torch_threads": 1},
-        "model": {"name": "lightcnn", "feature_dim": 64, "group": group},
+        "model": {"name": "lightcnn", "feature_dim": FEATURE_DIM, "group": group},
         "algorithm": algo,
     }
 
@@ -412,6 +414,14 @@ def _verdict(measured: float, claimed: float | None, std: float, pairs: int) -> 
     return verdict if pairs >= 2 else f"{verdict}, provisional: 1 pair, no spread to judge it by"
 
 
+def _group_text(group: str) -> str:
+    """The members of a named model group, or the name when it is not one."""
+    from edge_agent.models import MODEL_GROUPS
+
+    members = MODEL_GROUPS.get(group)
+    return ", ".join(members) if members else group
+
+
 def _count(n: int, noun: str) -> str:
     """``"1 seed"``, ``"2 seeds"``."""
     return f"{n} {noun}{'s' * (n != 1)}"
@@ -499,7 +509,9 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
              "## Protocol", "",
              f"- {settings['clients']} clients, all sampled each round, {settings['rounds']} rounds × "
              f"{settings['epochs']} local epoch(s), SGD lr {settings['lr']}, batch 32; model group "
-             f"`{settings['group']}` (device i runs member i mod n); training subset "
+             f"`{settings['group']}` ({_group_text(settings['group'])}; device i runs member i mod n), every member "
+             f"ending in a {FEATURE_DIM}-wide feature (the paper's 512, SPECS §3.1) and a Linear({FEATURE_DIM}, C) "
+             "head; training subset "
              f"{images} samples (stratified, 25 % of each shard held out as the "
              f"device's local test set); server epochs: {server_epochs}; seeds {seeds}; mean ± std (population) "
              "over seeds; "
@@ -569,6 +581,10 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                   f"*{NOT_RECORDED}*: the cell's rounds are not recorded.", ""]
     lines += ["† FedGH broadcasts a head, not prototypes: the cosine between its head's class rows.", "",
               "## Bytes per client per round (device links, MQTT framing included)", "",
+              "Mean over each method's cells on record (every setting and seed it ran, so rows on other seeds or "
+              "splits differ a little: a device uploads one prototype per class it holds, and the split decides "
+              "how many; the download carries every class's prototype, and its round config the method's keys).",
+              ""
               "| method | up B | down B | update extras B | update model tensors B |", "|---|---|---|---|---|"]
     for label in methods:
         rs = [r for r in main if r["method"] == label]
@@ -715,22 +731,23 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
               "*direction only* = a smaller cost beyond the spread, *not reproduced* = no cost, or a cost no larger "
               "than the std of the pairs.", ""]
     ablated = 0
+    worth_of: dict[str, str] = {}  # ablation → its pooled accuracy cost, for the geometry's reading
     for label in ABLATIONS:
-        found = pairwise(label, "FedOCP")
+        found = pairwise("FedOCP", label)  # what removing it costs, per setting: FedOCP − the ablation
         if not found:
             continue
         ablated += 1
-        means_d = [100 * mean_std(d)[0] for _, d in found]
-        costs = sum(m < 0 for m in means_d)
-        # the mechanism's worth = what removing it costs, per (setting, seed): FedOCP − the ablation
-        worth, worth_std = mean_std([-100 * x for _, d in found for x in d])
+        costs = sum(mean_std(d)[0] > 0 for _, d in found)
+        worth, worth_std = mean_std([100 * x for _, d in found for x in d])
         n_pairs = sum(len(d) for _, d in found)
+        worth_of[label] = f"{worth:+.2f} ± {worth_std:.2f} pp ({_count(n_pairs, 'pair')})"
         claimed = ABLATION_CLAIMS_PP.get(label)
         bar = (f"T5's {claimed:+.2f} pp" if claimed is not None
                else "the sign: T5 gives no single step for it")
-        lines.append(f"- {label} − FedOCP: " + "; ".join(f"{s} {_diff_text(d)}" for s, d in found)
-                     + f"; removing it costs {worth:+.2f} ± {worth_std:.2f} pp over "
-                     + f"{_count(n_pairs, '(setting, seed) pair')}, costs accuracy in {costs} of "
+        lines.append(f"- {label}: removing it costs (FedOCP − it) "
+                     + "; ".join(f"{s} {_diff_text(d)}" for s, d in found)
+                     + f"; over all pairs {worth:+.2f} ± {worth_std:.2f} pp "
+                     + f"({_count(n_pairs, '(setting, seed) pair')}), a cost in {costs} of "
                      + f"{_count(len(found), 'setting')}; against {bar} → "
                      + f"**{_verdict(worth, claimed, worth_std, n_pairs)}**.")
     if not ablated:
@@ -749,6 +766,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
             parts_cos = []
             lower = 0
             compared = 0
+            also: list[str] = []  # baselines the threshold passes too
             for label in BASELINES:
                 other = per_seed(_cells(main, ds, sp, ct, label), cosine)
                 shared = sorted(set(ocp) & set(other))
@@ -758,11 +776,15 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 other_on = mean_std([other[s] for s in shared])[0]
                 compared += 1
                 lower += ocp_on < other_on
+                if other_on <= ORTHOGONAL_COS:
+                    also.append(f"{label}{'†' if label == 'FedGH' else ''}")
                 parts_cos.append(f"{label}{'†' if label == 'FedGH' else ''} {other_on:+.3f} (FedOCP {ocp_on:+.3f}, "
                                  f"{len(shared)} seed{'s' * (len(shared) != 1)})")
             near = ("orthogonal or more separated" if ocp_mean <= ORTHOGONAL_COS
                     else "not orthogonal (mean cosine above the threshold)")
             lines.append(f"- {ds} {sp} ({ct} test): FedOCP {ocp_mean:+.3f} ({len(ocp)} of {n_seeds} seeds) → **{near}**"
+                         + (f" (so are {', '.join(also)}: the threshold alone does not set FedOCP apart)"
+                            if also else "")
                          + (f"; more separated than {lower} of {compared} baselines: " + "; ".join(parts_cos)
                             if compared else "") + ".")
     moved = []  # which mechanism makes the separation: each ablation's cosine against FedOCP's, same seeds
@@ -770,7 +792,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
         found = pairwise(label, "FedOCP", cosine)
         if found:
             moved.append(f"- {label}: " + "; ".join(f"{s} {_diff_text(d, scale=1.0, unit='', digits=3)}"
-                                                    for s, d in found))
+                                                    for s, d in found)
+                         + (f"; removing it costs {worth_of[label]} of accuracy (above)" if label in worth_of else ""))
     if moved:
         lines += ["", "Which mechanism separates the prototypes: each ablation's last-round mean cosine minus "
                   "FedOCP's, over the seeds both have (a positive difference: the mechanism removed was separating "

@@ -242,23 +242,23 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     # FedOCP − FedProto on seeds 0, 2: 72 − 69 = 3, 68 − 62 = 6 → 4.5 ± 1.5; − FedTGP on 0, 1: 6, 2 → 4 ± 2
     assert "- FedOCP − FedProto: CIFAR-10 Dir(0.1) (local) +4.50 ± 1.50 pp (2 seeds); +4.50 pp on average." in lines
     assert "- FedOCP − FedTGP: CIFAR-10 Dir(0.1) (local) +4.00 ± 2.00 pp (2 seeds); +4.00 pp on average." in lines
-    # no orthogonal init − FedOCP on seeds 0, 1: 66 − 72 = −6, 71 − 74 = −3 → −4.5 ± 1.5: removing it costs
-    # +4.5 ± 1.5 pp, beyond the spread but short of T5's 42.34 − 34.37 = +7.97 pp → direction only
-    assert row("- FedOCP no orthogonal init − FedOCP:") == (
-        "- FedOCP no orthogonal init − FedOCP: CIFAR-10 Dir(0.1) (local) -4.50 ± 1.50 pp (2 seeds); removing it costs "
-        "+4.50 ± 1.50 pp over 2 (setting, seed) pairs, costs accuracy in 1 of 1 setting; against T5's +7.97 pp → "
-        "**direction only**.")
-    # no client contrastive on seed 0: 75 − 72 = +3 → it costs −3 → not reproduced
-    assert row("- FedOCP no client contrastive − FedOCP:").endswith(
-        "(local) +3.00 pp (1 seed); removing it costs -3.00 ± 0.00 pp over 1 (setting, seed) pair, costs accuracy "
-        "in 0 of 1 setting; against the sign: T5 gives no single step for it → **not reproduced, provisional: 1 "
-        "pair, no spread to judge it by**.")
-    # no client orthogonality on seeds 0, 1: 70 − 72 = −2, 75 − 74 = +1 → it costs +0.5 ± 1.5: a positive
+    # removing the orthogonal init costs FedOCP − it on seeds 0, 1: 72 − 66 = 6, 74 − 71 = 3 → +4.5 ± 1.5 pp,
+    # beyond the spread but short of T5's 42.34 − 34.37 = +7.97 pp → direction only
+    assert row("- FedOCP no orthogonal init:") == (
+        "- FedOCP no orthogonal init: removing it costs (FedOCP − it) CIFAR-10 Dir(0.1) (local) +4.50 ± 1.50 pp "
+        "(2 seeds); over all pairs +4.50 ± 1.50 pp (2 (setting, seed) pairs), a cost in 1 of 1 setting; against "
+        "T5's +7.97 pp → **direction only**.")
+    # no client contrastive on seed 0: 72 − 75 = −3 → no cost → not reproduced (one pair: provisional)
+    assert row("- FedOCP no client contrastive:").endswith(
+        "(local) -3.00 pp (1 seed); over all pairs -3.00 ± 0.00 pp (1 (setting, seed) pair), a cost in 0 of 1 "
+        "setting; against the sign: T5 gives no single step for it → **not reproduced, provisional: 1 pair, no "
+        "spread to judge it by**.")
+    # no client orthogonality on seeds 0, 1: 72 − 70 = 2, 74 − 75 = −1 → a cost of +0.5 ± 1.5: a positive
     # mean no larger than its spread → not reproduced, with that said
-    assert row("- FedOCP no client orthogonality − FedOCP:").endswith(
-        "removing it costs +0.50 ± 1.50 pp over 2 (setting, seed) pairs, costs accuracy in 1 of 1 setting; against "
-        f"the sign: T5 gives no single step for it → **{NOISY_VERDICT}**.")
-    assert not any(line.startswith("- FedOCP no server contrastive − FedOCP") for line in lines)  # none on record
+    assert row("- FedOCP no client orthogonality:").endswith(
+        "over all pairs +0.50 ± 1.50 pp (2 (setting, seed) pairs), a cost in 1 of 1 setting; against the sign: T5 "
+        f"gives no single step for it → **{NOISY_VERDICT}**.")
+    assert not any(line.startswith("- FedOCP no server contrastive: removing") for line in lines)  # none on record
     # cosine: FedOCP −0.05 over 3 seeds, |−0.05| ≤ 0.1; vs FedProto on seeds 0, 2: FedOCP (−0.05 − 0.03) / 2
     # = −0.04, FedProto (0.5 + 0.6) / 2 = 0.55; vs FedTGP on 0, 1: −0.06 against 0.25
     assert ("- CIFAR-10 Dir(0.1) (local test): FedOCP -0.050 (3 of 3 seeds) → **orthogonal or more separated**; "
@@ -266,7 +266,8 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
             "(FedOCP -0.060, 2 seeds).") in lines
     # the mechanisms' cosines: no client orthogonality 0.30 − (−0.05) = 0.35, 0.50 − (−0.07) = 0.57 →
     # +0.460 ± 0.110; no orthogonal init has no cosine series, so no line
-    assert "- FedOCP no client orthogonality: CIFAR-10 Dir(0.1) (local) +0.460 ± 0.110 (2 seeds)" in lines
+    assert ("- FedOCP no client orthogonality: CIFAR-10 Dir(0.1) (local) +0.460 ± 0.110 (2 seeds); removing it costs "
+            "+0.50 ± 1.50 pp (2 pairs) of accuracy (above)") in lines
     assert not any(line.startswith("- FedOCP no orthogonal init: CIFAR") for line in lines)
     # the sweep: the default row is main FedOCP on the swept seeds 0, 1 (72, 74 → 73 ± 1; cosine −0.05,
     # −0.07 → −0.060 ± 0.010); τ_server = 1: (55, 60) → 57.5 ± 2.5, per seed 55 − 72 = −17, 60 − 74 = −14
@@ -304,7 +305,7 @@ def test_prototype_geometry_verdict_counts_the_simplex_as_separated(cos: float, 
                         methods=["FedOCP", "FedGH"], seeds=[0], settings=SETTINGS, wall_s=None, commit="def5678",
                         verify=[], sweep=("CIFAR-10", "Dir(0.1)", "local")).splitlines()
     line = next(x for x in lines if x.startswith("- CIFAR-10 Dir(0.1) (local test): FedOCP"))
-    assert f"FedOCP {cos:+.3f} (1 of 1 seeds) → **{verdict}**" in line
+    assert f"FedOCP {cos:+.3f} (1 of 1 seeds) → **{verdict}** (so are FedGH†: the threshold alone" in line
     assert f"more separated than {int(cos < 0.005)} of 1 baselines" in line
 
 
