@@ -102,7 +102,8 @@ def test_fedproto_with_three_architectures_sends_no_parameters(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("algorithm", "params"), [("fedocp", {"server_epochs": 5}), ("fedgh", {}),
-                                                   ("fedtgp", {"server_epochs": 5}), ("fedproto", {})])
+                                                   ("fedtgp", {"server_epochs": 5}), ("fedproto", {}),
+                                                   ("fedorgp", {})])
 def test_a_four_architecture_group_sends_prototypes_only(tmp_path: Path, algorithm: str, params: dict) -> None:
     """htfe4-cpu (lightcnn, resnet8, mobilenet_v2_small, inception_small) on 4 digit clients, 2
     rounds: summing the tensor bytes of every update in the ledger finds no model parameter, and
