@@ -19,6 +19,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from ._base import GlobalUpdate
+
 #: loss(uploaded prototypes [B, d], their classes int64 [B], all generated prototypes [C, d]).
 PrototypeLoss = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
@@ -160,6 +162,10 @@ class PrototypeUploads:
             load_net_state(net, s.generator_state)
         return train_prototype_net(net, protos, classes, loss, epochs=s.server_epochs, lr=s.server_lr,
                                    batch=s.server_batch, seed=s.server_seed * 1_000_003 + self.round)
+
+    def result(self) -> GlobalUpdate | None:
+        """The round's global: the subclass's (FedTGP's, FedOCP's, FedORGP's, FedGH's training)."""
+        raise NotImplementedError(f"{type(self).__name__} must define result()")
 
     def stacked(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(prototypes float32 [N, d], classes int64 [N]) of every upload in client-id order, or

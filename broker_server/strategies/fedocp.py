@@ -64,12 +64,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._base import ClientResult, GlobalUpdate, RoundPlan, fold
+from ._base import ClientResult, GlobalUpdate, RoundPlan
 from ._prototype_net import PrototypeUploads, mean_interclass_cosine
 from ._registry import register_strategy
+from ._trained_prototypes import TrainedPrototypes, trained_update
 from .fedavg import FedAvg
 from .fedopt import check_range
-from .fedproto import FedProto, PrototypeAccumulator
+from .fedproto import PrototypeAccumulator
 
 if TYPE_CHECKING:
     import numpy.random
@@ -96,95 +97,6 @@ def _bool(key: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, got {value!r}")
     return value
-
-
-@register_strategy("fedocp")
-class FedOCP(FedProto):
-    """FedOCP strategy: FedProto's exchange and validation, contrastively trained prototypes.
-
-    Args:
-        lambda_align, lambda_orth, lambda_con, tau_client, tau_server, server_epochs, server_lr,
-        server_batch, server_seed, server_orth_init, anchor_seed, anchor_steps, orth_init,
-        server_contrastive, client_orthogonality, client_contrastive: the table of the module
-        docstring.
-        participation_rate, min_clients, train_config: as :class:`FedAvg`.
-
-    Raises:
-        ValueError: a value out of range or of the wrong type, naming the key.
-
-    C and d come from the bound model's classifier (:meth:`bind_model`); unbound, from the
-    network's embedding once trained, else from the first round's uploads.
-    """
-
-    name = "fedocp"
-    share = "none"
-    buffers = "average"
-    model_requirement = "prototype"
-    instructions = ()
-
-    def __init__(self, *, lambda_align: float = LAMBDA_ALIGN, lambda_orth: float = LAMBDA_ORTH,
-                 lambda_con: float = LAMBDA_CON, tau_client: float = TAU, tau_server: float = TAU,
-                 server_epochs: int = SERVER_EPOCHS, server_lr: float = SERVER_LR, server_batch: int = SERVER_BATCH,
-                 server_seed: int = 0, server_orth_init: bool = False, anchor_seed: int = 0,
-                 anchor_steps: int = ANCHOR_STEPS, orth_init: bool = True, server_contrastive: bool = True,
-                 client_orthogonality: bool = True, client_contrastive: bool = True, **base: object) -> None:
-        super().__init__(lambda_proto=0.0, weighting="uniform", **base)
-        self.lambda_align = check_range("lambda_align", lambda_align, 0.0, np.inf)
-        self.lambda_orth = check_range("lambda_orth", lambda_orth, 0.0, np.inf)
-        self.lambda_con = check_range("lambda_con", lambda_con, 0.0, np.inf)
-        self.tau_client = check_range("tau_client", tau_client, 0.0, np.inf, low_open=True)
-        self.tau_server = check_range("tau_server", tau_server, 0.0, np.inf, low_open=True)
-        self.server_lr = check_range("server_lr", server_lr, 0.0, np.inf, low_open=True)
-        self.server_epochs = _int("server_epochs", server_epochs, 0)
-        self.server_batch = _int("server_batch", server_batch, 1)
-        self.server_seed = _int("server_seed", server_seed, 0)
-        self.anchor_seed = _int("anchor_seed", anchor_seed, 0)
-        self.anchor_steps = _int("anchor_steps", anchor_steps, 0)
-        self.server_orth_init = _bool("server_orth_init", server_orth_init)
-        self.orth_init = _bool("orth_init", orth_init)
-        self.server_contrastive = _bool("server_contrastive", server_contrastive)
-        self.client_orthogonality = _bool("client_orthogonality", client_orthogonality)
-        self.client_contrastive = _bool("client_contrastive", client_contrastive)
-        self.generator_state: list[np.ndarray] = []
-        self._digest: str | None = None
-
-    def configure_round(self, round: int, available: Sequence[str], rng: numpy.random.Generator) -> RoundPlan:
-        """FedAvg's client selection; the client keys of the module docstring in the config
-        (λ_o and λ_c as 0 when their switch is off)."""
-        plan = FedAvg.configure_round(self, round, available, rng)
-        config = {**plan.config, "lambda_align": self.lambda_align,
-                  "lambda_orth": self.lambda_orth if self.client_orthogonality else 0.0,
-                  "lambda_con": self.lambda_con if self.client_contrastive else 0.0,
-                  "tau_client": self.tau_client, "orth_init": self.orth_init, "anchor_seed": self.anchor_seed,
-                  "anchor_steps": self.anchor_steps}
-        return RoundPlan(selected=plan.selected, config=config)
-
-    def anchor_digest(self) -> str | None:
-        """The digest of the anchors the clients should hold (bound model only; ``None`` unbound
-        or without the orthogonal init)."""
-        if not self.orth_init or self.head is None:
-            return None
-        if self._digest is None:
-            from edge_agent.algorithms.fedocp import anchor_digest, orthogonal_anchors
-
-            self._digest = anchor_digest(orthogonal_anchors(*self.head, self.anchor_seed, self.anchor_steps))
-        return self._digest
-
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FedOCPAccumulator:  # type: ignore[override]
-        """Buffers the round's (prototype, class) pairs; trains the prototypes at the close."""
-        return FedOCPAccumulator(self, round)
-
-    def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
-        """The round's refined prototypes from ``results`` (``None`` when none came back)."""
-        return fold(self.accumulator(round, current), results)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "generator_state": list(self.generator_state)}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.generator_state = [np.asarray(a, np.float32) for a in state.get("generator_state", [])]
 
 
 class FedOCPAccumulator(PrototypeUploads):
@@ -241,11 +153,72 @@ class FedOCPAccumulator(PrototypeUploads):
         glob, state, last = self.train_network(
             protos, classes, lambda p, c, centers: prototype_infonce(
                 p, c, centers, torch.ones(centers.shape[0], dtype=torch.bool), s.tau_server), embedding=anchors)
-        num_classes = glob.shape[0]
-        ids = np.arange(num_classes, dtype=np.int64)
-        metrics.update(prototype_classes=int(num_classes), global_prototype_cosine=mean_interclass_cosine(glob))
         if last == last:
             metrics["ocp_server_loss"] = last
-        return GlobalUpdate(tensors=[], extras={"prototypes": glob, "proto_classes": ids},
-                            state={"prototypes": glob, "proto_classes": ids, "generator_state": state},
-                            metrics=metrics)
+        return trained_update(glob, state, metrics)
+
+
+@register_strategy("fedocp")
+class FedOCP(TrainedPrototypes):
+    """FedOCP strategy: FedProto's exchange and validation, contrastively trained prototypes.
+
+    Args:
+        lambda_align, lambda_orth, lambda_con, tau_client, tau_server, server_epochs, server_lr,
+        server_batch, server_seed, server_orth_init, anchor_seed, anchor_steps, orth_init,
+        server_contrastive, client_orthogonality, client_contrastive: the table of the module
+        docstring.
+        participation_rate, min_clients, train_config: as :class:`FedAvg`.
+
+    Raises:
+        ValueError: a value out of range or of the wrong type, naming the key.
+
+    C and d come from the bound model's classifier (:meth:`bind_model`); unbound, from the
+    network's embedding once trained, else from the first round's uploads.
+    """
+
+    name = "fedocp"
+    accumulator_class = FedOCPAccumulator
+
+    def __init__(self, *, lambda_align: float = LAMBDA_ALIGN, lambda_orth: float = LAMBDA_ORTH,
+                 lambda_con: float = LAMBDA_CON, tau_client: float = TAU, tau_server: float = TAU,
+                 server_epochs: int = SERVER_EPOCHS, server_lr: float = SERVER_LR, server_batch: int = SERVER_BATCH,
+                 server_seed: int = 0, server_orth_init: bool = False, anchor_seed: int = 0,
+                 anchor_steps: int = ANCHOR_STEPS, orth_init: bool = True, server_contrastive: bool = True,
+                 client_orthogonality: bool = True, client_contrastive: bool = True, **base: object) -> None:
+        super().__init__(server_epochs=server_epochs, server_lr=server_lr, server_batch=server_batch,
+                         server_seed=server_seed, lambda_proto=0.0, **base)
+        self.lambda_align = check_range("lambda_align", lambda_align, 0.0, np.inf)
+        self.lambda_orth = check_range("lambda_orth", lambda_orth, 0.0, np.inf)
+        self.lambda_con = check_range("lambda_con", lambda_con, 0.0, np.inf)
+        self.tau_client = check_range("tau_client", tau_client, 0.0, np.inf, low_open=True)
+        self.tau_server = check_range("tau_server", tau_server, 0.0, np.inf, low_open=True)
+        self.anchor_seed = _int("anchor_seed", anchor_seed, 0)
+        self.anchor_steps = _int("anchor_steps", anchor_steps, 0)
+        self.server_orth_init = _bool("server_orth_init", server_orth_init)
+        self.orth_init = _bool("orth_init", orth_init)
+        self.server_contrastive = _bool("server_contrastive", server_contrastive)
+        self.client_orthogonality = _bool("client_orthogonality", client_orthogonality)
+        self.client_contrastive = _bool("client_contrastive", client_contrastive)
+        self._digest: str | None = None
+
+    def configure_round(self, round: int, available: Sequence[str], rng: numpy.random.Generator) -> RoundPlan:
+        """FedAvg's client selection; the client keys of the module docstring in the config
+        (λ_o and λ_c as 0 when their switch is off)."""
+        plan = FedAvg.configure_round(self, round, available, rng)
+        config = {**plan.config, "lambda_align": self.lambda_align,
+                  "lambda_orth": self.lambda_orth if self.client_orthogonality else 0.0,
+                  "lambda_con": self.lambda_con if self.client_contrastive else 0.0,
+                  "tau_client": self.tau_client, "orth_init": self.orth_init, "anchor_seed": self.anchor_seed,
+                  "anchor_steps": self.anchor_steps}
+        return RoundPlan(selected=plan.selected, config=config)
+
+    def anchor_digest(self) -> str | None:
+        """The digest of the anchors the clients should hold (bound model only; ``None`` unbound
+        or without the orthogonal init)."""
+        if not self.orth_init or self.head is None:
+            return None
+        if self._digest is None:
+            from edge_agent.algorithms.fedocp import anchor_digest, orthogonal_anchors
+
+            self._digest = anchor_digest(orthogonal_anchors(*self.head, self.anchor_seed, self.anchor_steps))
+        return self._digest

@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._base import ClientResult, GlobalUpdate, RoundPlan, fold
-from ._prototype_net import PrototypeUploads, mean_interclass_cosine
+from ._base import GlobalUpdate, RoundPlan
+from ._prototype_net import PrototypeUploads
 from ._registry import register_strategy
+from ._trained_prototypes import TrainedPrototypes, trained_update
 from .fedavg import FedAvg
 from .fedopt import check_range
-from .fedproto import FedProto
 
 if TYPE_CHECKING:
     import numpy.random
@@ -92,8 +92,22 @@ def orgp_server_loss(protos: torch.Tensor, labels: torch.Tensor, centers: torch.
     return lambda_server * (1 - own.mean()) + gamma * inter.mean()
 
 
+class FedORGPAccumulator(PrototypeUploads):
+    """One round of :class:`FedORGP`: the uploaded prototypes, then the server training."""
+
+    def result(self) -> GlobalUpdate | None:
+        s = self.strategy
+        uploads = self.stacked()
+        if uploads is None or self.dim is None:
+            return None
+        protos, classes = uploads
+        glob, state, last = self.train_network(
+            protos, classes, lambda p, c, centers: orgp_server_loss(p, c, centers, s.lambda_server, s.gamma))
+        return trained_update(glob, state, {"orgp_server_loss": last} if last == last else {})
+
+
 @register_strategy("fedorgp")
-class FedORGP(FedProto):
+class FedORGP(TrainedPrototypes):
     """FedORGP strategy: FedProto's exchange and validation, prototypes trained with the
     orthogonality regulariser.
 
@@ -110,64 +124,18 @@ class FedORGP(FedProto):
     """
 
     name = "fedorgp"
-    share = "none"
-    buffers = "average"
-    model_requirement = "prototype"
-    instructions = ()
+    accumulator_class = FedORGPAccumulator
 
     def __init__(self, *, lambda_client: float = LAMBDA_CLIENT, lambda_server: float = LAMBDA_SERVER,
                  gamma: float = GAMMA, server_epochs: int = SERVER_EPOCHS, server_lr: float = SERVER_LR,
                  server_batch: int = SERVER_BATCH, server_seed: int = 0, **base: object) -> None:
-        super().__init__(lambda_proto=0.0, weighting="uniform", **base)
+        super().__init__(server_epochs=server_epochs, server_lr=server_lr, server_batch=server_batch,
+                         server_seed=server_seed, lambda_proto=0.0, **base)
         self.lambda_client = check_range("lambda_client", lambda_client, 0.0, np.inf)
         self.lambda_server = check_range("lambda_server", lambda_server, 0.0, np.inf)
         self.gamma = check_range("gamma", gamma, 0.0, np.inf)
-        self.server_lr = check_range("server_lr", server_lr, 0.0, np.inf, low_open=True)
-        for key, value, low in (("server_epochs", server_epochs, 0), ("server_batch", server_batch, 1),
-                                ("server_seed", server_seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
-        self.server_epochs, self.server_batch, self.server_seed = server_epochs, server_batch, server_seed
-        self.generator_state: list[np.ndarray] = []  # the prototype network's state, in state_dict order
 
     def configure_round(self, round: int, available: Sequence[str], rng: numpy.random.Generator) -> RoundPlan:
         """FedAvg's client selection; ``lambda_client`` in the config."""
         plan = FedAvg.configure_round(self, round, available, rng)
         return RoundPlan(selected=plan.selected, config={**plan.config, "lambda_client": self.lambda_client})
-
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FedORGPAccumulator:  # type: ignore[override]
-        """Buffers the round's (prototype, class) pairs; trains the prototypes at the close."""
-        return FedORGPAccumulator(self, round)
-
-    def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
-        """The round's trained prototypes from ``results`` (``None`` when none came back)."""
-        return fold(self.accumulator(round, current), results)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "generator_state": list(self.generator_state)}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.generator_state = [np.asarray(a, np.float32) for a in state.get("generator_state", [])]
-
-
-class FedORGPAccumulator(PrototypeUploads):
-    """One round of :class:`FedORGP`: the uploaded prototypes, then the server training."""
-
-    def result(self) -> GlobalUpdate | None:
-        s = self.strategy
-        uploads = self.stacked()
-        if uploads is None or self.dim is None:
-            return None
-        protos, classes = uploads
-        glob, state, last = self.train_network(
-            protos, classes, lambda p, c, centers: orgp_server_loss(p, c, centers, s.lambda_server, s.gamma))
-        ids = np.arange(glob.shape[0], dtype=np.int64)
-        metrics: dict[str, float | int] = {"prototype_classes": int(glob.shape[0]),
-                                           "global_prototype_cosine": mean_interclass_cosine(glob)}
-        if last == last:
-            metrics["orgp_server_loss"] = last
-        return GlobalUpdate(tensors=[], extras={"prototypes": glob, "proto_classes": ids},
-                            state={"prototypes": glob, "proto_classes": ids, "generator_state": state},
-                            metrics=metrics)

@@ -36,16 +36,15 @@ the broadcast prototypes of different classes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._base import ClientResult, GlobalUpdate, fold
-from ._prototype_net import PrototypeUploads, mean_interclass_cosine
+from ._base import GlobalUpdate
+from ._prototype_net import PrototypeUploads
 from ._registry import register_strategy
+from ._trained_prototypes import TrainedPrototypes, trained_update
 from .fedopt import check_range
-from .fedproto import FedProto
 
 if TYPE_CHECKING:
     import torch
@@ -90,8 +89,27 @@ def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, centers:
     return F.cross_entropy(-dist, labels)
 
 
+class FedTGPAccumulator(PrototypeUploads):
+    """One round of :class:`FedTGP`: the uploaded prototypes, then the server training."""
+
+    def result(self) -> GlobalUpdate | None:
+        s = self.strategy
+        uploads = self.stacked()
+        if uploads is None or self.dim is None:
+            return None
+        protos, classes = uploads
+        means = {int(c): protos[classes == c].astype(np.float64).mean(axis=0) for c in np.unique(classes)}
+        margin = adaptive_margin(means, s.margin_threshold)
+        glob, state, last = self.train_network(
+            protos, classes, lambda p, c, centers: margin_contrastive_loss(p, c, centers, margin))
+        metrics: dict[str, float | int] = {"tgp_margin": float(margin)}
+        if last == last:
+            metrics["tgp_server_loss"] = last
+        return trained_update(glob, state, metrics)
+
+
 @register_strategy("fedtgp")
-class FedTGP(FedProto):
+class FedTGP(TrainedPrototypes):
     """FedTGP strategy: FedProto's exchange and validation, the server-trained prototypes.
 
     Args:
@@ -109,61 +127,11 @@ class FedTGP(FedProto):
     """
 
     name = "fedtgp"
-    share = "none"
-    buffers = "average"
-    model_requirement = "prototype"
-    instructions = ()
+    accumulator_class = FedTGPAccumulator
 
     def __init__(self, *, lambda_proto: float = LAMBDA, server_epochs: int = SERVER_EPOCHS,
                  server_lr: float = SERVER_LR, server_batch: int = SERVER_BATCH,
                  margin_threshold: float = MARGIN_THRESHOLD, server_seed: int = 0, **base: object) -> None:
-        super().__init__(lambda_proto=lambda_proto, weighting="uniform", **base)
-        for key, value, low in (("server_epochs", server_epochs, 0), ("server_batch", server_batch, 1),
-                                ("server_seed", server_seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
-        self.server_epochs, self.server_batch, self.server_seed = server_epochs, server_batch, server_seed
-        self.server_lr = check_range("server_lr", server_lr, 0.0, np.inf, low_open=True)
+        super().__init__(server_epochs=server_epochs, server_lr=server_lr, server_batch=server_batch,
+                         server_seed=server_seed, lambda_proto=lambda_proto, **base)
         self.margin_threshold = check_range("margin_threshold", margin_threshold, 0.0, np.inf)
-        self.generator_state: list[np.ndarray] = []  # the prototype network's state, in state_dict order
-
-    def accumulator(self, round: int, current: Sequence[np.ndarray]) -> FedTGPAccumulator:  # type: ignore[override]
-        """Buffers the round's (prototype, class) pairs; trains the prototypes at the close."""
-        return FedTGPAccumulator(self, round)
-
-    def aggregate(self, round: int, current: Sequence[np.ndarray],
-                  results: Sequence[ClientResult]) -> GlobalUpdate | None:
-        """The round's trained prototypes from ``results`` (``None`` when none came back)."""
-        return fold(self.accumulator(round, current), results)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "generator_state": list(self.generator_state)}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.generator_state = [np.asarray(a, np.float32) for a in state.get("generator_state", [])]
-
-
-class FedTGPAccumulator(PrototypeUploads):
-    """One round of :class:`FedTGP`: the uploaded prototypes, then the server training."""
-
-    def result(self) -> GlobalUpdate | None:
-
-        s = self.strategy
-        uploads = self.stacked()
-        if uploads is None or self.dim is None:
-            return None
-        protos, classes = uploads
-        means = {int(c): protos[classes == c].astype(np.float64).mean(axis=0) for c in np.unique(classes)}
-        margin = adaptive_margin(means, s.margin_threshold)
-        glob, state, last = self.train_network(
-            protos, classes, lambda p, c, centers: margin_contrastive_loss(p, c, centers, margin))
-        num_classes = glob.shape[0]
-        ids = np.arange(num_classes, dtype=np.int64)
-        metrics = {"tgp_margin": float(margin), "prototype_classes": int(num_classes),
-                   "global_prototype_cosine": mean_interclass_cosine(glob)}
-        if last == last:
-            metrics["tgp_server_loss"] = last
-        return GlobalUpdate(tensors=[], extras={"prototypes": glob, "proto_classes": ids},
-                            state={"prototypes": glob, "proto_classes": ids, "generator_state": state},
-                            metrics=metrics)
