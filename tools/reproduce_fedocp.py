@@ -653,54 +653,38 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
               f"{CLAIM_GAIN_PP} pp, *direction only* = by less, *not reproduced* = it does not beat it, or by no "
               "more than the std of its paired differences (`broker_server.experiments.claim_verdict`). The same "
               "bar is then put against the best of all baselines here."]
-    head_gains: list[float] = []
-    head_pairs: list[float] = []
-    for ds in datasets:
-        for sp, ct in columns:
-            by = {label: per_seed(_cells(main, ds, sp, ct, label), best) for label in ["FedOCP", *HEADLINE]}
-            means, shared = seed_matched(by)
-            base = {k: v for k, v in means.items() if k in HEADLINE}
-            if "FedOCP" in means and base:
-                top = max(base, key=lambda k: base[k])
-                head_gains.append(100 * (means["FedOCP"] - base[top]))
-                diffs = [100 * (by["FedOCP"][s] - by[top][s]) for s in shared]
-                head_pairs += diffs
-                lines.append(f"- {ds} {sp} ({ct} test), seeds {shared}: FedOCP {100 * means['FedOCP']:.2f} vs {top} "
-                             f"{100 * base[top]:.2f} → {_diff_text(diffs, scale=1.0)} → "
-                             f"**{_verdict(head_gains[-1], CLAIM_GAIN_PP, mean_std(diffs)[1], len(diffs))}**.")
-    if head_gains:
-        g, g_std = mean_std(head_pairs)
-        lines.append(f"- FedOCP vs FedORGP over {_count(len(head_gains), 'setting')}: {g:+.2f} ± {g_std:.2f} pp over "
-                     f"{_count(len(head_pairs), '(setting, seed) pair')}, ahead in {sum(x > 0 for x in head_gains)} "
-                     f"of {len(head_gains)} → **{_verdict(g, CLAIM_GAIN_PP, g_std, len(head_pairs))}** "
-                     f"(the paper: +{CLAIM_GAIN_PP} pp on CIFAR-100).")
-    else:
-        lines.append("- no FedOCP/FedORGP pair on record yet.")
+    def margin_lines(rivals: list[str], versus: str, total: str, paper: str, none: str) -> list[str]:
+        """Per setting, FedOCP against the strongest of ``rivals`` (seed-matched means; ``versus``
+        introduces it: "" names it alone), then the pooled (setting, seed) differences; each
+        with its verdict against the paper's margin."""
+        out: list[str] = []
+        gains: list[float] = []  # per setting: the seed-matched mean gain over its strongest rival (pp)
+        pairs: list[float] = []  # per (setting, seed): FedOCP − that rival (pp)
+        for ds in datasets:
+            for sp, ct in columns:
+                by = {label: per_seed(_cells(main, ds, sp, ct, label), best) for label in ["FedOCP", *rivals]}
+                means, shared = seed_matched(by)
+                base = {k: v for k, v in means.items() if k in rivals}
+                if "FedOCP" in means and base:
+                    top = max(base, key=lambda k: base[k])
+                    gains.append(100 * (means["FedOCP"] - base[top]))
+                    diffs = [100 * (by["FedOCP"][s] - by[top][s]) for s in shared]
+                    pairs += diffs
+                    out.append(f"- {ds} {sp} ({ct} test), seeds {shared}: FedOCP {100 * means['FedOCP']:.2f} vs "
+                               f"{versus}{top} {100 * base[top]:.2f} → {_diff_text(diffs, scale=1.0)} → "
+                               f"**{_verdict(gains[-1], CLAIM_GAIN_PP, mean_std(diffs)[1], len(diffs))}**.")
+        if not gains:
+            return [*out, none]
+        g, g_std = mean_std(pairs)
+        return [*out, f"- FedOCP vs {total} over {_count(len(gains), 'setting')}: {g:+.2f} ± {g_std:.2f} pp over "
+                      f"{_count(len(pairs), '(setting, seed) pair')}, ahead in {sum(x > 0 for x in gains)} of "
+                      f"{len(gains)} → **{_verdict(g, CLAIM_GAIN_PP, g_std, len(pairs))}**{paper}."]
+
+    lines += margin_lines(HEADLINE, "", "FedORGP", f" (the paper: +{CLAIM_GAIN_PP} pp on CIFAR-100)",
+                          "- no FedOCP/FedORGP pair on record yet.")
     lines += ["", "Against the best baseline of each setting (any of FedProto, FedGH, FedTGP, FedORGP):", ""]
-    gains_best: list[float] = []  # per setting: the seed-matched mean gain over its best baseline (pp)
-    pairs_best: list[float] = []  # per (setting, seed): FedOCP − that setting's best baseline (pp)
-    for ds in datasets:
-        for sp, ct in columns:
-            by = {label: per_seed(_cells(main, ds, sp, ct, label), best) for label in ["FedOCP", *BASELINES]}
-            means, shared = seed_matched(by)
-            base = {k: v for k, v in means.items() if k in BASELINES}
-            if "FedOCP" in means and base:
-                top = max(base, key=lambda k: base[k])
-                gains_best.append(100 * (means["FedOCP"] - base[top]))
-                diffs = [100 * (by["FedOCP"][s] - by[top][s]) for s in shared]
-                pairs_best += diffs
-                lines.append(f"- {ds} {sp} ({ct} test), seeds {shared}: FedOCP {100 * means['FedOCP']:.2f} vs the best "
-                             f"baseline {top} {100 * base[top]:.2f} → {_diff_text(diffs, scale=1.0)} → "
-                             f"**{_verdict(gains_best[-1], CLAIM_GAIN_PP, mean_std(diffs)[1], len(diffs))}**.")
-    if gains_best:
-        g, g_std = mean_std(pairs_best)
-        ahead = sum(x > 0 for x in gains_best)
-        lines.append(f"- FedOCP vs the best baseline over {_count(len(gains_best), 'setting')}: {g:+.2f} ± "
-                     f"{g_std:.2f} pp over {_count(len(pairs_best), '(setting, seed) pair')}, ahead in {ahead} of "
-                     f"{len(gains_best)} → "
-                     f"**{_verdict(g, CLAIM_GAIN_PP, g_std, len(pairs_best))}**.")
-    else:
-        lines.append("- no FedOCP/baseline pair on record yet.")
+    lines += margin_lines(BASELINES, "the best baseline ", "the best baseline", "",
+                          "- no FedOCP/baseline pair on record yet.")
 
     def pairwise(label: str, ref: str, value: Callable[[dict], float | None] = best
                  ) -> list[tuple[str, list[float]]]:

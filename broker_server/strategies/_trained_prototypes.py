@@ -16,15 +16,15 @@ from .fedopt import check_range
 from .fedproto import FedProto
 
 
-class TrainedPrototypes(FedProto):
-    """FedProto with a server-trained prototype network (abstract: a subclass names its
-    :attr:`accumulator_class`, whose ``result`` trains the network with the method's loss).
+class ServerTrained(FedProto):
+    """FedProto's exchange with a server that trains on the uploaded prototypes each round
+    (FedGH's head; the prototype networks of :class:`TrainedPrototypes`): the four server keys.
 
     Args:
         server_epochs: epochs over the round's uploads (int ≥ 0).
         server_lr: SGD learning rate (> 0).
         server_batch: uploads per step (int ≥ 1).
-        server_seed: the network's initial weights and the shuffling (int ≥ 0).
+        server_seed: the initial weights and the shuffling (int ≥ 0).
         lambda_proto: FedProto's λ sent to the clients (0: the method's clients use their own keys).
         base: as :class:`FedProto` (participation_rate, min_clients, train_config).
 
@@ -36,8 +36,6 @@ class TrainedPrototypes(FedProto):
     buffers = "average"
     model_requirement = "prototype"
     instructions = ()
-    #: the round's accumulator: collects the uploads and trains the network at the close
-    accumulator_class: ClassVar[type[PrototypeUploads]]
 
     def __init__(self, *, server_epochs: int, server_lr: float, server_batch: int, server_seed: int,
                  lambda_proto: float = 0.0, **base: object) -> None:
@@ -48,6 +46,23 @@ class TrainedPrototypes(FedProto):
                 raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
         self.server_epochs, self.server_batch, self.server_seed = server_epochs, server_batch, server_seed
         self.server_lr = check_range("server_lr", server_lr, 0.0, np.inf, low_open=True)
+
+
+class TrainedPrototypes(ServerTrained):
+    """:class:`ServerTrained` with a prototype network (abstract: a subclass names its
+    :attr:`accumulator_class`, whose ``result`` trains the network with the method's loss;
+    :meth:`~broker_server.strategies._prototype_net.PrototypeUploads.train_network`).
+
+    Args and Raises: as :class:`ServerTrained`.
+    """
+
+    #: the round's accumulator: collects the uploads and trains the network at the close
+    accumulator_class: ClassVar[type[PrototypeUploads]]
+
+    def __init__(self, *, server_epochs: int, server_lr: float, server_batch: int, server_seed: int,
+                 lambda_proto: float = 0.0, **base: object) -> None:
+        super().__init__(server_epochs=server_epochs, server_lr=server_lr, server_batch=server_batch,
+                         server_seed=server_seed, lambda_proto=lambda_proto, **base)
         self.generator_state: list[np.ndarray] = []  # the prototype network's state, in state_dict order
 
     def accumulator(self, round: int, current: Sequence[np.ndarray]) -> PrototypeUploads:  # type: ignore[override]

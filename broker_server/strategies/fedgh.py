@@ -30,8 +30,7 @@ import numpy as np
 from ._base import ClientResult, GlobalUpdate, fold
 from ._prototype_net import PrototypeUploads, mean_interclass_cosine
 from ._registry import register_strategy
-from .fedopt import check_range
-from .fedproto import FedProto
+from ._trained_prototypes import ServerTrained
 
 SERVER_EPOCHS = 1
 SERVER_LR = 0.01
@@ -76,7 +75,7 @@ def initial_head(num_classes: int, dim: int, seed: int) -> tuple[np.ndarray, np.
 
 
 @register_strategy("fedgh")
-class FedGH(FedProto):
+class FedGH(ServerTrained):
     """FedGH strategy: FedProto's prototype validation, a server-trained global head down.
 
     Args:
@@ -91,20 +90,11 @@ class FedGH(FedProto):
     """
 
     name = "fedgh"
-    share = "none"
-    buffers = "average"
-    model_requirement = "prototype"
-    instructions = ()
 
     def __init__(self, *, server_epochs: int = SERVER_EPOCHS, server_lr: float = SERVER_LR,
                  server_batch: int = SERVER_BATCH, server_seed: int = 0, **base: object) -> None:
-        super().__init__(lambda_proto=0.0, weighting="uniform", **base)
-        for key, value, low in (("server_epochs", server_epochs, 0), ("server_batch", server_batch, 1),
-                                ("server_seed", server_seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
-        self.server_epochs, self.server_batch, self.server_seed = server_epochs, server_batch, server_seed
-        self.server_lr = check_range("server_lr", server_lr, 0.0, np.inf, low_open=True)
+        super().__init__(server_epochs=server_epochs, server_lr=server_lr, server_batch=server_batch,
+                         server_seed=server_seed, lambda_proto=0.0, **base)
         self.head_weight = np.zeros((0, 0), np.float32)
         self.head_bias = np.zeros(0, np.float32)
 
