@@ -164,8 +164,17 @@ class PrototypeUploads:
                                    batch=s.server_batch, seed=s.server_seed * 1_000_003 + self.round)
 
     def result(self) -> GlobalUpdate | None:
-        """The round's global: the subclass's (FedTGP's, FedOCP's, FedORGP's, FedGH's training)."""
-        raise NotImplementedError(f"{type(self).__name__} must define result()")
+        """The round's global: :meth:`trained` on :meth:`stacked` (``None`` when no prototype
+        arrived)."""
+        uploads = self.stacked()
+        if uploads is None or self.dim is None:
+            return None
+        return self.trained(*uploads)
+
+    def trained(self, protos: np.ndarray, classes: np.ndarray) -> GlobalUpdate | None:
+        """The method's server training on the round's uploads, float32 [N, d] and int64 [N]
+        (FedTGP's, FedOCP's, FedORGP's, FedGH's): its global."""
+        raise NotImplementedError(f"{type(self).__name__} must define trained()")
 
     def stacked(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(prototypes float32 [N, d], classes int64 [N]) of every upload in client-id order, or

@@ -129,16 +129,12 @@ class FedGHAccumulator(PrototypeUploads):
         s = self.strategy
         return int(s.head_weight.shape[1]) if s.head_bias.size else None
 
-    def result(self) -> GlobalUpdate | None:
+    def trained(self, protos: np.ndarray, classes: np.ndarray) -> GlobalUpdate | None:
         s = self.strategy
-        uploads = self.stacked()
-        if uploads is None or self.dim is None:
-            return None
-        protos, classes = uploads
         if s.head_bias.size:
             w0, b0 = s.head_weight, s.head_bias
         else:
-            num_classes, dim = s.head if s.head is not None else (int(classes.max()) + 1, self.dim)
+            num_classes, dim = s.head if s.head is not None else (int(classes.max()) + 1, int(protos.shape[1]))
             w0, b0 = initial_head(num_classes, dim, s.server_seed)
         if w0.shape[1] != self.dim or classes.max() >= w0.shape[0]:
             raise ValueError(f"uploads of width {self.dim} / class {int(classes.max())} for a head {list(w0.shape)}")

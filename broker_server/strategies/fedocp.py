@@ -122,12 +122,8 @@ class FedOCPAccumulator(PrototypeUploads):
                         "(another platform computed another matrix); its prototypes are used", self.round,
                         result.client_id, got, expected)
 
-    def result(self) -> GlobalUpdate | None:
+    def trained(self, protos: np.ndarray, classes: np.ndarray) -> GlobalUpdate | None:
         s = self.strategy
-        uploads = self.stacked()
-        if uploads is None or self.dim is None:
-            return None
-        protos, classes = uploads
         order = sorted(self.pairs)
         metrics: dict[str, float | int] = {"ocp_anchor_mismatches": self.mismatches}
         if not s.server_contrastive:  # the ablation: FedProto's unweighted class means

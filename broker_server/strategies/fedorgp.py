@@ -95,12 +95,8 @@ def orgp_server_loss(protos: torch.Tensor, labels: torch.Tensor, centers: torch.
 class FedORGPAccumulator(PrototypeUploads):
     """One round of :class:`FedORGP`: the uploaded prototypes, then the server training."""
 
-    def result(self) -> GlobalUpdate | None:
+    def trained(self, protos: np.ndarray, classes: np.ndarray) -> GlobalUpdate | None:
         s = self.strategy
-        uploads = self.stacked()
-        if uploads is None or self.dim is None:
-            return None
-        protos, classes = uploads
         glob, state, last = self.train_network(
             protos, classes, lambda p, c, centers: orgp_server_loss(p, c, centers, s.lambda_server, s.gamma))
         return trained_update(glob, state, {"orgp_server_loss": last} if last == last else {})

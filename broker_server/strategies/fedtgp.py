@@ -92,12 +92,8 @@ def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, centers:
 class FedTGPAccumulator(PrototypeUploads):
     """One round of :class:`FedTGP`: the uploaded prototypes, then the server training."""
 
-    def result(self) -> GlobalUpdate | None:
+    def trained(self, protos: np.ndarray, classes: np.ndarray) -> GlobalUpdate | None:
         s = self.strategy
-        uploads = self.stacked()
-        if uploads is None or self.dim is None:
-            return None
-        protos, classes = uploads
         means = {int(c): protos[classes == c].astype(np.float64).mean(axis=0) for c in np.unique(classes)}
         margin = adaptive_margin(means, s.margin_threshold)
         glob, state, last = self.train_network(
