@@ -108,10 +108,7 @@ def test_fedtgp_federation_exchanges_trained_prototypes_only(tmp_path) -> None:
     global carries C = 10 trained prototypes of width 64; the devices' nearest-prototype accuracy
     beats chance (0.1) clearly (0.62 measured after round 2, 0.82 after round 1 on their own
     prototypes; the trainable prototypes need more rounds, see the module docstring)."""
-    import json
-    import sqlite3
-
-    from helpers.federation import read_metrics, small_config
+    from helpers.federation import assert_prototypes_only_on_the_wire, read_metrics, small_config
 
     from broker_server.simulate import simulate
 
@@ -121,9 +118,4 @@ def test_fedtgp_federation_exchanges_trained_prototypes_only(tmp_path) -> None:
     metrics = read_metrics(tmp_path / "run")
     assert all(m["share"] == "none" and m["prototype_classes"] == 10 for m in metrics)
     assert metrics[-1]["client_accuracy_mean"] > 0.3
-    con = sqlite3.connect(tmp_path / "run" / "ledger.sqlite")
-    for (fields,) in con.execute("select fields from messages where side='agent' and kind='update' and event='sent'"):
-        assert json.loads(fields)["tensors"] == 1  # an empty msgpack array
-    glob = dict(con.execute("select round, raw_bytes from messages where side='server' and kind='global' "
-                            "and event='sent'").fetchall())
-    assert glob[2] == 10 * 64 * 4 + 10 * 8  # float32 prototypes + int64 class ids
+    assert_prototypes_only_on_the_wire(tmp_path / "run")  # no parameter up; C = 10 prototypes of d = 64 down

@@ -95,3 +95,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def read_summary(run_dir: Path) -> dict:
     """A run's ``summary.json``."""
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_prototypes_only_on_the_wire(run_dir: Path, *, classes: int = 10, width: int = 64,
+                                       last_round: int = 2) -> None:
+    """A prototype-only run's ledger: every update the devices sent carries an empty tensors
+    field (the one byte of an empty msgpack array: no model parameter), and the last round's
+    global is exactly ``classes`` float32 prototypes of ``width`` plus their int64 class ids."""
+    import sqlite3
+
+    con = sqlite3.connect(run_dir / "ledger.sqlite")
+    try:
+        sent = con.execute("select fields from messages where side='agent' and kind='update' and event='sent'")
+        rows = [json.loads(f) for (f,) in sent]
+        assert rows and all(f["tensors"] == 1 for f in rows), rows[:3]
+        glob = dict(con.execute("select round, raw_bytes from messages where side='server' and kind='global' "
+                                "and event='sent'").fetchall())
+    finally:
+        con.close()
+    assert glob[last_round] == classes * width * 4 + classes * 8
