@@ -21,14 +21,15 @@ cell, :func:`broker_server.simulate.simulate`, run by :mod:`broker_server.experi
   init, no server contrastive loss (class means instead), no client orthogonality loss, no client
   contrastive loss;
 - a sweep of every FedOCP key the paper does not fix (SPECS §3.2/§3.3 [guess]: the loss weights
-  λ_align, λ_orth, λ_con at 0 and 10× the default, the temperatures τ_client, τ_server at 0.1×
-  and 10×, the server's epochs (1, FedORGP's) and lr (10×)) on one setting (``--sweep-bench``,
-  default CIFAR-10 / Dir(0.1), local test), 3 seeds, cells keyed ``sweep/...``; λ_orth = 0 and
-  λ_con = 0 are the ablation cells of the main grid (the same configuration reaches the
-  clients), so they are read from there, not run twice. ``--sweep-extended`` adds 0.1× the loss
-  weights, 10 server epochs, server lr 0.001, server batch 10 (HtFLlib's) and orthogonally
-  initialised server embeddings; ``anchor_steps`` is not swept (with C = 10 ≤ d = 64 the anchors
-  are the exact QR factor and the steps are unused);
+  λ_align, λ_orth, λ_con at 0 and 10× the default, λ_align also at 100, FedORGP's λ_c on the same
+  loss (the report sets that cell against FedORGP: FedOCP's additions at equal alignment weight),
+  the temperatures τ_client, τ_server at 0.1× and 10×, the server's epochs (1, FedORGP's) and lr
+  (10×)) on one setting (``--sweep-bench``, default CIFAR-10 / Dir(0.1), local test), 3 seeds, cells
+  keyed ``sweep/...``; λ_orth = 0 and λ_con = 0 are the ablation cells of the main grid (the same
+  configuration reaches the clients), so they are read from there, not run twice.
+  ``--sweep-extended`` adds 0.1× the loss weights, 10 server epochs, server lr 0.001, server batch
+  10 (HtFLlib's) and orthogonally initialised server embeddings; ``anchor_steps`` is not swept (with
+  C = 10 ≤ d = 64 the anchors are the exact QR factor and the steps are unused);
 - per method: client accuracy, rounds to a target client accuracy per seed (:data:`TARGETS`), the
   mean inter-class cosine similarity of the global prototypes (metric ``global_prototype_cosine``
   of the last round; FedGH has none: its head rows' cosine, ``head_row_cosine``, marked †),
@@ -61,8 +62,8 @@ CPU plan for 2 cores (the defaults; :func:`cell_core_seconds`, the report's "CPU
   prototype generator on 60–200 uploads took 0.1–0.4 s CPU, ≤ 1 % of a round;
 - defaults: 10 rounds (:data:`ROUNDS`), 10,000 training images (:data:`TRAIN_SAMPLES`), CIFAR-10
   only: a cell ≈ 8 + 10 × 36 = 368 s of one core; the main grid (2 splits × 10 methods × 3 seeds
-  = 60 cells) ≈ 6.1 core-hours; the sweep (10 values × 3 seeds = 30 cells) ≈ 3.1 core-hours;
-  together ≈ 9.2 core-hours ≈ 4.6 h wall on 2 workers when nothing else runs;
+  = 60 cells) ≈ 6.1 core-hours; the sweep (11 values × 3 seeds = 33 cells) ≈ 3.4 core-hours;
+  together ≈ 9.5 core-hours ≈ 4.7 h wall on 2 workers when nothing else runs;
 - extensions: each further data set 60 cells, ≤ 6.1 core-hours (1×28×28 images, not measured;
   CIFAR-10's cost as the bound); ``--sweep-extended`` 7 values × 3 seeds = 21 cells ≈ 2.1
   core-hours. The grid resumes where it stopped, so each extension is one more invocation.
@@ -201,11 +202,14 @@ def _times(value: float, factor: float) -> float:
     return float(f"{value * factor:.6g}")
 
 
+#: FedORGP's client alignment weight λ_c (SPECS §6.5, the paper's best), on the same loss as FedOCP's
+#: λ_align: the sweep runs it too, so FedOCP's additions can be compared with FedORGP at equal weight
+ORGP_LAMBDA = 100.0
 #: FedOCP keys the paper does not fix (SPECS §3.2/§3.3 [guess]): key → (the strategy's default, the
 #: values the sweep runs, the values ``--sweep-extended`` adds). Defaults are read from
 #: :mod:`broker_server.strategies.fedocp`, whose docstring says why each is what it is.
 SWEEPS: dict[str, tuple[object, tuple, tuple]] = {
-    "lambda_align": (LAMBDA_ALIGN, (0.0, _times(LAMBDA_ALIGN, 10)), (_times(LAMBDA_ALIGN, 0.1),)),
+    "lambda_align": (LAMBDA_ALIGN, (0.0, _times(LAMBDA_ALIGN, 10), ORGP_LAMBDA), (_times(LAMBDA_ALIGN, 0.1),)),
     "lambda_orth": (LAMBDA_ORTH, (0.0, _times(LAMBDA_ORTH, 10)), (_times(LAMBDA_ORTH, 0.1),)),
     "lambda_con": (LAMBDA_CON, (0.0, _times(LAMBDA_CON, 10)), (_times(LAMBDA_CON, 0.1),)),
     "tau_client": (TAU, (_times(TAU, 0.1), _times(TAU, 10)), ()),
@@ -682,6 +686,21 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
 
     lines += margin_lines(HEADLINE, "", "FedORGP", f" (the paper: +{CLAIM_GAIN_PP} pp on CIFAR-100)",
                           "- no FedOCP/FedORGP pair on record yet.")
+    if sweep is not None:  # FedOCP at FedORGP's alignment weight against FedORGP: what FedOCP's additions bring
+        sds, ssp, sct = sweep
+        at_orgp = per_seed([r for r in sweep_recs if r["dataset"] == sds and r["split"] == ssp
+                            and _protocol(r) == sct and r.get("sweep_key") == "lambda_align"
+                            and float(r.get("value", -1)) == ORGP_LAMBDA], best)
+        rivals = {label: per_seed(_cells(main, sds, ssp, sct, label), best) for label in HEADLINE}
+        rivals = {k: v for k, v in rivals.items() if set(v) & set(at_orgp)}
+        if at_orgp and rivals:
+            top = max(rivals, key=lambda k: mean_std([rivals[k][x] for x in sorted(set(rivals[k]) & set(at_orgp))])[0])
+            diffs = [100 * d for d in paired_differences(at_orgp, rivals[top])]
+            m, sd = mean_std(diffs)
+            lines.append(f"- At FedORGP's alignment weight (the sweep's λ_align = {ORGP_LAMBDA:g}; {sds} {ssp}, {sct} "
+                         f"test): FedOCP − {top} {_diff_text(diffs, scale=1.0)} → "
+                         f"**{_verdict(m, CLAIM_GAIN_PP, sd, len(diffs))}** (FedOCP's orthogonal init, orthogonality "
+                         "and contrastive losses and server InfoNCE, against FedORGP's loss at the same λ).")
     lines += ["", "Against the best baseline of each setting (any of FedProto, FedGH, FedTGP, FedORGP):", ""]
     lines += margin_lines(BASELINES, "the best baseline ", "the best baseline", "",
                           "- no FedOCP/baseline pair on record yet.")

@@ -92,10 +92,12 @@ def test_sweep_cells_keys_and_order() -> None:
     jobs = tool.make_jobs(["CIFAR-10", "MNIST"], ["Dir(0.1)"], list(tool.METHODS), [0, 1], ["local"],
                           sweep=("CIFAR-10", "Dir(0.1)", "local"), **KW)
     sweep = [j for j in jobs if j.tags["grid"] == "sweep"]
-    # per seed: λ_align 0, 10; λ_orth 10; λ_con 10 (their 0 is an ablation cell); τ_client and τ_server
-    # 0.01, 1; server_epochs 1 (the main grid's is 5 here); server_lr 0.1 → 10 cells, × 2 seeds
-    expect = ["lambda_align=0.0", "lambda_align=10.0", "lambda_orth=10.0", "lambda_con=10.0", "tau_client=0.01",
-              "tau_client=1.0", "tau_server=0.01", "tau_server=1.0", "server_epochs=1", "server_lr=0.1"]
+    # per seed: λ_align 0, 10, 100 (FedORGP's λ_c); λ_orth 10; λ_con 10 (their 0 is an ablation cell);
+    # τ_client and τ_server 0.01, 1; server_epochs 1 (the main grid's is 5 here); server_lr 0.1 → 11 cells,
+    # × 2 seeds
+    expect = ["lambda_align=0.0", "lambda_align=10.0", "lambda_align=100.0", "lambda_orth=10.0", "lambda_con=10.0",
+              "tau_client=0.01", "tau_client=1.0", "tau_server=0.01", "tau_server=1.0", "server_epochs=1",
+              "server_lr=0.1"]
     assert [j.key for j in sweep] == [f"sweep/CIFAR-10/Dir_0.1/local/{v}/s{s}" for s in (0, 1) for v in expect]
     assert all(not j.key.startswith("main/") for j in sweep) and len({j.key for j in jobs}) == len(jobs)
     for j in sweep:  # one key changed from FedOCP (server_epochs 5 from the grid, unless it is the key)
@@ -103,9 +105,9 @@ def test_sweep_cells_keys_and_order() -> None:
         assert j.config["algorithm"] == {"server_epochs": 5, key: j.tags["value"]}
         assert j.config["train"]["algorithm"] == "fedocp" and j.tags["method"] == "FedOCP"
         assert from_dict(j.config, j.key).data.client_test == "local"
-    # CIFAR-10's main cells (10 methods × 2 seeds), its sweep (20), then MNIST's main cells (20)
+    # CIFAR-10's main cells (10 methods × 2 seeds), its sweep (22), then MNIST's main cells (20)
     grids = [(j.tags["grid"], j.tags["dataset"]) for j in jobs]
-    assert grids == [("main", "CIFAR-10")] * 20 + [("sweep", "CIFAR-10")] * 20 + [("main", "MNIST")] * 20
+    assert grids == [("main", "CIFAR-10")] * 20 + [("sweep", "CIFAR-10")] * 22 + [("main", "MNIST")] * 20
     # a grid that leaves FedOCP and the two ablations out still runs the cells the sweep's table reads
     only = tool.make_jobs(["CIFAR-10"], ["Dir(0.1)"], ["FedProto"], [0], sweep=("CIFAR-10", "Dir(0.1)", "local"),
                           sweep_values=tool.sweep_plan(["lambda_con", "tau_server"], server_epochs=5), **KW)
@@ -114,9 +116,9 @@ def test_sweep_cells_keys_and_order() -> None:
                                      "sweep/CIFAR-10/Dir_0.1/local/lambda_con=10.0/s0",
                                      "sweep/CIFAR-10/Dir_0.1/local/tau_server=0.01/s0",
                                      "sweep/CIFAR-10/Dir_0.1/local/tau_server=1.0/s0"]
-    # extended: + λ × 0.1 (3), server_epochs 10, server_lr 0.001, server_batch 10, server_orth_init → 17
+    # extended: + λ × 0.1 (3), server_epochs 10, server_lr 0.001, server_batch 10, server_orth_init → 11 + 7 = 18
     wide = tool.sweep_plan(extended=True)
-    assert sum(len(v) for _, v in wide.values()) - len(tool.SWEEP_AS_ABLATION) == 17
+    assert sum(len(v) for _, v in wide.values()) - len(tool.SWEEP_AS_ABLATION) == 18
     assert wide["server_orth_init"] == (False, [True]) and wide["server_epochs"] == (100, [1, 10])
     with pytest.raises(ValueError, match="anchor_steps"):
         tool.sweep_plan(["anchor_steps"])
@@ -196,7 +198,8 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
         # no client orthogonality on seeds 0, 1 (best 70, 75): −2 and +1, a cost within the spread
         _rec("FedOCP no client orthogonality", 0, [0.60, 0.70, 0.69], [0.1, 0.2, 0.30]),
         _rec("FedOCP no client orthogonality", 1, [0.60, 0.75, 0.74], [0.1, 0.2, 0.50]),
-        # the sweep: τ_server = 1 on seeds 0, 1 (best 55, 60)
+        # the sweep: λ_align = 100 (FedORGP's λ_c) on seed 0 (best 73); τ_server = 1 on seeds 0, 1 (best 55, 60)
+        _rec("FedOCP", 0, [0.50, 0.73, 0.72], sweep=("lambda_align", 100.0)),
         _rec("FedOCP", 0, [0.50, 0.55, 0.52], [0.9, 0.9, 0.9], sweep=("tau_server", 1.0)),
         _rec("FedOCP", 1, [0.50, 0.60, 0.58], [0.8, 0.8, 0.8], sweep=("tau_server", 1.0)),
     ]
@@ -237,6 +240,11 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
             "by**.") in lines
     assert ("- FedOCP vs the best baseline over 1 setting: +1.00 ± 0.00 pp over 1 (setting, seed) pair, ahead in 1 "
             "of 1 → **direction only, provisional: 1 pair, no spread to judge it by**.") in lines
+    # FedOCP at λ_align = 100 on seed 0 (73) against the stronger FedORGP there (100 server epochs, 71): +2 pp
+    assert ("- At FedORGP's alignment weight (the sweep's λ_align = 100; CIFAR-10 Dir(0.1), local test): FedOCP − "
+            "FedORGP 100 server epochs +2.00 pp (1 seed) → **direction only, provisional: 1 pair, no spread to judge "
+            "it by** (FedOCP's orthogonal init, orthogonality and contrastive losses and server InfoNCE, against "
+            "FedORGP's loss at the same λ).") in lines
     # FedOCP − FedORGP on seeds 0, 1: 72 − 70 = 2, 74 − 66 = 8 → 5 ± 3
     assert "- FedOCP − FedORGP: CIFAR-10 Dir(0.1) (local) +5.00 ± 3.00 pp (2 seeds); +5.00 pp on average." in lines
     # FedOCP − FedProto on seeds 0, 2: 72 − 69 = 3, 68 − 62 = 6 → 4.5 ± 1.5; − FedTGP on 0, 1: 6, 2 → 4 ± 2
@@ -282,11 +290,11 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
             "(1 seed).") in lines
     assert "`anchor_steps`: unused here" in text
     # the CPU plan at 3 rounds × 10,000 images: 8 + 3 × 36 = 116 s a cell; main 1 split × 10 methods × 3
-    # seeds = 30 cells → 0.97 core-hours, sweep 10 values × 3 seeds = 30 → 0.97; on record 16 main cells
-    # and 2 sweep cells of 36 s each: 0.16 and 0.02 cell-hours
+    # seeds = 30 cells → 0.97 core-hours, sweep 11 values × 3 seeds = 33 → 1.06; on record 16 main cells
+    # and 3 sweep cells of 36 s each: 0.16 and 0.03 cell-hours; 2.03 core-hours in all
     assert "| main, CIFAR-10 | 30 | 1.0 | 16, 0.16 |" in lines
-    assert "| sweep, CIFAR-10 Dir(0.1) | 30 | 1.0 | 2, 0.02 |" in lines
-    assert "All parts: ≈ 1.9 core-hours, ≈ 1.0 h wall on 2 workers when nothing else runs. Each part resumes " \
+    assert "| sweep, CIFAR-10 Dir(0.1) | 33 | 1.1 | 3, 0.03 |" in lines
+    assert "All parts: ≈ 2.0 core-hours, ≈ 1.0 h wall on 2 workers when nothing else runs. Each part resumes " \
            "where it stopped." in lines
     assert "Records made at commit(s) `abc1234`." in text and "commit `def5678`" in text
 
