@@ -176,23 +176,25 @@ def user_algorithm(ref: str, error: type[Exception]) -> Algorithm:
 
 def accepted_keywords(cls: type) -> tuple[set[str], bool]:
     """The keyword names ``cls(...)`` accepts, following ``**kwargs`` up the MRO to the next
-    ``__init__`` that has none; and whether it accepts any keyword at all (a ``**kwargs`` that
-    reaches ``object``)."""
+    ``__init__`` that has none, less the class's ``fixed_keywords`` (those an ``__init__`` on the
+    way passes up itself, such as FedOCP's FedProto ``weighting``: a caller's would be a second
+    value); and whether it accepts any keyword at all (a ``**kwargs`` that reaches ``object``)."""
     names: set[str] = set()
+    fixed = set(getattr(cls, "fixed_keywords", ()))
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
         if klass is object:
-            return names, False
+            return names - fixed, False
         try:
             params = inspect.signature(init).parameters.values()
         except (TypeError, ValueError):
-            return names, True
+            return names - fixed, True
         names |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self"}
         if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return names, False
-    return names, False
+            return names - fixed, False
+    return names - fixed, False
 
 
 def _call_shape(attr: Any) -> tuple[Callable[..., Any] | None, bool]:

@@ -36,6 +36,10 @@ class ServerTrained(FedProto):
     buffers = "average"
     model_requirement = "prototype"
     instructions = ()
+    #: FedProto's keys this family sets itself (uniform class means; λ_proto only where the method
+    #: sends one, FedTGP, which declares it again): not ``[algorithm]`` keys
+    #: (:func:`edge_agent.plugins.accepted_keywords`)
+    fixed_keywords: ClassVar[tuple[str, ...]] = ("weighting", "lambda_proto")
 
     def __init__(self, *, server_epochs: int, server_lr: float, server_batch: int, server_seed: int,
                  lambda_proto: float = 0.0, **base: object) -> None:

@@ -124,6 +124,7 @@ class FedTGP(TrainedPrototypes):
 
     name = "fedtgp"
     accumulator_class = FedTGPAccumulator
+    fixed_keywords = ("weighting",)  # λ_proto is FedTGP's own key (sent to its clients)
 
     def __init__(self, *, lambda_proto: float = LAMBDA, server_epochs: int = SERVER_EPOCHS,
                  server_lr: float = SERVER_LR, server_batch: int = SERVER_BATCH,

@@ -260,7 +260,8 @@ class FedOCPClient(PrototypeClient):
         """
         head = getattr(model, "classifier", None)
         if not isinstance(head, torch.nn.Linear):
-            raise ModelError("FedOCP needs a model whose head is a torch.nn.Linear named 'classifier'")
+            raise ModelError(f"{self.name} needs a model whose head is a torch.nn.Linear named 'classifier' "
+                             f"(got {type(head).__name__})")
         if _flag(params, "orth_init", True):
             seed = int(cast(IntLike, params.get("anchor_seed", 0)))
             steps = int(cast(IntLike, params.get("anchor_steps", 2000)))

@@ -167,10 +167,20 @@ def nearest_prototype_scores(features: torch.Tensor, table: torch.Tensor, mask: 
 
 
 def _num_classes(model: torch.nn.Module) -> int:
+    """C: the model's ``num_classes``, else the rows of its ``classifier.weight`` [C, d] (the entry
+    every fedfleet model has, :func:`edge_agent.models.check_model`).
+
+    Raises:
+        ModelError: neither gives a positive class count.
+    """
     n = getattr(model, "num_classes", None)
-    if not isinstance(n, int) or n < 1:
-        raise ModelError("prototype algorithms need a model with features(x), head(z) and num_classes (LightCNN)")
-    return n
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+        return n
+    w = model.state_dict().get("classifier.weight")
+    if w is not None and w.dim() == 2 and int(w.shape[0]) >= 1:
+        return int(w.shape[0])
+    raise ModelError("prototype algorithms need a model with features(x), head(z) and a classifier.weight [C, d] "
+                     "entry (or num_classes), as LightCNN")
 
 
 class PrototypeClient(ClientAlgorithm, abc.ABC):

@@ -191,3 +191,53 @@ def test_fedorgp_federation_of_two_architectures_exchanges_prototypes_only(tmp_p
     assert all(m["share"] == "none" and m["prototype_classes"] == 10 for m in metrics)
     assert metrics[-1]["client_accuracy_mean"] > 0.3
     assert_prototypes_only_on_the_wire(tmp_path / "run")  # no parameter up; C = 10 prototypes of d = 64 down
+
+
+@pytest.mark.parametrize("algorithm", ["fedorgp", "fedocp", "fedgh"])
+@pytest.mark.parametrize("key", ["weighting", "lambda_proto"])
+def test_fedprotos_own_keys_are_not_offered_where_the_method_sets_them(algorithm: str, key: str) -> None:
+    """These methods set FedProto's uniform weighting (and λ_proto = 0) themselves: a user's value
+    is an unknown [algorithm] key, named as such, not a 'multiple values' TypeError; FedTGP still
+    takes its own λ_proto."""
+    from broker_server.config import from_dict
+    from broker_server.errors import ConfigError
+    from broker_server.runtime import make_strategy
+    from broker_server.strategies import get_strategy_class
+    from edge_agent.data import load_dataset
+    from edge_agent.plugins import accepted_keywords
+
+    names, _ = accepted_keywords(get_strategy_class(algorithm))
+    assert key not in names and "server_epochs" in names
+    assert "lambda_proto" in accepted_keywords(get_strategy_class("fedtgp"))[0]
+    cfg = from_dict({"run": {"name": "t", "rounds": 1}, "data": {"dataset": "digits", "clients": 2},
+                     "train": {"algorithm": algorithm}, "algorithm": {key: "count" if key == "weighting" else 1.0}},
+                    "<test>")
+    with pytest.raises(ConfigError, match=f"unknown key {key}"):
+        make_strategy(cfg, load_dataset("digits"))
+
+
+def test_a_head_that_is_not_a_linear_layer_is_named_with_the_algorithm() -> None:
+    """The error a device raises names FedORGP (not FedOCP, whose loop it shares) and what the
+    head was; a model without ``num_classes`` reads C from its ``classifier.weight``."""
+    from edge_agent.errors import ModelError
+
+    class Scaled(torch.nn.Module):  # a head with a weight entry [C, d] that is not a Linear
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(10, 16))
+
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return z @ self.weight.T
+
+    model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10, feature_dim=16)
+    model.classifier = Scaled()
+    x, y = torch.zeros(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ModelError, match="fedorgp needs a model whose head is a torch.nn.Linear named 'classifier' "
+                                         r"\(got Scaled\)"):
+        FedORGPClient().local_round(model, (), x, y, TrainConfig(local_epochs=1, batch_size=4, lr=0.1), round=1,
+                                    client_index=0, device=torch.device("cpu"))
+    plain = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10, feature_dim=16)
+    del plain.num_classes
+    res = FedORGPClient().local_round(plain, (), x, y, TrainConfig(local_epochs=1, batch_size=4, lr=0.1), round=1,
+                                      client_index=0, device=torch.device("cpu"))
+    assert res.extras["proto_classes"].tolist() == [0, 1, 2, 3]
