@@ -67,10 +67,10 @@ Chosen defaults: 10,000 training images (100 per client), 75 rounds, E = 5, pre-
 10 episodes × 75 rounds (an episode as long as the deployed run). Then a baseline cell ≈ 100 s,
 a FedDO-family cell ≈ 145 s, FedDO-all ≈ 305 s; one data set's main grid (3 partitions ×
 12 methods × 3 seeds = 108 cells) ≈ 14,300 s plus 3 policies ≈ 2,250 s: **≈ 4.6 core-hours,
-≈ 2.3 h wall on 2 workers** (7.4 and 3.7 with E = 1); the sweep ≈ 5.5 core-hours (13 FedDO
-values, each a policy and 3 cells, and 24 participation cells; 7.2 with E = 1); the default
-invocation (Fashion-MNIST first, then CIFAR-10, then the sweep) ≈ 15 core-hours, ≈ 7.4 h wall
-(22 and 11 with E = 1); under a load like the measurement's, about 1.8× these. Rounds, not
+≈ 2.3 h wall on 2 workers** (7.4 and 3.7 with E = 1); the sweep ≈ 4.8 core-hours (11 FedDO
+values, each a policy of ≈ 750 s and 3 cells, and 24 participation cells; 6.4 with E = 1); the
+default invocation (Fashion-MNIST first, then CIFAR-10, then the sweep) ≈ 14 core-hours, ≈ 7.0 h
+wall (21 and 10.6 with E = 1); under a load like the measurement's, about 1.8× these. Rounds, not
 images, are still what fits the budget best: the fixed cost (0.56 s at E = 5) is nearly half
 of a baseline round.
 ``--estimate-only`` runs the first missing cell alone and prints its time × the cells left and
@@ -153,6 +153,9 @@ PRETRAINED = "<pre-trained>"
 #: (method label, data set) → [algorithm] keys that replace the method's there: MOON's official
 #: μ = 5 on CIFAR-10 (SPECS §6.7; 1 elsewhere, its CIFAR-100/Tiny value)
 DATASET_PARAMS: dict[tuple[str, str], dict] = {("MOON", "cifar10"): {"mu": 5.0}}
+#: the smaller training split of the two data sets (CIFAR-10's; Fashion-MNIST has 60,000): a
+#: ``--train-samples`` below it leaves the server images no device holds, for a held-out validation set
+SMALLEST_SPLIT = 50_000
 #: the run seed of every policy's pre-training: its partition and episode e's model (seed
 #: PRETRAIN_SEED + e) are draws no grid seed (0, 1, 2) shares, so no seed's cell is deployed on
 #: the very data split its policy learned on
@@ -794,8 +797,10 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
              "CIFAR-10, the official value there); FedLC τ 1; FedNTD β 1, τ 1; FedCross α 0.99, one middleware "
              "model per device of a round; Oort without the duration factor (`round_penalty = 0`: every device "
              "runs at the same speed here, SPECS §6.11); FedAA's DDPG learns online within the run (its episodes "
-             "of re-initialisation are not run). FedDO's and FedAA's validation images are held out from every "
-             "device's training images.",
+             "of re-initialisation are not run). FedDO's and FedAA's validation images are "
+             + ("held out from every device's training images." if 0 < settings["train_samples"] < SMALLEST_SPLIT
+                else "drawn from training images the devices also hold (every image is on a device: the runs' logs "
+                     "say so)."),
              f"- FedDO: DSAC-T, hidden {AGENT['hidden']} × {AGENT['layers']}, rank {AGENT['rank']}, warm-up "
              f"{AGENT['warmup']} transitions, reward 'seed' (Ξ = 64), validation 500 training images; the policy "
              f"pre-trained per setting for {settings['episodes']} episodes × {settings['pretrain_rounds']} rounds on "
@@ -825,7 +830,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
               "every round it would have taken ≈ 300 s under that load (0.59 of it; the model: 0.52). Chosen "
               "defaults: 10,000 training images, 75 rounds, E = 5, 10 pre-training episodes × 75 rounds: one data "
               "set's main grid (108 cells, 3 policies) ≈ 4.6 core-hours, ≈ 2.3 h on 2 workers (7.4 with E = 1); the "
-              "sweep ≈ 5.5 core-hours; both data sets and the sweep ≈ 15 core-hours (22 with E = 1).", ""]
+              "sweep ≈ 4.8 core-hours; both data sets and the sweep ≈ 14 core-hours (21 with E = 1).", ""]
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} "
                   f"CPUs, {settings.get('workers', 2)} worker processes, 1 torch thread each).", ""]

@@ -1,7 +1,7 @@
-"""The server-side trainable prototypes shared by FedTGP and FedOCP (SPECS §6.2, §3.3): one
-network ``P = G(Emb(c))`` and the loop that trains it on one round's uploaded prototypes; each
-strategy brings its own loss. :class:`PrototypeUploads` collects a round's uploads for FedTGP,
-FedOCP and FedGH.
+"""The server-side trainable prototypes shared by FedTGP, FedOCP and FedORGP (SPECS §6.2, §3.3,
+§6.5): one network ``P = G(Emb(c))`` and the loop that trains it on one round's uploaded
+prototypes; each strategy brings its own loss. :class:`PrototypeUploads` collects a round's
+uploads for FedTGP, FedOCP, FedORGP and FedGH.
 
     P_c = fc(ReLU(W · Emb(c) + b)),   Emb ∈ R^{C×d}, W ∈ R^{d×d}, fc: R^d → R^d
 
@@ -102,8 +102,8 @@ def mean_interclass_cosine(prototypes: np.ndarray) -> float:
 
 class PrototypeUploads:
     """One round's uploaded prototypes (``extras`` ``prototypes`` float [k, d] and
-    ``proto_classes`` int [k]) per client: the collecting half of FedTGP's, FedOCP's and FedGH's
-    accumulators, which train on :meth:`stacked` at the round's close.
+    ``proto_classes`` int [k]) per client: the collecting half of FedTGP's, FedOCP's, FedORGP's
+    and FedGH's accumulators, whose :meth:`trained` runs on :meth:`stacked` at the round's close.
 
     Raises (from :meth:`add`):
         ValueError: a width d other than the round's earlier uploads' (or :meth:`known_width`).

@@ -173,7 +173,8 @@ def validation_split(dataset: Any, params: Mapping[str, object], seed: int,
     train_samples`` below the split's size, or ``val_source = "test"``, avoids it).
 
     Returns:
-        ``(x float32 [V, C, H, W], y int64 [V])``, V = min(val_size, pool size).
+        ``(x float32 [V, C, H, W], y int64 [V])``, V = min(val_size, pool size) (a smaller set than
+        ``val_size`` is logged as a warning).
 
     Raises:
         ValueError: ``val_size`` < 1.
@@ -189,6 +190,9 @@ def validation_split(dataset: Any, params: Mapping[str, object], seed: int,
         held = np.setdiff1d(pool, np.arange(n) if device_samples is None else np.asarray(device_samples, np.int64))
         if held.size:
             pool = held
+            if held.size < want:
+                log.warning("the validation set has %d images, not val_size = %d: only %d training images are held "
+                            "by no device", held.size, want, held.size)
         else:
             log.warning("the validation set (%d images) is drawn from training images the devices also train on "
                         "(they hold all %d): set [data] train_samples below %d, or [algorithm] val_source = "

@@ -38,9 +38,19 @@ LAMBDA_CLIENT = 100.0
 def fedocp_params(params: Mapping[str, object]) -> dict[str, object]:
     """FedOCP's round keys that make its client FedORGP's: ``lambda_align`` = the server's
     ``lambda_client`` (default :data:`LAMBDA_CLIENT`), no orthogonal init, ``lambda_orth`` =
-    ``lambda_con`` = 0; every other key is kept."""
-    return {**params, "lambda_align": params.get("lambda_client", LAMBDA_CLIENT), "orth_init": False,
-            "lambda_orth": 0.0, "lambda_con": 0.0}
+    ``lambda_con`` = 0; every other key is kept.
+
+    Raises:
+        ValueError: ``lambda_client`` not a finite number ≥ 0 (named).
+    """
+    raw = params.get("lambda_client", LAMBDA_CLIENT)
+    try:
+        lam = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"lambda_client must be a number >= 0, got {raw!r}") from None
+    if not (np.isfinite(lam) and lam >= 0):
+        raise ValueError(f"lambda_client must be finite and >= 0, got {lam}")
+    return {**params, "lambda_align": lam, "orth_init": False, "lambda_orth": 0.0, "lambda_con": 0.0}
 
 
 @register_client_algorithm("fedorgp")

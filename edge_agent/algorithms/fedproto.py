@@ -229,8 +229,9 @@ class PrototypeClient(ClientAlgorithm, abc.ABC):
             ``train_accuracy``, ``train_seconds``.
 
         Raises:
-            ModelError: the model lacks ``features``/``head``/``num_classes``; malformed global
-                extras; ``global_tensors`` do not match the model.
+            ModelError: the model lacks ``features``/``head`` or a class count (``num_classes``,
+                else ``classifier.weight`` rows); malformed global extras; ``global_tensors`` do not
+                match the model.
             ValueError: ``precision="fp16"`` on a non-CUDA device; a bad hyperparameter.
         """
         _check_precision(self.precision, device)

@@ -488,7 +488,9 @@ def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_p
     from edge_agent.partition import split_dataset
 
     cfg_path = tmp_path / "feddo.toml"
-    cfg_path.write_text(TINY_TOML.replace('clients = 3\n', 'clients = 3\ntrain_samples = 600\n'), encoding="utf-8")
+    # run seed 7, not the stratified subsample's default seed 0: the pool must follow [run] seed
+    tiny = TINY_TOML.replace("seed = 0\n", "seed = 7\n")
+    cfg_path.write_text(tiny.replace('clients = 3\n', 'clients = 3\ntrain_samples = 600\n'), encoding="utf-8")
     cfg = load_config(cfg_path)
     ds = load_dataset("digits")
     shards = split_dataset(ds, 3, scheme="dirichlet", seed=cfg.run.seed, alpha=0.5, train_samples=600)
@@ -497,7 +499,7 @@ def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_p
     assert used.size == 600 < len(ds.train.y)
     pixels = {np.asarray(ds.train.x[i], np.float32).tobytes() for i in used}
     for algorithm in ("feddo", "fedaa"):
-        raw = TINY_TOML.replace('clients = 3\n', 'clients = 3\ntrain_samples = 600\n')
+        raw = tiny.replace('clients = 3\n', 'clients = 3\ntrain_samples = 600\n')
         raw = raw.replace('algorithm = "feddo"', f'algorithm = "{algorithm}"')
         if algorithm == "fedaa":
             raw = raw[:raw.index("[algorithm]")] + "[algorithm]\nval_size = 100\n"
@@ -509,3 +511,8 @@ def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_p
     with caplog.at_level(logging.WARNING, logger="broker_server.strategies.feddo"):
         x, y = validation_split(ds, {"val_size": 50}, 0, np.arange(len(ds.train.y)))
     assert len(y) == 50 and "drawn from training images the devices also train on" in caplog.text
+    # fewer held-out images than val_size: the smaller set, said out loud
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="broker_server.strategies.feddo"):
+        x, y = validation_split(ds, {"val_size": 50}, 0, np.arange(len(ds.train.y) - 10))
+    assert len(y) == 10 and "has 10 images, not val_size = 50" in caplog.text

@@ -22,14 +22,13 @@ from edge_agent.models import build_model
 def test_server_loss_by_hand() -> None:
     """Centers P0 = (1, 0), P1 = (0, 1), P2 = (−1, 0); p = (1, 1) of class 0: cos (1/√2, 1/√2,
     −1/√2) → own 1/√2, others |1/√2|, |−1/√2| → mean 1/√2; p = (0, 2) of class 1: own 1, others
-    0, 0. λ_s = 1, γ = 10: (1 − (1/√2 + 1)/2) + 10 · (1/√2 + 0)/2 = 0.146447 + 3.535534."""
+    0, 0. λ_s = 1, γ = 10: (1 − (1/√2 + 1)/2) + 10 · (1/√2 + 0)/2 = 0.146447 + 3.535534 = 3.681981."""
     centers = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
     p = torch.tensor([[1.0, 1.0], [0.0, 2.0]])
     y = torch.tensor([0, 1])
     r = 1 / math.sqrt(2)
     want = (1 - (r + 1) / 2) + 10 * (r + 0) / 2
     assert float(orgp_server_loss(p, y, centers, 1.0, 10.0)) == pytest.approx(want, rel=1e-6)
-    assert round(want, 6) == 3.681981
     # λ_s scales only the first term, γ only the second
     assert float(orgp_server_loss(p, y, centers, 2.0, 0.0)) == pytest.approx(2 * (1 - (r + 1) / 2), rel=1e-6)
     # one class: no other class to push from, the first term alone
@@ -218,7 +217,8 @@ def test_fedprotos_own_keys_are_not_offered_where_the_method_sets_them(algorithm
 
 def test_a_head_that_is_not_a_linear_layer_is_named_with_the_algorithm() -> None:
     """The error a device raises names FedORGP (not FedOCP, whose loop it shares) and what the
-    head was; a model without ``num_classes`` reads C from its ``classifier.weight``."""
+    head was, and a bad λ_c is named as the server's ``lambda_client``; a model without
+    ``num_classes`` reads C from its ``classifier.weight``."""
     from edge_agent.errors import ModelError
 
     class Scaled(torch.nn.Module):  # a head with a weight entry [C, d] that is not a Linear
@@ -236,6 +236,12 @@ def test_a_head_that_is_not_a_linear_layer_is_named_with_the_algorithm() -> None
                                          r"\(got Scaled\)"):
         FedORGPClient().local_round(model, (), x, y, TrainConfig(local_epochs=1, batch_size=4, lr=0.1), round=1,
                                     client_index=0, device=torch.device("cpu"))
+    for bad in (-1.0, float("nan"), "x"):  # the client names the server's key, not FedOCP's
+        with pytest.raises(ValueError, match="lambda_client"):
+            FedORGPClient().local_round(build_model("lightcnn", in_channels=1, image_size=8, num_classes=10,
+                                                    feature_dim=16), (), x, y,
+                                        TrainConfig(local_epochs=1, batch_size=4, lr=0.1), round=1, client_index=0,
+                                        device=torch.device("cpu"), params={"lambda_client": bad})
     plain = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10, feature_dim=16)
     del plain.num_classes
     res = FedORGPClient().local_round(plain, (), x, y, TrainConfig(local_epochs=1, batch_size=4, lr=0.1), round=1,
