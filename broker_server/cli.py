@@ -101,8 +101,9 @@ def _cmd_simulate(args) -> int:
     fin = _finished(args, cfg)
     if fin is not None and fin.complete:
         from .run_end import nothing_to_resume
+        from .simulate import kept_device_state
 
-        print(nothing_to_resume(fin, cfg.run.rounds, "simulate"), flush=True)
+        print(nothing_to_resume(fin, cfg.run.rounds, "simulate", kept_device_state(cfg)), flush=True)
         return EXIT_OK
     print(run_header(cfg), flush=True)
     last = None

@@ -126,9 +126,12 @@ def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
     return FinishedRun(run_dir=out, rounds=last, metrics=metrics, summary=summary)
 
 
-def nothing_to_resume(fin: FinishedRun, rounds: int, command: str) -> str:
+def nothing_to_resume(fin: FinishedRun, rounds: int, command: str, kept: list[str] | None = None) -> str:
     """The one line ``fedfleet COMMAND --resume`` says of a run with nothing left to do
-    (``fin.complete``): its rounds, its final accuracy, and how to run more rounds."""
+    (``fin.complete``): its rounds, its final accuracy, and how to run more rounds; for
+    ``simulate``, ``kept`` (:func:`~broker_server.simulate.kept_device_state`: what its devices
+    keep between rounds) adds that more rounds start that afresh, since a finished simulation's
+    device state file is removed."""
     n = fin.rounds
     done = f"{'its' if n == 1 else 'all'} {n} round{'' if n == 1 else 's'}"
     if n > rounds:
@@ -136,8 +139,10 @@ def nothing_to_resume(fin: FinishedRun, rounds: int, command: str) -> str:
     acc = (fin.summary or {}).get("final_accuracy")
     figure = (f"{final_accuracy_text(acc, final_accuracy_source(fin.metrics))}; "
               if isinstance(acc, (int, float)) and not isinstance(acc, bool) else "")
+    afresh = (f", where its simulated devices start {' and '.join(kept)} afresh: a finished run keeps no device "
+              "state" if kept and command == "simulate" else "")
     return (f"fedfleet {command}: run {fin.run_dir} has finished {done}; nothing to resume ({figure}more rounds: "
-            f"fedfleet {command} --resume {fin.run_dir} --rounds {n + 1} or more)")
+            f"fedfleet {command} --resume {fin.run_dir} --rounds {n + 1} or more{afresh})")
 
 
 def finishing_line(fin: FinishedRun, rounds: int, command: str, written: list[str] | None = None) -> str:

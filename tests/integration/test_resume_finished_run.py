@@ -125,3 +125,24 @@ def test_a_run_stopped_while_finishing_gets_its_final_files_on_resume(finished: 
     assert cli.main([command, "--resume", str(run)]) == 0
     assert "nothing to resume" in capsys.readouterr().out
     assert _files(run) == files
+
+
+def test_more_rounds_of_a_finished_simulation_say_what_its_devices_start_afresh(tmp_path: Path) -> None:
+    """A finished simulation's device state file is removed, so ``--rounds`` more restarts what
+    its devices kept: the hint says so for an algorithm that keeps something (FedProto: its whole
+    model), names nothing for FedAvg, and never for ``server`` (real devices keep their own)."""
+    from broker_server.config import from_dict
+    from broker_server.run_end import FinishedRun, nothing_to_resume
+    from broker_server.simulate import kept_device_state
+
+    fin = FinishedRun(run_dir=tmp_path, rounds=2, metrics=[], summary=None)
+    raw = {"run": {"name": "t", "rounds": 2}, "data": {"dataset": "digits", "clients": 2}}
+    proto = kept_device_state(from_dict({**raw, "train": {"algorithm": "fedproto"}}, "<t>"))
+    assert proto and kept_device_state(from_dict({**raw, "train": {"algorithm": "fedavg"}}, "<t>")) == []
+    said = nothing_to_resume(fin, 2, "simulate", proto)
+    assert said.endswith(f"--rounds 3 or more, where its simulated devices start {proto[0]} afresh: a finished run "
+                         "keeps no device state)")
+    plain = f"fedfleet simulate: run {tmp_path} has finished all 2 rounds; nothing to resume (more rounds: " \
+            f"fedfleet simulate --resume {tmp_path} --rounds 3 or more)"
+    assert nothing_to_resume(fin, 2, "simulate", []) == plain
+    assert "afresh" not in nothing_to_resume(fin, 2, "server", proto)
