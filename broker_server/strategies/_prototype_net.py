@@ -11,6 +11,7 @@ default initialisers (Emb ~ N(0, 1), Linear uniform) without touching the global
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -100,7 +101,7 @@ def mean_interclass_cosine(prototypes: np.ndarray) -> float:
     return float(g[iu].mean())
 
 
-class PrototypeUploads:
+class PrototypeUploads(ABC):
     """One round's uploaded prototypes (``extras`` ``prototypes`` float [k, d] and
     ``proto_classes`` int [k]) per client: the collecting half of FedTGP's, FedOCP's, FedORGP's
     and FedGH's accumulators, whose :meth:`trained` runs on :meth:`stacked` at the round's close.
@@ -171,10 +172,10 @@ class PrototypeUploads:
             return None
         return self.trained(*uploads)
 
+    @abstractmethod
     def trained(self, protos: np.ndarray, classes: np.ndarray) -> GlobalUpdate | None:
         """The method's server training on the round's uploads, float32 [N, d] and int64 [N]
         (FedTGP's, FedOCP's, FedORGP's, FedGH's): its global."""
-        raise NotImplementedError(f"{type(self).__name__} must define trained()")
 
     def stacked(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(prototypes float32 [N, d], classes int64 [N]) of every upload in client-id order, or
