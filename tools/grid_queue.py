@@ -96,7 +96,9 @@ QUEUE: tuple[Grid, ...] = (
          ("--model", "resnet8", "--bench", "PACS", "--methods", "FedAvg,FedAvg uniform,FedPAD,FedPAD λ=0",
           "--no-sweep"),
          "fedpad-resnet8.jsonl", "fedpad-resnet8.md", verify=1),
-    Grid("fedocp", "tools/reproduce_fedocp.py", (), "fedocp.jsonl", "fedocp.md"),
+    # FedOCP: CIFAR-10 whole (10 methods and the sweep), then Fashion-MNIST's baselines and FedOCP
+    Grid("fedocp", "tools/reproduce_fedocp.py", ("--datasets", "CIFAR-10,Fashion-MNIST"), "fedocp.jsonl",
+         "fedocp.md"),
     Grid("feddo", "tools/reproduce_feddo.py", (), "feddo.jsonl", "feddo.md",
          extra_dirs={"policies": "feddo-policies"}, verify=2),
 )

@@ -12,7 +12,10 @@ cell, :func:`broker_server.simulate.simulate`, run by :mod:`broker_server.experi
 
 - data: CIFAR-10 (the default), then Fashion-MNIST and MNIST as resumable extensions
   (``--datasets CIFAR-10,Fashion-MNIST,MNIST``), from ``../shared/data`` (CIFAR-100, Flowers102
-  and Tiny-ImageNet of the paper are not there; SVHN has 50 images offline: left out);
+  and Tiny-ImageNet of the paper are not there; SVHN has 50 images offline: left out); a data set
+  after the first runs ``--extension-methods`` (default :data:`EXTENSION_METHODS`: the baselines
+  and FedOCP, no ablation and no 100-epoch FedORGP), so a second data set tests the headline and
+  the baselines' ranking at half the first one's cells;
 - splits: Dirichlet α = 0.1 (the likely "practical" setting, SPECS §3.1) and the pathological
   2 classes per client (``partition = "classes"``);
 - methods: FedProto (``fedproto``, λ = 10 as HtFLlib's scripts), FedGH, FedTGP, FedORGP (the
@@ -64,9 +67,12 @@ CPU plan for 2 cores (the defaults; :func:`cell_core_seconds`, the report's "CPU
   only: a cell ≈ 8 + 10 × 36 = 368 s of one core; the main grid (2 splits × 10 methods × 3 seeds
   = 60 cells) ≈ 6.1 core-hours; the sweep (11 values × 3 seeds = 33 cells) ≈ 3.4 core-hours;
   together ≈ 9.5 core-hours ≈ 4.7 h wall on 2 workers when nothing else runs;
-- extensions: each further data set 60 cells, ≤ 6.1 core-hours (1×28×28 images, not measured;
-  CIFAR-10's cost as the bound); ``--sweep-extended`` 7 values × 3 seeds = 21 cells ≈ 2.1
-  core-hours. The grid resumes where it stopped, so each extension is one more invocation.
+- extensions: each further data set 2 splits × 5 methods (:data:`EXTENSION_METHODS`) × 3 seeds
+  = 30 cells, ≤ 3.1 core-hours (1×28×28 images: CIFAR-10's cost as the bound; the report's CPU
+  plan gives what its records took); the committed grid (``tools/grid_queue.py``) adds
+  Fashion-MNIST, and leaves MNIST out (every method near its ceiling there tells little);
+  ``--sweep-extended`` 7 values × 3 seeds = 21 cells ≈ 2.1 core-hours. The grid resumes where it
+  stopped, so each extension is one more invocation.
 
 Resumable: each finished cell is appended to ``OUT/results.jsonl`` and skipped when present (a
 failed one runs again). A grid starts on every worker at once; a fresh one prints a CPU estimate
@@ -151,6 +157,10 @@ BASELINES = ["FedProto", "FedGH", "FedTGP", "FedORGP", "FedORGP 100 server epoch
 #: 100 rounds 100): the headline verdict takes the stronger of the two per setting
 HEADLINE = ["FedORGP", "FedORGP 100 server epochs"]
 ABLATIONS = [m for m in METHODS if m.startswith("FedOCP no")]
+#: the methods a data set after the first runs (``--extension-methods``): the headline's rival at
+#: its own server epochs, the other baselines and FedOCP; the ablations and the 100-epoch FedORGP
+#: (weaker than the 1-epoch one on both CIFAR-10 splits) stay with the first data set
+EXTENSION_METHODS = ["FedProto", "FedGH", "FedTGP", "FedORGP", "FedOCP"]
 #: algorithms whose server trains for ``server_epochs`` (the shrink knob applies to them)
 SERVER_TRAINED = ("fedtgp", "fedocp", "fedgh", "fedorgp")
 
@@ -304,18 +314,35 @@ def _main_job(ds: str, sp: str, ct: str, label: str, seed: int, **kw) -> Job:
                tags={"grid": "main", "dataset": ds, "split": sp, "client_test": ct, "method": label, "seed": seed})
 
 
-def make_jobs(datasets: list[str], splits: list[str], methods: list[str], seeds: list[int],
+def methods_per_dataset(datasets: list[str], methods: list[str],
+                        extension_methods: list[str] | None = None) -> dict[str, list[str]]:
+    """Data set → the methods its main grid runs: ``methods`` on the first data set, and on each
+    later one the members of ``methods`` that ``extension_methods`` names (``None``: all of
+    ``methods``), in ``methods``' order.
+
+    >>> methods_per_dataset(["CIFAR-10", "MNIST"], ["FedProto", "FedOCP", "FedOCP no orthogonal init"],
+    ...                     ["FedOCP", "FedProto"])["MNIST"]
+    ['FedProto', 'FedOCP']
+    """
+    keep = set(methods if extension_methods is None else extension_methods)
+    return {ds: list(methods) if i == 0 else [m for m in methods if m in keep] for i, ds in enumerate(datasets)}
+
+
+def make_jobs(datasets: list[str], splits: list[str], methods: list[str] | dict[str, list[str]], seeds: list[int],
               client_tests: tuple[str, ...] | list[str] = ("local",), *, sweep: tuple[str, str, str] | None = None,
               sweep_values: dict[str, tuple[object, list]] | None = None, **kw) -> list[Job]:
     """The grid's cells, in the order they run: per data set (in ``datasets`` order) the main
-    grid seed by seed (every split, evaluation protocol and method), and after the sweep's data
+    grid seed by seed (every split, evaluation protocol and method: ``methods``, or
+    ``methods[data set]`` when it maps each data set to its own, :func:`methods_per_dataset`),
+    and after the sweep's data
     set the sweep seed by seed: on ``sweep`` = (data set, split, protocol) one FedOCP cell per
     value of ``sweep_values`` (:func:`sweep_plan`; default: the whole plan), keyed
     ``sweep/<data set>/<split>/<protocol>/<key>=<value>/s<seed>``, preceded by the main cells its
     table reads that ``methods`` or ``datasets`` leave out (FedOCP's, the default row, and the
     ablations of :data:`SWEEP_AS_ABLATION`). ``kw``: :func:`job_config`'s keywords."""
+    per_ds = methods if isinstance(methods, dict) else {ds: methods for ds in datasets}
     jobs = [_main_job(ds, sp, ct, label, seed, **kw)
-            for ds in datasets for seed in seeds for sp in splits for ct in client_tests for label in methods]
+            for ds in datasets for seed in seeds for sp in splits for ct in client_tests for label in per_ds[ds]]
     if sweep is None:
         return jobs
     ds, sp, ct = sweep
@@ -473,9 +500,12 @@ def cpu_plan_section(parts: list[tuple[str, int, list[dict]]], settings: dict) -
 def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: list[str], methods: list[str],
            seeds: list[int], settings: dict, wall_s: float | None, commit: str, verify: list[str],
            client_tests: tuple[str, ...] | list[str] = ("local",), sweep: tuple[str, str, str] | None = None,
-           sweep_values: dict[str, tuple[object, list]] | None = None) -> str:
+           sweep_values: dict[str, tuple[object, list]] | None = None,
+           extension_methods: list[str] | None = None) -> str:
     """The markdown report of the records ``results`` (key → record, ``OUT/results.jsonl``),
-    their rounds read through :func:`~broker_server.experiments.read_metrics` from ``out``.
+    their rounds read through :func:`~broker_server.experiments.read_metrics` from ``out``;
+    ``methods`` on the first data set, the ones ``extension_methods`` names on each later one
+    (:func:`methods_per_dataset`).
 
     ``sweep`` = (data set, split, protocol) of the sweep and ``sweep_values`` its plan
     (:func:`sweep_plan`); with ``sweep`` None the sweep table appears when sweep records exist,
@@ -493,6 +523,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
         sweep_values = sweep_plan(server_epochs=int(settings.get("server_epochs") or 0))
     columns = [(sp, ct) for sp in splits for ct in client_tests]
     n_seeds = len(seeds)
+    per_ds = methods_per_dataset(datasets, methods, extension_methods)
 
     def best(r: dict) -> float | None:
         return client_accuracy(out, r)
@@ -550,7 +581,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                   "yet (the grid resumes where it stopped).** The verdicts below cover only the settings on record.",
                   ""]
     # CPU plan: the planned cells per part against what the records of each part cost
-    parts = [(f"main, {ds}", len(splits) * len(methods) * n_seeds * len(client_tests),
+    parts = [(f"main, {ds}", len(splits) * len(per_ds[ds]) * n_seeds * len(client_tests),
               [r for r in main if r["dataset"] == ds]) for ds in datasets]
     if sweep is not None and sweep_values:
         n_sweep = sum(1 for k, (_, vs) in sweep_values.items() for v in vs if (k, v) not in SWEEP_AS_ABLATION)
@@ -562,7 +593,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
         lines += [f"## {ds}", "", "| method | " + " | ".join(f"{sp}, {ct} test: best / last (%)" for sp, ct in columns)
                   + f" | rounds to {target:.0%}, per seed (per column) | global prototype cosine (per column) |",
                   "|---|" + "---|" * (len(columns) + 2)]
-        for label in methods:
+        for label in per_ds[ds]:
             cells, rtt, cos = [], [], []
             for sp, ct in columns:
                 rs = sorted(_cells(main, ds, sp, ct, label), key=lambda r: int(r["seed"]))
@@ -810,7 +841,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
     both = []
     for ds in datasets:  # the two protocols side by side, where both were run
         for sp in splits:
-            for label in methods:
+            for label in per_ds[ds]:
                 by_ct = {ct: [a for r in _cells(main, ds, sp, ct, label) if (a := best(r)) is not None]
                          for ct in CLIENT_TESTS}
                 if all(by_ct.values()):
@@ -853,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, of {list(DATASETS)} (default CIFAR-10; the others extend the records)")
     p.add_argument("--splits", default=",".join(SPLITS))
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--extension-methods", default=",".join(EXTENSION_METHODS),
+                   help="the methods a data set after the first runs (default: the baselines and FedOCP)")
     p.add_argument("--sweep-bench", default="CIFAR-10/Dir(0.1)",
                    help="DATASET/SPLIT of the sweep, under the first --client-test protocol")
     p.add_argument("--sweep-keys", default=",".join(SWEEPS), help="the keys to sweep (default: all)")
@@ -884,6 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     datasets = name_list(p, "--datasets", a.datasets, DATASETS)
     splits = name_list(p, "--splits", a.splits, SPLITS)
     methods = name_list(p, "--methods", a.methods, METHODS)
+    extension_methods = name_list(p, "--extension-methods", a.extension_methods, METHODS)
     client_tests = name_list(p, "--client-test", a.client_test, CLIENT_TESTS)
     if not client_tests:
         p.error("--client-test needs at least one protocol")
@@ -899,7 +933,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     settings = {"rounds": a.rounds, "epochs": a.epochs, "clients": a.clients, "train_samples": a.train_samples,
                 "lr": a.lr, "group": a.group, "server_epochs": a.server_epochs}
-    jobs = make_jobs(datasets, splits, methods, seeds, client_tests, sweep=sweep, sweep_values=sweep_values,
+    jobs = make_jobs(datasets, splits, methods_per_dataset(datasets, methods, extension_methods), seeds,
+                     client_tests, sweep=sweep, sweep_values=sweep_values,
                      data_dir=data_dir, **settings)
     wall, verify_lines = None, []
     commit = code_commit(ROOT)
@@ -925,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
     results = load_results(out)
     text = report(results, out=out, datasets=datasets, splits=splits, methods=methods, seeds=seeds,
                   settings=settings, wall_s=wall, commit=commit, verify=verify_lines, client_tests=client_tests,
-                  sweep=sweep, sweep_values=sweep_values)
+                  sweep=sweep, sweep_values=sweep_values, extension_methods=extension_methods)
     cmd = " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     text = text.replace("\n## Protocol", f"\nCommand (records and report): `python tools/reproduce_fedocp.py {cmd}`\n\n"
                         "## Protocol", 1)

@@ -127,6 +127,23 @@ def test_sweep_cells_keys_and_order() -> None:
     assert bad.value.code == 2
 
 
+def test_a_later_data_set_runs_the_extension_methods() -> None:
+    tool = _tool()
+    per_ds = tool.methods_per_dataset(["CIFAR-10", "Fashion-MNIST"], list(tool.METHODS), tool.EXTENSION_METHODS)
+    assert per_ds["CIFAR-10"] == list(tool.METHODS)
+    assert per_ds["Fashion-MNIST"] == ["FedProto", "FedGH", "FedTGP", "FedORGP", "FedOCP"]
+    jobs = tool.make_jobs(["CIFAR-10", "Fashion-MNIST"], ["Dir(0.1)", "2 classes/client"], per_ds, [0, 1], **KW)
+    # CIFAR-10: 10 methods × 2 splits × 2 seeds; Fashion-MNIST: 5 × 2 × 2, after it, the same cells as
+    # the 5-method grid of Fashion-MNIST alone (so its records keep their keys)
+    assert [j.tags["dataset"] for j in jobs] == ["CIFAR-10"] * 40 + ["Fashion-MNIST"] * 20
+    alone = tool.make_jobs(["Fashion-MNIST"], ["Dir(0.1)", "2 classes/client"], per_ds["Fashion-MNIST"], [0, 1], **KW)
+    assert [(j.key, j.config) for j in jobs[40:]] == [(j.key, j.config) for j in alone]
+    # the first data set keeps every method; an extension list names only methods the grid runs
+    assert tool.methods_per_dataset(["MNIST"], ["FedOCP"], ["FedProto"]) == {"MNIST": ["FedOCP"]}
+    assert tool.methods_per_dataset(["MNIST", "CIFAR-10"], ["FedOCP"], ["FedProto"])["CIFAR-10"] == []
+    assert tool.methods_per_dataset(["MNIST", "CIFAR-10"], ["FedOCP"])["CIFAR-10"] == ["FedOCP"]
+
+
 def test_the_report_keeps_the_protocols_apart(tmp_path: Path) -> None:
     tool = _tool()
 
