@@ -24,12 +24,14 @@ cell, :func:`broker_server.simulate.simulate`, run by :mod:`broker_server.experi
   init, no server contrastive loss (class means instead), no client orthogonality loss, no client
   contrastive loss;
 - a sweep of every FedOCP key the paper does not fix (SPECS §3.2/§3.3 [guess]: the loss weights
-  λ_align, λ_orth, λ_con at 0 and 10× the default, λ_align also at 100, FedORGP's λ_c on the same
-  loss (the report sets that cell against FedORGP: FedOCP's additions at equal alignment weight),
-  the temperatures τ_client, τ_server at 0.1× and 10×, the server's epochs (1, FedORGP's) and lr
-  (10×)) on one setting (``--sweep-bench``, default CIFAR-10 / Dir(0.1), local test), 3 seeds, cells
-  keyed ``sweep/...``; λ_orth = 0 and λ_con = 0 are the ablation cells of the main grid (the same
-  configuration reaches the clients), so they are read from there, not run twice.
+  λ_align, λ_orth, λ_con at 0, 10× and 100× the default (λ_align's 100 is also FedORGP's λ_c on
+  the same loss: the report sets that cell against FedORGP, FedOCP's additions at equal alignment
+  weight), the temperatures τ_client, τ_server at 0.1× and 10×, the server's epochs (1, FedORGP's)
+  and lr (10× and 100×): 100× the weights and the server's lr look for where the method
+  collapses, which 10× did not reach) on one setting (``--sweep-bench``, default CIFAR-10 /
+  Dir(0.1), local test), 3 seeds, cells keyed ``sweep/...``; λ_orth = 0 and λ_con = 0 are the
+  ablation cells of the main grid (the same configuration reaches the clients), so they are read
+  from there, not run twice.
   ``--sweep-extended`` adds 0.1× the loss weights, 10 server epochs, server lr 0.001, server batch
   10 (HtFLlib's) and orthogonally initialised server embeddings; ``anchor_steps`` is not swept (with
   C = 10 ≤ d = 64 the anchors are the exact QR factor and the steps are unused);
@@ -65,8 +67,8 @@ CPU plan for 2 cores (the defaults; :func:`cell_core_seconds`, the report's "CPU
   prototype generator on 60–200 uploads took 0.1–0.4 s CPU, ≤ 1 % of a round;
 - defaults: 10 rounds (:data:`ROUNDS`), 10,000 training images (:data:`TRAIN_SAMPLES`), CIFAR-10
   only: a cell ≈ 8 + 10 × 36 = 368 s of one core; the main grid (2 splits × 10 methods × 3 seeds
-  = 60 cells) ≈ 6.1 core-hours; the sweep (11 values × 3 seeds = 33 cells) ≈ 3.4 core-hours;
-  together ≈ 9.5 core-hours ≈ 4.7 h wall on 2 workers when nothing else runs;
+  = 60 cells) ≈ 6.1 core-hours; the sweep (14 values × 3 seeds = 42 cells) ≈ 4.3 core-hours;
+  together ≈ 10.4 core-hours ≈ 5.2 h wall on 2 workers when nothing else runs;
 - extensions: each further data set 2 splits × 5 methods (:data:`EXTENSION_METHODS`) × 3 seeds
   = 30 cells, ≤ 3.1 core-hours (1×28×28 images: CIFAR-10's cost as the bound; the report's CPU
   plan gives what its records took); the committed grid (``tools/grid_queue.py``) adds
@@ -220,12 +222,12 @@ ORGP_LAMBDA = 100.0
 #: :mod:`broker_server.strategies.fedocp`, whose docstring says why each is what it is.
 SWEEPS: dict[str, tuple[object, tuple, tuple]] = {
     "lambda_align": (LAMBDA_ALIGN, (0.0, _times(LAMBDA_ALIGN, 10), ORGP_LAMBDA), (_times(LAMBDA_ALIGN, 0.1),)),
-    "lambda_orth": (LAMBDA_ORTH, (0.0, _times(LAMBDA_ORTH, 10)), (_times(LAMBDA_ORTH, 0.1),)),
-    "lambda_con": (LAMBDA_CON, (0.0, _times(LAMBDA_CON, 10)), (_times(LAMBDA_CON, 0.1),)),
+    "lambda_orth": (LAMBDA_ORTH, (0.0, _times(LAMBDA_ORTH, 10), _times(LAMBDA_ORTH, 100)), (_times(LAMBDA_ORTH, 0.1),)),
+    "lambda_con": (LAMBDA_CON, (0.0, _times(LAMBDA_CON, 10), _times(LAMBDA_CON, 100)), (_times(LAMBDA_CON, 0.1),)),
     "tau_client": (TAU, (_times(TAU, 0.1), _times(TAU, 10)), ()),
     "tau_server": (TAU, (_times(TAU, 0.1), _times(TAU, 10)), ()),
     "server_epochs": (SERVER_EPOCHS, (1,), (10,)),
-    "server_lr": (SERVER_LR, (_times(SERVER_LR, 10),), (_times(SERVER_LR, 0.1),)),
+    "server_lr": (SERVER_LR, (_times(SERVER_LR, 10), _times(SERVER_LR, 100)), (_times(SERVER_LR, 0.1),)),
     "server_batch": (SERVER_BATCH, (), (10,)),
     "server_orth_init": (False, (), (True,)),
 }
@@ -680,7 +682,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                     f"- sweep `{key}`: " + (f"{best_gain[1]} beats the default by {best_gain[2]}"
                                             if best_gain[0] > 0
                                             else "the default is the best value on record")
-                    + (f"; drops of ≥ {DROP_PP:.0f} pp: {', '.join(drops)}" if drops else "") + ".")
+                    + (f"; drops of ≥ {DROP_PP:.0f} pp: {', '.join(drops)}" if drops
+                       else f"; no value drops ≥ {DROP_PP:.0f} pp (no collapse within the swept range)") + ".")
         lines += ["", "Not swept: " + "; ".join(f"`{k}`: {why}" for k, why in NOT_SWEPT.items()) + ".", ""]
 
     lines += ["## Verdicts", "",

@@ -92,12 +92,12 @@ def test_sweep_cells_keys_and_order() -> None:
     jobs = tool.make_jobs(["CIFAR-10", "MNIST"], ["Dir(0.1)"], list(tool.METHODS), [0, 1], ["local"],
                           sweep=("CIFAR-10", "Dir(0.1)", "local"), **KW)
     sweep = [j for j in jobs if j.tags["grid"] == "sweep"]
-    # per seed: λ_align 0, 10, 100 (FedORGP's λ_c); λ_orth 10; λ_con 10 (their 0 is an ablation cell);
-    # τ_client and τ_server 0.01, 1; server_epochs 1 (the main grid's is 5 here); server_lr 0.1 → 11 cells,
-    # × 2 seeds
-    expect = ["lambda_align=0.0", "lambda_align=10.0", "lambda_align=100.0", "lambda_orth=10.0", "lambda_con=10.0",
-              "tau_client=0.01", "tau_client=1.0", "tau_server=0.01", "tau_server=1.0", "server_epochs=1",
-              "server_lr=0.1"]
+    # per seed: λ_align 0, 10, 100 (FedORGP's λ_c); λ_orth 10, 100; λ_con 10, 100 (their 0 is an ablation
+    # cell); τ_client and τ_server 0.01, 1; server_epochs 1 (the main grid's is 5 here); server_lr 0.1, 1
+    # → 14 cells, × 2 seeds
+    expect = ["lambda_align=0.0", "lambda_align=10.0", "lambda_align=100.0", "lambda_orth=10.0",
+              "lambda_orth=100.0", "lambda_con=10.0", "lambda_con=100.0", "tau_client=0.01", "tau_client=1.0",
+              "tau_server=0.01", "tau_server=1.0", "server_epochs=1", "server_lr=0.1", "server_lr=1.0"]
     assert [j.key for j in sweep] == [f"sweep/CIFAR-10/Dir_0.1/local/{v}/s{s}" for s in (0, 1) for v in expect]
     assert all(not j.key.startswith("main/") for j in sweep) and len({j.key for j in jobs}) == len(jobs)
     for j in sweep:  # one key changed from FedOCP (server_epochs 5 from the grid, unless it is the key)
@@ -105,20 +105,21 @@ def test_sweep_cells_keys_and_order() -> None:
         assert j.config["algorithm"] == {"server_epochs": 5, key: j.tags["value"]}
         assert j.config["train"]["algorithm"] == "fedocp" and j.tags["method"] == "FedOCP"
         assert from_dict(j.config, j.key).data.client_test == "local"
-    # CIFAR-10's main cells (10 methods × 2 seeds), its sweep (22), then MNIST's main cells (20)
+    # CIFAR-10's main cells (10 methods × 2 seeds), its sweep (28), then MNIST's main cells (20)
     grids = [(j.tags["grid"], j.tags["dataset"]) for j in jobs]
-    assert grids == [("main", "CIFAR-10")] * 20 + [("sweep", "CIFAR-10")] * 22 + [("main", "MNIST")] * 20
+    assert grids == [("main", "CIFAR-10")] * 20 + [("sweep", "CIFAR-10")] * 28 + [("main", "MNIST")] * 20
     # a grid that leaves FedOCP and the two ablations out still runs the cells the sweep's table reads
     only = tool.make_jobs(["CIFAR-10"], ["Dir(0.1)"], ["FedProto"], [0], sweep=("CIFAR-10", "Dir(0.1)", "local"),
                           sweep_values=tool.sweep_plan(["lambda_con", "tau_server"], server_epochs=5), **KW)
     assert [j.key for j in only] == ["main/CIFAR-10/Dir_0.1/local/FedProto/s0", "main/CIFAR-10/Dir_0.1/local/FedOCP/s0",
                                      "main/CIFAR-10/Dir_0.1/local/FedOCP_no_client_contrastive/s0",
                                      "sweep/CIFAR-10/Dir_0.1/local/lambda_con=10.0/s0",
+                                     "sweep/CIFAR-10/Dir_0.1/local/lambda_con=100.0/s0",
                                      "sweep/CIFAR-10/Dir_0.1/local/tau_server=0.01/s0",
                                      "sweep/CIFAR-10/Dir_0.1/local/tau_server=1.0/s0"]
-    # extended: + λ × 0.1 (3), server_epochs 10, server_lr 0.001, server_batch 10, server_orth_init → 11 + 7 = 18
+    # extended: + λ × 0.1 (3), server_epochs 10, server_lr 0.001, server_batch 10, server_orth_init → 14 + 7 = 21
     wide = tool.sweep_plan(extended=True)
-    assert sum(len(v) for _, v in wide.values()) - len(tool.SWEEP_AS_ABLATION) == 18
+    assert sum(len(v) for _, v in wide.values()) - len(tool.SWEEP_AS_ABLATION) == 21
     assert wide["server_orth_init"] == (False, [True]) and wide["server_epochs"] == (100, [1, 10])
     with pytest.raises(ValueError, match="anchor_steps"):
         tool.sweep_plan(["anchor_steps"])
@@ -304,14 +305,14 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert ("- sweep `tau_server`: the default is the best value on record; drops of ≥ 10 pp: 1.0 -15.50 ± 1.50 pp "
             "(2 seeds).") in lines
     assert ("- sweep `lambda_con`: 0.0 (= ablation 'no client contrastive') beats the default by +3.00 pp "
-            "(1 seed).") in lines
+            "(1 seed); no value drops ≥ 10 pp (no collapse within the swept range).") in lines
     assert "`anchor_steps`: unused here" in text
     # the CPU plan at 3 rounds × 10,000 images: 8 + 3 × 36 = 116 s a cell; main 1 split × 10 methods × 3
-    # seeds = 30 cells → 0.97 core-hours, sweep 11 values × 3 seeds = 33 → 1.06; on record 16 main cells
-    # and 3 sweep cells of 36 s each: 0.16 and 0.03 cell-hours; 2.03 core-hours in all
+    # seeds = 30 cells → 0.97 core-hours, sweep 14 values × 3 seeds = 42 → 1.35; on record 16 main cells
+    # and 3 sweep cells of 36 s each: 0.16 and 0.03 cell-hours; 2.32 core-hours in all
     assert "| main, CIFAR-10 | 30 | 1.0 | 16, 0.16 |" in lines
-    assert "| sweep, CIFAR-10 Dir(0.1) | 33 | 1.1 | 3, 0.03 |" in lines
-    assert "All parts: ≈ 2.0 core-hours, ≈ 1.0 h wall on 2 workers when nothing else runs. Each part resumes " \
+    assert "| sweep, CIFAR-10 Dir(0.1) | 42 | 1.4 | 3, 0.03 |" in lines
+    assert "All parts: ≈ 2.3 core-hours, ≈ 1.2 h wall on 2 workers when nothing else runs. Each part resumes " \
            "where it stopped." in lines
     assert "Records made at commit(s) `abc1234`." in text and "commit `def5678`" in text
 
