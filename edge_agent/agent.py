@@ -53,6 +53,8 @@ EVAL_BATCH = 256
 #: kept state is as of (0: its initial state; :mod:`edge_agent.state_store`), so that a server
 #: that has counted this device's updates can tell a restart that lost that state
 STATE_ROUND_KEY = "state_round"
+#: the device state file's entries holding the error-feedback residuals, ``ef.<tensor index>``
+_EF_PREFIX = "ef."
 
 
 def data_announcement(*, dataset: str, partition: str, alpha: float | None, seed: int, shards: int,
@@ -316,7 +318,11 @@ class EdgeAgent:
             newest settled one (:attr:`restored_round`, and :attr:`taken_as_accepted` for an
             update whose answer it never read, module :mod:`edge_agent.state_store`), and a
             round that a resumed server runs again is trained from the state as of the round
-            before it. ``None``: kept in memory only.
+            before it. The error-feedback residuals of a lossy update codec
+            (``[protocol] error_feedback``) are kept there the same way, for any algorithm
+            (rows ``ef.<tensor index>``): a restarted device sends what its codec held back
+            instead of losing it, and a refused update's residual goes back with its state.
+            ``None``: kept in memory only.
 
     A ``round_start`` may come broadcast or on this device's own topic with its ``instructions``
     (named scalars for this device only), which are merged over the round's ``config``
@@ -464,6 +470,12 @@ class EdgeAgent:
         #: why the state file stopped being written during the run (None: it never failed)
         self.state_store_error: str | None = None
         self._unread_answer: int | None = None
+        #: the state file of an agent whose algorithm keeps nothing between rounds: opened when a
+        #: round's update codec first keeps error-feedback residuals (:meth:`_encode_update`)
+        self._idle_store: DeviceStateStore | None = None
+        #: (round, the error-feedback residuals before that round's update): restored when the
+        #: update is refused, as the algorithm's state is
+        self._ef_before: tuple[int, dict[int, np.ndarray]] | None = None
         if state_store is not None:
             self._open_state(state_store)
         channel.transport.subscribe(topics.agent_filters(self.fed, self.client_id), qos=channel.qos)
@@ -500,6 +512,12 @@ class EdgeAgent:
         self.slots.offer_template(self._model_key, model)
         self._model = None
 
+    @property
+    def error_feedback(self) -> ErrorFeedback | None:
+        """The error-feedback memory of this device's updates (``None`` until a round's lossy
+        update codec runs with ``error_feedback``): what the codec held back, per tensor."""
+        return self._ef
+
     def _private_names(self) -> tuple[str, ...]:
         if self._model is None:
             return tuple(self._private)
@@ -508,9 +526,19 @@ class EdgeAgent:
     def _open_state(self, store: DeviceStateStore) -> None:
         """Carry on from the newest state ``store`` keeps for this device (a restart), or keep
         the initial state there as round 0; nothing when the algorithm keeps nothing between
-        rounds beyond what every global brings."""
+        rounds beyond what every global brings and the file holds no error-feedback residual of
+        this device (then the file is opened when a round's codec first keeps one)."""
         if not self._private_names() and not self.algorithm.device_state:
-            return
+            try:
+                row = store.newest(self.client_id)
+            except StateStoreError as exc:
+                log.error("%s: its state file cannot be read (%s): error-feedback residuals are kept in memory only "
+                          "(a restart would start them afresh)", self.client_id, exc)
+                self.state_store_error = str(exc)
+                return
+            if row is None or not any(k.startswith(_EF_PREFIX) for k in row[1]):
+                self._idle_store = store
+                return
         if not type(self.algorithm).keeps_device_state_on_disk():
             log.warning("%s: algorithm %r keeps %s between rounds but cannot write it (it does not override "
                         "device_state_arrays): that part starts afresh when this device restarts", self.client_id,
@@ -604,7 +632,8 @@ class EdgeAgent:
             private = {n: state[n].detach().to("cpu", copy=True).numpy() for n in self._private_names()}
         own = (self.algorithm.device_state_arrays(settled=settled)
                if type(self.algorithm).keeps_device_state_on_disk() else {})
-        return {**{f"model.{n}": a for n, a in private.items()}, **own}
+        ef = {} if self._ef is None else {f"{_EF_PREFIX}{i}": e for i, e in self._ef.state_dict().items()}
+        return {**{f"model.{n}": a for n, a in private.items()}, **own, **ef}
 
     def _apply_state(self, rnd: int, arrays: Mapping[str, np.ndarray]) -> None:
         """Make ``arrays`` (:meth:`_state_snapshot`'s, as of round ``rnd``) this device's state.
@@ -626,7 +655,17 @@ class EdgeAgent:
                     raise AgentError(f"{self.client_id}: kept entry {n} of round {rnd} ({where}) has shape "
                                      f"{tuple(a.shape)}, the model {tuple(target[n].shape)}")
                 target[n].copy_(torch.from_numpy(np.array(a, copy=True)))
-        own = {k: v for k, v in arrays.items() if not k.startswith("model.")}
+        ef = {k: v for k, v in arrays.items() if k.startswith(_EF_PREFIX)}
+        if ef or self._ef is not None:
+            try:
+                residuals = {int(k.removeprefix(_EF_PREFIX)): v for k, v in ef.items()}
+                if self._ef is None:
+                    self._ef = ErrorFeedback()
+                self._ef.load_state_dict(residuals)
+            except ValueError as exc:
+                raise AgentError(f"{self.client_id}: the kept error-feedback residuals of round {rnd} ({where}): "
+                                 f"{exc}") from None
+        own = {k: v for k, v in arrays.items() if not k.startswith(("model.", _EF_PREFIX))}
         if type(self.algorithm).keeps_device_state_on_disk():
             try:
                 self.algorithm.load_device_state_arrays(own)
@@ -949,10 +988,10 @@ class EdgeAgent:
             self._settle(rnd, False)
             self._withdraw(rnd, "local training diverged (NaN/Inf); no update sent")
             return
-        if self.state_store is not None:  # the state this update goes with, settled by its answer
+        codec, tensors, delta = self._encode_update(params, result.tensors, global_tensors, rnd=rnd)
+        if self.state_store is not None:  # the state this update goes with (its residuals too), settled by its answer
             self._state_io("write", self.state_store.put, self.client_id, rnd, self._state_snapshot(settled=False),
                            settled=False)
-        codec, tensors, delta = self._encode_update(params, result.tensors, global_tensors)
         try:
             extra_codecs = extras_codecs(str(params.get("extras_codec", "")), result.extras, codec)
         except ValueError as exc:  # a server of another version, or a hand-made round_start
@@ -989,6 +1028,10 @@ class EdgeAgent:
             return
         self._unsettled = None
         self.algorithm.on_update_receipt(rnd, accepted)
+        if self._ef_before is not None and self._ef_before[0] == rnd:
+            if not accepted and self._ef is not None:  # the residuals go back with the state
+                self._ef.load_state_dict(self._ef_before[1])
+            self._ef_before = None
         if self.state_store is not None:
             self._state_io("settle", self.state_store.settle, self.client_id, rnd, accepted)
             if accepted:
@@ -1133,7 +1176,7 @@ class EdgeAgent:
         for it. A failure to publish is logged, never raised."""
         self._leave(detail)
 
-    def _encode_update(self, config, tensors, global_tensors):
+    def _encode_update(self, config, tensors, global_tensors, *, rnd: int = 0):
         """Apply the round's update encoding: codec (the firmware profile may force a cheaper
         one), deltas against the received global model, and error feedback.
 
@@ -1155,6 +1198,14 @@ class EdgeAgent:
         if codec.lossy and bool(config.get("error_feedback", False)):
             if self._ef is None:
                 self._ef = ErrorFeedback()
+            if self.state_store is None and self._idle_store is not None:  # the first residuals: kept from now on
+                store, self._idle_store = self._idle_store, None
+                self._state_io("write", store.put, self.client_id, 0, {})  # the initial state: no residual
+                if self.state_store_error is None:
+                    self.state_store = store
+                    log.info("%s: keeps its error-feedback residuals in %s (a restart carries them on)",
+                             self.client_id, store.path)
+            self._ef_before = (rnd, self._ef.state_dict())
             out = [self._ef.compress(i, t, codec)[1] if np.issubdtype(t.dtype, np.floating) else t
                    for i, t in enumerate(out)]
         return codec, tuple(np.ascontiguousarray(t) for t in out), delta

@@ -1,0 +1,173 @@
+"""An agent's error-feedback residuals (``[protocol] error_feedback`` with a lossy update codec)
+in its device state file: FedAvg keeps nothing else between rounds, so the file is opened when
+the first residual appears; the residual kept is what the codec held back (the trained weights
+minus what the server decodes), a restarted agent carries it on and adds it to its next update,
+and a refused update's residual goes back with the state, in memory and on disk."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from helpers.waiting import wait_for
+
+from edge_agent.agent import EdgeAgent
+from edge_agent.algorithms import TrainConfig
+from edge_agent.algorithms.fedavg import FedAvgClient
+from edge_agent.models import build_model
+from edge_agent.state import state_arrays
+from edge_agent.state_store import DeviceStateStore
+from protocol import topics
+from protocol.channel import Channel
+from protocol.memory_transport import MemoryBroker
+from protocol.messages import Finish, Global, Kind, Receipt, RoundStart, Update, decode
+from protocol.tensors import Codec, ErrorFeedback
+
+FED = "mem-ef"
+DEV = "dev-ef"
+EF = {"update_codec": "topk:0.1", "error_feedback": True}
+
+
+class Federation:
+    """One FedAvg agent (its state file at ``path``) and a server channel on a memory broker;
+    every round sends the same initial global, so each round's trained weights are observable
+    on the agent's model right after it trains."""
+
+    def __init__(self, path, *, seed: int = 0) -> None:
+        self.hub = MemoryBroker()
+        torch_seed(seed)
+        self.model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
+        self.initial = state_arrays(self.model)
+        self.alg = FedAvgClient()
+        self.trained: dict[int, tuple[np.ndarray, ...]] = {}
+        real = self.alg.local_round
+
+        def local_round(model, *a, round: int, **kw):
+            out = real(model, *a, round=round, **kw)
+            self.trained[round] = tuple(np.array(t, copy=True) for t in out.tensors)
+            return out
+
+        self.alg.local_round = local_round  # type: ignore[method-assign]
+        rng = np.random.default_rng(0)
+        self.store = DeviceStateStore(path)
+        self.agent = EdgeAgent(channel=Channel(self.hub.connect(DEV), node_id=DEV, side="agent", federation=FED,
+                                               ledger=None),
+                               model=self.model, algorithm=self.alg,
+                               x=rng.standard_normal((40, 1, 8, 8)).astype(np.float32), y=rng.integers(0, 10, 40),
+                               num_classes=10, idle_timeout_s=120, train_defaults=TrainConfig(batch_size=10),
+                               state_store=self.store)
+        self.server = Channel(self.hub.connect("server"), node_id="server", side="server", federation=FED,
+                              ledger=None)
+        self.server.transport.subscribe(topics.server_filters(FED))
+        self.thread = threading.Thread(target=self.agent.run, daemon=True)
+        self.thread.start()
+
+    def updates(self) -> list:
+        envs = [decode(m.payload).envelope for m in self.hub.published if m.topic.startswith(f"fedfleet/v1/{FED}/up")]
+        return [e for e in envs if isinstance(e.body, Update)]
+
+    def round(self, rnd: int, config: dict) -> object:
+        n = len(self.updates())
+        self.server.send(topics.down(FED, Kind.GLOBAL), Global(tensors=self.initial,
+                         meta={"manifest_hash": self.agent.manifest_hash}), round=rnd)
+        self.server.send(topics.down(FED, Kind.ROUND_START), RoundStart(selected=(DEV,), deadline_s=600.0,
+                                                                        config=dict(config)), round=rnd)
+        assert wait_for(lambda: len(self.updates()) > n)
+        return self.updates()[-1]
+
+    def answer(self, env, accepted: bool) -> None:
+        self.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.UPDATE), ref_seq=env.seq,
+                         accepted=accepted, reason="" if accepted else "refused by the test"), round=env.round,
+                         recipient=DEV)
+
+    def close(self) -> None:
+        self.server.send(topics.down(FED, Kind.FINISH), Finish(reason="completed", rounds_completed=9), round=9)
+        self.thread.join(60)
+        self.store.close()
+
+
+def torch_seed(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _sent(env) -> list[np.ndarray]:
+    """What the server decodes from an update (float32 arrays)."""
+    return [np.asarray(t) for t in env.body.tensors]
+
+
+def _kept(store: DeviceStateStore, **kw) -> dict[int, np.ndarray]:
+    row = store.newest(DEV, **kw)
+    assert row is not None
+    return {int(k.removeprefix("ef.")): v for k, v in row[1].items() if k.startswith("ef.")}
+
+
+def test_a_codec_without_error_feedback_keeps_no_state_file_rows(tmp_path) -> None:
+    f = Federation(tmp_path / "s.sqlite")
+    up = f.round(1, {"update_codec": "topk:0.1"})
+    f.answer(up, True)
+    assert wait_for(lambda: f.agent.receipts_accepted == 1)
+    assert f.store.rounds(DEV) == [] and f.store.unsettled(DEV) is None and f.agent.state_store is None
+    f.close()
+
+
+def test_the_kept_residual_is_what_the_codec_held_back_and_a_restart_carries_it_on(tmp_path) -> None:
+    path = tmp_path / "s.sqlite"
+    f = Federation(path)
+    up1 = f.round(1, EF)
+    x1, sent1 = f.trained[1], _sent(up1)
+    # top-10 %: most of each weight tensor is held back; e1 = x1 − C(x1) (no residual before round 1)
+    e1 = [x - s for x, s in zip(x1, sent1, strict=True)]
+    assert sum(int(np.count_nonzero(s)) for s in sent1) < 0.2 * sum(s.size for s in sent1)
+    assert wait_for(lambda: f.store.unsettled(DEV) == 1)
+    kept = _kept(f.store, settled=False)
+    assert sorted(kept) == list(range(len(x1)))
+    for i, e in enumerate(e1):
+        np.testing.assert_allclose(kept[i], e, rtol=0, atol=1e-7)
+    f.answer(up1, True)
+    assert wait_for(lambda: f.store.rounds(DEV) == [0, 1] and f.store.unsettled(DEV) is None)
+    assert _kept(f.store, settled=True).keys() == kept.keys()
+    f.close()
+
+    g = Federation(path)  # the device restarts: its residual is back before any round
+    assert g.agent.restored_round == 1
+    for i, e in enumerate(e1):
+        np.testing.assert_allclose(g.agent.error_feedback.residual(i), e, rtol=0, atol=1e-7)
+    up2 = g.round(2, EF)
+    # round 2 sends C(x2 + e1): an independent error feedback given e1 compresses x2 to the same values
+    ref = ErrorFeedback()
+    ref.load_state_dict(dict(enumerate(np.asarray(e, dtype=np.float32) for e in _kept_after(path, 1))))
+    codec = Codec.parse("topk:0.1")
+    want = [ref.compress(i, x, codec)[1] for i, x in enumerate(g.trained[2])]
+    for got, w in zip(_sent(up2), want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    g.close()
+
+
+def _kept_after(path, rnd: int) -> list[np.ndarray]:
+    store = DeviceStateStore(path)
+    try:
+        row = store.newest(DEV, before=rnd + 1)
+        assert row is not None and row[0] == rnd
+        return [row[1][f"ef.{i}"] for i in range(sum(k.startswith("ef.") for k in row[1]))]
+    finally:
+        store.close()
+
+
+def test_a_refused_update_puts_the_residual_back(tmp_path) -> None:
+    f = Federation(tmp_path / "s.sqlite")
+    up1 = f.round(1, EF)
+    f.answer(up1, True)
+    assert wait_for(lambda: f.store.rounds(DEV) == [0, 1])
+    e1 = {i: f.agent.error_feedback.residual(i) for i in range(len(f.trained[1]))}
+    up2 = f.round(2, EF)
+    assert wait_for(lambda: f.store.unsettled(DEV) == 2)
+    assert any(not np.array_equal(f.agent.error_feedback.residual(i), e1[i]) for i in e1)  # round 2 moved it
+    f.answer(up2, False)
+    assert wait_for(lambda: f.store.unsettled(DEV) is None)
+    assert f.store.rounds(DEV) == [0, 1]
+    for i, e in e1.items():  # back to round 1's, in memory and in the newest settled row
+        np.testing.assert_array_equal(f.agent.error_feedback.residual(i), e)
+        np.testing.assert_array_equal(_kept(f.store)[i], e)
+    f.close()
