@@ -7,85 +7,35 @@ server's round is not newer than the one it holds."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
+from helpers.one_agent import OneAgent
 from helpers.waiting import wait_for
 
-from edge_agent.agent import EdgeAgent
-from edge_agent.algorithms import TrainConfig
 from edge_agent.algorithms.scaffold import ScaffoldClient
 from edge_agent.models import build_model
-from edge_agent.state import state_arrays
 from edge_agent.state_store import DeviceStateStore
-from protocol import topics
-from protocol.channel import Channel
-from protocol.memory_transport import MemoryBroker
-from protocol.messages import Finish, Global, Kind, Receipt, RoundStart, Update, decode
 
 FED = "mem"
 DEV = "dev-s"
 
 
-class Federation:
+class Federation(OneAgent):
     """One SCAFFOLD agent (its store at ``path``) and a server channel on a memory broker; the
     algorithm's c_i at the start of each local round is recorded in ``control_at_start``."""
 
     def __init__(self, path) -> None:
-        self.hub = MemoryBroker()
-        self.model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
-        self.alg = ScaffoldClient()
+        alg = ScaffoldClient()
         self.control_at_start: dict[int, np.ndarray | None] = {}
-        real = self.alg.local_round
+        real = alg.local_round
 
         def local_round(*a, round: int, **kw):
-            self.control_at_start[round] = None if self.alg.control is None else self.alg.control.copy()
+            self.control_at_start[round] = None if alg.control is None else alg.control.copy()
             return real(*a, round=round, **kw)
 
-        self.alg.local_round = local_round  # type: ignore[method-assign]
-        rng = np.random.default_rng(0)
-        self.store = DeviceStateStore(path)
-        self.agent = EdgeAgent(channel=Channel(self.hub.connect(DEV), node_id=DEV, side="agent", federation=FED,
-                                               ledger=None),
-                               model=self.model, algorithm=self.alg,
-                               x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32), y=rng.integers(0, 10, 20),
-                               num_classes=10, idle_timeout_s=120, train_defaults=TrainConfig(batch_size=10),
-                               state_store=self.store)
-        self.server = Channel(self.hub.connect("server"), node_id="server", side="server", federation=FED,
-                              ledger=None)
-        self.server.transport.subscribe(topics.server_filters(FED))
-        self.thread = threading.Thread(target=self.agent.run, daemon=True)
-        self.thread.start()
-
-    def updates(self) -> list:
-        envs = [decode(m.payload).envelope for m in self.hub.published if m.topic.startswith(f"fedfleet/v1/{FED}/up")]
-        return [e for e in envs if isinstance(e.body, Update)]
-
-    def round_without_it(self, rnd: int) -> None:
-        """Start round ``rnd`` for another device only (the broadcast this device hears)."""
-        self.server.send(topics.down(FED, Kind.ROUND_START), RoundStart(selected=("someone-else",), deadline_s=600.0,
-                                                                        config={}), round=rnd)
-
-    def round(self, rnd: int) -> object:
-        """Start round ``rnd`` for the device and wait for its update (the envelope)."""
-        n = len(self.updates())
-        self.server.send(topics.down(FED, Kind.GLOBAL), Global(tensors=state_arrays(self.model),
-                         meta={"manifest_hash": self.agent.manifest_hash}), round=rnd)
-        self.server.send(topics.down(FED, Kind.ROUND_START), RoundStart(selected=(DEV,), deadline_s=600.0, config={}),
-                         round=rnd)
-        assert wait_for(lambda: len(self.updates()) > n)
-        return self.updates()[-1]
-
-    def answer(self, env, accepted: bool) -> None:
-        self.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.UPDATE), ref_seq=env.seq,
-                         accepted=accepted, reason="" if accepted else "refused by the test"), round=env.round,
-                         recipient=DEV)
-
-    def close(self) -> None:
-        self.server.send(topics.down(FED, Kind.FINISH), Finish(reason="completed", rounds_completed=9), round=9)
-        self.thread.join(60)
-        self.store.close()
+        alg.local_round = local_round  # type: ignore[method-assign]
+        super().__init__(path, model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+                         algorithm=alg, fed=FED, device=DEV)
 
 
 def test_the_state_is_written_with_the_update_and_settled_by_its_answer(tmp_path) -> None:

@@ -6,21 +6,14 @@ and a refused update's residual goes back with the state, in memory and on disk.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
+import torch
+from helpers.one_agent import OneAgent
 from helpers.waiting import wait_for
 
-from edge_agent.agent import EdgeAgent
-from edge_agent.algorithms import TrainConfig
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.models import build_model
-from edge_agent.state import state_arrays
 from edge_agent.state_store import DeviceStateStore
-from protocol import topics
-from protocol.channel import Channel
-from protocol.memory_transport import MemoryBroker
-from protocol.messages import Finish, Global, Kind, Receipt, RoundStart, Update, decode
 from protocol.tensors import Codec, ErrorFeedback
 
 FED = "mem-ef"
@@ -28,68 +21,24 @@ DEV = "dev-ef"
 EF = {"update_codec": "topk:0.1", "error_feedback": True}
 
 
-class Federation:
-    """One FedAvg agent (its state file at ``path``) and a server channel on a memory broker;
-    every round sends the same initial global, so each round's trained weights are observable
-    on the agent's model right after it trains."""
+class Federation(OneAgent):
+    """One FedAvg agent (its state file at ``path``) on 40 images; every round sends the model's
+    initial weights as the global, and each round's trained weights are kept in ``trained``."""
 
-    def __init__(self, path, *, seed: int = 0) -> None:
-        self.hub = MemoryBroker()
-        torch_seed(seed)
-        self.model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
-        self.initial = state_arrays(self.model)
-        self.alg = FedAvgClient()
+    def __init__(self, path) -> None:
+        torch.manual_seed(0)
+        alg = FedAvgClient()
         self.trained: dict[int, tuple[np.ndarray, ...]] = {}
-        real = self.alg.local_round
+        real = alg.local_round
 
         def local_round(model, *a, round: int, **kw):
             out = real(model, *a, round=round, **kw)
             self.trained[round] = tuple(np.array(t, copy=True) for t in out.tensors)
             return out
 
-        self.alg.local_round = local_round  # type: ignore[method-assign]
-        rng = np.random.default_rng(0)
-        self.store = DeviceStateStore(path)
-        self.agent = EdgeAgent(channel=Channel(self.hub.connect(DEV), node_id=DEV, side="agent", federation=FED,
-                                               ledger=None),
-                               model=self.model, algorithm=self.alg,
-                               x=rng.standard_normal((40, 1, 8, 8)).astype(np.float32), y=rng.integers(0, 10, 40),
-                               num_classes=10, idle_timeout_s=120, train_defaults=TrainConfig(batch_size=10),
-                               state_store=self.store)
-        self.server = Channel(self.hub.connect("server"), node_id="server", side="server", federation=FED,
-                              ledger=None)
-        self.server.transport.subscribe(topics.server_filters(FED))
-        self.thread = threading.Thread(target=self.agent.run, daemon=True)
-        self.thread.start()
-
-    def updates(self) -> list:
-        envs = [decode(m.payload).envelope for m in self.hub.published if m.topic.startswith(f"fedfleet/v1/{FED}/up")]
-        return [e for e in envs if isinstance(e.body, Update)]
-
-    def round(self, rnd: int, config: dict) -> object:
-        n = len(self.updates())
-        self.server.send(topics.down(FED, Kind.GLOBAL), Global(tensors=self.initial,
-                         meta={"manifest_hash": self.agent.manifest_hash}), round=rnd)
-        self.server.send(topics.down(FED, Kind.ROUND_START), RoundStart(selected=(DEV,), deadline_s=600.0,
-                                                                        config=dict(config)), round=rnd)
-        assert wait_for(lambda: len(self.updates()) > n)
-        return self.updates()[-1]
-
-    def answer(self, env, accepted: bool) -> None:
-        self.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.UPDATE), ref_seq=env.seq,
-                         accepted=accepted, reason="" if accepted else "refused by the test"), round=env.round,
-                         recipient=DEV)
-
-    def close(self) -> None:
-        self.server.send(topics.down(FED, Kind.FINISH), Finish(reason="completed", rounds_completed=9), round=9)
-        self.thread.join(60)
-        self.store.close()
-
-
-def torch_seed(seed: int) -> None:
-    import torch
-
-    torch.manual_seed(seed)
+        alg.local_round = local_round  # type: ignore[method-assign]
+        super().__init__(path, model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+                         algorithm=alg, fed=FED, device=DEV, samples=40)
 
 
 def _sent(env) -> list[np.ndarray]:
