@@ -534,7 +534,11 @@ class DSACTAgent:
 
     @classmethod
     def load_policy(cls, path: str | Path, seed: int = 0) -> tuple[DSACTAgent, dict[str, Any]]:
-        """An agent from :meth:`save_policy`'s file and its metadata.
+        """An agent from :meth:`save_policy`'s file and its metadata: the networks, optimisers
+        and temperature from the file, the random streams (action noise, replay batches) from
+        ``seed`` — the run's own, so runs of other seeds on one policy do not share the noise the
+        pre-training ended with (a checkpoint's :meth:`load_bytes` restores the streams instead,
+        so a resumed run continues its own).
 
         Raises:
             ValueError: not such a file — absent, unreadable, not a torch file (whatever
@@ -563,6 +567,8 @@ class DSACTAgent:
             conf["hidden"] = tuple(conf["hidden"])
             agent = cls(int(blob["state_dim"]), int(blob["action_dim"]), DSACTConfig(**conf), seed=seed)
             agent.load_networks_state(blob["agent"])
+            agent.generator.manual_seed(seed)
+            agent.rng = np.random.default_rng(seed)
             metadata = dict(blob["metadata"])
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise ValueError(f"policy {path}: a damaged fedfleet DSAC-T policy ({type(exc).__name__}: {exc}); write "

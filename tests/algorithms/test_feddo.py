@@ -374,6 +374,29 @@ def test_a_loaded_policy_goes_on_learning_with_the_runs_learning_keys(tmp_path, 
     assert "lr_alpha" not in said and "gamma" not in said
 
 
+def test_a_loaded_policy_draws_the_runs_own_noise(tmp_path) -> None:
+    """The networks come from the policy file, the random streams from the run's seed: runs of
+    seeds 0 and 1 on one policy act differently on the same state (not both continuing the
+    stream the pre-training ended with), a run of seed 0 draws what a fresh agent of seed 0
+    with those networks draws, and the deterministic action is the same for every seed."""
+    trained = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4), seed=1000)
+    trained.act(np.zeros(3 + GLOBAL_FEATURES, np.float32))  # the pre-training's stream moves on
+    trained.rng.random()
+    trained.save_policy(tmp_path / "k3.pt", {"num_devices": 3, "global_features": GLOBAL_FEATURES})
+    state = np.linspace(-1, 1, 3 + GLOBAL_FEATURES).astype(np.float32)
+    a0, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=0)
+    a1, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=1)
+    assert not np.array_equal(a0.act(state), a1.act(state))
+    assert a0.rng.random() != a1.rng.random()
+    fresh = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4), seed=0)
+    fresh.actor.load_state_dict(trained.actor.state_dict())
+    again, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=0)
+    np.testing.assert_array_equal(again.act(state), fresh.act(state))
+    assert again.rng.random() == fresh.rng.random()
+    np.testing.assert_array_equal(a0.act(state, deterministic=True), a1.act(state, deterministic=True))
+    np.testing.assert_array_equal(a0.act(state, deterministic=True), trained.act(state, deterministic=True))
+
+
 def _damaged(path, how: str) -> str:
     """A file at ``path`` that is no usable policy: ``how`` names the damage."""
     if how == "garbage":  # a pickle cut short: torch.load raises pickle.UnpicklingError
