@@ -27,8 +27,10 @@ One report (``benchmarks/feddo.md``) holds all of it:
   its data, d = 1, which is FedAvg at participation 1.0: the no-decision reference);
 - **sweep** (:data:`SWEEPS`, ``--sweep-bench``, default fashion_mnist/dir0.1, every seed) of the
   keys the paper does not fix: rank, hidden width, validation-set size, reward
-  variant, drift_missing, pre-training episodes (each FedDO value with its own pre-trained
-  policy), and the baselines' participation rate (FedAvg and FedCross, ``--sweep-baselines``);
+  variant, drift_missing, pre-training episodes, DSAC-T updates per round (each FedDO value
+  with its own pre-trained policy), sampling π or acting on tanh μ in the deployed run
+  (``deterministic``, on the default policy: pre-training must explore), and the baselines'
+  participation rate (FedAvg and FedCross, ``--sweep-baselines``);
   ``min_ratio`` is not swept: with quorum 1 it acts only in a round where no device gets d > 0,
   which a 100-dimensional tanh-Gaussian action practically never gives;
 - 3 seeds, mean ± population std, a cell on fewer seeds says so; bytes per client per round;
@@ -43,7 +45,20 @@ batch 32, ``--rounds`` (the paper's budget is 1,000), the baselines at ``--parti
 for FedDO under Dir(0.1)); FedDO decides itself who trains. FedDO's agent: hidden 256 × 3,
 rank 96, warm-up 32 transitions (:data:`AGENT`: a deployed run's replay buffer starts empty and
 fills one transition per round, so the strategy's default warm-up of 64 would leave only 11 of
-75 rounds to online learning and make *FedDO-frozen* nearly a copy of FedDO; with 32, 43).
+75 rounds to online learning and make *FedDO-frozen* nearly a copy of FedDO; with 32, 43), and
+20 DSAC-T updates per round (``updates_per_round``; the paper gives none). **Why 20, measured**
+(pre-flight on Fashion-MNIST Dir(0.1), 100 clients, 5,000 images, 4 episodes × 40 rounds, the
+DSAC-T defaults otherwise): the pre-training here has ≈ 750 transitions where the paper's 200
+episodes have up to 200,000, and at one update a round the entropy temperature α, which starts
+at e and moves by about lr_alpha = 3e-4 per update, was still 2.67 after the pre-flight (129
+updates): the entropy bonus then outweighs a reward of ±1 a round by about 100×, and the policy
+stays the maximum-entropy one, ≈ 50 of 100 devices active at d ≈ 0.55 whatever the state, so
+every FedDO control would measure the same random policy. At 20 updates a round α fell to 1.85
+(2,580 updates), at 50 with lr_alpha 3e-3 to 0.007, where the policy's means spread (std of
+μ 0.81, against 0.06 at one update a round): it decides per device. 20 keeps every DSAC-T
+default and costs ≈ 0.2 s a round (0.01 s an update); over the grid's 750 transitions it takes
+α to ≈ 0.3 (15,000 updates). ``updates_per_round`` is swept (1: the paper's schedule at this
+budget; 100).
 
 **CPU plan for 2 cores** (measured here on Fashion-MNIST, 100 clients, one torch thread per
 cell, at nice 5 beside a nice-19 job; every round evaluated). FedAvg at participation 0.2:
@@ -65,14 +80,15 @@ another ≈ 11 s a cell at half the rounds-to-target resolution, E = 3 cost ≈ 
 leaves the evaluation ≈ 23 % of a baseline cell and resolves rounds to a target to 5 rounds.
 Chosen defaults: 10,000 training images (100 per client), 75 rounds, E = 5, pre-training
 10 episodes × 75 rounds (an episode as long as the deployed run). Then a baseline cell ≈ 100 s,
-a FedDO-family cell ≈ 145 s, FedDO-all ≈ 305 s; one data set's main grid (3 partitions ×
-12 methods × 3 seeds = 108 cells) ≈ 14,300 s plus 3 policies ≈ 2,250 s: **≈ 4.6 core-hours,
-≈ 2.3 h wall on 2 workers** (7.4 and 3.7 with E = 1); the sweep ≈ 4.8 core-hours (11 FedDO
-values, each a policy of ≈ 750 s and 3 cells, and 24 participation cells; 6.4 with E = 1); the
-default invocation (Fashion-MNIST first, then CIFAR-10, then the sweep) ≈ 14 core-hours, ≈ 7.0 h
-wall (21 and 10.6 with E = 1); under a load like the measurement's, about 1.8× these. Rounds, not
-images, are still what fits the budget best: the fixed cost (0.56 s at E = 5) is nearly half
-of a baseline round.
+a FedDO-family cell ≈ 145 s (≈ 160 s where the agent learns: 20 updates a round), FedDO-all
+≈ 305 s; one data set's main grid (3 partitions × 12 methods × 3 seeds = 108 cells) ≈ 14,600 s
+plus 3 policies ≈ 2,700 s (≈ 900 s each with the updates): **≈ 4.8 core-hours, ≈ 2.4 h wall on
+2 workers** (7.6 and 3.8 with E = 1); the sweep ≈ 5.7 core-hours (13 FedDO values, 12 of them
+with a policy of ≈ 900 s (≈ 1,500 s at 100 updates a round) and each 3 cells, and 24
+participation cells; 7.3 with E = 1); the default invocation (Fashion-MNIST first, then
+CIFAR-10, then the sweep) ≈ 15.3 core-hours, ≈ 7.7 h wall (22.5 and 11.3 with E = 1); under
+a load like the measurement's, about 1.8× these. Rounds, not images, are still what fits the
+budget best: the fixed cost (0.56 s at E = 5) is nearly half of a baseline round.
 ``--estimate-only`` runs the first missing cell alone and prints its time × the cells left and
 the pre-training still to do.
 
@@ -193,7 +209,7 @@ FEDDO_FAMILY = ["FedDO", "FedDO-random", "FedDO-scratch", "FedDO-frozen"]
 PARTITIONS = {"dir0.1": ("dirichlet", 0.1), "dir0.5": ("dirichlet", 0.5), "iid": ("iid", 1.0)}
 DATASETS = ("fashion_mnist", "cifar10")
 #: the agent's keys in every FedDO cell (the strategy's defaults but the warm-up: see the module)
-AGENT: dict = {"hidden": 256, "layers": 3, "rank": 96, "warmup": 32}
+AGENT: dict = {"hidden": 256, "layers": 3, "rank": 96, "warmup": 32, "updates_per_round": 20}
 DEFAULT_PARTICIPATION = 0.2
 #: ``--eval-every``: the test split every 5th round and the last (the module's CPU plan)
 DEFAULT_EVAL_EVERY = 5
@@ -210,7 +226,12 @@ SWEEPS: dict[str, list] = {
     "reward": ["seed", "continuous"],
     "drift_missing": ["last", "zero"],
     "episodes": [1, 0.25, 3],
+    "updates_per_round": [20, 1, 100],
+    "deterministic": [False, True],
 }
+#: sweep keys of the deployed run only: their cells load the default policy (pre-training with
+#: ``deterministic`` would act without exploring)
+DEPLOY_ONLY = {"deterministic"}
 #: the baselines' participation rates swept (beside ``--participation``)
 PARTICIPATIONS = [0.05, 0.1, 0.5, 1.0]
 SWEEP_BASELINES = ["FedAvg", "FedCross"]
@@ -470,6 +491,9 @@ class Grid:
         """The policy spec of sweep value ``key = value`` on the sweep's setting."""
         assert self.sweep is not None
         ds, part = self.sweep.split("/")
+        if key in DEPLOY_ONLY:
+            return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.train_samples,
+                               episodes=self.episodes, rounds=self.pretrain_rounds, data_dir=self.data_dir)
         if key == "episodes":
             return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.train_samples,
                                episodes=int(value), rounds=self.pretrain_rounds, tag=f"episodes={value}",
@@ -482,7 +506,7 @@ class Grid:
         """The policies the main grid of ``datasets`` (all: ``None``) needs, or the sweep's."""
         if sweep:
             return [self.sweep_policy(k, v) for k, vals in self.sweeps.items()
-                    for v in sweep_values(k, vals, self.episodes)[1:] if k in SWEEPS]
+                    for v in sweep_values(k, vals, self.episodes)[1:] if k in SWEEPS and k not in DEPLOY_ONLY]
         if not any(PRETRAINED in METHODS[m][1].values() for m in self.methods):
             return []
         return [self.main_policy(ds, part) for ds in (datasets or self.datasets) for part in self.partitions]
@@ -813,7 +837,9 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                 else "drawn from training images the devices also hold (every image is on a device: the runs' logs "
                      "say so)."),
              f"- FedDO: DSAC-T, hidden {AGENT['hidden']} × {AGENT['layers']}, rank {AGENT['rank']}, warm-up "
-             f"{AGENT['warmup']} transitions, reward 'seed' (Ξ = 64), validation 500 training images; the policy "
+             f"{AGENT['warmup']} transitions, {AGENT['updates_per_round']} DSAC-T updates a round (the paper gives "
+             "none; at one a round this budget leaves the entropy temperature near its start and the policy "
+             "random: the module's pre-flight), reward 'seed' (Ξ = 64), validation 500 training images; the policy "
              f"pre-trained per setting for {settings['episodes']} episodes × {settings['pretrain_rounds']} rounds on "
              f"a data draw of its own (seed {PRETRAIN_SEED}, episode e from seed {PRETRAIN_SEED} + e, so no evaluated "
              f"seed's split; the paper: {PAPER_EPISODES} episodes), then loaded and kept "
@@ -840,8 +866,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
               "took 178 s at nice 5 beside a two-worker nice-19 grid, its 15 evaluations 2.03 s each: evaluated "
               "every round it would have taken ≈ 300 s under that load (0.59 of it; the model: 0.52). Chosen "
               "defaults: 10,000 training images, 75 rounds, E = 5, 10 pre-training episodes × 75 rounds: one data "
-              "set's main grid (108 cells, 3 policies) ≈ 4.6 core-hours, ≈ 2.3 h on 2 workers (7.4 with E = 1); the "
-              "sweep ≈ 4.8 core-hours; both data sets and the sweep ≈ 14 core-hours (21 with E = 1).", ""]
+              "set's main grid (108 cells, 3 policies) ≈ 4.8 core-hours, ≈ 2.4 h on 2 workers (7.6 with E = 1); the "
+              "sweep ≈ 5.7 core-hours; both data sets and the sweep ≈ 15.3 core-hours (22.5 with E = 1).", ""]
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} "
                   f"CPUs, {settings.get('workers', 2)} worker processes, 1 torch thread each).", ""]

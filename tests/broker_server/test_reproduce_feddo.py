@@ -69,10 +69,11 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert [j.tags["dataset"] for j in main[:108]] == ["fashion_mnist"] * 108
     assert [j.tags["seed"] for j in main[:36]] == [0] * 36
     sweep = grid.sweep_jobs()
-    # FedDO values: rank 3 + hidden 2 + val_size 2 + reward 1 + drift_missing 1 + episodes 2 = 11 (min_ratio,
-    # a no-op at quorum 1, is not swept), and 4 participation rates × FedAvg, FedCross; each × 3 seeds
+    # FedDO values: rank 3 + hidden 2 + val_size 2 + reward 1 + drift_missing 1 + episodes 2 + updates_per_round
+    # 2 + deterministic 1 = 14 (min_ratio, a no-op at quorum 1, is not swept), and 4 participation rates ×
+    # FedAvg, FedCross; each × 3 seeds
     assert "min_ratio" not in t.SWEEPS
-    assert len(sweep) == (11 + 4 * 2) * 3 == len({j.key for j in sweep})
+    assert len(sweep) == (14 + 4 * 2) * 3 == len({j.key for j in sweep})
     assert t.sweep_values("episodes", t.SWEEPS["episodes"], 10) == [10, 2, 30]  # round(2.5) = 2
     by_key = {j.key: j for j in main + sweep}
     pre = "fashion_mnist/dir0.1/c100/r80/n10000"
@@ -87,6 +88,16 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     ep30 = by_key[f"sweep/{pre}/FedDO@p30x80/episodes=30/s2"].config
     assert ep30["algorithm"] == {**t.AGENT, "policy": grid.sweep_policy("episodes", 30)["path"]}
     assert grid.sweep_policy("episodes", 30)["episodes"] == 30
+    # 20 updates a round in every FedDO cell; 1 and 100 each with a policy pre-trained at it
+    assert t.AGENT["updates_per_round"] == 20
+    utd1 = by_key[f"sweep/{pre}/FedDO@p10x80/updates_per_round=1/s0"].config
+    assert utd1["algorithm"] == {**t.AGENT, "updates_per_round": 1,
+                                 "policy": grid.sweep_policy("updates_per_round", 1)["path"]}
+    assert grid.sweep_policy("updates_per_round", 1)["raw"]["algorithm"]["updates_per_round"] == 1
+    # deterministic deployment runs on the default policy (pre-training must explore), acting on tanh μ
+    det = by_key[f"sweep/{pre}/FedDO@p10x80/deterministic=True/s1"].config
+    assert det["algorithm"] == {**t.AGENT, "deterministic": True,
+                                "policy": grid.main_policy("fashion_mnist", "dir0.1")["path"]}
     # FedDO decides who trains (participation 1.0 in its cells); the baselines at 0.2, FedCross with one
     # middleware model per device of a round
     assert by_key[f"main/{pre}/FedDO@p10x80/s0"].config["server"]["participation_rate"] == 1.0
@@ -94,9 +105,11 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert by_key[f"main/{pre}/FedCross/s0"].config["algorithm"] == {"models": 20}
     assert by_key[f"sweep/{pre}/FedCross@C0.5/s0"].config["algorithm"] == {"models": 50}
     assert by_key[f"main/{pre}/FedAvg/s0"].config["agents"] == {"train_slots": 1, "torch_threads": 1}
+    # the global goes to the selected devices only, in every cell: bytes per client compare across methods
+    assert {j.config["server"]["global_delivery"] for j in main + sweep} == {"per_device"}
     # policies: one per setting for the main grid, one per swept FedDO value; all distinct
     mains, sweeps = grid.policies(), grid.policies(sweep=True)
-    assert len(mains) == 6 and len(sweeps) == 11 and len({s["path"] for s in mains + sweeps}) == 17
+    assert len(mains) == 6 and len(sweeps) == 13 and len({s["path"] for s in mains + sweeps}) == 19
     # pre-trained on a seed of its own: no evaluated seed's partition, no evaluated seed's models
     assert all(s["raw"]["run"]["seed"] == t.PRETRAIN_SEED not in grid.seeds for s in mains + sweeps)
     # Oort without the duration factor; MOON at the official μ = 5 on CIFAR-10 only
