@@ -46,7 +46,7 @@ for FedDO under Dir(0.1)); FedDO decides itself who trains. FedDO's agent: hidde
 rank 96, warm-up 32 transitions (:data:`AGENT`: a deployed run's replay buffer starts empty and
 fills one transition per round, so the strategy's default warm-up of 64 would leave only 11 of
 75 rounds to online learning and make *FedDO-frozen* nearly a copy of FedDO; with 32, 43), and
-20 DSAC-T updates per round (``updates_per_round``; the paper gives none). **Why 20, measured**
+50 DSAC-T updates per round (``updates_per_round``; the paper gives none). **Why 50, measured**
 (pre-flight on Fashion-MNIST Dir(0.1), 100 clients, 5,000 images, 4 episodes × 40 rounds, the
 DSAC-T defaults otherwise): the pre-training here has ≈ 750 transitions where the paper's 200
 episodes have up to 200,000, and at one update a round the entropy temperature α, which starts
@@ -55,10 +55,12 @@ updates): the entropy bonus then outweighs a reward of ±1 a round by about 100�
 stays the maximum-entropy one, ≈ 50 of 100 devices active at d ≈ 0.55 whatever the state, so
 every FedDO control would measure the same random policy. At 20 updates a round α fell to 1.85
 (2,580 updates), at 50 with lr_alpha 3e-3 to 0.007, where the policy's means spread (std of
-μ 0.81, against 0.06 at one update a round): it decides per device. 20 keeps every DSAC-T
-default and costs ≈ 0.2 s a round (0.01 s an update); over the grid's 750 transitions it takes
-α to ≈ 0.3 (15,000 updates). ``updates_per_round`` is swept (1: the paper's schedule at this
-budget; 100).
+μ 0.81, against 0.06 at one update a round; its log σ −1.23 against −0.11): it decides per
+device. Over the grid's ≈ 720 transitions after warm-up, 50 updates a round with every DSAC-T
+default (lr_alpha 3e-4) give about 18,000 temperature steps, enough to take α from e to ≈ 0.01,
+where the paper's 200 episodes surely end; 20 would leave it near 0.3, where the entropy bonus
+still outweighs the reward. The cost: ≈ 0.5 s a round (0.01 s an update), a policy ≈ 1,125 s
+instead of 750. ``updates_per_round`` is swept (1: the paper's schedule at this budget; 10).
 
 **CPU plan for 2 cores** (measured here on Fashion-MNIST, 100 clients, one torch thread per
 cell, at nice 5 beside a nice-19 job; every round evaluated). FedAvg at participation 0.2:
@@ -80,13 +82,13 @@ another ≈ 11 s a cell at half the rounds-to-target resolution, E = 3 cost ≈ 
 leaves the evaluation ≈ 23 % of a baseline cell and resolves rounds to a target to 5 rounds.
 Chosen defaults: 10,000 training images (100 per client), 75 rounds, E = 5, pre-training
 10 episodes × 75 rounds (an episode as long as the deployed run). Then a baseline cell ≈ 100 s,
-a FedDO-family cell ≈ 145 s (≈ 160 s where the agent learns: 20 updates a round), FedDO-all
-≈ 305 s; one data set's main grid (3 partitions × 12 methods × 3 seeds = 108 cells) ≈ 14,600 s
-plus 3 policies ≈ 2,700 s (≈ 900 s each with the updates): **≈ 4.8 core-hours, ≈ 2.4 h wall on
-2 workers** (7.6 and 3.8 with E = 1); the sweep ≈ 5.7 core-hours (13 FedDO values, 12 of them
-with a policy of ≈ 900 s (≈ 1,500 s at 100 updates a round) and each 3 cells, and 24
-participation cells; 7.3 with E = 1); the default invocation (Fashion-MNIST first, then
-CIFAR-10, then the sweep) ≈ 15.3 core-hours, ≈ 7.7 h wall (22.5 and 11.3 with E = 1); under
+a FedDO-family cell ≈ 145 s (≈ 182 s where the agent learns: 50 updates a round), FedDO-all
+≈ 305 s; one data set's main grid (3 partitions × 12 methods × 3 seeds = 108 cells) ≈ 15,000 s
+plus 3 policies ≈ 3,400 s (≈ 1,125 s each with the updates): **≈ 5.1 core-hours, ≈ 2.6 h wall on
+2 workers** (7.9 and 4.0 with E = 1); the sweep ≈ 6.8 core-hours (14 FedDO values, 12 of them
+with a policy of ≈ 750–1,125 s, each 3 cells, and 24 participation cells; 8.4 with E = 1); the
+default invocation (Fashion-MNIST first, then CIFAR-10, then the sweep) ≈ 17 core-hours,
+≈ 8.5 h wall (24 and 12 with E = 1); under
 a load like the measurement's, about 1.8× these. Rounds, not images, are still what fits the
 budget best: the fixed cost (0.56 s at E = 5) is nearly half of a baseline round.
 ``--estimate-only`` runs the first missing cell alone and prints its time × the cells left and
@@ -209,7 +211,7 @@ FEDDO_FAMILY = ["FedDO", "FedDO-random", "FedDO-scratch", "FedDO-frozen"]
 PARTITIONS = {"dir0.1": ("dirichlet", 0.1), "dir0.5": ("dirichlet", 0.5), "iid": ("iid", 1.0)}
 DATASETS = ("fashion_mnist", "cifar10")
 #: the agent's keys in every FedDO cell (the strategy's defaults but the warm-up: see the module)
-AGENT: dict = {"hidden": 256, "layers": 3, "rank": 96, "warmup": 32, "updates_per_round": 20}
+AGENT: dict = {"hidden": 256, "layers": 3, "rank": 96, "warmup": 32, "updates_per_round": 50}
 DEFAULT_PARTICIPATION = 0.2
 #: ``--eval-every``: the test split every 5th round and the last (the module's CPU plan)
 DEFAULT_EVAL_EVERY = 5
@@ -226,7 +228,7 @@ SWEEPS: dict[str, list] = {
     "reward": ["seed", "continuous"],
     "drift_missing": ["last", "zero"],
     "episodes": [1, 0.25, 3],
-    "updates_per_round": [20, 1, 100],
+    "updates_per_round": [50, 1, 10],
     "deterministic": [False, True],
 }
 #: sweep keys of the deployed run only: their cells load the default policy (pre-training with
@@ -866,8 +868,9 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
               "took 178 s at nice 5 beside a two-worker nice-19 grid, its 15 evaluations 2.03 s each: evaluated "
               "every round it would have taken ≈ 300 s under that load (0.59 of it; the model: 0.52). Chosen "
               "defaults: 10,000 training images, 75 rounds, E = 5, 10 pre-training episodes × 75 rounds: one data "
-              "set's main grid (108 cells, 3 policies) ≈ 4.8 core-hours, ≈ 2.4 h on 2 workers (7.6 with E = 1); the "
-              "sweep ≈ 5.7 core-hours; both data sets and the sweep ≈ 15.3 core-hours (22.5 with E = 1).", ""]
+              "set's main grid (108 cells, 3 policies, 50 DSAC-T updates a round) ≈ 5.1 core-hours, ≈ 2.6 h on 2 "
+              "workers (7.9 with E = 1); the sweep ≈ 6.8 core-hours; both data sets and the sweep ≈ 17 core-hours "
+              "(24 with E = 1).", ""]
     if wall_s is not None:
         lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min on {platform.machine()} ({os.cpu_count()} "
                   f"CPUs, {settings.get('workers', 2)} worker processes, 1 torch thread each).", ""]

@@ -88,8 +88,8 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     ep30 = by_key[f"sweep/{pre}/FedDO@p30x80/episodes=30/s2"].config
     assert ep30["algorithm"] == {**t.AGENT, "policy": grid.sweep_policy("episodes", 30)["path"]}
     assert grid.sweep_policy("episodes", 30)["episodes"] == 30
-    # 20 updates a round in every FedDO cell; 1 and 100 each with a policy pre-trained at it
-    assert t.AGENT["updates_per_round"] == 20
+    # 50 updates a round in every FedDO cell; 1 and 10 each with a policy pre-trained at it
+    assert t.AGENT["updates_per_round"] == 50
     utd1 = by_key[f"sweep/{pre}/FedDO@p10x80/updates_per_round=1/s0"].config
     assert utd1["algorithm"] == {**t.AGENT, "updates_per_round": 1,
                                  "policy": grid.sweep_policy("updates_per_round", 1)["path"]}
