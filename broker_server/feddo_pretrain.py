@@ -44,7 +44,8 @@ class PretrainResult:
     Attributes:
         policy: the written policy file.
         episodes: lines per episode (``episode``, ``final_accuracy``, ``return``, ``mean_active``,
-            ``mean_ratio``, ``replay``, ``seconds``).
+            ``mean_ratio``, ``replay``, ``alpha``: the entropy temperature at the episode's end,
+            ``updates``: DSAC-T updates so far, ``seconds``).
         cpu_seconds: process CPU time of the whole pre-training (``time.process_time``).
         parameter_counts: the agent's :meth:`~broker_server.rl.dsac_t.DSACTAgent.parameter_counts`.
     """
@@ -58,7 +59,8 @@ class PretrainResult:
 def progress_line(m: dict, episodes: int) -> str:
     """One episode's progress line."""
     return (f"episode {m['episode']:>3}/{episodes}  accuracy {m['final_accuracy']:.4f}  return {m['return']:+.3f}  "
-            f"active {m['mean_active']:.1f}  ratio {m['mean_ratio']:.3f}  replay {m['replay']}  {m['seconds']:.1f} s")
+            f"active {m['mean_active']:.1f}  ratio {m['mean_ratio']:.3f}  replay {m['replay']}"
+            + (f"  alpha {m['alpha']:.3g}" if "alpha" in m else "") + f"  {m['seconds']:.1f} s")
 
 
 def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
@@ -138,7 +140,7 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         assert strategy.agent is not None
         line = {"episode": ep, "final_accuracy": strategy.phi, "return": ret, "mean_active": float(np.mean(active)),
                 "mean_ratio": float(np.mean(ratio)), "replay": len(strategy.agent.buffer),
-                "seconds": time.monotonic() - t0}
+                "alpha": strategy.agent.alpha, "updates": strategy.agent.updates, "seconds": time.monotonic() - t0}
         lines.append(line)
         if on_episode:
             on_episode(line)

@@ -938,7 +938,9 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                              f"{v['rounds']} rounds; " + "; ".join(
                                  f"episode {e['episode']}: return {e['return']:+.2f}, accuracy "
                                  f"{100 * e['final_accuracy']:.2f} %, {e['mean_active']:.1f} active at d "
-                                 f"{e['mean_ratio']:.3f}" for e in eps) + ".")
+                                 f"{e['mean_ratio']:.3f}"
+                                 + (f", entropy temperature α {e['alpha']:.3g} after {e['updates']:,} updates"
+                                    if "alpha" in e else "") for e in eps) + ".")
             lines.append("")
 
     # controls

@@ -260,7 +260,8 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     info = {}
     for part, cpu, last in (("dir0.1", 800.0, {"episode": 10, "return": 3.0, "final_accuracy": 0.8, "mean_active": 22.0,
-                                               "mean_ratio": 0.85}), ("iid", 1000.0, None)):
+                                               "mean_ratio": 0.85, "alpha": 0.0123, "updates": 18000}),
+                            ("iid", 1000.0, None)):
         spec = grid.main_policy("fashion_mnist", part)
         first = {"episode": 1, "return": 1.5, "final_accuracy": 0.5, "mean_active": 50.0, "mean_ratio": 0.6}
         info[spec["name"]] = {"path": spec["path"], "setting": spec["setting"], "tag": "", "cpu_seconds": cpu,
@@ -330,7 +331,8 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert ("- Pre-training cost: 900 ± 100 CPU s per policy (2 policies, 10 episodes × 4 rounds, 22.50 CPU s a "
             "round); the paper's 200 episodes of 4 rounds would take ≈ 5.0 CPU-hours per setting here.") in text
     assert ("Pre-training: 800 CPU s for 10 episodes × 4 rounds; episode 1: return +1.50, accuracy 50.00 %, 50.0 "
-            "active at d 0.600; episode 10: return +3.00, accuracy 80.00 %, 22.0 active at d 0.850.") in text
+            "active at d 0.600; episode 10: return +3.00, accuracy 80.00 %, 22.0 active at d 0.850, entropy "
+            "temperature α 0.0123 after 18,000 updates.") in text
     # 16 cells × 100 s = 0.44 cell-hours; the records' commit; the earlier re-run check
     assert "The 16 finished cells on record took 0.44 cell-hours" in text
     assert "(made at `abc1234`)" in text
