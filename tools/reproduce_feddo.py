@@ -34,7 +34,9 @@ One report (``benchmarks/feddo.md``) holds all of it:
   ``min_ratio`` is not swept: with quorum 1 it acts only in a round where no device gets d > 0,
   which a 100-dimensional tanh-Gaussian action practically never gives;
 - 3 seeds, mean ± population std, a cell on fewer seeds says so; bytes per client per round;
-  rounds to a target per seed (the target of a setting is FedAvg's mean final accuracy there,
+  rounds to a target per seed (the target of a setting is FedAvg's lowest final accuracy over its
+  seeds there, which every FedAvg seed reaches within the budget, so its rounds are counts, not
+  "never"; the paper's T2 targets sit just below FedDO's own final accuracy,
   ``--target`` fixes one); the learned behaviour; a verdict per paper claim, methods compared
   over the seeds they share.
 
@@ -423,6 +425,15 @@ def behaviour(lines: list[dict], tail: float = 1.0) -> tuple[float, float]:
     return (sum(act) / len(act) if act else 0.0, sum(n * d for n, d in pairs) / weight if weight else 0.0)
 
 
+def samples_per_round(lines: list[dict]) -> float | None:
+    """The mean training samples a round of a run took (``samples_trained``, Σ num_samples of the
+    round's accepted updates), over its rounds; ``None`` for a run whose lines lack it (made
+    before the field existed). The compute each method spends: FedDO's active devices × their
+    ratios against a baseline's participation."""
+    got = [m["samples_trained"] for m in lines if "samples_trained" in m]
+    return sum(got) / len(got) if got else None
+
+
 def agent_sizes() -> list[tuple[int, dict, dict]]:
     """(K, dense counts, low-rank counts) of the FedDO agent (hidden 256 × 3, rank
     :data:`TABLE_RANK`) for the paper's device counts."""
@@ -737,14 +748,16 @@ def rank_verdict(rank: int, fedavg_rank: int) -> str:
 
 def rounds_verdict(fd: list[int | None], fa: list[int | None], rounds: int, paper_ratio: float) -> str:
     """FedDO's rounds to the target (``fd``, per shared seed; ``None`` = never) against FedAvg's
-    (``fa``): reproduced when FedDO reaches it in every seed within ``paper_ratio`` × ``rounds``
-    on average (paper T2: 344 of 1,000 on Dir(0.1)) and sooner than FedAvg; direction only when
-    sooner than FedAvg (never counted as ``rounds`` + 1); not reproduced otherwise."""
+    (``fa``), as the paper's T2 compares them, a ratio of rounds: reproduced when FedDO reaches it
+    in every seed and needs on average at most ``paper_ratio`` × FedAvg's mean rounds (paper T2:
+    FedDO 344 against FedAvg > 1,000 on Dir(0.1), a ratio below 0.344; 429/784 on Dir(0.5));
+    direction only when sooner than FedAvg; not reproduced otherwise (never counted as
+    ``rounds`` + 1)."""
     if not fd or len(fd) != len(fa):
         return "no data"
     cd = mean_std([rounds + 1 if h is None else h for h in fd])[0]
     ca = mean_std([rounds + 1 if h is None else h for h in fa])[0]
-    if all(h is not None for h in fd) and cd <= paper_ratio * rounds and cd < ca:
+    if all(h is not None for h in fd) and cd <= paper_ratio * ca and cd < ca:
         return "reproduced"
     return "direction only" if cd < ca else "not reproduced"
 
@@ -900,18 +913,23 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
             if not any(rs.values()):
                 continue
             base = [a for r in rs.get("FedAvg", []) if (a := _acc(r)) is not None]
-            tgt = target if target is not None else (mean_std(base)[0] if base else None)
+            # FedAvg's lowest final: every FedAvg seed reaches it within the budget (its last round
+            # at the latest), so FedAvg's rounds to it are counts, never "never"
+            tgt = target if target is not None else (min(base) if base else None)
             if tgt is not None:
                 targets[(ds, part)] = tgt
             lines += [f"## {ds}, {part}" + (f" (target {100 * tgt:.2f} %: "
-                                             + ("--target" if target is not None else "FedAvg's mean final accuracy")
+                                             + ("--target" if target is not None
+                                                else "FedAvg's lowest final accuracy over its seeds")
                                              + ")" if tgt is not None else ""), "",
-                      "| method | final accuracy % | best % | rounds to target (per seed) | active/round | mean d |",
-                      "|---|---|---|---|---|---|"]
+                      "| method | final accuracy % | best % | rounds to target (per seed) | active/round | mean d | "
+                      "images trained/round |",
+                      "|---|---|---|---|---|---|---|"]
             for m in methods:
                 mrs = rs[m]
                 if not mrs:
                     continue
+                trained = [x for r in mrs if (x := samples_per_round(read_metrics(out, r["key"]))) is not None]
                 fin = [a for r in mrs if (a := _acc(r)) is not None]
                 best = [r.get("best_accuracy") for r in mrs]
                 hits = ([cell_rounds_to_target(out, r["key"], tgt) for r in mrs] if tgt is not None else [])
@@ -920,7 +938,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                 lines.append(f"| {m} | {pm(fin, plain_single=True)}{_partial(len(fin), n_seeds)} | "
                              f"{pm(best, plain_single=True)} | {hits_text(hits) if hits else '–'} | "
                              + (f"{pm([b[0] for b in bb], 1.0, 1, plain_single=True)} | "
-                                f"{pm([b[1] for b in bb], 1.0, 3, plain_single=True)} |" if bb else "– | – |"))
+                                f"{pm([b[1] for b in bb], 1.0, 3, plain_single=True)} |" if bb else "– | – |")
+                             + (f" {pm(trained, 1.0, 0, plain_single=True)} |" if trained else " – |"))
             # the verdict's behaviour: the last quarter of each run (after the agent has learned
             # online; the table shows the whole run beside it)
             fb = [behaviour(read_metrics(out, r["key"]), 0.25) for r in rs.get("FedDO", [])]
@@ -1085,8 +1104,13 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                     else "not in the paper: judged on the sign")
             if flagged:
                 ptxt += "; flagged implausible by SPECS §4.5: judged on the sign"
+            spent = {m: [x for r in rs.get(m, []) if (x := samples_per_round(read_metrics(out, r["key"]))) is not None]
+                     for m in ("FedDO", "FedAvg")}
+            budget = (f"; FedDO trained {mean_std(spent['FedDO'])[0]:,.0f} images a round, FedAvg "
+                      f"{mean_std(spent['FedAvg'])[0]:,.0f}: the reference at FedDO's budget is FedDO-random, under "
+                      "Controls" if all(spent.values()) else "")
             lines.append(f"- {ds} {part}, FedDO's gain over FedAvg: {gm:+.2f} ± {gs:.2f} pp ({n} seed{'s' * (n != 1)}; "
-                         f"{ptxt}) → **{claim_verdict(gm, claimed, gs, n)}**.")
+                         f"{ptxt}{budget}) → **{claim_verdict(gm, claimed, gs, n)}**.")
             means, shared = seed_matched(rs, ["FedDO", *BASELINES])
             if "FedDO" in means and len(means) > 1:
                 rk, ra = rank_of(means, "FedDO"), rank_of(means, "FedAvg") if "FedAvg" in means else len(means) + 1
@@ -1104,15 +1128,16 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                     if not isinstance(hd, str) and not isinstance(ha, str):  # NOT_RECORDED left out
                         pairs.append((hd, ha))
                 pd_, pa_ = PAPER_T2[part]
-                ratio = pd_ / PAPER_T2_BUDGET
+                ratio = pd_ / (pa_ or PAPER_T2_BUDGET)  # FedAvg > 1,000: the ratio is at most this
                 fd = [p[0] for p in pairs]
                 fa = [p[1] for p in pairs]
-                lines.append(f"- {ds} {part}, rounds to {100 * tgt:.2f} % (FedAvg's final): FedDO "
+                lines.append(f"- {ds} {part}, rounds to {100 * tgt:.2f} % (FedAvg's lowest final): FedDO "
                              f"{hits_text(fd) or '–'}, FedAvg {hits_text(fa) or '–'} of {R} ({len(pairs)} "
                              f"seed{'s' * (len(pairs) != 1)} with rounds; paper T2, ResNet-18 CIFAR-10: FedDO "
                              f"{pd_}, FedAvg "
-                             f"{pa_ if pa_ else '> ' + str(PAPER_T2_BUDGET)} of {PAPER_T2_BUDGET}: reproduced needs "
-                             f"every seed within {ratio * R:.0f} rounds on average) → "
+                             f"{pa_ if pa_ else '> ' + str(PAPER_T2_BUDGET)} of {PAPER_T2_BUDGET}, to a target "
+                             f"just below FedDO's own final: reproduced needs every seed there and on average at "
+                             f"most {ratio:.3f}× FedAvg's rounds) → "
                              f"**{rounds_verdict(fd, fa, R, ratio)}**.")
             if part in PAPER_BEHAVIOUR and (ds, part) in beh:
                 act, d = beh[(ds, part)]

@@ -167,6 +167,8 @@ def test_feddo_federation_ratios_samples_and_weights_on_the_wire(tmp_path, digit
         line = server.metrics[r - 1]
         total = sum(b.num_samples for b in ups.values())
         assert line["feddo_weights"] == pytest.approx({c: b.num_samples / total for c, b in ups.items()})
+        # the round's compute: Σ round(d_k·|D_k|) over the active devices, from the instructions
+        assert line["samples_trained"] == total == sum(round(d * sizes[c]) for c, d in want.items())
         assert line["feddo_active"] == len(want)
         assert line["feddo_mean_ratio"] == pytest.approx(np.mean(list(want.values())))
         assert -64 <= line["feddo_reward"] <= 64 and abs(line["feddo_reward"]) >= 1  # the seed variant
