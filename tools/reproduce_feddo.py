@@ -32,7 +32,9 @@ One report (``benchmarks/feddo.md``) holds all of it:
   (``deterministic``, on the default policy: pre-training must explore), and the baselines'
   participation rate (FedAvg and FedCross, ``--sweep-baselines``);
   ``min_ratio`` is not swept: with quorum 1 it acts only in a round where no device gets d > 0,
-  which a 100-dimensional tanh-Gaussian action practically never gives;
+  which a 100-dimensional tanh-Gaussian action practically never gives; nor are the local epochs,
+  lr and batch, which every method shares (a value would re-run the whole comparison and
+  pre-train every policy again);
 - 3 seeds, mean ± population std, a cell on fewer seeds says so; bytes per client per round;
   rounds to a target per seed (the target of a setting is FedAvg's lowest final accuracy over its
   seeds there, which every FedAvg seed reaches within the budget, so its rounds are counts, not
@@ -1014,7 +1016,9 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                   f"Each value a run per seed, FedDO otherwise at its defaults with a policy pre-trained at that value "
                   f"(`episodes`: the pre-training length); the default row is the main grid's cell on the seeds the "
                   f"sweep has run ({swept}). *collapsed*: seeds ending below 1.5× chance (15 %). `min_ratio` is not "
-                  "swept: with quorum 1 it acts only in a round where no device gets d > 0.", "",
+                  "swept: with quorum 1 it acts only in a round where no device gets d > 0. Local epochs, lr and "
+                  "batch (not in the paper either) are not swept: every method shares them, so a value would re-run "
+                  "the whole comparison, and FedDO's policy would have to be pre-trained again at it.", "",
                   "| key | value | method | final accuracy % | seeds | collapsed | active/round | mean d | "
                   "pre-training CPU s |", "|---|---|---|---|---|---|---|---|---|"]
         sweep_verdicts: list[str] = []
