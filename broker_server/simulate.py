@@ -80,8 +80,13 @@ DEVICE_STATE_FILE = "device_state.sqlite"
 def kept_device_state(cfg: Config, buffers: str | None = None) -> list[str]:
     """What a device of ``cfg``'s algorithm keeps between rounds, one phrase per part
     (:func:`~edge_agent.algorithms.restarted_device_state`; ``buffers``: the server half's
-    setting, default the client class's); ``[]``: nothing, no state file is kept."""
-    return restarted_device_state(get_client_algorithm_class(cfg.train.algorithm), buffers)
+    setting, default the client class's), and its error-feedback residuals under ``[protocol]
+    error_feedback`` (whatever the codec: a firmware profile may force a lossy one); ``[]``:
+    nothing, no state file is kept."""
+    parts = restarted_device_state(get_client_algorithm_class(cfg.train.algorithm), buffers)
+    if cfg.protocol.error_feedback:
+        parts.append("the error-feedback residuals of its update codec")
+    return parts
 
 
 def device_state_summary(agents: list[EdgeAgent], *, resumed: bool) -> dict:

@@ -529,14 +529,14 @@ class EdgeAgent:
         rounds beyond what every global brings and the file holds no error-feedback residual of
         this device (then the file is opened when a round's codec first keeps one)."""
         if not self._private_names() and not self.algorithm.device_state:
-            try:
-                row = store.newest(self.client_id)
+            try:  # its newest settled row, and an update sent whose answer was never read
+                rows = [store.newest(self.client_id), store.newest(self.client_id, settled=False)]
             except StateStoreError as exc:
                 log.error("%s: its state file cannot be read (%s): error-feedback residuals are kept in memory only "
                           "(a restart would start them afresh)", self.client_id, exc)
                 self.state_store_error = str(exc)
                 return
-            if row is None or not any(k.startswith(_EF_PREFIX) for k in row[1]):
+            if not any(row is not None and any(k.startswith(_EF_PREFIX) for k in row[1]) for row in rows):
                 self._idle_store = store
                 return
         if not type(self.algorithm).keeps_device_state_on_disk():
@@ -1200,15 +1200,37 @@ class EdgeAgent:
                 self._ef = ErrorFeedback()
             if self.state_store is None and self._idle_store is not None:  # the first residuals: kept from now on
                 store, self._idle_store = self._idle_store, None
+                # rows of an earlier run that kept no residual hold nothing of this one: dropped, so
+                # they can neither be gone back to nor prune this run's newer rows as the newest
+                self._state_io("forget", store.forget_from, self.client_id, 1)
                 self._state_io("write", store.put, self.client_id, 0, {})  # the initial state: no residual
                 if self.state_store_error is None:
                     self.state_store = store
                     log.info("%s: keeps its error-feedback residuals in %s (a restart carries them on)",
                              self.client_id, store.path)
+            self._fit_residuals(out)
             self._ef_before = (rnd, self._ef.state_dict())
             out = [self._ef.compress(i, t, codec)[1] if np.issubdtype(t.dtype, np.floating) else t
                    for i, t in enumerate(out)]
         return codec, tuple(np.ascontiguousarray(t) for t in out), delta
+
+    def _fit_residuals(self, tensors: list[np.ndarray]) -> None:
+        """Forget the error-feedback residuals, saying so, when they do not fit ``tensors`` (this
+        round's update): kept for another model (a state file from a run of other shapes under
+        the same federation id), they cannot be added to it."""
+        assert self._ef is not None
+        kept = self._ef.state_dict()
+        bad = [(i, e.shape) for i, e in kept.items()
+               if i >= len(tensors) or (np.issubdtype(tensors[i].dtype, np.floating) and e.shape != tensors[i].shape)]
+        if not bad:
+            return
+        i, shape = bad[0]
+        where = self.state_store.path if self.state_store is not None else "memory"
+        want = tuple(tensors[i].shape) if i < len(tensors) else "no such tensor"
+        log.error("%s: its kept error-feedback residuals (%s) fit another model (tensor %d: kept %s, this update %s; "
+                  "%d of %d differ): they start afresh at zero", self.client_id, where, i, tuple(shape), want,
+                  len(bad), len(kept))
+        self._ef.reset()
 
     def _leave(self, detail: str = "run finished") -> None:
         try:

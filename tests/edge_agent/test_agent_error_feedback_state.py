@@ -120,3 +120,47 @@ def test_a_refused_update_puts_the_residual_back(tmp_path) -> None:
         np.testing.assert_array_equal(f.agent.error_feedback.residual(i), e)
         np.testing.assert_array_equal(_kept(f.store)[i], e)
     f.close()
+
+
+def test_rows_of_an_earlier_run_without_residuals_are_dropped_when_the_first_one_is_kept(tmp_path) -> None:
+    """The file holds rounds 3 and 4 of an earlier run under the same federation id that kept no
+    residual: the agent opens it at its first error-feedback round, drops them and keeps this
+    run's rounds (the old ones, newer by number, would otherwise have pruned them as they settle)."""
+    store = DeviceStateStore(tmp_path / "s.sqlite")
+    for r in (0, 3, 4):
+        store.put(DEV, r, {})
+    store.close()
+    f = Federation(tmp_path / "s.sqlite")
+    assert f.agent.state_store is None and f.agent.restored_round is None  # nothing of value kept
+    for r in (1, 2):
+        f.answer(f.round(r, EF), True)
+        assert wait_for(lambda r=r: f.store.rounds(DEV) == list(range(r + 1)))
+    assert sorted(_kept(f.store)) == list(range(len(f.trained[2])))
+    f.close()
+
+
+def test_residuals_of_another_model_are_said_and_start_afresh(tmp_path, caplog) -> None:
+    """A kept residual of another model's shapes (a run of another architecture under the same
+    federation id): the device carries on from that row, and at its first error-feedback round
+    says in the log that the residuals fit another model, naming the file, and starts them at
+    zero; its update still goes out, and the residual kept afterwards is this model's."""
+    path = tmp_path / "s.sqlite"
+    store = DeviceStateStore(path)
+    store.put(DEV, 0, {})
+    store.put(DEV, 1, {"ef.0": np.ones((3, 3), np.float32)})
+    store.close()
+    f = Federation(path)
+    assert f.agent.restored_round == 1
+    with caplog.at_level("ERROR", logger="edge_agent.agent"):
+        up = f.round(2, EF)
+    said = [r.getMessage() for r in caplog.records if "fit another model" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0] and "kept (3, 3)" in said[0]
+    # what the server decodes is C(x2): no residual was added
+    codec = Codec.parse("topk:0.1")
+    want = [ErrorFeedback().compress(i, x, codec)[1] for i, x in enumerate(f.trained[2])]
+    for got, w in zip(_sent(up), want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    assert wait_for(lambda: f.store.unsettled(DEV) == 2)
+    kept = _kept(f.store, settled=False)
+    assert [kept[i].shape for i in sorted(kept)] == [x.shape for x in f.trained[2]]
+    f.close()

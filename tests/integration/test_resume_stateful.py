@@ -247,3 +247,53 @@ def test_resume_feddyn_keeps_h(tmp_path: Path) -> None:
     for i, (h1, h2) in enumerate(zip(ckpt.strategy_state["h"], final["h"], strict=True)):
         s = sum(np.asarray(u.tensors[i], np.float64) - ckpt.tensors[i] for u in ups)
         np.testing.assert_allclose(h2, h1 - alpha / N * s, rtol=1e-5, atol=1e-9)
+
+
+def test_resumed_fedavg_devices_carry_on_their_error_feedback_residuals(tmp_path: Path) -> None:
+    """FedAvg keeps nothing between rounds but, under top-k with error feedback, what its codec
+    held back: a killed simulation's devices kept it in the run folder's state file, and each
+    resumed device's first update adds exactly the residual that file held for the round it
+    carried on from (its newest settled one, or an update it took as accepted), not zeros; the
+    run ends on every round as before."""
+    from edge_agent.state_store import DeviceStateStore
+
+    agents: dict = {}
+    kept: dict = {}
+    first: dict = {}  # device → the residuals its first resumed update started from
+
+    def hook(i, agent):
+        agents.setdefault(i, agent)
+        if not kept:  # the file as the killed run left it, read before any resumed device writes to it
+            store = DeviceStateStore(tmp_path / "run" / DEVICE_STATE_FILE)
+            for c in ("client-000", "client-001"):
+                kept[c] = {r: store.newest(c, before=r + 1) for r in range(1, 4)}
+                unsettled = store.newest(c, settled=False)
+                if unsettled is not None:
+                    kept[c][("unsettled", unsettled[0])] = unsettled
+            store.close()
+        encode = agent._encode_update
+
+        def wrapped(config, tensors, global_tensors, **kw):
+            ef = agent.error_feedback
+            first.setdefault(agent.client_id, {} if ef is None else ef.state_dict())
+            return encode(config, tensors, global_tensors, **kw)
+
+        agent._encode_update = wrapped
+
+    cfg = _resume_cfg("fedavg", run={"rounds": 3}, protocol={"update_codec": "topk:0.1", "error_feedback": True})
+    res, ckpt, _, run = _kill_and_resume(tmp_path, cfg, agent_hook=hook)
+    _check_resumed(res, ckpt, run, rounds=3)
+    if ckpt.round >= 3:
+        pytest.skip(reason="the server was killed after the last round: no device was restarted")
+    for a in agents.values():
+        taken = a.taken_as_accepted
+        assert a.restored_round is not None or taken is not None
+        row = (kept[a.client_id][("unsettled", taken)] if taken is not None
+               else kept[a.client_id][a.restored_round])
+        assert row is not None and row[0] == (taken if taken is not None else a.restored_round) >= 1
+        want = {int(k.removeprefix("ef.")): v for k, v in row[1].items() if k.startswith("ef.")}
+        got = first[a.client_id]
+        assert want and sorted(got) == sorted(want)
+        assert sum(float(np.abs(v).sum()) for v in want.values()) > 0  # top-10 %: most of each update held back
+        for i, v in want.items():
+            np.testing.assert_array_equal(got[i], v)
