@@ -1462,8 +1462,8 @@ class AggregationServer:
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
             if results else None,
-            # the training samples behind the round's accepted updates (Σ num_samples): the round's
-            # compute, which participation, local epochs or FedDO's ratios change
+            # the training samples behind the round's accepted updates (Σ num_samples: samples, not
+            # sample-epochs), which participation or FedDO's ratios change
             "samples_trained": int(sum(n for n, _, _ in results)),
             **extra_metrics,
         }

@@ -46,6 +46,7 @@ from protocol.errors import ConnectError, LedgerError, SecurityConfigError
 from protocol.ledger import Ledger, read_meta
 from protocol.messages import SERVER_ID
 from protocol.security import ChannelSecurity, Identity, enroll, generate_identity, load_identity, write_key_dir
+from protocol.tensors import Codec
 from protocol.transport import ConnectRetry
 
 from .config import Config
@@ -541,6 +542,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         lost_devices: list[str] = []  # whose
         algo_cls: type[ClientAlgorithm] = get_client_algorithm_class(cfg.train.algorithm)
         keeps = kept_device_state(cfg, type(server.strategy).buffers)
+        had_file = (out / DEVICE_STATE_FILE).exists()
         if keeps:  # what the devices keep between rounds is kept on disk: a resumed fleet carries on from it
             state_store = DeviceStateStore(out / DEVICE_STATE_FILE)
             if not resume:
@@ -554,7 +556,14 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                 # a device with no row at all, not even its initial state, lost what it kept: the run
                 # folder has no state file (made before it existed), or it was emptied or copied
                 # without its -wal file; an algorithm that cannot write its state loses that part
-                missing = [c for c in ids if not state_store.rounds(c)] if state_store is not None else []
+                # a device of an algorithm that keeps nothing else has rows only once its codec held
+                # something back (a zero residual is no loss): its rows cannot tell a loss
+                algo_keeps = restarted_device_state(algo_cls, type(server.strategy).buffers)
+                missing = ([c for c in ids if not state_store.rounds(c)]
+                           if state_store is not None and algo_keeps else [])
+                if (not algo_keeps and not had_file and cfg.protocol.error_feedback
+                        and Codec.parse(cfg.protocol.codec_for("update")).lossy):
+                    missing = list(ids)  # the file is gone: whatever residuals the devices held are
                 cannot = ([algo_cls.device_state] if algo_cls.device_state
                           and not algo_cls.keeps_device_state_on_disk() else [])
                 if ckpt.round >= 1 and (missing or cannot):

@@ -1176,7 +1176,7 @@ class EdgeAgent:
         for it. A failure to publish is logged, never raised."""
         self._leave(detail)
 
-    def _encode_update(self, config, tensors, global_tensors, *, rnd: int = 0):
+    def _encode_update(self, config, tensors, global_tensors, *, rnd: int):
         """Apply the round's update encoding: codec (the firmware profile may force a cheaper
         one), deltas against the received global model, and error feedback.
 
@@ -1216,19 +1216,20 @@ class EdgeAgent:
 
     def _fit_residuals(self, tensors: list[np.ndarray]) -> None:
         """Forget the error-feedback residuals, saying so, when they do not fit ``tensors`` (this
-        round's update): kept for another model (a state file from a run of other shapes under
-        the same federation id), they cannot be added to it."""
+        round's update, by shape and dtype): kept for another model (a state file from a run of
+        other shapes or precision under the same federation id), they cannot be added to it."""
         assert self._ef is not None
-        kept = self._ef.state_dict()
-        bad = [(i, e.shape) for i, e in kept.items()
-               if i >= len(tensors) or (np.issubdtype(tensors[i].dtype, np.floating) and e.shape != tensors[i].shape)]
+        kept = self._ef.layout()
+        bad = [(i, shape, dtype) for i, (shape, dtype) in kept.items()
+               if i >= len(tensors) or (np.issubdtype(tensors[i].dtype, np.floating)
+                                        and (shape != tuple(tensors[i].shape) or dtype != tensors[i].dtype))]
         if not bad:
             return
-        i, shape = bad[0]
+        i, shape, dtype = bad[0]
         where = self.state_store.path if self.state_store is not None else "memory"
-        want = tuple(tensors[i].shape) if i < len(tensors) else "no such tensor"
-        log.error("%s: its kept error-feedback residuals (%s) fit another model (tensor %d: kept %s, this update %s; "
-                  "%d of %d differ): they start afresh at zero", self.client_id, where, i, tuple(shape), want,
+        want = f"{tuple(tensors[i].shape)} {tensors[i].dtype}" if i < len(tensors) else "no such tensor"
+        log.error("%s: its kept error-feedback residuals (%s) fit another model (tensor %d: kept %s %s, this update "
+                  "%s; %d of %d differ): they start afresh at zero", self.client_id, where, i, shape, dtype, want,
                   len(bad), len(kept))
         self._ef.reset()
 

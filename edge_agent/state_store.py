@@ -3,7 +3,9 @@ carries on where the server's checkpoint is instead of from its initial values.
 
 A device of SCAFFOLD keeps its control variate c_i, of FedDyn its gradient state ∇L_k, of MOON
 its previous local model, of FedProto, FedPer, FedOCP or FedMCP++ the model entries it never
-sends (:func:`edge_agent.algorithms.restarted_device_state` lists them per algorithm). Lost on a
+sends (:func:`edge_agent.algorithms.restarted_device_state` lists them per algorithm), and a
+device of any algorithm under ``[protocol] error_feedback`` the residuals its lossy update codec
+held back (entries ``ef.<tensor index>``, :class:`edge_agent.agent.EdgeAgent`). Lost on a
 restart, SCAFFOLD's and FedDyn's invariants (the server's c = mean c_i, h = mean ∇L_k) break
 without a word, and a personalised model starts over.
 

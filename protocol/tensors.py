@@ -844,6 +844,10 @@ class ErrorFeedback:
         e = self._residuals.get(name_index)
         return None if e is None else e.copy()
 
+    def layout(self) -> dict[int, tuple[tuple[int, ...], np.dtype]]:
+        """Each stored residual's (shape, dtype), keyed by tensor position (no copy)."""
+        return {i: (tuple(e.shape), e.dtype) for i, e in self._residuals.items()}
+
     def reset(self) -> None:
         """Forget every residual (new model, new federation)."""
         self._residuals.clear()

@@ -666,7 +666,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 acc = per_seed(rs, best)
                 diffs = paired_differences(acc, default_acc) if i else []
                 if diffs:
-                    gains.append((100 * mean_std(diffs)[0], text, _diff_text(diffs)))
+                    gains.append((100 * mean_std(diffs)[0], text, _diff_text(diffs), 100 * mean_std(diffs)[1],
+                                  len(diffs)))
                 row_cos = [c for r in rs if (c := cosine(r)) is not None]
                 # records without their rounds (best round, last cosine unknown): n/r, not "–"
                 unknown = NOT_RECORDED if any(not has_rounds(out, r["key"]) for r in rs) else "–"
@@ -677,13 +678,17 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                              + f" | {len(acc)}{f' of {len(rs)}' if len(acc) < len(rs) else ''} |")
             if gains:
                 best_gain = max(gains)
-                drops = [f"{t} {d}" for g, t, d in gains if g <= -DROP_PP]
+                drops = [f"{t} {d}" for g, t, d, _, _ in gains if g <= -DROP_PP]
+                # "beats" only beyond the seeds' spread (one seed: no spread to judge by, said so)
+                gain, text, diff, spread, n = best_gain
+                best_text = ("the default is the best value on record" if gain <= 0
+                             else f"{text} is ahead by {diff}, one seed: no spread to judge by" if n < 2
+                             else f"{text} beats the default by {diff}" if gain > spread
+                             else f"{text} is ahead by {diff}, within the seeds' spread")
                 sweep_verdicts.append(
-                    f"- sweep `{key}`: " + (f"{best_gain[1]} beats the default by {best_gain[2]}"
-                                            if best_gain[0] > 0
-                                            else "the default is the best value on record")
+                    f"- sweep `{key}` ({len(gains)} of {len(values)} values on record): " + best_text
                     + (f"; drops of ≥ {DROP_PP:.0f} pp: {', '.join(drops)}" if drops
-                       else f"; no value drops ≥ {DROP_PP:.0f} pp (no collapse within the swept range)") + ".")
+                       else f"; no value on record drops ≥ {DROP_PP:.0f} pp") + ".")
         lines += ["", "Not swept: " + "; ".join(f"`{k}`: {why}" for k, why in NOT_SWEPT.items()) + ".", ""]
 
     lines += ["## Verdicts", "",
@@ -888,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--splits", default=",".join(SPLITS))
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--extension-methods", default=",".join(EXTENSION_METHODS),
-                   help="the methods a data set after the first runs (default: the baselines and FedOCP)")
+                   help="the methods a data set after the first in --datasets runs (default: the baselines and "
+                        "FedOCP); the first data set runs --methods")
     p.add_argument("--sweep-bench", default="CIFAR-10/Dir(0.1)",
                    help="DATASET/SPLIT of the sweep, under the first --client-test protocol")
     p.add_argument("--sweep-keys", default=",".join(SWEEPS), help="the keys to sweep (default: all)")

@@ -109,7 +109,9 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert {j.config["server"]["global_delivery"] for j in main + sweep} == {"per_device"}
     # policies: one per setting for the main grid, one per swept FedDO value; all distinct
     mains, sweeps = grid.policies(), grid.policies(sweep=True)
-    assert len(mains) == 6 and len(sweeps) == 13 and len({s["path"] for s in mains + sweeps}) == 19
+    # (the sweep's 13 own policies and, for the deploy-only `deterministic`, its setting's main one)
+    assert len(mains) == 6 and len(sweeps) == 14 and len({s["path"] for s in mains + sweeps}) == 19
+    assert grid.main_policy("fashion_mnist", "dir0.1") in sweeps
     # pre-trained on a seed of its own: no evaluated seed's partition, no evaluated seed's models
     assert all(s["raw"]["run"]["seed"] == t.PRETRAIN_SEED not in grid.seeds for s in mains + sweeps)
     # Oort without the duration factor; MOON at the official μ = 5 on CIFAR-10 only
@@ -305,8 +307,8 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert "| rank | 4 | FedDO | 10.00 | 1 | 1 | 100.0 | 1.000 | – |" in text
     assert "| rank | 0 | FedDO | – | 0 | 0 | – | – | – |" in text
     # its verdict: rank 4 − default on seed 0 = 10 − 86 = −76 pp, and it collapsed
-    assert ("- sweep `rank`: the default is the best value on record; drops of ≥ 10 pp or collapses: 4 -76.00 ± "
-            "0.00 pp (1 collapsed).") in text
+    assert ("- sweep `rank` (1 of 3 values on record): the default is the best value on record; drops of ≥ 10 pp or "
+            "collapses: 4 -76.00 ± 0.00 pp (1 collapsed).") in text
     assert "| participation | 0.2 (default) | FedAvg | 80.00 | 1 | 0 | – | – | – |" in text
     assert "| participation | 1 | FedAvg | 83.00 | 1 | 0 | – | – | – |" in text
     # verdicts: the gain over seeds 0, 1: (86 − 80, 84 − 82) = (6, 2) → 4.00 ± 2.00 ≥ 3.83

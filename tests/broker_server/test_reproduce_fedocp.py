@@ -302,10 +302,10 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert "| tau_server | 0.01 | – | – | – | 0 |" in lines  # planned, not run
     # λ_con = 0 is the ablation's cell on the swept seed 0: 75, 75 − 72 = +3
     assert ("| lambda_con | 0.0 (= ablation 'no client contrastive') | 75.00 | +3.00 pp (1 seed) | – | 1 |") in lines
-    assert ("- sweep `tau_server`: the default is the best value on record; drops of ≥ 10 pp: 1.0 -15.50 ± 1.50 pp "
-            "(2 seeds).") in lines
-    assert ("- sweep `lambda_con`: 0.0 (= ablation 'no client contrastive') beats the default by +3.00 pp "
-            "(1 seed); no value drops ≥ 10 pp (no collapse within the swept range).") in lines
+    assert ("- sweep `tau_server` (1 of 2 values on record): the default is the best value on record; drops of "
+            "≥ 10 pp: 1.0 -15.50 ± 1.50 pp (2 seeds).") in lines
+    assert ("- sweep `lambda_con` (1 of 3 values on record): 0.0 (= ablation 'no client contrastive') is ahead by "
+            "+3.00 pp (1 seed), one seed: no spread to judge by; no value on record drops ≥ 10 pp.") in lines
     assert "`anchor_steps`: unused here" in text
     # the CPU plan at 3 rounds × 10,000 images: 8 + 3 × 36 = 116 s a cell; main 1 split × 10 methods × 3
     # seeds = 30 cells → 0.97 core-hours, sweep 14 values × 3 seeds = 42 → 1.35; on record 16 main cells

@@ -7,6 +7,7 @@ and a refused update's residual goes back with the state, in memory and on disk.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from helpers.one_agent import OneAgent
 from helpers.waiting import wait_for
@@ -22,8 +23,8 @@ EF = {"update_codec": "topk:0.1", "error_feedback": True}
 
 
 class Federation(OneAgent):
-    """One FedAvg agent (its state file at ``path``) on 40 images; every round sends the model's
-    initial weights as the global, and each round's trained weights are kept in ``trained``."""
+    """One FedAvg agent (its state file at ``path``) on 40 images; each round's trained weights
+    are kept in ``trained``."""
 
     def __init__(self, path) -> None:
         torch.manual_seed(0)
@@ -139,22 +140,28 @@ def test_rows_of_an_earlier_run_without_residuals_are_dropped_when_the_first_one
     f.close()
 
 
-def test_residuals_of_another_model_are_said_and_start_afresh(tmp_path, caplog) -> None:
-    """A kept residual of another model's shapes (a run of another architecture under the same
-    federation id): the device carries on from that row, and at its first error-feedback round
-    says in the log that the residuals fit another model, naming the file, and starts them at
-    zero; its update still goes out, and the residual kept afterwards is this model's."""
+@pytest.mark.parametrize("other", ["shape", "dtype"])
+def test_residuals_of_another_model_are_said_and_start_afresh(tmp_path, caplog, other: str) -> None:
+    """A kept residual of another model's shapes or precision (a run of another architecture
+    under the same federation id): the device carries on from that row, and at its first
+    error-feedback round says in the log that the residuals fit another model, naming the file,
+    and starts them at zero; its update still goes out, and the residual kept afterwards is this
+    model's."""
     path = tmp_path / "s.sqlite"
+    first = next(iter(build_model("lightcnn", in_channels=1, image_size=8, num_classes=10).state_dict().values()))
+    kept_residual = (np.ones((3, 3), np.float32) if other == "shape"
+                     else np.ones(tuple(first.shape), np.float64))  # this model's shape, another dtype
     store = DeviceStateStore(path)
     store.put(DEV, 0, {})
-    store.put(DEV, 1, {"ef.0": np.ones((3, 3), np.float32)})
+    store.put(DEV, 1, {"ef.0": kept_residual})
     store.close()
     f = Federation(path)
     assert f.agent.restored_round == 1
     with caplog.at_level("ERROR", logger="edge_agent.agent"):
         up = f.round(2, EF)
     said = [r.getMessage() for r in caplog.records if "fit another model" in r.getMessage()]
-    assert len(said) == 1 and str(path) in said[0] and "kept (3, 3)" in said[0]
+    assert len(said) == 1 and str(path) in said[0]
+    assert f"kept {kept_residual.shape} {kept_residual.dtype}" in said[0]
     # what the server decodes is C(x2): no residual was added
     codec = Codec.parse("topk:0.1")
     want = [ErrorFeedback().compress(i, x, codec)[1] for i, x in enumerate(f.trained[2])]

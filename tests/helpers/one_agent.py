@@ -25,14 +25,13 @@ class OneAgent:
     """``algorithm`` on ``model`` as device ``device`` of federation ``fed``, its state file at
     ``path``, trained on ``samples`` seeded random 1×8×8 images of 10 classes (batch 10); the
     agent's loop runs in a thread from construction until :meth:`close`. Every round's global is
-    ``global_tensors`` (default: the model's weights at construction)."""
+    the model's weights as they are when the round starts."""
 
     def __init__(self, path: Path, *, model: torch.nn.Module, algorithm: ClientAlgorithm, fed: str, device: str,
                  samples: int = 20) -> None:
         self.fed, self.device = fed, device
         self.hub = MemoryBroker()
         self.model, self.alg = model, algorithm
-        self.global_tensors = state_arrays(model)
         rng = np.random.default_rng(0)
         self.store = DeviceStateStore(path)
         self.agent = EdgeAgent(channel=Channel(self.hub.connect(device), node_id=device, side="agent", federation=fed,
@@ -62,7 +61,7 @@ class OneAgent:
         """Start round ``rnd`` for the device (round config ``config``) and wait for its update
         (the envelope)."""
         n = len(self.updates())
-        self.server.send(topics.down(self.fed, Kind.GLOBAL), Global(tensors=self.global_tensors,
+        self.server.send(topics.down(self.fed, Kind.GLOBAL), Global(tensors=state_arrays(self.model),
                          meta={"manifest_hash": self.agent.manifest_hash}), round=rnd)
         self.server.send(topics.down(self.fed, Kind.ROUND_START),
                          RoundStart(selected=(self.device,), deadline_s=600.0, config=dict(config or {})), round=rnd)

@@ -285,6 +285,7 @@ def test_resumed_fedavg_devices_carry_on_their_error_feedback_residuals(tmp_path
     _check_resumed(res, ckpt, run, rounds=3)
     if ckpt.round >= 3:
         pytest.skip(reason="the server was killed after the last round: no device was restarted")
+    assert len(agents) == 2 and len(first) == 2  # both devices restarted, and each sent an update
     for a in agents.values():
         taken = a.taken_as_accepted
         assert a.restored_round is not None or taken is not None
@@ -297,3 +298,14 @@ def test_resumed_fedavg_devices_carry_on_their_error_feedback_residuals(tmp_path
         assert sum(float(np.abs(v).sum()) for v in want.values()) > 0  # top-10 %: most of each update held back
         for i, v in want.items():
             np.testing.assert_array_equal(got[i], v)
+
+
+def test_a_resumed_fleet_without_residuals_is_not_said_to_have_lost_them(tmp_path: Path) -> None:
+    """error_feedback on with a lossless codec: no device ever holds a residual, so none has a
+    row in the state file, and the resume says nothing was lost (a zero residual is its state)."""
+    cfg = _resume_cfg("fedavg", run={"rounds": 3}, protocol={"update_codec": "fp32", "error_feedback": True})
+    res, ckpt, _, run = _kill_and_resume(tmp_path, cfg)
+    _check_resumed(res, ckpt, run, rounds=3)
+    summary = _summary(run)
+    assert summary.get("device_state_restarted") is None
+    assert summary.get("devices_rejoined_without_state") is None
