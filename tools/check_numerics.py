@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Does this machine compute the reproduction grids' bits? Three SGD steps of the light CNN and a
-few numpy operations under the portable CPU numerics (``broker_server.numerics``), their SHA-256
+"""Does this machine compute the reproduction grids' bits? Three SGD steps of the light CNN, a
+few numpy operations and the server's own training (FedTGP's prototypes, a DSAC-T agent) under the
+portable CPU numerics (``broker_server.numerics``), their SHA-256
 beside the reference machines' one.
 
     python tools/check_numerics.py            # portable numerics (what the grids use)
@@ -34,9 +35,10 @@ from broker_server.numerics import child_env  # noqa: E402
 
 #: torch and numpy versions (torch's with its build suffix, as ``torch.__version__`` spells it) → the reference
 #: digest (16 hex digits) of :func:`reference_training` under portable numerics, one torch thread:
-#: the same on an AMD EPYC with AVX-512 (native) and under qemu-x86_64's Intel Haswell-v4 and AMD
-#: EPYC-v3 CPU models (measured 2026-12-04).
-REFERENCE = {"torch 2.14.1+cu130, numpy 2.4.6": "2e4e2b8e5d511876"}
+#: the same natively on an Intel Xeon with AVX-512 and under qemu-x86_64's Intel Haswell-v4 and AMD
+#: EPYC-v3 CPU models (measured 2026-12-05, with :func:`reference_server`; the digest before it,
+#: 2e4e2b8e5d511876, was also measured natively on an AMD EPYC with AVX-512).
+REFERENCE = {"torch 2.14.1+cu130, numpy 2.4.6": "2e4e838de8cf4a67"}
 
 
 def reference_training() -> str:
@@ -66,7 +68,36 @@ def reference_training() -> str:
         F.cross_entropy(logits, y).backward()
         opt.step()
     state = b"".join(t.detach().contiguous().numpy().tobytes() for t in model.state_dict().values())
-    return hashlib.sha256(state + reference_numpy()).hexdigest()[:16]
+    return hashlib.sha256(state + reference_numpy() + reference_server()).hexdigest()[:16]
+
+
+def reference_server() -> bytes:
+    """The bytes of the server-side training the grids run besides the clients' SGD: FedTGP's
+    prototype network (5 epochs of its margin loss, whose distances take
+    :func:`broker_server.portable_ops.sqrt`) on seeded uploads, and 10 updates of a small DSAC-T
+    agent (FedDO's; :class:`broker_server.portable_ops.Adam`) on 40 seeded transitions. With
+    ``torch.sqrt`` and ``torch.optim.Adam`` these gave other bits natively on an Intel Xeon with
+    AVX-512 than under qemu's Haswell-v4 and EPYC-v3 models."""
+    import numpy as np
+
+    from broker_server.rl.dsac_t import DSACTAgent, DSACTConfig
+    from broker_server.strategies._prototype_net import prototype_net, train_prototype_net
+    from broker_server.strategies.fedtgp import adaptive_margin, margin_contrastive_loss
+
+    rng = np.random.default_rng(0)
+    classes = np.concatenate([rng.choice(10, size=3, replace=False) for _ in range(20)]).astype(np.int64)
+    protos = (rng.standard_normal((len(classes), 64)) * 0.5 + classes[:, None] * 0.1).astype(np.float32)
+    margin = adaptive_margin({int(c): protos[classes == c].astype(np.float64).mean(0) for c in np.unique(classes)},
+                             100.0)
+    _, state, _ = train_prototype_net(prototype_net(10, 64, 0), protos, classes,
+                                      lambda p, c, centers: margin_contrastive_loss(p, c, centers, margin),
+                                      epochs=5, lr=0.01, batch=10, seed=1)
+    agent = DSACTAgent(6, 4, DSACTConfig(hidden=(32, 32), warmup=16, batch_size=16), seed=0)
+    for _ in range(40):
+        s = rng.standard_normal(6).astype(np.float32)
+        agent.observe(s, agent.act(s), float(rng.standard_normal()), rng.standard_normal(6).astype(np.float32), False)
+    agent.update(10)
+    return b"".join(np.ascontiguousarray(a).tobytes() for a in state) + agent.to_bytes()
 
 
 def reference_numpy() -> bytes:

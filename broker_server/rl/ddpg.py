@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from broker_server import portable_ops
+
 from .dsac_t import ReplayBuffer, _load_reason
 
 #: keeps the L1 normalisation of the actor's output defined when every entry is 0.
@@ -163,8 +165,8 @@ class DDPGAgent:
             self.actor = SimplexActor(state_dim, action_dim, c.hidden)
             self.critic = Critic(state_dim, action_dim, c.hidden)
         self.actor_target, self.critic_target = copy.deepcopy(self.actor), copy.deepcopy(self.critic)
-        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=c.lr_actor, weight_decay=c.weight_decay)
-        self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=c.lr_critic, weight_decay=c.weight_decay)
+        self.actor_opt = portable_ops.Adam(self.actor.parameters(), lr=c.lr_actor, weight_decay=c.weight_decay)
+        self.critic_opt = portable_ops.Adam(self.critic.parameters(), lr=c.lr_critic, weight_decay=c.weight_decay)
         self.buffer = ReplayBuffer(c.capacity, state_dim, action_dim)
         self.noise = torch.Generator().manual_seed(seed + 1)
         self.rng = np.random.default_rng(seed + 2)

@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from broker_server import portable_ops
+
 #: log σ of the actor is clamped to this interval (DSAC-v2's ``min_log_std``/``max_log_std``).
 LOG_STD_BOUNDS = (-20.0, 0.5)
 
@@ -368,9 +370,9 @@ class DSACTAgent:
             p.requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(float(c.log_alpha_init)))
         self.target_entropy = float(c.target_entropy) if c.target_entropy is not None else -float(action_dim)
-        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=c.lr_actor)
-        self.critic_opts = [torch.optim.Adam(q.parameters(), lr=c.lr_critic) for q in self.critics]
-        self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=c.lr_alpha)
+        self.actor_opt = portable_ops.Adam(self.actor.parameters(), lr=c.lr_actor)
+        self.critic_opts = [portable_ops.Adam(q.parameters(), lr=c.lr_critic) for q in self.critics]
+        self.alpha_opt = portable_ops.Adam([self.log_alpha], lr=c.lr_alpha)
         self.mean_stds = [-1.0, -1.0]  # σ̄_i; −1 = not yet measured (the first batch sets it)
         self.updates = 0
         self.generator = torch.Generator().manual_seed(seed)

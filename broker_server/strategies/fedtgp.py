@@ -27,7 +27,8 @@ uploaded client prototypes
    (10, the code's λ).
 
 When a round has a single class, no gap exists and m = 0. Distances are taken as
-sqrt(max(‖p‖² − 2p·P + ‖P‖², 0)) (the code's expansion, clamped so roundoff never gives a NaN).
+sqrt(max(‖p‖² − 2p·P + ‖P‖², 0)) (the code's expansion, clamped so roundoff never gives a NaN),
+the root :func:`broker_server.portable_ops.sqrt` (``torch.sqrt``'s CPU bits differ between CPUs).
 The network's parameters are the strategy's state (checkpointed); the round's training works on a
 copy, so nothing changes until the driver commits. Metrics: ``tgp_margin``, ``tgp_server_loss``
 (the last batch's), ``prototype_classes``, ``global_prototype_cosine`` (the mean cosine between
@@ -83,8 +84,10 @@ def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, centers:
     import torch
     import torch.nn.functional as F
 
+    from broker_server import portable_ops
+
     d2 = (protos * protos).sum(1, keepdim=True) - 2 * protos @ centers.T + (centers * centers).sum(1).unsqueeze(0)
-    dist = torch.sqrt(torch.clamp(d2, min=0.0) + 0.0)
+    dist = portable_ops.sqrt(torch.clamp(d2, min=0.0) + 0.0)
     dist = dist + margin * F.one_hot(labels, centers.shape[0]).to(dist.dtype)
     return F.cross_entropy(-dist, labels)
 
