@@ -6,6 +6,8 @@ reference digest includes them)."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,3 +118,29 @@ def test_adam_state_loads_either_way_with_torch() -> None:
 def test_adam_refuses_values_out_of_range(kwargs: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):
         portable_ops.Adam([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+
+
+#: torch calls whose CPU bits differ between CPUs under the portable settings (module docstring of
+#: broker_server.portable_ops): a tensor's root, the trigonometric kernels measured, and the
+#: optimisers that take a tensor root
+_NOT_PORTABLE = re.compile(r"torch\.(sqrt|rsqrt|tan|atan|asin|acos|cdist|pdist)\(|\.(sqrt|rsqrt)\(\)"
+                           r"|\.pow\(0?\.5\)|torch\.optim\.(Adam|AdamW|Adamax|NAdam|RAdam|RMSprop|Adagrad)\b")
+
+
+def test_project_code_takes_the_portable_ops() -> None:
+    """No module of the server or the agent (both run in a grid's cells) calls a kernel whose bits
+    differ between CPUs: they take broker_server.portable_ops instead. A line naming one in a
+    comment or docstring is not a call, so only code lines count."""
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for package in ("broker_server", "edge_agent", "protocol"):
+        for path in sorted((root / package).rglob("*.py")):
+            if path.name == "portable_ops.py":
+                continue
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+                code = line.split("#", 1)[0]
+                if _NOT_PORTABLE.search(code) and not code.lstrip().startswith(("\"", "'", "``")):
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+    assert _NOT_PORTABLE.search("d = torch.sqrt(d2)") and _NOT_PORTABLE.search("opt = torch.optim.Adam(ps)")
+    assert _NOT_PORTABLE.search("s = v.sqrt()") and not _NOT_PORTABLE.search("r = np.sqrt(v) + math.sqrt(2)")
