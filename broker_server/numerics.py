@@ -37,8 +37,8 @@ CIFAR-shaped ones over 7 alternating pairs, whose own ratios spanned 0.86–1.23
 
 What this does not cover: a few of ATen's elementwise kernels (``sqrt``, so Adam's root, ``tan``,
 ``atan``, ``asin``, ``acos``), whose bits still differ between CPUs under these settings — the
-project's code takes :mod:`broker_server.portable_ops` instead; another torch (or MKL, oneDNN)
-build, another numpy or BLAS build, more
+project's code calls none of the trigonometric ones and takes :mod:`broker_server.portable_ops`'s
+root and Adam (a test finds no other call); another torch (or MKL, oneDNN) build, another numpy or BLAS build, more
 than one torch thread (a reduction split over threads is ordered by their count), an x86 CPU without AVX2 and FMA (ATen
 obeys ``ATEN_CPU_CAPABILITY`` without checking the CPU, so the settings would make it run
 instructions it lacks: they are not applied there), non-x86 machines (ARM has none of these
