@@ -59,7 +59,14 @@ def _load(args):
     if getattr(args, "resume", None):
         if args.config:
             raise ConfigError("--resume uses the run's own config.toml: do not pass --config too")
-        args.config = str(Path(args.resume) / "config.toml")
+        run = Path(args.resume)
+        if not run.is_dir():
+            raise ConfigError(f"--resume {args.resume}: no such run folder (a folder an earlier run wrote, holding "
+                              "its config.toml)")
+        if not (run / "config.toml").is_file():
+            raise ConfigError(f"--resume {args.resume}: the folder holds no config.toml, so it is not a run folder "
+                              "(a run writes its resolved configuration there when it starts)")
+        args.config = str(run / "config.toml")
         args.out = args.resume
     elif not args.config:
         raise ConfigError("--config FILE is required (or --resume RUN_DIR)")

@@ -31,7 +31,7 @@ from edge_agent.state import load_arrays
 
 from .config import Config
 from .errors import ConfigError
-from .runtime import check_fleet_size, device_model, make_client_algorithm, make_strategy, train_config
+from .runtime import check_fleet_size, data_settings, device_model, make_client_algorithm, make_strategy, train_config
 from .simulate import split_clients
 from .strategies import ClientResult, apply_update
 from .strategies.feddo import GLOBAL_FEATURES, FedDO
@@ -150,9 +150,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     agent.save_policy(out, {"num_devices": strategy.num_devices, "global_features": GLOBAL_FEATURES,
-                            "episodes": episodes, "rounds": rounds, "dataset": cfg.data.dataset,
-                            "partition": cfg.data.partition, "alpha": cfg.data.alpha, "clients": cfg.data.clients,
-                            "seed": cfg.run.seed, "cpu_seconds": cpu_s, "reward": strategy.reward})
+                            "episodes": episodes, "rounds": rounds, **data_settings(cfg), "seed": cfg.run.seed,
+                            "cpu_seconds": cpu_s, "reward": strategy.reward})
     return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
 
 

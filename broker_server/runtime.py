@@ -239,6 +239,14 @@ def device_training_pool(cfg: Config, ds: Dataset) -> np.ndarray:
     return np.arange(len(y), dtype=np.int64)
 
 
+def data_settings(cfg: Config) -> dict[str, object]:
+    """The ``[data]`` settings a server-side policy is learnt for (what ``fedfleet feddo pretrain``
+    records in its policy and FedDO compares with a deployed run): data set, partition, Dirichlet α
+    (only for ``partition = "dirichlet"``: ``None`` otherwise) and client count."""
+    return {"dataset": cfg.data.dataset, "partition": cfg.data.partition,
+            "alpha": cfg.data.alpha if cfg.data.partition == "dirichlet" else None, "clients": cfg.data.clients}
+
+
 def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     """The server half of ``[train] algorithm`` built with the ``[algorithm]`` hyperparameters.
 
@@ -283,8 +291,11 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
         setup: dict = {}
-        if "device_samples" in inspect.signature(declared.setup_kwargs).parameters:
+        wanted = inspect.signature(declared.setup_kwargs).parameters
+        if "device_samples" in wanted:
             setup["device_samples"] = device_training_pool(cfg, ds)
+        if "data_settings" in wanted:
+            setup["data_settings"] = data_settings(cfg)
         extra = dict(declared.setup_kwargs(ds, params, cfg.run.seed, **setup))
         strategy = cls(**kwargs, **params, **extra)
     except (TypeError, ValueError) as exc:

@@ -13,6 +13,7 @@ data the client figures were measured on).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -407,6 +408,19 @@ def _finished_result(cfg: Config, ds, fin: FinishedRun, federation: str, t_start
                             seconds=time.monotonic() - t_start, broker=broker)
 
 
+@contextlib.contextmanager
+def _said_once_by_the_run() -> Iterator[None]:
+    """Hold back warnings while the configuration check builds the strategy: the run builds it again
+    (:func:`~broker_server.runtime.make_server`) and says them then (FedDO's validation-set
+    warning was printed twice). Errors still raise."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
              on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None,
              resume: bool = False, on_plan: Callable[[ThreadPlan], None] | None = None,
@@ -480,7 +494,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
-    check_fleet_size(cfg, make_strategy(cfg, ds))  # the [algorithm] table is checked before anything is written
+    with _said_once_by_the_run():  # the [algorithm] table is checked before anything is written
+        check_fleet_size(cfg, make_strategy(cfg, ds))
     check_tracking(cfg)  # a tracking package asked for but missing: said now, not after the run
     check_server_keys(cfg, simulated=True)  # [security] key_dir: said before the run folder is made
     for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once

@@ -299,9 +299,10 @@ def _main(argv: list[str] | None) -> int:
     apply(rt.plan, log_fallbacks=False)  # printed here, once
     for reason in rt.plan.fallbacks:
         print(f"fallback: {reason}", flush=True)
-    # a real device: the profile's torch_threads rules (capped at the usable cores by the plan above)
-    threads = apply_threads(plan_threads(usable_cores(hw), role="device",
-                                         profile_threads=rt.plan.torch_threads))
+    # a real device: --torch-threads, else the profile's torch_threads (capped at the usable cores);
+    # the start-up line names which of the two it was
+    threads = apply_threads(plan_threads(usable_cores(hw), role="device", profile_threads=rt.plan.torch_threads,
+                                         torch_threads=max(args.torch_threads, 0)))
     print(threads.describe(), flush=True)
     params: dict[str, object] = {}
     for item in args.param:

@@ -558,7 +558,8 @@ class DSACTAgent:
             # stopped early, a full disk), which torch's own reason (often "[Errno 22] Invalid
             # argument") does not say
             cut = Path(path).is_file() and not zipfile.is_zipfile(Path(path))
-            raise ValueError(f"policy {path}: cannot be read ({type(exc).__name__}: {_load_reason(exc)})"
+            where = "" if Path(path).is_absolute() else f" (relative to the current folder: {Path(path).resolve()})"
+            raise ValueError(f"policy {path}{where}: cannot be read ({type(exc).__name__}: {_load_reason(exc)})"
                              + ("; it is not a whole torch archive (cut short, or not written by torch.save)"
                                 if cut else "")
                              + "; [algorithm] policy must name a file that fedfleet feddo pretrain wrote") from exc

@@ -557,7 +557,8 @@ class Strategy(ABC):
         before the strategy is built, with the loaded data set, the ``[algorithm]`` table and the
         run seed; an override that also takes ``device_samples`` is given the training indices
         the devices' shards come from (int64, sorted; :func:`device_training_pool`), so a server
-        set can be held out from them (FedDO's and FedAA's validation set). Default ``{}``."""
+        set can be held out from them (FedDO's and FedAA's validation set), and one that takes
+        ``data_settings`` the run's :func:`~broker_server.runtime.data_settings`. Default ``{}``."""
         return {}
 
     def bind_model(self, model: torch.nn.Module) -> None:

@@ -238,7 +238,8 @@ class FedDO(Strategy):
                  rank: int = 96, batch_size: int = 64, warmup: int = 64, capacity: int = 100_000,
                  updates_per_round: int = 1, lr_actor: float = 1e-4, lr_critic: float = 1e-4,
                  lr_alpha: float = 3e-4, gamma: float = 0.99, tau: float = 0.005,
-                 validation: tuple[np.ndarray, np.ndarray] | None = None, run_seed: int = 0) -> None:
+                 validation: tuple[np.ndarray, np.ndarray] | None = None, run_seed: int = 0,
+                 run_data: Mapping[str, object] | None = None) -> None:
         problems = []
         if reward not in REWARDS:
             problems.append(f"reward = {reward!r} must be one of {REWARDS}")
@@ -287,6 +288,12 @@ class FedDO(Strategy):
             self.num_devices = k
             self.max_devices = k  # a device beyond the policy's K would never train (module docstring)
             self._adopt_run_config(policy)
+            other = {key: (meta[key], want) for key, want in (run_data or {}).items()
+                     if key in meta and meta[key] != want}
+            if other:
+                log.warning("FedDO: the policy %s was pre-trained on other data settings than this run's (%s): its "
+                            "ratios were learnt for another federation", policy,
+                            "; ".join(f"{key} {a!r} there, {b!r} here" for key, (a, b) in other.items()))
         self.slots: list[str] = []
         self.shard_sizes: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -327,10 +334,12 @@ class FedDO(Strategy):
 
     @classmethod
     def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int,
-                     device_samples: np.ndarray | None = None) -> dict:
-        """The validation set (:func:`validation_split`, held out from ``device_samples``) and the
-        run seed."""
-        return {"validation": validation_split(dataset, params, seed, device_samples), "run_seed": seed}
+                     device_samples: np.ndarray | None = None,
+                     data_settings: Mapping[str, object] | None = None) -> dict:
+        """The validation set (:func:`validation_split`, held out from ``device_samples``), the
+        run seed and the run's data settings (compared with a pre-trained policy's)."""
+        return {"validation": validation_split(dataset, params, seed, device_samples), "run_seed": seed,
+                "run_data": dict(data_settings or {})}
 
     def reset_episode(self) -> None:
         """Forget the per-run state (drifts, φ, the pending transition), keep the agent and its

@@ -15,7 +15,10 @@ any episode."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import re
 import threading
 from pathlib import Path
 
@@ -541,3 +544,59 @@ def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_p
     with caplog.at_level(logging.WARNING, logger="broker_server.strategies.feddo"):
         x, y = validation_split(ds, {"val_size": 50}, 0, np.arange(len(ds.train.y) - 10))
     assert len(y) == 10 and "has 10 images, not val_size = 50" in caplog.text
+
+
+def test_a_relative_policy_path_that_is_not_there_names_where_it_was_looked_for(tmp_path, monkeypatch) -> None:
+    """``policy = "feddo_policy.pt"`` is read from the current folder (README): a run started in
+    another folder is told the full path it looked at; an absolute path is named as given."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"policy feddo_policy.pt (relative to the current folder: "
+                                                   f"{tmp_path.resolve() / 'feddo_policy.pt'}): cannot be read (")):
+        _loaded("feddo_policy.pt")
+    with pytest.raises(ValueError, match=re.escape(f"policy {tmp_path / 'none.pt'}: cannot be read (")):
+        _loaded(str(tmp_path / "none.pt"))
+
+
+def test_a_simulation_says_its_overlapping_validation_set_once(tmp_path, caplog) -> None:
+    """Digits with every training image on a device: the validation set overlaps their training
+    data, which the log says once (the configuration check builds the strategy before the run
+    builds it again, and held its warning back), and the run goes on to its 2 rounds."""
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML, encoding="utf-8")
+    caplog.set_level(logging.WARNING)
+    assert main(["simulate", "--config", str(cfg), "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    said = [r for r in caplog.records if "drawn from training images the devices also train on" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert logging.root.manager.disable == logging.NOTSET  # the check gave the log back
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds if "round" in r] == [1, 2]
+
+
+def test_a_policy_of_other_data_settings_is_said_and_the_same_ones_are_not(tmp_path, caplog) -> None:
+    """The data settings a policy records (fedfleet feddo pretrain) against the run's
+    (runtime.data_settings): each difference named with both values in one warning; none, no warning."""
+    agent = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4, warmup=1, batch_size=2), seed=0)
+    path = tmp_path / "p.pt"
+    pre = {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 3}
+    agent.save_policy(path, {"num_devices": 3, "global_features": GLOBAL_FEATURES, **pre})
+    val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
+    caplog.set_level(logging.WARNING)
+    FedDO(policy=str(path), validation=val, run_data=pre, **SMALL)
+    assert "other data settings" not in caplog.text
+    FedDO(policy=str(path), validation=val, run_data={**pre, "alpha": 1.0, "dataset": "mnist"}, **SMALL)
+    said = [r.getMessage() for r in caplog.records if "other data settings" in r.getMessage()]
+    assert said == [f"FedDO: the policy {path} was pre-trained on other data settings than this run's (dataset "
+                    "'digits' there, 'mnist' here; alpha 0.5 there, 1.0 here): its ratios were learnt for another "
+                    "federation"]
+
+
+def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path) -> None:
+    """The policy of ``fedfleet feddo pretrain`` carries runtime.data_settings of its configuration,
+    the dictionary a deployed run compares (α kept for a Dirichlet partition)."""
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML, encoding="utf-8")
+    out = tmp_path / "policy.pt"
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)]) == 0
+    _, meta = DSACTAgent.load_policy(out)
+    assert {k: meta[k] for k in ("dataset", "partition", "alpha", "clients")} == {
+        "dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 3}

@@ -225,3 +225,20 @@ def test_a_damaged_device_state_file_on_resume_is_one_clear_line(tmp_path: Path,
     con = sqlite3.connect(state)
     assert con.execute("select count(*) from device_state").fetchone()[0] > 0  # nothing was thrown away
     con.close()
+
+
+@pytest.mark.parametrize("command", ["simulate", "server"])
+def test_resume_of_a_folder_that_is_not_a_run_says_which(tmp_path: Path, command: str,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """``--resume`` of a missing folder, or of a folder without the config.toml a run writes, exits 2
+    naming the folder and what is wrong with it (not a missing configuration file), and makes nothing."""
+    missing = tmp_path / "runs" / "nonexistent"
+    assert cli.main([command, "--resume", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {missing}: no such run folder" in err, err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main([command, "--resume", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {empty}: the folder holds no config.toml" in err, err
+    assert not missing.exists() and list(empty.iterdir()) == []

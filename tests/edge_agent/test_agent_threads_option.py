@@ -41,4 +41,5 @@ def test_torch_threads_option_overrides_the_profile_and_refuses_a_negative_value
     # the x86-cpu profile asks for one thread per core (torch_threads = 0); --torch-threads 1 rules
     plan = next(line for line in proc.stdout.splitlines() if line.startswith("thread plan:"))
     assert "1 training at once x 1 torch thread " in plan, plan
+    assert "torch threads 1: configured" in plan, plan  # the flag's, not said to be the profile's
     assert proc.stdout.strip().splitlines()[-1] == "rc 4 torch 1", out
