@@ -39,7 +39,7 @@ from __future__ import annotations
 import io
 import math
 import os
-import tempfile
+import secrets
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -317,10 +317,11 @@ def _write_atomically(path: Path, data: bytes) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     tmp_name: str | None = None
     try:
-        with tempfile.NamedTemporaryFile(
-            dir=folder, prefix=f".{path.name}.", suffix=".tmp", delete=False
-        ) as handle:
-            tmp_name = handle.name
+        # opened with mode 0666 less the umask, as any new file (tempfile's are 0600): the model
+        # is as readable as the run folder's other files
+        tmp_name = str(folder / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         os.replace(tmp_name, path)
         tmp_name = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +330,12 @@ def test_exports_from_concurrent_threads_all_succeed_and_match(tmp_path):
             want = m(x).numpy()
         got = OnnxModel(paths[i]).predict_logits(x.numpy())
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_exported_model_has_the_mode_of_any_new_file_and_no_temporary_left(tmp_path):
+    """The atomic write's temporary file is not left 0600: the model gets the mode a plain new file
+    gets in the same folder (0666 less the umask), and nothing but the model is left there."""
+    path = export_onnx(_random_model(1, 28, seed=4), tmp_path / "m.onnx")
+    (tmp_path / "plain").write_bytes(b"")
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "plain"]
