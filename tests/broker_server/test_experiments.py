@@ -272,6 +272,21 @@ def test_a_re_run_whose_only_differences_are_the_wires_says_so(tmp_path: Path, m
     assert not experiments.delivery_only([]) and not experiments.delivery_only(["per_round.loss"])
 
 
+
+def test_a_re_run_with_a_metric_the_record_predates_counts_as_the_same(tmp_path: Path, monkeypatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A metric added after the record was made (``samples_trained``) is named as in one of the two
+    only; every shared figure equal, the cell is *same* and counted so in the printed line."""
+    base = {"final": {"accuracy": 0.5, "loss": 1.0}, "per_round": {"round": [1], "accuracy": [0.5]}}
+    (tmp_path / "results.jsonl").write_text(json.dumps({"key": "g/a", **base}) + "\n", encoding="utf-8")
+    again = {"key": "g/a", "final": {**base["final"], "samples_trained": 40}, "per_round": base["per_round"]}
+    monkeypatch.setattr(experiments, "run_grid", lambda jobs, out, **kw: {"g/a": again})
+    lines = verify_records([Job("g/a", {})], tmp_path, 1, workers=1, commit="abc",
+                           headline=lambda r: r["final"]["accuracy"])
+    line = next(x for x in lines if x.startswith("- g/a"))
+    assert line.endswith("→ same; metrics in only one of the two: samples_trained"), line
+    assert capsys.readouterr().out.splitlines()[0] == f"re-run check ({tmp_path / 'verify.md'}): 1 of 1 cells the same"
+
 def test_mean_std() -> None:
     assert mean_std([1.0, 3.0]) == (2.0, 1.0)
     m, s = mean_std([])
