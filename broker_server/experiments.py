@@ -1036,8 +1036,8 @@ def verify_records(jobs: Sequence[Job], out_dir: str | Path, k: int, *, workers:
     path = Path(out_dir) / VERIFY_FILE
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     cells = [x for x in lines if x.startswith("- ")]
-    same = sum(1 for x in cells if re.search(r"→ same(;|$)", x))  # a metric only one side has is no difference
-    print(f"re-run check ({path}): {same} of {len(cells)} cells the same",
+    n_same = sum(1 for x in cells if re.search(r"→ same(;|$)", x))  # a metric only one side has is no difference
+    print(f"re-run check ({path}): {n_same} of {len(cells)} cells the same",
           *cells, sep="\n", flush=True)
     return lines
 
