@@ -600,3 +600,22 @@ def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path) -> 
     _, meta = DSACTAgent.load_policy(out)
     assert {k: meta[k] for k in ("dataset", "partition", "alpha", "clients")} == {
         "dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 3}
+
+
+def test_the_readme_path_from_the_example_pretrains_and_deploys(tmp_path, monkeypatch, caplog) -> None:
+    """README's FedDO steps on a copy of examples/feddo.toml (pre-training shortened to 1 episode of
+    2 rounds): the policy is written, deployed by a relative path from the current folder, and the
+    run finishes its 2 rounds without a data-settings warning (the same federation)."""
+    monkeypatch.chdir(tmp_path)
+    example = Path(__file__).resolve().parents[2] / "examples" / "feddo.toml"
+    (tmp_path / "my-feddo.toml").write_text(example.read_text(encoding="utf-8"), encoding="utf-8")
+    assert main(["feddo", "pretrain", "--config", "my-feddo.toml", "--episodes", "1", "--rounds", "2",
+                 "--out", "feddo_policy.pt", "-q"]) == 0
+    with open("my-feddo.toml", "a", encoding="utf-8") as f:
+        f.write('policy = "feddo_policy.pt"\n')  # the file ends in its [algorithm] table
+    caplog.set_level(logging.INFO)
+    assert main(["simulate", "--config", "my-feddo.toml", "--rounds", "2", "--out", "run", "--quiet"]) == 0
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds if "round" in r] == [1, 2]
+    assert "other data settings" not in caplog.text
+    assert "feddo_policy.pt" in (tmp_path / "run" / "config.toml").read_text(encoding="utf-8")
