@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -56,29 +57,58 @@ def _load(args):
     ``config.toml`` is the file (and ``--out`` is the run folder)."""
     from . import config as config_mod
 
-    if getattr(args, "resume", None):
+    if getattr(args, "resume", None) is not None:
         if args.config:
             raise ConfigError("--resume uses the run's own config.toml: do not pass --config too")
         run = Path(args.resume)
-        if not run.is_dir():
-            raise ConfigError(f"--resume {args.resume}: no such run folder (a folder an earlier run wrote, holding "
-                              "its config.toml)")
-        if not (run / "config.toml").is_file():
-            raise ConfigError(f"--resume {args.resume}: the folder holds no config.toml, so it is not a run folder "
-                              "(a run writes its resolved configuration there when it starts)")
+        what = "an empty path" if not str(args.resume).strip() else None
+        try:
+            if what is None and not run.exists():
+                what = "no such run folder (a folder an earlier run wrote, holding its config.toml)"
+            elif what is None and not run.is_dir():
+                what = "a file, not a run folder (the folder an earlier run wrote, holding its config.toml)"
+            elif what is None and not (run / "config.toml").is_file():
+                what = ("the folder holds no config.toml file, so it is not a run folder (a run writes its resolved "
+                        "configuration there when it starts)")
+        except OSError as exc:  # a folder this user may not enter
+            what = f"the run folder cannot be read ({exc.strerror or exc})"
+        if what:
+            raise ConfigError(f"--resume {args.resume}: {what}")
         args.config = str(run / "config.toml")
         args.out = args.resume
     elif not args.config:
         raise ConfigError("--config FILE is required (or --resume RUN_DIR)")
     over = _overrides(args)
     try:
-        return config_mod.load(args.config, over)
+        return absolute_path_keys(config_mod.load(args.config, over))
     except ConfigError as exc:
         if ("data", "clients") not in over or "quorum" not in str(exc):
             raise
         cfg = config_mod.load(args.config, {**over, ("server", "quorum"): over[("data", "clients")]})
         print(f"fedfleet: note: [server] quorum lowered to --clients {over[('data', 'clients')]}", file=sys.stderr)
+        return absolute_path_keys(cfg)
+
+
+def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
+    """``cfg`` with the ``[algorithm]`` keys its algorithm names as file paths (a strategy's
+    ``path_keys``: FedDO's ``policy``) made absolute against the current folder, ``~`` expanded
+    (:func:`os.path.abspath`: ``..`` is resolved by name), so that the run folder's config.toml
+    names the file wherever a ``--resume`` is started from. An unknown algorithm is left to the
+    strategy's own check."""
+    import dataclasses
+    import os
+
+    from .strategies import get_strategy_class
+
+    try:
+        keys = getattr(get_strategy_class(cfg.train.algorithm), "path_keys", ())
+    except Exception:  # noqa: BLE001 - said with its reason by make_strategy
         return cfg
+    found = {k: v for k in keys if isinstance(v := cfg.algorithm.get(k), str) and v}
+    if not found:
+        return cfg
+    return dataclasses.replace(cfg, algorithm={**cfg.algorithm, **{k: os.path.abspath(os.path.expanduser(v))
+                                                                    for k, v in found.items()}})
 
 
 def _plural(n: int, word: str) -> str:
@@ -139,7 +169,7 @@ def _cmd_simulate(args) -> int:
         if (out / "checkpoints.sqlite").exists():
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"
             print(f"fedfleet simulate: {why}; continue the run from its last checkpoint with\n"
-                  f"  fedfleet simulate --resume {out}", flush=True)
+                  f"  fedfleet simulate --resume {shlex.quote(str(out))}", flush=True)
         raise
     from .server import final_accuracy_source
 

@@ -20,6 +20,7 @@ and ``fedfleet server --resume`` then start no broker and no agents:
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,7 @@ def nothing_to_resume(fin: FinishedRun, rounds: int, command: str, kept: list[st
     afresh = (f", where its simulated devices start {' and '.join(kept)} afresh: a finished run keeps no device "
               "state" if kept and command == "simulate" else "")
     return (f"fedfleet {command}: run {fin.run_dir} has finished {done}; nothing to resume ({figure}more rounds: "
-            f"fedfleet {command} --resume {fin.run_dir} --rounds {n + 1} or more{afresh})")
+            f"fedfleet {command} --resume {shlex.quote(str(fin.run_dir))} --rounds {n + 1} or more{afresh})")
 
 
 def finishing_line(fin: FinishedRun, rounds: int, command: str, written: list[str] | None = None) -> str:

@@ -227,6 +227,7 @@ class FedDO(Strategy):
     buffers = "average"
     model_requirement = "manifest"
     instructions = (RATIO_KEY,)
+    path_keys = ("policy",)  # made absolute when a run starts: a --resume from elsewhere finds it
     #: the reward r_t and φ_t of the next state s_{t+1} come from :meth:`evaluate` of round t
     plans_from_evaluation = True
 
@@ -288,8 +289,11 @@ class FedDO(Strategy):
             self.num_devices = k
             self.max_devices = k  # a device beyond the policy's K would never train (module docstring)
             self._adopt_run_config(policy)
+            # α only where both are Dirichlet partitions (a policy of an older pretrain records
+            # one for any partition)
+            dirichlet = (run_data or {}).get("partition") == meta.get("partition") == "dirichlet"
             other = {key: (meta[key], want) for key, want in (run_data or {}).items()
-                     if key in meta and meta[key] != want}
+                     if key in meta and meta[key] != want and (key != "alpha" or dirichlet)}
             if other:
                 log.warning("FedDO: the policy %s was pre-trained on other data settings than this run's (%s): its "
                             "ratios were learnt for another federation", policy,

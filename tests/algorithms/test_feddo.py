@@ -588,6 +588,13 @@ def test_a_policy_of_other_data_settings_is_said_and_the_same_ones_are_not(tmp_p
     assert said == [f"FedDO: the policy {path} was pre-trained on other data settings than this run's (dataset "
                     "'digits' there, 'mnist' here; alpha 0.5 there, 1.0 here): its ratios were learnt for another "
                     "federation"]
+    # an IID policy of an older pretrain, which recorded an α for any partition, in an IID run: the
+    # same federation, no warning (α means nothing without a Dirichlet partition)
+    caplog.clear()
+    iid = tmp_path / "iid.pt"
+    agent.save_policy(iid, {"num_devices": 3, "global_features": GLOBAL_FEATURES, **pre, "partition": "iid"})
+    FedDO(policy=str(iid), validation=val, run_data={**pre, "partition": "iid", "alpha": None}, **SMALL)
+    assert "other data settings" not in caplog.text
 
 
 def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path) -> None:
@@ -618,4 +625,12 @@ def test_the_readme_path_from_the_example_pretrains_and_deploys(tmp_path, monkey
     rounds = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds if "round" in r] == [1, 2]
     assert "other data settings" not in caplog.text
-    assert "feddo_policy.pt" in (tmp_path / "run" / "config.toml").read_text(encoding="utf-8")
+    # the run folder's config names the policy by its absolute path, so a --resume started in
+    # another folder finds it: 1 more round from a sub-folder
+    written = (tmp_path / "run" / "config.toml").read_text(encoding="utf-8")
+    assert f'policy = "{tmp_path / "feddo_policy.pt"}"' in written
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["simulate", "--resume", "../run", "--rounds", "3", "--quiet"]) == 0
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds if "round" in r] == [1, 2, 3]

@@ -242,3 +242,43 @@ def test_resume_of_a_folder_that_is_not_a_run_says_which(tmp_path: Path, command
     err = capsys.readouterr().err
     assert f"--resume {empty}: the folder holds no config.toml" in err, err
     assert not missing.exists() and list(empty.iterdir()) == []
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x", encoding="utf-8")
+    assert cli.main([command, "--resume", str(a_file)]) == 2
+    assert f"--resume {a_file}: a file, not a run folder" in capsys.readouterr().err
+    # an empty path is refused, never taken as no --resume (with --config, a fresh run would start)
+    assert cli.main([command, "--resume", ""]) == 2
+    assert "--resume : an empty path" in capsys.readouterr().err
+
+
+def test_resume_of_a_folder_this_user_may_not_enter_is_one_line(tmp_path: Path, monkeypatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """A run folder the user may not enter (chmod 000 as another user: root enters any, so the
+    denial is made here) is a configuration error naming the reason, not a traceback."""
+    run = tmp_path / "locked"
+    run.mkdir()
+    real = Path.is_file
+
+    def denied(self: Path) -> bool:
+        if self.parent == run:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    assert cli.main(["simulate", "--resume", str(run)]) == 2
+    assert f"--resume {run}: the run folder cannot be read (Permission denied)" in capsys.readouterr().err
+
+
+def test_a_relative_path_key_is_made_absolute_for_the_run_folder(tmp_path: Path, monkeypatch) -> None:
+    """FedDO's policy (a strategy's path_keys) is written into the run's configuration as an
+    absolute path against the current folder, ``~`` expanded; other algorithms and keys are left."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    text = QUICKSTART.read_text(encoding="utf-8").replace('algorithm = "fedavg"', 'algorithm = "feddo"')
+    for given, want in (("p/feddo_policy.pt", tmp_path / "p" / "feddo_policy.pt"),
+                        ("~/pol.pt", tmp_path / "home" / "pol.pt"), ("/abs/pol.pt", Path("/abs/pol.pt"))):
+        path = tmp_path / "c.toml"
+        path.write_text(text + f'\n[algorithm]\npolicy = "{given}"\n', encoding="utf-8")
+        assert cli.absolute_path_keys(load(path)).algorithm["policy"] == str(want)
+    plain = load(QUICKSTART)
+    assert cli.absolute_path_keys(plain) is plain
