@@ -294,7 +294,7 @@ def merge(grid: Grid, base: Path) -> bool:
                       "--report-only"], None)
     if rc == 0 and report.is_file():  # the Command line names the queue, not the temporary folder
         command = " ".join(shlex.quote(x) for x in (grid.script, *grid.options))
-        text = re.sub(r"(?m)^Command \(records and report\): .*$",
+        text = re.sub(r"(?m)^Command(?: \(records and report\))?: .*$",  # FedDO's report: "Command:"
                       f"Command (records and report): `python tools/grid_queue.py --only {grid.name}` (it runs "
                       f"`python {command} --out runs/grids/{grid.name}`, then this report with `--report-only`)",
                       report.read_text(encoding="utf-8"))
