@@ -61,17 +61,7 @@ def _load(args):
         if args.config:
             raise ConfigError("--resume uses the run's own config.toml: do not pass --config too")
         run = Path(args.resume)
-        what = "an empty path" if not str(args.resume).strip() else None
-        try:
-            if what is None and not run.exists():
-                what = "no such run folder (a folder an earlier run wrote, holding its config.toml)"
-            elif what is None and not run.is_dir():
-                what = "a file, not a run folder (the folder an earlier run wrote, holding its config.toml)"
-            elif what is None and not (run / "config.toml").is_file():
-                what = ("the folder holds no config.toml file, so it is not a run folder (a run writes its resolved "
-                        "configuration there when it starts)")
-        except OSError as exc:  # a folder this user may not enter
-            what = f"the run folder cannot be read ({exc.strerror or exc})"
+        what = _not_a_run_folder(str(args.resume), run)
         if what:
             raise ConfigError(f"--resume {args.resume}: {what}")
         args.config = str(run / "config.toml")
@@ -87,6 +77,23 @@ def _load(args):
         cfg = config_mod.load(args.config, {**over, ("server", "quorum"): over[("data", "clients")]})
         print(f"fedfleet: note: [server] quorum lowered to --clients {over[('data', 'clients')]}", file=sys.stderr)
         return absolute_path_keys(cfg)
+
+
+def _not_a_run_folder(given: str, run: Path) -> str | None:
+    """Why ``--resume given`` names no run folder (``None``: it is one, holding its config.toml)."""
+    if not given.strip():
+        return "an empty path"
+    try:
+        if not run.exists():
+            return "no such run folder (a folder an earlier run wrote, holding its config.toml)"
+        if not run.is_dir():
+            return "a file, not a run folder (the folder an earlier run wrote, holding its config.toml)"
+        if not (run / "config.toml").is_file():
+            return ("the folder holds no config.toml file, so it is not a run folder (a run writes its resolved "
+                    "configuration there when it starts)")
+    except OSError as exc:  # a folder this user may not enter
+        return f"the run folder cannot be read ({exc.strerror or exc})"
+    return None
 
 
 def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)

@@ -373,10 +373,12 @@ def client_eval_split(cfg: Config, ds: Dataset):
 
 def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir: Path, ledger: Ledger,
                 expected_clients: int, on_round: Callable[[dict], None] | None = None,
-                security: ChannelSecurity | None = None) -> AggregationServer:
+                security: ChannelSecurity | None = None, strategy: Strategy | None = None) -> AggregationServer:
     """Connect the server's transport and build the :class:`AggregationServer`.
 
     Args:
+        strategy: the run's strategy when the caller already built it (``simulate`` checks the
+            configuration with it first); ``None``: :func:`make_strategy` of ``cfg``.
         security: the server channel's security state; ``None``: :func:`server_security` of
             ``cfg`` (``None`` again when signing is off).
 
@@ -384,7 +386,8 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
         ConfigError: unknown algorithm; unusable keys or TLS files.
         ConnectError: the broker did not accept the server.
     """
-    strategy = make_strategy(cfg, ds)
+    if strategy is None:
+        strategy = make_strategy(cfg, ds)
     if security is None:
         security = server_security(cfg)
     tr = open_transport(f"{federation[:40]}-server", cfg, url)

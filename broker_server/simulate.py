@@ -13,7 +13,6 @@ data the client figures were measured on).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -408,19 +407,6 @@ def _finished_result(cfg: Config, ds, fin: FinishedRun, federation: str, t_start
                             seconds=time.monotonic() - t_start, broker=broker)
 
 
-@contextlib.contextmanager
-def _said_once_by_the_run() -> Iterator[None]:
-    """Hold back warnings while the configuration check builds the strategy: the run builds it again
-    (:func:`~broker_server.runtime.make_server`) and says them then (FedDO's validation-set
-    warning was printed twice). Errors still raise."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
-
-
 def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
              on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None,
              resume: bool = False, on_plan: Callable[[ThreadPlan], None] | None = None,
@@ -494,8 +480,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
-    with _said_once_by_the_run():  # the [algorithm] table is checked before anything is written
-        check_fleet_size(cfg, make_strategy(cfg, ds))
+    strategy = make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written,
+    check_fleet_size(cfg, strategy)    # and the run serves with this strategy (built once: its warnings said once)
     check_tracking(cfg)  # a tracking package asked for but missing: said now, not after the run
     check_server_keys(cfg, simulated=True)  # [security] key_dir: said before the run folder is made
     for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once
@@ -548,7 +534,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         if tracker is not None:
             on_round = tracker.wrap(on_round)
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
-                             expected_clients=cfg.data.clients, on_round=on_round, security=server_sec)
+                             expected_clients=cfg.data.clients, on_round=on_round, security=server_sec,
+                             strategy=strategy)
         server.on_event = on_event
         # each device announces its own packet limit and chunk size in its join (and, over MQTT 5,
         # in its CONNECT): the server sizes every download for the devices it goes to

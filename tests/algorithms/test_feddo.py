@@ -559,15 +559,15 @@ def test_a_relative_policy_path_that_is_not_there_names_where_it_was_looked_for(
 
 def test_a_simulation_says_its_overlapping_validation_set_once(tmp_path, caplog) -> None:
     """Digits with every training image on a device: the validation set overlaps their training
-    data, which the log says once (the configuration check builds the strategy before the run
-    builds it again, and held its warning back), and the run goes on to its 2 rounds."""
+    data, which the log says once (the configuration check's strategy is the one the run serves
+    with: built once), and the run goes on to its 2 rounds."""
     cfg = tmp_path / "feddo.toml"
     cfg.write_text(TINY_TOML, encoding="utf-8")
     caplog.set_level(logging.WARNING)
     assert main(["simulate", "--config", str(cfg), "--out", str(tmp_path / "run"), "--quiet"]) == 0
     said = [r for r in caplog.records if "drawn from training images the devices also train on" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in said]
-    assert logging.root.manager.disable == logging.NOTSET  # the check gave the log back
+    assert logging.root.manager.disable == logging.NOTSET  # nothing held the log back
     rounds = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds if "round" in r] == [1, 2]
 
