@@ -15,7 +15,7 @@ Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
    made with portable CPU numerics (:mod:`broker_server.numerics`), which re-run to the same bits
    here; the others are left out, so their cells run again, now portable; a committed re-run check
    (``<name>.verify.md``) that passed on seeded records comes in as its ``verify.md``, so it is not
-   run again; the grid's extra folders (FedDO's pre-trained policies) are copied in too;
+   run again; the grid's extra folders (FedDO's ``pretrain.json``) are copied in too;
 2. **run**: the grid's script with its committed options (the report's ``Command`` line), into the
    folder, ``--workers`` processes; when every cell is on record and the folder has no
    ``verify.md``, ``--verify K`` re-runs its first K cells and compares;
@@ -23,7 +23,9 @@ Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
    the committed one is committed (portable over native over failed; the folder's on a tie), so
    the committed records of cells not yet re-run are kept, and counted in the report as not
    portable; the folder's ``verify.md`` is committed as ``benchmarks/results/<name>.verify.md``
-   and the extra folders are copied back; the committed report is regenerated from the merged
+   and the extra folders are copied back (only the files the grid keeps: FedDO's ``pretrain.json``,
+   not its 9-MB policies, which a later session pre-trains again and checks by their SHA-256); the
+   committed report is regenerated from the merged
    records and that re-run check with ``--report-only`` (in a temporary folder, never the live
    one), its ``Command`` line naming the queue.
 
@@ -45,6 +47,7 @@ under a running grid (each record carries the commit that made it), and copy
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -82,6 +85,8 @@ class Grid:
     report: str
     #: folder in the grid folder → committed folder (copied in at seeding, back at merging)
     extra_dirs: dict[str, str] = field(default_factory=dict)
+    #: the files of the extra folders that are committed (glob patterns; empty: all of them)
+    extra_keep: tuple[str, ...] = ()
     #: cells re-run by ``--verify`` once the grid is whole
     verify: int = 3
 
@@ -100,8 +105,21 @@ QUEUE: tuple[Grid, ...] = (
     Grid("fedocp", "tools/reproduce_fedocp.py", ("--datasets", "CIFAR-10,Fashion-MNIST"), "fedocp.jsonl",
          "fedocp.md"),
     Grid("feddo", "tools/reproduce_feddo.py", (), "feddo.jsonl", "feddo.md",
-         extra_dirs={"policies": "feddo-policies"}, verify=2),
+         # the policies' pretrain.json (cost, episodes, each file's SHA-256), not the policies (9 MB
+         # each): a later session pre-trains again the ones its cells need and checks the bits
+         extra_dirs={"policies": "feddo-policies"}, extra_keep=("*.json",), verify=2),
 )
+
+
+def _not_kept(grid: Grid):
+    """A ``shutil.copytree`` ``ignore``: the files of ``grid``'s extra folders that
+    :attr:`Grid.extra_keep` does not name (folders are walked)."""
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        if not grid.extra_keep:
+            return set()
+        return {n for n in names if not (Path(folder) / n).is_dir()
+                and not any(fnmatch.fnmatch(n, pat) for pat in grid.extra_keep)}
+    return ignore
 
 
 def read_records(path: Path) -> list[dict]:
@@ -281,7 +299,7 @@ def merge(grid: Grid, base: Path) -> bool:
         shutil.copyfile(out / "verify.md", _verify_file(grid))
     for inside, committed_dir in grid.extra_dirs.items():
         if (out / inside).is_dir():
-            shutil.copytree(out / inside, RESULTS / committed_dir, dirs_exist_ok=True)
+            shutil.copytree(out / inside, RESULTS / committed_dir, dirs_exist_ok=True, ignore=_not_kept(grid))
     report = REPORTS / grid.report
     with tempfile.TemporaryDirectory() as tmp:
         _write_jsonl(Path(tmp) / "results.jsonl", records)
@@ -289,7 +307,7 @@ def merge(grid: Grid, base: Path) -> bool:
             shutil.copyfile(_verify_file(grid), Path(tmp) / "verify.md")
         for inside in grid.extra_dirs:
             if (out / inside).is_dir():
-                shutil.copytree(out / inside, Path(tmp) / inside)
+                shutil.copytree(out / inside, Path(tmp) / inside, ignore=_not_kept(grid))
         rc, _ = _run([sys.executable, grid.script, *grid.options, "--out", tmp, "--report", str(report),
                       "--report-only"], None)
     if rc == 0 and report.is_file():  # the Command line names the queue, not the temporary folder

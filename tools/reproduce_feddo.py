@@ -26,11 +26,12 @@ One report (``benchmarks/feddo.md``) holds all of it:
   pre-trained policy, no online learning) and *FedDO-all* (``mode = "full"``: every device on all
   its data, d = 1, which is FedAvg at participation 1.0: the no-decision reference);
 - **sweep** (:data:`SWEEPS`, ``--sweep-bench``, default fashion_mnist/dir0.1, every seed) of the
-  keys the paper does not fix: rank, hidden width, validation-set size, reward
-  variant, drift_missing, pre-training episodes, DSAC-T updates per round (each FedDO value
-  with its own pre-trained policy), sampling π or acting on tanh μ in the deployed run
-  (``deterministic``, on the default policy: pre-training must explore), and the baselines'
-  participation rate (FedAvg and FedCross, ``--sweep-baselines``);
+  keys the paper does not fix: rank, hidden width, validation-set size, reward variant,
+  drift_missing, pre-training episodes, DSAC-T updates per round (each FedDO value with its own
+  pre-trained policy), sampling π or acting on tanh μ in the deployed run (``deterministic``, on the
+  default policy: pre-training must explore), the critics' LayerNorm that this reproduction adds
+  (``critic_layer_norm``, below), and the baselines' participation rate (FedAvg and FedCross,
+  ``--sweep-baselines``);
   ``min_ratio`` is not swept: with quorum 1 it acts only in a round where no device gets d > 0,
   which a 100-dimensional tanh-Gaussian action practically never gives; nor are the local epochs,
   lr and batch, which every method shares (a value would re-run the whole comparison and
@@ -65,6 +66,13 @@ default (lr_alpha 3e-4) give about 18,000 temperature steps, enough to take α f
 where the paper's 200 episodes surely end; 20 would leave it near 0.3, where the entropy bonus
 still outweighs the reward. The cost: ≈ 0.5 s a round (0.01 s an update), a policy ≈ 1,125 s
 instead of 750. ``updates_per_round`` is swept (1: the paper's schedule at this budget; 10).
+**50 updates a round need the critics' LayerNorm** (``critic_layer_norm``, FedDO's default; not in
+DSAC-T): with DSAC-T's plain critics the first full pre-training (10 × 75 rounds, Dir(0.5)) ended
+with α at 27.9 (Dir(0.1): 2.33) after falling to 0.87 by episode 4; a re-run with the critics'
+Q logged showed them diverging (≈ 3.9·10⁵ on replayed transitions while the soft value was
+negative) and the actor saturating after them (:mod:`broker_server.strategies.feddo`, where the
+numbers are). With the LayerNorm the same pre-training keeps Q bounded and α falls as above. The
+key is swept off (``critic_layer_norm = false``, with its own policy) to measure what it does.
 
 **CPU plan for 2 cores** (measured here on Fashion-MNIST, 100 clients, one torch thread per
 cell, at nice 5 beside a nice-19 job; every round evaluated). FedAvg at participation 0.2:
@@ -98,17 +106,21 @@ budget best: the fixed cost (0.56 s at E = 5) is nearly half of a baseline round
 ``--estimate-only`` runs the first missing cell alone and prints its time × the cells left and
 the pre-training still to do.
 
-Every run is a real federation over an embedded broker (:mod:`broker_server.experiments`);
-results go to ``OUT/results.jsonl`` (each record stamped with the commit and the fingerprint of
-its configuration, and carrying its rounds), policies to ``OUT/policies/`` (named by a
-fingerprint of their pre-training configuration, so another budget never reuses one); an
-interrupted reproduction resumes where it stopped. A FedDO cell's configuration names its policy
-file as ``OUT/policies/…``; the records' fingerprints count that path relative to ``OUT``
-(:func:`~broker_server.experiments.config_fingerprint`), and a cell's policy is found by its name
-in ``OUT/policies/``, so a grid resumes with ``--out`` spelt either way (relative or absolute) and
-in a copied or moved folder. ``--verify K`` re-runs K recorded cells and
-compares (kept in ``OUT/verify.md`` for later reports). The script exits 1 when a run failed,
-2 on a usage error.
+Every run is a real federation over an embedded broker (:mod:`broker_server.experiments`); results
+go to ``OUT/results.jsonl`` (each record stamped with the commit and the fingerprint of its
+configuration, and carrying its rounds), policies to ``OUT/policies/`` (named by a fingerprint of
+their pre-training configuration, so another budget never reuses one), with
+``OUT/policies/pretrain.json`` (each policy's CPU time, episodes and SHA-256). Only that file is
+committed (``benchmarks/results/feddo-policies/``; a policy is about 9 MB): a grid seeded from it
+pre-trains a policy again when a cell needs it, and refuses that policy's cells when the new file's
+SHA-256 is not the recorded one (:func:`remade_check`: pre-training runs with portable numerics, so
+it is machine-independent). An interrupted reproduction resumes where it stopped. A FedDO cell's
+configuration names its policy file as ``OUT/policies/…``; the records' fingerprints count that path
+relative to ``OUT`` (:func:`~broker_server.experiments.config_fingerprint`), and a cell's policy is
+found by its name in ``OUT/policies/``, so a grid resumes with ``--out`` spelt either way (relative
+or absolute) and in a copied or moved folder. ``--verify K`` re-runs K recorded cells and compares
+(kept in ``OUT/verify.md`` for later reports). The script exits 1 when a run failed, 2 on a usage
+error.
 
 Usage::
 
@@ -121,6 +133,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -234,6 +247,9 @@ SWEEPS: dict[str, list] = {
     "episodes": [1, 0.25, 3],
     "updates_per_round": [50, 1, 10],
     "deterministic": [False, True],
+    # not the paper's: the critics' LayerNorm this reproduction adds to DSAC-T (module docstring),
+    # swept off so that what it does is measured
+    "critic_layer_norm": [True, False],
 }
 #: sweep keys of the deployed run only: their cells load the default policy (pre-training with
 #: ``deterministic`` would act without exploring)
@@ -370,14 +386,69 @@ def _pretrain_task(spec: dict) -> dict:
     from broker_server.numerics import fingerprint
 
     return {"path": spec["path"], "setting": spec["setting"], "tag": spec["tag"], "cpu_seconds": res.cpu_seconds,
-            "machine": fingerprint(),
+            "machine": fingerprint(), "sha256": policy_sha256(spec["path"]), "bytes": Path(spec["path"]).stat().st_size,
             "episodes": spec["episodes"], "rounds": spec["rounds"], "parameters": res.parameter_counts,
             "fingerprint": spec["fingerprint"], "lines": res.episodes}
 
 
+def policy_sha256(path: str | Path) -> str:
+    """SHA-256 of a policy file's agent — its configuration, networks, targets, optimiser states,
+    temperature and random streams — not of the file: its metadata holds the pre-training's CPU
+    time, which differs between two otherwise identical pre-trainings. Tensors count by dtype,
+    shape and bytes, in key order."""
+    import torch
+
+    blob = torch.load(Path(path), weights_only=True)
+    h = hashlib.sha256()
+
+    def feed(x) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().contiguous().cpu()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(f"K{k!s}".encode())
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                feed(v)
+        else:
+            h.update(f"V{x!r}".encode())
+
+    feed({k: v for k, v in blob.items() if k != "metadata"})
+    return h.hexdigest()
+
+
+def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
+    """The ``pretrain.json`` entry of policy ``name`` pre-trained again (``new``) where an entry
+    was ``recorded`` (its file absent: policies are not committed, only their ``pretrain.json``).
+
+    The same SHA-256 (:func:`policy_sha256`; portable numerics make the pre-training machine-independent): ``new``
+    with ``remade`` counting the re-makes. Another: an ``error`` entry that keeps the recorded
+    one (``recorded``), so the cells recorded with the old policy are not mixed with cells of the
+    new one (:func:`runnable` blocks them) and the next invocation compares against it again.
+    No recorded SHA-256 (an entry of before it was kept, or none): ``new``."""
+    if recorded is not None and "error" in recorded:
+        recorded = recorded.get("recorded")
+    if "error" in new or not recorded or "sha256" not in recorded:
+        return new
+    if new["sha256"] == recorded["sha256"]:
+        print(f"policy {name}: re-made, the same bits as its recorded pre-training ({new['sha256'][:16]}…)", flush=True)
+        return {**new, "remade": int(recorded.get("remade", 0)) + 1}
+    return {"error": f"re-made with SHA-256 {new['sha256'][:16]}…, but its recorded pre-training wrote "
+                     f"{recorded['sha256'][:16]}… (on {recorded.get('machine', 'an unrecorded machine')}): the cells "
+                     "recorded with it would be mixed with cells of another policy; find why the pre-training "
+                     "differs (its code or its numerics), or delete this entry and those cells' records",
+            "recorded": recorded, "remade_sha256": new["sha256"]}
+
+
 def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str, dict]:
     """Pre-train every policy of ``specs`` not yet made (its file and its ``pretrain.json`` entry
-    both present), ``workers`` at a time; returns the whole ``pretrain.json``."""
+    both present), ``workers`` at a time; returns the whole ``pretrain.json``. A policy with an
+    entry but no file (a grid seeded from the committed ``pretrain.json``) is made again and its
+    SHA-256 compared with the entry's (:func:`remade_check`)."""
     info = load_pretrain_info(out)
     todo = {s["name"]: s for s in specs
             if not (s["name"] in info and "error" not in info[s["name"]] and Path(s["path"]).exists())}
@@ -399,7 +470,7 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
         try:
             for fut in as_completed(futures):
                 name = futures[fut]
-                info[name] = fut.result()
+                info[name] = remade_check(name, info.get(name), fut.result())
                 print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
                                             else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
                 (out / "policies" / "pretrain.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
@@ -650,6 +721,8 @@ def blocked_reason(job: Job, info: dict[str, dict]) -> str:
     entry = info.get(Path(path).stem)
     if entry is None:
         return f"its policy {path} was not pre-trained"
+    if "error" in entry and "recorded" in entry:
+        return f"its policy, pre-trained again, is not the recorded one ({entry['error']})"
     if "error" in entry:
         return f"its policy failed to pre-train ({entry['error']})"
     return f"its policy file {path} is missing"
@@ -668,6 +741,22 @@ def verify_choice(jobs: list[Job], out: Path, k: int) -> list[Job]:
             if group and len(chosen) < k:
                 chosen.append(group.pop(0))
     return [by_key[key] for key in chosen]
+
+
+def verify_cells(grid: Grid, out: Path, k: int, *, workers: int) -> list[Job]:
+    """:func:`verify_choice`'s cells after pre-training again the policies they load that this
+    folder lacks (a grid seeded from the committed ``pretrain.json`` has none; each is checked
+    against its recorded SHA-256, :func:`remade_check`); a cell whose policy still cannot be had
+    is said and left out."""
+    chosen = verify_choice(grid.jobs(), out, k)
+    need = {Path(j.config["algorithm"].get("policy", "")).stem for j in chosen} - {""}
+    specs = [s for s in {s["name"]: s for s in grid.policies() + grid.policies(sweep=True)}.values()
+             if s["name"] in need]
+    info = pretrain_policies(out, specs, workers=workers) if specs else load_pretrain_info(out)
+    ok, blocked = runnable(chosen, info)
+    for j in blocked:
+        print(f"--verify: {j.key} is not re-run: {blocked_reason(j, info)}", flush=True)
+    return ok
 
 
 def estimate(grid: Grid, out: Path, *, workers: int, on_result, stamp: dict) -> None:
@@ -1316,9 +1405,8 @@ def main(argv: list[str] | None = None) -> int:
             run_grid(runnable(grid.sweep_jobs(), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
         wall = time.monotonic() - t0
         if a.verify:
-            verify_lines = verify_records(verify_choice(runnable(grid.jobs(), load_pretrain_info(out))[0], out,
-                                                        a.verify), out, a.verify, workers=a.workers, commit=commit,
-                                          headline=_acc)
+            verify_lines = verify_records(verify_cells(grid, out, a.verify, workers=a.workers), out, a.verify,
+                                          workers=a.workers, commit=commit, headline=_acc)
     else:
         check_report_records(grid.jobs(), out)  # the report describes these options: the records must be theirs
     verify_lines = verify_lines or earlier_verify(out)

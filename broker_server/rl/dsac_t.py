@@ -90,13 +90,19 @@ def maybe_low_rank(in_features: int, out_features: int, rank: int) -> nn.Module:
     return nn.Linear(in_features, out_features)
 
 
-def _mlp(in_dim: int, hidden: Sequence[int], out_dim: int, rank_in: int, rank_out: int) -> nn.Sequential:
-    """in → hidden[0] (low rank ``rank_in``) → GELU → … → hidden[-1] → out (low rank ``rank_out``)."""
+def _mlp(in_dim: int, hidden: Sequence[int], out_dim: int, rank_in: int, rank_out: int,
+         layer_norm: bool = False) -> nn.Sequential:
+    """in → hidden[0] (low rank ``rank_in``) → GELU → … → hidden[-1] → out (low rank ``rank_out``);
+    with ``layer_norm`` a LayerNorm between each hidden layer's linear map and its GELU."""
     if not hidden:
         raise ValueError("hidden must name at least one layer width")
-    layers: list[nn.Module] = [maybe_low_rank(in_dim, hidden[0], rank_in), nn.GELU()]
+
+    def block(layer: nn.Module, width: int) -> list[nn.Module]:
+        return [layer, *([nn.LayerNorm(width)] if layer_norm else []), nn.GELU()]
+
+    layers: list[nn.Module] = block(maybe_low_rank(in_dim, hidden[0], rank_in), hidden[0])
     for a, b in zip(hidden[:-1], hidden[1:], strict=True):
-        layers += [nn.Linear(a, b), nn.GELU()]
+        layers += block(nn.Linear(a, b), b)
     layers.append(maybe_low_rank(hidden[-1], out_dim, rank_out))
     return nn.Sequential(*layers)
 
@@ -116,11 +122,13 @@ class Actor(nn.Module):
 
 
 class Critic(nn.Module):
-    """Z_θ: (state [B, S], action [B, A]) → (Q [B], σ [B]), σ = softplus(·)."""
+    """Z_θ: (state [B, S], action [B, A]) → (Q [B], σ [B]), σ = softplus(·); ``layer_norm``: a
+    LayerNorm in each hidden layer (see :class:`DSACTConfig`)."""
 
-    def __init__(self, state_dim: int, action_dim: int, hidden: Sequence[int], rank: int) -> None:
+    def __init__(self, state_dim: int, action_dim: int, hidden: Sequence[int], rank: int,
+                 layer_norm: bool = False) -> None:
         super().__init__()
-        self.net = _mlp(state_dim + action_dim, hidden, 2, rank, 0)
+        self.net = _mlp(state_dim + action_dim, hidden, 2, rank, 0, layer_norm)
 
     def forward(self, s: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.net(torch.cat([s, a], dim=-1))
@@ -282,6 +290,10 @@ class DSACTConfig:
         xi: target clipping ξ (in units of σ̄).
         huber_delta: Huber δ of the critic loss.
         bias: b in the critic loss and its weight.
+        critic_layer_norm: a LayerNorm in each hidden layer of the critics (Ball et al., "Efficient
+            Online Reinforcement Learning with Offline Data", ICML 2023, §4: it bounds the critic's
+            extrapolation to actions outside the replay data). Not in DSAC-T; ``False`` keeps the
+            reference networks, and a policy saved before the key existed loads as ``False``.
     """
 
     hidden: tuple[int, ...] = (256, 256, 256)
@@ -300,6 +312,7 @@ class DSACTConfig:
     xi: float = 3.0
     huber_delta: float = 50.0
     bias: float = 0.1
+    critic_layer_norm: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -363,7 +376,8 @@ class DSACTAgent:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.actor = Actor(state_dim, action_dim, c.hidden, c.rank)
-            self.critics = nn.ModuleList([Critic(state_dim, action_dim, c.hidden, c.rank) for _ in range(2)])
+            self.critics = nn.ModuleList([Critic(state_dim, action_dim, c.hidden, c.rank, c.critic_layer_norm)
+                                          for _ in range(2)])
         self.actor_target = copy.deepcopy(self.actor)
         self.critic_targets = copy.deepcopy(self.critics)
         for p in [*self.actor_target.parameters(), *self.critic_targets.parameters()]:

@@ -57,15 +57,33 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
   no decision at all: every online device trains on its whole shard (d = 1), so the aggregate
   is Σ (|D_k| / Σ|D|)·w_k, FedAvg's at participation 1.0 (the reference a decision is measured
   against). In both the agent still observes the transitions (and learns, with ``learn``).
-* Agent sizes: ``hidden`` (256) wide ``layers`` (3) MLPs, ``rank`` (96: the low-rank r is not given; 96 gives
-  about the paper's per-device slope of the low-rank agent, §4.3), ``batch_size`` (64),
+* Agent sizes: ``hidden`` (256) wide ``layers`` (3) MLPs, ``rank`` (96: the low-rank r is not given;
+  96 gives about the paper's per-device slope of the low-rank agent, §4.3), ``batch_size`` (64),
   ``warmup`` (64 transitions: a deployed run has one per round), ``capacity`` (100,000),
   ``updates_per_round`` (1), ``lr_actor``/``lr_critic`` (1e-4), ``lr_alpha`` (3e-4), ``gamma``
-  (0.99), ``tau`` (0.005). With a pre-trained ``policy`` the architecture keys (``hidden``,
-  ``layers``, ``rank``) must be the policy's (a ValueError names both; the weights have that
-  shape), and the learning keys (``batch_size``, ``warmup``, ``capacity``, the three learning
-  rates, ``gamma``, ``tau``) are this run's: the loaded agent goes on learning with them (its
-  optimisers' rates set to them), each one that differs from the pre-training's logged.
+  (0.99), ``tau`` (0.005), ``critic_layer_norm`` (true: a LayerNorm in each hidden layer of the
+  critics, which DSAC-T does not have; see below). With a pre-trained ``policy`` the architecture
+  keys (``hidden``, ``layers``, ``rank``, ``critic_layer_norm``) must be the policy's (a ValueError
+  names both; the weights have that shape), and the learning keys (``batch_size``, ``warmup``,
+  ``capacity``, the three learning rates, ``gamma``, ``tau``) are this run's: the loaded agent goes
+  on learning with them (its optimisers' rates set to them), each one that differs from the
+  pre-training's logged.
+* **The critics' LayerNorm** (``critic_layer_norm``, true; in neither DSAC-T nor the paper): a
+  LayerNorm between each hidden layer's linear map and its GELU in both critics (Ball et al.,
+  "Efficient Online Reinforcement Learning with Offline Data", ICML 2023, §4), which bounds the
+  critic's output whatever the input (|Q| ≤ Σ_i |w_i|(|γ_i|√(H − 1) + |β_i|) + |b|). Measured
+  without it (Fashion-MNIST Dir(0.5), 100 devices, 10,000 images, 75-round episodes, 50 updates a
+  round: ``tools/reproduce_feddo.py``'s pre-training): the critics diverged. Their mean Q on
+  replayed transitions rose from ≈ 1,100 after episode 1 to ≈ 3.9·10⁵ in episode 6, where the
+  policy's entropy was −305 nats, so the true soft value was negative (α·H ≈ −3,800 a round
+  against rewards of about ±1). The actor followed that critic's gradient to saturated means
+  (|μ| > 3 on a quarter of the devices), and the temperature, which cannot restore the entropy
+  against it, climbed from 1.35 (episode 2) to 44 (episode 8). On a fixed replay buffer of 450
+  such transitions, from fresh networks, the plain critics reached Q ≈ 4.7·10⁷ after 17,500
+  updates and the LayerNorm critics stayed at ≈ 570 after 14,500. With it, the same pre-training
+  kept Q below 690 throughout and the temperature fell as DSAC-T intends, to 0.017 after episode
+  10 (Dir(0.1) alike), the entropy then −84 nats against the target −100 (Dir(0.1): −12) and the
+  policy's mean |μ| 0.99 (0.78; 0.05 at the first update). The key is swept off in ``tools/reproduce_feddo.py``.
 """
 
 from __future__ import annotations
@@ -238,7 +256,7 @@ class FedDO(Strategy):
                  random_active: float = 0.25, random_mean: float = 0.85, hidden: int = 256, layers: int = 3,
                  rank: int = 96, batch_size: int = 64, warmup: int = 64, capacity: int = 100_000,
                  updates_per_round: int = 1, lr_actor: float = 1e-4, lr_critic: float = 1e-4,
-                 lr_alpha: float = 3e-4, gamma: float = 0.99, tau: float = 0.005,
+                 lr_alpha: float = 3e-4, gamma: float = 0.99, tau: float = 0.005, critic_layer_norm: bool = True,
                  validation: tuple[np.ndarray, np.ndarray] | None = None, run_seed: int = 0,
                  run_data: Mapping[str, object] | None = None) -> None:
         problems = []
@@ -271,7 +289,8 @@ class FedDO(Strategy):
         self.updates_per_round = int(updates_per_round)
         self.agent_config = DSACTConfig(hidden=(int(hidden),) * int(layers), rank=int(rank),
                                         batch_size=int(batch_size), warmup=int(warmup), capacity=int(capacity),
-                                        lr_actor=lr_actor, lr_critic=lr_critic, lr_alpha=lr_alpha, gamma=gamma, tau=tau)
+                                        lr_actor=lr_actor, lr_critic=lr_critic, lr_alpha=lr_alpha, gamma=gamma, tau=tau,
+                                        critic_layer_norm=bool(critic_layer_norm))
         self.run_seed = int(run_seed)
         self.validation = None if validation is None else (np.array(validation[0], np.float32, copy=True),
                                                             np.array(validation[1], np.int64, copy=True))
@@ -316,12 +335,13 @@ class FedDO(Strategy):
         """
         assert self.agent is not None
         saved, want = self.agent.config, self.agent_config
-        if (saved.hidden, saved.rank) != (want.hidden, want.rank):
+        if (saved.hidden, saved.rank, saved.critic_layer_norm) != (want.hidden, want.rank, want.critic_layer_norm):
             def sizes(c: DSACTConfig) -> str:
-                return f"hidden = {c.hidden[0] if c.hidden else 0}, layers = {len(c.hidden)}, rank = {c.rank}"
+                return (f"hidden = {c.hidden[0] if c.hidden else 0}, layers = {len(c.hidden)}, rank = {c.rank}, "
+                        f"critic_layer_norm = {str(c.critic_layer_norm).lower()}")
             raise ValueError(f"policy {policy} was pre-trained with {sizes(saved)}, but [algorithm] asks "
-                             f"{sizes(want)} (256, 3 and 96 where not set): set them to the policy's, or pre-train "
-                             "a policy with these (fedfleet feddo pretrain)")
+                             f"{sizes(want)} (256, 3, 96 and true where not set): set them to the policy's, or "
+                             "pre-train a policy with these (fedfleet feddo pretrain)")
         changed = [f"{k} {getattr(saved, k)} → {getattr(want, k)}" for k in LEARNING_KEYS
                    if getattr(saved, k) != getattr(want, k)]
         self.agent.config = dataclasses.replace(saved, **{k: getattr(want, k) for k in LEARNING_KEYS})

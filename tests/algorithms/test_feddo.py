@@ -43,6 +43,8 @@ from protocol.channel import Channel
 from protocol.messages import RoundStart, Update, decode
 
 SMALL = {"hidden": 16, "layers": 2, "rank": 4, "warmup": 1, "batch_size": 2}
+#: the agent of SMALL's architecture as FedDO builds it (its critics with LayerNorm, the default)
+SMALL_AGENT = {"hidden": (16, 16), "rank": 4, "critic_layer_norm": True}
 
 
 def test_reward_seed_and_continuous_variants() -> None:
@@ -255,7 +257,7 @@ def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> No
 def _policy(path, k: int) -> str:
     """A DSAC-T policy file for ``k`` devices (an untrained agent of SMALL's sizes, as
     ``fedfleet feddo pretrain`` writes one)."""
-    agent = DSACTAgent(k + GLOBAL_FEATURES, k, DSACTConfig(hidden=(16, 16), rank=4, warmup=1, batch_size=2), seed=0)
+    agent = DSACTAgent(k + GLOBAL_FEATURES, k, DSACTConfig(**SMALL_AGENT, warmup=1, batch_size=2), seed=0)
     agent.save_policy(path, {"num_devices": k, "global_features": GLOBAL_FEATURES})
     return str(path)
 
@@ -348,17 +350,27 @@ def test_a_fleet_within_its_policy_passes_the_size_check(tmp_path) -> None:
 def test_a_policy_deployed_with_other_sizes_is_an_error_naming_both(tmp_path) -> None:
     policy = _policy(tmp_path / "k3.pt", 3)  # hidden 16 × 2 layers, rank 4
     val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
-    with pytest.raises(ValueError, match=r"pre-trained with hidden = 16, layers = 2, rank = 4, but \[algorithm\] "
-                                         r"asks hidden = 16, layers = 3, rank = 4"):
+    with pytest.raises(ValueError, match=r"pre-trained with hidden = 16, layers = 2, rank = 4, critic_layer_norm = "
+                                         r"true, but \[algorithm\] asks hidden = 16, layers = 3, rank = 4"):
         FedDO(policy=policy, validation=val, **{**SMALL, "layers": 3})
-    with pytest.raises(ValueError, match=r"asks hidden = 256, layers = 3, rank = 96 \(256, 3 and 96 where not set\)"):
+    with pytest.raises(ValueError, match=r"asks hidden = 256, layers = 3, rank = 96, critic_layer_norm = true "
+                                         r"\(256, 3, 96 and true where not set\)"):
         FedDO(policy=policy, validation=val)
+    # a policy of DSAC-T's own critics (no LayerNorm, as saved before the key existed) in a run
+    # that leaves the key at its default: its critics' weights have no LayerNorm to load into
+    plain = tmp_path / "plain.pt"
+    reference = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4), seed=0)
+    reference.save_policy(plain, {"num_devices": 3})
+    with pytest.raises(ValueError, match=r"critic_layer_norm = false, but \[algorithm\] asks .*layer_norm = true"):
+        FedDO(policy=str(plain), validation=val, **SMALL)
+    deployed = FedDO(policy=str(plain), validation=val, **{**SMALL, "critic_layer_norm": False})
+    assert deployed.agent is not None and deployed.agent.config.critic_layer_norm is False
 
 
 def test_a_loaded_policy_goes_on_learning_with_the_runs_learning_keys(tmp_path, caplog) -> None:
     """The policy was pre-trained with lr_critic 3e-4, batch 2, warm-up 1, capacity 100,000; the
     run says lr_actor 5e-4, batch 8, warm-up 5, capacity 50 and leaves lr_critic at its 1e-4."""
-    agent = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4, warmup=1, batch_size=2,
+    agent = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(**SMALL_AGENT, warmup=1, batch_size=2,
                                                            lr_critic=3e-4), seed=0)
     agent.save_policy(tmp_path / "k3.pt", {"num_devices": 3, "global_features": GLOBAL_FEATURES})
     val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
@@ -384,7 +396,7 @@ def test_a_loaded_policy_draws_the_runs_own_noise(tmp_path) -> None:
     seeds 0 and 1 on one policy act differently on the same state (not both continuing the
     stream the pre-training ended with), a run of seed 0 draws what a fresh agent of seed 0
     with those networks draws, and the deterministic action is the same for every seed."""
-    trained = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4), seed=1000)
+    trained = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(**SMALL_AGENT), seed=1000)
     trained.act(np.zeros(3 + GLOBAL_FEATURES, np.float32))  # the pre-training's stream moves on
     trained.rng.random()
     trained.save_policy(tmp_path / "k3.pt", {"num_devices": 3, "global_features": GLOBAL_FEATURES})
@@ -393,7 +405,7 @@ def test_a_loaded_policy_draws_the_runs_own_noise(tmp_path) -> None:
     a1, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=1)
     assert not np.array_equal(a0.act(state), a1.act(state))
     assert a0.rng.random() != a1.rng.random()
-    fresh = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4), seed=0)
+    fresh = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(**SMALL_AGENT), seed=0)
     fresh.actor.load_state_dict(trained.actor.state_dict())
     again, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=0)
     np.testing.assert_array_equal(again.act(state), fresh.act(state))
@@ -575,7 +587,7 @@ def test_a_simulation_says_its_overlapping_validation_set_once(tmp_path, caplog)
 def test_a_policy_of_other_data_settings_is_said_and_the_same_ones_are_not(tmp_path, caplog) -> None:
     """The data settings a policy records (fedfleet feddo pretrain) against the run's
     (runtime.data_settings): each difference named with both values in one warning; none, no warning."""
-    agent = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(hidden=(16, 16), rank=4, warmup=1, batch_size=2), seed=0)
+    agent = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(**SMALL_AGENT, warmup=1, batch_size=2), seed=0)
     path = tmp_path / "p.pt"
     pre = {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 3}
     agent.save_policy(path, {"num_devices": 3, "global_features": GLOBAL_FEATURES, **pre})

@@ -13,6 +13,7 @@ from torch.distributions import Normal, TransformedDistribution
 from torch.distributions.transforms import TanhTransform
 
 from broker_server.rl.dsac_t import (
+    Critic,
     DSACTAgent,
     DSACTConfig,
     LowRankLinear,
@@ -98,6 +99,37 @@ def test_low_rank_parameter_counts_by_hand() -> None:
     assert (low["actor"], low["critic"]) == (low_actor, low_critic) == (471_376, 349_314)
     assert dense["agent"] == dense_actor + 2 * dense_critic and dense["with_targets"] == 2 * dense["agent"]
     assert low["agent"] == 1_170_004
+    # a LayerNorm (scale and shift, H each) in each of the critic's three hidden layers
+    ln = DSACTAgent(S, K, DSACTConfig(rank=r, critic_layer_norm=True), seed=0).parameter_counts()
+    assert (ln["actor"], ln["critic"]) == (low_actor, low_critic + 3 * 2 * H)
+
+
+def test_a_layer_norm_critic_is_bounded_for_any_input_and_a_plain_one_is_not() -> None:
+    """With a LayerNorm before each hidden GELU, the last hidden layer's inputs z are standardised,
+    each |z_i| ≤ √(H − 1), and |GELU(x)| ≤ |x|, so |Q| ≤ Σ_i |w_i|(|γ_i|√(H − 1) + |β_i|) + |b|
+    whatever the state and action (w, b: the output row of Q; γ, β: the last LayerNorm's). A plain
+    critic's output grows with its input (GELU is linear for large x)."""
+    torch.manual_seed(0)
+    ln = Critic(6, 4, (16, 16), rank=0, layer_norm=True)
+    plain = Critic(6, 4, (16, 16), rank=0)
+    with torch.no_grad():  # a trained-looking LayerNorm, not the identity it starts as
+        for m in ln.net:
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(-2, 2)
+                m.bias.uniform_(-1, 1)
+    last_ln = [m for m in ln.net if isinstance(m, torch.nn.LayerNorm)][-1]
+    out = ln.net[-1]
+    H = 16
+    with torch.no_grad():
+        bound = float((out.weight[0].abs() * (last_ln.weight.abs() * math.sqrt(H - 1) + last_ln.bias.abs())).sum()
+                      + out.bias[0].abs())
+    g = torch.Generator().manual_seed(1)
+    s, a = torch.randn(64, 6, generator=g), torch.randn(64, 4, generator=g)
+    with torch.no_grad():
+        for scale in (1.0, 1e3, 1e6):
+            assert float(ln(s * scale, a * scale)[0].abs().max()) <= bound
+        q_small, q_big = plain(s, a)[0].abs().max(), plain(s * 1e6, a * 1e6)[0].abs().max()
+    assert float(q_big) > 1e3 * float(q_small) and float(q_big) > bound
 
 
 def test_replay_ring_keeps_the_newest_in_order_and_round_trips() -> None:

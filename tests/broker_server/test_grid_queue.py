@@ -172,3 +172,20 @@ def test_a_grid_stopped_at_its_stop_time_is_merged_and_ends_the_queue(tmp_path: 
     calls.unlink()
     assert q.main(["--hours", f"{(q.MIN_START_S - 60) / 3600}", "--base", str(tmp_path)]) == 0
     assert not calls.exists() and merged == ["a"]
+
+
+def test_only_the_kept_files_of_an_extra_folder_are_committed(tmp_path: Path) -> None:
+    """FedDO's policies folder: pretrain.json is committed, the 9-MB policy files are not."""
+    q = load_tool("grid_queue")
+    src = tmp_path / "policies"
+    (src / "sub").mkdir(parents=True)
+    for name in ("pretrain.json", "a.pt", "sub/b.json", "sub/c.pt"):
+        (src / name).write_text(name, encoding="utf-8")
+    feddo = next(g for g in q.QUEUE if g.name == "feddo")
+    assert feddo.extra_dirs == {"policies": "feddo-policies"} and feddo.extra_keep == ("*.json",)
+    shutil.copytree(src, tmp_path / "kept", ignore=q._not_kept(feddo))
+    assert sorted(p.relative_to(tmp_path / "kept").as_posix() for p in (tmp_path / "kept").rglob("*")) == [
+        "pretrain.json", "sub", "sub/b.json"]
+    every = q.Grid("x", "tools/x.py", (), "x.jsonl", "x.md", extra_dirs={"policies": "x-policies"})
+    shutil.copytree(src, tmp_path / "all", ignore=q._not_kept(every))
+    assert len(list((tmp_path / "all").rglob("*"))) == 5

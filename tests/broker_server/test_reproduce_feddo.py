@@ -70,10 +70,10 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert [j.tags["seed"] for j in main[:36]] == [0] * 36
     sweep = grid.sweep_jobs()
     # FedDO values: rank 3 + hidden 2 + val_size 2 + reward 1 + drift_missing 1 + episodes 2 + updates_per_round
-    # 2 + deterministic 1 = 14 (min_ratio, a no-op at quorum 1, is not swept), and 4 participation rates ×
-    # FedAvg, FedCross; each × 3 seeds
+    # 2 + deterministic 1 + critic_layer_norm 1 = 15 (min_ratio, a no-op at quorum 1, is not swept), and 4
+    # participation rates × FedAvg, FedCross; each × 3 seeds
     assert "min_ratio" not in t.SWEEPS
-    assert len(sweep) == (14 + 4 * 2) * 3 == len({j.key for j in sweep})
+    assert len(sweep) == (15 + 4 * 2) * 3 == len({j.key for j in sweep})
     assert t.sweep_values("episodes", t.SWEEPS["episodes"], 10) == [10, 2, 30]  # round(2.5) = 2
     by_key = {j.key: j for j in main + sweep}
     pre = "fashion_mnist/dir0.1/c100/r80/n10000"
@@ -107,10 +107,15 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert by_key[f"main/{pre}/FedAvg/s0"].config["agents"] == {"train_slots": 1, "torch_threads": 1}
     # the global goes to the selected devices only, in every cell: bytes per client compare across methods
     assert {j.config["server"]["global_delivery"] for j in main + sweep} == {"per_device"}
+    # the critics without the LayerNorm this reproduction adds: a policy pre-trained so
+    plain = by_key[f"sweep/{pre}/FedDO@p10x80/critic_layer_norm=False/s0"].config
+    spec = grid.sweep_policy("critic_layer_norm", False)
+    assert plain["algorithm"] == {**t.AGENT, "critic_layer_norm": False, "policy": spec["path"]}
+    assert spec["raw"]["algorithm"]["critic_layer_norm"] is False
     # policies: one per setting for the main grid, one per swept FedDO value; all distinct
     mains, sweeps = grid.policies(), grid.policies(sweep=True)
-    # (the sweep's 13 own policies and, for the deploy-only `deterministic`, its setting's main one)
-    assert len(mains) == 6 and len(sweeps) == 14 and len({s["path"] for s in mains + sweeps}) == 19
+    # (the sweep's 14 own policies and, for the deploy-only `deterministic`, its setting's main one)
+    assert len(mains) == 6 and len(sweeps) == 15 and len({s["path"] for s in mains + sweeps}) == 20
     assert grid.main_policy("fashion_mnist", "dir0.1") in sweeps
     # pre-trained on a seed of its own: no evaluated seed's partition, no evaluated seed's models
     assert all(s["raw"]["run"]["seed"] == t.PRETRAIN_SEED not in grid.seeds for s in mains + sweeps)
@@ -395,3 +400,73 @@ def test_a_cell_finds_its_policy_however_out_is_spelt(tmp_path: Path, monkeypatc
     Path(spec["path"]).unlink()
     assert t.runnable(jobs, info)[1] == feddo
     assert t.blocked_reason(relative, info) == f"its policy file grid/policies/{spec['name']}.pt is missing"
+
+
+def test_a_policy_pre_trained_again_is_checked_against_its_recorded_bits(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Policies are not committed, only ``pretrain.json``: a grid seeded from it pre-trains a policy
+    again. Pre-training is deterministic (portable numerics), so the agent in the file has the
+    recorded SHA-256 (the file's metadata holds the CPU time, so the file's own hash differs); a
+    recorded SHA-256 the new file does not have
+    turns the entry into an error that keeps the recorded one and blocks the policy's cells."""
+    import hashlib
+
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    out = tmp_path / "grid"
+    spec = t.policy_spec(out, "fashion_mnist", "dir0.1", clients=4, train_samples=200, episodes=1, rounds=2)
+    first = t.pretrain_policies(out, [spec], workers=1)[spec["name"]]
+    path = Path(spec["path"])
+    assert first["sha256"] == t.policy_sha256(path) != hashlib.sha256(path.read_bytes()).hexdigest()
+    assert first["bytes"] == path.stat().st_size and "remade" not in first
+    path.unlink()  # as a fresh machine has it: the entry, no file
+    again = t.pretrain_policies(out, [spec], workers=1)[spec["name"]]
+    assert again["sha256"] == first["sha256"] and again["remade"] == 1
+    assert "re-made, the same bits as its recorded pre-training" in capsys.readouterr().out
+    # a recorded SHA-256 that is not this pre-training's
+    recorded = {**again, "sha256": "0" * 64}
+    (out / "policies" / "pretrain.json").write_text(json.dumps({spec["name"]: recorded}), encoding="utf-8")
+    path.unlink()
+    info = t.pretrain_policies(out, [spec], workers=1)
+    entry = info[spec["name"]]
+    assert entry["recorded"] == recorded and entry["remade_sha256"] == first["sha256"]
+    assert entry["error"].startswith(f"re-made with SHA-256 {first['sha256'][:16]}…, but its recorded pre-training "
+                                     f"wrote {'0' * 16}…")
+    assert json.loads((out / "policies" / "pretrain.json").read_text(encoding="utf-8")) == info
+    # the next invocation compares with the recorded entry again, not with the error
+    assert t.remade_check(spec["name"], entry, again)["error"] == entry["error"]
+    assert t.remade_check(spec["name"], entry, {**again, "sha256": "0" * 64})["remade"] == 2
+
+
+def test_remade_check_without_a_recorded_sha256_keeps_the_new_entry() -> None:
+    t = _tool()
+    new = {"sha256": "a" * 64, "cpu_seconds": 3.0}
+    assert t.remade_check("p", None, new) == new
+    assert t.remade_check("p", {"cpu_seconds": 9.0}, new) == new  # recorded before the SHA-256 was kept
+    assert t.remade_check("p", {"sha256": "b" * 64}, {"error": "RuntimeError: boom"}) == {"error": "RuntimeError: boom"}
+
+
+def test_verify_pre_trains_the_policy_of_a_cell_it_re_runs(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid seeded from the committed records has no policy files: --verify pre-trains the one
+    its FedDO cell loads (checked against the recorded SHA-256) instead of re-running only the
+    baselines; where the policy's bits differ, the cell is said and left out."""
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], seeds=[0], clients=4, rounds=2,
+                 train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
+    jobs = {j.tags["method"]: j for j in grid.main_jobs(control={})}
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps({"key": jobs[m].key, "final": {"accuracy": 0.5}}) + "\n"
+                                                    for m in ("FedAvg", "FedDO")), encoding="utf-8")
+    spec = grid.main_policy("fashion_mnist", "dir0.1")
+    assert [j.tags["method"] for j in t.verify_cells(grid, tmp_path, 2, workers=1)] == ["FedDO", "FedAvg"]
+    info = t.load_pretrain_info(tmp_path)
+    assert Path(spec["path"]).is_file() and info[spec["name"]]["sha256"] == t.policy_sha256(spec["path"])
+    Path(spec["path"]).unlink()
+    info[spec["name"]]["sha256"] = "f" * 64  # as if recorded with other bits
+    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps(info), encoding="utf-8")
+    capsys.readouterr()
+    assert [j.tags["method"] for j in t.verify_cells(grid, tmp_path, 2, workers=1)] == ["FedAvg"]
+    said = capsys.readouterr().out
+    assert (f"--verify: {jobs['FedDO'].key} is not re-run: its policy, pre-trained again, is not the recorded one "
+            "(re-made with SHA-256") in said
