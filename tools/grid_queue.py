@@ -122,6 +122,16 @@ def _not_kept(grid: Grid):
     return ignore
 
 
+def queue_command_line(grid: Grid, text: str) -> str:
+    """``text`` (a report) with its command line — ``Command (records and report): …`` or, in
+    FedDO's report, ``Command: …``, at the start of a line — naming the queue and the grid's own
+    options instead of the temporary folder the report was regenerated in."""
+    command = " ".join(shlex.quote(x) for x in (grid.script, *grid.options))
+    return re.sub(r"(?m)^Command(?: \(records and report\))?: .*$",
+                  f"Command (records and report): `python tools/grid_queue.py --only {grid.name}` (it runs "
+                  f"`python {command} --out runs/grids/{grid.name}`, then this report with `--report-only`)", text)
+
+
 def read_records(path: Path) -> list[dict]:
     """The records of a JSON-lines file (``[]`` when absent), one per key (a later line of a key
     replaces an earlier one), read as a grid folder's ``results.jsonl`` is
@@ -311,12 +321,7 @@ def merge(grid: Grid, base: Path) -> bool:
         rc, _ = _run([sys.executable, grid.script, *grid.options, "--out", tmp, "--report", str(report),
                       "--report-only"], None)
     if rc == 0 and report.is_file():  # the Command line names the queue, not the temporary folder
-        command = " ".join(shlex.quote(x) for x in (grid.script, *grid.options))
-        text = re.sub(r"(?m)^Command(?: \(records and report\))?: .*$",  # FedDO's report: "Command:"
-                      f"Command (records and report): `python tools/grid_queue.py --only {grid.name}` (it runs "
-                      f"`python {command} --out runs/grids/{grid.name}`, then this report with `--report-only`)",
-                      report.read_text(encoding="utf-8"))
-        report.write_text(text, encoding="utf-8")
+        report.write_text(queue_command_line(grid, report.read_text(encoding="utf-8")), encoding="utf-8")
     n = sum(1 for r in records if portable(r))
     print(f"{grid.name}: {committed_path} holds {len(records)} records ({n} portable); "
           f"report {'regenerated' if rc == 0 else f'NOT regenerated (exit {rc})'}", flush=True)

@@ -189,3 +189,15 @@ def test_only_the_kept_files_of_an_extra_folder_are_committed(tmp_path: Path) ->
     every = q.Grid("x", "tools/x.py", (), "x.jsonl", "x.md", extra_dirs={"policies": "x-policies"})
     shutil.copytree(src, tmp_path / "all", ignore=q._not_kept(every))
     assert len(list((tmp_path / "all").rglob("*"))) == 5
+
+
+def test_the_regenerated_reports_command_line_names_the_queue_in_either_spelling() -> None:
+    q = load_tool("grid_queue")
+    grid = q.Grid("feddo", "tools/reproduce_feddo.py", ("--datasets", "a b"), "feddo.jsonl", "feddo.md")
+    want = ("Command (records and report): `python tools/grid_queue.py --only feddo` (it runs "
+            "`python tools/reproduce_feddo.py --datasets 'a b' --out runs/grids/feddo`, then this report with "
+            "`--report-only`)")
+    for line in ("Command: `python tools/reproduce_feddo.py --out /tmp/tmpx1`",  # FedDO's report
+                 "Command (records and report): `python tools/reproduce_fedpgp.py --out /tmp/x`"):
+        text = f"# Report\n\n{line}\n\nA Command: in prose is left alone.\n"
+        assert q.queue_command_line(grid, text) == f"# Report\n\n{want}\n\nA Command: in prose is left alone.\n"
