@@ -45,7 +45,8 @@ class PretrainResult:
         policy: the written policy file.
         episodes: lines per episode (``episode``, ``final_accuracy``, ``return``, ``mean_active``,
             ``mean_ratio``, ``replay``, ``alpha``: the entropy temperature at the episode's end,
-            ``updates``: DSAC-T updates so far, ``seconds``).
+            ``updates``: DSAC-T updates so far, ``seconds``; once the agent has updated, ``q_mean``
+            and ``entropy`` of its last update: :meth:`~broker_server.rl.dsac_t.DSACTAgent.update`).
         cpu_seconds: process CPU time of the whole pre-training (``time.process_time``).
         parameter_counts: the agent's :meth:`~broker_server.rl.dsac_t.DSACTAgent.parameter_counts`.
     """
@@ -60,7 +61,9 @@ def progress_line(m: dict, episodes: int) -> str:
     """One episode's progress line."""
     return (f"episode {m['episode']:>3}/{episodes}  accuracy {m['final_accuracy']:.4f}  return {m['return']:+.3f}  "
             f"active {m['mean_active']:.1f}  ratio {m['mean_ratio']:.3f}  replay {m['replay']}"
-            + (f"  alpha {m['alpha']:.3g}" if "alpha" in m else "") + f"  {m['seconds']:.1f} s")
+            + (f"  alpha {m['alpha']:.3g}" if "alpha" in m else "")
+            + (f"  Q {m['q_mean']:.4g}" if "q_mean" in m else "")
+            + (f"  entropy {m['entropy']:.4g}" if "entropy" in m else "") + f"  {m['seconds']:.1f} s")
 
 
 def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
@@ -138,9 +141,12 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
                          if plan.selected else 0.0)
         strategy.end_episode(rounds)
         assert strategy.agent is not None
+        learned: dict[str, float] = {k: float(strategy.last_update[k]) for k in ("q_mean", "entropy")
+                                     if k in strategy.last_update}
         line = {"episode": ep, "final_accuracy": strategy.phi, "return": ret, "mean_active": float(np.mean(active)),
                 "mean_ratio": float(np.mean(ratio)), "replay": len(strategy.agent.buffer),
-                "alpha": strategy.agent.alpha, "updates": strategy.agent.updates, "seconds": time.monotonic() - t0}
+                "alpha": strategy.agent.alpha, "updates": strategy.agent.updates, "seconds": time.monotonic() - t0,
+                **learned}
         lines.append(line)
         if on_episode:
             on_episode(line)

@@ -105,7 +105,7 @@ QUEUE: tuple[Grid, ...] = (
     Grid("fedocp", "tools/reproduce_fedocp.py", ("--datasets", "CIFAR-10,Fashion-MNIST"), "fedocp.jsonl",
          "fedocp.md"),
     Grid("feddo", "tools/reproduce_feddo.py", (), "feddo.jsonl", "feddo.md",
-         # the policies' pretrain.json (cost, episodes, each file's SHA-256), not the policies (9 MB
+         # the policies' pretrain.json (cost, episodes, each agent's SHA-256), not the policies (9 MB
          # each): a later session pre-trains again the ones its cells need and checks the bits
          extra_dirs={"policies": "feddo-policies"}, extra_keep=("*.json",), verify=2),
 )
@@ -218,7 +218,7 @@ def seed(grid: Grid, base: Path) -> Path:
     for inside, committed in grid.extra_dirs.items():
         src = RESULTS / committed
         if src.is_dir() and not (out / inside).exists():
-            shutil.copytree(src, out / inside)
+            shutil.copytree(src, out / inside, ignore=_not_kept(grid))
     return out
 
 

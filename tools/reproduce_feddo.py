@@ -112,7 +112,7 @@ configuration, and carrying its rounds), policies to ``OUT/policies/`` (named by
 their pre-training configuration, so another budget never reuses one), with
 ``OUT/policies/pretrain.json`` (each policy's CPU time, episodes and SHA-256). Only that file is
 committed (``benchmarks/results/feddo-policies/``; a policy is about 9 MB): a grid seeded from it
-pre-trains a policy again when a cell needs it, and refuses that policy's cells when the new file's
+pre-trains a policy again when a cell needs it, and refuses that policy's cells when the new agent's
 SHA-256 is not the recorded one (:func:`remade_check`: pre-training runs with portable numerics, so
 it is machine-independent). An interrupted reproduction resumes where it stopped. A FedDO cell's
 configuration names its policy file as ``OUT/policies/…``; the records' fingerprints count that path
@@ -150,6 +150,7 @@ sys.path.insert(0, str(ROOT))
 from broker_server.experiments import (  # noqa: E402
     NOT_RECORDED,
     STOP_AT_ENV,
+    VERIFY_FILE,
     GridStopped,
     Job,
     attach_round_series,
@@ -425,15 +426,19 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
     """The ``pretrain.json`` entry of policy ``name`` pre-trained again (``new``) where an entry
     was ``recorded`` (its file absent: policies are not committed, only their ``pretrain.json``).
 
-    The same SHA-256 (:func:`policy_sha256`; portable numerics make the pre-training machine-independent): ``new``
-    with ``remade`` counting the re-makes. Another: an ``error`` entry that keeps the recorded
-    one (``recorded``), so the cells recorded with the old policy are not mixed with cells of the
-    new one (:func:`runnable` blocks them) and the next invocation compares against it again.
-    No recorded SHA-256 (an entry of before it was kept, or none): ``new``."""
+    The same SHA-256 (:func:`policy_sha256`; portable numerics make the pre-training
+    machine-independent): ``new`` with ``remade`` counting the re-makes. Another: an ``error``
+    entry that keeps the recorded one (``recorded``) and the new hash (``remade_sha256``), so the
+    cells recorded with the old policy are not mixed with cells of the new one (:func:`runnable`
+    blocks them) and the next invocation compares against it again. A pre-training that failed
+    (``new`` an error) keeps the recorded entry too. No recorded SHA-256 (an entry of before it
+    was kept, or none): ``new``."""
     if recorded is not None and "error" in recorded:
         recorded = recorded.get("recorded")
-    if "error" in new or not recorded or "sha256" not in recorded:
+    if not recorded or "sha256" not in recorded:
         return new
+    if "error" in new:  # failed this time: the recorded bits are kept for the next try
+        return {**new, "recorded": recorded}
     if new["sha256"] == recorded["sha256"]:
         print(f"policy {name}: re-made, the same bits as its recorded pre-training ({new['sha256'][:16]}…)", flush=True)
         return {**new, "remade": int(recorded.get("remade", 0)) + 1}
@@ -444,14 +449,19 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
             "recorded": recorded, "remade_sha256": new["sha256"]}
 
 
+#: policies this process pre-trained (an error entry is retried once per invocation, not by each of
+#: the main grid, the sweep and --verify that need it)
+_TRIED: set[str] = set()
+
+
 def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str, dict]:
     """Pre-train every policy of ``specs`` not yet made (its file and its ``pretrain.json`` entry
     both present), ``workers`` at a time; returns the whole ``pretrain.json``. A policy with an
     entry but no file (a grid seeded from the committed ``pretrain.json``) is made again and its
     SHA-256 compared with the entry's (:func:`remade_check`)."""
     info = load_pretrain_info(out)
-    todo = {s["name"]: s for s in specs
-            if not (s["name"] in info and "error" not in info[s["name"]] and Path(s["path"]).exists())}
+    todo = {s["name"]: s for s in specs if not policy_made(s["path"], info)
+            and not ("error" in info.get(s["name"], {}) and s["name"] in _TRIED)}
     if not todo:
         return info
     made = [float(v["cpu_seconds"]) for v in info.values() if "error" not in v and "cpu_seconds" in v]
@@ -466,6 +476,7 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
     # fresh grid on another machine pre-trains the same policies
     with pinned_numerics("portable"), ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx,
                                                           initializer=die_with_parent) as pool:
+        _TRIED.update(todo)
         futures = {pool.submit(_pretrain_task, s): name for name, s in todo.items()}
         try:
             for fut in as_completed(futures):
@@ -509,14 +520,15 @@ def samples_per_round(lines: list[dict]) -> float | None:
 
 def agent_sizes() -> list[tuple[int, dict, dict]]:
     """(K, dense counts, low-rank counts) of the FedDO agent (hidden 256 × 3, rank
-    :data:`TABLE_RANK`) for the paper's device counts."""
+    :data:`TABLE_RANK`, the critics' LayerNorm: 2 × 256 × 3 parameters a critic) for the paper's
+    device counts."""
     from broker_server.rl.dsac_t import DSACTAgent, DSACTConfig
     from broker_server.strategies.feddo import GLOBAL_FEATURES
 
     out = []
     for k in PAPER_SIZES:
-        dense = DSACTAgent(k + GLOBAL_FEATURES, k, DSACTConfig(rank=0)).parameter_counts()
-        low = DSACTAgent(k + GLOBAL_FEATURES, k, DSACTConfig(rank=TABLE_RANK)).parameter_counts()
+        dense, low = (DSACTAgent(k + GLOBAL_FEATURES, k, DSACTConfig(rank=r, critic_layer_norm=True)).parameter_counts()
+                      for r in (0, TABLE_RANK))
         out.append((k, dense, low))
     return out
 
@@ -697,10 +709,12 @@ class Grid:
 
 def policy_made(path: str, info: dict[str, dict]) -> bool:
     """Whether the policy a cell names (``OUT/policies/<name>.pt``, however ``OUT`` is spelt) was
-    pre-trained: ``pretrain.json`` has ``<name>`` without an error and the file is there (the
-    test :func:`pretrain_policies` makes before pre-training one again)."""
+    pre-trained: ``pretrain.json`` has ``<name>`` without an error and with its agent's SHA-256,
+    and the file is there (the test :func:`pretrain_policies` makes before pre-training one
+    again). An entry without a SHA-256 was written before the critics' LayerNorm existed, by a
+    pre-training whose policy has the same name and plain critics: it is made again."""
     name = Path(path).stem
-    return name in info and "error" not in info[name] and Path(path).exists()
+    return name in info and "error" not in info[name] and "sha256" in info[name] and Path(path).exists()
 
 
 def runnable(jobs: list[Job], info: dict[str, dict]) -> tuple[list[Job], list[Job]]:
@@ -721,7 +735,7 @@ def blocked_reason(job: Job, info: dict[str, dict]) -> str:
     entry = info.get(Path(path).stem)
     if entry is None:
         return f"its policy {path} was not pre-trained"
-    if "error" in entry and "recorded" in entry:
+    if "error" in entry and "remade_sha256" in entry:
         return f"its policy, pre-trained again, is not the recorded one ({entry['error']})"
     if "error" in entry:
         return f"its policy failed to pre-train ({entry['error']})"
@@ -743,11 +757,26 @@ def verify_choice(jobs: list[Job], out: Path, k: int) -> list[Job]:
     return [by_key[key] for key in chosen]
 
 
-def verify_cells(grid: Grid, out: Path, k: int, *, workers: int) -> list[Job]:
+def done_keys(out: Path) -> set[str]:
+    """The keys of the cells recorded without an error in ``OUT/results.jsonl``."""
+    return {k for k, r in load_results(out).items() if "error" not in r}
+
+
+def needed_policies(specs: list[dict], jobs: list[Job], out: Path) -> list[dict]:
+    """The policies of ``specs`` that a cell of ``jobs`` not yet recorded loads: a grid seeded
+    from the committed records (no policy files) pre-trains only what its remaining cells need."""
+    recorded = done_keys(out)
+    want = {Path(j.config["algorithm"].get("policy", "")).stem for j in jobs if j.key not in recorded} - {""}
+    return [s for s in specs if s["name"] in want]
+
+
+def verify_cells(grid: Grid, out: Path, k: int, *, workers: int) -> tuple[list[Job], list[str]]:
     """:func:`verify_choice`'s cells after pre-training again the policies they load that this
     folder lacks (a grid seeded from the committed ``pretrain.json`` has none; each is checked
-    against its recorded SHA-256, :func:`remade_check`); a cell whose policy still cannot be had
-    is said and left out."""
+    against its recorded SHA-256, :func:`remade_check`): (the cells to re-run, a line
+    ``- <key>: not re-run (<why>)`` per cell whose policy still cannot be had). Those lines go
+    into the re-run check (``verify.md``), which then does not count as passed
+    (``tools/grid_queue.py``'s ``passed_verify``)."""
     chosen = verify_choice(grid.jobs(), out, k)
     need = {Path(j.config["algorithm"].get("policy", "")).stem for j in chosen} - {""}
     specs = [s for s in {s["name"]: s for s in grid.policies() + grid.policies(sweep=True)}.values()
@@ -756,7 +785,7 @@ def verify_cells(grid: Grid, out: Path, k: int, *, workers: int) -> list[Job]:
     ok, blocked = runnable(chosen, info)
     for j in blocked:
         print(f"--verify: {j.key} is not re-run: {blocked_reason(j, info)}", flush=True)
-    return ok
+    return ok, [f"- {j.key}: not re-run ({blocked_reason(j, info)})" for j in blocked]
 
 
 def estimate(grid: Grid, out: Path, *, workers: int, on_result, stamp: dict) -> None:
@@ -984,7 +1013,9 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                   f"CPUs, {settings.get('workers', 2)} worker processes, 1 torch thread each).", ""]
     lines.append(records_cost({r["key"]: r for r in ok}))
     lines += ["", numerics_line({r["key"]: r for r in ok})]
-    pol_ok = [v for v in info.values() if "error" not in v and v.get("cpu_seconds") is not None]
+    # each policy's pre-training on record: a re-make that failed or gave other bits keeps it as "recorded"
+    pol_ok = [p for v in info.values() if (p := v.get("recorded", {}) if "error" in v else v).get("cpu_seconds")
+              is not None]
     if pol_ok:
         hours = sum(v["cpu_seconds"] for v in pol_ok) / 3600
         lines.append(f"Pre-training on record: {len(pol_ok)} policies, {hours:.2f} CPU-hours.")
@@ -1043,9 +1074,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                 beh[(ds, part)] = (mean_std([b[0] for b in fb])[0], mean_std([b[1] for b in fb])[0])
             if part in PAPER_BEHAVIOUR:
                 lines.append(f"\nPaper's learned behaviour here: {PAPER_BEHAVIOUR_TEXT[part]}.")
-            pol = [v for v in info.values() if v.get("setting") == f"{ds}/{part}" and not v.get("tag")
-                   and "error" not in v and v.get("episodes") == settings["episodes"]
-                   and v.get("rounds") == settings["pretrain_rounds"]]
+            pol = [v for v in pol_ok if v.get("setting") == f"{ds}/{part}" and not v.get("tag")
+                   and v.get("episodes") == settings["episodes"] and v.get("rounds") == settings["pretrain_rounds"]]
             for v in pol:
                 eps = [v["lines"][0]] + ([v["lines"][-1]] if len(v["lines"]) > 1 else [])
                 lines.append(f"\nPre-training: {v['cpu_seconds']:.0f} CPU s for {v['episodes']} episodes × "
@@ -1054,7 +1084,9 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                                  f"{100 * e['final_accuracy']:.2f} %, {e['mean_active']:.1f} active at d "
                                  f"{e['mean_ratio']:.3f}"
                                  + (f", entropy temperature α {e['alpha']:.3g} after {e['updates']:,} updates"
-                                    if "alpha" in e else "") for e in eps) + ".")
+                                    if "alpha" in e else "")
+                                 + (f", the critics' mean Q {e['q_mean']:.4g}" if "q_mean" in e else "")
+                                 for e in eps) + ".")
             lines.append("")
 
     # controls
@@ -1112,8 +1144,11 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                   "swept: with quorum 1 it acts only in a round where no device gets d > 0. Local epochs, lr and "
                   "batch (not in the paper either) are not swept: every method shares them, so a value would re-run "
                   "the whole comparison, and FedDO's policy would have to be pre-trained again at it.", "",
+                  "The last column: the policy's entropy temperature α and its critics' mean Q on the last DSAC-T "
+                  "batch of its pre-training (a Q in the thousands or more, or an α that climbed, is a critic "
+                  "that diverged).", "",
                   "| key | value | method | final accuracy % | seeds | collapsed | active/round | mean d | "
-                  "pre-training CPU s |", "|---|---|---|---|---|---|---|---|---|"]
+                  "pre-training CPU s | α, Q at its end |", "|---|---|---|---|---|---|---|---|---|---|"]
         sweep_verdicts: list[str] = []
         for key, values in (sweeps or {}).items():
             vals = sweep_values(key, values, settings["episodes"])
@@ -1128,15 +1163,19 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                 if i and (pr := paired(vrs, default_rs))[2]:
                     gains.append((pr[0], pr[1], pr[2], v, sum(a < 0.15 for a in acc)))
                 bb = [b for r in vrs if (b := behaviour(read_metrics(out, r["key"]))) != (0.0, 0.0)]
-                cpu = [x["cpu_seconds"] for x in info.values() if "error" not in x and x.get("setting") == sweep_bench
-                       and x.get("tag") == (f"{key}={v}" if i else "")
-                       and (i or x.get("episodes") == settings["episodes"])]
+                made = [x for x in info.values() if "error" not in x and x.get("setting") == sweep_bench
+                        and x.get("tag") == (f"{key}={v}" if i else "")
+                        and (i or x.get("episodes") == settings["episodes"])]
+                cpu = [x["cpu_seconds"] for x in made]
+                end = made[0]["lines"][-1] if made and made[0].get("lines") else {}
+                ends = ", ".join(([f"α {end['alpha']:.3g}"] if "alpha" in end else [])
+                                 + ([f"Q {end['q_mean']:.4g}"] if "q_mean" in end else []))
                 lines.append(f"| {key} | {v!r}{' (default)' if i == 0 else ''} | FedDO | "
                              f"{pm(acc, plain_single=True)} | "
                              f"{len(acc)} | {sum(a < 0.15 for a in acc)} | "
                              + (f"{pm([b[0] for b in bb], 1.0, 1, plain_single=True)} | "
                                 f"{pm([b[1] for b in bb], 1.0, 3, plain_single=True)} | " if bb else "– | – | ")
-                             + (f"{cpu[0]:.0f} |" if cpu else "– |"))
+                             + (f"{cpu[0]:.0f} |" if cpu else "– |") + f" {ends or '–'} |")
             if gains:
                 top = max(gains, key=lambda g: g[0])
                 worse = [f"{g[3]!r} {g[0]:+.2f} ± {g[1]:.2f} pp" + (f" ({g[4]} collapsed)" if g[4] else "")
@@ -1163,7 +1202,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                 acc = [a for r in vrs if (a := _acc(r)) is not None]
                 lines.append(f"| participation | {p:g}{' (default)' if p == settings['participation'] else ''} | "
                              f"{label} | {pm(acc, plain_single=True)} | {len(acc)} | {sum(a < 0.15 for a in acc)} | "
-                             "– | – | – |")
+                             "– | – | – | – |")
         if sweep_verdicts:
             lines += ["", "Per key, against the default on the seeds both have:", "", *sweep_verdicts]
         if rs.get("FedDO-all"):
@@ -1278,9 +1317,14 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                      "time: reported, not judged.")
     lines += ["", "## Re-run check", ""] + (verify or ["Not run (`--verify K` re-runs K recorded cells and compares "
                                                        "every last-round metric and every round's figures)."]) + [""]
-    missing = [v for v in info.values() if "error" in v]
+    missing = {n: v for n, v in info.items() if "error" in v and "remade_sha256" not in v}
+    other = {n: v for n, v in info.items() if "error" in v and "remade_sha256" in v}
     if missing:
-        lines += ["## Policies that failed to pre-train", ""] + [f"- {v['error']}" for v in missing] + [""]
+        lines += ["## Policies that failed to pre-train", ""] + [f"- {n}: {v['error']}"
+                                                                  for n, v in missing.items()] + [""]
+    if other:
+        lines += ["## Policies pre-trained again to other bits than recorded (their cells are not run)", ""] + [
+            f"- {n}: {v['error']}" for n, v in other.items()] + [""]
     return "\n".join(lines + failed_runs_section({k: r for k, r in results.items() if k in keys}))
 
 
@@ -1391,12 +1435,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         print(f"{len(grid.jobs())} cells known now in {out} (FedDO-random follows FedDO's first seed)", flush=True)
         for ds in datasets:  # data set by data set: one is whole before the next starts
-            info = pretrain_policies(out, grid.policies([ds]), workers=a.workers)
+            info = pretrain_policies(out, needed_policies(grid.policies([ds]), grid.main_jobs([ds]), out),
+                                     workers=a.workers)
             for i in range(len(seeds)):  # seed by seed, so a stopped grid has whole seeds
                 jobs = [j for j in grid.main_jobs([ds]) if int(j.tags["seed"]) in seeds[:i + 1]]
                 ok, blocked = runnable(jobs, info)
+                recorded = done_keys(out)
                 for j in blocked:
-                    print(f"{j.key}: not run, {blocked_reason(j, info)}", flush=True)
+                    if j.key not in recorded:
+                        print(f"{j.key}: not run, {blocked_reason(j, info)}", flush=True)
                 if i == 0 and ds == datasets[0]:  # the cells and the estimate (fresh: when its first cell ends)
                     run_with_estimate(ok, out, workers=a.workers, on_result=show, stamp=stamp,
                                       note="the first data set's seed; see --estimate-only for the whole grid")
@@ -1404,12 +1451,17 @@ def main(argv: list[str] | None = None) -> int:
                     run_grid(ok, out, workers=a.workers, on_result=show, stamp=stamp)
             run_grid(runnable(grid.main_jobs([ds]), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
         if sweep_bench:
-            info = pretrain_policies(out, grid.policies(sweep=True), workers=a.workers)
+            info = pretrain_policies(out, needed_policies(grid.policies(sweep=True), grid.sweep_jobs(), out),
+                                     workers=a.workers)
             run_grid(runnable(grid.sweep_jobs(), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
         wall = time.monotonic() - t0
         if a.verify:
-            verify_lines = verify_records(verify_cells(grid, out, a.verify, workers=a.workers), out, a.verify,
-                                          workers=a.workers, commit=commit, headline=_acc)
+            cells, not_rerun = verify_cells(grid, out, a.verify, workers=a.workers)
+            verify_lines = verify_records(cells, out, a.verify, workers=a.workers, commit=commit, headline=_acc)
+            if not_rerun:  # said in the check itself, so it does not pass as whole
+                verify_lines += not_rerun
+                with open(out / VERIFY_FILE, "a", encoding="utf-8") as f:
+                    f.write("".join(line + "\n" for line in not_rerun))
     else:
         check_report_records(grid.jobs(), out)  # the report describes these options: the records must be theirs
     verify_lines = verify_lines or earlier_verify(out)

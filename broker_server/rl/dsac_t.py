@@ -432,7 +432,10 @@ class DSACTAgent:
 
     def update(self, steps: int = 1) -> dict[str, float]:
         """``steps`` gradient steps (none while the buffer holds fewer than ``warmup``
-        transitions). Returns the last step's losses, α and σ̄ (``{}`` when none was taken)."""
+        transitions). Returns the last step's losses, σ̄ of each critic, ``q_mean`` (the two
+        critics' mean Q on that step's batch, before their step: a critic that diverges shows
+        here) and, on a step that updates the actor, α and the entropy estimate −mean log π
+        (``{}`` when no step was taken)."""
         out: dict[str, float] = {}
         if len(self.buffer) < max(1, self.config.warmup):
             return out
@@ -454,9 +457,10 @@ class DSACTAgent:
             q_next_sample = torch.where(use0, samples[0], samples[1])
             y_q = r + c.gamma * (1 - done) * (q_next - alpha * logp2)
             y_z = r + c.gamma * (1 - done) * (q_next_sample - alpha * logp2)
-        losses = []
+        losses, q_means = [], []
         for i, (q_net, opt) in enumerate(zip(self.critics, self.critic_opts, strict=True)):
             q, std = q_net(s, a)
+            q_means.append(float(q.detach().mean()))
             batch_std = float(std.detach().mean())
             prev = self.mean_stds[i]
             self.mean_stds[i] = batch_std if prev < 0 else (1 - c.tau) * prev + c.tau * batch_std
@@ -467,7 +471,8 @@ class DSACTAgent:
             opt.step()
             losses.append(float(loss.detach()))
         self.updates += 1
-        out = {"critic_loss": sum(losses), "mean_std_1": self.mean_stds[0], "mean_std_2": self.mean_stds[1]}
+        out = {"critic_loss": sum(losses), "mean_std_1": self.mean_stds[0], "mean_std_2": self.mean_stds[1],
+               "q_mean": sum(q_means) / len(q_means)}
         if self.updates % c.delay_update == 0:
             new_a, logp = self._sample(self.actor, s)
             q_pi = torch.minimum(self.critics[0](s, new_a)[0], self.critics[1](s, new_a)[0])

@@ -341,7 +341,8 @@ class FedDO(Strategy):
                         f"critic_layer_norm = {str(c.critic_layer_norm).lower()}")
             raise ValueError(f"policy {policy} was pre-trained with {sizes(saved)}, but [algorithm] asks "
                              f"{sizes(want)} (256, 3, 96 and true where not set): set them to the policy's, or "
-                             "pre-train a policy with these (fedfleet feddo pretrain)")
+                             "pre-train a policy with these (fedfleet feddo pretrain); a policy saved before "
+                             "critic_layer_norm existed has critics without LayerNorm")
         changed = [f"{k} {getattr(saved, k)} → {getattr(want, k)}" for k in LEARNING_KEYS
                    if getattr(saved, k) != getattr(want, k)]
         self.agent.config = dataclasses.replace(saved, **{k: getattr(want, k) for k in LEARNING_KEYS})
@@ -551,7 +552,16 @@ class FedDO(Strategy):
         self.slots = list(state["slots"])
         if state["agent"]:
             agent = self._ensure_agent(self.num_devices)
-            agent.load_bytes(state["agent"])
+            try:
+                agent.load_bytes(state["agent"])
+            except RuntimeError as exc:  # torch's state-dict error: missing keys, size mismatches
+                c = agent.config
+                raise ValueError(
+                    "FedDO: the checkpoint's DSAC-T agent does not fit the one [algorithm] builds (hidden = "
+                    f"{c.hidden[0] if c.hidden else 0}, layers = {len(c.hidden)}, rank = {c.rank}, critic_layer_norm = "
+                    f"{str(c.critic_layer_norm).lower()}): set these keys in the run folder's config.toml to the "
+                    "run's own; a run checkpointed before critic_layer_norm existed has critics without LayerNorm "
+                    f"(critic_layer_norm = false) ({str(exc).splitlines()[0]})") from exc
             agent.buffer.load_state_dict(state["replay"])
         self.drift = np.asarray(state["drift"], np.float64)
         self.phi, self.val_loss = float(state["phi"]), float(state["val_loss"])

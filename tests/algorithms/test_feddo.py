@@ -242,6 +242,8 @@ def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> No
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "2", "--rounds", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "episode   1/2" in text and "episode   2/2" in text and "policy written" in text
+    # once the agent learns, each line shows its critics' mean Q (a diverging critic shows there)
+    assert all("  Q " in line for line in text.splitlines() if line.startswith("episode"))
     blob = torch.load(out, weights_only=True)
     assert blob["metadata"]["num_devices"] == 3 and blob["metadata"]["episodes"] == 2
     # the pre-training cost is recorded with the policy (a figure, not a bound on it)
@@ -646,3 +648,18 @@ def test_the_readme_path_from_the_example_pretrains_and_deploys(tmp_path, monkey
     assert main(["simulate", "--resume", "../run", "--rounds", "3", "--quiet"]) == 0
     rounds = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds if "round" in r] == [1, 2, 3]
+
+
+def test_a_checkpoint_of_critics_without_layer_norm_is_refused_with_the_key_to_set() -> None:
+    """A run checkpointed before critic_layer_norm existed has plain critics; resumed with the new
+    default its agent cannot take them: a ValueError saying which key to set, not torch's error."""
+    val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
+    old = FedDO(validation=val, **{**SMALL, "critic_layer_norm": False})
+    old._ensure_agent(3)
+    state = old.state_dict()
+    with pytest.raises(ValueError, match=r"critic_layer_norm = true\): set these keys in the run folder's "
+                                         r"config.toml .*before critic_layer_norm existed .*critic_layer_norm = false"):
+        FedDO(validation=val, **SMALL).load_state_dict(state)
+    same = FedDO(validation=val, **{**SMALL, "critic_layer_norm": False})
+    same.load_state_dict(state)
+    assert same.agent is not None and same.agent.to_bytes() == old.agent.to_bytes()

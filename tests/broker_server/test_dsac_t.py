@@ -130,6 +130,13 @@ def test_a_layer_norm_critic_is_bounded_for_any_input_and_a_plain_one_is_not() -
             assert float(ln(s * scale, a * scale)[0].abs().max()) <= bound
         q_small, q_big = plain(s, a)[0].abs().max(), plain(s * 1e6, a * 1e6)[0].abs().max()
     assert float(q_big) > 1e3 * float(q_small) and float(q_big) > bound
+    # where the LayerNorms sit (the bound would hold with them after the GELUs too): after each
+    # hidden linear map — the low-rank input layer's included — before its GELU, none in the actor
+    low = Critic(60, 40, (16, 16), rank=4, layer_norm=True)
+    assert [type(m).__name__ for m in low.net] == ["LowRankLinear", "LayerNorm", "GELU", "Linear", "LayerNorm", "GELU",
+                                                   "Linear"]
+    agent = DSACTAgent(60, 40, DSACTConfig(hidden=(16, 16), rank=4, critic_layer_norm=True))
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in agent.actor.modules())
 
 
 def test_replay_ring_keeps_the_newest_in_order_and_round_trips() -> None:
@@ -171,6 +178,23 @@ def test_targets_move_by_polyak_after_each_delayed_update() -> None:
     for old, new, online in zip(before, agent.critic_targets.parameters(), agent.critics.parameters(), strict=True):
         torch.testing.assert_close(new, 0.75 * old + 0.25 * online.detach())
     assert out["alpha"] != pytest.approx(math.e)  # the temperature is learned
+
+
+def test_an_update_reports_the_critics_mean_q_on_its_batch_before_their_step() -> None:
+    """The batch is the replay rows the agent's generator draws (uniform, with replacement): drawn
+    again from a copy of it, the two critics' mean Q there is the update's ``q_mean``."""
+    import copy
+
+    agent = _tiny()
+    _fill(agent)
+    idx = copy.deepcopy(agent.rng).integers(0, len(agent.buffer), agent.config.batch_size)
+    s, a = torch.from_numpy(agent.buffer.s[idx]), torch.from_numpy(agent.buffer.a[idx])
+    with torch.no_grad():
+        want = sum(float(q(s, a)[0].mean()) for q in agent.critics) / 2
+    out = agent.update(1)
+    assert out["q_mean"] == pytest.approx(want, rel=1e-6)
+    with torch.no_grad():  # the critics moved: the same batch now gives another mean
+        assert sum(float(q(s, a)[0].mean()) for q in agent.critics) / 2 != pytest.approx(want, rel=1e-6)
 
 
 def test_nothing_is_learned_before_the_warmup() -> None:

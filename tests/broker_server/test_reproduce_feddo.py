@@ -275,12 +275,18 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     info = {}
     for part, cpu, last in (("dir0.1", 800.0, {"episode": 10, "return": 3.0, "final_accuracy": 0.8, "mean_active": 22.0,
-                                               "mean_ratio": 0.85, "alpha": 0.0123, "updates": 18000}),
+                                               "mean_ratio": 0.85, "alpha": 0.0123, "updates": 18000,
+                                               "q_mean": 512.34}),
                             ("iid", 1000.0, None)):
         spec = grid.main_policy("fashion_mnist", part)
         first = {"episode": 1, "return": 1.5, "final_accuracy": 0.5, "mean_active": 50.0, "mean_ratio": 0.6}
         info[spec["name"]] = {"path": spec["path"], "setting": spec["setting"], "tag": "", "cpu_seconds": cpu,
                               "episodes": 10, "rounds": 4, "lines": [first] + ([last] if last else [])}
+    # the IID policy, pre-trained again here, came out with other bits: its recorded pre-training still counts
+    iid_policy = grid.main_policy("fashion_mnist", "iid")["name"]
+    info[iid_policy] = {"error": "re-made with SHA-256 aaaa…, but …", "recorded": info[iid_policy],
+                        "remade_sha256": "a" * 64}
+    info["fashion_mnist-dir0.5-x"] = {"error": "RuntimeError: boom"}
     (tmp_path / "policies").mkdir()
     (tmp_path / "policies" / "pretrain.json").write_text(json.dumps(info), encoding="utf-8")
     (tmp_path / "verify.md").write_text("- a cell: recorded 0.8, re-run 0.8 → same\n", encoding="utf-8")
@@ -308,14 +314,14 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     # bytes: FedAvg 1,000 / 2,000 over its 4 main cells; FedDO (600 + 400 + 500)/3 = 500 up, 1,000 down
     assert "| FedAvg | 1,000 | 2,000 | 4 |" in text and "| FedDO | 500 | 1,000 | 3 |" in text
     # the sweep: the default row is main FedDO on the swept seed 0; rank 4 collapsed (10 % < 15 %)
-    assert "| rank | 96 (default) | FedDO | 86.00 | 1 | 0 | 22.0 | 0.850 | 800 |" in text
-    assert "| rank | 4 | FedDO | 10.00 | 1 | 1 | 100.0 | 1.000 | – |" in text
-    assert "| rank | 0 | FedDO | – | 0 | 0 | – | – | – |" in text
+    assert "| rank | 96 (default) | FedDO | 86.00 | 1 | 0 | 22.0 | 0.850 | 800 | α 0.0123, Q 512.3 |" in text
+    assert "| rank | 4 | FedDO | 10.00 | 1 | 1 | 100.0 | 1.000 | – | – |" in text
+    assert "| rank | 0 | FedDO | – | 0 | 0 | – | – | – | – |" in text
     # its verdict: rank 4 − default on seed 0 = 10 − 86 = −76 pp, and it collapsed
     assert ("- sweep `rank` (1 of 3 values on record): the default is the best value on record; drops of ≥ 10 pp or "
             "collapses: 4 -76.00 ± 0.00 pp (1 collapsed).") in text
-    assert "| participation | 0.2 (default) | FedAvg | 80.00 | 1 | 0 | – | – | – |" in text
-    assert "| participation | 1 | FedAvg | 83.00 | 1 | 0 | – | – | – |" in text
+    assert "| participation | 0.2 (default) | FedAvg | 80.00 | 1 | 0 | – | – | – | – |" in text
+    assert "| participation | 1 | FedAvg | 83.00 | 1 | 0 | – | – | – | – |" in text
     # verdicts: the gain over seeds 0, 1: (86 − 80, 84 − 82) = (6, 2) → 4.00 ± 2.00 ≥ 3.83
     assert ("- fashion_mnist dir0.1, FedDO's gain over FedAvg: +4.00 ± 2.00 pp (2 seeds; paper 87.49 vs FedAvg "
             "83.66, +3.83 pp; FedDO trained 2,250 images a round, FedAvg 2,000: the reference at FedDO's budget is "
@@ -349,7 +355,11 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
             "round); the paper's 200 episodes of 4 rounds would take ≈ 5.0 CPU-hours per setting here.") in text
     assert ("Pre-training: 800 CPU s for 10 episodes × 4 rounds; episode 1: return +1.50, accuracy 50.00 %, 50.0 "
             "active at d 0.600; episode 10: return +3.00, accuracy 80.00 %, 22.0 active at d 0.850, entropy "
-            "temperature α 0.0123 after 18,000 updates.") in text
+            "temperature α 0.0123 after 18,000 updates, the critics' mean Q 512.3.") in text
+    assert "Pre-training: 1000 CPU s for 10 episodes × 4 rounds; episode 1: return +1.50" in text
+    assert (f"## Policies that failed to pre-train\n\n- fashion_mnist-dir0.5-x: RuntimeError: boom\n\n"
+            f"## Policies pre-trained again to other bits than recorded (their cells are not run)\n\n"
+            f"- {iid_policy}: re-made with SHA-256 aaaa…, but …\n") in text
     # 16 cells × 100 s = 0.44 cell-hours; the records' commit; the earlier re-run check
     assert "The 16 finished cells on record took 0.44 cell-hours" in text
     assert "(made at `abc1234`)" in text
@@ -379,7 +389,7 @@ def test_a_cell_finds_its_policy_however_out_is_spelt(tmp_path: Path, monkeypatc
     spec = made.main_policy("fashion_mnist", "dir0.1")
     (tmp_path / "grid" / "policies").mkdir(parents=True)
     Path(spec["path"]).write_bytes(b"policy")
-    info = {spec["name"]: {"path": spec["path"], "cpu_seconds": 1.0, "episodes": 10, "rounds": 80}}
+    info = {spec["name"]: {"path": spec["path"], "cpu_seconds": 1.0, "episodes": 10, "rounds": 80, "sha256": "0" * 64}}
     resumed = _grid(t, Path("grid"), **kw)
     jobs = resumed.main_jobs(control={})
     feddo = [j for j in jobs if j.config["algorithm"].get("policy")]
@@ -443,7 +453,15 @@ def test_remade_check_without_a_recorded_sha256_keeps_the_new_entry() -> None:
     new = {"sha256": "a" * 64, "cpu_seconds": 3.0}
     assert t.remade_check("p", None, new) == new
     assert t.remade_check("p", {"cpu_seconds": 9.0}, new) == new  # recorded before the SHA-256 was kept
-    assert t.remade_check("p", {"sha256": "b" * 64}, {"error": "RuntimeError: boom"}) == {"error": "RuntimeError: boom"}
+    # a failed re-make keeps the recorded bits for the next try, which compares against them
+    failed = t.remade_check("p", {"sha256": "b" * 64}, {"error": "RuntimeError: boom"})
+    assert failed == {"error": "RuntimeError: boom", "recorded": {"sha256": "b" * 64}}
+    assert "error" in t.remade_check("p", failed, new)
+    assert t.remade_check("p", failed, {"sha256": "b" * 64})["remade"] == 1
+    # an entry without a SHA-256 (written before the critics' LayerNorm) is no policy made: its
+    # file, of the same name, has plain critics
+    assert not t.policy_made(__file__, {Path(__file__).stem: {"cpu_seconds": 9.0}})
+    assert t.policy_made(__file__, {Path(__file__).stem: {"cpu_seconds": 9.0, "sha256": "a" * 64}})
 
 
 def test_verify_pre_trains_the_policy_of_a_cell_it_re_runs(tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -459,14 +477,42 @@ def test_verify_pre_trains_the_policy_of_a_cell_it_re_runs(tmp_path: Path, capsy
     (tmp_path / "results.jsonl").write_text("".join(json.dumps({"key": jobs[m].key, "final": {"accuracy": 0.5}}) + "\n"
                                                     for m in ("FedAvg", "FedDO")), encoding="utf-8")
     spec = grid.main_policy("fashion_mnist", "dir0.1")
-    assert [j.tags["method"] for j in t.verify_cells(grid, tmp_path, 2, workers=1)] == ["FedDO", "FedAvg"]
+    cells, not_rerun = t.verify_cells(grid, tmp_path, 2, workers=1)
+    assert [j.tags["method"] for j in cells] == ["FedDO", "FedAvg"] and not_rerun == []
     info = t.load_pretrain_info(tmp_path)
     assert Path(spec["path"]).is_file() and info[spec["name"]]["sha256"] == t.policy_sha256(spec["path"])
     Path(spec["path"]).unlink()
     info[spec["name"]]["sha256"] = "f" * 64  # as if recorded with other bits
     (tmp_path / "policies" / "pretrain.json").write_text(json.dumps(info), encoding="utf-8")
     capsys.readouterr()
-    assert [j.tags["method"] for j in t.verify_cells(grid, tmp_path, 2, workers=1)] == ["FedAvg"]
+    cells, not_rerun = t.verify_cells(grid, tmp_path, 2, workers=1)
+    assert [j.tags["method"] for j in cells] == ["FedAvg"]
     said = capsys.readouterr().out
+    # the line the re-run check gets: it does not count as passed (no "recorded … re-run …" for it)
+    assert not_rerun == [f"- {jobs['FedDO'].key}: not re-run (its policy, pre-trained again, is not the recorded "
+                         f"one ({t.load_pretrain_info(tmp_path)[spec['name']]['error']}))"]
+    queue = load_tool("grid_queue")
+    verify = tmp_path / "verify.md"
+    verify.write_text(f"- {jobs['FedAvg'].key}: recorded 0.5, re-run 0.5 → same\n" + not_rerun[0] + "\n",
+                      encoding="utf-8")
+    assert not queue.passed_verify(verify, {jobs["FedAvg"].key, jobs["FedDO"].key})
     assert (f"--verify: {jobs['FedDO'].key} is not re-run: its policy, pre-trained again, is not the recorded one "
             "(re-made with SHA-256") in said
+
+
+def test_only_the_policies_of_cells_still_to_run_are_needed(tmp_path: Path) -> None:
+    """A grid seeded from the committed records has no policy files: it pre-trains a policy only
+    while a cell that loads it is not on record (an error record does not count)."""
+    t = _tool()
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1", "iid"], seeds=[0], sweep=None)
+    jobs = grid.main_jobs(control={})
+    specs = grid.policies()
+    loads = [j for j in jobs if j.config["algorithm"].get("policy")]
+    assert len(specs) == 2 and len(loads) == 6  # FedDO, FedDO-frozen, FedDO-all per setting
+    assert t.needed_policies(specs, jobs, tmp_path) == specs
+    recs = [{"key": j.key, "final": {"accuracy": 0.5}} for j in loads]
+    iid_all = next(j for j in loads if j.tags["partition"] == "iid" and j.tags["method"] == "FedDO-all")
+    recs[loads.index(iid_all)] = {"key": iid_all.key, "error": "RuntimeError: boom"}
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    assert t.needed_policies(specs, jobs, tmp_path) == [grid.main_policy("fashion_mnist", "iid")]
+    assert t.done_keys(tmp_path) == {j.key for j in loads} - {iid_all.key}
