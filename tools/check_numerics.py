@@ -35,10 +35,12 @@ from broker_server.numerics import child_env  # noqa: E402
 
 #: torch and numpy versions (torch's with its build suffix, as ``torch.__version__`` spells it) → the reference
 #: digest (16 hex digits) of :func:`reference_training` under portable numerics, one torch thread:
-#: the same natively on an Intel Xeon with AVX-512 and under qemu-x86_64's Intel Haswell-v4 and AMD
-#: EPYC-v3 CPU models (measured 2026-12-05, with :func:`reference_server`; the digest before it,
-#: 2e4e2b8e5d511876, was also measured natively on an AMD EPYC with AVX-512).
-REFERENCE = {"torch 2.14.1+cu130, numpy 2.4.6": "2e4e838de8cf4a67"}
+#: the same natively on an AMD EPYC with AVX-512 and under qemu-x86_64's Intel Haswell-v4 and AMD
+#: EPYC-v3 CPU models (measured 2026-12-05, the DSAC-T agent of :func:`reference_server` with its
+#: critics' LayerNorm, FedDO's default). The digest before it, 2e4e838de8cf4a67 (plain critics),
+#: was the same natively on an Intel Xeon with AVX-512, on an AMD EPYC with AVX-512 and under both
+#: models; the one before that (no server part), 2e4e2b8e5d511876, natively on an AMD EPYC too.
+REFERENCE = {"torch 2.14.1+cu130, numpy 2.4.6": "bb35da707247b0c2"}
 
 
 def reference_training() -> str:
@@ -92,7 +94,7 @@ def reference_server() -> bytes:
     _, state, _ = train_prototype_net(prototype_net(10, 64, 0), protos, classes,
                                       lambda p, c, centers: margin_contrastive_loss(p, c, centers, margin),
                                       epochs=5, lr=0.01, batch=10, seed=1)
-    agent = DSACTAgent(6, 4, DSACTConfig(hidden=(32, 32), warmup=16, batch_size=16), seed=0)
+    agent = DSACTAgent(6, 4, DSACTConfig(hidden=(32, 32), warmup=16, batch_size=16, critic_layer_norm=True), seed=0)
     for _ in range(40):
         s = rng.standard_normal(6).astype(np.float32)
         agent.observe(s, agent.act(s), float(rng.standard_normal()), rng.standard_normal(6).astype(np.float32), False)
