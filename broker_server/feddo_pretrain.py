@@ -14,6 +14,8 @@ episodes, rounds, data settings, CPU seconds) and a deployed run loads it with
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
 import sys
 import time
@@ -55,6 +57,17 @@ class PretrainResult:
     episodes: list[dict]
     cpu_seconds: float
     parameter_counts: dict[str, int]
+
+
+#: what each column of :func:`progress_line` is (printed once, above the first episode's line)
+PROGRESS_LEGEND = (
+    "columns: accuracy = the global model's validation accuracy after the episode's last round; return = the "
+    "episode's summed reward; active = devices with d > 0 per round (mean); ratio = their mean d; replay = "
+    "transitions stored; alpha = the entropy temperature (starts at e, falls while the policy's entropy is above "
+    "its target -K); Q = the critics' mean Q on the last update's batch (the return to come plus alpha x entropy a "
+    "round, so large while the entropy is; one growing by orders of magnitude is a critic diverging); entropy = "
+    "-mean log pi of the actions in (-1, 1)^K (at most K ln 2 = {top:.3g}: a random policy; target -K = {target}). "
+    "Q and entropy appear once the agent has updated (replay >= warmup = {warmup}).")
 
 
 def progress_line(m: dict, episodes: int) -> str:
@@ -197,9 +210,17 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
     out = Path(args.out or "feddo_policy.pt")
     print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {cfg.data.clients} devices, {args.episodes} episodes x "
           f"{args.rounds} rounds -> {out}", file=stream, flush=True)
-    res = pretrain(cfg, episodes=args.episodes, rounds=args.rounds, out=out,
-                   on_episode=None if args.quiet else lambda m: print(progress_line(m, args.episodes), file=stream,
-                                                                      flush=True))
+    k = int(cfg.algorithm.get("num_devices") or 0) or cfg.data.clients
+    legend = PROGRESS_LEGEND.format(top=k * math.log(2), target=-k,
+                                    warmup=cfg.algorithm.get("warmup",
+                                                             inspect.signature(FedDO).parameters["warmup"].default))
+
+    def show(m: dict) -> None:
+        if m["episode"] == 1:  # the legend above the first line (none when the pre-training fails before it)
+            print(legend, file=stream)
+        print(progress_line(m, args.episodes), file=stream, flush=True)
+
+    res = pretrain(cfg, episodes=args.episodes, rounds=args.rounds, out=out, on_episode=None if args.quiet else show)
     print(f"policy written to {res.policy} ({res.parameter_counts['agent']:,} agent parameters, "
           f"{res.cpu_seconds:.1f} CPU s); use it with [algorithm] policy = \"{res.policy}\"", file=stream)
     return 0
@@ -208,7 +229,7 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
 def add_pretrain_arguments(sp) -> None:
     """The options of ``fedfleet feddo pretrain``."""
     sp.add_argument("--config", help="TOML run configuration with [train] algorithm = \"feddo\"")
-    sp.add_argument("--episodes", type=int, default=200, help="pre-training episodes (default 200, SPECS §4.3)")
+    sp.add_argument("--episodes", type=int, default=200, help="pre-training episodes (default 200, the paper's)")
     sp.add_argument("--rounds", type=int, default=50, help="rounds per episode (default 50)")
     sp.add_argument("--out", help="policy file to write (default feddo_policy.pt)")
     sp.add_argument("--seed", type=int, help="override [run] seed")

@@ -242,7 +242,9 @@ def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> No
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "2", "--rounds", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "episode   1/2" in text and "episode   2/2" in text and "policy written" in text
-    # once the agent learns, each line shows its critics' mean Q (a diverging critic shows there)
+    # once the agent learns, each line shows its critics' mean Q (a diverging critic shows there); a
+    # legend first, with the entropy's bounds for these 3 devices: at most 3 ln 2 = 2.08, target -3
+    assert "at most K ln 2 = 2.08: a random policy; target -K = -3)" in text and "warmup = 1)" in text
     assert all("  Q " in line for line in text.splitlines() if line.startswith("episode"))
     blob = torch.load(out, weights_only=True)
     assert blob["metadata"]["num_devices"] == 3 and blob["metadata"]["episodes"] == 2
