@@ -795,7 +795,7 @@ def estimate(grid: Grid, out: Path, *, workers: int, on_result, stamp: dict) -> 
     info = load_pretrain_info(out)
     jobs = grid.jobs()
     ok, blocked = runnable(jobs, info)
-    done = {k for k, r in load_results(out).items() if "error" not in r}
+    done = done_keys(out)
     if any(j.key not in done for j in ok):  # the first missing cell that can run now comes first
         run_with_estimate(ok + blocked, out, workers=workers, estimate_only=True, on_result=on_result,
                           note="cells differ: FedDO-all and participation 0.5/1.0 train 2.5–5x the images of a "
