@@ -80,7 +80,8 @@ def progress_line(m: dict, episodes: int) -> str:
 
 
 def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
-             on_episode: Callable[[dict], None] | None = None) -> PretrainResult:
+             on_episode: Callable[[dict], None] | None = None,
+             on_start: Callable[[], None] | None = None) -> PretrainResult:
     """Run ``episodes`` pre-training episodes of ``rounds`` rounds and write the policy to ``out``.
 
     Args:
@@ -89,6 +90,9 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         episodes, rounds: ≥ 1.
         out: the policy file to write.
         on_episode: called with each episode's line.
+        on_start: called once every check below has passed and the data set is loaded, just
+            before the first episode (``fedfleet feddo pretrain`` prints its banner there, so a
+            configuration error comes alone).
 
     Raises:
         ConfigError: another algorithm, episodes or rounds below 1, an ``out`` that cannot be
@@ -118,6 +122,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     base = TrainConfig.from_mapping(TrainConfig(seed=cfg.run.seed), train_config(cfg))
     cpu = torch.device("cpu")
     lines: list[dict] = []
+    if on_start is not None:
+        on_start()
     for ep in range(1, episodes + 1):
         t0 = time.monotonic()
         seed = cfg.run.seed + ep
@@ -193,6 +199,11 @@ def check_policy_out(out: Path) -> None:
         raise ConfigError(f"--out {out}: the folder {here} is not writable")
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 episode"``, ``"10 episodes"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def run_pretrain(args, stream: TextIO | None = None) -> int:
     """``fedfleet feddo pretrain`` (see :func:`pretrain`); prints one line per episode unless ``--quiet``
     (to ``stream``; ``None``: ``sys.stdout`` as it is when called)."""
@@ -208,8 +219,10 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
         over[("data", "data_dir")] = args.data_dir
     cfg = config_mod.load(args.config, over)
     out = Path(args.out or "feddo_policy.pt")
-    print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {cfg.data.clients} devices, {args.episodes} episodes x "
-          f"{args.rounds} rounds -> {out}", file=stream, flush=True)
+
+    def banner() -> None:
+        print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {cfg.data.clients} devices, "
+              f"{_count(args.episodes, 'episode')} x {_count(args.rounds, 'round')} -> {out}", file=stream, flush=True)
     k = int(cfg.algorithm.get("num_devices") or 0) or cfg.data.clients
     legend = PROGRESS_LEGEND.format(top=k * math.log(2), target=-k,
                                     warmup=cfg.algorithm.get("warmup",
@@ -220,7 +233,8 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
             print(legend, file=stream)
         print(progress_line(m, args.episodes), file=stream, flush=True)
 
-    res = pretrain(cfg, episodes=args.episodes, rounds=args.rounds, out=out, on_episode=None if args.quiet else show)
+    res = pretrain(cfg, episodes=args.episodes, rounds=args.rounds, out=out, on_episode=None if args.quiet else show,
+                   on_start=banner)
     print(f"policy written to {res.policy} ({res.parameter_counts['agent']:,} agent parameters, "
           f"{res.cpu_seconds:.1f} CPU s); use it with [algorithm] policy = \"{res.policy}\"", file=stream)
     return 0

@@ -258,7 +258,8 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
 
     Raises:
         ConfigError: unknown algorithm (or a user's that does not fit); an ``[algorithm]`` key
-            the constructor does not take (the message names it and lists those it takes); a
+            the constructor does not take, or one its ``setup_kwargs`` supplies (the message names
+            it and lists the ``[algorithm]`` keys it takes); a
             value it refuses; a per-round setting no device can use.
     """
     from edge_agent.plugins import accepted_keywords
@@ -269,7 +270,7 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     cls: Callable[..., Strategy] = declared  # a Strategy subclass; its constructor takes the keywords below
     where = f"{cfg.source}: [algorithm] for {cfg.train.algorithm!r}"
     names, any_keyword = accepted_keywords(declared)
-    names |= set(declared.extra_keys)
+    names = (names | set(declared.extra_keys)) - set(declared.setup_keys)
     params = dict(cfg.algorithm)
     taken = sorted(set(params) & set(DRIVER_KWARGS))
     if taken:
@@ -297,6 +298,10 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
         if "data_settings" in wanted:
             setup["data_settings"] = data_settings(cfg)
         extra = dict(declared.setup_kwargs(ds, params, cfg.run.seed, **setup))
+        clash = sorted(set(extra) & set(params))
+        if clash:  # a user's strategy that does not declare its setup_keys
+            raise ConfigError(f"{where}: {', '.join(clash)} is supplied by {declared.__qualname__}.setup_kwargs, "
+                              "not an [algorithm] key")
         strategy = cls(**kwargs, **params, **extra)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None

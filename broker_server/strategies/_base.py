@@ -518,6 +518,9 @@ class Strategy(ABC):
     * ``extra_keys``: ``[algorithm]`` keys the constructor takes through its own ``**kwargs`` and
       checks itself (hyperparameters it relays to the devices), besides its named keywords; the
       configuration check (:func:`broker_server.runtime.make_strategy`) accepts them.
+    * ``setup_keys``: the constructor's keywords that :meth:`setup_kwargs` supplies (FedDO's
+      ``validation``, ``run_seed``, ``run_data``): not ``[algorithm]`` keys, so the configuration
+      check refuses them there and leaves them out of the keys it lists.
     * ``path_keys``: ``[algorithm]`` keys whose values are file paths (FedDO's ``policy``): made
       absolute against the current folder when a run starts (:func:`broker_server.cli.absolute_path_keys`),
       so that the run folder's config.toml finds the file from any folder on ``--resume``.
@@ -544,6 +547,7 @@ class Strategy(ABC):
     model_requirement: ClassVar[str] = "manifest"
     instructions: ClassVar[tuple[str, ...]] = ()
     extra_keys: ClassVar[tuple[str, ...]] = ()
+    setup_keys: ClassVar[tuple[str, ...]] = ()
     path_keys: ClassVar[tuple[str, ...]] = ()
     plans_from_evaluation: ClassVar[bool] = False
     max_devices: int | None = None

@@ -91,6 +91,7 @@ class FedAA(Strategy):
     instructions = ()
     #: the reward of round t (:meth:`evaluate`) is stored with its transition at round t+1's commit
     plans_from_evaluation = True
+    setup_keys = ("validation", "run_seed")  # from setup_kwargs, not [algorithm] keys
 
     def __init__(self, *, participation_rate: float = 1.0, min_clients: int = 1,
                  train_config: Mapping[str, Scalar] | None = None, aggregated: int = 0,

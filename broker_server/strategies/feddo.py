@@ -246,6 +246,7 @@ class FedDO(Strategy):
     model_requirement = "manifest"
     instructions = (RATIO_KEY,)
     path_keys = ("policy",)  # made absolute when a run starts: a --resume from elsewhere finds it
+    setup_keys = ("validation", "run_seed", "run_data")  # from setup_kwargs, not [algorithm] keys
     #: the reward r_t and φ_t of the next state s_{t+1} come from :meth:`evaluate` of round t
     plans_from_evaluation = True
 

@@ -117,6 +117,7 @@ class FedMCP(FedAvg):
     #: The client hyperparameters (:class:`~edge_agent.algorithms.fedmcp.FedMCPParams`) come
     #: through ``**hyperparameters`` and are checked by the constructor.
     extra_keys = tuple(FedMCPParams.__dataclass_fields__)
+    setup_keys = ("proxy_y", "num_classes")  # from setup_kwargs, not [algorithm] keys
     #: Teacher weighting when the configuration names none (EnsKD: ``"uniform"``).
     default_weighting = "accuracy"
     #: Defaults of :class:`~edge_agent.algorithms.fedmcp.FedMCPParams` that a subclass changes.

@@ -166,3 +166,68 @@ def test_the_agent_help_states_the_configuration_range(capsys: pytest.CaptureFix
         agent_parser().parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "(0.01 <= F <= 0.9)" in help_text and "0 < F < 1" not in help_text
+
+
+# the constructor keywords each shipped strategy's setup_kwargs supplies, written out by hand
+SETUP_KEYS = {"feddo": {"validation", "run_seed", "run_data"}, "fedaa": {"validation", "run_seed"},
+              "fedmcp": {"proxy_y", "num_classes"}}
+
+
+@pytest.mark.parametrize("algorithm", sorted(SETUP_KEYS))
+def test_setup_keys_name_what_setup_kwargs_supplies(algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keys ``setup_kwargs`` returns when the runtime builds the strategy are its declared
+    ``setup_keys`` (which the configuration check keeps out of ``[algorithm]``)."""
+    from broker_server.strategies import get_strategy_class
+
+    cls = get_strategy_class(algorithm)
+    returned: list[set[str]] = []
+    original = cls.setup_kwargs.__func__  # type: ignore[attr-defined]
+
+    def recording(klass, *args, **kw):  # the real setup_kwargs, its answer noted
+        out = original(klass, *args, **kw)
+        returned.append(set(out))
+        return out
+
+    monkeypatch.setattr(cls, "setup_kwargs", classmethod(recording))
+    small = {"fedmcp": {"proxy_size": 100}}.get(algorithm, {})  # digits' test split has 359 samples
+    make_strategy(small_config(train={"algorithm": algorithm}, algorithm=small), load_dataset("digits"))
+    assert returned == [SETUP_KEYS[algorithm]]
+    assert set(cls.setup_keys) == SETUP_KEYS[algorithm]
+
+
+@pytest.mark.parametrize("algorithm", sorted(SETUP_KEYS))
+def test_a_setup_key_is_no_algorithm_key(algorithm: str) -> None:
+    """A misspelt key's message lists the [algorithm] keys without those setup_kwargs supplies,
+    and a setup key set in [algorithm] is refused as unknown (it was a TypeError about a keyword
+    given twice)."""
+    ds = load_dataset("digits")
+    with pytest.raises(ConfigError) as info:
+        make_strategy(small_config(train={"algorithm": algorithm}, algorithm={"no_such_key": 1}), ds)
+    listed = str(info.value).split(" takes ", 1)[1]
+    assert not any(key in listed.split(", ") for key in SETUP_KEYS[algorithm])
+    for key in SETUP_KEYS[algorithm]:
+        with pytest.raises(ConfigError, match=f"unknown key {key}: "):
+            make_strategy(small_config(train={"algorithm": algorithm}, algorithm={key: 1}), ds)
+
+
+def test_a_user_strategy_s_undeclared_setup_key_in_algorithm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's strategy whose setup_kwargs supplies a keyword it does not declare in
+    ``setup_keys``: setting that keyword in [algorithm] names the clash."""
+    from broker_server.strategies._registry import _REGISTRY
+    from broker_server.strategies.fedavg import FedAvg
+
+    class Seeded(FedAvg):
+        name = "seeded-setup-test"
+
+        def __init__(self, *, run_seed: int = 0, **kw) -> None:
+            super().__init__(**kw)
+            self.run_seed = run_seed
+
+        @classmethod
+        def setup_kwargs(cls, dataset, params, seed):
+            return {"run_seed": seed}
+
+    monkeypatch.setitem(_REGISTRY._classes, Seeded.name, Seeded)  # registered for this test only
+    with pytest.raises(ConfigError, match=r"run_seed is supplied by .*Seeded\.setup_kwargs, not an \[algorithm\] key"):
+        make_strategy(small_config(train={"algorithm": "seeded-setup-test"}, algorithm={"run_seed": 4}),
+                      load_dataset("digits"))
