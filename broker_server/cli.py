@@ -118,20 +118,28 @@ def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
                                                                     for k, v in found.items()}})
 
 
-def _plural(n: int, word: str) -> str:
-    """``1 client``, ``2 clients``."""
+def plural(n: int, word: str) -> str:
+    """``1 client``, ``2 clients``: ``n`` and ``word``, with an ``s`` unless ``n`` is 1."""
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def run_header(cfg, command: str = "simulate") -> str:
-    """The first line of ``fedfleet simulate``: data set, clients, partition, algorithm, rounds,
+    """The first line of ``fedfleet simulate``: data set, clients, partition, algorithm (with the
+    files its ``[algorithm]`` path keys name: FedDO's pre-trained ``policy``), rounds,
     signing/encryption (``1 client, 1 round``)."""
     from .server_main import security_text
+    from .strategies import get_strategy_class
 
     d = cfg.data
     alpha = f", α={d.alpha:g}" if d.partition == "dirichlet" else ""
-    return (f"fedfleet {command}: {d.dataset}, {_plural(d.clients, 'client')} ({d.partition}{alpha}), "
-            f"{cfg.train.algorithm}, {_plural(cfg.run.rounds, 'round')}, {security_text(cfg)}")
+    try:
+        keys = get_strategy_class(cfg.train.algorithm).path_keys
+    except ConfigError:  # an unknown algorithm: make_strategy says so right after
+        keys = ()
+    files = ", ".join(f"{k} {cfg.algorithm[k]}" for k in keys if cfg.algorithm.get(k))
+    return (f"fedfleet {command}: {d.dataset}, {plural(d.clients, 'client')} ({d.partition}{alpha}), "
+            f"{cfg.train.algorithm}{f' ({files})' if files else ''}, {plural(cfg.run.rounds, 'round')}, "
+            f"{security_text(cfg)}")
 
 
 def _cmd_simulate(args) -> int:
@@ -209,7 +217,7 @@ def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, 
     of = f" of {total_rounds}" if total_rounds is not None else ""
     session = (f" ({rounds - resumed_after} in this session, resumed after round {resumed_after})"
                if resumed_after is not None else "")
-    print(f"\nfinished {_plural(rounds, 'round')}{of}{session} in {seconds:.1f} s over {broker}; "
+    print(f"\nfinished {plural(rounds, 'round')}{of}{session} in {seconds:.1f} s over {broker}; "
           f"{final_accuracy_text(accuracy, accuracy_source)}")
     print(f"bytes on the device links (all agents together): up {dev['up']['wire_bytes']:,}  "
           f"down {dev['down']['wire_bytes']:,}  (protocol overhead {100 * (dev['all']['overhead_share'] or 0):.2f} %)")

@@ -31,6 +31,7 @@ from edge_agent.algorithms import TrainConfig, shared_arrays
 from edge_agent.data import load_dataset
 from edge_agent.state import load_arrays
 
+from .cli import plural
 from .config import Config
 from .errors import ConfigError
 from .runtime import check_fleet_size, data_settings, device_model, make_client_algorithm, make_strategy, train_config
@@ -199,11 +200,6 @@ def check_policy_out(out: Path) -> None:
         raise ConfigError(f"--out {out}: the folder {here} is not writable")
 
 
-def _count(n: int, noun: str) -> str:
-    """``"1 episode"``, ``"10 episodes"``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def run_pretrain(args, stream: TextIO | None = None) -> int:
     """``fedfleet feddo pretrain`` (see :func:`pretrain`); prints one line per episode unless ``--quiet``
     (to ``stream``; ``None``: ``sys.stdout`` as it is when called)."""
@@ -222,7 +218,7 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
 
     def banner() -> None:
         print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {cfg.data.clients} devices, "
-              f"{_count(args.episodes, 'episode')} x {_count(args.rounds, 'round')} -> {out}", file=stream, flush=True)
+              f"{plural(args.episodes, 'episode')} x {plural(args.rounds, 'round')} -> {out}", file=stream, flush=True)
     k = int(cfg.algorithm.get("num_devices") or 0) or cfg.data.clients
     legend = PROGRESS_LEGEND.format(top=k * math.log(2), target=-k,
                                     warmup=cfg.algorithm.get("warmup",

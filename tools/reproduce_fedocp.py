@@ -104,6 +104,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from broker_server.cli import plural  # noqa: E402
 from broker_server.experiments import (  # noqa: E402
     NOT_RECORDED,
     Job,
@@ -455,17 +456,12 @@ def _group_text(group: str) -> str:
     return ", ".join(members) if members else group
 
 
-def _count(n: int, noun: str) -> str:
-    """``"1 seed"``, ``"2 seeds"``."""
-    return f"{n} {noun}{'s' * (n != 1)}"
-
-
 def _diff_text(diffs: list[float], scale: float = 100.0, unit: str = " pp", digits: int = 2) -> str:
     """Paired differences as ``"+1.23 ± 0.40 pp (3 seeds)"`` (one seed: no ±)."""
     m, s = mean_std([scale * d for d in diffs])
     n = len(diffs)
     text = f"{m:+.{digits}f}{unit}" if n == 1 else f"{m:+.{digits}f} ± {s:.{digits}f}{unit}"
-    return f"{text} ({_count(n, 'seed')})"
+    return f"{text} ({plural(n, 'seed')})"
 
 
 def cell_core_seconds(rounds: int, train_samples: int) -> float:
@@ -722,8 +718,8 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
         if not gains:
             return [*out, none]
         g, g_std = mean_std(pairs)
-        return [*out, f"- FedOCP vs {total} over {_count(len(gains), 'setting')}: {g:+.2f} ± {g_std:.2f} pp over "
-                      f"{_count(len(pairs), '(setting, seed) pair')}, ahead in {sum(x > 0 for x in gains)} of "
+        return [*out, f"- FedOCP vs {total} over {plural(len(gains), 'setting')}: {g:+.2f} ± {g_std:.2f} pp over "
+                      f"{plural(len(pairs), '(setting, seed) pair')}, ahead in {sum(x > 0 for x in gains)} of "
                       f"{len(gains)} → **{_verdict(g, CLAIM_GAIN_PP, g_std, len(pairs))}**{paper}."]
 
     lines += margin_lines(HEADLINE, "", "FedORGP", f" (the paper: +{CLAIM_GAIN_PP} pp on CIFAR-100)",
@@ -785,15 +781,15 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
         costs = sum(mean_std(d)[0] > 0 for _, d in found)
         worth, worth_std = mean_std([100 * x for _, d in found for x in d])
         n_pairs = sum(len(d) for _, d in found)
-        worth_of[label] = f"{worth:+.2f} ± {worth_std:.2f} pp ({_count(n_pairs, 'pair')})"
+        worth_of[label] = f"{worth:+.2f} ± {worth_std:.2f} pp ({plural(n_pairs, 'pair')})"
         claimed = ABLATION_CLAIMS_PP.get(label)
         bar = (f"T5's {claimed:+.2f} pp" if claimed is not None
                else "the sign: T5 gives no single step for it")
         lines.append(f"- {label}: removing it costs (FedOCP − it) "
                      + "; ".join(f"{s} {_diff_text(d)}" for s, d in found)
                      + f"; over all pairs {worth:+.2f} ± {worth_std:.2f} pp "
-                     + f"({_count(n_pairs, '(setting, seed) pair')}), a cost in {costs} of "
-                     + f"{_count(len(found), 'setting')}; against {bar} → "
+                     + f"({plural(n_pairs, '(setting, seed) pair')}), a cost in {costs} of "
+                     + f"{plural(len(found), 'setting')}; against {bar} → "
                      + f"**{_verdict(worth, claimed, worth_std, n_pairs)}**.")
     if not ablated:
         lines.append("- no ablation/FedOCP pair on record yet.")

@@ -46,6 +46,11 @@ def test_header_grammar_and_security() -> None:
                                              "signed (Ed25519) + encrypted uploads (AES-256-GCM)")
     signed = load(QUICKSTART, {("security", "sign"): True})
     assert security_text(signed) == "signed (Ed25519)"
+    # the file a path key names (FedDO's pre-trained policy) is in the header; none without one
+    feddo = load(QUICKSTART, {("train", "algorithm"): "feddo", ("algorithm", "policy"): "/p/k100.pt"})
+    assert cli.run_header(feddo) == ("fedfleet simulate: digits, 4 clients (dirichlet, α=1), feddo "
+                                     "(policy /p/k100.pt), 5 rounds, unsigned")
+    assert ", feddo, " in cli.run_header(load(QUICKSTART, {("train", "algorithm"): "feddo"}))
 
 
 def test_keys_list_without_a_key_folder_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
