@@ -23,6 +23,7 @@ from protocol.errors import SecurityConfigError
 from protocol.ledger import Ledger
 from protocol.messages import SERVER_ID
 from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
+from protocol.topics import mqtt_client_id
 from protocol.transport import MqttTransport, Will
 
 from .config import Config, section_hint
@@ -395,7 +396,7 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
         strategy = make_strategy(cfg, ds)
     if security is None:
         security = server_security(cfg)
-    tr = open_transport(f"{federation[:40]}-server", cfg, url)
+    tr = open_transport(mqtt_client_id(federation, SERVER_ID), cfg, url)
     tr.connect()
     ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, **channel_options(cfg),
                  security=security)

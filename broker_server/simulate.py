@@ -47,6 +47,7 @@ from protocol.ledger import Ledger, read_meta
 from protocol.messages import SERVER_ID
 from protocol.security import ChannelSecurity, Identity, enroll, generate_identity, load_identity, write_key_dir
 from protocol.tensors import Codec
+from protocol.topics import mqtt_client_id
 from protocol.transport import ConnectRetry
 
 from .config import Config
@@ -609,7 +610,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                 prepared = prepare_agent(spec, ds, precision=rt.plan.precision, indices=idx, eval_split=eval_split)
             except ModelError as exc:
                 raise ConfigError(f"{cfg.source}: [model] for {cid}: {exc}") from None
-            tr = open_transport(f"{federation[:40]}-{cid}", cfg, url, will=offline_will(federation, cid, agent_sec),
+            tr = open_transport(mqtt_client_id(federation, cid), cfg, url,
+                                will=offline_will(federation, cid, agent_sec),
                                 receive_max_packet_bytes=rt.max_packet_bytes)
             tr.connect(retry=AGENT_CONNECT_RETRY)
             ch = Channel(tr, node_id=cid, side="agent", federation=federation, ledger=ledger, security=agent_sec,

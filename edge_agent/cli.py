@@ -226,6 +226,7 @@ def _main(argv: list[str] | None) -> int:
     from protocol.errors import ConnectError, FieldError
     from protocol.ledger import Ledger
     from protocol.messages import valid_id
+    from protocol.topics import mqtt_client_id
     from protocol.transport import ConnectRetry, MqttTransport
 
     from .agent import param_value
@@ -322,7 +323,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return EXIT_USAGE
     info, idx, model = prepared.info, prepared.indices, prepared.model
-    tr = MqttTransport(args.client_id, addr.host, addr.port, username=args.username or addr.username,
+    tr = MqttTransport(mqtt_client_id(args.federation, args.client_id), addr.host, addr.port,
+                       username=args.username or addr.username,
                        password=password, tls=addr.tls, tls_ca=args.ca, tls_cert=args.cert, tls_key=args.key,
                        tls_check_time=not args.tls_no_time_check, clock_skew_s=args.clock_skew_s,
                        keepalive_s=args.keepalive_s, will=offline_will(args.federation, args.client_id, security),

@@ -195,6 +195,7 @@ def run_agent(config: Config | Mapping[str, Any] | str | os.PathLike[str], *, br
     from edge_agent.runtime import agent_runtime
     from protocol.channel import Channel
     from protocol.ledger import Ledger
+    from protocol.topics import mqtt_client_id
 
     cfg = load_config(config)
     if cfg.security.sign:
@@ -207,7 +208,8 @@ def run_agent(config: Config | Mapping[str, Any] | str | os.PathLike[str], *, br
     prepared = prepare_agent(spec, ds, precision=rt.plan.precision)
     folder = Path(out or f"fedfleet-agent-{client_id}")
     folder.mkdir(parents=True, exist_ok=True)
-    tr = open_transport(client_id, cfg, broker_url, will=offline_will(federation, client_id))
+    tr = open_transport(mqtt_client_id(federation, client_id), cfg, broker_url,
+                        will=offline_will(federation, client_id))
     tr.connect()
     ledger = Ledger(folder / "ledger.sqlite")
     ledger.set_meta("federation", federation)

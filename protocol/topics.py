@@ -48,6 +48,17 @@ def status(federation: str, client_id: str) -> str:
     return f"{PREFIX}/{_check(federation, 'federation')}/status/{_check(client_id, 'client_id')}"
 
 
+def mqtt_client_id(federation: str, node_id: str) -> str:
+    """The MQTT client id of node ``node_id`` (a device's client id, or ``"server"``) in
+    ``federation``: ``{federation[:40]}-{node_id}``, so one device id in two federations on one
+    broker makes two MQTT clients (two clients with one id evict each other forever).
+
+    Raises:
+        FieldError: ``federation`` or ``node_id`` is not a valid topic level.
+    """
+    return f"{_check(federation, 'federation')[:40]}-{_check(node_id, 'client_id')}"
+
+
 def server_filters(federation: str) -> list[str]:
     """Subscription filters of the server: every upload and every status."""
     fed = _check(federation, "federation")

@@ -326,7 +326,8 @@ class MqttTransport:
     """A paho-mqtt client with a receive queue.
 
     Args:
-        client_id: unique MQTT client id (two clients with one id evict each other forever).
+        client_id: unique MQTT client id (two clients with one id evict each other forever); a
+            fedfleet node uses :func:`protocol.topics.mqtt_client_id`.
         host, port: broker address.
         username, password: MQTT credentials, or ``None``.
         tls: connect with TLS (``mqtts://``); implied by ``tls_ca`` or ``tls_cert``.

@@ -196,7 +196,9 @@ implementation's constants and documentation; it is not edited by hand.
 * MQTT 3.1.1 (protocol level 4) by default; MQTT 5 works where the broker speaks it. Clean
   sessions: correctness never rests on broker sessions.
 * QoS 1 for every message (QoS 1 *delivers duplicates*: receivers de-duplicate, §8).
-* MQTT client ids are unique per connection (two clients with one id evict each other forever).
+* MQTT client ids are unique per connection (two clients with one id evict each other forever):
+  a node's is `{federation[:40]}-{client_id}` (the server's `{federation[:40]}-server`), so one
+  device id in two federations on one broker makes two clients.
 * Each agent publishes a retained `status` message (`online`) and registers the same topic as its
   MQTT last will with an `offline` status whose envelope `seq` is 0 and `round` 0, so the server
   marks it offline when it vanishes. With signing on, the will is sealed like any other message

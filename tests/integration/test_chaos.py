@@ -833,7 +833,7 @@ def run_join_mid_run(tmp: Path, *, rounds: int = 3) -> tuple[Accounting, object]
                 ds = load_dataset(cfg.data.dataset)
                 idx = simulate_mod.split_clients(ds, cfg)[0]  # the device holds a copy of shard 0
                 will = encode(Envelope(round=0, sender=cid, seq=0, body=Status("offline", "connection lost"))).payload
-                tr = open_transport(f"{fed[:40]}-{cid}", cfg, url,
+                tr = open_transport(topics.mqtt_client_id(fed, cid), cfg, url,
                                     will=Will(topics.status(fed, cid), will, qos=1, retain=True))
                 tr.connect()
                 ch = Channel(tr, node_id=cid, side="agent", federation=fed, ledger=ledger, **channel_options(cfg))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from broker_server.embedded_broker import EmbeddedBroker
-from protocol.errors import ConnectError
+from protocol.errors import ConnectError, FieldError
 from protocol.transport import ConnectRetry, MqttTransport
 from tests.helpers.brokers import require_mosquitto
 
@@ -130,3 +130,31 @@ def test_a_refused_login_fails_at_once_whatever_the_retry_policy(tmp_path: Path)
 def test_connect_retry_refuses_values_out_of_range(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="ConnectRetry"):
         ConnectRetry(**kwargs)
+
+
+def test_one_device_id_in_two_federations_makes_two_mqtt_clients(tmp_path: Path) -> None:
+    """A device id in two federations on one broker gets two MQTT client ids
+    (``{federation[:40]}-{client_id}``), so neither evicts the other: after the second connects,
+    the first still receives what the second publishes. (Under one id the broker would have
+    disconnected the first on the second's CONNECT, before its CONNACK.)"""
+    from protocol.topics import mqtt_client_id
+
+    fed_a, fed_b = "trial-a", "trial-b"
+    assert mqtt_client_id(fed_a, "pi-07") == "trial-a-pi-07" != mqtt_client_id(fed_b, "pi-07")
+    assert mqtt_client_id("f" * 64, "server") == "f" * 40 + "-server"  # 40 + 1 + 64 characters at most
+    with pytest.raises(FieldError, match="federation .a/b. is not a valid topic level"):
+        mqtt_client_id("a/b", "pi-07")
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        first = MqttTransport(mqtt_client_id(fed_a, "pi-07"), broker.host, broker.port)
+        second = MqttTransport(mqtt_client_id(fed_b, "pi-07"), broker.host, broker.port)
+        try:
+            first.connect(timeout_s=10.0)
+            first.subscribe(["t/two-federations"])
+            second.connect(timeout_s=10.0)
+            second.publish("t/two-federations", b"from trial-b", wait_s=10.0)
+            got = first.get(10.0)
+            assert got is not None and got.payload == b"from trial-b"
+            assert first.connected and second.connected
+        finally:
+            first.close()
+            second.close()
