@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .errors import ConfigError
+from .text import plural
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -116,11 +117,6 @@ def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
         return cfg
     return dataclasses.replace(cfg, algorithm={**cfg.algorithm, **{k: os.path.abspath(os.path.expanduser(v))
                                                                     for k, v in found.items()}})
-
-
-def plural(n: int, word: str) -> str:
-    """``1 client``, ``2 clients``: ``n`` and ``word``, with an ``s`` unless ``n`` is 1."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def run_header(cfg, command: str = "simulate") -> str:

@@ -644,14 +644,10 @@ def section_hint(key: str, section: str, *, algorithm: str | None = None) -> str
               if sec != section and key in {f.name for f in dataclasses.fields(getattr(defaults, sec))}]
     if not places and algorithm is not None and section != "algorithm":
         try:
-            from edge_agent.plugins import accepted_keywords
-
-            from .runtime import DRIVER_KWARGS
+            from .runtime import algorithm_keys
             from .strategies import get_strategy_class
 
-            cls = get_strategy_class(algorithm)
-            names, _ = accepted_keywords(cls)
-            if key in (names | set(cls.extra_keys)) - set(DRIVER_KWARGS):
+            if key in algorithm_keys(get_strategy_class(algorithm)):
                 places = [f"[algorithm] {key} (a hyperparameter of {algorithm!r})"]
         except Exception:  # noqa: BLE001 - only a hint: an algorithm that cannot be loaded is reported elsewhere
             pass

@@ -922,7 +922,9 @@ def run_with_estimate(jobs: Sequence[Job], out_dir: str | Path, *, workers: int,
         print(f"all {len(jobs)} cells on record in {out_dir}", flush=True)
     elif recorded and not estimate_only:
         secs = sum(recorded) / len(recorded)
-        cells = f"{len(recorded)} cell{'s' if len(recorded) != 1 else ''}"
+        from .text import plural
+
+        cells = plural(len(recorded), "cell")
         print(f"{cells} on record (mean {secs:.0f} s); {len(todo)} to run ≈ "
               f"{secs * len(todo) / 3600:.1f} CPU-hours, ≈ {secs * len(todo) / max(1, workers) / 3600:.1f} h wall "
               f"on {workers} workers" + tail, flush=True)

@@ -31,13 +31,13 @@ from edge_agent.algorithms import TrainConfig, shared_arrays
 from edge_agent.data import load_dataset
 from edge_agent.state import load_arrays
 
-from .cli import plural
 from .config import Config
 from .errors import ConfigError
 from .runtime import check_fleet_size, data_settings, device_model, make_client_algorithm, make_strategy, train_config
 from .simulate import split_clients
 from .strategies import ClientResult, apply_update
 from .strategies.feddo import GLOBAL_FEATURES, FedDO
+from .text import plural
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,10 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         episodes, rounds: ≥ 1.
         out: the policy file to write.
         on_episode: called with each episode's line.
-        on_start: called once every check below has passed and the data set is loaded, just
-            before the first episode (``fedfleet feddo pretrain`` prints its banner there, so a
-            configuration error comes alone).
+        on_start: called once the configuration checks below have passed and the data set is
+            loaded, just before the first episode (``fedfleet feddo pretrain`` prints its banner
+            there, so a configuration error comes alone; a ``[model]`` that does not fit the data
+            still fails in episode 1).
 
     Raises:
         ConfigError: another algorithm, episodes or rounds below 1, an ``out`` that cannot be
@@ -217,7 +218,7 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
     out = Path(args.out or "feddo_policy.pt")
 
     def banner() -> None:
-        print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {cfg.data.clients} devices, "
+        print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {plural(cfg.data.clients, 'device')}, "
               f"{plural(args.episodes, 'episode')} x {plural(args.rounds, 'round')} -> {out}", file=stream, flush=True)
     k = int(cfg.algorithm.get("num_devices") or 0) or cfg.data.clients
     legend = PROGRESS_LEGEND.format(top=k * math.log(2), target=-k,

@@ -36,6 +36,7 @@ from .errors import ConfigError
 from .persistence import RunStore
 from .runtime import make_strategy, server_model
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, write_final_model
+from .text import plural
 
 __all__ = ["FinalFiles", "FinishedRun", "finished_run", "finishing_line", "last_checkpoint_round",
            "nothing_to_resume", "refusals_from_metrics", "summary_record", "write_final_files"]
@@ -134,7 +135,7 @@ def nothing_to_resume(fin: FinishedRun, rounds: int, command: str, kept: list[st
     keep between rounds) adds that more rounds start that afresh, since a finished simulation's
     device state file is removed."""
     n = fin.rounds
-    done = f"{'its' if n == 1 else 'all'} {n} round{'' if n == 1 else 's'}"
+    done = f"{'its' if n == 1 else 'all'} {plural(n, 'round')}"
     if n > rounds:
         done += f" ([run] rounds is {rounds})"
     acc = (fin.summary or {}).get("final_accuracy")

@@ -248,6 +248,17 @@ def data_settings(cfg: Config) -> dict[str, object]:
             "alpha": cfg.data.alpha if cfg.data.partition == "dirichlet" else None, "clients": cfg.data.clients}
 
 
+def algorithm_keys(cls: type[Strategy]) -> set[str]:
+    """The ``[algorithm]`` keys strategy class ``cls`` takes: its constructor's named keywords
+    and ``extra_keys``, less its ``setup_keys`` (:meth:`~broker_server.strategies.Strategy.setup_kwargs`
+    supplies them) and :data:`DRIVER_KWARGS` (the runtime sets them). A constructor with
+    ``**kwargs`` may take more (:func:`make_strategy` then passes every key on)."""
+    from edge_agent.plugins import accepted_keywords
+
+    names, _ = accepted_keywords(cls)
+    return (names | set(cls.extra_keys)) - set(cls.setup_keys) - set(DRIVER_KWARGS)
+
+
 def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     """The server half of ``[train] algorithm`` built with the ``[algorithm]`` hyperparameters.
 
@@ -271,18 +282,22 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     cls: Callable[..., Strategy] = declared  # a Strategy subclass; its constructor takes the keywords below
     where = f"{cfg.source}: [algorithm] for {cfg.train.algorithm!r}"
     names, any_keyword = accepted_keywords(declared)
-    names = (names | set(declared.extra_keys)) - set(declared.setup_keys)
+    own = algorithm_keys(declared)
     params = dict(cfg.algorithm)
     taken = sorted(set(params) & set(DRIVER_KWARGS))
     if taken:
         raise ConfigError(f"{where}: {', '.join(taken)} is set by the runtime ([server] participation_rate and "
                           "quorum, [train]), not in [algorithm]")
-    unknown = sorted(set(params) - names) if not any_keyword else []
+    supplied = sorted(set(params) & set(declared.setup_keys))
+    if supplied:
+        raise ConfigError(f"{where}: {', '.join(supplied)} is supplied by {declared.__qualname__}.setup_kwargs "
+                          f"from the data set and the run, not an [algorithm] key")
+    unknown = sorted(set(params) - own) if not any_keyword else []
     if unknown:
-        own = sorted(names - set(DRIVER_KWARGS))
         hints = "".join(section_hint(key, "algorithm") for key in unknown)
+        listed = ", ".join(sorted(own)) if own else "no [algorithm] keys"
         raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
-                          f"{declared.__qualname__} takes {', '.join(own) if own else 'no [algorithm] keys'}{hints}")
+                          f"{declared.__qualname__} takes {listed}{hints}")
     wrong = [problem for k, v in sorted(params.items()) if (problem := param_type_problem(declared, k, v))]
     if wrong:
         raise ConfigError(f"{where}: {'; '.join(wrong)}")
@@ -301,8 +316,8 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
         extra = dict(declared.setup_kwargs(ds, params, cfg.run.seed, **setup))
         clash = sorted(set(extra) & set(params))
         if clash:  # a user's strategy that does not declare its setup_keys
-            raise ConfigError(f"{where}: {', '.join(clash)} is supplied by {declared.__qualname__}.setup_kwargs, "
-                              "not an [algorithm] key")
+            raise ConfigError(f"{where}: {', '.join(clash)} is supplied by {declared.__qualname__}.setup_kwargs "
+                              f"from the data set and the run, not an [algorithm] key")
         strategy = cls(**kwargs, **params, **extra)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None

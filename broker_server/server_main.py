@@ -33,6 +33,7 @@ from .simulate import (
     progress_printer,
     run_folder_entries,
 )
+from .text import plural
 from .tracking import check_tracking, start_tracking
 
 log = logging.getLogger(__name__)
@@ -301,7 +302,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
                 f"{ckpt.round + 1}..{cfg.run.rounds} to go)")
         # the server is connected and subscribed: only now are the agents told how to join
         say(f"fedfleet server: federation {federation!r} on {url} ({security_text(cfg)}); data {ds.name} from "
-            f"{ds.source}; waiting for {cfg.data.clients} agent{'s' if cfg.data.clients != 1 else ''} "
+            f"{ds.source}; waiting for {plural(cfg.data.clients, 'agent')} "
             f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
             f"  {agent_command(cfg, url, federation)}")
         if (assignment := model_assignment(cfg)):
@@ -321,7 +322,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             indent=1), encoding="utf-8")
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
-        say(f"finished {done} round{'s' if done != 1 else ''} of {cfg.run.rounds}{this_time}; "
+        say(f"finished {plural(done, 'round')} of {cfg.run.rounds}{this_time}; "
             f"{final_accuracy_text(summary.final_accuracy, final_accuracy_source(summary.metrics))}; run folder {out}")
         finished = True
     finally:

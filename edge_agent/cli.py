@@ -226,7 +226,7 @@ def _main(argv: list[str] | None) -> int:
     from protocol.errors import ConnectError, FieldError
     from protocol.ledger import Ledger
     from protocol.messages import valid_id
-    from protocol.topics import mqtt_client_id
+    from protocol.topics import check_device_id, mqtt_client_id
     from protocol.transport import ConnectRetry, MqttTransport
 
     from .agent import param_value
@@ -246,6 +246,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         if not valid_id(args.client_id) or not valid_id(args.federation):
             raise ValueError("--client-id and --federation must be 1-64 chars of A-Za-z0-9_.-")
+        check_device_id(args.client_id)
         i, n = (int(v) for v in args.shard.split("/"))
         if not 0 <= i < n:
             raise ValueError(f"--shard {args.shard}: need 0 ≤ i < n")
@@ -255,7 +256,7 @@ def _main(argv: list[str] | None) -> int:
             raise ValueError(f"--join-timeout-s {args.join_timeout_s:g}: need a positive number of seconds")
         addr = parse_broker_url(args.broker)
         password = Path(args.password_file).read_text().strip() if args.password_file else addr.password
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, FieldError) as exc:
         print(f"fedfleet-agent: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from protocol.errors import SecurityConfigError

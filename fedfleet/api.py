@@ -179,8 +179,9 @@ def run_agent(config: Config | Mapping[str, Any] | str | os.PathLike[str], *, br
         idle_timeout_s: give up after this many seconds without a message from the server.
 
     Raises:
-        ConfigError: ``[security] sign`` is on (sign with ``fedfleet-agent --key-dir``), or a
-            setting the agent cannot use.
+        ConfigError: ``federation`` or ``client_id`` is not a valid id, ``client_id`` is
+            ``"server"`` (the server's), ``[security] sign`` is on (sign with ``fedfleet-agent
+            --key-dir``), or a setting the agent cannot use.
         DataError, ModelError, EdgeAgentError: the data, model or algorithm of the device.
         ConnectError: the broker did not accept the agent.
         AgentError: the run failed (join refused, nothing heard for ``idle_timeout_s``).
@@ -194,9 +195,14 @@ def run_agent(config: Config | Mapping[str, Any] | str | os.PathLike[str], *, br
     from edge_agent.device import apply
     from edge_agent.runtime import agent_runtime
     from protocol.channel import Channel
+    from protocol.errors import FieldError
     from protocol.ledger import Ledger
-    from protocol.topics import mqtt_client_id
+    from protocol.topics import check_device_id, mqtt_client_id
 
+    try:
+        mqtt_id = mqtt_client_id(federation, check_device_id(client_id))
+    except FieldError as exc:
+        raise ConfigError(f"run_agent: {exc}") from None
     cfg = load_config(config)
     if cfg.security.sign:
         raise ConfigError("run_agent does not sign messages: run fedfleet-agent with --key-dir and --server-pubkey")
@@ -208,8 +214,7 @@ def run_agent(config: Config | Mapping[str, Any] | str | os.PathLike[str], *, br
     prepared = prepare_agent(spec, ds, precision=rt.plan.precision)
     folder = Path(out or f"fedfleet-agent-{client_id}")
     folder.mkdir(parents=True, exist_ok=True)
-    tr = open_transport(mqtt_client_id(federation, client_id), cfg, broker_url,
-                        will=offline_will(federation, client_id))
+    tr = open_transport(mqtt_id, cfg, broker_url, will=offline_will(federation, client_id))
     tr.connect()
     ledger = Ledger(folder / "ledger.sqlite")
     ledger.set_meta("federation", federation)

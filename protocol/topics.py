@@ -13,10 +13,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from .errors import FieldError
-from .messages import Kind, valid_id
+from .messages import SERVER_ID, Kind, valid_id
 
 PREFIX = "fedfleet/v1"
 _KIND_LABELS = frozenset(k.label for k in Kind)
@@ -48,15 +49,48 @@ def status(federation: str, client_id: str) -> str:
     return f"{PREFIX}/{_check(federation, 'federation')}/status/{_check(client_id, 'client_id')}"
 
 
+#: the most characters of the federation id an MQTT client id keeps as they are (a longer one is
+#: cut to 31 and followed by ``.`` and 8 hex digits of its SHA-256, 40 in all): with a 64-character node id
+#: the client id stays within 105 characters (AWS IoT and Azure IoT Hub allow 128).
+MQTT_FEDERATION_CHARS = 40
+
+
 def mqtt_client_id(federation: str, node_id: str) -> str:
     """The MQTT client id of node ``node_id`` (a device's client id, or ``"server"``) in
-    ``federation``: ``{federation[:40]}-{node_id}``, so one device id in two federations on one
-    broker makes two MQTT clients (two clients with one id evict each other forever).
+    ``federation``: ``{federation}:{node_id}``, the federation cut to
+    :data:`MQTT_FEDERATION_CHARS` characters with a hash of the whole name when longer. Neither
+    id holds ``:``, so distinct (federation, node) pairs get distinct client ids (short of a
+    SHA-256 collision between two long federation names): one device id in two federations on
+    one broker makes two MQTT clients, which would otherwise evict each other forever.
+    :func:`node_of` inverts it.
 
     Raises:
         FieldError: ``federation`` or ``node_id`` is not a valid topic level.
     """
-    return f"{_check(federation, 'federation')[:40]}-{_check(node_id, 'client_id')}"
+    fed = _check(federation, "federation")
+    if len(fed) > MQTT_FEDERATION_CHARS:
+        fed = f"{fed[:MQTT_FEDERATION_CHARS - 9]}.{hashlib.sha256(fed.encode()).hexdigest()[:8]}"
+    return f"{fed}:{_check(node_id, 'client_id')}"
+
+
+def node_of(mqtt_id: str) -> str | None:
+    """The node id in an MQTT client id made by :func:`mqtt_client_id` (``"server"`` or a
+    device's client id); ``None`` for a client id of another form."""
+    fed, sep, node = mqtt_id.partition(":")
+    return node if sep and fed and valid_id(node) else None
+
+
+def check_device_id(client_id: str) -> str:
+    """``client_id`` when it can name a device: a valid topic level other than ``"server"``
+    (the server's node id, whose MQTT client id it would take over).
+
+    Raises:
+        FieldError: naming what is wrong.
+    """
+    _check(client_id, "client_id")
+    if client_id == SERVER_ID:
+        raise FieldError(f"client id {client_id!r} is the server's: give the device another id", field="client_id")
+    return client_id
 
 
 def server_filters(federation: str) -> list[str]:

@@ -144,8 +144,10 @@ def _row_from_accounting(name: str, broker: str, acc, res, work: Path, seconds: 
 
 
 def _node(client_id: str) -> str:
-    """``server`` or ``client-00N`` from an MQTT client id ``<federation>-<node>``."""
-    return "server" if client_id.endswith("-server") else "client-" + client_id.rsplit("-", 1)[-1]
+    """``server`` or ``client-00N`` from an MQTT client id (:func:`protocol.topics.node_of`)."""
+    from protocol.topics import node_of
+
+    return node_of(client_id) or client_id
 
 
 def run_scenarios(work: Path, kinds: list[str], log) -> list[dict]:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 
+from protocol import topics
 from protocol.mqtt_bytes import connect_client_id
 
 TYPES = {1: "CONNECT", 2: "CONNACK", 3: "PUBLISH", 4: "PUBACK", 8: "SUBSCRIBE", 9: "SUBACK", 12: "PINGREQ",
@@ -59,12 +60,9 @@ class _Parser:
 
 
 def node_of(client_id: str) -> str:
-    """fedfleet's node name in a client id: ``server`` for ``<run>-server``, ``client-NNN`` for
-    ``<run>-client-NNN``; a client id of another form is returned as it is."""
-    if client_id.endswith("-server"):
-        return "server"
-    parts = client_id.rsplit("-", 2)
-    return "-".join(parts[-2:]) if len(parts) == 3 else client_id
+    """fedfleet's node name in an MQTT client id (:func:`protocol.topics.node_of`: ``server``,
+    ``client-NNN``); a client id of another form is returned as it is."""
+    return topics.node_of(client_id) or client_id
 
 
 class CountingRelay:

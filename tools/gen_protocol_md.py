@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from protocol import chunking, membership, messages, security, tensors  # noqa: E402
+from protocol import chunking, membership, messages, security, tensors, topics  # noqa: E402
 from protocol.channel import MAX_RESEND  # noqa: E402
 from protocol.security import sealing  # noqa: E402
 from protocol.test_vectors import (  # noqa: E402
@@ -179,6 +179,19 @@ def chunk_budget_reference(topic: str, max_packet: int, sender: str, round: int,
     return lo
 
 
+def mqtt_client_id_rule() -> str:
+    """§1's rule for MQTT client ids, from :func:`protocol.topics.mqtt_client_id`'s constants
+    (an example computed by it)."""
+    n = topics.MQTT_FEDERATION_CHARS
+    long_fed = "field-trial-" + "x" * 50
+    return (f"* MQTT client ids are unique per connection (two clients with one id evict each other forever):\n"
+            f"  a node's is `{{federation}}:{{client_id}}` (the server's `{{federation}}:{messages.SERVER_ID}`), a\n"
+            f"  federation id longer than {n} characters cut to its first {n - 9}, `.` and the first 8 hex digits\n"
+            f"  of the SHA-256 of its UTF-8 bytes (`{long_fed[:12]}…` of {len(long_fed)} characters:\n"
+            f"  `{topics.mqtt_client_id(long_fed, 'pi-07')}`). No id holds `:`, so one device id in two\n"
+            f"  federations on one broker makes two clients; no device has the id `{messages.SERVER_ID}`.")
+
+
 HEAD = """# fedfleet wire protocol, version 1
 
 Normative. A conforming implementation in any language must produce and accept the bytes below.
@@ -196,9 +209,7 @@ implementation's constants and documentation; it is not edited by hand.
 * MQTT 3.1.1 (protocol level 4) by default; MQTT 5 works where the broker speaks it. Clean
   sessions: correctness never rests on broker sessions.
 * QoS 1 for every message (QoS 1 *delivers duplicates*: receivers de-duplicate, §8).
-* MQTT client ids are unique per connection (two clients with one id evict each other forever):
-  a node's is `{federation[:40]}-{client_id}` (the server's `{federation[:40]}-server`), so one
-  device id in two federations on one broker makes two clients.
+@MQTT_CLIENT_ID@
 * Each agent publishes a retained `status` message (`online`) and registers the same topic as its
   MQTT last will with an `offline` status whose envelope `seq` is 0 and `round` 0, so the server
   marks it offline when it vanishes. With signing on, the will is sealed like any other message
@@ -882,7 +893,8 @@ def vectors_section() -> str:
 
 def render() -> str:
     """The whole text of PROTOCOL.md."""
-    text = "".join([HEAD, envelope_section(), bodies_section(), tensors_section(), chunking_section(),
+    head = HEAD.replace("@MQTT_CLIENT_ID@", mqtt_client_id_rule())
+    text = "".join([head, envelope_section(), bodies_section(), tensors_section(), chunking_section(),
                     security_section(), manifest_section(), SEMANTICS, limits_section(), ACCOUNTING,
                     vectors_section()])
     return text

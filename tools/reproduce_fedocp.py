@@ -104,7 +104,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker_server.cli import plural  # noqa: E402
 from broker_server.experiments import (  # noqa: E402
     NOT_RECORDED,
     Job,
@@ -140,6 +139,7 @@ from broker_server.strategies.fedocp import (  # noqa: E402
     SERVER_LR,
     TAU,
 )
+from broker_server.text import plural  # noqa: E402
 
 #: method label → (registered algorithm, [algorithm] table). Baselines: SPECS §6 defaults.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -820,7 +820,7 @@ def report(results: dict[str, dict], *, out: Path, datasets: list[str], splits: 
                 if other_on <= ORTHOGONAL_COS:
                     also.append(f"{label}{'†' if label == 'FedGH' else ''}")
                 parts_cos.append(f"{label}{'†' if label == 'FedGH' else ''} {other_on:+.3f} (FedOCP {ocp_on:+.3f}, "
-                                 f"{len(shared)} seed{'s' * (len(shared) != 1)})")
+                                 f"{plural(len(shared), 'seed')})")
             near = ("orthogonal or more separated" if ocp_mean <= ORTHOGONAL_COS
                     else "not orthogonal (mean cosine above the threshold)")
             lines.append(f"- {ds} {sp} ({ct} test): FedOCP {ocp_mean:+.3f} ({len(ocp)} of {n_seeds} seeds) → **{near}**"

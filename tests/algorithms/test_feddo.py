@@ -614,16 +614,18 @@ def test_a_policy_of_other_data_settings_is_said_and_the_same_ones_are_not(tmp_p
     assert "other data settings" not in caplog.text
 
 
-def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path) -> None:
+def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path, capsys) -> None:
     """The policy of ``fedfleet feddo pretrain`` carries runtime.data_settings of its configuration,
-    the dictionary a deployed run compares (α kept for a Dirichlet partition)."""
+    the dictionary a deployed run compares (α kept for a Dirichlet partition). Its banner counts in
+    the singular where a count is 1."""
     cfg = tmp_path / "feddo.toml"
-    cfg.write_text(TINY_TOML, encoding="utf-8")
+    cfg.write_text(TINY_TOML.replace("clients = 3", "clients = 1"), encoding="utf-8")
     out = tmp_path / "policy.pt"
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"fedfleet feddo pretrain: digits, 1 device, 1 episode x 1 round -> {out}")
     _, meta = DSACTAgent.load_policy(out)
     assert {k: meta[k] for k in ("dataset", "partition", "alpha", "clients")} == {
-        "dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 3}
+        "dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 1}
 
 
 def test_the_readme_path_from_the_example_pretrains_and_deploys(tmp_path, monkeypatch, caplog) -> None:

@@ -170,7 +170,7 @@ def test_the_agent_help_states_the_configuration_range(capsys: pytest.CaptureFix
 
 # the constructor keywords each shipped strategy's setup_kwargs supplies, written out by hand
 SETUP_KEYS = {"feddo": {"validation", "run_seed", "run_data"}, "fedaa": {"validation", "run_seed"},
-              "fedmcp": {"proxy_y", "num_classes"}}
+              "fedmcp": {"proxy_y", "num_classes"}, "enskd": {"proxy_y", "num_classes"}}
 
 
 @pytest.mark.parametrize("algorithm", sorted(SETUP_KEYS))
@@ -189,7 +189,7 @@ def test_setup_keys_name_what_setup_kwargs_supplies(algorithm: str, monkeypatch:
         return out
 
     monkeypatch.setattr(cls, "setup_kwargs", classmethod(recording))
-    small = {"fedmcp": {"proxy_size": 100}}.get(algorithm, {})  # digits' test split has 359 samples
+    small = {"proxy_size": 100} if algorithm in ("fedmcp", "enskd") else {}  # digits' test split has 359 samples
     make_strategy(small_config(train={"algorithm": algorithm}, algorithm=small), load_dataset("digits"))
     assert returned == [SETUP_KEYS[algorithm]]
     assert set(cls.setup_keys) == SETUP_KEYS[algorithm]
@@ -197,17 +197,21 @@ def test_setup_keys_name_what_setup_kwargs_supplies(algorithm: str, monkeypatch:
 
 @pytest.mark.parametrize("algorithm", sorted(SETUP_KEYS))
 def test_a_setup_key_is_no_algorithm_key(algorithm: str) -> None:
-    """A misspelt key's message lists the [algorithm] keys without those setup_kwargs supplies,
-    and a setup key set in [algorithm] is refused as unknown (it was a TypeError about a keyword
-    given twice)."""
+    """A misspelt key's message lists the [algorithm] keys without those setup_kwargs supplies;
+    a setup key set in [algorithm] is refused as supplied by setup_kwargs (it was a TypeError
+    about a keyword given twice), and one put in another section gets no hint to move it there."""
     ds = load_dataset("digits")
     with pytest.raises(ConfigError) as info:
         make_strategy(small_config(train={"algorithm": algorithm}, algorithm={"no_such_key": 1}), ds)
     listed = str(info.value).split(" takes ", 1)[1]
     assert not any(key in listed.split(", ") for key in SETUP_KEYS[algorithm])
     for key in SETUP_KEYS[algorithm]:
-        with pytest.raises(ConfigError, match=f"unknown key {key}: "):
+        with pytest.raises(ConfigError, match=f": {key} is supplied by .*setup_kwargs from the data set and the run, "
+                                              r"not an \[algorithm\] key"):
             make_strategy(small_config(train={"algorithm": algorithm}, algorithm={key: 1}), ds)
+        with pytest.raises(ConfigError) as info:
+            small_config(train={"algorithm": algorithm}, server={key: 1})
+        assert "did you mean" not in str(info.value)
 
 
 def test_a_user_strategy_s_undeclared_setup_key_in_algorithm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,6 +232,7 @@ def test_a_user_strategy_s_undeclared_setup_key_in_algorithm_is_refused(monkeypa
             return {"run_seed": seed}
 
     monkeypatch.setitem(_REGISTRY._classes, Seeded.name, Seeded)  # registered for this test only
-    with pytest.raises(ConfigError, match=r"run_seed is supplied by .*Seeded\.setup_kwargs, not an \[algorithm\] key"):
+    with pytest.raises(ConfigError, match=r"run_seed is supplied by .*Seeded\.setup_kwargs from the data set and "
+                                          r"the run, not an \[algorithm\] key"):
         make_strategy(small_config(train={"algorithm": "seeded-setup-test"}, algorithm={"run_seed": 4}),
                       load_dataset("digits"))

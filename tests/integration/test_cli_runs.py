@@ -85,11 +85,12 @@ def test_a_broker_that_stops_acknowledging_ends_the_run_with_a_resume_hint(
 
     import protocol.transport as transport
     from broker_server.embedded_broker import EmbeddedBroker
+    from protocol.topics import node_of
 
     init = transport.MqttTransport.__init__
 
     def small_server_buffer(self, client_id, *a, **kw):
-        if client_id.endswith("-server"):
+        if node_of(client_id) == "server":
             kw.update(max_buffered_messages=1, full_wait_s=0.5)
         init(self, client_id, *a, **kw)
 

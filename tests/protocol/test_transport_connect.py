@@ -134,19 +134,17 @@ def test_connect_retry_refuses_values_out_of_range(kwargs: dict) -> None:
 
 def test_one_device_id_in_two_federations_makes_two_mqtt_clients(tmp_path: Path) -> None:
     """A device id in two federations on one broker gets two MQTT client ids
-    (``{federation[:40]}-{client_id}``), so neither evicts the other: after the second connects,
-    the first still receives what the second publishes. (Under one id the broker would have
-    disconnected the first on the second's CONNECT, before its CONNACK.)"""
+    (:func:`protocol.topics.mqtt_client_id`), so neither evicts the other: after the second
+    connects, the first still receives what the second publishes. (Under one client id the broker
+    disconnects the first on the second's CONNECT: checked by hand, the first then receives
+    nothing.)"""
     from protocol.topics import mqtt_client_id
 
-    fed_a, fed_b = "trial-a", "trial-b"
-    assert mqtt_client_id(fed_a, "pi-07") == "trial-a-pi-07" != mqtt_client_id(fed_b, "pi-07")
-    assert mqtt_client_id("f" * 64, "server") == "f" * 40 + "-server"  # 40 + 1 + 64 characters at most
-    with pytest.raises(FieldError, match="federation .a/b. is not a valid topic level"):
+    with pytest.raises(FieldError, match="federation 'a/b' is not a valid topic level"):
         mqtt_client_id("a/b", "pi-07")
     with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
-        first = MqttTransport(mqtt_client_id(fed_a, "pi-07"), broker.host, broker.port)
-        second = MqttTransport(mqtt_client_id(fed_b, "pi-07"), broker.host, broker.port)
+        first = MqttTransport(mqtt_client_id("trial-a", "pi-07"), broker.host, broker.port)
+        second = MqttTransport(mqtt_client_id("trial-b", "pi-07"), broker.host, broker.port)
         try:
             first.connect(timeout_s=10.0)
             first.subscribe(["t/two-federations"])
