@@ -114,7 +114,9 @@ their pre-training configuration, so another budget never reuses one), with
 committed (``benchmarks/results/feddo-policies/``; a policy is about 9 MB): a grid seeded from it
 pre-trains a policy again when a cell needs it, and refuses that policy's cells when the new agent's
 SHA-256 is not the recorded one (:func:`remade_check`: pre-training runs with portable numerics, so
-it is machine-independent). An interrupted reproduction resumes where it stopped. A FedDO cell's
+it is machine-independent). Where the last wave of pre-training leaves workers idle (a data set's
+3 policies on 2 workers: the third trains alone for ≈ 23 min), the cells that load no policy run on
+them meanwhile, as many as should end before it (:func:`spare_cells`). An interrupted reproduction resumes where it stopped. A FedDO cell's
 configuration names its policy file as ``OUT/policies/…``; the records' fingerprints count that path
 relative to ``OUT`` (:func:`~broker_server.experiments.config_fingerprint`), and a cell's policy is
 found by its name in ``OUT/policies/``, so a grid resumes with ``--out`` spelt either way (relative
@@ -139,8 +141,11 @@ import multiprocessing
 import os
 import platform
 import shlex
+import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -183,6 +188,7 @@ from broker_server.experiments import (  # noqa: E402
     stop_pool,
     verify_records,
 )
+from broker_server.text import plural  # noqa: E402
 
 #: stands for the setting's pre-trained policy in :data:`METHODS` (replaced by its path)
 PRETRAINED = "<pre-trained>"
@@ -454,11 +460,32 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
 _TRIED: set[str] = set()
 
 
-def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str, dict]:
+def spare_cells(n_policies: int, workers: int, *, policy_s: float, cell_s: float, elapsed_s: float) -> tuple[int, int]:
+    """(workers the last wave of pre-training leaves idle, cells that fit on them) when
+    ``n_policies`` policies are pre-trained ``workers`` at a time, each taking ``policy_s``
+    seconds, the last wave ``elapsed_s`` seconds under way, and a policy-free cell ``cell_s``
+    seconds: ``(-n) mod workers`` idle workers (3 policies on 2: the third alone, one idle), each
+    running ⌊0.9·(policy_s − elapsed_s)/cell_s⌋ cells (0.9: a cell that outlasts the pre-training
+    holds the grid's next step back). (0, 0) without a time for either."""
+    spare = (-n_policies) % workers if n_policies else 0
+    if not spare or policy_s <= 0 or cell_s <= 0:
+        return 0, 0
+    return spare, spare * max(0, int(0.9 * (policy_s - elapsed_s) // cell_s))
+
+
+def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
+                      filler: tuple[list[Job], Callable[[list[Job], int], object]] | None = None) -> dict[str, dict]:
     """Pre-train every policy of ``specs`` not yet made (its file and its ``pretrain.json`` entry
     both present), ``workers`` at a time; returns the whole ``pretrain.json``. A policy with an
     entry but no file (a grid seeded from the committed ``pretrain.json``) is made again and its
-    SHA-256 compared with the entry's (:func:`remade_check`)."""
+    SHA-256 compared with the entry's (:func:`remade_check`).
+
+    ``filler`` = (cells that load no policy, a function running some of them on k workers, as
+    ``run_grid``): once the last wave of pre-training leaves workers idle (3 policies on 2
+    workers: the third trains alone), as many of those cells as should end before it
+    (:func:`spare_cells`, from the recorded pre-training CPU seconds and the cells' recorded
+    seconds) run on them, in a thread; this returns when both are done (an error of theirs, as
+    the grid's stop time, is raised then). Never more processes than ``workers``."""
     info = load_pretrain_info(out)
     todo = {s["name"]: s for s in specs if not policy_made(s["path"], info)
             and not ("error" in info.get(s["name"], {}) and s["name"] in _TRIED)}
@@ -471,23 +498,70 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int) -> dict[str
     (out / "policies").mkdir(parents=True, exist_ok=True)
     for s in todo.values():
         print(f"pre-training {s['name']}: {s['episodes']} episodes x {s['rounds']} rounds", flush=True)
+    # the expected pre-training: these policies' recorded CPU seconds (a re-make), else any's
+    entries = [info[name].get("recorded", info[name]) for name in todo if name in info]
+    mine = [float(e["cpu_seconds"]) for e in entries if "cpu_seconds" in e]
+    policy_s = statistics.fmean(mine or made) if (mine or made) else 0.0
+    fill_thread: threading.Thread | None = None
+    fill_error: list[BaseException] = []
+
+    def start_filler(elapsed_s: float) -> None:
+        nonlocal fill_thread
+        assert filler is not None
+        done = {k: r for k, r in load_results(out).items() if "error" not in r}
+        cells = [j for j in filler[0] if j.key not in done]
+        # a cell's expected seconds: these cells' records, else any record of a method without a policy
+        seconds = [float(done[j.key].get("seconds", 0.0)) for j in filler[0] if j.key in done] or \
+            [float(r.get("seconds", 0.0)) for r in done.values()
+             if not str(r.get("method", "FedDO")).startswith("FedDO")]
+        cell_s = statistics.fmean(seconds) if seconds else 0.0
+        spare, fit = spare_cells(len(todo), workers, policy_s=policy_s, cell_s=cell_s, elapsed_s=elapsed_s)
+        if not (spare and fit and cells):
+            return
+        print(f"meanwhile, {plural(min(fit, len(cells)), 'cell')} without a policy on the "
+              f"{plural(spare, 'idle worker')}", flush=True)
+
+        def run() -> None:
+            try:
+                filler[1](cells[:fit], spare)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller once the pre-training is done
+                fill_error.append(exc)
+
+        fill_thread = threading.Thread(target=run, name="pretrain-filler", daemon=True)
+        fill_thread.start()
+
     ctx = multiprocessing.get_context("spawn")
     # the policies are trained with the grid's portable CPU numerics (broker_server.numerics), so a
     # fresh grid on another machine pre-trains the same policies
-    with pinned_numerics("portable"), ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx,
+    pool_size = max(1, min(workers, len(todo)))
+    last_wave_at = time.monotonic()  # when the last policy started: at the start, or as a worker freed up
+    with pinned_numerics("portable"), ProcessPoolExecutor(max_workers=pool_size, mp_context=ctx,
                                                           initializer=die_with_parent) as pool:
         _TRIED.update(todo)
         futures = {pool.submit(_pretrain_task, s): name for name, s in todo.items()}
+        finished = 0
         try:
+            if filler is not None and len(todo) < workers:
+                start_filler(0.0)
             for fut in as_completed(futures):
                 name = futures[fut]
+                finished += 1
+                if finished == len(todo) - pool_size:  # the last policy starts on the worker this one freed
+                    last_wave_at = time.monotonic()
+                if filler is not None and fill_thread is None and len(todo) >= workers \
+                        and len(todo) % workers and len(todo) - finished == len(todo) % workers:
+                    start_filler(time.monotonic() - last_wave_at)
                 info[name] = remade_check(name, info.get(name), fut.result())
                 print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
                                             else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
                 (out / "policies" / "pretrain.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+            if fill_thread is not None:  # inside the portable numerics: its cells' workers were spawned in them
+                fill_thread.join()
         except BaseException:  # Ctrl-C: stop the pre-training now, not after every queued policy
             stop_pool(pool)
             raise
+    if fill_error:
+        raise fill_error[0]
     return info
 
 
@@ -1434,9 +1508,15 @@ def main(argv: list[str] | None = None) -> int:
     if not a.report_only:
         t0 = time.monotonic()
         print(f"{len(grid.jobs())} cells known now in {out} (FedDO-random follows FedDO's first seed)", flush=True)
+        def fill(jobs: list[Job], k: int) -> None:
+            run_grid(jobs, out, workers=k, on_result=show, stamp=stamp)
+
+        def free_of_policy(jobs: list[Job]) -> list[Job]:  # seed by seed, as the grid runs them
+            return sorted((j for j in jobs if not j.config["algorithm"].get("policy")), key=lambda j: j.tags["seed"])
+
         for ds in datasets:  # data set by data set: one is whole before the next starts
             info = pretrain_policies(out, needed_policies(grid.policies([ds]), grid.main_jobs([ds]), out),
-                                     workers=a.workers)
+                                     workers=a.workers, filler=(free_of_policy(grid.main_jobs([ds])), fill))
             for i in range(len(seeds)):  # seed by seed, so a stopped grid has whole seeds
                 jobs = [j for j in grid.main_jobs([ds]) if int(j.tags["seed"]) in seeds[:i + 1]]
                 ok, blocked = runnable(jobs, info)
@@ -1452,7 +1532,7 @@ def main(argv: list[str] | None = None) -> int:
             run_grid(runnable(grid.main_jobs([ds]), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
         if sweep_bench:
             info = pretrain_policies(out, needed_policies(grid.policies(sweep=True), grid.sweep_jobs(), out),
-                                     workers=a.workers)
+                                     workers=a.workers, filler=(free_of_policy(grid.sweep_jobs()), fill))
             run_grid(runnable(grid.sweep_jobs(), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
         wall = time.monotonic() - t0
         if a.verify:

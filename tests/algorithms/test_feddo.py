@@ -622,7 +622,8 @@ def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path, cap
     cfg.write_text(TINY_TOML.replace("clients = 3", "clients = 1"), encoding="utf-8")
     out = tmp_path / "policy.pt"
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)]) == 0
-    assert capsys.readouterr().out.startswith(f"fedfleet feddo pretrain: digits, 1 device, 1 episode x 1 round -> {out}")
+    banner = f"fedfleet feddo pretrain: digits, 1 device, 1 episode x 1 round -> {out}"
+    assert capsys.readouterr().out.startswith(banner)
     _, meta = DSACTAgent.load_policy(out)
     assert {k: meta[k] for k in ("dataset", "partition", "alpha", "clients")} == {
         "dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 1}
