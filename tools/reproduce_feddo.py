@@ -116,7 +116,8 @@ pre-trains a policy again when a cell needs it, and refuses that policy's cells 
 SHA-256 is not the recorded one (:func:`remade_check`: pre-training runs with portable numerics, so
 it is machine-independent). Where the last wave of pre-training leaves workers idle (a data set's
 3 policies on 2 workers: the third trains alone for ≈ 23 min), the cells that load no policy run on
-them meanwhile, as many as should end before it (:func:`spare_cells`). An interrupted reproduction resumes where it stopped. A FedDO cell's
+them meanwhile, until it ends (:func:`pretrain_policies`). An interrupted reproduction resumes where
+it stopped. A FedDO cell's
 configuration names its policy file as ``OUT/policies/…``; the records' fingerprints count that path
 relative to ``OUT`` (:func:`~broker_server.experiments.config_fingerprint`), and a cell's policy is
 found by its name in ``OUT/policies/``, so a grid resumes with ``--out`` spelt either way (relative
@@ -141,7 +142,6 @@ import multiprocessing
 import os
 import platform
 import shlex
-import statistics
 import sys
 import threading
 import time
@@ -460,17 +460,10 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
 _TRIED: set[str] = set()
 
 
-def spare_cells(n_policies: int, workers: int, *, policy_s: float, cell_s: float, elapsed_s: float) -> tuple[int, int]:
-    """(workers the last wave of pre-training leaves idle, cells that fit on them) when
-    ``n_policies`` policies are pre-trained ``workers`` at a time, each taking ``policy_s``
-    seconds, the last wave ``elapsed_s`` seconds under way, and a policy-free cell ``cell_s``
-    seconds: ``(-n) mod workers`` idle workers (3 policies on 2: the third alone, one idle), each
-    running ⌊0.9·(policy_s − elapsed_s)/cell_s⌋ cells (0.9: a cell that outlasts the pre-training
-    holds the grid's next step back). (0, 0) without a time for either."""
-    spare = (-n_policies) % workers if n_policies else 0
-    if not spare or policy_s <= 0 or cell_s <= 0:
-        return 0, 0
-    return spare, spare * max(0, int(0.9 * (policy_s - elapsed_s) // cell_s))
+def idle_workers(n_policies: int, workers: int) -> int:
+    """Workers the last wave of pre-training leaves idle when ``n_policies`` policies are
+    pre-trained ``workers`` at a time: ``(-n) mod workers`` (3 policies on 2: the third alone, 1)."""
+    return (-n_policies) % workers if n_policies > 0 and workers > 0 else 0
 
 
 def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
@@ -482,10 +475,10 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
 
     ``filler`` = (cells that load no policy, a function running some of them on k workers, as
     ``run_grid``): once the last wave of pre-training leaves workers idle (3 policies on 2
-    workers: the third trains alone), as many of those cells as should end before it
-    (:func:`spare_cells`, from the recorded pre-training CPU seconds and the cells' recorded
-    seconds) run on them, in a thread; this returns when both are done (an error of theirs, as
-    the grid's stop time, is raised then). Never more processes than ``workers``."""
+    workers: the third trains alone; :func:`idle_workers`), those cells not on record run on them
+    in a thread, k at a time, a next k only while the pre-training goes on (the last ones may end
+    after it: this returns when both are done, and raises an error of theirs, as the grid's stop
+    time, then). Never more processes than ``workers``."""
     info = load_pretrain_info(out)
     todo = {s["name"]: s for s in specs if not policy_made(s["path"], info)
             and not ("error" in info.get(s["name"], {}) and s["name"] in _TRIED)}
@@ -498,32 +491,27 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
     (out / "policies").mkdir(parents=True, exist_ok=True)
     for s in todo.values():
         print(f"pre-training {s['name']}: {s['episodes']} episodes x {s['rounds']} rounds", flush=True)
-    # the expected pre-training: these policies' recorded CPU seconds (a re-make), else any's
-    entries = [info[name].get("recorded", info[name]) for name in todo if name in info]
-    mine = [float(e["cpu_seconds"]) for e in entries if "cpu_seconds" in e]
-    policy_s = statistics.fmean(mine or made) if (mine or made) else 0.0
     fill_thread: threading.Thread | None = None
     fill_error: list[BaseException] = []
+    pretrained = threading.Event()  # set once the last policy is in: the filler starts no more cells
 
-    def start_filler(elapsed_s: float) -> None:
+    def start_filler() -> None:
         nonlocal fill_thread
         assert filler is not None
-        done = {k: r for k, r in load_results(out).items() if "error" not in r}
+        done = {k for k, r in load_results(out).items() if "error" not in r}
         cells = [j for j in filler[0] if j.key not in done]
-        # a cell's expected seconds: these cells' records, else any record of a method without a policy
-        seconds = [float(done[j.key].get("seconds", 0.0)) for j in filler[0] if j.key in done] or \
-            [float(r.get("seconds", 0.0)) for r in done.values()
-             if not str(r.get("method", "FedDO")).startswith("FedDO")]
-        cell_s = statistics.fmean(seconds) if seconds else 0.0
-        spare, fit = spare_cells(len(todo), workers, policy_s=policy_s, cell_s=cell_s, elapsed_s=elapsed_s)
-        if not (spare and fit and cells):
+        spare = idle_workers(len(todo), workers)
+        if not (spare and cells):
             return
-        print(f"meanwhile, {plural(min(fit, len(cells)), 'cell')} without a policy on the "
-              f"{plural(spare, 'idle worker')}", flush=True)
+        print(f"meanwhile, cells without a policy on the {plural(spare, 'idle worker')} ({len(cells)} to run)",
+              flush=True)
 
         def run() -> None:
             try:
-                filler[1](cells[:fit], spare)
+                for i in range(0, len(cells), spare):
+                    if i and pretrained.is_set():
+                        break
+                    filler[1](cells[i:i + spare], spare)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller once the pre-training is done
                 fill_error.append(exc)
 
@@ -534,7 +522,6 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
     # the policies are trained with the grid's portable CPU numerics (broker_server.numerics), so a
     # fresh grid on another machine pre-trains the same policies
     pool_size = max(1, min(workers, len(todo)))
-    last_wave_at = time.monotonic()  # when the last policy started: at the start, or as a worker freed up
     with pinned_numerics("portable"), ProcessPoolExecutor(max_workers=pool_size, mp_context=ctx,
                                                           initializer=die_with_parent) as pool:
         _TRIED.update(todo)
@@ -542,19 +529,18 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
         finished = 0
         try:
             if filler is not None and len(todo) < workers:
-                start_filler(0.0)
+                start_filler()
             for fut in as_completed(futures):
                 name = futures[fut]
                 finished += 1
-                if finished == len(todo) - pool_size:  # the last policy starts on the worker this one freed
-                    last_wave_at = time.monotonic()
                 if filler is not None and fill_thread is None and len(todo) >= workers \
-                        and len(todo) % workers and len(todo) - finished == len(todo) % workers:
-                    start_filler(time.monotonic() - last_wave_at)
+                        and len(todo) - finished == len(todo) % workers:  # the last wave alone now
+                    start_filler()
                 info[name] = remade_check(name, info.get(name), fut.result())
                 print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
                                             else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
                 (out / "policies" / "pretrain.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+            pretrained.set()
             if fill_thread is not None:  # inside the portable numerics: its cells' workers were spawned in them
                 fill_thread.join()
         except BaseException:  # Ctrl-C: stop the pre-training now, not after every queued policy

@@ -518,35 +518,33 @@ def test_only_the_policies_of_cells_still_to_run_are_needed(tmp_path: Path) -> N
     assert t.done_keys(tmp_path) == {j.key for j in loads} - {iid_all.key}
 
 
-@pytest.mark.parametrize(("n", "workers", "policy_s", "cell_s", "elapsed_s", "want"), [
-    (3, 2, 1350.0, 120.0, 30.0, (1, 9)),    # the third policy alone: ⌊0.9·1320/120⌋ = ⌊9.9⌋
-    (4, 2, 1350.0, 120.0, 0.0, (0, 0)),     # two whole waves: no worker idle
-    (1, 2, 1000.0, 100.0, 0.0, (1, 9)),     # one policy on two workers, from the start
-    (5, 4, 1000.0, 100.0, 100.0, (3, 24)),  # the fifth alone on four workers: 3 × ⌊0.9·900/100⌋
-    (3, 2, 0.0, 120.0, 0.0, (0, 0)),        # no pre-training time on record
-    (3, 2, 1350.0, 0.0, 0.0, (0, 0)),       # no cell time on record
-    (3, 2, 100.0, 120.0, 50.0, (1, 0)),     # no cell fits
+@pytest.mark.parametrize(("n", "workers", "idle"), [
+    (3, 2, 1),  # the third policy alone on two workers
+    (4, 2, 0),  # two whole waves
+    (1, 2, 1),  # one policy on two workers, from the start
+    (5, 4, 3),  # the fifth alone on four
+    (2, 1, 0),  # one worker is never idle
+    (0, 2, 0),  # nothing to pre-train: not pre-training's to fill
 ])
-def test_spare_cells_worked_by_hand(n: int, workers: int, policy_s: float, cell_s: float, elapsed_s: float,
-                                    want: tuple[int, int]) -> None:
-    assert _tool().spare_cells(n, workers, policy_s=policy_s, cell_s=cell_s, elapsed_s=elapsed_s) == want
+def test_the_workers_the_last_wave_of_pre_training_leaves_idle(n: int, workers: int, idle: int) -> None:
+    assert _tool().idle_workers(n, workers) == idle
 
 
 def test_cells_without_a_policy_fill_the_worker_pre_training_leaves_idle(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One policy re-made on two workers leaves one idle: the grid's FedAvg cell (no policy) runs
-    on it meanwhile and is recorded, and the policy has its recorded bits all the same."""
+    """One policy re-made on two workers leaves one idle: the grid's cells that load no policy
+    run on it one at a time, the first at once and the next only while the pre-training goes on,
+    and are recorded; the policy has its recorded bits all the same. (The grid's policy-loading
+    cells are never given to the filler.)"""
     t = _tool()
     monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
-    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedAvg", "FedDO"],
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1", "iid"], methods=["FedAvg", "FedDO"],
                  seeds=[0], clients=4, rounds=2, train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
     spec = grid.main_policy("fashion_mnist", "dir0.1")
     first = t.pretrain_policies(tmp_path, [spec], workers=1)[spec["name"]]
     Path(spec["path"]).unlink()  # as a fresh machine has it: the entry, no file
-    # a recorded cell of a method without a policy gives the expected cell time (0.01 s: any fits)
-    (tmp_path / "results.jsonl").write_text(json.dumps({"key": "other/FedLC", "method": "FedLC", "seconds": 0.01,
-                                                        "final": {"accuracy": 0.5}}) + "\n", encoding="utf-8")
     fedavg = [j for j in grid.main_jobs(control={}) if j.tags["method"] == "FedAvg"]
+    assert len(fedavg) == 2
     ran: list[tuple[list[str], int]] = []
 
     def fill(jobs, k):  # the grid's run_grid, its cells noted
@@ -554,7 +552,7 @@ def test_cells_without_a_policy_fill_the_worker_pre_training_leaves_idle(
         t.run_grid(jobs, tmp_path, workers=k, stamp={"commit": "test"})
 
     info = t.pretrain_policies(tmp_path, [spec], workers=2, filler=(fedavg, fill))
-    assert ran == [([fedavg[0].key], 1)]
-    assert "meanwhile, 1 cell without a policy on the 1 idle worker" in capsys.readouterr().out
-    assert fedavg[0].key in t.done_keys(tmp_path)
+    assert "meanwhile, cells without a policy on the 1 idle worker (2 to run)" in capsys.readouterr().out
+    assert ran[0] == ([fedavg[0].key], 1) and ran in ([ran[0]], [ran[0], ([fedavg[1].key], 1)])
+    assert {k for keys, _ in ran for k in keys} <= t.done_keys(tmp_path)
     assert info[spec["name"]]["sha256"] == first["sha256"] and info[spec["name"]]["remade"] == 1
