@@ -460,6 +460,24 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
 _TRIED: set[str] = set()
 
 
+#: seconds an interrupted pre-training waits for its filler thread once its cells' workers are ended
+STOP_JOIN_S = 60.0
+
+
+def stop_children() -> None:
+    """End this process's multiprocessing children now (SIGTERM, SIGKILL after 10 s): an
+    interrupted pre-training's filler cells, whose pool (:func:`run_grid`'s) lives in another
+    thread; their ``run_grid`` then fails with a broken pool and ends."""
+    procs = multiprocessing.active_children()
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 def idle_workers(n_policies: int, workers: int) -> int:
     """Workers the last wave of pre-training leaves idle when ``n_policies`` policies are
     pre-trained ``workers`` at a time: ``(-n) mod workers`` (3 policies on 2: the third alone, 1)."""
@@ -498,7 +516,11 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
     def start_filler() -> None:
         nonlocal fill_thread
         assert filler is not None
-        done = {k for k, r in load_results(out).items() if "error" not in r}
+        try:
+            done = {k for k, r in load_results(out).items() if "error" not in r}
+        except Exception as exc:  # noqa: BLE001 - the pre-training goes on; raised once it is done
+            fill_error.append(exc)
+            return
         cells = [j for j in filler[0] if j.key not in done]
         spare = idle_workers(len(todo), workers)
         if not (spare and cells):
@@ -533,18 +555,22 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
             for fut in as_completed(futures):
                 name = futures[fut]
                 finished += 1
-                if filler is not None and fill_thread is None and len(todo) >= workers \
-                        and len(todo) - finished == len(todo) % workers:  # the last wave alone now
-                    start_filler()
                 info[name] = remade_check(name, info.get(name), fut.result())
                 print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
                                             else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
                 (out / "policies" / "pretrain.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+                if filler is not None and fill_thread is None and len(todo) >= workers \
+                        and len(todo) - finished == len(todo) % workers:  # the last wave alone now
+                    start_filler()
             pretrained.set()
             if fill_thread is not None:  # inside the portable numerics: its cells' workers were spawned in them
                 fill_thread.join()
         except BaseException:  # Ctrl-C: stop the pre-training now, not after every queued policy
+            pretrained.set()  # the filler starts no further cell
             stop_pool(pool)
+            if fill_thread is not None:  # and its running cells end: their run_grid fails, the thread ends
+                stop_children()
+                fill_thread.join(STOP_JOIN_S)
             raise
     if fill_error:
         raise fill_error[0]

@@ -556,3 +556,56 @@ def test_cells_without_a_policy_fill_the_worker_pre_training_leaves_idle(
     assert ran[0] == ([fedavg[0].key], 1) and ran in ([ran[0]], [ran[0], ([fedavg[1].key], 1)])
     assert {k for keys, _ in ran for k in keys} <= t.done_keys(tmp_path)
     assert info[spec["name"]]["sha256"] == first["sha256"] and info[spec["name"]]["remade"] == 1
+
+
+def test_the_filler_starts_when_the_last_policy_trains_alone(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three policies on two workers: the filler starts (in its own thread) only once two of them
+    are in ``pretrain.json``, the third training alone."""
+    import threading
+
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=list(t.PARTITIONS), methods=["FedAvg", "FedDO"],
+                 seeds=[0], clients=4, rounds=2, train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
+    specs = grid.policies()
+    assert len(specs) == 3
+    fedavg = [j for j in grid.main_jobs(control={}) if j.tags["method"] == "FedAvg"]
+    seen: list[tuple[int, bool]] = []
+
+    def fill(jobs, k):  # when it was called: the policies recorded then, and off the main thread
+        seen.append((len(t.load_pretrain_info(tmp_path)), threading.current_thread() is not threading.main_thread()))
+        t.run_grid(jobs, tmp_path, workers=k, stamp={"commit": "test"})
+
+    info = t.pretrain_policies(tmp_path, specs, workers=2, filler=(fedavg, fill))
+    assert seen and seen[0] == (2, True)
+    assert all("sha256" in info[s["name"]] for s in specs)
+
+
+def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in the pre-training loop (here: pretrain.json, replaced by a folder while the
+    filler runs, cannot be written) stops the filler too: it starts no further cell, its running
+    cell's worker is ended, its thread is joined, and the exception goes on."""
+    import multiprocessing
+    import threading
+
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedAvg", "FedDO"],
+                 seeds=[0, 1, 2], clients=4, rounds=2, train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
+    spec = grid.main_policy("fashion_mnist", "dir0.1")
+    fedavg = [j for j in grid.main_jobs(control={}) if j.tags["method"] == "FedAvg"]
+    assert len(fedavg) == 3
+    calls: list[str] = []
+
+    def fill(jobs, k):
+        if not calls:  # the main thread's next pretrain.json write fails
+            (tmp_path / "policies" / "pretrain.json").mkdir(parents=True)
+        calls.append(jobs[0].key)
+        t.run_grid(jobs, tmp_path, workers=k, stamp={"commit": "test"})
+
+    with pytest.raises(IsADirectoryError):
+        t.pretrain_policies(tmp_path, [spec], workers=2, filler=(fedavg, fill))
+    assert calls  # the filler was running
+    assert not [th for th in threading.enumerate() if th.name == "pretrain-filler"]
+    assert multiprocessing.active_children() == []
