@@ -30,8 +30,8 @@ Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
    one), its ``Command`` line naming the queue.
 
 The queue exits 1 when a script failed, a cell's record is an error, a re-run check failed or a
-report could not be regenerated (each named on stderr), 130 on Ctrl-C (after merging what
-finished), else 0.
+report could not be regenerated (each named on stderr), 130 on Ctrl-C or SIGINT (after merging
+what finished; also when started in the background with SIGINT ignored), else 0.
 
 ``--hours`` is a hard end: the grids' stop time (``FEDFLEET_GRID_STOP_AT``,
 :func:`broker_server.experiments.run_grid`) is 5 minutes before it, so no cell starts that would
@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.merge:
         return 0 if all([merge(g, base) for g in grids]) else 1
+    # SIGINT stops the queue (merging what finished) even when it was started in the background
+    # of a shell without job control, which starts it with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     deadline = time.monotonic() + args.hours * 3600 if args.hours else None
     failures: list[str] = []
     for g in grids:

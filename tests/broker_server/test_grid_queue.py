@@ -201,3 +201,48 @@ def test_the_regenerated_reports_command_line_names_the_queue_in_either_spelling
                  "Command (records and report): `python tools/reproduce_fedpgp.py --out /tmp/x`"):
         text = f"# Report\n\n{line}\n\nA Command: in prose is left alone.\n"
         assert q.queue_command_line(grid, text) == f"# Report\n\n{want}\n\nA Command: in prose is left alone.\n"
+
+
+QUEUE_IGNORING_SIGINT = r"""
+import signal, sys
+from pathlib import Path
+sys.path.insert(0, "tools")
+import grid_queue as q
+tmp = Path(sys.argv[1])
+q.RESULTS, q.REPORTS = tmp / "benchmarks" / "results", tmp / "benchmarks"
+q.QUEUE = (q.Grid("slow", str(tmp / "slow.py"), (), "slow.jsonl", "slow.md"),)
+raise SystemExit(q.main(["--only", "slow", "--base", str(tmp / "grids")]))
+"""
+
+SLOW_GRID = r"""
+import sys, time
+from pathlib import Path
+if "--report-only" in sys.argv:
+    raise SystemExit(0)
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+(out / "started").write_text("1")
+time.sleep(600)
+"""
+
+
+def test_sigint_stops_a_queue_started_with_sigint_ignored(tmp_path: Path) -> None:
+    """A queue started in the background by a shell without job control inherits SIGINT ignored;
+    it installs Python's handler itself, so its documented stop (SIGINT) stops it: its script is
+    stopped, what finished is merged, and it exits 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "slow.py").write_text(SLOW_GRID, encoding="utf-8")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", QUEUE_IGNORING_SIGINT, str(tmp_path)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    started = tmp_path / "grids" / "slow" / "started"
+    while not started.exists() and proc.poll() is None:  # its grid is running
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=200)
+    assert proc.returncode == 130, out
+    assert "interrupted: stopping" in out
