@@ -229,6 +229,8 @@ def test_sigint_stops_a_queue_started_with_sigint_ignored(tmp_path: Path) -> Non
     """A queue started in the background by a shell without job control inherits SIGINT ignored;
     it installs Python's handler itself, so its documented stop (SIGINT) stops it: its script is
     stopped, what finished is merged, and it exits 130."""
+    import contextlib
+    import os
     import signal
     import subprocess
     import sys
@@ -237,12 +239,16 @@ def test_sigint_stops_a_queue_started_with_sigint_ignored(tmp_path: Path) -> Non
     (tmp_path / "slow.py").write_text(SLOW_GRID, encoding="utf-8")
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", QUEUE_IGNORING_SIGINT, str(tmp_path)], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    started = tmp_path / "grids" / "slow" / "started"
-    while not started.exists() and proc.poll() is None:  # its grid is running
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=200)
+    try:
+        started = tmp_path / "grids" / "slow" / "started"
+        while not started.exists() and proc.poll() is None:  # its grid is running
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=200)
+    finally:  # a queue that did not stop leaves nothing behind: it and its grid are killed
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out
     assert "interrupted: stopping" in out
