@@ -271,8 +271,8 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     Raises:
         ConfigError: unknown algorithm (or a user's that does not fit); an ``[algorithm]`` key
             the constructor does not take, or one its ``setup_kwargs`` supplies (the message names
-            it and lists the ``[algorithm]`` keys it takes); a
-            value it refuses; a per-round setting no device can use.
+            it and lists the ``[algorithm]`` keys it takes); a value it refuses; a per-round
+            setting no device can use.
     """
     from edge_agent.plugins import accepted_keywords
 
@@ -288,10 +288,13 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     if taken:
         raise ConfigError(f"{where}: {', '.join(taken)} is set by the runtime ([server] participation_rate and "
                           "quorum, [train]), not in [algorithm]")
-    supplied = sorted(set(params) & set(declared.setup_keys))
-    if supplied:
-        raise ConfigError(f"{where}: {', '.join(supplied)} is supplied by {declared.__qualname__}.setup_kwargs "
-                          f"from the data set and the run, not an [algorithm] key")
+
+    def refuse_supplied(keys: set[str]) -> None:  # set in [algorithm], but setup_kwargs supplies them
+        if keys:
+            raise ConfigError(f"{where}: {', '.join(sorted(keys))} is supplied by {declared.__qualname__}."
+                              "setup_kwargs from the data set and the run, not an [algorithm] key")
+
+    refuse_supplied(set(params) & set(declared.setup_keys))
     unknown = sorted(set(params) - own) if not any_keyword else []
     if unknown:
         hints = "".join(section_hint(key, "algorithm") for key in unknown)
@@ -314,10 +317,7 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
         if "data_settings" in wanted:
             setup["data_settings"] = data_settings(cfg)
         extra = dict(declared.setup_kwargs(ds, params, cfg.run.seed, **setup))
-        clash = sorted(set(extra) & set(params))
-        if clash:  # a user's strategy that does not declare its setup_keys
-            raise ConfigError(f"{where}: {', '.join(clash)} is supplied by {declared.__qualname__}.setup_kwargs "
-                              f"from the data set and the run, not an [algorithm] key")
+        refuse_supplied(set(extra) & set(params))  # a user's strategy that does not declare its setup_keys
         strategy = cls(**kwargs, **params, **extra)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
