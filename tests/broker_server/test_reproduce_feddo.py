@@ -29,6 +29,26 @@ def _grid(t, out: Path, **kw):
     return t.Grid(out, **{**args, **kw})
 
 
+#: the tiny pre-training of the tests that make a policy: 4 devices, 200 images, 1 episode x 2 rounds
+TINY = {"clients": 4, "train_samples": 200, "episodes": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """One Fashion-MNIST Dir(0.1) policy of the :data:`TINY` budget, pre-trained once for this
+    module's tests (in a folder of its own, which they only read): its spec and its
+    ``pretrain.json`` entry. Where a test needs it re-made, it copies the entry, as the committed
+    ``pretrain.json`` seeds a fresh machine's grid."""
+    t = _tool()
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    try:
+        spec = t.policy_spec(tmp_path_factory.mktemp("made"), "fashion_mnist", "dir0.1", rounds=2, **TINY)
+        return spec, t.pretrain_policies(Path(spec["path"]).parents[1], [spec], workers=1)[spec["name"]]
+    finally:
+        mp.undo()
+
+
 def test_controls_differ_from_their_method_by_one_mechanism(tmp_path: Path) -> None:
     t = _tool()
     assert t.METHODS["FedDO"] == ("feddo", {"policy": t.PRETRAINED})
@@ -412,40 +432,19 @@ def test_a_cell_finds_its_policy_however_out_is_spelt(tmp_path: Path, monkeypatc
     assert t.blocked_reason(relative, info) == f"its policy file grid/policies/{spec['name']}.pt is missing"
 
 
-def test_a_policy_pre_trained_again_is_checked_against_its_recorded_bits(
-        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Policies are not committed, only ``pretrain.json``: a grid seeded from it pre-trains a policy
-    again. Pre-training is deterministic (portable numerics), so the agent in the file has the
-    recorded SHA-256 (the file's metadata holds the CPU time, so the file's own hash differs); a
-    recorded SHA-256 the new file does not have
-    turns the entry into an error that keeps the recorded one and blocks the policy's cells."""
+def test_a_pre_trained_policy_records_the_sha256_of_its_agent(tiny_policy: tuple[dict, dict]) -> None:
+    """Policies are not committed, only ``pretrain.json``: its entry keeps the SHA-256 of the agent
+    in the file (the file's metadata holds the CPU time, so the file's own hash differs), with which
+    a re-made policy is compared (checked in the filler's test, and, with other bits recorded, in
+    the --verify test)."""
     import hashlib
 
     t = _tool()
-    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
-    out = tmp_path / "grid"
-    spec = t.policy_spec(out, "fashion_mnist", "dir0.1", clients=4, train_samples=200, episodes=1, rounds=2)
-    first = t.pretrain_policies(out, [spec], workers=1)[spec["name"]]
+    spec, first = tiny_policy
     path = Path(spec["path"])
     assert first["sha256"] == t.policy_sha256(path) != hashlib.sha256(path.read_bytes()).hexdigest()
     assert first["bytes"] == path.stat().st_size and "remade" not in first
-    path.unlink()  # as a fresh machine has it: the entry, no file
-    again = t.pretrain_policies(out, [spec], workers=1)[spec["name"]]
-    assert again["sha256"] == first["sha256"] and again["remade"] == 1
-    assert "re-made, the same bits as its recorded pre-training" in capsys.readouterr().out
-    # a recorded SHA-256 that is not this pre-training's
-    recorded = {**again, "sha256": "0" * 64}
-    (out / "policies" / "pretrain.json").write_text(json.dumps({spec["name"]: recorded}), encoding="utf-8")
-    path.unlink()
-    info = t.pretrain_policies(out, [spec], workers=1)
-    entry = info[spec["name"]]
-    assert entry["recorded"] == recorded and entry["remade_sha256"] == first["sha256"]
-    assert entry["error"].startswith(f"re-made with SHA-256 {first['sha256'][:16]}…, but its recorded pre-training "
-                                     f"wrote {'0' * 16}…")
-    assert json.loads((out / "policies" / "pretrain.json").read_text(encoding="utf-8")) == info
-    # the next invocation compares with the recorded entry again, not with the error
-    assert t.remade_check(spec["name"], entry, again)["error"] == entry["error"]
-    assert t.remade_check(spec["name"], entry, {**again, "sha256": "0" * 64})["remade"] == 2
+    assert first["episodes"] == 1 and first["cpu_seconds"] > 0
 
 
 def test_remade_check_without_a_recorded_sha256_keeps_the_new_entry() -> None:
@@ -468,11 +467,12 @@ def test_verify_pre_trains_the_policy_of_a_cell_it_re_runs(tmp_path: Path, capsy
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A grid seeded from the committed records has no policy files: --verify pre-trains the one
     its FedDO cell loads (checked against the recorded SHA-256) instead of re-running only the
-    baselines; where the policy's bits differ, the cell is said and left out."""
+    baselines; where the policy's bits differ, its entry becomes an error that keeps the recorded
+    one (for the next invocation to compare with) and the cell is said and left out."""
     t = _tool()
     monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
-    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], seeds=[0], clients=4, rounds=2,
-                 train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], seeds=[0], rounds=2,
+                 pretrain_rounds=2, sweep=None, **TINY)
     jobs = {j.tags["method"]: j for j in grid.main_jobs(control={})}
     (tmp_path / "results.jsonl").write_text("".join(json.dumps({"key": jobs[m].key, "final": {"accuracy": 0.5}}) + "\n"
                                                     for m in ("FedAvg", "FedDO")), encoding="utf-8")
@@ -481,16 +481,24 @@ def test_verify_pre_trains_the_policy_of_a_cell_it_re_runs(tmp_path: Path, capsy
     assert [j.tags["method"] for j in cells] == ["FedDO", "FedAvg"] and not_rerun == []
     info = t.load_pretrain_info(tmp_path)
     assert Path(spec["path"]).is_file() and info[spec["name"]]["sha256"] == t.policy_sha256(spec["path"])
+    made = info[spec["name"]]
     Path(spec["path"]).unlink()
-    info[spec["name"]]["sha256"] = "f" * 64  # as if recorded with other bits
-    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps(info), encoding="utf-8")
+    recorded = {**made, "sha256": "f" * 64}  # as if recorded with other bits
+    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps({spec["name"]: recorded}), encoding="utf-8")
     capsys.readouterr()
     cells, not_rerun = t.verify_cells(grid, tmp_path, 2, workers=1)
     assert [j.tags["method"] for j in cells] == ["FedAvg"]
     said = capsys.readouterr().out
+    entry = t.load_pretrain_info(tmp_path)[spec["name"]]
+    assert entry["recorded"] == recorded and entry["remade_sha256"] == made["sha256"]
+    assert entry["error"].startswith(f"re-made with SHA-256 {made['sha256'][:16]}…, but its recorded pre-training "
+                                     f"wrote {'f' * 16}…")
+    # the next invocation compares with the recorded entry again, not with the error
+    assert t.remade_check(spec["name"], entry, made)["error"] == entry["error"]
+    assert t.remade_check(spec["name"], entry, {**made, "sha256": "f" * 64})["remade"] == 1
     # the line the re-run check gets: it does not count as passed (no "recorded … re-run …" for it)
     assert not_rerun == [f"- {jobs['FedDO'].key}: not re-run (its policy, pre-trained again, is not the recorded "
-                         f"one ({t.load_pretrain_info(tmp_path)[spec['name']]['error']}))"]
+                         f"one ({entry['error']}))"]
     queue = load_tool("grid_queue")
     verify = tmp_path / "verify.md"
     verify.write_text(f"- {jobs['FedAvg'].key}: recorded 0.5, re-run 0.5 → same\n" + not_rerun[0] + "\n",
@@ -530,56 +538,44 @@ def test_the_workers_the_last_wave_of_pre_training_leaves_idle(n: int, workers: 
     assert _tool().idle_workers(n, workers) == idle
 
 
-def test_cells_without_a_policy_fill_the_worker_pre_training_leaves_idle(
-        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One policy re-made on two workers leaves one idle: the grid's cells that load no policy
-    run on it one at a time, the first at once and the next only while the pre-training goes on,
-    and are recorded; the policy has its recorded bits all the same. (The grid's policy-loading
-    cells are never given to the filler.)"""
-    t = _tool()
-    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
-    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1", "iid"], methods=["FedAvg", "FedDO"],
-                 seeds=[0], clients=4, rounds=2, train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
-    spec = grid.main_policy("fashion_mnist", "dir0.1")
-    first = t.pretrain_policies(tmp_path, [spec], workers=1)[spec["name"]]
-    Path(spec["path"]).unlink()  # as a fresh machine has it: the entry, no file
-    fedavg = [j for j in grid.main_jobs(control={}) if j.tags["method"] == "FedAvg"]
-    assert len(fedavg) == 2
-    ran: list[tuple[list[str], int]] = []
-
-    def fill(jobs, k):  # the grid's run_grid, its cells noted
-        ran.append(([j.key for j in jobs], k))
-        t.run_grid(jobs, tmp_path, workers=k, stamp={"commit": "test"})
-
-    info = t.pretrain_policies(tmp_path, [spec], workers=2, filler=(fedavg, fill))
-    assert "meanwhile, cells without a policy on the 1 idle worker (2 to run)" in capsys.readouterr().out
-    assert ran[0] == ([fedavg[0].key], 1) and ran in ([ran[0]], [ran[0], ([fedavg[1].key], 1)])
-    assert {k for keys, _ in ran for k in keys} <= t.done_keys(tmp_path)
-    assert info[spec["name"]]["sha256"] == first["sha256"] and info[spec["name"]]["remade"] == 1
-
-
-def test_the_filler_starts_when_the_last_policy_trains_alone(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three policies on two workers: the filler starts (in its own thread) only once two of them
-    are in ``pretrain.json``, the third training alone."""
+def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        tiny_policy: tuple[dict, dict]) -> None:
+    """Three policies on two workers, one of them recorded (its entry, no file: a fresh machine's
+    grid): the filler starts, in its own thread, only once two are in ``pretrain.json``, the third
+    training alone; the cells that load no policy run on the idle worker one at a time, the next
+    only while the pre-training goes on, and are recorded (the policy-loading cells are never
+    the filler's). The recorded policy, made again beside them, has its recorded bits."""
     import threading
 
     t = _tool()
     monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
     grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=list(t.PARTITIONS), methods=["FedAvg", "FedDO"],
-                 seeds=[0], clients=4, rounds=2, train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
+                 seeds=[0], rounds=2, pretrain_rounds=2, sweep=None, **TINY)
     specs = grid.policies()
-    assert len(specs) == 3
+    spec, first = tiny_policy
+    assert len(specs) == 3 and spec["name"] == grid.main_policy("fashion_mnist", "dir0.1")["name"]
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps({spec["name"]: first}), encoding="utf-8")
     fedavg = [j for j in grid.main_jobs(control={}) if j.tags["method"] == "FedAvg"]
-    seen: list[tuple[int, bool]] = []
+    assert len(fedavg) == 3
+    seen: list[tuple[list[str], int, int, bool]] = []
 
-    def fill(jobs, k):  # when it was called: the policies recorded then, and off the main thread
-        seen.append((len(t.load_pretrain_info(tmp_path)), threading.current_thread() is not threading.main_thread()))
+    def fill(jobs, k):  # the grid's run_grid; when it was called: the policies made then, and off the main thread
+        made = sum(Path(s["path"]).is_file() for s in specs)
+        seen.append(([j.key for j in jobs], k, made, threading.current_thread() is not threading.main_thread()))
         t.run_grid(jobs, tmp_path, workers=k, stamp={"commit": "test"})
 
     info = t.pretrain_policies(tmp_path, specs, workers=2, filler=(fedavg, fill))
-    assert seen and seen[0] == (2, True)
-    assert all("sha256" in info[s["name"]] for s in specs)
+    said = capsys.readouterr().out
+    assert f"meanwhile, cells without a policy on the 1 idle worker ({len(fedavg)} to run)" in said
+    assert (f"policy {spec['name']}: re-made, the same bits as its recorded pre-training "
+            f"({first['sha256'][:16]}…)") in said
+    assert seen and seen[0][0] == [fedavg[0].key] and seen[0][1:] == (1, 2, True)
+    assert [keys for keys, *_ in seen] == [[j.key] for j in fedavg[:len(seen)]]  # one at a time, in order
+    assert {k for keys, *_ in seen for k in keys} <= t.done_keys(tmp_path)
+    assert all("sha256" in info[s["name"]] and "error" not in info[s["name"]] for s in specs)
+    assert info[spec["name"]]["sha256"] == first["sha256"] and info[spec["name"]]["remade"] == 1
 
 
 def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -592,7 +588,7 @@ def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monke
     t = _tool()
     monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
     grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedAvg", "FedDO"],
-                 seeds=[0, 1, 2], clients=4, rounds=2, train_samples=200, episodes=1, pretrain_rounds=2, sweep=None)
+                 seeds=[0, 1, 2], rounds=2, pretrain_rounds=2, sweep=None, **TINY)
     spec = grid.main_policy("fashion_mnist", "dir0.1")
     fedavg = [j for j in grid.main_jobs(control={}) if j.tags["method"] == "FedAvg"]
     assert len(fedavg) == 3
