@@ -15,6 +15,7 @@ from broker_server.embedded_broker import EmbeddedBroker
 from protocol.errors import OfflineBufferFull
 from protocol.transport import MqttTransport
 from tests.helpers.brokers import require_mosquitto
+from tests.helpers.waiting import subscribed
 
 
 def test_a_full_buffer_with_the_link_up_waits_for_acknowledgements_and_loses_nothing(tmp_path: Path) -> None:
@@ -25,9 +26,8 @@ def test_a_full_buffer_with_the_link_up_waits_for_acknowledgements_and_loses_not
         pub = MqttTransport("bp-pub", broker.host, broker.port, max_buffered_messages=1)
         try:
             sub.connect(timeout_s=10.0)
-            sub.subscribe(["t/bp"])
+            subscribed(sub, "t/bp")
             pub.connect(timeout_s=10.0)
-            time.sleep(0.2)  # the subscription is in place
             sent = [f"message {i}".encode() for i in range(60)]
             for p in sent:
                 pub.publish("t/bp", p, qos=1)

@@ -138,6 +138,8 @@ def test_one_device_id_in_two_federations_makes_two_mqtt_clients(tmp_path: Path)
     connects, the first still receives what the second publishes. (Under one client id the broker
     disconnects the first on the second's CONNECT: checked by hand, the first then receives
     nothing.)"""
+    from helpers.waiting import subscribed
+
     from protocol.topics import mqtt_client_id
 
     with pytest.raises(FieldError, match="federation 'a/b' is not a valid topic level"):
@@ -147,7 +149,7 @@ def test_one_device_id_in_two_federations_makes_two_mqtt_clients(tmp_path: Path)
         second = MqttTransport(mqtt_client_id("trial-b", "pi-07"), broker.host, broker.port)
         try:
             first.connect(timeout_s=10.0)
-            first.subscribe(["t/two-federations"])
+            subscribed(first, "t/two-federations")
             second.connect(timeout_s=10.0)
             second.publish("t/two-federations", b"from trial-b", wait_s=10.0)
             got = first.get(10.0)
