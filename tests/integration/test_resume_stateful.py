@@ -132,18 +132,19 @@ def _flat(state) -> np.ndarray:
                            for t in state])
 
 
-@pytest.mark.parametrize("algorithm,key", [("feddyn", "h")])
-def test_resumed_devices_carry_on_from_their_kept_state(tmp_path: Path, algorithm: str, key: str) -> None:
-    """kill -9 after round 1's checkpoint of a 3-round run; the resumed devices carry on from
-    their state file, so at the end the server's h (FedDyn; SCAFFOLD's c: ``key = "control"``,
-    checked with real agent processes in test_real_fleet.py) is still the mean of the devices'
+def test_resumed_feddyn_devices_carry_on_from_their_kept_state_and_h_continues(tmp_path: Path) -> None:
+    """FedDyn, kill -9 after round 1's checkpoint of a 3-round run; the resumed devices carry on
+    from their state file, so at the end the server's h is still the mean of the devices'
     committed ∇L_k, as in an uninterrupted run (module docstring of
-    broker_server/strategies/feddyn.py). Devices restarted from zeros would leave the server's
-    state holding their pre-kill contributions: the gap was 9e-3 (SCAFFOLD) against 1e-6."""
+    broker_server/strategies/feddyn.py; SCAFFOLD's c is checked with real agent processes in
+    test_real_fleet.py). Devices restarted from zeros would leave the server's state holding
+    their pre-kill contributions: the gap was 9e-3 (SCAFFOLD) against 1e-6. The resumed round's
+    h is h_c+1 = h_c − (α/N)·Σ_i (w_i − w_g) from the checkpoint's h_c and the updates the spy
+    saw."""
     agents = {}
-    res, ckpt, _, run = _kill_and_resume(tmp_path, _resume_cfg(algorithm, run={"rounds": 3}),
-                                         agent_hook=lambda i, a: agents.setdefault(i, a))
-    _check_resumed(res, ckpt, run, algorithm, rounds=3)
+    res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg("feddyn", run={"rounds": 3}),
+                                            agent_hook=lambda i, a: agents.setdefault(i, a))
+    _check_resumed(res, ckpt, run, "feddyn", rounds=3)
     if ckpt.round >= 3:
         pytest.skip(reason="the server was killed after the last round: no device was restarted")
     # each device carried on from its state as of the checkpoint's round, or of the round after it
@@ -155,13 +156,20 @@ def test_resumed_devices_carry_on_from_their_kept_state(tmp_path: Path, algorith
     assert {c: max(r, summary["device_state_taken_as_accepted"].get(c, 0))
             for c, r in summary["device_state_restored"].items()} == carried
     store = CheckpointStore(run / "checkpoints.sqlite")
-    final = store.load(3).strategy_state
+    resumed, final = store.load(ckpt.round + 1).strategy_state, store.load(3).strategy_state
     store.close()
     assert int(final["clients_seen"]) == len(agents) == 2
-    server = _flat(final[key])
+    server = _flat(final["h"])
     mean = np.mean([_flat(a.algorithm.committed_state) for a in agents.values()], axis=0)
     assert np.abs(server).max() > 1e-4  # a state worth checking
     np.testing.assert_allclose(server, mean, rtol=0, atol=1e-6)
+    # the resumed round's h from the checkpoint's
+    ups = [env.body for _, env in msgs if type(env.body).__name__ == "Update" and env.round == ckpt.round + 1]
+    assert len(ups) == 2
+    alpha, n = 0.01, resumed["clients_seen"]
+    for i, (h1, h2) in enumerate(zip(ckpt.strategy_state["h"], resumed["h"], strict=True)):
+        step = sum(np.asarray(u.tensors[i], np.float64) - ckpt.tensors[i] for u in ups)
+        np.testing.assert_allclose(h2, h1 - alpha / n * step, rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("algorithm,over,extras", [
@@ -231,22 +239,6 @@ def test_resume_fedadam_keeps_its_moments(tmp_path: Path) -> None:
         m2 = [0.9 * m1 + 0.1 * d for m1, d in zip(ckpt.strategy_state["m"], delta, strict=True)]
         for a, b in zip(m2, final["m"], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
-
-
-def test_resume_feddyn_keeps_h(tmp_path: Path) -> None:
-    """FedDyn after kill -9 + resume: h_2 = h_1 − (α/N)·Σ_i (w_i − w_g) from the checkpoint's h_1."""
-    res, ckpt, msgs, run = _kill_and_resume(tmp_path, _resume_cfg("feddyn"))
-    _check_resumed(res, ckpt, run, "feddyn")
-    if ckpt.round >= 2:
-        pytest.skip(reason="the server was killed after the last round: there is no round-2 global to check")
-    store = CheckpointStore(run / "checkpoints.sqlite")
-    final = store.load(2).strategy_state
-    store.close()
-    ups = [env.body for _, env in msgs if type(env.body).__name__ == "Update" and env.round == 2]
-    alpha, N = 0.01, final["clients_seen"]
-    for i, (h1, h2) in enumerate(zip(ckpt.strategy_state["h"], final["h"], strict=True)):
-        s = sum(np.asarray(u.tensors[i], np.float64) - ckpt.tensors[i] for u in ups)
-        np.testing.assert_allclose(h2, h1 - alpha / N * s, rtol=1e-5, atol=1e-9)
 
 
 def test_resumed_fedavg_devices_carry_on_their_error_feedback_residuals(tmp_path: Path) -> None:
