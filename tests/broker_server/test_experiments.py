@@ -44,6 +44,32 @@ def _config(algorithm: str, clients: int, seed: int) -> dict:
             "broker": {"kind": "amqtt"}}
 
 
+def _one_client(seed: int) -> Job:
+    return Job(f"g/fedavg/s{seed}", _config("fedavg", 1, seed))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A grid folder with two one-client FedAvg cells on record (``g/fedavg/s0`` and ``s1``, made
+    at commit ``abc1234``), run once for the module: a test copies the records it starts from
+    (:func:`_seed_records`), never writes here."""
+    out = tmp_path_factory.mktemp("recorded")
+    res = run_grid([_one_client(0), _one_client(1)], out, workers=2, stamp={"commit": "abc1234"})
+    assert all("error" not in r for r in res.values()), res
+    return out
+
+
+def _seed_records(recorded: Path, out: Path, keys: set[str]) -> list[dict]:
+    """Write the records of ``keys`` from the module's grid folder into ``out``'s results.jsonl;
+    returns them."""
+    recs = [json.loads(x) for x in (recorded / "results.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["key"] in keys]
+    assert {r["key"] for r in recs} == keys
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    return recs
+
+
 def test_grid_runs_resumes_and_accounts(tmp_path: Path) -> None:
     jobs = [Job("digits/c1/fedavg/s0", _config("fedavg", 1, 0), ensemble=True, tags={"method": "fedavg"}),
             Job("digits/c2/fedavg/s1", _config("fedavg", 2, 1), tags={"method": "fedavg"})]
@@ -104,7 +130,7 @@ def test_an_interrupted_grid_stops_its_queued_cells(tmp_path: Path) -> None:
 
 
 def test_a_resumed_grid_takes_its_estimate_from_the_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+                                                            capsys: pytest.CaptureFixture[str], recorded: Path) -> None:
     """A fresh grid hands every cell to the workers at once and prints the estimate when its first
     cell finishes; a resumed one prints the mean time of the cells on record first and hands
     every missing cell to the workers at once (a cell run alone first would leave a worker idle
@@ -125,32 +151,34 @@ def test_a_resumed_grid_takes_its_estimate_from_the_records(tmp_path: Path, monk
     seen: list[str] = []
     run_with_estimate(first, tmp_path, workers=2, on_result=lambda r: seen.append(r["key"]))
     assert calls == [(["g/fedavg/s0"], 2)] and seen == ["g/fedavg/s0"]  # fresh: straight to the workers
-    recorded = load_results(tmp_path)["g/fedavg/s0"]["seconds"]
+    took = load_results(tmp_path)["g/fedavg/s0"]["seconds"]
     assert capsys.readouterr().out.splitlines() == [  # the estimate, once the first cell is on record
-        f"first cell {recorded:.0f} s; 0 more cells ≈ 0.0 CPU-hours, ≈ 0.0 h wall on 2 workers"]
+        f"first cell {took:.0f} s; 0 more cells ≈ 0.0 CPU-hours, ≈ 0.0 h wall on 2 workers"]
     calls.clear()
-    more = [*first, Job("g/fedavg/s1", _config("fedavg", 1, 1)), Job("g/fedavg/s2", _config("fedavg", 1, 2))]
-    run_with_estimate(more, tmp_path, workers=2)
-    assert calls == [([j.key for j in more], 2)]  # straight to the workers
-    recorded = load_results(tmp_path)["g/fedavg/s0"]["seconds"]
+    resumed = tmp_path / "resumed"
+    on_record = _seed_records(recorded, resumed, {"g/fedavg/s0", "g/fedavg/s1"})
+    more = [_one_client(i) for i in range(3)]
+    run_with_estimate(more, resumed, workers=2)
+    assert calls == [([j.key for j in more], 2)]  # straight to the workers (the grid skips those on record)
+    mean = sum(r["seconds"] for r in on_record) / 2
     line = capsys.readouterr().out.splitlines()[0]
-    assert line.startswith(f"1 cell on record (mean {recorded:.0f} s); 2 to run")
-    assert all("error" not in r for r in load_results(tmp_path).values()) and len(load_results(tmp_path)) == 3
+    assert line.startswith(f"2 cells on record (mean {mean:.0f} s); 1 to run")
+    assert all("error" not in r for r in load_results(resumed).values()) and len(load_results(resumed)) == 3
 
 
 def test_a_grid_starts_no_cell_that_would_end_after_its_stop_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+                                                                   capsys: pytest.CaptureFixture[str],
+                                                                   recorded: Path) -> None:
     """FEDFLEET_GRID_STOP_AT: a stop time already past starts nothing; with one cell on record
     (its time s), a stop time s/2 away starts nothing either (1.25 s > s/2: the next cell would
     end after it), leaving that cell unrecorded and saying how many were not started; an hour
     away, the grid goes on. A reproduction script stopped so exits with EXIT_STOPPED and a line."""
-    jobs = [Job(f"g/fedavg/s{i}", _config("fedavg", 1, i)) for i in range(2)]
+    jobs = [_one_client(i) for i in range(2)]
     monkeypatch.setenv(STOP_AT_ENV, f"{time.time() - 1:.0f}")
     with pytest.raises(GridStopped, match=r"2 cell\(s\) not started: each would have ended after the stop time"):
         run_grid(jobs, tmp_path, workers=2)
     assert load_results(tmp_path) == {}
-    monkeypatch.delenv(STOP_AT_ENV)
-    first = run_grid(jobs[:1], tmp_path, workers=2)["g/fedavg/s0"]
+    first = _seed_records(recorded, tmp_path, {"g/fedavg/s0"})[0]
     monkeypatch.setenv(STOP_AT_ENV, f"{time.time() + first['seconds'] / 2:.3f}")
     with pytest.raises(GridStopped, match=r"1 cell\(s\) not started.*the 0 that ran are on record"):
         run_grid(jobs, tmp_path, workers=2)
@@ -214,15 +242,14 @@ def native_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
-def test_a_cell_re_runs_to_its_record_and_a_changed_record_is_named(tmp_path: Path) -> None:
+def test_a_cell_re_runs_to_its_record_and_a_changed_record_is_named(tmp_path: Path, recorded: Path) -> None:
     """``verify_records``: a cell run again at the same code gives its record's every last-round
     metric and every round's figures (the grids' determinism); a record whose accuracy was changed
     by hand, and its machine fingerprint to native numerics on another CPU, re-runs with native
     numerics and is reported as differing, naming the field and the numerics difference; the
     lines are kept for a later report."""
-    jobs = [Job("g/fedavg/s0", _config("fedavg", 2, 0)), Job("g/fedavg/s1", _config("fedavg", 2, 1))]
-    run_grid(jobs, tmp_path, workers=2, stamp={"commit": "abc1234"})
-    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    jobs = [_one_client(0), _one_client(1)]
+    recs = _seed_records(recorded, tmp_path, {j.key for j in jobs})
     changed = next(r for r in recs if r["key"] == "g/fedavg/s1")
     changed["final"]["accuracy"] += 0.01
     portable = portable_supported()  # Linux x86-64 with AVX2: the workers ran the portable kernels
