@@ -17,7 +17,9 @@ One report (``benchmarks/feddo.md``) holds all of it:
   (:func:`broker_server.feddo_pretrain.pretrain`) on a data draw of its own
   (:data:`PRETRAIN_SEED`) that keeps learning online. FedDO's and FedAA's validation sets are
   held out from every device's training images (``[data] train_samples`` leaves the rest of the
-  training split to the server, :func:`broker_server.strategies.feddo.validation_split`);
+  training split to the server, :func:`broker_server.strategies.feddo.validation_split`; on a
+  split too small for both, the devices get the split less the 500 validation images:
+  :func:`train_budget`, 9,500 of the offline CIFAR-10's 10,000);
 - **controls**, each one ``[algorithm]`` key away from FedDO (:data:`CONTROLS`):
   *FedDO-random* (``mode = "random"``: random ratios with the active fraction and the mean
   ratio over active device-rounds, so as many training images in expectation, that FedDO's first-seed
@@ -92,10 +94,11 @@ images) took 178 s at nice 5 while a two-worker grid ran at nice 19; its 15 eval
 figures, the evaluation 1.3×, so the absolute times were ≈ 1.8× the model's. E = 10 would save
 another ≈ 11 s a cell at half the rounds-to-target resolution, E = 3 cost ≈ 16 s more; E = 5
 leaves the evaluation ≈ 23 % of a baseline cell and resolves rounds to a target to 5 rounds.
-Chosen defaults: 10,000 training images (100 per client), 75 rounds, E = 5, pre-training
-10 episodes × 75 rounds (an episode as long as the deployed run). Then a baseline cell ≈ 100 s,
-a FedDO-family cell ≈ 145 s (≈ 167 s where the agent learns: 50 updates in each of the 43 rounds
-after its warm-up), FedDO-all ≈ 305 s; one data set's main grid (3 partitions × 12 methods × 3
+Chosen defaults: 10,000 training images (100 per client; 9,500 on the offline CIFAR-10), 75
+rounds, E = 5, pre-training 10 episodes × 75 rounds (an episode as long as the deployed run).
+Then a baseline cell ≈ 100 s, a FedDO-family cell ≈ 145 s (≈ 167 s where the agent learns: 50
+updates in each of the 43 rounds after its warm-up),
+FedDO-all ≈ 305 s; one data set's main grid (3 partitions × 12 methods × 3
 seeds = 108 cells) ≈ 14,700 s plus 3 policies ≈ 3,400 s (≈ 1,125 s each with the updates): **≈ 5.0
 core-hours, ≈ 2.5 h wall on 2 workers** (7.8 and 3.9 with E = 1); the sweep ≈ 6.8 core-hours (14
 FedDO values, 13 of them with a policy of ≈ 750–1,125 s, each 3 cells, and 24 participation
@@ -195,9 +198,9 @@ PRETRAINED = "<pre-trained>"
 #: (method label, data set) → [algorithm] keys that replace the method's there: MOON's official
 #: μ = 5 on CIFAR-10 (SPECS §6.7; 1 elsewhere, its CIFAR-100/Tiny value)
 DATASET_PARAMS: dict[tuple[str, str], dict] = {("MOON", "cifar10"): {"mu": 5.0}}
-#: the smaller training split of the two data sets (CIFAR-10's; Fashion-MNIST has 60,000): a
-#: ``--train-samples`` below it leaves the server images no device holds, for a held-out validation set
-SMALLEST_SPLIT = 50_000
+#: the server's validation set of FedDO and FedAA (their ``val_size`` default): a data set's
+#: devices share at most its training split less these, so the set is held out (:func:`train_budget`)
+VALIDATION_IMAGES = 500
 #: the run seed of every policy's pre-training: its partition and episode e's model (seed
 #: PRETRAIN_SEED + e) are draws no grid seed (0, 1, 2) shares, so no seed's cell is deployed on
 #: the very data split its policy learned on
@@ -327,6 +330,43 @@ def job_config(dataset: str, partition: str, clients: int, algorithm: str, param
         "agents": {"train_slots": 1, "torch_threads": 1},
         "algorithm": {**extra, **params},
     }
+
+
+_SPLIT_SIZES: dict[tuple[str, str], int] = {}
+
+
+def split_size(dataset: str, data_dir: str = "") -> int:
+    """The number of images in ``dataset``'s training split as the cells load it (the offline
+    CIFAR-10 is a 10,000-image subset of the 50,000; Fashion-MNIST has 60,000), read once per
+    process.
+
+    Raises:
+        edge_agent.data.DataError: the data set is not found (the message says where it looked).
+    """
+    if (dataset, data_dir) not in _SPLIT_SIZES:
+        from edge_agent.data import load_dataset
+
+        _SPLIT_SIZES[(dataset, data_dir)] = len(load_dataset(dataset, data_dir=data_dir or None).train.y)
+    return _SPLIT_SIZES[(dataset, data_dir)]
+
+
+def train_budget(dataset: str, train_samples: int, data_dir: str = "") -> int:
+    """The training images a data set's devices share (``[data] train_samples``): ``train_samples``
+    (0: the whole split, every image on a device), cut to the split less
+    :data:`VALIDATION_IMAGES` where the split is smaller than both together (the offline CIFAR-10:
+    10,000 → 9,500), so FedDO's and FedAA's validation set is held out from every device's
+    images (SPECS §4.1: "a held-out validation set") on every data set, not only on the larger.
+
+    Raises:
+        ValueError: the split has no more than :data:`VALIDATION_IMAGES` images.
+    """
+    if train_samples <= 0:
+        return train_samples
+    n = split_size(dataset, data_dir)
+    if n <= VALIDATION_IMAGES:
+        raise ValueError(f"{dataset}'s training split has {n} images: none left for the devices beside a "
+                         f"{VALIDATION_IMAGES}-image validation set")
+    return min(train_samples, n - VALIDATION_IMAGES)
 
 
 def registered(methods: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -664,11 +704,16 @@ class Grid:
         self.data_dir = data_dir
         self.eval_every = eval_every
 
+    def budget(self, ds: str) -> int:
+        """``[data] train_samples`` of data set ``ds``'s cells and policies: ``--train-samples``,
+        or less where its split is small (:func:`train_budget`); in their keys (``…/n9500/…``)."""
+        return train_budget(ds, self.train_samples, self.data_dir)
+
     # -- policies
 
     def main_policy(self, ds: str, part: str) -> dict:
         """The policy spec of setting (``ds``, ``part``): FedDO's default keys."""
-        return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.train_samples,
+        return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.budget(ds),
                            episodes=self.episodes, rounds=self.pretrain_rounds, data_dir=self.data_dir)
 
     def sweep_policy(self, key: str, value) -> dict:
@@ -676,13 +721,13 @@ class Grid:
         assert self.sweep is not None
         ds, part = self.sweep.split("/")
         if key in DEPLOY_ONLY:
-            return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.train_samples,
+            return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.budget(ds),
                                episodes=self.episodes, rounds=self.pretrain_rounds, data_dir=self.data_dir)
         if key == "episodes":
-            return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.train_samples,
+            return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.budget(ds),
                                episodes=int(value), rounds=self.pretrain_rounds, tag=f"episodes={value}",
                                data_dir=self.data_dir)
-        return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.train_samples,
+        return policy_spec(self.out, ds, part, clients=self.clients, train_samples=self.budget(ds),
                            episodes=self.episodes, rounds=self.pretrain_rounds, keys={key: value},
                            tag=f"{key}={value}", data_dir=self.data_dir)
 
@@ -700,7 +745,7 @@ class Grid:
 
     def _prefix(self, grid: str, ds: str, part: str) -> str:
         every = f"/e{self.eval_every}" if self.eval_every != 1 else ""
-        return f"{grid}/{ds}/{part}/c{self.clients}/r{self.rounds}/n{self.train_samples}{every}"
+        return f"{grid}/{ds}/{part}/c{self.clients}/r{self.rounds}/n{self.budget(ds)}{every}"
 
     def _label_key(self, label: str, participation: float, episodes: int) -> str:
         algo, params = METHODS[label]
@@ -728,7 +773,7 @@ class Grid:
                           random_mean=round(min(1.0, max(1e-3, ratio)), 3))
         key = f"{self._prefix('main', ds, part)}/{self._label_key(label, self.participation, self.episodes)}/s{seed}"
         return Job(key, job_config(ds, part, self.clients, algo, params, seed, rounds=self.rounds,
-                                   train_samples=self.train_samples, participation=self.participation,
+                                   train_samples=self.budget(ds), participation=self.participation,
                                    data_dir=self.data_dir, eval_every=self.eval_every),
                    tags={"grid": "main", "dataset": ds, "partition": part, "method": label, "seed": seed})
 
@@ -773,7 +818,7 @@ class Grid:
                     jobs.append(Job(f"{self._prefix('sweep', ds, part)}/FedDO@p{episodes}x{self.pretrain_rounds}/"
                                     f"{key}={_slug(str(v))}/s{seed}",
                                     job_config(ds, part, self.clients, "feddo", params, seed, rounds=self.rounds,
-                                               train_samples=self.train_samples, participation=1.0,
+                                               train_samples=self.budget(ds), participation=1.0,
                                                data_dir=self.data_dir, eval_every=self.eval_every),
                                     tags={"grid": "sweep", "dataset": ds, "partition": part, "method": "FedDO",
                                           "sweep_key": key, "value": v, "seed": seed}))
@@ -782,7 +827,7 @@ class Grid:
                 for p in self.participations:
                     jobs.append(Job(f"{self._prefix('sweep', ds, part)}/{self._label_key(label, p, 0)}/s{seed}",
                                     job_config(ds, part, self.clients, algo, dict(params), seed, rounds=self.rounds,
-                                               train_samples=self.train_samples, participation=p,
+                                               train_samples=self.budget(ds), participation=p,
                                                data_dir=self.data_dir, eval_every=self.eval_every),
                                     tags={"grid": "sweep", "dataset": ds, "partition": part, "method": label,
                                           "sweep_key": "participation", "value": p, "seed": seed}))
@@ -1030,19 +1075,25 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
            sweeps: dict[str, list] | None = None, sweep_bench: str | None = None) -> str:
     """The Markdown report of the cells of ``jobs`` on record in ``results`` (``settings``:
     clients, rounds, train_samples, participation, episodes, pretrain_rounds, workers, eval_every: 1
-    when absent)."""
+    when absent; ``budgets``: data set → (its cells' ``train_samples``, its training split's
+    size), :func:`train_budget`; absent: ``train_samples`` for every data set, held out)."""
     keys = {j.key for j in jobs}
     ok = [r for k, r in results.items() if k in keys and "error" not in r]
     main = [r for r in ok if r.get("grid") == "main"]
     sweep = [r for r in ok if r.get("grid") == "sweep"]
     n_seeds, R, C = len(seeds), settings["rounds"], settings["clients"]
     E = int(settings.get("eval_every", 1))
+    budgets = settings.get("budgets") or {ds: (settings["train_samples"], 0) for ds in datasets}
+    on_devices = "; ".join(f"{ds} {n or 'all'}" + (f" of {split}" if split else "")
+                           for ds, (n, split) in budgets.items())
+    overlap = [ds for ds, (n, split) in budgets.items() if not 0 < n or (split and n > split - VALIDATION_IMAGES)]
     lines = [*report_header("FedDO: reproduction with baselines, one-mechanism controls and sweeps",
                             "tools/reproduce_feddo.py", commit, ok),
              "## Protocol (and how it differs from the paper)", "",
              f"- {C} clients; Dirichlet α ∈ {{0.1, 0.5}} and IID; the light CNN from scratch; {R} rounds × 1 local "
-             f"epoch, SGD lr 0.05, batch 32; a seeded class-stratified subset of {settings['train_samples'] or 'all'} "
-             f"training images; seeds {seeds}; mean ± population std over seeds. The paper: the full data sets, "
+             f"epoch, SGD lr 0.05, batch 32; a seeded class-stratified subset of the training images on the devices "
+             f"({on_devices}; at most the split less the {VALIDATION_IMAGES}-image validation set); seeds "
+             f"{seeds}; mean ± population std over seeds. The paper: the full data sets, "
              f"up to {PAPER_T2_BUDGET} rounds; its local epochs, lr, batch and the baselines' participation are not "
              "given (SPECS §4.4).",
              f"- Baselines at participation {settings['participation']} ({round(settings['participation'] * C)} of {C} "
@@ -1055,9 +1106,9 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
              "does. Each round's global model goes to its selected (FedDO: active) devices only (`[server] "
              "global_delivery = \"per_device\"`), so the bytes per client compare across methods. FedDO's and "
              "FedAA's validation images are "
-             + ("held out from every device's training images." if 0 < settings["train_samples"] < SMALLEST_SPLIT
-                else "drawn from training images the devices also hold (every image is on a device: the runs' logs "
-                     "say so)."),
+             + ("held out from every device's training images." if not overlap
+                else f"drawn from training images the devices also hold on {', '.join(overlap)} (every image is on "
+                     "a device: the runs' logs say so)."),
              f"- FedDO: DSAC-T, hidden {AGENT['hidden']} × {AGENT['layers']}, rank {AGENT['rank']}, warm-up "
              f"{AGENT['warmup']} transitions, {AGENT['updates_per_round']} DSAC-T updates a round (the paper gives "
              "none; at one a round this budget leaves the entropy temperature near its start and the policy "
@@ -1428,7 +1479,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--rounds", type=int, default=75)
-    p.add_argument("--train-samples", type=int, default=10000, help="stratified training subset (0 = all)")
+    p.add_argument("--train-samples", type=int, default=10000,
+                   help="stratified training subset on the devices (0 = all; at most a data set's split less "
+                        f"the {VALIDATION_IMAGES} validation images)")
     p.add_argument("--participation", type=float, default=DEFAULT_PARTICIPATION, help="the baselines'")
     p.add_argument("--episodes", type=int, default=10, help="pre-training episodes per policy")
     p.add_argument("--pretrain-rounds", type=int, default=None, help="rounds per pre-training episode "
@@ -1563,7 +1616,8 @@ def main(argv: list[str] | None = None) -> int:
     results = load_results(out)
     settings = {"clients": a.clients, "rounds": a.rounds, "train_samples": a.train_samples,
                 "participation": a.participation, "episodes": a.episodes, "pretrain_rounds": a.pretrain_rounds,
-                "workers": a.workers, "eval_every": a.eval_every}
+                "workers": a.workers, "eval_every": a.eval_every,
+                "budgets": {ds: (grid.budget(ds), split_size(ds, a.data_dir)) for ds in datasets}}
     text = report(results, grid.jobs(), out=out, datasets=datasets, partitions=partitions, methods=methods,
                   seeds=seeds, settings=settings, skipped=skipped, info=load_pretrain_info(out), target=a.target,
                   commit=commit, verify=verify_lines, wall_s=wall, sweeps=sweeps, sweep_bench=sweep_bench)

@@ -142,7 +142,7 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     # Oort without the duration factor; MOON at the official μ = 5 on CIFAR-10 only
     assert by_key[f"main/{pre}/Oort/s0"].config["algorithm"] == {"round_penalty": 0.0}
     assert by_key[f"main/{pre}/MOON/s0"].config["algorithm"] == {}
-    assert by_key["main/cifar10/dir0.1/c100/r80/n10000/MOON/s0"].config["algorithm"] == {"mu": 5.0}
+    assert by_key["main/cifar10/dir0.1/c100/r80/n9500/MOON/s0"].config["algorithm"] == {"mu": 5.0}
     # another pre-training budget is another policy (and another key), never the same file
     other = _grid(t, tmp_path, episodes=5)
     assert other.main_policy("fashion_mnist", "dir0.1")["path"] != grid.main_policy("fashion_mnist", "dir0.1")["path"]
@@ -184,6 +184,39 @@ def test_eval_every_is_in_every_cells_key_and_configuration_but_not_in_the_polic
         assert t.main(["--out", str(tmp_path), "--report", str(tmp_path / "r.md"), "--report-only",
                        "--eval-every", str(e)]) == 0
         assert says in (tmp_path / "r.md").read_text(encoding="utf-8")
+
+
+def test_a_small_training_split_keeps_the_validation_set_held_out(tmp_path: Path) -> None:
+    """The offline CIFAR-10 has 10,000 training images: with --train-samples 10,000 the devices
+    would hold them all and FedDO's 500 validation images would be drawn from their own data.
+    Its cells and policies get 10,000 − 500 = 9,500 (in their keys and configurations); Fashion-MNIST
+    (60,000) keeps its 10,000, so its recorded cells keep their keys. The report names both."""
+    t = _tool()
+    from edge_agent.data import load_dataset
+
+    assert t.split_size("cifar10") == len(load_dataset("cifar10").train.y) == 10_000
+    assert t.split_size("fashion_mnist") == 60_000
+    assert t.train_budget("cifar10", 10_000) == 9_500 and t.train_budget("cifar10", 9_000) == 9_000
+    assert t.train_budget("fashion_mnist", 10_000) == 10_000 and t.train_budget("cifar10", 0) == 0
+    with pytest.raises(ValueError, match="svhn_sample50's training split has 0 images: none left for the devices"):
+        t.train_budget("svhn_sample50", 100)
+    grid = _grid(t, tmp_path, partitions=["dir0.1"], methods=["FedAvg", "FedDO"], seeds=[0], sweep=None)
+    jobs = {(j.tags["dataset"], j.tags["method"]): j for j in grid.main_jobs(control={})}
+    assert jobs["cifar10", "FedAvg"].key == "main/cifar10/dir0.1/c100/r80/n9500/FedAvg/s0"
+    assert jobs["fashion_mnist", "FedAvg"].key == "main/fashion_mnist/dir0.1/c100/r80/n10000/FedAvg/s0"
+    assert jobs["cifar10", "FedDO"].config["data"]["train_samples"] == 9_500
+    cifar = grid.main_policy("cifar10", "dir0.1")
+    assert cifar["raw"]["data"]["train_samples"] == 9_500
+    assert jobs["cifar10", "FedDO"].config["algorithm"]["policy"] == cifar["path"]
+    (tmp_path / "results.jsonl").write_text("", encoding="utf-8")
+    for n, says in ((10_000, "(fashion_mnist 10000 of 60000; cifar10 9500 of 10000; at most the split less the "
+                             "500-image validation set)"),
+                    (0, "drawn from training images the devices also hold on fashion_mnist, cifar10")):
+        assert t.main(["--out", str(tmp_path), "--report", str(tmp_path / "r.md"), "--report-only",
+                       "--train-samples", str(n)]) == 0
+        text = (tmp_path / "r.md").read_text(encoding="utf-8")
+        assert says in text
+        assert ("FedAA's validation images are held out from every device's training images." in text) == (n > 0)
 
 
 def test_verify_re_runs_feddo_and_other_cells_in_turn(tmp_path: Path) -> None:
