@@ -41,7 +41,7 @@ def _run(tmp_path: Path, strategy, reporting: dict[int, bool]) -> list[dict]:
     rng = np.random.default_rng(0)
     feed: deque = deque()
     srv = memory_server(tmp_path, model=model, clients=["dev-a"], rounds=len(reporting), strategy=strategy,
-                        feed=lambda: feed.popleft() if feed else None, fed=FED, deadline_s=0.5)
+                        feed=lambda: feed.popleft() if feed else None, fed=FED, deadline_s=3.0)
     out = []
     for r, reports in reporting.items():
         before = [np.array(t) for t in srv.global_tensors]

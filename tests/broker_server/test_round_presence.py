@@ -147,7 +147,7 @@ def test_online_from_a_device_that_reported_or_a_retained_copy_sends_nothing_aga
     a_update, b_update = (update_payload(FED, c, 1, 2, like, rng) for c in ("client-a", "client-b"))
     steps: deque = deque([lambda: incoming(*a_update), lambda: incoming(*a_online),
                           # a scripted arrival (received_at in the future) is handed over as is: retained
-                          lambda: Incoming(b_online[0], b_online[1], 1, True, time.monotonic() + 1e-3),
+                          lambda: Incoming(b_online[0], b_online[1], 1, True, time.monotonic() + 1.0),
                           lambda: incoming(*b_update)])
     srv = memory_server(tmp_path, model=model, clients=["client-a", "client-b"], rounds=1, fed=FED,
                         feed=lambda: steps.popleft()() if steps else None)

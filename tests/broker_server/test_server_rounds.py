@@ -126,14 +126,15 @@ def test_updates_that_arrived_before_the_deadline_count_however_busy_the_server_
                                                                                    monkeypatch) -> None:
     """Lateness is judged by arrival, not by when the server's single message thread gets to an
     update. Eight garbage messages and both clients' updates arrive together right after round
-    1 starts (deadline 1 s); each garbage message costs the server 0.25 s (standing for an
-    expensive hostile payload), so the updates are handled only after the deadline (8 × 0.25 s
-    = 2 s): both are counted, none late, the round not skipped."""
+    1 starts (deadline 3 s: its clock starts before the global is encoded and published, which a
+    busy machine slows); each garbage message costs the server 0.75 s (standing for an expensive
+    hostile payload), so the updates are handled only after the deadline (8 × 0.75 s = 6 s): both
+    are counted, none late, the round not skipped."""
     original = AggregationServer._handle
 
     def slow_handle(self, item):
         if isinstance(item, Rejected):
-            time.sleep(0.25)
+            time.sleep(0.75)
         return original(self, item)
 
     monkeypatch.setattr(AggregationServer, "_handle", slow_handle)
@@ -152,7 +153,7 @@ def test_updates_that_arrived_before_the_deadline_count_however_busy_the_server_
         return garbage + updates
 
     srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=1, feed=feed,
-                        fed=fed, deadline_s=1.0)
+                        fed=fed, deadline_s=3.0)
     m = srv.run_round(1)
     assert sent == [10]
     assert m["invalid"] == 8

@@ -8,6 +8,7 @@ delivers, so a test can recompute what the server did from what travelled.
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ import paho.mqtt.client as mqtt
 from broker_server import config as config_mod
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
-from protocol.messages import Global, Update, decode
+from helpers.waiting import wait_for
+from protocol.messages import Global, Update, decode, read_header
 
 
 def small_config(**over) -> config_mod.Config:
@@ -81,10 +83,39 @@ def run_with_spy(broker: EmbeddedBroker, tmp_path: Path, cfg: config_mod.Config)
     spy = Spy(broker.host, broker.port)
     try:
         res = simulate(cfg, broker_url=broker.url, run_dir=tmp_path / "run")
-        time.sleep(0.3)  # let the last deliveries reach the spy
+        # let the last deliveries reach the spy: every message the ledger recorded as sent
+        # (the rows with a seq, keyed (sender, seq) as the envelope's header names it)
+        sent = _ledger_sent(res.run_dir / "ledger.sqlite")
+        seen: set[tuple[str, int]] = set()
+        read = 0
+
+        def delivered() -> bool:
+            nonlocal read
+            with spy._lock:
+                new = spy.messages[read:]
+            read += len(new)
+            for _, payload, _ in new:
+                head = read_header(payload) if payload else None  # empty: a cleared retained topic
+                if head is not None:
+                    seen.add((head[2], head[3]))
+            return sent <= seen
+
+        wait_for(delivered, bound_s=30.0)
     finally:
         spy.close()
     return res, spy
+
+
+def _ledger_sent(path: Path) -> set[tuple[str, int]]:
+    """(sender, seq) of every message a run's ledger recorded as sent (its rows with a seq)."""
+    if not path.exists():
+        return set()
+    con = sqlite3.connect(path)
+    try:
+        rows = con.execute("select sender, seq from messages where event='sent' and seq is not null").fetchall()
+    finally:
+        con.close()
+    return {(sender, seq) for sender, seq in rows}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -102,10 +102,9 @@ def run_size_limit(work: Path, *, kind: str = "mosquitto", broker_lines: tuple[s
                 out.rounds = res.rounds_completed
             except Exception as exc:  # the row says the run did not finish, and why
                 out.error = f"{type(exc).__name__}: {exc}"[:300]
-            time.sleep(0.3)
-            wire = relay.per_node()
         finally:
-            relay.close()
+            relay.close()  # joins its pump threads: every byte it carried is counted
+        wire = relay.per_node()
     out.seconds = time.monotonic() - t0
     run = work / "run"
     if (run / "metrics.jsonl").exists():

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.waiting import wait_for
 
 from broker_server import config as config_mod
 from broker_server.embedded_broker import EmbeddedBroker
@@ -386,7 +387,8 @@ def test_a_global_that_does_not_fit_the_algorithm_stops_the_agent_clearly(tmp_pa
     srv = ScriptedServer(broker.port, "fed-mismatch", "mismatch")
     try:
         code = agent_main(_agent(broker, "fed-mismatch", tmp_path))
-        time.sleep(0.5)
+        # its offline status on its way through the broker to the scripted server
+        wait_for(lambda: bool(srv.statuses) and srv.statuses[-1][1] == "offline", 30)
     finally:
         srv.close()
     err = capsys.readouterr().err

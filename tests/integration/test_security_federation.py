@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from helpers.brokers import require_mosquitto
 from helpers.federation import small_config
+from helpers.waiting import wait_for
 
 from broker_server.audit import audit_report, render_text
 from broker_server.embedded_broker import EmbeddedBroker
@@ -81,7 +82,9 @@ class Rogue:
         self.thread.start()
 
     def pub(self, name: str, topic: str, payload: bytes) -> None:
-        self.client.publish(topic, payload, qos=1).wait_for_publish(5)
+        # until the broker's PUBACK (a bound, not a delay; paho's wait returns silently at it):
+        # a test that waits on ``sent`` then knows the broker has the message
+        self.client.publish(topic, payload, qos=1).wait_for_publish(30)
         self.sent.append(name)
 
     def _run(self) -> None:
@@ -142,8 +145,21 @@ def test_rogue_client_is_refused_with_one_reason_per_attack_and_rounds_complete(
                        server={"round_deadline_s": 30.0})
     with EmbeddedBroker(kind="auto", workdir=tmp_path / "broker") as broker:
         rogue = Rogue(broker.port, "secfed")
+
+        def hook(i, agent):
+            """The honest devices train round 3 only once the rogue's round-1 replay has reached the
+            broker (its PUBACK): the server then sees it while round 3 is still open."""
+            original = agent.algorithm.local_round
+
+            def after_the_replay(*args, **kwargs):
+                if kwargs.get("round") == 3:
+                    wait_for(lambda: "wrong_round" in rogue.sent, bound_s=30.0)
+                return original(*args, **kwargs)
+
+            agent.algorithm.local_round = after_the_replay
+
         try:
-            res = simulate(cfg, broker_url=broker.url, run_dir=tmp_path / "secfed")
+            res = simulate(cfg, broker_url=broker.url, run_dir=tmp_path / "secfed", agent_hook=hook)
         finally:
             time.sleep(0.5)
             rogue.close()

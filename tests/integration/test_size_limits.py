@@ -18,6 +18,7 @@ import pytest
 from helpers.brokers import require_mosquitto
 from helpers.federation import read_metrics
 from helpers.size_limits import run_size_limit, tiny_profile
+from helpers.waiting import subscribed
 
 from broker_server.embedded_broker import EmbeddedBroker
 from protocol import topics
@@ -200,13 +201,15 @@ def test_resend_request_for_chunks_above_a_limit_learnt_since_is_not_raised(tmp_
         server = Channel(s_tr, node_id="server", side="server", federation=fed, ledger=None)
         s_tr.subscribe(topics.server_filters(fed))
         a_tr.subscribe(topics.agent_filters(fed, "client-001"))
-        time.sleep(0.3)
         try:
+            # probes outside the fedfleet/ tree: their markers come back once the filters above are in place
+            subscribed(s_tr, "t/probe-s")
+            subscribed(a_tr, "t/probe-a")
             update_topic = topics.up(fed, "client-001", Kind.UPDATE)
             upd = Update(tensors=(np.arange(11_000, dtype=np.float32),), num_samples=7, train_loss=0.5)
             # chunks of packets of at most 16,000 bytes: under the broker's 20,000-byte payload limit
             enc = agent.send(update_topic, upd, round=1, max_packet_bytes=16_000)
-            first = server.receive(5.0)
+            first = server.receive(30.0)
             assert isinstance(first, Received) and first.envelope.seq == enc.seq
             ledger.flush()
             (logical,) = ledger.rows("event = 'message' AND kind = 'update'")
@@ -218,6 +221,9 @@ def test_resend_request_for_chunks_above_a_limit_learnt_since_is_not_raised(tmp_
                                             train_loss=0.5), round=2)
             assert _wait(lambda: a_tr.ack_close_refusals == 1 and a_tr.connected)
             assert a_tr.inferred_max_packet_bytes < 16_000
+            # the reconnect's CONNACK handler renewed the agent's SUBSCRIBEs before ``connected`` turned
+            # true; a broker takes one connection's SUBSCRIBEs in order: this marker back, they are active
+            subscribed(a_tr, "t/probe-a2")
             server.send(topics.down_to(fed, "client-001", Kind.RESEND), Resend(tid, tuple(range(chunks))), round=0,
                         recipient="client-001")
             end = time.monotonic() + 20
