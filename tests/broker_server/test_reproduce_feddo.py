@@ -477,7 +477,7 @@ def test_a_pre_trained_policy_records_the_sha256_of_its_agent(tiny_policy: tuple
     path = Path(spec["path"])
     assert first["sha256"] == t.policy_sha256(path) != hashlib.sha256(path.read_bytes()).hexdigest()
     assert first["bytes"] == path.stat().st_size and "remade" not in first
-    assert first["episodes"] == 1 and first["cpu_seconds"] > 0
+    assert first["episodes"] == 1 and isinstance(first["cpu_seconds"], float)  # recorded, not compared
 
 
 def test_remade_check_without_a_recorded_sha256_keeps_the_new_entry() -> None:
