@@ -97,10 +97,10 @@ leaves the evaluation ≈ 23 % of a baseline cell and resolves rounds to a targe
 Chosen defaults: 10,000 training images (100 per client; 9,500 on the offline CIFAR-10), 75
 rounds, E = 5, pre-training 10 episodes × 75 rounds (an episode as long as the deployed run).
 Then a baseline cell ≈ 100 s, a FedDO-family cell ≈ 145 s (≈ 167 s where the agent learns: 50
-updates in each of the 43 rounds after its warm-up),
-FedDO-all ≈ 305 s; one data set's main grid (3 partitions × 12 methods × 3
-seeds = 108 cells) ≈ 14,700 s plus 3 policies ≈ 3,400 s (≈ 1,125 s each with the updates): **≈ 5.0
-core-hours, ≈ 2.5 h wall on 2 workers** (7.8 and 3.9 with E = 1); the sweep ≈ 6.8 core-hours (14
+updates in each of the 43 rounds after its warm-up), FedDO-all ≈ 305 s; one data set's main grid
+(3 partitions × 12 methods × 3 seeds = 108 cells) ≈ 14,700 s plus 3 policies ≈ 3,400 s
+(≈ 1,125 s each with the updates): **≈ 5.0 core-hours, ≈ 2.5 h wall on 2 workers**
+(7.8 and 3.9 with E = 1); the sweep ≈ 6.8 core-hours (14
 FedDO values, 13 of them with a policy of ≈ 750–1,125 s, each 3 cells, and 24 participation
 cells; 8.4 with E = 1); the default invocation (Fashion-MNIST first, then CIFAR-10, then the
 sweep) ≈ 17 core-hours, ≈ 8.4 h wall (24 and 12 with E = 1); under
@@ -191,6 +191,7 @@ from broker_server.experiments import (  # noqa: E402
     stop_pool,
     verify_records,
 )
+from broker_server.strategies.feddo import VAL_SIZE  # noqa: E402
 from broker_server.text import plural  # noqa: E402
 
 #: stands for the setting's pre-trained policy in :data:`METHODS` (replaced by its path)
@@ -200,7 +201,7 @@ PRETRAINED = "<pre-trained>"
 DATASET_PARAMS: dict[tuple[str, str], dict] = {("MOON", "cifar10"): {"mu": 5.0}}
 #: the server's validation set of FedDO and FedAA (their ``val_size`` default): a data set's
 #: devices share at most its training split less these, so the set is held out (:func:`train_budget`)
-VALIDATION_IMAGES = 500
+VALIDATION_IMAGES = VAL_SIZE
 #: the run seed of every policy's pre-training: its partition and episode e's model (seed
 #: PRETRAIN_SEED + e) are draws no grid seed (0, 1, 2) shares, so no seed's cell is deployed on
 #: the very data split its policy learned on

@@ -177,6 +177,10 @@ def _flat_drift(update: Sequence[np.ndarray], current: Sequence[np.ndarray]) -> 
     return math.sqrt(s)
 
 
+#: the default size of a reward-driven strategy's validation set (FedDO, FedAA: ``val_size``)
+VAL_SIZE = 500
+
+
 def validation_split(dataset: Any, params: Mapping[str, object], seed: int,
                      device_samples: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The server's validation set of a reward-driven strategy (FedDO, FedAA): ``val_size``
@@ -200,7 +204,7 @@ def validation_split(dataset: Any, params: Mapping[str, object], seed: int,
     train = str(params.get("val_source", "train")) == "train"
     src = dataset.train if train else dataset.test
     n = len(src.y)
-    want = int(params.get("val_size", 500))  # type: ignore[call-overload]
+    want = int(params.get("val_size", VAL_SIZE))  # type: ignore[call-overload]
     if want < 1:
         raise ValueError(f"val_size = {want} must be >= 1 (validation samples)")
     pool = np.arange(n)
@@ -253,7 +257,7 @@ class FedDO(Strategy):
     def __init__(self, *, min_clients: int = 1, train_config: Mapping[str, Scalar] | None = None,
                  num_devices: int = 0, policy: str = "", learn: bool = True, deterministic: bool = False,
                  reward: str = "seed", xi: float = 64.0, horizon: int = 100, drift_missing: str = "last",
-                 min_ratio: float = 0.05, val_size: int = 500, val_source: str = "train", mode: str = "agent",
+                 min_ratio: float = 0.05, val_size: int = VAL_SIZE, val_source: str = "train", mode: str = "agent",
                  random_active: float = 0.25, random_mean: float = 0.85, hidden: int = 256, layers: int = 3,
                  rank: int = 96, batch_size: int = 64, warmup: int = 64, capacity: int = 100_000,
                  updates_per_round: int = 1, lr_actor: float = 1e-4, lr_critic: float = 1e-4,
