@@ -549,7 +549,8 @@ class MqttTransport:
     def _ack_close(self, client: _CountingClient, last: tuple[mqtt.MQTTMessageInfo, int, str, float] | None,
                    why: str) -> bool:
         """The broker closed the connection: when the last packet it sent was the PUBACK of a QoS 1
-        PUBLISH, less than :data:`ACK_CLOSE_S` ago, and that PUBLISH is larger than every one it
+        PUBLISH, less than :data:`ACK_CLOSE_S` after this thread handled it (the delivery listener's
+        time not counted), and that PUBLISH is larger than every one it
         acknowledged and kept the connection for and no smaller than every one written and still
         awaiting its PUBACK (a larger one of those is the likelier cause: a broker with
         ``max_packet_size`` closes before acknowledging, see :meth:`_strike`), take the close for its
@@ -659,14 +660,16 @@ class MqttTransport:
                                               f"the broker: {reason}", client_id=self.client_id, topic=msg.topic,
                                               reason=reason, packet_bytes=size))
             return
-        if self.mqtt_version == MQTT_V311:  # the broker may yet close the connection for it (_ack_close)
-            self._last_acked = (info, self._packet_size(msg), msg.topic, time.monotonic())
         listener = self._delivery_listener
         if listener is not None:
             try:
                 listener(info, "acked", "")
             except Exception:  # a listener must never break paho's network thread
                 log.exception("%s: delivery listener failed", self.client_id)
+        if self.mqtt_version == MQTT_V311:  # the broker may yet close the connection for it (_ack_close)
+            # timed from when this thread can read again: a listener that took its time (a ledger
+            # write waiting on SQLite's lock) must not make the close that followed look late
+            self._last_acked = (info, self._packet_size(msg), msg.topic, time.monotonic())
 
     def _on_message(self, client, userdata, msg) -> None:
         self._queue.put(Incoming(msg.topic, bytes(msg.payload), msg.qos, bool(msg.retain), time.monotonic()))

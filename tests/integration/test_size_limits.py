@@ -27,7 +27,7 @@ from protocol.errors import PublishRefused
 from protocol.ledger import Ledger
 from protocol.messages import Kind, Resend, Update
 from protocol.mqtt_bytes import publish_size
-from protocol.transport import OVERSIZE_STRIKES, MqttTransport
+from protocol.transport import ACK_CLOSE_S, OVERSIZE_STRIKES, MqttTransport
 
 #: the digits model's global and updates are ~55 KB: a 20,000-byte limit forces 3+ chunks
 LIMIT = 20_000
@@ -164,6 +164,33 @@ def test_mqtt311_puback_then_close_is_a_refusal_of_that_publish(tmp_path: Path) 
             tr.publish("t/d", b"w" * 10_000, qos=1, wait_s=10)
             # the 1,000-byte one was kept (a packet came after its PUBACK), the oversize one never
             assert tr.connects == 2 and 1 + 2 + 2 + 3 + 2 + 1_000 <= tr.kept_packet_bytes < packet
+        finally:
+            tr.close()
+
+
+@pytest.mark.mosquitto
+def test_a_slow_delivery_listener_does_not_hide_the_close_after_the_puback(tmp_path: Path) -> None:
+    """The listener takes 3 x ACK_CLOSE_S over the oversize PUBLISH's ``acked`` (a ledger write
+    waiting on SQLite's lock, a loaded machine): the close that came right after the PUBACK is
+    still that PUBLISH's refusal, because the window starts when the network thread is free."""
+    require_mosquitto()
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "b", extra_config=MSL) as broker:
+        tr = MqttTransport(f"slow-listener-{time.time_ns()}", broker.host, broker.port, mqtt_version="3.1.1",
+                           keepalive_s=5)
+        outcomes: list[tuple[object, str, str]] = []
+
+        def slow(handle: object, outcome: str, reason: str) -> None:
+            outcomes.append((handle, outcome, reason))
+            if outcome == "acked" and len(outcomes) == 1:
+                time.sleep(3 * ACK_CLOSE_S)
+
+        tr.set_delivery_listener(slow)
+        tr.connect()
+        try:
+            big = tr.publish("t/b", b"y" * 30_000, qos=1)  # above the 20,000-byte limit
+            assert _wait(lambda: len(outcomes) == 2), outcomes
+            assert [o[:2] for o in outcomes] == [(big, "acked"), (big, "refused")]
+            assert tr.ack_close_refusals == 1
         finally:
             tr.close()
 
