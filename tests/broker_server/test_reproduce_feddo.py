@@ -82,9 +82,10 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     grid = _grid(t, tmp_path)
     control = {f"{ds}/{p}": (20.0, 0.8) for ds in ("fashion_mnist", "cifar10") for p in t.PARTITIONS}
     main = grid.main_jobs(control=control)
-    # 2 data sets × 3 partitions × 12 methods × 3 seeds; without the control figures 11 methods
-    assert len(main) == 2 * 3 * 12 * 3 == len({j.key for j in main})
-    assert len(grid.main_jobs(control={})) == 2 * 3 * 11 * 3
+    # 2 data sets × 3 partitions × 12 methods × 3 seeds, and MOON at μ 1 on CIFAR-10's 3 × 3; without the
+    # control figures 11 methods
+    assert len(main) == 2 * 3 * 12 * 3 + 3 * 3 == len({j.key for j in main})
+    assert len(grid.main_jobs(control={})) == 2 * 3 * 11 * 3 + 3 * 3
     # data set by data set (Fashion-MNIST first), seed by seed within it
     assert [j.tags["dataset"] for j in main[:108]] == ["fashion_mnist"] * 108
     assert [j.tags["seed"] for j in main[:36]] == [0] * 36
@@ -143,6 +144,10 @@ def test_grid_cells_keys_policies_and_sweep(tmp_path: Path) -> None:
     assert by_key[f"main/{pre}/Oort/s0"].config["algorithm"] == {"round_penalty": 0.0}
     assert by_key[f"main/{pre}/MOON/s0"].config["algorithm"] == {}
     assert by_key["main/cifar10/dir0.1/c100/r80/n9500/MOON/s0"].config["algorithm"] == {"mu": 5.0}
+    # beside it there, MOON at μ 1, the whole configuration otherwise MOON's; not a cell on Fashion-MNIST
+    mu1 = by_key["main/cifar10/dir0.1/c100/r80/n9500/MOON-mu1/s0"].config
+    assert mu1 == {**by_key["main/cifar10/dir0.1/c100/r80/n9500/MOON/s0"].config, "algorithm": {"mu": 1.0}}
+    assert not any(j.tags["method"] == "MOON-mu1" and j.tags["dataset"] == "fashion_mnist" for j in main)
     # another pre-training budget is another policy (and another key), never the same file
     other = _grid(t, tmp_path, episodes=5)
     assert other.main_policy("fashion_mnist", "dir0.1")["path"] != grid.main_policy("fashion_mnist", "dir0.1")["path"]
@@ -418,6 +423,33 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert "(made at `abc1234`)" in text
     assert "(From an earlier invocation, `OUT/verify.md`.)" in text and "re-run 0.8 → same" in text
     assert "## Agent parameters" in text and "Table 3, parameters per device" in text
+
+
+def test_a_baseline_at_another_value_is_reported_beside_it_and_in_no_rank(tmp_path: Path) -> None:
+    t = _tool()
+    methods = ["FedAvg", "MOON", "MOON-mu1", "FedDO"]
+    grid = _grid(t, tmp_path, datasets=["cifar10"], partitions=["dir0.1", "iid"], methods=methods, rounds=4,
+                 pretrain_rounds=4, sweep=None)
+    jobs = {(j.tags["partition"], j.tags["method"], j.tags["seed"]): j for j in grid.main_jobs(control={})}
+    # Dir(0.1): MOON (μ 5) 14, 12, 16; at μ 1 30, 31 (two seeds); FedDO 25 and FedAvg 28 on seed 0 only
+    recs = [_rec(jobs["dir0.1", "MOON", s], a) for s, a in ((0, 0.14), (1, 0.12), (2, 0.16))]
+    recs += [_rec(jobs["dir0.1", "MOON-mu1", s], a) for s, a in ((0, 0.30), (1, 0.31))]
+    recs += [_rec(jobs["dir0.1", "FedDO", 0], 0.25), _rec(jobs["dir0.1", "FedAvg", 0], 0.28)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    report = tmp_path / "r.md"
+    assert t.main(["--out", str(tmp_path), "--report", str(report), "--report-only", "--datasets", "cifar10",
+                   "--partitions", "dir0.1,iid", "--methods", ",".join(methods), "--rounds", "4", "--no-sweep",
+                   "--eval-every", "1"]) == 0
+    text = report.read_text(encoding="utf-8")
+    # its row in the setting's table, after MOON's
+    assert "| MOON | 14.00 ± 1.63 |" in text and "| MOON-mu1 | 30.50 ± 0.50 (2 of 3 seeds) |" in text
+    assert text.index("| MOON | 14.00") < text.index("| MOON-mu1 | 30.50")
+    # against MOON over seeds 0, 1: (30 − 14, 31 − 12) = (16, 19) → +17.50 ± 1.50; MOON there 13.00 ± 1.00
+    what = t.BASELINE_CONTROLS["MOON-mu1"][1]
+    assert f"| cifar10 dir0.1 | MOON-mu1 | {what} | 13.00 ± 1.00 | 30.50 ± 0.50 | +17.50 ± 1.50 | 2 |" in text
+    assert f"| cifar10 iid | MOON-mu1 | {what} | – | – | not on record yet | 0 |" in text
+    # FedDO's rank over seed 0 counts MOON (14) but not MOON-mu1 (30): FedAvg 28, FedDO 25, MOON 14
+    assert "FedDO's rank: 2 of 3 over seeds [0] (FedAvg 28.00, FedDO 25.00, MOON 14.00;" in text
 
 
 @pytest.mark.parametrize("argv", [["--methods", "FedAvg,Nope"], ["--seeds", "x"], ["--partitions", "dir0.3"],
