@@ -49,7 +49,7 @@ from ..aggregate import select_clients, weighted_average
 from ..rl.ddpg import DDPGAgent, DDPGConfig
 from ._base import ClientResult, GlobalUpdate, RoundPlan, Scalar, Strategy
 from ._registry import register_strategy
-from .feddo import validate_model, validation_split
+from .feddo import VAL_SIZE, validate_model, validation_split
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class FedAA(Strategy):
                  clip_norm: float = CLIP_NORM, hidden: int = 256, lr_actor: float = 1e-2, lr_critic: float = 1e-2,
                  weight_decay: float = 1e-5, gamma: float = 0.99, tau: float = 0.001, batch_size: int = 16,
                  warmup: int = 16, capacity: int = 10_000, noise_std: float = 0.1, updates_per_round: int = 1,
-                 val_size: int = 500, val_source: str = "train", mode: str = "agent",
+                 val_size: int = VAL_SIZE, val_source: str = "train", mode: str = "agent",
                  validation: tuple[np.ndarray, np.ndarray] | None = None, run_seed: int = 0) -> None:
         problems = []
         if not 0 < participation_rate <= 1:
