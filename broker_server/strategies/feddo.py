@@ -208,17 +208,18 @@ def validation_split(dataset: Any, params: Mapping[str, object], seed: int,
     if want < 1:
         raise ValueError(f"val_size = {want} must be >= 1 (validation samples)")
     pool = np.arange(n)
+    where = "test images in the split" if not train else "training images in the split"
     if train:
         held = np.setdiff1d(pool, np.arange(n) if device_samples is None else np.asarray(device_samples, np.int64))
         if held.size:
-            pool = held
-            if held.size < want:
-                log.warning("the validation set has %d images, not val_size = %d: only %d training images are held "
-                            "by no device", held.size, want, held.size)
+            pool, where = held, "training images are held by no device"
         else:
             log.warning("the validation set (%d images) is drawn from training images the devices also train on "
                         "(they hold all %d): set [data] train_samples below %d, or [algorithm] val_source = "
                         "\"test\", for a held-out one", min(want, n), n, n)
+    if pool.size < want:
+        log.warning("the validation set has %d images, not val_size = %d: only %d %s", pool.size, want, pool.size,
+                    where)
     idx = np.sort(np.random.default_rng(seed + 104729).choice(pool, min(want, pool.size), replace=False))
     return np.asarray(src.x[idx], np.float32), np.asarray(src.y[idx], np.int64)
 

@@ -564,6 +564,15 @@ def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_p
     with caplog.at_level(logging.WARNING, logger="broker_server.strategies.feddo"):
         x, y = validation_split(ds, {"val_size": 50}, 0, np.arange(len(ds.train.y) - 10))
     assert len(y) == 10 and "has 10 images, not val_size = 50" in caplog.text
+    # a val_size above the split itself: the test split (digits: 359 test images), and every training image
+    # on a device with more asked than the split has; each the whole split, said out loud
+    n_test, n_train = len(ds.test.y), len(ds.train.y)
+    for params, n, words in (({"val_size": 100_000, "val_source": "test"}, n_test, "test images in the split"),
+                             ({"val_size": 100_000}, n_train, "training images in the split")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="broker_server.strategies.feddo"):
+            x, y = validation_split(ds, params, 0, np.arange(n_train))
+        assert len(y) == n and f"has {n} images, not val_size = 100000: only {n} {words}" in caplog.text
 
 
 def test_a_relative_policy_path_that_is_not_there_names_where_it_was_looked_for(tmp_path, monkeypatch) -> None:
