@@ -32,7 +32,7 @@ from edge_agent.data import load_dataset
 from edge_agent.state import load_arrays
 
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, RunError
 from .runtime import check_fleet_size, data_settings, device_model, make_client_algorithm, make_strategy, train_config
 from .simulate import split_clients
 from .strategies import ClientResult, apply_update
@@ -100,14 +100,19 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         ConfigError: another algorithm, episodes or rounds below 1, an ``out`` that cannot be
             written (:func:`check_policy_out`, before any training), a partition that cannot be
             made, a starting ``policy`` trained for fewer devices than ``[data] clients``
-            (:func:`~broker_server.runtime.check_fleet_size`, before any training).
+            (:func:`~broker_server.runtime.check_fleet_size`, before any training), ``[algorithm]
+            num_devices`` below ``[data] clients``, a pre-training that would never update the
+            agent (:func:`check_learns`).
         DataError: the data set cannot be found.
+        RunError: the policy could not be written (a full disk: the file there before is left as
+            it was) or its agent diverged to NaN; nothing is written.
     """
     if cfg.train.algorithm != "feddo":
         raise ConfigError(f"fedfleet feddo pretrain needs [train] algorithm = \"feddo\", not {cfg.train.algorithm!r}")
     if episodes < 1 or rounds < 1:
         raise ConfigError(f"--episodes ({episodes}) and --rounds ({rounds}) must be >= 1")
     check_policy_out(Path(out))
+    check_learns(cfg, episodes, rounds)
     cpu0 = time.process_time()
     ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
     parts = split_clients(ds, cfg)
@@ -115,6 +120,13 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     if not isinstance(strategy, FedDO):
         raise ConfigError("[train] algorithm 'feddo' did not build the FedDO strategy")
     check_fleet_size(cfg, strategy)
+    k = int(cfg.algorithm.get("num_devices") or 0)
+    if k and cfg.data.clients > k:
+        raise ConfigError(
+            f"{cfg.source}: [algorithm] num_devices = {k} but [data] clients = {cfg.data.clients}: the policy would "
+            f"be {k} devices wide, {cfg.data.clients - k} devices would never be asked in pre-training, and this "
+            f"configuration's fleet could not run it; set num_devices = {cfg.data.clients} (or 0: the fleet's size) "
+            f"or clients = {k}")
     ids = [f"dev-{i:03d}" for i in range(len(parts))]
     shards = [(torch.from_numpy(np.ascontiguousarray(ds.train.x[p])), torch.from_numpy(np.asarray(ds.train.y[p])))
               for p in parts]
@@ -175,11 +187,45 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     assert agent is not None
     cpu_s = time.process_time() - cpu0
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    agent.save_policy(out, {"num_devices": strategy.num_devices, "global_features": GLOBAL_FEATURES,
-                            "episodes": episodes, "rounds": rounds, **data_settings(cfg), "seed": cfg.run.seed,
-                            "cpu_seconds": cpu_s, "reward": strategy.reward})
+    if agent.updates == 0:  # check_learns makes this unreachable from a configuration; said, never written
+        raise RunError(f"the agent made no DSAC-T update in {episodes * rounds} rounds (warm-up "
+                       f"{agent.config.warmup} transitions, {len(agent.buffer)} stored): no policy written to {out}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        agent.save_policy(out, {"num_devices": strategy.num_devices, "global_features": GLOBAL_FEATURES,
+                                "episodes": episodes, "rounds": rounds, **data_settings(cfg), "seed": cfg.run.seed,
+                                "cpu_seconds": cpu_s, "reward": strategy.reward, "updates": agent.updates})
+    except (OSError, ValueError) as exc:  # a full disk, a diverged agent: the episodes are lost, said so
+        raise RunError(f"pre-training finished ({plural(episodes, 'episode')} x {plural(rounds, 'round')}, "
+                       f"{cpu_s:.0f} CPU s) but {exc}") from exc
     return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
+
+
+def check_learns(cfg: Config, episodes: int, rounds: int) -> None:
+    """Refuse a pre-training whose agent would make no DSAC-T update, so its policy would be the
+    untrained one: ``[algorithm] learn = false``, ``updates_per_round = 0``, or fewer rounds in
+    all (``episodes × rounds``, one transition each) than the ``warmup`` transitions the replay
+    buffer needs before the first update.
+
+    Raises:
+        ConfigError: naming the key and what to change.
+    """
+    from .strategies.feddo import FedDO
+
+    defaults = {k: v.default for k, v in inspect.signature(FedDO).parameters.items()}
+    a = cfg.algorithm
+    if not a.get("learn", defaults["learn"]):
+        raise ConfigError(f"{cfg.source}: [algorithm] learn = false: a pre-training would never update the agent "
+                          "(remove the key for fedfleet feddo pretrain; set it in the run that deploys the policy)")
+    if int(a.get("updates_per_round", defaults["updates_per_round"])) == 0:
+        raise ConfigError(f"{cfg.source}: [algorithm] updates_per_round = 0: a pre-training would never update the "
+                          "agent")
+    warmup = int(a.get("warmup", defaults["warmup"]))
+    if episodes * rounds < warmup:
+        raise ConfigError(f"--episodes {episodes} x --rounds {rounds} = {episodes * rounds} transitions, fewer than "
+                          f"the {warmup} the replay buffer holds before the agent's first update ([algorithm] "
+                          f"warmup): the policy would be the untrained one; pre-train for at least {warmup} rounds "
+                          "in all, or lower warmup")
 
 
 def check_policy_out(out: Path) -> None:
@@ -215,6 +261,8 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
     if args.data_dir:
         over[("data", "data_dir")] = args.data_dir
     cfg = config_mod.load(args.config, over)
+    if args.out is not None and not args.out.strip():
+        raise ConfigError("--out is empty: give the policy file's path (default feddo_policy.pt)")
     out = Path(args.out or "feddo_policy.pt")
 
     def banner() -> None:

@@ -1547,7 +1547,7 @@ def main(argv: list[str] | None = None) -> int:
         a.train_samples, a.episodes, a.pretrain_rounds, a.participation = 0, 1, 2, 0.5
         a.sweep_bench, a.sweep_baselines, a.sweep_keys = "digits/dir0.5", "FedAvg", "reward,participation"
         sweeps, participations = dict(TINY_SWEEPS), [1.0]
-        AGENT.update(hidden=32, layers=2, rank=4)
+        AGENT.update(hidden=32, layers=2, rank=4, warmup=1, batch_size=2)  # 2 rounds in all must update it
     if a.pretrain_rounds is None:
         a.pretrain_rounds = a.rounds
     datasets = [d for d in a.datasets.split(",") if d.strip()]  # any data set the loaders know (checked below)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import os
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -53,6 +54,8 @@ from broker_server import portable_ops
 
 #: log σ of the actor is clamped to this interval (DSAC-v2's ``min_log_std``/``max_log_std``).
 LOG_STD_BOUNDS = (-20.0, 0.5)
+#: the ``format`` a policy file of :meth:`DSACTAgent.save_policy` carries
+POLICY_FORMAT = "fedfleet-dsac-t/1"
 
 
 class LowRankLinear(nn.Module):
@@ -340,6 +343,22 @@ def _count(module: nn.Module) -> int:
     return sum(int(p.numel()) for p in module.parameters())
 
 
+def non_finite(obj: Any, where: str = "") -> list[str]:
+    """The places in ``obj`` (nested dicts, lists and tuples of tensors and numbers, as
+    :meth:`DSACTAgent.networks_state` gives) holding NaN or infinite values: floating-point
+    tensors with any such element, and floats that are not finite; as ``a.b.0`` paths."""
+    if isinstance(obj, torch.Tensor):
+        return [where or "."] if obj.is_floating_point() and not bool(torch.isfinite(obj).all()) else []
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [where or "."]
+    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return [p for k, v in items for p in non_finite(v, f"{where}.{k}" if where else str(k))]
+
+
+def _few(places: list[str], n: int = 3) -> str:
+    return ", ".join(places[:n]) + (f" and {len(places) - n} more" if len(places) > n else "")
+
+
 def _load_reason(exc: BaseException) -> str:
     """What ``torch.load(..., weights_only=True)`` found wrong, in one line: its restricted
     unpickler's own reason (``Unsupported global: GLOBAL …``, ``Unsupported operand 103``), not the
@@ -548,10 +567,31 @@ class DSACTAgent:
     def save_policy(self, path: str | Path, metadata: Mapping[str, Any]) -> None:
         """Write the trained agent to ``path`` (``torch.save``): ``metadata`` (device count,
         state layout …), the sizes, the config and :meth:`networks_state`. The replay buffer is
-        not written (the deployed run fills its own)."""
-        torch.save({"format": "fedfleet-dsac-t/1", "state_dim": self.state_dim, "action_dim": self.action_dim,
-                    "config": asdict(self.config), "metadata": dict(metadata), "agent": self.networks_state()},
-                   Path(path))
+        not written (the deployed run fills its own). The file is written beside ``path`` and
+        renamed onto it, so a failed write (a full disk) leaves the file that was there before.
+
+        Raises:
+            ValueError: the agent holds NaN or infinite values (a diverged training; named, and
+                nothing written).
+            OSError: the file could not be written (the message names it and why, and says the
+                file there before, if any, is untouched).
+        """
+        state = self.networks_state()
+        bad = non_finite(state)
+        if bad:
+            raise ValueError(f"the DSAC-T agent holds NaN or infinite values in {_few(bad)} (a diverged training): "
+                             f"not written to {path}")
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            torch.save({"format": POLICY_FORMAT, "state_dim": self.state_dim, "action_dim": self.action_dim,
+                        "config": asdict(self.config), "metadata": dict(metadata), "agent": state}, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as exc:  # torch's writer reports a full disk as a RuntimeError
+            tmp.unlink(missing_ok=True)
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise OSError(f"policy {path}: could not be written ({type(exc).__name__}: {reason}); "
+                          + ("the file there before is untouched" if path.exists() else "nothing was written")) from exc
 
     @classmethod
     def load_policy(cls, path: str | Path, seed: int = 0) -> tuple[DSACTAgent, dict[str, Any]]:
@@ -565,8 +605,8 @@ class DSACTAgent:
             ValueError: not such a file — absent, unreadable, not a torch file (whatever
                 ``torch.load`` raises: a pickle error, a zip error, a class it cannot find, any
                 object but tensors, containers and numbers, which ``weights_only`` refuses …), not
-                a policy, or a policy whose parts are missing or do not fit together; the message
-                names the file and what was wrong.
+                a policy, a policy whose parts are missing or do not fit together, or one holding NaN
+                or infinite values; the message names the file and what was wrong.
         """
         try:
             # tensors, dicts, lists and numbers only: a policy file from elsewhere cannot run code
@@ -582,8 +622,12 @@ class DSACTAgent:
                              + ("; it is not a whole torch archive (cut short, or not written by torch.save)"
                                 if cut else "")
                              + "; [algorithm] policy must name a file that fedfleet feddo pretrain wrote") from exc
-        if not isinstance(blob, dict) or blob.get("format") != "fedfleet-dsac-t/1":
-            raise ValueError(f"policy {path}: not a fedfleet DSAC-T policy (format fedfleet-dsac-t/1)")
+        if not isinstance(blob, dict) or blob.get("format") != POLICY_FORMAT:
+            raise ValueError(f"policy {path}: not a fedfleet DSAC-T policy (format {POLICY_FORMAT})")
+        bad = non_finite(blob.get("agent"))
+        if bad:
+            raise ValueError(f"policy {path}: NaN or infinite values in {_few(bad)} (a damaged file, or a training "
+                             "that diverged); write it again with fedfleet feddo pretrain")
         try:
             conf = dict(blob["config"])
             conf["hidden"] = tuple(conf["hidden"])

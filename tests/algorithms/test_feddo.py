@@ -520,6 +520,86 @@ def test_pretrain_refuses_an_out_it_could_not_write_before_training(tmp_path, ca
     assert text.out == ""  # the error comes alone: no banner, no episode
 
 
+@pytest.mark.parametrize(("change", "argv", "why"), [
+    ("learn = false\n", ["--episodes", "4", "--rounds", "4"], "[algorithm] learn = false: a pre-training would never "
+                                                               "update the agent"),
+    ("updates_per_round = 0\n", ["--episodes", "4", "--rounds", "4"], "[algorithm] updates_per_round = 0: a "
+                                                                       "pre-training would never update the agent"),
+    # TINY_TOML's warm-up of 1 raised to 5: 2 x 2 = 4 transitions, one short of the first update
+    ("", ["--episodes", "2", "--rounds", "2"], "--episodes 2 x --rounds 2 = 4 transitions, fewer than the 5 the replay "
+                                               "buffer holds before the agent's first update ([algorithm] warmup)"),
+    ("num_devices = 2\n", ["--episodes", "1", "--rounds", "2"], "[algorithm] num_devices = 2 but [data] clients = 3: "
+                                                                 "the policy would be 2 devices wide"),
+    ("", ["--episodes", "1", "--rounds", "2", "--out", " "], "--out is empty"),
+], ids=["learn-false", "no-updates", "short-of-warmup", "fewer-slots-than-clients", "empty-out"])
+def test_pretrain_refuses_a_policy_that_would_not_learn_or_fit_before_training(tmp_path, capsys, change: str,
+                                                                               argv: list[str], why: str) -> None:
+    """What would write an untrained agent (no update ever made), one its own configuration's fleet
+    could not run, or a file without a name, is a configuration error before any episode: exit 2,
+    the reason alone (no banner), no file."""
+    cfg = tmp_path / "feddo.toml"
+    text = TINY_TOML.replace("warmup = 1\n", "warmup = 5\n") if "warmup" in why else TINY_TOML
+    cfg.write_text(text + change, encoding="utf-8")
+    out = tmp_path / "policy.pt"
+    args = ["feddo", "pretrain", "--config", str(cfg), *argv]
+    assert main(args if "--out" in argv else [*args, "--out", str(out)]) == 2
+    said = capsys.readouterr()
+    assert why in said.err and "Traceback" not in said.err and said.out == ""
+    assert list(tmp_path.iterdir()) == [cfg]
+    # one transition more and the same warm-up of 5 updates the agent: the check is the exact bound
+    if "warmup" in why:
+        assert main([*args[:4], "--episodes", "1", "--rounds", "6", "--out", str(out), "-q"]) == 0
+        assert DSACTAgent.load_policy(out)[0].updates > 0
+
+
+def test_a_policy_with_nan_weights_is_neither_written_nor_loaded(tmp_path) -> None:
+    """An agent whose weights hold NaN (a diverged training) is not written, naming where; a
+    policy file whose tensors were damaged into NaN is refused on loading, naming the tensors."""
+    agent = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(**SMALL_AGENT, warmup=1, batch_size=2), seed=0)
+    with torch.no_grad():
+        next(agent.actor.parameters())[0, 0] = float("nan")
+    out = tmp_path / "diverged.pt"
+    with pytest.raises(ValueError, match=rf"NaN or infinite values in actor\.\S+ .*not written to {out}"):
+        agent.save_policy(out, {"num_devices": 3, "global_features": GLOBAL_FEATURES})
+    assert list(tmp_path.iterdir()) == []
+    path = Path(_policy(tmp_path / "good.pt", 3))
+    blob = torch.load(path, weights_only=True)
+    name, weight = next(iter(blob["agent"]["critics"].items()))
+    weight.view(-1)[:4] = float("inf")
+    torch.save(blob, path)
+    with pytest.raises(ValueError, match=rf"^policy {path}: NaN or infinite values in critics\.{re.escape(name)} \("):
+        _loaded(str(path))
+
+
+def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path) -> None:
+    """``fedfleet feddo pretrain`` in a process whose files may not exceed 64 KiB (``RLIMIT_FSIZE``:
+    a write past it fails as on a full disk) over a good 3-device policy: exit 1 with the reason
+    and the episodes' cost, the good file byte for byte as it was, no temporary file left."""
+    import subprocess
+    import sys
+
+    good = Path(_policy(tmp_path / "policy.pt", 3))
+    before = good.read_bytes()
+    assert len(before) < 65_536
+    cfg = tmp_path / "feddo.toml"
+    # a 128-wide agent: its policy file is larger than the limit
+    cfg.write_text(TINY_TOML.replace("hidden = 16", "hidden = 128"), encoding="utf-8")
+    code = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (65_536, 65_536))\n"
+            "from broker_server.cli import main\n"
+            f"sys.exit(main(['feddo', 'pretrain', '--config', {str(cfg)!r}, '--episodes', '1', '--rounds', '3', "
+            f"'--out', {str(good)!r}, '-q']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "pre-training finished (1 episode x 3 rounds, " in done.stderr
+    assert f"policy {good}: could not be written (" in done.stderr
+    assert "the file there before is untouched" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert good.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml", "policy.pt"]
+
+
 def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_path, caplog) -> None:
     """SPECS §4.1's held-out validation set: with [data] train_samples below the split's size the
     devices' shards are cut from a stratified subset (``split_dataset``), and the strategy the
@@ -643,13 +723,15 @@ def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path, cap
 
 def test_the_readme_path_from_the_example_pretrains_and_deploys(tmp_path, monkeypatch, caplog) -> None:
     """README's FedDO steps on a copy of examples/feddo.toml (pre-training shortened to 1 episode of
-    2 rounds): the policy is written, deployed by a relative path from the current folder, and the
-    run finishes its 2 rounds without a data-settings warning (the same federation)."""
+    34 rounds, 2 more than its warm-up of 32 transitions, so the agent updates): the policy is
+    written, deployed by a relative path from the current folder, and the run finishes its 2
+    rounds without a data-settings warning (the same federation)."""
     monkeypatch.chdir(tmp_path)
     example = Path(__file__).resolve().parents[2] / "examples" / "feddo.toml"
     (tmp_path / "my-feddo.toml").write_text(example.read_text(encoding="utf-8"), encoding="utf-8")
-    assert main(["feddo", "pretrain", "--config", "my-feddo.toml", "--episodes", "1", "--rounds", "2",
+    assert main(["feddo", "pretrain", "--config", "my-feddo.toml", "--episodes", "1", "--rounds", "34",
                  "--out", "feddo_policy.pt", "-q"]) == 0
+    assert DSACTAgent.load_policy("feddo_policy.pt")[0].updates > 0
     with open("my-feddo.toml", "a", encoding="utf-8") as f:
         f.write('policy = "feddo_policy.pt"\n')  # the file ends in its [algorithm] table
     caplog.set_level(logging.INFO)

@@ -19,7 +19,12 @@ from broker_server.strategies.feddo import FedDO
 
 
 def _tool():
-    return load_tool("reproduce_feddo")
+    """The script, loaded afresh, with its agent's warm-up at 1 transition and batches of 2 (as
+    ``--tiny``'s): the tests' pre-trainings of 2 rounds in all (:data:`TINY`) must update the
+    agent, which the grid's warm-up of 32 would not (``fedfleet feddo pretrain`` refuses that)."""
+    t = load_tool("reproduce_feddo")
+    t.AGENT.update(warmup=1, batch_size=2)
+    return t
 
 
 def _grid(t, out: Path, **kw):
