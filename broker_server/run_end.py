@@ -217,7 +217,7 @@ def write_final_files(cfg: Config, ds: Dataset, fin: FinishedRun, *, federation:
         store.close()
     if ckpt is None:  # finished_run read it a moment ago
         raise ConfigError(f"--resume {fin.run_dir}: the checkpoint of round {fin.rounds} disappeared")
-    strategy = make_strategy(cfg, ds)
+    strategy = make_strategy(cfg, ds, resuming=True)
     model = server_model(cfg, ds)
     try:
         load_arrays(model, ckpt.tensors)

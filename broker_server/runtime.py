@@ -193,7 +193,7 @@ def channel_options(cfg: Config) -> dict:
 
 #: the keywords the runtime gives every strategy constructor that takes them (from ``[server]``
 #: and ``[train]``); ``[algorithm]`` may not set them.
-DRIVER_KWARGS = ("participation_rate", "min_clients", "train_config")
+DRIVER_KWARGS = ("participation_rate", "min_clients", "train_config", "resuming")
 
 
 _SCALAR_TYPES = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
@@ -259,11 +259,13 @@ def algorithm_keys(cls: type[Strategy]) -> set[str]:
     return (names | set(cls.extra_keys)) - set(cls.setup_keys) - set(DRIVER_KWARGS)
 
 
-def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
+def make_strategy(cfg: Config, ds: Dataset, *, resuming: bool = False) -> Strategy:
     """The server half of ``[train] algorithm`` built with the ``[algorithm]`` hyperparameters.
 
     The constructor gets ``participation_rate`` (``[server]``), ``min_clients`` (``[server]
-    quorum``) and ``train_config`` (:func:`train_config`) when it takes them, every
+    quorum``) and ``train_config`` (:func:`train_config`) when it takes them, ``resuming`` when
+    it names it (the run goes on from its checkpoint, whose ``load_state_dict`` follows: FedDO
+    then reads its policy file only where no checkpoint holds the agent), every
     ``[algorithm]`` key, and what the class's ``setup_kwargs`` returns. Its
     :meth:`~broker_server.strategies.Strategy.config_for_round` is then checked for every round
     of the run (:func:`~broker_server.strategies.round_config`).
@@ -287,7 +289,7 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     taken = sorted(set(params) & set(DRIVER_KWARGS))
     if taken:
         raise ConfigError(f"{where}: {', '.join(taken)} is set by the runtime ([server] participation_rate and "
-                          "quorum, [train]), not in [algorithm]")
+                          "quorum, [train], --resume), not in [algorithm]")
 
     def refuse_supplied(keys: set[str]) -> None:  # set in [algorithm], but setup_kwargs supplies them
         if keys:
@@ -308,6 +310,8 @@ def make_strategy(cfg: Config, ds: Dataset) -> Strategy:
     driver = {"participation_rate": cfg.server.participation_rate, "min_clients": cfg.server.quorum,
               "train_config": base_config}
     kwargs = {k: v for k, v in driver.items() if any_keyword or k in names}
+    if "resuming" in names:  # named only: a constructor taking **kwargs need not know it
+        kwargs["resuming"] = resuming
     try:
         # the data setup reads [algorithm] keys too (FedMCP's proxy_size, proxy_seed)
         setup: dict = {}
@@ -394,12 +398,14 @@ def client_eval_split(cfg: Config, ds: Dataset):
 
 def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir: Path, ledger: Ledger,
                 expected_clients: int, on_round: Callable[[dict], None] | None = None,
-                security: ChannelSecurity | None = None, strategy: Strategy | None = None) -> AggregationServer:
+                security: ChannelSecurity | None = None, strategy: Strategy | None = None,
+                resuming: bool = False) -> AggregationServer:
     """Connect the server's transport and build the :class:`AggregationServer`.
 
     Args:
         strategy: the run's strategy when the caller already built it (``simulate`` checks the
-            configuration with it first); ``None``: :func:`make_strategy` of ``cfg``.
+            configuration with it first); ``None``: :func:`make_strategy` of ``cfg`` (``resuming``:
+            the run goes on from its checkpoint).
         security: the server channel's security state; ``None``: :func:`server_security` of
             ``cfg`` (``None`` again when signing is off).
 
@@ -408,7 +414,7 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
         ConnectError: the broker did not accept the server.
     """
     if strategy is None:
-        strategy = make_strategy(cfg, ds)
+        strategy = make_strategy(cfg, ds, resuming=resuming)
     if security is None:
         security = server_security(cfg)
     tr = open_transport(mqtt_client_id(federation, SERVER_ID), cfg, url)

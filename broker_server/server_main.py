@@ -293,7 +293,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             on_round = tracker.wrap(on_round)
             say(f"fedfleet server: tracking to {tracker.describe()}")
         server = make_server(cfg, ds, url, federation=federation, run_dir=out, ledger=ledger,
-                             expected_clients=cfg.data.clients, on_round=on_round)
+                             expected_clients=cfg.data.clients, on_round=on_round, resuming=resume)
         server.on_event = on_event
         ckpt = server.checkpoints.load() if resume else None
         if ckpt is not None:

@@ -481,7 +481,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         get_client_algorithm_class(cfg.train.algorithm)  # the name only: setup needs the data
     except EdgeAgentError as exc:
         raise ConfigError(f"{cfg.source}: [train] algorithm: {exc}") from exc
-    strategy = make_strategy(cfg, ds)  # the [algorithm] table is checked before anything is written,
+    strategy = make_strategy(cfg, ds, resuming=resume)  # the [algorithm] table is checked before anything is written,
     check_fleet_size(cfg, strategy)    # and the run serves with this strategy (built once: its warnings said once)
     check_tracking(cfg)  # a tracking package asked for but missing: said now, not after the run
     check_server_keys(cfg, simulated=True)  # [security] key_dir: said before the run folder is made

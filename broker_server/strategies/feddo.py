@@ -224,6 +224,11 @@ def validation_split(dataset: Any, params: Mapping[str, object], seed: int,
     return np.asarray(src.x[idx], np.float32), np.asarray(src.y[idx], np.int64)
 
 
+def _config_record(config: DSACTConfig) -> dict[str, Any]:
+    """``config`` as plain values (a checkpoint's record of the agent's configuration)."""
+    return {**dataclasses.asdict(config), "hidden": list(config.hidden)}
+
+
 def validate_model(model: torch.nn.Module, validation: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
     """Accuracy (fraction) and mean cross-entropy of ``model`` on ``validation`` = (x float32
     [V, ...], y int64 [V]), in batches of 1000; the model's train/eval mode is restored."""
@@ -264,7 +269,7 @@ class FedDO(Strategy):
                  updates_per_round: int = 1, lr_actor: float = 1e-4, lr_critic: float = 1e-4,
                  lr_alpha: float = 3e-4, gamma: float = 0.99, tau: float = 0.005, critic_layer_norm: bool = True,
                  validation: tuple[np.ndarray, np.ndarray] | None = None, run_seed: int = 0,
-                 run_data: Mapping[str, object] | None = None) -> None:
+                 run_data: Mapping[str, object] | None = None, resuming: bool = False) -> None:
         problems = []
         if reward not in REWARDS:
             problems.append(f"reward = {reward!r} must be one of {REWARDS}")
@@ -303,31 +308,47 @@ class FedDO(Strategy):
         self.policy_path = policy
         self.agent: DSACTAgent | None = None
         self.num_devices = int(num_devices)
-        if policy:
-            self.agent, meta = DSACTAgent.load_policy(policy, seed=self.run_seed)
-            k = int(meta.get("num_devices", self.agent.action_dim))
-            if self.num_devices and self.num_devices != k:
-                raise ValueError(f"num_devices = {self.num_devices} but policy {policy} was trained for {k} devices")
-            if self.agent.state_dim != k + GLOBAL_FEATURES:
-                raise ValueError(f"policy {policy}: state width {self.agent.state_dim}, "
-                                 f"expected {k} + {GLOBAL_FEATURES}")
-            self.num_devices = k
-            self.max_devices = k  # a device beyond the policy's K would never train (module docstring)
-            self._adopt_run_config(policy)
-            # α only where both are Dirichlet partitions (a policy of an older pretrain records
-            # one for any partition)
-            dirichlet = (run_data or {}).get("partition") == meta.get("partition") == "dirichlet"
-            other = {key: (meta[key], want) for key, want in (run_data or {}).items()
-                     if key in meta and meta[key] != want and (key != "alpha" or dirichlet)}
-            if other:
-                log.warning("FedDO: the policy %s was pre-trained on other data settings than this run's (%s): its "
-                            "ratios were learnt for another federation", policy,
-                            "; ".join(f"{key} {a!r} there, {b!r} here" for key, (a, b) in other.items()))
+        self._run_data = dict(run_data or {})
+        # a resumed run's agent is its checkpoint's (load_state_dict): the policy file is read only
+        # if no checkpoint holds one, when the first round is planned
+        self._policy_deferred = bool(policy) and resuming
+        if policy and not resuming:
+            self._load_policy()
         self.slots: list[str] = []
         self.shard_sizes: dict[str, int] = {}
         self._warned: set[str] = set()
         self._filled_warned = -1  # the filled-slot count last warned about (a policy's K not reached)
         self.reset_episode()
+
+    def _load_policy(self) -> None:
+        """The agent from :attr:`policy_path`, fitted to this run (:meth:`_adopt_run_config`); K
+        and :attr:`max_devices` from it; other data settings than the run's said in a warning.
+
+        Raises:
+            ValueError: an unreadable or damaged file, or one that does not fit ``num_devices``
+                or the ``[algorithm]`` architecture (the message names the file).
+        """
+        policy = self.policy_path
+        self._policy_deferred = False
+        self.agent, meta = DSACTAgent.load_policy(policy, seed=self.run_seed)
+        k = int(meta.get("num_devices", self.agent.action_dim))
+        if self.num_devices and self.num_devices != k:
+            raise ValueError(f"num_devices = {self.num_devices} but policy {policy} was trained for {k} devices")
+        if self.agent.state_dim != k + GLOBAL_FEATURES:
+            raise ValueError(f"policy {policy}: state width {self.agent.state_dim}, expected {k} + {GLOBAL_FEATURES}")
+        self.num_devices = k
+        self.max_devices = k  # a device beyond the policy's K would never train (module docstring)
+        self._adopt_run_config(policy)
+        # α only where both are Dirichlet partitions (a policy of an older pretrain records one for
+        # any partition)
+        run_data = self._run_data
+        dirichlet = run_data.get("partition") == meta.get("partition") == "dirichlet"
+        other = {key: (meta[key], want) for key, want in run_data.items()
+                 if key in meta and meta[key] != want and (key != "alpha" or dirichlet)}
+        if other:
+            log.warning("FedDO: the policy %s was pre-trained on other data settings than this run's (%s): its "
+                        "ratios were learnt for another federation", policy,
+                        "; ".join(f"{key} {a!r} there, {b!r} here" for key, (a, b) in other.items()))
 
     def _adopt_run_config(self, policy: str) -> None:
         """The loaded policy's agent set to this run's ``[algorithm]`` agent keys: the architecture
@@ -443,6 +464,8 @@ class FedDO(Strategy):
 
     def configure_round(self, round: int, available: Sequence[str], rng: np.random.Generator) -> RoundPlan:
         """Build s_t, store the previous transition and learn, act, and ask the devices with d > 0."""
+        if self._policy_deferred:  # a resume whose checkpoint held no agent: the policy file, as a fresh run
+            self._load_policy()
         slots = self._slot_ids(available)
         agent = self._ensure_agent(len(slots) if not self.num_devices else self.num_devices)
         s = self.state(round)
@@ -544,18 +567,31 @@ class FedDO(Strategy):
         slots, drifts, φ and the pending transition."""
         pending = None if self.pending is None else {"s": self.pending["s"], "a": self.pending["a"],
                                                      "r": self.pending["r"]}
-        return {"agent": self.agent.to_bytes() if self.agent is not None else b"",
+        shape = {} if self.agent is None else {"agent_config": _config_record(self.agent.config),
+                                                "state_dim": self.agent.state_dim, "max_devices": self.max_devices}
+        return {**shape, "agent": self.agent.to_bytes() if self.agent is not None else b"",
                 "replay": self.agent.buffer.state_dict() if self.agent is not None else {},
                 "num_devices": self.num_devices, "slots": list(self.slots), "drift": np.asarray(self.drift),
                 "phi": self.phi, "val_loss": self.val_loss, "active_fraction": self.active_fraction,
                 "pending": pending, "ratios": dict(self.ratios)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (``{}``: nothing)."""
+        """Restore :meth:`state_dict` (``{}``: nothing). The agent is rebuilt from the checkpoint's
+        own record of its configuration, so a resume needs no policy file: the one the run started
+        from may have been moved or pre-trained again since (a checkpoint written before that
+        record existed builds it as the run started, from the policy file or ``[algorithm]``)."""
         if not state:
             return
         self.num_devices = int(state["num_devices"])
         self.slots = list(state["slots"])
+        if state["agent"] and "agent_config" in state:
+            conf = dict(state["agent_config"])
+            conf["hidden"] = tuple(conf["hidden"])
+            self.agent = DSACTAgent(int(state["state_dim"]), self.num_devices, DSACTConfig(**conf), seed=self.run_seed)
+            self.max_devices = None if state.get("max_devices") is None else int(state["max_devices"])
+            self._policy_deferred = False
+        elif state["agent"] and self._policy_deferred:
+            self._load_policy()
         if state["agent"]:
             agent = self._ensure_agent(self.num_devices)
             try:

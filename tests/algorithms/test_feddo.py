@@ -236,6 +236,34 @@ val_size = 100
 """
 
 
+def test_a_resume_needs_no_policy_file_and_goes_on_as_the_uninterrupted_run(tmp_path, monkeypatch) -> None:
+    """A run on a policy, cut after round 2; its policy file is then pre-trained again at the same
+    path (another device count and width), and later removed: each resume takes the agent from the
+    checkpoint, never from the file, and rounds 1-4 are those of the same run left uninterrupted."""
+    monkeypatch.chdir(tmp_path)
+    policy = Path(_policy(tmp_path / "policy.pt", 3))
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML + f'policy = "{policy}"\n', encoding="utf-8")
+    assert main(["simulate", "--config", str(cfg), "--rounds", "4", "--out", "whole", "--quiet"]) == 0
+    assert main(["simulate", "--config", str(cfg), "--rounds", "2", "--out", "cut", "--quiet"]) == 0
+    other = DSACTAgent(5 + GLOBAL_FEATURES, 5, DSACTConfig(hidden=(32, 32), rank=4), seed=1)
+    other.save_policy(policy, {"num_devices": 5, "global_features": GLOBAL_FEATURES})
+    assert main(["simulate", "--resume", "cut", "--rounds", "3", "--quiet"]) == 0
+    policy.unlink()
+    assert main(["simulate", "--resume", "cut", "--rounds", "4", "--quiet"]) == 0
+
+    def rounds(run: str) -> list[dict]:
+        lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in m.items() if k.startswith("feddo_") or k == "accuracy"}
+                for m in lines if "round" in m]
+
+    whole, cut = rounds("whole"), rounds("cut")
+    assert len(whole) == len(cut) == 4 and [m["feddo_replay"] for m in cut] == [0, 1, 2, 3]
+    assert cut == whole
+
+
+
+
 def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> None:
     cfg = tmp_path / "feddo.toml"
     cfg.write_text(TINY_TOML, encoding="utf-8")
@@ -751,12 +779,19 @@ def test_the_readme_path_from_the_example_pretrains_and_deploys(tmp_path, monkey
 
 
 def test_a_checkpoint_of_critics_without_layer_norm_is_refused_with_the_key_to_set() -> None:
-    """A run checkpointed before critic_layer_norm existed has plain critics; resumed with the new
-    default its agent cannot take them: a ValueError saying which key to set, not torch's error."""
+    """A run checkpointed before critic_layer_norm existed has plain critics (and its checkpoint no
+    record of the agent's configuration); resumed with the new default its agent cannot take them:
+    a ValueError saying which key to set, not torch's error. A checkpoint that records the agent's
+    configuration is rebuilt from that record, whatever [algorithm] says."""
     val = (np.zeros((1, 1, 8, 8), np.float32), np.zeros(1, np.int64))
     old = FedDO(validation=val, **{**SMALL, "critic_layer_norm": False})
     old._ensure_agent(3)
-    state = old.state_dict()
+    recorded = old.state_dict()
+    assert recorded["agent_config"]["critic_layer_norm"] is False and recorded["state_dim"] == 3 + GLOBAL_FEATURES
+    now = FedDO(validation=val, **SMALL)
+    now.load_state_dict(recorded)
+    assert now.agent is not None and now.agent.to_bytes() == old.agent.to_bytes()
+    state = {k: v for k, v in recorded.items() if k not in ("agent_config", "state_dim", "max_devices")}
     with pytest.raises(ValueError, match=r"critic_layer_norm = true\): set these keys in the run folder's "
                                          r"config.toml .*before critic_layer_norm existed .*critic_layer_norm = false"):
         FedDO(validation=val, **SMALL).load_state_dict(state)
