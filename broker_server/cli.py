@@ -153,29 +153,33 @@ def _cmd_simulate(args) -> int:
 
         print(nothing_to_resume(fin, cfg.run.rounds, "simulate", kept_device_state(cfg)), flush=True)
         return EXIT_OK
-    print(run_header(cfg), flush=True)
     last = None
     if fin is not None:
-        from .run_end import finishing_line
-
         last = fin.rounds
-        print(finishing_line(fin, cfg.run.rounds, "simulate"), flush=True)
     elif args.resume and (out / "checkpoints.sqlite").exists():
         from .run_end import last_checkpoint_round
 
         last = last_checkpoint_round(out / "checkpoints.sqlite") or 0
-        print(f"fedfleet simulate: resuming {out} after round {last} of {cfg.run.rounds} (rounds {last + 1}.."
-              f"{cfg.run.rounds} to go)", flush=True)
-        if (out / DEVICE_STATE_FILE).exists() and (kept := kept_device_state(cfg)):
-            print(f"fedfleet simulate: the devices carry on from their kept state in {DEVICE_STATE_FILE} "
-                  f"({'; '.join(kept)})", flush=True)
+
+    def started() -> None:  # the configuration checks passed: the first lines (an error comes alone)
+        print(run_header(cfg), flush=True)
+        if fin is not None:
+            from .run_end import finishing_line
+
+            print(finishing_line(fin, cfg.run.rounds, "simulate"), flush=True)
+        elif last is not None:
+            print(f"fedfleet simulate: resuming {out} after round {last} of {cfg.run.rounds} (rounds {last + 1}.."
+                  f"{cfg.run.rounds} to go)", flush=True)
+            if (out / DEVICE_STATE_FILE).exists() and (kept := kept_device_state(cfg)):
+                print(f"fedfleet simulate: the devices carry on from their kept state in {DEVICE_STATE_FILE} "
+                      f"({'; '.join(kept)})", flush=True)
     show = None if args.quiet else progress_printer(cfg.run.rounds)
     prog = make_progress(cfg.run.rounds, verbose=args.verbose + args.sub_verbose > 0, round_line=show)
     try:
         with prog:
             res = simulate(cfg, broker_url=args.broker, run_dir=out, on_round=prog.on_round,
                            on_event=None if args.quiet else prog.on_event, resume=bool(args.resume),
-                           on_plan=lambda plan: print(plan.describe(), flush=True))
+                           on_plan=lambda plan: print(plan.describe(), flush=True), on_start=started)
     except (KeyboardInterrupt, TransportError) as exc:
         if (out / "checkpoints.sqlite").exists():
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"

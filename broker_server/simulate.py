@@ -411,6 +411,7 @@ def _finished_result(cfg: Config, ds, fin: FinishedRun, federation: str, t_start
 def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
              on_round: Callable[[dict], None] | None = None, agent_hook: Callable[[int, EdgeAgent], None] | None = None,
              resume: bool = False, on_plan: Callable[[ThreadPlan], None] | None = None,
+             on_start: Callable[[], None] | None = None,
              on_event: Callable[[str, int, str | None, dict], None] | None = None) -> SimulationResult:
     """Run the federation described by ``cfg`` and return its result.
 
@@ -431,6 +432,9 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             ``[agents] torch_threads``/``train_slots``) before any agent starts; the plan is also
             logged and written to ``summary.json`` (``thread_plan``).
         on_event: the server's progress events (:mod:`broker_server.progress`).
+        on_start: called once the configuration checks have passed (data set, partition,
+            ``[algorithm]``, fleet size, tracking, keys, models), before anything is written:
+            ``fedfleet simulate`` prints its first line there, so a configuration error comes alone.
 
     Raises:
         ConfigError: unknown algorithm, data set or partition settings.
@@ -442,7 +446,7 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     before = run_folder_entries(out)
     try:
         return _simulate(cfg, out, broker_url=broker_url, on_round=on_round, agent_hook=agent_hook, resume=resume,
-                         on_event=on_event, on_plan=on_plan)
+                         on_event=on_event, on_plan=on_plan, on_start=on_start)
     except STARTUP_ERRORS:  # nothing ran: no half-made run folder that --resume refuses
         if not resume:
             discard_unstarted(out, before)
@@ -452,7 +456,8 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
 def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Callable[[dict], None] | None,
               agent_hook: Callable[[int, EdgeAgent], None] | None, resume: bool,
               on_event: Callable[[str, int, str | None, dict], None] | None,
-              on_plan: Callable[[ThreadPlan], None] | None) -> SimulationResult:
+              on_plan: Callable[[ThreadPlan], None] | None,
+              on_start: Callable[[], None] | None = None) -> SimulationResult:
     """:func:`simulate` in the run folder ``out``."""
     t_start = time.monotonic()
     run_id = out.name
@@ -487,6 +492,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     check_server_keys(cfg, simulated=True)  # [security] key_dir: said before the run folder is made
     for name in cfg.model.architectures():  # every architecture of the fleet is built and checked once
         device_model(ds, cfg.run.seed, name, cfg.model.feature_dim)
+    if on_start is not None:
+        on_start()
     if resume and (fin := finished_run(out, cfg.run.rounds)) is not None:  # no round left: no broker, no agents
         return _finished_result(cfg, ds, fin, federation, t_start)
     out.mkdir(parents=True, exist_ok=True)
@@ -517,9 +524,10 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     thread_plan = apply_threads(plan_threads(
         usable_cores(hw), role="simulation", clients=cfg.data.clients, embedded_broker=broker is not None,
         torch_threads=cfg.agents.torch_threads, train_slots=cfg.agents.train_slots))
-    log.info("%s", thread_plan.describe())
-    if on_plan is not None:
+    if on_plan is not None:  # the caller shows it (fedfleet simulate prints it): not said twice
         on_plan(thread_plan)
+    else:
+        log.info("%s", thread_plan.describe())
     runtimes = {name: agent_runtime(name, info=hw) for name in set(profiles)}
     agents: list[EdgeAgent] = []
     threads: list[threading.Thread] = []

@@ -344,7 +344,9 @@ class FedDO(Strategy):
         run_data = self._run_data
         dirichlet = run_data.get("partition") == meta.get("partition") == "dirichlet"
         other = {key: (meta[key], want) for key, want in run_data.items()
-                 if key in meta and meta[key] != want and (key != "alpha" or dirichlet)}
+                 if key in meta and meta[key] != want and (key != "alpha" or dirichlet)
+                 # more devices than K: the fleet-size refusal that follows says it
+                 and not (key == "clients" and isinstance(want, int) and want > k)}
         if other:
             log.warning("FedDO: the policy %s was pre-trained on other data settings than this run's (%s): its "
                         "ratios were learnt for another federation", policy,

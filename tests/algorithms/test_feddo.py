@@ -28,8 +28,7 @@ import torch
 from helpers.memory_federation import Device, federation_server, run_expecting
 
 from broker_server.checkpoint import CheckpointStore
-from broker_server.cli import main, run_header
-from broker_server.config import load as load_config
+from broker_server.cli import main
 from broker_server.errors import RunError
 from broker_server.rl.dsac_t import DSACTAgent, DSACTConfig
 from broker_server.server import AggregationServer, ServerSettings
@@ -347,11 +346,17 @@ def test_a_federation_larger_than_its_policy_fails_before_training(tmp_path, dig
 
 
 @pytest.mark.parametrize("command", ["simulate", "pretrain"])
-def test_a_fleet_larger_than_its_policy_is_refused_before_anything_runs(tmp_path, capsys, command: str) -> None:
-    """TINY_TOML's 3 devices and a policy for 2: fedfleet simulate and fedfleet feddo pretrain
-    say it in one configuration-error line before a broker starts or an episode trains (the
-    round-1 RunError of a server stays for real fleets), and write nothing."""
-    policy = _policy(tmp_path / "k2.pt", 2)
+def test_a_fleet_larger_than_its_policy_is_refused_before_anything_runs(tmp_path, capsys, caplog,
+                                                                       command: str) -> None:
+    """TINY_TOML's 3 devices and a policy pre-trained for 2 (its data settings recorded, as
+    fedfleet feddo pretrain writes them): fedfleet simulate and fedfleet feddo pretrain say it in
+    one configuration-error line, alone (no header or banner first, no warning that the policy's
+    client count differs), before a broker starts or an episode trains (the round-1 RunError of a
+    server stays for real fleets), and write nothing."""
+    agent = DSACTAgent(2 + GLOBAL_FEATURES, 2, DSACTConfig(**SMALL_AGENT, warmup=1, batch_size=2), seed=0)
+    policy = str(tmp_path / "k2.pt")
+    agent.save_policy(policy, {"num_devices": 2, "global_features": GLOBAL_FEATURES, "dataset": "digits",
+                               "partition": "dirichlet", "alpha": 0.5, "clients": 2})
     cfg = tmp_path / "feddo.toml"
     cfg.write_text(TINY_TOML + f'policy = "{policy}"\n', encoding="utf-8")
     out = tmp_path / ("run" if command == "simulate" else "policy.pt")
@@ -363,9 +368,9 @@ def test_a_fleet_larger_than_its_policy_is_refused_before_anything_runs(tmp_path
     assert lines == [f"fedfleet: configuration error: {cfg}: 3 devices ([data] clients, or --clients), but the "
                      f"policy {policy} serves at most 2 devices: 1 of them would never train. Run 2 devices, or "
                      "pre-train a policy for 3 devices (fedfleet feddo pretrain, without [algorithm] policy)"]
-    # nothing ran: no episode (pretrain prints not even its banner), no round (simulate: its header only)
-    header = f"{run_header(load_config(str(cfg)))}\n"
-    assert captured.out == ("" if command == "pretrain" else header) and not out.exists()
+    # nothing ran: no episode, no round, not even the banner or the header
+    assert captured.out == "" and not out.exists()
+    assert "other data settings" not in caplog.text
 
 
 def test_a_fleet_within_its_policy_passes_the_size_check(tmp_path) -> None:
