@@ -83,7 +83,8 @@ def resolve_model(name: str) -> Callable[..., nn.Module]:
             raise ModelError(f"unknown model {name!r}; the zoo has {', '.join(list_models())}"
                              + (f", the installed entry points (group fedfleet.models) {', '.join(installed)}"
                                 if installed else "")
-                             + ", or give your own factory as 'package.module:function'")
+                             + ", or give your own factory as 'package.module:function' (or install a package "
+                               "that declares it as an entry point of group fedfleet.models)")
         obj = resolve_reference(name, kind="model", what="model factory", error=ModelError)
         if not callable(obj):
             raise ModelError(f"model factory {name!r} (entry point): a {type(obj).__name__}, not callable")
