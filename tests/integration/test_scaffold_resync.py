@@ -302,8 +302,9 @@ def test_server_resumed_mid_round_keeps_the_devices_committed_state(tmp_path: Pa
     _crash_and_resume_before_checkpoint(monkeypatch, 2)
     fleet = Fleet()
     # the crash is simulated in-process (the server object survives it), so no overlapped line of
-    # the dead round may be left pending in it: evaluation in turn, as a dead process leaves it
-    cfg = _cfg(algorithm, clients=3, quorum=2, rounds=3).replace("server", round_deadline_s=10.0,
+    # the dead round may be left pending in it: evaluation in turn, as a dead process leaves it; the
+    # deadline is a bound (a round ends once all 3 have reported)
+    cfg = _cfg(algorithm, clients=3, quorum=2, rounds=3).replace("server", round_deadline_s=30.0,
                                                                  overlap_evaluation="off")
     res = simulate(cfg, run_dir=tmp_path / "run", agent_hook=fleet)
     m = res.metrics
