@@ -20,6 +20,7 @@ and ``fedfleet server --resume`` then start no broker and no agents:
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import time
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from .persistence import RunStore
 from .runtime import make_strategy, server_model
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, write_final_model
 from .text import plural
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FinalFiles", "FinishedRun", "finished_run", "finishing_line", "last_checkpoint_round",
            "nothing_to_resume", "refusals_from_metrics", "summary_record", "write_final_files"]
@@ -57,18 +60,29 @@ def last_checkpoint_round(path: Path) -> int | None:
 
 
 def summary_record(cfg: Config, ds: Dataset, *, federation: str, final_accuracy: float, rounds_completed: int,
-                   seconds: float, broker: str, refusals: dict, onnx: dict, **extra: Any) -> dict:
+                   seconds: float, broker: str, refusals: dict, onnx: dict, strategy: Any = None,
+                   **extra: Any) -> dict:
     """``summary.json``'s content, the keys every way a run ends shares (:func:`~broker_server.
     simulate.simulate`, :func:`~broker_server.server_main.run_server`, :func:`write_final_files`):
     the federation, final accuracy, rounds, ``seconds`` (wall, this session), broker, data set,
     clients and ``client_test`` (with its fraction under ``"local"``), the optional runtimes'
-    state, ``refusals``; then the caller's ``extra`` keys, then ``onnx``'s (``onnx_*``)."""
+    state, ``refusals``; ``strategy``'s :meth:`~broker_server.strategies.Strategy.run_summary`
+    under ``strategy`` where it has one; then the caller's ``extra`` keys, then ``onnx``'s
+    (``onnx_*``)."""
     d = cfg.data
+    own: dict[str, Any] = {}
+    if strategy is not None:
+        try:
+            if (told := strategy.run_summary()):
+                own["strategy"] = json.loads(json.dumps(told))  # JSON values only, checked here
+        except Exception as exc:  # noqa: BLE001 - a user's strategy: the record says why it is missing
+            log.warning("the strategy's run summary is not recorded: %s: %s", type(exc).__name__, exc)
+            own["strategy_summary_error"] = f"{type(exc).__name__}: {exc}"
     return {"federation": federation, "final_accuracy": final_accuracy, "rounds_completed": rounds_completed,
             "seconds": seconds, "broker": broker, "dataset": ds.name, "clients": d.clients,
             "client_test": d.client_test,
             "client_test_fraction": d.client_test_fraction if d.client_test == "local" else None,
-            "optional_runtimes": optional_runtimes(), "refusals": refusals, **extra, **onnx}
+            "optional_runtimes": optional_runtimes(), "refusals": refusals, **own, **extra, **onnx}
 
 
 @dataclass(frozen=True)
@@ -228,9 +242,18 @@ def write_final_files(cfg: Config, ds: Dataset, fin: FinishedRun, *, federation:
     written = (["model_final.pt"] if strategy.share != "none" else []) + (
         ["model_final.onnx"] if "onnx_accuracy" in onnx else [])
     acc, loss = final_figures(fin.metrics)
+    try:  # the strategy as the run ended, for its record in summary.json
+        strategy.load_state_dict(ckpt.strategy_state)
+    except Exception as exc:  # noqa: BLE001 - the final files are written all the same, without that record
+        log.warning("the checkpoint of round %d does not restore the strategy (%s: %s): summary.json has no "
+                    "strategy record", fin.rounds, type(exc).__name__, exc)
+        strategy_done = None
+    else:
+        strategy_done = strategy
     record = summary_record(
         cfg, ds, federation=federation, final_accuracy=acc, rounds_completed=fin.rounds,
         seconds=time.monotonic() - t0, broker=broker, refusals=refusals_from_metrics(fin.metrics), onnx=onnx,
+        strategy=strategy_done,
         **(extra or {}),
         finished_on_resume=(f"the rounds were all done (checkpoint of round {fin.rounds}) but the final files "
                             "were not: written now from that checkpoint and metrics.jsonl, without a broker "

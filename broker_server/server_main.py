@@ -315,7 +315,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         (out / "summary.json").write_text(json.dumps(summary_record(
             cfg, ds, federation=federation, final_accuracy=summary.final_accuracy,
             rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=url,
-            refusals=server.refusal_totals(), onnx=server.onnx_result, resumed_after=ckpt.round if ckpt else None,
+            refusals=server.refusal_totals(), onnx=server.onnx_result, strategy=server.strategy,
+            resumed_after=ckpt.round if ckpt else None,
             ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)],
             **({"devices_rejoined_without_state": server.rejoined_without_state}
                if server.rejoined_without_state else {})),

@@ -679,7 +679,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     (out / "summary.json").write_text(json.dumps(summary_record(
         cfg, ds, federation=federation, final_accuracy=result.final_accuracy,
         rounds_completed=result.rounds_completed, seconds=result.seconds, broker=broker_name,
-        refusals=server.refusal_totals(), onnx=server.onnx_result, substitutions=list(ds.substitutions),
+        refusals=server.refusal_totals(), onnx=server.onnx_result, strategy=server.strategy,
+        substitutions=list(ds.substitutions),
         agent_errors=[repr(e) for e in errors], thread_plan=thread_plan.as_dict(),
         profiles={name: profiles.count(name) for name in sorted(set(profiles))},
         emulated_link_s={s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,

@@ -697,6 +697,14 @@ class Strategy(ABC):
         reward) declares ``plans_from_evaluation = True`` and is evaluated before both."""
         return {}
 
+    def run_summary(self) -> dict:
+        """What the run's ``summary.json`` records of the strategy when the run ends (key
+        ``strategy``; left out when empty): what a later reader needs to know which strategy state
+        made the run, such as FedDO's pre-trained policy (its file's SHA-256, its pre-training)
+        and its agent at the end. JSON values only. An exception is recorded as
+        ``strategy_summary_error`` instead. Default ``{}``."""
+        return {}
+
     def round_metrics(self) -> dict:
         """Figures of the strategy's standing state (not of one aggregation) added to every
         round's ``metrics.jsonl`` line, skipped rounds included; called by the driver after the

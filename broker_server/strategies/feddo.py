@@ -89,9 +89,11 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -309,6 +311,7 @@ class FedDO(Strategy):
         self.agent: DSACTAgent | None = None
         self.num_devices = int(num_devices)
         self._run_data = dict(run_data or {})
+        self.policy_record: dict[str, Any] = {}  # the loaded policy file's identity (run_summary)
         # a resumed run's agent is its checkpoint's (load_state_dict): the policy file is read only
         # if no checkpoint holds one, when the first round is planned
         self._policy_deferred = bool(policy) and resuming
@@ -331,6 +334,10 @@ class FedDO(Strategy):
         policy = self.policy_path
         self._policy_deferred = False
         self.agent, meta = DSACTAgent.load_policy(policy, seed=self.run_seed)
+        self.policy_record = {"path": str(Path(policy).resolve()),
+                              "file_sha256": hashlib.sha256(Path(policy).read_bytes()).hexdigest(),
+                              "metadata": {k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool))
+                                           or v is None}}
         k = int(meta.get("num_devices", self.agent.action_dim))
         if self.num_devices and self.num_devices != k:
             raise ValueError(f"num_devices = {self.num_devices} but policy {policy} was trained for {k} devices")
@@ -564,6 +571,19 @@ class FedDO(Strategy):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def run_summary(self) -> dict:
+        """``summary.json``'s ``strategy``: the mode; the pre-trained policy the run started from
+        (``policy``: its path, the SHA-256 of the file as it was read, its pre-training's
+        metadata; ``None`` without one), carried through a resume by the checkpoint; and the
+        agent at the end (DSAC-T updates made, transitions stored, entropy temperature α,
+        trainable parameters)."""
+        agent = self.agent
+        return {"algorithm": "feddo", "mode": self.mode, "learn": self.learn,
+                "policy": dict(self.policy_record) or None,
+                "agent": None if agent is None else {
+                    "devices": self.num_devices, "updates": int(agent.updates), "replay": len(agent.buffer),
+                    "alpha": float(agent.alpha), "parameters": agent.parameter_counts()["agent"]}}
+
     def state_dict(self) -> dict:
         """The agent (networks, optimisers, generators: bytes), the replay buffer (arrays), the
         slots, drifts, φ and the pending transition."""
@@ -571,7 +591,8 @@ class FedDO(Strategy):
                                                      "r": self.pending["r"]}
         shape = {} if self.agent is None else {"agent_config": _config_record(self.agent.config),
                                                 "state_dim": self.agent.state_dim, "max_devices": self.max_devices}
-        return {**shape, "agent": self.agent.to_bytes() if self.agent is not None else b"",
+        return {**shape, "policy_record": dict(self.policy_record),
+                "agent": self.agent.to_bytes() if self.agent is not None else b"",
                 "replay": self.agent.buffer.state_dict() if self.agent is not None else {},
                 "num_devices": self.num_devices, "slots": list(self.slots), "drift": np.asarray(self.drift),
                 "phi": self.phi, "val_loss": self.val_loss, "active_fraction": self.active_fraction,
@@ -586,6 +607,8 @@ class FedDO(Strategy):
             return
         self.num_devices = int(state["num_devices"])
         self.slots = list(state["slots"])
+        if state.get("policy_record"):
+            self.policy_record = dict(state["policy_record"])
         if state["agent"] and "agent_config" in state:
             conf = dict(state["agent_config"])
             conf["hidden"] = tuple(conf["hidden"])

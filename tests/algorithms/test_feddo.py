@@ -238,9 +238,14 @@ val_size = 100
 def test_a_resume_needs_no_policy_file_and_goes_on_as_the_uninterrupted_run(tmp_path, monkeypatch) -> None:
     """A run on a policy, cut after round 2; its policy file is then pre-trained again at the same
     path (another device count and width), and later removed: each resume takes the agent from the
-    checkpoint, never from the file, and rounds 1-4 are those of the same run left uninterrupted."""
+    checkpoint, never from the file, and rounds 1-4 are those of the same run left uninterrupted.
+    Both runs' summary.json name the policy they started from by its file's SHA-256, and the agent
+    they ended with."""
+    import hashlib
+
     monkeypatch.chdir(tmp_path)
     policy = Path(_policy(tmp_path / "policy.pt", 3))
+    started_from = hashlib.sha256(policy.read_bytes()).hexdigest()
     cfg = tmp_path / "feddo.toml"
     cfg.write_text(TINY_TOML + f'policy = "{policy}"\n', encoding="utf-8")
     assert main(["simulate", "--config", str(cfg), "--rounds", "4", "--out", "whole", "--quiet"]) == 0
@@ -259,6 +264,12 @@ def test_a_resume_needs_no_policy_file_and_goes_on_as_the_uninterrupted_run(tmp_
     whole, cut = rounds("whole"), rounds("cut")
     assert len(whole) == len(cut) == 4 and [m["feddo_replay"] for m in cut] == [0, 1, 2, 3]
     assert cut == whole
+    told = {run: json.loads((tmp_path / run / "summary.json").read_text())["strategy"] for run in ("whole", "cut")}
+    assert told["cut"] == told["whole"]
+    assert told["cut"]["policy"]["file_sha256"] == started_from and told["cut"]["policy"]["path"] == str(policy)
+    assert told["cut"]["policy"]["metadata"] == {"num_devices": 3, "global_features": GLOBAL_FEATURES}
+    # the agent as round 4 left it: round 4's transition waits for round 5, so 3 stored
+    assert told["cut"]["agent"]["replay"] == 3 and told["cut"]["agent"]["devices"] == 3
 
 
 
