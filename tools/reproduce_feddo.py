@@ -853,6 +853,36 @@ class Grid:
         return self.main_jobs() + self.sweep_jobs()
 
 
+def run_sweep(grid: Grid, out: Path, *, workers: int, on_result: Callable[[dict], None] | None = None,
+              stamp: dict | None = None) -> None:
+    """The sweep's cells, ``workers`` policies at a time: a wave of policies is pre-trained, then
+    the cells that load them run, before the next wave starts; the cells that load no policy (the
+    baselines' participation) run last, or fill a worker a wave leaves idle. A policy file is not
+    committed, so a grid stopped (its stop time, the end of a session) loses at most the wave in
+    flight: every policy made before it has had its cells run. The main grid's data sets need 3
+    policies each, one wave and a half; the sweep's 15 would take longer than a session to
+    pre-train at once, and each would have to be made again for its cells in the next.
+
+    Raises:
+        GridStopped: the stop time (:data:`~broker_server.experiments.STOP_AT_ENV`) left a
+            policy or a cell unstarted (the same command goes on).
+    """
+    jobs = grid.sweep_jobs()
+    free = sorted((j for j in jobs if not j.config["algorithm"].get("policy")), key=lambda j: j.tags["seed"])
+
+    def fill(cells: list[Job], k: int) -> None:
+        run_grid(cells, out, workers=k, on_result=on_result, stamp=stamp)
+
+    specs = needed_policies(grid.policies(sweep=True), jobs, out)
+    for i in range(0, len(specs), max(1, workers)):
+        wave = specs[i:i + workers]
+        info = pretrain_policies(out, wave, workers=workers, filler=(free, fill))
+        paths = {sp["path"] for sp in wave}
+        run_grid([j for j in runnable(jobs, info)[0] if j.config["algorithm"].get("policy") in paths], out,
+                 workers=workers, on_result=on_result, stamp=stamp)
+    run_grid(runnable(jobs, load_pretrain_info(out))[0], out, workers=workers, on_result=on_result, stamp=stamp)
+
+
 def policy_made(path: str, info: dict[str, dict]) -> bool:
     """Whether the policy a cell names (``OUT/policies/<name>.pt``, however ``OUT`` is spelt) was
     pre-trained: ``pretrain.json`` has ``<name>`` without an error and with its agent's SHA-256,
@@ -1631,9 +1661,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_grid(ok, out, workers=a.workers, on_result=show, stamp=stamp)
             run_grid(runnable(grid.main_jobs([ds]), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
         if sweep_bench:
-            info = pretrain_policies(out, needed_policies(grid.policies(sweep=True), grid.sweep_jobs(), out),
-                                     workers=a.workers, filler=(free_of_policy(grid.sweep_jobs()), fill))
-            run_grid(runnable(grid.sweep_jobs(), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
+            run_sweep(grid, out, workers=a.workers, on_result=show, stamp=stamp)
         wall = time.monotonic() - t0
         if a.verify:
             cells, not_rerun = verify_cells(grid, out, a.verify, workers=a.workers)

@@ -648,6 +648,28 @@ def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
     assert info[spec["name"]]["sha256"] == first["sha256"] and info[spec["name"]]["remade"] == 1
 
 
+def test_the_sweep_runs_each_waves_cells_before_it_pre_trains_the_next(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two swept values, each with its own policy, on one worker: the first policy is made and its
+    cell runs before the second policy is pre-trained (a grid stopped between them has lost
+    nothing it made), then the second's cell."""
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    sweeps = {"reward": ["seed", "continuous"], "drift_missing": ["last", "zero"]}
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedDO"], seeds=[0],
+                 rounds=2, pretrain_rounds=2, sweeps=sweeps, sweep_baselines=[], **TINY)
+    first, second = grid.sweep_policy("reward", "continuous"), grid.sweep_policy("drift_missing", "zero")
+    assert [sp["name"] for sp in grid.policies(sweep=True)] == [first["name"], second["name"]]
+    order: list[tuple[str, bool]] = []  # (the cell's sweep key, whether the second policy existed as it ended)
+
+    def seen(r: dict) -> None:
+        order.append((r.get("sweep_key", "?"), Path(second["path"]).is_file()))
+
+    t.run_sweep(grid, tmp_path, workers=1, on_result=seen, stamp={"commit": "test"})
+    assert order == [("reward", False), ("drift_missing", True)]
+    assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs()}
+
+
 def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception in the pre-training loop (here: pretrain.json, replaced by a folder while the
     filler runs, cannot be written) stops the filler too: it starts no further cell, its running
