@@ -201,6 +201,11 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
 
 
+def feddo_defaults() -> dict:
+    """FedDO's constructor defaults by keyword (what an ``[algorithm]`` key left out means)."""
+    return {k: v.default for k, v in inspect.signature(FedDO).parameters.items()}
+
+
 def check_learns(cfg: Config, episodes: int, rounds: int) -> None:
     """Refuse a pre-training whose agent would make no DSAC-T update, so its policy would be the
     untrained one: ``[algorithm] learn = false``, ``updates_per_round = 0``, or fewer rounds in
@@ -210,9 +215,7 @@ def check_learns(cfg: Config, episodes: int, rounds: int) -> None:
     Raises:
         ConfigError: naming the key and what to change.
     """
-    from .strategies.feddo import FedDO
-
-    defaults = {k: v.default for k, v in inspect.signature(FedDO).parameters.items()}
+    defaults = feddo_defaults()
     a = cfg.algorithm
     if not a.get("learn", defaults["learn"]):
         raise ConfigError(f"{cfg.source}: [algorithm] learn = false: a pre-training would never update the agent "
@@ -270,8 +273,7 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
               f"{plural(args.episodes, 'episode')} x {plural(args.rounds, 'round')} -> {out}", file=stream, flush=True)
     k = int(cfg.algorithm.get("num_devices") or 0) or cfg.data.clients
     legend = PROGRESS_LEGEND.format(top=k * math.log(2), target=-k,
-                                    warmup=cfg.algorithm.get("warmup",
-                                                             inspect.signature(FedDO).parameters["warmup"].default))
+                                    warmup=cfg.algorithm.get("warmup", feddo_defaults()["warmup"]))
 
     def show(m: dict) -> None:
         if m["episode"] == 1:  # the legend above the first line (none when the pre-training fails before it)
