@@ -15,6 +15,7 @@ episodes, rounds, data settings, CPU seconds) and a deployed run loads it with
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 import sys
@@ -38,6 +39,8 @@ from .simulate import split_clients
 from .strategies import ClientResult, apply_update
 from .strategies.feddo import GLOBAL_FEATURES, FedDO
 from .text import plural
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ def progress_line(m: dict, episodes: int) -> str:
 
 def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
              on_episode: Callable[[dict], None] | None = None,
-             on_start: Callable[[], None] | None = None) -> PretrainResult:
+             on_start: Callable[[], None] | None = None,
+             on_interrupt: Callable[[str], None] | None = None) -> PretrainResult:
     """Run ``episodes`` pre-training episodes of ``rounds`` rounds and write the policy to ``out``.
 
     Args:
@@ -95,6 +99,9 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
             loaded, just before the first episode (``fedfleet feddo pretrain`` prints its banner
             there, so a configuration error comes alone; a ``[model]`` that does not fit the data
             still fails in episode 1).
+        on_interrupt: called with one line when Ctrl-C (KeyboardInterrupt) or SIGTERM
+            (SystemExit) stops the pre-training, after the policy learned so far is written
+            (:func:`_save_interrupted`; ``None``: logged as a warning); the stop is then re-raised.
 
     Raises:
         ConfigError: another algorithm, episodes or rounds below 1, an ``out`` that cannot be
@@ -138,51 +145,57 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     lines: list[dict] = []
     if on_start is not None:
         on_start()
-    for ep in range(1, episodes + 1):
-        t0 = time.monotonic()
-        seed = cfg.run.seed + ep
-        model = device_model(ds, seed, cfg.model.name, cfg.model.feature_dim)
-        strategy.reset_episode()
-        strategy.bind_model(model)
-        rng = np.random.default_rng(seed)
-        ret, active, ratio = 0.0, [], []
-        for r in range(1, rounds + 1):
-            plan = strategy.configure_round(r, ids, rng)
-            current = list(shared_arrays(model, "all"))
-            results = []
-            for cid in plan.selected:
-                i = ids.index(cid)
-                local = device_model(ds, seed, cfg.model.name, cfg.model.feature_dim)
-                params = {**dict(plan.config), **dict(plan.instructions.get(cid, {}))}
-                cfg_r = TrainConfig.from_mapping(base, params)
-                res = client.local_round(local, tuple(current), shards[i][0], shards[i][1], cfg_r, round=r,
-                                         client_id=cid, client_index=i, device=cpu, params=params)
-                if res.num_samples == 0:
-                    continue
-                cr = ClientResult(cid, res.tensors, res.num_samples, res.train_loss, dict(res.metrics))
-                reason = strategy.validate(cr)
-                if reason:
-                    raise RuntimeError(f"episode {ep} round {r}: {cid}: {reason}")
-                results.append(cr)
-            new = apply_update(strategy, r, strategy.aggregate(r, current, results))
-            if new is not None:
-                load_arrays(model, new)
-            m = strategy.evaluate(r, model)
-            ret += float(m["feddo_reward"])
-            active.append(len(plan.selected))
-            ratio.append(float(np.mean([plan.instructions[c]["data_ratio"] for c in plan.selected]))
-                         if plan.selected else 0.0)
-        strategy.end_episode(rounds)
-        assert strategy.agent is not None
-        learned: dict[str, float] = {k: float(strategy.last_update[k]) for k in ("q_mean", "entropy")
-                                     if k in strategy.last_update}
-        line = {"episode": ep, "final_accuracy": strategy.phi, "return": ret, "mean_active": float(np.mean(active)),
-                "mean_ratio": float(np.mean(ratio)), "replay": len(strategy.agent.buffer),
-                "alpha": strategy.agent.alpha, "updates": strategy.agent.updates, "seconds": time.monotonic() - t0,
-                **learned}
-        lines.append(line)
-        if on_episode:
-            on_episode(line)
+    r = 0
+    try:
+        for ep in range(1, episodes + 1):
+            t0 = time.monotonic()
+            seed = cfg.run.seed + ep
+            model = device_model(ds, seed, cfg.model.name, cfg.model.feature_dim)
+            strategy.reset_episode()
+            strategy.bind_model(model)
+            rng = np.random.default_rng(seed)
+            ret, active, ratio = 0.0, [], []
+            for r in range(1, rounds + 1):
+                plan = strategy.configure_round(r, ids, rng)
+                current = list(shared_arrays(model, "all"))
+                results = []
+                for cid in plan.selected:
+                    i = ids.index(cid)
+                    local = device_model(ds, seed, cfg.model.name, cfg.model.feature_dim)
+                    params = {**dict(plan.config), **dict(plan.instructions.get(cid, {}))}
+                    cfg_r = TrainConfig.from_mapping(base, params)
+                    res = client.local_round(local, tuple(current), shards[i][0], shards[i][1], cfg_r, round=r,
+                                             client_id=cid, client_index=i, device=cpu, params=params)
+                    if res.num_samples == 0:
+                        continue
+                    cr = ClientResult(cid, res.tensors, res.num_samples, res.train_loss, dict(res.metrics))
+                    reason = strategy.validate(cr)
+                    if reason:
+                        raise RuntimeError(f"episode {ep} round {r}: {cid}: {reason}")
+                    results.append(cr)
+                new = apply_update(strategy, r, strategy.aggregate(r, current, results))
+                if new is not None:
+                    load_arrays(model, new)
+                m = strategy.evaluate(r, model)
+                ret += float(m["feddo_reward"])
+                active.append(len(plan.selected))
+                ratio.append(float(np.mean([plan.instructions[c]["data_ratio"] for c in plan.selected]))
+                             if plan.selected else 0.0)
+            strategy.end_episode(rounds)
+            assert strategy.agent is not None
+            learned: dict[str, float] = {k: float(strategy.last_update[k]) for k in ("q_mean", "entropy")
+                                         if k in strategy.last_update}
+            line = {"episode": ep, "final_accuracy": strategy.phi, "return": ret, "mean_active": float(np.mean(active)),
+                    "mean_ratio": float(np.mean(ratio)), "replay": len(strategy.agent.buffer),
+                    "alpha": strategy.agent.alpha, "updates": strategy.agent.updates, "seconds": time.monotonic() - t0,
+                    **learned}
+            lines.append(line)
+            r = 0  # between episodes
+            if on_episode:
+                on_episode(line)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: what the agent learned is kept
+        (on_interrupt or log.warning)(_save_interrupted(strategy, cfg, out, lines, episodes, rounds, r, cpu0))
+        raise
     agent = strategy.agent
     assert agent is not None
     cpu_s = time.process_time() - cpu0
@@ -191,14 +204,48 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         raise RunError(f"the agent made no DSAC-T update in {episodes * rounds} rounds (warm-up "
                        f"{agent.config.warmup} transitions, {len(agent.buffer)} stored): no policy written to {out}")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        agent.save_policy(out, {"num_devices": strategy.num_devices, "global_features": GLOBAL_FEATURES,
-                                "episodes": episodes, "rounds": rounds, **data_settings(cfg), "seed": cfg.run.seed,
-                                "cpu_seconds": cpu_s, "reward": strategy.reward, "updates": agent.updates})
+        _write_policy(strategy, cfg, out, episodes, rounds, cpu_s)
     except (OSError, ValueError) as exc:  # a full disk, a diverged agent: the episodes are lost, said so
         raise RunError(f"pre-training finished ({plural(episodes, 'episode')} x {plural(rounds, 'round')}, "
                        f"{cpu_s:.0f} CPU s) but {exc}") from exc
     return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
+
+
+def _write_policy(strategy: FedDO, cfg: Config, out: Path, episodes: int, rounds: int, cpu_s: float,
+                  **extra: object) -> None:
+    """Write ``strategy``'s agent to ``out`` with the pre-training's metadata (``extra`` added)."""
+    agent = strategy.agent
+    assert agent is not None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    agent.save_policy(out, {"num_devices": strategy.num_devices, "global_features": GLOBAL_FEATURES,
+                            "episodes": episodes, "rounds": rounds, **data_settings(cfg), "seed": cfg.run.seed,
+                            "cpu_seconds": cpu_s, "reward": strategy.reward, "updates": agent.updates, **extra})
+
+
+def _save_interrupted(strategy: FedDO, cfg: Config, out: str | Path, lines: list[dict], episodes: int, rounds: int,
+                      round_reached: int, cpu0: float) -> str:
+    """A pre-training stopped by Ctrl-C or SIGTERM keeps what it learned: once the agent has
+    updated, its networks are written to ``out`` as a policy whose metadata says ``episodes`` (the
+    whole ones), ``episodes_planned``, ``interrupted_episode`` and ``interrupted_round`` (where it
+    stopped, round 0: between episodes; that episode's transitions up to there were learned from
+    too; a deployed run that loads it says so in a warning). Returns the line that says what was
+    kept (the caller re-raises the stop). Nothing is written when the agent never updated, and a
+    failed write is said in that line, not raised (the stop goes on)."""
+    agent = strategy.agent
+    done = len(lines)
+    cpu_s = time.process_time() - cpu0
+    where = f"in episode {done + 1} round {round_reached}" if round_reached else f"before episode {done + 1}"
+    if agent is None or agent.updates == 0:
+        return (f"fedfleet feddo pretrain: stopped {where}, before the agent's first DSAC-T update: no policy "
+                f"written ({out} untouched)")
+    try:
+        _write_policy(strategy, cfg, Path(out), done, rounds, cpu_s, episodes_planned=episodes,
+                      interrupted_episode=done + 1, interrupted_round=round_reached)
+    except (OSError, ValueError) as exc:
+        return f"fedfleet feddo pretrain: stopped {where}; the policy could not be written: {exc}"
+    return (f"fedfleet feddo pretrain: stopped {where}; the policy learned so far ({done} of {episodes} episodes "
+            f"whole, {plural(agent.updates, 'DSAC-T update')}, {cpu_s:.0f} CPU s) was written to {out}; its metadata "
+            "records where it stopped")
 
 
 def feddo_defaults() -> dict:
@@ -281,7 +328,7 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
         print(progress_line(m, args.episodes), file=stream, flush=True)
 
     res = pretrain(cfg, episodes=args.episodes, rounds=args.rounds, out=out, on_episode=None if args.quiet else show,
-                   on_start=banner)
+                   on_start=banner, on_interrupt=lambda line: print(line, file=stream, flush=True))
     print(f"policy written to {res.policy} ({res.parameter_counts['agent']:,} agent parameters, "
           f"{res.cpu_seconds:.1f} CPU s); use it with [algorithm] policy = \"{res.policy}\"", file=stream)
     return 0

@@ -59,11 +59,12 @@ def _unwind(signum: int) -> None:
 def _handler(signum: int, frame: object) -> None:
     name = signal.Signals(signum).name
     _received.append(signum)
-    flush_open_ledgers(stop_signal=name)
+    ledgers = flush_open_ledgers(stop_signal=name)
+    committed = f"{ledgers} ledger{'s' if ledgers != 1 else ''} committed" if ledgers else "no ledger open"
     if len(_received) > 1:  # the orderly stop did not finish: leave now
-        log.warning("second %s: exiting at once (ledgers committed)", name)
+        log.warning("second %s: exiting at once (%s)", name, committed)
         os._exit(128 + signum)
-    log.warning("%s received: committing the ledgers and stopping", name)
+    log.warning("%s received: stopping (%s)", name, committed)
     if _depth() > 0:
         _held.append(signum)
         return

@@ -36,6 +36,7 @@ unchanged. :meth:`DSACTAgent.parameter_counts` gives the counts.
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import math
 import os
@@ -43,7 +44,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from broker_server import portable_ops
+from protocol.lifecycle import atomic
 
 #: log σ of the actor is clamped to this interval (DSAC-v2's ``min_log_std``/``max_log_std``).
 LOG_STD_BOUNDS = (-20.0, 0.5)
@@ -373,6 +375,18 @@ def _load_reason(exc: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
+class LoadedPolicy(NamedTuple):
+    """What :meth:`DSACTAgent.load_policy` returns."""
+
+    #: the agent, its random streams seeded by the caller
+    agent: DSACTAgent
+    #: what :meth:`DSACTAgent.save_policy` was given (``fedfleet feddo pretrain``: device count,
+    #: episodes, rounds, data settings, CPU seconds …)
+    metadata: dict[str, Any]
+    #: hex SHA-256 of the file's bytes as read
+    file_sha256: str
+
+
 class DSACTAgent:
     """A DSAC-T agent for a continuous action space (−1, 1)^A.
 
@@ -449,12 +463,15 @@ class DSACTAgent:
 
     # ------------------------------------------------------------------ learning
 
+    @atomic
     def update(self, steps: int = 1) -> dict[str, float]:
         """``steps`` gradient steps (none while the buffer holds fewer than ``warmup``
-        transitions). Returns the last step's losses, σ̄ of each critic, ``q_mean`` (the two
-        critics' mean Q on that step's batch, before their step: a critic that diverges shows
-        here) and, on a step that updates the actor, α and the entropy estimate −mean log π
-        (``{}`` when no step was taken)."""
+        transitions). A stop signal (Ctrl-C, SIGTERM) that arrives meanwhile takes effect when
+        the steps are done (:func:`protocol.lifecycle.atomic`), so the networks a stopped process
+        saves are never half-way through an optimiser step. Returns the last step's losses, σ̄
+        of each critic, ``q_mean`` (the two critics' mean Q on that step's batch, before their
+        step: a critic that diverges shows here) and, on a step that updates the actor, α and
+        the entropy estimate −mean log π (``{}`` when no step was taken)."""
         out: dict[str, float] = {}
         if len(self.buffer) < max(1, self.config.warmup):
             return out
@@ -594,8 +611,10 @@ class DSACTAgent:
                           + ("the file there before is untouched" if path.exists() else "nothing was written")) from exc
 
     @classmethod
-    def load_policy(cls, path: str | Path, seed: int = 0) -> tuple[DSACTAgent, dict[str, Any]]:
-        """An agent from :meth:`save_policy`'s file and its metadata: the networks, optimisers
+    def load_policy(cls, path: str | Path, seed: int = 0) -> LoadedPolicy:
+        """An agent from :meth:`save_policy`'s file, its metadata and the SHA-256 of the bytes it
+        was loaded from (the file is read once, so the digest is that of the policy loaded even
+        when the file is replaced meanwhile): the networks, optimisers
         and temperature from the file, the random streams (action noise, replay batches) from
         ``seed`` — the run's own, so runs of other seeds on one policy do not share the noise the
         pre-training ended with (a checkpoint's :meth:`load_bytes` restores the streams instead,
@@ -611,7 +630,8 @@ class DSACTAgent:
         try:
             # tensors, dicts, lists and numbers only: a policy file from elsewhere cannot run code
             # here (torch's restricted unpickler refuses any other object)
-            blob = torch.load(Path(path), weights_only=True)
+            data = Path(path).read_bytes()
+            blob = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways: each is the same refusal
             # torch.save writes a zip archive: one without its end record was cut short (a copy
             # stopped early, a full disk), which torch's own reason (often "[Errno 22] Invalid
@@ -639,5 +659,5 @@ class DSACTAgent:
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise ValueError(f"policy {path}: a damaged fedfleet DSAC-T policy ({type(exc).__name__}: {exc}); write "
                              "it again with fedfleet feddo pretrain") from exc
-        return agent, metadata
+        return LoadedPolicy(agent, metadata, hashlib.sha256(data).hexdigest())
 

@@ -89,7 +89,6 @@ Choices SPECS leaves open, each an ``[algorithm]`` key (default, reason):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -333,11 +332,14 @@ class FedDO(Strategy):
         """
         policy = self.policy_path
         self._policy_deferred = False
-        self.agent, meta = DSACTAgent.load_policy(policy, seed=self.run_seed)
-        self.policy_record = {"path": str(Path(policy).resolve()),
-                              "file_sha256": hashlib.sha256(Path(policy).read_bytes()).hexdigest(),
+        self.agent, meta, digest = DSACTAgent.load_policy(policy, seed=self.run_seed)
+        self.policy_record = {"path": str(Path(policy).resolve()), "file_sha256": digest,
                               "metadata": {k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool))
                                            or v is None}}
+        if "interrupted_episode" in meta:
+            log.warning("FedDO: the policy %s is from a pre-training stopped in episode %s: %s of %s episodes "
+                        "whole", policy, meta["interrupted_episode"], meta.get("episodes"),
+                        meta.get("episodes_planned"))
         k = int(meta.get("num_devices", self.agent.action_dim))
         if self.num_devices and self.num_devices != k:
             raise ValueError(f"num_devices = {self.num_devices} but policy {policy} was trained for {k} devices")

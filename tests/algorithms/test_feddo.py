@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import re
+import signal
 import threading
 from pathlib import Path
 
@@ -453,13 +454,13 @@ def test_a_loaded_policy_draws_the_runs_own_noise(tmp_path) -> None:
     trained.rng.random()
     trained.save_policy(tmp_path / "k3.pt", {"num_devices": 3, "global_features": GLOBAL_FEATURES})
     state = np.linspace(-1, 1, 3 + GLOBAL_FEATURES).astype(np.float32)
-    a0, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=0)
-    a1, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=1)
+    a0, _, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=0)
+    a1, _, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=1)
     assert not np.array_equal(a0.act(state), a1.act(state))
     assert a0.rng.random() != a1.rng.random()
     fresh = DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(**SMALL_AGENT), seed=0)
     fresh.actor.load_state_dict(trained.actor.state_dict())
-    again, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=0)
+    again, _, _ = DSACTAgent.load_policy(tmp_path / "k3.pt", seed=0)
     np.testing.assert_array_equal(again.act(state), fresh.act(state))
     assert again.rng.random() == fresh.rng.random()
     np.testing.assert_array_equal(a0.act(state, deterministic=True), a1.act(state, deterministic=True))
@@ -644,6 +645,72 @@ def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml", "policy.pt"]
 
 
+
+def _pretrain_until(tmp_path, toml: str, sig: signal.Signals, episode_lines: int) -> tuple[int, list[str], Path]:
+    """``fedfleet feddo pretrain`` (1,000 episodes of 2 rounds) in a process sent ``sig`` once it
+    has printed ``episode_lines`` episode lines: its exit status, every stdout line, the --out."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(toml, encoding="utf-8")
+    out = tmp_path / "policy.pt"
+    code = ("import sys\nfrom broker_server.cli import main\n"
+            f"sys.exit(main(['feddo', 'pretrain', '--config', {str(cfg)!r}, '--episodes', '1000', '--rounds', '2', "
+            f"'--out', {str(out)!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if sum(x.startswith("episode ") for x in lines) == episode_lines:
+                proc.send_signal(sig)
+                break
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines += rest.splitlines()
+    assert "Traceback" not in err, err
+    return proc.returncode, lines, out
+
+
+def test_ctrl_c_in_pretrain_writes_the_policy_learned_so_far(tmp_path, caplog) -> None:
+    """Ctrl-C (SIGINT) during ``fedfleet feddo pretrain`` keeps what the agent learned: exit 130,
+    and the policy written with metadata that counts the whole episodes (those printed: a stop
+    between two lines is in the next episode), the planned 1,000 and where it stopped; the agent
+    file's update count that of the agent. A run that deploys it says it is from a
+    stopped pre-training."""
+    code, lines, out = _pretrain_until(tmp_path, TINY_TOML, signal.SIGINT, 3)
+    assert code == 130, lines
+    printed = [x for x in lines if x.startswith("episode ")]
+    whole = len(printed)
+    assert whole >= 3
+    said = [x for x in lines if x.startswith("fedfleet feddo pretrain: stopped ")]
+    assert len(said) == 1 and f"the policy learned so far ({whole} of 1000 episodes whole, " in said[0], lines
+    assert said[0].endswith(f"was written to {out}; its metadata records where it stopped")
+    agent, meta, _ = DSACTAgent.load_policy(out)
+    assert (meta["episodes"], meta["episodes_planned"], meta["interrupted_episode"]) == (whole, 1000, whole + 1)
+    assert meta["interrupted_round"] in (0, 1, 2)
+    assert agent.updates == meta["updates"] > 0
+    caplog.set_level(logging.WARNING)
+    _loaded(str(out))
+    assert f"FedDO: the policy {out} is from a pre-training stopped in episode {whole + 1}: {whole} of 1000 " \
+           "episodes whole" in caplog.text
+
+
+def test_sigterm_before_the_first_update_writes_no_policy(tmp_path) -> None:
+    """SIGTERM during a pre-training whose agent has not updated yet (warm-up 50 transitions, 2 a
+    episode, stopped after episode 1): exit 143, nothing written, and the line says so."""
+    code, lines, out = _pretrain_until(tmp_path, TINY_TOML.replace("warmup = 1", "warmup = 50"), signal.SIGTERM, 1)
+    assert code == 143, lines
+    said = [x for x in lines if x.startswith("fedfleet feddo pretrain: stopped ")]
+    assert len(said) == 1 and said[0].endswith(f"before the agent's first DSAC-T update: no policy written ({out} "
+                                               "untouched)"), lines
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml"]
+
 def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_path, caplog) -> None:
     """SPECS §4.1's held-out validation set: with [data] train_samples below the split's size the
     devices' shards are cut from a stratified subset (``split_dataset``), and the strategy the
@@ -760,7 +827,7 @@ def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path, cap
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)]) == 0
     banner = f"fedfleet feddo pretrain: digits, 1 device, 1 episode x 1 round -> {out}"
     assert capsys.readouterr().out.startswith(banner)
-    _, meta = DSACTAgent.load_policy(out)
+    _, meta, _ = DSACTAgent.load_policy(out)
     assert {k: meta[k] for k in ("dataset", "partition", "alpha", "clients")} == {
         "dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 1}
 
