@@ -7,7 +7,7 @@ Run as::
 - Binds ``127.0.0.1:PORT`` (``PORT`` 0, the default, lets the kernel choose a free port, so there
   is no free-port race). Anonymous clients are allowed; MQTT 3.1.1 only (amqtt refuses MQTT 5).
 - Once the listener is open, writes the real port number as ASCII decimal followed by a newline to
-  ``FILE`` (written to ``FILE.tmp`` and renamed, so a reader never sees a partial number).
+  ``FILE`` (:func:`protocol.files.write_atomically`: a reader never sees a partial number).
 - Runs until SIGTERM or SIGINT, then shuts the broker down (at most ``SHUTDOWN_TIMEOUT_S``
   seconds) and exits 0.
 - Logs to stderr; the parent redirects stderr to the broker's log file.
@@ -32,6 +32,8 @@ import logging
 import os
 import signal
 import sys
+
+from protocol.files import write_atomically
 
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
@@ -80,12 +82,7 @@ def _is_address_in_use(exc: BaseException) -> bool:
 
 def _write_port_file(path: str, port: int) -> None:
     """Write ``port`` to ``path`` atomically (write a temp file, then rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="ascii") as fh:
-        fh.write(f"{port}\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, f"{port}\n".encode("ascii"), fsync=True)
 
 
 async def _serve(port: int, port_file: str) -> int:

@@ -62,6 +62,8 @@ from typing import Any
 
 import numpy as np
 
+from protocol.files import write_atomically
+
 log = logging.getLogger(__name__)
 
 
@@ -805,9 +807,7 @@ def attach_round_series(out_dir: str | Path) -> int:
             rec["per_round"] = round_series(read_metrics_file(metrics))
             added += 1
     if added:
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomically(path, "".join(json.dumps(r) + "\n" for r in lines).encode("utf-8"))
     return added
 
 

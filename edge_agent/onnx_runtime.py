@@ -39,7 +39,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import secrets
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -52,6 +51,7 @@ from torch import nn
 
 from edge_agent.errors import DataError, ModelError
 from edge_agent.optional_runtime import require
+from protocol.files import write_atomically
 
 require("onnx", "onnxruntime")  # ImportError with the reason: a broken install must not kill this process
 
@@ -314,25 +314,12 @@ def _example_batch(
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    folder = path.parent if str(path.parent) else Path(".")
-    tmp_name: str | None = None
+    """:func:`protocol.files.write_atomically` (the model as readable as the run folder's other
+    files), its OSError as a ModelError naming the file."""
     try:
-        # opened with mode 0666 less the umask, as any new file (tempfile's are 0600): the model
-        # is as readable as the run folder's other files
-        tmp_name = str(folder / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp_name, path)
-        tmp_name = None
+        write_atomically(path, data)
     except OSError as exc:
         raise ModelError(f"cannot write ONNX model to {path}: {exc}") from exc
-    finally:
-        if tmp_name is not None:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
 
 
 # --------------------------------------------------------------------------------------------

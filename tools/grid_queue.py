@@ -67,6 +67,7 @@ if str(ROOT) not in sys.path:
 
 from broker_server.experiments import EXIT_STOPPED, STOP_AT_ENV, load_results  # noqa: E402
 from broker_server.numerics import portable_record  # noqa: E402
+from protocol.files import write_atomically  # noqa: E402
 
 #: where the committed reports and, in ``results/``, their records are
 REPORTS = ROOT / "benchmarks"
@@ -149,9 +150,7 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
     """Write ``records`` as JSON lines (spelt as :func:`broker_server.experiments.run_grid` spells
     them) through a temporary file renamed over ``path``: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
 
 
 def portable(record: dict) -> bool:

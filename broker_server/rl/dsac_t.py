@@ -39,7 +39,6 @@ import copy
 import hashlib
 import io
 import math
-import os
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -52,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from broker_server import portable_ops
+from protocol.files import write_atomically
 from protocol.lifecycle import atomic
 
 #: log σ of the actor is clamped to this interval (DSAC-v2's ``min_log_std``/``max_log_std``).
@@ -599,13 +599,12 @@ class DSACTAgent:
             raise ValueError(f"the DSAC-T agent holds NaN or infinite values in {_few(bad)} (a diverged training): "
                              f"not written to {path}")
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        buf = io.BytesIO()
+        torch.save({"format": POLICY_FORMAT, "state_dim": self.state_dim, "action_dim": self.action_dim,
+                    "config": asdict(self.config), "metadata": dict(metadata), "agent": state}, buf)
         try:
-            torch.save({"format": POLICY_FORMAT, "state_dim": self.state_dim, "action_dim": self.action_dim,
-                        "config": asdict(self.config), "metadata": dict(metadata), "agent": state}, tmp)
-            os.replace(tmp, path)
-        except (OSError, RuntimeError) as exc:  # torch's writer reports a full disk as a RuntimeError
-            tmp.unlink(missing_ok=True)
+            write_atomically(path, buf.getvalue())
+        except OSError as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise OSError(f"policy {path}: could not be written ({type(exc).__name__}: {reason}); "
                           + ("the file there before is untouched" if path.exists() else "nothing was written")) from exc

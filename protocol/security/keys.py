@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from ..errors import SecurityConfigError
+from ..files import write_atomically, write_private
 from ..messages import MAX_INT, SERVER_ID, valid_id
-from ._files import _write_private
 
 
 def _b64(data: bytes) -> str:
@@ -182,9 +182,9 @@ def write_key_dir(identity: Identity, directory: str | os.PathLike, *, force: bo
         if os.name == "posix":
             os.chmod(d, 0o700)
         pem = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        _write_private(d / SIGNING_KEY_FILE, identity.signing_key.private_bytes(*pem))
-        _write_private(d / EXCHANGE_KEY_FILE, identity.exchange_key.private_bytes(*pem))
-        _write_private(d / EPOCH_FILE, b"0\n")
+        write_private(d / SIGNING_KEY_FILE, identity.signing_key.private_bytes(*pem))
+        write_private(d / EXCHANGE_KEY_FILE, identity.exchange_key.private_bytes(*pem))
+        write_private(d / EPOCH_FILE, b"0\n")
         pub = d / f"{identity.id}.pub"
         pub.write_text(identity.public.to_text(), encoding="utf-8")
         if os.name == "posix":
@@ -258,7 +258,7 @@ def next_epoch(directory: str | os.PathLike) -> int:
         value = int(text or "0")
         if not 0 <= value < MAX_INT:
             raise ValueError(value)
-        _write_private(path, f"{value + 1}\n".encode("ascii"))
+        write_private(path, f"{value + 1}\n".encode("ascii"))
     except (OSError, ValueError) as exc:
         raise SecurityConfigError(f"cannot advance the session counter {path}: {exc}. The key folder must be "
                                   f"writable", path=str(path)) from None
@@ -287,9 +287,7 @@ def enroll(server_dir: str | os.PathLike, public: PublicIdentity | str | os.Path
                 return pub, target
             raise SecurityConfigError(f"{pub.id} is already enrolled with another key ({old.fingerprint}); "
                                       f"use --replace to enrol the new one ({pub.fingerprint})", path=str(target))
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(pub.to_text(), encoding="utf-8")
-        os.replace(tmp, target)
+        write_atomically(target, pub.to_text().encode("utf-8"))
     except OSError as exc:
         raise SecurityConfigError(f"cannot enrol into {d}: {exc}", path=str(d)) from exc
     return pub, target

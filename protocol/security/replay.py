@@ -11,8 +11,8 @@ import re
 import weakref
 from pathlib import Path
 
+from ..files import fsync_dir, write_private
 from ..messages import MAX_INT, valid_id
-from ._files import _fsync_dir, _write_private
 
 log = logging.getLogger(__package__)
 
@@ -365,10 +365,10 @@ class ReplayStore:
                     self._give_up(f"another process (or receiver) now keeps its replay state in {self.dir}")
                     return
             self._generation += 1
-            _write_private(self.state_path, self._snapshot_text().encode("utf-8"))
-            _write_private(self.journal_path, f"{_JOURNAL_MAGIC} {self._owner} {self._generation} {_boot_id()}\n"
-                           .encode("ascii"))
-            _fsync_dir(self.dir)
+            write_private(self.state_path, self._snapshot_text().encode("utf-8"))
+            write_private(self.journal_path, f"{_JOURNAL_MAGIC} {self._owner} {self._generation} {_boot_id()}\n"
+                          .encode("ascii"))
+            fsync_dir(self.dir)
             self._close_fd()
             self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND)
             self._finalizer = weakref.finalize(self, os.close, self._fd)
