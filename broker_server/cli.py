@@ -12,6 +12,7 @@ import json
 import logging
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .errors import ConfigError
@@ -191,7 +192,7 @@ def _cmd_simulate(args) -> int:
     source = final_accuracy_source(res.metrics)  # that of the line the final accuracy is from
     _print_summary(res.run_dir, res.final_accuracy, res.rounds_completed, res.seconds, res.broker,
                    accuracy_source=source, total_rounds=cfg.run.rounds,
-                   resumed_after=last)
+                   resumed_after=last, metrics=res.metrics)
     t = cfg.tracking
     if t.tensorboard:
         print(f"TensorBoard: tensorboard --logdir {t.tensorboard_dir or res.run_dir / 'tensorboard'}")
@@ -205,12 +206,13 @@ def _cmd_simulate(args) -> int:
 
 def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, broker: str, *,
                    accuracy_source: str | None = "global", total_rounds: int | None = None,
-                   resumed_after: int | None = None) -> None:
+                   resumed_after: int | None = None, metrics: Sequence[Mapping] = ()) -> None:
     """The end of ``fedfleet simulate``: rounds, time, the final accuracy named by the
-    ``accuracy_source`` of its line (:func:`~broker_server.server.final_accuracy_text`), the
-    device links' bytes per kind and the run folder."""
+    ``accuracy_source`` of its line (:func:`~broker_server.server.final_accuracy_text`), skipped
+    rounds and a diverged global model in ``metrics`` (:func:`~broker_server.server.run_troubles_text`),
+    the device links' bytes per kind and the run folder."""
     from .audit import audit_report
-    from .server import final_accuracy_text
+    from .server import final_accuracy_text, run_troubles_text
 
     rep = audit_report(run_dir)
     dev = rep["totals"]["device"]
@@ -218,7 +220,7 @@ def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, 
     session = (f" ({rounds - resumed_after} in this session, resumed after round {resumed_after})"
                if resumed_after is not None else "")
     print(f"\nfinished {plural(rounds, 'round')}{of}{session} in {seconds:.1f} s over {broker}; "
-          f"{final_accuracy_text(accuracy, accuracy_source)}")
+          f"{final_accuracy_text(accuracy, accuracy_source)}{run_troubles_text(metrics)}")
     print(f"bytes on the device links (all agents together): up {dev['up']['wire_bytes']:,}  "
           f"down {dev['down']['wire_bytes']:,}  (protocol overhead {100 * (dev['all']['overhead_share'] or 0):.2f} %)")
     for k in rep["by_kind"]:

@@ -148,10 +148,11 @@ from .strategies import (
     update_problem,
 )
 from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
+from .text import plural
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "OVERLAP_EVALUATIONS", "RoundStats", "RunSummary",
            "ServerSettings", "client_eval_figures", "evaluate", "export_final_onnx", "final_accuracy_source",
-           "final_accuracy_text", "final_figures", "write_final_model"]
+           "final_accuracy_text", "final_figures", "run_troubles_text", "write_final_model"]
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +385,22 @@ def final_accuracy_text(accuracy: float | None, source: str | None = "global") -
     return f"{words} {float(accuracy):.4f}"
 
 
+def run_troubles_text(metrics: Sequence[Mapping]) -> str:
+    """What an end-of-run line adds about rounds that went wrong, from the run's ``metrics.jsonl``
+    lines: ``"; 2 rounds skipped (2, 3)"`` (at most five named) and ``"; the global model
+    diverged in round 1 (test loss nan)"`` (the first line whose ``loss`` is NaN or infinite);
+    ``""`` when neither happened."""
+    out = ""
+    skipped = [int(m["round"]) for m in metrics if m.get("skipped") and "round" in m]
+    if skipped:
+        named = ", ".join(str(r) for r in skipped[:5]) + (", …" if len(skipped) > 5 else "")
+        out += f"; {plural(len(skipped), 'round')} skipped ({named})"
+    bad = next((m for m in metrics if isinstance(m.get("loss"), float) and not math.isfinite(m["loss"])), None)
+    if bad is not None:
+        out += f"; the global model diverged in round {bad.get('round')} (test loss {bad['loss']})"
+    return out
+
+
 def export_final_onnx(model: torch.nn.Module, run_dir: Path, test: ArraySplit) -> dict:
     """Export ``model`` to ``run_dir/model_final.onnx`` and evaluate it with ONNX Runtime on
     ``test`` (the deployable artefact is checked, not just written).
@@ -602,6 +619,7 @@ class AggregationServer:
         self.eval_slot: AbstractContextManager[Any] = eval_slot if eval_slot is not None else nullcontext()
         self._eval_model: torch.nn.Module | None = None  # the overlapped evaluations' copy of the model
         self._started = time.monotonic()  # metrics.jsonl "ended_s" counts from here
+        self._diverged_round: int | None = None  # the first round whose global's test loss was NaN/Inf
         # per-phase seconds of each round (metrics.jsonl "phase_s"): the channel's accept (decode,
         # signature check, ledger rows) and the handling of what arrived are timed at every call
         self.phases = PhaseClock()
@@ -1511,8 +1529,20 @@ class AggregationServer:
             line["accuracy"], line["loss"] = own.pop("accuracy"), own.pop("loss", None)
             line["accuracy_source"] = "strategy"
         line.update(own)
+        self._say_divergence(r, line.get("loss"))
         if refused:
             line["metrics_refused"] = sorted(set(line.get("metrics_refused", [])) | set(refused))
+
+    def _say_divergence(self, r: int, loss: object) -> None:
+        """Warn, once a run, when round ``r``'s global model has a NaN or infinite test loss: it
+        diverged (an update or a server step too large), and the rounds that follow train from
+        it (devices refuse to send NaN updates, so they are usually skipped)."""
+        if self._diverged_round is not None or not isinstance(loss, float) or math.isfinite(loss):
+            return
+        self._diverged_round = r
+        log.warning("round %d: the global model's test loss is %s: the model has diverged, and the rounds that follow "
+                    "train from it (lower [train] lr or the strategy's server learning rate, e.g. [algorithm] "
+                    "server_lr)", r, loss)
 
     def _write_line(self, line: dict) -> None:
         """Append a completed round's ``line`` to :attr:`metrics` and ``metrics.jsonl``, with its

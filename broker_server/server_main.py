@@ -22,7 +22,7 @@ from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, summary_record, write_final_files
 from .runtime import check_server_keys, make_server
-from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures
+from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, run_troubles_text
 from .simulate import (
     STARTUP_ERRORS,
     check_partition_record,
@@ -324,7 +324,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
         say(f"finished {plural(done, 'round')} of {cfg.run.rounds}{this_time}; "
-            f"{final_accuracy_text(summary.final_accuracy, final_accuracy_source(summary.metrics))}; run folder {out}")
+            f"{final_accuracy_text(summary.final_accuracy, final_accuracy_source(summary.metrics))}"
+            f"{run_troubles_text(summary.metrics)}; run folder {out}")
         finished = True
     finally:
         if tracker is not None and not finished:

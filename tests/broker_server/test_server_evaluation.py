@@ -21,6 +21,9 @@ the test split in every E-th round and the last only, and nothing else changes.
   strategy whose own evaluation gives the accuracy names itself in every round. The end of a run
   names its final accuracy by the source of the line it comes from: the last line with an
   accuracy, a later line without one passing over; NaN (no line had one) is said in words.
+* A global model that diverged (FedOpt with server_lr 1e30: its test loss NaN after round 1) is
+  said once in a warning, and the end of the run says which rounds were skipped (every device's
+  training diverged from it) and where the model diverged.
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ import broker_server.server as server_mod
 from broker_server.checkpoint import CheckpointStore
 from broker_server.errors import RunError
 from broker_server.experiments import DELIVERY_METRICS, VOLATILE_METRICS, Job, rounds_to_target, run_job, series_lines
-from broker_server.server import final_accuracy_source, final_accuracy_text, final_figures
+from broker_server.server import final_accuracy_source, final_accuracy_text, final_figures, run_troubles_text
 from broker_server.strategies.fedaa import FedAA
 from broker_server.strategies.fedavg import FedAvg
 from broker_server.strategies.feddo import FedDO
+from broker_server.strategies.fedopt import FedOpt
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.algorithms.feddo import FedDOClient
+from edge_agent.algorithms.fedopt import FedOptClient
 from protocol.memory_transport import MemoryBroker
 
 ROUNDS = 7
@@ -291,3 +296,28 @@ def test_the_final_accuracy_is_named_by_the_source_of_its_own_line() -> None:
         "final test accuracy of the devices' own models (mean over clients) 0.5000"
     assert final_accuracy_text(0.25, "strategy") == "final accuracy from the algorithm's own evaluation 0.2500"
     assert final_accuracy_text(float("nan"), None) == final_accuracy_text(None) == "no accuracy was measured"
+
+
+def test_a_diverged_global_model_is_said_once_and_at_the_end(tmp_path: Path, digits, caplog) -> None:
+    """FedOpt with η = 1e30: round 1's global holds weights of order 1e29, its logits overflow and
+    its test loss is NaN; every device's training from it diverges (no update sent), so rounds 2
+    and 3 are skipped (quorum 1). One warning names round 1; the end-of-run words name both."""
+    caplog.set_level("WARNING", logger="broker_server.server")
+    server = run_federation(tmp_path, MemoryBroker(), FedOpt(server_lr=1e30, participation_rate=1.0),
+                            _devices(digits, FedOptClient), digits.test, rounds=3)
+    assert [(m["round"], m["skipped"]) for m in server.metrics] == [(1, False), (2, True), (3, True)]
+    said = [r.getMessage() for r in caplog.records if "has diverged" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("round 1: the global model's test loss is nan: ")
+    assert run_troubles_text(server.metrics) == "; 2 rounds skipped (2, 3); the global model diverged in round 1 " \
+                                                "(test loss nan)"
+
+
+def test_the_end_of_run_words_for_skipped_rounds_and_divergence() -> None:
+    assert run_troubles_text([{"round": 1, "loss": 0.5}, {"round": 2, "loss": 0.4}]) == ""
+    lines = [{"round": r, "skipped": True, "loss": 0.5} for r in range(1, 8)]
+    assert run_troubles_text(lines) == "; 7 rounds skipped (1, 2, 3, 4, 5, …)"
+    assert run_troubles_text([{"round": 1, "loss": 1.0}, {"round": 2, "loss": float("inf")},
+                              {"round": 3, "skipped": True, "loss": float("nan")}]) == \
+        "; 1 round skipped (3); the global model diverged in round 2 (test loss inf)"
+    # a line not evaluated has no loss key; None (resumed lines) is no figure either
+    assert run_troubles_text([{"round": 1}, {"round": 2, "loss": None}]) == ""
