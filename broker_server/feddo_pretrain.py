@@ -31,6 +31,7 @@ import torch
 from edge_agent.algorithms import TrainConfig, shared_arrays
 from edge_agent.data import load_dataset
 from edge_agent.state import load_arrays
+from protocol.lifecycle import atomic
 
 from .config import Config
 from .errors import ConfigError, RunError
@@ -121,32 +122,34 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     check_policy_out(Path(out))
     check_learns(cfg, episodes, rounds)
     cpu0 = time.process_time()
-    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
-    parts = split_clients(ds, cfg)
-    strategy = make_strategy(cfg, ds)
-    if not isinstance(strategy, FedDO):
-        raise ConfigError("[train] algorithm 'feddo' did not build the FedDO strategy")
-    check_fleet_size(cfg, strategy)
-    k = int(cfg.algorithm.get("num_devices") or 0)
-    if k and cfg.data.clients > k:
-        raise ConfigError(
-            f"{cfg.source}: [algorithm] num_devices = {k} but [data] clients = {cfg.data.clients}: the policy would "
-            f"be {k} devices wide, {cfg.data.clients - k} devices would never be asked in pre-training, and this "
-            f"configuration's fleet could not run it; set num_devices = {cfg.data.clients} (or 0: the fleet's size) "
-            f"or clients = {k}")
-    ids = [f"dev-{i:03d}" for i in range(len(parts))]
-    shards = [(torch.from_numpy(np.ascontiguousarray(ds.train.x[p])), torch.from_numpy(np.asarray(ds.train.y[p])))
-              for p in parts]
-    for cid, (_, y) in zip(ids, shards, strict=True):
-        strategy.on_join(cid, "x86-cpu", int(y.shape[0]))
-    client = make_client_algorithm(cfg, ds)
-    base = TrainConfig.from_mapping(TrainConfig(seed=cfg.run.seed), train_config(cfg))
-    cpu = torch.device("cpu")
+    strategy: FedDO | None = None
     lines: list[dict] = []
-    if on_start is not None:
-        on_start()
     r = 0
     try:
+        ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
+        parts = split_clients(ds, cfg)
+        built = make_strategy(cfg, ds)
+        if not isinstance(built, FedDO):
+            raise ConfigError("[train] algorithm 'feddo' did not build the FedDO strategy")
+        strategy = built
+        check_fleet_size(cfg, strategy)
+        k = int(cfg.algorithm.get("num_devices") or 0)
+        if k and cfg.data.clients > k:
+            raise ConfigError(
+                f"{cfg.source}: [algorithm] num_devices = {k} but [data] clients = {cfg.data.clients}: the policy "
+                f"would be {k} devices wide, {cfg.data.clients - k} devices would never be asked in pre-training, and "
+                f"this configuration's fleet could not run it; set num_devices = {cfg.data.clients} (or 0: the "
+                f"fleet's size) or clients = {k}")
+        ids = [f"dev-{i:03d}" for i in range(len(parts))]
+        shards = [(torch.from_numpy(np.ascontiguousarray(ds.train.x[p])), torch.from_numpy(np.asarray(ds.train.y[p])))
+                  for p in parts]
+        for cid, (_, y) in zip(ids, shards, strict=True):
+            strategy.on_join(cid, "x86-cpu", int(y.shape[0]))
+        client = make_client_algorithm(cfg, ds)
+        base = TrainConfig.from_mapping(TrainConfig(seed=cfg.run.seed), train_config(cfg))
+        cpu = torch.device("cpu")
+        if on_start is not None:
+            on_start()
         for ep in range(1, episodes + 1):
             t0 = time.monotonic()
             seed = cfg.run.seed + ep
@@ -222,30 +225,42 @@ def _write_policy(strategy: FedDO, cfg: Config, out: Path, episodes: int, rounds
                             "cpu_seconds": cpu_s, "reward": strategy.reward, "updates": agent.updates, **extra})
 
 
-def _save_interrupted(strategy: FedDO, cfg: Config, out: str | Path, lines: list[dict], episodes: int, rounds: int,
-                      round_reached: int, cpu0: float) -> str:
+def stopped_policy_path(out: Path) -> Path:
+    """Where a stopped pre-training writes its policy when a file is already at ``out`` (one it
+    must not replace: :func:`_save_interrupted`): ``NAME.stopped.SUFFIX`` beside it."""
+    return out.with_name(f"{out.stem}.stopped{out.suffix}")
+
+
+def _save_interrupted(strategy: FedDO | None, cfg: Config, out: str | Path, lines: list[dict], episodes: int,
+                      rounds: int, round_reached: int, cpu0: float) -> str:
     """A pre-training stopped by Ctrl-C or SIGTERM keeps what it learned: once the agent has
-    updated, its networks are written to ``out`` as a policy whose metadata says ``episodes`` (the
-    whole ones), ``episodes_planned``, ``interrupted_episode`` and ``interrupted_round`` (where it
+    updated, its networks are written as a policy whose metadata says ``episodes`` (the whole
+    ones), ``episodes_planned``, ``interrupted_episode`` and ``interrupted_round`` (where it
     stopped, round 0: between episodes; that episode's transitions up to there were learned from
-    too; a deployed run that loads it says so in a warning). Returns the line that says what was
-    kept (the caller re-raises the stop). Nothing is written when the agent never updated, and a
-    failed write is said in that line, not raised (the stop goes on)."""
-    agent = strategy.agent
+    too; a deployed run that loads it says so in a warning). It goes to ``out``, or, when a file is
+    already there (an earlier pre-training's, which a stopped one must not replace), to
+    :func:`stopped_policy_path` beside it. The write holds further stop signals but a second one
+    (which exits at once, its temporary file removed). Returns the line that says what was kept (the
+    caller re-raises the stop). Nothing is written when the agent never updated, and a failed
+    write is said in that line, not raised (the stop goes on)."""
+    agent = strategy.agent if strategy is not None else None
     done = len(lines)
     cpu_s = time.process_time() - cpu0
     where = f"in episode {done + 1} round {round_reached}" if round_reached else f"before episode {done + 1}"
-    if agent is None or agent.updates == 0:
+    if strategy is None or agent is None or agent.updates == 0:
         return (f"fedfleet feddo pretrain: stopped {where}, before the agent's first DSAC-T update: no policy "
                 f"written ({out} untouched)")
+    out = Path(out)
+    target = stopped_policy_path(out) if out.exists() else out
+    kept = f" (the file at {out}, there before, is untouched)" if target != out else ""
     try:
-        _write_policy(strategy, cfg, Path(out), done, rounds, cpu_s, episodes_planned=episodes,
-                      interrupted_episode=done + 1, interrupted_round=round_reached)
+        atomic(_write_policy)(strategy, cfg, target, done, rounds, cpu_s, episodes_planned=episodes,
+                              interrupted_episode=done + 1, interrupted_round=round_reached)
     except (OSError, ValueError) as exc:
         return f"fedfleet feddo pretrain: stopped {where}; the policy could not be written: {exc}"
     return (f"fedfleet feddo pretrain: stopped {where}; the policy learned so far ({done} of {episodes} episodes "
-            f"whole, {plural(agent.updates, 'DSAC-T update')}, {cpu_s:.0f} CPU s) was written to {out}; its metadata "
-            "records where it stopped")
+            f"whole, {plural(agent.updates, 'DSAC-T update')}, {cpu_s:.0f} CPU s) was written to {target}{kept}; its "
+            "metadata records where it stopped")
 
 
 def feddo_defaults() -> dict:

@@ -6,11 +6,16 @@ results file, the broker child's port file, the security folder's keys, epoch an
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_atomically", "write_private"]
+__all__ = ["fsync_dir", "remove_partial_files", "write_atomically", "write_private"]
+
+#: the temporary files being written now (removed by :func:`remove_partial_files` when a process
+#: must exit at once, as after a second stop signal)
+_in_flight: set[Path] = set()
 
 
 def write_atomically(path: str | Path, data: bytes, *, mode: int = 0o666, fsync: bool = False) -> None:
@@ -30,11 +35,19 @@ def write_atomically(path: str | Path, data: bytes, *, mode: int = 0o666, fsync:
             path holds one whole version (the folder entry itself: :func:`fsync_dir`).
 
     Raises:
+        IsADirectoryError: ``path`` names no file (``"."``, ``"/"``, ``""``).
         OSError: the write or the rename failed (``path`` untouched).
     """
     path = Path(path)
+    if not path.name:
+        raise IsADirectoryError(errno.EISDIR, "not a file's path", str(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    _in_flight.add(tmp)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except BaseException:
+        _in_flight.discard(tmp)
+        raise
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -45,6 +58,19 @@ def write_atomically(path: str | Path, data: bytes, *, mode: int = 0o666, fsync:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        _in_flight.discard(tmp)
+
+
+def remove_partial_files() -> None:
+    """Remove the temporary files of :func:`write_atomically` calls still under way (the process
+    is about to exit without unwinding them: :mod:`protocol.lifecycle`'s second stop signal).
+    Never raises."""
+    for tmp in list(_in_flight):
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def write_private(path: str | Path, data: bytes) -> None:

@@ -12,9 +12,12 @@ once at start. On the first SIGTERM or SIGINT the handler
 
 A signal that arrives while the main thread is inside a function marked :func:`atomic` (a
 message being published and ledgered, or decoded and ledgered) is held until that function
-returns, so that no message the process handed to the broker misses its ledger row. A second
-signal while the first is being handled commits the ledgers again and ends the process at once
-(``os._exit``) — the way out of a shutdown that hangs.
+returns, so that no message the process handed to the broker misses its ledger row (also a
+DSAC-T update, so a stopped pre-training saves whole networks); the warning then says a second
+signal would not wait. A second signal while the first is being handled commits the ledgers
+again, removes the temporary files of whole-file writes under way
+(:func:`protocol.files.remove_partial_files`) and ends the process at once (``os._exit``) — the
+way out of a shutdown that hangs.
 
 Only the main thread can install handlers (a Python rule); elsewhere :func:`install_signal_handlers`
 does nothing and returns ``False``.
@@ -31,6 +34,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from .files import remove_partial_files
 from .ledger import flush_open_ledgers
 
 log = logging.getLogger(__name__)
@@ -62,12 +66,15 @@ def _handler(signum: int, frame: object) -> None:
     ledgers = flush_open_ledgers(stop_signal=name)
     committed = f"{ledgers} ledger{'s' if ledgers != 1 else ''} committed" if ledgers else "no ledger open"
     if len(_received) > 1:  # the orderly stop did not finish: leave now
+        remove_partial_files()
         log.warning("second %s: exiting at once (%s)", name, committed)
         os._exit(128 + signum)
-    log.warning("%s received: stopping (%s)", name, committed)
     if _depth() > 0:
+        log.warning("%s received: stopping once the step under way ends (%s); a second %s exits at once, "
+                    "without what that step would keep", name, committed, name)
         _held.append(signum)
         return
+    log.warning("%s received: stopping (%s)", name, committed)
     _unwind(signum)
 
 

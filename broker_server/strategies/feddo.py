@@ -337,9 +337,9 @@ class FedDO(Strategy):
                               "metadata": {k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool))
                                            or v is None}}
         if "interrupted_episode" in meta:
-            log.warning("FedDO: the policy %s is from a pre-training stopped in episode %s: %s of %s episodes "
-                        "whole", policy, meta["interrupted_episode"], meta.get("episodes"),
-                        meta.get("episodes_planned"))
+            log.warning("FedDO: the policy %s is from a pre-training stopped %s episode %s: %s of %s episodes "
+                        "whole", policy, "in" if meta.get("interrupted_round") else "before",
+                        meta["interrupted_episode"], meta.get("episodes"), meta.get("episodes_planned"))
         k = int(meta.get("num_devices", self.agent.action_dim))
         if self.num_devices and self.num_devices != k:
             raise ValueError(f"num_devices = {self.num_devices} but policy {policy} was trained for {k} devices")

@@ -646,15 +646,19 @@ def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path) 
 
 
 
-def _pretrain_until(tmp_path, toml: str, sig: signal.Signals, episode_lines: int) -> tuple[int, list[str], Path]:
+def _pretrain_until(tmp_path, toml: str, sig: signal.Signals, episode_lines: int,
+                    existing: bytes | None = None) -> tuple[int, list[str], Path]:
     """``fedfleet feddo pretrain`` (1,000 episodes of 2 rounds) in a process sent ``sig`` once it
-    has printed ``episode_lines`` episode lines: its exit status, every stdout line, the --out."""
+    has printed ``episode_lines`` episode lines: its exit status, every stdout line, the --out
+    (holding ``existing`` before it starts, if given)."""
     import subprocess
     import sys
 
     cfg = tmp_path / "feddo.toml"
     cfg.write_text(toml, encoding="utf-8")
     out = tmp_path / "policy.pt"
+    if existing is not None:
+        out.write_bytes(existing)
     code = ("import sys\nfrom broker_server.cli import main\n"
             f"sys.exit(main(['feddo', 'pretrain', '--config', {str(cfg)!r}, '--episodes', '1000', '--rounds', '2', "
             f"'--out', {str(out)!r}]))\n")
@@ -696,8 +700,27 @@ def test_ctrl_c_in_pretrain_writes_the_policy_learned_so_far(tmp_path, caplog) -
     assert agent.updates == meta["updates"] > 0
     caplog.set_level(logging.WARNING)
     _loaded(str(out))
-    assert f"FedDO: the policy {out} is from a pre-training stopped in episode {whole + 1}: {whole} of 1000 " \
+    when = "in" if meta["interrupted_round"] else "before"  # a stop between two episodes: before the next
+    assert f"FedDO: the policy {out} is from a pre-training stopped {when} episode {whole + 1}: {whole} of 1000 " \
            "episodes whole" in caplog.text
+
+
+def test_a_stopped_pretrain_leaves_the_policy_already_at_out(tmp_path) -> None:
+    """A file already at --out (an earlier pre-training's policy) is not replaced by a stopped one:
+    that policy goes beside it (NAME.stopped.SUFFIX), and the line says both."""
+    from broker_server.feddo_pretrain import stopped_policy_path
+
+    before = Path(_policy(tmp_path / "earlier.pt", 3)).read_bytes()
+    code, lines, out = _pretrain_until(tmp_path, TINY_TOML, signal.SIGINT, 1, existing=before)
+    assert code == 130, lines
+    assert out.read_bytes() == before
+    beside = stopped_policy_path(out)
+    assert beside == tmp_path / "policy.stopped.pt"
+    said = [x for x in lines if x.startswith("fedfleet feddo pretrain: stopped ")]
+    assert len(said) == 1 and f"was written to {beside} (the file at {out}, there before, is untouched)" in said[0]
+    _, meta, _ = DSACTAgent.load_policy(beside)
+    assert meta["episodes_planned"] == 1000 and meta["episodes"] >= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.pt", "feddo.toml", "policy.pt", "policy.stopped.pt"]
 
 
 def test_sigterm_before_the_first_update_writes_no_policy(tmp_path) -> None:
@@ -710,6 +733,14 @@ def test_sigterm_before_the_first_update_writes_no_policy(tmp_path) -> None:
                                                "untouched)"), lines
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml"]
+    # a stop while the data set loads, before any strategy exists, says the same
+    from broker_server.config import load as load_config
+    from broker_server.feddo_pretrain import _save_interrupted
+
+    cfg = load_config(tmp_path / "feddo.toml")
+    assert _save_interrupted(None, cfg, out, [], 1000, 2, 0, 0.0) == (
+        f"fedfleet feddo pretrain: stopped before episode 1, before the agent's first DSAC-T update: no policy written "
+        f"({out} untouched)")
 
 def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_path, caplog) -> None:
     """SPECS §4.1's held-out validation set: with [data] train_samples below the split's size the

@@ -80,3 +80,33 @@ def test_a_missing_folder_is_an_oserror_and_fsync_dir_flushes_a_folder(tmp_path)
     fsync_dir(tmp_path)  # a real folder: no error
     with pytest.raises(FileNotFoundError):
         fsync_dir(tmp_path / "absent")
+
+
+def test_a_path_that_names_no_file_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for where in (".", "", "/"):
+        with pytest.raises(IsADirectoryError):
+            write_atomically(where, b"x")
+    with pytest.raises(IsADirectoryError):  # a folder's path: the rename onto it fails
+        write_atomically(tmp_path, b"x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_stop_signal_during_a_write_removes_its_temporary_file(tmp_path) -> None:
+    """A process with fedfleet's stop handlers whose write is inside an atomic() step gets SIGINT
+    twice before the rename (the first is held until the step ends, the second exits at once):
+    exit 130, no target and no temporary file left."""
+    code = ("import os, signal\n"
+            "import protocol.files as files\n"
+            "from protocol.lifecycle import atomic, install_signal_handlers\n"
+            "install_signal_handlers()\n"
+            "def stop_twice(src, dst):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    raise AssertionError('the second SIGINT did not end the process')\n"
+            "files.os.replace = stop_twice\n"
+            f"atomic(files.write_atomically)({str(tmp_path / 'policy.pt')!r}, b'x' * 100_000)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+    assert "second SIGINT: exiting at once" in done.stderr
+    assert list(tmp_path.iterdir()) == []
