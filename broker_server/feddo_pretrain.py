@@ -206,8 +206,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     if agent.updates == 0:  # check_learns makes this unreachable from a configuration; said, never written
         raise RunError(f"the agent made no DSAC-T update in {episodes * rounds} rounds (warm-up "
                        f"{agent.config.warmup} transitions, {len(agent.buffer)} stored): no policy written to {out}")
-    try:
-        _write_policy(strategy, cfg, out, episodes, rounds, cpu_s)
+    try:  # a stop signal meanwhile waits for the whole file (then ends the process with the policy written)
+        atomic(_write_policy)(strategy, cfg, out, episodes, rounds, cpu_s)
     except (OSError, ValueError) as exc:  # a full disk, a diverged agent: the episodes are lost, said so
         raise RunError(f"pre-training finished ({plural(episodes, 'episode')} x {plural(rounds, 'round')}, "
                        f"{cpu_s:.0f} CPU s) but {exc}") from exc
