@@ -1743,11 +1743,24 @@ class AggregationServer:
         under evaluation overlap), its line is completed from the checkpoint (``meta``'s
         ``pending_line``: every figure but the evaluation's) by evaluating the checkpointed model
         and written (``phase_s`` ``evaluate_on_resume``; its ``seconds`` are those up to its
-        checkpoint plus that evaluation): every completed round has exactly one line."""
+        checkpoint plus that evaluation): every completed round has exactly one line.
+
+        Raises:
+            RunError: the strategy cannot take the checkpoint's state (its ``load_state_dict``
+                raised ValueError, KeyError or TypeError: a checkpoint of another configuration or
+                version, a policy file it needs and cannot read …); the message names the round,
+                the strategy and its reason.
+        """
+        try:
+            self.strategy.load_state_dict(ckpt.strategy_state)
+        except (ValueError, KeyError, TypeError) as exc:
+            name = self.strategy.name or type(self.strategy).__name__
+            reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise RunError(f"the checkpoint of round {ckpt.round} in {self.run_dir}: strategy {name!r} cannot restore "
+                           f"its state from it ({reason})") from exc
         self.round = ckpt.round
         self.global_tensors = [np.array(t) for t in ckpt.tensors]
         load_arrays(self.model, self.global_tensors)
-        self.strategy.load_state_dict(ckpt.strategy_state)
         self.rng.bit_generator.state = ckpt.rng_state
         self.devices.restore(ckpt.registry)
         if self.store.metrics_path.exists():
