@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from protocol.files import write_atomically
 from protocol.messages import Join
 
 #: allowed ranges of the MQTT limits a device announces in ``join.info`` (bytes), as its firmware
@@ -145,9 +146,8 @@ class DeviceRegistry:
                 for r in sorted(self.records.values(), key=lambda r: r.client_id)]
         for row in rows:
             row.pop("last_seen", None)
-        tmp = Path(run_dir) / "registry.json.tmp"
-        tmp.write_text(json.dumps({"round": round, "devices": rows}, indent=1), encoding="utf-8")
-        tmp.replace(Path(run_dir) / "registry.json")
+        write_atomically(Path(run_dir) / "registry.json",
+                         json.dumps({"round": round, "devices": rows}, indent=1).encode("utf-8"))
 
 
 def round_(x: float) -> float:
