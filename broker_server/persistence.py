@@ -3,12 +3,30 @@ checkpoints (``checkpoints.sqlite``) and the final model, and what ``--resume`` 
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 from pathlib import Path
 
 import torch
 
+from protocol.files import write_atomically
+
 from .checkpoint import Checkpoint, CheckpointStore
+from .metrics_file import METRICS_NAME, read_metrics
+
+log = logging.getLogger(__name__)
+
+
+def write_summary(run_dir: Path, record: dict) -> None:
+    """``run_dir/summary.json``: ``record`` as indented JSON, written whole or not at all
+    (:func:`protocol.files.write_atomically`: a run killed while writing it keeps the previous
+    one, never half of one, which ``--resume`` would read as no summary).
+
+    Raises:
+        OSError: the folder cannot be written (full disk, read-only); the previous file is kept.
+    """
+    write_atomically(Path(run_dir) / "summary.json", json.dumps(record, indent=1).encode("utf-8"))
 
 
 class RunStore:
@@ -25,7 +43,7 @@ class RunStore:
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return self.run_dir / METRICS_NAME
 
     def append_metrics(self, metrics: dict) -> None:
         """Append one round's metrics as a JSON line."""
@@ -34,22 +52,32 @@ class RunStore:
 
     def keep_metrics_until(self, round: int) -> list[dict]:
         """Drop ``metrics.jsonl`` lines of rounds after ``round`` (an interrupted round is run
-        again after a resume) and return the lines kept, parsed (``[]`` without a file)."""
+        again after a resume) and return the lines kept, parsed (``[]`` without a file). The file
+        is rewritten whole or not at all (:func:`protocol.files.write_atomically`); a last line
+        cut short is dropped (:func:`~broker_server.metrics_file.read_metrics`).
+
+        Raises:
+            ValueError: another line is not a round's metrics line (:func:`~broker_server.metrics_file.
+                read_metrics`); the
+                file is kept as it is.
+        """
         path = self.metrics_path
         if not path.exists():
             return []
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line)["round"] <= round]
-        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        return [json.loads(line) for line in kept]
+        kept = [m for m in read_metrics(path) if m["round"] <= round]
+        write_atomically(path, "".join(json.dumps(m) + "\n" for m in kept).encode("utf-8"))
+        return kept
 
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
         """Write the checkpoint of ``ckpt.round`` (one transaction)."""
         self.checkpoints.save(ckpt)
 
     def save_final_model(self, model: torch.nn.Module) -> None:
-        """``model_final.pt``: the global model's ``state_dict``."""
-        torch.save(model.state_dict(), self.run_dir / "model_final.pt")
+        """``model_final.pt``: the global model's ``state_dict``, written whole or not at all
+        (serialised in memory first, then :func:`protocol.files.write_atomically`)."""
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        write_atomically(self.run_dir / "model_final.pt", buf.getvalue())
 
     def close(self) -> None:
         self.checkpoints.close()

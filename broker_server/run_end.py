@@ -34,7 +34,8 @@ from edge_agent.state import load_arrays
 from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
 from .errors import ConfigError
-from .persistence import RunStore
+from .metrics_file import read_metrics
+from .persistence import RunStore, write_summary
 from .runtime import make_strategy, server_model
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, write_final_model
 from .text import plural
@@ -124,12 +125,14 @@ def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
         return None
     path = out / "metrics.jsonl"
     try:
-        lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines() if text.strip()]
+        lines = read_metrics(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # names the file and the line
+        raise ConfigError(f"--resume: {exc}") from None
+    except OSError as exc:
         raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
-    metrics = [m for m in lines if isinstance(m, dict) and isinstance(m.get("round"), int) and m["round"] <= last]
+    metrics = [m for m in lines if m["round"] <= last]
     if not any(m["round"] == last for m in metrics):
         return None
     summary = None
@@ -258,5 +261,5 @@ def write_final_files(cfg: Config, ds: Dataset, fin: FinishedRun, *, federation:
         finished_on_resume=(f"the rounds were all done (checkpoint of round {fin.rounds}) but the final files "
                             "were not: written now from that checkpoint and metrics.jsonl, without a broker "
                             "or agents"))
-    (fin.run_dir / "summary.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    write_summary(fin.run_dir, record)
     return FinalFiles(RunSummary(fin.rounds, acc, loss, fin.metrics), record, [*written, "summary.json"])

@@ -1749,7 +1749,8 @@ class AggregationServer:
             RunError: the strategy cannot take the checkpoint's state (its ``load_state_dict``
                 raised ValueError, KeyError or TypeError: a checkpoint of another configuration or
                 version, a policy file it needs and cannot read …); the message names the round,
-                the strategy and its reason.
+                the strategy and its reason. Or ``metrics.jsonl`` has a damaged line before its
+                last (:func:`~broker_server.metrics_file.read_metrics`), named in the message.
         """
         try:
             self.strategy.load_state_dict(ckpt.strategy_state)
@@ -1758,13 +1759,16 @@ class AggregationServer:
             reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
             raise RunError(f"the checkpoint of round {ckpt.round} in {self.run_dir}: strategy {name!r} cannot restore "
                            f"its state from it ({reason})") from exc
+        if self.store.metrics_path.exists():
+            try:
+                self.metrics = self.store.keep_metrics_until(ckpt.round)
+            except ValueError as exc:
+                raise RunError(f"cannot resume after round {ckpt.round}: {exc}") from None
         self.round = ckpt.round
         self.global_tensors = [np.array(t) for t in ckpt.tensors]
         load_arrays(self.model, self.global_tensors)
         self.rng.bit_generator.state = ckpt.rng_state
         self.devices.restore(ckpt.registry)
-        if self.store.metrics_path.exists():
-            self.metrics = self.store.keep_metrics_until(ckpt.round)
         line = ckpt.meta.get("pending_line")
         if isinstance(line, dict) and not any(m.get("round") == ckpt.round for m in self.metrics):
             log.warning("round %d has a checkpoint but no metrics line (the server stopped while evaluating it): "

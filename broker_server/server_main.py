@@ -20,6 +20,7 @@ from protocol.ledger import Ledger
 from .config import AgentsSection, Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
+from .persistence import write_summary
 from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, summary_record, write_final_files
 from .runtime import check_server_keys, make_server
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, run_troubles_text
@@ -312,15 +313,14 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         t0 = time.monotonic()
         summary = server.run()
         server.channel.close()
-        (out / "summary.json").write_text(json.dumps(summary_record(
+        write_summary(out, summary_record(
             cfg, ds, federation=federation, final_accuracy=summary.final_accuracy,
             rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=url,
             refusals=server.refusal_totals(), onnx=server.onnx_result, strategy=server.strategy,
             resumed_after=ckpt.round if ckpt else None,
             ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)],
             **({"devices_rejoined_without_state": server.rejoined_without_state}
-               if server.rejoined_without_state else {})),
-            indent=1), encoding="utf-8")
+               if server.rejoined_without_state else {})))
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
         say(f"finished {plural(done, 'round')} of {cfg.run.rounds}{this_time}; "

@@ -53,6 +53,7 @@ from protocol.transport import ConnectRetry
 from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
+from .persistence import write_summary
 from .run_end import FinishedRun, finished_run, last_checkpoint_round, summary_record, write_final_files
 from .runtime import (
     agent_spec,
@@ -676,7 +677,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
                               rounds_completed=summary.rounds_completed, metrics=summary.metrics,
                               agents=sorted(summaries, key=lambda s: s.client_id),
                               seconds=time.monotonic() - t_start, broker=broker_name)
-    (out / "summary.json").write_text(json.dumps(summary_record(
+    write_summary(out, summary_record(
         cfg, ds, federation=federation, final_accuracy=result.final_accuracy,
         rounds_completed=result.rounds_completed, seconds=result.seconds, broker=broker_name,
         refusals=server.refusal_totals(), onnx=server.onnx_result, strategy=server.strategy,
@@ -689,7 +690,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         **device_state_summary(agents, resumed=resume),
         **({"devices_rejoined_without_state": server.rejoined_without_state}
            if server.rejoined_without_state else {}),
-    ), indent=1), encoding="utf-8")
+    ))
     if state_store is not None and finished_run(out, cfg.run.rounds) is not None:
         for f in out.glob(DEVICE_STATE_FILE + "*"):  # no round left to resume: the devices' kept state is spent
             f.unlink()

@@ -11,7 +11,6 @@ Either way ``id`` orders the rows as the ledger does (insertion order).
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -21,8 +20,10 @@ from typing import Any
 from protocol.errors import LedgerError
 from protocol.ledger import read_rows
 
+from .. import metrics_file
+from ..metrics_file import METRICS_NAME
+
 LEDGER_NAME = "ledger.sqlite"
-METRICS_NAME = "metrics.jsonl"
 
 #: The columns of the ``ledger`` relation, by how a missing or NULL value reads: byte counts and
 #: other integers as 0, text as ''; ``round``, ``chunk_index`` and ``transfer_id`` keep NULL (it
@@ -131,31 +132,21 @@ def read_meta(db: sqlite3.Connection) -> dict[str, str]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Records of ``metrics.jsonl`` in file order ([] when absent); blank lines are skipped.
+    """Records of ``metrics.jsonl`` in file order ([] when absent): :func:`broker_server.
+    metrics_file.read_metrics` (a last line cut short by a killed run is dropped with a warning).
 
     Raises:
-        AuditError: the file is unreadable, or a line is not a JSON object (``path:line`` in
-            the message).
+        AuditError: the file is unreadable, or a line before the last is not a JSON object with
+            an integer ``round`` (``path:line`` in the message).
     """
     if not path.is_file():
         return []
-    records: list[dict[str, Any]] = []
     try:
-        text = path.read_text(encoding="utf-8")
+        return metrics_file.read_metrics(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise AuditError(f"cannot read {path}: {exc}", path=path) from exc
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise AuditError(f"{path}:{lineno}: not valid JSON ({exc.msg})", path=path) from exc
-        if not isinstance(record, dict):
-            raise AuditError(f"{path}:{lineno}: expected a JSON object per round, got {type(record).__name__}",
-                             path=path)
-        records.append(record)
-    return records
+    except ValueError as exc:  # "PATH:LINE: what is wrong"
+        raise AuditError(str(exc), path=path) from exc
 
 
 def open_ledger(run_dir: str | Path) -> sqlite3.Connection:

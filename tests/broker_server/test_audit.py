@@ -347,10 +347,20 @@ def test_sqlite_without_messages_table(tmp_path):
 
 
 def test_bad_metrics_line(run_dir):
-    with (run_dir / "metrics.jsonl").open("a") as f:
-        f.write("[1, 2]\n")
-    with pytest.raises(AuditError, match=r"metrics.jsonl:3: expected a JSON object"):
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "[1, 2]", lines[1]]) + "\n")
+    with pytest.raises(AuditError, match=r"metrics.jsonl:2: expected a JSON object per round, got list"):
         load_run(run_dir)
+
+
+def test_a_last_metrics_line_cut_short_by_a_killed_run_is_dropped(run_dir, caplog):
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"round": 3, "accura')
+    with caplog.at_level("WARNING"):
+        audit = load_run(run_dir)
+    assert [m["round"] for m in audit.metrics] == [1, 2]
+    assert "metrics.jsonl:3: the last line is cut short" in caplog.text
 
 
 

@@ -1,0 +1,142 @@
+"""``metrics.jsonl`` read back (``broker_server.metrics_file.read_metrics``) and rewritten on
+``--resume`` (``RunStore.keep_metrics_until``), and the run folder's whole-file writes
+(``summary.json``, ``model_final.pt``): a last line a killed process left half-written is
+dropped with a warning and its round runs again; damage anywhere else is an error naming the file
+and the line, with the file kept as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.memory_federation import Device, federation_server, run_federation
+
+from broker_server.errors import RunError
+from broker_server.metrics_file import read_metrics
+from broker_server.persistence import RunStore, write_summary
+from broker_server.strategies.fedavg import FedAvg
+from edge_agent.algorithms.fedavg import FedAvgClient
+from edge_agent.state import state_arrays
+from protocol.memory_transport import MemoryBroker
+
+LINES = [{"round": 1, "accuracy": 0.5, "loss": 1.25}, {"round": 2, "accuracy": 0.625, "loss": float("nan")},
+         {"round": 3, "accuracy": 0.75, "loss": 0.5}]
+
+
+def _write(path: Path, records: list[dict], tail: str = "") -> None:
+    path.write_text("".join(json.dumps(m) + "\n" for m in records) + tail, encoding="utf-8")
+
+
+def test_read_gives_the_lines_in_order_and_skips_blank_ones(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(LINES[0]) + "\n\n" + json.dumps(LINES[1]) + "\n", encoding="utf-8")
+    got = read_metrics(path)
+    assert [m["round"] for m in got] == [1, 2] and got[0] == LINES[0] and np.isnan(got[1]["loss"])
+
+
+@pytest.mark.parametrize("tail", ['{"round": 4, "accur', '{"round": 4, "accuracy": 0.8}'[:-1], "\x00\x00\x00",
+                                  '{"accuracy": 0.8}'])
+def test_a_last_line_cut_short_is_dropped_with_a_warning(tmp_path, caplog, tail):
+    path = tmp_path / "metrics.jsonl"
+    _write(path, LINES, tail)
+    with caplog.at_level("WARNING"):
+        got = read_metrics(path)
+    assert [m["round"] for m in got] == [1, 2, 3]
+    assert f"{path}:4: the last line is cut short" in caplog.text
+
+
+@pytest.mark.parametrize(("bad", "problem"), [
+    ('{"round": 2, "acc', "not valid JSON"),
+    ("[2, 0.5]", "expected a JSON object per round, got list"),
+    ('{"round": "2"}', "expected an integer 'round', got '2'"),
+    ('{"round": true}', "expected an integer 'round', got True"),
+])
+def test_damage_before_the_last_line_names_the_file_and_line(tmp_path, bad, problem):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(LINES[0]) + "\n" + bad + "\n" + json.dumps(LINES[2]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{path}:2: {problem}"):
+        read_metrics(path)
+
+
+def test_keep_metrics_until_drops_later_rounds_and_a_cut_line_and_rewrites_the_file(tmp_path):
+    store = RunStore(tmp_path)
+    _write(store.metrics_path, LINES, '{"round": 4, "accur')
+    kept = store.keep_metrics_until(2)
+    assert [m["round"] for m in kept] == [1, 2]
+    assert [m["round"] for m in read_metrics(store.metrics_path)] == [1, 2]
+    assert store.metrics_path.read_text(encoding="utf-8").endswith("}\n")
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    store.close()
+
+
+def test_keep_metrics_until_leaves_a_damaged_file_as_it_was(tmp_path):
+    store = RunStore(tmp_path)
+    text = json.dumps(LINES[0]) + "\nnot json\n" + json.dumps(LINES[2]) + "\n"
+    store.metrics_path.write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
+        store.keep_metrics_until(1)
+    assert store.metrics_path.read_text(encoding="utf-8") == text
+    store.close()
+
+
+def _devices(digits) -> dict[str, Device]:
+    return {f"dev-{i}": Device(FedAvgClient(), digits.train.x[50 * i:50 * i + 50], digits.train.y[50 * i:50 * i + 50])
+            for i in range(2)}
+
+
+def test_a_resume_after_a_kill_in_the_middle_of_a_line_runs_on_from_the_checkpoint(tmp_path, digits):
+    first = run_federation(tmp_path, MemoryBroker(), FedAvg(participation_rate=1.0), _devices(digits), digits.test,
+                           rounds=2)
+    written = [dict(m) for m in read_metrics(tmp_path / "metrics.jsonl")]
+    first.store.close()
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"round": 3, "accuracy": 0.')  # killed while appending round 3's line
+    again = federation_server(tmp_path, MemoryBroker(), FedAvg(participation_rate=1.0), digits.test, rounds=3,
+                              clients=2)
+    ckpt = again.checkpoints.load()
+    assert ckpt is not None and ckpt.round == 2
+    again.resume(ckpt)
+    assert again.round == 2 and [m["round"] for m in again.metrics] == [1, 2]
+    assert [m["accuracy"] for m in again.metrics] == [m["accuracy"] for m in written]
+    assert [m["round"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    again.store.close()
+
+
+def test_a_resume_over_a_damaged_metrics_file_is_a_run_error_and_changes_nothing(tmp_path, digits):
+    first = run_federation(tmp_path, MemoryBroker(), FedAvg(participation_rate=1.0), _devices(digits), digits.test,
+                           rounds=2)
+    first.store.close()
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    damaged = lines[0][:10] + "\n" + lines[1] + "\n"
+    path.write_text(damaged, encoding="utf-8")
+    again = federation_server(tmp_path, MemoryBroker(), FedAvg(participation_rate=1.0), digits.test, rounds=3,
+                              clients=2)
+    before = [np.array(a) for a in state_arrays(again.model)]
+    ckpt = again.checkpoints.load()
+    with pytest.raises(RunError, match=rf"^cannot resume after round 2: {path}:1: not valid JSON"):
+        again.resume(ckpt)
+    assert again.round == 0 and again.metrics == [] and path.read_text(encoding="utf-8") == damaged
+    assert all(np.array_equal(a, b) for a, b in zip(before, state_arrays(again.model), strict=True))
+    again.store.close()
+
+
+def test_summary_and_final_model_are_written_whole(tmp_path):
+    (tmp_path / "summary.json").write_text('{"rounds_completed": 1}', encoding="utf-8")
+    write_summary(tmp_path, {"rounds_completed": 3, "final_accuracy": 0.875, "strategy": {"name": "fedavg"}})
+    assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8")) == {
+        "rounds_completed": 3, "final_accuracy": 0.875, "strategy": {"name": "fedavg"}}
+    with pytest.raises(TypeError):  # not JSON: raised before anything is written, the summary kept
+        write_summary(tmp_path, {"rounds_completed": 4, "bad": object()})
+    assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["rounds_completed"] == 3
+    store = RunStore(tmp_path)
+    model = torch.nn.Linear(3, 2)
+    store.save_final_model(model)
+    loaded = torch.load(tmp_path / "model_final.pt", weights_only=True)
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    store.close()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
