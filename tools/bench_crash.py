@@ -49,6 +49,7 @@ import paho.mqtt.client as mqtt  # noqa: E402
 
 from broker_server import config as config_mod  # noqa: E402
 from broker_server.embedded_broker import EmbeddedBroker, mosquitto_available  # noqa: E402
+from broker_server.metrics_file import read_metrics  # noqa: E402
 from broker_server.server_main import agent_command  # noqa: E402
 from protocol.ledger import ledger_closed_cleanly  # noqa: E402
 from protocol.messages import Kind, Receipt, decode  # noqa: E402
@@ -137,7 +138,7 @@ def _sent_rows(path: Path) -> set[tuple[str, int]]:
 
 def _metrics(run: Path) -> list[dict]:
     p = run / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.is_file() else []
+    return read_metrics(p) if p.is_file() else []  # a crashed run's half-written last line dropped
 
 
 def run_fleet(work: Path, broker: EmbeddedBroker, name: str, *, target: str | None = None,

@@ -212,6 +212,7 @@ def child_main(spec_path: Path, result_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     cfg = case_config(spec)
 
+    from broker_server.metrics_file import read_metrics
     from broker_server.server import evaluate
     from broker_server.simulate import assign_profiles, simulate
     from edge_agent.data import load_dataset
@@ -263,7 +264,7 @@ def child_main(spec_path: Path, result_path: Path) -> None:
     vm_hwm = _vm_hwm_bytes()
     run_dir = Path(res.run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
     windows = {r: (wall - s, wall) for r, (_, wall, s) in ends.items()}
     first = min(ends)
     setup_s = (ends[first][0] - ends[first][2]) - t0
