@@ -24,7 +24,9 @@ Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
    the committed records of cells not yet re-run are kept, and counted in the report as not
    portable; the folder's ``verify.md`` is committed as ``benchmarks/results/<name>.verify.md``
    and the extra folders are copied back (only the files the grid keeps: FedDO's ``pretrain.json``,
-   not its 9-MB policies, which a later session pre-trains again and checks by their SHA-256); the
+   not its 9-MB policies, which a later session pre-trains again and checks by their SHA-256;
+   where the grid names a :attr:`Grid.fold_option`, its script first folds the committed folder
+   into the grid's: FedDO keeps every pre-training's cost, not only the last); the
    committed report is regenerated from the merged
    records and that re-run check with ``--report-only`` (in a temporary folder, never the live
    one), its ``Command`` line naming the queue.
@@ -90,6 +92,10 @@ class Grid:
     extra_keep: tuple[str, ...] = ()
     #: cells re-run by ``--verify`` once the grid is whole
     verify: int = 3
+    #: the script's option that folds a committed extra folder into the grid folder's before it is
+    #: copied back (``SCRIPT OPTION COMMITTED_DIR --out GRID_FOLDER``; FedDO's keeps every
+    #: pre-training's cost, where a wholesale copy kept only the last); empty: copied as it is
+    fold_option: str = ""
 
 
 #: the grids, in the order they run (the FedPGP issue's two reports first, then FedOCP and FedDO)
@@ -108,7 +114,7 @@ QUEUE: tuple[Grid, ...] = (
     Grid("feddo", "tools/reproduce_feddo.py", (), "feddo.jsonl", "feddo.md",
          # the policies' pretrain.json (cost, episodes, each agent's SHA-256), not the policies (9 MB
          # each): a later session pre-trains again the ones its cells need and checks the bits
-         extra_dirs={"policies": "feddo-policies"}, extra_keep=("*.json",), verify=2),
+         extra_dirs={"policies": "feddo-policies"}, extra_keep=("*.json",), verify=2, fold_option="--fold-pretrain"),
 )
 
 
@@ -292,7 +298,8 @@ def _verify_file(grid: Grid) -> Path:
 def merge(grid: Grid, base: Path) -> bool:
     """Step 3 of the module docstring; with no grid folder, only the report is regenerated from
     the committed records (after a change to its script's report). Returns whether the report was
-    regenerated (True too when there are no records at all, and so nothing to do)."""
+    regenerated and every extra folder folded (True too when there are no records at all, and so
+    nothing to do)."""
     out = _folder(grid, base)
     committed_path = RESULTS / grid.results
     if not (out / "results.jsonl").is_file():
@@ -306,17 +313,27 @@ def merge(grid: Grid, base: Path) -> bool:
         _write_jsonl(committed_path, records)
     if (out / "verify.md").is_file():
         shutil.copyfile(out / "verify.md", _verify_file(grid))
+    folded = True
     for inside, committed_dir in grid.extra_dirs.items():
         if (out / inside).is_dir():
+            if grid.fold_option and (RESULTS / committed_dir).is_dir():
+                rc, _ = _run([sys.executable, grid.script, grid.fold_option, str(RESULTS / committed_dir),
+                              "--out", str(out)], None)
+                if rc != 0:  # the committed folder is kept as it is
+                    print(f"{grid.name}: {grid.fold_option} failed (exit {rc}): {RESULTS / committed_dir} not "
+                          "updated", file=sys.stderr, flush=True)
+                    folded = False
+                    continue
             shutil.copytree(out / inside, RESULTS / committed_dir, dirs_exist_ok=True, ignore=_not_kept(grid))
     report = REPORTS / grid.report
     with tempfile.TemporaryDirectory() as tmp:
         _write_jsonl(Path(tmp) / "results.jsonl", records)
         if _verify_file(grid).is_file():
             shutil.copyfile(_verify_file(grid), Path(tmp) / "verify.md")
-        for inside in grid.extra_dirs:
-            if (out / inside).is_dir():
-                shutil.copytree(out / inside, Path(tmp) / inside, ignore=_not_kept(grid))
+        for inside, committed_dir in grid.extra_dirs.items():  # the grid folder's (folded), else the committed
+            src = out / inside if (out / inside).is_dir() else RESULTS / committed_dir
+            if src.is_dir():
+                shutil.copytree(src, Path(tmp) / inside, ignore=_not_kept(grid))
         rc, _ = _run([sys.executable, grid.script, *grid.options, "--out", tmp, "--report", str(report),
                       "--report-only"], None)
     if rc == 0 and report.is_file():  # the Command line names the queue, not the temporary folder
@@ -324,7 +341,7 @@ def merge(grid: Grid, base: Path) -> bool:
     n = sum(1 for r in records if portable(r))
     print(f"{grid.name}: {committed_path} holds {len(records)} records ({n} portable); "
           f"report {'regenerated' if rc == 0 else f'NOT regenerated (exit {rc})'}", flush=True)
-    return rc == 0
+    return rc == 0 and folded
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,6 +194,7 @@ from broker_server.experiments import (  # noqa: E402
 )
 from broker_server.strategies.feddo import VAL_SIZE  # noqa: E402
 from broker_server.text import plural  # noqa: E402
+from protocol.files import write_atomically  # noqa: E402
 
 #: stands for the setting's pre-trained policy in :data:`METHODS` (replaced by its path)
 PRETRAINED = "<pre-trained>"
@@ -435,19 +436,97 @@ def _pretrain_task(spec: dict) -> dict:
     from broker_server.feddo_pretrain import pretrain, progress_line
 
     torch.set_num_threads(1)
+    loads: list[float] = []  # the 1-min load average at each episode's end: what ran beside it
+
+    def on_episode(m: dict) -> None:
+        loads.append(os.getloadavg()[0])
+        print(f"  {spec['name']}: " + progress_line(m, spec["episodes"]), flush=True)
+
     try:
         res = pretrain(from_dict(spec["raw"], f"<pretrain {spec['name']}>"), episodes=spec["episodes"],
-                       rounds=spec["rounds"], out=spec["path"],
-                       on_episode=lambda m: print(f"  {spec['name']}: " + progress_line(m, spec["episodes"]),
-                                                  flush=True))
+                       rounds=spec["rounds"], out=spec["path"], on_episode=on_episode)
     except Exception as exc:  # recorded; the cells that need this policy are not run
         return {"error": f"{type(exc).__name__}: {exc}"}
     from broker_server.numerics import fingerprint
 
     return {"path": spec["path"], "setting": spec["setting"], "tag": spec["tag"], "cpu_seconds": res.cpu_seconds,
-            "machine": fingerprint(), "sha256": policy_sha256(spec["path"]), "bytes": Path(spec["path"]).stat().st_size,
-            "episodes": spec["episodes"], "rounds": spec["rounds"], "parameters": res.parameter_counts,
-            "fingerprint": spec["fingerprint"], "lines": res.episodes}
+            "machine": fingerprint(), "load_avg": round(sum(loads) / len(loads), 2) if loads else None,
+            "cores": os.cpu_count(), "sha256": policy_sha256(spec["path"]),
+            "bytes": Path(spec["path"]).stat().st_size, "episodes": spec["episodes"], "rounds": spec["rounds"],
+            "parameters": res.parameter_counts, "fingerprint": spec["fingerprint"], "lines": res.episodes}
+
+
+def make_of(entry: dict) -> dict | None:
+    """One pre-training of a policy as ``pretrain.json``'s ``makes`` lists it: its CPU seconds,
+    the CPU's name and, where recorded, the mean 1-minute load average over its episodes and the
+    core count (a load above the pre-trainings running together means something else ran beside
+    it, and CPU seconds grow under contention); ``None`` for an entry without CPU seconds."""
+    if entry.get("cpu_seconds") is None:
+        return None
+    made = {"cpu_seconds": float(entry["cpu_seconds"]), "cpu": (entry.get("machine") or {}).get("cpu", "unrecorded")}
+    made.update({k: entry[k] for k in ("load_avg", "cores") if entry.get(k) is not None})
+    return made
+
+
+def makes_of(entry: dict) -> list[dict]:
+    """Every pre-training of the policy of ``entry`` on record, the first first: its ``makes``,
+    or the entry's own cost where it has no list (an entry written before the list was kept)."""
+    if entry.get("makes"):
+        return [dict(m) for m in entry["makes"]]
+    return [m for m in [make_of(entry)] if m is not None]
+
+
+def fold_pretrain_files(committed: Path, folder: Path) -> int:
+    """``--fold-pretrain``: :func:`fold_pretrain` of the files ``committed`` and ``folder``, written
+    to ``folder`` (whole or not at all); a line says how many policies now have more than one make.
+    Returns 0, or 2 with a line on stderr when either file cannot be read as JSON."""
+    try:
+        old = json.loads(committed.read_text(encoding="utf-8")) if committed.is_file() else {}
+        new = json.loads(folder.read_text(encoding="utf-8")) if folder.is_file() else {}
+    except (OSError, ValueError) as exc:
+        print(f"--fold-pretrain: {exc}", file=sys.stderr)
+        return 2
+    folded = fold_pretrain(old, new)
+    write_atomically(folder, json.dumps(folded, indent=1).encode("utf-8"))
+    n = sum(len(makes_of(v)) > 1 for v in folded.values() if "error" not in v)
+    print(f"{folder}: {committed} folded in ({len(folded)} {'policy' if len(folded) == 1 else 'policies'}, {n} with "
+          "re-makes on record)", flush=True)
+    return 0
+
+
+def makes_text(entry: dict) -> str:
+    """The report's account of a policy's pre-trainings: the first make's CPU seconds and CPU,
+    then each re-make's (``"1,646 CPU s on AMD EPYC; re-made once with the same SHA-256: 2,903
+    CPU s on Intel(R) Xeon(R) Processor (load 3.9 on 2 cores)"``)."""
+    def one(m: dict) -> str:
+        load = f" (load {m['load_avg']:.1f} on {m['cores']} cores)" if "load_avg" in m and "cores" in m else ""
+        return f"{m['cpu_seconds']:,.0f} CPU s on {m['cpu']}{load}"
+
+    ms = makes_of(entry)
+    again = len(ms) - 1
+    return one(ms[0]) + (f"; re-made {'once' if again == 1 else f'{again} times'} with the same SHA-256: "
+                         + ", ".join(one(m) for m in ms[1:]) if again else "")
+
+
+def fold_pretrain(committed: dict[str, dict], folder: dict[str, dict]) -> dict[str, dict]:
+    """``pretrain.json`` of a grid folder (``folder``) merged into the committed one so that no
+    pre-training's cost is lost: per policy made with the same SHA-256 in both, the committed
+    entry (its first make's cost, machine and episode lines) with ``makes`` holding every make of
+    either, in order, each once, and ``remade`` the re-makes counted (the larger of both
+    entries' counts and the makes less one); otherwise the folder's
+    entry (a new policy, or an error entry, which keeps the recorded one). Policies only
+    committed are kept."""
+    out = {k: dict(v) for k, v in committed.items()}
+    for name, f in folder.items():
+        c = committed.get(name)
+        if not c or "error" in c or "error" in f or c.get("sha256") != f.get("sha256"):
+            out[name] = f
+            continue
+        makes = makes_of(c)
+        makes += [m for m in makes_of(f) if m not in makes]
+        remade = max(int(c.get("remade", 0)), int(f.get("remade", 0)), len(makes) - 1)
+        out[name] = {**c, "path": f.get("path", c.get("path")), "makes": makes, "remade": remade}
+    return out
 
 
 def policy_sha256(path: str | Path) -> str:
@@ -485,7 +564,8 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
     was ``recorded`` (its file absent: policies are not committed, only their ``pretrain.json``).
 
     The same SHA-256 (:func:`policy_sha256`; portable numerics make the pre-training
-    machine-independent): ``new`` with ``remade`` counting the re-makes. Another: an ``error``
+    machine-independent): the recorded entry, its cost the first make's, with the new make
+    appended to its ``makes`` (:func:`fold_pretrain`; ``remade`` counts the re-makes). Another: an ``error``
     entry that keeps the recorded one (``recorded``) and the new hash (``remade_sha256``), so the
     cells recorded with the old policy are not mixed with cells of the new one (:func:`runnable`
     blocks them) and the next invocation compares against it again. A pre-training that failed
@@ -499,7 +579,7 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
         return {**new, "recorded": recorded}
     if new["sha256"] == recorded["sha256"]:
         print(f"policy {name}: re-made, the same bits as its recorded pre-training ({new['sha256'][:16]}…)", flush=True)
-        return {**new, "remade": int(recorded.get("remade", 0)) + 1}
+        return {**fold_pretrain({name: recorded}, {name: new})[name], "remade": int(recorded.get("remade", 0)) + 1}
     return {"error": f"re-made with SHA-256 {new['sha256'][:16]}…, but its recorded pre-training wrote "
                      f"{recorded['sha256'][:16]}… (on {recorded.get('machine', 'an unrecorded machine')}): the cells "
                      "recorded with it would be mixed with cells of another policy; find why the pre-training "
@@ -610,7 +690,7 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
                 info[name] = remade_check(name, info.get(name), fut.result())
                 print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
                                             else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
-                (out / "policies" / "pretrain.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+                write_atomically(out / "policies" / "pretrain.json", json.dumps(info, indent=1).encode("utf-8"))
                 if filler is not None and fill_thread is None and len(todo) >= workers \
                         and len(todo) - finished == len(todo) % workers:  # the last wave alone now
                     start_filler()
@@ -1261,8 +1341,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                    and v.get("episodes") == settings["episodes"] and v.get("rounds") == settings["pretrain_rounds"]]
             for v in pol:
                 eps = [v["lines"][0]] + ([v["lines"][-1]] if len(v["lines"]) > 1 else [])
-                lines.append(f"\nPre-training: {v['cpu_seconds']:.0f} CPU s for {v['episodes']} episodes × "
-                             f"{v['rounds']} rounds; " + "; ".join(
+                lines.append(f"\nPre-training: {v['episodes']} episodes × {v['rounds']} rounds, {makes_text(v)}; "
+                             + "; ".join(
                                  f"episode {e['episode']}: return {e['return']:+.2f}, accuracy "
                                  f"{100 * e['final_accuracy']:.2f} %, {e['mean_active']:.1f} active at d "
                                  f"{e['mean_ratio']:.3f}"
@@ -1512,9 +1592,14 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
     if main_pol:
         cpu = [v["cpu_seconds"] for v in main_pol]
         per_round = sum(cpu) / sum(v["episodes"] * v["rounds"] for v in main_pol)
+        remakes = [m for v in main_pol for m in makes_of(v)[1:]]
+        again = (f"; {plural(len(remakes), 're-make')} with the same bits took "
+                 f"{min(m['cpu_seconds'] for m in remakes):,.0f}–{max(m['cpu_seconds'] for m in remakes):,.0f} CPU s"
+                 if remakes else "")
         lines.append(f"- Pre-training cost: {pm(cpu, 1.0, 0, plain_single=True)} CPU s per policy ({len(main_pol)} "
-                     f"policies, {settings['episodes']} episodes × {settings['pretrain_rounds']} rounds, "
-                     f"{per_round:.2f} CPU s a round); the paper's {PAPER_EPISODES} episodes of {R} rounds would take "
+                     f"policies, each its first make, {settings['episodes']} episodes × "
+                     f"{settings['pretrain_rounds']} rounds, {per_round:.2f} CPU s a round{again}); the paper's "
+                     f"{PAPER_EPISODES} episodes of {R} rounds would take "
                      f"≈ {per_round * PAPER_EPISODES * R / 3600:.1f} CPU-hours per setting here. The paper gives no "
                      "time: reported, not judged.")
     lines += ["", "## Re-run check", ""] + (verify or ["Not run (`--verify K` re-runs K recorded cells and compares "
@@ -1567,7 +1652,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--estimate-only", action="store_true", help="run the first missing cell, print the estimate")
     p.add_argument("--verify", type=int, default=0, metavar="K", help="re-run K recorded cells and compare")
     p.add_argument("--report-only", action="store_true", help="write the report from OUT/results.jsonl")
+    p.add_argument("--fold-pretrain", metavar="DIR", default=None,
+                   help="fold DIR/pretrain.json (the committed one) into OUT/policies/pretrain.json, keeping every "
+                        "pre-training's cost (the grid queue's merge), and exit")
     a = p.parse_args(argv)
+    if a.fold_pretrain is not None:
+        return fold_pretrain_files(Path(a.fold_pretrain) / "pretrain.json", Path(a.out) / "policies" / "pretrain.json")
     if a.report is None:  # the committed report is replaced only when named
         a.report = str(Path(a.out) / "report.md")
     sweeps: dict[str, list] = dict(SWEEPS)

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from helpers.tools import load_tool
 
 PORTABLE = {"cpu": "AMD EPYC", "arch": "x86_64", "torch": "2.14.1+cu130", "numpy": "2.4.6", "cpu_capability": "AVX2",
@@ -189,6 +190,51 @@ def test_only_the_kept_files_of_an_extra_folder_are_committed(tmp_path: Path) ->
     every = q.Grid("x", "tools/x.py", (), "x.jsonl", "x.md", extra_dirs={"policies": "x-policies"})
     shutil.copytree(src, tmp_path / "all", ignore=q._not_kept(every))
     assert len(list((tmp_path / "all").rglob("*"))) == 5
+
+
+FOLDING_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("--out") + 1])
+if "--report-only" in args:
+    Path(args[args.index("--report") + 1]).write_text("# x\n", encoding="utf-8")
+elif "--fold" in args:
+    if "fail" in args[args.index("--fold") + 1]:
+        raise SystemExit(2)
+    committed = json.loads((Path(args[args.index("--fold") + 1]) / "pretrain.json").read_text(encoding="utf-8"))
+    folder = json.loads((out / "policies" / "pretrain.json").read_text(encoding="utf-8"))
+    (out / "policies" / "pretrain.json").write_text(json.dumps({**folder, **{k: v + ["folded"] for k, v in
+        committed.items()}}), encoding="utf-8")
+"""
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_grids_fold_option_folds_the_committed_extra_folder_in_before_the_copy_back(tmp_path: Path, monkeypatch,
+                                                                                     fails: bool) -> None:
+    """The merge runs ``SCRIPT FOLD_OPTION COMMITTED_DIR --out GRID_FOLDER`` before copying the
+    extra folder back: what is committed is the folded file; a fold that fails leaves the
+    committed folder as it was and the merge says so (False: the queue exits 1)."""
+    q = load_tool("grid_queue")
+    reports = tmp_path / ("fail" if fails else "ok") / "benchmarks"
+    monkeypatch.setattr(q, "REPORTS", reports)
+    monkeypatch.setattr(q, "RESULTS", reports / "results")
+    script = tmp_path / "fold.py"
+    script.write_text(FOLDING_SCRIPT, encoding="utf-8")
+    grid = q.Grid("x", str(script), (), "x.jsonl", "x.md", extra_dirs={"policies": "x-policies"},
+                  extra_keep=("*.json",), fold_option="--fold")
+    committed = reports / "results" / "x-policies"
+    committed.mkdir(parents=True)
+    (committed / "pretrain.json").write_text(json.dumps({"p": ["first make"]}), encoding="utf-8")
+    out = tmp_path / "grids" / "x"
+    (out / "policies").mkdir(parents=True)
+    (out / "results.jsonl").write_text("", encoding="utf-8")
+    (out / "policies" / "pretrain.json").write_text(json.dumps({"p": ["re-make"], "q": ["new"]}), encoding="utf-8")
+    (out / "policies" / "q.pt").write_bytes(b"9 MB")
+    assert q.merge(grid, tmp_path / "grids") is (not fails)
+    got = json.loads((committed / "pretrain.json").read_text(encoding="utf-8"))
+    assert got == ({"p": ["first make"]} if fails else {"p": ["first make", "folded"], "q": ["new"]})
+    assert not (committed / "q.pt").exists()
 
 
 def test_the_regenerated_reports_command_line_names_the_queue_in_either_spelling() -> None:

@@ -8,6 +8,7 @@ bad options are usage errors."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -517,6 +518,58 @@ def test_a_pre_trained_policy_records_the_sha256_of_its_agent(tiny_policy: tuple
     assert first["episodes"] == 1 and isinstance(first["cpu_seconds"], float)  # recorded, not compared
 
 
+def test_folding_a_grid_folders_pretrain_json_keeps_every_make() -> None:
+    """The committed entry keeps its first make's cost and lines; a folder's re-make with the same
+    bits (written whole by a tool of before the list: its cost is the re-make's) is appended once;
+    other bits, an error, or a new policy take the folder's entry; policies only committed stay."""
+    t = _tool()
+    epyc = {"cpu": "AMD EPYC"}
+    first = {"sha256": "a" * 64, "cpu_seconds": 1646.0, "machine": epyc, "lines": [{"episode": 1, "seconds": 9.0}],
+             "path": "/old/p.pt"}
+    remade = {"sha256": "a" * 64, "cpu_seconds": 2903.0, "machine": {"cpu": "Xeon"}, "load_avg": 3.9, "cores": 2,
+              "lines": [{"episode": 1, "seconds": 15.0}], "path": "/new/p.pt", "remade": 1}
+    folded = t.fold_pretrain({"p": first, "q": {"sha256": "c" * 64, "cpu_seconds": 5.0}}, {"p": remade})
+    assert folded["q"] == {"sha256": "c" * 64, "cpu_seconds": 5.0}
+    p = folded["p"]
+    assert p["cpu_seconds"] == 1646.0 and p["machine"] == epyc and p["lines"] == first["lines"]
+    assert p["path"] == "/new/p.pt" and p["remade"] == 1
+    assert p["makes"] == [{"cpu_seconds": 1646.0, "cpu": "AMD EPYC"},
+                          {"cpu_seconds": 2903.0, "cpu": "Xeon", "load_avg": 3.9, "cores": 2}]
+    assert t.fold_pretrain({"p": p}, {"p": p}) == {"p": p}  # merged twice: nothing doubled
+    third = {**remade, "cpu_seconds": 2100.0, "load_avg": 2.0}
+    assert t.fold_pretrain({"p": p}, {"p": t.remade_check("p", p, third)})["p"]["makes"] == [
+        *p["makes"], {"cpu_seconds": 2100.0, "cpu": "Xeon", "load_avg": 2.0, "cores": 2}]
+    other = {**remade, "sha256": "b" * 64}
+    failed = {"error": "re-made with other bits", "recorded": first}
+    for f in (other, failed):
+        assert t.fold_pretrain({"p": first}, {"p": f})["p"] == f
+    assert t.makes_text(p) == ("1,646 CPU s on AMD EPYC; re-made once with the same SHA-256: 2,903 CPU s on Xeon "
+                               "(load 3.9 on 2 cores)")
+    assert t.makes_text(first) == "1,646 CPU s on AMD EPYC"
+
+
+
+def test_fold_pretrain_option_folds_the_committed_file_into_the_grid_folders(tmp_path: Path, capsys) -> None:
+    """``--fold-pretrain DIR --out OUT`` (the grid queue's merge) writes fold_pretrain(DIR's,
+    OUT's) to OUT/policies/pretrain.json; a file that is not JSON: exit 2, nothing written."""
+    t = _tool()
+    first = {"sha256": "a" * 64, "cpu_seconds": 10.0, "machine": {"cpu": "A"}}
+    again = {**first, "cpu_seconds": 12.0, "machine": {"cpu": "B"}, "remade": 1}
+    (tmp_path / "committed").mkdir()
+    (tmp_path / "committed" / "pretrain.json").write_text(json.dumps({"p": first}), encoding="utf-8")
+    (tmp_path / "grid" / "policies").mkdir(parents=True)
+    folder = tmp_path / "grid" / "policies" / "pretrain.json"
+    folder.write_text(json.dumps({"p": again}), encoding="utf-8")
+    assert t.main(["--fold-pretrain", str(tmp_path / "committed"), "--out", str(tmp_path / "grid")]) == 0
+    got = json.loads(folder.read_text(encoding="utf-8"))
+    assert got == t.fold_pretrain({"p": first}, {"p": again})
+    assert got["p"]["cpu_seconds"] == 10.0 and [m["cpu"] for m in got["p"]["makes"]] == ["A", "B"]
+    assert "1 policy, 1 with re-makes on record" in capsys.readouterr().out
+    (tmp_path / "committed" / "pretrain.json").write_text("{cut", encoding="utf-8")
+    assert t.main(["--fold-pretrain", str(tmp_path / "committed"), "--out", str(tmp_path / "grid")]) == 2
+    assert json.loads(folder.read_text(encoding="utf-8")) == got
+
+
 def test_remade_check_without_a_recorded_sha256_keeps_the_new_entry() -> None:
     t = _tool()
     new = {"sha256": "a" * 64, "cpu_seconds": 3.0}
@@ -645,7 +698,13 @@ def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
     assert [keys for keys, *_ in seen] == [[j.key] for j in fedavg[:len(seen)]]  # one at a time, in order
     assert {k for keys, *_ in seen for k in keys} <= t.done_keys(tmp_path)
     assert all("sha256" in info[s["name"]] and "error" not in info[s["name"]] for s in specs)
-    assert info[spec["name"]]["sha256"] == first["sha256"] and info[spec["name"]]["remade"] == 1
+    again = info[spec["name"]]
+    assert again["sha256"] == first["sha256"] and again["remade"] == 1
+    # the cost on record stays the first make's; the re-make is appended to its makes, with the load beside it
+    assert again["cpu_seconds"] == first["cpu_seconds"] and again["lines"] == first["lines"]
+    assert again["makes"][0] == t.make_of(first) and len(again["makes"]) == 2
+    remake = again["makes"][1]
+    assert remake["cores"] == os.cpu_count() and remake["load_avg"] >= 0.0 and remake["cpu_seconds"] > 0.0
 
 
 def test_the_sweep_runs_each_waves_cells_before_it_pre_trains_the_next(tmp_path: Path,
