@@ -22,8 +22,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a ``metrics.jsonl``, parsed, in file order (blank lines skipped).
 
     A last line that is not a JSON object with an integer ``round`` is dropped with a warning:
-    the process was killed in the middle of appending it (or the disk filled), and its round
-    comes after the last checkpoint's, so a resume runs it again.
+    the process was killed in the middle of appending it (or the disk filled). A resume writes
+    that round's line again: from the round's checkpoint where it holds the line (evaluation
+    overlap), or by running the round again (its checkpoint follows its line otherwise).
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -49,7 +50,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 continue
         if n == len(lines):
             log.warning("%s:%d: the last line is cut short or not a round's line (%s): dropped, as a line a killed "
-                        "process left half-written", path, lineno, problem)
+                        "process left half-written (--resume writes that round's line again)", path, lineno, problem)
             break
         raise ValueError(f"{path}:{lineno}: {problem}")
     return out

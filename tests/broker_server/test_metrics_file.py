@@ -1,8 +1,9 @@
 """``metrics.jsonl`` read back (``broker_server.metrics_file.read_metrics``) and rewritten on
 ``--resume`` (``RunStore.keep_metrics_until``), and the run folder's whole-file writes
 (``summary.json``, ``model_final.pt``): a last line a killed process left half-written is
-dropped with a warning and its round runs again; damage anywhere else is an error naming the file
-and the line, with the file kept as it was."""
+dropped with a warning and the resume writes that round's line again (from the round's
+checkpoint, which holds the line under evaluation overlap, or by running the round again); damage
+anywhere else is an error naming the file and the line, with the file kept as it was."""
 
 from __future__ import annotations
 
@@ -102,6 +103,27 @@ def test_a_resume_after_a_kill_in_the_middle_of_a_line_runs_on_from_the_checkpoi
     assert again.round == 2 and [m["round"] for m in again.metrics] == [1, 2]
     assert [m["accuracy"] for m in again.metrics] == [m["accuracy"] for m in written]
     assert [m["round"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    again.store.close()
+
+
+def test_a_line_cut_short_under_evaluation_overlap_is_written_again_from_its_checkpoint(tmp_path, digits):
+    """Round 1 of 2 is evaluated beside round 2 (overlap), so its checkpoint holds its line; a
+    server killed while appending that line leaves half of it: the resume from round 1's
+    checkpoint drops it and evaluates the checkpointed model again, the same accuracy and loss."""
+    first = run_federation(tmp_path, MemoryBroker(), FedAvg(participation_rate=1.0), _devices(digits), digits.test,
+                           rounds=2)
+    written = read_metrics(tmp_path / "metrics.jsonl")
+    first.store.close()
+    text = json.dumps(written[0])
+    (tmp_path / "metrics.jsonl").write_text(text[:len(text) // 2], encoding="utf-8")
+    again = federation_server(tmp_path, MemoryBroker(), FedAvg(participation_rate=1.0), digits.test, rounds=2,
+                              clients=2)
+    ckpt = again.checkpoints.load(1)
+    assert ckpt is not None and ckpt.meta.get("pending_line", {}).get("round") == 1
+    again.resume(ckpt)
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["round"] for m in lines] == [1] and "evaluate_on_resume" in lines[0]["phase_s"]
+    assert (lines[0]["accuracy"], lines[0]["loss"]) == (written[0]["accuracy"], written[0]["loss"])
     again.store.close()
 
 
