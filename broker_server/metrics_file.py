@@ -18,28 +18,44 @@ log = logging.getLogger(__name__)
 METRICS_NAME = "metrics.jsonl"
 
 
+#: (path, line number, line) of cut-short last lines already warned about: one warning each,
+#: though ``--resume`` reads the file more than once
+_WARNED: set[tuple[str, int, bytes]] = set()
+
+#: what a damaged line's error tells the user to do
+_WHAT_TO_DO = "repair or delete that line (its round's figures are lost with it), then run again"
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a ``metrics.jsonl``, parsed, in file order (blank lines skipped).
 
-    A last line that is not a JSON object with an integer ``round`` is dropped with a warning:
-    the process was killed in the middle of appending it (or the disk filled). A resume writes
-    that round's line again: from the round's checkpoint where it holds the line (evaluation
-    overlap), or by running the round again (its checkpoint follows its line otherwise).
+    A last line cut short is dropped with a warning (once per process): the process was killed
+    in the middle of appending it, or the disk filled. Cut short means the file does not end
+    with a newline (each line is appended with its newline in one write) or the line is NUL bytes
+    only (a file system's zero-filled tail after a crash), and the line is not a JSON object
+    with an integer ``round``. A resume writes that round's line again: from the round's
+    checkpoint where it holds the line (evaluation overlap), or by running the round again (its
+    checkpoint follows its line otherwise).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        OSError, UnicodeDecodeError: the file cannot be read as UTF-8 text.
-        ValueError: a line other than the last is not a JSON object with an integer ``round``
-            (the file was edited or damaged); the message is ``PATH:LINE: what is wrong``.
+        OSError: the file cannot be read (a folder, no permission).
+        ValueError: any other line is not UTF-8 text holding a JSON object with an integer
+            ``round`` (the file was edited or damaged); the message is ``PATH:LINE: what is
+            wrong; what to do``.
     """
-    lines = [(i, line) for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1)
-             if line.strip()]
+    data = Path(path).read_bytes()
+    lines = [(i, raw) for i, raw in enumerate(data.split(b"\n"), 1) if raw.strip()]
     out: list[dict[str, Any]] = []
-    for n, (lineno, line) in enumerate(lines, 1):
+    for n, (lineno, raw) in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            problem = f"not UTF-8 text (byte {exc.start + 1} of the line)"
         except json.JSONDecodeError as exc:
             problem = f"not valid JSON ({exc.msg})"
+        except RecursionError:
+            problem = "not a metrics line (JSON nested too deeply)"
         else:
             if not isinstance(record, dict):
                 problem = f"expected a JSON object per round, got {type(record).__name__}"
@@ -48,9 +64,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             else:
                 out.append(record)
                 continue
-        if n == len(lines):
-            log.warning("%s:%d: the last line is cut short or not a round's line (%s): dropped, as a line a killed "
-                        "process left half-written (--resume writes that round's line again)", path, lineno, problem)
-            break
-        raise ValueError(f"{path}:{lineno}: {problem}")
+        cut_short = n == len(lines) and (not data.endswith(b"\n") or not raw.strip(b"\0\r\n\t "))
+        if not cut_short:
+            raise ValueError(f"{path}:{lineno}: {problem}; {_WHAT_TO_DO}")
+        if (key := (str(path), lineno, raw)) not in _WARNED:
+            _WARNED.add(key)
+            log.warning("%s:%d: the last line is cut short (%s): dropped, as a line a killed process left "
+                        "half-written (--resume writes that round's line again)", path, lineno, problem)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-import logging
+import stat
 from pathlib import Path
 
 import torch
@@ -14,8 +14,6 @@ from protocol.files import write_atomically
 
 from .checkpoint import Checkpoint, CheckpointStore
 from .metrics_file import METRICS_NAME, read_metrics
-
-log = logging.getLogger(__name__)
 
 
 def write_summary(run_dir: Path, record: dict) -> None:
@@ -65,7 +63,9 @@ class RunStore:
         if not path.exists():
             return []
         kept = [m for m in read_metrics(path) if m["round"] <= round]
-        write_atomically(path, "".join(json.dumps(m) + "\n" for m in kept).encode("utf-8"))
+        target = path.resolve()  # a symbolic link's file is rewritten, with its permission bits
+        write_atomically(target, "".join(json.dumps(m) + "\n" for m in kept).encode("utf-8"),
+                         mode=stat.S_IMODE(target.stat().st_mode))
         return kept
 
     def save_checkpoint(self, ckpt: Checkpoint) -> None:

@@ -109,6 +109,26 @@ class FinishedRun:
         return self.summary is not None
 
 
+def resume_metrics(run_dir: str | Path) -> list[dict]:
+    """``metrics.jsonl`` of the run folder ``--resume`` continues (``[]`` without the file), read
+    before anything is started or written, so that a damaged file is refused while the folder
+    (its ledger, its configuration) is as the run left it.
+
+    Raises:
+        ConfigError: the file cannot be read, or a line before the last is damaged
+            (:func:`~broker_server.metrics_file.read_metrics`: ``PATH:LINE``, what to do).
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        return read_metrics(path)
+    except FileNotFoundError:
+        return []
+    except ValueError as exc:  # names the file and the line
+        raise ConfigError(f"--resume: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+
+
 def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
     """The run in ``run_dir`` when its rounds are all done: its latest checkpoint is of round
     ``rounds`` (``[run] rounds``) or later and ``metrics.jsonl`` has that round's line. ``None``:
@@ -123,16 +143,9 @@ def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
     last = last_checkpoint_round(out / "checkpoints.sqlite")
     if last is None or last < rounds:
         return None
-    path = out / "metrics.jsonl"
-    try:
-        lines = read_metrics(path)
-    except FileNotFoundError:
+    if not (out / "metrics.jsonl").exists():
         return None
-    except ValueError as exc:  # names the file and the line
-        raise ConfigError(f"--resume: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
-    metrics = [m for m in lines if m["round"] <= last]
+    metrics = [m for m in resume_metrics(out) if m["round"] <= last]
     if not any(m["round"] == last for m in metrics):
         return None
     summary = None

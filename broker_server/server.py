@@ -132,6 +132,7 @@ from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 from .admission import admit, model_requirement
 from .checkpoint import Checkpoint
 from .errors import RunError
+from .metrics_file import read_metrics
 from .persistence import RunStore
 from .registry import LIMIT_RANGES, ClientRecord, DeviceRegistry, announced_limit
 from .round_state import CountedUpdates, RoundState, RoundStats
@@ -1749,8 +1750,9 @@ class AggregationServer:
             RunError: the strategy cannot take the checkpoint's state (its ``load_state_dict``
                 raised ValueError, KeyError or TypeError: a checkpoint of another configuration or
                 version, a policy file it needs and cannot read …); the message names the round,
-                the strategy and its reason. Or ``metrics.jsonl`` has a damaged line before its
-                last (:func:`~broker_server.metrics_file.read_metrics`), named in the message.
+                the strategy and its reason. Or ``metrics.jsonl`` cannot be read, has a damaged
+                line (:func:`~broker_server.metrics_file.read_metrics`: named in the message), or
+                lacks the checkpoint round's line where the checkpoint holds none to write again.
         """
         try:
             self.strategy.load_state_dict(ckpt.strategy_state)
@@ -1759,11 +1761,20 @@ class AggregationServer:
             reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
             raise RunError(f"the checkpoint of round {ckpt.round} in {self.run_dir}: strategy {name!r} cannot restore "
                            f"its state from it ({reason})") from exc
-        if self.store.metrics_path.exists():
-            try:
-                self.metrics = self.store.keep_metrics_until(ckpt.round)
-            except ValueError as exc:
-                raise RunError(f"cannot resume after round {ckpt.round}: {exc}") from None
+        path = self.store.metrics_path
+        try:
+            lines = read_metrics(path) if path.exists() else []
+        except ValueError as exc:  # names the file and the line
+            raise RunError(f"cannot resume after round {ckpt.round}: {exc}") from None
+        except OSError as exc:
+            raise RunError(f"cannot resume after round {ckpt.round}: cannot read {path}: {exc}") from None
+        if ckpt.round > 0 and not isinstance(ckpt.meta.get("pending_line"), dict) \
+                and not any(m["round"] == ckpt.round for m in lines):
+            raise RunError(f"cannot resume after round {ckpt.round}: {path} has no line for round {ckpt.round}, and "
+                           "its checkpoint holds none to write again (the line, written before that checkpoint, was "
+                           "removed or the file replaced): restore the file, or its figures of that round are lost")
+        if path.exists():
+            self.metrics = self.store.keep_metrics_until(ckpt.round)
         self.round = ckpt.round
         self.global_tensors = [np.array(t) for t in ckpt.tensors]
         load_arrays(self.model, self.global_tensors)

@@ -21,7 +21,15 @@ from .config import AgentsSection, Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .persistence import write_summary
-from .run_end import FinishedRun, finished_run, finishing_line, nothing_to_resume, summary_record, write_final_files
+from .run_end import (
+    FinishedRun,
+    finished_run,
+    finishing_line,
+    nothing_to_resume,
+    resume_metrics,
+    summary_record,
+    write_final_files,
+)
 from .runtime import check_server_keys, make_server
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, run_troubles_text
 from .simulate import (
@@ -223,6 +231,8 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
     check_real_fleet(cfg)
     if resume and not (out / "checkpoints.sqlite").exists():
         raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
+    if resume:
+        resume_metrics(out)  # a damaged metrics.jsonl is refused before a broker, a ledger or a file is touched
     if not resume and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or "fedfleet"

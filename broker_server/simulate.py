@@ -54,7 +54,7 @@ from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
 from .persistence import write_summary
-from .run_end import FinishedRun, finished_run, last_checkpoint_round, summary_record, write_final_files
+from .run_end import FinishedRun, finished_run, last_checkpoint_round, resume_metrics, summary_record, write_final_files
 from .runtime import (
     agent_spec,
     channel_options,
@@ -464,6 +464,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     run_id = out.name
     if resume and not (out / "checkpoints.sqlite").exists():
         raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
+    if resume:
+        resume_metrics(out)  # a damaged metrics.jsonl is refused before a broker, a ledger or a file is touched
     if not resume and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or run_id

@@ -313,7 +313,7 @@ def merge(grid: Grid, base: Path) -> bool:
         _write_jsonl(committed_path, records)
     if (out / "verify.md").is_file():
         shutil.copyfile(out / "verify.md", _verify_file(grid))
-    folded = True
+    unfolded: set[str] = set()  # extra folders whose fold failed: the committed copy stands, in the report too
     for inside, committed_dir in grid.extra_dirs.items():
         if (out / inside).is_dir():
             if grid.fold_option and (RESULTS / committed_dir).is_dir():
@@ -322,7 +322,7 @@ def merge(grid: Grid, base: Path) -> bool:
                 if rc != 0:  # the committed folder is kept as it is
                     print(f"{grid.name}: {grid.fold_option} failed (exit {rc}): {RESULTS / committed_dir} not "
                           "updated", file=sys.stderr, flush=True)
-                    folded = False
+                    unfolded.add(inside)
                     continue
             shutil.copytree(out / inside, RESULTS / committed_dir, dirs_exist_ok=True, ignore=_not_kept(grid))
     report = REPORTS / grid.report
@@ -331,7 +331,7 @@ def merge(grid: Grid, base: Path) -> bool:
         if _verify_file(grid).is_file():
             shutil.copyfile(_verify_file(grid), Path(tmp) / "verify.md")
         for inside, committed_dir in grid.extra_dirs.items():  # the grid folder's (folded), else the committed
-            src = out / inside if (out / inside).is_dir() else RESULTS / committed_dir
+            src = out / inside if (out / inside).is_dir() and inside not in unfolded else RESULTS / committed_dir
             if src.is_dir():
                 shutil.copytree(src, Path(tmp) / inside, ignore=_not_kept(grid))
         rc, _ = _run([sys.executable, grid.script, *grid.options, "--out", tmp, "--report", str(report),
@@ -341,7 +341,7 @@ def merge(grid: Grid, base: Path) -> bool:
     n = sum(1 for r in records if portable(r))
     print(f"{grid.name}: {committed_path} holds {len(records)} records ({n} portable); "
           f"report {'regenerated' if rc == 0 else f'NOT regenerated (exit {rc})'}", flush=True)
-    return rc == 0 and folded
+    return rc == 0 and not unfolded
 
 
 def main(argv: list[str] | None = None) -> int:

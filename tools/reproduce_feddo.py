@@ -479,16 +479,35 @@ def makes_of(entry: dict) -> list[dict]:
 def fold_pretrain_files(committed: Path, folder: Path) -> int:
     """``--fold-pretrain``: :func:`fold_pretrain` of the files ``committed`` and ``folder``, written
     to ``folder`` (whole or not at all); a line says how many policies now have more than one make.
-    Returns 0, or 2 with a line on stderr when either file cannot be read as JSON."""
+    No ``folder`` file (a grid that pre-trained nothing): nothing to fold, nothing written.
+
+    Returns:
+        0; 2 with a line on stderr naming the file when ``committed`` is missing, or either file
+        is not JSON holding an object of policy entries (objects), or the entries cannot be
+        folded (a field of the wrong type); ``folder`` is then left as it was.
+    """
+    if not folder.is_file():
+        print(f"{folder}: no such file: nothing to fold", flush=True)
+        return 0
+    files: list[dict[str, dict]] = []
+    for path in (committed, folder):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            print(f"--fold-pretrain: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            print(f"--fold-pretrain: {path} is not a pretrain.json (an object of policy entries)", file=sys.stderr)
+            return 2
+        files.append(data)
     try:
-        old = json.loads(committed.read_text(encoding="utf-8")) if committed.is_file() else {}
-        new = json.loads(folder.read_text(encoding="utf-8")) if folder.is_file() else {}
-    except (OSError, ValueError) as exc:
-        print(f"--fold-pretrain: {exc}", file=sys.stderr)
+        folded = fold_pretrain(*files)
+        n = sum(len(makes_of(v)) > 1 for v in folded.values() if "error" not in v)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        print(f"--fold-pretrain: {committed} and {folder} cannot be folded ({type(exc).__name__}: {exc}); "
+              f"{folder} is left as it was", file=sys.stderr)
         return 2
-    folded = fold_pretrain(old, new)
     write_atomically(folder, json.dumps(folded, indent=1).encode("utf-8"))
-    n = sum(len(makes_of(v)) > 1 for v in folded.values() if "error" not in v)
     print(f"{folder}: {committed} folded in ({len(folded)} {'policy' if len(folded) == 1 else 'policies'}, {n} with "
           "re-makes on record)", flush=True)
     return 0
@@ -508,24 +527,42 @@ def makes_text(entry: dict) -> str:
                          + ", ".join(one(m) for m in ms[1:]) if again else "")
 
 
+def _count(v: object) -> int:
+    """A ``remade`` count as written (``None`` or absent: 0)."""
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+
+def _fold_entry(c: dict, f: dict) -> dict:
+    """Two entries of one policy made with the same SHA-256: the committed one (``c``; its first
+    make's cost, machine and episode lines, or ``f``'s where ``c`` has no cost) with every make
+    of either in ``makes``, in order, each once."""
+    base = c if make_of(c) is not None else {**c, **f}
+    makes = makes_of(c)
+    makes += [m for m in makes_of(f) if m not in makes]
+    remade = max(_count(c.get("remade")), _count(f.get("remade")), len(makes) - 1)
+    return {**base, "path": f.get("path", c.get("path")), "makes": makes, "remade": remade}
+
+
 def fold_pretrain(committed: dict[str, dict], folder: dict[str, dict]) -> dict[str, dict]:
     """``pretrain.json`` of a grid folder (``folder``) merged into the committed one so that no
-    pre-training's cost is lost: per policy made with the same SHA-256 in both, the committed
-    entry (its first make's cost, machine and episode lines) with ``makes`` holding every make of
-    either, in order, each once, and ``remade`` the re-makes counted (the larger of both
-    entries' counts and the makes less one); otherwise the folder's
-    entry (a new policy, or an error entry, which keeps the recorded one). Policies only
-    committed are kept."""
+    pre-training's cost is lost. An error entry counts by the entry it keeps (``recorded``).
+    Per policy whose kept entries both carry the same SHA-256: the committed entry folded with
+    the folder's (:func:`_fold_entry`: ``makes`` holds every make of either, in order, each once;
+    ``remade`` the larger of both counts and the makes less one); otherwise the folder's (a new
+    policy, other bits). The folder's error entry stays an error entry, its ``recorded`` the
+    folded one (the committed one where the folder's has none). Policies only committed are
+    kept."""
+    def kept(e: dict | None) -> dict | None:
+        return (e.get("recorded") or None) if e and "error" in e else e
+
     out = {k: dict(v) for k, v in committed.items()}
     for name, f in folder.items():
-        c = committed.get(name)
-        if not c or "error" in c or "error" in f or c.get("sha256") != f.get("sha256"):
-            out[name] = f
-            continue
-        makes = makes_of(c)
-        makes += [m for m in makes_of(f) if m not in makes]
-        remade = max(int(c.get("remade", 0)), int(f.get("remade", 0)), len(makes) - 1)
-        out[name] = {**c, "path": f.get("path", c.get("path")), "makes": makes, "remade": remade}
+        c_rec, f_rec = kept(committed.get(name)), kept(f)
+        if c_rec and f_rec and c_rec.get("sha256") and c_rec.get("sha256") == f_rec.get("sha256"):
+            rec = _fold_entry(c_rec, f_rec)
+        else:
+            rec = f_rec or (c_rec if "error" in f else None)
+        out[name] = {**f, "recorded": rec} if "error" in f and rec else (rec if rec is not None else f)
     return out
 
 
@@ -1657,6 +1694,8 @@ def main(argv: list[str] | None = None) -> int:
                         "pre-training's cost (the grid queue's merge), and exit")
     a = p.parse_args(argv)
     if a.fold_pretrain is not None:
+        if a.report_only or a.verify or a.estimate_only:
+            p.error("--fold-pretrain runs alone (not with --report-only, --verify or --estimate-only)")
         return fold_pretrain_files(Path(a.fold_pretrain) / "pretrain.json", Path(a.out) / "policies" / "pretrain.json")
     if a.report is None:  # the committed report is replaced only when named
         a.report = str(Path(a.out) / "report.md")

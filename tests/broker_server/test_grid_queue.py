@@ -198,7 +198,8 @@ from pathlib import Path
 args = sys.argv[1:]
 out = Path(args[args.index("--out") + 1])
 if "--report-only" in args:
-    Path(args[args.index("--report") + 1]).write_text("# x\n", encoding="utf-8")
+    Path(args[args.index("--report") + 1]).write_text((out / "policies" / "pretrain.json").read_text(encoding="utf-8"),
+                                                      encoding="utf-8")
 elif "--fold" in args:
     if "fail" in args[args.index("--fold") + 1]:
         raise SystemExit(2)
@@ -213,8 +214,9 @@ elif "--fold" in args:
 def test_a_grids_fold_option_folds_the_committed_extra_folder_in_before_the_copy_back(tmp_path: Path, monkeypatch,
                                                                                      fails: bool) -> None:
     """The merge runs ``SCRIPT FOLD_OPTION COMMITTED_DIR --out GRID_FOLDER`` before copying the
-    extra folder back: what is committed is the folded file; a fold that fails leaves the
-    committed folder as it was and the merge says so (False: the queue exits 1)."""
+    extra folder back: what is committed, and what the report is made from, is the folded file; a
+    fold that fails leaves the committed folder as it was, the report is made from it (not from
+    the grid folder's unfolded copy), and the merge says so (False: the queue exits 1)."""
     q = load_tool("grid_queue")
     reports = tmp_path / ("fail" if fails else "ok") / "benchmarks"
     monkeypatch.setattr(q, "REPORTS", reports)
@@ -234,6 +236,7 @@ def test_a_grids_fold_option_folds_the_committed_extra_folder_in_before_the_copy
     assert q.merge(grid, tmp_path / "grids") is (not fails)
     got = json.loads((committed / "pretrain.json").read_text(encoding="utf-8"))
     assert got == ({"p": ["first make"]} if fails else {"p": ["first make", "folded"], "q": ["new"]})
+    assert json.loads((reports / "x.md").read_text(encoding="utf-8")) == got  # the fake report: what it was given
     assert not (committed / "q.pt").exists()
 
 

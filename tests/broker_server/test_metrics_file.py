@@ -49,16 +49,33 @@ def test_a_last_line_cut_short_is_dropped_with_a_warning(tmp_path, caplog, tail)
     assert f"{path}:4: the last line is cut short" in caplog.text
 
 
+def test_a_whole_last_line_that_is_not_a_rounds_is_damage_not_a_cut(tmp_path, caplog):
+    """A last line ended by its newline was written whole: not dropped (the rewrite on resume would
+    delete it), refused like any other; the cut last line warns once however often it is read."""
+    path = tmp_path / "metrics.jsonl"
+    _write(path, LINES[:2] + [{"round": "3", "accuracy": 0.75}])
+    with pytest.raises(ValueError, match=rf"^{path}:3: expected an integer 'round', got '3'; repair or delete"):
+        read_metrics(path)
+    _write(path, LINES, '{"round": 4, "accur')
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert len(read_metrics(path)) == 3
+    assert caplog.text.count("the last line is cut short") == 1
+
+
 @pytest.mark.parametrize(("bad", "problem"), [
-    ('{"round": 2, "acc', "not valid JSON"),
+    ('{"round": 2, "acc', r"not valid JSON \(Unterminated string starting at\)"),
     ("[2, 0.5]", "expected a JSON object per round, got list"),
     ('{"round": "2"}', "expected an integer 'round', got '2'"),
     ('{"round": true}', "expected an integer 'round', got True"),
+    ('{"round": 2, "note": "\xff"}', r"not UTF-8 text \(byte 23 of the line\)"),
+    ("[" * 100_000, r"not a metrics line \(JSON nested too deeply\)"),
 ])
 def test_damage_before_the_last_line_names_the_file_and_line(tmp_path, bad, problem):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps(LINES[0]) + "\n" + bad + "\n" + json.dumps(LINES[2]) + "\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=rf"^{path}:2: {problem}"):
+    path.write_bytes(json.dumps(LINES[0]).encode() + b"\n" + bad.encode("latin-1") + b"\n"
+                     + json.dumps(LINES[2]).encode() + b"\n")
+    with pytest.raises(ValueError, match=rf"^{path}:2: {problem}; repair or delete that line"):
         read_metrics(path)
 
 
@@ -70,6 +87,18 @@ def test_keep_metrics_until_drops_later_rounds_and_a_cut_line_and_rewrites_the_f
     assert [m["round"] for m in read_metrics(store.metrics_path)] == [1, 2]
     assert store.metrics_path.read_text(encoding="utf-8").endswith("}\n")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    store.close()
+
+
+def test_keep_metrics_until_rewrites_a_linked_file_with_its_permissions(tmp_path):
+    store = RunStore(tmp_path)
+    real = tmp_path / "elsewhere.jsonl"
+    _write(real, LINES)
+    real.chmod(0o600)
+    store.metrics_path.symlink_to(real)
+    assert [m["round"] for m in store.keep_metrics_until(1)] == [1]
+    assert store.metrics_path.is_symlink() and [m["round"] for m in read_metrics(real)] == [1]
+    assert real.stat().st_mode & 0o777 == 0o600
     store.close()
 
 

@@ -540,9 +540,22 @@ def test_folding_a_grid_folders_pretrain_json_keeps_every_make() -> None:
     assert t.fold_pretrain({"p": p}, {"p": t.remade_check("p", p, third)})["p"]["makes"] == [
         *p["makes"], {"cpu_seconds": 2100.0, "cpu": "Xeon", "load_avg": 2.0, "cores": 2}]
     other = {**remade, "sha256": "b" * 64}
-    failed = {"error": "re-made with other bits", "recorded": first}
-    for f in (other, failed):
-        assert t.fold_pretrain({"p": first}, {"p": f})["p"] == f
+    assert t.fold_pretrain({"p": first}, {"p": other})["p"] == other
+    # a folder's error entry (a stale grid folder, seeded before the committed re-make) keeps the
+    # committed history in the entry it records; one recording nothing records the committed entry
+    failed = {"error": "re-made with other bits", "recorded": first, "remade_sha256": "b" * 64}
+    assert t.fold_pretrain({"p": p}, {"p": failed})["p"] == {**failed, "recorded": {**p, "path": "/old/p.pt"}}
+    boom = {"error": "RuntimeError: boom"}
+    assert t.fold_pretrain({"p": p}, {"p": boom})["p"] == {**boom, "recorded": p}
+    assert t.fold_pretrain({}, {"p": boom})["p"] == boom
+    # a committed error entry counts by what it recorded
+    assert t.fold_pretrain({"p": {**failed, "recorded": p}}, {"p": p})["p"] == p
+    # no SHA-256 on either side: not known to be one policy, the folder's entry
+    assert t.fold_pretrain({"p": {"cpu_seconds": 1.0}}, {"p": {"cpu_seconds": 2.0}})["p"] == {"cpu_seconds": 2.0}
+    # a committed entry without a cost takes the re-make's; a null count reads as 0
+    bare = {"sha256": "a" * 64, "remade": None}
+    got = t.fold_pretrain({"p": bare}, {"p": remade})["p"]
+    assert got["cpu_seconds"] == 2903.0 and got["makes"] == [t.make_of(remade)] and got["remade"] == 1
     assert t.makes_text(p) == ("1,646 CPU s on AMD EPYC; re-made once with the same SHA-256: 2,903 CPU s on Xeon "
                                "(load 3.9 on 2 cores)")
     assert t.makes_text(first) == "1,646 CPU s on AMD EPYC"
@@ -565,9 +578,17 @@ def test_fold_pretrain_option_folds_the_committed_file_into_the_grid_folders(tmp
     assert got == t.fold_pretrain({"p": first}, {"p": again})
     assert got["p"]["cpu_seconds"] == 10.0 and [m["cpu"] for m in got["p"]["makes"]] == ["A", "B"]
     assert "1 policy, 1 with re-makes on record" in capsys.readouterr().out
-    (tmp_path / "committed" / "pretrain.json").write_text("{cut", encoding="utf-8")
-    assert t.main(["--fold-pretrain", str(tmp_path / "committed"), "--out", str(tmp_path / "grid")]) == 2
-    assert json.loads(folder.read_text(encoding="utf-8")) == got
+    fold = ["--fold-pretrain", str(tmp_path / "committed"), "--out", str(tmp_path / "grid")]
+    for bad, said in [("{cut", "cannot read"), ("[1, 2]", "is not a pretrain.json"),
+                      (json.dumps({"p": {**first, "cpu_seconds": "ten"}}), "cannot be folded (ValueError")]:
+        (tmp_path / "committed" / "pretrain.json").write_text(bad, encoding="utf-8")
+        assert t.main(fold) == 2
+        assert said in capsys.readouterr().err
+        assert json.loads(folder.read_text(encoding="utf-8")) == got
+    missing = ["--fold-pretrain", str(tmp_path / "comitted"), "--out", str(tmp_path / "grid")]
+    assert t.main(missing) == 2 and f"cannot read {tmp_path / 'comitted' / 'pretrain.json'}" in capsys.readouterr().err
+    assert t.main(["--fold-pretrain", str(tmp_path / "committed"), "--out", str(tmp_path / "nothing")]) == 0
+    assert "nothing to fold" in capsys.readouterr().out and not (tmp_path / "nothing").exists()
 
 
 def test_remade_check_without_a_recorded_sha256_keeps_the_new_entry() -> None:

@@ -126,3 +126,36 @@ def test_a_broker_that_stops_acknowledging_ends_the_run_with_a_resume_hint(
     assert (f"stopped by the broker link; continue the run from its last checkpoint with\n"
             f"  fedfleet simulate --resume {run}") in captured.out
     assert (run / "checkpoints.sqlite").exists() and 1 <= len(_rounds(run)) < 40
+
+
+def test_a_damaged_metrics_file_is_refused_before_the_run_folder_is_touched(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture) -> None:
+    """``--resume`` over a metrics.jsonl damaged before its last line: one line naming the file,
+    the line and what to do (exit 2), and the run folder byte for byte as it was (no broker
+    session in the ledger, no config.toml rewritten). Its last line cut short where the checkpoint
+    of that round holds no line to write again (the round's line precedes its checkpoint, so only
+    a hand or a disk can do this): refused too, not finished with the round before's accuracy."""
+    import hashlib
+
+    run = tmp_path / "run"
+    assert cli.main(["simulate", "--config", str(QUICKSTART), "--rounds", "2", "--out", str(run), "-q"]) == 0
+    capsys.readouterr()
+    path = run / "metrics.jsonl"
+    good = path.read_bytes()
+    lines = good.decode().splitlines(keepends=True)
+
+    def folder() -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.iterdir()) if p.is_file()}
+
+    path.write_bytes((lines[0][:20] + "\n" + lines[1]).encode())
+    before = folder()
+    assert cli.main(["simulate", "--resume", str(run), "--rounds", "3", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:1: not valid JSON" in err and "repair or delete that line" in err
+    assert folder() == before
+
+    path.write_bytes((lines[0] + lines[1][:-40]).encode())
+    assert cli.main(["simulate", "--resume", str(run), "--rounds", "2", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot resume after round 2: {path} has no line for round 2" in err
+    assert json.loads((run / "summary.json").read_text())["final_accuracy"] == json.loads(lines[1])["accuracy"]
