@@ -620,6 +620,7 @@ class AggregationServer:
         self.eval_slot: AbstractContextManager[Any] = eval_slot if eval_slot is not None else nullcontext()
         self._eval_model: torch.nn.Module | None = None  # the overlapped evaluations' copy of the model
         self._started = time.monotonic()  # metrics.jsonl "ended_s" counts from here
+        self._ended_before = 0.0  # a resumed run's: its last kept line's ended_s (the run goes on counting)
         self._diverged_round: int | None = None  # the first round whose global's test loss was NaN/Inf
         # per-phase seconds of each round (metrics.jsonl "phase_s"): the channel's accept (decode,
         # signature check, ledger rows) and the handling of what arrived are timed at every call
@@ -1547,8 +1548,9 @@ class AggregationServer:
 
     def _write_line(self, line: dict) -> None:
         """Append a completed round's ``line`` to :attr:`metrics` and ``metrics.jsonl``, with its
-        ``ended_s`` (seconds from this server's start to now)."""
-        line["ended_s"] = round(time.monotonic() - self._started, 4)
+        ``ended_s`` (seconds from this server's start to now; after a ``--resume``, plus the last
+        kept line's: the run's time goes on counting, the time it was down left out)."""
+        line["ended_s"] = round(self._ended_before + time.monotonic() - self._started, 4)
         self.metrics.append(line)
         self.store.append_metrics(line)
         if self.channel.ledger is not None:
@@ -1775,6 +1777,8 @@ class AggregationServer:
                            "removed or the file replaced): restore the file, or its figures of that round are lost")
         if path.exists():
             self.metrics = self.store.keep_metrics_until(ckpt.round)
+        ended = self.metrics[-1].get("ended_s") if self.metrics else None
+        self._ended_before = float(ended) if isinstance(ended, (int, float)) and math.isfinite(ended) else 0.0
         self.round = ckpt.round
         self.global_tensors = [np.array(t) for t in ckpt.tensors]
         load_arrays(self.model, self.global_tensors)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -14,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edge_agent.data import load_dataset
+from edge_agent.device import detect, usable_cores
+from protocol.broker_url import parse_broker_url
 from protocol.errors import TransportError
 from protocol.ledger import Ledger
 
@@ -86,6 +89,24 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
         if cfg.security.encrypt:
             words.append("--encrypt")
     return " ".join(q(w) for w in words)
+
+
+def local_agents_hint(url: str, agents: int, cores: int) -> str:
+    """The line the server prints under its agent command when the broker is on a loopback
+    address, so that the agents run on this machine: the ``--torch-threads`` each should take so
+    that ``agents`` agents and this server keep to its ``cores`` cores (an agent otherwise takes
+    every core for its training; several on one machine then run many times slower: README,
+    *Threads*). ``""`` for a broker on another host (each agent on its own device)."""
+    host = parse_broker_url(url).host
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        local = False
+    if not local:
+        return ""
+    each = max(1, (cores - 1) // max(1, agents))
+    return (f"  agents started on this machine (the broker is on {host}): add --torch-threads {each} to each, so that "
+            f"{plural(agents, 'agent')} and this server together use at most its {plural(cores, 'core')}")
 
 
 def model_assignment(cfg: Config) -> str:
@@ -316,6 +337,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             f"{ds.source}; waiting for {plural(cfg.data.clients, 'agent')} "
             f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
             f"  {agent_command(cfg, url, federation)}")
+        if (hint := local_agents_hint(url, cfg.data.clients, usable_cores(detect()))):
+            say(hint)
         if (assignment := model_assignment(cfg)):
             say(f"  {assignment}")
         if on_start is not None:

@@ -552,6 +552,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         # each device announces its own packet limit and chunk size in its join (and, over MQTT 5,
         # in its CONNECT): the server sizes every download for the devices it goes to
         restarted: list[int] = []  # rounds after which a resume restarted the devices' own state
+        resumed_after: int | None = None  # the checkpoint's round a --resume went on from
         lost: list[str] = []  # what that state is
         lost_devices: list[str] = []  # whose
         algo_cls: type[ClientAlgorithm] = get_client_algorithm_class(cfg.train.algorithm)
@@ -566,6 +567,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             ckpt = server.checkpoints.load()
             if ckpt is not None:
                 server.resume(ckpt)
+                resumed_after = ckpt.round
                 ids = [f"client-{i:03d}" for i in range(len(parts))]
                 # a device with no row at all, not even its initial state, lost what it kept: the run
                 # folder has no state file (made before it existed), or it was emptied or copied
@@ -689,6 +691,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         emulated_link_s={s.client_id: round(s.link_s, 3) for s in summaries} if cfg.agents.emulate_link else None,
         device_state_restarted=({"after_rounds": restarted, "state": lost or keeps,
                                  **({"devices": lost_devices} if lost else {})} if restarted else None),
+        resumed_after=resumed_after,
         **device_state_summary(agents, resumed=resume),
         **({"devices_rejoined_without_state": server.rejoined_without_state}
            if server.rejoined_without_state else {}),

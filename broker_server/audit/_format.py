@@ -49,9 +49,10 @@ def mean(value: float | None) -> str:
 
 
 def target_text(row: Mapping[str, Any]) -> str:
-    """Bytes to the target of a :func:`comparison_row`, with the round that reached it, or ``'not reached'``."""
+    """Bytes to the target of a :func:`comparison_row`, with the round that reached it;
+    ``'not reached'``; ``'—'`` for a run that records no accuracy (a device's own folder)."""
     if row.get("bytes_to_target") is None:
-        return "not reached"
+        return "not reached" if row.get("final_accuracy") is not None else "—"
     return f"{count(row['bytes_to_target'])} ({human(row['bytes_to_target'])}, round {row['target_round']})"
 
 

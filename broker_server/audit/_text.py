@@ -191,7 +191,7 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     for label, r in zip(labels, rows, strict=True):
         reached = r["bytes_to_target"] is not None
         cells = [label, acc(r["final_accuracy"]), count(r["up_bytes"]), count(r["down_bytes"]),
-                 pct(r["overhead_share"]), count(r["bytes_to_target"]) if reached else "not reached",
+                 pct(r["overhead_share"]), count(r["bytes_to_target"]) if reached else target_text(r),
                  str(r["target_round"]) if reached else "—"]
         if link:
             cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
@@ -199,7 +199,8 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     console.print(t)
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
-                  "measures it every E-th round and the last).")
+                  "measures it every E-th round and the last; —: the run records no accuracy, as a device's own "
+                  "folder).")
     if (fleet := fleet_total(reports)) is not None:
         console.print(f"Fleet total of federation {fleet['federation']} ({fleet['runs']} ledgers, e.g. one per "
                       f"device): up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, "

@@ -47,6 +47,7 @@ from broker_server.audit import (  # noqa: E402
     whole_message,
     write_html,
 )
+from broker_server.audit._format import target_text  # noqa: E402
 from broker_server.cli import main as fedfleet_main  # noqa: E402
 from protocol.ledger import Ledger, LedgerRow  # noqa: E402
 
@@ -266,6 +267,10 @@ def test_audit_report_without_metrics(run_dir):
     (run_dir / "metrics.jsonl").unlink()
     rep = audit_report(run_dir)
     assert rep["final_accuracy"] is None and rep["run"]["metrics_rounds"] == 0
+    # no accuracy recorded (a device's own folder): the bytes to a target are "—", not "not reached"
+    row = comparison_row(rep)
+    assert row["bytes_to_target"] is None and target_text(row) == "—"
+    assert target_text({**row, "final_accuracy": 0.5}) == "not reached"
 
 
 def test_render_text_sections(run_dir):

@@ -17,7 +17,7 @@ from broker_server import cli
 from broker_server import simulate as simulate_mod
 from broker_server.checkpoint import Checkpoint, CheckpointStore
 from broker_server.config import load
-from broker_server.server_main import security_text, simulation_only_settings
+from broker_server.server_main import local_agents_hint, security_text, simulation_only_settings
 from broker_server.simulate import discard_unstarted, run_folder_entries
 from edge_agent.cli import build_parser as agent_parser
 
@@ -287,3 +287,20 @@ def test_a_relative_path_key_is_made_absolute_for_the_run_folder(tmp_path: Path,
         assert cli.absolute_path_keys(load(path)).algorithm["policy"] == str(want)
     plain = load(QUICKSTART)
     assert cli.absolute_path_keys(plain) is plain
+
+
+@pytest.mark.parametrize(("url", "agents", "cores", "each"), [
+    ("mqtt://127.0.0.1:1883", 4, 2, 1),   # (2 - 1) // 4, at least 1
+    ("mqtt://localhost:1883", 4, 16, 3),  # 15 cores beside the server, 3 each
+    ("mqtts://[::1]:8883", 1, 8, 7),
+    ("mqtt://127.0.0.2:1883", 2, 4, 1),   # all of 127/8 is loopback
+])
+def test_the_server_says_how_many_torch_threads_agents_on_its_machine_take(url, agents, cores, each) -> None:
+    text = local_agents_hint(url, agents, cores)
+    assert f"add --torch-threads {each} to each" in text
+    assert f"{agents} agent{'s' if agents > 1 else ''} and this server together use at most its {cores} cores" in text
+
+
+@pytest.mark.parametrize("url", ["mqtt://broker.lan:1883", "mqtt://10.0.0.5:1883", "mqtts://user@192.168.1.2"])
+def test_no_thread_hint_for_a_broker_on_another_host(url) -> None:
+    assert local_agents_hint(url, 4, 2) == ""

@@ -223,6 +223,8 @@ def test_resume_writes_the_line_a_crash_left_unwritten(tmp_path: Path, digits) -
     lines = _lines(run_dir)
     assert [m["round"] for m in lines] == [1, 2, 3]  # one line per completed round
     assert "evaluate_on_resume" in lines[1]["phase_s"]
+    # the run's time goes on counting across the resume, from the last line kept
+    assert lines[0]["ended_s"] < lines[1]["ended_s"] < lines[2]["ended_s"]
     # round 3 was planned before the crash and again after the resume: the same devices both times
     assert picks == reference_picks and picks_after == reference_picks[2:]
     assert [_figures(m) for m in lines] == [_figures(m) for m in reference.metrics]

@@ -34,11 +34,13 @@ def test_a_resumed_run_says_so_and_counts_the_whole_run(tmp_path: Path, capsys: 
     run = tmp_path / "run"
     assert cli.main(["simulate", "--config", str(QUICKSTART), "--rounds", "1", "--out", str(run), "-q"]) == 0
     capsys.readouterr()
+    assert json.loads((run / "summary.json").read_text())["resumed_after"] is None
     assert cli.main(["simulate", "--resume", str(run), "--rounds", "2", "-q"]) == 0
     out = capsys.readouterr().out
     assert f"fedfleet simulate: resuming {run} after round 1 of 2 (rounds 2..2 to go)" in out
     assert "finished 2 rounds of 2 (1 in this session, resumed after round 1)" in out
     assert _rounds(run) == [1, 2]
+    assert json.loads((run / "summary.json").read_text())["resumed_after"] == 1
 
     # the server link's summary: the ledger's server-side rows, summed here with SQL
     db = sqlite3.connect(run / "ledger.sqlite")
