@@ -104,9 +104,9 @@ class RoundProgress:
                 selected = tuple(info.get("selected", ()))
                 self._round = _Round(rnd, selected, float(info.get("deadline_s", 0.0)), self.clock(),
                                      int(info.get("start_up", self._up)), int(info.get("start_down", self._down)),
-                                     {c: "waiting for the model" for c in selected})
+                                     {c: "waiting for the global" for c in selected})
             elif self._round is not None and client is not None and rnd == self._round.number:
-                text = {"model_received": "has the model, training",
+                text = {"model_received": "has the global, training",
                         "reported": "reported" + _report_detail(info),
                         "withdrew": f"withdrew: {info.get('reason', '')}",
                         "refused": f"refused: {info.get('reason', '')}",
@@ -217,7 +217,7 @@ class PlainProgress:
         elif kind == "reported" and self.verbose:
             self._say(f"  round {rnd}: {client} reported{_report_detail(info)}  ({progress})")
         elif kind == "model_received" and self.verbose:
-            self._say(f"  round {rnd}: {client} has the model")
+            self._say(f"  round {rnd}: {client} has the round's global")
 
     def on_round(self, metrics: dict) -> None:
         """The round closed: its line."""

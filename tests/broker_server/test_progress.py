@@ -58,12 +58,12 @@ def test_round_state_text_from_events() -> None:
     assert p.line() == ("round 1/4  reported 1/3, 1 withdrew  server link this round: up 3.0 KiB, down 2.0 KiB  "
                         "elapsed 12 s / deadline 30 s")
     assert p.device_lines() == ["  a  reported (500 samples, trained 1.2 s)",
-                                "  b  waiting for the model",
+                                "  b  waiting for the global",
                                 "  c  withdrew: no training samples"]
     assert p.counts() == {"selected": 3, "reported": 1, "withdrew": 1, "refused": 0}
     # an event of another round (a late copy) does not touch this one
     p.on_event("reported", 0, "b", {"up": 5000, "down": 4048})
-    assert p.device_lines()[1] == "  b  waiting for the model"
+    assert p.device_lines()[1] == "  b  waiting for the global"
 
 
 def test_plain_lines_one_per_event_that_matters() -> None:
@@ -85,7 +85,7 @@ def test_plain_lines_one_per_event_that_matters() -> None:
     lines = out.getvalue().splitlines()
     assert lines[1:4] == [f"joined: {c} (rpi4, {n:,} samples), {i} online"
                           for i, (c, n) in enumerate((("a", 500), ("b", 1000), ("c", 1500)), start=1)]
-    assert lines[5:7] == ["  round 1: a has the model",
+    assert lines[5:7] == ["  round 1: a has the round's global",
                           "  round 1: a reported (500 samples, trained 1.2 s)  (1/3 reported, server link up 2.0 KiB "
                           "this round)"]
 
