@@ -463,7 +463,8 @@ def make_of(entry: dict) -> dict | None:
     it, and CPU seconds grow under contention); ``None`` for an entry without CPU seconds."""
     if entry.get("cpu_seconds") is None:
         return None
-    made = {"cpu_seconds": float(entry["cpu_seconds"]), "cpu": (entry.get("machine") or {}).get("cpu", "unrecorded")}
+    made = {"cpu_seconds": float(entry["cpu_seconds"]),
+            "cpu": (entry.get("machine") or {}).get("cpu") or "an unrecorded machine"}
     made.update({k: entry[k] for k in ("load_avg", "cores") if entry.get(k) is not None})
     return made
 
@@ -1630,8 +1631,10 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
         cpu = [v["cpu_seconds"] for v in main_pol]
         per_round = sum(cpu) / sum(v["episodes"] * v["rounds"] for v in main_pol)
         remakes = [m for v in main_pol for m in makes_of(v)[1:]]
+        low, high = (min(m["cpu_seconds"] for m in remakes), max(m["cpu_seconds"] for m in remakes)) if remakes \
+            else (0.0, 0.0)
         again = (f"; {plural(len(remakes), 're-make')} with the same bits took "
-                 f"{min(m['cpu_seconds'] for m in remakes):,.0f}–{max(m['cpu_seconds'] for m in remakes):,.0f} CPU s"
+                 + (f"{low:,.0f} CPU s" if round(low) == round(high) else f"{low:,.0f}–{high:,.0f} CPU s")
                  if remakes else "")
         lines.append(f"- Pre-training cost: {pm(cpu, 1.0, 0, plain_single=True)} CPU s per policy ({len(main_pol)} "
                      f"policies, each its first make, {settings['episodes']} episodes × "

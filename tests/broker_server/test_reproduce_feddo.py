@@ -346,6 +346,10 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
         first = {"episode": 1, "return": 1.5, "final_accuracy": 0.5, "mean_active": 50.0, "mean_ratio": 0.6}
         info[spec["name"]] = {"path": spec["path"], "setting": spec["setting"], "tag": "", "cpu_seconds": cpu,
                               "episodes": 10, "rounds": 4, "lines": [first] + ([last] if last else [])}
+        if last:  # made on one machine, re-made on another with the same bits: the cost is the first make's
+            info[spec["name"]].update(machine={"cpu": "AMD EPYC"}, remade=1, makes=[
+                {"cpu_seconds": cpu, "cpu": "AMD EPYC"},
+                {"cpu_seconds": 1200.0, "cpu": "Xeon", "load_avg": 3.9, "cores": 2}])
     # the IID policy, pre-trained again here, came out with other bits: its recorded pre-training still counts
     iid_policy = grid.main_policy("fashion_mnist", "iid")["name"]
     info[iid_policy] = {"error": "re-made with SHA-256 aaaa…, but …", "recorded": info[iid_policy],
@@ -415,12 +419,15 @@ def test_report_figures_from_records(tmp_path: Path) -> None:
     assert "removing the online learning costs nothing on average." in text
     # pre-training: (800, 1000) → 900 ± 100 CPU s; 1,800 s / (2 × 10 × 4 rounds) = 22.50 s a round;
     # 200 episodes × 4 rounds × 22.5 s = 18,000 s = 5.0 h
-    assert ("- Pre-training cost: 900 ± 100 CPU s per policy (2 policies, 10 episodes × 4 rounds, 22.50 CPU s a "
-            "round); the paper's 200 episodes of 4 rounds would take ≈ 5.0 CPU-hours per setting here.") in text
-    assert ("Pre-training: 800 CPU s for 10 episodes × 4 rounds; episode 1: return +1.50, accuracy 50.00 %, 50.0 "
+    assert ("- Pre-training cost: 900 ± 100 CPU s per policy (2 policies, each its first make, 10 episodes × 4 "
+            "rounds, 22.50 CPU s a round; 1 re-make with the same bits took 1,200 CPU s); the paper's 200 episodes of "
+            "4 rounds would take ≈ 5.0 CPU-hours per setting here.") in text
+    assert ("Pre-training: 10 episodes × 4 rounds, 800 CPU s on AMD EPYC; re-made once with the same SHA-256: 1,200 "
+            "CPU s on Xeon (load 3.9 on 2 cores); episode 1: return +1.50, accuracy 50.00 %, 50.0 "
             "active at d 0.600; episode 10: return +3.00, accuracy 80.00 %, 22.0 active at d 0.850, entropy "
             "temperature α 0.0123 after 18,000 updates, the critics' mean Q 512.3.") in text
-    assert "Pre-training: 1000 CPU s for 10 episodes × 4 rounds; episode 1: return +1.50" in text
+    assert ("Pre-training: 10 episodes × 4 rounds, 1,000 CPU s on an unrecorded machine; episode 1: return +1.50"
+            in text)
     assert (f"## Policies that failed to pre-train\n\n- fashion_mnist-dir0.5-x: RuntimeError: boom\n\n"
             f"## Policies pre-trained again to other bits than recorded (their cells are not run)\n\n"
             f"- {iid_policy}: re-made with SHA-256 aaaa…, but …\n") in text
