@@ -130,10 +130,10 @@ class CheckpointStore:
                           rng_state=json.loads(rng), registry=json.loads(registry), meta=json.loads(meta))
 
     @staticmethod
-    def latest_round(path: str | os.PathLike) -> int | None:
-        """The latest round with a checkpoint in the store at ``path``, read without writing to
-        it (a store a killed server left in WAL mode, which a read-only connection cannot read,
-        is opened as a store); ``None``: no file, or no checkpoint.
+    def _read_only(path: str | os.PathLike, sql: str) -> tuple | None:
+        """The first row of ``sql`` on the store at ``path``, read without writing to it (a store
+        a killed server left in WAL mode, which a read-only connection cannot read, is opened as
+        a store); ``None``: no file.
 
         Raises:
             CheckpointError: the file is not a readable checkpoint store.
@@ -144,20 +144,47 @@ class CheckpointStore:
         try:
             db = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True)
             try:
-                (last,) = db.execute("SELECT MAX(round) FROM checkpoints").fetchone()
+                return db.execute(sql).fetchone()
             finally:
                 db.close()
-            return None if last is None else int(last)
         except sqlite3.Error:
             pass
         try:
             store = CheckpointStore(p)
             try:
-                return max(store.rounds(), default=None)
+                return store._db.execute(sql).fetchone()
             finally:
                 store.close()
         except (CheckpointError, sqlite3.Error) as exc:
             raise CheckpointError(f"cannot read the checkpoints in {p}: {exc}") from None
+
+    @staticmethod
+    def latest_round(path: str | os.PathLike) -> int | None:
+        """The latest round with a checkpoint in the store at ``path``, read without writing to
+        it (:meth:`_read_only`); ``None``: no file, or no checkpoint.
+
+        Raises:
+            CheckpointError: the file is not a readable checkpoint store.
+        """
+        row = CheckpointStore._read_only(path, "SELECT MAX(round) FROM checkpoints")
+        return None if row is None or row[0] is None else int(row[0])
+
+    @staticmethod
+    def latest_meta(path: str | os.PathLike) -> tuple[int, dict] | None:
+        """(round, ``meta``) of the latest checkpoint in the store at ``path``, read without
+        writing to it and without its tensors (:meth:`_read_only`); ``None``: no file, or no
+        checkpoint.
+
+        Raises:
+            CheckpointError: the file is not a readable checkpoint store, or the meta is not JSON.
+        """
+        row = CheckpointStore._read_only(path, "SELECT round, meta FROM checkpoints ORDER BY round DESC LIMIT 1")
+        if row is None:
+            return None
+        try:
+            return int(row[0]), json.loads(row[1])
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"cannot read the checkpoint of round {row[0]} in {path}: {exc}") from None
 
     def close(self) -> None:
         """Close the database (idempotent)."""

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from protocol.version import fedfleet_version
+from protocol.version import VersionAction
 
 from .errors import ConfigError
 from .text import plural
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``fedfleet``."""
     p = argparse.ArgumentParser(prog="fedfleet", description="Federated learning for edge fleets over MQTT.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
-    p.add_argument("--version", action="version", version=f"%(prog)s {fedfleet_version()}")
+    p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):

@@ -72,3 +72,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             log.warning("%s:%d: the last line is cut short (%s): dropped, as a line a killed process left "
                         "half-written (--resume writes that round's line again)", path, lineno, problem)
     return out
+
+
+def missing_line(lines: list[dict[str, Any]], round: int, meta: dict[str, Any]) -> bool:
+    """Whether a resume from the checkpoint of ``round`` (its ``meta``) finds no line of that
+    round in ``lines`` (:func:`read_metrics`) and none in the checkpoint to write again: a round's
+    line is written before its checkpoint, or kept in it as ``pending_line`` under evaluation
+    overlap, so only an edited or replaced file lacks it. Round 0 (the start) has no line."""
+    return round > 0 and not isinstance(meta.get("pending_line"), dict) and not any(m["round"] == round for m in lines)
+
+
+def missing_line_text(path: str | Path, round: int) -> str:
+    """Why a resume is refused when :func:`missing_line` holds (the caller adds its prefix)."""
+    return (f"{path} has no line for round {round}, and its checkpoint holds none to write again (the line, written "
+            "before that checkpoint, was removed or the file replaced): restore the file, or that round's figures are "
+            "lost")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -48,24 +49,26 @@ class RunStore:
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
 
-    def keep_metrics_until(self, round: int) -> list[dict]:
+    def keep_metrics_until(self, round: int, lines: list[dict] | None = None) -> list[dict]:
         """Drop ``metrics.jsonl`` lines of rounds after ``round`` (an interrupted round is run
-        again after a resume) and return the lines kept, parsed (``[]`` without a file). The file
-        is rewritten whole or not at all (:func:`protocol.files.write_atomically`); a last line
-        cut short is dropped (:func:`~broker_server.metrics_file.read_metrics`).
+        again after a resume) and return the lines kept (``[]`` without a file). ``lines``: the
+        file as :func:`~broker_server.metrics_file.read_metrics` gave it, when the caller read it
+        already (a last line cut short is dropped there). The file is rewritten whole or not at
+        all (:func:`protocol.files.write_atomically`), through a symbolic link to its target,
+        keeping its permission bits.
 
         Raises:
-            ValueError: another line is not a round's metrics line (:func:`~broker_server.metrics_file.
-                read_metrics`); the
+            ValueError: a damaged line (:func:`~broker_server.metrics_file.read_metrics`); the
                 file is kept as it is.
         """
         path = self.metrics_path
         if not path.exists():
             return []
-        kept = [m for m in read_metrics(path) if m["round"] <= round]
-        target = path.resolve()  # a symbolic link's file is rewritten, with its permission bits
-        write_atomically(target, "".join(json.dumps(m) + "\n" for m in kept).encode("utf-8"),
-                         mode=stat.S_IMODE(target.stat().st_mode))
+        kept = [m for m in (read_metrics(path) if lines is None else lines) if m["round"] <= round]
+        target = path.resolve()
+        mode = stat.S_IMODE(target.stat().st_mode)
+        write_atomically(target, "".join(json.dumps(m) + "\n" for m in kept).encode("utf-8"))
+        os.chmod(target, mode)  # the umask would narrow a mode passed to the write
         return kept
 
     def save_checkpoint(self, ckpt: Checkpoint) -> None:

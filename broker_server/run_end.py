@@ -34,7 +34,7 @@ from edge_agent.state import load_arrays
 from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
 from .errors import ConfigError
-from .metrics_file import read_metrics
+from .metrics_file import METRICS_NAME, missing_line, missing_line_text, read_metrics
 from .persistence import RunStore, write_summary
 from .runtime import make_strategy, server_model
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, write_final_model
@@ -111,22 +111,32 @@ class FinishedRun:
 
 def resume_metrics(run_dir: str | Path) -> list[dict]:
     """``metrics.jsonl`` of the run folder ``--resume`` continues (``[]`` without the file), read
-    before anything is started or written, so that a damaged file is refused while the folder
-    (its ledger, its configuration) is as the run left it.
+    before anything is started or written, so that a file the resume cannot go on from is
+    refused while the folder (its ledger, its configuration) is as the run left it.
 
     Raises:
-        ConfigError: the file cannot be read, or a line before the last is damaged
-            (:func:`~broker_server.metrics_file.read_metrics`: ``PATH:LINE``, what to do).
+        ConfigError: the file cannot be read; a line before the last is damaged
+            (:func:`~broker_server.metrics_file.read_metrics`: ``PATH:LINE``, what to do); or it
+            lacks the line of the last checkpoint's round, which that checkpoint cannot give
+            back (:func:`~broker_server.metrics_file.missing_line`).
     """
-    path = Path(run_dir) / "metrics.jsonl"
+    out = Path(run_dir)
+    path = out / METRICS_NAME
     try:
-        return read_metrics(path)
+        lines = read_metrics(path)
     except FileNotFoundError:
-        return []
+        lines = []
     except ValueError as exc:  # names the file and the line
         raise ConfigError(f"--resume: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+    try:
+        latest = CheckpointStore.latest_meta(out / "checkpoints.sqlite")
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    if latest is not None and missing_line(lines, *latest):
+        raise ConfigError(f"--resume: {missing_line_text(path, latest[0])}")
+    return lines
 
 
 def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
@@ -142,8 +152,6 @@ def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
     out = Path(run_dir)
     last = last_checkpoint_round(out / "checkpoints.sqlite")
     if last is None or last < rounds:
-        return None
-    if not (out / "metrics.jsonl").exists():
         return None
     metrics = [m for m in resume_metrics(out) if m["round"] <= last]
     if not any(m["round"] == last for m in metrics):

@@ -132,7 +132,7 @@ from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 from .admission import admit, model_requirement
 from .checkpoint import Checkpoint
 from .errors import RunError
-from .metrics_file import read_metrics
+from .metrics_file import missing_line, missing_line_text, read_metrics
 from .persistence import RunStore
 from .registry import LIMIT_RANGES, ClientRecord, DeviceRegistry, announced_limit
 from .round_state import CountedUpdates, RoundState, RoundStats
@@ -1770,13 +1770,10 @@ class AggregationServer:
             raise RunError(f"cannot resume after round {ckpt.round}: {exc}") from None
         except OSError as exc:
             raise RunError(f"cannot resume after round {ckpt.round}: cannot read {path}: {exc}") from None
-        if ckpt.round > 0 and not isinstance(ckpt.meta.get("pending_line"), dict) \
-                and not any(m["round"] == ckpt.round for m in lines):
-            raise RunError(f"cannot resume after round {ckpt.round}: {path} has no line for round {ckpt.round}, and "
-                           "its checkpoint holds none to write again (the line, written before that checkpoint, was "
-                           "removed or the file replaced): restore the file, or its figures of that round are lost")
+        if missing_line(lines, ckpt.round, ckpt.meta):
+            raise RunError(f"cannot resume after round {ckpt.round}: {missing_line_text(path, ckpt.round)}")
         if path.exists():
-            self.metrics = self.store.keep_metrics_until(ckpt.round)
+            self.metrics = self.store.keep_metrics_until(ckpt.round, lines)
         ended = self.metrics[-1].get("ended_s") if self.metrics else None
         self._ended_before = float(ended) if isinstance(ended, (int, float)) and math.isfinite(ended) else 0.0
         self.round = ckpt.round

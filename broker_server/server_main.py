@@ -15,7 +15,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edge_agent.data import load_dataset
-from edge_agent.device import detect, usable_cores
 from protocol.broker_url import parse_broker_url
 from protocol.errors import TransportError
 from protocol.ledger import Ledger
@@ -91,22 +90,24 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
     return " ".join(q(w) for w in words)
 
 
-def local_agents_hint(url: str, agents: int, cores: int) -> str:
+def local_agents_hint(url: str, agents: int, cores: int | None = None) -> str:
     """The line the server prints under its agent command when the broker is on a loopback
-    address, so that the agents run on this machine: the ``--torch-threads`` each should take so
-    that ``agents`` agents and this server keep to its ``cores`` cores (an agent otherwise takes
-    every core for its training; several on one machine then run many times slower: README,
-    *Threads*). ``""`` for a broker on another host (each agent on its own device)."""
-    host = parse_broker_url(url).host
+    address, so that the agents run on this machine: add ``--torch-threads 1`` to each (README,
+    *Threads*: an agent otherwise plans its training on every core, and several on one machine
+    then run many times slower, 4 agents on 2 cores about 40× in a user's trial). ``cores``:
+    this machine's (``os.cpu_count()`` when ``None``, counted only for a loopback broker).
+    ``""`` for a broker on another host (each agent on its own device)."""
+    host = parse_broker_url(url).host.rstrip(".")
     try:
         local = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name
         local = False
     if not local:
         return ""
-    each = max(1, (cores - 1) // max(1, agents))
-    return (f"  agents started on this machine (the broker is on {host}): add --torch-threads {each} to each, so that "
-            f"{plural(agents, 'agent')} and this server together use at most its {plural(cores, 'core')}")
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return (f"  agents started on this machine (the broker is on {host}): add --torch-threads 1 to each (each would "
+            f"otherwise train on all {plural(cores, 'core')}, and {plural(agents, 'agent')} beside this server would "
+            "run many times slower)")
 
 
 def model_assignment(cfg: Config) -> str:
@@ -337,7 +338,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             f"{ds.source}; waiting for {plural(cfg.data.clients, 'agent')} "
             f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
             f"  {agent_command(cfg, url, federation)}")
-        if (hint := local_agents_hint(url, cfg.data.clients, usable_cores(detect()))):
+        if (hint := local_agents_hint(url, cfg.data.clients)):
             say(hint)
         if (assignment := model_assignment(cfg)):
             say(f"  {assignment}")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.version import fedfleet_version
+from protocol.version import VersionAction
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="fedfleet-agent", description="Run one fedfleet edge agent.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {fedfleet_version()}")
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
     p.add_argument("--federation", required=True, help="federation id printed by `fedfleet server`")
     p.add_argument("--client-id", required=True, help="unique id of this device (A-Za-z0-9_.-, ≤ 64)")

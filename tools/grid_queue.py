@@ -26,7 +26,8 @@ Per grid (:data:`QUEUE`), in ``runs/grids/<name>/`` (git-ignored):
    and the extra folders are copied back (only the files the grid keeps: FedDO's ``pretrain.json``,
    not its 9-MB policies, which a later session pre-trains again and checks by their SHA-256;
    where the grid names a :attr:`Grid.fold_option`, its script first folds the committed folder
-   into the grid's: FedDO keeps every pre-training's cost, not only the last); the
+   into the grid's, before anything is committed: FedDO keeps every pre-training's cost, not only
+   the last, and a fold that fails commits nothing of the grid folder); the
    committed report is regenerated from the merged
    records and that re-run check with ``--report-only`` (in a temporary folder, never the live
    one), its ``Command`` line naming the queue.
@@ -297,12 +298,23 @@ def _verify_file(grid: Grid) -> Path:
 
 def merge(grid: Grid, base: Path) -> bool:
     """Step 3 of the module docstring; with no grid folder, only the report is regenerated from
-    the committed records (after a change to its script's report). Returns whether the report was
-    regenerated and every extra folder folded (True too when there are no records at all, and so
-    nothing to do)."""
+    the committed records (after a change to its script's report). Where the grid has a
+    :attr:`Grid.fold_option`, its extra folders are folded first, and a fold that fails commits
+    nothing of the grid folder. Returns whether the report was regenerated (False too when a fold
+    failed; True when there are no records at all, and so nothing to do)."""
     out = _folder(grid, base)
     committed_path = RESULTS / grid.results
-    if not (out / "results.jsonl").is_file():
+    has_folder = (out / "results.jsonl").is_file()
+    if has_folder and grid.fold_option:  # folded first: a failed fold commits nothing of this grid
+        for inside, committed_dir in grid.extra_dirs.items():
+            if (out / inside).is_dir() and (RESULTS / committed_dir).is_dir():
+                rc, _ = _run([sys.executable, grid.script, grid.fold_option, str(RESULTS / committed_dir),
+                              "--out", str(out)], None)
+                if rc != 0:
+                    print(f"{grid.name}: {grid.fold_option} failed (exit {rc}): nothing of {out} committed, the "
+                          "report left as it is", file=sys.stderr, flush=True)
+                    return False
+    if not has_folder:
         if not committed_path.is_file():
             print(f"{grid.name}: no grid folder {out} and no committed records: nothing to merge", flush=True)
             return True
@@ -313,27 +325,17 @@ def merge(grid: Grid, base: Path) -> bool:
         _write_jsonl(committed_path, records)
     if (out / "verify.md").is_file():
         shutil.copyfile(out / "verify.md", _verify_file(grid))
-    unfolded: set[str] = set()  # extra folders whose fold failed: the committed copy stands, in the report too
     for inside, committed_dir in grid.extra_dirs.items():
-        if (out / inside).is_dir():
-            if grid.fold_option and (RESULTS / committed_dir).is_dir():
-                rc, _ = _run([sys.executable, grid.script, grid.fold_option, str(RESULTS / committed_dir),
-                              "--out", str(out)], None)
-                if rc != 0:  # the committed folder is kept as it is
-                    print(f"{grid.name}: {grid.fold_option} failed (exit {rc}): {RESULTS / committed_dir} not "
-                          "updated", file=sys.stderr, flush=True)
-                    unfolded.add(inside)
-                    continue
+        if has_folder and (out / inside).is_dir():
             shutil.copytree(out / inside, RESULTS / committed_dir, dirs_exist_ok=True, ignore=_not_kept(grid))
     report = REPORTS / grid.report
     with tempfile.TemporaryDirectory() as tmp:
         _write_jsonl(Path(tmp) / "results.jsonl", records)
         if _verify_file(grid).is_file():
             shutil.copyfile(_verify_file(grid), Path(tmp) / "verify.md")
-        for inside, committed_dir in grid.extra_dirs.items():  # the grid folder's (folded), else the committed
-            src = out / inside if (out / inside).is_dir() and inside not in unfolded else RESULTS / committed_dir
-            if src.is_dir():
-                shutil.copytree(src, Path(tmp) / inside, ignore=_not_kept(grid))
+        for inside, committed_dir in grid.extra_dirs.items():  # as committed now (the grid folder's, folded)
+            if (RESULTS / committed_dir).is_dir():
+                shutil.copytree(RESULTS / committed_dir, Path(tmp) / inside, ignore=_not_kept(grid))
         rc, _ = _run([sys.executable, grid.script, *grid.options, "--out", tmp, "--report", str(report),
                       "--report-only"], None)
     if rc == 0 and report.is_file():  # the Command line names the queue, not the temporary folder
@@ -341,7 +343,7 @@ def merge(grid: Grid, base: Path) -> bool:
     n = sum(1 for r in records if portable(r))
     print(f"{grid.name}: {committed_path} holds {len(records)} records ({n} portable); "
           f"report {'regenerated' if rc == 0 else f'NOT regenerated (exit {rc})'}", flush=True)
-    return rc == 0 and not unfolded
+    return rc == 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -471,10 +471,16 @@ def make_of(entry: dict) -> dict | None:
 
 def makes_of(entry: dict) -> list[dict]:
     """Every pre-training of the policy of ``entry`` on record, the first first: its ``makes``,
-    or the entry's own cost where it has no list (an entry written before the list was kept)."""
+    or the entry's own cost where it has no list (an entry written before the list was kept;
+    re-made then, its cost is the last make's: ``last_of`` says of how many)."""
     if entry.get("makes"):
         return [dict(m) for m in entry["makes"]]
-    return [m for m in [make_of(entry)] if m is not None]
+    made = make_of(entry)
+    if made is None:
+        return []
+    if _count(entry.get("remade")):  # written before makes were kept: the cost is its last make's
+        made["last_of"] = _count(entry.get("remade")) + 1
+    return [made]
 
 
 def fold_pretrain_files(committed: Path, folder: Path) -> int:
@@ -483,15 +489,22 @@ def fold_pretrain_files(committed: Path, folder: Path) -> int:
     No ``folder`` file (a grid that pre-trained nothing): nothing to fold, nothing written.
 
     Returns:
-        0; 2 with a line on stderr naming the file when ``committed`` is missing, or either file
-        is not JSON holding an object of policy entries (objects), or the entries cannot be
-        folded (a field of the wrong type); ``folder`` is then left as it was.
+        0 (``committed``'s folder without the file: nothing committed yet, the folder's file
+        kept as it is); 2 with a line on stderr naming the file when ``committed``'s folder is
+        missing, or either file is not JSON holding an object of policy entries (objects), or the
+        entries cannot be folded (a field of the wrong type); ``folder`` is then left as it was.
     """
     if not folder.is_file():
         print(f"{folder}: no such file: nothing to fold", flush=True)
         return 0
+    if not committed.parent.is_dir():
+        print(f"--fold-pretrain: no folder {committed.parent}", file=sys.stderr)
+        return 2
     files: list[dict[str, dict]] = []
     for path in (committed, folder):
+        if path == committed and not committed.exists():  # nothing committed yet
+            files.append({})
+            continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
@@ -509,8 +522,8 @@ def fold_pretrain_files(committed: Path, folder: Path) -> int:
               f"{folder} is left as it was", file=sys.stderr)
         return 2
     write_atomically(folder, json.dumps(folded, indent=1).encode("utf-8"))
-    print(f"{folder}: {committed} folded in ({len(folded)} {'policy' if len(folded) == 1 else 'policies'}, {n} with "
-          "re-makes on record)", flush=True)
+    policies = "1 policy" if len(folded) == 1 else f"{len(folded)} policies"  # plural() would say "policys"
+    print(f"{folder}: {committed} folded in ({policies}, {n} with re-makes on record)", flush=True)
     return 0
 
 
@@ -520,7 +533,9 @@ def makes_text(entry: dict) -> str:
     CPU s on Intel(R) Xeon(R) Processor (load 3.9 on 2 cores)"``)."""
     def one(m: dict) -> str:
         load = f" (load {m['load_avg']:.1f} on {m['cores']} cores)" if "load_avg" in m and "cores" in m else ""
-        return f"{m['cpu_seconds']:,.0f} CPU s on {m['cpu']}{load}"
+        last = (f" (the last of {m['last_of']} makes with the same SHA-256; the earlier ones' costs were not kept)"
+                if m.get("last_of") else "")
+        return f"{m['cpu_seconds']:,.0f} CPU s on {m['cpu']}{load}{last}"
 
     ms = makes_of(entry)
     again = len(ms) - 1
@@ -539,7 +554,8 @@ def _fold_entry(c: dict, f: dict) -> dict:
     of either in ``makes``, in order, each once."""
     base = c if make_of(c) is not None else {**c, **f}
     makes = makes_of(c)
-    makes += [m for m in makes_of(f) if m not in makes]
+    # a folder's entry of before makes were kept holds its last make: the committed ones come before it
+    makes += [m for m in ({k: v for k, v in m.items() if k != "last_of"} for m in makes_of(f)) if m not in makes]
     remade = max(_count(c.get("remade")), _count(f.get("remade")), len(makes) - 1)
     return {**base, "path": f.get("path", c.get("path")), "makes": makes, "remade": remade}
 
@@ -549,20 +565,22 @@ def fold_pretrain(committed: dict[str, dict], folder: dict[str, dict]) -> dict[s
     pre-training's cost is lost. An error entry counts by the entry it keeps (``recorded``).
     Per policy whose kept entries both carry the same SHA-256: the committed entry folded with
     the folder's (:func:`_fold_entry`: ``makes`` holds every make of either, in order, each once;
-    ``remade`` the larger of both counts and the makes less one); otherwise the folder's (a new
-    policy, other bits). The folder's error entry stays an error entry, its ``recorded`` the
-    folded one (the committed one where the folder's has none). Policies only committed are
-    kept."""
+    ``remade`` the larger of both counts and the makes less one). Two good entries with other
+    SHA-256s: the error entry :func:`remade_check` writes (:func:`other_bits`), keeping the
+    committed one, with whose bits the committed cells were made. The folder's error entry stays
+    an error entry, its ``recorded`` the folded one (the committed one where the folder's has
+    none). A policy only in the folder: its entry; only committed: kept."""
     def kept(e: dict | None) -> dict | None:
         return (e.get("recorded") or None) if e and "error" in e else e
 
     out = {k: dict(v) for k, v in committed.items()}
     for name, f in folder.items():
         c_rec, f_rec = kept(committed.get(name)), kept(f)
-        if c_rec and f_rec and c_rec.get("sha256") and c_rec.get("sha256") == f_rec.get("sha256"):
-            rec = _fold_entry(c_rec, f_rec)
-        else:
-            rec = f_rec or (c_rec if "error" in f else None)
+        same = bool(c_rec and f_rec and c_rec.get("sha256") and c_rec.get("sha256") == f_rec.get("sha256"))
+        if c_rec and f_rec and "error" not in f and c_rec.get("sha256") and f_rec.get("sha256") and not same:
+            out[name] = other_bits(c_rec, f_rec["sha256"])  # the committed cells were made with the committed bits
+            continue
+        rec = _fold_entry(c_rec, f_rec) if same and c_rec and f_rec else (f_rec or (c_rec if "error" in f else None))
         out[name] = {**f, "recorded": rec} if "error" in f and rec else (rec if rec is not None else f)
     return out
 
@@ -617,12 +635,20 @@ def remade_check(name: str, recorded: dict | None, new: dict) -> dict:
         return {**new, "recorded": recorded}
     if new["sha256"] == recorded["sha256"]:
         print(f"policy {name}: re-made, the same bits as its recorded pre-training ({new['sha256'][:16]}…)", flush=True)
-        return {**fold_pretrain({name: recorded}, {name: new})[name], "remade": int(recorded.get("remade", 0)) + 1}
-    return {"error": f"re-made with SHA-256 {new['sha256'][:16]}…, but its recorded pre-training wrote "
+        entry = fold_pretrain({name: recorded}, {name: new})[name]
+        return {**entry, "remade": max(_count(entry.get("remade")), _count(recorded.get("remade")) + 1)}
+    return other_bits(recorded, new["sha256"])
+
+
+def other_bits(recorded: dict, sha256: str) -> dict:
+    """The ``pretrain.json`` error entry of a policy made again with the SHA-256 ``sha256`` where
+    ``recorded`` (its entry on record) has other bits: it keeps ``recorded`` (the cells on record
+    were made with it; :func:`runnable` blocks the policy's cells) and the new hash."""
+    return {"error": f"re-made with SHA-256 {sha256[:16]}…, but its recorded pre-training wrote "
                      f"{recorded['sha256'][:16]}… (on {recorded.get('machine', 'an unrecorded machine')}): the cells "
                      "recorded with it would be mixed with cells of another policy; find why the pre-training "
                      "differs (its code or its numerics), or delete this entry and those cells' records",
-            "recorded": recorded, "remade_sha256": new["sha256"]}
+            "recorded": recorded, "remade_sha256": sha256}
 
 
 #: policies this process pre-trained (an error entry is retried once per invocation, not by each of
@@ -727,7 +753,7 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
                 finished += 1
                 info[name] = remade_check(name, info.get(name), fut.result())
                 print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
-                                            else f"{info[name]['cpu_seconds']:.0f} CPU s"), flush=True)
+                                            else f"{makes_of(info[name])[-1]['cpu_seconds']:.0f} CPU s"), flush=True)
                 write_atomically(out / "policies" / "pretrain.json", json.dumps(info, indent=1).encode("utf-8"))
                 if filler is not None and fill_thread is None and len(todo) >= workers \
                         and len(todo) - finished == len(todo) % workers:  # the last wave alone now

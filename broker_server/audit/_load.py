@@ -143,7 +143,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return []
     try:
         return metrics_file.read_metrics(path)
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise AuditError(f"cannot read {path}: {exc}", path=path) from exc
     except ValueError as exc:  # "PATH:LINE: what is wrong"
         raise AuditError(str(exc), path=path) from exc

@@ -213,10 +213,10 @@ elif "--fold" in args:
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_grids_fold_option_folds_the_committed_extra_folder_in_before_the_copy_back(tmp_path: Path, monkeypatch,
                                                                                      fails: bool) -> None:
-    """The merge runs ``SCRIPT FOLD_OPTION COMMITTED_DIR --out GRID_FOLDER`` before copying the
-    extra folder back: what is committed, and what the report is made from, is the folded file; a
-    fold that fails leaves the committed folder as it was, the report is made from it (not from
-    the grid folder's unfolded copy), and the merge says so (False: the queue exits 1)."""
+    """The merge runs ``SCRIPT FOLD_OPTION COMMITTED_DIR --out GRID_FOLDER`` before anything is
+    committed: what is committed, and what the report is made from, is the folded file; a fold
+    that fails commits nothing of the grid folder (its records, its extra folder, the report) and
+    the merge says so (False: the queue exits 1)."""
     q = load_tool("grid_queue")
     reports = tmp_path / ("fail" if fails else "ok") / "benchmarks"
     monkeypatch.setattr(q, "REPORTS", reports)
@@ -230,13 +230,18 @@ def test_a_grids_fold_option_folds_the_committed_extra_folder_in_before_the_copy
     (committed / "pretrain.json").write_text(json.dumps({"p": ["first make"]}), encoding="utf-8")
     out = tmp_path / "grids" / "x"
     (out / "policies").mkdir(parents=True)
-    (out / "results.jsonl").write_text("", encoding="utf-8")
+    (out / "results.jsonl").write_text(json.dumps({"key": "x/1", "final": {"accuracy": 0.5}}) + "\n",
+                                       encoding="utf-8")
     (out / "policies" / "pretrain.json").write_text(json.dumps({"p": ["re-make"], "q": ["new"]}), encoding="utf-8")
     (out / "policies" / "q.pt").write_bytes(b"9 MB")
     assert q.merge(grid, tmp_path / "grids") is (not fails)
     got = json.loads((committed / "pretrain.json").read_text(encoding="utf-8"))
     assert got == ({"p": ["first make"]} if fails else {"p": ["first make", "folded"], "q": ["new"]})
-    assert json.loads((reports / "x.md").read_text(encoding="utf-8")) == got  # the fake report: what it was given
+    if fails:
+        assert not (reports / "x.md").exists() and not (reports / "results" / "x.jsonl").exists()
+    else:
+        assert json.loads((reports / "x.md").read_text(encoding="utf-8")) == got  # the fake report: what it was given
+        assert [r["key"] for r in q.read_records(reports / "results" / "x.jsonl")] == ["x/1"]
     assert not (committed / "q.pt").exists()
 
 

@@ -8,6 +8,7 @@ anywhere else is an error naming the file and the line, with the file kept as it
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -94,11 +95,15 @@ def test_keep_metrics_until_rewrites_a_linked_file_with_its_permissions(tmp_path
     store = RunStore(tmp_path)
     real = tmp_path / "elsewhere.jsonl"
     _write(real, LINES)
-    real.chmod(0o600)
+    real.chmod(0o664)  # group-writable: more than the umask (022 here) leaves a new file
     store.metrics_path.symlink_to(real)
-    assert [m["round"] for m in store.keep_metrics_until(1)] == [1]
+    old_umask = os.umask(0o022)
+    try:
+        assert [m["round"] for m in store.keep_metrics_until(1)] == [1]
+    finally:
+        os.umask(old_umask)
     assert store.metrics_path.is_symlink() and [m["round"] for m in read_metrics(real)] == [1]
-    assert real.stat().st_mode & 0o777 == 0o600
+    assert real.stat().st_mode & 0o777 == 0o664
     store.close()
 
 
@@ -175,13 +180,20 @@ def test_a_resume_over_a_damaged_metrics_file_is_a_run_error_and_changes_nothing
     again.store.close()
 
 
-def test_summary_and_final_model_are_written_whole(tmp_path):
+def test_summary_and_final_model_are_written_whole(tmp_path, monkeypatch):
     (tmp_path / "summary.json").write_text('{"rounds_completed": 1}', encoding="utf-8")
     write_summary(tmp_path, {"rounds_completed": 3, "final_accuracy": 0.875, "strategy": {"name": "fedavg"}})
     assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8")) == {
         "rounds_completed": 3, "final_accuracy": 0.875, "strategy": {"name": "fedavg"}}
-    with pytest.raises(TypeError):  # not JSON: raised before anything is written, the summary kept
-        write_summary(tmp_path, {"rounds_completed": 4, "bad": object()})
+    import protocol.files
+
+    def fails(src, dst):  # the rename onto summary.json fails (a full or read-only disk, a kill before it)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(protocol.files.os, "replace", fails)
+    with pytest.raises(OSError, match="No space left"):
+        write_summary(tmp_path, {"rounds_completed": 4})
+    monkeypatch.undo()
     assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["rounds_completed"] == 3
     store = RunStore(tmp_path)
     model = torch.nn.Linear(3, 2)

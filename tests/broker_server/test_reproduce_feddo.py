@@ -546,8 +546,11 @@ def test_folding_a_grid_folders_pretrain_json_keeps_every_make() -> None:
     third = {**remade, "cpu_seconds": 2100.0, "load_avg": 2.0}
     assert t.fold_pretrain({"p": p}, {"p": t.remade_check("p", p, third)})["p"]["makes"] == [
         *p["makes"], {"cpu_seconds": 2100.0, "cpu": "Xeon", "load_avg": 2.0, "cores": 2}]
+    # two good entries with other bits: the committed cells were made with the committed ones
     other = {**remade, "sha256": "b" * 64}
-    assert t.fold_pretrain({"p": first}, {"p": other})["p"] == other
+    clash = t.fold_pretrain({"p": first}, {"p": other})["p"]
+    assert clash == t.other_bits(first, "b" * 64) and clash["recorded"] == first and "re-made with SHA-256 bbbb" in \
+        clash["error"]
     # a folder's error entry (a stale grid folder, seeded before the committed re-make) keeps the
     # committed history in the entry it records; one recording nothing records the committed entry
     failed = {"error": "re-made with other bits", "recorded": first, "remade_sha256": "b" * 64}
@@ -566,6 +569,14 @@ def test_folding_a_grid_folders_pretrain_json_keeps_every_make() -> None:
     assert t.makes_text(p) == ("1,646 CPU s on AMD EPYC; re-made once with the same SHA-256: 2,903 CPU s on Xeon "
                                "(load 3.9 on 2 cores)")
     assert t.makes_text(first) == "1,646 CPU s on AMD EPYC"
+    # an entry written before makes were kept, re-made twice: its cost is the third make's, and says so
+    legacy = {**first, "remade": 2}
+    assert t.makes_of(legacy) == [{"cpu_seconds": 1646.0, "cpu": "AMD EPYC", "last_of": 3}]
+    assert t.makes_text(legacy) == ("1,646 CPU s on AMD EPYC (the last of 3 makes with the same SHA-256; the earlier "
+                                    "ones' costs were not kept)")
+    # a null count reads as 0 in a re-make too; a recorded count is never lowered
+    assert t.remade_check("p", {**first, "remade": None}, remade)["remade"] == 1
+    assert t.remade_check("p", {**first, "remade": 4}, remade)["remade"] == 5
 
 
 
@@ -593,7 +604,9 @@ def test_fold_pretrain_option_folds_the_committed_file_into_the_grid_folders(tmp
         assert said in capsys.readouterr().err
         assert json.loads(folder.read_text(encoding="utf-8")) == got
     missing = ["--fold-pretrain", str(tmp_path / "comitted"), "--out", str(tmp_path / "grid")]
-    assert t.main(missing) == 2 and f"cannot read {tmp_path / 'comitted' / 'pretrain.json'}" in capsys.readouterr().err
+    assert t.main(missing) == 2 and f"no folder {tmp_path / 'comitted'}" in capsys.readouterr().err
+    (tmp_path / "committed" / "pretrain.json").unlink()  # nothing committed yet: the grid's file as it is
+    assert t.main(fold) == 0 and json.loads(folder.read_text(encoding="utf-8")) == got
     assert t.main(["--fold-pretrain", str(tmp_path / "committed"), "--out", str(tmp_path / "nothing")]) == 0
     assert "nothing to fold" in capsys.readouterr().out and not (tmp_path / "nothing").exists()
 
@@ -732,7 +745,8 @@ def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
     assert again["cpu_seconds"] == first["cpu_seconds"] and again["lines"] == first["lines"]
     assert again["makes"][0] == t.make_of(first) and len(again["makes"]) == 2
     remake = again["makes"][1]
-    assert remake["cores"] == os.cpu_count() and remake["load_avg"] >= 0.0 and remake["cpu_seconds"] > 0.0
+    assert remake["cores"] == os.cpu_count() and remake["cpu_seconds"] > 0.0
+    assert isinstance(remake["load_avg"], float) and remake["load_avg"] == round(remake["load_avg"], 2)
 
 
 def test_the_sweep_runs_each_waves_cells_before_it_pre_trains_the_next(tmp_path: Path,

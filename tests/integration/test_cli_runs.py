@@ -136,7 +136,8 @@ def test_a_damaged_metrics_file_is_refused_before_the_run_folder_is_touched(tmp_
     the line and what to do (exit 2), and the run folder byte for byte as it was (no broker
     session in the ledger, no config.toml rewritten). Its last line cut short where the checkpoint
     of that round holds no line to write again (the round's line precedes its checkpoint, so only
-    a hand or a disk can do this): refused too, not finished with the round before's accuracy."""
+    a hand or a disk can do this): refused too, the same way, not finished with the round
+    before's accuracy."""
     import hashlib
 
     run = tmp_path / "run"
@@ -157,7 +158,9 @@ def test_a_damaged_metrics_file_is_refused_before_the_run_folder_is_touched(tmp_
     assert folder() == before
 
     path.write_bytes((lines[0] + lines[1][:-40]).encode())
-    assert cli.main(["simulate", "--resume", str(run), "--rounds", "2", "-q"]) == 1
+    before = folder()
+    assert cli.main(["simulate", "--resume", str(run), "--rounds", "2", "-q"]) == 2
     err = capsys.readouterr().err
-    assert f"cannot resume after round 2: {path} has no line for round 2" in err
+    assert f"--resume: {path} has no line for round 2, and its checkpoint holds none to write again" in err
+    assert folder() == before
     assert json.loads((run / "summary.json").read_text())["final_accuracy"] == json.loads(lines[1])["accuracy"]

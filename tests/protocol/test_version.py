@@ -25,3 +25,13 @@ def test_both_commands_print_it_and_exit_0(main, prog, capsys) -> None:
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"{prog} {DECLARED}\n"
+
+
+def test_a_checkout_pip_never_installed_says_so(monkeypatch) -> None:
+    import importlib.metadata
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert fedfleet_version() == "unknown (not installed)"
