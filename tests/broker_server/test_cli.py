@@ -15,7 +15,7 @@ import pytest
 
 from broker_server import cli
 from broker_server import simulate as simulate_mod
-from broker_server.checkpoint import Checkpoint, CheckpointStore
+from broker_server.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from broker_server.config import load
 from broker_server.server_main import local_agents_hint, security_text, simulation_only_settings
 from broker_server.simulate import discard_unstarted, run_folder_entries
@@ -113,6 +113,25 @@ def test_an_empty_checkpoint_store_is_no_started_run(tmp_path: Path) -> None:
         assert out.exists() == kept
         if kept:
             assert sorted(p.name for p in out.iterdir()) == ["checkpoints.sqlite", "config.toml"]
+
+
+def test_the_latest_checkpoints_round_and_meta_are_read_without_writing(tmp_path: Path) -> None:
+    """``CheckpointStore.latest_round`` / ``latest_meta`` read a store left open (a killed server's,
+    in WAL mode) through a read-only connection: the newest round and its meta, no file written."""
+    path = tmp_path / "checkpoints.sqlite"
+    assert CheckpointStore.latest_meta(path) is None and CheckpointStore.latest_round(path) is None
+    store = CheckpointStore(path)
+    assert CheckpointStore.latest_meta(path) is None and CheckpointStore.latest_round(path) is None  # no row
+    for r, meta in ((0, {}), (2, {"accuracy": 0.5}), (1, {"pending_line": {"round": 1}})):
+        store.save(Checkpoint(round=r, tensors=[np.zeros(3, np.float32)], strategy_state={}, rng_state={},
+                              registry=[], meta=meta))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert CheckpointStore.latest_meta(path) == (2, {"accuracy": 0.5}) and CheckpointStore.latest_round(path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+    store.close()
+    (tmp_path / "bad.sqlite").write_bytes(b"not a database at all" * 10)
+    with pytest.raises(CheckpointError, match="cannot read the checkpoints in"):
+        CheckpointStore.latest_meta(tmp_path / "bad.sqlite")
 
 
 def _toml(tmp_path: Path, extra: str) -> Path:
