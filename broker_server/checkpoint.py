@@ -133,13 +133,14 @@ class CheckpointStore:
     def _read_only(path: str | os.PathLike, sql: str) -> tuple | None:
         """The first row of ``sql`` on the store at ``path``, read without writing to it (a store
         a killed server left in WAL mode, which a read-only connection cannot read, is opened as
-        a store); ``None``: no file.
+        a store; SQLite may add its ``-shm`` and ``-wal`` files beside a WAL-mode store even
+        then); ``None``: no file, or an empty one.
 
         Raises:
             CheckpointError: the file is not a readable checkpoint store.
         """
         p = Path(path)
-        if not p.is_file():
+        if not p.is_file() or p.stat().st_size == 0:  # an empty file is no store: not made into one here
             return None
         try:
             db = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True)

@@ -87,3 +87,13 @@ def missing_line_text(path: str | Path, round: int) -> str:
     return (f"{path} has no line for round {round}, and its checkpoint holds none to write again (the line, written "
             "before that checkpoint, was removed or the file replaced): restore the file, or that round's figures are "
             "lost")
+
+
+def rounds_without_line(lines: list[dict[str, Any]], round: int) -> list[int]:
+    """Rounds 1 .. ``round`` − 1 that have no line in ``lines``: each completed round's line is
+    written before the next round's checkpoint, so a resume from the checkpoint of ``round``
+    finds them all unless the file was edited (a damaged line deleted) or replaced; their
+    figures are lost, which a resume says (it goes on: the rounds' models are in the
+    checkpoints)."""
+    have = {m["round"] for m in lines}
+    return [r for r in range(1, round) if r not in have]

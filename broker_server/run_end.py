@@ -118,7 +118,8 @@ def resume_metrics(run_dir: str | Path) -> list[dict]:
         ConfigError: the file cannot be read; a line before the last is damaged
             (:func:`~broker_server.metrics_file.read_metrics`: ``PATH:LINE``, what to do); or it
             lacks the line of the last checkpoint's round, which that checkpoint cannot give
-            back (:func:`~broker_server.metrics_file.missing_line`).
+            back (:func:`~broker_server.metrics_file.missing_line`); or ``checkpoints.sqlite``
+            is not a file, cannot be read, or holds no checkpoint while the file has lines.
     """
     out = Path(run_dir)
     path = out / METRICS_NAME
@@ -130,10 +131,17 @@ def resume_metrics(run_dir: str | Path) -> list[dict]:
         raise ConfigError(f"--resume: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+    store = out / "checkpoints.sqlite"
+    if store.exists() and not store.is_file():
+        raise ConfigError(f"--resume: {store} is not a file (a checkpoint store is one SQLite file)")
     try:
-        latest = CheckpointStore.latest_meta(out / "checkpoints.sqlite")
+        latest = CheckpointStore.latest_meta(store)
     except CheckpointError as exc:
         raise ConfigError(f"--resume: {exc}") from None
+    if latest is None and lines:
+        raise ConfigError(f"--resume: {store} holds no checkpoint, but {path} has the lines of "
+                          f"{plural(len(lines), 'round')}: the store was emptied or replaced; restore it (a resume "
+                          "would start the run again over its records)")
     if latest is not None and missing_line(lines, *latest):
         raise ConfigError(f"--resume: {missing_line_text(path, latest[0])}")
     return lines

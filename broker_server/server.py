@@ -132,7 +132,7 @@ from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
 from .admission import admit, model_requirement
 from .checkpoint import Checkpoint
 from .errors import RunError
-from .metrics_file import missing_line, missing_line_text, read_metrics
+from .metrics_file import missing_line, missing_line_text, read_metrics, rounds_without_line
 from .persistence import RunStore
 from .registry import LIMIT_RANGES, ClientRecord, DeviceRegistry, announced_limit
 from .round_state import CountedUpdates, RoundState, RoundStats
@@ -149,7 +149,7 @@ from .strategies import (
     update_problem,
 )
 from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
-from .text import plural
+from .text import plural, round_list
 
 __all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "OVERLAP_EVALUATIONS", "RoundStats", "RunSummary",
            "ServerSettings", "client_eval_figures", "evaluate", "export_final_onnx", "final_accuracy_source",
@@ -394,8 +394,7 @@ def run_troubles_text(metrics: Sequence[Mapping]) -> str:
     out = ""
     skipped = [int(m["round"]) for m in metrics if m.get("skipped") and "round" in m]
     if skipped:
-        named = ", ".join(str(r) for r in skipped[:5]) + (", …" if len(skipped) > 5 else "")
-        out += f"; {plural(len(skipped), 'round')} skipped ({named})"
+        out += f"; {plural(len(skipped), 'round')} skipped ({round_list(skipped)})"
     bad = next((m for m in metrics if isinstance(m.get("loss"), float) and not math.isfinite(m["loss"])), None)
     if bad is not None:
         out += f"; the global model diverged in round {bad.get('round')} (test loss {bad['loss']})"
@@ -621,6 +620,7 @@ class AggregationServer:
         self._eval_model: torch.nn.Module | None = None  # the overlapped evaluations' copy of the model
         self._started = time.monotonic()  # metrics.jsonl "ended_s" counts from here
         self._ended_before = 0.0  # a resumed run's: its last kept line's ended_s (the run goes on counting)
+        self.metrics_lines_missing: list[int] = []  # rounds before the resumed checkpoint whose line is gone
         self._diverged_round: int | None = None  # the first round whose global's test loss was NaN/Inf
         # per-phase seconds of each round (metrics.jsonl "phase_s"): the channel's accept (decode,
         # signature check, ledger rows) and the handling of what arrived are timed at every call
@@ -1772,6 +1772,12 @@ class AggregationServer:
             raise RunError(f"cannot resume after round {ckpt.round}: cannot read {path}: {exc}") from None
         if missing_line(lines, ckpt.round, ckpt.meta):
             raise RunError(f"cannot resume after round {ckpt.round}: {missing_line_text(path, ckpt.round)}")
+        if (gone := rounds_without_line(lines, ckpt.round)):
+            self.metrics_lines_missing = gone
+            log.warning("%s has no line for %s (edited or replaced since): their figures are lost; the run goes on "
+                        "from the checkpoint of round %d (summary.json: metrics_lines_missing)", path,
+                        f"round {gone[0]}" if len(gone) == 1 else f"{len(gone)} rounds ({round_list(gone)})",
+                        ckpt.round)
         if path.exists():
             self.metrics = self.store.keep_metrics_until(ckpt.round, lines)
         ended = self.metrics[-1].get("ended_s") if self.metrics else None

@@ -98,10 +98,13 @@ def local_agents_hint(url: str, agents: int, cores: int | None = None) -> str:
     this machine's (``os.cpu_count()`` when ``None``, counted only for a loopback broker).
     ``""`` for a broker on another host (each agent on its own device)."""
     host = parse_broker_url(url).host.rstrip(".")
+    local = host == "localhost"
     try:
-        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        local = ip.is_loopback or (mapped is not None and mapped.is_loopback)
     except ValueError:  # a host name
-        local = False
+        pass
     if not local:
         return ""
     cores = cores if cores is not None else (os.cpu_count() or 1)
@@ -354,7 +357,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             resumed_after=ckpt.round if ckpt else None,
             ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)],
             **({"devices_rejoined_without_state": server.rejoined_without_state}
-               if server.rejoined_without_state else {})))
+               if server.rejoined_without_state else {}),
+            **({"metrics_lines_missing": server.metrics_lines_missing} if server.metrics_lines_missing else {})))
         done = summary.rounds_completed
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
         say(f"finished {plural(done, 'round')} of {cfg.run.rounds}{this_time}; "

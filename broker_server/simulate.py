@@ -403,7 +403,7 @@ def _finished_result(cfg: Config, ds, fin: FinishedRun, federation: str, t_start
         acc = write_final_files(cfg, ds, fin, federation=federation, broker=broker, extra={
             "substitutions": list(ds.substitutions), "agent_errors": [], "thread_plan": None,
             "profiles": {name: profiles.count(name) for name in sorted(set(profiles))},
-            "emulated_link_s": None}).summary.final_accuracy
+            "emulated_link_s": None, "resumed_after": fin.rounds}).summary.final_accuracy
     return SimulationResult(run_dir=fin.run_dir, federation=federation, final_accuracy=acc,
                             rounds_completed=fin.rounds, metrics=fin.metrics, agents=[],
                             seconds=time.monotonic() - t_start, broker=broker)
@@ -695,6 +695,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         **device_state_summary(agents, resumed=resume),
         **({"devices_rejoined_without_state": server.rejoined_without_state}
            if server.rejoined_without_state else {}),
+        **({"metrics_lines_missing": server.metrics_lines_missing} if server.metrics_lines_missing else {}),
     ))
     if state_store is not None and finished_run(out, cfg.run.rounds) is not None:
         for f in out.glob(DEVICE_STATE_FILE + "*"):  # no round left to resume: the devices' kept state is spent

@@ -313,6 +313,7 @@ def test_a_relative_path_key_is_made_absolute_for_the_run_folder(tmp_path: Path,
     ("mqtt://LOCALHOST.:1883", 4, 16),  # host names are matched in lower case, a final dot dropped
     ("mqtts://[::1]:8883", 1, 8),
     ("mqtt://127.0.0.2:1883", 2, 4),    # all of 127/8 is loopback
+    ("mqtt://[::ffff:127.0.0.1]:1883", 4, 2),  # IPv4-mapped
 ])
 def test_the_server_tells_agents_on_its_machine_to_train_on_one_thread(url, agents, cores) -> None:
     text = local_agents_hint(url, agents, cores)

@@ -164,3 +164,25 @@ def test_a_damaged_metrics_file_is_refused_before_the_run_folder_is_touched(tmp_
     assert f"--resume: {path} has no line for round 2, and its checkpoint holds none to write again" in err
     assert folder() == before
     assert json.loads((run / "summary.json").read_text())["final_accuracy"] == json.loads(lines[1])["accuracy"]
+
+    # the checkpoint store emptied (or a folder in its place) beside a metrics.jsonl with lines: refused, untouched
+    path.write_bytes(good)
+    store = run / "checkpoints.sqlite"
+    kept_store = store.read_bytes()
+    store.write_bytes(b"")
+    before = folder()
+    assert cli.main(["simulate", "--resume", str(run), "--rounds", "3", "-q"]) == 2
+    assert f"--resume: {store} holds no checkpoint, but {path} has the lines of 2 rounds" in capsys.readouterr().err
+    assert folder() == before
+    store.unlink()
+    store.mkdir()
+    assert cli.main(["simulate", "--resume", str(run), "--rounds", "3", "-q"]) == 2
+    assert f"--resume: {store} is not a file" in capsys.readouterr().err
+    store.rmdir()
+    store.write_bytes(kept_store)
+
+    # round 1's line deleted (as the refusal above says a damaged line may be): the run goes on, the loss said
+    path.write_bytes(lines[1].encode())
+    assert cli.main(["simulate", "--resume", str(run), "--rounds", "3", "-q"]) == 0
+    assert _rounds(run) == [2, 3]
+    assert json.loads((run / "summary.json").read_text())["metrics_lines_missing"] == [1]
