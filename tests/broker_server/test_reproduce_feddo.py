@@ -745,7 +745,7 @@ def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
     assert again["cpu_seconds"] == first["cpu_seconds"] and again["lines"] == first["lines"]
     assert again["makes"][0] == t.make_of(first) and len(again["makes"]) == 2
     remake = again["makes"][1]
-    assert remake["cores"] == os.cpu_count() and remake["cpu_seconds"] > 0.0
+    assert remake["cores"] == os.cpu_count() and isinstance(remake["cpu_seconds"], float)
     assert isinstance(remake["load_avg"], float) and remake["load_avg"] == round(remake["load_avg"], 2)
 
 
