@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,8 +241,8 @@ class GridStopped(Exception):
 
 #: Environment variable: a Unix time (seconds) by which a grid should be done. :func:`run_grid`
 #: starts a cell only when it is expected to end by then (:data:`STOP_MARGIN` × the mean time of
-#: the grid's cells on record, 0 while none is), lets the running ones finish, and raises
-#: :class:`GridStopped` when it left cells unstarted. Set by ``tools/grid_queue.py --hours`` so
+#: the recorded cells like it, :func:`like_cells_seconds`; 0 while none is), lets the running ones
+#: finish, and raises :class:`GridStopped` when it left cells unstarted. Set by ``tools/grid_queue.py --hours`` so
 #: that a session's grid ends with its last cells finished instead of killed at the deadline.
 STOP_AT_ENV = "FEDFLEET_GRID_STOP_AT"
 #: how much longer than the mean cell a cell is allowed for, when deciding whether it ends in time
@@ -273,6 +273,37 @@ def ends_after_stop(stop_at: float | None, seconds: Sequence[float]) -> bool:
     seconds; ``None``: no stop time, never)."""
     expected = STOP_MARGIN * sum(seconds) / len(seconds) if seconds else 0.0
     return stop_at is not None and time.time() + expected > stop_at
+
+
+#: The tags that make cells alike in time, most telling first: a cell is expected to take as long
+#: as the recorded cells sharing all of them, else the first of them (see :func:`like_cells_seconds`).
+TIME_TAGS = ("method", "dataset")
+
+
+def like_cells_seconds(job: Job, done: Mapping[str, dict], mine: Collection[str]) -> list[float]:
+    """The seconds (wall, per cell) of the recorded cells ``job`` is expected to take like, for
+    :func:`ends_after_stop`: the finished records among ``mine`` (the grid's keys) that share all
+    of ``job``'s :data:`TIME_TAGS` (same method on the same data set), else its method alone, else
+    all of ``mine``'s records, else every record of the folder (another budget's or data set's
+    cells, while none of these is on record); ``[]`` when nothing is recorded.
+
+    A grid's methods differ several-fold in time (a FedDO run that also trains the whole fleet
+    takes about twice a FedAvg run): the grid-wide mean would start a long cell that then runs
+    past the stop time.
+
+    Args:
+        job: the cell to be started; its ``tags`` name its method and data set (none: the grid mean).
+        done: key → record of the finished cells (records with ``error`` are skipped).
+        mine: the keys of this grid's jobs.
+    """
+    ok = {k: r for k, r in done.items() if "error" not in r}
+    ours = [r for k, r in ok.items() if k in mine]
+    tags = [t for t in TIME_TAGS if t in job.tags]
+    for n in range(len(tags), 0, -1):
+        alike = [r for r in ours if all(r.get(t) == job.tags[t] for t in tags[:n])]
+        if alike:
+            return [float(r.get("seconds", 0.0)) for r in alike]
+    return [float(r.get("seconds", 0.0)) for r in (ours or ok.values())]
 
 
 #: ``results.jsonl`` files whose unfinished last line was already reported (reported once each).
@@ -486,8 +517,10 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     although portable was asked (a CPU without AVX2) is logged as a warning.
 
     With :data:`STOP_AT_ENV` set, a cell starts only when it is expected to end by that time
-    (:data:`STOP_MARGIN` × the mean seconds of the grid's cells on record); the running ones
-    finish and are recorded, and :class:`GridStopped` is raised when cells were left unstarted.
+    (:data:`STOP_MARGIN` × the mean seconds of the recorded cells like it, same method and data set
+    first: :func:`like_cells_seconds`; a later cell that fits starts where an earlier one would
+    not); the running ones finish and are recorded, and :class:`GridStopped` is raised when
+    cells were left unstarted.
 
     A job that failed earlier (its record has ``error``) is run again. Each new record gets
     ``config_sha256`` (:func:`config_fingerprint` with ``out_dir``, so the grid folder's spelling
@@ -531,16 +564,18 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                 open(out / "results.jsonl", "a", encoding="utf-8") as f:
             # cells are handed out as workers free up, so that a stop time can hold back the rest
             waiting, running = list(todo), dict[Future[dict], Job]()
-            # the expected cell: these jobs' records (the folder's others, another budget's or data
-            # set's cells, only when none of these is on record yet)
             mine = {j.key for j in jobs}
-            seconds = [float(r.get("seconds", 0.0)) for k, r in done.items() if k in mine] or \
-                [float(r.get("seconds", 0.0)) for r in done.values()]
             try:
                 while waiting or running:
-                    while waiting and len(running) < max(1, workers) and not ends_after_stop(stop_at, seconds):
-                        j = waiting.pop(0)
-                        running[pool.submit(_worker, j, str(out))] = j
+                    while len(running) < max(1, workers):
+                        # the first waiting cell expected to end by the stop time (a shorter method's
+                        # cell may still fit where a longer one would not)
+                        fits = next((j for j in waiting
+                                     if not ends_after_stop(stop_at, like_cells_seconds(j, done, mine))), None)
+                        if fits is None:
+                            break
+                        waiting.remove(fits)
+                        running[pool.submit(_worker, fits, str(out))] = fits
                     if not running:
                         break
                     finished, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -555,8 +590,6 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                         f.write(json.dumps(rec) + "\n")
                         f.flush()
                         done[rec["key"]] = rec
-                        if "error" not in rec:
-                            seconds.append(float(rec.get("seconds", 0.0)))
                         if on_result is not None:
                             on_result(rec)
             except BaseException:

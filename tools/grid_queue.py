@@ -38,7 +38,8 @@ what finished; also when started in the background with SIGINT ignored), else 0.
 
 ``--hours`` is a hard end: the grids' stop time (``FEDFLEET_GRID_STOP_AT``,
 :func:`broker_server.experiments.run_grid`) is 5 minutes before it, so no cell starts that would
-end after that (by the grid's mean cell time × 1.25), the running ones finish, and what finished
+end after that (by the mean time × 1.25 of the recorded cells of its method and data set),
+the running ones finish, and what finished
 is merged; a cell still running at the deadline is stopped with SIGINT (not recorded; the next
 invocation runs it); no grid or re-run check starts in its last 15 minutes. The grids' CPU plans are in
 their reports; the whole queue is several sessions of 2 cores. Run it from a frozen checkout
@@ -250,7 +251,7 @@ def _run(cmd: list[str], deadline: float | None) -> tuple[int, bool]:
     (:data:`~broker_server.experiments.STOP_AT_ENV`; one set in this process's environment is not
     passed on): it starts no cell that would end after it and exits with
     :data:`~broker_server.experiments.EXIT_STOPPED` once its running cells are recorded. A cell
-    still running at the deadline (one slower than the grid's mean by more than the margin and
+    still running at the deadline (one slower than its expected time by more than the margin and
     :data:`OVERRUN_S`) is stopped: SIGINT (unfinished cells are not recorded), then SIGTERM and
     SIGKILL after :data:`STOP_GRACE_S` each. A KeyboardInterrupt here stops it the same way and
     goes on.

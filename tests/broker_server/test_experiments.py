@@ -25,6 +25,7 @@ from broker_server.experiments import (
     Job,
     config_fingerprint,
     earlier_verify,
+    like_cells_seconds,
     load_results,
     mean_std,
     run_grid,
@@ -194,6 +195,64 @@ def test_a_grid_starts_no_cell_that_would_end_after_its_stop_time(tmp_path: Path
 
     assert script_exit(stopped) == EXIT_STOPPED == 75
     assert capsys.readouterr().err == "stopped: OUT: 3 cell(s) not started\n"
+
+
+def test_a_cell_is_expected_to_take_as_long_as_the_recorded_cells_of_its_method_and_data_set() -> None:
+    """like_cells_seconds, worked by hand: a FedAvg MNIST cell expects the FedAvg MNIST records
+    (10, 20 s), not the FedDO one (900 s) nor the CIFAR one (300 s); with no FedAvg MNIST record
+    it takes FedAvg's records on any data set; a method never recorded takes the grid's records;
+    records with an error and the folder's records of other grids count only when the grid has none."""
+    def rec(method: str, dataset: str, secs: float, **extra: object) -> dict:
+        return {"method": method, "dataset": dataset, "seconds": secs, **extra}
+
+    done = {"a": rec("FedAvg", "mnist", 10.0), "b": rec("FedAvg", "mnist", 20.0), "c": rec("FedDO", "mnist", 900.0),
+            "d": rec("FedAvg", "cifar10", 300.0), "e": rec("FedAvg", "mnist", 5000.0, error="boom"),
+            "other": rec("FedAvg", "mnist", 7000.0)}
+    mine = {"a", "b", "c", "d", "e"}
+
+    def job(method: str, dataset: str) -> Job:
+        return Job("new", {}, tags={"method": method, "dataset": dataset})
+
+    assert like_cells_seconds(job("FedAvg", "mnist"), done, mine) == [10.0, 20.0]
+    assert like_cells_seconds(job("FedDO", "mnist"), done, mine) == [900.0]
+    assert like_cells_seconds(job("FedAvg", "fmnist"), done, mine) == [10.0, 20.0, 300.0]
+    assert like_cells_seconds(job("MOON", "mnist"), done, mine) == [10.0, 20.0, 900.0, 300.0]
+    assert like_cells_seconds(Job("untagged", {}), done, mine) == [10.0, 20.0, 900.0, 300.0]
+    assert like_cells_seconds(job("FedAvg", "mnist"), done, set()) == [10.0, 20.0, 900.0, 300.0, 7000.0]
+    assert like_cells_seconds(job("FedAvg", "mnist"), {}, mine) == []
+
+
+def test_a_long_method_s_cell_is_held_back_where_a_short_one_still_fits_before_the_stop_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two methods on record: "slow" at 2,000 s, "fast" at 100 s; the stop time 1,000 s away on
+    the grid's clock. The grid's mean (1,050 s) would start neither; by method, the slow cell is
+    held back (1.25 × 2,000 s > 1,000 s) and the fast one, listed after it, starts and is
+    recorded (1.25 × 100 s fits); the grid then says 1 cell was not started."""
+    def job(method: str, seed: int) -> Job:
+        return Job(f"g/{method}/s{seed}", _config("fedavg", 1, seed), tags={"method": method, "dataset": "digits"})
+
+    on_record = [(job("slow", 0), 2000.0), (job("fast", 0), 100.0)]
+    with open(tmp_path / "results.jsonl", "w", encoding="utf-8") as f:
+        for j, secs in on_record:
+            f.write(json.dumps({"key": j.key, "seconds": secs, "final": {"accuracy": 0.5}, **j.tags,
+                                "config_sha256": config_fingerprint(j.config, tmp_path)}) + "\n")
+    clock = {"now": 1.0e9}
+
+    class Clock:  # experiments' time module, its wall clock held still by the test
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+        @staticmethod
+        def time() -> float:
+            return clock["now"]
+
+    monkeypatch.setattr(experiments, "time", Clock())
+    monkeypatch.setenv(STOP_AT_ENV, f"{clock['now'] + 1000:.0f}")
+    jobs = [j for j, _ in on_record] + [job("slow", 1), job("fast", 1)]
+    with pytest.raises(GridStopped, match=r"1 cell\(s\) not started.*the 1 that ran are on record"):
+        run_grid(jobs, tmp_path, workers=1)
+    assert set(load_results(tmp_path)) == {"g/slow/s0", "g/fast/s0", "g/fast/s1"}
+    assert load_results(tmp_path)["g/fast/s1"]["method"] == "fast"
 
 
 def test_a_running_cell_finishes_and_is_recorded_when_the_stop_time_comes(tmp_path: Path,
