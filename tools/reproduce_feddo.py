@@ -294,6 +294,8 @@ SWEEP_BASELINES = ["FedAvg", "FedCross"]
 #: the sweep of ``--tiny`` (the pipeline, not the science)
 TINY_SWEEPS: dict[str, list] = {"reward": ["seed", "continuous"]}
 
+#: the full training splits (images): an offline split smaller than its data set's is said in the report
+FULL_SPLITS = {"fashion_mnist": 60_000, "cifar10": 50_000}
 #: paper Table 1, CNN: FedDO's accuracy (%) per setting, and FedAvg's where SPECS §4.5 gives it
 PAPER_FEDDO = {("fashion_mnist", "dir0.1"): 87.49, ("fashion_mnist", "dir0.5"): 97.34,
                ("fashion_mnist", "iid"): 90.99, ("cifar10", "dir0.1"): 71.36, ("cifar10", "dir0.5"): 89.70,
@@ -1366,6 +1368,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
     E = int(settings.get("eval_every", 1))
     budgets = settings.get("budgets") or {ds: (settings["train_samples"], 0) for ds in datasets}
     on_devices = "; ".join(f"{ds} {n or 'all'}" + (f" of {split}" if split else "")
+                           + (f", the offline training split: {FULL_SPLITS[ds]:,} images in the full data set"
+                              if split and ds in FULL_SPLITS and split < FULL_SPLITS[ds] else "")
                            for ds, (n, split) in budgets.items())
     overlap = [ds for ds, (n, split) in budgets.items() if not 0 < n or (split and n > split - VALIDATION_IMAGES)]
     lines = [*report_header("FedDO: reproduction with baselines, one-mechanism controls and sweeps",
