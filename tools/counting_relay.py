@@ -149,12 +149,22 @@ class CountingRelay:
         the sockets' buffers until those are full, then in paho's queue."""
         self._held.add(n)
 
-    def cut(self, n: int) -> None:
+    def cut(self, n: int, *, keep_held: bool = False) -> None:
         """Close connection ``n`` as its broker would (and read its client → broker direction
-        again, so what the client wrote is counted)."""
+        again, so what the client wrote is counted).
+
+        With ``keep_held`` a held direction stays held until :meth:`release`. A client goes on
+        writing until it has seen the close, and what the relay reads meanwhile makes room in the
+        sockets for more of its queue; a caller that needs the client's queue as it was at the cut
+        releases the connection only once the client has closed its socket."""
         with self.lock:
             _, b = self._links[n]
         _shutdown(b, socket.SHUT_RDWR)
+        if not keep_held:
+            self.release(n)
+
+    def release(self, n: int) -> None:
+        """Read connection ``n``'s client → broker direction again (after :meth:`hold`)."""
         self._held.discard(n)
 
     def client_id(self, n: int) -> str:

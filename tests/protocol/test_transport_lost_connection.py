@@ -23,7 +23,10 @@ from tools.counting_relay import CountingRelay
 def test_a_publish_dropped_unwritten_is_a_first_transmission_after_the_reconnect(tmp_path: Path) -> None:
     """Three 1 MB PUBLISHes on a connection whose relay stops reading: the client's socket (send
     buffer set to 16 KiB) takes part of the first, the other two stay in paho's queue. The
-    broker side is then closed. After the reconnect all three go out with DUP set; by hand:
+    broker side is then closed, and the relay reads again only once the client has closed its
+    socket: a client writes on until it sees the close, and a relay reading meanwhile let it put
+    the rest of the first and part of the second on the wire once in a loaded suite (then the
+    second was a real retransmission). After the reconnect all three go out with DUP set; by hand:
     the wire carries 4 PUBLISH packets (the cut first one, then 3 with DUP), and the packet events
     say DUP once (the first), so ledger rows (3 messages + 1 retransmission) = 4 = the wire."""
     with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
@@ -43,7 +46,10 @@ def test_a_publish_dropped_unwritten_is_a_first_transmission_after_the_reconnect
             assert wait_for(lambda: len(tr._client.unwritten_mids()) == 2, 10.0)
             time.sleep(0.3)  # the socket is full: still two unwritten
             assert len(tr._client.unwritten_mids()) == 2
-            relay.cut(first)
+            relay.cut(first, keep_held=True)
+            assert wait_for(lambda: not tr.connected, 10.0)  # paho closed the socket, then said so
+            assert len(tr._client.unwritten_mids()) == 2  # the queue as the lost connection left it
+            relay.release(first)
             assert wait_for(lambda: outcomes.count("acked") == 3, 30.0), outcomes
         finally:
             tr.close()
