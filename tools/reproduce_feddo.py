@@ -1512,10 +1512,11 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
             pol = [v for v in pol_ok if v.get("setting") == f"{ds}/{part}" and not v.get("tag")
                    and v.get("episodes") == settings["episodes"] and v.get("rounds") == settings["pretrain_rounds"]]
             for v in pol:
-                eps = [v["lines"][0]] + ([v["lines"][-1]] if len(v["lines"]) > 1 else [])
-                lines.append(f"\nPre-training: {v['episodes']} episodes × {v['rounds']} rounds, {makes_text(v)}; "
-                             + "; ".join(
-                                 f"episode {e['episode']}: return {e['return']:+.2f}, accuracy "
+                got = v.get("lines") or []  # an entry without episode lines: its cost alone
+                eps = got[:1] + got[-1:] if len(got) > 1 else got
+                lines.append(f"\nPre-training: {v['episodes']} episodes × {v['rounds']} rounds, {makes_text(v)}"
+                             + "".join(
+                                 f"; episode {e['episode']}: return {e['return']:+.2f}, accuracy "
                                  f"{100 * e['final_accuracy']:.2f} %, {e['mean_active']:.1f} active at d "
                                  f"{e['mean_ratio']:.3f}"
                                  + (f", entropy temperature α {e['alpha']:.3g} after {e['updates']:,} updates"
@@ -1537,7 +1538,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                     if n:
                         lines.append(f"| {ds} {part} | {c} | {why} | {dm:+.2f}"
                                      + (f" ± {ds_:.2f}" if n > 1 else "") + f" | {n} |")
-    checks = [(ds, part, c, base, what) for c, (base, what) in BASELINE_CONTROLS.items() if c in methods
+    checks = [(ds, part, c, base, what) for c, (base, what) in BASELINE_CONTROLS.items()
+              if c in methods and base in methods
               for ds in datasets if ds in ONLY_ON.get(c, {ds}) for part in partitions]
     if checks:
         lines += ["", "## A baseline at another value", "",
@@ -1567,7 +1569,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
             rs = rows(ds, part)
             for m in [x for x in FEDDO_FAMILY if x in methods]:
                 per = [read_metrics(out, r["key"]) for r in rs.get(m, [])]
-                per = [p for p in per if p]
+                per = [p for p in per if behaviour(p) != (0.0, 0.0)]  # runs without FedDO's figures left out
                 if not per:
                     continue
                 whole, tail = [behaviour(p) for p in per], [behaviour(p, 0.25) for p in per]
@@ -1625,7 +1627,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                 made = [x for x in info.values() if "error" not in x and x.get("setting") == sweep_bench
                         and x.get("tag") == (f"{key}={v}" if i else "")
                         and (i or x.get("episodes") == settings["episodes"])]
-                cpu = [x["cpu_seconds"] for x in made]
+                cpu = [x["cpu_seconds"] for x in made if x.get("cpu_seconds") is not None]
                 end = made[0]["lines"][-1] if made and made[0].get("lines") else {}
                 ends = ", ".join(([f"α {end['alpha']:.3g}"] if "alpha" in end else [])
                                  + ([f"Q {end['q_mean']:.4g}"] if "q_mean" in end else []))
@@ -1836,14 +1838,23 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
         return f"{k[0]} {k[1]}" + (f" ({plural(n, 'seed')})" if n < n_seeds else "")
 
     missing: list[str] = []
+    empty = [f"{ds} {part}" for ds in datasets for part in partitions if not any(rows(ds, part).values())]
+    if empty:
+        missing.append(f"settings with no finished cell: {', '.join(empty)}")
     thin = [f"{ds} {part}" for ds in datasets for part in partitions
             if any(rows(ds, part).values()) and any(len(_per_seed(rows(ds, part).get(m, []))) < n_seeds
                                                     for m in methods if ds in ONLY_ON.get(m, {ds}))]
     if thin:
         missing.append(f"settings where some method has fewer than {n_seeds} seeds: {', '.join(thin)}")
     sweep_keys = [j.key for j in jobs if j.tags.get("grid") == "sweep"]
-    if sweep_keys and (short := sum(1 for k in sweep_keys if k not in {r["key"] for r in sweep})):
-        missing.append(f"{short} of the sweep's {len(sweep_keys)} cells (FedAvg at participation 1.0 among them)")
+    swept_keys = {r["key"] for r in sweep}
+    if sweep_keys and (short := sum(1 for k in sweep_keys if k not in swept_keys)):
+        # the cells FedDO-all is compared with, where the sweep has them and some are not on record
+        full_avg = [j.key for j in jobs if j.tags.get("grid") == "sweep" and j.tags.get("method") == "FedAvg"
+                    and j.tags.get("sweep_key") == "participation" and float(j.tags["value"]) == 1.0]
+        among = (" (FedAvg at participation 1.0 among them)" if any(k not in swept_keys for k in full_avg)
+                 else "")
+        missing.append(f"{short} of the sweep's {len(sweep_keys)} cells{among}")
     if not verify:
         missing.append("the re-run check")
     if missing:
@@ -1869,16 +1880,17 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
         shows.append(f"- **Rounds to target against {other}:** FedDO sooner beyond the seeds' spread in "
                      f"{len(sooner)} of {len(got_r)} settings"
                      + (f"; FedDO never reaches the target in {', '.join(never)}" if never else "")
-                     + (f"; {other} reaches it in {reached} of {sum(len(fo) for _, fo in got_r.values())} "
-                        "seeds (the target is FedAvg's lowest final, so FedAvg always does)" if other != "FedAvg"
-                        else "") + ".")
+                     + (f"; {other} reaches it in {reached} of {sum(len(fo) for _, fo in got_r.values())} seeds"
+                        + (" (the target is FedAvg's lowest final, so FedAvg always does)" if target is None
+                           else f" (the target is --target's {100 * target:.2f} %)")
+                        if other != "FedAvg" or target is not None else "") + ".")
     fam = [m for m in ("FedDO", *CONTROLS) if m in methods]
     best_of_family, cost_x, bytes_x = [], [], []
     for ds in datasets:
         for part in partitions:
             rs = rows(ds, part)
             means, _ = seed_matched(rs, fam)
-            if len(means) == len(fam):
+            if len(fam) > 1 and len(means) == len(fam):
                 best_of_family.append(max(means, key=lambda k: means[k]))
             if rs.get("FedDO-all") and rs.get("FedDO"):
                 imgs = {m: [x for r in rs[m] if (x := samples_per_round(read_metrics(out, r["key"]))) is not None]

@@ -580,6 +580,124 @@ def test_a_baseline_at_another_value_is_reported_beside_it_and_in_no_rank(tmp_pa
     assert "FedDO's rank: 2 of 3 over seeds [0] (FedAvg 28.00, FedDO 25.00, MOON 14.00;" in text
 
 
+def _report(t, out: Path, recs: list[dict], argv: list[str]) -> str:
+    """``--report-only`` of ``recs`` in ``out`` (4 rounds, every round evaluated); the report's text."""
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    report = out / "r.md"
+    assert t.main(["--out", str(out), "--report", str(report), "--report-only", "--rounds", "4", "--eval-every", "1",
+                   *argv]) == 0
+    return report.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("methods", [["FedAvg"], ["FedAvg", "FedDO"]])
+def test_the_family_line_needs_two_of_the_family(methods: list[str], tmp_path: Path) -> None:
+    """No member of the FedDO family in ``--methods`` (the report used to stop on ``max()`` of
+    nothing), or FedDO alone ("the highest of FedDO is FedDO's" says nothing): no family line."""
+    t = _tool()
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=methods, seeds=[0],
+                 rounds=4, pretrain_rounds=4, sweep=None)
+    recs = [_rec(j, 0.8) for j in grid.main_jobs(control={})]
+    text = _report(t, tmp_path, recs, ["--datasets", "fashion_mnist", "--partitions", "dir0.1", "--methods",
+                                       ",".join(methods), "--seeds", "0", "--no-sweep"])
+    assert "| FedAvg | 80.00 |" in text and "The FedDO family" not in text
+
+
+def test_a_given_target_is_not_said_to_be_fedavgs_lowest_final(tmp_path: Path) -> None:
+    """``--target 0.9``: FedAvg reaches it in seed 0 only (round 3), FedCross never, FedDO in rounds 2
+    and 3. Against FedAvg (3, never = 5): saved (1, 2) → 1.5 ± 0.5, sooner beyond the spread;
+    against FedCross (5, 5): (3, 2) → 2.5 ± 0.5. The summary says how many seeds of each reach the
+    target, not that FedAvg always does (the rule of the default target, FedAvg's lowest final)."""
+    t = _tool()
+    methods = ["FedAvg", "FedCross", "FedDO"]
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=methods, seeds=[0, 1],
+                 rounds=4, pretrain_rounds=4, sweep=None)
+    jobs = {(j.tags["method"], j.tags["seed"]): j for j in grid.main_jobs(control={})}
+    curves = {("FedAvg", 0): [0.5, 0.7, 0.9, 0.91], ("FedAvg", 1): [0.5, 0.6, 0.7, 0.8],
+              ("FedCross", 0): [0.1, 0.2, 0.3, 0.4], ("FedCross", 1): [0.1, 0.2, 0.3, 0.4],
+              ("FedDO", 0): [0.6, 0.9, 0.92, 0.93], ("FedDO", 1): [0.6, 0.7, 0.9, 0.92]}
+    recs = [_rec(jobs[k], c[-1], c) for k, c in curves.items()]
+    text = _report(t, tmp_path, recs, ["--datasets", "fashion_mnist", "--partitions", "dir0.1", "--methods",
+                                       ",".join(methods), "--seeds", "0,1", "--no-sweep", "--target", "0.9"])
+    assert ("- **Rounds to target against FedAvg:** FedDO sooner beyond the seeds' spread in 1 of 1 settings; FedAvg "
+            "reaches it in 1 of 2 seeds (the target is --target's 90.00 %).") in text
+    assert ("- **Rounds to target against FedCross:** FedDO sooner beyond the seeds' spread in 1 of 1 settings; "
+            "FedCross reaches it in 0 of 2 seeds (the target is --target's 90.00 %).") in text
+    assert "so FedAvg always does" not in text
+
+
+@pytest.mark.parametrize(("on_record", "among"), [(1.0, False), (0.5, True)])
+def test_the_sweeps_missing_cells_name_fedavg_at_one_only_where_it_is_missing(on_record: float, among: bool,
+                                                                              tmp_path: Path) -> None:
+    """The sweep of FedAvg's participation on seed 0: 4 cells (0.05, 0.1, 0.5, 1.0), one on record.
+    "FedAvg at participation 1.0 among them" (the cell FedDO-all is compared with) only while it is
+    not on record."""
+    t = _tool()
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedAvg", "FedDO"],
+                 seeds=[0], rounds=4, pretrain_rounds=4, sweeps={}, sweep_baselines=["FedAvg"],
+                 participations=list(t.PARTICIPATIONS))
+    sweep = {j.tags["value"]: j for j in grid.sweep_jobs()}
+    assert sorted(sweep) == [0.05, 0.1, 0.5, 1.0]
+    recs = [_rec(j, 0.8) for j in grid.main_jobs(control={})] + [_rec(sweep[on_record], 0.85)]
+    text = _report(t, tmp_path, recs, ["--datasets", "fashion_mnist", "--partitions", "dir0.1", "--methods",
+                                       "FedAvg,FedDO", "--seeds", "0", "--sweep-keys", "participation",
+                                       "--sweep-baselines", "FedAvg"])
+    assert ("3 of the sweep's 4 cells" + (" (FedAvg at participation 1.0 among them)" if among else "")
+            + "; the re-run check.") in text
+
+
+def test_behaviour_table_leaves_out_a_run_without_feddos_figures(tmp_path: Path) -> None:
+    """FedDO seed 0 at 20 active, d 0.8; seed 1's rounds lack ``feddo_active``: the behaviour table
+    shows seed 0's figures on 1 seed (it used to count seed 1 as 0 active at d 0: 10.0 ± 10.0)."""
+    t = _tool()
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedAvg", "FedDO"],
+                 seeds=[0, 1], rounds=4, pretrain_rounds=4, sweep=None)
+    jobs = {(j.tags["method"], j.tags["seed"]): j for j in grid.main_jobs(control={})}
+    curve = [0.5, 0.6, 0.7, 0.8]
+    recs = [_rec(jobs["FedAvg", s], 0.8, curve) for s in (0, 1)]
+    recs += [_rec(jobs["FedDO", 0], 0.8, curve, [20] * 4, 0.8), _rec(jobs["FedDO", 1], 0.8, curve)]
+    text = _report(t, tmp_path, recs, ["--datasets", "fashion_mnist", "--partitions", "dir0.1", "--methods",
+                                       "FedAvg,FedDO", "--seeds", "0,1", "--no-sweep"])
+    assert ("| fashion_mnist dir0.1 | FedDO | 20.0 | 0.800 | 20.0 | 0.800 | 1 | 20–25 active, d ≈ 0.8–0.9 |"
+            in text)
+
+
+def test_pre_training_entries_without_episode_lines_or_cost(tmp_path: Path) -> None:
+    """``pretrain.json``: the IID policy's entry has no episode lines (its cost alone is said), the
+    Dir(0.1) one no CPU seconds (the sweep's default row has none to show); neither stops the report."""
+    t = _tool()
+    methods = ["FedAvg", "FedDO"]
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1", "iid"], methods=methods, seeds=[0],
+                 rounds=4, pretrain_rounds=4, sweeps={"rank": [96, 0]})
+    recs = [_rec(j, 0.8) for j in grid.main_jobs(control={})]
+    info = {}
+    for part, entry in (("dir0.1", {"cpu_seconds": None, "lines": []}), ("iid", {"cpu_seconds": 800.0})):
+        spec = grid.main_policy("fashion_mnist", part)
+        info[spec["name"]] = {"path": spec["path"], "setting": spec["setting"], "tag": "", "episodes": 10,
+                              "rounds": 4, **entry}
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps(info), encoding="utf-8")
+    text = _report(t, tmp_path, recs, ["--datasets", "fashion_mnist", "--partitions", "dir0.1,iid", "--methods",
+                                       ",".join(methods), "--seeds", "0", "--sweep-keys", "rank"])
+    assert "\nPre-training: 10 episodes × 4 rounds, 800 CPU s on an unrecorded machine.\n" in text
+    assert "| rank | 96 (default) | FedDO | 80.00 | 1 | 0 | – | – | – | – |" in text
+
+
+def test_a_baseline_control_without_its_baseline_and_a_setting_without_cells(tmp_path: Path) -> None:
+    """``--methods FedAvg,FedDO,MOON-mu1`` (no MOON): MOON-mu1 has nothing to be compared with, so no
+    "A baseline at another value" rows saying MOON is "not on record yet"; IID, asked for but without
+    a cell, is named at the top as not on record."""
+    t = _tool()
+    methods = ["FedAvg", "FedDO", "MOON-mu1"]
+    grid = _grid(t, tmp_path, datasets=["cifar10"], partitions=["dir0.1", "iid"], methods=methods, seeds=[0],
+                 rounds=4, pretrain_rounds=4, sweep=None)
+    recs = [_rec(j, 0.3) for j in grid.main_jobs(control={}) if j.tags["partition"] == "dir0.1"]
+    assert len(recs) == 3
+    text = _report(t, tmp_path, recs, ["--datasets", "cifar10", "--partitions", "dir0.1,iid", "--methods",
+                                       ",".join(methods), "--seeds", "0", "--no-sweep"])
+    assert "| MOON-mu1 | 30.00 |" in text and "## A baseline at another value" not in text
+    assert "- **Not yet on record:** settings with no finished cell: cifar10 iid; the re-run check." in text
+
+
 @pytest.mark.parametrize("argv", [["--methods", "FedAvg,Nope"], ["--seeds", "x"], ["--partitions", "dir0.3"],
                                   ["--sweep-bench", "fashion_mnist"], ["--sweep-keys", "tau"],
                                   ["--sweep-baselines", "FedDO"], ["--participation", "0"], ["--verify", "-1"],
