@@ -197,6 +197,24 @@ def test_a_grid_starts_no_cell_that_would_end_after_its_stop_time(tmp_path: Path
     assert capsys.readouterr().err == "stopped: OUT: 3 cell(s) not started\n"
 
 
+def _grid_clock(monkeypatch: pytest.MonkeyPatch, *, stop_in_s: float) -> dict[str, float]:
+    """Replace experiments' wall clock by one the test holds (``clock["now"]``, from 1e9 s; the test
+    may move it) and set the grid's stop time ``stop_in_s`` after it; returns the clock."""
+    clock = {"now": 1.0e9}
+
+    class Clock:  # experiments' time module, its wall clock the test's
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+        @staticmethod
+        def time() -> float:
+            return clock["now"]
+
+    monkeypatch.setattr(experiments, "time", Clock())
+    monkeypatch.setenv(STOP_AT_ENV, f"{clock['now'] + stop_in_s:.0f}")
+    return clock
+
+
 def test_a_cell_is_expected_to_take_as_long_as_the_recorded_cells_of_its_method_and_data_set() -> None:
     """like_cells_seconds, worked by hand: a FedAvg MNIST cell expects the FedAvg MNIST records
     (10, 20 s), not the FedDO one (900 s) nor the CIFAR one (300 s); with no FedAvg MNIST record
@@ -236,18 +254,7 @@ def test_a_long_method_s_cell_is_held_back_where_a_short_one_still_fits_before_t
         for j, secs in on_record:
             f.write(json.dumps({"key": j.key, "seconds": secs, "final": {"accuracy": 0.5}, **j.tags,
                                 "config_sha256": config_fingerprint(j.config, tmp_path)}) + "\n")
-    clock = {"now": 1.0e9}
-
-    class Clock:  # experiments' time module, its wall clock held still by the test
-        def __getattr__(self, name: str) -> object:
-            return getattr(time, name)
-
-        @staticmethod
-        def time() -> float:
-            return clock["now"]
-
-    monkeypatch.setattr(experiments, "time", Clock())
-    monkeypatch.setenv(STOP_AT_ENV, f"{clock['now'] + 1000:.0f}")
+    _grid_clock(monkeypatch, stop_in_s=1000)
     jobs = [j for j, _ in on_record] + [job("slow", 1), job("fast", 1)]
     with pytest.raises(GridStopped, match=r"1 cell\(s\) not started.*the 1 that ran are on record"):
         run_grid(jobs, tmp_path, workers=1)
@@ -268,18 +275,7 @@ def test_a_running_cell_finishes_and_is_recorded_when_the_stop_time_comes(tmp_pa
         for job, secs in ((jobs[0], 100.0), (other, 3600.0)):
             f.write(json.dumps({"key": job.key, "seconds": secs, "final": {"accuracy": 0.5},
                                 "config_sha256": config_fingerprint(job.config, tmp_path)}) + "\n")
-    clock = {"now": 1.0e9}
-
-    class Clock:  # experiments' time module, its wall clock moved by the test
-        def __getattr__(self, name: str) -> object:
-            return getattr(time, name)
-
-        @staticmethod
-        def time() -> float:
-            return clock["now"]
-
-    monkeypatch.setattr(experiments, "time", Clock())
-    monkeypatch.setenv(STOP_AT_ENV, f"{clock['now'] + 1000:.0f}")
+    clock = _grid_clock(monkeypatch, stop_in_s=1000)
     ran: list[str] = []
 
     def later(rec: dict) -> None:
