@@ -242,8 +242,9 @@ class GridStopped(Exception):
 #: Environment variable: a Unix time (seconds) by which a grid should be done. :func:`run_grid`
 #: starts a cell only when it is expected to end by then (:data:`STOP_MARGIN` × the mean time of
 #: the recorded cells like it, :func:`like_cells_seconds`; 0 while none is), lets the running ones
-#: finish, and raises :class:`GridStopped` when it left cells unstarted. Set by ``tools/grid_queue.py --hours`` so
-#: that a session's grid ends with its last cells finished instead of killed at the deadline.
+#: finish, and raises :class:`GridStopped` when it left cells unstarted. Set by
+#: ``tools/grid_queue.py --hours`` so that a session's grid ends with its last cells finished
+#: instead of killed at the deadline.
 STOP_AT_ENV = "FEDFLEET_GRID_STOP_AT"
 #: how much longer than the mean cell a cell is allowed for, when deciding whether it ends in time
 STOP_MARGIN = 1.25
@@ -570,8 +571,8 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                     while len(running) < max(1, workers):
                         # the first waiting cell expected to end by the stop time (a shorter method's
                         # cell may still fit where a longer one would not)
-                        fits = next((j for j in waiting
-                                     if not ends_after_stop(stop_at, like_cells_seconds(j, done, mine))), None)
+                        fits = next((j for j in waiting if stop_at is None
+                                     or not ends_after_stop(stop_at, like_cells_seconds(j, done, mine))), None)
                         if fits is None:
                             break
                         waiting.remove(fits)

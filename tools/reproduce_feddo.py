@@ -808,6 +808,11 @@ def behaviour(lines: list[dict], tail: float = 1.0, *, first: bool = False) -> t
     return (sum(act) / len(act) if act else 0.0, sum(n * d for n, d in pairs) / weight if weight else 0.0)
 
 
+def images_a_round(out: Path, records: list[dict]) -> list[float]:
+    """:func:`samples_per_round` of each of ``records``' runs that has it (grid folder ``out``)."""
+    return [x for r in records if (x := samples_per_round(read_metrics(out, r["key"]))) is not None]
+
+
 def samples_per_round(lines: list[dict]) -> float | None:
     """The mean training samples a round of a run took (``samples_trained``, Σ num_samples of the
     round's accepted updates), over its rounds; ``None`` for a run whose lines lack it (made
@@ -1216,7 +1221,7 @@ def rank_verdict(rank: int, fedavg_rank: int, over_fedavg: tuple[float, float, i
         FedDO ranks ahead of FedAvg only within the spread.
     """
     def clear(d: tuple[float, float, int] | None) -> bool:
-        return d is None or (d[0] > 0 and not within_spread(*d))
+        return d is None or side(*d) == 1
 
     if rank == 1 and clear(over_next):
         return "reproduced"
@@ -1250,16 +1255,23 @@ def rounds_verdict(fd: list[int | None], fa: list[int | None], rounds: int, pape
     return "direction only"
 
 
+def side(mean: float, std: float, n: int) -> int:
+    """Which side of zero a mean of ``n`` per-seed differences lies on beyond their spread: 1
+    (positive), −1 (negative), 0 (within it, :func:`within_spread`; one difference: no spread,
+    its sign)."""
+    if mean > 0 and not within_spread(mean, std, n):
+        return 1
+    if mean < 0 and not within_spread(-mean, std, n):
+        return -1
+    return 0
+
+
 def _order(diffs: Sequence[float]) -> str:
     """How per-seed differences (positive: the paper's order) stand: ``"beyond the seeds' spread"``
-    (positive mean, not :func:`within_spread`), ``"within the seeds' spread"``, or ``"the other
-    way, beyond the seeds' spread"`` (a negative mean beyond it)."""
-    m, sd = mean_std(list(diffs))
-    if m > 0 and not within_spread(m, sd, len(diffs)):
-        return "beyond the seeds' spread"
-    if m < 0 and not within_spread(-m, sd, len(diffs)):
-        return "the other way, beyond the seeds' spread"
-    return "within the seeds' spread"
+    (:func:`side` 1), ``"within the seeds' spread"``, or ``"the other way, beyond the seeds'
+    spread"`` (−1)."""
+    return {1: "beyond the seeds' spread", 0: "within the seeds' spread",
+            -1: "the other way, beyond the seeds' spread"}[side(*mean_std(list(diffs)), len(diffs))]
 
 
 def behaviour_verdict(part: str, mine: dict[int, tuple[float, float]],
@@ -1301,8 +1313,8 @@ def control_verdict(c: str, per_setting: list[tuple[float, float, int]]) -> str:
     does better without the mechanism), how many are within it (:func:`within_spread`; one seed:
     no spread, counted by its sign); and what that says of the mechanism, by the majority."""
     n = len(per_setting)
-    pays = sum(1 for m, s, k in per_setting if m < 0 and not within_spread(-m, s, k))
-    hurts = sum(1 for m, s, k in per_setting if m > 0 and not within_spread(m, s, k))
+    sides = [side(*x) for x in per_setting]
+    pays, hurts = sides.count(-1), sides.count(1)
     noise = n - pays - hurts
     what = CONTROL_SHORT[c]
     if 2 * pays > n:
@@ -1486,7 +1498,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                 mrs = rs[m]
                 if not mrs:
                     continue
-                trained = [x for r in mrs if (x := samples_per_round(read_metrics(out, r["key"]))) is not None]
+                trained = images_a_round(out, mrs)
                 fin = [a for r in mrs if (a := _acc(r)) is not None]
                 best = [r.get("best_accuracy") for r in mrs]
                 hits = ([cell_rounds_to_target(out, r["key"], tgt) for r in mrs] if tgt is not None else [])
@@ -1721,8 +1733,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
             if flagged:
                 ptxt += "; flagged implausible by SPECS §4.5" + ("" if ptxt.endswith("judged on the sign")
                                                                  else ": judged on the sign")
-            spent = {m: [x for r in rs.get(m, []) if (x := samples_per_round(read_metrics(out, r["key"]))) is not None]
-                     for m in ("FedDO", "FedAvg")}
+            spent = {m: images_a_round(out, rs.get(m, [])) for m in ("FedDO", "FedAvg")}
             budget = (f"; FedDO trained {mean_std(spent['FedDO'])[0]:,.0f} images a round, FedAvg "
                       f"{mean_std(spent['FedAvg'])[0]:,.0f}: the reference at FedDO's budget is FedDO-random, under "
                       "Controls" if all(spent.values()) else "")
@@ -1860,8 +1871,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
     if missing:
         shows.append("- **Not yet on record:** " + "; ".join(missing) + ". Counts below cover what is.")
     if gains_seen:
-        ahead_s = [k for k, (m, sd, n) in gains_seen.items() if m > 0 and not within_spread(m, sd, n)]
-        behind_s = [k for k, (m, sd, n) in gains_seen.items() if m < 0 and not within_spread(-m, sd, n)]
+        ahead_s = [k for k, g in gains_seen.items() if side(*g) == 1]
+        behind_s = [k for k, g in gains_seen.items() if side(*g) == -1]
         shows.append(f"- **FedDO against FedAvg:** ahead beyond the seeds' spread in {len(ahead_s)} of "
                      f"{len(gains_seen)} settings, behind beyond it in {len(behind_s)}, within it in "
                      f"{len(gains_seen) - len(ahead_s) - len(behind_s)}; the paper: ahead, and first, everywhere. "
@@ -1893,8 +1904,7 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
             if len(fam) > 1 and len(means) == len(fam):
                 best_of_family.append(max(means, key=lambda k: means[k]))
             if rs.get("FedDO-all") and rs.get("FedDO"):
-                imgs = {m: [x for r in rs[m] if (x := samples_per_round(read_metrics(out, r["key"]))) is not None]
-                        for m in ("FedDO-all", "FedDO")}
+                imgs = {m: images_a_round(out, rs[m]) for m in ("FedDO-all", "FedDO")}
                 if all(imgs.values()):
                     cost_x.append(mean_std(imgs["FedDO-all"])[0] / mean_std(imgs["FedDO"])[0])
                 wire = {m: [r["up_bytes_per_client_round"] + r["down_bytes_per_client_round"] for r in rs[m]
