@@ -873,9 +873,13 @@ def cell_rounds_to_target(out_dir: str | Path, key: str, target: float,
                           metric: str | Callable[[dict], float | None] = "accuracy") -> int | str | None:
     """:func:`rounds_to_target` of grid cell ``key``'s rounds (:func:`read_metrics`): the first
     round whose ``metric`` reaches ``target``, ``None`` when none did, :data:`NOT_RECORDED` when
-    the cell's rounds are not on hand."""
+    the cell's rounds are not on hand, or none of them carries the figure (a record whose lines
+    hold no ``metric``: *never* would claim the figure was measured and stayed below)."""
     lines = read_metrics(out_dir, key)
-    return rounds_to_target(lines, target, metric) if lines else NOT_RECORDED
+    figure = metric if callable(metric) else (lambda m: m.get(metric))
+    if not any(figure(m) is not None for m in lines):
+        return NOT_RECORDED
+    return rounds_to_target(lines, target, metric)
 
 
 def hits_text(hits: Sequence[int | str | None]) -> str:

@@ -1369,6 +1369,34 @@ def _frac_range(r: tuple[float, float]) -> str:
 # ----------------------------------------------------------------------------- the report
 
 
+def random_control_gaps(jobs: list[Job], results: dict[str, dict], datasets: list[str], partitions: list[str],
+                        methods: list[str], seeds: list[int]) -> list[str]:
+    """Why FedDO-random has no cell in a setting (``"ds part: FedDO's first-seed run failed
+    (error)"``), one text per such setting of ``datasets`` × ``partitions``; ``[]`` when
+    FedDO-random is not in ``methods`` or has its cells everywhere. Its ratios copy FedDO's
+    first-seed run (:meth:`FedDOGrid.main_job`), so without that run there is no control to
+    run: said, not left out of the tables unremarked."""
+    if "FedDO-random" not in methods or "FedDO" not in methods or not seeds:
+        return []
+    def cells(label: str, ds: str, part: str) -> list[Job]:
+        return [j for j in jobs if j.tags.get("method") == label and j.tags.get("dataset") == ds
+                and j.tags.get("partition") == part and j.tags.get("grid") == "main"]
+    out = []
+    for ds in datasets:
+        if ds not in ONLY_ON.get("FedDO-random", {ds}):
+            continue
+        for part in partitions:
+            if cells("FedDO-random", ds, part):
+                continue
+            first = [j for j in cells("FedDO", ds, part) if int(j.tags["seed"]) == seeds[0]]
+            rec = results.get(first[0].key) if first else None
+            why = ("FedDO's first-seed run is not on record yet" if rec is None
+                   else f"FedDO's first-seed run failed ({rec['error']})" if "error" in rec
+                   else "FedDO's first-seed run has no rounds on hand")
+            out.append(f"{ds} {part}: {why}")
+    return out
+
+
 def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: list[str], partitions: list[str],
            methods: list[str], seeds: list[int], settings: dict, skipped: dict[str, str], info: dict[str, dict],
            target: float | None, commit: str, verify: list[str], wall_s: float | None,
@@ -1975,6 +2003,10 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
     if other:
         lines += ["## Policies pre-trained again to other bits than recorded (their cells are not run)", ""] + [
             f"- {n}: {v['error']}" for n, v in other.items()] + [""]
+    gaps = random_control_gaps(jobs, results, datasets, partitions, methods, seeds)
+    if gaps:
+        lines += ["## FedDO-random not run (its ratios copy FedDO's first-seed run)", ""] + [
+            f"- {g}" for g in gaps] + [""]
     return "\n".join(lines + failed_runs_section({k: r for k, r in results.items() if k in keys}))
 
 
@@ -2115,6 +2147,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     run_grid(ok, out, workers=a.workers, on_result=show, stamp=stamp)
             run_grid(runnable(grid.main_jobs([ds]), info)[0], out, workers=a.workers, on_result=show, stamp=stamp)
+            for gap in random_control_gaps(grid.main_jobs([ds]), load_results(out), [ds], partitions, methods, seeds):
+                print(f"FedDO-random not run in {gap}", flush=True)
         if sweep_bench:
             run_sweep(grid, out, workers=a.workers, on_result=show, stamp=stamp)
         wall = time.monotonic() - t0

@@ -1031,3 +1031,37 @@ def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monke
     assert calls  # the filler was running
     assert not [th for th in threading.enumerate() if th.name == "pretrain-filler"]
     assert multiprocessing.active_children() == []
+
+
+def test_fedDO_random_without_fedDOs_first_seed_is_said_not_left_out(tmp_path: Path) -> None:
+    """FedDO-random copies FedDO's first-seed run. Fashion-MNIST Dir(0.1): that run failed; IID: it
+    is not on record; Dir(0.5): on record at 20 active, d 0.8, so its control has cells. The report
+    names the two settings without FedDO-random and why (the tables alone would just lack a row)."""
+    t = _tool()
+    methods = ["FedAvg", "FedDO", "FedDO-random"]
+    parts = ["dir0.1", "dir0.5", "iid"]
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=parts, methods=methods, seeds=[0],
+                 rounds=4, pretrain_rounds=4, sweep=None)
+    jobs = {(j.tags["method"], j.tags["partition"]): j for j in grid.main_jobs(control={})}
+    curve = [0.5, 0.6, 0.7, 0.8]
+    recs = [_rec(jobs["FedAvg", p], 0.8, curve) for p in parts]
+    recs += [{"key": jobs["FedDO", "dir0.1"].key, **jobs["FedDO", "dir0.1"].tags, "error": "agent diverged"},
+             _rec(jobs["FedDO", "dir0.5"], 0.8, curve, [20] * 4, 0.8)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    control = grid.control_behaviour()
+    assert control == {"fashion_mnist/dir0.5": (20.0, pytest.approx(0.8))}
+    all_jobs = grid.main_jobs(control=control)
+    assert [j.tags["partition"] for j in all_jobs if j.tags["method"] == "FedDO-random"] == ["dir0.5"]
+    results = {r["key"]: r for r in recs}
+    assert t.random_control_gaps(all_jobs, results, ["fashion_mnist"], parts, methods, [0]) == [
+        "fashion_mnist dir0.1: FedDO's first-seed run failed (agent diverged)",
+        "fashion_mnist iid: FedDO's first-seed run is not on record yet"]
+    assert t.random_control_gaps(all_jobs, results, ["fashion_mnist"], parts, ["FedAvg", "FedDO"], [0]) == []
+    report = tmp_path / "r.md"
+    assert t.main(["--out", str(tmp_path), "--report", str(report), "--report-only", "--rounds", "4",
+                   "--eval-every", "1", "--datasets", "fashion_mnist", "--partitions", ",".join(parts),
+                   "--methods", ",".join(methods), "--seeds", "0", "--no-sweep"]) == 1  # a run failed
+    text = report.read_text(encoding="utf-8")
+    assert ("## FedDO-random not run (its ratios copy FedDO's first-seed run)\n\n"
+            "- fashion_mnist dir0.1: FedDO's first-seed run failed (agent diverged)\n"
+            "- fashion_mnist iid: FedDO's first-seed run is not on record yet\n") in text

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from broker_server.experiments import (
+    NOT_RECORDED,
     Job,
     RecordsError,
     attach_round_series,
+    cell_rounds_to_target,
     check_out_dir,
     claim_verdict,
     config_fingerprint,
@@ -91,6 +93,21 @@ def test_rounds_to_target_reads_the_run_folder(tmp_path: Path) -> None:
     assert rounds_to_target(got, 0.35, lambda m: None if "accuracy_worst" not in m
                             else m["accuracy"] + m["accuracy_worst"]) == 1
 
+
+
+def test_a_cell_whose_rounds_carry_no_figure_is_not_recorded_not_never(tmp_path: Path) -> None:
+    # three cells: one that reaches 0.5 in round 2, one that stays below it, one whose rounds hold
+    # no accuracy at all (a record made without the series) and one with no rounds on hand
+    _write(tmp_path, {"key": "a/b/s0", "per_round": {"round": [1, 2], "accuracy": [0.4, 0.6]}},
+           {"key": "a/b/s1", "per_round": {"round": [1, 2], "accuracy": [0.3, 0.4]}},
+           {"key": "a/b/s2", "per_round": {"round": [1, 2], "loss": [2.0, 1.5]}},
+           {"key": "a/b/s3", "final": {"accuracy": 0.9}})
+    assert cell_rounds_to_target(tmp_path, "a/b/s0", 0.5) == 2
+    assert cell_rounds_to_target(tmp_path, "a/b/s1", 0.5) is None
+    assert cell_rounds_to_target(tmp_path, "a/b/s2", 0.5) == NOT_RECORDED
+    assert cell_rounds_to_target(tmp_path, "a/b/s3", 0.5) == NOT_RECORDED
+    # the loss is there: a target on it is judged (first round with loss ≥ 1.8 is round 1)
+    assert cell_rounds_to_target(tmp_path, "a/b/s2", 1.8, "loss") == 1
 
 LINES: list[dict] = [{"round": 1, "accuracy": 0.3, "seconds": 4.2, "phase_s": {"publish": 0.1}, "share": "all",
           "dropped": [], "alpha": [0.5, 0.5], "skipped": False},
