@@ -64,6 +64,8 @@ import numpy as np
 
 from protocol.files import write_atomically
 
+from .metrics_file import restore_non_finite, strict_json
+
 log = logging.getLogger(__name__)
 
 
@@ -328,6 +330,8 @@ def _read_records(path: Path) -> list[dict]:
             rec = json.loads(line)
             if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
                 raise ValueError("not an object with a 'key'")
+            if (bad := restore_non_finite(rec)) is not None:  # strict JSON: a NaN loss is null, named
+                raise ValueError(bad)
         except ValueError as exc:
             if n == len(numbered) - 1:
                 stamp = (str(path), len(text))
@@ -588,7 +592,7 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
                         if pinned and "error" not in rec and rec.get("machine", {}).get("numerics") != "portable":
                             log.warning("%s ran with native CPU numerics (%s): its numbers re-run bit for bit only "
                                         "on this kind of machine", rec["key"], rec.get("machine"))
-                        f.write(json.dumps(rec) + "\n")
+                        f.write(strict_json(rec) + "\n")
                         f.flush()
                         done[rec["key"]] = rec
                         if on_result is not None:
@@ -841,7 +845,7 @@ def attach_round_series(out_dir: str | Path) -> int:
             rec["per_round"] = round_series(read_metrics_file(metrics))
             added += 1
     if added:
-        write_atomically(path, "".join(json.dumps(r) + "\n" for r in lines).encode("utf-8"))
+        write_atomically(path, "".join(strict_json(r) + "\n" for r in lines).encode("utf-8"))
     return added
 
 

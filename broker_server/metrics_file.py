@@ -4,18 +4,107 @@ The server appends a line per round (:meth:`broker_server.persistence.RunStore.a
 ``--resume``, the end-of-run files and the audit read the lines with :func:`read_metrics`, which
 forgives what a killed process leaves (a last line cut short) and nothing else. Reading needs no
 torch (the audit imports it).
+
+Each line is strict JSON (:func:`metrics_line`, :func:`strict_json`): JSON has no NaN or
+infinity, so a non-finite number (a diverged model's test loss) is written as ``null`` and named
+in the line's ``non_finite`` table (JSON Pointer, RFC 6901, → ``"nan"``, ``"inf"`` or ``"-inf"``),
+which :func:`read_metrics` turns back into the float. Files written before this (a bare ``NaN``
+token) still read. ``summary.json`` is written the same way.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
+
+
+#: the key of a metrics line naming its non-finite numbers (:func:`metrics_line`)
+NON_FINITE_KEY = "non_finite"
+
+
+def _pointer_part(key: str | int) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def _finite_copy(value: Any, pointer: str, found: dict[str, str]) -> Any:
+    """``value`` with every non-finite float replaced by ``None``, each recorded in ``found``
+    (JSON Pointer → ``"nan"``/``"inf"``/``"-inf"``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        found[pointer] = "nan" if value != value else ("inf" if value > 0 else "-inf")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_copy(v, f"{pointer}/{_pointer_part(k)}", found) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_copy(v, f"{pointer}/{i}", found) for i, v in enumerate(value)]
+    return value
+
+
+def strict_json(record: dict[str, Any], indent: int | None = None) -> str:
+    """``record`` as strict JSON text (RFC 8259), which jq, JavaScript and any other JSON reader
+    take: a non-finite float anywhere in it (e.g. ``loss`` NaN: the global model diverged) is
+    written as ``null`` and named under :data:`NON_FINITE_KEY`: ``{"loss": null, ...,
+    "non_finite": {"/loss": "nan"}}`` (JSON Pointer, RFC 6901, → ``"nan"``, ``"inf"`` or
+    ``"-inf"``). :func:`restore_non_finite` gives the floats back. Used for ``metrics.jsonl``
+    (:func:`metrics_line`) and ``summary.json``.
+
+    Raises:
+        ValueError: ``record`` already has a :data:`NON_FINITE_KEY` key (reserved) while holding
+            a non-finite number.
+        TypeError: a value JSON cannot hold (an object, bytes).
+    """
+    found: dict[str, str] = {}
+    clean = _finite_copy(record, "", found)
+    if found:
+        if NON_FINITE_KEY in record:
+            raise ValueError(f"a record may not have its own {NON_FINITE_KEY!r} key: {record[NON_FINITE_KEY]!r}")
+        clean[NON_FINITE_KEY] = found
+    return json.dumps(clean, allow_nan=False, indent=indent)
+
+
+def metrics_line(metrics: dict[str, Any]) -> str:
+    """One ``metrics.jsonl`` line (with its newline) for a round's ``metrics``:
+    :func:`strict_json`; :func:`read_metrics` of the line returns ``metrics`` (tuples as lists).
+
+    Raises:
+        ValueError, TypeError: as :func:`strict_json`.
+    """
+    return strict_json(metrics) + "\n"
+
+
+def restore_non_finite(record: dict[str, Any]) -> str | None:
+    """Put the floats named in ``record``'s :data:`NON_FINITE_KEY` table (:func:`strict_json`)
+    back, in place, and drop the table. Returns the problem as text when the table is malformed
+    (not a table, a pointer to nothing or to a value that is not ``null``, a word other than
+    ``"nan"``, ``"inf"``, ``"-inf"``), else ``None``; a record without the table is left as it
+    is."""
+    table = record.pop(NON_FINITE_KEY, None)
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        return f"{NON_FINITE_KEY!r} is not a table of JSON Pointers"
+    for pointer, text in table.items():
+        number = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(text) if isinstance(text, str) else None
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in str(pointer).split("/")[1:]]
+        if number is None or not str(pointer).startswith("/") or not parts:
+            return f"{NON_FINITE_KEY!r} holds {pointer!r}: {text!r}, not a JSON Pointer to 'nan', 'inf' or '-inf'"
+        node: Any = record
+        try:
+            for part in parts[:-1]:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            last: Any = int(parts[-1]) if isinstance(node, list) else parts[-1]
+            if node[last] is not None:
+                return f"{NON_FINITE_KEY!r} names {pointer!r}, which is not null"
+            node[last] = number
+        except (KeyError, IndexError, ValueError, TypeError):
+            return f"{NON_FINITE_KEY!r} names {pointer!r}, which the line does not have"
+    return None
 
 
 #: (path, line number, line) of cut-short last lines already warned about: one warning each,
@@ -61,6 +150,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 problem = f"expected a JSON object per round, got {type(record).__name__}"
             elif not isinstance(record.get("round"), int) or isinstance(record["round"], bool):
                 problem = f"expected an integer 'round', got {record.get('round')!r}"
+            elif (bad := restore_non_finite(record)) is not None:
+                problem = bad
             else:
                 out.append(record)
                 continue

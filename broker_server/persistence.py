@@ -14,18 +14,35 @@ import torch
 from protocol.files import write_atomically
 
 from .checkpoint import Checkpoint, CheckpointStore
-from .metrics_file import METRICS_NAME, read_metrics
+from .metrics_file import METRICS_NAME, metrics_line, read_metrics, restore_non_finite, strict_json
 
 
 def write_summary(run_dir: Path, record: dict) -> None:
-    """``run_dir/summary.json``: ``record`` as indented JSON, written whole or not at all
+    """``run_dir/summary.json``: ``record`` as indented strict JSON
+    (:func:`~broker_server.metrics_file.strict_json`: a NaN ``final_accuracy`` — no accuracy was
+    measured — is ``null``, named under ``non_finite``; :func:`read_summary` gives it back), written whole or not at all
     (:func:`protocol.files.write_atomically`: a run killed while writing it keeps the previous
     one, never half of one, which ``--resume`` would read as no summary).
 
     Raises:
         OSError: the folder cannot be written (full disk, read-only); the previous file is kept.
     """
-    write_atomically(Path(run_dir) / "summary.json", json.dumps(record, indent=1).encode("utf-8"))
+    write_atomically(Path(run_dir) / "summary.json", strict_json(record, indent=1).encode("utf-8"))
+
+
+def read_summary(run_dir: Path) -> dict:
+    """``run_dir/summary.json`` as :func:`write_summary` wrote it (non-finite numbers given back).
+
+    Raises:
+        OSError: no file, or it cannot be read.
+        ValueError: not JSON, not a JSON object, or a malformed ``non_finite`` table.
+    """
+    record = json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
+    if not isinstance(record, dict):
+        raise ValueError(f"{Path(run_dir) / 'summary.json'}: expected a JSON object, got {type(record).__name__}")
+    if (bad := restore_non_finite(record)) is not None:
+        raise ValueError(f"{Path(run_dir) / 'summary.json'}: {bad}")
+    return record
 
 
 class RunStore:
@@ -45,9 +62,10 @@ class RunStore:
         return self.run_dir / METRICS_NAME
 
     def append_metrics(self, metrics: dict) -> None:
-        """Append one round's metrics as a JSON line."""
+        """Append one round's metrics as a strict JSON line (:func:`~broker_server.metrics_file.
+        metrics_line`: a NaN loss is ``null``, named under ``non_finite``)."""
         with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(metrics_line(metrics))
 
     def keep_metrics_until(self, round: int, lines: list[dict] | None = None) -> list[dict]:
         """Drop ``metrics.jsonl`` lines of rounds after ``round`` (an interrupted round is run
@@ -67,7 +85,7 @@ class RunStore:
         kept = [m for m in (read_metrics(path) if lines is None else lines) if m["round"] <= round]
         target = path.resolve()
         mode = stat.S_IMODE(target.stat().st_mode)
-        write_atomically(target, "".join(json.dumps(m) + "\n" for m in kept).encode("utf-8"))
+        write_atomically(target, "".join(metrics_line(m) for m in kept).encode("utf-8"))
         os.chmod(target, mode)  # the umask would narrow a mode passed to the write
         return kept
 

@@ -35,7 +35,7 @@ from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
 from .errors import ConfigError
 from .metrics_file import METRICS_NAME, missing_line, missing_line_text, read_metrics
-from .persistence import RunStore, write_summary
+from .persistence import RunStore, read_summary, write_summary
 from .runtime import make_strategy, server_model
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, write_final_model
 from .text import plural
@@ -166,8 +166,8 @@ def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
         return None
     summary = None
     try:
-        recorded = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-        if isinstance(recorded, dict) and int(recorded.get("rounds_completed", -1)) >= last:
+        recorded = read_summary(out)
+        if int(recorded.get("rounds_completed", -1)) >= last:
             summary = recorded
     except (OSError, ValueError, TypeError):  # absent, cut short or not a summary: written again
         pass

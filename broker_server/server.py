@@ -164,7 +164,7 @@ DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "test_evaluated",
                "clients_reported", "bytes_up", "bytes_down", "seconds", "skipped", "skip_reason", "duplicates", "late",
                "invalid", "global_receipts", "unsolicited", "withdrawn", "dropped", "resent_to", "unreported",
                "rejected_by_reason", "train_loss", "clients_train_s", "phase_s", "metrics_refused",
-               "global_delivery")
+               "global_delivery", "non_finite")
 
 #: Update metrics the server aggregates (client-side evaluation): each must be a number in [0, 1].
 EVAL_METRICS = ("eval_accuracy", "eval_macro_f1")

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import os
 import re
 import shlex
@@ -70,6 +69,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from broker_server.experiments import EXIT_STOPPED, STOP_AT_ENV, load_results  # noqa: E402
+from broker_server.metrics_file import strict_json  # noqa: E402
 from broker_server.numerics import portable_record  # noqa: E402
 from protocol.files import write_atomically  # noqa: E402
 
@@ -155,10 +155,11 @@ def read_records(path: Path) -> list[dict]:
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
-    """Write ``records`` as JSON lines (spelt as :func:`broker_server.experiments.run_grid` spells
-    them) through a temporary file renamed over ``path``: a reader never sees half a file."""
+    """Write ``records`` as strict JSON lines (spelt as :func:`broker_server.experiments.run_grid`
+    spells them: :func:`broker_server.metrics_file.strict_json`) through a temporary file renamed
+    over ``path``: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
+    write_atomically(path, "".join(strict_json(r) + "\n" for r in records).encode("utf-8"))
 
 
 def portable(record: dict) -> bool:

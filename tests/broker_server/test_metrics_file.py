@@ -3,7 +3,8 @@
 (``summary.json``, ``model_final.pt``): a last line a killed process left half-written is
 dropped with a warning and the resume writes that round's line again (from the round's
 checkpoint, which holds the line under evaluation overlap, or by running the round again); damage
-anywhere else is an error naming the file and the line, with the file kept as it was."""
+anywhere else is an error naming the file and the line, with the file kept as it was. Both files
+are strict JSON: a NaN or infinity is ``null``, named in the record's ``non_finite`` table."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch
 from helpers.memory_federation import Device, federation_server, run_federation
 
 from broker_server.errors import RunError
-from broker_server.metrics_file import read_metrics
-from broker_server.persistence import RunStore, write_summary
+from broker_server.metrics_file import metrics_line, read_metrics, strict_json
+from broker_server.persistence import RunStore, read_summary, write_summary
 from broker_server.strategies.fedavg import FedAvg
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.state import state_arrays
@@ -203,3 +204,71 @@ def test_summary_and_final_model_are_written_whole(tmp_path, monkeypatch):
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
     store.close()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def _strict(text: str) -> object:
+    """``text`` parsed as strict JSON: Python's ``json`` takes the bare ``NaN``/``Infinity``
+    tokens, which RFC 8259 (and jq, JavaScript) refuse; refuse them here too."""
+    def refuse(token: str) -> None:
+        raise ValueError(f"not strict JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_non_finite_number_is_written_as_null_named_and_read_back(tmp_path):
+    line = {"round": 2, "accuracy": 0.625, "loss": float("nan"), "phase_s": {"a/b~c": float("inf")},
+            "alpha": [0.5, float("-inf")], "share": "all"}
+    text = metrics_line(line)
+    # worked out by hand: each non-finite value is null, its JSON Pointer (RFC 6901: "/" → "~1",
+    # "~" → "~0") names it
+    assert _strict(text) == {"round": 2, "accuracy": 0.625, "loss": None, "phase_s": {"a/b~c": None},
+                             "alpha": [0.5, None], "share": "all",
+                             "non_finite": {"/loss": "nan", "/phase_s/a~1b~0c": "inf", "/alpha/1": "-inf"}}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(metrics_line(LINES[0]) + text, encoding="utf-8")
+    got = read_metrics(path)
+    assert got[0] == LINES[0] and "non_finite" not in got[1]
+    assert np.isnan(got[1]["loss"]) and got[1]["phase_s"] == {"a/b~c": float("inf")}
+    assert got[1]["alpha"] == [0.5, float("-inf")] and got[1]["accuracy"] == 0.625
+    # a finite line has no table; a line of its own "non_finite" holding a NaN is refused
+    assert "non_finite" not in metrics_line(LINES[0])
+    with pytest.raises(ValueError, match="may not have its own 'non_finite'"):
+        strict_json({"round": 1, "loss": float("nan"), "non_finite": {}})
+
+
+def test_the_server_writes_a_diverged_rounds_loss_as_strict_json(tmp_path):
+    store = RunStore(tmp_path)
+    for m in LINES:  # round 2's loss is NaN
+        store.append_metrics(m)
+    store.keep_metrics_until(2)  # the resume's rewrite keeps the form
+    rows = [_strict(t) for t in store.metrics_path.read_text(encoding="utf-8").splitlines()]
+    assert rows == [LINES[0], {"round": 2, "accuracy": 0.625, "loss": None, "non_finite": {"/loss": "nan"}}]
+    assert np.isnan(read_metrics(store.metrics_path)[1]["loss"])
+    store.close()
+
+
+@pytest.mark.parametrize(("table", "problem"), [
+    ('"nan"', "is not a table of JSON Pointers"),
+    ('{"/loss": "NaN"}', "not a JSON Pointer to 'nan', 'inf' or '-inf'"),
+    ('{"loss": "nan"}', "not a JSON Pointer"),
+    ('{"/accuracy": "nan"}', "'/accuracy', which is not null"),
+    ('{"/nope": "nan"}', "'/nope', which the line does not have"),
+])
+def test_a_malformed_non_finite_table_is_damage(tmp_path, table, problem):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f'{{"round": 1, "accuracy": 0.5, "loss": null, "non_finite": {table}}}\n'
+                    + json.dumps(LINES[2]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=f"metrics.jsonl:1: .*{problem}"):
+        read_metrics(path)
+
+
+def test_summary_is_strict_json_with_its_nan_accuracy_given_back(tmp_path):
+    # no accuracy was measured: final_accuracy NaN
+    write_summary(tmp_path, {"rounds_completed": 3, "final_accuracy": float("nan"), "strategy": {"name": "fedavg"}})
+    assert _strict((tmp_path / "summary.json").read_text(encoding="utf-8")) == {
+        "rounds_completed": 3, "final_accuracy": None, "strategy": {"name": "fedavg"},
+        "non_finite": {"/final_accuracy": "nan"}}
+    got = read_summary(tmp_path)
+    assert np.isnan(got["final_accuracy"]) and got["rounds_completed"] == 3 and "non_finite" not in got
+    (tmp_path / "summary.json").write_text("[1]", encoding="utf-8")
+    with pytest.raises(ValueError, match="expected a JSON object, got list"):
+        read_summary(tmp_path)

@@ -36,6 +36,7 @@ from broker_server.experiments import (
     script_exit,
     series_lines,
 )
+from broker_server.metrics_file import metrics_line
 
 CONFIG = {"run": {"name": "g", "seed": 0, "rounds": 2},
           "data": {"dataset": "digits", "partition": "iid", "clients": 2, "data_dir": "/a/shared/data"},
@@ -145,6 +146,32 @@ def test_read_metrics_falls_back_to_the_records_rounds(tmp_path: Path) -> None:
     _write(tmp_path, {**old, "per_round": {"round": [1], "accuracy": [0.1]}})
     assert read_metrics(tmp_path, "a/b/s1") == [{"round": 1, "accuracy": 0.1}]
 
+
+
+def test_a_diverged_cells_record_is_strict_json_and_reads_back_as_nan(tmp_path: Path) -> None:
+    # a cell whose loss went NaN in round 2: its run folder's lines (strict, as the server writes
+    # them) are attached to its record; the rewritten results.jsonl is strict JSON too
+    run = tmp_path / "runs" / "g__x__s0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(metrics_line({"round": 1, "accuracy": 0.5, "loss": 1.5})
+                                       + metrics_line({"round": 2, "accuracy": 0.1, "loss": float("nan")}),
+                                       encoding="utf-8")
+    _write(tmp_path, {"key": "g/x/s0", "final": {"accuracy": 0.1, "loss": float("inf")}})
+    assert attach_round_series(tmp_path) == 1
+    text = (tmp_path / "results.jsonl").read_text(encoding="utf-8")
+    def refuse(token: str) -> None:
+        raise ValueError(token)
+    # worked out by hand: final.loss and per_round.loss[1] are the two non-finite numbers
+    assert json.loads(text, parse_constant=refuse)["non_finite"] == {"/final/loss": "inf",
+                                                                     "/per_round/loss/1": "nan"}
+    rec = load_results(tmp_path)["g/x/s0"]
+    assert rec["final"]["loss"] == float("inf") and rec["per_round"]["loss"][0] == 1.5
+    assert rec["per_round"]["loss"][1] != rec["per_round"]["loss"][1] and "non_finite" not in rec
+    # a damaged table before the last line is a damaged file, named
+    (tmp_path / "results.jsonl").write_text('{"key": "a", "final": {"loss": 1.0}, "non_finite": {"/final/loss": "nan"}}'
+                                            '\n{"key": "b"}\n', encoding="utf-8")
+    with pytest.raises(RecordsError, match="line 1 is not a record .*'/final/loss', which is not null"):
+        load_results(tmp_path)
 
 def test_attach_round_series_fills_only_records_without_rounds(tmp_path: Path) -> None:
     have = {"key": "g/x/s0", "per_round": {"round": [1], "accuracy": [0.2]}}
