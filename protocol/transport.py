@@ -276,6 +276,26 @@ class _CountingClient(PollingClient):
             return [m for m in self._out_messages.values()
                     if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback and m.mid not in unwritten]
 
+    def take_queue(self, old: _CountingClient) -> int:
+        """Move the QoS > 0 messages of ``old`` (a client being replaced, its network thread stopped
+        or ending) into this client, which has queued none: same message ids and handles, and each
+        is sent after this client's CONNACK as paho re-sends its queue after a reconnect (a PUBLISH
+        the old socket took a byte of with DUP, one it never took noted as in :meth:`reconnect`).
+        Returns how many were moved."""
+        with old._out_message_mutex:
+            moved = {mid: m for mid, m in old._out_messages.items() if m.qos > 0}
+            never = (old._never_written | old.unwritten_mids()) & set(moved)
+            old._out_messages.clear()
+            old._inflight_messages = 0
+        with self._out_message_mutex:
+            if self._out_messages:
+                raise RuntimeError("take_queue: this client has queued messages of its own")
+            self._out_messages.update(moved)
+            self._never_written = never
+        with self._mid_generate_mutex:
+            self._last_mid = old._last_mid
+        return len(moved)
+
     def reconnect(self):
         """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
         PUBLISH packets it drops unwritten (paho thread)."""
@@ -406,7 +426,10 @@ class MqttTransport:
         self._refusals: dict[int, tuple[mqtt.MQTTMessageInfo, PublishRefused]] = {}
         # id(info) -> (info, connections the broker closed while it awaited its PUBACK)
         self._strikes: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
-        self._bytes_before = (0, 0)  # socket bytes of clients replaced by a protocol fallback
+        self._bytes_before = (0, 0)  # socket bytes of clients replaced by a protocol fallback or a retry
+        # held while publish() hands a message to self._client and while _replace_client swaps it, so
+        # that no message lands on a client after its queue was moved to the next one
+        self._client_lock = threading.Lock()
         self._withdraw: str | None = None  # why the PUBLISHes above the inferred limit go at the next CONNACK
         # (info, packet bytes, topic, when) of the last PUBACKed QoS 1 PUBLISH while no packet followed it
         self._last_acked: tuple[mqtt.MQTTMessageInfo, int, str, float] | None = None
@@ -737,12 +760,20 @@ class MqttTransport:
 
     def _replace_client(self, version: int) -> None:
         """A fresh paho client for protocol level ``version`` in place of one whose connect failed
-        (its socket bytes are kept in :attr:`socket_bytes`)."""
-        old = self._client
-        self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
-                              self._bytes_before[1] + old.socket_bytes_in)
-        self.mqtt_version = version
-        self._client = self._make_client(version)
+        (its socket bytes are kept in :attr:`socket_bytes`). The QoS 1 messages queued on the old
+        one (published before :meth:`connect` or while it tried) move to the new one, and are sent
+        after its CONNACK; a :meth:`publish` on another thread meanwhile waits for the swap."""
+        with self._client_lock:
+            old = self._client
+            self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
+                                  self._bytes_before[1] + old.socket_bytes_in)
+            self.mqtt_version = version
+            new = self._make_client(version)
+            moved = new.take_queue(old)
+            self._client = new
+        if moved:
+            log.info("%s: %d queued message(s) moved to the new MQTT %s client", self.client_id, moved,
+                     "5" if version == MQTT_V5 else "3.1.1")
 
     def _connect_attempt(self, timeout_s: float) -> None:
         """One connect (:meth:`connect` without retries): the TCP probe, then MQTT 5 or 3.1.1.
@@ -807,7 +838,7 @@ class MqttTransport:
             if self._refused or time.monotonic() >= deadline or (trial and self._closed_before_connack):
                 break
         if not self._connected.is_set():
-            if trial:  # do not wait out paho's reconnect delay: its thread ends on its own, nothing left to send
+            if trial:  # do not wait out paho's reconnect delay: its thread ends on its own (its queue moves on)
                 self._client._thread_terminate = True
             else:
                 self._client.loop_stop()
@@ -871,7 +902,9 @@ class MqttTransport:
         """Hand one PUBLISH to paho; return its handle (passed to the delivery listener).
 
         At QoS 1 a publish made while the link is down is queued by paho and sent after the
-        reconnect. With ``wait_s`` the call blocks until the PUBACK (QoS 1) or the socket write.
+        reconnect; one made before or during :meth:`connect` is sent after its CONNACK, also when
+        connect replaces its paho client (the MQTT 5 trial's fallback to 3.1.1, a retry). With
+        ``wait_s`` the call blocks until the PUBACK (QoS 1) or the socket write.
 
         Raises:
             PublishRefused: the packet is above the broker's known maximum packet size (not sent;
@@ -891,7 +924,8 @@ class MqttTransport:
         if qos > 0:
             self._wait_for_room(topic, len(payload))
         try:
-            info = self._client.publish(topic, payload, qos=qos, retain=retain)
+            with self._client_lock:  # not onto a client that connect() is replacing (_replace_client)
+                info = self._client.publish(topic, payload, qos=qos, retain=retain)
         except (ValueError, TypeError) as exc:
             raise TransportError(f"publish to {topic} refused: {exc}", client_id=self.client_id, topic=topic) from exc
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):

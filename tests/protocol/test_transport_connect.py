@@ -1,5 +1,7 @@
 """MqttTransport.connect against a real broker: descriptors above select()'s 1024, retries with a
-jittered backoff (a broker started late, one that never answers), and a refusal that is not retried."""
+jittered backoff (a broker started late, one that never answers), a refusal that is not retried,
+and messages published while connect replaces its paho client (the MQTT 5 trial's fallback to
+3.1.1, a retry) that must go out on the new client."""
 
 from __future__ import annotations
 
@@ -9,12 +11,16 @@ import os
 import random
 import resource
 import socket
+import threading
 from pathlib import Path
 
 import pytest
+from helpers.waiting import subscribed, wait_for
 
 from broker_server.embedded_broker import EmbeddedBroker
+from protocol import transport
 from protocol.errors import ConnectError, FieldError
+from protocol.mqtt_bytes import MQTT_V311
 from protocol.transport import ConnectRetry, MqttTransport
 from tests.helpers.brokers import require_mosquitto
 
@@ -148,8 +154,6 @@ def test_one_device_id_in_two_federations_makes_two_mqtt_clients(tmp_path: Path)
     connects, the first still receives what the second publishes. (Under one client id the broker
     disconnects the first on the second's CONNECT: checked by hand, the first then receives
     nothing.)"""
-    from helpers.waiting import subscribed
-
     from protocol.topics import mqtt_client_id
 
     with pytest.raises(FieldError, match="federation 'a/b' is not a valid topic level"):
@@ -168,3 +172,131 @@ def test_one_device_id_in_two_federations_makes_two_mqtt_clients(tmp_path: Path)
         finally:
             first.close()
             second.close()
+
+
+def _outcomes(tr: MqttTransport) -> list[tuple[object, str]]:
+    seen: list[tuple[object, str]] = []
+    tr.set_delivery_listener(lambda handle, outcome, reason: seen.append((handle, outcome)))
+    return seen
+
+
+def test_a_publish_after_the_refused_mqtt5_trial_goes_out_on_the_3_1_1_connection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` against amqtt (MQTT 3.1.1 only): the MQTT 5 trial is refused, its socket closed,
+    and the paho client is replaced by a 3.1.1 one. Another thread publishes in between (forced:
+    the replacement waits for that publish to return). The message was queued on the MQTT 5 client,
+    and was lost with it: no error, never sent, no outcome, and its bytes held in the offline buffer
+    for good. It must be moved to the 3.1.1 client and sent after its CONNACK."""
+    monkeypatch.setattr(transport, "_V311_ONLY", set())
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        sub = MqttTransport("fallback-sub", broker.host, broker.port, mqtt_version="3.1.1")
+        tr = MqttTransport("fallback-pub", broker.host, broker.port)
+        outcomes = _outcomes(tr)
+        handles: list[object] = []
+        replace = tr._replace_client
+
+        def publish_then_replace(version: int) -> None:  # the trial's socket is closed already
+            assert not tr.connected and tr._client.socket() is None
+            other = threading.Thread(target=lambda: handles.append(tr.publish("t/fallback", b"between", qos=1)))
+            other.start()
+            other.join()
+            replace(version)
+
+        monkeypatch.setattr(tr, "_replace_client", publish_then_replace)
+        try:
+            sub.connect(timeout_s=10.0)
+            subscribed(sub, "t/fallback")
+            tr.connect(timeout_s=10.0)
+            assert tr.mqtt_version == MQTT_V311 and len(handles) == 1
+            got = sub.get(10.0)
+            assert got is not None and got.payload == b"between"
+            assert wait_for(lambda: outcomes == [(handles[0], "acked")], 10.0), outcomes
+            assert tr.buffered == (0, 0)
+        finally:
+            tr.close()
+            sub.close()
+
+
+def test_a_publish_inside_paho_when_the_client_is_replaced_goes_out_on_the_new_client(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The narrower interleaving: a publish has taken the MQTT 5 client and is inside its paho
+    ``publish`` (held there by an event) when the trial fails and the replacement begins. The
+    replacement must not swap the client under it: the publish completes on the old client first
+    and its message is moved to the 3.1.1 client, or it lands on the new one; either way it is sent."""
+    monkeypatch.setattr(transport, "_V311_ONLY", set())
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        sub = MqttTransport("inside-sub", broker.host, broker.port, mqtt_version="3.1.1")
+        tr = MqttTransport("inside-pub", broker.host, broker.port)
+        outcomes = _outcomes(tr)
+        old = tr._client
+        real_publish = old.publish
+        inside, go = threading.Event(), threading.Event()
+
+        def held_publish(*args, **kwargs):  # the publisher holds the MQTT 5 client here
+            inside.set()
+            assert go.wait(30.0)
+            return real_publish(*args, **kwargs)
+
+        old.publish = held_publish  # type: ignore[method-assign]
+        replace = tr._replace_client
+
+        def release_then_replace(version: int) -> None:
+            assert inside.wait(30.0)  # the publish is inside the old client's paho publish
+            go.set()
+            replace(version)
+
+        monkeypatch.setattr(tr, "_replace_client", release_then_replace)
+        handles: list[object] = []
+        publisher = threading.Thread(target=lambda: handles.append(tr.publish("t/inside", b"inside", qos=1)))
+        try:
+            sub.connect(timeout_s=10.0)
+            subscribed(sub, "t/inside")
+            publisher.start()
+            assert inside.wait(30.0)
+            tr.connect(timeout_s=10.0)
+            publisher.join(30.0)
+            assert tr._client is not old and tr.mqtt_version == MQTT_V311 and len(handles) == 1
+            got = sub.get(10.0)
+            assert got is not None and got.payload == b"inside"
+            assert wait_for(lambda: outcomes == [(handles[0], "acked")], 10.0), outcomes
+            assert tr.buffered == (0, 0)
+        finally:
+            go.set()
+            tr.close()
+            sub.close()
+
+
+def test_publishes_before_connect_and_between_its_retries_are_sent_after_it(tmp_path: Path) -> None:
+    """ConnectRetry replaces the paho client before each retry. A message published before
+    :meth:`connect` (the link is down: paho queues it) and one published in ``on_retry`` (after the
+    failed attempt, before the replacement) sat on the replaced client and were lost silently;
+    both must go out once the retry connects, in order, and be acknowledged."""
+    port = _free_port()
+    broker = EmbeddedBroker(port=port, workdir=tmp_path / "broker")
+    tr = MqttTransport("retry-pub", "127.0.0.1", port, mqtt_version="3.1.1")
+    outcomes = _outcomes(tr)
+    handles = [tr.publish("t/retry", b"before connect", qos=1)]
+    sub: MqttTransport | None = None
+
+    def publish_and_start_broker(attempt: int, exc: ConnectError, delay: float) -> None:
+        handles.append(tr.publish("t/retry", b"between attempts", qos=1))
+        nonlocal sub
+        broker.start()
+        sub = MqttTransport("retry-sub", "127.0.0.1", port)
+        sub.connect(timeout_s=10.0)
+        subscribed(sub, "t/retry")
+
+    try:
+        tr.connect(timeout_s=10.0, retry=ConnectRetry(attempts=3, base_s=0.01, cap_s=0.01, seed=3),
+                   on_retry=publish_and_start_broker)
+        assert tr.connect_attempts == 2 and sub is not None
+        got = [sub.get(10.0) for _ in range(2)]
+        assert [g.payload if g is not None else None for g in got] == [b"before connect", b"between attempts"]
+        assert wait_for(lambda: len(outcomes) == 2, 10.0), outcomes
+        assert outcomes == [(h, "acked") for h in handles]
+        assert tr.buffered == (0, 0)
+    finally:
+        tr.close()
+        if sub is not None:
+            sub.close()
+        broker.stop()
