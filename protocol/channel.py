@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
-from .errors import FedfleetProtocolError, FieldError, LedgerError, ProtocolError, PublishRefused
+from .errors import FedfleetProtocolError, FieldError, LedgerError, ProtocolError, PublishDropped, PublishRefused
 from .ledger import Ledger, LedgerRow
 from .lifecycle import atomic
 from .messages import (
@@ -332,7 +332,9 @@ class Channel:
         as a chunked transfer with packets of at most half the refused packet's size, up to
         :data:`MAX_REFUSAL_RESENDS` times; a refusal that smaller packets cannot help (not
         authorised, say), or one after the last try, is logged as an error with the limit and
-        counted in :attr:`undeliverable`.
+        counted in :attr:`undeliverable`; so is a QoS 0 message (or one of its chunks) sent while
+        the link is down (:class:`~protocol.errors.PublishDropped`: MQTT keeps none for the
+        reconnect), with no ``sent`` row for what never reached the socket.
 
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
@@ -351,6 +353,7 @@ class Channel:
         Raises:
             PublishRefused: with ``wait_s``, the broker refused it and no smaller packets can
                 carry it (the message names the limit).
+            PublishDropped: with ``wait_s``, a QoS 0 message while the link is down.
             PublishTimeout, TransportError: from the transport.
             FieldError, TensorError: the body cannot be encoded.
         """
@@ -426,6 +429,9 @@ class Channel:
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
             try:
                 handle = self.transport.publish(out.topic, wire, qos=self.qos, retain=out.retain, wait_s=wait_s)
+            except PublishDropped as exc:
+                self._dropped(out, exc, wait_s)
+                return wire
             except PublishRefused as exc:
                 self._record(out.topic, "message", out.kind, out.round, out.sender, out.seq, client=out.client,
                              payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
@@ -475,6 +481,8 @@ class Channel:
         out.packet_bytes = 0
         try:
             self._publish_chunks(chunks, out.topic, out.round, out.kind, out.client, wait_s, track=(out, gen))
+        except PublishDropped as exc:  # the chunks after it are not sent either: the message is lost whole
+            self._dropped(out, exc, wait_s)
         except PublishRefused as exc:
             self.refused += 1
             self._refused_again(out, gen, exc.packet_bytes, exc.limit_bytes, exc.reason, wait_s, sent=False)
@@ -737,6 +745,14 @@ class Channel:
                     "%d bytes (%d/%d)", self.node_id, out.kind, out.round, len(out.payload),
                     "refused" if sent else "not taken", reason, out.max_packet_bytes, out.tries, MAX_REFUSAL_RESENDS)
         self._deliver(out, wait_s)
+
+    def _dropped(self, out: _Outgoing, exc: PublishDropped, wait_s: float | None) -> None:
+        """``out`` (or one of its chunks) was not sent: QoS 0 while the link was down
+        (:class:`~protocol.errors.PublishDropped`). Said as undeliverable (a ledger row, the
+        error log, :attr:`undeliverable`); raised again with ``wait_s``."""
+        self._undeliverable(out, f"{out.kind} of round {out.round} ({len(out.payload):,} bytes) not sent: {exc}")
+        if wait_s is not None:
+            raise exc
 
     def _undeliverable(self, out: _Outgoing, why: str) -> None:
         self.undeliverable += 1

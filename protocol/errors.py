@@ -167,6 +167,12 @@ class PublishRefused(TransportError):
         self.limit_bytes = limit_bytes
 
 
+class PublishDropped(TransportError):
+    """A QoS 0 PUBLISH made while the link is down: MQTT delivers QoS 0 at most once and paho
+    keeps no such message for the reconnect, so it was not sent and never will be (a QoS 1 one
+    is queued and sent after the reconnect). Nothing reached the socket."""
+
+
 class OfflineBufferFull(TransportError):
     """The bounded buffer of unacknowledged QoS 1 messages is full (typically: the link is down).
 

@@ -62,7 +62,7 @@ except ImportError as exc:  # the codec works without paho; only the MQTT transp
                       f"protocol.tensors, protocol.chunking, protocol.channel) works without it",
                       name="paho") from exc
 
-from .errors import ConnectError, OfflineBufferFull, PublishRefused, PublishTimeout, TransportError
+from .errors import ConnectError, OfflineBufferFull, PublishDropped, PublishRefused, PublishTimeout, TransportError
 from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
 from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
 from .transport_tls import tls_context
@@ -902,14 +902,17 @@ class MqttTransport:
         """Hand one PUBLISH to paho; return its handle (passed to the delivery listener).
 
         At QoS 1 a publish made while the link is down is queued by paho and sent after the
-        reconnect; one made before or during :meth:`connect` is sent after its CONNACK, also when
-        connect replaces its paho client (the MQTT 5 trial's fallback to 3.1.1, a retry). With
-        ``wait_s`` the call blocks until the PUBACK (QoS 1) or the socket write.
+        reconnect (at QoS 0 it is not: :class:`PublishDropped`); one made before or during
+        :meth:`connect` is sent after its CONNACK, also when connect replaces its paho client (the
+        MQTT 5 trial's fallback to 3.1.1, a retry). With ``wait_s`` the call blocks until the
+        PUBACK (QoS 1) or the socket write.
 
         Raises:
             PublishRefused: the packet is above the broker's known maximum packet size (not sent;
                 the message names both sizes), or, with ``wait_s``, the broker refused it.
             PublishTimeout: ``wait_s`` given and the PUBLISH not acknowledged in that time.
+            PublishDropped: a QoS 0 PUBLISH while the link is down (paho does not keep it; nothing
+                was written).
             TransportError: paho refused the message (e.g. payload too large for MQTT).
         """
         limit = self.max_packet_bytes
@@ -928,6 +931,10 @@ class MqttTransport:
                 info = self._client.publish(topic, payload, qos=qos, retain=retain)
         except (ValueError, TypeError) as exc:
             raise TransportError(f"publish to {topic} refused: {exc}", client_id=self.client_id, topic=topic) from exc
+        if qos == 0 and info.rc == mqtt.MQTT_ERR_NO_CONN:
+            raise PublishDropped(f"{self.client_id}: QoS 0 PUBLISH to {topic} ({len(payload):,} bytes) not sent: the "
+                                 "link is down, and MQTT keeps no QoS 0 message for the reconnect (QoS 1 would)",
+                                 client_id=self.client_id, topic=topic)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}",
                                  client_id=self.client_id, topic=topic)

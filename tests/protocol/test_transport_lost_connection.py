@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from helpers.waiting import wait_for
@@ -96,3 +97,50 @@ def test_the_note_of_an_unwritten_publish_covers_one_re_send_and_not_a_reused_me
     publish(9, dup=True)  # its retransmission
     assert [e.dup for e in events] == [False, False, True, False, False, True]
     assert {e.packet_type for e in events} == {"PUBLISH"}
+
+
+def test_a_qos0_message_while_the_link_is_down_is_said_undeliverable_not_counted_sent(tmp_path: Path) -> None:
+    """``[protocol] qos = 0``: paho keeps no QoS 0 PUBLISH for the reconnect (MQTT's at most
+    once), so one made while the link is down never reaches the socket. The transport raises
+    PublishDropped; the channel says the message undeliverable (error log, a ledger row of kind
+    ``undeliverable``, :attr:`undeliverable`) and writes no ``sent`` row, so the ledger's sent bytes
+    stay the socket's: the relay sees no PUBLISH on either connection. A QoS 1 publish on the same
+    down link is queued and arrives after the reconnect (paho's queue), as before."""
+    from protocol.channel import Channel
+    from protocol.errors import PublishDropped
+    from protocol.ledger import Ledger
+    from protocol.messages import Update
+
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("q0-dev", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="q0-dev", side="agent", federation="fed", ledger=ledger, qos=0)
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1
+            relay.cut(first)
+            assert wait_for(lambda: not tr.connected, 10.0)
+            topic = "fedfleet/v1/fed/up/q0-dev/update"
+            update = Update(tensors=(np.arange(8, dtype=np.float32),), num_samples=10, train_loss=0.5, metrics={})
+            with pytest.raises(PublishDropped, match="QoS 0 PUBLISH to .* not sent: the link is down"):
+                tr.publish(topic, b"x", qos=0)
+            ch.send(topic, update, round=1)  # no raise without wait_s: said, not thrown
+            assert ch.undeliverable == 1 and "not sent" in ch.undeliverable_reasons[-1]
+            with pytest.raises(PublishDropped):
+                ch.send(topic, update, round=1, wait_s=1.0)
+            assert ch.undeliverable == 2
+            tr.publish("t/queued", b"q1", qos=1)  # QoS 1 on the same down link: queued
+            assert wait_for(lambda: tr.connected, 20.0)
+            again = first + 1
+            assert wait_for(lambda: relay.packets(again)["PUBLISH"] + relay.packets(again)["PUBLISH-DUP"] == 1, 10.0)
+            ledger.flush()
+            rows = ledger.rows()
+            # the CONNECTs are the channel's control rows; no message row is "sent"
+            assert [r.kind for r in rows if r.event == "sent" and r.reason != "control"] == []
+            assert [r.kind for r in rows if r.event == "message"] == ["undeliverable", "undeliverable"]
+            assert relay.packets(first)["PUBLISH"] == 0
+        finally:
+            tr.close()
+            relay.close()
+            ledger.close()
