@@ -208,14 +208,20 @@ def test_a_publish_after_the_refused_mqtt5_trial_goes_out_on_the_3_1_1_connectio
             subscribed(sub, "t/fallback")
             tr.connect(timeout_s=10.0)
             assert tr.mqtt_version == MQTT_V311 and len(handles) == 1
-            got = sub.get(10.0)
-            assert got is not None and got.payload == b"between"
-            assert wait_for(lambda: outcomes == [(handles[0], "acked")], 10.0), outcomes
-            assert tr.buffered == (0, 0)
+            _arrived_once(tr, sub, b"between", handles, outcomes)
         finally:
             tr.close()
             sub.close()
 
+
+def _arrived_once(tr: MqttTransport, sub: MqttTransport, payload: bytes, handles: list[object],
+                  outcomes: list) -> None:
+    """The one message published (its handle in ``handles``) reached ``sub`` with ``payload``,
+    was acknowledged, and left nothing in ``tr``'s offline buffer."""
+    got = sub.get(10.0)
+    assert got is not None and got.payload == payload
+    assert wait_for(lambda: outcomes == [(handles[0], "acked")], 10.0), outcomes
+    assert tr.buffered == (0, 0)
 
 def test_a_publish_inside_paho_when_the_client_is_replaced_goes_out_on_the_new_client(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,10 +262,7 @@ def test_a_publish_inside_paho_when_the_client_is_replaced_goes_out_on_the_new_c
             tr.connect(timeout_s=10.0)
             publisher.join(30.0)
             assert tr._client is not old and tr.mqtt_version == MQTT_V311 and len(handles) == 1
-            got = sub.get(10.0)
-            assert got is not None and got.payload == b"inside"
-            assert wait_for(lambda: outcomes == [(handles[0], "acked")], 10.0), outcomes
-            assert tr.buffered == (0, 0)
+            _arrived_once(tr, sub, b"inside", handles, outcomes)
         finally:
             go.set()
             tr.close()
