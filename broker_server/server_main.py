@@ -23,6 +23,7 @@ from .config import AgentsSection, Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .persistence import write_summary
+from .resumes import note_fresh_run, note_resume
 from .run_end import (
     FinishedRun,
     finished_run,
@@ -323,7 +324,10 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             broker.start()
             url = broker.url
         ledger = Ledger(out / "ledger.sqlite")
+        before_id = ledger.last_row_id()  # the rows of earlier sessions (a --resume's) end here
         ledger.set_meta("federation", federation)
+        if not resume:
+            note_fresh_run(ledger)
         tracker = start_tracking(cfg, out, federation)
         if tracker is not None:
             on_round = tracker.wrap(on_round)
@@ -332,6 +336,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
                              expected_clients=cfg.data.clients, on_round=on_round, resuming=resume)
         server.on_event = on_event
         ckpt = server.checkpoints.load() if resume else None
+        if resume:  # where this session's rows begin, for the audit
+            note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id)
         if ckpt is not None:
             server.resume(ckpt)
             say(f"fedfleet server: resuming {out} after round {ckpt.round} of {cfg.run.rounds} (rounds "

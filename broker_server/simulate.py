@@ -54,6 +54,7 @@ from .config import Config
 from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
 from .persistence import write_summary
+from .resumes import note_fresh_run, note_resume
 from .run_end import FinishedRun, finished_run, last_checkpoint_round, resume_metrics, summary_record, write_final_files
 from .runtime import (
     agent_spec,
@@ -519,8 +520,11 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
     else:
         broker_name = url.split("@")[-1]
     ledger = Ledger(out / "ledger.sqlite")
+    before_id = ledger.last_row_id()  # the rows of earlier sessions (a --resume's) end here
     ledger.set_meta("federation", federation)
     ledger.set_meta("broker", broker_name)
+    if not resume:
+        note_fresh_run(ledger)
     profiles = assign_profiles(cfg.agents.profile_mix(), cfg.data.clients, cfg.run.seed)
     hw = detect()
     # one process trains every virtual device: the plan, not each virtual profile's torch_threads, rules
@@ -565,6 +569,9 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         if resume:
             restarted = json.loads(read_meta(ledger.path).get(RESTARTED_META, "[]"))
             ckpt = server.checkpoints.load()
+            # where this session's rows begin, for the audit (before the checkpoint is taken back:
+            # a resume refused from here on still wrote its connection's rows)
+            note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id)
             if ckpt is not None:
                 server.resume(ckpt)
                 resumed_after = ckpt.round

@@ -72,7 +72,11 @@ SIGKILL included; only a power loss can take the last commits). Durability:
   close; a killed writer's key is dropped by the next writer to open the file, once its
   process is gone);
   ``stop_signal`` names a signal that stopped the writer (``SIGTERM``). Read it with
-  :func:`ledger_closed_cleanly`.
+  :func:`ledger_closed_cleanly`;
+- a run's server notes in ``meta`` each ``--resume`` of its run (``resumes``: after which round,
+  and the id of the last row before it, so each session's rows are known; :mod:`broker_server.resumes`):
+  the rows of every attempt stay, as they crossed the wire, and the audit says which bytes the
+  resumes added.
 
 Schema versions: 1 (first cut), 2 (``message`` event, raw/field/chunk columns), 3 (``link_s``),
 4 (``sig_bytes``, ``enc_bytes``), 5 (``delivery``). Opening an older file for writing migrates it in place (new
@@ -534,6 +538,23 @@ class Ledger:
             if self._pending == 1:
                 _committer.due(self._token, self, time.monotonic() + self._interval)
         return n > 0
+
+    def last_row_id(self) -> int:
+        """The id of the newest row in the file (0 when it holds none): rows recorded from now on
+        get larger ids (``AUTOINCREMENT`` never reuses one, not even that of a row a killed writer
+        never committed). A resumed server notes it as where its session begins
+        (:mod:`broker_server.resumes`).
+
+        Raises:
+            LedgerError: the ledger is closed or SQLite refused the read.
+        """
+        with self._lock:
+            if self._db is None:
+                raise LedgerError(f"{self.path} is closed: read it with protocol.ledger.read_rows")
+            try:
+                return int(self._db.execute("SELECT COALESCE(MAX(id), 0) FROM messages").fetchone()[0])
+            except sqlite3.Error as exc:
+                raise LedgerError(f"cannot read {self.path}: {exc}") from exc
 
     def rows(self, where: str = "", params: tuple = ()) -> list[LedgerRow]:
         """Rows matching an optional SQL ``where`` clause (without the keyword), in insertion order.

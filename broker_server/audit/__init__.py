@@ -13,7 +13,7 @@ The package, one job per module:
 ``_load``         the run folder: ledger rows (:func:`load_run`), the ledger as an SQLite
                   relation for the queries, ``meta``, ``metrics.jsonl``
 ``_queries``      totals per link, round, client, kind and direction; rejected messages;
-                  bytes paid up to a round — ``GROUP BY`` queries in SQLite
+                  bytes paid up to a round; what a resume added — ``GROUP BY`` queries in SQLite
 ``_fields``       what ``global``/``update`` bodies are made of (``fields`` column, ``json_each``)
 ``_cost``         bytes to reach a target accuracy, accuracy against bytes, transfer time
 ``_report``       the report model: :func:`audit_report` (a plain dict) and :func:`comparison_row`
@@ -86,6 +86,21 @@ functions also takes, instead of rows, an open connection from :func:`open_ledge
 on ``RUN_DIR/ledger.sqlite``), which :func:`audit_report` uses: the queries then run on the
 ledger file itself, without loading its rows into Python.
 
+**Resumed runs.** A run killed or interrupted and continued with ``--resume`` keeps in its
+ledger the rows of every attempt (they crossed the wire: the ledger equals the socket's bytes).
+The server notes each resume in the ledger's ``meta`` (``resumes``: the checkpoint round it went
+on from and the last row id before it; :mod:`broker_server.resumes`), and :func:`resume_bytes`
+tells the bytes an uninterrupted run would not have sent: *re-sent* (the interrupted session's
+rows of the rounds after that checkpoint, run again after the resume), *ending* (that session's
+control packets and statuses after them, and its ``finish``) and *reconnecting* (the resumed
+session's connections, joins and statuses before it sends the first download of a round after
+the checkpoint). The report's ``resume`` (:func:`resume_report`) holds them per view; the text,
+HTML and comparison say them in a line ("Resumed after round 2 (1 resume): … bytes belong to
+it: … re-sent (round 3's first attempt, sent again after the resume), … ending the interrupted
+session … and … reconnecting …") and a table. A ledger written before resumes
+were noted, of a run whose ``summary.json`` names a resume, is said to be resumed with the
+attribution unknown.
+
 **Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
 returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the
 report, and one line in the text and HTML.
@@ -108,11 +123,12 @@ from ._queries import (
     cumulative_bytes,
     is_control,
     rejected,
+    resume_bytes,
     round_label,
     totals,
     whole_message,
 )
-from ._report import DEFAULT_TARGET, audit_report, comparison_row
+from ._report import DEFAULT_TARGET, audit_report, comparison_row, resume_report
 from ._text import render_comparison_text, render_text
 
 __all__ = [
@@ -147,6 +163,8 @@ __all__ = [
     "render_comparison_text",
     "render_html",
     "render_text",
+    "resume_bytes",
+    "resume_report",
     "round_label",
     "run_audit",
     "totals",

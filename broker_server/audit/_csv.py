@@ -38,7 +38,16 @@ _COMPARISON_FIELDS = ["run", "federation", "rounds", "final_accuracy", "up_bytes
                       "overhead_share", "target", "target_round", "bytes_to_target", "uplink_kbps",
                       "downlink_kbps", "up_max_s", "down_max_s", "time_max_s", "up_sum_s", "down_sum_s",
                       "time_sum_s", "up_tensor_bytes_per_client_round", "up_extras_bytes_per_client_round",
-                      "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round"]
+                      "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round", "resumed_after",
+                      "resume_bytes", "resume_rerun_bytes", "resume_ending_bytes", "resume_rejoin_bytes",
+                      "wire_bytes_without_resume"]
+
+
+def _comparison_csv_row(report: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`comparison_row` with ``resumed_after`` as one cell: the rounds joined by ``;``
+    (``''``: never resumed)."""
+    row = comparison_row(report)
+    return {**row, "resumed_after": ";".join(str(r) for r in row["resumed_after"])}
 
 
 _FIELDS_FIELDS = ["run", "kind", "direction", "source", "field", "codec", "messages", "bytes", "mean_bytes", "share",
@@ -52,10 +61,13 @@ def write_csv(reports: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list
     Device view; bytes in bytes, shares as fractions, times in seconds, empty cells for None.
     Every file has a ``run`` column (the run path); ``by_round.csv`` writes the session row's
     round as ``session``; ``comparison.csv`` has one row per run, in the order given (see
-    :func:`comparison_row`); ``fields.csv`` has one row per body field of :func:`body_fields`
-    (``other`` included, so a kind's ``bytes`` add up to its ``kind_message_bytes``), with the
-    kind's ``kind_messages``, ``kind_message_bytes``, ``kind_raw_bytes`` and
-    ``kind_encoded_bytes`` repeated on each.
+    :func:`comparison_row`; a resumed run's ``resumed_after`` as ``2`` or ``2;5``, and the
+    device-link bytes its resumes added in ``resume_bytes``, ``resume_rerun_bytes``,
+    ``resume_ending_bytes`` and ``resume_rejoin_bytes``, empty where its ledger does not note
+    them); ``fields.csv`` has one row per body field of :func:`body_fields` (``other``
+    included, so a kind's ``bytes`` add up to its ``kind_message_bytes``), with the kind's
+    ``kind_messages``, ``kind_message_bytes``, ``kind_raw_bytes`` and ``kind_encoded_bytes``
+    repeated on each.
 
     Returns:
         The five paths written.
@@ -70,7 +82,7 @@ def write_csv(reports: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list
                                               for rep in reports for c in rep["by_client"]))
     _write_rows(paths[2], _BY_KIND_FIELDS, ({**k, "run": rep["run"]["path"]}
                                             for rep in reports for k in rep["by_kind"]))
-    _write_rows(paths[3], _COMPARISON_FIELDS, (comparison_row(rep) for rep in reports))
+    _write_rows(paths[3], _COMPARISON_FIELDS, (_comparison_csv_row(rep) for rep in reports))
     paths.append(out / "fields.csv")
     _write_rows(paths[4], _FIELDS_FIELDS,
                 ({**f, "run": rep["run"]["path"], "kind": g["kind"], "direction": g["direction"],

@@ -137,3 +137,138 @@ def short_run_labels(paths: Sequence[str]) -> list[str]:
 #: The line of a report whose ledger its writer did not close (``ledger_closed`` False).
 UNCLEAN_CLOSE = ("Ledger not closed cleanly (its writer crashed, was killed or is still running): rows it had not "
                  "committed are missing")
+
+
+# --------------------------------------------------------------------------------------------
+# What a --resume added (the report's ``resume``: :func:`._report.resume_report`)
+
+_LINK = {"device": "device-link", "server": "server-link"}
+
+
+def rounds_text(rounds: Sequence[int]) -> str:
+    """``[3]`` → ``"round 3"``, ``[3, 4]`` → ``"rounds 3 and 4"``, ``[3, 4, 5]`` → ``"rounds 3–5"``
+    (consecutive), else ``"rounds 3, 5 and 7"``."""
+    rs = sorted(rounds)
+    if len(rs) == 1:
+        return f"round {rs[0]}"
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"rounds {rs[0]}–{rs[-1]}"
+    return "rounds " + ", ".join(map(str, rs[:-1])) + f" and {rs[-1]}"
+
+
+def _after_text(after_rounds: Sequence[int]) -> str:
+    """``"resumed after round 2 (1 resume)"``, ``"resumed 2 times (after rounds 2 and 5)"``."""
+    if len(after_rounds) == 1:
+        return f"resumed after round {after_rounds[0]} (1 resume)"
+    return f"resumed {len(after_rounds)} times (after {rounds_text(after_rounds)})"
+
+
+def _rerun_text(resumes: Sequence[Mapping[str, Any]]) -> str:
+    """What the re-sent bytes are: ``"round 3's first attempt"``, or that no round had begun."""
+    rounds = sorted({r for x in resumes for r in x["rerun_rounds"]})
+    if not rounds:
+        return "no round after the checkpoint had begun before it stopped"
+    return f"{rounds_text(rounds)}'s first attempt, sent again after the resume"
+
+
+def resume_line(report: Mapping[str, Any], view: str) -> str | None:
+    """One sentence on what the run's resumes added to ``view`` (bytes = wire bytes), or None for
+    a run never resumed: e.g. ``"Resumed after round 2 (1 resume): 279,768 of the 1,609,073
+    device-link bytes belong to it: 276,034 re-sent (round 3's first attempt, sent again after the
+    resume), 16 ending the interrupted session (control packets, statuses, finish) and 3,718
+    reconnecting (the resumed session's connections and joins); 1,329,305 without them."``"""
+    resume = report.get("resume")
+    if not resume:
+        return None
+    if not resume["noted"]:
+        return (f"Resumed (last after round {resume['after_rounds'][-1]}, says summary.json), but this ledger was "
+                "written before resumes were noted in it: the bytes of the interrupted attempt and of the "
+                "reconnection are counted with the run's, and which they are is unknown.")
+    after = _after_text(resume["after_rounds"])
+    rb = resume[view]
+    wire = report["totals"][view]["all"]["wire_bytes"]
+    added = rb["all"]["wire_bytes"]
+    return (f"{after[0].upper()}{after[1:]}: {count(added)} of the {count(wire)} {_LINK[view]} bytes belong to "
+            f"{'it' if len(resume['after_rounds']) == 1 else 'them'}: {count(rb['rerun']['wire_bytes'])} re-sent "
+            f"({_rerun_text(rb['resumes'])}), {count(rb['ending']['wire_bytes'])} ending the interrupted session "
+            f"(control packets, statuses, finish) and {count(rb['rejoin']['wire_bytes'])} reconnecting (the resumed "
+            f"session's connections and joins); {count(wire - added)} without them.")
+
+
+#: Columns of the resume table (:func:`resume_cells`).
+RESUME_COLUMNS = ("link", "resumed after", "part", "messages", "up B", "down B", "wire B", "share of wire")
+
+
+def resume_cells(report: Mapping[str, Any]) -> list[list[str]]:
+    """Rows of the resume table (columns :data:`RESUME_COLUMNS`): per link with rows, per resume,
+    the re-sent, ending and reconnecting parts, then the link's total ([] when the resumes are not
+    noted)."""
+    resume = report.get("resume") or {}
+    out: list[list[str]] = []
+    for view in ("device", "server"):
+        rb = resume.get(view)
+        wire = report["totals"][view]["all"]["wire_bytes"]
+        if rb is None or not report["totals"][view]["all"]["messages"]:
+            continue
+
+        def cells(after: str, part: str, t: Mapping[str, Any], view: str = view, wire: int = wire) -> list[str]:
+            return [view, after, part, count(t["messages"]), count(t["up_bytes"]), count(t["down_bytes"]),
+                    count(t["wire_bytes"]), pct(t["wire_bytes"] / wire if wire else None)]
+
+        for x in rb["resumes"]:
+            after = f"round {x['after_round']}"
+            rerun = (f"re-sent: {rounds_text(x['rerun_rounds'])}'s first attempt" if x["rerun_rounds"]
+                     else "re-sent: nothing (no round had begun)")
+            out.append(cells(after, rerun, x["rerun"]))
+            out.append(cells(after, "ending the interrupted session", x["ending"]))
+            out.append(cells(after, "reconnecting and joining again", x["rejoin"]))
+        out.append(cells("all", "total", rb["all"]))
+    return out
+
+
+def _kinds_text(kinds: Sequence[Mapping[str, Any]]) -> str:
+    """``"global (down) 3× 164,997 B, …, control packets 8× 32 B"`` of one part's ``kinds``."""
+    merged: dict[tuple[str, str], list[int]] = {}
+    ctl = [0, 0]
+    for k in kinds:
+        if k["control"]:
+            ctl[0] += k["messages"]
+            ctl[1] += k["wire_bytes"]
+            continue
+        m = merged.setdefault((k["kind"], k["direction"]), [0, 0])
+        m[0] += k["messages"]
+        m[1] += k["wire_bytes"]
+    parts = [f"{kind} ({d}) {count(n)}× {count(b)} B"
+             for (kind, d), (n, b) in sorted(merged.items(), key=lambda kv: -kv[1][1])]
+    if ctl[0]:
+        parts.append(f"control packets {count(ctl[0])}× {count(ctl[1])} B")
+    return ", ".join(parts) or "nothing"
+
+
+def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
+    """The lines under the resume table: each part by kind and where the per-round table counts
+    it (in ``view``), then what the parts are ([] when the resumes are not noted)."""
+    resume = report.get("resume") or {}
+    rb = resume.get(view)
+    if rb is None:
+        return []
+    out = []
+    for name, key in (("Re-sent", "rerun"), ("Ending", "ending"), ("Reconnecting", "rejoin")):
+        kinds = [k for x in rb["resumes"] for k in x[key]["kinds"]]
+        where: dict[Any, int] = {}
+        for x in rb["resumes"]:
+            for r in x[key]["rounds"]:
+                where[r["round"]] = where.get(r["round"], 0) + r["wire_bytes"]
+        rows = ", ".join(f"{'session' if r is None else f'round {r}'} {count(b)} B"
+                         for r, b in sorted(where.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+        out.append(f"{name} ({_LINK[view]} bytes), by kind: {_kinds_text(kinds)}"
+                   + (f"; in the per-round table: {rows}" if rows else "") + ".")
+    out.append("Re-sent: the interrupted session's rows of the rounds after the checkpoint it was resumed from (the "
+               "resumed session ran those rounds again). Ending: that session's rows without a round (control "
+               "packets, statuses) after the first of them, or after its last row of the rounds kept where that "
+               "comes first, and its finish; a control packet names no message, so an acknowledgement (4 B) may "
+               "fall on either side. Reconnecting: the resumed session's rows without a round (connections, joins, "
+               "statuses: the interrupted devices' last wills among them) before its first download of a round "
+               "after the checkpoint; an uninterrupted run connects and joins once. Every attempt's bytes stay in "
+               "the totals: they crossed the wire.")
+    return out

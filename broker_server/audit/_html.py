@@ -10,6 +10,7 @@ from typing import Any
 from ._format import (
     FIELD_COLUMNS,
     FIELDS_TITLE,
+    RESUME_COLUMNS,
     UNCLEAN_CLOSE,
     acc,
     count,
@@ -21,12 +22,15 @@ from ._format import (
     mean,
     overhead_parts,
     pct,
+    resume_cells,
+    resume_line,
+    resume_notes,
     secs,
     short_run_labels,
     target_text,
 )
 from ._plots import plot_by_round, plot_clients, plot_curves, plot_overhead
-from ._report import comparison_row, fleet_total
+from ._report import comparison_row, fleet_total, resume_view
 
 # Tables fit the page: long run paths are not table cells (short labels there, the full paths in a
 # list under the table); text cells wrap at word boundaries first (overflow-wrap, never a path cut
@@ -103,6 +107,9 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     target = next((r["target"] for r in rows if r["target"] is not None), None)
     headers = ["run", "rounds", "final accuracy", "up B", "down B", "overhead",
                f"bytes to {acc(target)}" if target is not None else "bytes to target"]
+    resumed = any(r["resumed_after"] for r in rows)
+    if resumed:
+        headers.insert(5, "resume B")
     if link:
         headers += [f"transfer time {directions_label(link)}, clients in parallel",
                     "transfer time, sum over clients"]
@@ -110,6 +117,8 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     for label, r in zip(labels, rows, strict=True):
         cells = [label, r["rounds"], acc(r["final_accuracy"]), count(r["up_bytes"]),
                  count(r["down_bytes"]), pct(r["overhead_share"]), target_text(r)]
+        if resumed:
+            cells.insert(5, "unknown" if r["resume_bytes"] is None else count(r["resume_bytes"]))
         if link:
             cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
         body.append(cells)
@@ -122,10 +131,16 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
                  f"{_esc(kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "
                  "slowest client (parallel links), or the sum over clients (one shared link); session "
                  "traffic counted as one more phase.")
+    if resumed:
+        note += (" Resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent again "
+                 "after the resume, that session's ending and the resumed session's reconnection; counted in up B "
+                 "and down B, as they crossed the wire); 0: never resumed. "
+                 + " ".join(f"{_esc(label)}: {_esc(line)}" for label, rep in zip(labels, reports, strict=True)
+                            if (line := resume_line(rep, "device")) is not None))
     fleet = fleet_total(reports)
     if fleet is not None:
         body.append(["fleet total", "", "", count(fleet["up_bytes"]), count(fleet["down_bytes"]), "", "",
-                     *([""] * (2 if link else 0))])
+                     *([""] * ((2 if link else 0) + (1 if resumed else 0)))])
         note += (f" Fleet total: the sum over the {fleet['runs']} ledgers of federation {_esc(fleet['federation'])} "
                  "(e.g. one per device).")
     per_client = _html_table(
@@ -147,7 +162,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
     No external resources: inline CSS, plots as base64 PNG (matplotlib, Agg canvas). Every string
     from the reports is escaped with :func:`html.escape`. Contents: a comparison table (one row
     per run; with several runs also an overlay of accuracy against cumulative bytes), then per
-    run: totals (device links, server link), per kind, bytes per round by kind and direction,
+    run: totals (device links, server link), for a resumed run what its resumes added
+    (:func:`resume_report`), per kind, bytes per round by kind and direction,
     cumulative bytes against accuracy, bytes per client, protocol overhead share, the body
     fields of global/update messages (:func:`body_fields`), and the rejected messages.
     """
@@ -175,6 +191,14 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         parts.append(_totals_html(rep["totals"]["device"]))
         parts.append("<h3>Totals: server link (a broadcast counts once)</h3>")
         parts.append(_totals_html(rep["totals"]["server"]))
+        told_in = resume_view(rep)
+        if (line := resume_line(rep, told_in)) is not None:
+            parts.append("<h3>Resumes: the bytes an uninterrupted run would not have sent</h3>")
+            parts.append(f"<p>{_esc(line)}</p>")
+            if (cells := resume_cells(rep)):
+                parts.append(_html_table(list(RESUME_COLUMNS), cells, text_columns=3))
+            if (notes := resume_notes(rep, told_in)):
+                parts.append('<p class="note">' + "<br>".join(_esc(n) for n in notes) + "</p>")
         parts.append("<h3>Bytes per round, by kind and direction</h3>")
         parts.append(plot_by_round(rep))
         parts.append("<h3>Cumulative device-link bytes and test accuracy</h3>")

@@ -178,19 +178,22 @@ def open_ledger(run_dir: str | Path) -> sqlite3.Connection:
     return db
 
 
-def memory_ledger(rows: Iterable[Mapping[str, Any]]) -> sqlite3.Connection:
+def memory_ledger(rows: Iterable[Mapping[str, Any]], *, keep_ids: bool = False) -> sqlite3.Connection:
     """An in-memory connection whose table ``ledger`` holds ``rows`` (mappings keyed by the
     ``messages`` columns; unknown keys are ignored, missing ones read as in :data:`LEDGER_COLUMNS`)
-    with ``id`` = the row's position in ``rows`` (1, 2 …). The caller closes it.
+    with ``id`` = the row's position in ``rows`` (1, 2 …), or with ``keep_ids`` its own ``id``
+    where it has one (what the ids noted in ``meta`` refer to: :func:`._queries.resume_bytes`).
+    The caller closes it.
 
     Raises:
         ValueError: a byte column or ``round``/``chunk_index`` holds something that is not an integer.
+        sqlite3.IntegrityError: with ``keep_ids``, two rows have the same ``id``.
     """
     db = sqlite3.connect(":memory:")
     db.execute(_TABLE)
 
     def values(pos: int, r: Mapping[str, Any]) -> list[Any]:
-        out: list[Any] = [pos]
+        out: list[Any] = [int(r["id"]) if keep_ids and r.get("id") is not None else pos]
         out += ["" if r.get(c) is None else str(r.get(c)) for c in TEXT_COLUMNS]
         out += [0 if r.get(c) is None else int(r.get(c)) for c in INT_COLUMNS]  # type: ignore[arg-type]
         out += [None if r.get(c) is None else int(r.get(c)) for c in ("round", "chunk_index")]  # type: ignore[arg-type]

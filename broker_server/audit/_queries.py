@@ -56,10 +56,11 @@ _EMPTY_TALLY = {"messages": 0, "body": 0, "envelope": 0, "mqtt": 0, "control_mes
 
 
 @contextmanager
-def ledger_db(ledger: LedgerSource, *, ordered: bool = False) -> Iterator[sqlite3.Connection]:
+def ledger_db(ledger: LedgerSource, *, ordered: bool = False, keep_ids: bool = False) -> Iterator[sqlite3.Connection]:
     """The connection to query: ``ledger`` itself when it is one, else an in-memory ledger of the
     rows (closed on exit). ``ordered``: rows that all have an ``id`` are put in ``id`` order first
-    (what :func:`cumulative_bytes` needs); otherwise they keep the order given.
+    (what :func:`cumulative_bytes` needs); otherwise they keep the order given. ``keep_ids``: rows
+    that all have an ``id`` keep it (what :func:`resume_bytes` needs: the ids ``meta`` notes).
 
     Raises:
         ValueError: ``ledger`` is a connection without the ``ledger`` relation (not one from
@@ -74,9 +75,10 @@ def ledger_db(ledger: LedgerSource, *, ordered: bool = False) -> Iterator[sqlite
         yield ledger
         return
     rows = list(ledger)
-    if ordered and rows and all(r.get("id") is not None for r in rows):
+    with_ids = bool(rows) and all(r.get("id") is not None for r in rows)
+    if ordered and with_ids:
         rows.sort(key=lambda r: int(r["id"]))
-    db = memory_ledger(rows)
+    db = memory_ledger(rows, keep_ids=keep_ids and with_ids)
     try:
         yield db
     finally:
@@ -394,3 +396,121 @@ def client_bytes_per_round(rows: LedgerSource, view: str = "device") -> list[dic
     with ledger_db(rows) as db:
         return query(db, f"{with_v} SELECT round, dir AS direction, client, SUM(wire) AS wire_bytes FROM v "
                          "GROUP BY round, dir, client ORDER BY round IS NULL, round, dir, MIN(id)", params)
+
+
+# --------------------------------------------------------------------------------------------
+# What a --resume added
+
+
+#: The bytes of one part of a resume, by kind and direction (see :func:`resume_bytes`).
+_RESUME_PART = """SELECT kind, dir AS direction, MAX(ctl) AS control, COUNT(*) AS messages, COALESCE(SUM(wire), 0)
+    AS wire_bytes FROM v WHERE {where} GROUP BY kind, dir ORDER BY MIN(id)"""
+
+#: The parts of what a resume added, in the order told (see :func:`resume_bytes`).
+RESUME_PARTS = ("rerun", "ending", "rejoin")
+
+#: Far beyond any row id: the upper bound of the last session.
+_NO_ID = 2 ** 62
+
+
+def _part(db: sqlite3.Connection, with_v: str, params: tuple[Any, ...], where: str,
+          where_params: tuple[Any, ...]) -> dict[str, Any]:
+    """``messages``, ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``,
+    ``kinds`` (``kind``, ``direction``, ``control``, ``messages``, ``wire_bytes``, in the order
+    first recorded) and ``rounds`` (``round``, None for the session, ``messages``,
+    ``wire_bytes``: where :func:`by_round` counts them) of the view rows matching ``where``."""
+    kinds = query(db, with_v + _RESUME_PART.format(where=where), (*params, *where_params))
+    rounds = query(db, f"{with_v} SELECT round, COUNT(*) AS messages, COALESCE(SUM(wire), 0) AS wire_bytes FROM v "
+                       f"WHERE {where} GROUP BY round ORDER BY round IS NULL, round", (*params, *where_params))
+    return {"messages": sum(k["messages"] for k in kinds),
+            "up_bytes": sum(k["wire_bytes"] for k in kinds if k["direction"] == "up"),
+            "down_bytes": sum(k["wire_bytes"] for k in kinds if k["direction"] == "down"),
+            "wire_bytes": sum(k["wire_bytes"] for k in kinds),
+            "control_messages": sum(k["messages"] for k in kinds if k["control"]),
+            "kinds": [{**k, "control": bool(k["control"])} for k in kinds], "rounds": rounds}
+
+
+def _sum_parts(parts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    keys = ("messages", "up_bytes", "down_bytes", "wire_bytes", "control_messages")
+    out = dict.fromkeys(keys, 0)
+    for p in parts:
+        for k in keys:
+            out[k] += p[k]
+    return out
+
+
+def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view: str = "device") -> dict[str, Any]:
+    """The bytes of ``view`` that the resumes of a run added to its ledger (bytes = wire bytes).
+
+    ``resumes`` are the ledger's notes (:func:`broker_server.resumes.ledger_resumes`: per resume
+    ``after_round`` R and ``after_id`` L, the newest row id before the resumed session). They cut
+    the ledger into sessions: rows up to the first L, rows after it up to the next, …; resume k
+    goes on from session k−1 to session k. Every row stays counted in the run's totals (each
+    crossed the wire); these are the ones an uninterrupted run would not have sent, in three parts:
+
+    ``rerun``
+        re-sent: the rows of session k−1 of rounds after R, the rounds the resumed session ran
+        again (their ``global``, ``round_start``, updates, receipts …).
+    ``ending``
+        the end of session k−1: its rows without a training round (``round`` NULL or 0: MQTT
+        control packets, statuses) recorded after its first row of a round after R, or after its
+        last row of rounds 1 … R where that comes first (the acknowledgements that went with the
+        unfinished attempt; a stopped run's offline statuses and DISCONNECTs), and its ``finish``
+        (a run resumed with more rounds after it had finished). A control packet names no message:
+        one acknowledging a row of round R may count here, one acknowledging a re-sent row may
+        fall before it (4 B each, a PUBACK).
+    ``rejoin``
+        reconnecting: the resumed session's rows without a training round (connections, joins,
+        statuses: the last wills of the interrupted session's devices among them) recorded before
+        its first download of a round after R (an uninterrupted run connects and joins once).
+
+    Args:
+        rows: ledger rows (with their ``id``: the noted ids refer to them) or an open ledger
+            connection.
+        resumes: the notes, each with ``after_round`` and ``after_id``.
+        view: ``"device"`` or ``"server"``.
+
+    Returns:
+        ``view``; ``resumes``: one dict per resume in ``after_id`` order, with ``after_round``,
+        ``after_id``, ``rerun_rounds`` (the rounds after R that session k−1 had begun),
+        ``rerun``, ``ending`` and ``rejoin`` (each: ``messages``, ``up_bytes``, ``down_bytes``,
+        ``wire_bytes``, ``control_messages``; ``kinds``: per ``kind`` and ``direction``,
+        ``control``, ``messages``, ``wire_bytes``; ``rounds``: per ``round`` (None: the session
+        row of :func:`by_round`), ``messages``, ``wire_bytes``), ``messages`` and ``wire_bytes``
+        (the three parts); ``rerun``, ``ending``, ``rejoin``, ``all``: the sums over the resumes
+        (``messages``, ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``).
+
+    Raises:
+        ValueError: unknown ``view``.
+    """
+    with_v, params = _view(view)
+    marks = sorted(({"after_round": int(m["after_round"]), "after_id": int(m["after_id"])} for m in resumes),
+                   key=lambda m: m["after_id"])
+    bounds = [0] + [m["after_id"] for m in marks] + [_NO_ID]
+    out: list[dict[str, Any]] = []
+
+    def one(db: sqlite3.Connection, sql: str, *args: Any) -> Any:
+        return db.execute(f"{with_v} {sql}", (*params, *args)).fetchone()[0]
+
+    with ledger_db(rows, keep_ids=True) as db:
+        for k, m in enumerate(marks, start=1):
+            lo, hi, nxt, r = bounds[k - 1], bounds[k], bounds[k + 1], m["after_round"]
+            first_again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ?", lo, hi, r)
+            last_kept = one(db, "SELECT MAX(id) FROM v WHERE id > ? AND id <= ? AND round BETWEEN 1 AND ? "
+                                "AND kind != 'finish'", lo, hi, r)
+            marks_end = [i for i in (first_again, last_kept) if i is not None]
+            rerun = _part(db, with_v, params, "id > ? AND id <= ? AND round > ?", (lo, hi, r))
+            ending = _part(db, with_v, params, "id > ? AND id <= ? AND (kind = 'finish' OR ((round IS NULL OR "
+                                               "round < 1) AND id > ?))", (lo, hi, min(marks_end, default=hi)))
+            again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ? AND dir = 'down'",
+                        hi, nxt, r)
+            rejoin = _part(db, with_v, params, "id > ? AND id <= ? AND id < ? AND (round IS NULL OR round < 1)",
+                           (hi, nxt, nxt + 1 if again is None else again))
+            rounds = [x for (x,) in db.execute(f"{with_v} SELECT DISTINCT round FROM v WHERE id > ? AND id <= ? "
+                                               "AND round > ? ORDER BY round", (*params, lo, hi, r))]
+            parts = (rerun, ending, rejoin)
+            out.append({**m, "rerun_rounds": rounds, "rerun": rerun, "ending": ending, "rejoin": rejoin,
+                        "messages": sum(p["messages"] for p in parts),
+                        "wire_bytes": sum(p["wire_bytes"] for p in parts)})
+    sums = {key: _sum_parts(x[key] for x in out) for key in RESUME_PARTS}
+    return {"view": view, "resumes": out, **sums, "all": _sum_parts(sums.values())}

@@ -5,10 +5,13 @@ only these dicts."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..resumes import ledger_resumes
 from ._cost import accuracy_curve, final_accuracy, first_round_reaching, link_time_s
 from ._fields import body_fields, field_bytes_per_client_round
 from ._load import METRICS_NAME, clean_close, open_ledger, read_meta, read_metrics
@@ -22,6 +25,7 @@ from ._queries import (
     federations,
     rejected,
     rejected_totals,
+    resume_bytes,
     totals,
     training_rounds,
 )
@@ -59,6 +63,7 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         ``link_time``: :func:`link_time_s`, or None when no speed was given.
         ``ledger_closed``: False when the ledger file was not closed by its writer (still in WAL
         mode: the writer crashed, was killed or is still running; see :func:`._load.clean_close`).
+        ``resume``: :func:`resume_report` (None: the run was never resumed).
 
     Raises:
         AuditError: see :func:`load_run`.
@@ -96,9 +101,54 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
                        "bytes": next((p["cumulative_bytes"] for p in curve if p["round"] == target_round), None)},
             "link_time": link,
             "ledger_closed": clean_close(db),
+            "resume": resume_report(db, meta, run),
         }
     finally:
         db.close()
+
+
+def _summary_resumed_after(run: Path) -> int | None:
+    """``resumed_after`` of ``RUN_DIR/summary.json`` (the checkpoint round of the session that
+    finished the run), or None: never resumed, no summary, or one that cannot be read."""
+    try:
+        value = json.loads((run / "summary.json").read_text(encoding="utf-8")).get("resumed_after")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def resume_report(db: sqlite3.Connection, meta: Mapping[str, str], run: Path) -> dict[str, Any] | None:
+    """What the resumes of a run added to its ledger (bytes = wire bytes).
+
+    The ledger keeps every attempt's rows (they crossed the wire); the resumes its ``meta`` notes
+    (:mod:`broker_server.resumes`) say which of them an uninterrupted run would not have sent
+    (:func:`resume_bytes`).
+
+    Returns:
+        None when the run was never resumed (its ledger notes none; or a ledger from before resumes
+        were noted whose ``summary.json`` names no resume). Else ``noted`` (bool), ``after_rounds``
+        (the checkpoint round each resume went on from, in order), ``count`` (resumes; None when
+        not noted), ``device`` and ``server``: :func:`resume_bytes` of each view. ``noted`` False:
+        a ledger written before resumes were noted, of a run whose ``summary.json`` says it was
+        resumed after ``after_rounds[0]`` (its last resume; earlier ones cannot be known); its
+        bytes cannot be told apart, and ``device`` and ``server`` are None.
+    """
+    marks = ledger_resumes(meta)
+    if marks is None:
+        after = _summary_resumed_after(run)
+        if after is None:
+            return None
+        return {"noted": False, "after_rounds": [after], "count": None, "device": None, "server": None}
+    if not marks:
+        return None
+    return {"noted": True, "after_rounds": [m["after_round"] for m in marks], "count": len(marks),
+            **{view: resume_bytes(db, marks, view) for view in VIEWS}}
+
+
+def resume_view(report: Mapping[str, Any]) -> str:
+    """The view a run's resume is told in: the device links, or the server link where the ledger
+    has no agent rows (``fedfleet server``: each device keeps its own ledger)."""
+    return "device" if report["totals"]["device"]["all"]["messages"] else "server"
 
 
 def fleet_total(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -128,7 +178,12 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         ``down_sum_s``, ``time_sum_s`` (sum over clients); and from ``fields``
         (:func:`field_bytes_per_client_round`; None without it): ``up_tensor_bytes_per_client_round``,
         ``up_extras_bytes_per_client_round``, ``down_tensor_bytes_per_client_round``,
-        ``down_extras_bytes_per_client_round``.
+        ``down_extras_bytes_per_client_round``; and from ``resume`` (:func:`resume_report`, device
+        links): ``resumed_after`` (the rounds the run was resumed after; [] never resumed),
+        ``resume_bytes``, ``resume_rerun_bytes``, ``resume_ending_bytes``, ``resume_rejoin_bytes``
+        (what the resumes added: all, re-sent, ending the interrupted session, reconnecting; 0
+        never resumed, None when the ledger does not note its resumes) and
+        ``wire_bytes_without_resume`` (``wire_bytes`` − ``resume_bytes``; None when unknown).
     """
     dev = report["totals"]["device"]
     tgt = report.get("target") or {}
@@ -145,4 +200,21 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         "up_sum_s": link.get("up_sum_s"), "down_sum_s": link.get("down_sum_s"),
         "time_sum_s": link.get("sum_s"),
         **field_bytes_per_client_round(report.get("fields") or []),
+        **_resume_columns(report, dev["all"]["wire_bytes"]),
     }
+
+
+def _resume_columns(report: Mapping[str, Any], wire_bytes: int) -> dict[str, Any]:
+    """The resume columns of :func:`comparison_row` (device links; bytes)."""
+    resume = report.get("resume")
+    if not resume:
+        return {"resumed_after": [], "resume_bytes": 0, "resume_rerun_bytes": 0, "resume_ending_bytes": 0,
+                "resume_rejoin_bytes": 0, "wire_bytes_without_resume": wire_bytes}
+    dev = resume.get("device")
+    if dev is None:
+        return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": None, "resume_rerun_bytes": None,
+                "resume_ending_bytes": None, "resume_rejoin_bytes": None, "wire_bytes_without_resume": None}
+    added = dev["all"]["wire_bytes"]
+    return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": added,
+            "resume_rerun_bytes": dev["rerun"]["wire_bytes"], "resume_ending_bytes": dev["ending"]["wire_bytes"],
+            "resume_rejoin_bytes": dev["rejoin"]["wire_bytes"], "wire_bytes_without_resume": wire_bytes - added}

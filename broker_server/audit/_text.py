@@ -9,6 +9,7 @@ from typing import Any
 from ._format import (
     FIELD_COLUMNS,
     FIELDS_TITLE,
+    RESUME_COLUMNS,
     UNCLEAN_CLOSE,
     acc,
     count,
@@ -19,12 +20,15 @@ from ._format import (
     kbps,
     mean,
     pct,
+    resume_cells,
+    resume_line,
+    resume_notes,
     secs,
     short_run_labels,
     target_text,
 )
 from ._queries import VIEWS, round_label
-from ._report import comparison_row, fleet_total
+from ._report import comparison_row, fleet_total, resume_view
 
 
 def _console() -> tuple[Any, io.StringIO]:
@@ -57,11 +61,14 @@ def _lines(buf: io.StringIO) -> str:
 def render_text(report: Mapping[str, Any]) -> str:
     """Human tables of an :func:`audit_report` for a terminal (plain text, 120 columns).
 
-    Sections: Totals (device links, server link), Per round (control packets and other traffic
-    without a round in the ``session`` row), Per client, Per kind and direction, Body fields
-    (:func:`body_fields`), Rejected messages, and, when the report has them, bytes to reach the target accuracy and the
-    estimated transfer time. Counts use thousands separators; byte columns are in bytes, and the
-    totals add the wire bytes in KiB/MiB.
+    Sections: Totals (device links, server link), for a resumed run what its resumes added
+    (:func:`resume_report`: one line under the run's name, then a table of the bytes re-sent,
+    ending the interrupted session and spent reconnecting, per link and resume), Per round
+    (control packets and other traffic without a round in the ``session`` row), Per client, Per
+    kind and direction, Body fields (:func:`body_fields`), Rejected messages, and, when the
+    report has them, bytes to reach the target accuracy and the estimated transfer time. Counts
+    use thousands separators; byte columns are in bytes, and the totals add the wire bytes in
+    KiB/MiB.
     """
     console, buf = _console()
     run = report["run"]
@@ -70,6 +77,9 @@ def render_text(report: Mapping[str, Any]) -> str:
                   f"final accuracy: {acc(report.get('final_accuracy'))}")
     if report.get("ledger_closed") is False:
         console.print(UNCLEAN_CLOSE)
+    told_in = resume_view(report)
+    if (line := resume_line(report, told_in)) is not None:
+        console.print(line)
 
     titles = {"device": "Totals: device links (agent side: uploads sent + downloads received by each agent)",
               "server": "Totals: server link (server side: sent + received; a broadcast counts once)"}
@@ -90,6 +100,17 @@ def render_text(report: Mapping[str, Any]) -> str:
                       count(d["mqtt_bytes"]), count(d.get("control_bytes", 0)), count(d["wire_bytes"]),
                       human(d["wire_bytes"]), pct(d["overhead_share"]))
         console.print(t)
+
+    if (resume_rows := resume_cells(report)):
+        console.print()
+        console.print("Resumes: the bytes an uninterrupted run would not have sent (bytes = wire bytes; counted in "
+                      "the totals above, as they crossed the wire)")
+        t = _table(*RESUME_COLUMNS, text_columns=3)
+        for resume_row in resume_rows:
+            t.add_row(*resume_row)
+        console.print(t)
+        for line in resume_notes(report, told_in):
+            console.print(line)
 
     console.print()
     console.print("Security: bytes added by signatures and by encryption (protocol.security)")
@@ -175,9 +196,10 @@ def render_text(report: Mapping[str, Any]) -> str:
 
 
 def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
-    """The comparison of several runs as text: one table of bytes, accuracy and transfer time, then
-    one of model-tensor and extras bytes per client per round (see :func:`comparison_row`); one
-    row per run in each, in the order given."""
+    """The comparison of several runs as text: one table of bytes, accuracy and transfer time (and,
+    when a run was resumed, the bytes its resumes added: ``resume B``, with one line per resumed
+    run under the table saying what they are), then one of model-tensor and extras bytes per
+    client per round (see :func:`comparison_row`); one row per run in each, in the order given."""
     console, buf = _console()
     rows = [comparison_row(r) for r in reports]
     labels = short_run_labels([str(r["run"]) for r in rows])
@@ -185,6 +207,9 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
     console.print(f"Comparison of {len(rows)} runs (device links; bytes = wire bytes)")
     headers = ["run", "final acc", "up B", "down B", "overhead", f"B to {acc(target)}", "at round"]
+    resumed = any(r["resumed_after"] for r in rows)
+    if resumed:
+        headers.insert(4, "resume B")
     if link:
         headers += ["time parallel", "time summed"]
     t = _table(*headers)
@@ -193,10 +218,19 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
         cells = [label, acc(r["final_accuracy"]), count(r["up_bytes"]), count(r["down_bytes"]),
                  pct(r["overhead_share"]), count(r["bytes_to_target"]) if reached else target_text(r),
                  str(r["target_round"]) if reached else "—"]
+        if resumed:
+            cells.insert(4, "unknown" if r["resume_bytes"] is None else count(r["resume_bytes"]))
         if link:
             cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
         t.add_row(*cells)
     console.print(t)
+    for label, report in zip(labels, reports, strict=True):
+        if (line := resume_line(report, "device")) is not None:
+            console.print(f"{label}: {line}", overflow="fold")
+    if resumed:
+        console.print("resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent "
+                      "again after the resume, that session's ending and the resumed session's reconnection; counted "
+                      "in up B and down B, as they crossed the wire); 0: never resumed.")
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
                   "measures it every E-th round and the last; —: the run records no accuracy, as a device's own "
@@ -206,7 +240,8 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
                       f"device): up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, "
                       f"{count(fleet['wire_bytes'])} B in {count(fleet['messages'])} messages")
     console.print()
-    console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it)")
+    console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it"
+                  + ("; a resumed run's include the messages it sent again)" if resumed else ")"))
     t = _table("run", "up tensors B", "up extras B", "down tensors B", "down extras B")
     for label, r in zip(labels, rows, strict=True):
         t.add_row(label, *(mean(r[f"{d}_{p}_bytes_per_client_round"])

@@ -1016,3 +1016,407 @@ def test_html_without_matplotlib_is_a_clear_error_and_writes_nothing(ctrl_run, t
     assert rc != 0
     assert "pip install 'fedfleet[plots]'" in err and "Traceback" not in err
     assert not page.exists() and not list(tmp_path.glob("rows*.csv"))
+
+
+# --------------------------------------------------------------------------------------------
+# A resumed run: the ledger keeps both attempts; the audit says which bytes the resume added.
+#
+# One agent a1 and the server. The first session joins, runs round 1, begins round 2 (global,
+# a late round-1 receipt, a PUBACK, a1's update) and is killed; the resumed session (checkpoint of
+# round 1) reconnects, joins again and runs round 2 again. Its twin is the same run uninterrupted.
+
+T_JOIN = f"fedfleet/v1/{FED}/up/a1/join"  # 31 characters
+T_STATUS = f"fedfleet/v1/{FED}/status/a1"  # 30 characters
+T_RECEIPT = f"fedfleet/v1/{FED}/down/a1/receipt"  # 36 characters
+JOIN = 5 + 31 + (30 + 500)  # 566
+STATUS = 5 + 30 + (20 + 10)  # 65
+RECEIPT = 5 + 36 + (20 + 30)  # 91
+
+
+def _join(side: str, event: str) -> LedgerRow:
+    return _row(side, "server" if side == "server" else "a1", event, "up", "join", 0, "a1", T_JOIN, 30, 500)
+
+
+def _a1(kind: str, event: str, rnd: int) -> LedgerRow:
+    """a1's row of round ``rnd``'s global (received), update (sent) or receipt (received)."""
+    if kind == "global":
+        return _row("agent", "a1", event, "down", "global", rnd, "a1", T_GLOBAL, ENV_G, BODY_G[rnd])
+    if kind == "update":
+        return _row("agent", "a1", event, "up", "update", rnd, "a1", T_UP["a1"], ENV_U, BODY_U[(rnd, "a1")])
+    return _row("agent", "a1", event, "down", "receipt", rnd, "a1", T_RECEIPT, 20, 30)
+
+
+def _srv(kind: str, event: str, rnd: int) -> LedgerRow:
+    if kind == "global":
+        return _row("server", "server", event, "down", "global", rnd, "*", T_GLOBAL, ENV_G, BODY_G[rnd])
+    return _row("server", "server", event, "up", "update", rnd, "a1", T_UP["a1"], ENV_U, BODY_U[(rnd, "a1")])
+
+
+def _first_session() -> list[LedgerRow]:
+    """Up to the kill: round 2's first attempt is the last 5 rows."""
+    return [_ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B),
+            _ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B),
+            _join("agent", "sent"), _join("server", "received"),
+            _srv("global", "sent", 1), _a1("global", "received", 1), _a1("update", "sent", 1),
+            _srv("update", "received", 1),
+            _srv("global", "sent", 2), _a1("global", "received", 2),
+            _a1("receipt", "received", 1),  # round 1's, late: an uninterrupted run has it too
+            _ctrl("agent", "a1", "sent", "up", "PUBACK", PUBACK_B),
+            _a1("update", "sent", 2)]  # killed before the server read it
+
+
+def _resumed_session() -> list[LedgerRow]:
+    """After the resume from round 1's checkpoint: reconnect, a status, join, round 2 again."""
+    return [_ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B),
+            _ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B),
+            _row("agent", "a1", "sent", "up", "status", 0, "a1", T_STATUS, 20, 10),
+            _join("agent", "sent"), _join("server", "received"),
+            _srv("global", "sent", 2), _a1("global", "received", 2),
+            _ctrl("agent", "a1", "sent", "up", "PUBACK", PUBACK_B),
+            _a1("update", "sent", 2), _srv("update", "received", 2),
+            _ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B)]
+
+
+def _twin_rows() -> list[LedgerRow]:
+    """The same run uninterrupted: the first session, the server reads the update, a1 disconnects."""
+    return _first_session() + [_srv("update", "received", 2),
+                               _ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B)]
+
+
+# By hand (wire bytes). Device links: re-sent, a1's round-2 global and update of the first session;
+# ending it, the PUBACK after them (not the late round-1 receipt); reconnecting, a1's CONNECT,
+# status and join of the resumed session (not its PUBACK after round 2's global).
+DEV_RERUN = G2 + U2A1  # 2,062 + 565 = 2,627
+DEV_ENDING = PUBACK_B  # 4
+DEV_REJOIN = CONNECT_B + STATUS + JOIN  # 14 + 65 + 566 = 645
+DEV_ADDED = DEV_RERUN + DEV_ENDING + DEV_REJOIN  # 3,276
+DEV_FIRST = CONNECT_B + JOIN + G1 + U1A1 + G2 + RECEIPT + PUBACK_B + U2A1  # 4,829
+DEV_RESUMED = CONNECT_B + STATUS + JOIN + G2 + PUBACK_B + U2A1 + DISCONNECT_B  # 3,278
+DEV_TWIN = CONNECT_B + JOIN + G1 + U1A1 + G2 + RECEIPT + PUBACK_B + U2A1 + DISCONNECT_B  # 4,831
+# Server link: the first session's round-2 global (nothing after it); the resumed session's CONNECT and join.
+SRV_RERUN, SRV_REJOIN = G2, CONNECT_B + JOIN  # 2,062 and 580
+SRV_TOTAL = (CONNECT_B + JOIN + G1 + U1A1 + G2) + (CONNECT_B + JOIN + G2 + U2A1)  # 4,169 + 3,207
+SRV_TWIN = CONNECT_B + JOIN + G1 + U1A1 + G2 + U2A1  # 4,734
+
+
+def _resumed_run(run, *, note: bool = True, summary: dict | None = None):
+    """The resumed run's folder: the first session written by one writer (killed: never closed),
+    the resumed session by the next, which notes the resume (``note``) as ``fedfleet simulate`` does."""
+    from broker_server.resumes import note_fresh_run, note_resume
+
+    first = Ledger(run / "ledger.sqlite")
+    first.set_meta("federation", FED)
+    if note:
+        note_fresh_run(first)
+    for r in _first_session():
+        first.record(r)
+    first.flush()  # the kill: the writer never closes
+    with Ledger(run / "ledger.sqlite") as ledger:
+        after_id = ledger.last_row_id()
+        assert after_id == len(_first_session())  # ids 1 … 13 so far
+        if note:
+            note_resume(ledger, after_round=1, after_id=after_id)
+        for r in _resumed_session():
+            ledger.record(r)
+    first.close()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in METRICS))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+@pytest.fixture
+def resumed_pair(tmp_path):
+    """(resumed run, its uninterrupted twin): folders of the same name length."""
+    twin = _write_run(tmp_path / "run-t", _twin_rows(), METRICS)
+    with Ledger(twin / "ledger.sqlite") as ledger:
+        ledger.set_meta("resumes", "[]")
+    return _resumed_run(tmp_path / "run-r"), twin
+
+
+def test_resume_hand_numbers_are_consistent():
+    assert (len(T_JOIN), len(T_STATUS), len(T_RECEIPT)) == (31, 30, 36)
+    assert (DEV_RERUN, DEV_ENDING, DEV_REJOIN, DEV_ADDED) == (2627, 4, 645, 3276)
+    assert (DEV_FIRST, DEV_RESUMED, DEV_TWIN) == (4829, 3278, 4831)
+    assert (SRV_RERUN, SRV_REJOIN, SRV_TOTAL, SRV_TWIN) == (2062, 580, 7376, 4734)
+    # the resume's bytes are exactly what the resumed run has more than its twin, on either link
+    assert DEV_FIRST + DEV_RESUMED - DEV_TWIN == DEV_ADDED
+    assert SRV_TOTAL - SRV_TWIN == SRV_RERUN + SRV_REJOIN
+
+
+def test_a_resume_s_bytes_are_told_apart_and_equal_the_difference_to_the_uninterrupted_twin(resumed_pair):
+    from broker_server.audit import resume_bytes
+
+    run, twin = resumed_pair
+    rep, twin_rep = audit_report(run), audit_report(twin)
+    assert twin_rep["resume"] is None  # noted as never resumed
+    resume = rep["resume"]
+    assert (resume["noted"], resume["count"], resume["after_rounds"]) == (True, 1, [1])
+    dev, srv = resume["device"], resume["server"]
+    (x,) = dev["resumes"]
+    assert (x["after_round"], x["after_id"], x["rerun_rounds"]) == (1, 13, [2])
+    assert {k: x["rerun"][k] for k in ("messages", "up_bytes", "down_bytes", "wire_bytes", "control_messages")} == {
+        "messages": 2, "up_bytes": U2A1, "down_bytes": G2, "wire_bytes": DEV_RERUN, "control_messages": 0}
+    assert [(k["kind"], k["messages"], k["wire_bytes"]) for k in x["rerun"]["kinds"]] == [
+        ("global", 1, G2), ("update", 1, U2A1)]
+    assert x["rerun"]["rounds"] == [{"round": 2, "messages": 2, "wire_bytes": G2 + U2A1}]
+    assert [(k["kind"], k["control"], k["wire_bytes"]) for k in x["ending"]["kinds"]] == [("PUBACK", True, PUBACK_B)]
+    assert x["ending"]["rounds"] == [{"round": None, "messages": 1, "wire_bytes": PUBACK_B}]
+    assert {k: x["rejoin"][k] for k in ("messages", "up_bytes", "down_bytes", "wire_bytes")} == {
+        "messages": 3, "up_bytes": DEV_REJOIN, "down_bytes": 0, "wire_bytes": DEV_REJOIN}
+    assert [(k["kind"], k["wire_bytes"]) for k in x["rejoin"]["kinds"]] == [
+        ("CONNECT", CONNECT_B), ("status", STATUS), ("join", JOIN)]
+    assert (dev["all"]["wire_bytes"], dev["all"]["messages"]) == (DEV_ADDED, 2 + 1 + 3)
+    assert (srv["rerun"]["wire_bytes"], srv["ending"]["wire_bytes"], srv["rejoin"]["wire_bytes"]) == (
+        SRV_RERUN, 0, SRV_REJOIN)
+    # every byte stays in the totals; the resume's are what the resumed run has beyond its twin
+    for view, total, twin_total in (("device", DEV_FIRST + DEV_RESUMED, DEV_TWIN), ("server", SRV_TOTAL, SRV_TWIN)):
+        assert rep["totals"][view]["all"]["wire_bytes"] == total
+        assert twin_rep["totals"][view]["all"]["wire_bytes"] == twin_total
+        assert total - twin_total == resume[view]["all"]["wire_bytes"]
+    # the rows (with their ids) give what the ledger file gives
+    rows = load_run(run).rows
+    assert resume_bytes(rows, [{"after_round": 1, "after_id": 13}], "device") == dev
+    row = comparison_row(rep)
+    assert (row["resumed_after"], row["resume_bytes"], row["resume_rerun_bytes"], row["resume_ending_bytes"],
+            row["resume_rejoin_bytes"], row["wire_bytes_without_resume"]) == (
+        [1], DEV_ADDED, DEV_RERUN, DEV_ENDING, DEV_REJOIN, DEV_TWIN)
+    assert (comparison_row(twin_rep)["resumed_after"], comparison_row(twin_rep)["resume_bytes"]) == ([], 0)
+
+
+def test_a_resume_is_said_in_text_json_csv_and_html(resumed_pair, tmp_path, capsys):
+    run, twin = resumed_pair
+    line = ("Resumed after round 1 (1 resume): 3,276 of the 8,107 device-link bytes belong to it: 2,627 re-sent "
+            "(round 2's first attempt, sent again after the resume), 4 ending the interrupted session (control "
+            "packets, statuses, finish) and 645 reconnecting (the resumed session's connections and joins); 4,831 "
+            "without them.")
+    text = render_text(audit_report(run))
+    flat = " ".join(text.split())
+    assert line in flat
+    assert " ".join(render_text(audit_report(twin)).split()).count("Resume") == 0
+    table = text[text.index("Resumes:"):text.index("Security:")]
+    cells = [ln.split() for ln in table.splitlines() if ln.startswith(("device", "server"))]
+    assert [c[-3] for c in cells] == [f"{b:,}" for b in (DEV_RERUN, DEV_ENDING, DEV_REJOIN, DEV_ADDED,
+                                                          SRV_RERUN, 0, SRV_REJOIN, SRV_RERUN + SRV_REJOIN)]
+    assert ("Re-sent (device-link bytes), by kind: global (down) 1× 2,062 B, update (up) 1× 565 B; in the "
+            "per-round table: round 2 2,627 B.") in flat
+    assert "Ending (device-link bytes), by kind: control packets 1× 4 B; in the per-round table: session 4 B." in flat
+    assert ("Reconnecting (device-link bytes), by kind: join (up) 1× 566 B, status (up) 1× 65 B, control packets "
+            "1× 14 B; in the per-round table: round 0 631 B, session 14 B.") in flat
+    assert all(len(ln) <= 120 for ln in text.splitlines())
+
+    out = tmp_path / "csv"
+    assert fedfleet_main(["audit", str(run), str(twin), "--json", "--csv", str(out),
+                          "--html", str(tmp_path / "r.html")]) == 0
+    reps = json.loads(capsys.readouterr().out)
+    assert reps[0]["resume"]["device"]["all"]["wire_bytes"] == 3276 and reps[1]["resume"] is None
+    cmp = _read_csv(out / "comparison.csv")
+    assert [(r["resumed_after"], r["resume_bytes"], r["resume_rerun_bytes"], r["resume_ending_bytes"],
+             r["resume_rejoin_bytes"], r["wire_bytes_without_resume"]) for r in cmp] == [
+        ("1", "3276", "2627", "4", "645", "4831"), ("", "0", "0", "0", "0", "4831")]
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert page.count(html.escape(line)) == 2  # under the comparison table and in the run's section
+    assert "<th>resume B</th>" in page and "<td class=\"num\">3,276</td>" in page
+
+    comparison = render_comparison_text([audit_report(run), audit_report(twin)])
+    lines = comparison.splitlines()
+    header = lines[1].split()
+    assert header[:6] == ["run", "final", "acc", "up", "B", "down"] and "resume" in header
+    # run, final acc (2 cells), up B, down B, resume B
+    assert [ln.split()[:6] for ln in lines[3:5]] == [["run-r", "75.00", "%", "2,830", "5,277", "3,276"],
+                                                     ["run-t", "75.00", "%", "1,616", "3,215", "0"]]
+    assert f"run-r: {line}" in " ".join(comparison.split())
+
+
+def test_a_ledger_that_notes_no_resume_says_the_attribution_is_unknown(tmp_path):
+    """A ledger written before resumes were noted, of a run whose summary.json says it was resumed:
+    its bytes all count, and the audit says which belong to the resume is unknown."""
+    run = _resumed_run(tmp_path / "old", note=False, summary={"resumed_after": 1})
+    rep = audit_report(run)
+    assert rep["resume"] == {"noted": False, "after_rounds": [1], "count": None, "device": None, "server": None}
+    assert rep["totals"]["device"]["all"]["wire_bytes"] == DEV_FIRST + DEV_RESUMED
+    flat = " ".join(render_text(rep).split())
+    assert ("Resumed (last after round 1, says summary.json), but this ledger was written before resumes were noted "
+            "in it: the bytes of the interrupted attempt and of the reconnection are counted with the run's, and "
+            "which they are is unknown.") in flat
+    assert "Resumes:" not in flat  # no table: nothing to put in it
+    row = comparison_row(rep)
+    assert (row["resumed_after"], row["resume_bytes"], row["wire_bytes_without_resume"]) == ([1], None, None)
+    assert "unknown" in render_comparison_text([rep, rep])
+    # without a summary naming a resume, an old ledger reads as never resumed, as before
+    plain = _resumed_run(tmp_path / "plain", note=False)
+    assert audit_report(plain)["resume"] is None and "Resume" not in render_text(audit_report(plain))
+
+
+def test_several_resumes_cut_the_ledger_into_sessions_by_row_id():
+    """Two resumes (after rounds 1 and 2); the rows' own ids (not their positions: ids 20… follow
+    13) decide the sessions. Session 2 ran round 2 (global, update), began round 3 and was killed;
+    session 3 runs round 3 again."""
+    from broker_server.audit import resume_bytes
+
+    def rows(first_id, ledger_rows):
+        return [{**asdict(r), "id": i} for i, r in enumerate(ledger_rows, start=first_id)]
+
+    g3 = _row("agent", "a1", "received", "down", "global", 3, "a1", T_GLOBAL, ENV_G, 3000)  # 5 + 32 + 3,025
+    session2 = _resumed_session()[:-1] + [g3]  # without the DISCONNECT; ids 20 … 30
+    session3 = [_ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B), _join("agent", "sent"), g3]  # 40 …
+    ledger = rows(1, _first_session()) + rows(20, session2) + rows(40, session3)
+    marks = [{"after_round": 2, "after_id": 30}, {"after_round": 1, "after_id": 13}]  # any order
+    got = resume_bytes(ledger, marks, "device")
+    first, second = got["resumes"]
+    assert (first["after_round"], first["rerun"]["wire_bytes"], first["ending"]["wire_bytes"],
+            first["rejoin"]["wire_bytes"]) == (1, DEV_RERUN, DEV_ENDING, DEV_REJOIN)
+    # session 2's PUBACK comes before its last row of the kept round 2 (its update): it ends nothing
+    assert (second["after_round"], second["rerun_rounds"], second["rerun"]["wire_bytes"],
+            second["ending"]["wire_bytes"], second["rejoin"]["wire_bytes"]) == (2, [3], 5 + 32 + 3025, 0,
+                                                                                CONNECT_B + JOIN)
+    assert got["all"]["wire_bytes"] == DEV_ADDED + 3062 + CONNECT_B + JOIN
+    assert got["all"]["messages"] == 6 + 1 + 2
+
+
+def _wire_sql(run, where: str, *params) -> int:
+    """Σ wire bytes of the raw ``messages`` rows matching ``where`` (SQL of its own, not the audit's)."""
+    ((n,),) = _sql(run, "SELECT COALESCE(SUM(mqtt_header_bytes + topic_bytes + payload_bytes), 0) FROM messages "
+                        f"WHERE event IN ('sent', 'received', 'rejected') AND {where}", *params)
+    return n
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_simulation_s_extra_bytes_are_its_resume_s(tmp_path):
+    """``fedfleet simulate`` killed (SIGKILL) once round R+1 has begun after round R's checkpoint
+    (every device holds its global and round_start), then ``--resume``d on the same broker; its twin
+    runs uninterrupted (run folders of one name length: the same topic bytes). The ledger notes the
+    resume after the newest row id at the kill; the re-sent bytes are the first session's rows of
+    round R+1, the ending its control packets after them (each summed here by SQL on the raw table);
+    what the resumed run has beyond its twin is the resume's, to the byte for every message kind
+    (MQTT control packets name no message: a few acknowledgements may fall on either side of a
+    session's boundary)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from helpers.checkpoints import checkpoint_round
+    from helpers.federation import small_config
+
+    from broker_server.embedded_broker import EmbeddedBroker
+    from broker_server.simulate import simulate
+
+    cfg = small_config(run={"rounds": 4}, server={"quorum": 3, "round_deadline_s": 60.0})  # 3 clients
+    toml = tmp_path / "cfg.toml"
+    toml.write_text(cfg.to_toml(), encoding="utf-8")
+    run, twin = tmp_path / "run-r", tmp_path / "run-t"
+    repo = Path(__file__).resolve().parents[2]
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        with open(tmp_path / "killed.log", "wb") as log:
+            p = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "simulate", "--config", str(toml),
+                                  "--out", str(run), "--broker", broker.url, "-q"], cwd=repo, stdout=log,
+                                 stderr=subprocess.STDOUT, env={**os.environ, "FEDFLEET_OFFLINE": "1"})
+        try:
+            while p.poll() is None:
+                r = checkpoint_round(run / "checkpoints.sqlite")
+                if r >= 2 and _sql(run, "SELECT COUNT(*) FROM messages WHERE side = 'agent' AND event = 'received' "
+                                        "AND kind = 'round_start' AND round = ?", r + 1)[0][0] == 3:
+                    break
+                time.sleep(0.02)
+            assert p.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        after_round = checkpoint_round(run / "checkpoints.sqlite")
+        ((last_id,),) = _sql(run, "SELECT MAX(id) FROM messages")
+        assert simulate(cfg, broker_url=broker.url, run_dir=run, resume=True).rounds_completed == 4
+    assert simulate(cfg, run_dir=twin).rounds_completed == 4
+
+    rep, twin_rep = audit_report(run), audit_report(twin)
+    assert twin_rep["resume"] is None
+    resume = rep["resume"]
+    assert (resume["noted"], resume["after_rounds"]) == (True, [after_round])
+    (noted,) = json.loads(dict(_sql(run, "SELECT key, value FROM meta"))["resumes"])
+    assert (noted["after_round"], noted["after_id"]) == (after_round, last_id)
+
+    for view, side in (("device", "agent"), ("server", "server")):
+        (x,) = resume[view]["resumes"]
+        assert x["rerun_rounds"] == [after_round + 1]
+        # by SQL of its own: re-sent, round R+1's rows of the first session; ending it, the rows
+        # without a round recorded in it after the first of them or its last of round 1 … R
+        assert x["rerun"]["wire_bytes"] == _wire_sql(run, "side = ? AND id <= ? AND round > ?", side, last_id,
+                                                     after_round)
+        ((first, last_kept),) = _sql(
+            run, "SELECT MIN(CASE WHEN round > ? THEN id END), MAX(CASE WHEN round BETWEEN 1 AND ? THEN id END) "
+                 "FROM messages WHERE side = ? AND event IN ('sent', 'received', 'rejected') AND id <= ?",
+            after_round, after_round, side, last_id)
+        assert x["ending"]["wire_bytes"] == _wire_sql(
+            run, "side = ? AND id > ? AND id <= ? AND (round IS NULL OR round < 1)", side, min(first, last_kept),
+            last_id)
+        # round R+1's global went to every device before the kill, and went again after the resume
+        globals_first = [k for k in x["rerun"]["kinds"] if k["kind"] == "global"]
+        assert sum(k["messages"] for k in globals_first) == (3 if view == "device" else 1)
+        # what the resumed run has beyond its twin, per message kind: exactly the resume's
+        mine = {(k["kind"], k["direction"]): k["wire_bytes"] for k in rep["by_kind"]} if view == "device" else {
+            (k["kind"], k["direction"]): k["wire_bytes"] for k in by_kind(load_run(run).rows, "server")}
+        theirs = {(k["kind"], k["direction"]): k["wire_bytes"] for k in by_kind(load_run(twin).rows, view)}
+        added: dict = {}
+        for part in ("rerun", "ending", "rejoin"):
+            for k in x[part]["kinds"]:
+                added[(k["kind"], k["direction"])] = added.get((k["kind"], k["direction"]), 0) + k["wire_bytes"]
+        controls = {(k["kind"], k["direction"]) for part in ("rerun", "ending", "rejoin") for k in x[part]["kinds"]
+                    if k["control"]} | {key for key in mine.keys() | theirs.keys() if key[0].isupper()}
+        for key in (mine.keys() | theirs.keys()) - controls:
+            assert mine.get(key, 0) - theirs.get(key, 0) == added.get(key, 0), (view, key)
+        left = (rep["totals"][view]["all"]["wire_bytes"] - twin_rep["totals"][view]["all"]["wire_bytes"]
+                - resume[view]["all"]["wire_bytes"])
+        assert abs(left) <= 100, (view, left)  # control packets only (a PUBACK is 4 B)
+    text = " ".join(render_text(rep).split())
+    dev = resume["device"]
+    assert (f"Resumed after round {after_round} (1 resume): {dev['all']['wire_bytes']:,} of the "
+            f"{rep['totals']['device']['all']['wire_bytes']:,} device-link bytes belong to it: "
+            f"{dev['rerun']['wire_bytes']:,} re-sent (round {after_round + 1}'s first attempt, sent again after the "
+            f"resume), {dev['ending']['wire_bytes']:,} ending the interrupted session (control packets, statuses, "
+            f"finish) and {dev['rejoin']['wire_bytes']:,} reconnecting") in text
+
+
+def test_a_finished_run_resumed_with_more_rounds_ends_with_its_finish_and_goodbyes():
+    """A 1-round run that finished (finish, a1's offline status, DISCONNECT), resumed with
+    ``--rounds 2``: nothing is re-sent; its finish and goodbyes end the first session, and the
+    second connects and joins again. Together they are what it has beyond a 2-round run."""
+    from broker_server.audit import resume_bytes
+
+    t_finish = f"fedfleet/v1/{FED}/down/finish"  # 32 characters
+    finish = 5 + 32 + (20 + 12)  # 69
+
+    def fin(rnd):
+        return _row("agent", "a1", "received", "down", "finish", rnd, "a1", t_finish, 20, 12)
+
+    def status():
+        return _row("agent", "a1", "sent", "up", "status", 0, "a1", T_STATUS, 20, 10)
+
+    connect, disconnect = (_ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B),
+                           _ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B))
+    first = [connect, _join("agent", "sent"), _a1("global", "received", 1), _a1("update", "sent", 1),
+             _a1("receipt", "received", 1), fin(1), status(), disconnect]
+    second = [connect, status(), _join("agent", "sent"), _a1("global", "received", 2), _a1("update", "sent", 2),
+              fin(2), status(), disconnect]
+    twin = [connect, _join("agent", "sent"), _a1("global", "received", 1), _a1("update", "sent", 1),
+            _a1("receipt", "received", 1), _a1("global", "received", 2), _a1("update", "sent", 2), fin(2),
+            status(), disconnect]
+    ledger = [{**asdict(r), "id": i} for i, r in enumerate(first + second, start=1)]
+    got = resume_bytes(ledger, [{"after_round": 1, "after_id": len(first)}], "device")
+    (x,) = got["resumes"]
+    assert (x["rerun_rounds"], x["rerun"]["wire_bytes"]) == ([], 0)
+    assert [(k["kind"], k["wire_bytes"]) for k in x["ending"]["kinds"]] == [
+        ("finish", finish), ("status", STATUS), ("DISCONNECT", DISCONNECT_B)]
+    assert x["rejoin"]["wire_bytes"] == CONNECT_B + STATUS + JOIN
+    assert got["all"]["wire_bytes"] == finish + STATUS + DISCONNECT_B + CONNECT_B + STATUS + JOIN == 781
+    assert (totals(ledger)["all"]["wire_bytes"] - totals([asdict(r) for r in twin])["all"]["wire_bytes"]
+            == got["all"]["wire_bytes"])
+    report = {"resume": {"noted": True, "after_rounds": [1], "count": 1, "device": got},
+              "totals": {"device": totals(ledger)}}
+    from broker_server.audit._format import resume_line
+
+    assert ("0 re-sent (no round after the checkpoint had begun before it stopped), 136 ending the interrupted "
+            "session") in resume_line(report, "device")
