@@ -633,8 +633,8 @@ def plan_threads(cores: int, *, role: str, clients: int = 1, embedded_broker: bo
     else:
         slots = min(usable, MAX_TRAIN_SLOTS, clients)
         threads = max(1, usable // slots)
-        reasons.append(f"{slots} training{'s' * (slots != 1)} at once (of at most {MAX_TRAIN_SLOTS}, "
-                       f"{clients} client{'s' * (clients != 1)}) x {threads} thread{'s' * (threads != 1)}")
+        reasons.append(f"by default one training per usable core ({usable}), at most {MAX_TRAIN_SLOTS} and at most "
+                       f"the {clients} client{'s' * (clients != 1)}")
     if slots * threads > cores:
         reasons.append(f"oversubscribed: {slots * threads} busy training threads on {cores} cores")
     return ThreadPlan("simulation", cores, threads, 1, slots, reserved, tuple(reasons))

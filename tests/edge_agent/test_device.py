@@ -484,6 +484,10 @@ def test_thread_plan_record_and_line() -> None:
     assert rec["train_slots"] == 2 and rec["torch_threads"] == 1 and rec["busy_threads"] == 2
     assert rec["reasons"] == list(plan.reasons)
     assert plan.describe().startswith("thread plan: 2 cores, 2 trainings at once x 1 torch thread (inter-op 1)")
+    # the reason says why 2, not the 2 trainings again: one per usable core (2: no core reserved
+    # without an embedded broker), under the cap of 4 and the 10 clients
+    assert plan.reasons == ("by default one training per usable core (2), at most 4 and at most the 10 clients",)
+    assert plan.describe().count("at once") == 1
 
 
 def test_apply_threads_sets_torch_and_reports_the_interop_pool(monkeypatch: pytest.MonkeyPatch) -> None:
