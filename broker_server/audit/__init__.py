@@ -35,6 +35,17 @@ the ledger through one of two **views**:
     ``side='server' AND event IN ('sent', 'received', 'rejected')``: what crossed the server's own
     connection to the broker, so a broadcast counts **once**.
 
+**Directions.** ``up`` is towards the server, whichever side wrote the row (the ledger's
+``direction``: an application message's from its topic, ``/down/`` or not; a control packet's
+from who sent it, :meth:`protocol.channel.Channel._on_packet`). On the device links, up = what a
+device sends the broker (its uploads; CONNECT, SUBSCRIBE, PUBACK for a download, PINGREQ,
+DISCONNECT) and down = what the broker sends it (its downloads; CONNACK, SUBACK, PUBACK for an
+upload, PINGRESP). On the server link, up = what the broker sends the **server** (the devices'
+uploads, statuses and last wills as delivered to it; CONNACK, SUBACK, PUBACK for the server's own
+PUBLISH, PINGRESP) and down = what the server sends the broker (its downloads; CONNECT,
+SUBSCRIBE, PUBACK for an upload it received, PINGREQ, DISCONNECT). The text and HTML say so
+under each link's totals (``_format.DIRECTION_MEANING``).
+
 Rows with ``event='rejected'`` count in their side's view (the bytes crossed that link, even
 though the receiver refused them); :func:`rejected` also lists them with their reasons. Rows with
 ``event='message'`` (the logical record of a chunked message, whose bytes the chunk rows already
@@ -76,7 +87,7 @@ the agents' rows for uploads, the server's for downloads, whole-message rows onl
 
 The summary functions (:func:`by_round`, :func:`by_round_kind`, :func:`by_client`,
 :func:`by_kind`, :func:`body_fields`, :func:`totals`, :func:`rejected`, :func:`bytes_to_target`,
-:func:`cumulative_bytes`, :func:`link_time_s`, :func:`comparison_row`) are pure: ledger rows
+:func:`cumulative_bytes`, :func:`cumulative_parts`, :func:`link_time_s`, :func:`comparison_row`) are pure: ledger rows
 (mappings with the columns of the ``messages`` table, as :func:`protocol.ledger.read_rows` yields
 them, in ledger order) and metrics records in, plain JSON-serialisable lists and dicts out. Rows
 are read by column name; columns the audit does not know are ignored, and optional ones that are
@@ -121,6 +132,7 @@ from ._queries import (
     by_round,
     by_round_kind,
     cumulative_bytes,
+    cumulative_parts,
     is_control,
     rejected,
     resume_bytes,
@@ -150,6 +162,7 @@ __all__ = [
     "bytes_to_target",
     "comparison_row",
     "cumulative_bytes",
+    "cumulative_parts",
     "field_bytes_per_client_round",
     "field_codecs",
     "first_round_reaching",

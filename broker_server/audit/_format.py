@@ -56,6 +56,85 @@ def target_text(row: Mapping[str, Any]) -> str:
     return f"{count(row['bytes_to_target'])} ({human(row['bytes_to_target'])}, round {row['target_round']})"
 
 
+def _rounds_span(last: int) -> str:
+    """``"round 1"``, ``"rounds 1–3"``."""
+    return "round 1" if last == 1 else f"rounds 1–{last}"
+
+
+def target_parts_text(parts: Mapping[str, Any] | None) -> str:
+    """What the bytes to a target are made of, in the rows of the per-round table (from
+    :func:`._queries.cumulative_parts`): e.g. ``"= 16,957,840 of rounds 1–2 + 8,795 of round 0 (of
+    its 9,965) + 3,818 of the session row (217 control packets, of its 5,650): the traffic outside
+    the rounds counts as far as it was recorded before round 2's last row"``; '' for None or
+    nothing counted."""
+    if not parts or not parts.get("wire_bytes"):
+        return ""
+    last = parts["last_round"]
+    terms = [f"{count(parts['rounds_bytes'])} of {_rounds_span(last)}"]
+    if parts["round0_messages"]:
+        whole = parts["round0_all_bytes"]
+        terms.append(f"{count(parts['round0_bytes'])} of round 0"
+                     + ("" if parts["round0_bytes"] == whole else f" (of its {count(whole)})"))
+    if parts["session_messages"]:
+        n, ctl = parts["session_messages"], parts["session_control_messages"]
+        what = (f"{count(n)} control packet{'s' if n != 1 else ''}" if ctl == n
+                else f"{count(n)} packets, {count(ctl)} of them control packets")
+        whole = parts["session_all_bytes"]
+        terms.append(f"{count(parts['session_bytes'])} of the session row ({what}"
+                     + ("" if parts["session_bytes"] == whole else f", of its {count(whole)}") + ")")
+    out = "= " + " + ".join(terms)
+    if len(terms) > 1:
+        out += (": the traffic outside the rounds counts as far as it was recorded before "
+                f"round {last}'s last row")
+    return out
+
+
+#: What ``up`` and ``down`` mean on each link, control packets included (the ledger's direction:
+#: up = towards the server, whichever side wrote the row; :meth:`protocol.channel.Channel._on_packet`).
+DIRECTION_MEANING = {
+    "device": ("up = what a device sends the broker: its uploads and its control packets (CONNECT, SUBSCRIBE, "
+               "PUBACK for a download, PINGREQ, DISCONNECT); down = what the broker sends a device: its downloads "
+               "and CONNACK, SUBACK, PUBACK for an upload, PINGRESP."),
+    "server": ("up = towards the server: what the broker sends the server, i.e. the devices' uploads, statuses and "
+               "last wills as delivered to it, and CONNACK, SUBACK, PUBACK for the server's own PUBLISH, PINGRESP; "
+               "down = what the server sends the broker: its downloads (each broadcast once) and its CONNECT, "
+               "SUBSCRIBE, PUBACK for an upload it received, PINGREQ, DISCONNECT."),
+}
+
+#: Columns of a per-kind table (:func:`kind_cells`).
+KIND_COLUMNS = ("kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead")
+
+
+def kind_cells(kinds: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """Rows of a per-kind table (columns :data:`KIND_COLUMNS`) of :func:`._queries.by_kind`."""
+    return [[k["kind"], k["direction"], count(k["messages"]), count(k["body_bytes"]), count(k["envelope_bytes"]),
+             count(k["mqtt_bytes"]), count(k.get("control_bytes", 0)), count(k["wire_bytes"]),
+             pct(k["overhead_share"])] for k in kinds]
+
+
+#: Who sends a side's PUBLISH packets, and on which link (:func:`delivery_lines`).
+_SENDER = {"agent": "the devices (device links)", "server": "the server (server link)"}
+
+
+def delivery_lines(dv: Mapping[str, Any] | None) -> list[str]:
+    """One line per side that sent PUBLISH packets: what the broker did with them (the report's
+    ``deliveries``); a report from before ``by_side`` gets one line for both sides together."""
+    if not dv:
+        return []
+
+    def line(who: str, d: Mapping[str, Any]) -> str:
+        return (f"PUBLISH packets sent by {who}: {count(d['acked'])} acknowledged by the broker, "
+                f"{count(d['handed'])} handed over without acknowledgement, {count(d['refused'])} refused by the "
+                "broker" + (f", {count(d['unknown'])} without a delivery record (older ledger)" if d["unknown"] else "")
+                + (f"; {count(d['undeliverable'])} message(s) given up" if d["undeliverable"] else ""))
+
+    sides = dv.get("by_side")
+    if sides is None:
+        return [line("both sides together", dv)]
+    return [line(_SENDER[side], d) for side, d in sides.items()
+            if d.get("sent") or d["refused"] or d["undeliverable"]]
+
+
 def directions_label(link: Mapping[str, Any] | None) -> str:
     """The estimated directions of a ``link_time`` (``'up+down'``, ``'up'`` …; ``'—'`` for none)."""
     dirs = (link or {}).get("directions") or []

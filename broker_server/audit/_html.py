@@ -8,17 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from ._format import (
+    DIRECTION_MEANING,
     FIELD_COLUMNS,
     FIELDS_TITLE,
+    KIND_COLUMNS,
     RESUME_COLUMNS,
     UNCLEAN_CLOSE,
     acc,
     count,
+    delivery_lines,
     directions_label,
     field_cells,
     field_notes,
     human,
     kbps,
+    kind_cells,
     mean,
     overhead_parts,
     pct,
@@ -27,6 +31,7 @@ from ._format import (
     resume_notes,
     secs,
     short_run_labels,
+    target_parts_text,
     target_text,
 )
 from ._plots import plot_by_round, plot_clients, plot_curves, plot_overhead
@@ -125,7 +130,8 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     note = ("<p class=\"note\">Device links (what the agents sent and received). Bytes to target: cumulative "
             "device-link wire bytes up to and including the first round whose test accuracy reached the "
             "target, of the rounds with an accuracy (a run with [server] eval_every = E measures it every "
-            "E-th round and the last; session traffic recorded before then included).")
+            "E-th round and the last; the traffic outside the rounds, round 0 and the session row, recorded "
+            "before that round's last row included).")
     if link:
         note += (f" Transfer time: uplink {_esc(kbps(link['uplink_kbps']))}, downlink "
                  f"{_esc(kbps(link['downlink_kbps']))} per client (1 kbit/s = 1000 bit/s); per round the "
@@ -162,10 +168,13 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
     No external resources: inline CSS, plots as base64 PNG (matplotlib, Agg canvas). Every string
     from the reports is escaped with :func:`html.escape`. Contents: a comparison table (one row
     per run; with several runs also an overlay of accuracy against cumulative bytes), then per
-    run: totals (device links, server link), for a resumed run what its resumes added
-    (:func:`resume_report`), per kind, bytes per round by kind and direction,
+    run: totals (device links, server link, each with what up and down mean on it), the bytes to
+    reach the target (with what they are made of in the per-round rows), for a resumed run what
+    its resumes added (:func:`resume_report`), per kind (device links, server link), bytes per
+    round by kind and direction,
     cumulative bytes against accuracy, bytes per client, protocol overhead share, the body
-    fields of global/update messages (:func:`body_fields`), and the rejected messages.
+    fields of global/update messages (:func:`body_fields`), and the rejected messages with what the
+    broker did with each side's PUBLISH packets.
     """
     parts = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
              f"<title>{_esc(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
@@ -188,9 +197,15 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         if rep.get("ledger_closed") is False:
             parts.append(f'<p class="note">{_esc(UNCLEAN_CLOSE)}</p>')
         parts.append("<h3>Totals: device links (uploads sent + downloads received by each agent)</h3>")
+        parts.append(f'<p class="note">{_esc(DIRECTION_MEANING["device"])}</p>')
         parts.append(_totals_html(rep["totals"]["device"]))
         parts.append("<h3>Totals: server link (a broadcast counts once)</h3>")
+        parts.append(f'<p class="note">{_esc(DIRECTION_MEANING["server"])}</p>')
         parts.append(_totals_html(rep["totals"]["server"]))
+        tgt = rep.get("target") or {}
+        if tgt.get("bytes") is not None:
+            parts.append(f"<p>Device-link bytes to reach accuracy ≥ {_esc(acc(tgt['accuracy']))}: "
+                         f"{_esc(target_text(comparison_row(rep)))} {_esc(target_parts_text(tgt.get('parts')))}</p>")
         told_in = resume_view(rep)
         if (line := resume_line(rep, told_in)) is not None:
             parts.append("<h3>Resumes: the bytes an uninterrupted run would not have sent</h3>")
@@ -215,12 +230,11 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         parts.append("<h3>Security: signatures and encryption</h3>")
         parts.append(_security_html(rep))
         parts.append("<h3>Per kind and direction (device links; upper-case kinds are MQTT control packets)</h3>")
-        parts.append(_html_table(
-            ["kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead"],
-            [[k["kind"], k["direction"], count(k["messages"]), count(k["body_bytes"]), count(k["envelope_bytes"]),
-              count(k["mqtt_bytes"]), count(k.get("control_bytes", 0)), count(k["wire_bytes"]),
-              pct(k["overhead_share"])]
-             for k in rep["by_kind"]], text_columns=2))
+        parts.append(_html_table(list(KIND_COLUMNS), kind_cells(rep["by_kind"]), text_columns=2))
+        if rep.get("by_kind_server"):
+            parts.append("<h3>Per kind and direction (server link, a broadcast counted once; up = towards the "
+                         "server, as in its totals)</h3>")
+            parts.append(_html_table(list(KIND_COLUMNS), kind_cells(rep["by_kind_server"]), text_columns=2))
         if rep.get("fields"):
             parts.append("<h3>" + _esc(FIELDS_TITLE) + "</h3>")
             parts.append(_html_table(list(FIELD_COLUMNS), field_cells(rep["fields"]), text_columns=4))
@@ -229,6 +243,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
                                             "payload_bytes": sum(r["payload_bytes"] for r in rep["rejected"])}
         parts.append(f"<h3>Rejected messages: {_esc(count(rt['messages']))} "
                      f"({_esc(count(rt['payload_bytes']))} payload bytes)</h3>")
+        if (lines := delivery_lines(rep.get("deliveries"))):
+            parts.append('<p class="note">' + "<br>".join(_esc(line) for line in lines) + "</p>")
         if rep["rejected"]:
             parts.append(_html_table(["side", "node", "topic", "reason", "payload B"],
                                      [[r["side"], r["node"], r["topic"], r["reason"], count(r["payload_bytes"])]

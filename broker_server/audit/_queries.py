@@ -297,6 +297,26 @@ def rejected_totals(rows: LedgerSource) -> dict[str, int]:
     return out
 
 
+#: The ledger's sides, as the delivery counts name them: the agents' PUBLISH packets travel on the
+#: device links, the server's on the server link.
+SIDES = ("agent", "server")
+
+
+def _delivery_counts(db: sqlite3.Connection, where: str, params: tuple[Any, ...]) -> dict[str, int]:
+    """``acked``, ``handed``, ``refused``, ``unknown``, ``undeliverable`` of the ledger rows matching
+    ``where`` (see :func:`deliveries`)."""
+    counts = {d: n for d, n in db.execute(
+        f"SELECT delivery, COUNT(*) FROM ledger WHERE event = 'sent' AND reason != 'control' AND {where} "
+        "GROUP BY delivery", params)}
+    refused_messages = db.execute(f"SELECT COUNT(*) FROM ledger WHERE event = 'message' AND delivery = 'refused' "
+                                  f"AND {where}", params).fetchone()[0]
+    return {"acked": counts.get("acked", 0), "handed": counts.get("handed", 0),
+            "refused": counts.get("refused", 0) + refused_messages, "unknown": counts.get("", 0),
+            "undeliverable": db.execute(f"SELECT COUNT(*) FROM ledger WHERE kind = 'undeliverable' AND {where}",
+                                        params).fetchone()[0],
+            "sent": sum(counts.values())}
+
+
 def deliveries(rows: LedgerSource) -> dict[str, Any]:
     """What became of the PUBLISH packets each side sent (the ledger's ``delivery`` column; a
     ledger older than schema 5 has none: every count is then 0 but ``unknown``).
@@ -305,19 +325,15 @@ def deliveries(rows: LedgerSource) -> dict[str, Any]:
         ``acked`` (the broker's PUBACK accepted them), ``handed`` (handed to the MQTT client and
         never acknowledged: QoS 0, or no PUBACK came), ``refused`` (PUBACK reason code >= 0x80, a
         packet above the broker's limit, one it disconnected for), ``unknown`` (rows without a
-        delivery: older ledgers), all counts of ``sent`` PUBLISH rows; ``undeliverable``: messages
-        given up after refusals; ``refusals``: up to 20 ``{side, node, kind, reason, count}``
-        (reasons in the order first seen).
+        delivery: older ledgers), all counts of ``sent`` PUBLISH rows of both sides together;
+        ``undeliverable``: messages given up after refusals; ``sent``: the ``sent`` PUBLISH rows;
+        ``by_side``: the same counts per side that sent them, ``"agent"`` (the devices, on the
+        device links) and ``"server"`` (on the server link); ``refusals``: up to 20
+        ``{side, node, kind, reason, count}`` (reasons in the order first seen).
     """
     with ledger_db(rows) as db:
-        counts = {d: n for d, n in db.execute(
-            "SELECT delivery, COUNT(*) FROM ledger WHERE event = 'sent' AND reason != 'control' GROUP BY delivery")}
-        out: dict[str, Any] = {"acked": counts.get("acked", 0), "handed": counts.get("handed", 0),
-                               "refused": counts.get("refused", 0) + db.execute(
-                                   "SELECT COUNT(*) FROM ledger WHERE event = 'message' AND delivery = 'refused'"
-                               ).fetchone()[0],
-                               "unknown": counts.get("", 0)}
-        out["undeliverable"] = db.execute("SELECT COUNT(*) FROM ledger WHERE kind = 'undeliverable'").fetchone()[0]
+        out: dict[str, Any] = _delivery_counts(db, "1", ())
+        out["by_side"] = {side: _delivery_counts(db, "side = ?", (side,)) for side in SIDES}
         out["refusals"] = query(db, "SELECT side, node, kind, reason, COUNT(*) AS count FROM ledger WHERE "
                                     "delivery = 'refused' OR kind = 'undeliverable' GROUP BY side, node, kind, reason "
                                     "ORDER BY MIN(id) LIMIT 20")
@@ -377,6 +393,44 @@ def cumulative_bytes(rows: LedgerSource, rounds: Iterable[int]) -> dict[int, int
     for target_round in rounds:
         i = bisect.bisect_right(known, target_round)
         out[target_round] = prefix[i - 1][1] if i else 0
+    return out
+
+
+def cumulative_parts(rows: LedgerSource, rnd: int) -> dict[str, Any]:
+    """What :func:`cumulative_bytes` of round ``rnd`` is made of, in the rows of :func:`by_round`
+    (device links; bytes = wire bytes).
+
+    ``cumulative_bytes(rows, [rnd])[rnd]`` = ``rounds_bytes`` + ``round0_bytes`` +
+    ``session_bytes``: the whole rows of rounds 1 … ``rnd``, and the traffic outside the rounds
+    recorded before the last row of those rounds: of round 0 (and below: join, status …) and of
+    the *session* row (``round`` NULL: control packets …). The rest of those two rows came later
+    and does not count (the final ``offline`` statuses, the DISCONNECTs).
+
+    Returns:
+        ``round`` (``rnd``), ``last_round`` (the last round 1 … ``rnd`` with rows; None when
+        none has), ``rounds_bytes``, ``rounds_messages``; ``round0_bytes`` and ``round0_messages``
+        (counted), ``round0_all_bytes`` (the whole round 0 row); ``session_bytes``,
+        ``session_messages``, ``session_control_messages`` (counted), ``session_all_bytes`` (the
+        whole session row); ``wire_bytes`` (the sum of the three counted parts).
+    """
+    with_v, params = _view("device")
+    with ledger_db(rows, ordered=True) as db:
+        (out,) = query(db, f"""{with_v}, mark AS (SELECT MAX(id) AS last, MAX(round) AS last_round FROM v
+            WHERE round BETWEEN 1 AND ?)
+            SELECT (SELECT last_round FROM mark) AS last_round,
+              COALESCE(SUM(CASE WHEN round BETWEEN 1 AND ? THEN wire END), 0) AS rounds_bytes,
+              COALESCE(SUM(round BETWEEN 1 AND ?), 0) AS rounds_messages,
+              COALESCE(SUM(CASE WHEN round < 1 AND id < (SELECT last FROM mark) THEN wire END), 0) AS round0_bytes,
+              COALESCE(SUM(round < 1 AND id < (SELECT last FROM mark)), 0) AS round0_messages,
+              COALESCE(SUM(CASE WHEN round < 1 THEN wire END), 0) AS round0_all_bytes,
+              COALESCE(SUM(CASE WHEN round IS NULL AND id < (SELECT last FROM mark) THEN wire END), 0)
+                AS session_bytes,
+              COALESCE(SUM(round IS NULL AND id < (SELECT last FROM mark)), 0) AS session_messages,
+              COALESCE(SUM(round IS NULL AND ctl AND id < (SELECT last FROM mark)), 0) AS session_control_messages,
+              COALESCE(SUM(CASE WHEN round IS NULL THEN wire END), 0) AS session_all_bytes
+            FROM v""", (*params, rnd, rnd, rnd))
+    out["round"] = rnd
+    out["wire_bytes"] = out["rounds_bytes"] + out["round0_bytes"] + out["session_bytes"]
     return out
 
 

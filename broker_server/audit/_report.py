@@ -21,6 +21,7 @@ from ._queries import (
     by_kind,
     by_round,
     by_round_kind,
+    cumulative_parts,
     deliveries,
     federations,
     rejected,
@@ -50,16 +51,18 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         ``metrics_rounds`` (records in ``metrics.jsonl``).
         ``totals``: ``{"device": totals(rows, "device"), "server": totals(rows, "server")}``.
         ``by_round``, ``by_round_kind``, ``by_client``, ``by_kind``: device view.
+        ``by_kind_server``: :func:`by_kind` of the server link.
         ``fields``: :func:`body_fields` (what ``global``/``update`` bodies are made of, each
         message once as its sender encoded it).
         ``rejected``: :func:`rejected`; ``deliveries``: :func:`deliveries` (PUBLISH packets
-        acknowledged, handed over, refused by the broker); ``rejected_totals``: ``messages``, ``payload_bytes``,
-        ``wire_bytes``.
+        acknowledged, handed over, refused by the broker, in all and per side: ``by_side``);
+        ``rejected_totals``: ``messages``, ``payload_bytes``, ``wire_bytes``.
         ``final_accuracy``: fraction in [0, 1] from the last metrics record with an ``accuracy``,
         or None.
         ``accuracy_curve``: :func:`accuracy_curve`.
         ``target``: ``accuracy`` (the target), ``round`` (first round reaching it, or None),
-        ``bytes`` (:func:`bytes_to_target`, or None: not reached).
+        ``bytes`` (:func:`bytes_to_target`, or None: not reached), ``parts`` (what ``bytes`` is
+        made of in the per-round rows: :func:`cumulative_parts`; None: not reached).
         ``link_time``: :func:`link_time_s`, or None when no speed was given.
         ``ledger_closed``: False when the ledger file was not closed by its writer (still in WAL
         mode: the writer crashed, was killed or is still running; see :func:`._load.clean_close`).
@@ -91,6 +94,7 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
             "by_round_kind": by_round_kind(db, "device"),
             "by_client": by_client(db, "device"),
             "by_kind": by_kind(db, "device"),
+            "by_kind_server": by_kind(db, "server"),
             "fields": body_fields(db),
             "rejected": rejected(db),
             "rejected_totals": rejected_totals(db),
@@ -98,7 +102,8 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
             "final_accuracy": final_accuracy(metrics),
             "accuracy_curve": curve,
             "target": {"accuracy": target, "round": target_round,
-                       "bytes": next((p["cumulative_bytes"] for p in curve if p["round"] == target_round), None)},
+                       "bytes": next((p["cumulative_bytes"] for p in curve if p["round"] == target_round), None),
+                       "parts": None if target_round is None else cumulative_parts(db, target_round)},
             "link_time": link,
             "ledger_closed": clean_close(db),
             "resume": resume_report(db, meta, run),

@@ -7,17 +7,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._format import (
+    DIRECTION_MEANING,
     FIELD_COLUMNS,
     FIELDS_TITLE,
+    KIND_COLUMNS,
     RESUME_COLUMNS,
     UNCLEAN_CLOSE,
     acc,
     count,
+    delivery_lines,
     directions_label,
     field_cells,
     field_notes,
     human,
     kbps,
+    kind_cells,
     mean,
     pct,
     resume_cells,
@@ -25,6 +29,7 @@ from ._format import (
     resume_notes,
     secs,
     short_run_labels,
+    target_parts_text,
     target_text,
 )
 from ._queries import VIEWS, round_label
@@ -61,12 +66,15 @@ def _lines(buf: io.StringIO) -> str:
 def render_text(report: Mapping[str, Any]) -> str:
     """Human tables of an :func:`audit_report` for a terminal (plain text, 120 columns).
 
-    Sections: Totals (device links, server link), for a resumed run what its resumes added
+    Sections: Totals (device links, server link; each says what up and down mean on it, control
+    packets included: :data:`DIRECTION_MEANING`), for a resumed run what its resumes added
     (:func:`resume_report`: one line under the run's name, then a table of the bytes re-sent,
     ending the interrupted session and spent reconnecting, per link and resume), Per round
     (control packets and other traffic without a round in the ``session`` row), Per client, Per
-    kind and direction, Body fields (:func:`body_fields`), Rejected messages, and, when the
-    report has them, bytes to reach the target accuracy and the estimated transfer time. Counts
+    kind and direction (device links, then the server link), Body fields (:func:`body_fields`),
+    Rejected messages and what the broker did with each side's PUBLISH packets, and, when the
+    report has them, bytes to reach the target accuracy (with what they are made of in the
+    per-round rows) and the estimated transfer time. Counts
     use thousands separators; byte columns are in bytes, and the totals add the wire bytes in
     KiB/MiB.
     """
@@ -100,6 +108,7 @@ def render_text(report: Mapping[str, Any]) -> str:
                       count(d["mqtt_bytes"]), count(d.get("control_bytes", 0)), count(d["wire_bytes"]),
                       human(d["wire_bytes"]), pct(d["overhead_share"]))
         console.print(t)
+        console.print(DIRECTION_MEANING[view])
 
     if (resume_rows := resume_cells(report)):
         console.print()
@@ -143,15 +152,18 @@ def render_text(report: Mapping[str, Any]) -> str:
                   count(c["down_bytes"]), count(c["body_bytes"]))
     console.print(t)
 
-    console.print()
-    console.print("Per kind and direction (device links; upper-case kinds are MQTT control packets)")
-    t = _table("kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead",
-               text_columns=2)
-    for k in report["by_kind"]:
-        t.add_row(k["kind"], k["direction"], count(k["messages"]), count(k["body_bytes"]), count(k["envelope_bytes"]),
-                  count(k["mqtt_bytes"]), count(k.get("control_bytes", 0)), count(k["wire_bytes"]),
-                  pct(k["overhead_share"]))
-    console.print(t)
+    kind_titles = {"device": "Per kind and direction (device links; upper-case kinds are MQTT control packets)",
+                   "server": "Per kind and direction (server link, a broadcast counted once; up = towards the "
+                             "server, as in its totals; upper-case kinds are MQTT control packets)"}
+    for view, kinds in (("device", report["by_kind"]), ("server", report.get("by_kind_server"))):
+        if kinds is None or (view == "server" and not kinds):
+            continue
+        console.print()
+        console.print(kind_titles[view])
+        t = _table(*KIND_COLUMNS, text_columns=2)
+        for cells in kind_cells(kinds):
+            t.add_row(*cells)
+        console.print(t)
 
     if report.get("fields"):
         console.print()
@@ -168,14 +180,10 @@ def render_text(report: Mapping[str, Any]) -> str:
         "messages": len(report["rejected"]),
         "payload_bytes": sum(r["payload_bytes"] for r in report["rejected"])}
     console.print(f"Rejected messages: {count(rt['messages'])} ({count(rt['payload_bytes'])} payload bytes)")
-    dv = report.get("deliveries")
-    if dv:
-        console.print(f"PUBLISH packets sent: {count(dv['acked'])} acknowledged by the broker, {count(dv['handed'])} "
-                      f"handed over without acknowledgement, {count(dv['refused'])} refused by the broker"
-                      + (f", {count(dv['unknown'])} without a delivery record (older ledger)" if dv["unknown"] else "")
-                      + (f"; {count(dv['undeliverable'])} message(s) given up" if dv["undeliverable"] else ""))
-        for r in dv["refusals"]:
-            console.print(f"  refused ({r['side']} {r['node']}, {r['kind']}, {r['count']}×): {r['reason']}")
+    for line in delivery_lines(report.get("deliveries")):
+        console.print(line)
+    for r in (report.get("deliveries") or {}).get("refusals", []):
+        console.print(f"  refused ({r['side']} {r['node']}, {r['kind']}, {r['count']}×): {r['reason']}")
     if report["rejected"]:
         t = _table("side", "node", "topic", "reason", "payload B", text_columns=4)
         for r in report["rejected"]:
@@ -185,7 +193,9 @@ def render_text(report: Mapping[str, Any]) -> str:
     if report.get("target") is not None:
         row = comparison_row(report)
         console.print()
-        console.print(f"Device-link bytes to reach accuracy ≥ {acc(row['target'])}: {target_text(row)}")
+        parts = target_parts_text(report["target"].get("parts"))
+        console.print(f"Device-link bytes to reach accuracy ≥ {acc(row['target'])}: {target_text(row)}"
+                      + (f" {parts}" if parts else ""))
     link = report.get("link_time")
     if link:
         console.print(f"Estimated transfer time ({directions_label(link)}; uplink "
@@ -234,7 +244,8 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
                   "measures it every E-th round and the last; —: the run records no accuracy, as a device's own "
-                  "folder).")
+                  "folder), and the traffic outside the rounds (round 0, the session row: joins, control packets …) "
+                  "recorded before that round's last row.")
     if (fleet := fleet_total(reports)) is not None:
         console.print(f"Fleet total of federation {fleet['federation']} ({fleet['runs']} ledgers, e.g. one per "
                       f"device): up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, "

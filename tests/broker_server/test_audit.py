@@ -563,10 +563,15 @@ def test_link_time_one_direction_and_bad_speeds(link_rows):
 
 def test_report_target_and_link_time(ctrl_run):
     rep = audit_report(ctrl_run, target=0.7, uplink_kbps=100, downlink_kbps=200)
-    assert rep["target"] == {"accuracy": 0.7, "round": 2, "bytes": 32 + 8708 + 4}
+    # parts: rounds 1–2 (8,708), no round 0, and of the session row (the agents' 2 CONNECTs, the CONNACK,
+    # the PUBACK and the DISCONNECT: 38 B) the 4 packets (36 B) recorded before round 2's last row.
+    assert rep["target"] == {"accuracy": 0.7, "round": 2, "bytes": 32 + 8708 + 4, "parts": {
+        "round": 2, "last_round": 2, "rounds_bytes": 8708, "rounds_messages": 8, "round0_bytes": 0,
+        "round0_messages": 0, "round0_all_bytes": 0, "session_bytes": 36, "session_messages": 4,
+        "session_control_messages": 4, "session_all_bytes": 38, "wire_bytes": 8744}}
     assert rep["link_time"]["uplink_kbps"] == 100
     assert audit_report(ctrl_run)["link_time"] is None
-    assert audit_report(ctrl_run)["target"] == {"accuracy": 0.95, "round": None, "bytes": None}
+    assert audit_report(ctrl_run)["target"] == {"accuracy": 0.95, "round": None, "bytes": None, "parts": None}
     row = comparison_row(rep)
     assert (row["up_bytes"], row["down_bytes"]) == (rep["totals"]["device"]["up"]["wire_bytes"],
                                                     rep["totals"]["device"]["down"]["wire_bytes"])

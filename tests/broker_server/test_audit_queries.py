@@ -28,6 +28,7 @@ from broker_server.audit import (
     by_round,
     by_round_kind,
     cumulative_bytes,
+    cumulative_parts,
     link_time_s,
     load_run,
     open_ledger,
@@ -36,6 +37,7 @@ from broker_server.audit import (
     render_text,
     totals,
 )
+from broker_server.audit._queries import deliveries
 from protocol.ledger import Ledger, LedgerRow
 
 FED = "fed-sql"
@@ -220,6 +222,45 @@ def test_rejected_and_cumulative_bytes_equal_python(source, ledger):
     assert cumulative_bytes(source, list(expected)) == expected
 
 
+def test_cumulative_parts_equal_python(source, ledger):
+    dev = _view(ledger[1])
+    for target in (-1, 0, 1, 2, 3, 4, 9):
+        mine = [i for i, r in enumerate(dev) if r.round is not None and 1 <= r.round <= target]
+        last = max(mine, default=-1)
+        zero = [dev[i] for i, r in enumerate(dev) if r.round is not None and r.round < 1 and i < last]
+        session = [dev[i] for i, r in enumerate(dev) if r.round is None and i < last]
+        expected = {"round": target, "last_round": max((dev[i].round for i in mine), default=None),
+                    "rounds_bytes": sum(_wire(dev[i]) for i in mine), "rounds_messages": len(mine),
+                    "round0_bytes": sum(map(_wire, zero)), "round0_messages": len(zero),
+                    "round0_all_bytes": sum(_wire(r) for r in dev if r.round is not None and r.round < 1),
+                    "session_bytes": sum(map(_wire, session)), "session_messages": len(session),
+                    "session_control_messages": sum(r.reason == "control" for r in session),
+                    "session_all_bytes": sum(_wire(r) for r in dev if r.round is None)}
+        expected["wire_bytes"] = expected["rounds_bytes"] + expected["round0_bytes"] + expected["session_bytes"]
+        assert cumulative_parts(source, target) == expected, target
+        assert expected["wire_bytes"] == cumulative_bytes(source, [target])[target], target
+    assert 0 < cumulative_parts(source, 2)["session_control_messages"] < cumulative_parts(source, 2)["session_messages"]
+
+
+@pytest.mark.parametrize("view, side", [("device", "agent"), ("server", "server")])
+def test_by_kind_equals_python_sums_in_each_view(source, ledger, view, side):
+    mine = _view(ledger[1], side)
+    pairs = sorted({(r.kind, r.direction) for r in mine})
+    assert by_kind(source, view) == [{"kind": k, "direction": d,
+                                      **_sums([r for r in mine if (r.kind, r.direction) == (k, d)])} for k, d in pairs]
+
+
+def test_deliveries_per_side_equal_python(source, ledger):
+    rows = ledger[1]
+    out = deliveries(source)
+    for side in ("agent", "server"):
+        sent = [r for r in rows if r.side == side and r.event == "sent" and r.reason != "control"]
+        # the generated rows carry no delivery: every sent PUBLISH is 'unknown' (an older ledger)
+        assert out["by_side"][side] == {"acked": 0, "handed": 0, "refused": 0, "unknown": len(sent),
+                                        "undeliverable": 0, "sent": len(sent)}, side
+    assert out["unknown"] == out["by_side"]["agent"]["unknown"] + out["by_side"]["server"]["unknown"] > 0
+
+
 def test_link_time_equals_python(source, ledger):
     per = defaultdict(lambda: defaultdict(int))
     for r in _view(ledger[1]):
@@ -282,7 +323,9 @@ def test_report_on_the_file_equals_the_queries_on_rows(ledger):
     rep = audit_report(run, target=0.5)
     assert rep["totals"]["device"] == totals(dict_rows) and rep["by_round"] == by_round(dict_rows)
     assert rep["fields"] == body_fields(dict_rows) and rep["rejected"] == rejected(dict_rows)
-    assert rep["target"] == {"accuracy": 0.5, "round": 2, "bytes": cumulative_bytes(dict_rows, [2])[2]}
+    assert rep["target"] == {"accuracy": 0.5, "round": 2, "bytes": cumulative_bytes(dict_rows, [2])[2],
+                             "parts": cumulative_parts(dict_rows, 2)}
+    assert rep["by_kind_server"] == by_kind(dict_rows, "server")
     assert rep["run"]["rounds"] == 4 and rep["ledger_closed"] is True
 
 
