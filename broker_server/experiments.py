@@ -327,11 +327,7 @@ def _read_records(path: Path) -> list[dict]:
     out = []
     for n, (i, line) in enumerate(numbered):
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
-                raise ValueError("not an object with a 'key'")
-            if (bad := restore_non_finite(rec)) is not None:  # strict JSON: a NaN loss is null, named
-                raise ValueError(bad)
+            rec = _parse_record(line)
         except ValueError as exc:
             if n == len(numbered) - 1:
                 stamp = (str(path), len(text))
@@ -344,6 +340,21 @@ def _read_records(path: Path) -> list[dict]:
                                "mend or remove that line") from None
         out.append(rec)
     return out
+
+
+def _parse_record(line: str) -> dict:
+    """One ``results.jsonl`` line as a record (its non-finite numbers restored,
+    :func:`~broker_server.metrics_file.restore_non_finite`).
+
+    Raises:
+        ValueError: not JSON, not an object with a ``key``, or a malformed ``non_finite`` table.
+    """
+    rec = json.loads(line)
+    if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+        raise ValueError("not an object with a 'key'")
+    if (bad := restore_non_finite(rec)) is not None:  # strict JSON: a NaN loss is null, named
+        raise ValueError(bad)
+    return rec
 
 
 def _mend_tail(path: Path) -> None:
@@ -359,9 +370,9 @@ def _mend_tail(path: Path) -> None:
             path.write_bytes(b"")
         return
     start = body.rfind(b"\n") + 1
-    try:
-        rec = json.loads(body[start:].decode("utf-8"))
-        whole = isinstance(rec, dict) and isinstance(rec.get("key"), str)
+    try:  # the test _read_records applies: a line it leaves out as unfinished is cut off here
+        _parse_record(body[start:].decode("utf-8"))
+        whole = True
     except ValueError:
         whole = False
     with open(path, "r+b") as f:
@@ -1001,13 +1012,26 @@ def final_differences(a: dict, b: dict) -> list[str]:
     """The keys of two records' last-round metrics (``final``) whose values differ, timings
     (:data:`VOLATILE_METRICS`) left out; ``["final"]`` when one record has none. When both records
     carry their rounds (``per_round``), a column that both have and that differs in any round is
-    named too, as ``per_round.<field>`` (a re-run that ends equal but got there otherwise)."""
+    named too, as ``per_round.<field>`` (a re-run that ends equal but got there otherwise). A NaN
+    equals a NaN here (a diverged cell re-run to the same NaN loss is the same result), at any
+    depth of a value."""
     fa, fb = a.get("final"), b.get("final")
     if not fa or not fb:
         return ["final"]
-    diff = sorted(k for k in set(fa) | set(fb) if k not in VOLATILE_METRICS and fa.get(k) != fb.get(k))
+    diff = sorted(k for k in set(fa) | set(fb) if k not in VOLATILE_METRICS and not _same(fa.get(k), fb.get(k)))
     ra, rb = a.get("per_round") or {}, b.get("per_round") or {}
-    return diff + sorted(f"per_round.{k}" for k in set(ra) & set(rb) if ra[k] != rb[k])
+    return diff + sorted(f"per_round.{k}" for k in set(ra) & set(rb) if not _same(ra[k], rb[k]))
+
+
+def _same(x: Any, y: Any) -> bool:
+    """``x == y`` with NaN equal to NaN, inside lists and dicts too."""
+    if isinstance(x, float) and isinstance(y, float) and x != x and y != y:
+        return True
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    return bool(x == y)
 
 
 #: Metrics of the wire's delivery, not of the training: a resend under load (a receipt late by

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,19 @@ def metrics_line(metrics: dict[str, Any]) -> str:
     return strict_json(metrics) + "\n"
 
 
+#: a ``~`` that is not RFC 6901's ``~0`` or ``~1``
+_BAD_ESCAPE = re.compile(r"~(?![01])")
+#: an array index as RFC 6901 spells it: no sign, no leading zero
+_INDEX = re.compile(r"0|[1-9][0-9]*")
+
+
+def _index(token: str) -> int:
+    """An RFC 6901 array index; ``ValueError`` for ``-1``, ``00``, ``-`` and other tokens."""
+    if not _INDEX.fullmatch(token):
+        raise ValueError(token)
+    return int(token)
+
+
 def restore_non_finite(record: dict[str, Any]) -> str | None:
     """Put the floats named in ``record``'s :data:`NON_FINITE_KEY` table (:func:`strict_json`)
     back, in place, and drop the table. Returns the problem as text when the table is malformed
@@ -91,14 +105,16 @@ def restore_non_finite(record: dict[str, Any]) -> str | None:
         return f"{NON_FINITE_KEY!r} is not a table of JSON Pointers"
     for pointer, text in table.items():
         number = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(text) if isinstance(text, str) else None
-        parts = [p.replace("~1", "/").replace("~0", "~") for p in str(pointer).split("/")[1:]]
-        if number is None or not str(pointer).startswith("/") or not parts:
+        raw = str(pointer).split("/")[1:]
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in raw]
+        if (number is None or not str(pointer).startswith("/") or not parts
+                or any(_BAD_ESCAPE.search(p) for p in raw)):
             return f"{NON_FINITE_KEY!r} holds {pointer!r}: {text!r}, not a JSON Pointer to 'nan', 'inf' or '-inf'"
         node: Any = record
         try:
             for part in parts[:-1]:
-                node = node[int(part)] if isinstance(node, list) else node[part]
-            last: Any = int(parts[-1]) if isinstance(node, list) else parts[-1]
+                node = node[_index(part)] if isinstance(node, list) else node[part]
+            last: Any = _index(parts[-1]) if isinstance(node, list) else parts[-1]
             if node[last] is not None:
                 return f"{NON_FINITE_KEY!r} names {pointer!r}, which is not null"
             node[last] = number

@@ -252,10 +252,15 @@ def test_the_server_writes_a_diverged_rounds_loss_as_strict_json(tmp_path):
     ('{"loss": "nan"}', "not a JSON Pointer"),
     ('{"/accuracy": "nan"}', "'/accuracy', which is not null"),
     ('{"/nope": "nan"}', "'/nope', which the line does not have"),
+    # RFC 6901: an array index has no sign and no leading zero; "~" is only "~0" or "~1"
+    ('{"/alpha/-1": "nan"}', "'/alpha/-1', which the line does not have"),
+    ('{"/alpha/00": "nan"}', "'/alpha/00', which the line does not have"),
+    ('{"/x~2": "nan"}', "not a JSON Pointer"),
 ])
 def test_a_malformed_non_finite_table_is_damage(tmp_path, table, problem):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(f'{{"round": 1, "accuracy": 0.5, "loss": null, "non_finite": {table}}}\n'
+    path.write_text(f'{{"round": 1, "accuracy": 0.5, "loss": null, "alpha": [0.5, null], "x~2": null, '
+                    f'"non_finite": {table}}}\n'
                     + json.dumps(LINES[2]) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=f"metrics.jsonl:1: .*{problem}"):
         read_metrics(path)
