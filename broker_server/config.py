@@ -705,6 +705,8 @@ def load(path: str | os.PathLike, overrides: dict[tuple[str, str], Any] | None =
         path: the file.
         overrides: ``{(section, key): value}`` applied before validation (command-line options),
             so that an override can make a file consistent (``--clients 12`` with ``quorum = 9``).
+            The value the file gives for an overridden key is still checked on its own (type,
+            range or choices): ``rounds = "3"`` is refused with ``--rounds 1`` too.
 
     Raises:
         ConfigError: the file is missing, not TOML, or has an unknown key or a bad value.
@@ -721,5 +723,41 @@ def load(path: str | os.PathLike, overrides: dict[tuple[str, str], Any] | None =
     for (sec, key), value in (overrides or {}).items():
         if not isinstance(raw.get(sec, {}), dict):
             break  # from_dict reports the malformed section
+        if key in raw.get(sec, {}):  # the file's own value, which the override hides: checked all the same
+            _check_overridden(sec, key, raw[sec][key], str(p))
         raw.setdefault(sec, {})[key] = value
     return from_dict(raw, str(p))
+
+
+def _check_overridden(sec: str, key: str, value: Any, source: str) -> None:
+    """The type and the allowed range or choices of ``[sec] key = value`` in the file ``source``,
+    a value an override replaces (:func:`load`): a file is valid on its own, whatever the command
+    line says. Consistency between keys (``quorum`` ≤ ``clients``) is left to the whole
+    configuration, which an override may make consistent.
+
+    Raises:
+        ConfigError: as :func:`from_dict` says it of the file's value, with a note that it is the
+            file's own value that is wrong.
+    """
+    if sec not in _SECTIONS or (sec, key) == ("model", "group"):
+        return  # [algorithm] is the strategy's to check; [model] group is checked as a whole
+    factory = Config.__dataclass_fields__[sec].default_factory
+    types = {f.name: f.type for f in dataclasses.fields(cast(type[Any], factory))}
+    if key not in types:
+        return  # from_dict names an unknown key
+    declared = types[key]
+    ftype = {"int": int, "float": float, "str": str, "bool": bool}[declared] if isinstance(declared, str) else declared
+    note = " (the file's own value, checked although the command line overrides it)"
+    where = f"{source}: [{sec}] {key}"
+    try:
+        value = _coerce(value, ftype, where)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}{note}") from None
+    rng = _RANGES.get((sec, key))
+    if rng is None:
+        return
+    if isinstance(rng[0], str):
+        if value not in rng:
+            raise ConfigError(f"{where} = {value!r} is not one of {', '.join(rng)}{note}")
+    elif not rng[0] <= value <= rng[1]:
+        raise ConfigError(f"{where} = {value!r} is outside the allowed range [{rng[0]}, {rng[1]}]{note}")

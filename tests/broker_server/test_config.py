@@ -144,6 +144,51 @@ def test_out_of_range(tmp_path: Path, text: str, where: str) -> None:
     assert where in str(info.value) and str(p) in str(info.value)
 
 
+NOTE = " (the file's own value, checked although the command line overrides it)"
+
+
+@pytest.mark.parametrize(("text", "override", "message"), [
+    pytest.param('[run]\nrounds = "3"\n', (("run", "rounds"), 1), "[run] rounds: expected an integer, got '3'",
+                 id="string-rounds"),
+    pytest.param("[run]\nseed = -1\n", (("run", "seed"), 7),
+                 f"[run] seed = -1 is outside the allowed range [0, {2**63 - 1}]", id="negative-seed"),
+    pytest.param("[data]\nclients = 2.0\n", (("data", "clients"), 3), "[data] clients: expected an integer, got 2.0",
+                 id="float-clients"),
+    pytest.param("[data]\ndata_dir = 5\n", (("data", "data_dir"), "/d"), "[data] data_dir: expected a string, got 5",
+                 id="int-data-dir"),
+    pytest.param('[tracking]\ntensorboard = "yes"\n', (("tracking", "tensorboard"), True),
+                 "[tracking] tensorboard: expected true/false, got 'yes'", id="string-tensorboard"),
+])
+def test_a_bad_value_is_refused_even_where_an_override_replaces_it(tmp_path: Path, text: str, override: tuple,
+                                                                  message: str) -> None:
+    """The file's own value is checked (type, range) before an override (a command-line option)
+    replaces it: ``rounds = "3"`` is as wrong with ``--rounds 1`` as without."""
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as plain:
+        C.load(p)
+    assert str(plain.value) == f"{p}: {message}"
+    with pytest.raises(ConfigError) as over:
+        C.load(p, dict([override]))
+    assert str(over.value) == f"{p}: {message}{NOTE}"
+
+
+def test_the_command_line_refuses_a_bad_value_it_overrides(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from broker_server import cli
+
+    p = write(tmp_path, '[run]\nrounds = "3"\n[data]\nclients = 3\n')
+    assert cli.main(["simulate", "--config", str(p), "--rounds", "1", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (f"fedfleet: configuration error: {p}: [run] rounds: expected an integer, got "
+                                       f"'3'{NOTE}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_override_may_still_make_the_file_consistent(tmp_path: Path) -> None:
+    """Only each value on its own is checked before the overrides: ``quorum = 5`` over the file's
+    ``clients = 4`` is made consistent by ``clients = 5``."""
+    p = write(tmp_path, "[data]\nclients = 4\n[server]\nquorum = 5\n")
+    assert C.load(p, {("data", "clients"): 5}).server.quorum == 5
+
+
 def test_eval_every_is_read_and_a_bad_value_says_what_is_allowed(tmp_path: Path) -> None:
     assert C.load(write(tmp_path, "[run]\nrounds = 7\n")).server.eval_every == 1  # every round by default
     assert C.load(write(tmp_path, "[server]\neval_every = 5\n")).server.eval_every == 5
