@@ -12,7 +12,7 @@ import json
 import logging
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from protocol.version import VersionAction
@@ -311,12 +311,48 @@ def _profiles_table(profiles) -> str:
     return "\n".join(lines)
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """The parser of one ``fedfleet`` command (``simulate``, ``feddo pretrain`` …): arguments it
+    does not know are reported by it, with its own usage, and an option close to one of its own
+    is named (``--rouns``: did you mean ``--rounds``?). A plain sub-parser hands them up to
+    ``fedfleet``'s parser, which knows none of the command's options and prints its own usage."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201  (argparse's signature)
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized_text(extras, self._option_string_actions))
+        return ns, extras
+
+
+def unrecognized_text(extras: Sequence[str], options: Iterable[str]) -> str:
+    """argparse's ``unrecognized arguments: …`` for ``extras``, with ``did you mean --x?`` for each
+    option among them that is close to one of ``options`` (:func:`difflib.get_close_matches`;
+    ``--opt=value`` is matched on ``--opt``)."""
+    import difflib
+
+    known = sorted(options)
+    hints = []
+    for word in extras:
+        if not word.startswith("-") or len(word) < 2:
+            continue
+        name = word.split("=", 1)[0]
+        if (close := difflib.get_close_matches(name, known, n=1)):
+            hints.append((name, close[0]))
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    if len(hints) == 1:
+        return f"{text}; did you mean {hints[0][1]}?"
+    if hints:
+        return f"{text}; did you mean {', '.join(f'{m} (for {w})' for w, m in hints)}?"
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``fedfleet``."""
+    """The argument parser of ``fedfleet``: each command's own parser reports the arguments it
+    does not know (:class:`_CommandParser`)."""
     p = argparse.ArgumentParser(prog="fedfleet", description="Federated learning for edge fleets over MQTT.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     p.add_argument("--version", action=VersionAction)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     def common(sp):
         sp.add_argument("--config", help="TOML run configuration (see examples/)")

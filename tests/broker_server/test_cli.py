@@ -324,3 +324,27 @@ def test_the_server_tells_agents_on_its_machine_to_train_on_one_thread(url, agen
 @pytest.mark.parametrize("url", ["mqtt://broker.lan:1883", "mqtt://10.0.0.5:1883", "mqtts://user@192.168.1.2"])
 def test_no_thread_hint_for_a_broker_on_another_host(url) -> None:
     assert local_agents_hint(url, 4, 2) == ""
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["simulate", "--config", "x.toml", "--rouns", "1"],
+     "fedfleet simulate: error: unrecognized arguments: --rouns 1; did you mean --rounds?"),
+    (["server", "--resume", "r", "--rouns=1", "--sed", "3"],
+     "fedfleet server: error: unrecognized arguments: --rouns=1 --sed 3; did you mean --rounds (for --rouns), "
+     "--seed (for --sed)?"),
+    (["simulate", "--config", "x.toml", "--frobnicate"],
+     "fedfleet simulate: error: unrecognized arguments: --frobnicate"),
+    (["keys", "gen", "--out", "d", "--forse"],
+     "fedfleet keys gen: error: unrecognized arguments: --forse; did you mean --force?"),
+], ids=["simulate", "server-two", "no-suggestion", "nested-command"])
+def test_an_unknown_option_is_reported_by_its_command_with_a_suggestion(argv: list[str], error: str,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """The command's parser reports what it does not know, with its own usage (not ``fedfleet``'s,
+    which lists the commands only) and the option of its own that is closest to a misspelt one."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    command = error.split(":")[0]
+    assert err.startswith(f"usage: {command} [-h]"), err
+    assert err.endswith(f"\n{error}\n"), err
