@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -15,6 +16,9 @@ from protocol.files import write_atomically
 
 from .checkpoint import Checkpoint, CheckpointStore
 from .metrics_file import METRICS_NAME, metrics_line, read_metrics, restore_non_finite, strict_json
+from .text import round_list
+
+log = logging.getLogger(__name__)
 
 
 def write_summary(run_dir: Path, record: dict) -> None:
@@ -69,9 +73,10 @@ class RunStore:
 
     def keep_metrics_until(self, round: int, lines: list[dict] | None = None) -> list[dict]:
         """Drop ``metrics.jsonl`` lines of rounds after ``round`` (an interrupted round is run
-        again after a resume) and return the lines kept (``[]`` without a file). ``lines``: the
-        file as :func:`~broker_server.metrics_file.read_metrics` gave it, when the caller read it
-        already (a last line cut short is dropped there). The file is rewritten whole or not at
+        again after a resume: the rounds dropped are named in an info line of the log) and return
+        the lines kept (``[]`` without a file). ``lines``: the file as
+        :func:`~broker_server.metrics_file.read_metrics` gave it, when the caller read it already
+        (a last line cut short is dropped there). The file is rewritten whole or not at
         all (:func:`protocol.files.write_atomically`), through a symbolic link to its target,
         keeping its permission bits.
 
@@ -82,7 +87,13 @@ class RunStore:
         path = self.metrics_path
         if not path.exists():
             return []
-        kept = [m for m in (read_metrics(path) if lines is None else lines) if m["round"] <= round]
+        lines = read_metrics(path) if lines is None else lines
+        kept = [m for m in lines if m["round"] <= round]
+        if (dropped := [m["round"] for m in lines if m["round"] > round]):
+            one = len(dropped) == 1
+            log.info("%s: %s dropped: %s again after the resume", METRICS_NAME,
+                     f"round {dropped[0]}'s line" if one else f"the lines of rounds {round_list(dropped)}",
+                     "that round runs" if one else "those rounds run")
         target = path.resolve()
         mode = stat.S_IMODE(target.stat().st_mode)
         write_atomically(target, "".join(metrics_line(m) for m in kept).encode("utf-8"))

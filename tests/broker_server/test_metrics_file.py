@@ -9,6 +9,7 @@ are strict JSON: a NaN or infinity is ``null``, named in the record's ``non_fini
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -89,6 +90,26 @@ def test_keep_metrics_until_drops_later_rounds_and_a_cut_line_and_rewrites_the_f
     assert [m["round"] for m in read_metrics(store.metrics_path)] == [1, 2]
     assert store.metrics_path.read_text(encoding="utf-8").endswith("}\n")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    store.close()
+
+
+def test_keep_metrics_until_names_the_rounds_it_drops(tmp_path, caplog):
+    """The line of a round after the checkpoint (written before that round's checkpoint, the
+    round interrupted) is not dropped silently: one info line names it; nothing dropped, nothing
+    said."""
+    store = RunStore(tmp_path)
+    _write(store.metrics_path, LINES)
+    with caplog.at_level(logging.INFO, logger="broker_server.persistence"):
+        store.keep_metrics_until(3)
+        assert caplog.messages == []
+        store.keep_metrics_until(2)
+        assert caplog.messages == ["metrics.jsonl: round 3's line dropped: that round runs again after the resume"]
+        caplog.clear()
+        _write(store.metrics_path, LINES)
+        store.keep_metrics_until(1)
+        assert caplog.messages == ["metrics.jsonl: the lines of rounds 2, 3 dropped: those rounds run again after "
+                                   "the resume"]
+    assert [r.levelname for r in caplog.records] == ["INFO"]
     store.close()
 
 
