@@ -74,13 +74,13 @@ def _load(args):
         raise ConfigError("--config FILE is required (or --resume RUN_DIR)")
     over = _overrides(args)
     try:
-        return absolute_path_keys(config_mod.load(args.config, over))
+        cfg = config_mod.load(args.config, over)
     except ConfigError as exc:
         if ("data", "clients") not in over or "quorum" not in str(exc):
             raise
         cfg = config_mod.load(args.config, {**over, ("server", "quorum"): over[("data", "clients")]})
         print(f"fedfleet: note: [server] quorum lowered to --clients {over[('data', 'clients')]}", file=sys.stderr)
-        return absolute_path_keys(cfg)
+    return absolute_path_keys(cfg)
 
 
 def _not_a_run_folder(given: str, run: Path) -> str | None:
@@ -232,12 +232,34 @@ def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, 
 
 def _finished(args, cfg):
     """With ``--resume``: the run's :class:`~broker_server.run_end.FinishedRun` when its rounds are
-    all done (:func:`~broker_server.run_end.finished_run`), else ``None``."""
+    all done (:func:`~broker_server.run_end.finished_run`), else ``None``.
+
+    Raises:
+        ConfigError: ``--rounds`` (or the run's own ``[run] rounds``) is below the rounds the run,
+            which has not ended, has done: the message names the option, or the file, and the
+            rounds the run was to run.
+    """
     if not getattr(args, "resume", None):
         return None
     from .run_end import finished_run
 
-    return finished_run(Path(args.resume), cfg.run.rounds)
+    if args.rounds is not None:
+        given, planned = f"--rounds {args.rounds}", _file_rounds(args.config)
+    else:
+        given, planned = f"[run] rounds = {cfg.run.rounds} in {args.config}", None
+    return finished_run(Path(args.resume), cfg.run.rounds, given=given, planned=planned)
+
+
+def _file_rounds(path: str) -> int | None:
+    """``[run] rounds`` as the configuration file ``path`` gives it (``None``: not given, or the
+    file cannot be read again): what a run's own ``config.toml`` says when ``--rounds`` overrides it."""
+    from .config import tomllib
+
+    try:
+        rounds = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("run", {}).get("rounds")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
+        return None
+    return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None
 
 
 def _cmd_server(args) -> int:

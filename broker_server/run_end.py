@@ -15,6 +15,10 @@ and ``fedfleet server --resume`` then start no broker and no agents:
   end of a run publishes is not sent (no broker is started): agents of a real fleet still
   waiting for it stop at their ``--idle-timeout-s``. The ledger is not opened: its rows are
   those the run wrote.
+
+A run that has not ended, its checkpoint past ``[run] rounds`` (``--rounds 1`` on a run
+interrupted after round 2 of 20), is refused before anything is started or written: its
+final files would say it ended after rounds it has gone beyond (:func:`rounds_below_done_text`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from .text import plural
 log = logging.getLogger(__name__)
 
 __all__ = ["FinalFiles", "FinishedRun", "finished_run", "finishing_line", "last_checkpoint_round",
-           "nothing_to_resume", "refusals_from_metrics", "summary_record", "write_final_files"]
+           "nothing_to_resume", "refusals_from_metrics", "rounds_below_done_text", "summary_record",
+           "write_final_files"]
 
 
 def last_checkpoint_round(path: Path) -> int | None:
@@ -147,23 +152,30 @@ def resume_metrics(run_dir: str | Path) -> list[dict]:
     return lines
 
 
-def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
+def finished_run(run_dir: str | Path, rounds: int, *, given: str | None = None,
+                 planned: int | None = None) -> FinishedRun | None:
     """The run in ``run_dir`` when its rounds are all done: its latest checkpoint is of round
     ``rounds`` (``[run] rounds``) or later and ``metrics.jsonl`` has that round's line. ``None``:
     rounds are left to run, there is no checkpoint, or the last round's line is still to be
     completed from its checkpoint (evaluation overlap; a resume does that with its fleet).
     Reads only.
 
+    A run that has done more than ``rounds`` rounds (its checkpoint) without ending (no
+    ``summary.json`` recording them: it was interrupted, or stopped while finishing) is refused
+    (:func:`rounds_below_done_text`): its final files would be written as if it had ended after
+    ``rounds``; one that ended is returned (nothing is resumed, :func:`nothing_to_resume`).
+    ``given`` and ``planned`` word that refusal (see :func:`rounds_below_done_text`).
+
     Raises:
-        ConfigError: ``checkpoints.sqlite`` or ``metrics.jsonl`` cannot be read.
+        ConfigError: ``checkpoints.sqlite`` or ``metrics.jsonl`` cannot be read; ``rounds`` is
+            below the rounds done by a run that did not end.
     """
     out = Path(run_dir)
     last = last_checkpoint_round(out / "checkpoints.sqlite")
     if last is None or last < rounds:
         return None
     metrics = [m for m in resume_metrics(out) if m["round"] <= last]
-    if not any(m["round"] == last for m in metrics):
-        return None
+    has_line = any(m["round"] == last for m in metrics)
     summary = None
     try:
         recorded = read_summary(out)
@@ -171,7 +183,24 @@ def finished_run(run_dir: str | Path, rounds: int) -> FinishedRun | None:
             summary = recorded
     except (OSError, ValueError, TypeError):  # absent, cut short or not a summary: written again
         pass
+    if last > rounds and (summary is None or not has_line):
+        raise ConfigError(rounds_below_done_text(out, last, rounds, given=given, planned=planned))
+    if not has_line:
+        return None
     return FinishedRun(run_dir=out, rounds=last, metrics=metrics, summary=summary)
+
+
+def rounds_below_done_text(run_dir: Path, done: int, rounds: int, *, given: str | None = None,
+                           planned: int | None = None) -> str:
+    """Why a resume of ``run_dir`` with ``rounds`` rounds, below the ``done`` rounds it has a
+    checkpoint of, is refused: ``given`` is how the rounds were given (``"--rounds 1"``; ``None``:
+    ``[run] rounds = N``, and the advice names ``[run] rounds``, else ``--rounds``); ``planned``:
+    the rounds the run itself was to run (its own ``config.toml``), named as the value to leave
+    when it is not below ``done``."""
+    what = given or f"[run] rounds = {rounds}"
+    fix = "--rounds" if given else "[run] rounds"
+    leave = f" (or none: the run's {planned})" if planned is not None and planned >= done else ""
+    return f"{what} is below the {plural(done, 'round')} {run_dir} has done; give {fix} ≥ {done}{leave}"
 
 
 def nothing_to_resume(fin: FinishedRun, rounds: int, command: str, kept: list[str] | None = None) -> str:

@@ -1,18 +1,36 @@
-"""A checkpoint whose strategy state the strategy cannot take back: ``AggregationServer.resume``
-raises a RunError naming the round, the strategy and the strategy's reason (the CLI prints it as
-one line, exit 1), and leaves the server as it was: no round, no model, no metrics taken from it."""
+"""Resumes that are refused.
+
+- A checkpoint whose strategy state the strategy cannot take back: ``AggregationServer.resume``
+  raises a RunError naming the round, the strategy and the strategy's reason (the CLI prints it
+  as one line, exit 1), and leaves the server as it was: no round, no model, no metrics taken
+  from it.
+- ``--rounds`` below the rounds a run that has not ended has done (``--rounds 1`` after round 2
+  of 20): refused, nothing written (no final files as if it had ended after round 1).
+
+The run folders here are made by hand (configuration, partition, checkpoints, metrics lines): the
+refusals come before any broker or agent.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers.memory_federation import Device, federation_server, run_federation
 
-from broker_server.errors import RunError
+from broker_server import cli
+from broker_server.checkpoint import Checkpoint, CheckpointStore
+from broker_server.config import load
+from broker_server.errors import ConfigError, RunError
+from broker_server.metrics_file import metrics_line
+from broker_server.server_main import run_server
+from broker_server.simulate import client_data, partition_record, simulate
 from broker_server.strategies.fedavg import FedAvg
 from edge_agent.algorithms.fedavg import FedAvgClient
+from edge_agent.data import load_dataset
 from edge_agent.state import state_arrays
 from protocol.memory_transport import MemoryBroker
 
@@ -74,3 +92,71 @@ def test_a_state_the_strategy_cannot_take_is_a_run_error_and_changes_nothing(tmp
                               f"from it ({reason})")
     assert again.round == 0 and again.strategy.rounds_seen == 0 and again.metrics == []
     assert all(np.array_equal(a, b) for a, b in zip(before, state_arrays(again.model), strict=True))
+
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"
+
+
+def _interrupted_run(tmp_path: Path, *, done: int = 2, rounds: int = 20, summary: bool = False) -> Path:
+    """A 3-client quickstart run folder of ``rounds`` rounds with the checkpoints of rounds
+    0..``done`` and their metrics lines, as one interrupted after round ``done`` leaves it
+    (``summary``: a ``summary.json`` of those rounds too, as a run that ended there)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load(QUICKSTART, {("run", "rounds"): rounds, ("data", "clients"): 3})
+    (run / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    ds = load_dataset("digits")
+    (run / "partition.json").write_text(json.dumps(partition_record(ds, cfg, client_data(ds, cfg)), indent=1),
+                                        encoding="utf-8")
+    store = CheckpointStore(run / "checkpoints.sqlite")
+    for r in range(done + 1):
+        store.save(Checkpoint(round=r, tensors=[], strategy_state={}, rng_state={}, registry=[], meta={}))
+    store.close()
+    (run / "metrics.jsonl").write_text("".join(metrics_line({"round": r, "accuracy": 0.5 + r / 100, "loss": 1.0})
+                                               for r in range(1, done + 1)), encoding="utf-8")
+    if summary:
+        (run / "summary.json").write_text(json.dumps({"rounds_completed": done, "final_accuracy": 0.52}))
+    return run
+
+
+def _files(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("command", ["simulate", "server"])
+def test_rounds_below_those_done_are_refused_and_nothing_is_written(tmp_path: Path, command: str,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """``--rounds 1`` on a run interrupted after round 2 of 20 wrote summary.json and the final
+    model as if the run had ended ("had finished 2 of 1 rounds … stopped while finishing")."""
+    run = _interrupted_run(tmp_path)
+    files = _files(run)
+    assert cli.main([command, "--resume", str(run), "--rounds", "1"]) == cli.EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"fedfleet: configuration error: --rounds 1 is below the 2 rounds {run} has done; give "
+                              "--rounds ≥ 2 (or none: the run's 20)\n")
+    assert _files(run) == files  # no summary.json, no model_final.*
+    # the run's own config.toml saying fewer rounds than it did (edited): named as such
+    cfg_path = run / "config.toml"
+    cfg_path.write_text(load(cfg_path, {("run", "rounds"): 1}).to_toml(), encoding="utf-8")
+    files = _files(run)
+    assert cli.main([command, "--resume", str(run)]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (f"fedfleet: configuration error: [run] rounds = 1 in {cfg_path} is below the "
+                                       f"2 rounds {run} has done; give --rounds ≥ 2\n")
+    entry = simulate if command == "simulate" else run_server
+    with pytest.raises(ConfigError) as exc:
+        entry(load(cfg_path), run_dir=run, resume=True)
+    assert str(exc.value) == f"[run] rounds = 1 is below the 2 rounds {run} has done; give [run] rounds ≥ 2"
+    assert _files(run) == files
+
+
+def test_rounds_below_those_of_a_run_that_ended_only_say_nothing_is_left(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """A run that ended (its summary.json records its rounds) has nothing to resume whatever
+    ``--rounds`` says: one line, nothing written, as before."""
+    run = _interrupted_run(tmp_path, rounds=2, summary=True)
+    files = _files(run)
+    assert cli.main(["simulate", "--resume", str(run), "--rounds", "1"]) == cli.EXIT_OK
+    assert capsys.readouterr().out.startswith(f"fedfleet simulate: run {run} has finished all 2 rounds ([run] rounds "
+                                              "is 1); nothing to resume (")
+    assert _files(run) == files
