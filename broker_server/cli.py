@@ -80,7 +80,18 @@ def _load(args):
             raise
         cfg = config_mod.load(args.config, {**over, ("server", "quorum"): over[("data", "clients")]})
         print(f"fedfleet: note: [server] quorum lowered to --clients {over[('data', 'clients')]}", file=sys.stderr)
+    if getattr(args, "resume", None) is not None:  # another --seed, --clients: refused now, naming the option
+        from .simulate import check_partition_settings
+
+        check_partition_settings(Path(args.resume) / "partition.json", cfg,
+                                 {k: flag for k, flag in _FLAGS.items() if k in over})
     return absolute_path_keys(cfg)
+
+
+#: The command-line option of each configuration key it overrides (:func:`_overrides`), as
+#: messages name it.
+_FLAGS = {("run", "rounds"): "--rounds", ("run", "seed"): "--seed", ("data", "clients"): "--clients",
+          ("data", "data_dir"): "--data-dir"}
 
 
 def _not_a_run_folder(given: str, run: Path) -> str | None:

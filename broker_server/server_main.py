@@ -38,6 +38,7 @@ from .server import RunSummary, final_accuracy_source, final_accuracy_text, fina
 from .simulate import (
     STARTUP_ERRORS,
     check_partition_record,
+    check_partition_settings,
     client_data,
     discard_unstarted,
     make_run_id,
@@ -259,6 +260,7 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
         raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
     if resume:
         resume_metrics(out)  # a damaged metrics.jsonl is refused before a broker, a ledger or a file is touched
+        check_partition_settings(out / "partition.json", cfg)  # another seed …: said before the data set is loaded
     if not resume and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or "fedfleet"

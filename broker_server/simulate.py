@@ -4,9 +4,10 @@ The server runs on the calling thread; every virtual agent runs on its own threa
 MQTT connection, client id and data shard; the broker is an embedded child process (Mosquitto
 when installed, else amqtt) unless a broker URL is given. Everything goes over real MQTT.
 
-A run folder holds ``config.toml`` (resolved), ``partition.json`` (each client's shard size and
-class histogram; under ``[data] client_test = "local"`` also its held-out test set's size,
-histogram and indices, :func:`partition_record`), ``ledger.sqlite``, ``metrics.jsonl``,
+A run folder holds ``config.toml`` (resolved), ``partition.json`` (the settings the split came
+from, which ``--resume`` must find unchanged, and each client's shard size and class histogram;
+under ``[data] client_test = "local"`` also its held-out test set's size, histogram and indices,
+:func:`partition_record`), ``ledger.sqlite``, ``metrics.jsonl``,
 ``checkpoints.sqlite``, ``model_final.pt`` and ``summary.json`` (with ``client_test``: which
 data the client figures were measured on).
 """
@@ -22,7 +23,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -50,7 +51,7 @@ from protocol.tensors import Codec
 from protocol.topics import mqtt_client_id
 from protocol.transport import ConnectRetry
 
-from .config import Config
+from .config import Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
 from .persistence import write_summary
@@ -222,8 +223,9 @@ def split_clients(ds, cfg: Config) -> list:
 
 
 def partition_record(ds, cfg: Config, splits: ClientSplits) -> dict:
-    """The content of a run folder's ``partition.json``: data set, scheme, seed, the client test
-    protocol and one entry per client (:func:`edge_agent.partition.describe` of its training
+    """The content of a run folder's ``partition.json``: data set, the settings the split came
+    from (:data:`PARTITION_SETTINGS`: scheme, seed, α …), the client test protocol and one entry
+    per client (:func:`edge_agent.partition.describe` of its training
     samples: ``samples``, ``histogram``, ``domain``); under ``client_test = "local"`` each entry
     also has ``test_samples``, ``test_histogram`` and ``test_indices`` (sorted indices into the
     training split), so the held-out sets can be audited and a resumed run checked against them
@@ -235,9 +237,91 @@ def partition_record(ds, cfg: Config, splits: ClientSplits) -> dict:
         for entry, test, idx in zip(shards, tests, splits.test, strict=True):
             entry.update(test_samples=test["samples"], test_histogram=test["histogram"],
                          test_indices=[int(i) for i in idx])
-    return {"dataset": ds.name, "source": ds.source, "scheme": cfg.data.partition, "alpha": cfg.data.alpha,
-            "seed": cfg.run.seed, "client_test": splits.client_test, "client_test_fraction": splits.fraction,
+    return {"dataset": ds.name, "source": ds.source, **partition_settings(cfg, ds.name),
+            "client_test": splits.client_test, "client_test_fraction": splits.fraction,
             "clients": shards, **ds.domain_summary()}
+
+
+#: The settings a run's split comes from, as ``partition.json`` records them (:func:`partition_record`)
+#: and ``--resume`` finds them unchanged (:func:`check_partition_settings`): record key → the
+#: ``(section, key)`` of the configuration, and the partition schemes it applies to (``None``: all).
+PARTITION_SETTINGS: dict[str, tuple[tuple[str, str], tuple[str, ...] | None]] = {
+    "dataset": (("data", "dataset"), None),
+    "scheme": (("data", "partition"), None),
+    "seed": (("run", "seed"), None),
+    "alpha": (("data", "alpha"), ("dirichlet",)),
+    "train_samples": (("data", "train_samples"), None),
+    "min_samples": (("data", "min_samples"), ("dirichlet",)),  # the others only check it: the split is the same
+    "classes_per_client": (("data", "classes_per_client"), ("classes",)),
+    "domain_clients": (("data", "domain_clients"), ("domain-silo",)),
+    "domain_train_cap": (("data", "domain_train_cap"), None),
+    "domain_test_cap": (("data", "domain_test_cap"), None),
+}
+
+
+def partition_settings(cfg: Config, dataset: str | None = None) -> dict:
+    """:data:`PARTITION_SETTINGS` of ``cfg``, keyed as ``partition.json`` records them; ``dataset``:
+    the data set's own name (:class:`~edge_agent.data.Dataset`'s ``name``; ``None``: the registry's
+    name of ``[data] dataset``, or the text itself when the registry does not know it)."""
+    if dataset is None:
+        from edge_agent.data import dataset_info
+        from edge_agent.errors import DataError
+
+        try:
+            dataset = dataset_info(cfg.data.dataset).name
+        except DataError:  # said with its reason when the data set is loaded
+            dataset = cfg.data.dataset
+    out = {key: getattr(getattr(cfg, sec), name) for key, ((sec, name), _) in PARTITION_SETTINGS.items()}
+    return {**out, "dataset": dataset}
+
+
+def check_partition_settings(path: Path, cfg: Config, flags: Mapping[tuple[str, str], str] | None = None) -> None:
+    """On ``--resume``, before the data set is loaded: the settings the run's split came from, as
+    its ``partition.json`` (``path``) records them (:data:`PARTITION_SETTINGS` and the client
+    count), must be ``cfg``'s: a resumed run keeps its split, and its seed, whose draws also made
+    its initial model and its training. A setting the file does not record (one written by an
+    earlier version), or no file, is left to :func:`check_partition_record`.
+
+    Args:
+        flags: the command-line option of each ``(section, key)`` given on the command line
+            (``{("run", "seed"): "--seed"}``), which the message names; the others are said to
+            come from ``cfg.source``.
+
+    Raises:
+        ConfigError: the file cannot be read, or a setting differs: the message names the
+            setting, both values, where the new one came from, and how to resume.
+    """
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+    if not isinstance(old, dict):
+        raise ConfigError(f"--resume: cannot read {path}: not a JSON object")
+    now = partition_settings(cfg)
+    differ: list[tuple[tuple[str, str], object, object]] = [
+        (where, old[key], now[key]) for key, (where, schemes) in PARTITION_SETTINGS.items()
+        if key in old and (schemes is None or now["scheme"] in schemes) and old[key] != now[key]]
+    if isinstance(old.get("clients"), list) and len(old["clients"]) != cfg.data.clients:
+        differ.append((("data", "clients"), len(old["clients"]), cfg.data.clients))
+    if not differ:  # the first that differs is said
+        return
+    (sec, key), was, given = differ[0]
+    flag = (flags or {}).get((sec, key))
+    source = "" if cfg.source.startswith("<") else cfg.source
+    if (sec, key) == ("run", "seed"):
+        what, keeps, new = f"seed {was}", "its seed (its split, initial model and training draws come from it)", \
+            f"{given}"
+    elif (sec, key) == ("data", "clients"):
+        what, keeps, new = f"{was} clients", "its clients (each one's shard is the one it trained on)", f"{given}"
+    else:
+        what, keeps, new = f"[{sec}] {key} = {was!r}", "the settings its split came from", f"{given!r}"
+    by = f" ({flag} {given})" if flag else f" ({source})" if source else ""
+    fix = (f"resume without {flag}" if flag else
+           f"set [{sec}] {key} back to {_toml_value(was)}{f' in {source}' if source else ''}")
+    raise ConfigError(f"--resume: {path} records {what}, the configuration gives {new}{by}: a resumed run keeps "
+                      f"{keeps}; {fix}")
 
 
 def check_partition_record(path: Path, record: dict) -> None:
@@ -266,10 +350,16 @@ def check_partition_record(path: Path, record: dict) -> None:
     before, now = old.get("clients", []), record["clients"]
     if len(before) != len(now):
         raise ConfigError(f"--resume: {path} records {len(before)} clients, the configuration gives {len(now)}")
+    unrecorded = [f"[{sec}] {key}" for k, ((sec, key), schemes) in PARTITION_SETTINGS.items()
+                  if k not in old and (schemes is None or record.get("scheme") in schemes)
+                  and (k not in ("domain_train_cap", "domain_test_cap") or "domains" in record)]
+    why = ("another NumPy version, or changed data?" if not unrecorded else
+           f"another NumPy version, changed data, or a changed {', '.join(unrecorded)}, which this partition.json, "
+           "written by an earlier version, does not record?")
     for a, b in zip(before, now, strict=True):
         if any(a.get(k) != b.get(k) for k in keys):
             raise ConfigError(f"--resume: client {b['client']}'s samples differ from those recorded in {path} "
-                              "(another NumPy version, or changed data?): the run cannot continue on another split")
+                              f"({why}): the run cannot continue on another split")
 
 
 def assign_profiles(mix: list[tuple[str, float]], clients: int, seed: int) -> list[str]:
@@ -467,6 +557,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
     if resume:
         resume_metrics(out)  # a damaged metrics.jsonl is refused before a broker, a ledger or a file is touched
+        check_partition_settings(out / "partition.json", cfg)  # another seed …: said before the data set is loaded
     if not resume and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run (metrics.jsonl); choose another --out, or --resume it")
     federation = re.sub(r"[^A-Za-z0-9_.-]", "-", out.name).strip("-._")[:64] or run_id

@@ -4,6 +4,9 @@
   raises a RunError naming the round, the strategy and the strategy's reason (the CLI prints it
   as one line, exit 1), and leaves the server as it was: no round, no model, no metrics taken
   from it.
+- Another seed, client count or partition setting than the run's ``partition.json`` records
+  (``--seed 7``, an edited ``config.toml``): refused before the data set is loaded, the message
+  naming the setting, both values, where the new one came from and that a resumed run keeps it.
 - ``--rounds`` below the rounds a run that has not ended has done (``--rounds 1`` after round 2
   of 20): refused, nothing written (no final files as if it had ended after round 1).
 
@@ -27,7 +30,7 @@ from broker_server.config import load
 from broker_server.errors import ConfigError, RunError
 from broker_server.metrics_file import metrics_line
 from broker_server.server_main import run_server
-from broker_server.simulate import client_data, partition_record, simulate
+from broker_server.simulate import check_partition_record, client_data, partition_record, simulate
 from broker_server.strategies.fedavg import FedAvg
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.data import load_dataset
@@ -122,6 +125,83 @@ def _interrupted_run(tmp_path: Path, *, done: int = 2, rounds: int = 20, summary
 def _files(run: Path) -> dict[str, str]:
     return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+KEEPS_SEED = "a resumed run keeps its seed (its split, initial model and training draws come from it)"
+
+
+@pytest.mark.parametrize("command", ["simulate", "server"])
+def test_another_seed_on_resume_is_refused_naming_both_seeds(tmp_path: Path, command: str,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """``--seed 7`` on a run of seed 0 was refused as "client 0's samples differ (another NumPy
+    version, or changed data?)": now by name, before the data set is loaded."""
+    run = _interrupted_run(tmp_path)
+    files = _files(run)
+    assert cli.main([command, "--resume", str(run), "--seed", "7", "--rounds", "3"]) == cli.EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"fedfleet: configuration error: --resume: {run / 'partition.json'} records seed 0, the "
+                              f"configuration gives 7 (--seed 7): {KEEPS_SEED}; resume without --seed\n")
+    assert cli.main([command, "--resume", str(run), "--clients", "4"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        f"fedfleet: configuration error: --resume: {run / 'partition.json'} records 3 clients, the configuration "
+        "gives 4 (--clients 4): a resumed run keeps its clients (each one's shard is the one it trained on); resume "
+        "without --clients\n")
+    assert _files(run) == files
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    ({("run", "seed"): 3}, f"records seed 0, the configuration gives 3 ({{cfg}}): {KEEPS_SEED}; set [run] seed back "
+                           "to 0 in {cfg}"),
+    ({("data", "partition"): "iid"}, "records [data] partition = 'dirichlet', the configuration gives 'iid' ({cfg}): "
+                                     "a resumed run keeps the settings its split came from; set [data] partition "
+                                     'back to "dirichlet" in {cfg}'),
+    ({("data", "alpha"): 0.5}, "records [data] alpha = 1.0, the configuration gives 0.5 ({cfg}): a resumed run keeps "
+                               "the settings its split came from; set [data] alpha back to 1.0 in {cfg}"),
+    ({("data", "dataset"): "usps"}, "records [data] dataset = 'digits', the configuration gives 'usps' ({cfg}): a "
+                                    'resumed run keeps the settings its split came from; set [data] dataset back to '
+                                    '"digits" in {cfg}'),
+    ({("data", "train_samples"): 500}, "records [data] train_samples = 0, the configuration gives 500 ({cfg}): a "
+                                       "resumed run keeps the settings its split came from; set [data] train_samples "
+                                       "back to 0 in {cfg}"),
+    ({("data", "min_samples"): 5}, "records [data] min_samples = 10, the configuration gives 5 ({cfg}): a resumed run "
+                                   "keeps the settings its split came from; set [data] min_samples back to 10 in "
+                                   "{cfg}"),
+], ids=["seed", "partition", "alpha", "dataset", "train_samples", "min_samples"])
+def test_a_partition_setting_changed_in_the_runs_config_is_named(tmp_path: Path, edit: dict, said: str,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    run = _interrupted_run(tmp_path)
+    cfg_path = run / "config.toml"
+    cfg_path.write_text(load(cfg_path, edit).to_toml(), encoding="utf-8")
+    files = _files(run)
+    assert cli.main(["simulate", "-q", "--resume", str(run)]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (f"fedfleet: configuration error: --resume: {run / 'partition.json'} "
+                                       f"{said.format(cfg=cfg_path)}\n")
+    # the Python entry points refuse it as well, before the data set is loaded
+    for entry in (lambda c: simulate(c, run_dir=run, resume=True), lambda c: run_server(c, run_dir=run, resume=True)):
+        with pytest.raises(ConfigError) as exc:
+            entry(load(cfg_path))
+        assert str(exc.value) == f"--resume: {run / 'partition.json'} {said.format(cfg=cfg_path)}"
+    assert _files(run) == files
+
+
+def test_an_older_partition_json_names_the_settings_it_does_not_record(tmp_path: Path) -> None:
+    """A ``partition.json`` written before the split's settings were recorded: a split that
+    differs names those settings among the possible causes (those of its scheme and data set)."""
+    run = _interrupted_run(tmp_path)
+    path = run / "partition.json"
+    old = json.loads(path.read_text())
+    for key in ("train_samples", "min_samples", "classes_per_client", "domain_clients", "domain_train_cap",
+                "domain_test_cap"):
+        del old[key]
+    path.write_text(json.dumps(old))
+    ds = load_dataset("digits")
+    cfg = load(run / "config.toml", {("data", "train_samples"): 500})
+    with pytest.raises(ConfigError) as exc:
+        check_partition_record(path, partition_record(ds, cfg, client_data(ds, cfg)))
+    assert str(exc.value) == (
+        f"--resume: client 0's samples differ from those recorded in {path} (another NumPy version, changed data, or "
+        "a changed [data] train_samples, [data] min_samples, which this partition.json, written by an earlier "
+        "version, does not record?): the run cannot continue on another split")
 
 
 @pytest.mark.parametrize("command", ["simulate", "server"])
