@@ -10,10 +10,17 @@ buffer carry over from episode to episode; at the end the policy is written with
 :meth:`~broker_server.rl.dsac_t.DSACTAgent.save_policy` (metadata: device count, state layout,
 episodes, rounds, data settings, CPU seconds) and a deployed run loads it with
 ``[algorithm] policy = "PATH"``.
+
+The agent starts from the policy the configuration's ``[algorithm] policy`` names, when it names
+one (its networks, optimisers and temperature; the replay buffer starts empty), else untrained;
+``--from-scratch`` ignores that key. The first line says which (:func:`banner_text`), and the
+written metadata's ``started_from*`` keys record the starting policy, so that ``updates``
+(counted from the start of the agent) is not read as this pre-training's alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -64,6 +71,76 @@ class PretrainResult:
     parameter_counts: dict[str, int]
 
 
+@dataclass(frozen=True)
+class StartingPoint:
+    """Where a pre-training's agent starts (:func:`pretrain`'s ``on_start``, :func:`banner_text`).
+
+    Attributes:
+        policy: the configuration's ``[algorithm] policy`` as it gives it (``""``: none).
+        loaded: whether the agent was loaded from it (``False``: untrained, with or without
+            ``--from-scratch``).
+        updates: the DSAC-T updates the loaded policy had made, all its pre-trainings together
+            (0 untrained).
+        sha256: the loaded file's SHA-256 (``""`` untrained).
+    """
+
+    policy: str = ""
+    loaded: bool = False
+    updates: int = 0
+    sha256: str = ""
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether the paths ``a`` and ``b`` name one file (both there: :func:`os.path.samefile`, so
+    a second name of it, a link, counts; else the same absolute path)."""
+    try:
+        if Path(a).exists() and Path(b).exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return Path(a).absolute() == Path(b).absolute()
+
+
+def banner_text(cfg: Config, episodes: int, rounds: int, out: Path, start: StartingPoint) -> str:
+    """The first line of ``fedfleet feddo pretrain``: data set, devices, episodes x rounds, the
+    agent it starts from (a policy, named with its updates, or an untrained agent) and the file it
+    writes (said to be replaced when it is the starting policy's file)."""
+    if start.loaded:
+        origin = (f"starting from the policy {start.policy} (the config's [algorithm] policy; its "
+                  f"{plural(start.updates, 'DSAC-T update')}; --from-scratch ignores it)")
+    elif start.policy:
+        origin = f"from an untrained agent (--from-scratch: the config's [algorithm] policy {start.policy} is not read)"
+    else:
+        origin = "from an untrained agent"
+    replaced = (" (the starting policy's file: replaced when the pre-training ends, whole or not at all)"
+                if start.loaded and same_file(out, start.policy) else "")
+    return (f"fedfleet feddo pretrain: {cfg.data.dataset}, {plural(cfg.data.clients, 'device')}, "
+            f"{plural(episodes, 'episode')} x {plural(rounds, 'round')}, {origin} -> {out}{replaced}")
+
+
+def replay_batch_note(cfg: Config, episodes: int, rounds: int) -> str | None:
+    """What a replay batch larger than the buffer does, said before the first episode (``None``
+    when ``[algorithm] batch_size`` is at most ``warmup``, the buffer's size at the first update).
+    A DSAC-T update draws its ``batch_size`` transitions uniformly *with replacement*
+    (:meth:`~broker_server.rl.dsac_t.ReplayBuffer.sample`), so a batch larger than the buffer
+    repeats transitions; where the whole pre-training stores fewer (``episodes × rounds``: one a
+    round, a starting policy's buffer not carried over), every update does."""
+    defaults = feddo_defaults()
+    batch = int(cfg.algorithm.get("batch_size", defaults["batch_size"]))
+    warmup = max(1, int(cfg.algorithm.get("warmup", defaults["warmup"])))
+    total = episodes * rounds
+    if batch <= warmup:
+        return None
+    if total < batch:
+        return (f"fedfleet feddo pretrain: note: [algorithm] batch_size = {batch} is more than the {total} "
+                "transitions this pre-training stores in all (--episodes x --rounds): every DSAC-T update draws its "
+                f"{batch} from at most {total}, with replacement (each one about {batch / total:.0f} times in every "
+                "batch); lower batch_size, or pre-train more rounds")
+    return (f"fedfleet feddo pretrain: note: [algorithm] batch_size = {batch} is more than warmup = {warmup}: the "
+            f"DSAC-T updates before the replay buffer holds {batch} transitions draw their batch from fewer, with "
+            f"replacement (the first from {warmup})")
+
+
 #: what each column of :func:`progress_line` is (printed once, above the first episode's line)
 PROGRESS_LEGEND = (
     "columns: accuracy = the global model's validation accuracy after the episode's last round; return = the "
@@ -86,23 +163,25 @@ def progress_line(m: dict, episodes: int) -> str:
 
 def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
              on_episode: Callable[[dict], None] | None = None,
-             on_start: Callable[[], None] | None = None,
-             on_interrupt: Callable[[str], None] | None = None) -> PretrainResult:
+             on_start: Callable[[StartingPoint], None] | None = None,
+             on_interrupt: Callable[[str], None] | None = None, from_scratch: bool = False) -> PretrainResult:
     """Run ``episodes`` pre-training episodes of ``rounds`` rounds and write the policy to ``out``.
 
     Args:
         cfg: a configuration whose ``[train] algorithm`` is ``"feddo"`` (its ``[algorithm]``
-            table sets the agent; a ``policy`` there is the starting point).
+            table sets the agent; a ``policy`` there is the starting point unless ``from_scratch``).
         episodes, rounds: ≥ 1.
         out: the policy file to write.
         on_episode: called with each episode's line.
-        on_start: called once the configuration checks below have passed and the data set is
-            loaded, just before the first episode (``fedfleet feddo pretrain`` prints its banner
-            there, so a configuration error comes alone; a ``[model]`` that does not fit the data
-            still fails in episode 1).
+        on_start: called with the agent's :class:`StartingPoint` once the configuration checks
+            below have passed and the data set is loaded, just before the first episode
+            (``fedfleet feddo pretrain`` prints its banner there, so a configuration error comes
+            alone; a ``[model]`` that does not fit the data still fails in episode 1).
         on_interrupt: called with one line when Ctrl-C (KeyboardInterrupt) or SIGTERM
             (SystemExit) stops the pre-training, after the policy learned so far is written
             (:func:`_save_interrupted`; ``None``: logged as a warning); the stop is then re-raised.
+        from_scratch: start from an untrained agent even where ``[algorithm] policy`` names a
+            policy (not read).
 
     Raises:
         ConfigError: another algorithm, episodes or rounds below 1, an ``out`` that cannot be
@@ -121,6 +200,10 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         raise ConfigError(f"--episodes ({episodes}) and --rounds ({rounds}) must be >= 1")
     check_policy_out(Path(out))
     check_learns(cfg, episodes, rounds)
+    given = str(cfg.algorithm.get("policy") or "")
+    if from_scratch and given:
+        cfg = dataclasses.replace(cfg, algorithm={**cfg.algorithm, "policy": ""})
+    start = StartingPoint(policy=given)
     cpu0 = time.process_time()
     strategy: FedDO | None = None
     lines: list[dict] = []
@@ -132,6 +215,9 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         if not isinstance(built, FedDO):
             raise ConfigError("[train] algorithm 'feddo' did not build the FedDO strategy")
         strategy = built
+        if strategy.policy_record and strategy.agent is not None:
+            start = StartingPoint(given, True, int(strategy.agent.updates),
+                                  str(strategy.policy_record.get("file_sha256", "")))
         check_fleet_size(cfg, strategy)
         k = int(cfg.algorithm.get("num_devices") or 0)
         if k and cfg.data.clients > k:
@@ -149,7 +235,7 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         base = TrainConfig.from_mapping(TrainConfig(seed=cfg.run.seed), train_config(cfg))
         cpu = torch.device("cpu")
         if on_start is not None:
-            on_start()
+            on_start(start)
         for ep in range(1, episodes + 1):
             t0 = time.monotonic()
             seed = cfg.run.seed + ep
@@ -197,7 +283,7 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
             if on_episode:
                 on_episode(line)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: what the agent learned is kept
-        (on_interrupt or log.warning)(_save_interrupted(strategy, cfg, out, lines, episodes, rounds, r, cpu0))
+        (on_interrupt or log.warning)(_save_interrupted(strategy, cfg, out, lines, episodes, rounds, r, cpu0, start))
         raise
     agent = strategy.agent
     assert agent is not None
@@ -207,7 +293,7 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         raise RunError(f"the agent made no DSAC-T update in {episodes * rounds} rounds (warm-up "
                        f"{agent.config.warmup} transitions, {len(agent.buffer)} stored): no policy written to {out}")
     try:  # a stop signal meanwhile waits for the whole file (then ends the process with the policy written)
-        atomic(_write_policy)(strategy, cfg, out, episodes, rounds, cpu_s)
+        atomic(_write_policy)(strategy, cfg, out, episodes, rounds, cpu_s, **started_from(start))
     except (OSError, ValueError) as exc:  # a full disk, a diverged agent: the episodes are lost, said so
         raise RunError(f"pre-training finished ({plural(episodes, 'episode')} x {plural(rounds, 'round')}, "
                        f"{cpu_s:.0f} CPU s) but {exc}") from exc
@@ -225,6 +311,15 @@ def _write_policy(strategy: FedDO, cfg: Config, out: Path, episodes: int, rounds
                             "cpu_seconds": cpu_s, "reward": strategy.reward, "updates": agent.updates, **extra})
 
 
+def started_from(start: StartingPoint) -> dict[str, object]:
+    """The metadata keys that record a loaded starting policy (none for an untrained agent): its
+    resolved path, SHA-256 and DSAC-T updates (the written ``updates`` counts from there on)."""
+    if not start.loaded:
+        return {}
+    return {"started_from": str(Path(start.policy).resolve()), "started_from_sha256": start.sha256,
+            "started_from_updates": start.updates}
+
+
 def stopped_policy_path(out: Path) -> Path:
     """Where a stopped pre-training writes its policy when a file is already at ``out`` (one it
     must not replace: :func:`_save_interrupted`): ``NAME.stopped.SUFFIX`` beside it."""
@@ -232,7 +327,7 @@ def stopped_policy_path(out: Path) -> Path:
 
 
 def _save_interrupted(strategy: FedDO | None, cfg: Config, out: str | Path, lines: list[dict], episodes: int,
-                      rounds: int, round_reached: int, cpu0: float) -> str:
+                      rounds: int, round_reached: int, cpu0: float, start: StartingPoint | None = None) -> str:
     """A pre-training stopped by Ctrl-C or SIGTERM keeps what it learned: once the agent has
     updated, its networks are written as a policy whose metadata says ``episodes`` (the whole
     ones), ``episodes_planned``, ``interrupted_episode`` and ``interrupted_round`` (where it
@@ -255,7 +350,8 @@ def _save_interrupted(strategy: FedDO | None, cfg: Config, out: str | Path, line
     kept = f" (the file at {out}, there before, is untouched)" if target != out else ""
     try:
         atomic(_write_policy)(strategy, cfg, target, done, rounds, cpu_s, episodes_planned=episodes,
-                              interrupted_episode=done + 1, interrupted_round=round_reached)
+                              interrupted_episode=done + 1, interrupted_round=round_reached,
+                              **started_from(start or StartingPoint()))
     except (OSError, ValueError) as exc:
         return f"fedfleet feddo pretrain: stopped {where}; the policy could not be written: {exc}"
     return (f"fedfleet feddo pretrain: stopped {where}; the policy learned so far ({done} of {episodes} episodes "
@@ -330,9 +426,11 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
         raise ConfigError("--out is empty: give the policy file's path (default feddo_policy.pt)")
     out = Path(args.out or "feddo_policy.pt")
 
-    def banner() -> None:
-        print(f"fedfleet feddo pretrain: {cfg.data.dataset}, {plural(cfg.data.clients, 'device')}, "
-              f"{plural(args.episodes, 'episode')} x {plural(args.rounds, 'round')} -> {out}", file=stream, flush=True)
+    def banner(start: StartingPoint) -> None:
+        print(banner_text(cfg, args.episodes, args.rounds, out, start), file=stream, flush=True)
+        note = replay_batch_note(cfg, args.episodes, args.rounds)
+        if note:
+            print(note, file=stream, flush=True)
     k = int(cfg.algorithm.get("num_devices") or 0) or cfg.data.clients
     legend = PROGRESS_LEGEND.format(top=k * math.log(2), target=-k,
                                     warmup=cfg.algorithm.get("warmup", feddo_defaults()["warmup"]))
@@ -343,7 +441,8 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
         print(progress_line(m, args.episodes), file=stream, flush=True)
 
     res = pretrain(cfg, episodes=args.episodes, rounds=args.rounds, out=out, on_episode=None if args.quiet else show,
-                   on_start=banner, on_interrupt=lambda line: print(line, file=stream, flush=True))
+                   on_start=banner, on_interrupt=lambda line: print(line, file=stream, flush=True),
+                   from_scratch=bool(getattr(args, "from_scratch", False)))
     print(f"policy written to {res.policy} ({res.parameter_counts['agent']:,} agent parameters, "
           f"{res.cpu_seconds:.1f} CPU s); use it with [algorithm] policy = \"{res.policy}\"", file=stream)
     return 0
@@ -355,6 +454,9 @@ def add_pretrain_arguments(sp) -> None:
     sp.add_argument("--episodes", type=int, default=200, help="pre-training episodes (default 200, the paper's)")
     sp.add_argument("--rounds", type=int, default=50, help="rounds per episode (default 50)")
     sp.add_argument("--out", help="policy file to write (default feddo_policy.pt)")
+    sp.add_argument("--from-scratch", action="store_true",
+                    help="start from an untrained agent, ignoring the config's [algorithm] policy (by default the "
+                         "pre-training goes on from that policy; the first line says which)")
     sp.add_argument("--seed", type=int, help="override [run] seed")
     sp.add_argument("--data-dir", help="folder holding the data sets (overrides [data] data_dir)")
     sp.add_argument("-q", "--quiet", action="store_true", help="no per-episode progress lines")

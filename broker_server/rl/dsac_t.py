@@ -466,7 +466,8 @@ class DSACTAgent:
     @atomic
     def update(self, steps: int = 1) -> dict[str, float]:
         """``steps`` gradient steps (none while the buffer holds fewer than ``warmup``
-        transitions). A stop signal (Ctrl-C, SIGTERM) that arrives meanwhile takes effect when
+        transitions), each on ``batch_size`` transitions drawn with replacement (a buffer holding
+        fewer gives a batch that repeats them). A stop signal (Ctrl-C, SIGTERM) that arrives meanwhile takes effect when
         the steps are done (:func:`protocol.lifecycle.atomic`), so the networks a stopped process
         saves are never half-way through an optimiser step. Returns the last step's losses, σ̄
         of each critic, ``q_mean`` (the two critics' mean Q on that step's batch, before their
@@ -584,8 +585,10 @@ class DSACTAgent:
     def save_policy(self, path: str | Path, metadata: Mapping[str, Any]) -> None:
         """Write the trained agent to ``path`` (``torch.save``): ``metadata`` (device count,
         state layout …), the sizes, the config and :meth:`networks_state`. The replay buffer is
-        not written (the deployed run fills its own). The file is written beside ``path`` and
-        renamed onto it, so a failed write (a full disk) leaves the file that was there before.
+        not written (the deployed run fills its own). The file is written beside ``path``, flushed
+        to the device and renamed onto it, so ``path`` holds the file that was there before or
+        the new one whole: a failed write (a full disk) leaves the former, and so does a power cut
+        before the rename (a pre-training that goes on from the policy at ``path`` replaces it so).
 
         Raises:
             ValueError: the agent holds NaN or infinite values (a diverged training; named, and
@@ -603,7 +606,7 @@ class DSACTAgent:
         torch.save({"format": POLICY_FORMAT, "state_dim": self.state_dim, "action_dim": self.action_dim,
                     "config": asdict(self.config), "metadata": dict(metadata), "agent": state}, buf)
         try:
-            write_atomically(path, buf.getvalue())
+            write_atomically(path, buf.getvalue(), fsync=True)
         except OSError as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise OSError(f"policy {path}: could not be written ({type(exc).__name__}: {reason}); "

@@ -281,7 +281,13 @@ def test_pretrain_cli_writes_a_policy_the_strategy_loads(tmp_path, capsys) -> No
     out = tmp_path / "policy.pt"
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "2", "--rounds", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("fedfleet feddo pretrain: digits, 3 devices, 2 episodes x 2 rounds -> ")
+    first, second = text.splitlines()[:2]
+    assert first == (f"fedfleet feddo pretrain: digits, 3 devices, 2 episodes x 2 rounds, from an untrained agent -> "
+                     f"{out}")
+    # a replay batch of 2 against a warm-up of 1 transition: said before the first episode
+    assert second == ("fedfleet feddo pretrain: note: [algorithm] batch_size = 2 is more than warmup = 1: the DSAC-T "
+                      "updates before the replay buffer holds 2 transitions draw their batch from fewer, with "
+                      "replacement (the first from 1)")
     assert "episode   1/2" in text and "episode   2/2" in text and "policy written" in text
     # once the agent learns, each line shows its critics' mean Q (a diverging critic shows there); a
     # legend first, with the entropy's bounds for these 3 devices: at most 3 ln 2 = 2.08, target -3
@@ -616,19 +622,27 @@ def test_a_policy_with_nan_weights_is_neither_written_nor_loaded(tmp_path) -> No
         _loaded(str(path))
 
 
-def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path) -> None:
+@pytest.mark.parametrize("there", ["another policy", "the starting policy"])
+def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path, there: str) -> None:
     """``fedfleet feddo pretrain`` in a process whose files may not exceed 64 KiB (``RLIMIT_FSIZE``:
     a write past it fails as on a full disk) over a good 3-device policy: exit 1 with the reason
-    and the episodes' cost, the good file byte for byte as it was, no temporary file left."""
+    and the episodes' cost, the good file byte for byte as it was, no temporary file left. So
+    too where that file is the policy the pre-training started from (its only copy)."""
     import subprocess
     import sys
 
-    good = Path(_policy(tmp_path / "policy.pt", 3))
+    toml = TINY_TOML.replace("hidden = 16", "hidden = 128")  # a 128-wide agent: its policy is larger than the limit
+    if there == "another policy":
+        good = Path(_policy(tmp_path / "policy.pt", 3))
+        assert len(good.read_bytes()) < 65_536
+    else:  # written here, without the limit: the pre-training reads it and cannot write it again
+        good = tmp_path / "policy.pt"
+        DSACTAgent(3 + GLOBAL_FEATURES, 3, DSACTConfig(**{**SMALL_AGENT, "hidden": (128, 128)}), seed=0).save_policy(
+            good, {"num_devices": 3, "global_features": GLOBAL_FEATURES})
+        toml += f'policy = "{good}"\n'
     before = good.read_bytes()
-    assert len(before) < 65_536
     cfg = tmp_path / "feddo.toml"
-    # a 128-wide agent: its policy file is larger than the limit
-    cfg.write_text(TINY_TOML.replace("hidden = 16", "hidden = 128"), encoding="utf-8")
+    cfg.write_text(toml, encoding="utf-8")
     code = ("import resource, signal, sys\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (65_536, 65_536))\n"
@@ -637,6 +651,11 @@ def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path) 
             f"'--out', {str(good)!r}, '-q']))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
+    if there == "the starting policy":
+        assert done.stdout.startswith(f"fedfleet feddo pretrain: digits, 3 devices, 1 episode x 3 rounds, starting "
+                                      f"from the policy {good} (")
+        assert done.stdout.splitlines()[0].endswith(f"-> {good} (the starting policy's file: replaced when the "
+                                                    "pre-training ends, whole or not at all)")
     assert "pre-training finished (1 episode x 3 rounds, " in done.stderr
     assert f"policy {good}: could not be written (" in done.stderr
     assert "the file there before is untouched" in done.stderr
@@ -856,11 +875,112 @@ def test_pretrain_records_the_data_settings_a_run_is_compared_with(tmp_path, cap
     cfg.write_text(TINY_TOML.replace("clients = 3", "clients = 1"), encoding="utf-8")
     out = tmp_path / "policy.pt"
     assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "1", "--out", str(out)]) == 0
-    banner = f"fedfleet feddo pretrain: digits, 1 device, 1 episode x 1 round -> {out}"
+    banner = f"fedfleet feddo pretrain: digits, 1 device, 1 episode x 1 round, from an untrained agent -> {out}\n"
     assert capsys.readouterr().out.startswith(banner)
     _, meta, _ = DSACTAgent.load_policy(out)
     assert {k: meta[k] for k in ("dataset", "partition", "alpha", "clients")} == {
         "dataset": "digits", "partition": "dirichlet", "alpha": 0.5, "clients": 1}
+
+
+def test_pretrain_from_the_configs_policy_says_so_and_from_scratch_ignores_it(tmp_path, capsys) -> None:
+    """A configuration naming ``[algorithm] policy`` (README's flow leaves it there after the first
+    pre-training): the pre-training goes on from that policy, and its first line says so with the
+    policy's DSAC-T updates; the metadata records the policy it started from, its ``updates``
+    counting from the start of the agent. ``--from-scratch`` starts an untrained agent, its first
+    line naming the policy it did not read, and the policy is that of a first pre-training."""
+    cfg = tmp_path / "feddo.toml"
+    cfg.write_text(TINY_TOML, encoding="utf-8")
+    first = tmp_path / "feddo_policy.pt"
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "2", "--out", str(first),
+                 "-q"]) == 0
+    capsys.readouterr()
+    before, meta0, sha = DSACTAgent.load_policy(first)
+    assert before.updates > 0 and "started_from" not in meta0
+    cfg.write_text(TINY_TOML + f'policy = "{first}"\n', encoding="utf-8")
+    again = tmp_path / "p2.pt"
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "2", "--out", str(again),
+                 "-q"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"fedfleet feddo pretrain: digits, 3 devices, 1 episode x 2 rounds, starting from the policy {first} (the "
+        f"config's [algorithm] policy; its {before.updates} DSAC-T updates; --from-scratch ignores it) -> {again}")
+    agent, meta, _ = DSACTAgent.load_policy(again)
+    assert meta["episodes"] == 1 and agent.updates == meta["updates"] == 2 * before.updates
+    assert (meta["started_from"], meta["started_from_sha256"], meta["started_from_updates"]) == (
+        str(first.resolve()), sha, before.updates)
+    scratch = tmp_path / "p3.pt"
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "2", "--out",
+                 str(scratch), "-q", "--from-scratch"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "fedfleet feddo pretrain: digits, 3 devices, 1 episode x 2 rounds, from an untrained agent (--from-scratch: "
+        f"the config's [algorithm] policy {first} is not read) -> {scratch}")
+    agent, meta, _ = DSACTAgent.load_policy(scratch)
+    assert agent.updates == before.updates and "started_from" not in meta
+    assert meta["updates"] == meta0["updates"]
+
+
+def test_pretrain_onto_its_starting_policy_says_it_replaces_it_flushed_before_the_rename(tmp_path, capsys,
+                                                                                         monkeypatch) -> None:
+    """--out the starting policy's file (by another name too: a relative path from its folder):
+    the first line says the file is replaced when the pre-training ends, whole or not at all; the
+    new policy is written beside it, flushed to the device, then renamed onto it (a power cut
+    leaves one whole file: the old or the new)."""
+    import protocol.files
+
+    cfg = tmp_path / "feddo.toml"
+    start = Path(_policy(tmp_path / "feddo_policy.pt", 3))
+    cfg.write_text(TINY_TOML + f'policy = "{start}"\n', encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    calls: list[str] = []
+    fsync, replace = protocol.files.os.fsync, protocol.files.os.replace
+
+    def flushed(fd: int) -> None:
+        calls.append("fsync")
+        fsync(fd)
+
+    def renamed(a, b) -> None:
+        calls.append(f"replace {Path(b).name}")
+        replace(a, b)
+
+    monkeypatch.setattr(protocol.files.os, "fsync", flushed)
+    monkeypatch.setattr(protocol.files.os, "replace", renamed)
+    assert main(["feddo", "pretrain", "--config", str(cfg), "--episodes", "1", "--rounds", "2", "--out",
+                 "feddo_policy.pt", "-q"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"fedfleet feddo pretrain: digits, 3 devices, 1 episode x 2 rounds, starting from the policy {start} (the "
+        "config's [algorithm] policy; its 0 DSAC-T updates; --from-scratch ignores it) -> feddo_policy.pt (the "
+        "starting policy's file: replaced when the pre-training ends, whole or not at all)")
+    assert calls == ["fsync", "replace feddo_policy.pt"]
+    agent, meta, _ = DSACTAgent.load_policy(start)
+    assert agent.updates > 0 and meta["started_from"] == str(start.resolve()) and meta["started_from_updates"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml", "feddo_policy.pt"]
+
+
+def test_pretrain_says_what_a_replay_batch_larger_than_its_buffer_does() -> None:
+    """A DSAC-T batch is drawn with replacement: a batch_size above warmup repeats transitions in
+    the updates before the buffer holds a batch, and one above all the transitions a pre-training
+    stores (the new user's 32 against 1 episode x 3 rounds) in every update; each is said before
+    the first episode. None at batch_size <= warmup. The buffer does give such a batch."""
+    from broker_server.config import from_dict
+    from broker_server.feddo_pretrain import replay_batch_note
+
+    def cfg(warmup: int, batch: int):  # noqa: ANN202
+        return from_dict({"data": {"dataset": "digits", "clients": 4}, "train": {"algorithm": "feddo"},
+                          "algorithm": {"warmup": warmup, "batch_size": batch}}, "<test>")
+
+    assert replay_batch_note(cfg(3, 32), 1, 3) == (
+        "fedfleet feddo pretrain: note: [algorithm] batch_size = 32 is more than the 3 transitions this pre-training "
+        "stores in all (--episodes x --rounds): every DSAC-T update draws its 32 from at most 3, with replacement "
+        "(each one about 11 times in every batch); lower batch_size, or pre-train more rounds")
+    assert replay_batch_note(cfg(32, 64), 10, 75) == (
+        "fedfleet feddo pretrain: note: [algorithm] batch_size = 64 is more than warmup = 32: the DSAC-T updates "
+        "before the replay buffer holds 64 transitions draw their batch from fewer, with replacement (the first "
+        "from 32)")
+    assert replay_batch_note(cfg(32, 32), 1, 34) is None
+    agent = DSACTAgent(2 + GLOBAL_FEATURES, 2, DSACTConfig(**SMALL_AGENT, warmup=1, batch_size=32), seed=0)
+    s = np.zeros(2 + GLOBAL_FEATURES, np.float32)
+    agent.observe(s, np.zeros(2, np.float32), 1.0, s, True)
+    assert agent.buffer.sample(32, np.random.default_rng(0))["r"].shape[0] == 32
+    assert agent.update(1) and agent.updates == 1
 
 
 def test_the_readme_path_from_the_example_pretrains_and_deploys(tmp_path, monkeypatch, caplog) -> None:
