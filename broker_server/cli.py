@@ -133,9 +133,10 @@ def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
                                                                     for k, v in found.items()}})
 
 
-def run_header(cfg, command: str = "simulate") -> str:
+def run_header(cfg, command: str = "simulate", resumed_after: int | None = None) -> str:
     """The first line of ``fedfleet simulate``: data set, clients, partition, algorithm (with the
-    files its ``[algorithm]`` path keys name: FedDO's pre-trained ``policy``), rounds,
+    files its ``[algorithm]`` path keys name: FedDO's pre-trained ``policy``, or, resumed after
+    round N, its agent from that checkpoint: ``Strategy.header_files``), rounds,
     signing/encryption (``1 client, 1 round``)."""
     from .server_main import security_text
     from .strategies import get_strategy_class
@@ -143,10 +144,9 @@ def run_header(cfg, command: str = "simulate") -> str:
     d = cfg.data
     alpha = f", α={d.alpha:g}" if d.partition == "dirichlet" else ""
     try:
-        keys = get_strategy_class(cfg.train.algorithm).path_keys
+        files = get_strategy_class(cfg.train.algorithm).header_files(cfg.algorithm, resumed_after)
     except ConfigError:  # an unknown algorithm: make_strategy says so right after
-        keys = ()
-    files = ", ".join(f"{k} {cfg.algorithm[k]}" for k in keys if cfg.algorithm.get(k))
+        files = ""
     return (f"fedfleet {command}: {d.dataset}, {plural(d.clients, 'client')} ({d.partition}{alpha}), "
             f"{cfg.train.algorithm}{f' ({files})' if files else ''}, {plural(cfg.run.rounds, 'round')}, "
             f"{security_text(cfg)}")
@@ -176,7 +176,7 @@ def _cmd_simulate(args) -> int:
         last = last_checkpoint_round(out / "checkpoints.sqlite") or 0
 
     def started() -> None:  # the configuration checks passed: the first lines (an error comes alone)
-        print(run_header(cfg), flush=True)
+        print(run_header(cfg, resumed_after=last), flush=True)
         if fin is not None:
             from .run_end import finishing_line
 
@@ -283,7 +283,12 @@ def _cmd_server(args) -> int:
 
         print(nothing_to_resume(fin, cfg.run.rounds, "server"), flush=True)
         return EXIT_OK
-    print(run_header(cfg, "server"), flush=True)
+    last = fin.rounds if fin is not None else None
+    if fin is None and args.resume and (Path(args.out) / "checkpoints.sqlite").exists():
+        from .run_end import last_checkpoint_round
+
+        last = last_checkpoint_round(Path(args.out) / "checkpoints.sqlite") or 0
+    print(run_header(cfg, "server", resumed_after=last), flush=True)
     return serve(cfg, broker_url=args.broker, run_dir=args.out, resume=bool(args.resume),
                  verbose=args.verbose + args.sub_verbose > 0)
 

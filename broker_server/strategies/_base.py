@@ -523,7 +523,8 @@ class Strategy(ABC):
       check refuses them there and leaves them out of the keys it lists.
     * ``path_keys``: ``[algorithm]`` keys whose values are file paths (FedDO's ``policy``): made
       absolute against the current folder when a run starts (:func:`broker_server.cli.absolute_path_keys`),
-      so that the run folder's config.toml finds the file from any folder on ``--resume``.
+      so that the run folder's config.toml finds the file from any folder on ``--resume``; the
+      run's first line names them (:meth:`header_files`).
     * ``max_devices``: the most devices the strategy can serve (``None``, the default: any
       number); an instance may set it in its constructor (FedDO with a pre-trained policy: the
       policy's K). :func:`broker_server.runtime.make_strategy` refuses a configuration whose
@@ -558,6 +559,15 @@ class Strategy(ABC):
     committed_metrics: Mapping[str, Any] = {}
 
     # ------------------------------------------------------------------ setup
+
+    @classmethod
+    def header_files(cls, params: Mapping[str, object], resumed_after: int | None = None) -> str:
+        """What the run's first line says after the algorithm's name, in brackets, of the files
+        its :attr:`path_keys` name in ``params`` (``[algorithm]``): ``"KEY PATH"`` for each key
+        set (``""``: none). ``resumed_after``: the checkpoint round a ``--resume`` goes on from
+        (``None``: a fresh run); a strategy whose state then comes from the checkpoint rather
+        than from such a file says so (FedDO)."""
+        return ", ".join(f"{k} {params[k]}" for k in cls.path_keys if params.get(k))
 
     @classmethod
     def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int) -> dict:

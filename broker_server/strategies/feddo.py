@@ -396,6 +396,18 @@ class FedDO(Strategy):
     # ------------------------------------------------------------------ setup
 
     @classmethod
+    def header_files(cls, params: Mapping[str, object], resumed_after: int | None = None) -> str:
+        """``policy PATH`` for a fresh run (or a resume of a run checkpointed before its first
+        round: the policy file is read then); a resume after round N takes its agent from that
+        checkpoint (:meth:`load_state_dict`), whatever the file now holds or whether it is there:
+        ``agent from the checkpoint of round N; started from policy PATH``."""
+        policy = params.get("policy")
+        if not resumed_after:
+            return super().header_files(params, resumed_after)
+        return (f"agent from the checkpoint of round {resumed_after}"
+                + (f"; started from policy {policy}" if policy else ""))
+
+    @classmethod
     def setup_kwargs(cls, dataset: Any, params: Mapping[str, object], seed: int,
                      device_samples: np.ndarray | None = None,
                      data_settings: Mapping[str, object] | None = None) -> dict:

@@ -236,12 +236,13 @@ val_size = 100
 """
 
 
-def test_a_resume_needs_no_policy_file_and_goes_on_as_the_uninterrupted_run(tmp_path, monkeypatch) -> None:
+def test_a_resume_needs_no_policy_file_and_goes_on_as_the_uninterrupted_run(tmp_path, monkeypatch, capsys) -> None:
     """A run on a policy, cut after round 2; its policy file is then pre-trained again at the same
     path (another device count and width), and later removed: each resume takes the agent from the
     checkpoint, never from the file, and rounds 1-4 are those of the same run left uninterrupted.
     Both runs' summary.json name the policy they started from by its file's SHA-256, and the agent
-    they ended with."""
+    they ended with. The first line of each resume (fedfleet simulate's and fedfleet server's)
+    says the agent is the checkpoint's, not the file's."""
     import hashlib
 
     monkeypatch.chdir(tmp_path)
@@ -250,12 +251,28 @@ def test_a_resume_needs_no_policy_file_and_goes_on_as_the_uninterrupted_run(tmp_
     cfg = tmp_path / "feddo.toml"
     cfg.write_text(TINY_TOML + f'policy = "{policy}"\n', encoding="utf-8")
     assert main(["simulate", "--config", str(cfg), "--rounds", "4", "--out", "whole", "--quiet"]) == 0
+    capsys.readouterr()
     assert main(["simulate", "--config", str(cfg), "--rounds", "2", "--out", "cut", "--quiet"]) == 0
+    head = "fedfleet simulate: digits, 3 clients (dirichlet, α=0.5), feddo"
+    assert capsys.readouterr().out.splitlines()[0] == f"{head} (policy {policy}), 2 rounds, unsigned"
     other = DSACTAgent(5 + GLOBAL_FEATURES, 5, DSACTConfig(hidden=(32, 32), rank=4), seed=1)
     other.save_policy(policy, {"num_devices": 5, "global_features": GLOBAL_FEATURES})
     assert main(["simulate", "--resume", "cut", "--rounds", "3", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{head} (agent from the checkpoint of round 2; started from policy {policy}), 3 rounds, unsigned")
     policy.unlink()
+    import broker_server.server_main
+
+    monkeypatch.setattr(broker_server.server_main, "serve", lambda *a, **k: 0)  # the first line only
+    assert main(["server", "--resume", "cut", "--rounds", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "fedfleet server: digits, 3 clients (dirichlet, α=0.5), feddo (agent from the checkpoint of round 3; started "
+        f"from policy {policy}), 4 rounds, unsigned")
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
     assert main(["simulate", "--resume", "cut", "--rounds", "4", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{head} (agent from the checkpoint of round 3; started from policy {policy}), 4 rounds, unsigned")
 
     def rounds(run: str) -> list[dict]:
         lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

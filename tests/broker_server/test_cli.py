@@ -51,6 +51,15 @@ def test_header_grammar_and_security() -> None:
     assert cli.run_header(feddo) == ("fedfleet simulate: digits, 4 clients (dirichlet, α=1), feddo "
                                      "(policy /p/k100.pt), 5 rounds, unsigned")
     assert ", feddo, " in cli.run_header(load(QUICKSTART, {("train", "algorithm"): "feddo"}))
+    # resumed after round N, FedDO's agent is the checkpoint's (the policy file is not read): said so;
+    # a checkpoint of round 0 holds no agent yet (the file is read in round 1); other strategies as before
+    assert cli.run_header(feddo, resumed_after=2) == (
+        "fedfleet simulate: digits, 4 clients (dirichlet, α=1), feddo (agent from the checkpoint of round 2; started "
+        "from policy /p/k100.pt), 5 rounds, unsigned")
+    assert cli.run_header(feddo, resumed_after=0) == cli.run_header(feddo)
+    assert ", feddo (agent from the checkpoint of round 3), " in cli.run_header(
+        load(QUICKSTART, {("train", "algorithm"): "feddo"}), resumed_after=3)
+    assert cli.run_header(one, resumed_after=2) == cli.run_header(one)
 
 
 def test_keys_list_without_a_key_folder_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
