@@ -115,11 +115,12 @@ def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
     """``cfg`` with the ``[algorithm]`` keys its algorithm names as file paths (a strategy's
     ``path_keys``: FedDO's ``policy``) made absolute against the current folder, ``~`` expanded
     (:func:`os.path.abspath`: ``..`` is resolved by name), so that the run folder's config.toml
-    names the file wherever a ``--resume`` is started from. An unknown algorithm is left to the
-    strategy's own check."""
+    names the file wherever a ``--resume`` is started from; a relative one remembers it was
+    (:class:`~broker_server.given_paths.GivenPath`: an error reading it says so). An unknown
+    algorithm is left to the strategy's own check."""
     import dataclasses
-    import os
 
+    from .given_paths import absolute_path
     from .strategies import get_strategy_class
 
     try:
@@ -129,8 +130,7 @@ def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
     found = {k: v for k in keys if isinstance(v := cfg.algorithm.get(k), str) and v}
     if not found:
         return cfg
-    return dataclasses.replace(cfg, algorithm={**cfg.algorithm, **{k: os.path.abspath(os.path.expanduser(v))
-                                                                    for k, v in found.items()}})
+    return dataclasses.replace(cfg, algorithm={**cfg.algorithm, **{k: absolute_path(v) for k, v in found.items()}})
 
 
 def run_header(cfg, command: str = "simulate", resumed_after: int | None = None) -> str:

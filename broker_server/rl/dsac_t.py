@@ -39,6 +39,7 @@ import copy
 import hashlib
 import io
 import math
+import os
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from broker_server import portable_ops
+from broker_server.given_paths import relative_path_note
 from protocol.files import write_atomically
 from protocol.lifecycle import atomic
 
@@ -639,8 +641,11 @@ class DSACTAgent:
             # stopped early, a full disk), which torch's own reason (often "[Errno 22] Invalid
             # argument") does not say
             cut = Path(path).is_file() and not zipfile.is_zipfile(Path(path))
-            where = "" if Path(path).is_absolute() else f" (relative to the current folder: {Path(path).resolve()})"
-            raise ValueError(f"policy {path}{where}: cannot be read ({type(exc).__name__}: {_load_reason(exc)})"
+            # a relative path (or one a run made absolute: given_paths.GivenPath) is read from the
+            # current folder, not the configuration file's: said with the folder
+            where = relative_path_note(path)
+            shown = os.path.abspath(path) if where else path
+            raise ValueError(f"policy {shown}{where}: cannot be read ({type(exc).__name__}: {_load_reason(exc)})"
                              + ("; it is not a whole torch archive (cut short, or not written by torch.save)"
                                 if cut else "")
                              + "; [algorithm] policy must name a file that fedfleet feddo pretrain wrote") from exc

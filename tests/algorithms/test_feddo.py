@@ -837,11 +837,35 @@ def test_a_relative_policy_path_that_is_not_there_names_where_it_was_looked_for(
     """``policy = "feddo_policy.pt"`` is read from the current folder (README): a run started in
     another folder is told the full path it looked at; an absolute path is named as given."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=re.escape(f"policy feddo_policy.pt (relative to the current folder: "
-                                                   f"{tmp_path.resolve() / 'feddo_policy.pt'}): cannot be read (")):
+    here = Path.cwd()
+    with pytest.raises(ValueError, match=re.escape(f"policy {here / 'feddo_policy.pt'} (given as feddo_policy.pt; a "
+                                                   f"relative path is read from the current folder, {here}): cannot "
+                                                   "be read (FileNotFoundError: ")):
         _loaded("feddo_policy.pt")
     with pytest.raises(ValueError, match=re.escape(f"policy {tmp_path / 'none.pt'}: cannot be read (")):
         _loaded(str(tmp_path / "none.pt"))
+
+
+def test_simulate_says_a_relative_policy_is_read_from_the_current_folder(tmp_path, monkeypatch, capsys) -> None:
+    """``policy = "feddo_policy.pt"`` in a configuration beside that file, the run started in
+    another folder: the run makes the path absolute against the current folder (for its
+    config.toml), and the one line saying the file cannot be read names it as given and the folder
+    it was read from (a policy given absolute: test_simulate_says_a_damaged_policy_in_one_line)."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    _policy(tmp_path / "conf" / "feddo_policy.pt", 3)
+    cfg = tmp_path / "conf" / "feddo.toml"
+    cfg.write_text(TINY_TOML + 'policy = "feddo_policy.pt"\n', encoding="utf-8")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    here = Path.cwd()
+    assert main(["simulate", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"fedfleet: configuration error: {cfg}: [algorithm] for 'feddo': policy {here / 'feddo_policy.pt'} (given as "
+        f"feddo_policy.pt; a relative path is read from the current folder, {here}): cannot be read "
+        f"(FileNotFoundError: [Errno 2] No such file or directory: '{here / 'feddo_policy.pt'}'); [algorithm] policy "
+        "must name a file that fedfleet feddo pretrain wrote"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_simulation_says_its_overlapping_validation_set_once(tmp_path, caplog) -> None:

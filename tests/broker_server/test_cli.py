@@ -7,6 +7,7 @@ none measured said in words, not ``nan``)."""
 
 from __future__ import annotations
 
+import pickle
 import socket
 from pathlib import Path
 
@@ -312,7 +313,16 @@ def test_a_relative_path_key_is_made_absolute_for_the_run_folder(tmp_path: Path,
                         ("~/pol.pt", tmp_path / "home" / "pol.pt"), ("/abs/pol.pt", Path("/abs/pol.pt"))):
         path = tmp_path / "c.toml"
         path.write_text(text + f'\n[algorithm]\npolicy = "{given}"\n', encoding="utf-8")
-        assert cli.absolute_path_keys(load(path)).algorithm["policy"] == str(want)
+        made = cli.absolute_path_keys(load(path))
+        assert made.algorithm["policy"] == str(want)
+        # a relative one remembers how it was given and the folder it was read from (an error
+        # reading it says so); the run's config.toml gets the absolute path, and a copy keeps both
+        relative = not given.startswith(("~", "/"))
+        assert (getattr(made.algorithm["policy"], "given", None), getattr(made.algorithm["policy"], "folder", None)) \
+            == ((given, str(tmp_path)) if relative else (None, None))
+        assert f'policy = "{want}"' in made.to_toml()
+        copied = pickle.loads(pickle.dumps(made.algorithm["policy"]))
+        assert (copied, getattr(copied, "given", None)) == (str(want), given if relative else None)
     plain = load(QUICKSTART)
     assert cli.absolute_path_keys(plain) is plain
 
