@@ -29,6 +29,7 @@ apart in its rows: see :func:`ledger_resumes`).
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -72,15 +73,40 @@ def ledger_resumes(meta: Mapping[str, str]) -> list[dict[str, Any]] | None:
     Returns:
         A list of ``{"after_round": int, "after_id": int, "at": float | None}`` (``[]``: the run
         was never resumed); ``None`` when the ledger notes nothing (written before resumes were
-        noted, or not a server's: a device's own ledger) or the entry is unreadable.
+        noted, or not a server's: a device's own ledger) or the entry is unreadable: not a JSON
+        list of objects, or an ``after_round`` or ``after_id`` that is not a whole number from 0
+        to :data:`MAX_ROW_ID` (SQLite's largest integer: a note the queries can be given).
     """
     raw = meta.get(RESUMES_META)
     if raw is None:
         return None
     try:
         items = json.loads(raw)
-        marks = [{"after_round": int(m["after_round"]), "after_id": int(m["after_id"]),
+        marks = [{"after_round": _whole(m["after_round"]), "after_id": _whole(m["after_id"]),
                   "at": None if m.get("at") is None else float(m["at"])} for m in items]
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         return None
     return sorted(marks, key=lambda m: m["after_id"])
+
+
+#: The largest integer SQLite stores (a signed 64-bit one): no ``after_round`` or ``after_id`` of a
+#: readable note is larger.
+MAX_ROW_ID = 2 ** 63 - 1
+
+
+def _whole(value: Any) -> int:
+    """``value`` as a whole number from 0 to :data:`MAX_ROW_ID` (an int, or a float with no
+    fraction, as JSON may write one).
+
+    Raises:
+        ValueError: anything else (a bool, a string, a fraction, NaN, ±Infinity, a negative number
+            or one SQLite cannot store).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a number")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ValueError(f"{value!r} is not a whole number")
+    n = int(value)
+    if not 0 <= n <= MAX_ROW_ID:
+        raise ValueError(f"{value!r} is out of range")
+    return n

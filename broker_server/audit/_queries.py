@@ -467,6 +467,17 @@ RESUME_PARTS = ("rerun", "ending", "rejoin")
 _NO_ID = 2 ** 62
 
 
+def _sqlite_int(value: Any) -> int:
+    """``int(value)`` within ±:data:`_NO_ID` (SQLite takes no integer beyond 64 bits): a note
+    larger than that is beyond every row id and round of a ledger, as is the bound it is cut to,
+    so the queries' answer is the same.
+
+    Raises:
+        ValueError, OverflowError, TypeError: ``value`` is not a number (NaN, ±Infinity …).
+    """
+    return max(-_NO_ID, min(int(value), _NO_ID))
+
+
 def _part(db: sqlite3.Connection, with_v: str, params: tuple[Any, ...], where: str,
           where_params: tuple[Any, ...]) -> dict[str, Any]:
     """``messages``, ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``,
@@ -538,8 +549,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
         ValueError: unknown ``view``.
     """
     with_v, params = _view(view)
-    marks = sorted(({"after_round": int(m["after_round"]), "after_id": int(m["after_id"])} for m in resumes),
-                   key=lambda m: m["after_id"])
+    marks = sorted(({"after_round": _sqlite_int(m["after_round"]), "after_id": _sqlite_int(m["after_id"])}
+                    for m in resumes), key=lambda m: m["after_id"])
     bounds = [0] + [m["after_id"] for m in marks] + [_NO_ID]
     out: list[dict[str, Any]] = []
 

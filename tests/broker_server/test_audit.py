@@ -1425,3 +1425,43 @@ def test_a_finished_run_resumed_with_more_rounds_ends_with_its_finish_and_goodby
 
     assert ("0 re-sent (no round after the checkpoint had begun before it stopped), 136 ending the interrupted "
             "session") in resume_line(report, "device")
+
+
+def _set_resumes(run, value):
+    """``meta.resumes`` of ``run``'s ledger set by hand to ``value`` (any SQLite value: text, a blob,
+    NULL), as someone editing the file would; the folder is returned."""
+    db = sqlite3.connect(run / "ledger.sqlite")
+    try:
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('resumes', ?)", (value,))
+        db.commit()
+    finally:
+        db.close()
+    return run
+
+
+@pytest.mark.parametrize("value", ['[{"after_round": 1e30, "after_id": 5}]',
+                                   '[{"after_round": Infinity, "after_id": 5}]',
+                                   '[{"after_round": 1, "after_id": 1e20}]',
+                                   '[{"after_round": -Infinity, "after_id": NaN}]',
+                                   '[{"after_round": 1, "after_id": 99999999999999999999999}]'])
+def test_a_resumes_note_with_numbers_out_of_range_is_audited_without_a_crash(tmp_path, capsys, value):
+    """Numbers SQLite cannot hold (or no number at all) in a hand-edited note: the audit (text, JSON,
+    CSV, HTML) runs, and gives no attribution from them."""
+    from broker_server.audit import resume_bytes
+    from broker_server.resumes import ledger_resumes
+
+    run = _set_resumes(_resumed_run(tmp_path / "run-r"), value)
+    assert ledger_resumes({"resumes": value}) is None  # not marks the queries could be given
+    rep = audit_report(run)
+    assert rep["resume"] is None or rep["resume"]["device"] is None
+    assert rep["totals"]["device"]["all"]["wire_bytes"] == DEV_FIRST + DEV_RESUMED
+    render_text(rep)
+    assert fedfleet_main(["audit", str(run), str(run), "--json", "--csv", str(tmp_path / "csv"),
+                          "--html", str(tmp_path / "r.html")]) == 0
+    capsys.readouterr()
+    # the queries themselves take any whole number: beyond every row id and round, it cuts nothing
+    rows = load_run(run).rows
+    beyond = resume_bytes(rows, [{"after_round": 10 ** 30, "after_id": 13}])
+    assert (beyond["rerun"]["wire_bytes"], beyond["ending"]["wire_bytes"]) == (0, 0)  # no round after it
+    far = resume_bytes(rows, [{"after_round": 1, "after_id": 10 ** 20}])
+    assert (far["rerun"]["wire_bytes"], far["rejoin"]["wire_bytes"]) == (2 * (G2 + U2A1), 0)  # every round-2 row
