@@ -23,7 +23,8 @@ session from the other; this module's note does:
 
 A run started afresh writes ``[]``: "never resumed", as distinct from a ledger written before
 resumes were noted, which has no ``resumes`` key at all (its resumes, if any, cannot be told
-apart in its rows: see :func:`ledger_resumes`).
+apart in its rows), and from a key whose value cannot be used (unreadable, or numbers no run
+could have noted): see :func:`read_resumes`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from protocol.ledger import Ledger, read_meta
@@ -68,45 +70,152 @@ def note_resume(ledger: Ledger, *, after_round: int, after_id: int) -> list[dict
 
 
 def ledger_resumes(meta: Mapping[str, str]) -> list[dict[str, Any]] | None:
-    """The resumes a ledger's ``meta`` notes, in the order they happened (by ``after_id``).
+    """The resumes a ledger's ``meta`` notes, in the order they happened (by ``after_id``): the
+    ``marks`` of :func:`read_resumes`.
 
     Returns:
         A list of ``{"after_round": int, "after_id": int, "at": float | None}`` (``[]``: the run
         was never resumed); ``None`` when the ledger notes nothing (written before resumes were
-        noted, or not a server's: a device's own ledger) or the entry is unreadable: not a JSON
-        list of objects, or an ``after_round`` or ``after_id`` that is not a whole number from 0
-        to :data:`MAX_ROW_ID` (SQLite's largest integer: a note the queries can be given).
+        noted, or not a server's: a device's own ledger) or the entry is unreadable or
+        implausible by itself (see :func:`read_resumes`).
     """
-    raw = meta.get(RESUMES_META)
-    if raw is None:
-        return None
-    try:
-        items = json.loads(raw)
-        marks = [{"after_round": _whole(m["after_round"]), "after_id": _whole(m["after_id"]),
-                  "at": None if m.get("at") is None else float(m["at"])} for m in items]
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
-        return None
-    return sorted(marks, key=lambda m: m["after_id"])
+    return read_resumes(meta).marks
 
 
 #: The largest integer SQLite stores (a signed 64-bit one): no ``after_round`` or ``after_id`` of a
-#: readable note is larger.
+#: note the queries are given is larger.
 MAX_ROW_ID = 2 ** 63 - 1
 
 
-def _whole(value: Any) -> int:
-    """``value`` as a whole number from 0 to :data:`MAX_ROW_ID` (an int, or a float with no
-    fraction, as JSON may write one).
+@dataclass(frozen=True, slots=True)
+class ResumesNote:
+    """What a ledger's ``meta`` says of its run's resumes (:func:`read_resumes`).
+
+    Attributes:
+        state: ``"absent"`` (no ``resumes`` entry: a ledger written before resumes were noted,
+            or a device's own), ``"unreadable"`` (not a JSON list of notes with a whole
+            ``after_round`` and ``after_id`` each), ``"implausible"`` (numbers no run could have
+            noted: negative, beyond SQLite's integers, an entry repeated or out of order) or
+            ``"noted"``.
+        marks: when ``"noted"``, one dict per resume in ``after_id`` order (``[]``: never
+            resumed), else None.
+        why: what is wrong with the entry (``"unreadable"``, ``"implausible"``), else None.
+    """
+
+    state: str
+    marks: list[dict[str, Any]] | None = None
+    why: str | None = None
+
+
+def _shown(value: Any) -> str:
+    """A note's value as JSON writes it (``1e+30``, ``Infinity``, ``"x"``), cut to 40 characters."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+class _Bad(ValueError):
+    """One entry is wrong: ``state`` ``"unreadable"`` or ``"implausible"``, the message says why."""
+
+    def __init__(self, state: str, why: str) -> None:
+        super().__init__(why)
+        self.state = state
+
+
+def _whole(entry: Mapping[str, Any], key: str, n: int) -> int:
+    """``entry[key]`` as a whole number from 0 to :data:`MAX_ROW_ID` (an int, or a float with no
+    fraction, as JSON may write one); ``n`` numbers the entry in the message.
 
     Raises:
-        ValueError: anything else (a bool, a string, a fraction, NaN, ±Infinity, a negative number
-            or one SQLite cannot store).
+        _Bad: unreadable (missing, a bool, a string, a fraction, NaN, ±Infinity) or implausible
+            (negative, or beyond SQLite's integers).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{value!r} is not a number")
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise ValueError(f"{value!r} is not a whole number")
-    n = int(value)
-    if not 0 <= n <= MAX_ROW_ID:
-        raise ValueError(f"{value!r} is out of range")
-    return n
+    if key not in entry:
+        raise _Bad("unreadable", f"entry {n} has no {key}")
+    value = entry[key]
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))):
+        raise _Bad("unreadable", f"entry {n}'s {key} is {_shown(value)}, not a whole number")
+    whole = int(value)
+    if whole < 0:
+        raise _Bad("implausible", f"entry {n}'s {key} is negative ({_shown(value)})")
+    if whole > MAX_ROW_ID:
+        raise _Bad("implausible", f"entry {n}'s {key} {_shown(value)} is beyond SQLite's integers")
+    return whole
+
+
+def _mark(entry: Any, n: int) -> dict[str, Any]:
+    """One entry of the note as ``{"after_round", "after_id", "at"}`` (``at`` None when it is not
+    a finite number: the attribution does not use it, so a bad one costs nothing else).
+
+    Raises:
+        _Bad: see :func:`_whole`; or the entry is not a JSON object.
+    """
+    if not isinstance(entry, dict):
+        raise _Bad("unreadable", f"entry {n} is {_shown(entry)}, not an object")
+    at = entry.get("at")
+    try:
+        seconds = None if isinstance(at, bool) or not isinstance(at, (int, float)) else float(at)
+    except OverflowError:  # an int beyond floats
+        seconds = None
+    return {"after_round": _whole(entry, "after_round", n), "after_id": _whole(entry, "after_id", n),
+            "at": seconds if seconds is not None and math.isfinite(seconds) else None}
+
+
+def _json_kind(value: Any) -> str:
+    """``"a JSON object"``, ``"JSON null"`` …: what a note that is not a list is."""
+    if value is None:
+        return "JSON null"
+    kinds = ((bool, "a JSON boolean"), (dict, "a JSON object"), (str, "a JSON string"), ((int, float), "a JSON number"))
+    return next((name for t, name in kinds if isinstance(value, t)), "not a list")
+
+
+def read_resumes(meta: Mapping[str, str]) -> ResumesNote:
+    """What a ledger's ``meta`` (key → value, as :func:`protocol.ledger.read_meta` gives it) says
+    of its run's resumes: absent, unreadable, implausible by itself, or the notes (see
+    :class:`ResumesNote`). Whether the notes fit the ledger's rows is :func:`implausible_resumes`.
+    Never raises for what the entry holds (a hand-edited file may hold anything)."""
+    raw = meta.get(RESUMES_META)
+    if raw is None:
+        return ResumesNote("absent")
+    try:
+        items = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        return ResumesNote("unreadable", why=f"not JSON: {exc}" if isinstance(exc, ValueError) else "not JSON")
+    if not isinstance(items, list):
+        return ResumesNote("unreadable", why=f"{_json_kind(items)}, not a list")
+    try:
+        marks = [_mark(m, n) for n, m in enumerate(items, start=1)]
+    except _Bad as exc:
+        return ResumesNote(exc.state, why=str(exc))
+    seen: dict[int, tuple[int, dict[str, Any]]] = {}
+    for n, m in enumerate(marks, start=1):
+        if n > 1 and m["after_id"] < marks[n - 2]["after_id"]:
+            return ResumesNote("implausible", why=f"entry {n}'s after_id {m['after_id']} is before entry {n - 1}'s "
+                                                  f"({marks[n - 2]['after_id']}): resumes are noted in the order they "
+                                                  "happened")
+        if (first := seen.get(m["after_id"])) is not None:
+            i, other = first
+            if other == m:
+                return ResumesNote("implausible", why=f"entry {n} repeats entry {i}")
+            if other["after_round"] != m["after_round"]:
+                return ResumesNote("implausible", why=f"entries {i} and {n} begin after the same row (after_id "
+                                                      f"{m['after_id']}) from different rounds")
+        seen.setdefault(m["after_id"], (n, m))
+    return ResumesNote("noted", marks=sorted(marks, key=lambda m: m["after_id"]))
+
+
+def implausible_resumes(marks: Sequence[Mapping[str, Any]], *, last_id: int, last_round: int | None) -> str | None:
+    """Why ``marks`` (:func:`read_resumes`) cannot be the resumes of a ledger whose newest row has
+    id ``last_id`` and whose last training round is ``last_round`` (None: it has none), or None
+    when they can: a resume goes on from a round the run reached, after a row it holds."""
+    for n, m in enumerate(marks, start=1):
+        if m["after_round"] > (last_round or 0):
+            return (f"entry {n}'s after_round {m['after_round']} is beyond the run's last round in the ledger "
+                    f"({last_round})" if last_round else
+                    f"entry {n}'s after_round is {m['after_round']}, and the ledger holds no training round")
+        if m["after_id"] > last_id:
+            return f"entry {n}'s after_id {m['after_id']} is beyond the ledger's last row (id {last_id})"
+    return None

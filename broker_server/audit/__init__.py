@@ -110,7 +110,8 @@ HTML and comparison say them in a line ("Resumed after round 2 (1 resume): … b
 it: … re-sent (round 3's first attempt, sent again after the resume), … ending the interrupted
 session … and … reconnecting …") and a table. A ledger written before resumes
 were noted, of a run whose ``summary.json`` names a resume, is said to be resumed with the
-attribution unknown.
+attribution unknown; a note that is there but unreadable, or implausible (beyond the ledger's
+last round or row, negative, repeated), is said to be so, with the attribution unknown.
 
 **Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
 returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the

@@ -250,6 +250,21 @@ def _rerun_text(resumes: Sequence[Mapping[str, Any]]) -> str:
     return f"{rounds_text(rounds)}'s first attempt, sent again after the resume"
 
 
+def _unknown_line(resume: Mapping[str, Any]) -> str:
+    """The line of a resume whose bytes cannot be told apart: a ledger written before resumes
+    were noted (with ``summary.json``'s resume), or one whose note is unreadable or implausible."""
+    said = resume["after_rounds"]
+    problem = resume.get("problem")
+    if problem is None:
+        return (f"Resumed (last after round {said[-1]}, says summary.json), but this ledger was "
+                "written before resumes were noted in it: the bytes of the interrupted attempt and of the "
+                "reconnection are counted with the run's, and which they are is unknown.")
+    head = (f"Resumed (last after round {said[-1]}, says summary.json), but this ledger's" if said
+            else "This ledger's")
+    return (f"{head} resumes note is {problem} ({resume.get('why')}): the attribution is unknown (the bytes of any "
+            "interrupted attempt and reconnection are counted with the run's).")
+
+
 def resume_line(report: Mapping[str, Any], view: str) -> str | None:
     """One sentence on what the run's resumes added to ``view`` (bytes = wire bytes), or None for
     a run never resumed: e.g. ``"Resumed after round 2 (1 resume): 279,768 of the 1,609,073
@@ -260,9 +275,7 @@ def resume_line(report: Mapping[str, Any], view: str) -> str | None:
     if not resume:
         return None
     if not resume["noted"]:
-        return (f"Resumed (last after round {resume['after_rounds'][-1]}, says summary.json), but this ledger was "
-                "written before resumes were noted in it: the bytes of the interrupted attempt and of the "
-                "reconnection are counted with the run's, and which they are is unknown.")
+        return _unknown_line(resume)
     after = _after_text(resume["after_rounds"])
     rb = resume[view]
     wire = report["totals"][view]["all"]["wire_bytes"]

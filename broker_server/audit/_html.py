@@ -112,7 +112,7 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     target = next((r["target"] for r in rows if r["target"] is not None), None)
     headers = ["run", "rounds", "final accuracy", "up B", "down B", "overhead",
                f"bytes to {acc(target)}" if target is not None else "bytes to target"]
-    resumed = any(r["resumed_after"] for r in rows)
+    resumed = any(r["resumed_after"] or r["resume_bytes"] != 0 for r in rows)  # or its note cannot be read
     if resumed:
         headers.insert(5, "resume B")
     if link:
@@ -140,7 +140,8 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     if resumed:
         note += (" Resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent again "
                  "after the resume, that session's ending and the resumed session's reconnection; counted in up B "
-                 "and down B, as they crossed the wire); 0: never resumed. "
+                 "and down B, as they crossed the wire); 0: never resumed; unknown: its ledger does not tell them "
+                 "apart. "
                  + " ".join(f"{_esc(label)}: {_esc(line)}" for label, rep in zip(labels, reports, strict=True)
                             if (line := resume_line(rep, "device")) is not None))
     fleet = fleet_total(reports)

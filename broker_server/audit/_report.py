@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..resumes import ledger_resumes
+from ..resumes import implausible_resumes, read_resumes
 from ._cost import accuracy_curve, final_accuracy, first_round_reaching, link_time_s
 from ._fields import body_fields, field_bytes_per_client_round
 from ._load import METRICS_NAME, clean_close, open_ledger, read_meta, read_metrics
@@ -131,23 +131,37 @@ def resume_report(db: sqlite3.Connection, meta: Mapping[str, str], run: Path) ->
 
     Returns:
         None when the run was never resumed (its ledger notes none; or a ledger from before resumes
-        were noted whose ``summary.json`` names no resume). Else ``noted`` (bool), ``after_rounds``
-        (the checkpoint round each resume went on from, in order), ``count`` (resumes; None when
-        not noted), ``device`` and ``server``: :func:`resume_bytes` of each view. ``noted`` False:
-        a ledger written before resumes were noted, of a run whose ``summary.json`` says it was
-        resumed after ``after_rounds[0]`` (its last resume; earlier ones cannot be known); its
-        bytes cannot be told apart, and ``device`` and ``server`` are None.
+        were noted whose ``summary.json`` names no resume). Else ``noted`` (bool), ``problem``,
+        ``why``, ``after_rounds`` (the checkpoint round each resume went on from, in order),
+        ``count`` (resumes; None when not noted), ``device`` and ``server``:
+        :func:`resume_bytes` of each view. ``noted`` False: the bytes cannot be told apart, and
+        ``device`` and ``server`` are None; ``problem`` says why: None, a ledger written before
+        resumes were noted, of a run whose ``summary.json`` says it was resumed after
+        ``after_rounds[0]`` (its last resume; earlier ones cannot be known); ``"unreadable"`` or
+        ``"implausible"``, a note that is not a list of resumes or one no run could have written
+        (:func:`broker_server.resumes.read_resumes`, :func:`~broker_server.resumes.implausible_resumes`:
+        beyond the ledger's last round or row, negative, repeated), ``why`` saying what is wrong
+        (``after_rounds``: ``summary.json``'s resume, or []).
     """
-    marks = ledger_resumes(meta)
-    if marks is None:
-        after = _summary_resumed_after(run)
-        if after is None:
-            return None
-        return {"noted": False, "after_rounds": [after], "count": None, "device": None, "server": None}
-    if not marks:
+    note = read_resumes(meta)
+    summary_after = _summary_resumed_after(run)
+    problem, why = (None, None) if note.state in ("absent", "noted") else (note.state, note.why)
+    if note.state == "absent" and summary_after is None:
         return None
-    return {"noted": True, "after_rounds": [m["after_round"] for m in marks], "count": len(marks),
-            **{view: resume_bytes(db, marks, view) for view in VIEWS}}
+    if note.state == "noted":
+        marks = note.marks or []
+        if not marks:
+            return None
+        last_id, last_round = db.execute(
+            "SELECT COALESCE(MAX(id), 0), MAX(CASE WHEN round >= 1 THEN round END) FROM ledger").fetchone()
+        why = implausible_resumes(marks, last_id=last_id, last_round=last_round)
+        if why is None:
+            return {"noted": True, "problem": None, "why": None, "after_rounds": [m["after_round"] for m in marks],
+                    "count": len(marks), **{view: resume_bytes(db, marks, view) for view in VIEWS}}
+        problem = "implausible"
+    return {"noted": False, "problem": problem, "why": why,
+            "after_rounds": [] if summary_after is None else [summary_after], "count": None, "device": None,
+            "server": None}
 
 
 def resume_view(report: Mapping[str, Any]) -> str:

@@ -217,7 +217,7 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
     console.print(f"Comparison of {len(rows)} runs (device links; bytes = wire bytes)")
     headers = ["run", "final acc", "up B", "down B", "overhead", f"B to {acc(target)}", "at round"]
-    resumed = any(r["resumed_after"] for r in rows)
+    resumed = any(r["resumed_after"] or r["resume_bytes"] != 0 for r in rows)  # or its note cannot be read
     if resumed:
         headers.insert(4, "resume B")
     if link:
@@ -240,7 +240,8 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     if resumed:
         console.print("resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent "
                       "again after the resume, that session's ending and the resumed session's reconnection; counted "
-                      "in up B and down B, as they crossed the wire); 0: never resumed.")
+                      "in up B and down B, as they crossed the wire); 0: never resumed; unknown: its ledger does not "
+                      "tell them apart.")
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
                   "measures it every E-th round and the last; —: the run records no accuracy, as a device's own "

@@ -1238,7 +1238,8 @@ def test_a_ledger_that_notes_no_resume_says_the_attribution_is_unknown(tmp_path)
     its bytes all count, and the audit says which belong to the resume is unknown."""
     run = _resumed_run(tmp_path / "old", note=False, summary={"resumed_after": 1})
     rep = audit_report(run)
-    assert rep["resume"] == {"noted": False, "after_rounds": [1], "count": None, "device": None, "server": None}
+    assert rep["resume"] == {"noted": False, "problem": None, "why": None, "after_rounds": [1], "count": None,
+                             "device": None, "server": None}
     assert rep["totals"]["device"]["all"]["wire_bytes"] == DEV_FIRST + DEV_RESUMED
     flat = " ".join(render_text(rep).split())
     assert ("Resumed (last after round 1, says summary.json), but this ledger was written before resumes were noted "
@@ -1453,7 +1454,8 @@ def test_a_resumes_note_with_numbers_out_of_range_is_audited_without_a_crash(tmp
     run = _set_resumes(_resumed_run(tmp_path / "run-r"), value)
     assert ledger_resumes({"resumes": value}) is None  # not marks the queries could be given
     rep = audit_report(run)
-    assert rep["resume"] is None or rep["resume"]["device"] is None
+    assert (rep["resume"]["noted"], rep["resume"]["device"]) == (False, None)
+    assert rep["resume"]["problem"] in ("unreadable", "implausible")
     assert rep["totals"]["device"]["all"]["wire_bytes"] == DEV_FIRST + DEV_RESUMED
     render_text(rep)
     assert fedfleet_main(["audit", str(run), str(run), "--json", "--csv", str(tmp_path / "csv"),
@@ -1465,3 +1467,65 @@ def test_a_resumes_note_with_numbers_out_of_range_is_audited_without_a_crash(tmp
     assert (beyond["rerun"]["wire_bytes"], beyond["ending"]["wire_bytes"]) == (0, 0)  # no round after it
     far = resume_bytes(rows, [{"after_round": 1, "after_id": 10 ** 20}])
     assert (far["rerun"]["wire_bytes"], far["rejoin"]["wire_bytes"]) == (2 * (G2 + U2A1), 0)  # every round-2 row
+
+
+_ATTRIBUTION_UNKNOWN = "the attribution is unknown (the bytes of any interrupted attempt and reconnection are counted"
+
+
+@pytest.mark.parametrize("value, problem, why", [
+    ("{}", "unreadable", "a JSON object, not a list"),
+    ("not json", "unreadable", "not JSON: Expecting value: line 1 column 1 (char 0)"),
+    ("null", "unreadable", "JSON null, not a list"),
+    (b"\x00\x01", "unreadable", "not JSON"),  # a blob, read as text
+    ("[3]", "unreadable", "entry 1 is 3, not an object"),
+    ('[{"after_round": 1}]', "unreadable", "entry 1 has no after_id"),
+    ('[{"after_round": "1", "after_id": 13}]', "unreadable", 'entry 1\'s after_round is "1", not a whole number'),
+    ('[{"after_round": Infinity, "after_id": 13}]', "unreadable",
+     "entry 1's after_round is Infinity, not a whole number"),
+    ('[{"after_round": 1e30, "after_id": 13}]', "implausible",
+     "entry 1's after_round 1e+30 is beyond SQLite's integers"),
+    ('[{"after_round": -1, "after_id": 13}]', "implausible", "entry 1's after_round is negative (-1)"),
+    ('[{"after_round": 7, "after_id": 13}]', "implausible",
+     "entry 1's after_round 7 is beyond the run's last round in the ledger (2)"),
+    ('[{"after_round": 1, "after_id": 500}]', "implausible",
+     "entry 1's after_id 500 is beyond the ledger's last row (id 24)"),
+    ('[{"after_round": 1, "after_id": 13, "at": 5}, {"after_round": 1, "after_id": 13, "at": 5}]', "implausible",
+     "entry 2 repeats entry 1"),
+    ('[{"after_round": 1, "after_id": 13}, {"after_round": 2, "after_id": 13}]', "implausible",
+     "entries 1 and 2 begin after the same row (after_id 13) from different rounds"),
+    ('[{"after_round": 1, "after_id": 13}, {"after_round": 1, "after_id": 5}]', "implausible",
+     "entry 2's after_id 5 is before entry 1's (13): resumes are noted in the order they happened"),
+])
+def test_a_corrupt_resumes_note_is_said_unreadable_or_implausible_not_old_nor_never_resumed(
+        tmp_path, value, problem, why):
+    """A note that is there but cannot be used is neither a ledger from before resumes were noted
+    nor a run never resumed: the audit says what is wrong with it, and that which bytes the
+    resumes added is unknown (no numbers: none would be true)."""
+    run = _set_resumes(_resumed_run(tmp_path / "run-r"), value)
+    rep = audit_report(run)
+    assert rep["resume"] == {"noted": False, "problem": problem, "why": rep["resume"]["why"], "after_rounds": [],
+                             "count": None, "device": None, "server": None}
+    assert rep["resume"]["why"].startswith(why)
+    flat = " ".join(render_text(rep).split())
+    assert f"This ledger's resumes note is {problem} ({why}" in flat and _ATTRIBUTION_UNKNOWN in flat
+    assert "written before resumes were noted" not in flat and "Resumes:" not in flat  # no table of numbers
+    row = comparison_row(rep)
+    assert (row["resumed_after"], row["resume_bytes"], row["wire_bytes_without_resume"]) == ([], None, None)
+    comparison = " ".join(render_comparison_text([rep, rep]).split())
+    assert "unknown" in comparison and f"resumes note is {problem}" in comparison
+    page = render_html([rep])
+    assert html.escape(f"resumes note is {problem} ({why}") in page and "<th>resume B</th>" in page
+    # with a summary.json naming a resume, that is said too
+    (run / "summary.json").write_text(json.dumps({"resumed_after": 1}))
+    flat = " ".join(render_text(audit_report(run)).split())
+    assert f"Resumed (last after round 1, says summary.json), but this ledger's resumes note is {problem}" in flat
+
+
+def test_a_bad_at_in_a_resumes_note_keeps_the_attribution(tmp_path, resumed_pair):
+    """``at`` (when it was noted) is not used to tell the bytes apart: a bad one changes nothing."""
+    run, _ = resumed_pair
+    good = audit_report(run)["resume"]
+    for at in ('"yesterday"', "null", "Infinity", "true", "[1]", "1" + "0" * 400):
+        _set_resumes(run, f'[{{"after_round": 1, "after_id": 13, "at": {at}}}]')
+        assert audit_report(run)["resume"] == good, at
+    assert good["device"]["all"]["wire_bytes"] == DEV_ADDED
