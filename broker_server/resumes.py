@@ -20,6 +20,10 @@ session from the other; this module's note does:
     of that session and later have larger ids (:meth:`protocol.ledger.Ledger.last_row_id`).
 ``at``
     Unix seconds at which it was noted.
+``earlier_unknown``
+    (only when true; only on the first) the ledger noted no resumes, or its note could not be
+    read, when this resume was noted, and it held rows: they may be several sessions, which
+    cannot be told apart (:func:`note_resume`).
 
 A run started afresh writes ``[]``: "never resumed", as distinct from a ledger written before
 resumes were noted, which has no ``resumes`` key at all (its resumes, if any, cannot be told
@@ -60,11 +64,20 @@ def note_resume(ledger: Ledger, *, after_round: int, after_id: int) -> list[dict
         after_id: :meth:`~protocol.ledger.Ledger.last_row_id` as the session opened the ledger,
             before it recorded anything.
 
+    When the ledger notes no resumes (written before resumes were noted) or its note cannot be
+    used (:func:`read_resumes`) and it already holds rows, the list starts again with this resume,
+    marked ``"earlier_unknown": true``: the rows before it may hold earlier sessions that cannot
+    be told apart (the audit says so instead of what the run would have sent without them).
+
     Raises:
         LedgerError: the ledger is closed or cannot be written.
     """
-    marks = ledger_resumes(read_meta(ledger.path)) or []
-    marks.append({"after_round": int(after_round), "after_id": int(after_id), "at": round(time.time(), 3)})
+    note = read_resumes(read_meta(ledger.path))
+    marks = list(note.marks) if note.state == "noted" and note.marks is not None else []
+    mark: dict[str, Any] = {"after_round": int(after_round), "after_id": int(after_id), "at": round(time.time(), 3)}
+    if note.state != "noted" and after_id > 0:
+        mark["earlier_unknown"] = True
+    marks.append(mark)
     ledger.set_meta(RESUMES_META, json.dumps(marks))
     return marks
 
@@ -148,7 +161,8 @@ def _whole(entry: Mapping[str, Any], key: str, n: int) -> int:
 
 def _mark(entry: Any, n: int) -> dict[str, Any]:
     """One entry of the note as ``{"after_round", "after_id", "at"}`` (``at`` None when it is not
-    a finite number: the attribution does not use it, so a bad one costs nothing else).
+    a finite number: the attribution does not use it, so a bad one costs nothing else), with
+    each of :data:`FLAGS` that is true.
 
     Raises:
         _Bad: see :func:`_whole`; or the entry is not a JSON object.
@@ -160,8 +174,19 @@ def _mark(entry: Any, n: int) -> dict[str, Any]:
         seconds = None if isinstance(at, bool) or not isinstance(at, (int, float)) else float(at)
     except OverflowError:  # an int beyond floats
         seconds = None
-    return {"after_round": _whole(entry, "after_round", n), "after_id": _whole(entry, "after_id", n),
+    mark = {"after_round": _whole(entry, "after_round", n), "after_id": _whole(entry, "after_id", n),
             "at": seconds if seconds is not None and math.isfinite(seconds) else None}
+    for flag in FLAGS:
+        value = entry.get(flag, False)
+        if not isinstance(value, bool):
+            raise _Bad("unreadable", f"entry {n}'s {flag} is {_shown(value)}, not true or false")
+        if value:
+            mark[flag] = True
+    return mark
+
+
+#: The flags a note may carry, each only when true (see the module docstring).
+FLAGS = ("earlier_unknown",)
 
 
 def _json_kind(value: Any) -> str:
@@ -204,6 +229,9 @@ def read_resumes(meta: Mapping[str, str]) -> ResumesNote:
                 return ResumesNote("implausible", why=f"entries {i} and {n} begin after the same row (after_id "
                                                       f"{m['after_id']}) from different rounds")
         seen.setdefault(m["after_id"], (n, m))
+        if n > 1 and m.get("earlier_unknown"):
+            return ResumesNote("implausible", why=f"entry {n} says the resumes before it were not noted, but entry "
+                                                  f"{n - 1} is one")
     return ResumesNote("noted", marks=sorted(marks, key=lambda m: m["after_id"]))
 
 

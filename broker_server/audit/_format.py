@@ -235,8 +235,13 @@ def rounds_text(rounds: Sequence[int]) -> str:
     return "rounds " + ", ".join(map(str, rs[:-1])) + f" and {rs[-1]}"
 
 
-def _after_text(after_rounds: Sequence[int]) -> str:
-    """``"resumed after round 2 (1 resume)"``, ``"resumed 2 times (after rounds 2 and 5)"``."""
+def _after_text(after_rounds: Sequence[int], earlier_unknown: bool = False) -> str:
+    """``"resumed after round 2 (1 resume)"``, ``"resumed 2 times (after rounds 2 and 5)"``; with
+    ``earlier_unknown``: ``"resumed after round 2 (1 resume noted)"``, ``"resumed after rounds 2
+    and 5 (2 resumes noted)"``."""
+    if earlier_unknown:
+        n = len(after_rounds)
+        return f"resumed after {rounds_text(after_rounds)} ({n} resume{'s' if n != 1 else ''} noted)"
     if len(after_rounds) == 1:
         return f"resumed after round {after_rounds[0]} (1 resume)"
     return f"resumed {len(after_rounds)} times (after {rounds_text(after_rounds)})"
@@ -276,15 +281,29 @@ def resume_line(report: Mapping[str, Any], view: str) -> str | None:
         return None
     if not resume["noted"]:
         return _unknown_line(resume)
-    after = _after_text(resume["after_rounds"])
+    earlier_unknown = bool(resume.get("earlier_unknown"))
+    after = _after_text(resume["after_rounds"], earlier_unknown)
     rb = resume[view]
     wire = report["totals"][view]["all"]["wire_bytes"]
     added = rb["all"]["wire_bytes"]
+    one = len(resume["after_rounds"]) == 1
+    tail = (f"resumes before {'this one' if one else 'the first of these'}, if any, were not noted: their bytes "
+            "count in the first session, so the bytes without them are unknown." if earlier_unknown
+            else f"{count(wire - added)} without them.")
     return (f"{after[0].upper()}{after[1:]}: {count(added)} of the {count(wire)} {_LINK[view]} bytes belong to "
-            f"{'it' if len(resume['after_rounds']) == 1 else 'them'}: {count(rb['rerun']['wire_bytes'])} re-sent "
+            f"{'it' if one else 'them'}: {count(rb['rerun']['wire_bytes'])} re-sent "
             f"({_rerun_text(rb['resumes'])}), {count(rb['ending']['wire_bytes'])} ending the interrupted session "
             f"(control packets, statuses, finish) and {count(rb['rejoin']['wire_bytes'])} reconnecting (the resumed "
-            f"session's connections and joins); {count(wire - added)} without them.")
+            f"session's connections and joins); {tail}")
+
+
+def resume_cell(row: Mapping[str, Any]) -> str:
+    """The ``resume B`` cell of a :func:`comparison_row`: the bytes its resumes added,
+    ``"unknown"`` when its ledger does not tell them, ``"≥ N"`` when resumes before the first
+    noted one count in the first session."""
+    if row["resume_bytes"] is None:
+        return "unknown"
+    return ("≥ " if row.get("resume_note") == "earlier not noted" else "") + count(row["resume_bytes"])
 
 
 #: Columns of the resume table (:func:`resume_cells`).

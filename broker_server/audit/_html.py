@@ -26,6 +26,7 @@ from ._format import (
     mean,
     overhead_parts,
     pct,
+    resume_cell,
     resume_cells,
     resume_line,
     resume_notes,
@@ -123,7 +124,7 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
         cells = [label, r["rounds"], acc(r["final_accuracy"]), count(r["up_bytes"]),
                  count(r["down_bytes"]), pct(r["overhead_share"]), target_text(r)]
         if resumed:
-            cells.insert(5, "unknown" if r["resume_bytes"] is None else count(r["resume_bytes"]))
+            cells.insert(5, resume_cell(r))
         if link:
             cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
         body.append(cells)
@@ -141,7 +142,7 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
         note += (" Resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent again "
                  "after the resume, that session's ending and the resumed session's reconnection; counted in up B "
                  "and down B, as they crossed the wire); 0: never resumed; unknown: its ledger does not tell them "
-                 "apart. "
+                 "apart; ≥ N: those of the resumes it noted (earlier ones were not). "
                  + " ".join(f"{_esc(label)}: {_esc(line)}" for label, rep in zip(labels, reports, strict=True)
                             if (line := resume_line(rep, "device")) is not None))
     fleet = fleet_total(reports)

@@ -133,7 +133,10 @@ def resume_report(db: sqlite3.Connection, meta: Mapping[str, str], run: Path) ->
         None when the run was never resumed (its ledger notes none; or a ledger from before resumes
         were noted whose ``summary.json`` names no resume). Else ``noted`` (bool), ``problem``,
         ``why``, ``after_rounds`` (the checkpoint round each resume went on from, in order),
-        ``count`` (resumes; None when not noted), ``device`` and ``server``:
+        ``count`` (resumes; None when not noted), ``earlier_unknown`` (the first resume noted
+        found no usable note in a ledger with rows: sessions before it, if any, cannot be told
+        apart, their bytes count in the first session's, and the bytes the run would have sent
+        uninterrupted are unknown), ``device`` and ``server``:
         :func:`resume_bytes` of each view. ``noted`` False: the bytes cannot be told apart, and
         ``device`` and ``server`` are None; ``problem`` says why: None, a ledger written before
         resumes were noted, of a run whose ``summary.json`` says it was resumed after
@@ -157,11 +160,12 @@ def resume_report(db: sqlite3.Connection, meta: Mapping[str, str], run: Path) ->
         why = implausible_resumes(marks, last_id=last_id, last_round=last_round)
         if why is None:
             return {"noted": True, "problem": None, "why": None, "after_rounds": [m["after_round"] for m in marks],
-                    "count": len(marks), **{view: resume_bytes(db, marks, view) for view in VIEWS}}
+                    "count": len(marks), "earlier_unknown": bool(marks[0].get("earlier_unknown")),
+                    **{view: resume_bytes(db, marks, view) for view in VIEWS}}
         problem = "implausible"
     return {"noted": False, "problem": problem, "why": why,
-            "after_rounds": [] if summary_after is None else [summary_after], "count": None, "device": None,
-            "server": None}
+            "after_rounds": [] if summary_after is None else [summary_after], "count": None,
+            "earlier_unknown": False, "device": None, "server": None}
 
 
 def resume_view(report: Mapping[str, Any]) -> str:
@@ -201,8 +205,10 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         links): ``resumed_after`` (the rounds the run was resumed after; [] never resumed),
         ``resume_bytes``, ``resume_rerun_bytes``, ``resume_ending_bytes``, ``resume_rejoin_bytes``
         (what the resumes added: all, re-sent, ending the interrupted session, reconnecting; 0
-        never resumed, None when the ledger does not note its resumes) and
-        ``wire_bytes_without_resume`` (``wire_bytes`` − ``resume_bytes``; None when unknown).
+        never resumed, None when the ledger does not tell them: see ``resume_note``),
+        ``wire_bytes_without_resume`` (``wire_bytes`` − ``resume_bytes``; None when unknown, as
+        when resumes before the first noted one count in the first session) and ``resume_note``
+        (:func:`resume_note`).
     """
     dev = report["totals"]["device"]
     tgt = report.get("target") or {}
@@ -223,17 +229,32 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def resume_note(resume: Mapping[str, Any] | None) -> str:
+    """What the comparison says of how a run's resumes are known (``resume_note``): ``""`` (never
+    resumed, or noted in full), ``"not noted"`` (a ledger written before resumes were noted),
+    ``"unreadable"``, ``"implausible"`` (its note), ``"earlier not noted"`` (resumes before the
+    first noted one, if any, count in the first session: see :func:`resume_report`)."""
+    if not resume:
+        return ""
+    if not resume["noted"]:
+        return resume.get("problem") or "not noted"
+    return "earlier not noted" if resume.get("earlier_unknown") else ""
+
+
 def _resume_columns(report: Mapping[str, Any], wire_bytes: int) -> dict[str, Any]:
     """The resume columns of :func:`comparison_row` (device links; bytes)."""
     resume = report.get("resume")
     if not resume:
         return {"resumed_after": [], "resume_bytes": 0, "resume_rerun_bytes": 0, "resume_ending_bytes": 0,
-                "resume_rejoin_bytes": 0, "wire_bytes_without_resume": wire_bytes}
+                "resume_rejoin_bytes": 0, "wire_bytes_without_resume": wire_bytes, "resume_note": ""}
     dev = resume.get("device")
     if dev is None:
         return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": None, "resume_rerun_bytes": None,
-                "resume_ending_bytes": None, "resume_rejoin_bytes": None, "wire_bytes_without_resume": None}
+                "resume_ending_bytes": None, "resume_rejoin_bytes": None, "wire_bytes_without_resume": None,
+                "resume_note": resume_note(resume)}
     added = dev["all"]["wire_bytes"]
     return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": added,
             "resume_rerun_bytes": dev["rerun"]["wire_bytes"], "resume_ending_bytes": dev["ending"]["wire_bytes"],
-            "resume_rejoin_bytes": dev["rejoin"]["wire_bytes"], "wire_bytes_without_resume": wire_bytes - added}
+            "resume_rejoin_bytes": dev["rejoin"]["wire_bytes"],
+            "wire_bytes_without_resume": None if resume.get("earlier_unknown") else wire_bytes - added,
+            "resume_note": resume_note(resume)}

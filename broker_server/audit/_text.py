@@ -24,6 +24,7 @@ from ._format import (
     kind_cells,
     mean,
     pct,
+    resume_cell,
     resume_cells,
     resume_line,
     resume_notes,
@@ -229,7 +230,7 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
                  pct(r["overhead_share"]), count(r["bytes_to_target"]) if reached else target_text(r),
                  str(r["target_round"]) if reached else "—"]
         if resumed:
-            cells.insert(4, "unknown" if r["resume_bytes"] is None else count(r["resume_bytes"]))
+            cells.insert(4, resume_cell(r))
         if link:
             cells += [secs(r["time_max_s"]), secs(r["time_sum_s"])]
         t.add_row(*cells)
@@ -241,7 +242,7 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
         console.print("resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent "
                       "again after the resume, that session's ending and the resumed session's reconnection; counted "
                       "in up B and down B, as they crossed the wire); 0: never resumed; unknown: its ledger does not "
-                      "tell them apart.")
+                      "tell them apart; ≥ N: those of the resumes it noted (earlier ones were not).")
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
                   "measures it every E-th round and the last; —: the run records no accuracy, as a device's own "

@@ -1239,7 +1239,7 @@ def test_a_ledger_that_notes_no_resume_says_the_attribution_is_unknown(tmp_path)
     run = _resumed_run(tmp_path / "old", note=False, summary={"resumed_after": 1})
     rep = audit_report(run)
     assert rep["resume"] == {"noted": False, "problem": None, "why": None, "after_rounds": [1], "count": None,
-                             "device": None, "server": None}
+                             "earlier_unknown": False, "device": None, "server": None}
     assert rep["totals"]["device"]["all"]["wire_bytes"] == DEV_FIRST + DEV_RESUMED
     flat = " ".join(render_text(rep).split())
     assert ("Resumed (last after round 1, says summary.json), but this ledger was written before resumes were noted "
@@ -1504,7 +1504,7 @@ def test_a_corrupt_resumes_note_is_said_unreadable_or_implausible_not_old_nor_ne
     run = _set_resumes(_resumed_run(tmp_path / "run-r"), value)
     rep = audit_report(run)
     assert rep["resume"] == {"noted": False, "problem": problem, "why": rep["resume"]["why"], "after_rounds": [],
-                             "count": None, "device": None, "server": None}
+                             "count": None, "earlier_unknown": False, "device": None, "server": None}
     assert rep["resume"]["why"].startswith(why)
     flat = " ".join(render_text(rep).split())
     assert f"This ledger's resumes note is {problem} ({why}" in flat and _ATTRIBUTION_UNKNOWN in flat
@@ -1529,3 +1529,60 @@ def test_a_bad_at_in_a_resumes_note_keeps_the_attribution(tmp_path, resumed_pair
         _set_resumes(run, f'[{{"after_round": 1, "after_id": 13, "at": {at}}}]')
         assert audit_report(run)["resume"] == good, at
     assert good["device"]["all"]["wire_bytes"] == DEV_ADDED
+
+
+def _third_session(run, *, before: str | None):
+    """A third session of ``run`` (resumed after round 2, when ``meta.resumes`` was ``before``;
+    None: absent): a1 connects and joins again. Returns the list the resume noted."""
+    from broker_server.resumes import note_resume
+
+    if before is not None:
+        _set_resumes(run, before)
+    with Ledger(run / "ledger.sqlite") as ledger:
+        marks = note_resume(ledger, after_round=2, after_id=ledger.last_row_id())
+        for r in (_ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B), _join("agent", "sent")):
+            ledger.record(r)
+    return marks
+
+
+@pytest.mark.parametrize("before", [None, "{}", "not json", '[{"after_round": -3, "after_id": 1}]'])
+def test_a_resume_noted_after_no_usable_note_says_earlier_sessions_are_not_told_apart(tmp_path, before):
+    """A ledger written before resumes were noted (or whose note is unusable) holds two sessions
+    (a resume not noted); a third session notes its resume. Its list starts again, and says so:
+    the earlier resume's bytes count in the first session, so the audit gives this resume's bytes
+    but not what the run would have sent without its resumes."""
+    run = _resumed_run(tmp_path / "run-r", note=False)  # two sessions, 24 rows, no note
+    marks = _third_session(run, before=before)
+    assert [(m["after_round"], m["after_id"], m.get("earlier_unknown")) for m in marks] == [(2, 24, True)]
+    rep = audit_report(run)
+    resume = rep["resume"]
+    assert (resume["noted"], resume["count"], resume["earlier_unknown"]) == (True, 1, True)
+    assert resume["device"]["rejoin"]["wire_bytes"] == CONNECT_B + JOIN
+    flat = " ".join(render_text(rep).split())
+    assert (f"Resumed after round 2 (1 resume noted): {CONNECT_B + JOIN + DISCONNECT_B:,} of the "
+            f"{DEV_FIRST + DEV_RESUMED + CONNECT_B + JOIN:,} device-link bytes belong to it:") in flat
+    assert ("reconnecting (the resumed session's connections and joins); resumes before this one, if any, were not "
+            "noted: their bytes count in the first session, so the bytes without them are unknown.") in flat
+    assert "without them." not in flat.replace("the bytes without them are unknown.", "")
+    row = comparison_row(rep)
+    assert (row["resume_bytes"], row["wire_bytes_without_resume"], row["resume_note"]) == (
+        CONNECT_B + JOIN + DISCONNECT_B, None, "earlier not noted")
+    assert "≥ 582" in render_comparison_text([rep, rep])
+    # the next resume keeps the mark, so the audit goes on saying so
+    with Ledger(run / "ledger.sqlite") as ledger:
+        from broker_server.resumes import note_resume
+
+        again = note_resume(ledger, after_round=2, after_id=ledger.last_row_id())
+    assert [m.get("earlier_unknown") for m in again] == [True, None]
+    assert audit_report(run)["resume"]["earlier_unknown"] is True
+
+
+def test_a_resume_of_a_ledger_with_no_rows_or_a_usable_note_is_not_marked(tmp_path):
+    from broker_server.resumes import note_fresh_run, note_resume
+
+    with Ledger(tmp_path / "empty.sqlite") as ledger:  # killed before any row: nothing earlier to tell apart
+        assert note_resume(ledger, after_round=0, after_id=ledger.last_row_id())[0].get("earlier_unknown") is None
+    with Ledger(tmp_path / "fresh.sqlite") as ledger:
+        note_fresh_run(ledger)
+        ledger.record(_join("agent", "sent"))
+        assert note_resume(ledger, after_round=0, after_id=ledger.last_row_id())[0].get("earlier_unknown") is None
