@@ -20,6 +20,10 @@ session from the other; this module's note does:
     of that session and later have larger ids (:meth:`protocol.ledger.Ledger.last_row_id`).
 ``at``
     Unix seconds at which it was noted.
+``refused``
+    (only when true) the resume was refused once noted (the checkpoint did not fit the
+    configuration: :func:`refused_if_raises`): its session only connected, and the session before
+    it goes on to the next resume.
 ``earlier_unknown``
     (only when true; only on the first) the ledger noted no resumes, or its note could not be
     read, when this resume was noted, and it held rows: they may be several sessions, which
@@ -34,13 +38,18 @@ could have noted): see :func:`read_resumes`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.errors import LedgerError
 from protocol.ledger import Ledger, read_meta
+
+log = logging.getLogger(__name__)
 
 #: The ``meta`` key of the ledger that lists the resumes of its run.
 RESUMES_META = "resumes"
@@ -80,6 +89,39 @@ def note_resume(ledger: Ledger, *, after_round: int, after_id: int) -> list[dict
     marks.append(mark)
     ledger.set_meta(RESUMES_META, json.dumps(marks))
     return marks
+
+
+def mark_refused(ledger: Ledger, *, after_id: int) -> bool:
+    """Mark the newest resume of ``ledger``'s note, the one noted at ``after_id``, as refused
+    (``"refused": true``); False when there is no such note (nothing is written then).
+
+    Raises:
+        LedgerError: the ledger is closed or cannot be written.
+    """
+    note = read_resumes(read_meta(ledger.path))
+    if note.state != "noted" or not note.marks or note.marks[-1]["after_id"] != after_id:
+        return False
+    note.marks[-1]["refused"] = True
+    ledger.set_meta(RESUMES_META, json.dumps(note.marks))
+    return True
+
+
+@contextmanager
+def refused_if_raises(ledger: Ledger, *, after_id: int) -> Iterator[None]:
+    """Around the taking back of the checkpoint by a resume noted at ``after_id``
+    (:func:`note_resume`): when the block raises an :class:`Exception` (the resume is refused:
+    the checkpoint does not fit the configuration …), the note is marked refused
+    (:func:`mark_refused`) and the exception goes on. The note is written before the block, so
+    that the refused session's rows (its connections) are told apart from the session before
+    it, which the audit does not take for interrupted by a resume that never went on."""
+    try:
+        yield
+    except Exception:
+        try:
+            mark_refused(ledger, after_id=after_id)
+        except LedgerError as exc:  # the refusal is what the caller must see
+            log.warning("the resume refused could not be marked so in %s: %s", ledger.path, exc)
+        raise
 
 
 def ledger_resumes(meta: Mapping[str, str]) -> list[dict[str, Any]] | None:
@@ -186,7 +228,7 @@ def _mark(entry: Any, n: int) -> dict[str, Any]:
 
 
 #: The flags a note may carry, each only when true (see the module docstring).
-FLAGS = ("earlier_unknown",)
+FLAGS = ("earlier_unknown", "refused")
 
 
 def _json_kind(value: Any) -> str:

@@ -23,7 +23,7 @@ from .config import AgentsSection, Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
 from .persistence import write_summary
-from .resumes import note_fresh_run, note_resume
+from .resumes import note_fresh_run, note_resume, refused_if_raises
 from .run_end import (
     FinishedRun,
     finished_run,
@@ -341,7 +341,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         if resume:  # where this session's rows begin, for the audit
             note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id)
         if ckpt is not None:
-            server.resume(ckpt)
+            with refused_if_raises(ledger, after_id=before_id):  # a checkpoint that does not load: noted so
+                server.resume(ckpt)
             say(f"fedfleet server: resuming {out} after round {ckpt.round} of {cfg.run.rounds} (rounds "
                 f"{ckpt.round + 1}..{cfg.run.rounds} to go)")
         # the server is connected and subscribed: only now are the agents told how to join

@@ -55,7 +55,7 @@ from .config import Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import BrokerStartError, ConfigError
 from .persistence import write_summary
-from .resumes import note_fresh_run, note_resume
+from .resumes import note_fresh_run, note_resume, refused_if_raises
 from .run_end import FinishedRun, finished_run, last_checkpoint_round, resume_metrics, summary_record, write_final_files
 from .runtime import (
     agent_spec,
@@ -664,7 +664,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             # a resume refused from here on still wrote its connection's rows)
             note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id)
             if ckpt is not None:
-                server.resume(ckpt)
+                with refused_if_raises(ledger, after_id=before_id):  # a checkpoint that does not load: noted so
+                    server.resume(ckpt)
                 resumed_after = ckpt.round
                 ids = [f"client-{i:03d}" for i in range(len(parts))]
                 # a device with no row at all, not even its initial state, lost what it kept: the run

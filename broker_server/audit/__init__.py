@@ -105,13 +105,15 @@ tells the bytes an uninterrupted run would not have sent: *re-sent* (the interru
 rows of the rounds after that checkpoint, run again after the resume), *ending* (that session's
 control packets and statuses after them, and its ``finish``) and *reconnecting* (the resumed
 session's connections, joins and statuses before it sends the first download of a round after
-the checkpoint). The report's ``resume`` (:func:`resume_report`) holds them per view; the text,
-HTML and comparison say them in a line ("Resumed after round 2 (1 resume): … bytes belong to
-it: … re-sent (round 3's first attempt, sent again after the resume), … ending the interrupted
-session … and … reconnecting …") and a table. A ledger written before resumes
-were noted, of a run whose ``summary.json`` names a resume, is said to be resumed with the
-attribution unknown; a note that is there but unreadable, or implausible (beyond the ledger's
-last round or row, negative, repeated), is said to be so, with the attribution unknown.
+the checkpoint); a refused ``--resume`` attempt (its checkpoint did not load) adds its
+session's rows, its connections, and continues nothing. The report's ``resume``
+(:func:`resume_report`) holds them per view; the text, HTML and comparison say them in a line
+("Resumed after round 2 (1 resume): … bytes belong to it: … re-sent (round 3's first attempt,
+sent again after the resume), … ending the interrupted session … and … reconnecting …") and a
+table. A ledger written before resumes were noted, of a run whose ``summary.json`` names a
+resume, is said to be resumed with the attribution unknown; a note that is there but unreadable,
+or implausible (beyond the ledger's last round or row, negative, repeated), is said to be so,
+with the attribution unknown.
 
 **Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
 returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the

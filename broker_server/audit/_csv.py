@@ -40,7 +40,7 @@ _COMPARISON_FIELDS = ["run", "federation", "rounds", "final_accuracy", "up_bytes
                       "time_sum_s", "up_tensor_bytes_per_client_round", "up_extras_bytes_per_client_round",
                       "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round", "resumed_after",
                       "resume_bytes", "resume_rerun_bytes", "resume_ending_bytes", "resume_rejoin_bytes",
-                      "wire_bytes_without_resume", "resume_note"]
+                      "resume_refused_bytes", "wire_bytes_without_resume", "resume_note"]
 
 
 def _comparison_csv_row(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,9 +63,10 @@ def write_csv(reports: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list
     round as ``session``; ``comparison.csv`` has one row per run, in the order given (see
     :func:`comparison_row`; a resumed run's ``resumed_after`` as ``2`` or ``2;5``, and the
     device-link bytes its resumes added in ``resume_bytes``, ``resume_rerun_bytes``,
-    ``resume_ending_bytes`` and ``resume_rejoin_bytes``, empty where its ledger does not note
-    them, and ``resume_note`` saying why); ``fields.csv`` has one row per body field of :func:`body_fields` (``other``
-    included, so a kind's ``bytes`` add up to its ``kind_message_bytes``), with the kind's
+    ``resume_ending_bytes``, ``resume_rejoin_bytes`` and ``resume_refused_bytes``, empty where
+    its ledger does not note them, and ``resume_note`` saying why); ``fields.csv`` has one row
+    per body field of :func:`body_fields` (``other`` included, so a kind's ``bytes`` add up to
+    its ``kind_message_bytes``), with the kind's
     ``kind_messages``, ``kind_message_bytes``, ``kind_raw_bytes`` and ``kind_encoded_bytes``
     repeated on each.
 

@@ -255,6 +255,11 @@ def _rerun_text(resumes: Sequence[Mapping[str, Any]]) -> str:
     return f"{rounds_text(rounds)}'s first attempt, sent again after the resume"
 
 
+def _attempts(n: int) -> str:
+    """``"a refused --resume attempt"``, ``"2 refused --resume attempts"``."""
+    return "a refused --resume attempt" if n == 1 else f"{n} refused --resume attempts"
+
+
 def _unknown_line(resume: Mapping[str, Any]) -> str:
     """The line of a resume whose bytes cannot be told apart: a ledger written before resumes
     were noted (with ``summary.json``'s resume), or one whose note is unreadable or implausible."""
@@ -275,26 +280,36 @@ def resume_line(report: Mapping[str, Any], view: str) -> str | None:
     a run never resumed: e.g. ``"Resumed after round 2 (1 resume): 279,768 of the 1,609,073
     device-link bytes belong to it: 276,034 re-sent (round 3's first attempt, sent again after the
     resume), 16 ending the interrupted session (control packets, statuses, finish) and 3,718
-    reconnecting (the resumed session's connections and joins); 1,329,305 without them."``"""
+    reconnecting (the resumed session's connections and joins); 1,329,305 without them."``; a
+    refused ``--resume`` attempt (the checkpoint did not load) is told as one that added its
+    connections: ``"Not resumed: a refused --resume attempt added 0 of the 1,329,285 device-link
+    bytes (its connections); 1,329,285 without them."``"""
     resume = report.get("resume")
     if not resume:
         return None
     if not resume["noted"]:
         return _unknown_line(resume)
     earlier_unknown = bool(resume.get("earlier_unknown"))
-    after = _after_text(resume["after_rounds"], earlier_unknown)
     rb = resume[view]
     wire = report["totals"][view]["all"]["wire_bytes"]
     added = rb["all"]["wire_bytes"]
-    one = len(resume["after_rounds"]) == 1
+    went_on, refused = resume["count"], resume.get("refused") or 0
+    one = went_on + refused == 1
     tail = (f"resumes before {'this one' if one else 'the first of these'}, if any, were not noted: their bytes "
             "count in the first session, so the bytes without them are unknown." if earlier_unknown
             else f"{count(wire - added)} without them.")
+    refusal = (f"{count(rb['refusal']['wire_bytes'])} by {_attempts(refused)} ({'its' if refused == 1 else 'their'} "
+               "connections)")
+    if not went_on:
+        return (f"Not resumed: {_attempts(refused)} added {count(added)} of the {count(wire)} {_LINK[view]} bytes "
+                f"({'its' if refused == 1 else 'their'} connections); {tail}")
+    after = _after_text(resume["after_rounds"], earlier_unknown)
+    parts = [f"{count(rb['rerun']['wire_bytes'])} re-sent ({_rerun_text(rb['resumes'])})",
+             f"{count(rb['ending']['wire_bytes'])} ending the interrupted session (control packets, statuses, finish)",
+             f"{count(rb['rejoin']['wire_bytes'])} reconnecting (the resumed session's connections and joins)",
+             *([refusal] if refused else [])]
     return (f"{after[0].upper()}{after[1:]}: {count(added)} of the {count(wire)} {_LINK[view]} bytes belong to "
-            f"{'it' if one else 'them'}: {count(rb['rerun']['wire_bytes'])} re-sent "
-            f"({_rerun_text(rb['resumes'])}), {count(rb['ending']['wire_bytes'])} ending the interrupted session "
-            f"(control packets, statuses, finish) and {count(rb['rejoin']['wire_bytes'])} reconnecting (the resumed "
-            f"session's connections and joins); {tail}")
+            f"{'it' if one else 'them'}: {', '.join(parts[:-1])} and {parts[-1]}; {tail}")
 
 
 def resume_cell(row: Mapping[str, Any]) -> str:
@@ -328,6 +343,9 @@ def resume_cells(report: Mapping[str, Any]) -> list[list[str]]:
 
         for x in rb["resumes"]:
             after = f"round {x['after_round']}"
+            if x.get("refused"):
+                out.append(cells(after, "a refused --resume attempt: its connections", x["refusal"]))
+                continue
             rerun = (f"re-sent: {rounds_text(x['rerun_rounds'])}'s first attempt" if x["rerun_rounds"]
                      else "re-sent: nothing (no round had begun)")
             out.append(cells(after, rerun, x["rerun"]))
@@ -364,7 +382,9 @@ def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
     if rb is None:
         return []
     out = []
-    for name, key in (("Re-sent", "rerun"), ("Ending", "ending"), ("Reconnecting", "rejoin")):
+    refused = any(x.get("refused") for x in rb["resumes"])
+    for name, key in (("Re-sent", "rerun"), ("Ending", "ending"), ("Reconnecting", "rejoin"),
+                      *([("Refused --resume attempts", "refusal")] if refused else [])):
         kinds = [k for x in rb["resumes"] for k in x[key]["kinds"]]
         where: dict[Any, int] = {}
         for x in rb["resumes"]:
@@ -382,4 +402,8 @@ def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
                "statuses: the interrupted devices' last wills among them) before its first download of a round "
                "after the checkpoint; an uninterrupted run connects and joins once. Every attempt's bytes stay in "
                "the totals: they crossed the wire.")
+    if refused:
+        out.append("A refused --resume attempt (its checkpoint did not load: nothing was continued) added all its "
+                   "session's rows, its connections; the next resume, if any, goes on from the session before it, "
+                   "and a run never continued keeps its ending as its own.")
     return out

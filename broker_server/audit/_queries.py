@@ -461,7 +461,7 @@ _RESUME_PART = """SELECT kind, dir AS direction, MAX(ctl) AS control, COUNT(*) A
     AS wire_bytes FROM v WHERE {where} GROUP BY kind, dir ORDER BY MIN(id)"""
 
 #: The parts of what a resume added, in the order told (see :func:`resume_bytes`).
-RESUME_PARTS = ("rerun", "ending", "rejoin")
+RESUME_PARTS = ("rerun", "ending", "rejoin", "refusal")
 
 #: Far beyond any row id: the upper bound of the last session.
 _NO_ID = 2 ** 62
@@ -510,8 +510,9 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
     ``resumes`` are the ledger's notes (:func:`broker_server.resumes.ledger_resumes`: per resume
     ``after_round`` R and ``after_id`` L, the newest row id before the resumed session). They cut
     the ledger into sessions: rows up to the first L, rows after it up to the next, …; resume k
-    goes on from session k−1 to session k. Every row stays counted in the run's totals (each
-    crossed the wire); these are the ones an uninterrupted run would not have sent, in three parts:
+    goes on from session k−1 (the last one not refused) to session k. Every row stays counted in
+    the run's totals (each crossed the wire); these are the ones an uninterrupted run would not
+    have sent, in four parts:
 
     ``rerun``
         re-sent: the rows of session k−1 of rounds after R, the rounds the resumed session ran
@@ -528,29 +529,37 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
         reconnecting: the resumed session's rows without a training round (connections, joins,
         statuses: the last wills of the interrupted session's devices among them) recorded before
         its first download of a round after R (an uninterrupted run connects and joins once).
+    ``refusal``
+        a refused ``--resume`` attempt (a note with ``refused`` true: the checkpoint did not load,
+        :func:`broker_server.resumes.refused_if_raises`): every row of its session, its
+        connections. It goes on from nothing: the next resume goes on from the session before it
+        (rows of a refused session are in no other part), and a run never continued after it
+        keeps its ending (a finished run's finish and goodbyes are its own).
 
     Args:
         rows: ledger rows (with their ``id``: the noted ids refer to them) or an open ledger
             connection.
-        resumes: the notes, each with ``after_round`` and ``after_id``.
+        resumes: the notes, each with ``after_round`` and ``after_id`` (and ``refused``, true
+            for a refused attempt).
         view: ``"device"`` or ``"server"``.
 
     Returns:
         ``view``; ``resumes``: one dict per resume in ``after_id`` order, with ``after_round``,
-        ``after_id``, ``rerun_rounds`` (the rounds after R that session k−1 had begun),
-        ``rerun``, ``ending`` and ``rejoin`` (each: ``messages``, ``up_bytes``, ``down_bytes``,
-        ``wire_bytes``, ``control_messages``; ``kinds``: per ``kind`` and ``direction``,
-        ``control``, ``messages``, ``wire_bytes``; ``rounds``: per ``round`` (None: the session
-        row of :func:`by_round`), ``messages``, ``wire_bytes``), ``messages`` and ``wire_bytes``
-        (the three parts); ``rerun``, ``ending``, ``rejoin``, ``all``: the sums over the resumes
-        (``messages``, ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``).
+        ``after_id``, ``refused`` (bool), ``rerun_rounds`` (the rounds after R that session k−1
+        had begun), ``rerun``, ``ending``, ``rejoin`` and ``refusal`` (each: ``messages``,
+        ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``; ``kinds``: per
+        ``kind`` and ``direction``, ``control``, ``messages``, ``wire_bytes``; ``rounds``: per
+        ``round`` (None: the session row of :func:`by_round`), ``messages``, ``wire_bytes``),
+        ``messages`` and ``wire_bytes`` (the four parts); ``rerun``, ``ending``, ``rejoin``,
+        ``refusal``, ``all``: the sums over the resumes (``messages``, ``up_bytes``,
+        ``down_bytes``, ``wire_bytes``, ``control_messages``).
 
     Raises:
         ValueError: unknown ``view``.
     """
     with_v, params = _view(view)
-    marks = sorted(({"after_round": _sqlite_int(m["after_round"]), "after_id": _sqlite_int(m["after_id"])}
-                    for m in resumes), key=lambda m: m["after_id"])
+    marks = sorted(({"after_round": _sqlite_int(m["after_round"]), "after_id": _sqlite_int(m["after_id"]),
+                     "refused": bool(m.get("refused"))} for m in resumes), key=lambda m: m["after_id"])
     bounds = [0] + [m["after_id"] for m in marks] + [_NO_ID]
     out: list[dict[str, Any]] = []
 
@@ -558,24 +567,35 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
         return db.execute(f"{with_v} {sql}", (*params, *args)).fetchone()[0]
 
     with ledger_db(rows, keep_ids=True) as db:
+        nothing = _part(db, with_v, params, "0", ())
+        went_on = 0  # the session the next resume goes on from: the first, or the last one not refused
         for k, m in enumerate(marks, start=1):
-            lo, hi, nxt, r = bounds[k - 1], bounds[k], bounds[k + 1], m["after_round"]
-            first_again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ?", lo, hi, r)
+            hi, nxt, r = bounds[k], bounds[k + 1], m["after_round"]
+            if m["refused"]:
+                refusal = _part(db, with_v, params, "id > ? AND id <= ?", (hi, nxt))
+                out.append({**m, "rerun_rounds": [], "rerun": nothing, "ending": nothing, "rejoin": nothing,
+                            "refusal": refusal, "messages": refusal["messages"],
+                            "wire_bytes": refusal["wire_bytes"]})
+                continue
+            # the session it goes on from: the rows of the last session not refused, up to the next note
+            lo, end = bounds[went_on], bounds[went_on + 1]
+            went_on = k
+            first_again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ?", lo, end, r)
             last_kept = one(db, "SELECT MAX(id) FROM v WHERE id > ? AND id <= ? AND round BETWEEN 1 AND ? "
-                                "AND kind != 'finish'", lo, hi, r)
+                                "AND kind != 'finish'", lo, end, r)
             marks_end = [i for i in (first_again, last_kept) if i is not None]
-            rerun = _part(db, with_v, params, "id > ? AND id <= ? AND round > ?", (lo, hi, r))
+            rerun = _part(db, with_v, params, "id > ? AND id <= ? AND round > ?", (lo, end, r))
             ending = _part(db, with_v, params, "id > ? AND id <= ? AND (kind = 'finish' OR ((round IS NULL OR "
-                                               "round < 1) AND id > ?))", (lo, hi, min(marks_end, default=hi)))
+                                               "round < 1) AND id > ?))", (lo, end, min(marks_end, default=end)))
             again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ? AND dir = 'down'",
                         hi, nxt, r)
             rejoin = _part(db, with_v, params, "id > ? AND id <= ? AND id < ? AND (round IS NULL OR round < 1)",
                            (hi, nxt, nxt + 1 if again is None else again))
             rounds = [x for (x,) in db.execute(f"{with_v} SELECT DISTINCT round FROM v WHERE id > ? AND id <= ? "
-                                               "AND round > ? ORDER BY round", (*params, lo, hi, r))]
+                                               "AND round > ? ORDER BY round", (*params, lo, end, r))]
             parts = (rerun, ending, rejoin)
             out.append({**m, "rerun_rounds": rounds, "rerun": rerun, "ending": ending, "rejoin": rejoin,
-                        "messages": sum(p["messages"] for p in parts),
+                        "refusal": nothing, "messages": sum(p["messages"] for p in parts),
                         "wire_bytes": sum(p["wire_bytes"] for p in parts)})
     sums = {key: _sum_parts(x[key] for x in out) for key in RESUME_PARTS}
     return {"view": view, "resumes": out, **sums, "all": _sum_parts(sums.values())}

@@ -133,7 +133,9 @@ def resume_report(db: sqlite3.Connection, meta: Mapping[str, str], run: Path) ->
         None when the run was never resumed (its ledger notes none; or a ledger from before resumes
         were noted whose ``summary.json`` names no resume). Else ``noted`` (bool), ``problem``,
         ``why``, ``after_rounds`` (the checkpoint round each resume went on from, in order),
-        ``count`` (resumes; None when not noted), ``earlier_unknown`` (the first resume noted
+        ``count`` (resumes that went on; None when not noted), ``refused`` (refused ``--resume``
+        attempts: noted, but the checkpoint did not load, so nothing was continued; their
+        ``after_round`` is not in ``after_rounds``), ``earlier_unknown`` (the first resume noted
         found no usable note in a ledger with rows: sessions before it, if any, cannot be told
         apart, their bytes count in the first session's, and the bytes the run would have sent
         uninterrupted are unknown), ``device`` and ``server``:
@@ -159,12 +161,14 @@ def resume_report(db: sqlite3.Connection, meta: Mapping[str, str], run: Path) ->
             "SELECT COALESCE(MAX(id), 0), MAX(CASE WHEN round >= 1 THEN round END) FROM ledger").fetchone()
         why = implausible_resumes(marks, last_id=last_id, last_round=last_round)
         if why is None:
-            return {"noted": True, "problem": None, "why": None, "after_rounds": [m["after_round"] for m in marks],
-                    "count": len(marks), "earlier_unknown": bool(marks[0].get("earlier_unknown")),
+            went_on = [m for m in marks if not m.get("refused")]
+            return {"noted": True, "problem": None, "why": None, "after_rounds": [m["after_round"] for m in went_on],
+                    "count": len(went_on), "refused": len(marks) - len(went_on),
+                    "earlier_unknown": bool(marks[0].get("earlier_unknown")),
                     **{view: resume_bytes(db, marks, view) for view in VIEWS}}
         problem = "implausible"
     return {"noted": False, "problem": problem, "why": why,
-            "after_rounds": [] if summary_after is None else [summary_after], "count": None,
+            "after_rounds": [] if summary_after is None else [summary_after], "count": None, "refused": None,
             "earlier_unknown": False, "device": None, "server": None}
 
 
@@ -203,8 +207,9 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         ``up_extras_bytes_per_client_round``, ``down_tensor_bytes_per_client_round``,
         ``down_extras_bytes_per_client_round``; and from ``resume`` (:func:`resume_report`, device
         links): ``resumed_after`` (the rounds the run was resumed after; [] never resumed),
-        ``resume_bytes``, ``resume_rerun_bytes``, ``resume_ending_bytes``, ``resume_rejoin_bytes``
-        (what the resumes added: all, re-sent, ending the interrupted session, reconnecting; 0
+        ``resume_bytes``, ``resume_rerun_bytes``, ``resume_ending_bytes``, ``resume_rejoin_bytes``,
+        ``resume_refused_bytes`` (what the resumes added: all, re-sent, ending the interrupted
+        session, reconnecting, refused ``--resume`` attempts; 0
         never resumed, None when the ledger does not tell them: see ``resume_note``),
         ``wire_bytes_without_resume`` (``wire_bytes`` − ``resume_bytes``; None when unknown, as
         when resumes before the first noted one count in the first session) and ``resume_note``
@@ -246,15 +251,16 @@ def _resume_columns(report: Mapping[str, Any], wire_bytes: int) -> dict[str, Any
     resume = report.get("resume")
     if not resume:
         return {"resumed_after": [], "resume_bytes": 0, "resume_rerun_bytes": 0, "resume_ending_bytes": 0,
-                "resume_rejoin_bytes": 0, "wire_bytes_without_resume": wire_bytes, "resume_note": ""}
+                "resume_rejoin_bytes": 0, "resume_refused_bytes": 0, "wire_bytes_without_resume": wire_bytes,
+                "resume_note": ""}
     dev = resume.get("device")
     if dev is None:
         return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": None, "resume_rerun_bytes": None,
-                "resume_ending_bytes": None, "resume_rejoin_bytes": None, "wire_bytes_without_resume": None,
-                "resume_note": resume_note(resume)}
+                "resume_ending_bytes": None, "resume_rejoin_bytes": None, "resume_refused_bytes": None,
+                "wire_bytes_without_resume": None, "resume_note": resume_note(resume)}
     added = dev["all"]["wire_bytes"]
     return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": added,
             "resume_rerun_bytes": dev["rerun"]["wire_bytes"], "resume_ending_bytes": dev["ending"]["wire_bytes"],
-            "resume_rejoin_bytes": dev["rejoin"]["wire_bytes"],
+            "resume_rejoin_bytes": dev["rejoin"]["wire_bytes"], "resume_refused_bytes": dev["refusal"]["wire_bytes"],
             "wire_bytes_without_resume": None if resume.get("earlier_unknown") else wire_bytes - added,
             "resume_note": resume_note(resume)}

@@ -1239,7 +1239,7 @@ def test_a_ledger_that_notes_no_resume_says_the_attribution_is_unknown(tmp_path)
     run = _resumed_run(tmp_path / "old", note=False, summary={"resumed_after": 1})
     rep = audit_report(run)
     assert rep["resume"] == {"noted": False, "problem": None, "why": None, "after_rounds": [1], "count": None,
-                             "earlier_unknown": False, "device": None, "server": None}
+                             "refused": None, "earlier_unknown": False, "device": None, "server": None}
     assert rep["totals"]["device"]["all"]["wire_bytes"] == DEV_FIRST + DEV_RESUMED
     flat = " ".join(render_text(rep).split())
     assert ("Resumed (last after round 1, says summary.json), but this ledger was written before resumes were noted "
@@ -1504,7 +1504,8 @@ def test_a_corrupt_resumes_note_is_said_unreadable_or_implausible_not_old_nor_ne
     run = _set_resumes(_resumed_run(tmp_path / "run-r"), value)
     rep = audit_report(run)
     assert rep["resume"] == {"noted": False, "problem": problem, "why": rep["resume"]["why"], "after_rounds": [],
-                             "count": None, "earlier_unknown": False, "device": None, "server": None}
+                             "count": None, "refused": None, "earlier_unknown": False, "device": None,
+                             "server": None}
     assert rep["resume"]["why"].startswith(why)
     flat = " ".join(render_text(rep).split())
     assert f"This ledger's resumes note is {problem} ({why}" in flat and _ATTRIBUTION_UNKNOWN in flat
@@ -1586,3 +1587,171 @@ def test_a_resume_of_a_ledger_with_no_rows_or_a_usable_note_is_not_marked(tmp_pa
         note_fresh_run(ledger)
         ledger.record(_join("agent", "sent"))
         assert note_resume(ledger, after_round=0, after_id=ledger.last_row_id())[0].get("earlier_unknown") is None
+
+
+# A finished 1-round run (a1 and the server), then a --resume with more rounds that was refused (its
+# checkpoint did not load: the server connected, and disconnected), then one that went on.
+T_FINISH = f"fedfleet/v1/{FED}/down/finish"  # 32 characters
+FINISH = 5 + 32 + (20 + 12)  # 69
+
+
+def _finish(side: str, rnd: int) -> LedgerRow:
+    if side == "server":
+        return _row("server", "server", "sent", "down", "finish", rnd, "*", T_FINISH, 20, 12)
+    return _row("agent", "a1", "received", "down", "finish", rnd, "a1", T_FINISH, 20, 12)
+
+
+def _status() -> LedgerRow:
+    return _row("agent", "a1", "sent", "up", "status", 0, "a1", T_STATUS, 20, 10)
+
+
+def _finished_session() -> list[LedgerRow]:
+    """A 1-round run to its end: joins, round 1, the finish, a1's offline status and DISCONNECT."""
+    return [_ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B),
+            _ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B), _join("agent", "sent"),
+            _join("server", "received"), _srv("global", "sent", 1), _a1("global", "received", 1),
+            _a1("update", "sent", 1), _srv("update", "received", 1), _finish("server", 1), _finish("agent", 1),
+            _status(), _ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B),
+            _ctrl("server", "server", "sent", "down", "DISCONNECT", DISCONNECT_B)]
+
+
+def _refused_session() -> list[LedgerRow]:
+    """The server connects, the checkpoint does not load, it disconnects: no agent saw it."""
+    return [_ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B),
+            _ctrl("server", "server", "sent", "down", "DISCONNECT", DISCONNECT_B)]
+
+
+def _continued_session() -> list[LedgerRow]:
+    """A resume with 2 rounds that went on: reconnect, join, round 2, the finish."""
+    return [_ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B),
+            _ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B), _status(), _join("agent", "sent"),
+            _join("server", "received"), _srv("global", "sent", 2), _a1("global", "received", 2),
+            _a1("update", "sent", 2), _srv("update", "received", 2), _finish("server", 2), _finish("agent", 2),
+            _status(), _ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B),
+            _ctrl("server", "server", "sent", "down", "DISCONNECT", DISCONNECT_B)]
+
+
+def _sessions_run(run, sessions, marks):
+    """A run folder whose ledger holds ``sessions`` (lists of rows) one after the other, with
+    ``marks`` as its resumes note: each mark's ``after_id`` is given as the index of the session
+    it begins (1: the second) and becomes that row id."""
+    ends, n = [], 0
+    for rows in sessions:
+        n += len(rows)
+        ends.append(n)
+    _write_run(run, [r for rows in sessions for r in rows], METRICS)
+    noted = [{**m, "after_id": ends[m["after_id"] - 1]} for m in marks]
+    return _set_resumes(run, json.dumps(noted))
+
+
+def test_a_refused_resume_is_told_as_an_attempt_that_added_its_connections(tmp_path):
+    """A finished run, then a refused --resume (the checkpoint did not load): the run was never
+    continued, so its finish and goodbyes are its own, and the refused attempt added its rows."""
+    run = _sessions_run(tmp_path / "run-f", [_finished_session(), _refused_session()],
+                        [{"after_round": 1, "after_id": 1, "refused": True}])
+    rep = audit_report(run)
+    resume = rep["resume"]
+    assert (resume["noted"], resume["count"], resume["refused"], resume["after_rounds"]) == (True, 0, 1, [])
+    dev, srv = resume["device"], resume["server"]
+    assert (dev["all"]["wire_bytes"], dev["ending"]["wire_bytes"], dev["refusal"]["wire_bytes"]) == (0, 0, 0)
+    assert (srv["all"]["wire_bytes"], srv["ending"]["wire_bytes"], srv["refusal"]["wire_bytes"]) == (
+        CONNECT_B + DISCONNECT_B, 0, CONNECT_B + DISCONNECT_B)
+    (x,) = srv["resumes"]
+    assert (x["refused"], [(k["kind"], k["wire_bytes"]) for k in x["refusal"]["kinds"]]) == (
+        True, [("CONNECT", CONNECT_B), ("DISCONNECT", DISCONNECT_B)])
+    wire = rep["totals"]["device"]["all"]["wire_bytes"]
+    flat = " ".join(render_text(rep).split())
+    assert (f"Not resumed: a refused --resume attempt added 0 of the {wire:,} device-link bytes (its connections); "
+            f"{wire:,} without them.") in flat
+    assert "Resumed after" not in flat and "ending the interrupted session" not in flat
+    assert "server round 1 a refused --resume attempt: its connections 2 0 16 16" in flat
+    row = comparison_row(rep)
+    assert (row["resumed_after"], row["resume_bytes"], row["resume_refused_bytes"]) == ([], 0, 0)
+
+
+def test_a_resume_after_a_refused_one_goes_on_from_the_session_before_it(tmp_path):
+    """The same finished run, the refused attempt, then a resume with 2 rounds that went on: it
+    goes on from the finished session (whose finish and goodbyes it ends), not from the refused
+    one; all three add what the run has beyond a 2-round run's twin."""
+    run = _sessions_run(tmp_path / "run-f", [_finished_session(), _refused_session(), _continued_session()],
+                        [{"after_round": 1, "after_id": 1, "refused": True}, {"after_round": 1, "after_id": 2}])
+    rep = audit_report(run)
+    resume = rep["resume"]
+    assert (resume["count"], resume["refused"], resume["after_rounds"]) == (1, 1, [1])
+    dev, srv = resume["device"], resume["server"]
+    refused, went_on = dev["resumes"]
+    assert (refused["refused"], went_on["refused"]) == (True, False)
+    assert [(k["kind"], k["wire_bytes"]) for k in went_on["ending"]["kinds"]] == [
+        ("finish", FINISH), ("status", STATUS), ("DISCONNECT", DISCONNECT_B)]
+    assert went_on["rejoin"]["wire_bytes"] == CONNECT_B + STATUS + JOIN
+    twin = [*_finished_session()[:8], _srv("global", "sent", 2), _a1("global", "received", 2),
+            _a1("update", "sent", 2), _srv("update", "received", 2), *_finished_session()[8:]]
+    twin = [replace(r, round=2) if r.kind == "finish" else r for r in twin]
+    for view, got in (("device", dev), ("server", srv)):
+        assert (rep["totals"][view]["all"]["wire_bytes"] - totals([asdict(r) for r in twin], view)["all"]["wire_bytes"]
+                == got["all"]["wire_bytes"]), view
+    assert srv["refusal"]["wire_bytes"] == CONNECT_B + DISCONNECT_B
+    flat = " ".join(render_text(rep).split())
+    assert ("reconnecting (the resumed session's connections and joins) and 0 by a refused --resume attempt (its "
+            "connections); ") in flat
+
+
+def test_a_resume_whose_checkpoint_does_not_load_is_marked_refused(tmp_path):
+    from broker_server.resumes import note_fresh_run, note_resume, read_resumes, refused_if_raises
+    from edge_agent.errors import ModelError
+    from protocol.ledger import read_meta
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        note_fresh_run(ledger)
+        ledger.record(_join("agent", "sent"))
+        note_resume(ledger, after_round=1, after_id=1)
+        with refused_if_raises(ledger, after_id=1):
+            pass  # taken back: not marked
+        assert "refused" not in read_resumes(read_meta(ledger.path)).marks[0]
+        ledger.record(_join("agent", "sent"))
+        note_resume(ledger, after_round=1, after_id=2)
+        with pytest.raises(ModelError, match="8 tensors received"):
+            with refused_if_raises(ledger, after_id=2):
+                raise ModelError("8 tensors received, the model has 49")
+    marks = read_resumes(read_meta(tmp_path / "ledger.sqlite")).marks
+    assert [m.get("refused") for m in marks] == [None, True]
+
+
+@pytest.mark.slow
+def test_a_simulation_resumed_with_a_model_its_checkpoint_does_not_fit_is_not_said_to_be_resumed(tmp_path):
+    """A finished 1-round digits run, ``--resume``d with 2 rounds and another model: the checkpoint
+    does not load, nothing is continued. The audit does not call the run resumed; the attempt's
+    connections are what it added."""
+    import shutil
+
+    from helpers.federation import small_config
+
+    from broker_server.server_main import run_server
+    from broker_server.simulate import simulate
+
+    first = tmp_path / "first"
+    assert simulate(small_config(run={"rounds": 1}), run_dir=first).rounds_completed == 1
+    before = audit_report(first)
+    assert before["resume"] is None
+    for command in ("simulate", "server"):
+        run = shutil.copytree(first, tmp_path / command)
+        other = small_config(run={"rounds": 2}, model={"name": "resnet8"})
+        with pytest.raises(Exception, match="tensors received|cannot restore|checkpoint"):
+            if command == "simulate":
+                simulate(other, run_dir=run, resume=True)
+            else:
+                run_server(other, run_dir=run, resume=True)
+        _said_not_resumed(audit_report(run), before)
+
+
+def _said_not_resumed(rep, before):
+    flat = " ".join(render_text(rep).split())
+    assert "Resumed after" not in flat and "ending the interrupted session" not in flat
+    resume = rep["resume"]
+    if resume is not None:  # refused once noted (not before the ledger was opened)
+        assert (resume["count"], resume["refused"], resume["after_rounds"]) == (0, 1, [])
+        added = resume["server"]["all"]["wire_bytes"]
+        assert added == resume["server"]["refusal"]["wire_bytes"] > 0
+        assert added == rep["totals"]["server"]["all"]["wire_bytes"] - before["totals"]["server"]["all"]["wire_bytes"]
+        assert resume["device"]["all"]["wire_bytes"] == 0
+        assert "Not resumed: a refused --resume attempt added 0 of the" in flat
