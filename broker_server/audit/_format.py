@@ -238,21 +238,40 @@ def rounds_text(rounds: Sequence[int]) -> str:
 def _after_text(after_rounds: Sequence[int], earlier_unknown: bool = False) -> str:
     """``"resumed after round 2 (1 resume)"``, ``"resumed 2 times (after rounds 2 and 5)"``; with
     ``earlier_unknown``: ``"resumed after round 2 (1 resume noted)"``, ``"resumed after rounds 2
-    and 5 (2 resumes noted)"``."""
+    and 5 (2 resumes noted)"``. Round 0 is no checkpoint yet: ``"resumed before its first
+    checkpoint (1 resume: the run started again from round 1)"``."""
+    n = len(after_rounds)
+    if list(after_rounds) == [0]:
+        return ("resumed before its first checkpoint ("
+                + ("1 resume noted)" if earlier_unknown else "1 resume: the run started again from round 1)"))
+    none_yet = "; round 0: no checkpoint yet" if 0 in after_rounds else ""
     if earlier_unknown:
-        n = len(after_rounds)
-        return f"resumed after {rounds_text(after_rounds)} ({n} resume{'s' if n != 1 else ''} noted)"
-    if len(after_rounds) == 1:
+        return f"resumed after {rounds_text(after_rounds)} ({n} resume{'s' if n != 1 else ''} noted{none_yet})"
+    if n == 1:
         return f"resumed after round {after_rounds[0]} (1 resume)"
-    return f"resumed {len(after_rounds)} times (after {rounds_text(after_rounds)})"
+    return f"resumed {n} times (after {rounds_text(after_rounds)}{none_yet})"
 
 
 def _rerun_text(resumes: Sequence[Mapping[str, Any]]) -> str:
     """What the re-sent bytes are: ``"round 3's first attempt"``, or that no round had begun."""
     rounds = sorted({r for x in resumes for r in x["rerun_rounds"]})
     if not rounds:
+        if all(x["after_round"] == 0 for x in resumes):
+            return "no round had begun before it stopped"
         return "no round after the checkpoint had begun before it stopped"
     return f"{rounds_text(rounds)}'s first attempt, sent again after the resume"
+
+
+def _rejoin_text(resumes: Sequence[Mapping[str, Any]]) -> str:
+    """What the reconnecting bytes are: the resumed session's connections and joins, or, for a
+    resume with no checkpoint yet (the resumed session is a whole run), the interrupted one's."""
+    from_start = {x["after_round"] == 0 for x in resumes}
+    if from_start == {True}:
+        return ("the interrupted session's connections and joins: with no checkpoint, the resumed session connected "
+                "and joined again from the start")
+    if from_start == {False}:
+        return "the resumed session's connections and joins"
+    return "connections and joins made again"
 
 
 def _attempts(n: int) -> str:
@@ -304,9 +323,10 @@ def resume_line(report: Mapping[str, Any], view: str) -> str | None:
         return (f"Not resumed: {_attempts(refused)} added {count(added)} of the {count(wire)} {_LINK[view]} bytes "
                 f"({'its' if refused == 1 else 'their'} connections); {tail}")
     after = _after_text(resume["after_rounds"], earlier_unknown)
-    parts = [f"{count(rb['rerun']['wire_bytes'])} re-sent ({_rerun_text(rb['resumes'])})",
+    went = [x for x in rb["resumes"] if not x.get("refused")]
+    parts = [f"{count(rb['rerun']['wire_bytes'])} re-sent ({_rerun_text(went)})",
              f"{count(rb['ending']['wire_bytes'])} ending the interrupted session (control packets, statuses, finish)",
-             f"{count(rb['rejoin']['wire_bytes'])} reconnecting (the resumed session's connections and joins)",
+             f"{count(rb['rejoin']['wire_bytes'])} reconnecting ({_rejoin_text(went)})",
              *([refusal] if refused else [])]
     return (f"{after[0].upper()}{after[1:]}: {count(added)} of the {count(wire)} {_LINK[view]} bytes belong to "
             f"{'it' if one else 'them'}: {', '.join(parts[:-1])} and {parts[-1]}; {tail}")
@@ -350,7 +370,8 @@ def resume_cells(report: Mapping[str, Any]) -> list[list[str]]:
                      else "re-sent: nothing (no round had begun)")
             out.append(cells(after, rerun, x["rerun"]))
             out.append(cells(after, "ending the interrupted session", x["ending"]))
-            out.append(cells(after, "reconnecting and joining again", x["rejoin"]))
+            out.append(cells(after, "reconnecting: the interrupted session's connections and joins"
+                             if x["after_round"] == 0 else "reconnecting and joining again", x["rejoin"]))
         out.append(cells("all", "total", rb["all"]))
     return out
 
@@ -402,6 +423,11 @@ def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
                "statuses: the interrupted devices' last wills among them) before its first download of a round "
                "after the checkpoint; an uninterrupted run connects and joins once. Every attempt's bytes stay in "
                "the totals: they crossed the wire.")
+    if any(x["after_round"] == 0 and not x.get("refused") for x in rb["resumes"]):
+        out.append("A resume after round 0 had no checkpoint to go on from: the resumed session ran the run again "
+                   "from its connections and joins, as an uninterrupted run does, so every row of the interrupted "
+                   "session is extra: its rounds re-sent, its ending, and its connections and joins (counted as "
+                   "reconnecting).")
     if refused:
         out.append("A refused --resume attempt (its checkpoint did not load: nothing was continued) added all its "
                    "session's rows, its connections; the next resume, if any, goes on from the session before it, "

@@ -529,6 +529,10 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
         reconnecting: the resumed session's rows without a training round (connections, joins,
         statuses: the last wills of the interrupted session's devices among them) recorded before
         its first download of a round after R (an uninterrupted run connects and joins once).
+        After round 0 (no checkpoint yet) the resumed session starts the run again from its
+        joins: it sends what an uninterrupted run sends, and the interrupted session is the one
+        whose connections and joins are extra: its rows without a training round up to where
+        ``ending`` begins (with ``rerun`` and ``ending``: every row of that session).
     ``refusal``
         a refused ``--resume`` attempt (a note with ``refused`` true: the checkpoint did not load,
         :func:`broker_server.resumes.refused_if_raises`): every row of its session, its
@@ -587,10 +591,14 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
             rerun = _part(db, with_v, params, "id > ? AND id <= ? AND round > ?", (lo, end, r))
             ending = _part(db, with_v, params, "id > ? AND id <= ? AND (kind = 'finish' OR ((round IS NULL OR "
                                                "round < 1) AND id > ?))", (lo, end, min(marks_end, default=end)))
-            again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ? AND dir = 'down'",
-                        hi, nxt, r)
-            rejoin = _part(db, with_v, params, "id > ? AND id <= ? AND id < ? AND (round IS NULL OR round < 1)",
-                           (hi, nxt, nxt + 1 if again is None else again))
+            if r == 0:  # no checkpoint: the resumed session is a whole run, the interrupted one's joins are extra
+                rejoin = _part(db, with_v, params, "id > ? AND id <= ? AND (round IS NULL OR round < 1) AND kind != "
+                                                   "'finish'", (lo, min(marks_end, default=end)))
+            else:
+                again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ? AND dir = 'down'",
+                            hi, nxt, r)
+                rejoin = _part(db, with_v, params, "id > ? AND id <= ? AND id < ? AND (round IS NULL OR round < 1)",
+                               (hi, nxt, nxt + 1 if again is None else again))
             rounds = [x for (x,) in db.execute(f"{with_v} SELECT DISTINCT round FROM v WHERE id > ? AND id <= ? "
                                                "AND round > ? ORDER BY round", (*params, lo, end, r))]
             parts = (rerun, ending, rejoin)

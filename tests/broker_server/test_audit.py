@@ -1755,3 +1755,42 @@ def _said_not_resumed(rep, before):
         assert added == rep["totals"]["server"]["all"]["wire_bytes"] - before["totals"]["server"]["all"]["wire_bytes"]
         assert resume["device"]["all"]["wire_bytes"] == 0
         assert "Not resumed: a refused --resume attempt added 0 of the" in flat
+
+
+def _whole_run() -> list[LedgerRow]:
+    """A 1-round run from the start: connections, a1's status and join, round 1, a1's goodbye."""
+    return [_ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B),
+            _ctrl("agent", "a1", "sent", "up", "CONNECT", CONNECT_B), _status(), _join("agent", "sent"),
+            _join("server", "received"), _srv("global", "sent", 1), _a1("global", "received", 1),
+            _ctrl("agent", "a1", "sent", "up", "PUBACK", PUBACK_B), _a1("update", "sent", 1),
+            _srv("update", "received", 1), _ctrl("agent", "a1", "sent", "up", "DISCONNECT", DISCONNECT_B)]
+
+
+@pytest.mark.parametrize("killed_after", [3, 4, 7])  # a1's status; its join sent; round 1's global received
+def test_a_resume_before_the_first_checkpoint_adds_the_interrupted_session_whole(tmp_path, killed_after):
+    """Killed before round 1's checkpoint (during the joins, or once round 1 had begun), resumed
+    after round 0: the resumed session is the whole run again, what an uninterrupted run sends;
+    what the resume added is every row of the interrupted one (not the resumed session's joins)."""
+    first = _whole_run()[:killed_after]
+    run = _sessions_run(tmp_path / "run-0", [first, _whole_run()], [{"after_round": 0, "after_id": 1}])
+    rep = audit_report(run)
+    for view, side in (("device", "agent"), ("server", "server")):
+        got = rep["resume"][view]
+        twin = totals([asdict(r) for r in _whole_run()], view)["all"]["wire_bytes"]
+        extra = totals([asdict(r) for r in first], view)["all"]["wire_bytes"]
+        assert rep["totals"][view]["all"]["wire_bytes"] - twin == extra == got["all"]["wire_bytes"], view
+        assert got["rerun"]["wire_bytes"] == sum(_wire_row(r) for r in first if r.side == side and (r.round or 0) > 0)
+    dev = rep["resume"]["device"]
+    wire = rep["totals"]["device"]["all"]["wire_bytes"]
+    flat = " ".join(render_text(rep).split())
+    assert (f"Resumed before its first checkpoint (1 resume: the run started again from round 1): "
+            f"{dev['all']['wire_bytes']:,} of the {wire:,} device-link bytes belong to it: ") in flat
+    assert (f"{dev['rejoin']['wire_bytes']:,} reconnecting (the interrupted session's connections and joins: with no "
+            "checkpoint, the resumed session connected and joined again from the start); "
+            f"{wire - dev['all']['wire_bytes']:,} without them.") in flat
+    if killed_after == 4:  # the joins only: a1's CONNECT, status and join
+        assert dev["rejoin"]["wire_bytes"] == CONNECT_B + STATUS + JOIN and "0 re-sent (no round had begun" in flat
+
+
+def _wire_row(r: LedgerRow) -> int:
+    return r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes
