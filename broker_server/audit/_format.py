@@ -252,9 +252,20 @@ def _after_text(after_rounds: Sequence[int], earlier_unknown: bool = False) -> s
     return f"resumed {n} times (after {rounds_text(after_rounds)}{none_yet})"
 
 
+def _sessions_before(resumes: Sequence[Mapping[str, Any]]) -> str:
+    """The sessions the resumes went on from: ``"its first session"``, ``"the session before"``,
+    ``"the sessions before"``."""
+    if len(resumes) > 1:
+        return "the sessions before"
+    return "its first session" if resumes[0].get("from_session") == 0 else "the session before"
+
+
 def _rerun_text(resumes: Sequence[Mapping[str, Any]]) -> str:
-    """What the re-sent bytes are: ``"round 3's first attempt"``, or that no round had begun."""
+    """What the re-sent bytes are: ``"round 3's first attempt"``, or that no round had begun (or
+    that the run had finished)."""
     rounds = sorted({r for x in resumes for r in x["rerun_rounds"]})
+    if not rounds and resumes and all(x.get("finished") for x in resumes):
+        return "the run had finished: no round was run again"
     if not rounds:
         if all(x["after_round"] == 0 for x in resumes):
             return "no round had begun before it stopped"
@@ -324,8 +335,14 @@ def resume_line(report: Mapping[str, Any], view: str) -> str | None:
                 f"({'its' if refused == 1 else 'their'} connections); {tail}")
     after = _after_text(resume["after_rounds"], earlier_unknown)
     went = [x for x in rb["resumes"] if not x.get("refused")]
-    parts = [f"{count(rb['rerun']['wire_bytes'])} re-sent ({_rerun_text(went)})",
-             f"{count(rb['ending']['wire_bytes'])} ending the interrupted session (control packets, statuses, finish)",
+    finished = all(x.get("finished") for x in went)  # each continued a run that had finished
+    if finished:
+        after += f", continued after {'its finish' if len(went) == 1 else 'each finish'}"
+    ending = (f"{count(rb['ending']['wire_bytes'])} for the finish and goodbyes of {_sessions_before(went)}"
+              if finished
+              else f"{count(rb['ending']['wire_bytes'])} ending the interrupted session (control packets, statuses, "
+                   "finish)")
+    parts = [f"{count(rb['rerun']['wire_bytes'])} re-sent ({_rerun_text(went)})", ending,
              f"{count(rb['rejoin']['wire_bytes'])} reconnecting ({_rejoin_text(went)})",
              *([refusal] if refused else [])]
     return (f"{after[0].upper()}{after[1:]}: {count(added)} of the {count(wire)} {_LINK[view]} bytes belong to "
@@ -367,9 +384,11 @@ def resume_cells(report: Mapping[str, Any]) -> list[list[str]]:
                 out.append(cells(after, "a refused --resume attempt: its connections", x["refusal"]))
                 continue
             rerun = (f"re-sent: {rounds_text(x['rerun_rounds'])}'s first attempt" if x["rerun_rounds"]
+                     else "re-sent: nothing (the run had finished)" if x.get("finished")
                      else "re-sent: nothing (no round had begun)")
             out.append(cells(after, rerun, x["rerun"]))
-            out.append(cells(after, "ending the interrupted session", x["ending"]))
+            out.append(cells(after, f"continued after its finish: the finish and goodbyes of {_sessions_before([x])}"
+                             if x.get("finished") else "ending the interrupted session", x["ending"]))
             out.append(cells(after, "reconnecting: the interrupted session's connections and joins"
                              if x["after_round"] == 0 else "reconnecting and joining again", x["rejoin"]))
         out.append(cells("all", "total", rb["all"]))
@@ -423,6 +442,9 @@ def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
                "statuses: the interrupted devices' last wills among them) before its first download of a round "
                "after the checkpoint; an uninterrupted run connects and joins once. Every attempt's bytes stay in "
                "the totals: they crossed the wire.")
+    if any(x.get("finished") for x in rb["resumes"]):
+        out.append("A run continued after its finish (resumed with more rounds): its finish and the goodbyes after "
+                   "it (offline statuses, DISCONNECTs) count as its ending; nothing is re-sent.")
     if any(x["after_round"] == 0 and not x.get("refused") for x in rb["resumes"]):
         out.append("A resume after round 0 had no checkpoint to go on from: the resumed session ran the run again "
                    "from its connections and joins, as an uninterrupted run does, so every row of the interrupted "

@@ -549,7 +549,9 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
 
     Returns:
         ``view``; ``resumes``: one dict per resume in ``after_id`` order, with ``after_round``,
-        ``after_id``, ``refused`` (bool), ``rerun_rounds`` (the rounds after R that session k−1
+        ``after_id``, ``refused`` (bool), ``from_session`` (the session it goes on from: 0 the
+        first, k−1 …; None when refused), ``finished`` (that session had a ``finish``: the run
+        was continued after it had finished), ``rerun_rounds`` (the rounds after R that session
         had begun), ``rerun``, ``ending``, ``rejoin`` and ``refusal`` (each: ``messages``,
         ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``; ``kinds``: per
         ``kind`` and ``direction``, ``control``, ``messages``, ``wire_bytes``; ``rounds``: per
@@ -577,13 +579,16 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
             hi, nxt, r = bounds[k], bounds[k + 1], m["after_round"]
             if m["refused"]:
                 refusal = _part(db, with_v, params, "id > ? AND id <= ?", (hi, nxt))
-                out.append({**m, "rerun_rounds": [], "rerun": nothing, "ending": nothing, "rejoin": nothing,
+                out.append({**m, "from_session": None, "finished": False, "rerun_rounds": [], "rerun": nothing,
+                            "ending": nothing, "rejoin": nothing,
                             "refusal": refusal, "messages": refusal["messages"],
                             "wire_bytes": refusal["wire_bytes"]})
                 continue
             # the session it goes on from: the rows of the last session not refused, up to the next note
-            lo, end = bounds[went_on], bounds[went_on + 1]
+            lo, end, session = bounds[went_on], bounds[went_on + 1], went_on
             went_on = k
+            finished = db.execute("SELECT EXISTS (SELECT 1 FROM ledger WHERE id > ? AND id <= ? AND kind = 'finish')",
+                                  (lo, end)).fetchone()[0]
             first_again = one(db, "SELECT MIN(id) FROM v WHERE id > ? AND id <= ? AND round > ?", lo, end, r)
             last_kept = one(db, "SELECT MAX(id) FROM v WHERE id > ? AND id <= ? AND round BETWEEN 1 AND ? "
                                 "AND kind != 'finish'", lo, end, r)
@@ -602,7 +607,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
             rounds = [x for (x,) in db.execute(f"{with_v} SELECT DISTINCT round FROM v WHERE id > ? AND id <= ? "
                                                "AND round > ? ORDER BY round", (*params, lo, end, r))]
             parts = (rerun, ending, rejoin)
-            out.append({**m, "rerun_rounds": rounds, "rerun": rerun, "ending": ending, "rejoin": rejoin,
+            out.append({**m, "from_session": session, "finished": bool(finished), "rerun_rounds": rounds,
+                        "rerun": rerun, "ending": ending, "rejoin": rejoin,
                         "refusal": nothing, "messages": sum(p["messages"] for p in parts),
                         "wire_bytes": sum(p["wire_bytes"] for p in parts)})
     sums = {key: _sum_parts(x[key] for x in out) for key in RESUME_PARTS}

@@ -1421,11 +1421,25 @@ def test_a_finished_run_resumed_with_more_rounds_ends_with_its_finish_and_goodby
     assert (totals(ledger)["all"]["wire_bytes"] - totals([asdict(r) for r in twin])["all"]["wire_bytes"]
             == got["all"]["wire_bytes"])
     report = {"resume": {"noted": True, "after_rounds": [1], "count": 1, "device": got},
-              "totals": {"device": totals(ledger)}}
+              "totals": {"device": totals(ledger), "server": totals([])}}
     from broker_server.audit._format import resume_line
 
-    assert ("0 re-sent (no round after the checkpoint had begun before it stopped), 136 ending the interrupted "
-            "session") in resume_line(report, "device")
+    assert (x["finished"], x["from_session"]) == (True, 0)
+    line = resume_line(report, "device")
+    assert line.startswith("Resumed after round 1 (1 resume), continued after its finish: 781 of the ")
+    assert ("0 re-sent (the run had finished: no round was run again), 136 for the finish and goodbyes of its first "
+            "session and 645 reconnecting (the resumed session's connections and joins);") in line
+    assert "interrupted" not in line and "no round after the checkpoint had begun" not in line
+    from broker_server.audit._format import resume_cells
+
+    assert [c[2] for c in resume_cells(report)] == [
+        "re-sent: nothing (the run had finished)",
+        "continued after its finish: the finish and goodbyes of its first session",
+        "reconnecting and joining again", "total"]
+    # an interrupted run (no finish) is still told as interrupted
+    killed = [{**asdict(r), "id": i} for i, r in enumerate(first[:5] + second, start=1)]
+    (y,) = resume_bytes(killed, [{"after_round": 1, "after_id": 5}], "device")["resumes"]
+    assert y["finished"] is False
 
 
 def _set_resumes(run, value):
