@@ -39,7 +39,7 @@ _COMPARISON_FIELDS = ["run", "federation", "rounds", "final_accuracy", "up_bytes
                       "downlink_kbps", "up_max_s", "down_max_s", "time_max_s", "up_sum_s", "down_sum_s",
                       "time_sum_s", "up_tensor_bytes_per_client_round", "up_extras_bytes_per_client_round",
                       "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round", "resumed_after",
-                      "resume_bytes", "resume_rerun_bytes", "resume_ending_bytes", "resume_rejoin_bytes",
+                      "resume_link", "resume_bytes", "resume_rerun_bytes", "resume_ending_bytes", "resume_rejoin_bytes",
                       "resume_refused_bytes", "wire_bytes_without_resume", "resume_note"]
 
 
@@ -62,7 +62,8 @@ def write_csv(reports: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list
     Every file has a ``run`` column (the run path); ``by_round.csv`` writes the session row's
     round as ``session``; ``comparison.csv`` has one row per run, in the order given (see
     :func:`comparison_row`; a resumed run's ``resumed_after`` as ``2`` or ``2;5``, and the
-    device-link bytes its resumes added in ``resume_bytes``, ``resume_rerun_bytes``,
+    bytes its resumes added on ``resume_link`` (the device links; the server link for a ledger
+    with only the server's rows) in ``resume_bytes``, ``resume_rerun_bytes``,
     ``resume_ending_bytes``, ``resume_rejoin_bytes`` and ``resume_refused_bytes``, empty where
     its ledger does not note them, and ``resume_note`` saying why); ``fields.csv`` has one row
     per body field of :func:`body_fields` (``other`` included, so a kind's ``bytes`` add up to

@@ -352,10 +352,13 @@ def resume_line(report: Mapping[str, Any], view: str) -> str | None:
 def resume_cell(row: Mapping[str, Any]) -> str:
     """The ``resume B`` cell of a :func:`comparison_row`: the bytes its resumes added,
     ``"unknown"`` when its ledger does not tell them, ``"≥ N"`` when resumes before the first
-    noted one count in the first session."""
+    noted one count in the first session; ``"N (server link)"`` for a resumed run whose ledger
+    has only the server's rows (the other columns are device-link bytes)."""
     if row["resume_bytes"] is None:
         return "unknown"
-    return ("≥ " if row.get("resume_note") == "earlier not noted" else "") + count(row["resume_bytes"])
+    return (("≥ " if row.get("resume_note") == "earlier not noted" else "") + count(row["resume_bytes"])
+            + (" (server link)" if row.get("resume_link") == "server" and (row["resumed_after"] or row["resume_bytes"])
+               else ""))
 
 
 #: Columns of the resume table (:func:`resume_cells`).

@@ -141,10 +141,11 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     if resumed:
         note += (" Resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent again "
                  "after the resume, that session's ending and the resumed session's reconnection; counted in up B "
-                 "and down B, as they crossed the wire); 0: never resumed; unknown: its ledger does not tell them "
-                 "apart; ≥ N: those of the resumes it noted (earlier ones were not). "
+                 "and down B, as they crossed the wire), or, marked (server link), server-link bytes of a ledger "
+                 "with only the server's rows (a fedfleet server run's); 0: never resumed; unknown: its ledger does "
+                 "not tell them apart; ≥ N: those of the resumes it noted (earlier ones were not). "
                  + " ".join(f"{_esc(label)}: {_esc(line)}" for label, rep in zip(labels, reports, strict=True)
-                            if (line := resume_line(rep, "device")) is not None))
+                            if (line := resume_line(rep, resume_view(rep))) is not None))
     fleet = fleet_total(reports)
     if fleet is not None:
         body.append(["fleet total", "", "", count(fleet["up_bytes"]), count(fleet["down_bytes"]), "", "",

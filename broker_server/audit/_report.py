@@ -205,13 +205,15 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         ``down_sum_s``, ``time_sum_s`` (sum over clients); and from ``fields``
         (:func:`field_bytes_per_client_round`; None without it): ``up_tensor_bytes_per_client_round``,
         ``up_extras_bytes_per_client_round``, ``down_tensor_bytes_per_client_round``,
-        ``down_extras_bytes_per_client_round``; and from ``resume`` (:func:`resume_report`, device
-        links): ``resumed_after`` (the rounds the run was resumed after; [] never resumed),
+        ``down_extras_bytes_per_client_round``; and from ``resume`` (:func:`resume_report`, on
+        ``resume_link``: ``"device"``, or ``"server"`` for a ledger with only the server's rows,
+        a ``fedfleet server`` run's: :func:`resume_view`): ``resumed_after`` (the rounds the run
+        was resumed after; [] never resumed),
         ``resume_bytes``, ``resume_rerun_bytes``, ``resume_ending_bytes``, ``resume_rejoin_bytes``,
         ``resume_refused_bytes`` (what the resumes added: all, re-sent, ending the interrupted
         session, reconnecting, refused ``--resume`` attempts; 0
         never resumed, None when the ledger does not tell them: see ``resume_note``),
-        ``wire_bytes_without_resume`` (``wire_bytes`` − ``resume_bytes``; None when unknown, as
+        ``wire_bytes_without_resume`` (the link's wire bytes − ``resume_bytes``; None when unknown, as
         when resumes before the first noted one count in the first session) and ``resume_note``
         (:func:`resume_note`).
     """
@@ -230,7 +232,7 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         "up_sum_s": link.get("up_sum_s"), "down_sum_s": link.get("down_sum_s"),
         "time_sum_s": link.get("sum_s"),
         **field_bytes_per_client_round(report.get("fields") or []),
-        **_resume_columns(report, dev["all"]["wire_bytes"]),
+        **_resume_columns(report),
     }
 
 
@@ -246,21 +248,24 @@ def resume_note(resume: Mapping[str, Any] | None) -> str:
     return "earlier not noted" if resume.get("earlier_unknown") else ""
 
 
-def _resume_columns(report: Mapping[str, Any], wire_bytes: int) -> dict[str, Any]:
-    """The resume columns of :func:`comparison_row` (device links; bytes)."""
+def _resume_columns(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The resume columns of :func:`comparison_row` (bytes of the link the resume is told in:
+    :func:`resume_view`, ``resume_link``)."""
     resume = report.get("resume")
+    link = resume_view(report)
+    wire_bytes = report["totals"][link]["all"]["wire_bytes"]
     if not resume:
-        return {"resumed_after": [], "resume_bytes": 0, "resume_rerun_bytes": 0, "resume_ending_bytes": 0,
-                "resume_rejoin_bytes": 0, "resume_refused_bytes": 0, "wire_bytes_without_resume": wire_bytes,
-                "resume_note": ""}
-    dev = resume.get("device")
-    if dev is None:
-        return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": None, "resume_rerun_bytes": None,
-                "resume_ending_bytes": None, "resume_rejoin_bytes": None, "resume_refused_bytes": None,
-                "wire_bytes_without_resume": None, "resume_note": resume_note(resume)}
-    added = dev["all"]["wire_bytes"]
-    return {"resumed_after": list(resume["after_rounds"]), "resume_bytes": added,
-            "resume_rerun_bytes": dev["rerun"]["wire_bytes"], "resume_ending_bytes": dev["ending"]["wire_bytes"],
-            "resume_rejoin_bytes": dev["rejoin"]["wire_bytes"], "resume_refused_bytes": dev["refusal"]["wire_bytes"],
+        return {"resumed_after": [], "resume_link": link, "resume_bytes": 0, "resume_rerun_bytes": 0,
+                "resume_ending_bytes": 0, "resume_rejoin_bytes": 0, "resume_refused_bytes": 0,
+                "wire_bytes_without_resume": wire_bytes, "resume_note": ""}
+    told = resume.get(link)
+    if told is None:
+        return {"resumed_after": list(resume["after_rounds"]), "resume_link": link, "resume_bytes": None,
+                "resume_rerun_bytes": None, "resume_ending_bytes": None, "resume_rejoin_bytes": None,
+                "resume_refused_bytes": None, "wire_bytes_without_resume": None, "resume_note": resume_note(resume)}
+    added = told["all"]["wire_bytes"]
+    return {"resumed_after": list(resume["after_rounds"]), "resume_link": link, "resume_bytes": added,
+            "resume_rerun_bytes": told["rerun"]["wire_bytes"], "resume_ending_bytes": told["ending"]["wire_bytes"],
+            "resume_rejoin_bytes": told["rejoin"]["wire_bytes"], "resume_refused_bytes": told["refusal"]["wire_bytes"],
             "wire_bytes_without_resume": None if resume.get("earlier_unknown") else wire_bytes - added,
             "resume_note": resume_note(resume)}

@@ -236,13 +236,14 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
         t.add_row(*cells)
     console.print(t)
     for label, report in zip(labels, reports, strict=True):
-        if (line := resume_line(report, "device")) is not None:
+        if (line := resume_line(report, resume_view(report))) is not None:
             console.print(f"{label}: {line}", overflow="fold")
     if resumed:
         console.print("resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent "
                       "again after the resume, that session's ending and the resumed session's reconnection; counted "
-                      "in up B and down B, as they crossed the wire); 0: never resumed; unknown: its ledger does not "
-                      "tell them apart; ≥ N: those of the resumes it noted (earlier ones were not).")
+                      "in up B and down B, as they crossed the wire), or, marked (server link), server-link bytes of a "
+                      "ledger with only the server's rows (a `fedfleet server` run's); 0: never resumed; unknown: its "
+                      "ledger does not tell them apart; ≥ N: those of the resumes it noted (earlier ones were not).")
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
                   "measures it every E-th round and the last; —: the run records no accuracy, as a device's own "

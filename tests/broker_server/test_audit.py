@@ -1808,3 +1808,31 @@ def test_a_resume_before_the_first_checkpoint_adds_the_interrupted_session_whole
 
 def _wire_row(r: LedgerRow) -> int:
     return r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes
+
+
+def test_a_server_only_ledger_s_resume_is_compared_on_the_server_link(tmp_path, capsys):
+    """A ``fedfleet server`` run's ledger has only the server's rows: its resume is told on the
+    server link in the comparison (text, HTML, CSV) too, not as 0 of 0 device-link bytes."""
+    first = [r for r in _first_session() if r.side == "server"]
+    second = [r for r in _resumed_session() if r.side == "server"]
+    run = _sessions_run(tmp_path / "run-s", [first, second], [{"after_round": 1, "after_id": 1}])
+    twin = _sessions_run(tmp_path / "run-t", [[r for r in _twin_rows() if r.side == "server"]], [])
+    reps = [audit_report(run), audit_report(twin)]
+    added = SRV_RERUN + SRV_REJOIN
+    line = (f"Resumed after round 1 (1 resume): {added:,} of the {SRV_TOTAL:,} server-link bytes belong to it: "
+            f"{SRV_RERUN:,} re-sent (round 2's first attempt, sent again after the resume), 0 ending the interrupted "
+            f"session (control packets, statuses, finish) and {SRV_REJOIN:,} reconnecting (the resumed session's "
+            f"connections and joins); {SRV_TWIN:,} without them.")
+    assert SRV_TOTAL - added == SRV_TWIN
+    comparison = " ".join(render_comparison_text(reps).split())
+    assert f"run-s: {line}" in comparison and "device-link bytes belong" not in comparison
+    assert f"{added:,} (server link)" in comparison
+    row = comparison_row(reps[0])
+    assert (row["resume_link"], row["resume_bytes"], row["wire_bytes_without_resume"]) == ("server", added, SRV_TWIN)
+    page = render_html(reps)
+    assert html.escape(f"run-s: {line}") in page and f"{added:,} (server link)" in page
+    assert fedfleet_main(["audit", str(run), str(twin), "--csv", str(tmp_path / "csv")]) == 0
+    capsys.readouterr()
+    cmp = _read_csv(tmp_path / "csv" / "comparison.csv")
+    assert [(r["resume_link"], r["resume_bytes"], r["wire_bytes_without_resume"]) for r in cmp] == [
+        ("server", str(added), str(SRV_TWIN)), ("server", "0", str(SRV_TWIN))]
