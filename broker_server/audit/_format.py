@@ -126,13 +126,27 @@ def delivery_lines(dv: Mapping[str, Any] | None) -> list[str]:
         return (f"PUBLISH packets sent by {who}: {count(d['acked'])} acknowledged by the broker, "
                 f"{count(d['handed'])} handed over without acknowledgement, {count(d['refused'])} refused by the "
                 "broker" + (f", {count(d['unknown'])} without a delivery record (older ledger)" if d["unknown"] else "")
-                + (f"; {count(d['undeliverable'])} message(s) given up" if d["undeliverable"] else ""))
+                + (f"; {count(d['undeliverable'])} message(s) given up" if d["undeliverable"] else "")
+                + (f"; {count(d['not_sent'])} QoS 0 message(s) not sent (the link was down: not refused by the "
+                   "broker, which never saw them)" if d.get("not_sent") else ""))
 
     sides = dv.get("by_side")
     if sides is None:
         return [line("both sides together", dv)]
     return [line(_SENDER[side], d) for side, d in sides.items()
-            if d.get("sent") or d["refused"] or d["undeliverable"]]
+            if d.get("sent") or d["refused"] or d["undeliverable"] or d.get("not_sent")]
+
+
+#: How the text names each of ``deliveries``' ``refusals`` by its ``what``.
+REFUSAL_LABELS = {"refused": "refused", "given up": "given up after the broker's refusals",
+                  "not sent": "not sent (link down, QoS 0)"}
+
+
+def refusal_line(r: Mapping[str, Any]) -> str:
+    """``"  refused (server server, round_start, 1×): reason"``; a QoS 0 message the channel could
+    not send: ``"  not sent (link down, QoS 0) (server server, undeliverable, 1×): reason"``."""
+    label = REFUSAL_LABELS.get(r.get("what") or "refused", "refused")
+    return f"  {label} ({r['side']} {r['node']}, {r['kind']}, {r['count']}×): {r['reason']}"
 
 
 def directions_label(link: Mapping[str, Any] | None) -> str:

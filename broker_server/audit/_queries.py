@@ -310,11 +310,18 @@ def _delivery_counts(db: sqlite3.Connection, where: str, params: tuple[Any, ...]
         "GROUP BY delivery", params)}
     refused_messages = db.execute(f"SELECT COUNT(*) FROM ledger WHERE event = 'message' AND delivery = 'refused' "
                                   f"AND {where}", params).fetchone()[0]
+    given_up, not_sent = db.execute(
+        f"SELECT COALESCE(SUM(NOT ({_NOT_SENT})), 0), COALESCE(SUM({_NOT_SENT}), 0) FROM ledger "
+        f"WHERE kind = 'undeliverable' AND {where}", params).fetchone()
     return {"acked": counts.get("acked", 0), "handed": counts.get("handed", 0),
             "refused": counts.get("refused", 0) + refused_messages, "unknown": counts.get("", 0),
-            "undeliverable": db.execute(f"SELECT COUNT(*) FROM ledger WHERE kind = 'undeliverable' AND {where}",
-                                        params).fetchone()[0],
-            "sent": sum(counts.values())}
+            "undeliverable": given_up, "not_sent": not_sent, "sent": sum(counts.values())}
+
+
+#: An ``undeliverable`` row of a QoS 0 message (or chunk) the channel could not send: the link
+#: was down, and MQTT keeps no QoS 0 message for the reconnect (its reason holds the words of
+#: :class:`protocol.errors.PublishDropped`). The broker never saw it: not one it refused.
+_NOT_SENT = "reason LIKE '%not sent: the link is down%'"
 
 
 def deliveries(rows: LedgerSource) -> dict[str, Any]:
@@ -326,17 +333,22 @@ def deliveries(rows: LedgerSource) -> dict[str, Any]:
         never acknowledged: QoS 0, or no PUBACK came), ``refused`` (PUBACK reason code >= 0x80, a
         packet above the broker's limit, one it disconnected for), ``unknown`` (rows without a
         delivery: older ledgers), all counts of ``sent`` PUBLISH rows of both sides together;
-        ``undeliverable``: messages given up after refusals; ``sent``: the ``sent`` PUBLISH rows;
+        ``undeliverable``: messages given up after the broker's refusals; ``not_sent``: QoS 0
+        messages (or chunks) the channel could not send, the link being down (not the broker's
+        doing: it never saw them); ``sent``: the ``sent`` PUBLISH rows;
         ``by_side``: the same counts per side that sent them, ``"agent"`` (the devices, on the
         device links) and ``"server"`` (on the server link); ``refusals``: up to 20
-        ``{side, node, kind, reason, count}`` (reasons in the order first seen).
+        ``{side, node, kind, reason, count, what}`` (reasons in the order first seen; ``what``:
+        ``"refused"`` by the broker, ``"given up"`` after its refusals, ``"not sent"``: QoS 0
+        while the link was down).
     """
     with ledger_db(rows) as db:
         out: dict[str, Any] = _delivery_counts(db, "1", ())
         out["by_side"] = {side: _delivery_counts(db, "side = ?", (side,)) for side in SIDES}
-        out["refusals"] = query(db, "SELECT side, node, kind, reason, COUNT(*) AS count FROM ledger WHERE "
-                                    "delivery = 'refused' OR kind = 'undeliverable' GROUP BY side, node, kind, reason "
-                                    "ORDER BY MIN(id) LIMIT 20")
+        out["refusals"] = query(db, "SELECT side, node, kind, reason, COUNT(*) AS count, CASE WHEN kind != "
+                                    f"'undeliverable' THEN 'refused' WHEN {_NOT_SENT} THEN 'not sent' ELSE "
+                                    "'given up' END AS what FROM ledger WHERE delivery = 'refused' OR kind = "
+                                    "'undeliverable' GROUP BY side, node, kind, reason ORDER BY MIN(id) LIMIT 20")
     return out
 
 

@@ -24,6 +24,7 @@ from ._format import (
     kind_cells,
     mean,
     pct,
+    refusal_line,
     resume_cell,
     resume_cells,
     resume_line,
@@ -184,7 +185,7 @@ def render_text(report: Mapping[str, Any]) -> str:
     for line in delivery_lines(report.get("deliveries")):
         console.print(line)
     for r in (report.get("deliveries") or {}).get("refusals", []):
-        console.print(f"  refused ({r['side']} {r['node']}, {r['kind']}, {r['count']}×): {r['reason']}")
+        console.print(refusal_line(r))
     if report["rejected"]:
         t = _table("side", "node", "topic", "reason", "payload B", text_columns=4)
         for r in report["rejected"]:

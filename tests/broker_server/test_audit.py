@@ -1836,3 +1836,38 @@ def test_a_server_only_ledger_s_resume_is_compared_on_the_server_link(tmp_path, 
     cmp = _read_csv(tmp_path / "csv" / "comparison.csv")
     assert [(r["resume_link"], r["resume_bytes"], r["wire_bytes_without_resume"]) for r in cmp] == [
         ("server", str(added), str(SRV_TWIN)), ("server", "0", str(SRV_TWIN))]
+
+
+def _undeliverable(why: str) -> LedgerRow:
+    """The row the channel writes for a message it gave up (protocol.channel._undeliverable)."""
+    return LedgerRow(federation=FED, side="server", node="server", event="message", direction="down",
+                     kind="undeliverable", round=2, client="*", sender=None, seq=None, topic=T_GLOBAL,
+                     topic_bytes=len(T_GLOBAL), mqtt_header_bytes=0, envelope_bytes=0, body_bytes=0, payload_bytes=0,
+                     qos=0, reason=why)
+
+
+NOT_SENT_WHY = (f"global of round 2 (2,025 bytes) not sent: server: QoS 0 PUBLISH to {T_GLOBAL} (2,025 bytes) not "
+                "sent: the link is down, and MQTT keeps no QoS 0 message for the reconnect (QoS 1 would)")
+GIVEN_UP_WHY = (f"server: global of round 2 (2,025 bytes) on {T_GLOBAL} refused by the broker again: 0x95 Packet too "
+                "large; not sent again after 3 chunked re-sends (last packets ≤ 512 bytes)")
+
+
+def test_a_qos0_message_not_sent_while_the_link_was_down_is_not_said_refused_by_the_broker(tmp_path):
+    """QoS 0 while the link is down: the channel records the message as undeliverable, never sent.
+    The audit says not sent (link down, QoS 0), apart from a message given up after the broker's
+    refusals, and counts neither as refused by the broker."""
+    run = _write_run(tmp_path / "run-q", _rows() + [_undeliverable(NOT_SENT_WHY), _undeliverable(GIVEN_UP_WHY)],
+                     METRICS)
+    rep = audit_report(run)
+    flat = " ".join(render_text(rep).split())
+    assert "refused (server server, undeliverable" not in flat
+    assert f"not sent (link down, QoS 0) (server server, undeliverable, 1×): {NOT_SENT_WHY}" in flat
+    assert f"given up after the broker's refusals (server server, undeliverable, 1×): {GIVEN_UP_WHY}" in flat
+    server = rep["deliveries"]["by_side"]["server"]
+    assert (server["refused"], server["undeliverable"], server["not_sent"]) == (0, 1, 1)
+    assert [r["what"] for r in rep["deliveries"]["refusals"]] == ["not sent", "given up"]
+    line = ("PUBLISH packets sent by the server (server link): 0 acknowledged by the broker, 0 handed over without "
+            "acknowledgement, 0 refused by the broker, 2 without a delivery record (older ledger); 1 message(s) given "
+            "up; 1 QoS 0 message(s) not sent (the link was down: not refused by the broker, which never saw them)")
+    assert line in flat
+    assert html.escape(line) in render_html([rep])

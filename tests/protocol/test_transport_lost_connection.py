@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from helpers.waiting import wait_for
 
+from broker_server.audit._queries import deliveries
 from broker_server.embedded_broker import EmbeddedBroker
 from protocol.transport import MqttTransport, _CountingClient
 from protocol.transport_base import PacketEvent
@@ -140,6 +142,9 @@ def test_a_qos0_message_while_the_link_is_down_is_said_undeliverable_not_counted
             assert [r.kind for r in rows if r.event == "sent" and r.reason != "control"] == []
             assert [r.kind for r in rows if r.event == "message"] == ["undeliverable", "undeliverable"]
             assert relay.packets(first)["PUBLISH"] == 0
+            # the audit tells them apart from messages the broker refused: not sent, the link down
+            told = deliveries([asdict(r) for r in rows])
+            assert (told["not_sent"], told["undeliverable"], told["refused"]) == (2, 0, 0)
         finally:
             tr.close()
             relay.close()
