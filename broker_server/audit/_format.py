@@ -381,8 +381,8 @@ RESUME_COLUMNS = ("link", "resumed after", "part", "messages", "up B", "down B",
 
 def resume_cells(report: Mapping[str, Any]) -> list[list[str]]:
     """Rows of the resume table (columns :data:`RESUME_COLUMNS`): per link with rows, per resume,
-    the re-sent, ending and reconnecting parts, then the link's total ([] when the resumes are not
-    noted)."""
+    the re-sent, ending (of a finished run: its finish and goodbyes) and reconnecting parts, or
+    one row for a refused attempt, then the link's total ([] when the resumes are not noted)."""
     resume = report.get("resume") or {}
     out: list[list[str]] = []
     for view in ("device", "server"):
