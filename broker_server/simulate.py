@@ -291,14 +291,9 @@ def check_partition_settings(path: Path, cfg: Config, flags: Mapping[tuple[str, 
         ConfigError: the file cannot be read, or a setting differs: the message names the
             setting, both values, where the new one came from, and how to resume.
     """
-    if not path.exists():
+    old = _recorded_partition(path)
+    if old is None:
         return
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
-    if not isinstance(old, dict):
-        raise ConfigError(f"--resume: cannot read {path}: not a JSON object")
     now = partition_settings(cfg)
     differ: list[tuple[tuple[str, str], object, object]] = [
         (where, old[key], now[key]) for key, (where, schemes) in PARTITION_SETTINGS.items()
@@ -324,6 +319,23 @@ def check_partition_settings(path: Path, cfg: Config, flags: Mapping[tuple[str, 
                       f"{keeps}; {fix}")
 
 
+def _recorded_partition(path: Path) -> dict | None:
+    """A run's ``partition.json`` (``None`` without the file), for the ``--resume`` checks.
+
+    Raises:
+        ConfigError: the file cannot be read, or is not a JSON object.
+    """
+    if not path.exists():
+        return None
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+    if not isinstance(old, dict):
+        raise ConfigError(f"--resume: cannot read {path}: not a JSON object")
+    return old
+
+
 def check_partition_record(path: Path, record: dict) -> None:
     """On ``--resume``: the split recomputed now (``record``, :func:`partition_record`) must be the
     one the run started with (``path``, its ``partition.json``): the same client test protocol and,
@@ -335,12 +347,9 @@ def check_partition_record(path: Path, record: dict) -> None:
         ConfigError: the file cannot be read, or the splits differ (the message names the first
             client that differs): a resumed run must not train or evaluate on other samples.
     """
-    if not path.exists():
+    old = _recorded_partition(path)
+    if old is None:
         return
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
     was = old.get("client_test", "shared")
     if was != record["client_test"] or old.get("client_test_fraction") != record["client_test_fraction"]:
         raise ConfigError(f"--resume: {path} records client_test = {was!r} (fraction "

@@ -1298,12 +1298,10 @@ def test_a_killed_and_resumed_simulation_s_extra_bytes_are_its_resume_s(tmp_path
     (MQTT control packets name no message: a few acknowledgements may fall on either side of a
     session's boundary)."""
     import os
-    import signal
     import subprocess
-    import time
     from pathlib import Path
 
-    from helpers.checkpoints import checkpoint_round
+    from helpers.checkpoints import checkpoint_round, kill_when
     from helpers.federation import small_config
 
     from broker_server.embedded_broker import EmbeddedBroker
@@ -1319,20 +1317,12 @@ def test_a_killed_and_resumed_simulation_s_extra_bytes_are_its_resume_s(tmp_path
             p = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "simulate", "--config", str(toml),
                                   "--out", str(run), "--broker", broker.url, "-q"], cwd=repo, stdout=log,
                                  stderr=subprocess.STDOUT, env={**os.environ, "FEDFLEET_OFFLINE": "1"})
-        try:
-            while p.poll() is None:
-                r = checkpoint_round(run / "checkpoints.sqlite")
-                if r >= 2 and _sql(run, "SELECT COUNT(*) FROM messages WHERE side = 'agent' AND event = 'received' "
-                                        "AND kind = 'round_start' AND round = ?", r + 1)[0][0] == 3:
-                    break
-                time.sleep(0.02)
-            assert p.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
-        finally:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+        def round_started() -> bool:
+            r = checkpoint_round(run / "checkpoints.sqlite")
+            return r >= 2 and _sql(run, "SELECT COUNT(*) FROM messages WHERE side = 'agent' AND event = 'received' "
+                                        "AND kind = 'round_start' AND round = ?", r + 1)[0][0] == 3
+
+        kill_when(p, round_started, tmp_path / "killed.log")
         after_round = checkpoint_round(run / "checkpoints.sqlite")
         ((last_id,),) = _sql(run, "SELECT MAX(id) FROM messages")
         assert simulate(cfg, broker_url=broker.url, run_dir=run, resume=True).rounds_completed == 4

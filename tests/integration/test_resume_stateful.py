@@ -10,7 +10,6 @@ checkpoint's strategy state, checked against the messages a spy saw on the broke
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.checkpoints import checkpoint_round
+from helpers.checkpoints import checkpoint_round, kill_when
 from helpers.federation import Spy, small_config
 from helpers.federation import read_metrics as _metrics
 from helpers.federation import read_summary as _summary
@@ -54,16 +53,7 @@ def _kill_and_resume(tmp_path: Path, cfg, *, kill_after: int = 1, agent_hook=Non
                               str(run), "--broker", broker.url, "-q"], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
                              env={**os.environ, "FEDFLEET_OFFLINE": "1"})
         log.close()
-        try:
-            while checkpoint_round(run / "checkpoints.sqlite") < kill_after and p.poll() is None:
-                time.sleep(0.05)
-            assert p.poll() is None, (tmp_path / "crashed.log").read_text()[-3000:]
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
-        finally:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+        kill_when(p, lambda: checkpoint_round(run / "checkpoints.sqlite") >= kill_after, tmp_path / "crashed.log")
         store = CheckpointStore(run / "checkpoints.sqlite")
         ckpt = store.load()
         store.close()
