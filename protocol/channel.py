@@ -156,6 +156,7 @@ class _Outgoing:
     transfer_id: bytes | None = None
     connection: int = 0
     sent: _Sent | None = None
+    dropped_gen: int = 0  # the generation said undeliverable after a packet of it was dropped unsent
 
 
 @dataclass(eq=False, slots=True)
@@ -291,7 +292,8 @@ class Channel:
         #: model-sized payload would otherwise stay held until its next message)
         self.keep_last_payload = True
         self._delivery_lock = threading.Lock()
-        self._handles: dict[int, tuple[object, int, _Outgoing | None, int]] = {}
+        # id(handle) -> (handle, ledger row, message, its generation, the row's packet bytes)
+        self._handles: dict[int, tuple[object, int, _Outgoing | None, int, int]] = {}
         # the last handles acknowledged: a transport may still report one refused (a broker that closed
         # the connection right after acknowledging it, which it reports at once)
         self._acked_recently: collections.OrderedDict[int, tuple[object, int, _Outgoing | None, int, float]] = \
@@ -301,6 +303,8 @@ class Channel:
         # transfers replaced by a smaller re-send: requests for their chunks are not answered
         self._superseded: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._early_outcomes: dict[int, tuple[object, str, str]] = {}
+        # (packet type, bytes) -> ids of the last control rows sent of it (a dropped one voids the last)
+        self._control_rows: dict[tuple[str, int], collections.deque[int]] = {}
         # (message, its generation, why, a limit known before sending: 0 when the broker refused it)
         self._refusal_queue: collections.deque[tuple[_Outgoing, int, str, int]] = collections.deque()
         if hasattr(transport, "set_packet_listener"):
@@ -334,7 +338,11 @@ class Channel:
         authorised, say), or one after the last try, is logged as an error with the limit and
         counted in :attr:`undeliverable`; so is a QoS 0 message (or one of its chunks) sent while
         the link is down (:class:`~protocol.errors.PublishDropped`: MQTT keeps none for the
-        reconnect), with no ``sent`` row for what never reached the socket.
+        reconnect), with no ``sent`` row for what never reached the socket, and one whose PUBLISH
+        was handed over but still in the MQTT client's queue when the connection was lost (the
+        transport reports it ``dropped``: its ``sent`` row becomes a ``message`` row with delivery
+        ``dropped``, out of the wire totals; ``cut`` when the socket took part of it: the row stays
+        ``sent``, with delivery ``dropped``).
 
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
@@ -353,7 +361,8 @@ class Channel:
         Raises:
             PublishRefused: with ``wait_s``, the broker refused it and no smaller packets can
                 carry it (the message names the limit).
-            PublishDropped: with ``wait_s``, a QoS 0 message while the link is down.
+            PublishDropped: with ``wait_s``, a QoS 0 message while the link is down, or lost with
+                the connection before the socket took it whole.
             PublishTimeout, TransportError: from the transport.
             FieldError, TensorError: the body cannot be encoded.
         """
@@ -430,6 +439,11 @@ class Channel:
             try:
                 handle = self.transport.publish(out.topic, wire, qos=self.qos, retain=out.retain, wait_s=wait_s)
             except PublishDropped as exc:
+                if exc.on_wire:  # the socket took part of it: its bytes were sent
+                    self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
+                                 payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
+                                 codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
+                                 enc_bytes=enc_b, delivery="dropped", reason=str(exc)[:500])
                 self._dropped(out, exc, wait_s)
                 return wire
             except PublishRefused as exc:
@@ -446,7 +460,7 @@ class Channel:
                                codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
                                enc_bytes=enc_b, delivery="handed")
             out.packet_bytes = self._size(out.topic, len(wire))
-            self._track(handle, row, out, gen)
+            self._track(handle, row, out, gen, out.packet_bytes)
             return wire
         budget = out.chunk_bytes
         if limit < _NO_LIMIT:
@@ -504,6 +518,13 @@ class Channel:
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
             try:
                 handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
+            except PublishDropped as exc:
+                if exc.on_wire:  # the socket took part of it: its bytes were sent
+                    self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
+                                 payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
+                                 transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
+                                 sig_bytes=sig_b, enc_bytes=enc_b, reason=str(exc)[:500], delivery="dropped")
+                raise
             except PublishRefused as exc:  # above a limit the transport learnt since the chunks were cut
                 self._record(topic, "message", kind_label, round, cenv.sender, cenv.seq, client=client,
                              payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
@@ -514,41 +535,49 @@ class Channel:
                                payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
                                transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
                                sig_bytes=sig_b, enc_bytes=enc_b, delivery="handed")
+            size = self._size(topic, len(wire))
             if track is not None:
-                track[0].packet_bytes = max(track[0].packet_bytes, self._size(topic, len(wire)))
-            self._track(handle, row, track[0] if track else None, track[1] if track else 0)
+                track[0].packet_bytes = max(track[0].packet_bytes, size)
+            self._track(handle, row, track[0] if track else None, track[1] if track else 0, size)
 
     # ------------------------------------------------------------------ delivery outcomes
 
     def _size(self, topic: str, payload_bytes: int) -> int:
         return publish_size(topic, payload_bytes, self.qos, protocol=self._protocol()).packet_bytes
 
-    def _track(self, handle: object, row: int, out: _Outgoing | None, gen: int) -> None:
-        """Remember which ledger row (and outgoing message) a transport handle belongs to, and
-        apply an outcome that arrived before this call (a fast PUBACK)."""
-        if handle is None or self.qos == 0 or not hasattr(self.transport, "set_delivery_listener"):
+    def _track(self, handle: object, row: int, out: _Outgoing | None, gen: int, packet_bytes: int) -> None:
+        """Remember which ledger row (of ``packet_bytes``), and outgoing message, a transport
+        handle belongs to, and apply an outcome that arrived before this call (a fast PUBACK, a
+        QoS 0 packet written at once). QoS 0 handles are tracked only over a transport that
+        reports their outcomes (``qos0_outcomes``: ``written``, or ``dropped`` / ``cut`` when the
+        connection was lost before the socket took them whole)."""
+        if handle is None or not hasattr(self.transport, "set_delivery_listener"):
+            return
+        if self.qos == 0 and getattr(self.transport, "qos0_outcomes", False) is not True:
             return
         with self._delivery_lock:
             early = self._early_outcomes.pop(id(handle), None)
             if early is not None and early[0] is handle:
                 outcome, reason = early[1], early[2]
             else:
+                outcome = reason = ""
                 if out is not None:
                     out.pending += 1
-                self._handles[id(handle)] = (handle, row, out, gen)
-                return
-        self._outcome(handle, row, out, gen, outcome, reason, counted=False)
+                self._handles[id(handle)] = (handle, row, out, gen, packet_bytes)
+        if outcome:
+            self._outcome(handle, row, out, gen, outcome, reason, counted=False, packet_bytes=packet_bytes)
 
     def _on_delivery(self, handle: object, outcome: str, reason: str) -> None:
         """The transport's delivery listener (network thread): note the outcome on the row. A
         refusal of a handle already acknowledged (the broker closed the connection right after its
         PUBACK) turns its row to ``refused`` and sends the message again smaller."""
+        packet_bytes = 0
         with self._delivery_lock:
             entry = self._handles.pop(id(handle), None)
             if entry is None or entry[0] is not handle:
                 if entry is not None:  # another handle with a reused id: keep it
                     self._handles[id(handle)] = entry
-                late = self._acked_recently.pop(id(handle), None) if outcome != "acked" else None
+                late = self._acked_recently.pop(id(handle), None) if outcome == "refused" else None
                 if late is not None and late[0] is handle:
                     self.acked -= 1  # counted again below, as refused
                     _, row, out, gen, _ = late
@@ -562,11 +591,22 @@ class Channel:
                     self._early_outcomes[id(handle)] = (handle, outcome, reason)
                     return
             else:
-                _, row, out, gen = entry
-        self._outcome(handle, row, out, gen, outcome, reason, counted=True)
+                _, row, out, gen, packet_bytes = entry
+        self._outcome(handle, row, out, gen, outcome, reason, counted=True, packet_bytes=packet_bytes)
 
     def _outcome(self, handle: object, row: int, out: _Outgoing | None, gen: int, outcome: str, reason: str, *,
-                 counted: bool) -> None:
+                 counted: bool, packet_bytes: int = 0) -> None:
+        if outcome == "written":  # a QoS 0 PUBLISH the socket took whole: its row stays "handed"
+            if out is not None:
+                with self._delivery_lock:
+                    if counted:
+                        out.pending -= 1
+                    if out.sent is not None:
+                        out.sent.settle()
+            return
+        if outcome in ("dropped", "cut"):
+            self._lost(row, out, gen, outcome == "cut", reason, counted=counted, packet_bytes=packet_bytes)
+            return
         if outcome == "acked":
             self.acked += 1
             with self._delivery_lock:
@@ -594,6 +634,39 @@ class Channel:
                 self._refusal_queue.append((out, gen, reason, 0))
             if out.sent is not None and not any(e[2] is out for e in self._acked_recently.values()):
                 out.sent.settle()
+
+    def _lost(self, row: int, out: _Outgoing | None, gen: int, on_wire: bool, reason: str, *, counted: bool,
+              packet_bytes: int) -> None:
+        """A PUBLISH of ``out`` (generation ``gen``) that will never be sent (a QoS 0 one the lost
+        connection took out of the MQTT client's queue):
+        its ``sent`` row says ``dropped``, and leaves the wire totals (``event`` ``message``) unless
+        the socket took part of it (``on_wire``); the message is said undeliverable (once per
+        generation: the other chunks of a transfer add no more)."""
+        if not on_wire:
+            with self._count_lock:
+                self.wire_bytes_sent -= packet_bytes
+        if self.ledger is not None and row:
+            try:
+                self.ledger.set_delivery(row, "dropped", reason, on_wire=on_wire)
+            except LedgerError as exc:  # never break the network thread; the row keeps "handed"
+                log.warning("%s: loss of ledger row %d not recorded: %s", self.node_id, row, exc)
+        if out is None:  # a chunk asked for again of a message no longer held
+            self.undeliverable += 1
+            self.undeliverable_reasons.append(f"a PUBLISH not sent: {reason}")
+            del self.undeliverable_reasons[:-20]
+            log.error("%s: a PUBLISH (ledger row %d) not sent: %s", self.node_id, row, reason)
+            return
+        with self._delivery_lock:
+            if counted:
+                out.pending -= 1
+            say = gen == out.generation and out.dropped_gen != gen
+            if say:
+                out.dropped_gen = gen
+            if out.sent is not None:
+                out.sent.settle()
+        if say:
+            self._undeliverable(out, f"{self.node_id}: {out.kind} of round {out.round} ({len(out.payload):,} bytes) "
+                                     f"on {out.topic} not sent: {reason}")
 
     def _ack_hold_s(self) -> float:
         """Seconds an acknowledged message is held for a refusal its transport may report after
@@ -1075,7 +1148,13 @@ class Channel:
 
     def _on_packet(self, ev: PacketEvent) -> None:
         """Ledger row for an MQTT packet that is not an application PUBLISH (control packets, and
-        PUBLISH retransmissions with DUP set, which the application did not send twice)."""
+        PUBLISH retransmissions with DUP set, which the application did not send twice). A
+        ``dropped`` event (a control packet the socket never took, :class:`PacketEvent`) turns the
+        last row of a packet of its type and size into a ``message`` row with delivery ``dropped``:
+        its bytes leave the wire totals."""
+        if ev.dropped:
+            self._void_control(ev)
+            return
         if ev.packet_type == "PUBLISH" and not ev.dup:
             return
         sent = ev.direction == "out"
@@ -1088,12 +1167,28 @@ class Channel:
             return
         to_server = (self.side == "agent") == sent
         kind = "PUBLISH-DUP" if ev.packet_type == "PUBLISH" else ev.packet_type
-        self.ledger.record(LedgerRow(
+        row = self.ledger.record(LedgerRow(
             federation=self.federation, side=self.side, node=self.node_id, event="sent" if sent else "received",
             direction="up" if to_server else "down", kind=kind, round=None,
             client=self.node_id if self.side == "agent" else "*", sender=None, seq=None, topic="",
             topic_bytes=0, mqtt_header_bytes=ev.packet_bytes, envelope_bytes=0, body_bytes=0, payload_bytes=0,
             qos=0, retained=False, codec="", reason="control"))
+        if sent and kind != "PUBLISH-DUP":
+            with self._count_lock:
+                rows = self._control_rows.setdefault((kind, ev.packet_bytes), collections.deque(maxlen=64))
+                rows.append(row)
+
+    def _void_control(self, ev: PacketEvent) -> None:
+        """A control packet recorded as sent that the socket never took (see :meth:`_on_packet`)."""
+        with self._count_lock:
+            self.control_bytes_sent -= ev.packet_bytes
+            rows = self._control_rows.get((ev.packet_type, ev.packet_bytes))
+            row = rows.pop() if rows else 0
+        if self.ledger is not None and row:
+            try:  # the row's reason stays "control"
+                self.ledger.set_delivery(row, "dropped", on_wire=False)
+            except LedgerError as exc:  # never break the network thread
+                log.warning("%s: unsent %s (ledger row %d) not recorded: %s", self.node_id, ev.packet_type, row, exc)
 
     def _record(self, topic: str, event: str, kind: str, round: int | None, sender: str | None,
                 seq: int | None, *, client: str, payload_bytes: int, body_bytes: int, qos: int,

@@ -24,6 +24,8 @@ failures are a separate branch because the caller's remedy differs (retry, recon
         ├── PublishTimeout                a QoS 1 publish was not acknowledged in time
         ├── OfflineBufferFull             too many unacknowledged messages are waiting (link down):
         │                                 back off and send again later; nothing was queued
+        ├── PublishDropped                a QoS 0 PUBLISH that was not sent and never will be (the
+        │                                 link was down, or lost with the PUBLISH unwritten)
         └── PublishRefused                the broker refused a PUBLISH (PUBACK reason code >= 0x80,
                                           or it closed the connection each time the packet was sent)
 
@@ -168,9 +170,19 @@ class PublishRefused(TransportError):
 
 
 class PublishDropped(TransportError):
-    """A QoS 0 PUBLISH made while the link is down: MQTT delivers QoS 0 at most once and paho
-    keeps no such message for the reconnect, so it was not sent and never will be (a QoS 1 one
-    is queued and sent after the reconnect). Nothing reached the socket."""
+    """A QoS 0 PUBLISH that was not sent and never will be: made while the link is down, or still
+    in paho's packet queue when the connection was lost (MQTT delivers QoS 0 at most once and paho
+    keeps no such message for the reconnect; a QoS 1 one is queued and sent after the reconnect).
+
+    Attributes:
+        on_wire: the socket took part of the packet before the connection was lost (its bytes
+            count as sent; the broker got no whole packet); ``False``: nothing reached the socket.
+    """
+
+    def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None,
+                 on_wire: bool = False) -> None:
+        super().__init__(message, client_id=client_id, topic=topic)
+        self.on_wire = on_wire
 
 
 class OfflineBufferFull(TransportError):

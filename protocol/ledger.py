@@ -38,14 +38,22 @@ transfer_id           hex id of a chunked transfer; ``chunk_index``/``chunk_coun
 ``handed`` (given to the MQTT client; QoS 0, or no answer yet), ``acked`` (the broker's PUBACK
 accepted it), ``refused`` (a PUBACK reason code >= 0x80, a packet above the broker's known limit
 that was not sent, or one the broker closed the connection for; ``reason`` says which and names
-the limit). It is ``''`` on every other row. A refused message is sent again as a chunked
-transfer below the limit (new rows) or fails loudly. Rows of a message refused *before* it was
-sent (above a known limit) count no wire bytes: their ``mqtt_header_bytes``, ``topic_bytes`` and
-``payload_bytes`` are kept, but ``event`` is ``'message'``.
+the limit), ``dropped`` (lost before the broker got it whole: a QoS 0 PUBLISH still in the MQTT
+client's queue when the connection was lost, which MQTT does not send again; ``reason`` says how
+much of it the socket took). It is ``''`` on every other row.
+A refused message is sent again as a chunked transfer below the limit (new rows) or fails loudly; a
+dropped one is said undeliverable. Rows of a message refused *before* it was sent (above a known
+limit), and of one dropped before the socket took a byte of it, count no wire bytes: their
+``mqtt_header_bytes``, ``topic_bytes`` and ``payload_bytes`` are kept, but ``event`` is ``'message'``
+(a dropped row's ``sent`` turns into ``message`` when the loss is known). A PUBLISH the socket took
+part of before the connection was lost stays ``sent`` (its bytes were on the wire) with
+``dropped``.
 
 Rows with ``reason='control'`` are MQTT control packets (CONNECT, CONNACK, SUBSCRIBE, SUBACK,
 PUBACK, PINGREQ, PINGRESP, DISCONNECT, and PUBLISH retransmissions as ``PUBLISH-DUP``): their
-whole packet size is in ``mqtt_header_bytes``. A ``PUBLISH-DUP`` row is a packet that was on the
+whole packet size is in ``mqtt_header_bytes``. One recorded when it was queued that the socket never
+took (the connection was lost first) turns into a ``message`` row with
+delivery ``dropped``. A ``PUBLISH-DUP`` row is a packet that was on the
 wire before: a QoS 1 PUBLISH that a lost connection dropped from paho's queue before the socket
 took a byte of it goes out after the reconnect with the DUP flag, but as its first transmission,
 counted by its ``sent`` row alone.
@@ -240,7 +248,7 @@ _ADDED_COLUMNS = (
 )
 
 #: Values of the ``delivery`` column of a ``sent`` row (``''`` on other rows).
-DELIVERIES = ("handed", "acked", "refused")
+DELIVERIES = ("handed", "acked", "refused", "dropped")
 _INSERT = f"INSERT INTO messages ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
 
 
@@ -429,9 +437,11 @@ class Ledger:
                 _committer.due(self._token, self, time.monotonic() + self._interval)
             return row_id
 
-    def set_delivery(self, row_id: int, delivery: str, reason: str = "") -> None:
+    def set_delivery(self, row_id: int, delivery: str, reason: str = "", *, on_wire: bool = True) -> None:
         """Set the ``delivery`` of the ``sent`` row ``row_id`` (:data:`DELIVERIES`); a non-empty
-        ``reason`` replaces the row's. A no-op on a closed ledger (a PUBACK after the close).
+        ``reason`` replaces the row's. With ``on_wire=False`` (a PUBLISH dropped before the socket
+        took a byte of it) the row's ``event`` becomes ``'message'``: its bytes leave the wire
+        totals, its sizes stay. A no-op on a closed ledger (a PUBACK after the close).
 
         Raises:
             ValueError: ``delivery`` not one of :data:`DELIVERIES`.
@@ -439,15 +449,20 @@ class Ledger:
         """
         if delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}, not {delivery!r}")
+        sets, params = ["delivery = ?"], [delivery]
+        if reason:
+            sets.append("reason = ?")
+            params.append(reason[:500])
+        if not on_wire:
+            sets.append("event = CASE WHEN event = 'sent' THEN 'message' ELSE event END")
+        self._update(row_id, f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*params, row_id))
+
+    def _update(self, row_id: int, sql: str, params: tuple) -> None:
         with self._lock:
             if self._db is None:
                 return
             try:
-                if reason:
-                    self._db.execute("UPDATE messages SET delivery = ?, reason = ? WHERE id = ?",
-                                     (delivery, reason[:500], row_id))
-                else:
-                    self._db.execute("UPDATE messages SET delivery = ? WHERE id = ?", (delivery, row_id))
+                self._db.execute(sql, params)
                 self._pending += 1
             except sqlite3.Error as exc:
                 raise LedgerError(f"cannot update ledger row {row_id}: {exc}") from exc

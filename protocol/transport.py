@@ -252,15 +252,64 @@ class _CountingClient(PollingClient):
     packet, and after the reconnect paho sends the message with DUP set although it was never on the
     wire. :meth:`reconnect` notes such messages (:meth:`unwritten_mids`), and their next PUBLISH is
     reported as a first transmission (``dup=False``), so the ledger counts it once, as the wire does.
+
+    A QoS 0 PUBLISH is kept by paho only as a packet in that queue: one the lost connection leaves
+    there is never sent (paho marks it published with ``MQTT_ERR_CONN_LOST``). Each QoS 0 PUBLISH
+    queued is noted until the socket took all of it (:meth:`qos0_written`); those :meth:`reconnect`
+    finds unwritten or partly written go to ``on_lost``.
     """
 
-    def __init__(self, *args, on_packet, **kwargs) -> None:
+    def __init__(self, *args, on_packet, on_lost=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._fedfleet_on_packet = on_packet
+        # called as on_lost(list of (handle, packet bytes, bytes the socket took), why) on paho's thread
+        self._fedfleet_on_lost: Callable[[list[tuple[mqtt.MQTTMessageInfo, int, int]], str], None] | None = on_lost
         self.socket_bytes_out = 0
         self.socket_bytes_in = 0
         self.puback_codes: dict[int, int] = {}  # mid -> reason code >= 0x80 of its MQTT 5 PUBACK
         self._never_written: set[int] = set()  # mids whose last PUBLISH was dropped unwritten
+        # mid -> (handle, packet bytes) of each QoS 0 PUBLISH queued and not yet wholly written
+        self._qos0_unwritten: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
+        # held while a QoS 0 PUBLISH is noted and queued, and while the lost ones are taken: one noted
+        # but not yet in the queue is not taken for lost (re-entrant: paho may write, then call
+        # on_publish, from inside its queueing when no network thread runs)
+        self._qos0_lock = threading.RLock()
+
+    def qos0_written(self, mid: int) -> mqtt.MQTTMessageInfo | None:
+        """The handle of QoS 0 PUBLISH ``mid``, which the socket has now taken whole (paho's
+        ``on_publish`` for it), no longer noted as unwritten; ``None`` when it is not one."""
+        entry = self._qos0_unwritten.pop(mid, None)
+        return entry[0] if entry is not None else None
+
+    def take_lost_qos0(self, taken: dict[int, int] | None = None) -> list[tuple[mqtt.MQTTMessageInfo, int, int]]:
+        """``(handle, packet bytes, bytes the socket took)`` of each QoS 0 PUBLISH noted as queued
+        and not wholly written that is lost, no longer noted: with ``taken`` (mid -> bytes the
+        socket took, read from paho's queue before :meth:`reconnect` emptied it) those no longer in
+        the queue; without it every one (a client whose network thread has ended for good: nothing
+        in its queue is written any more)."""
+        with self._qos0_lock:
+            queued = {p["mid"]: p["pos"] for p in tuple(self._out_packet)
+                      if p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] == 0}
+            lost = []
+            for mid, (info, size) in list(self._qos0_unwritten.items()):
+                if taken is None or mid not in queued:
+                    self._qos0_unwritten.pop(mid, None)
+                    lost.append((info, size, taken.get(mid, 0) if taken is not None else queued.get(mid, 0)))
+            return lost
+
+    def _report_lost(self, lost: list[tuple[mqtt.MQTTMessageInfo, int, int]], why: str) -> None:
+        if lost and self._fedfleet_on_lost is not None:
+            self._fedfleet_on_lost(lost, why)
+
+    def void_unwritten_control(self) -> None:
+        """Report each control packet (not a PUBLISH) in paho's queue of which the socket took no
+        byte as ``dropped`` (its queueing was reported): paho's reconnect empties the queue, and a
+        client whose thread has ended writes it no more. (An unwritten PUBLISH needs none: its
+        message is sent again, :meth:`reconnect`, or reported to the delivery listener.)"""
+        for p in tuple(self._out_packet):
+            if p["command"] & 0xF0 != mqtt.PUBLISH and p["pos"] == 0:
+                self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(p["command"] >> 4, "?"),
+                                                     len(p["packet"]), dropped=True))
 
     def unwritten_mids(self) -> set[int]:
         """Message ids of the QoS > 0 PUBLISH packets in paho's queue of which the socket has taken
@@ -298,14 +347,26 @@ class _CountingClient(PollingClient):
 
     def reconnect(self):
         """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
-        PUBLISH packets it drops unwritten (paho thread)."""
+        PUBLISH packets it drops unwritten, and reporting the QoS 0 ones it drops (never sent
+        again) to ``on_lost``, with how much of each the socket took (paho thread)."""
         with self._out_message_mutex:
             live = set(self._out_messages)
         self._never_written = (self._never_written & live) | self.unwritten_mids()
-        return super().reconnect()
+        taken = {p["mid"]: p["pos"] for p in tuple(self._out_packet)
+                 if p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] == 0}
+        self.void_unwritten_control()  # paho's thread: nothing is written until the queue is emptied
+        try:
+            return super().reconnect()
+        finally:  # also when the new connection fails (paho emptied its queue first)
+            self._report_lost(self.take_lost_qos0(taken), "the connection was lost")
 
     def _packet_queue(self, command, packet, mid, qos, info=None):
         first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
+        if first >> 4 == 3 and qos == 0 and info is not None:  # noted before paho's thread can write it
+            with self._qos0_lock:
+                self._qos0_unwritten[mid] = (info, len(packet))
+                self._fedfleet_on_packet(PacketEvent("out", "PUBLISH", len(packet), False))
+                return super()._packet_queue(command, packet, mid, qos, info)
         dup = bool(first & 0x08) and first >> 4 == 3
         if first >> 4 == 3 and qos > 0 and mid in self._never_written:
             # the re-send in place of a packet that never reached the socket (not a retransmission),
@@ -424,6 +485,8 @@ class MqttTransport:
         self._packet_lock = threading.Lock()
         # id(info) -> (info, why the broker refused it); the info is held so that its id is not reused
         self._refusals: dict[int, tuple[mqtt.MQTTMessageInfo, PublishRefused]] = {}
+        # id(info) -> (info, why it was dropped unsent): a QoS 0 PUBLISH lost with a connection
+        self._drops: dict[int, tuple[mqtt.MQTTMessageInfo, PublishDropped]] = {}
         # id(info) -> (info, connections the broker closed while it awaited its PUBACK)
         self._strikes: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
         self._bytes_before = (0, 0)  # socket bytes of clients replaced by a protocol fallback or a retry
@@ -452,10 +515,11 @@ class MqttTransport:
         """A paho client for protocol level ``version`` (5 or 4) with this transport's settings."""
         if version == MQTT_V5:
             c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                                protocol=mqtt.MQTTv5, on_packet=self._on_packet)
+                                protocol=mqtt.MQTTv5, on_packet=self._on_packet, on_lost=self._on_lost)
         else:
             c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                                protocol=mqtt.MQTTv311, clean_session=True, on_packet=self._on_packet)
+                                protocol=mqtt.MQTTv311, clean_session=True, on_packet=self._on_packet,
+                                on_lost=self._on_lost)
         c.reconnect_delay_set(min_delay=1, max_delay=8)
         c.max_inflight_messages_set(20)
         if self._username is not None:
@@ -506,13 +570,61 @@ class MqttTransport:
         return (self._bytes_before[0] + self._client.socket_bytes_out,
                 self._bytes_before[1] + self._client.socket_bytes_in)
 
+    #: the delivery listener hears of every QoS 0 PUBLISH too (``written``, ``dropped``, ``cut``)
+    qos0_outcomes = True
+
     def set_delivery_listener(self, listener: Callable[[object, str, str], None]) -> None:
-        """Call ``listener(handle, outcome, reason)`` on paho's network thread for each QoS 1
-        PUBLISH the broker answered: ``outcome`` is ``"acked"`` (PUBACK, success) or ``"refused"``
-        (PUBACK reason code >= 0x80, or a packet the broker closed the connection for; ``reason``
-        says which and names the limit). ``handle`` is what :meth:`publish` returned. It must not
-        block: queue the work."""
+        """Call ``listener(handle, outcome, reason)`` for what became of each PUBLISH; ``handle``
+        is what :meth:`publish` returned. ``outcome``:
+
+        * ``"acked"``: the broker's PUBACK accepted a QoS 1 PUBLISH;
+        * ``"refused"``: a QoS 1 PUBLISH refused (PUBACK reason code >= 0x80, or a packet the
+          broker closed the connection for; ``reason`` says which and names the limit);
+        * ``"written"``: the socket took all of a QoS 0 PUBLISH (all MQTT says of QoS 0);
+        * ``"dropped"``: a PUBLISH that was not sent and never will be, of which the socket took
+          no byte: a QoS 0 one still in paho's queue when the connection was lost (paho empties
+          its queue at the reconnect and does not send QoS 0 again), or one left in the queue of a
+          client :meth:`connect` replaced; ``reason`` says which;
+        * ``"cut"``: as ``dropped``, but the socket took part of the packet (its bytes were on
+          the wire; the broker got no whole packet).
+
+        Called on paho's network thread, or on the thread of :meth:`connect`. It must not block:
+        queue the work."""
         self._delivery_listener = listener
+
+    def _tell(self, info: object, outcome: str, reason: str) -> None:
+        listener = self._delivery_listener
+        if listener is not None:
+            try:
+                listener(info, outcome, reason)
+            except Exception:  # a listener must never break paho's network thread
+                log.exception("%s: delivery listener failed", self.client_id)
+
+    def _on_lost(self, lost: list[tuple[mqtt.MQTTMessageInfo, int, int]], why: str) -> None:
+        """QoS 0 PUBLISH packets (``(handle, packet bytes, bytes the socket took)``) that will never
+        be sent: remembered for :meth:`publish`'s wait and reported ``dropped`` / ``cut``."""
+        for info, size, taken in lost:
+            if taken:
+                reason = (f"{why} after the socket took {taken:,} of the {size:,} bytes of this QoS 0 PUBLISH: the "
+                          "broker got no whole packet, and MQTT does not send a QoS 0 message again")
+            else:
+                reason = (f"{why} with this {size:,}-byte QoS 0 PUBLISH still in the MQTT client's queue, none of "
+                          "it written: MQTT does not send a QoS 0 message again")
+            self._drop(info, PublishDropped(f"{self.client_id}: QoS 0 PUBLISH (message id {info.mid}) not sent: "
+                                            f"{reason}", client_id=self.client_id, on_wire=taken > 0))
+
+    def _drop(self, info: mqtt.MQTTMessageInfo, exc: PublishDropped) -> None:
+        log.warning("%s", exc)  # the channel says the message undeliverable (an error)
+        if len(self._drops) >= 10_000:  # the oldest: their publishers have long been told
+            for k in list(self._drops)[:1000]:
+                del self._drops[k]
+        self._drops[id(info)] = (info, exc)
+        self._tell(info, "cut" if exc.on_wire else "dropped", str(exc).split(" not sent: ", 1)[-1])
+
+    def dropped(self, handle: object) -> PublishDropped | None:
+        """Why the PUBLISH of ``handle`` (from :meth:`publish`) was dropped unsent, or ``None``."""
+        held = self._drops.get(id(handle))
+        return held[1] if held is not None and held[0] is handle else None
 
     @property
     def ack_refusal_window_s(self) -> float:
@@ -561,6 +673,9 @@ class MqttTransport:
             self._closed_before_connack = True
         last, self._last_acked = self._last_acked, None
         self.closed_for_refusal = False
+        # paho's socket is closed: the QoS 0 PUBLISH packets still in its queue are never written (its
+        # reconnect empties the queue); said now, not at the reconnect a delay later
+        self._on_lost(client.take_lost_qos0(), "the connection was lost")
         if not self._closed:
             log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
             if was_connected:
@@ -667,6 +782,10 @@ class MqttTransport:
                 log.exception("%s: delivery listener failed", self.client_id)
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        written = client.qos0_written(mid)  # a QoS 0 PUBLISH the socket took whole
+        if written is not None:
+            self._tell(written, "written", "")
+            return
         msg = client._out_messages.get(mid)  # paho holds its out-message lock; popped after this call
         if msg is None or msg.qos == 0:
             return
@@ -762,7 +881,9 @@ class MqttTransport:
         """A fresh paho client for protocol level ``version`` in place of one whose connect failed
         (its socket bytes are kept in :attr:`socket_bytes`). The QoS 1 messages queued on the old
         one (published before :meth:`connect` or while it tried) move to the new one, and are sent
-        after its CONNACK; a :meth:`publish` on another thread meanwhile waits for the swap."""
+        after its CONNACK; a :meth:`publish` on another thread meanwhile waits for the swap. A QoS
+        0 PUBLISH left in the old client's queue (queued before a CONNACK that never came) is never
+        sent: reported ``dropped``."""
         with self._client_lock:
             old = self._client
             self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
@@ -774,6 +895,7 @@ class MqttTransport:
         if moved:
             log.info("%s: %d queued message(s) moved to the new MQTT %s client", self.client_id, moved,
                      "5" if version == MQTT_V5 else "3.1.1")
+        self._on_lost(old.take_lost_qos0(), "the client was replaced before its CONNACK")
 
     def _connect_attempt(self, timeout_s: float) -> None:
         """One connect (:meth:`connect` without retries): the TCP probe, then MQTT 5 or 3.1.1.
@@ -948,13 +1070,27 @@ class MqttTransport:
                 refusal = self.refusal(info)
                 if refusal is not None:
                     raise refusal
-                if _published(info):
+                dropped = self.dropped(info)
+                if dropped is not None:
+                    raise PublishDropped(f"{self.client_id}: PUBLISH to {topic} ({len(payload):,} bytes) not sent: "
+                                         f"{str(dropped).split(' not sent: ', 1)[-1]}", client_id=self.client_id,
+                                         topic=topic, on_wire=dropped.on_wire)
+                # paho marks a QoS 0 PUBLISH that a lost connection took out of its queue published, with
+                # rc CONN_LOST (paho's reconnect; its report as dropped follows at once): not a success
+                lost = _published(info) and qos == 0 and info.rc == mqtt.MQTT_ERR_CONN_LOST
+                if _published(info) and not lost:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if lost:
+                        raise PublishDropped(f"{self.client_id}: QoS 0 PUBLISH to {topic} ({len(payload):,} bytes) "
+                                             "not sent: the connection was lost with it in the MQTT client's queue",
+                                             client_id=self.client_id, topic=topic)
                     raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within {wait_s:g} s",
                                          client_id=self.client_id, topic=topic)
-                if self.connected:
+                if lost:
+                    time.sleep(0.005)
+                elif self.connected:
                     try:
                         info.wait_for_publish(min(remaining, 0.5))
                     except RuntimeError:  # not connected right now: wait for the reconnect

@@ -7,6 +7,7 @@ must say DUP only for real retransmissions; a relay counts what was on the wire.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -149,3 +150,124 @@ def test_a_qos0_message_while_the_link_is_down_is_said_undeliverable_not_counted
             tr.close()
             relay.close()
             ledger.close()
+
+
+def test_qos0_publishes_lost_in_paho_queue_with_the_connection_are_dropped_not_counted_sent(tmp_path: Path) -> None:
+    """``[protocol] qos = 0``, the link breaks with QoS 0 PUBLISHes handed to paho (rc SUCCESS)
+    but not yet written: paho's reconnect empties its queue and never sends them (it marks them
+    published with rc CONN_LOST). The socket's writes are held by a gate: message A's PUBLISH gets
+    100 bytes onto the wire, then the next write breaks the link; B (no wait) and C (``wait_s``)
+    sit in paho's queue behind it, unwritten. By hand: A is ``cut`` (its ``sent`` row stays, with
+    delivery ``dropped``: the socket took part of it), B ``dropped`` (its ``sent`` row becomes a
+    ``message`` row, out of the wire totals), C's send raises PublishDropped and leaves no
+    ``sent`` row; all three are undeliverable. After the reconnect D goes out whole (``written``).
+    The ledger's sent bytes equal the relay's, less what the cut PUBLISH did not get onto the
+    wire (a partly written packet counts as sent, as a QoS 1 one does). Before the fix B stayed
+    ``sent``/``handed`` (ledger > wire by its size) and C's send returned as if written."""
+    from protocol.channel import Channel
+    from protocol.errors import PublishDropped
+    from protocol.ledger import Ledger
+    from protocol.messages import Update
+
+    topic = "fedfleet/v1/fed/up/q0-lost/update"
+
+    def update(i: int) -> Update:
+        return Update(tensors=(np.full(1000, i, dtype=np.float32),), num_samples=10, train_loss=0.5, metrics={})
+
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("q0-lost", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="q0-lost", side="agent", federation="fed", ledger=ledger, qos=0)
+        inside, release = threading.Event(), threading.Event()
+        state = {"broken": False}
+        caught: list[BaseException] = []
+        try:
+            tr.connect(timeout_s=10.0)
+            client = tr._client
+            real_send = client._sock_send  # counts socket_bytes
+
+            def gated(buf):  # paho's thread: the first PUBLISH gets 100 bytes out, the next write breaks the link
+                if state["broken"]:
+                    return real_send(buf)
+                if inside.is_set():  # the rest of that PUBLISH
+                    assert release.wait(30.0)
+                    state["broken"] = True
+                    raise ConnectionResetError("the link broke (test)")
+                if len(buf) and buf[0] >> 4 == 3:
+                    inside.set()
+                    return real_send(bytes(buf[:100]))
+                return real_send(buf)
+
+            client._sock_send = gated  # type: ignore[method-assign]
+            ch.send(topic, update(1), round=1)  # A
+            assert inside.wait(10.0)
+            ch.send(topic, update(2), round=1)  # B: queued behind A
+
+            def send_c() -> None:
+                try:
+                    ch.send(topic, update(3), round=1, wait_s=30.0)
+                except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+                    caught.append(exc)
+
+            waiter = threading.Thread(target=send_c)
+            waiter.start()
+            # A is being written (out of paho's queue meanwhile); B and C wait behind it
+            assert wait_for(lambda: sum(p["command"] & 0xF0 == mqtt.PUBLISH for p in tuple(client._out_packet)) == 2,
+                            10.0)
+            release.set()
+            waiter.join(30.0)
+            assert not waiter.is_alive()
+            assert len(caught) == 1 and isinstance(caught[0], PublishDropped) and not caught[0].on_wire, caught
+            assert "still in the MQTT client's queue" in str(caught[0])
+            assert wait_for(lambda: ch.undeliverable == 3, 10.0), ch.undeliverable_reasons
+            assert wait_for(lambda: tr.connected and tr.connects == 2, 30.0)  # paho reconnects
+            d = ch.send(topic, update(4), round=1, wait_s=10.0)  # D: written whole
+            assert wait_for(lambda: not ch.in_flight(d.seq), 10.0)
+            assert ch._handles == {}  # every QoS 0 handle had its outcome: none held
+        finally:
+            release.set()
+            ch.close()
+            relay.close()
+        ledger.flush()
+        rows = [r for r in ledger.rows() if r.kind == "update"]
+        ledger.close()
+    assert [(r.event, r.delivery) for r in rows] == [("sent", "dropped"), ("message", "dropped"),
+                                                     ("sent", "handed")]  # A cut, B dropped, D; C: no row
+    assert "after the socket took 100 of the" in rows[0].reason and "none of it written" in rows[1].reason
+    a_size = rows[0].mqtt_header_bytes + rows[0].topic_bytes + rows[0].payload_bytes
+    sent = sum(r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes for r in Ledger(tmp_path / "ledger.sqlite").rows()
+               if r.event == "sent")
+    wire = relay.bytes_per_node()[("q0-lost", "up")]
+    assert wire == tr.socket_bytes[0]
+    assert sent - (a_size - 100) == wire
+
+
+def test_the_reconnect_reports_the_qos0_and_control_packets_it_drops_from_paho_queue() -> None:
+    """Packets queued by hand (no socket: nothing written), one QoS 0 PUBLISH said partly written,
+    one not, and a SUBSCRIBE; then paho's reconnect to a closed port, which empties the queue. The
+    two QoS 0 handles go to ``on_lost`` with what the socket took of each (5, 0) and carry paho's
+    rc CONN_LOST; the SUBSCRIBE, whose queueing was reported, is reported again as ``dropped``
+    (never on the wire). A QoS 1 PUBLISH is not reported (its message is sent again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    events: list[PacketEvent] = []
+    lost: list[tuple[list, str]] = []
+    client = _CountingClient(mqtt.CallbackAPIVersion.VERSION2, client_id="lost0", on_packet=events.append,
+                             on_lost=lambda items, why: lost.append((items, why)))
+    client.connect_async("127.0.0.1", port)
+    topic = b"\x00\x01t"
+    infos = [mqtt.MQTTMessageInfo(mid) for mid in (1, 2)]
+    for info in infos:  # QoS 0, payload "x"
+        client._packet_queue(0x30, bytes([0x30, len(topic) + 1]) + topic + b"x", info.mid, 0, info)
+    client._packet_queue(0x30, bytes([0x32, len(topic) + 3]) + topic + b"\x00\x03x", 3, 1)  # QoS 1
+    client._packet_queue(0x82, b"\x82\x06\x00\x04\x00\x01t\x01", 4, 1)  # SUBSCRIBE
+    client._out_packet[0]["pos"] = 5
+    with pytest.raises(ConnectionRefusedError):
+        client.reconnect()
+    assert len(lost) == 1 and lost[0][1] == "the connection was lost"
+    assert [(i, n, taken) for i, n, taken in lost[0][0]] == [(infos[0], 6, 5), (infos[1], 6, 0)]
+    assert all(i.rc == mqtt.MQTT_ERR_CONN_LOST for i in infos)
+    assert [(e.packet_type, e.packet_bytes) for e in events if e.dropped] == [("SUBSCRIBE", 8)]
+    assert client.take_lost_qos0() == []  # reported once

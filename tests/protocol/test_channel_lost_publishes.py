@@ -1,0 +1,117 @@
+"""What the channel does with the transport's reports of PUBLISH packets that never (wholly) reached
+the socket: a transport double
+stands in for paho and reports each outcome by hand (some inside ``publish``, before the channel
+tracks the handle, as a fast network thread does), so each step is explicit.
+
+The rule is the ledger's: the ``sent`` rows' bytes are the socket's. A QoS 0 PUBLISH dropped from
+the MQTT client's queue unwritten (``dropped``) leaves the wire totals (its row becomes a
+``message`` row, delivery ``dropped``); one the socket took part of (``cut``) stays ``sent``; both
+make their message undeliverable, once per message."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocol.channel import Channel
+from protocol.ledger import Ledger
+from protocol.messages import Update
+from protocol.transport_base import PacketEvent
+
+TOPIC = "fedfleet/v1/fed/up/client-001/update"
+
+
+class ReportingTransport:
+    """A transport that reports delivery outcomes (QoS 0 ones too) only when told to."""
+
+    client_id = "client-001"
+    max_packet_bytes = 0
+    qos0_outcomes = True
+
+    def __init__(self, mqtt_version: int = 4) -> None:
+        self.mqtt_version = mqtt_version
+        self.listener = None
+        self.handles: list[object] = []
+        self.inside: list[tuple[str, str]] = []  # outcomes to report inside the next publish
+
+    def set_delivery_listener(self, fn) -> None:
+        self.listener = fn
+
+    def publish(self, topic, payload, *, qos=1, retain=False, wait_s=None):
+        handle = object()
+        self.handles.append(handle)
+        for outcome, reason in self.inside:
+            self.listener(handle, outcome, reason)
+        self.inside = []
+        return handle
+
+    def tell(self, handle: object, outcome: str, reason: str = "") -> None:
+        self.listener(handle, outcome, reason)
+
+    def subscribe(self, filters, qos=1) -> None: ...
+
+    def get(self, timeout_s):
+        return None
+
+    def close(self) -> None: ...
+
+
+def _update(n_values: int) -> Update:
+    return Update(tensors=(np.arange(n_values, dtype=np.float32),), num_samples=10, train_loss=0.5, metrics={})
+
+
+def _wire(rows) -> int:
+    return sum(r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes for r in rows if r.event == "sent")
+
+
+def test_qos0_outcomes_written_dropped_cut_correct_the_rows_and_say_the_message_undeliverable(tmp_path) -> None:
+    """Four QoS 0 messages, by hand: M1 ``written`` (its row stays ``handed``), M2 ``dropped``
+    (its ``sent`` row turns into a ``message`` row with delivery ``dropped``: out of the wire
+    totals), M3 ``cut`` reported inside ``publish`` before the row was tracked (stays ``sent``,
+    delivery ``dropped``), M4 a chunked transfer of 3 chunks all ``dropped`` (3 rows out of the
+    wire totals, one undeliverable message). Undeliverable: M2, M3, M4 = 3. The channel's
+    ``wire_bytes_sent`` is the ledger's, and no handle is held after its outcome."""
+    tr = ReportingTransport()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=0)
+    lost = "the connection was lost with this QoS 0 PUBLISH still in the MQTT client's queue, none of it written"
+    m1 = ch.send(TOPIC, _update(100), round=1)
+    tr.tell(tr.handles[-1], "written")
+    ch.send(TOPIC, _update(100), round=1)  # M2
+    assert ch.in_flight(m1.seq) is False and len(ch._handles) == 1
+    tr.tell(tr.handles[-1], "dropped", lost)
+    tr.inside = [("cut", "the connection was lost after the socket took 10 of the bytes")]
+    ch.send(TOPIC, _update(100), round=1)  # M3: its outcome came before the channel tracked it
+    ch.send(TOPIC, _update(1000), round=1, chunk_bytes=1500)  # M4: 3 chunks
+    chunks = tr.handles[-3:]
+    for h in chunks:
+        tr.tell(h, "dropped", lost)
+    assert ch._handles == {} and ch._early_outcomes == {}
+    assert ch.undeliverable == 3 and all("not sent" in r for r in ch.undeliverable_reasons)
+    ledger.flush()
+    rows = ledger.rows()
+    updates = [(r.event, r.delivery, r.chunk_index) for r in rows if r.kind == "update"]
+    assert updates == [("sent", "handed", None), ("message", "dropped", None), ("sent", "dropped", None),
+                       ("message", "", None),  # M4's logical row
+                       ("message", "dropped", 0), ("message", "dropped", 1), ("message", "dropped", 2)]
+    assert [r.reason for r in rows if r.kind == "update" and r.delivery == "dropped"][0] == lost
+    assert len([r for r in rows if r.kind == "undeliverable"]) == 3
+    assert ch.wire_bytes_sent == _wire(rows)
+    ledger.close()
+
+
+def test_a_control_packet_dropped_unwritten_voids_its_row(tmp_path) -> None:
+    """Two SUBSCRIBEs and a PINGREQ recorded as sent (at their queueing); the transport then says
+    one SUBSCRIBE was dropped unwritten: the last SUBSCRIBE row turns into a ``message`` row, its
+    bytes out of the wire totals and of ``control_bytes_sent``."""
+    tr = ReportingTransport()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=1)
+    for ev in (PacketEvent("out", "SUBSCRIBE", 30), PacketEvent("out", "PINGREQ", 2),
+               PacketEvent("out", "SUBSCRIBE", 30), PacketEvent("out", "SUBSCRIBE", 30, dropped=True)):
+        ch._on_packet(ev)
+    ledger.flush()
+    rows = ledger.rows()
+    assert [(r.kind, r.event, r.delivery) for r in rows] == [("SUBSCRIBE", "sent", ""), ("PINGREQ", "sent", ""),
+                                                             ("SUBSCRIBE", "message", "dropped")]
+    assert ch.control_bytes_sent == 32 == _wire(rows)
+    ledger.close()
