@@ -303,6 +303,7 @@ class Channel:
         # transfers replaced by a smaller re-send: requests for their chunks are not answered
         self._superseded: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._early_outcomes: dict[int, tuple[object, str, str]] = {}
+        self._early_sizes: dict[int, tuple[object, int]] = {}  # "resized" before the handle was tracked
         # (packet type, bytes) -> ids of the last control rows sent of it (a dropped one voids the last)
         self._control_rows: dict[tuple[str, int], collections.deque[int]] = {}
         # (message, its generation, why, a limit known before sending: 0 when the broker refused it)
@@ -436,6 +437,7 @@ class Channel:
             if sec is not None:
                 sealed = sec.seal(out.topic, out.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
+            proto = self._protocol()  # the row is sized as the packet is queued (a later move: "resized")
             try:
                 handle = self.transport.publish(out.topic, wire, qos=self.qos, retain=out.retain, wait_s=wait_s)
             except PublishDropped as exc:
@@ -443,7 +445,7 @@ class Channel:
                     self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
                                  payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
                                  codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
-                                 enc_bytes=enc_b, delivery="dropped", reason=str(exc)[:500])
+                                 enc_bytes=enc_b, delivery="dropped", reason=str(exc)[:500], protocol=proto)
                 self._dropped(out, exc, wait_s)
                 return wire
             except PublishRefused as exc:
@@ -458,8 +460,8 @@ class Channel:
             row = self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
                                payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
                                codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
-                               enc_bytes=enc_b, delivery="handed")
-            out.packet_bytes = self._size(out.topic, len(wire))
+                               enc_bytes=enc_b, delivery="handed", protocol=proto)
+            out.packet_bytes = self._size(out.topic, len(wire), proto)
             self._track(handle, row, out, gen, out.packet_bytes)
             return wire
         budget = out.chunk_bytes
@@ -516,6 +518,7 @@ class Channel:
             if self.security is not None:  # each chunk is sealed on its own (protocol.security)
                 sealed = self.security.seal(topic, cenc.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
+            proto = self._protocol()
             try:
                 handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
             except PublishDropped as exc:
@@ -523,7 +526,8 @@ class Channel:
                     self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
                                  payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
                                  transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
-                                 sig_bytes=sig_b, enc_bytes=enc_b, reason=str(exc)[:500], delivery="dropped")
+                                 sig_bytes=sig_b, enc_bytes=enc_b, reason=str(exc)[:500], delivery="dropped",
+                                 protocol=proto)
                 raise
             except PublishRefused as exc:  # above a limit the transport learnt since the chunks were cut
                 self._record(topic, "message", kind_label, round, cenv.sender, cenv.seq, client=client,
@@ -534,21 +538,22 @@ class Channel:
             row = self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
                                payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
                                transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
-                               sig_bytes=sig_b, enc_bytes=enc_b, delivery="handed")
-            size = self._size(topic, len(wire))
+                               sig_bytes=sig_b, enc_bytes=enc_b, delivery="handed", protocol=proto)
+            size = self._size(topic, len(wire), proto)
             if track is not None:
                 track[0].packet_bytes = max(track[0].packet_bytes, size)
             self._track(handle, row, track[0] if track else None, track[1] if track else 0, size)
 
     # ------------------------------------------------------------------ delivery outcomes
 
-    def _size(self, topic: str, payload_bytes: int) -> int:
-        return publish_size(topic, payload_bytes, self.qos, protocol=self._protocol()).packet_bytes
+    def _size(self, topic: str, payload_bytes: int, protocol: int | None = None) -> int:
+        return publish_size(topic, payload_bytes, self.qos,
+                            protocol=self._protocol() if protocol is None else protocol).packet_bytes
 
     def _track(self, handle: object, row: int, out: _Outgoing | None, gen: int, packet_bytes: int) -> None:
         """Remember which ledger row (of ``packet_bytes``), and outgoing message, a transport
-        handle belongs to, and apply an outcome that arrived before this call (a fast PUBACK, a
-        QoS 0 packet written at once). QoS 0 handles are tracked only over a transport that
+        handle belongs to, and apply what arrived before this call (a fast PUBACK, a QoS 0 packet
+        written at once, a size change). QoS 0 handles are tracked only over a transport that
         reports their outcomes (``qos0_outcomes``: ``written``, or ``dropped`` / ``cut`` when the
         connection was lost before the socket took them whole)."""
         if handle is None or not hasattr(self.transport, "set_delivery_listener"):
@@ -556,6 +561,8 @@ class Channel:
         if self.qos == 0 and getattr(self.transport, "qos0_outcomes", False) is not True:
             return
         with self._delivery_lock:
+            sized = self._early_sizes.pop(id(handle), None)
+            resize = sized[1] if sized is not None and sized[0] is handle and sized[1] != packet_bytes else 0
             early = self._early_outcomes.pop(id(handle), None)
             if early is not None and early[0] is handle:
                 outcome, reason = early[1], early[2]
@@ -563,14 +570,51 @@ class Channel:
                 outcome = reason = ""
                 if out is not None:
                     out.pending += 1
-                self._handles[id(handle)] = (handle, row, out, gen, packet_bytes)
+                self._handles[id(handle)] = (handle, row, out, gen, resize or packet_bytes)
+        if resize:
+            self._resized(row, out, packet_bytes, resize)
+            packet_bytes = resize
         if outcome:
             self._outcome(handle, row, out, gen, outcome, reason, counted=False, packet_bytes=packet_bytes)
+
+    def _resized(self, row: int, out: _Outgoing | None, was: int, now: int) -> None:
+        """The PUBLISH of ledger row ``row`` goes out as ``now`` bytes, not the ``was`` it was
+        recorded with (moved to a client of another MQTT protocol level): the row and the wire
+        count follow."""
+        with self._count_lock:
+            self.wire_bytes_sent += now - was
+        if out is not None:
+            with self._delivery_lock:
+                if out.packet_bytes == was:
+                    out.packet_bytes = now
+        if self.ledger is not None and row:
+            try:
+                self.ledger.resize(row, now)
+            except LedgerError as exc:  # never break the caller's thread
+                log.warning("%s: size of ledger row %d not corrected: %s", self.node_id, row, exc)
 
     def _on_delivery(self, handle: object, outcome: str, reason: str) -> None:
         """The transport's delivery listener (network thread): note the outcome on the row. A
         refusal of a handle already acknowledged (the broker closed the connection right after its
-        PUBACK) turns its row to ``refused`` and sends the message again smaller."""
+        PUBACK) turns its row to ``refused`` and sends the message again smaller. ``resized``
+        (a size change, not an outcome) corrects the row's size and keeps the handle."""
+        if outcome == "resized":
+            try:
+                size = int(reason)
+            except ValueError:
+                log.warning("%s: a resize to %r bytes not understood", self.node_id, reason)
+                return
+            with self._delivery_lock:
+                entry = self._handles.get(id(handle))
+                if entry is None or entry[0] is not handle:
+                    if len(self._early_sizes) > 10_000:
+                        self._early_sizes.clear()
+                    self._early_sizes[id(handle)] = (handle, size)
+                    return
+                self._handles[id(handle)] = (*entry[:4], size)
+            if size != entry[4]:
+                self._resized(entry[1], entry[2], entry[4], size)
+            return
         packet_bytes = 0
         with self._delivery_lock:
             entry = self._handles.pop(id(handle), None)
@@ -1195,9 +1239,10 @@ class Channel:
                 retain: bool, codec: str = "", reason: str = "", raw_bytes: int = 0, fields: str = "",
                 transfer_id: str | None = None, chunk_index: int | None = None,
                 chunk_count: int | None = None, sig_bytes: int = 0, enc_bytes: int = 0,
-                delivery: str = "") -> int:
-        """Write one ledger row (and count its wire bytes); return its row id (0 without a ledger)."""
-        size = publish_size(topic, payload_bytes, qos, protocol=self._protocol())
+                delivery: str = "", protocol: int | None = None) -> int:
+        """Write one ledger row (and count its wire bytes); return its row id (0 without a ledger).
+        ``protocol``: the MQTT protocol level its packet is sized for (default: the transport's now)."""
+        size = publish_size(topic, payload_bytes, qos, protocol=self._protocol() if protocol is None else protocol)
         direction = "down" if "/down/" in topic else "up"
         # a chunked transfer is pipelined (QoS 1 in flight): one round trip per transfer, not per chunk
         link_s = (self.link_time(size.packet_bytes, direction, chunk_index in (None, 0))

@@ -49,6 +49,10 @@ limit), and of one dropped before the socket took a byte of it, count no wire by
 part of before the connection was lost stays ``sent`` (its bytes were on the wire) with
 ``dropped``.
 
+A ``sent`` row's sizes are those of the packet that goes out: a message queued while the MQTT
+protocol level was not settled (before the first CONNACK, the MQTT 5 trial) and moved to a client
+of another level has its ``mqtt_header_bytes`` corrected when it is moved (:meth:`Ledger.resize`).
+
 Rows with ``reason='control'`` are MQTT control packets (CONNECT, CONNACK, SUBSCRIBE, SUBACK,
 PUBACK, PINGREQ, PINGRESP, DISCONNECT, and PUBLISH retransmissions as ``PUBLISH-DUP``): their
 whole packet size is in ``mqtt_header_bytes``. One recorded when it was queued that the socket never
@@ -456,6 +460,18 @@ class Ledger:
         if not on_wire:
             sets.append("event = CASE WHEN event = 'sent' THEN 'message' ELSE event END")
         self._update(row_id, f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*params, row_id))
+
+    def resize(self, row_id: int, packet_bytes: int) -> None:
+        """Set the PUBLISH packet size of row ``row_id`` to ``packet_bytes`` (its
+        ``mqtt_header_bytes`` take the difference; topic and payload are what they were): the
+        packet went out under another MQTT protocol level than the row was sized for. A no-op on
+        a closed ledger.
+
+        Raises:
+            LedgerError: SQLite refused the update.
+        """
+        self._update(row_id, "UPDATE messages SET mqtt_header_bytes = ? - topic_bytes - payload_bytes WHERE id = ?",
+                     (packet_bytes, row_id))
 
     def _update(self, row_id: int, sql: str, params: tuple) -> None:
         with self._lock:

@@ -325,12 +325,23 @@ class _CountingClient(PollingClient):
             return [m for m in self._out_messages.values()
                     if m.qos > 0 and m.state == mqtt.mqtt_ms_wait_for_puback and m.mid not in unwritten]
 
-    def take_queue(self, old: _CountingClient) -> int:
+    def unsent_messages(self) -> list[mqtt.MQTTMessage]:
+        """The QoS > 0 messages of which no PUBLISH ever reached the socket, as far as this client
+        knows: queued and not yet sent on this connection (unwritten in paho's queue, or waiting
+        for a connection) and not sent on an earlier one (no DUP flag, or the last PUBLISH was
+        dropped unwritten at a reconnect, :meth:`reconnect`)."""
+        unwritten = self.unwritten_mids()
+        with self._out_message_mutex:
+            return [m for m in self._out_messages.values()
+                    if m.qos > 0 and (m.state != mqtt.mqtt_ms_wait_for_puback or m.mid in unwritten)
+                    and (not m.dup or m.mid in self._never_written)]
+
+    def take_queue(self, old: _CountingClient) -> list[mqtt.MQTTMessage]:
         """Move the QoS > 0 messages of ``old`` (a client being replaced, its network thread stopped
         or ending) into this client, which has queued none: same message ids and handles, and each
         is sent after this client's CONNACK as paho re-sends its queue after a reconnect (a PUBLISH
         the old socket took a byte of with DUP, one it never took noted as in :meth:`reconnect`).
-        Returns how many were moved."""
+        Returns the messages moved."""
         with old._out_message_mutex:
             moved = {mid: m for mid, m in old._out_messages.items() if m.qos > 0}
             never = (old._never_written | old.unwritten_mids()) & set(moved)
@@ -343,7 +354,7 @@ class _CountingClient(PollingClient):
             self._never_written = never
         with self._mid_generate_mutex:
             self._last_mid = old._last_mid
-        return len(moved)
+        return list(moved.values())
 
     def reconnect(self):
         """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
@@ -586,7 +597,11 @@ class MqttTransport:
           its queue at the reconnect and does not send QoS 0 again), or one left in the queue of a
           client :meth:`connect` replaced; ``reason`` says which;
         * ``"cut"``: as ``dropped``, but the socket took part of the packet (its bytes were on
-          the wire; the broker got no whole packet).
+          the wire; the broker got no whole packet);
+        * ``"resized"``: a QoS 1 message queued on a client of one MQTT protocol level was moved to
+          one of another (``connect``'s fallback from MQTT 5 to 3.1.1): its PUBLISH goes out with
+          another size, ``reason`` (the packet's new size in bytes, a decimal number). Not final:
+          another outcome follows.
 
         Called on paho's network thread, or on the thread of :meth:`connect`. It must not block:
         queue the work."""
@@ -881,20 +896,35 @@ class MqttTransport:
         """A fresh paho client for protocol level ``version`` in place of one whose connect failed
         (its socket bytes are kept in :attr:`socket_bytes`). The QoS 1 messages queued on the old
         one (published before :meth:`connect` or while it tried) move to the new one, and are sent
-        after its CONNACK; a :meth:`publish` on another thread meanwhile waits for the swap. A QoS
-        0 PUBLISH left in the old client's queue (queued before a CONNACK that never came) is never
-        sent: reported ``dropped``."""
+        after its CONNACK; a :meth:`publish` on another thread meanwhile waits for the swap.
+
+        A moved message's PUBLISH under another protocol level has another size (MQTT 5 adds its
+        property length): each such message that never reached the old socket is reported
+        ``resized`` with its new packet size to the delivery listener, whose ledger row was sized
+        when it was published (one the old socket took goes out again with DUP: its row keeps the
+        size of its first transmission). A QoS 0 PUBLISH left in the old client's queue (queued
+        before a CONNACK that never came) is never sent: reported ``dropped``.
+        """
         with self._client_lock:
             old = self._client
             self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
                                   self._bytes_before[1] + old.socket_bytes_in)
             self.mqtt_version = version
             new = self._make_client(version)
+            unsent = {m.mid for m in old.unsent_messages()}  # their rows describe no PUBLISH yet
             moved = new.take_queue(old)
             self._client = new
         if moved:
-            log.info("%s: %d queued message(s) moved to the new MQTT %s client", self.client_id, moved,
+            log.info("%s: %d queued message(s) moved to the new MQTT %s client", self.client_id, len(moved),
                      "5" if version == MQTT_V5 else "3.1.1")
+        before = old._protocol
+        if before != new._protocol:
+            for m in moved:
+                if m.mid not in unsent:  # went out on the old socket as sized: the re-send is a DUP row
+                    continue
+                size = publish_size(m.topic, len(m.payload), m.qos, protocol=version).packet_bytes
+                if size != publish_size(m.topic, len(m.payload), m.qos, protocol=before).packet_bytes:
+                    self._tell(m.info, "resized", str(size))
         self._on_lost(old.take_lost_qos0(), "the client was replaced before its CONNACK")
 
     def _connect_attempt(self, timeout_s: float) -> None:

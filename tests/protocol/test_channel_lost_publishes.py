@@ -1,12 +1,12 @@
 """What the channel does with the transport's reports of PUBLISH packets that never (wholly) reached
-the socket: a transport double
+the socket, and of packets whose size changed after their row was written: a transport double
 stands in for paho and reports each outcome by hand (some inside ``publish``, before the channel
 tracks the handle, as a fast network thread does), so each step is explicit.
 
 The rule is the ledger's: the ``sent`` rows' bytes are the socket's. A QoS 0 PUBLISH dropped from
 the MQTT client's queue unwritten (``dropped``) leaves the wire totals (its row becomes a
 ``message`` row, delivery ``dropped``); one the socket took part of (``cut``) stays ``sent``; both
-make their message undeliverable, once per message."""
+make their message undeliverable, once per message. A ``resized`` report corrects the row's size."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 from protocol.channel import Channel
 from protocol.ledger import Ledger
 from protocol.messages import Update
+from protocol.mqtt_bytes import MQTT_V5, publish_size
 from protocol.transport_base import PacketEvent
 
 TOPIC = "fedfleet/v1/fed/up/client-001/update"
@@ -96,6 +97,32 @@ def test_qos0_outcomes_written_dropped_cut_correct_the_rows_and_say_the_message_
     assert [r.reason for r in rows if r.kind == "update" and r.delivery == "dropped"][0] == lost
     assert len([r for r in rows if r.kind == "undeliverable"]) == 3
     assert ch.wire_bytes_sent == _wire(rows)
+    ledger.close()
+
+
+def test_a_resized_report_corrects_the_row_before_or_after_the_channel_tracked_it(tmp_path) -> None:
+    """QoS 1 over a transport speaking MQTT 5 (rows sized with the property length byte). M1's
+    PUBLISH is then reported ``resized`` to its MQTT 3.1.1 size (moved to the fallback client)
+    after it was tracked, M2's inside ``publish`` (before): both rows end at the 3.1.1 size, the
+    wire count follows, and the later ``acked`` still lands on each row."""
+    tr = ReportingTransport(mqtt_version=MQTT_V5)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=1)
+    payload = len(ch.send(TOPIC, _update(100), round=1).payload)
+    v5 = publish_size(TOPIC, payload, 1, protocol=MQTT_V5).packet_bytes
+    v311 = publish_size(TOPIC, payload, 1).packet_bytes
+    assert v5 == v311 + 1
+    tr.tell(tr.handles[0], "resized", str(v311))
+    tr.inside = [("resized", str(v311))]
+    ch.send(TOPIC, _update(100), round=1)
+    for h in tr.handles:
+        tr.tell(h, "acked")
+    assert ch.acked == 2 and ch.refused == 0 and ch._handles == {} and ch._early_sizes == {}
+    ledger.flush()
+    rows = [r for r in ledger.rows() if r.kind == "update"]
+    assert [(r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes, r.delivery) for r in rows] == \
+        [(v311, "acked"), (v311, "acked")]
+    assert ch.wire_bytes_sent == 2 * v311
     ledger.close()
 
 

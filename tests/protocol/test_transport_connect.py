@@ -20,7 +20,7 @@ from helpers.waiting import subscribed, wait_for
 from broker_server.embedded_broker import EmbeddedBroker
 from protocol import transport
 from protocol.errors import ConnectError, FieldError
-from protocol.mqtt_bytes import MQTT_V311
+from protocol.mqtt_bytes import MQTT_V311, publish_size
 from protocol.transport import ConnectRetry, MqttTransport
 from tests.helpers.brokers import require_mosquitto
 
@@ -209,6 +209,7 @@ def test_a_publish_after_the_refused_mqtt5_trial_goes_out_on_the_3_1_1_connectio
             tr.connect(timeout_s=10.0)
             assert tr.mqtt_version == MQTT_V311 and len(handles) == 1
             _arrived_once(tr, sub, b"between", handles, outcomes)
+            assert outcomes[0] == (handles[0], "resized")  # moved: its PUBLISH is 1 byte smaller under 3.1.1
         finally:
             tr.close()
             sub.close()
@@ -217,10 +218,11 @@ def test_a_publish_after_the_refused_mqtt5_trial_goes_out_on_the_3_1_1_connectio
 def _arrived_once(tr: MqttTransport, sub: MqttTransport, payload: bytes, handles: list[object],
                   outcomes: list) -> None:
     """The one message published (its handle in ``handles``) reached ``sub`` with ``payload``,
-    was acknowledged, and left nothing in ``tr``'s offline buffer."""
+    was acknowledged, and left nothing in ``tr``'s offline buffer (a ``resized`` report, for a
+    message moved from the MQTT 5 client, is no outcome)."""
     got = sub.get(10.0)
     assert got is not None and got.payload == payload
-    assert wait_for(lambda: outcomes == [(handles[0], "acked")], 10.0), outcomes
+    assert wait_for(lambda: [o for o in outcomes if o[1] != "resized"] == [(handles[0], "acked")], 10.0), outcomes
     assert tr.buffered == (0, 0)
 
 def test_a_publish_inside_paho_when_the_client_is_replaced_goes_out_on_the_new_client(
@@ -303,3 +305,41 @@ def test_publishes_before_connect_and_between_its_retries_are_sent_after_it(tmp_
         if sub is not None:
             sub.close()
         broker.stop()
+
+
+def test_a_message_moved_from_the_mqtt5_trial_is_ledgered_at_its_mqtt_3_1_1_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A channel sends before connect(): its row is sized for MQTT 5, the level the transport
+    starts with. amqtt refuses MQTT 5; the message moves to the 3.1.1 client and goes out one byte
+    smaller (no property length). The transport reports it ``resized`` and the channel corrects
+    the row: the ledger's sent bytes (the update, the CONNECTs, the DISCONNECT) are the socket's
+    and the relay's. Before the fix the ledger had one byte more."""
+    import numpy as np
+
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger
+    from protocol.messages import Update
+    from tools.counting_relay import CountingRelay
+
+    monkeypatch.setattr(transport, "_V311_ONLY", set())
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("fedfleet-moved-1", "127.0.0.1", relay.port)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="moved-1", side="agent", federation="fed", ledger=ledger, qos=1)
+        try:
+            ch.send("fedfleet/v1/fed/up/moved-1/update", Update(tensors=(np.arange(8, dtype=np.float32),),
+                    num_samples=1, train_loss=0.1, metrics={}), round=1)
+            tr.connect(timeout_s=10.0)
+            assert tr.mqtt_version == MQTT_V311
+            assert wait_for(lambda: ch.acked == 1, 10.0)
+        finally:
+            ch.close()
+            relay.close()
+        ledger.flush()
+        rows = ledger.rows()
+        ledger.close()
+    sent = sum(r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes for r in rows if r.event == "sent")
+    assert sent == tr.socket_bytes[0] == relay.total_bytes("up")
+    (row,) = [r for r in rows if r.kind == "update"]
+    assert row.mqtt_header_bytes == publish_size(row.topic, row.payload_bytes, 1, protocol=MQTT_V311).header_bytes
