@@ -343,7 +343,7 @@ class Channel:
         was handed over but still in the MQTT client's queue when the connection was lost (the
         transport reports it ``dropped``: its ``sent`` row becomes a ``message`` row with delivery
         ``dropped``, out of the wire totals; ``cut`` when the socket took part of it: the row stays
-        ``sent``, with delivery ``dropped``).
+        ``sent``, with delivery ``dropped``), or a message still unsent when the transport was closed.
 
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
@@ -682,7 +682,7 @@ class Channel:
     def _lost(self, row: int, out: _Outgoing | None, gen: int, on_wire: bool, reason: str, *, counted: bool,
               packet_bytes: int) -> None:
         """A PUBLISH of ``out`` (generation ``gen``) that will never be sent (a QoS 0 one the lost
-        connection took out of the MQTT client's queue):
+        connection took out of the MQTT client's queue, anything unsent at the transport's close):
         its ``sent`` row says ``dropped``, and leaves the wire totals (``event`` ``message``) unless
         the socket took part of it (``on_wire``); the message is said undeliverable (once per
         generation: the other chunks of a transfer add no more)."""

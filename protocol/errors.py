@@ -24,8 +24,8 @@ failures are a separate branch because the caller's remedy differs (retry, recon
         ├── PublishTimeout                a QoS 1 publish was not acknowledged in time
         ├── OfflineBufferFull             too many unacknowledged messages are waiting (link down):
         │                                 back off and send again later; nothing was queued
-        ├── PublishDropped                a QoS 0 PUBLISH that was not sent and never will be (the
-        │                                 link was down, or lost with the PUBLISH unwritten)
+        ├── PublishDropped                a PUBLISH that was not sent and never will be (QoS 0 with
+        │                                 the link down or lost under it; unsent at close)
         └── PublishRefused                the broker refused a PUBLISH (PUBACK reason code >= 0x80,
                                           or it closed the connection each time the packet was sent)
 
@@ -170,9 +170,10 @@ class PublishRefused(TransportError):
 
 
 class PublishDropped(TransportError):
-    """A QoS 0 PUBLISH that was not sent and never will be: made while the link is down, or still
-    in paho's packet queue when the connection was lost (MQTT delivers QoS 0 at most once and paho
-    keeps no such message for the reconnect; a QoS 1 one is queued and sent after the reconnect).
+    """A PUBLISH that was not sent and never will be: a QoS 0 one made while the link is down, or
+    one still in paho's packet queue when the connection was lost (MQTT delivers QoS 0 at most
+    once and paho keeps no such message for the reconnect; a QoS 1 one is queued and sent after
+    the reconnect), or a message of any QoS still unsent when the transport was closed.
 
     Attributes:
         on_wire: the socket took part of the packet before the connection was lost (its bytes

@@ -39,9 +39,9 @@ transfer_id           hex id of a chunked transfer; ``chunk_index``/``chunk_coun
 accepted it), ``refused`` (a PUBACK reason code >= 0x80, a packet above the broker's known limit
 that was not sent, or one the broker closed the connection for; ``reason`` says which and names
 the limit), ``dropped`` (lost before the broker got it whole: a QoS 0 PUBLISH still in the MQTT
-client's queue when the connection was lost, which MQTT does not send again; ``reason`` says how
-much of it the socket took). It is ``''`` on every other row.
-A refused message is sent again as a chunked transfer below the limit (new rows) or fails loudly; a
+client's queue when the connection was lost, which MQTT does not send again, or a message still
+unsent when the transport was closed; ``reason`` says which). It is ``''`` on every other row. A
+refused message is sent again as a chunked transfer below the limit (new rows) or fails loudly; a
 dropped one is said undeliverable. Rows of a message refused *before* it was sent (above a known
 limit), and of one dropped before the socket took a byte of it, count no wire bytes: their
 ``mqtt_header_bytes``, ``topic_bytes`` and ``payload_bytes`` are kept, but ``event`` is ``'message'``
@@ -56,7 +56,7 @@ of another level has its ``mqtt_header_bytes`` corrected when it is moved (:meth
 Rows with ``reason='control'`` are MQTT control packets (CONNECT, CONNACK, SUBSCRIBE, SUBACK,
 PUBACK, PINGREQ, PINGRESP, DISCONNECT, and PUBLISH retransmissions as ``PUBLISH-DUP``): their
 whole packet size is in ``mqtt_header_bytes``. One recorded when it was queued that the socket never
-took (the connection was lost first) turns into a ``message`` row with
+took (the connection was lost, or the transport closed, first) turns into a ``message`` row with
 delivery ``dropped``. A ``PUBLISH-DUP`` row is a packet that was on the
 wire before: a QoS 1 PUBLISH that a lost connection dropped from paho's queue before the socket
 took a byte of it goes out after the reconnect with the DUP flag, but as its first transmission,

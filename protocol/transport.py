@@ -414,6 +414,22 @@ class _CountingClient(PollingClient):
         return data
 
 
+def _close_socket(client: mqtt.Client) -> None:
+    """Close ``client``'s socket, if it has one (no DISCONNECT); shut down first, which wakes a
+    network thread waiting on it (a close alone leaves its ``poll()`` waiting out its timeout)."""
+    sock = client.socket()
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]  # a socket.socket here
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
 class MqttTransport:
     """A paho-mqtt client with a receive queue.
 
@@ -475,6 +491,12 @@ class MqttTransport:
         self._queue: queue.Queue[Incoming] = queue.Queue(maxsize=max_queue)
         self._connected = threading.Event()
         self._closed = False
+        self._closing = threading.Event()  # set by close(): ends connect()'s waits
+        # held while close() marks the transport closed and reads its client and link, while connect()
+        # starts a client's thread or swaps the client (inside _client_lock), and while on_connect marks
+        # the link up: either close() sees a connect's doing, or that connect sees the close
+        self._state_lock = threading.Lock()
+        self._retired: list[_CountingClient] = []  # clients replaced by connect() whose threads may still end
         self._refused: str | None = None
         self._refused_code = 0
         #: connects tried by the last :meth:`connect` (1 when the first succeeded)
@@ -496,7 +518,7 @@ class MqttTransport:
         self._packet_lock = threading.Lock()
         # id(info) -> (info, why the broker refused it); the info is held so that its id is not reused
         self._refusals: dict[int, tuple[mqtt.MQTTMessageInfo, PublishRefused]] = {}
-        # id(info) -> (info, why it was dropped unsent): a QoS 0 PUBLISH lost with a connection
+        # id(info) -> (info, why it was dropped unsent): QoS 0 lost with a connection, anything unsent at close
         self._drops: dict[int, tuple[mqtt.MQTTMessageInfo, PublishDropped]] = {}
         # id(info) -> (info, connections the broker closed while it awaited its PUBACK)
         self._strikes: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
@@ -594,8 +616,8 @@ class MqttTransport:
         * ``"written"``: the socket took all of a QoS 0 PUBLISH (all MQTT says of QoS 0);
         * ``"dropped"``: a PUBLISH that was not sent and never will be, of which the socket took
           no byte: a QoS 0 one still in paho's queue when the connection was lost (paho empties
-          its queue at the reconnect and does not send QoS 0 again), or one left in the queue of a
-          client :meth:`connect` replaced; ``reason`` says which;
+          its queue at the reconnect and does not send QoS 0 again), or a message of any QoS
+          still unsent when the transport was closed or its client replaced; ``reason`` says which;
         * ``"cut"``: as ``dropped``, but the socket took part of the packet (its bytes were on
           the wire; the broker got no whole packet);
         * ``"resized"``: a QoS 1 message queued on a client of one MQTT protocol level was moved to
@@ -603,8 +625,8 @@ class MqttTransport:
           another size, ``reason`` (the packet's new size in bytes, a decimal number). Not final:
           another outcome follows.
 
-        Called on paho's network thread, or on the thread of :meth:`connect`. It must not block:
-        queue the work."""
+        Called on paho's network thread, or on the thread of :meth:`connect` or :meth:`close`. It
+        must not block: queue the work."""
         self._delivery_listener = listener
 
     def _tell(self, info: object, outcome: str, reason: str) -> None:
@@ -664,6 +686,11 @@ class MqttTransport:
             (log.info if trial else log.warning)("%s: broker refused the MQTT %s connection: %s", self.client_id,
                                                  "5" if self.mqtt_version == MQTT_V5 else "3.1.1", reason_code)
             return
+        with self._state_lock:  # close() reads `connected` under it
+            if self._closed:  # close() came while connecting: nothing goes out on this connection
+                client._thread_terminate = True
+                client._sock_close()
+                return
         limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
         if limit and limit != self.broker_max_packet_bytes:
             self.broker_max_packet_bytes = int(limit)
@@ -848,6 +875,11 @@ class MqttTransport:
         delay, and recorded in :attr:`connect_attempts` / :attr:`connect_delays`. A refused login
         or certificate fails at once, whatever ``retry`` says.
 
+        A :meth:`close` (from another thread) ends it: no attempt starts after it, the wait between
+        attempts ends, a connection that comes up meanwhile is closed before anything is sent on it,
+        and it raises :class:`~protocol.errors.ConnectError` ("closed while connecting"), with no
+        paho thread or socket of this transport left behind.
+
         Args:
             timeout_s: seconds each attempt waits for its CONNACK.
             retry: the retry policy; ``None``: one attempt.
@@ -856,7 +888,8 @@ class MqttTransport:
 
         Raises:
             ConnectError: refused, or no CONNACK within ``timeout_s`` seconds (after the last
-                attempt: its ``attempts`` says how many were made).
+                attempt: its ``attempts`` says how many were made), or the transport was closed
+                (:meth:`close`) while connecting (not ``transient``).
         """
         policy = retry or ConnectRetry()
         rng = random.Random(policy.seed)
@@ -866,9 +899,13 @@ class MqttTransport:
             attempt += 1
             self.connect_attempts = attempt
             try:
+                self._check_open()
                 self._connect_attempt(timeout_s)
+                self._check_open()  # closed as the CONNACK came: close() ended that connection
             except ConnectError as exc:
                 exc.attempts = attempt
+                if self._closed:
+                    raise self._closed_error(attempt) from None
                 if not exc.transient or attempt >= policy.attempts:
                     if attempt > 1:
                         log.error("%s: connect failed after %d attempts over %.1f s: %s", self.client_id, attempt,
@@ -883,7 +920,8 @@ class MqttTransport:
                             attempt, policy.attempts, exc, delay)
                 if on_retry is not None:
                     on_retry(attempt, exc, delay)
-                time.sleep(delay)
+                if self._closing.wait(delay):  # close() ends the wait
+                    raise self._closed_error(attempt) from None
                 self._replace_client(self.mqtt_version if self.mqtt_choice != "auto" or
                                      (self.host, self.port) not in _V311_ONLY else MQTT_V311)
                 continue
@@ -891,6 +929,16 @@ class MqttTransport:
                 log.info("%s: connected at attempt %d, %.1f s after the first", self.client_id, attempt,
                          time.monotonic() - first)
             return
+
+    def _check_open(self) -> None:
+        """Raises ConnectError ("closed while connecting") once :meth:`close` was called."""
+        if self._closed:
+            raise self._closed_error()
+
+    def _closed_error(self, attempts: int = 1) -> ConnectError:
+        return ConnectError(f"{self.client_id}: closed while connecting to the MQTT broker at {self.host}:{self.port}: "
+                            "close() was called, so no connection is made and nothing is sent",
+                            client_id=self.client_id, transient=False, attempts=attempts)
 
     def _replace_client(self, version: int) -> None:
         """A fresh paho client for protocol level ``version`` in place of one whose connect failed
@@ -904,8 +952,12 @@ class MqttTransport:
         when it was published (one the old socket took goes out again with DUP: its row keeps the
         size of its first transmission). A QoS 0 PUBLISH left in the old client's queue (queued
         before a CONNACK that never came) is never sent: reported ``dropped``.
+
+        Raises:
+            ConnectError: the transport was closed (nothing is moved; its messages stay unsent).
         """
-        with self._client_lock:
+        with self._client_lock, self._state_lock:
+            self._check_open()
             old = self._client
             self._bytes_before = (self._bytes_before[0] + old.socket_bytes_out,
                                   self._bytes_before[1] + old.socket_bytes_in)
@@ -914,6 +966,8 @@ class MqttTransport:
             unsent = {m.mid for m in old.unsent_messages()}  # their rows describe no PUBLISH yet
             moved = new.take_queue(old)
             self._client = new
+            if old._thread is not None:  # its thread ends on its own (the MQTT 5 trial): joined by close()
+                self._retired.append(old)
         if moved:
             log.info("%s: %d queued message(s) moved to the new MQTT %s client", self.client_id, len(moved),
                      "5" if version == MQTT_V5 else "3.1.1")
@@ -926,6 +980,8 @@ class MqttTransport:
                 if size != publish_size(m.topic, len(m.payload), m.qos, protocol=before).packet_bytes:
                     self._tell(m.info, "resized", str(size))
         self._on_lost(old.take_lost_qos0(), "the client was replaced before its CONNACK")
+        if old not in self._retired:  # its loop has ended: what is left in its queue is never written
+            old.void_unwritten_control()
 
     def _connect_attempt(self, timeout_s: float) -> None:
         """One connect (:meth:`connect` without retries): the TCP probe, then MQTT 5 or 3.1.1.
@@ -949,6 +1005,8 @@ class MqttTransport:
                 self._connect_once(MQTT_V5, min(deadline, time.monotonic() + V5_TRIAL_S), timeout_s)
                 return
             except ConnectError as exc:
+                if self._closed:
+                    raise
                 silent = self._refused is None and not self._closed_before_connack
                 if not silent and not self._closed_before_connack and not _unsupported_version(self._refused):
                     raise
@@ -980,26 +1038,27 @@ class MqttTransport:
             if self.receive_max_packet_bytes:
                 props.MaximumPacketSize = self.receive_max_packet_bytes
             kwargs = {"clean_start": True, "properties": props}
-        try:
-            self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s, **kwargs)
-        except (OSError, ValueError) as exc:
-            raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}", client_id=self.client_id) from exc
-        self._client.loop_start()
+        with self._state_lock:  # close() either sees this client's thread started, or it starts none
+            self._check_open()
+            try:
+                self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s, **kwargs)
+            except (OSError, ValueError) as exc:
+                raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}",
+                                   client_id=self.client_id) from exc
+            self._client.loop_start()
         trial = version == MQTT_V5 and self.mqtt_choice == "auto"
         while not self._connected.wait(0.05):  # a refusal (bad login) ends the wait at once
-            if self._refused or time.monotonic() >= deadline or (trial and self._closed_before_connack):
+            if (self._refused or time.monotonic() >= deadline or (trial and self._closed_before_connack)
+                    or self._closed):
                 break
+        if self._closed:  # close() stopped this client's thread and closed its socket
+            raise self._closed_error()
         if not self._connected.is_set():
             if trial:  # do not wait out paho's reconnect delay: its thread ends on its own (its queue moves on)
                 self._client._thread_terminate = True
             else:
                 self._client.loop_stop()
-            sock = self._client.socket()
-            if sock is not None:
-                try:
-                    sock.close()
-                except OSError:
-                    pass
+            _close_socket(self._client)
             reason = self._refused or ("closed before CONNACK" if self._closed_before_connack else "no CONNACK")
             level = "5" if version == MQTT_V5 else "3.1.1"
             # unanswered, or answered "unavailable / busy": a broker overloaded by a connect storm, worth
@@ -1203,25 +1262,55 @@ class MqttTransport:
 
     def abort(self) -> None:
         """Vanish like a device losing power: stop the network thread and close the socket
-        without DISCONNECT, so the broker publishes the last will. No reconnect follows."""
-        self._closed = True
-        self._client.loop_stop()
-        sock = self._client.socket()
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        without DISCONNECT, so the broker publishes the last will. No reconnect follows (a
+        :meth:`connect` under way ends as after :meth:`close`)."""
+        with self._state_lock:
+            self._closed = True
+            client = self._client
+        self._closing.set()
+        client._thread_terminate = True
+        client.loop_stop()
+        _close_socket(client)
         self._connected.clear()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send DISCONNECT (no last will) and stop the network thread (idempotent). Messages
-        already received stay in the queue: :meth:`get` still returns them."""
-        if self._closed:
-            return
-        self._closed = True
+        already received stay in the queue: :meth:`get` still returns them.
+
+        While :meth:`connect` runs on another thread (the link not up yet), it is ended: the
+        connection it is making is closed without a packet more (no DISCONNECT: none was
+        accepted), and it raises. No paho thread or socket of this transport is left (the clients
+        a fallback or a retry replaced included). Messages that were never sent (their PUBLISH
+        never reached the socket, published before the connection came up, or queued when the
+        link was lost) never will be: each is reported ``dropped`` to the delivery listener, and
+        :meth:`publish` waiting on one raises :class:`~protocol.errors.PublishDropped`."""
+        with self._state_lock:  # not while connect() starts or replaces a client
+            if self._closed:
+                return
+            self._closed = True
+            client = self._client
+            up = self.connected  # on_connect looks for a close under this lock before it marks the link up
+        self._closing.set()
         try:
-            if self.connected:
-                self._client.disconnect()
+            if up:
+                client.disconnect()
+            else:  # nothing may go out on a connection coming up now; the loop ends with its socket
+                client._thread_terminate = True
+                _close_socket(client)
         finally:
-            self._client.loop_stop()
+            client.loop_stop()
+            _close_socket(client)
+            for old in self._retired:  # trial clients whose threads end on their own: ended now
+                thread = old._thread
+                if thread is not None and thread is not threading.current_thread():
+                    thread.join(timeout_s)
+                _close_socket(old)
+                old.void_unwritten_control()
+            self._retired = []
+            self._connected.clear()
+        self._on_lost(client.take_lost_qos0(), "the transport was closed")
+        client.void_unwritten_control()
+        for m in client.unsent_messages():
+            self._drop(m.info, PublishDropped(
+                f"{self.client_id}: QoS {m.qos} PUBLISH to {m.topic} (message id {m.mid}) not sent: the transport "
+                "was closed before the socket took a byte of it", client_id=self.client_id, topic=m.topic))

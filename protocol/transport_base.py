@@ -57,7 +57,7 @@ class PacketEvent:
         packet_bytes: exact size of the whole packet: fixed header + variable header + payload.
         dup: the DUP flag of a PUBLISH (a retransmission by paho after a reconnect).
         dropped: an ``out`` control packet reported before (at its queueing) that the socket never
-            took a byte of: a lost connection dropped it from the client's queue. It
+            took a byte of: a lost connection or a close dropped it from the client's queue. It
             voids that earlier event (same type and size); its bytes were never on the wire.
     """
 

@@ -307,6 +307,101 @@ def test_publishes_before_connect_and_between_its_retries_are_sent_after_it(tmp_
         broker.stop()
 
 
+def _nothing_left(tr: MqttTransport) -> None:
+    """After close(): not connected, no socket, no paho thread of this transport alive."""
+    assert not tr.connected and tr._client.socket() is None
+    alive = [t.name for t in threading.enumerate() if t.name == f"paho-mqtt-client-{tr.client_id}"]
+    assert alive == []
+
+
+def test_close_as_the_mqtt5_trial_falls_back_ends_connect_and_sends_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` against amqtt: the MQTT 5 trial is refused, and another thread closes the
+    transport before the 3.1.1 client replaces the trial's (forced: the replacement waits for that
+    close to return). Before the fix connect() went on, connected with 3.1.1 and returned: a
+    transport closed by its owner, connected, with a live paho thread and socket, and sending the
+    message published before connect(). It must raise ("closed while connecting"), make no 3.1.1
+    connection, leave no thread or socket, and report the never-sent message ``dropped``."""
+    monkeypatch.setattr(transport, "_V311_ONLY", set())
+    with EmbeddedBroker(kind="amqtt", workdir=tmp_path / "broker") as broker:
+        tr = MqttTransport("close-trial", broker.host, broker.port)
+        outcomes = _outcomes(tr)
+        handle = tr.publish("t/close", b"before connect", qos=1)
+        trial = tr._client
+        replace = tr._replace_client
+
+        def close_then_replace(version: int) -> None:
+            closer = threading.Thread(target=tr.close)
+            closer.start()
+            closer.join(30.0)
+            replace(version)
+
+        monkeypatch.setattr(tr, "_replace_client", close_then_replace)
+        with pytest.raises(ConnectError, match="closed while connecting") as caught:
+            tr.connect(timeout_s=10.0)
+        assert not caught.value.transient
+        assert tr._client is trial and tr.connects == 0  # no 3.1.1 client, no connection
+        _nothing_left(tr)
+        assert outcomes == [(handle, "dropped")]
+
+
+def test_close_during_the_mqtt5_trial_wait_ends_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listener that accepts TCP and never answers: ``auto`` waits for the MQTT 5 CONNACK. A
+    close() from another thread while it waits ends connect() with "closed while connecting"
+    (before the fix connect() waited out the trial, then tried MQTT 3.1.1 until its timeout, with a
+    client started after the close), with no thread or socket left."""
+    monkeypatch.setattr(transport, "_V311_ONLY", set())
+    box: dict[str, BaseException] = {}
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)  # the kernel completes the handshakes; nobody reads
+        tr = MqttTransport("close-mute", "127.0.0.1", mute.getsockname()[1])
+
+        def run() -> None:
+            try:
+                tr.connect(timeout_s=60.0)
+            except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+                box["error"] = exc
+
+        connector = threading.Thread(target=run)
+        connector.start()
+        assert wait_for(lambda: tr._client.socket() is not None, 10.0)  # the trial's CONNECT is out
+        tr.close()
+        connector.join(30.0)
+        assert not connector.is_alive()
+    error = box.get("error")
+    assert isinstance(error, ConnectError) and "closed while connecting" in str(error), error
+    assert tr.mqtt_version == transport.MQTT_V5  # no fallback was tried
+    _nothing_left(tr)
+
+
+def test_close_between_connect_retries_ends_connect_and_the_queued_message_is_never_sent(tmp_path: Path) -> None:
+    """ConnectRetry with nothing listening; after the first failed attempt the transport is
+    closed and the broker started (in ``on_retry``). Before the fix connect() slept, replaced the
+    client, connected to the broker and sent the message published before the close. It must
+    raise ("closed while connecting"), never connect (no socket byte), and report the message
+    ``dropped``."""
+    port = _free_port()
+    broker = EmbeddedBroker(port=port, workdir=tmp_path / "broker")
+    tr = MqttTransport("close-retry", "127.0.0.1", port, mqtt_version="3.1.1")
+    outcomes = _outcomes(tr)
+    handle = tr.publish("t/close", b"published before close", qos=1)
+
+    def close_and_start_broker(attempt: int, exc: ConnectError, delay: float) -> None:
+        tr.close()
+        broker.start()
+
+    try:
+        with pytest.raises(ConnectError, match="closed while connecting"):
+            tr.connect(timeout_s=10.0, retry=ConnectRetry(attempts=5, base_s=0.01, cap_s=0.01, seed=1),
+                       on_retry=close_and_start_broker)
+        assert tr.connect_attempts == 1 and tr.socket_bytes == (0, 0)
+        _nothing_left(tr)
+        assert outcomes == [(handle, "dropped")]
+    finally:
+        broker.stop()
+
+
 def test_a_message_moved_from_the_mqtt5_trial_is_ledgered_at_its_mqtt_3_1_1_size(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A channel sends before connect(): its row is sized for MQTT 5, the level the transport
