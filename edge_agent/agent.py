@@ -24,9 +24,21 @@ import torch
 
 from protocol import topics
 from protocol.channel import Channel, Received
-from protocol.errors import TransportError
+from protocol.errors import PublishDropped, TransportError
 from protocol.membership import JOIN_INFO_KEY, members_contain
-from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, parse_extras_codec
+from protocol.messages import (
+    Body,
+    Encoded,
+    Finish,
+    Global,
+    Join,
+    Kind,
+    Receipt,
+    RoundStart,
+    Status,
+    Update,
+    parse_extras_codec,
+)
 from protocol.phases import PhaseClock
 from protocol.tensors import Codec, ErrorFeedback
 
@@ -747,9 +759,16 @@ class EdgeAgent:
             self._kept = {n: t.detach().clone() for n, t in state.items()}
 
     def join(self, wait_s: float = 30.0) -> None:
-        """Publish the retained ``online`` status and the ``join`` message (QoS 1, acknowledged)."""
-        self.channel.send(topics.status(self.fed, self.client_id), Status("online"), round=0, retain=True,
-                          wait_s=wait_s)
+        """Publish the retained ``online`` status and the ``join`` message, each acknowledged (QoS
+        1) or written (QoS 0) within ``wait_s`` seconds; under QoS 0 each waits for the link when
+        it is down (:meth:`_send_linked`).
+
+        Raises:
+            TransportError: not sent in time (:class:`~protocol.errors.PublishDropped` under QoS 0
+                when the link stayed down, :class:`~protocol.errors.PublishTimeout` …).
+        """
+        self._send_linked(topics.status(self.fed, self.client_id), Status("online"), what="online status",
+                          wait_s=wait_s, retain=True)
         self._joining_since = time.monotonic()
         self._send_join(wait_s)
 
@@ -758,13 +777,55 @@ class EdgeAgent:
         the server had subscribed, is re-sent by :meth:`run` every 5 s, doubling to 30 s). Every
         join's seq is kept, so the answer to any of them is this agent's own."""
         hist = class_histogram(self.y.numpy(), self.num_classes)
-        self._join_seq = self.channel.send(topics.up(self.fed, self.client_id, Kind.JOIN),
-                          Join(profile=self.profile, manifest_hash=self.manifest_hash,
-                               num_samples=int(self.y.shape[0]), class_histogram=tuple(hist),
-                               info={**self.info, JOIN_INFO_KEY: True}),
-                          round=0, wait_s=wait_s).seq
+        self._join_seq = self._send_linked(topics.up(self.fed, self.client_id, Kind.JOIN),
+                                           Join(profile=self.profile, manifest_hash=self.manifest_hash,
+                                                num_samples=int(self.y.shape[0]), class_histogram=tuple(hist),
+                                                info={**self.info, JOIN_INFO_KEY: True}),
+                                           what="join", wait_s=wait_s).seq
         self._join_seqs.add(self._join_seq)
         self._join_sent_at = time.monotonic()
+
+    def _send_linked(self, topic: str, body: Body, *, what: str, wait_s: float, retain: bool = False) -> Encoded:
+        """``channel.send`` of a round-0 message waiting up to ``wait_s`` seconds for it to go out.
+
+        Under QoS 1 the transport keeps a message while the link is down and sends it after the
+        reconnect. Under QoS 0 nothing is kept: a message sent while the link is down, or lost
+        with the connection before the socket took it, is dropped
+        (:class:`~protocol.errors.PublishDropped`). So here, under QoS 0, the send waits for the
+        link when it is down, and a dropped message is sent again once the link is back (each
+        copy dropped is one ``undeliverable`` ledger row of the channel; none reached the wire),
+        until ``wait_s`` runs out.
+
+        Raises:
+            PublishDropped: QoS 0, and the link did not take the message within ``wait_s`` seconds
+                (the message says how long and why).
+            TransportError: any other failure of the send (as ``channel.send`` raises it).
+        """
+        deadline = time.monotonic() + wait_s
+        transport = self.channel.transport
+        qos0 = self.channel.qos == 0
+        tries = 0
+        while True:
+            if qos0 and hasattr(transport, "wait_connected") and not getattr(transport, "connected", True):
+                transport.wait_connected(max(0.0, deadline - time.monotonic()))  # a send now would be dropped
+            tries += 1
+            try:
+                return self.channel.send(topic, body, round=0, retain=retain,
+                                         wait_s=max(deadline - time.monotonic(), 0.001))
+            except PublishDropped as exc:
+                if not qos0:  # the transport was closed: nothing will take it
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PublishDropped(f"{self.client_id}: {what} not sent within {wait_s:g} s ({tries} "
+                                         f"tr{'y' if tries == 1 else 'ies'}; QoS 0 keeps no message while the link "
+                                         f"is down): {exc}", client_id=self.client_id, topic=topic) from exc
+                log.warning("%s: %s not sent (%s): sending it again once the link is up (%.0f s left)",
+                            self.client_id, what, exc, left)
+                if hasattr(transport, "wait_connected"):
+                    transport.wait_connected(left)
+                else:
+                    time.sleep(min(left, 0.5))
 
     def train_x(self) -> torch.Tensor:
         """The shard's training inputs (float32 [n, C, H, W], row i = sample i of :attr:`y`):
@@ -1235,7 +1296,7 @@ class EdgeAgent:
 
     def _leave(self, detail: str = "run finished") -> None:
         try:
-            self.channel.send(topics.status(self.fed, self.client_id), Status("offline", detail),
-                              round=0, retain=True, wait_s=5)
+            self._send_linked(topics.status(self.fed, self.client_id), Status("offline", detail),
+                              what="offline status", wait_s=5, retain=True)
         except Exception as exc:  # leaving must not mask the run's outcome
             log.info("%s: could not publish offline status: %s", self.client_id, exc)
