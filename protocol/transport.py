@@ -369,7 +369,7 @@ class _CountingClient(PollingClient):
         try:
             return super().reconnect()
         finally:  # also when the new connection fails (paho emptied its queue first)
-            self._report_lost(self.take_lost_qos0(taken), "the connection was lost")
+            self._report_lost(self.take_lost_qos0(taken), "the link is down: the connection was lost")
 
     def _packet_queue(self, command, packet, mid, qos, info=None):
         first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
@@ -717,7 +717,7 @@ class MqttTransport:
         self.closed_for_refusal = False
         # paho's socket is closed: the QoS 0 PUBLISH packets still in its queue are never written (its
         # reconnect empties the queue); said now, not at the reconnect a delay later
-        self._on_lost(client.take_lost_qos0(), "the connection was lost")
+        self._on_lost(client.take_lost_qos0(), "the link is down: the connection was lost")
         if not self._closed:
             log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
             if was_connected:
@@ -1173,8 +1173,8 @@ class MqttTransport:
                 if remaining <= 0:
                     if lost:
                         raise PublishDropped(f"{self.client_id}: QoS 0 PUBLISH to {topic} ({len(payload):,} bytes) "
-                                             "not sent: the connection was lost with it in the MQTT client's queue",
-                                             client_id=self.client_id, topic=topic)
+                                             "not sent: the link is down: the connection was lost with it in the "
+                                             "MQTT client's queue", client_id=self.client_id, topic=topic)
                     raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within {wait_s:g} s",
                                          client_id=self.client_id, topic=topic)
                 if lost:

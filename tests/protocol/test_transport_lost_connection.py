@@ -219,6 +219,8 @@ def test_qos0_publishes_lost_in_paho_queue_with_the_connection_are_dropped_not_c
             waiter.join(30.0)
             assert not waiter.is_alive()
             assert len(caught) == 1 and isinstance(caught[0], PublishDropped) and not caught[0].on_wire, caught
+            # worded as the audit tells a QoS 0 message not sent apart from a refused one ("not sent: the link is down")
+            assert "not sent: the link is down: the connection was lost with this" in str(caught[0])
             assert "still in the MQTT client's queue" in str(caught[0])
             assert wait_for(lambda: ch.undeliverable == 3, 10.0), ch.undeliverable_reasons
             assert wait_for(lambda: tr.connected and tr.connects == 2, 30.0)  # paho reconnects
@@ -266,7 +268,7 @@ def test_the_reconnect_reports_the_qos0_and_control_packets_it_drops_from_paho_q
     client._out_packet[0]["pos"] = 5
     with pytest.raises(ConnectionRefusedError):
         client.reconnect()
-    assert len(lost) == 1 and lost[0][1] == "the connection was lost"
+    assert len(lost) == 1 and lost[0][1] == "the link is down: the connection was lost"
     assert [(i, n, taken) for i, n, taken in lost[0][0]] == [(infos[0], 6, 5), (infos[1], 6, 0)]
     assert all(i.rc == mqtt.MQTT_ERR_CONN_LOST for i in infos)
     assert [(e.packet_type, e.packet_bytes) for e in events if e.dropped] == [("SUBSCRIBE", 8)]
