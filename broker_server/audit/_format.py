@@ -125,7 +125,9 @@ def delivery_lines(dv: Mapping[str, Any] | None) -> list[str]:
     def line(who: str, d: Mapping[str, Any]) -> str:
         return (f"PUBLISH packets sent by {who}: {count(d['acked'])} acknowledged by the broker, "
                 f"{count(d['handed'])} handed over without acknowledgement, {count(d['refused'])} refused by the "
-                "broker" + (f", {count(d['unknown'])} without a delivery record (older ledger)" if d["unknown"] else "")
+                "broker" + (f", {count(d['dropped'])} lost with the connection before the socket took them whole "
+                            "(QoS 0, or unsent at close)" if d.get("dropped") else "")
+                + (f", {count(d['unknown'])} without a delivery record (older ledger)" if d["unknown"] else "")
                 + (f"; {count(d['undeliverable'])} message(s) given up" if d["undeliverable"] else "")
                 + (f"; {count(d['not_sent'])} QoS 0 message(s) not sent (the link was down: not refused by the "
                    "broker, which never saw them)" if d.get("not_sent") else ""))
@@ -134,7 +136,7 @@ def delivery_lines(dv: Mapping[str, Any] | None) -> list[str]:
     if sides is None:
         return [line("both sides together", dv)]
     return [line(_SENDER[side], d) for side, d in sides.items()
-            if d.get("sent") or d["refused"] or d["undeliverable"] or d.get("not_sent")]
+            if d.get("sent") or d["refused"] or d["undeliverable"] or d.get("not_sent") or d.get("dropped")]
 
 
 #: How the text names each of ``deliveries``' ``refusals`` by its ``what``.

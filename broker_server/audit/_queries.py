@@ -313,9 +313,12 @@ def _delivery_counts(db: sqlite3.Connection, where: str, params: tuple[Any, ...]
     given_up, not_sent = db.execute(
         f"SELECT COALESCE(SUM(NOT ({_NOT_SENT})), 0), COALESCE(SUM({_NOT_SENT}), 0) FROM ledger "
         f"WHERE kind = 'undeliverable' AND {where}", params).fetchone()
+    never_written = db.execute(f"SELECT COUNT(*) FROM ledger WHERE event = 'message' AND delivery = 'dropped' "
+                               f"AND reason != 'control' AND {where}", params).fetchone()[0]
     return {"acked": counts.get("acked", 0), "handed": counts.get("handed", 0),
             "refused": counts.get("refused", 0) + refused_messages, "unknown": counts.get("", 0),
-            "undeliverable": given_up, "not_sent": not_sent, "sent": sum(counts.values())}
+            "dropped": counts.get("dropped", 0) + never_written, "undeliverable": given_up, "not_sent": not_sent,
+            "sent": sum(counts.values())}
 
 
 #: An ``undeliverable`` row of a QoS 0 message (or chunk) the channel could not send: the link
@@ -333,6 +336,10 @@ def deliveries(rows: LedgerSource) -> dict[str, Any]:
         never acknowledged: QoS 0, or no PUBACK came), ``refused`` (PUBACK reason code >= 0x80, a
         packet above the broker's limit, one it disconnected for), ``unknown`` (rows without a
         delivery: older ledgers), all counts of ``sent`` PUBLISH rows of both sides together;
+        ``dropped``: PUBLISH packets handed to the MQTT client that the lost connection (or the
+        transport's close) took out of its queue before the socket took all of them (QoS 0, or
+        unsent at close): partly written ones stay ``sent`` rows, never written ones are out of
+        the wire totals (``message`` rows);
         ``undeliverable``: messages given up after the broker's refusals; ``not_sent``: QoS 0
         messages (or chunks) the channel could not send, the link being down (not the broker's
         doing: it never saw them); ``sent``: the ``sent`` PUBLISH rows;

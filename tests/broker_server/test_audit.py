@@ -1861,3 +1861,24 @@ def test_a_qos0_message_not_sent_while_the_link_was_down_is_not_said_refused_by_
             "up; 1 QoS 0 message(s) not sent (the link was down: not refused by the broker, which never saw them)")
     assert line in flat
     assert html.escape(line) in render_html([rep])
+
+
+
+def test_publish_packets_the_lost_connection_dropped_are_counted_apart(tmp_path):
+    """Two QoS 0 globals the lost connection took out of the server's MQTT client (the channel's
+    ``dropped`` delivery): one partly written (its ``sent`` row stays on the wire), one never
+    written (its row turned into a ``message`` row, out of the wire totals). By hand: the server
+    sent 2 + 2 PUBLISH rows; the delivery line counts 2 dropped, and the server link's wire bytes
+    are those of the rows without the never-written one."""
+    cut = replace(_row("server", "server", "sent", "down", "global", 3, "*", T_GLOBAL, ENV_G, 2000),
+                  delivery="dropped", reason="cut: the link is down")
+    never = replace(_row("server", "server", "message", "down", "global", 3, "*", T_GLOBAL, ENV_G, 2000),
+                    delivery="dropped", reason="dropped: the link is down")
+    with_cut = audit_report(_write_run(tmp_path / "cut", _rows() + [cut], METRICS))
+    run = _write_run(tmp_path / "run-d", _rows() + [cut, never], METRICS)
+    rep = audit_report(run)
+    server = rep["deliveries"]["by_side"]["server"]
+    assert server["dropped"] == 2 and server["sent"] == with_cut["deliveries"]["by_side"]["server"]["sent"]
+    assert rep["totals"]["server"] == with_cut["totals"]["server"]  # the never-written one adds no byte
+    flat = " ".join(render_text(rep).split())
+    assert ", 2 lost with the connection before the socket took them whole (QoS 0, or unsent at close)" in flat
