@@ -745,7 +745,7 @@ class MqttTransport:
         waiting = [self._packet_size(m) for m in client.written_awaiting_puback()]
         if waiting and max(waiting) > size + max(64, size // 64):  # chunks of one transfer differ by a few bytes
             return False
-        limit = size // 2
+        limit = max(size // 2, self.kept_packet_bytes)  # never below a packet the broker took and kept
         prev = self.inferred_max_packet_bytes
         self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
         self.ack_close_refusals += 1
@@ -764,21 +764,25 @@ class MqttTransport:
 
     def _strike(self, client: _CountingClient, why: str) -> None:
         """The broker closed a connection: count it against the largest QoS 1 PUBLISH that was
-        written on it and awaits its PUBACK; at :data:`OVERSIZE_STRIKES` the packet limit is taken
-        to be at most half its size, and that PUBLISH (with every other one above the limit) is
-        withdrawn from paho's queue at the next CONNACK, before paho re-sends (paho thread; paho
+        written on it and awaits its PUBACK, unless no larger than one the broker acknowledged and
+        kept the connection for (:attr:`kept_packet_bytes`: then the link, not a size limit, closed
+        it); at :data:`OVERSIZE_STRIKES` the packet limit is taken to be at most half its size (and
+        never below :attr:`kept_packet_bytes`), and that PUBLISH (with every other one above the
+        limit) is withdrawn from paho's queue at the next CONNACK, before paho re-sends (paho thread; paho
         may be iterating its queue here, so nothing is removed now)."""
         sent = client.written_awaiting_puback()
         if not sent:
             return
         biggest = max(sent, key=self._packet_size)
+        if self._packet_size(biggest) <= self.kept_packet_bytes:
+            return  # the broker took a packet this large and kept the connection: a flapping link, not a limit
         key = id(biggest.info)
         n = self._strikes.get(key, (biggest.info, 0))[1] + 1
         self._strikes[key] = (biggest.info, n)
         if n < OVERSIZE_STRIKES:
             return
         size = self._packet_size(biggest)
-        limit = size // 2
+        limit = max(size // 2, self.kept_packet_bytes)  # never below a packet the broker took and kept
         prev = self.inferred_max_packet_bytes
         self.inferred_max_packet_bytes = limit if not prev else min(prev, limit)
         self._withdraw = (f"the broker closed the connection {n} times while a {size:,}-byte PUBLISH awaited "
@@ -1124,8 +1128,13 @@ class MqttTransport:
             PublishTimeout: ``wait_s`` given and the PUBLISH not acknowledged in that time.
             PublishDropped: a QoS 0 PUBLISH while the link is down (paho does not keep it; nothing
                 was written).
-            TransportError: paho refused the message (e.g. payload too large for MQTT).
+            TransportError: paho refused the message (e.g. payload too large for MQTT); the
+                transport is closed (nothing sent); with ``wait_s``, :meth:`close` came while it
+                waited (the PUBLISH may or may not have reached the broker).
         """
+        if self._closed:
+            raise TransportError(f"{self.client_id}: PUBLISH to {topic} ({len(payload):,} bytes) not sent: the "
+                                 "transport is closed", client_id=self.client_id, topic=topic)
         limit = self.max_packet_bytes
         size = publish_size(topic, len(payload), qos, protocol=self.mqtt_version).packet_bytes
         if limit and size > limit:
@@ -1169,6 +1178,10 @@ class MqttTransport:
                 lost = _published(info) and qos == 0 and info.rc == mqtt.MQTT_ERR_CONN_LOST
                 if _published(info) and not lost:
                     break
+                if self._closed:
+                    raise TransportError(f"{self.client_id}: PUBLISH to {topic} not acknowledged: the transport was "
+                                         "closed while it waited (it may or may not have reached the broker)",
+                                         client_id=self.client_id, topic=topic)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     if lost:

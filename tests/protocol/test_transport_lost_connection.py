@@ -19,7 +19,7 @@ from helpers.waiting import wait_for
 
 from broker_server.audit._queries import deliveries
 from broker_server.embedded_broker import EmbeddedBroker
-from protocol.transport import MqttTransport, _CountingClient
+from protocol.transport import OVERSIZE_STRIKES, MqttTransport, _CountingClient
 from protocol.transport_base import PacketEvent
 from tools.counting_relay import CountingRelay
 
@@ -273,3 +273,98 @@ def test_the_reconnect_reports_the_qos0_and_control_packets_it_drops_from_paho_q
     assert all(i.rc == mqtt.MQTT_ERR_CONN_LOST for i in infos)
     assert [(e.packet_type, e.packet_bytes) for e in events if e.dropped] == [("SUBSCRIBE", 8)]
     assert client.take_lost_qos0() == []  # reported once
+
+
+def test_a_flapping_link_is_not_taken_for_a_packet_limit_below_what_the_broker_kept() -> None:
+    """Two closes while a 103-byte-class PUBLISH awaits its PUBACK used to make the limit 51 bytes,
+    though the broker had acknowledged a 5,012-byte PUBLISH and kept the connection: its limit is
+    at least that, so the closes are the link's. A PUBLISH larger than any kept one still strikes,
+    and the limit it leads to is never below the largest kept one (hand-worked: a 20,011-byte
+    packet → 10,005, above 5,012; a 9,010-byte one → max(4,505, 5,012) = 5,012)."""
+    tr = MqttTransport("flap", "127.0.0.1", 1, mqtt_version="3.1.1")
+    small = mqtt.MQTTMessage(mid=1, topic=b"t/s")
+    small.payload, small.qos = b"x" * 96, 1
+    tr.kept_packet_bytes = 5_012
+
+    class Client:
+        def __init__(self, msgs: list) -> None:
+            self.msgs = msgs
+
+        def written_awaiting_puback(self) -> list:
+            return self.msgs
+
+    for _ in range(3):
+        tr._strike(Client([small]), "link lost")
+    assert tr.inferred_max_packet_bytes == 0 and tr._withdraw is None
+    size = tr._packet_size(small)
+    assert size < 5_012  # the small one is no larger than a kept one
+    big = mqtt.MQTTMessage(mid=2, topic=b"t/b")
+    big.payload, big.qos = b"x" * 20_000, 1
+    # payload + topic "t/b" and its length (5) + packet id (2) + fixed header (1) and a 3-byte length
+    assert tr._packet_size(big) == 20_000 + 5 + 2 + 1 + 3
+    for _ in range(OVERSIZE_STRIKES):
+        tr._strike(Client([big]), "link lost")
+    assert tr.inferred_max_packet_bytes == 20_011 // 2
+    mid = mqtt.MQTTMessage(mid=3, topic=b"t/b")
+    mid.payload, mid.qos = b"x" * 9_000, 1
+    assert tr._packet_size(mid) == 9_000 + 5 + 2 + 1 + 2  # half of 9,010, 4,505, is below the kept 5,012
+    tr.inferred_max_packet_bytes = 0
+    for _ in range(OVERSIZE_STRIKES):
+        tr._strike(Client([mid]), "link lost")
+    assert tr.inferred_max_packet_bytes == 5_012
+
+
+def test_publish_after_close_and_a_wait_cut_by_close_raise() -> None:
+    """A publish after close() is refused at once (nothing sent, no ledger row: the channel
+    records a row only for what the transport took), and a publish(wait_s) whose PUBACK never
+    comes (a broker that answers CONNECT and nothing else) is released by close() with a
+    TransportError that says so, not a PublishTimeout at the end of its wait."""
+    import threading
+
+    from protocol.errors import PublishTimeout, TransportError
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    conns: list[socket.socket] = []
+    got_publish = threading.Event()
+
+    def silent_broker() -> None:  # CONNACK (MQTT 3.1.1, accepted), then reads and answers nothing
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            conn.recv(1024)
+            conn.sendall(b"\x20\x02\x00\x00")
+            while (data := conn.recv(1024)):
+                if data[0] >> 4 == 3:  # PUBLISH
+                    got_publish.set()
+
+    threading.Thread(target=silent_broker, daemon=True).start()
+    tr = MqttTransport("closing", "127.0.0.1", port, mqtt_version="3.1.1", keepalive_s=30)
+    errors: list[BaseException] = []
+    try:
+        tr.connect(timeout_s=10.0)
+
+        def wait_for_puback() -> None:
+            try:
+                tr.publish("t/w", b"w", qos=1, wait_s=60.0)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait_for_puback)
+        waiter.start()
+        assert got_publish.wait(10.0)
+        tr.close()
+        waiter.join(30.0)
+        assert not waiter.is_alive()
+        assert len(errors) == 1 and not isinstance(errors[0], PublishTimeout), errors
+        assert isinstance(errors[0], TransportError) and "closed while it waited" in str(errors[0])
+        with pytest.raises(TransportError, match="not sent: the transport is closed"):
+            tr.publish("t/after", b"late", qos=1)
+    finally:
+        tr.close()
+        server.close()
+        for c in conns:
+            c.close()
