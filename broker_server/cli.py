@@ -8,7 +8,6 @@ message says what to fix); 3 data set not found; 4 broker not reachable or not s
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 import sys
@@ -212,7 +211,9 @@ def _cmd_simulate(args) -> int:
     if t.mlflow:
         print(f"MLflow: {t.mlflow_uri or (res.run_dir / 'mlruns').resolve().as_uri()}, experiment "
               f"{t.mlflow_experiment!r}, run {res.federation!r}")
-    if failed := json.loads((res.run_dir / "summary.json").read_text()).get("agent_errors"):
+    from .persistence import read_summary
+
+    if failed := read_summary(res.run_dir).get("agent_errors"):
         print(f"fedfleet simulate: {len(failed)} agent(s) failed: {'; '.join(failed)}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
 

@@ -710,7 +710,7 @@ class Channel:
                 out.sent.settle()
         if say:
             self._undeliverable(out, f"{self.node_id}: {out.kind} of round {out.round} ({len(out.payload):,} bytes) "
-                                     f"on {out.topic} not sent: {reason}")
+                                     f"on {out.topic} not sent: {reason}", not_sent=True)
 
     def _ack_hold_s(self) -> float:
         """Seconds an acknowledged message is held for a refusal its transport may report after
@@ -867,17 +867,23 @@ class Channel:
         """``out`` (or one of its chunks) was not sent: QoS 0 while the link was down
         (:class:`~protocol.errors.PublishDropped`). Said as undeliverable (a ledger row, the
         error log, :attr:`undeliverable`); raised again with ``wait_s``."""
-        self._undeliverable(out, f"{out.kind} of round {out.round} ({len(out.payload):,} bytes) not sent: {exc}")
+        self._undeliverable(out, f"{out.kind} of round {out.round} ({len(out.payload):,} bytes) not sent: {exc}",
+                            not_sent=True)
         if wait_s is not None:
             raise exc
 
-    def _undeliverable(self, out: _Outgoing, why: str) -> None:
+    def _undeliverable(self, out: _Outgoing, why: str, *, not_sent: bool = False) -> None:
+        """Give ``out`` up: counted, logged, and an ``undeliverable`` ledger row. ``not_sent``: the
+        broker never saw it (QoS 0 while the link was down, or still queued when the connection
+        or the transport closed): the row's delivery is ``dropped``, which the audit tells apart
+        from a message given up after the broker's refusals."""
         self.undeliverable += 1
         self.undeliverable_reasons.append(why)
         del self.undeliverable_reasons[:-20]
         log.error("%s", why)
         self._record(out.topic, "message", "undeliverable", out.round, out.sender, out.seq, client=out.client,
-                     payload_bytes=0, body_bytes=0, qos=self.qos, retain=False, reason=why[:500])
+                     payload_bytes=0, body_bytes=0, qos=self.qos, retain=False, reason=why[:500],
+                     delivery="dropped" if not_sent else "")
 
     # ------------------------------------------------------------------ receiving
 

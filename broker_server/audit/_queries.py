@@ -314,17 +314,18 @@ def _delivery_counts(db: sqlite3.Connection, where: str, params: tuple[Any, ...]
         f"SELECT COALESCE(SUM(NOT ({_NOT_SENT})), 0), COALESCE(SUM({_NOT_SENT}), 0) FROM ledger "
         f"WHERE kind = 'undeliverable' AND {where}", params).fetchone()
     never_written = db.execute(f"SELECT COUNT(*) FROM ledger WHERE event = 'message' AND delivery = 'dropped' "
-                               f"AND reason != 'control' AND {where}", params).fetchone()[0]
+                               f"AND kind != 'undeliverable' AND reason != 'control' AND {where}", params).fetchone()[0]
     return {"acked": counts.get("acked", 0), "handed": counts.get("handed", 0),
             "refused": counts.get("refused", 0) + refused_messages, "unknown": counts.get("", 0),
             "dropped": counts.get("dropped", 0) + never_written, "undeliverable": given_up, "not_sent": not_sent,
             "sent": sum(counts.values())}
 
 
-#: An ``undeliverable`` row of a QoS 0 message (or chunk) the channel could not send: the link
-#: was down, and MQTT keeps no QoS 0 message for the reconnect (its reason holds the words of
-#: :class:`protocol.errors.PublishDropped`). The broker never saw it: not one it refused.
-_NOT_SENT = "reason LIKE '%not sent: the link is down%'"
+#: An ``undeliverable`` row of a message (or chunk) the channel could not send: QoS 0 while the
+#: link was down (MQTT keeps no QoS 0 message for the reconnect), or still queued when the
+#: connection or the transport closed: the channel writes it with delivery ``dropped``. The
+#: broker never saw it: not one it refused.
+_NOT_SENT = "delivery = 'dropped'"
 
 
 def deliveries(rows: LedgerSource) -> dict[str, Any]:

@@ -1828,12 +1828,13 @@ def test_a_server_only_ledger_s_resume_is_compared_on_the_server_link(tmp_path, 
         ("server", str(added), str(SRV_TWIN)), ("server", "0", str(SRV_TWIN))]
 
 
-def _undeliverable(why: str) -> LedgerRow:
-    """The row the channel writes for a message it gave up (protocol.channel._undeliverable)."""
+def _undeliverable(why: str, delivery: str = "") -> LedgerRow:
+    """The row the channel writes for a message it gave up (protocol.channel._undeliverable):
+    ``delivery`` ``dropped`` for one it could not send, the broker never seeing it."""
     return LedgerRow(federation=FED, side="server", node="server", event="message", direction="down",
                      kind="undeliverable", round=2, client="*", sender=None, seq=None, topic=T_GLOBAL,
                      topic_bytes=len(T_GLOBAL), mqtt_header_bytes=0, envelope_bytes=0, body_bytes=0, payload_bytes=0,
-                     qos=0, reason=why)
+                     qos=0, reason=why, delivery=delivery)
 
 
 NOT_SENT_WHY = (f"global of round 2 (2,025 bytes) not sent: server: QoS 0 PUBLISH to {T_GLOBAL} (2,025 bytes) not "
@@ -1846,8 +1847,8 @@ def test_a_qos0_message_not_sent_while_the_link_was_down_is_not_said_refused_by_
     """QoS 0 while the link is down: the channel records the message as undeliverable, never sent.
     The audit says not sent (link down, QoS 0), apart from a message given up after the broker's
     refusals, and counts neither as refused by the broker."""
-    run = _write_run(tmp_path / "run-q", _rows() + [_undeliverable(NOT_SENT_WHY), _undeliverable(GIVEN_UP_WHY)],
-                     METRICS)
+    rows = _rows() + [_undeliverable(NOT_SENT_WHY, "dropped"), _undeliverable(GIVEN_UP_WHY)]
+    run = _write_run(tmp_path / "run-q", rows, METRICS)
     rep = audit_report(run)
     flat = " ".join(render_text(rep).split())
     assert "refused (server server, undeliverable" not in flat

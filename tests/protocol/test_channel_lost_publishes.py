@@ -10,32 +10,26 @@ make their message undeliverable, once per message. A ``resized`` report correct
 
 from __future__ import annotations
 
-import numpy as np
+from helpers.stub_transport import StubTransport, update_of
 
 from protocol.channel import Channel
 from protocol.ledger import Ledger
-from protocol.messages import Update
 from protocol.mqtt_bytes import MQTT_V5, publish_size
 from protocol.transport_base import PacketEvent
 
 TOPIC = "fedfleet/v1/fed/up/client-001/update"
 
 
-class ReportingTransport:
+class ReportingTransport(StubTransport):
     """A transport that reports delivery outcomes (QoS 0 ones too) only when told to."""
 
-    client_id = "client-001"
-    max_packet_bytes = 0
     qos0_outcomes = True
 
     def __init__(self, mqtt_version: int = 4) -> None:
+        super().__init__()
         self.mqtt_version = mqtt_version
-        self.listener = None
         self.handles: list[object] = []
         self.inside: list[tuple[str, str]] = []  # outcomes to report inside the next publish
-
-    def set_delivery_listener(self, fn) -> None:
-        self.listener = fn
 
     def publish(self, topic, payload, *, qos=1, retain=False, wait_s=None):
         handle = object()
@@ -48,16 +42,7 @@ class ReportingTransport:
     def tell(self, handle: object, outcome: str, reason: str = "") -> None:
         self.listener(handle, outcome, reason)
 
-    def subscribe(self, filters, qos=1) -> None: ...
 
-    def get(self, timeout_s):
-        return None
-
-    def close(self) -> None: ...
-
-
-def _update(n_values: int) -> Update:
-    return Update(tensors=(np.arange(n_values, dtype=np.float32),), num_samples=10, train_loss=0.5, metrics={})
 
 
 def _wire(rows) -> int:
@@ -75,14 +60,14 @@ def test_qos0_outcomes_written_dropped_cut_correct_the_rows_and_say_the_message_
     ledger = Ledger(tmp_path / "ledger.sqlite")
     ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=0)
     lost = "the connection was lost with this QoS 0 PUBLISH still in the MQTT client's queue, none of it written"
-    m1 = ch.send(TOPIC, _update(100), round=1)
+    m1 = ch.send(TOPIC, update_of(100), round=1)
     tr.tell(tr.handles[-1], "written")
-    ch.send(TOPIC, _update(100), round=1)  # M2
+    ch.send(TOPIC, update_of(100), round=1)  # M2
     assert ch.in_flight(m1.seq) is False and len(ch._handles) == 1
     tr.tell(tr.handles[-1], "dropped", lost)
     tr.inside = [("cut", "the connection was lost after the socket took 10 of the bytes")]
-    ch.send(TOPIC, _update(100), round=1)  # M3: its outcome came before the channel tracked it
-    ch.send(TOPIC, _update(1000), round=1, chunk_bytes=1500)  # M4: 3 chunks
+    ch.send(TOPIC, update_of(100), round=1)  # M3: its outcome came before the channel tracked it
+    ch.send(TOPIC, update_of(1000), round=1, chunk_bytes=1500)  # M4: 3 chunks
     chunks = tr.handles[-3:]
     for h in chunks:
         tr.tell(h, "dropped", lost)
@@ -108,13 +93,13 @@ def test_a_resized_report_corrects_the_row_before_or_after_the_channel_tracked_i
     tr = ReportingTransport(mqtt_version=MQTT_V5)
     ledger = Ledger(tmp_path / "ledger.sqlite")
     ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=1)
-    payload = len(ch.send(TOPIC, _update(100), round=1).payload)
+    payload = len(ch.send(TOPIC, update_of(100), round=1).payload)
     v5 = publish_size(TOPIC, payload, 1, protocol=MQTT_V5).packet_bytes
     v311 = publish_size(TOPIC, payload, 1).packet_bytes
     assert v5 == v311 + 1
     tr.tell(tr.handles[0], "resized", str(v311))
     tr.inside = [("resized", str(v311))]
-    ch.send(TOPIC, _update(100), round=1)
+    ch.send(TOPIC, update_of(100), round=1)
     for h in tr.handles:
         tr.tell(h, "acked")
     assert ch.acked == 2 and ch.refused == 0 and ch._handles == {} and ch._early_sizes == {}

@@ -6,33 +6,28 @@ is called, so each step is explicit."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from helpers.stub_transport import StubTransport, update_of
 
 from broker_server.registry import DeviceRegistry, announced_limit
 from protocol.channel import Channel
 from protocol.chunking import Reassembler
 from protocol.ledger import Ledger
-from protocol.messages import Chunk, Join, Update, decode
+from protocol.messages import Chunk, Join, decode
 from protocol.mqtt_bytes import publish_size
 from protocol.transport import parse_mqtt_version
 
 TOPIC = "fedfleet/v1/fed/up/client-001/update"
 
 
-class RefusingTransport:
-    client_id = "client-001"
+class RefusingTransport(StubTransport):
     mqtt_version = 4
-    max_packet_bytes = 0
 
     def __init__(self, limit: int, reason: str = "PUBACK reason code 0x95 (Packet too large)") -> None:
+        super().__init__()
         self.limit, self.reason = limit, reason
         self.sent: list[tuple[str, bytes, int]] = []
         self._pending: list[tuple[object, int]] = []
-        self.listener = None
-
-    def set_delivery_listener(self, fn) -> None:
-        self.listener = fn
 
     def publish(self, topic, payload, *, qos=1, retain=False, wait_s=None):
         handle = object()
@@ -46,16 +41,7 @@ class RefusingTransport:
         for handle, size in pending:
             self.listener(handle, "refused" if size > self.limit else "acked", self.reason if size > self.limit else "")
 
-    def subscribe(self, filters, qos=1) -> None: ...
 
-    def get(self, timeout_s):
-        return None
-
-    def close(self) -> None: ...
-
-
-def _update(n_values: int) -> Update:
-    return Update(tensors=(np.arange(n_values, dtype=np.float32),), num_samples=10, train_loss=0.5, metrics={})
 
 
 def _channel(tmp_path, transport) -> tuple[Channel, Ledger]:
@@ -66,7 +52,7 @@ def _channel(tmp_path, transport) -> tuple[Channel, Ledger]:
 def test_refused_message_is_sent_again_in_half_size_chunks(tmp_path) -> None:
     tr = RefusingTransport(limit=20_000)
     ch, ledger = _channel(tmp_path, tr)
-    enc = ch.send(TOPIC, _update(12_000), round=1)  # ~48 KB: one whole PUBLISH
+    enc = ch.send(TOPIC, update_of(12_000), round=1)  # ~48 KB: one whole PUBLISH
     assert len(tr.sent) == 1 and tr.sent[0][2] > 20_000
     first = tr.sent[0][2]
     for _ in range(4):  # the broker answers; the channel's own thread handles refusals
@@ -95,7 +81,7 @@ def test_refused_message_is_sent_again_in_half_size_chunks(tmp_path) -> None:
     assert ch.acked == sum(row.delivery == "acked" for row in rows) >= len(final)
     assert ch.learned_max_packet_bytes <= first // 4
     n = len(tr.sent)
-    ch.send(TOPIC, _update(12_000), round=2)  # the next message is chunked below the learnt limit at once
+    ch.send(TOPIC, update_of(12_000), round=2)  # the next message is chunked below the learnt limit at once
     assert len(tr.sent) > n + 1 and max(size for _, _, size in tr.sent[n:]) <= 20_000
     ledger.close()
 
@@ -103,7 +89,7 @@ def test_refused_message_is_sent_again_in_half_size_chunks(tmp_path) -> None:
 def test_refusal_smaller_packets_cannot_help_fails_loudly(tmp_path, caplog) -> None:
     tr = RefusingTransport(limit=100, reason="PUBACK reason code 0x87 (Not authorized)")
     ch, ledger = _channel(tmp_path, tr)
-    ch.send(TOPIC, _update(1_000), round=1)
+    ch.send(TOPIC, update_of(1_000), round=1)
     tr.answer()
     ch.receive(0.0)
     assert len(tr.sent) == 1  # not sent again
@@ -117,7 +103,7 @@ def test_refusal_smaller_packets_cannot_help_fails_loudly(tmp_path, caplog) -> N
 def test_refusals_stop_after_the_last_resend_with_the_limit_in_the_message(tmp_path) -> None:
     tr = RefusingTransport(limit=10)  # nothing fits: every try is refused
     ch, ledger = _channel(tmp_path, tr)
-    ch.send(TOPIC, _update(2_000), round=1)
+    ch.send(TOPIC, update_of(2_000), round=1)
     for _ in range(20):
         tr.answer()
         ch.receive(0.0)
@@ -143,7 +129,7 @@ class AckThenCloseTransport(RefusingTransport):
 def test_refusal_after_the_acknowledgement_turns_the_row_refused_and_sends_it_again(tmp_path) -> None:
     tr = AckThenCloseTransport(limit=20_000)
     ch, ledger = _channel(tmp_path, tr)
-    ch.send(TOPIC, _update(12_000), round=1)  # 48,0xx bytes whole
+    ch.send(TOPIC, update_of(12_000), round=1)  # 48,0xx bytes whole
     first = tr.sent[0][2]
     for _ in range(4):
         tr.answer()
@@ -175,7 +161,7 @@ def test_a_refused_message_goes_again_at_the_largest_size_the_broker_delivered(t
     assert (ch.delivered_max_payload_bytes, ch.delivered_max_packet_bytes) == (13_000, proven)
     # on the update topic (9 bytes longer) no more payload than 13,000 bytes: the packet is the smaller
     assert ch.delivered_packet_bytes(TOPIC) == min(proven, publish_size(TOPIC, 13_000, 1).packet_bytes)
-    ch.send(TOPIC, _update(12_000), round=1)
+    ch.send(TOPIC, update_of(12_000), round=1)
     first = tr.sent[0][2]
     assert first // 8 <= proven < first // 2  # by hand: 48 KB refused; half would still be refused
     for _ in range(3):
@@ -190,7 +176,7 @@ def test_a_refused_message_goes_again_at_the_largest_size_the_broker_delivered(t
 def test_suspect_dropped_learns_a_quarter_and_never_below_what_was_delivered(tmp_path) -> None:
     tr = RefusingTransport(limit=1 << 30)
     ch, ledger = _channel(tmp_path, tr)
-    enc = ch.send(TOPIC, _update(12_000), round=1)
+    enc = ch.send(TOPIC, update_of(12_000), round=1)
     first = tr.sent[0][2]
     assert ch.in_flight(enc.seq)
     tr.answer()
@@ -202,7 +188,7 @@ def test_suspect_dropped_learns_a_quarter_and_never_below_what_was_delivered(tmp
     # a second channel that was delivered a packet as large as its update's: the size was not the cause
     ch2, ledger2 = _channel(tmp_path / "2", RefusingTransport(limit=1 << 30))
     _delivered(ch2, 60_000)
-    enc2 = ch2.send(TOPIC, _update(12_000), round=1)
+    enc2 = ch2.send(TOPIC, update_of(12_000), round=1)
     assert ch2.in_flight(enc2.seq)  # its PUBLISH awaits the broker's answer
     assert ch2.suspect_dropped(enc2.seq) == 0 and ch2.learned_max_packet_bytes == 0
     ledger.close()
@@ -218,7 +204,7 @@ def test_a_packet_just_above_a_delivered_size_is_not_taken_for_dropped(tmp_path)
     def channel_proving(gap: int, where: str) -> tuple[Channel, Ledger, int]:
         ch, ledger = _channel(tmp_path / where, RefusingTransport(limit=1 << 30))
         probe, probe_ledger = _channel(tmp_path / f"{where}-probe", RefusingTransport(limit=1 << 30))
-        enc = probe.send(TOPIC, _update(12_000), round=1)
+        enc = probe.send(TOPIC, update_of(12_000), round=1)
         packet = probe.transport.sent[0][2]  # type: ignore[attr-defined]
         _delivered(probe, packet - gap - 100)  # same framing length as the target's
         offset = probe.delivered_packet_bytes(TOPIC) - (packet - gap - 100)  # framing of a payload, on TOPIC
@@ -229,10 +215,10 @@ def test_a_packet_just_above_a_delivered_size_is_not_taken_for_dropped(tmp_path)
         return ch, ledger, packet
 
     near, ledger, packet = channel_proving(32, "near")
-    enc = near.send(TOPIC, _update(12_000), round=1)
+    enc = near.send(TOPIC, update_of(12_000), round=1)
     assert near.suspect_dropped(enc.seq) == 0 and near.learned_max_packet_bytes == 0
     far, ledger2, _ = channel_proving(2000, "far")
-    enc2 = far.send(TOPIC, _update(12_000), round=1)
+    enc2 = far.send(TOPIC, update_of(12_000), round=1)
     assert far.suspect_dropped(enc2.seq) == far.learned_max_packet_bytes == packet - 2000
     ledger.close()
     ledger2.close()
@@ -252,7 +238,7 @@ def test_a_request_for_chunks_of_a_replaced_transfer_is_not_answered_and_not_a_r
 
     tr = RefusingTransport(limit=20_000)
     ch, ledger = _channel(tmp_path, tr)
-    ch.send(TOPIC, _update(12_000), round=1)
+    ch.send(TOPIC, update_of(12_000), round=1)
     for _ in range(4):
         tr.answer()
         ch.receive(0.0)

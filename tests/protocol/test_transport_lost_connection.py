@@ -219,7 +219,7 @@ def test_qos0_publishes_lost_in_paho_queue_with_the_connection_are_dropped_not_c
             waiter.join(30.0)
             assert not waiter.is_alive()
             assert len(caught) == 1 and isinstance(caught[0], PublishDropped) and not caught[0].on_wire, caught
-            # worded as the audit tells a QoS 0 message not sent apart from a refused one ("not sent: the link is down")
+            # the words the undeliverable row and the log give (the audit reads its delivery, "dropped")
             assert "not sent: the link is down: the connection was lost with this" in str(caught[0])
             assert "still in the MQTT client's queue" in str(caught[0])
             assert wait_for(lambda: ch.undeliverable == 3, 10.0), ch.undeliverable_reasons
