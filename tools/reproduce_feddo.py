@@ -122,9 +122,10 @@ their pre-training configuration, so another budget never reuses one), with
 committed (``benchmarks/results/feddo-policies/``; a policy is about 9 MB): a grid seeded from it
 pre-trains a policy again when a cell needs it, and refuses that policy's cells when the new agent's
 SHA-256 is not the recorded one (:func:`remade_check`: pre-training runs with portable numerics, so
-it is machine-independent). Where the last wave of pre-training leaves workers idle (a data set's
-3 policies on 2 workers: the third trains alone for ≈ 23 min), the cells that load no policy run on
-them meanwhile, until it ends (:func:`pretrain_policies`). An interrupted reproduction resumes where
+it is machine-independent). Where pre-training leaves workers idle (a data set's 3 policies on 2
+workers: the third trains alone for ≈ 23 min; a sweep wave's cheaper policy made, the other still
+training), the cells that can run then (no policy, or a policy already made) run on them meanwhile,
+until it ends (:func:`pretrain_policies`). An interrupted reproduction resumes where
 it stopped. A FedDO cell's
 configuration names its policy file as ``OUT/policies/…``; the records' fingerprints count that path
 relative to ``OUT`` (:func:`~broker_server.experiments.config_fingerprint`), and a cell's policy is
@@ -144,6 +145,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -689,25 +691,23 @@ def stop_children() -> None:
             proc.join()
 
 
-def idle_workers(n_policies: int, workers: int) -> int:
-    """Workers the last wave of pre-training leaves idle when ``n_policies`` policies are
-    pre-trained ``workers`` at a time: ``(-n) mod workers`` (3 policies on 2: the third alone, 1)."""
-    return (-n_policies) % workers if n_policies > 0 and workers > 0 else 0
-
-
 def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
-                      filler: tuple[list[Job], Callable[[list[Job], int], object]] | None = None) -> dict[str, dict]:
+                      filler: tuple[Callable[[dict[str, dict]], list[Job]], Callable[[list[Job], int], object]]
+                      | None = None) -> dict[str, dict]:
     """Pre-train every policy of ``specs`` not yet made (its file and its ``pretrain.json`` entry
     both present), ``workers`` at a time; returns the whole ``pretrain.json``. A policy with an
     entry but no file (a grid seeded from the committed ``pretrain.json``) is made again and its
     SHA-256 compared with the entry's (:func:`remade_check`).
 
-    ``filler`` = (cells that load no policy, a function running some of them on k workers, as
-    ``run_grid``): once the last wave of pre-training leaves workers idle (3 policies on 2
-    workers: the third trains alone; :func:`idle_workers`), those cells not on record run on them
-    in a thread, k at a time, a next k only while the pre-training goes on (the last ones may end
-    after it: this returns when both are done, and raises an error of theirs, as the grid's stop
-    time, then). Never more processes than ``workers``."""
+    ``filler`` = (a function giving, from the ``pretrain.json`` entries so far, the cells that can
+    run meanwhile: those that load no policy, or one already made; a function running some of
+    them on k workers, as ``run_grid``): once fewer policies are left to finish than there are
+    workers (3 policies on 2 workers: the third trains alone; 2 on 2: the slower one, once the
+    other is made), the cells it gives that are not on record run on the idle workers in a thread,
+    k at a time, a next k only while the pre-training goes on, asked for again before each k (a
+    policy made meanwhile adds its cells; the last ones may end after the pre-training: this
+    returns when both are done, and raises an error of theirs, as the grid's stop time, then).
+    Never more processes than ``workers``."""
     info = load_pretrain_info(out)
     todo = {s["name"]: s for s in specs if not policy_made(s["path"], info)
             and not ("error" in info.get(s["name"], {}) and s["name"] in _TRIED)}
@@ -723,28 +723,40 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
     fill_thread: threading.Thread | None = None
     fill_error: list[BaseException] = []
     pretrained = threading.Event()  # set once the last policy is in: the filler starts no more cells
+    finished = 0  # policies made (or failed) so far
+
+    def pending() -> list[Job]:
+        """The filler's cells not on record, from the entries made so far."""
+        assert filler is not None
+        done = {k for k, r in load_results(out).items() if "error" not in r}
+        return [j for j in filler[0](dict(info)) if j.key not in done]
+
+    def idle() -> int:
+        """Workers no policy is training on now."""
+        return workers - (len(todo) - finished)
 
     def start_filler() -> None:
         nonlocal fill_thread
-        assert filler is not None
+        spare = idle()
         try:
-            done = {k for k, r in load_results(out).items() if "error" not in r}
+            cells = pending()
         except Exception as exc:  # noqa: BLE001 - the pre-training goes on; raised once it is done
             fill_error.append(exc)
             return
-        cells = [j for j in filler[0] if j.key not in done]
-        spare = idle_workers(len(todo), workers)
-        if not (spare and cells):
+        if not (spare > 0 and cells):
             return
-        print(f"meanwhile, cells without a policy on the {plural(spare, 'idle worker')} ({len(cells)} to run)",
-              flush=True)
+        print(f"meanwhile, cells that need no policy still training on the {plural(spare, 'idle worker')} "
+              f"({len(cells)} can run now)", flush=True)
 
         def run() -> None:
             try:
-                for i in range(0, len(cells), spare):
-                    if i and pretrained.is_set():
+                batch = cells[:spare]
+                while batch:
+                    assert filler is not None
+                    filler[1](batch, len(batch))
+                    if pretrained.is_set():
                         break
-                    filler[1](cells[i:i + spare], spare)
+                    batch = pending()[:max(1, idle())]
             except BaseException as exc:  # noqa: BLE001 - raised in the caller once the pre-training is done
                 fill_error.append(exc)
 
@@ -759,7 +771,6 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
                                                           initializer=die_with_parent) as pool:
         _TRIED.update(todo)
         futures = {pool.submit(_pretrain_task, s): name for name, s in todo.items()}
-        finished = 0
         try:
             if filler is not None and len(todo) < workers:
                 start_filler()
@@ -770,9 +781,8 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
                 print(f"policy {name}: " + (info[name]["error"] if "error" in info[name]
                                             else f"{makes_of(info[name])[-1]['cpu_seconds']:.0f} CPU s"), flush=True)
                 write_atomically(out / "policies" / "pretrain.json", json.dumps(info, indent=1).encode("utf-8"))
-                if filler is not None and fill_thread is None and len(todo) >= workers \
-                        and len(todo) - finished == len(todo) % workers:  # the last wave alone now
-                    start_filler()
+                if filler is not None and fill_thread is None and 0 < len(todo) - finished < workers:
+                    start_filler()  # fewer policies left than workers: the rest are idle
             pretrained.set()
             if fill_thread is not None:  # inside the portable numerics: its cells' workers were spawned in them
                 fill_thread.join()
@@ -1023,7 +1033,8 @@ def run_sweep(grid: Grid, out: Path, *, workers: int, on_result: Callable[[dict]
               stamp: dict | None = None) -> None:
     """The sweep's cells, ``workers`` policies at a time: a wave of policies is pre-trained, then
     the cells that load them run, before the next wave starts; the cells that load no policy (the
-    baselines' participation) run last, or fill a worker a wave leaves idle. A policy file is not
+    baselines' participation) run last, or fill a worker a wave leaves idle: once one of a wave's
+    policies is made while the other still trains, the made one's cells, then those. A policy file is not
     committed, so a grid stopped (its stop time, the end of a session) loses at most the wave in
     flight: every policy made before it has had its cells run. The main grid's data sets need 3
     policies each, one wave and a half; the sweep's 15 would take longer than a session to
@@ -1042,8 +1053,13 @@ def run_sweep(grid: Grid, out: Path, *, workers: int, on_result: Callable[[dict]
     specs = needed_policies(grid.policies(sweep=True), jobs, out)
     for i in range(0, len(specs), max(1, workers)):
         wave = specs[i:i + workers]
-        info = pretrain_policies(out, wave, workers=workers, filler=(free, fill))
         paths = {sp["path"] for sp in wave}
+
+        def meanwhile(made: dict[str, dict], paths: set[str] = paths) -> list[Job]:
+            """A made policy's cells of this wave first, then the cells that load no policy."""
+            return [j for j in runnable(jobs, made)[0] if j.config["algorithm"].get("policy") in paths] + free
+
+        info = pretrain_policies(out, wave, workers=workers, filler=(meanwhile, fill))
         run_grid([j for j in runnable(jobs, info)[0] if j.config["algorithm"].get("policy") in paths], out,
                  workers=workers, on_result=on_result, stamp=stamp)
     run_grid(runnable(jobs, load_pretrain_info(out))[0], out, workers=workers, on_result=on_result, stamp=stamp)
@@ -2131,9 +2147,12 @@ def main(argv: list[str] | None = None) -> int:
         def free_of_policy(jobs: list[Job]) -> list[Job]:  # seed by seed, as the grid runs them
             return sorted((j for j in jobs if not j.config["algorithm"].get("policy")), key=lambda j: j.tags["seed"])
 
+        def free_cells(ds: str, _made: dict[str, dict]) -> list[Job]:  # the filler's: the main grid's policies
+            return free_of_policy(grid.main_jobs([ds]))  # are not made in waves (one data set's 3 at once)
+
         for ds in datasets:  # data set by data set: one is whole before the next starts
             info = pretrain_policies(out, needed_policies(grid.policies([ds]), grid.main_jobs([ds]), out),
-                                     workers=a.workers, filler=(free_of_policy(grid.main_jobs([ds])), fill))
+                                     workers=a.workers, filler=(functools.partial(free_cells, ds), fill))
             for i in range(len(seeds)):  # seed by seed, so a stopped grid has whole seeds
                 jobs = [j for j in grid.main_jobs([ds]) if int(j.tags["seed"]) in seeds[:i + 1]]
                 ok, blocked = runnable(jobs, info)

@@ -923,18 +923,6 @@ def test_only_the_policies_of_cells_still_to_run_are_needed(tmp_path: Path) -> N
     assert t.done_keys(tmp_path) == {j.key for j in loads} - {iid_all.key}
 
 
-@pytest.mark.parametrize(("n", "workers", "idle"), [
-    (3, 2, 1),  # the third policy alone on two workers
-    (4, 2, 0),  # two whole waves
-    (1, 2, 1),  # one policy on two workers, from the start
-    (5, 4, 3),  # the fifth alone on four
-    (2, 1, 0),  # one worker is never idle
-    (0, 2, 0),  # nothing to pre-train: not pre-training's to fill
-])
-def test_the_workers_the_last_wave_of_pre_training_leaves_idle(n: int, workers: int, idle: int) -> None:
-    assert _tool().idle_workers(n, workers) == idle
-
-
 def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
         tiny_policy: tuple[dict, dict]) -> None:
@@ -963,9 +951,10 @@ def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
         seen.append(([j.key for j in jobs], k, made, threading.current_thread() is not threading.main_thread()))
         t.run_grid(jobs, tmp_path, workers=k, stamp={"commit": "test"})
 
-    info = t.pretrain_policies(tmp_path, specs, workers=2, filler=(fedavg, fill))
+    info = t.pretrain_policies(tmp_path, specs, workers=2, filler=(lambda _made: fedavg, fill))
     said = capsys.readouterr().out
-    assert f"meanwhile, cells without a policy on the 1 idle worker ({len(fedavg)} to run)" in said
+    assert f"meanwhile, cells that need no policy still training on the 1 idle worker ({len(fedavg)} can run now)" \
+        in said
     assert (f"policy {spec['name']}: re-made, the same bits as its recorded pre-training "
             f"({first['sha256'][:16]}…)") in said
     assert seen and seen[0][0] == [fedavg[0].key] and seen[0][1:] == (1, 2, True)
@@ -1004,6 +993,39 @@ def test_the_sweep_runs_each_waves_cells_before_it_pre_trains_the_next(tmp_path:
     assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs()}
 
 
+def test_a_sweep_waves_made_policy_runs_its_cells_while_the_other_still_trains(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A wave of two policies on two workers, one 10x the other's pre-training (10 episodes
+    against 1): once the short one is made, its cell runs on the worker it freed while the long
+    one still trains (the baselines' cell that loads no policy next, while it still does, or at
+    the end); the long one's cell runs after it is made. Every cell is recorded once."""
+    import threading
+
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    sweeps = {"reward": ["seed", "continuous"], "episodes": [1, 10]}
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedDO"], seeds=[0],
+                 rounds=2, pretrain_rounds=2, sweeps=sweeps, sweep_baselines=["FedAvg"], participations=[0.5],
+                 **TINY)
+    short, long = grid.sweep_policy("reward", "continuous"), grid.sweep_policy("episodes", 10)
+    assert [sp["name"] for sp in grid.policies(sweep=True)] == [short["name"], long["name"]]
+    cells: list[tuple[str, str, bool, bool]] = []  # (key, value, long policy made as it ended, off the main thread)
+
+    def seen(r: dict) -> None:
+        cells.append((r.get("sweep_key", "?"), str(r.get("value")), Path(long["path"]).is_file(),
+                      threading.current_thread() is not threading.main_thread()))
+
+    t.run_sweep(grid, tmp_path, workers=2, on_result=seen, stamp={"commit": "test"})
+    # on the filler's thread (it starts cells only while a policy trains), on the worker the short policy freed
+    assert "meanwhile, cells that need no policy still training on the 1 idle worker (2 can run now)" \
+        in capsys.readouterr().out
+    assert cells[0][:2] == ("reward", "continuous") and cells[0][3] is True
+    # then the cell that loads no policy (on the filler while the long one trains, or after it) and the long one's
+    assert sorted(c[:2] for c in cells[1:]) == [("episodes", "10"), ("participation", "0.5")]
+    assert [c[2] for c in cells if c[0] == "episodes"] == [True]
+    assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs()}
+
+
 def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception in the pre-training loop (here: pretrain.json, replaced by a folder while the
     filler runs, cannot be written) stops the filler too: it starts no further cell, its running
@@ -1027,7 +1049,7 @@ def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monke
         t.run_grid(jobs, tmp_path, workers=k, stamp={"commit": "test"})
 
     with pytest.raises(IsADirectoryError):
-        t.pretrain_policies(tmp_path, [spec], workers=2, filler=(fedavg, fill))
+        t.pretrain_policies(tmp_path, [spec], workers=2, filler=(lambda _made: fedavg, fill))
     assert calls  # the filler was running
     assert not [th for th in threading.enumerate() if th.name == "pretrain-filler"]
     assert multiprocessing.active_children() == []
