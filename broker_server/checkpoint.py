@@ -60,23 +60,27 @@ class Checkpoint:
     meta: dict[str, Any]
 
 
-def _pack_state(value: Any) -> Any:
+def pack_state(value: Any) -> Any:
+    """``value`` (a strategy's ``state_dict()``: dicts, lists, scalars, bytes, numpy arrays) in
+    msgpack-able form: each array as the wire's tensor encoding, dict keys as strings, tuples as
+    lists. :func:`unpack_state` gives it back."""
     if isinstance(value, np.ndarray):
         return {"__tensor__": encode_tensor(value)}
     if isinstance(value, dict):
-        return {str(k): _pack_state(v) for k, v in value.items()}
+        return {str(k): pack_state(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_pack_state(v) for v in value]
+        return [pack_state(v) for v in value]
     return value
 
 
-def _unpack_state(value: Any) -> Any:
+def unpack_state(value: Any) -> Any:
+    """:func:`pack_state`'s ``value`` back (arrays as numpy arrays, non-finite values kept)."""
     if isinstance(value, dict):
         if set(value) == {"__tensor__"}:
             return np.array(decode_tensor(value["__tensor__"], limits=TensorLimits(allow_nonfinite=True)))
-        return {k: _unpack_state(v) for k, v in value.items()}
+        return {k: unpack_state(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_unpack_state(v) for v in value]
+        return [unpack_state(v) for v in value]
     return value
 
 
@@ -100,7 +104,7 @@ class CheckpointStore:
     def save(self, ckpt: Checkpoint) -> None:
         """Write (or replace) the checkpoint of ``ckpt.round`` in one transaction."""
         tensors = msgpack.packb([encode_tensor(t) for t in ckpt.tensors], use_bin_type=True)
-        state = msgpack.packb(_pack_state(ckpt.strategy_state), use_bin_type=True)
+        state = msgpack.packb(pack_state(ckpt.strategy_state), use_bin_type=True)
         try:
             with self._db:
                 self._db.execute(
@@ -126,7 +130,7 @@ class CheckpointStore:
         rnd, _ts, tensors, state, rng, registry, meta = row
         arrays = [np.array(decode_tensor(t, limits=TensorLimits(allow_nonfinite=True)))
                   for t in msgpack.unpackb(tensors, raw=False)]
-        return Checkpoint(round=rnd, tensors=arrays, strategy_state=_unpack_state(msgpack.unpackb(state, raw=False)),
+        return Checkpoint(round=rnd, tensors=arrays, strategy_state=unpack_state(msgpack.unpackb(state, raw=False)),
                           rng_state=json.loads(rng), registry=json.loads(registry), meta=json.loads(meta))
 
     @staticmethod

@@ -11,6 +11,12 @@ buffer carry over from episode to episode; at the end the policy is written with
 episodes, rounds, data settings, CPU seconds) and a deployed run loads it with
 ``[algorithm] policy = "PATH"``.
 
+After each whole episode the agent, its replay buffer and random streams, the episodes' lines and
+the CPU time so far go to a progress file beside the policy (:func:`progress_path`); the same
+command, run again after a stop (Ctrl-C, SIGTERM, a kill, a power cut), goes on after the last
+whole episode, and its policy has the bits of one pre-training run straight through. The file is
+removed once the policy is written; one made with other settings is refused, naming them.
+
 The agent starts from the policy the configuration's ``[algorithm] policy`` names, when it names
 one (its networks, optimisers and temperature; the replay buffer starts empty), else untrained;
 ``--from-scratch`` ignores that key. The first line says which (:func:`banner_text`), and the
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
@@ -32,14 +39,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import msgpack
 import numpy as np
 import torch
 
 from edge_agent.algorithms import TrainConfig, shared_arrays
 from edge_agent.data import load_dataset
 from edge_agent.state import load_arrays
+from protocol.files import write_atomically
 from protocol.lifecycle import atomic
 
+from .checkpoint import pack_state, unpack_state
 from .config import Config
 from .errors import ConfigError, RunError
 from .runtime import check_fleet_size, data_settings, device_model, make_client_algorithm, make_strategy, train_config
@@ -61,14 +71,17 @@ class PretrainResult:
             ``mean_ratio``, ``replay``, ``alpha``: the entropy temperature at the episode's end,
             ``updates``: DSAC-T updates so far, ``seconds``; once the agent has updated, ``q_mean``
             and ``entropy`` of its last update: :meth:`~broker_server.rl.dsac_t.DSACTAgent.update`).
-        cpu_seconds: process CPU time of the whole pre-training (``time.process_time``).
+        cpu_seconds: process CPU time of the whole pre-training (``time.process_time``), the
+            runs before a resume included.
         parameter_counts: the agent's :meth:`~broker_server.rl.dsac_t.DSACTAgent.parameter_counts`.
+        resumed_after: the whole episodes a progress file held at each resume (``()``: one run).
     """
 
     policy: Path
     episodes: list[dict]
     cpu_seconds: float
     parameter_counts: dict[str, int]
+    resumed_after: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,12 +95,17 @@ class StartingPoint:
         updates: the DSAC-T updates the loaded policy had made, all its pre-trainings together
             (0 untrained).
         sha256: the loaded file's SHA-256 (``""`` untrained).
+        resumed_after: the whole episodes of the progress file this pre-training goes on from
+            (0: none; :func:`progress_path`).
+        progress: that file's path (``""``: none).
     """
 
     policy: str = ""
     loaded: bool = False
     updates: int = 0
     sha256: str = ""
+    resumed_after: int = 0
+    progress: str = ""
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:
@@ -103,8 +121,9 @@ def same_file(a: str | Path, b: str | Path) -> bool:
 
 def banner_text(cfg: Config, episodes: int, rounds: int, out: Path, start: StartingPoint) -> str:
     """The first line of ``fedfleet feddo pretrain``: data set, devices, episodes x rounds, the
-    agent it starts from (a policy, named with its updates, or an untrained agent) and the file it
-    writes (said to be replaced when it is the starting policy's file)."""
+    agent it starts from (a policy, named with its updates, or an untrained agent), the file it
+    writes (said to be replaced when it is the starting policy's file) and, on a resume, the
+    episode it goes on after and its progress file."""
     if start.loaded:
         origin = (f"starting from the policy {start.policy} (the config's [algorithm] policy; its "
                   f"{plural(start.updates, 'DSAC-T update')}; --from-scratch ignores it)")
@@ -114,8 +133,10 @@ def banner_text(cfg: Config, episodes: int, rounds: int, out: Path, start: Start
         origin = "from an untrained agent"
     replaced = (" (the starting policy's file: replaced when the pre-training ends, whole or not at all)"
                 if start.loaded and same_file(out, start.policy) else "")
+    resumed = (f"; resuming after episode {start.resumed_after} of {episodes} (the progress file {start.progress}; "
+               "delete it to start over)" if start.resumed_after else "")
     return (f"fedfleet feddo pretrain: {cfg.data.dataset}, {plural(cfg.data.clients, 'device')}, "
-            f"{plural(episodes, 'episode')} x {plural(rounds, 'round')}, {origin} -> {out}{replaced}")
+            f"{plural(episodes, 'episode')} x {plural(rounds, 'round')}, {origin} -> {out}{replaced}{resumed}")
 
 
 def replay_batch_note(cfg: Config, episodes: int, rounds: int) -> str | None:
@@ -161,6 +182,111 @@ def progress_line(m: dict, episodes: int) -> str:
             + (f"  entropy {m['entropy']:.4g}" if "entropy" in m else "") + f"  {m['seconds']:.1f} s")
 
 
+#: the progress file's format (a file of a newer one is refused, not misread)
+PROGRESS_FORMAT = 1
+
+
+def progress_path(out: str | Path) -> Path:
+    """Where a pre-training writing its policy to ``out`` keeps its progress between episodes:
+    ``NAME.progress`` beside it (msgpack: the settings it was made with, the whole episodes'
+    lines, the CPU seconds so far, the resumes, and the FedDO strategy's ``state_dict()``: agent
+    networks, optimisers, temperature, random streams and replay buffer)."""
+    out = Path(out)
+    return out.with_name(f"{out.name}.progress")
+
+
+def progress_settings(cfg: Config, rounds: int, start: StartingPoint) -> dict:
+    """What a progress file must have been made with to be gone on from: the ``[data]`` (but
+    ``data_dir``: where the files are), ``[model]``, ``[train]`` and ``[algorithm]`` tables (but
+    ``policy``: the starting policy counts by its SHA-256), ``[run] seed``, the rounds per episode
+    and the starting policy's SHA-256 (``""``: untrained). The episodes are not in it: a
+    pre-training may be resumed with more (each episode is its own seed, ``seed + episode``)."""
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "data_dir"}
+    algorithm = {k: v for k, v in cfg.algorithm.items() if k != "policy"}
+    settings = {"data": data, "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
+                "algorithm": algorithm, "seed": cfg.run.seed, "rounds": rounds,
+                "starting_policy_sha256": start.sha256 if start.loaded else ""}
+    return json.loads(json.dumps(settings))  # as msgpack gives it back: tuples as lists
+
+
+def read_progress(path: Path) -> dict | None:
+    """The progress file at ``path`` (``None``: there is none).
+
+    Raises:
+        ConfigError: it cannot be read (truncated, not a progress file, a newer format), naming
+            it and saying to delete it to start over.
+    """
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"the pre-training's progress file {path} cannot be read ({exc})") from exc
+    try:
+        state = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+        if not isinstance(state, dict) or "format" not in state:
+            raise ValueError("not a FedDO pre-training progress file")
+        if int(state["format"]) > PROGRESS_FORMAT:
+            raise ValueError(f"format {state['format']}, newer than this fedfleet's {PROGRESS_FORMAT}")
+        for key in ("settings", "lines", "cpu_seconds", "resumed_after", "strategy"):
+            if key not in state:
+                raise ValueError(f"its {key!r} is missing")
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ConfigError(f"the pre-training's progress file {path} cannot be read ({exc}): delete it to start "
+                          "over") from exc
+    return state
+
+
+def read_progress_episodes(path: Path) -> int:
+    """The whole episodes the progress file at ``path`` holds (0: none, or it cannot be read)."""
+    try:
+        state = read_progress(path)
+    except ConfigError:
+        return 0
+    return len(state["lines"]) if state else 0
+
+
+def _differences(saved: object, now: object, where: str = "") -> list[str]:
+    """``key: A in the progress file, B now`` for each value that differs (nested tables by dots)."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        out: list[str] = []
+        for k in sorted(set(saved) | set(now)):
+            out += _differences(saved.get(k, "(absent)"), now.get(k, "(absent)"), f"{where}.{k}" if where else k)
+        return out
+    return [] if saved == now else [f"{where}: {saved!r} in the progress file, {now!r} now"]
+
+
+def check_progress(saved: dict, settings: dict, path: Path, episodes: int) -> None:
+    """Refuse to go on from a progress file made with other settings (:func:`progress_settings`)
+    or holding more whole episodes than ``episodes``.
+
+    Raises:
+        ConfigError: naming the file, each setting that differs (at most 5) or the episodes, and
+            what to do.
+    """
+    diff = _differences(saved["settings"], settings)
+    if diff:
+        more = f" (and {len(diff) - 5} more)" if len(diff) > 5 else ""
+        raise ConfigError(f"the progress file {path} holds {plural(len(saved['lines']), 'whole episode')} of a "
+                          f"pre-training with other settings: {'; '.join(diff[:5])}{more}. Run it with its settings to "
+                          "go on, or delete the file to start over")
+    if len(saved["lines"]) > episodes:
+        raise ConfigError(f"the progress file {path} holds {len(saved['lines'])} whole episodes, more than --episodes "
+                          f"{episodes}: give --episodes {len(saved['lines'])} or more to go on, or delete the file to "
+                          "start over")
+
+
+def write_progress(path: Path, settings: dict, lines: list[dict], cpu_seconds: float, resumed_after: list[int],
+                   strategy: FedDO) -> None:
+    """Write the progress after a whole episode, atomically and flushed to the disk (a stop or a
+    power cut leaves the last whole one)."""
+    blob = msgpack.packb({"format": PROGRESS_FORMAT, "settings": settings, "lines": lines, "cpu_seconds": cpu_seconds,
+                          "resumed_after": resumed_after, "strategy": pack_state(strategy.state_dict())},
+                         use_bin_type=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, blob, mode=0o600, fsync=True)
+
+
 def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
              on_episode: Callable[[dict], None] | None = None,
              on_start: Callable[[StartingPoint], None] | None = None,
@@ -180,6 +306,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         on_interrupt: called with one line when Ctrl-C (KeyboardInterrupt) or SIGTERM
             (SystemExit) stops the pre-training, after the policy learned so far is written
             (:func:`_save_interrupted`; ``None``: logged as a warning); the stop is then re-raised.
+            The progress file keeps the whole episodes: the same call goes on after them
+            (:func:`progress_path`; ``on_start``'s :class:`StartingPoint` says from where).
         from_scratch: start from an untrained agent even where ``[algorithm] policy`` names a
             policy (not read).
 
@@ -189,7 +317,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
             made, a starting ``policy`` trained for fewer devices than ``[data] clients``
             (:func:`~broker_server.runtime.check_fleet_size`, before any training), ``[algorithm]
             num_devices`` below ``[data] clients``, a pre-training that would never update the
-            agent (:func:`check_learns`).
+            agent (:func:`check_learns`), a progress file that cannot be read, was made with other
+            settings or holds more episodes than ``episodes`` (:func:`check_progress`).
         DataError: the data set cannot be found.
         RunError: the policy could not be written (a full disk: the file there before is left as
             it was) or its agent diverged to NaN; nothing is written.
@@ -207,7 +336,9 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     cpu0 = time.process_time()
     strategy: FedDO | None = None
     lines: list[dict] = []
+    resumed_after: list[int] = []
     r = 0
+    progress = progress_path(out)
     try:
         ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir or None)
         parts = split_clients(ds, cfg)
@@ -234,9 +365,18 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         client = make_client_algorithm(cfg, ds)
         base = TrainConfig.from_mapping(TrainConfig(seed=cfg.run.seed), train_config(cfg))
         cpu = torch.device("cpu")
+        settings = progress_settings(cfg, rounds, start)
+        saved = read_progress(progress)
+        if saved is not None:  # go on after its last whole episode
+            check_progress(saved, settings, progress, episodes)
+            strategy.load_state_dict(unpack_state(saved["strategy"]))
+            lines = [dict(line) for line in saved["lines"]]
+            resumed_after = [*(int(n) for n in saved["resumed_after"]), len(lines)]
+            cpu0 -= float(saved["cpu_seconds"])
+            start = dataclasses.replace(start, resumed_after=len(lines), progress=str(progress))
         if on_start is not None:
             on_start(start)
-        for ep in range(1, episodes + 1):
+        for ep in range(len(lines) + 1, episodes + 1):
             t0 = time.monotonic()
             seed = cfg.run.seed + ep
             model = device_model(ds, seed, cfg.model.name, cfg.model.feature_dim)
@@ -280,10 +420,21 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
                     **learned}
             lines.append(line)
             r = 0  # between episodes
+            try:
+                write_progress(progress, settings, lines, time.process_time() - cpu0, resumed_after, strategy)
+            except OSError as exc:  # a full disk: the pre-training goes on, without this safety net
+                kept = read_progress_episodes(progress)
+                log.warning("FedDO pre-training: the progress after episode %d could not be written to %s (%s): a "
+                            "stop now %s", ep, progress, exc,
+                            f"goes on after episode {kept}, its progress file's" if kept else "starts over")
             if on_episode:
                 on_episode(line)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: what the agent learned is kept
-        (on_interrupt or log.warning)(_save_interrupted(strategy, cfg, out, lines, episodes, rounds, r, cpu0, start))
+        said = _save_interrupted(strategy, cfg, out, lines, episodes, rounds, r, cpu0, start)
+        if progress.exists() and lines:
+            said += (f"; the same command goes on after episode {len(lines)} (the progress file {progress}; delete it "
+                     "to start over)")
+        (on_interrupt or log.warning)(said)
         raise
     agent = strategy.agent
     assert agent is not None
@@ -292,12 +443,15 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     if agent.updates == 0:  # check_learns makes this unreachable from a configuration; said, never written
         raise RunError(f"the agent made no DSAC-T update in {episodes * rounds} rounds (warm-up "
                        f"{agent.config.warmup} transitions, {len(agent.buffer)} stored): no policy written to {out}")
+    resumes = {"resumed_after": resumed_after} if resumed_after else {}
     try:  # a stop signal meanwhile waits for the whole file (then ends the process with the policy written)
-        atomic(_write_policy)(strategy, cfg, out, episodes, rounds, cpu_s, **started_from(start))
-    except (OSError, ValueError) as exc:  # a full disk, a diverged agent: the episodes are lost, said so
+        atomic(_write_policy)(strategy, cfg, out, episodes, rounds, cpu_s, **started_from(start), **resumes)
+    except (OSError, ValueError) as exc:  # a full disk, a diverged agent: said so; the progress file stays
         raise RunError(f"pre-training finished ({plural(episodes, 'episode')} x {plural(rounds, 'round')}, "
-                       f"{cpu_s:.0f} CPU s) but {exc}") from exc
-    return PretrainResult(out, lines, cpu_s, agent.parameter_counts())
+                       f"{cpu_s:.0f} CPU s) but {exc}"
+                       + (f"; its episodes are kept in {progress}" if progress.exists() else "")) from exc
+    progress.unlink(missing_ok=True)
+    return PretrainResult(out, lines, cpu_s, agent.parameter_counts(), tuple(resumed_after))
 
 
 def _write_policy(strategy: FedDO, cfg: Config, out: Path, episodes: int, rounds: int, cpu_s: float,

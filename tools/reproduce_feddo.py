@@ -446,7 +446,9 @@ def load_pretrain_info(out: Path) -> dict[str, dict]:
 
 
 def _pretrain_task(spec: dict) -> dict:
-    """Pre-train one policy (in a worker process, one torch thread); its info or ``{"error"}``."""
+    """Pre-train one policy (in a worker process, one torch thread), going on from its progress
+    file where a stopped invocation left one (:func:`making_path`); its info or ``{"error"}``
+    (``resumed_after``: the whole episodes at each resume, when it was resumed)."""
     import torch
 
     from broker_server.config import from_dict
@@ -459,30 +461,43 @@ def _pretrain_task(spec: dict) -> dict:
         loads.append(os.getloadavg()[0])
         print(f"  {spec['name']}: " + progress_line(m, spec["episodes"]), flush=True)
 
+    making = making_path(spec["path"])
     try:
         res = pretrain(from_dict(spec["raw"], f"<pretrain {spec['name']}>"), episodes=spec["episodes"],
-                       rounds=spec["rounds"], out=spec["path"], on_episode=on_episode)
+                       rounds=spec["rounds"], out=making, on_episode=on_episode)
+        os.replace(making, spec["path"])
     except Exception as exc:  # recorded; the cells that need this policy are not run
         return {"error": f"{type(exc).__name__}: {exc}"}
     from broker_server.numerics import fingerprint
 
+    resumed = {"resumed_after": list(res.resumed_after)} if res.resumed_after else {}
     return {"path": spec["path"], "setting": spec["setting"], "tag": spec["tag"], "cpu_seconds": res.cpu_seconds,
             "machine": fingerprint(), "load_avg": round(sum(loads) / len(loads), 2) if loads else None,
             "cores": os.cpu_count(), "sha256": policy_sha256(spec["path"]),
             "bytes": Path(spec["path"]).stat().st_size, "episodes": spec["episodes"], "rounds": spec["rounds"],
-            "parameters": res.parameter_counts, "fingerprint": spec["fingerprint"], "lines": res.episodes}
+            "parameters": res.parameter_counts, "fingerprint": spec["fingerprint"], "lines": res.episodes, **resumed}
+
+
+def making_path(path: str | Path) -> Path:
+    """Where a policy of the grid is pre-trained (``NAME.making.pt`` beside its ``path``), renamed
+    onto ``path`` once whole: a stopped pre-training's policy (what the agent learned so far,
+    written where it stopped) is never taken for the made one, and its progress file
+    (``NAME.making.pt.progress``) lets the next invocation go on after its last whole episode."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.making{path.suffix}")
 
 
 def make_of(entry: dict) -> dict | None:
     """One pre-training of a policy as ``pretrain.json``'s ``makes`` lists it: its CPU seconds,
     the CPU's name and, where recorded, the mean 1-minute load average over its episodes and the
     core count (a load above the pre-trainings running together means something else ran beside
-    it, and CPU seconds grow under contention); ``None`` for an entry without CPU seconds."""
+    it, and CPU seconds grow under contention) and the whole episodes at each resume of a stopped
+    one; ``None`` for an entry without CPU seconds."""
     if entry.get("cpu_seconds") is None:
         return None
     made = {"cpu_seconds": float(entry["cpu_seconds"]),
             "cpu": (entry.get("machine") or {}).get("cpu") or "an unrecorded machine"}
-    made.update({k: entry[k] for k in ("load_avg", "cores") if entry.get(k) is not None})
+    made.update({k: entry[k] for k in ("load_avg", "cores", "resumed_after") if entry.get(k) is not None})
     return made
 
 

@@ -674,6 +674,9 @@ def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path, 
         assert done.stdout.splitlines()[0].endswith(f"-> {good} (the starting policy's file: replaced when the "
                                                     "pre-training ends, whole or not at all)")
     assert "pre-training finished (1 episode x 3 rounds, " in done.stderr
+    # the episode's progress file could not be written either: said, and the pre-training went on to its end
+    assert (f"FedDO pre-training: the progress after episode 1 could not be written to {good}.progress ([Errno 27] "
+            "File too large): a stop now starts over") in done.stderr
     assert f"policy {good}: could not be written (" in done.stderr
     assert "the file there before is untouched" in done.stderr
     assert "Traceback" not in done.stderr
@@ -729,7 +732,9 @@ def test_ctrl_c_in_pretrain_writes_the_policy_learned_so_far(tmp_path, caplog) -
     assert whole >= 3
     said = [x for x in lines if x.startswith("fedfleet feddo pretrain: stopped ")]
     assert len(said) == 1 and f"the policy learned so far ({whole} of 1000 episodes whole, " in said[0], lines
-    assert said[0].endswith(f"was written to {out}; its metadata records where it stopped")
+    progress = tmp_path / "policy.pt.progress"
+    assert said[0].endswith(f"was written to {out}; its metadata records where it stopped; the same command goes on "
+                            f"after episode {whole} (the progress file {progress}; delete it to start over)")
     agent, meta, _ = DSACTAgent.load_policy(out)
     assert (meta["episodes"], meta["episodes_planned"], meta["interrupted_episode"]) == (whole, 1000, whole + 1)
     assert meta["interrupted_round"] in (0, 1, 2)
@@ -756,7 +761,8 @@ def test_a_stopped_pretrain_leaves_the_policy_already_at_out(tmp_path) -> None:
     assert len(said) == 1 and f"was written to {beside} (the file at {out}, there before, is untouched)" in said[0]
     _, meta, _ = DSACTAgent.load_policy(beside)
     assert meta["episodes_planned"] == 1000 and meta["episodes"] >= 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.pt", "feddo.toml", "policy.pt", "policy.stopped.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.pt", "feddo.toml", "policy.pt", "policy.pt.progress",
+                                                          "policy.stopped.pt"]
 
 
 def test_sigterm_before_the_first_update_writes_no_policy(tmp_path) -> None:
@@ -765,10 +771,13 @@ def test_sigterm_before_the_first_update_writes_no_policy(tmp_path) -> None:
     code, lines, out = _pretrain_until(tmp_path, TINY_TOML.replace("warmup = 1", "warmup = 50"), signal.SIGTERM, 1)
     assert code == 143, lines
     said = [x for x in lines if x.startswith("fedfleet feddo pretrain: stopped ")]
+    progress = tmp_path / "policy.pt.progress"
+    whole = sum(x.startswith("episode ") for x in lines)
     assert len(said) == 1 and said[0].endswith(f"before the agent's first DSAC-T update: no policy written ({out} "
-                                               "untouched)"), lines
+                                               f"untouched); the same command goes on after episode {whole} (the "
+                                               f"progress file {progress}; delete it to start over)"), lines
     assert not out.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml", "policy.pt.progress"]
     # a stop while the data set loads, before any strategy exists, says the same
     from broker_server.config import load as load_config
     from broker_server.feddo_pretrain import _save_interrupted
@@ -777,6 +786,111 @@ def test_sigterm_before_the_first_update_writes_no_policy(tmp_path) -> None:
     assert _save_interrupted(None, cfg, out, [], 1000, 2, 0, 0.0) == (
         f"fedfleet feddo pretrain: stopped before episode 1, before the agent's first DSAC-T update: no policy written "
         f"({out} untouched)")
+
+def _agent_blob(path: Path) -> dict:
+    """A policy file's agent: everything but its metadata (which holds the CPU time)."""
+    blob = torch.load(path, weights_only=True)
+    return {k: v for k, v in blob.items() if k != "metadata"}
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _stop_after(n: int):
+    """An ``on_episode`` that stops the pre-training (as Ctrl-C) once ``n`` episodes are whole."""
+    def on_episode(line: dict) -> None:
+        if line["episode"] == n:
+            raise KeyboardInterrupt
+    return on_episode
+
+
+def test_a_stopped_pretraining_goes_on_to_the_bits_of_one_run_straight_through(tmp_path) -> None:
+    """3 episodes straight through, against 1 episode, a stop (Ctrl-C between episodes 1 and 2)
+    and the same call again: the second goes on after episode 1 (said to on_start), and its
+    policy is the straight run's bit for bit (networks, targets, optimisers, temperature, random
+    streams), with the same episode lines; the progress file is removed once the policy is
+    written, and the policy's metadata counts the CPU time of both parts and records the
+    resume."""
+    from broker_server.config import load as load_config
+    from broker_server.feddo_pretrain import StartingPoint, pretrain, progress_path, read_progress
+
+    (tmp_path / "feddo.toml").write_text(TINY_TOML, encoding="utf-8")
+    cfg = load_config(tmp_path / "feddo.toml")
+    straight = pretrain(cfg, episodes=3, rounds=2, out=tmp_path / "straight.pt")
+    assert straight.resumed_after == () and not progress_path(tmp_path / "straight.pt").exists()
+    out = tmp_path / "resumed.pt"
+    starts: list[StartingPoint] = []
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(cfg, episodes=3, rounds=2, out=out, on_episode=_stop_after(1), on_start=starts.append,
+                 on_interrupt=lambda line: None)
+    assert progress_path(out) == tmp_path / "resumed.pt.progress" and progress_path(out).is_file()
+    interrupted = DSACTAgent.load_policy(out)[1]
+    assert interrupted["episodes"] == 1 and interrupted["interrupted_episode"] == 2
+    first_part = float(read_progress(progress_path(out))["cpu_seconds"])
+    assert first_part > 0
+    resumed = pretrain(cfg, episodes=3, rounds=2, out=out, on_start=starts.append)
+    assert [(s.resumed_after, s.progress) for s in starts] == [(0, ""), (1, str(progress_path(out)))]
+    assert resumed.resumed_after == (1,)
+    assert not progress_path(out).exists()
+    assert _same(_agent_blob(out), _agent_blob(tmp_path / "straight.pt"))
+    drop = {"seconds"}
+    assert [{k: v for k, v in x.items() if k not in drop} for x in resumed.episodes] == \
+        [{k: v for k, v in x.items() if k not in drop} for x in straight.episodes]
+    meta = torch.load(out, weights_only=True)["metadata"]
+    assert meta["episodes"] == 3 and meta["resumed_after"] == [1] and "interrupted_episode" not in meta
+    assert meta["cpu_seconds"] == resumed.cpu_seconds > first_part  # the first part's CPU time and the second's
+    assert "resumed_after" not in torch.load(tmp_path / "straight.pt", weights_only=True)["metadata"]
+
+
+def test_a_progress_file_of_other_settings_or_more_episodes_is_refused_naming_them(tmp_path, capsys) -> None:
+    """A stopped pre-training's progress file (2 whole episodes), then the same command with
+    another Dirichlet α and learning rate: refused before any training, naming both settings as
+    the file has them and as they are now; with --episodes 1 (fewer than it holds): refused,
+    saying what to give; a file that is not a progress file: refused, saying to delete it. The
+    file is left as it was each time; with its settings the command goes on (the banner says
+    from where) and removes it."""
+    from broker_server.config import load as load_config
+    from broker_server.feddo_pretrain import pretrain, progress_path
+
+    cfg_path = tmp_path / "feddo.toml"
+    cfg_path.write_text(TINY_TOML, encoding="utf-8")
+    out = tmp_path / "policy.pt"
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(load_config(cfg_path), episodes=4, rounds=2, out=out, on_episode=_stop_after(2),
+                 on_interrupt=lambda line: None)
+    progress = progress_path(out)
+    kept = progress.read_bytes()
+    other = tmp_path / "other.toml"
+    other.write_text(TINY_TOML.replace("alpha = 0.5", "alpha = 0.1").replace("lr = 0.05", "lr = 0.1"),
+                     encoding="utf-8")
+    args = ["feddo", "pretrain", "--episodes", "4", "--rounds", "2", "--out", str(out)]
+    assert main([*args, "--config", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert (f"the progress file {progress} holds 2 whole episodes of a pre-training with other settings: data.alpha: "
+            "0.5 in the progress file, 0.1 now; train.lr: 0.05 in the progress file, 0.1 now. Run it with its settings "
+            "to go on, or delete the file to start over") in err
+    assert main(["feddo", "pretrain", "--episodes", "1", "--rounds", "2", "--out", str(out), "--config",
+                 str(cfg_path)]) == 2
+    assert (f"the progress file {progress} holds 2 whole episodes, more than --episodes 1: give --episodes 2 or more "
+            "to go on, or delete the file to start over") in capsys.readouterr().err
+    assert progress.read_bytes() == kept
+    assert main([*args, "--config", str(cfg_path)]) == 0
+    said = capsys.readouterr().out
+    assert said.splitlines()[0].endswith(f"-> {out}; resuming after episode 2 of 4 (the progress file {progress}; "
+                                         "delete it to start over)")
+    assert "episode   3/4" in said and "episode   1/4" not in said and not progress.exists()
+    progress.write_bytes(b"\x93not a progress file")
+    assert main([*args, "--config", str(cfg_path)]) == 2
+    assert f"the pre-training's progress file {progress} cannot be read (" in capsys.readouterr().err
+    assert progress.read_bytes() == b"\x93not a progress file"
+
 
 def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_path, caplog) -> None:
     """SPECS §4.1's held-out validation set: with [data] train_samples below the split's size the
@@ -964,7 +1078,7 @@ def test_pretrain_onto_its_starting_policy_says_it_replaces_it_flushed_before_th
     """--out the starting policy's file (by another name too: a relative path from its folder):
     the first line says the file is replaced when the pre-training ends, whole or not at all; the
     new policy is written beside it, flushed to the device, then renamed onto it (a power cut
-    leaves one whole file: the old or the new)."""
+    leaves one whole file: the old or the new), as is each episode's progress file before it."""
     import protocol.files
 
     cfg = tmp_path / "feddo.toml"
@@ -990,7 +1104,8 @@ def test_pretrain_onto_its_starting_policy_says_it_replaces_it_flushed_before_th
         f"fedfleet feddo pretrain: digits, 3 devices, 1 episode x 2 rounds, starting from the policy {start} (the "
         "config's [algorithm] policy; its 0 DSAC-T updates; --from-scratch ignores it) -> feddo_policy.pt (the "
         "starting policy's file: replaced when the pre-training ends, whole or not at all)")
-    assert calls == ["fsync", "replace feddo_policy.pt"]
+    # the episode's progress file, then the policy (the progress file removed once it is written)
+    assert calls == ["fsync", "replace feddo_policy.pt.progress", "fsync", "replace feddo_policy.pt"]
     agent, meta, _ = DSACTAgent.load_policy(start)
     assert agent.updates > 0 and meta["started_from"] == str(start.resolve()) and meta["started_from_updates"] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["feddo.toml", "feddo_policy.pt"]

@@ -1026,6 +1026,48 @@ def test_a_sweep_waves_made_policy_runs_its_cells_while_the_other_still_trains(
     assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs()}
 
 
+def test_a_stopped_grid_policy_goes_on_from_its_progress_to_the_bits_of_one_make(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid policy of 2 episodes stopped (Ctrl-C) after its first: what the agent learned so far
+    is written beside the policy's path (NAME.making.pt), never at it, so no cell takes it for the
+    made policy; the grid's next pre-training goes on after episode 1 and makes the bits of a make
+    straight through (another folder's), and its entry records the resume."""
+    import signal
+    import subprocess
+    import sys
+
+    from broker_server.feddo_pretrain import progress_path
+
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    spec = t.policy_spec(tmp_path / "grid", "fashion_mnist", "dir0.1", rounds=2, **{**TINY, "episodes": 2})
+    straight = t.policy_spec(tmp_path / "straight", "fashion_mnist", "dir0.1", rounds=2, **{**TINY, "episodes": 2})
+    assert spec["name"] == straight["name"]
+    making = t.making_path(spec["path"])
+    assert making == Path(spec["path"]).with_name(f"{spec['name']}.making.pt")
+
+    # as _pretrain_task runs it (a process of the grid's portable numerics, one torch thread), stopped after episode 1
+    code = ("import json, sys, torch\n"
+            "from broker_server.config import from_dict\n"
+            "from broker_server.feddo_pretrain import pretrain\n"
+            "torch.set_num_threads(1)\n"
+            "def stop(line):\n    raise KeyboardInterrupt\n"
+            f"pretrain(from_dict(json.loads({json.dumps(json.dumps(spec['raw']))}), '<test>'), episodes=2, rounds=2, "
+            f"out={str(making)!r}, on_episode=stop, on_interrupt=print)\n")
+    with t.pinned_numerics("portable"):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGINT and "KeyboardInterrupt" in done.stderr, done.stderr
+    assert making.is_file() and progress_path(making).is_file() and not Path(spec["path"]).exists()
+    assert not t.policy_made(spec["path"], {spec["name"]: {"sha256": "x"}})
+    info = t.pretrain_policies(tmp_path / "grid", [spec], workers=1)[spec["name"]]
+    again = t.pretrain_policies(tmp_path / "straight", [straight], workers=1)[straight["name"]]
+    assert info["resumed_after"] == [1] and "resumed_after" not in again
+    assert info["sha256"] == again["sha256"] == t.policy_sha256(spec["path"])
+    assert t.make_of(info)["resumed_after"] == [1]
+    assert [line["return"] for line in info["lines"]] == [line["return"] for line in again["lines"]]
+    assert not making.exists() and not progress_path(making).exists()
+
+
 def test_an_interrupted_pre_training_ends_its_filler_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception in the pre-training loop (here: pretrain.json, replaced by a folder while the
     filler runs, cannot be written) stops the filler too: it starts no further cell, its running
