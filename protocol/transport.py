@@ -257,6 +257,14 @@ class _CountingClient(PollingClient):
     there is never sent (paho marks it published with ``MQTT_ERR_CONN_LOST``). Each QoS 0 PUBLISH
     queued is noted until the socket took all of it (:meth:`qos0_written`); those :meth:`reconnect`
     finds unwritten or partly written go to ``on_lost``.
+
+    paho's ``reconnect`` sets its new socket before it queues CONNECT (and calls
+    ``on_socket_open`` between the two); a PUBLISH another thread queued in that gap went out
+    before CONNECT, and the broker closed the connection (a protocol error; against Mosquitto a
+    false MQTT 5 → 3.1.1 fallback). From a reconnect's start until its CONNECT is queued,
+    :meth:`_send_publish` answers as paho does without a socket (``MQTT_ERR_NO_CONN``): a QoS > 0
+    message waits in paho's queue and goes out after the CONNACK, a QoS 0 one is not sent and said
+    so (the link is not up).
     """
 
     def __init__(self, *args, on_packet, on_lost=None, **kwargs) -> None:
@@ -274,6 +282,10 @@ class _CountingClient(PollingClient):
         # but not yet in the queue is not taken for lost (re-entrant: paho may write, then call
         # on_publish, from inside its queueing when no network thread runs)
         self._qos0_lock = threading.RLock()
+        # a reconnect's CONNECT not yet queued: no PUBLISH goes into the queue ahead of it (the gate
+        # makes the check and the queueing one step against the reconnect's start)
+        self._connect_pending = False
+        self._publish_gate = threading.RLock()  # re-entrant: paho may call on_publish from inside the queueing
 
     def qos0_written(self, mid: int) -> mqtt.MQTTMessageInfo | None:
         """The handle of QoS 0 PUBLISH ``mid``, which the socket has now taken whole (paho's
@@ -360,6 +372,8 @@ class _CountingClient(PollingClient):
         """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
         PUBLISH packets it drops unwritten, and reporting the QoS 0 ones it drops (never sent
         again) to ``on_lost``, with how much of each the socket took (paho thread)."""
+        with self._publish_gate:  # a PUBLISH being queued now goes into the old queue, which is emptied below
+            self._connect_pending = True
         with self._out_message_mutex:
             live = set(self._out_messages)
         self._never_written = (self._never_written & live) | self.unwritten_mids()
@@ -369,7 +383,16 @@ class _CountingClient(PollingClient):
         try:
             return super().reconnect()
         finally:  # also when the new connection fails (paho emptied its queue first)
+            self._connect_pending = False
             self._report_lost(self.take_lost_qos0(taken), "the link is down: the connection was lost")
+
+    def _send_publish(self, *args, **kwargs):
+        """paho's, but ``MQTT_ERR_NO_CONN`` while a reconnect has not yet queued its CONNECT (the
+        class docstring), as paho answers with no socket."""
+        with self._publish_gate:
+            if self._connect_pending:
+                return mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
+            return super()._send_publish(*args, **kwargs)
 
     def _packet_queue(self, command, packet, mid, qos, info=None):
         first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`
@@ -378,6 +401,12 @@ class _CountingClient(PollingClient):
                 self._qos0_unwritten[mid] = (info, len(packet))
                 self._fedfleet_on_packet(PacketEvent("out", "PUBLISH", len(packet), False))
                 return super()._packet_queue(command, packet, mid, qos, info)
+        if first >> 4 == 1:  # CONNECT: a PUBLISH queued from now on goes after it
+            self._fedfleet_on_packet(PacketEvent("out", "CONNECT", len(packet), False))
+            try:
+                return super()._packet_queue(command, packet, mid, qos, info)
+            finally:
+                self._connect_pending = False
         dup = bool(first & 0x08) and first >> 4 == 3
         if first >> 4 == 3 and qos > 0 and mid in self._never_written:
             # the re-send in place of a packet that never reached the socket (not a retransmission),

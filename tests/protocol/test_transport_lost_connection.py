@@ -19,7 +19,7 @@ from helpers.waiting import wait_for
 
 from broker_server.audit._queries import deliveries
 from broker_server.embedded_broker import EmbeddedBroker
-from protocol.transport import OVERSIZE_STRIKES, MqttTransport, _CountingClient
+from protocol.transport import OVERSIZE_STRIKES, MqttTransport, _close_socket, _CountingClient
 from protocol.transport_base import PacketEvent
 from tools.counting_relay import CountingRelay
 
@@ -368,3 +368,49 @@ def test_publish_after_close_and_a_wait_cut_by_close_raise() -> None:
         server.close()
         for c in conns:
             c.close()
+
+
+def test_a_publish_in_the_reconnects_gap_before_connect_goes_out_after_it(tmp_path: Path) -> None:
+    """paho's reconnect sets its new socket, calls on_socket_open, then queues CONNECT. A QoS 1
+    publish from another thread in that gap (made there on purpose: the hook publishes and waits
+    for it) used to be queued ahead of CONNECT, and the broker closed the connection. It now waits
+    in paho's queue: the new connection's first packet is CONNECT, the PUBLISH follows the
+    CONNACK, the broker acknowledges it on the MQTT 5 connection it kept, and a subscriber gets
+    the payload once."""
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        sub = MqttTransport("gap-sub", "127.0.0.1", broker.port, keepalive_s=30)
+        tr = MqttTransport("gap-pub", "127.0.0.1", broker.port, keepalive_s=30)
+        events: list[PacketEvent] = []
+        outcomes: list[str] = []
+        try:
+            sub.connect(timeout_s=10.0)
+            sub.subscribe(["t/gap"], qos=1)
+            tr.set_packet_listener(events.append)
+            tr.set_delivery_listener(lambda handle, outcome, reason: outcomes.append(outcome))
+            tr.connect(timeout_s=10.0)
+            client = tr._client
+            assert isinstance(client, _CountingClient) and client._protocol == mqtt.MQTTv5
+            opened = client._call_socket_open
+            published: list[object] = []
+
+            def in_the_gap(sock) -> None:  # paho's thread, between the new socket and CONNECT
+                opened(sock)
+                if not published:
+                    publisher = threading.Thread(target=lambda: published.append(tr.publish("t/gap", b"gap", qos=1)))
+                    publisher.start()
+                    publisher.join(10.0)
+                    assert published
+
+            client._call_socket_open = in_the_gap
+            mark = len(events)
+            _close_socket(client)  # the connection is lost: paho reconnects
+            assert wait_for(lambda: outcomes == ["acked"], 20.0), outcomes
+            incoming = sub.get(10.0)
+            assert incoming is not None and incoming.payload == b"gap" and sub.get(0.5) is None
+            after = [e.packet_type for e in events[mark:] if e.direction == "out"]
+            assert after[0] == "CONNECT" and "PUBLISH" in after, after
+            assert after.index("PUBLISH") > after.index("CONNECT")
+            assert tr._client is client and client._protocol == mqtt.MQTTv5 and tr.connected
+        finally:
+            tr.close()
+            sub.close()
