@@ -253,25 +253,13 @@ def _finished(args, cfg):
     """
     if not getattr(args, "resume", None):
         return None
-    from .run_end import finished_run
+    from .run_end import config_rounds, finished_run
 
     if args.rounds is not None:
-        given, planned = f"--rounds {args.rounds}", _file_rounds(args.config)
+        given, planned = f"--rounds {args.rounds}", config_rounds(args.config)
     else:
         given, planned = f"[run] rounds = {cfg.run.rounds} in {args.config}", None
     return finished_run(Path(args.resume), cfg.run.rounds, given=given, planned=planned)
-
-
-def _file_rounds(path: str) -> int | None:
-    """``[run] rounds`` as the configuration file ``path`` gives it (``None``: not given, or the
-    file cannot be read again): what a run's own ``config.toml`` says when ``--rounds`` overrides it."""
-    from .config import tomllib
-
-    try:
-        rounds = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("run", {}).get("rounds")
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
-        return None
-    return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None
 
 
 def _cmd_server(args) -> int:

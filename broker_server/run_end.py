@@ -46,8 +46,8 @@ from .text import plural
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FinalFiles", "FinishedRun", "finished_run", "finishing_line", "last_checkpoint_round",
-           "nothing_to_resume", "refusals_from_metrics", "rounds_below_done_text", "summary_record",
+__all__ = ["FinalFiles", "FinishedRun", "config_rounds", "finished_run", "finishing_line", "last_checkpoint_round",
+           "nothing_to_resume", "planned_rounds", "refusals_from_metrics", "rounds_below_done_text", "summary_record",
            "write_final_files"]
 
 
@@ -222,17 +222,42 @@ def nothing_to_resume(fin: FinishedRun, rounds: int, command: str, kept: list[st
             f"fedfleet {command} --resume {shlex.quote(str(fin.run_dir))} --rounds {n + 1} or more{afresh})")
 
 
+def config_rounds(path: str | Path) -> int | None:
+    """``[run] rounds`` as the configuration file ``path`` gives it (``None``: not given, or the
+    file cannot be read): what a run's own ``config.toml`` says when ``--rounds`` overrides it."""
+    from .config import tomllib
+
+    try:
+        rounds = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("run", {}).get("rounds")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
+        return None
+    return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None
+
+
+def planned_rounds(run_dir: str | Path) -> int | None:
+    """The rounds the run in ``run_dir`` was started (or last resumed) for: its own
+    ``config.toml``'s ``[run] rounds`` (:func:`config_rounds`)."""
+    return config_rounds(Path(run_dir) / "config.toml")
+
+
 def finishing_line(fin: FinishedRun, rounds: int, command: str, written: list[str] | None = None) -> str:
     """What ``fedfleet COMMAND --resume`` says of a run whose rounds were done but whose final
     files were not: before writing them (``written`` ``None``), or after (the names,
-    :attr:`FinalFiles.written`)."""
+    :attr:`FinalFiles.written`). A run that had finished its own rounds stopped while finishing;
+    one stopped before them (its ``config.toml``, :func:`planned_rounds`) and resumed with as many
+    rounds as it has done is ended there."""
     if written is None:
         what = "writing them"
     else:
         what = "wrote " + ", ".join(written[:-1]) + (" and " if len(written) > 1 else "") + written[-1]
-    return (f"fedfleet {command}: run {fin.run_dir} had finished {fin.rounds} of {rounds} rounds but not its final "
-            f"files (stopped while finishing): {what} from the checkpoint of round {fin.rounds} and metrics.jsonl, "
-            "without a broker or agents")
+    planned = planned_rounds(fin.run_dir)
+    if planned is not None and planned > fin.rounds:
+        why = (f"stopped after round {fin.rounds} of the {planned} it was to run, and is ended there ({rounds} rounds "
+               "asked)")
+    else:
+        why = f"had finished {fin.rounds} of {rounds} rounds but not its final files (stopped while finishing)"
+    return (f"fedfleet {command}: run {fin.run_dir} {why}: {what} from the checkpoint of round {fin.rounds} and "
+            "metrics.jsonl, without a broker or agents")
 
 
 def refusals_from_metrics(metrics: list[dict]) -> dict:

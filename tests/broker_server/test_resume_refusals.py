@@ -230,6 +230,28 @@ def test_rounds_below_those_done_are_refused_and_nothing_is_written(tmp_path: Pa
     assert _files(run) == files
 
 
+def test_a_run_resumed_with_as_many_rounds_as_it_has_done_is_said_ended_there(tmp_path: Path) -> None:
+    """A run interrupted after round 2 of 20, resumed with --rounds 2, is ended at round 2 (its
+    final files written from that checkpoint): the line says it stopped after round 2 of the 20 it
+    was to run, not that it stopped while finishing; a run whose own config.toml says 2 rounds
+    (it did stop while finishing) is said so, as before."""
+    from broker_server.run_end import FinishedRun, finished_run, finishing_line
+
+    run = _interrupted_run(tmp_path)
+    fin = finished_run(run, 2)
+    assert isinstance(fin, FinishedRun) and fin.rounds == 2 and fin.summary is None
+    assert finishing_line(fin, 2, "simulate") == (
+        f"fedfleet simulate: run {run} stopped after round 2 of the 20 it was to run, and is ended there (2 rounds "
+        "asked): writing them from the checkpoint of round 2 and metrics.jsonl, without a broker or agents")
+    (tmp_path / "finishing").mkdir()
+    finishing = _interrupted_run(tmp_path / "finishing", rounds=2)
+    fin = finished_run(finishing, 2)
+    assert fin is not None and finishing_line(fin, 2, "server", ["summary.json", "model_final.pt"]) == (
+        f"fedfleet server: run {finishing} had finished 2 of 2 rounds but not its final files (stopped while "
+        "finishing): wrote summary.json and model_final.pt from the checkpoint of round 2 and metrics.jsonl, without "
+        "a broker or agents")
+
+
 def test_rounds_below_those_of_a_run_that_ended_only_say_nothing_is_left(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture) -> None:
     """A run that ended (its summary.json records its rounds) has nothing to resume whatever
