@@ -84,6 +84,7 @@ class CountingRelay:
         self.lock = threading.Lock()
         self._links: dict[int, tuple[socket.socket, socket.socket]] = {}
         self._held: set[int] = set()
+        self._hold_after: dict[int, int] = {}  # connection -> bytes of its client -> broker direction, then held
         self._threads: list[threading.Thread] = []
         self._stop = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -121,6 +122,9 @@ class CountingRelay:
                     self.parsers[(n, way)].feed(data)
                     if way == "up" and len(self.first[n]) < 512:
                         self.first[n] += data[:512]
+                    if way == "up" and n in self._hold_after and self.parsers[(n, way)].bytes >= self._hold_after[n]:
+                        del self._hold_after[n]
+                        self._held.add(n)  # what was read is forwarded; the next read waits
                 if forward:
                     try:
                         dst.sendall(data)
@@ -144,10 +148,19 @@ class CountingRelay:
         with self.lock:
             return len(self._links)
 
-    def hold(self, n: int) -> None:
+    def hold(self, n: int, *, after_bytes: int = 0) -> None:
         """Stop reading connection ``n``'s client → broker direction: the client's writes stay in
-        the sockets' buffers until those are full, then in paho's queue."""
-        self._held.add(n)
+        the sockets' buffers until those are full, then in paho's queue.
+
+        With ``after_bytes`` > 0 the direction is held once the relay has read at least that many
+        bytes of it (in whole reads of up to 64 KiB, each forwarded); ``n`` may be a connection not
+        accepted yet (``hold(relay.connections, after_bytes=1)``: the next connection's CONNECT
+        goes through, which a client sends alone before its CONNACK, then it is held)."""
+        if after_bytes > 0:
+            with self.lock:
+                self._hold_after[n] = after_bytes
+        else:
+            self._held.add(n)
 
     def cut(self, n: int, *, keep_held: bool = False) -> None:
         """Close connection ``n`` as its broker would (and read its client → broker direction
@@ -165,6 +178,8 @@ class CountingRelay:
 
     def release(self, n: int) -> None:
         """Read connection ``n``'s client → broker direction again (after :meth:`hold`)."""
+        with self.lock:
+            self._hold_after.pop(n, None)
         self._held.discard(n)
 
     def client_id(self, n: int) -> str:
@@ -215,6 +230,8 @@ class CountingRelay:
         """Stop accepting, let the open connections end on their own for at most ``timeout_s``
         (their last bytes are counted), then close every socket."""
         self._stop = True
+        with self.lock:
+            self._hold_after.clear()
         self._held.clear()
         self.srv.close()
         end = time.monotonic() + timeout_s
