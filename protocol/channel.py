@@ -212,7 +212,11 @@ class Channel:
 
     Attributes:
         wire_bytes_sent, wire_bytes_received: PUBLISH packet bytes (header + topic + payload)
-            this side handed to / got from MQTT; rejected payloads count as received.
+            this side handed to / got from MQTT; rejected payloads count as received; a packet
+            the socket took only part of (the connection lost with it partly written) counts
+            the part it took.
+        control_bytes_sent, control_bytes_received: the same for the MQTT control packets and
+            PUBLISH retransmissions (DUP) this side sent / received.
         acked, refused: PUBLISH packets the broker acknowledged / refused (QoS 1, over a
             transport that reports outcomes; the ledger's ``delivery`` column per row).
         resent_after_refusal: messages sent again in smaller chunks after a refusal.
@@ -304,6 +308,7 @@ class Channel:
         self._superseded: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._early_outcomes: dict[int, tuple[object, str, str]] = {}
         self._early_sizes: dict[int, tuple[object, int]] = {}  # "resized" before the handle was tracked
+        self._early_unsent: dict[int, tuple[object, int]] = {}  # "unsent" before the handle was tracked
         # (packet type, bytes) -> ids of the last control rows sent of it (a dropped one voids the last)
         self._control_rows: dict[tuple[str, int], collections.deque[int]] = {}
         # (message, its generation, why, a limit known before sending: 0 when the broker refused it)
@@ -343,7 +348,11 @@ class Channel:
         was handed over but still in the MQTT client's queue when the connection was lost (the
         transport reports it ``dropped``: its ``sent`` row becomes a ``message`` row with delivery
         ``dropped``, out of the wire totals; ``cut`` when the socket took part of it: the row stays
-        ``sent``, with delivery ``dropped``), or a message still unsent when the transport was closed.
+        ``sent``, with delivery ``dropped`` and the bytes the socket never took in its
+        ``unsent_bytes``), or a message still unsent when the transport was closed. A QoS 1 PUBLISH
+        the socket took part of before the connection was lost (``unsent``) keeps its ``sent`` row
+        with those ``unsent_bytes``; paho sends it again after the reconnect (a ``PUBLISH-DUP``
+        row, which gets its own ``unsent_bytes`` if it is cut too).
 
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
@@ -441,11 +450,12 @@ class Channel:
             try:
                 handle = self.transport.publish(out.topic, wire, qos=self.qos, retain=out.retain, wait_s=wait_s)
             except PublishDropped as exc:
-                if exc.on_wire:  # the socket took part of it: its bytes were sent
+                if exc.on_wire:  # the socket took part of it: those bytes were sent
                     self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
                                  payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
                                  codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
-                                 enc_bytes=enc_b, delivery="dropped", reason=str(exc)[:500], protocol=proto)
+                                 enc_bytes=enc_b, delivery="dropped", reason=str(exc)[:500], protocol=proto,
+                                 unsent_bytes=exc.unsent_bytes)
                 self._dropped(out, exc, wait_s)
                 return wire
             except PublishRefused as exc:
@@ -522,12 +532,12 @@ class Channel:
             try:
                 handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
             except PublishDropped as exc:
-                if exc.on_wire:  # the socket took part of it: its bytes were sent
+                if exc.on_wire:  # the socket took part of it: those bytes were sent
                     self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
                                  payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
                                  transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
                                  sig_bytes=sig_b, enc_bytes=enc_b, reason=str(exc)[:500], delivery="dropped",
-                                 protocol=proto)
+                                 protocol=proto, unsent_bytes=exc.unsent_bytes)
                 raise
             except PublishRefused as exc:  # above a limit the transport learnt since the chunks were cut
                 self._record(topic, "message", kind_label, round, cenv.sender, cenv.seq, client=client,
@@ -553,9 +563,9 @@ class Channel:
     def _track(self, handle: object, row: int, out: _Outgoing | None, gen: int, packet_bytes: int) -> None:
         """Remember which ledger row (of ``packet_bytes``), and outgoing message, a transport
         handle belongs to, and apply what arrived before this call (a fast PUBACK, a QoS 0 packet
-        written at once, a size change). QoS 0 handles are tracked only over a transport that
-        reports their outcomes (``qos0_outcomes``: ``written``, or ``dropped`` / ``cut`` when the
-        connection was lost before the socket took them whole)."""
+        written at once, a size change, a packet the socket took part of). QoS 0 handles are
+        tracked only over a transport that reports their outcomes (``qos0_outcomes``: ``written``,
+        or ``dropped`` / ``cut`` when the connection was lost before the socket took them whole)."""
         if handle is None or not hasattr(self.transport, "set_delivery_listener"):
             return
         if self.qos == 0 and getattr(self.transport, "qos0_outcomes", False) is not True:
@@ -563,6 +573,8 @@ class Channel:
         with self._delivery_lock:
             sized = self._early_sizes.pop(id(handle), None)
             resize = sized[1] if sized is not None and sized[0] is handle and sized[1] != packet_bytes else 0
+            cut = self._early_unsent.pop(id(handle), None)
+            unsent = cut[1] if cut is not None and cut[0] is handle else 0
             early = self._early_outcomes.pop(id(handle), None)
             if early is not None and early[0] is handle:
                 outcome, reason = early[1], early[2]
@@ -574,6 +586,8 @@ class Channel:
         if resize:
             self._resized(row, out, packet_bytes, resize)
             packet_bytes = resize
+        if unsent:
+            self._unsent(row, unsent)
         if outcome:
             self._outcome(handle, row, out, gen, outcome, reason, counted=False, packet_bytes=packet_bytes)
 
@@ -593,11 +607,40 @@ class Channel:
             except LedgerError as exc:  # never break the caller's thread
                 log.warning("%s: size of ledger row %d not corrected: %s", self.node_id, row, exc)
 
+    def _unsent(self, row: int, unsent_bytes: int) -> None:
+        """The socket never took ``unsent_bytes`` of the PUBLISH of ledger row ``row`` (the
+        connection was lost, or the transport closed, with the packet partly written): the row's
+        ``unsent_bytes`` and the wire count follow."""
+        with self._count_lock:
+            self.wire_bytes_sent -= unsent_bytes
+        if self.ledger is not None and row:
+            try:
+                self.ledger.set_unsent(row, unsent_bytes)
+            except LedgerError as exc:  # never break the caller's thread
+                log.warning("%s: unsent bytes of ledger row %d not recorded: %s", self.node_id, row, exc)
+
     def _on_delivery(self, handle: object, outcome: str, reason: str) -> None:
         """The transport's delivery listener (network thread): note the outcome on the row. A
         refusal of a handle already acknowledged (the broker closed the connection right after its
         PUBACK) turns its row to ``refused`` and sends the message again smaller. ``resized``
-        (a size change, not an outcome) corrects the row's size and keeps the handle."""
+        (a size change, not an outcome) corrects the row's size and keeps the handle; so does
+        ``unsent`` (the bytes of the PUBLISH the socket never took, ``reason``) for the row's
+        ``unsent_bytes``."""
+        if outcome == "unsent":
+            try:
+                unsent = int(reason)
+            except ValueError:
+                log.warning("%s: %r unsent bytes not understood", self.node_id, reason)
+                return
+            with self._delivery_lock:
+                entry = self._handles.get(id(handle))
+                if entry is None or entry[0] is not handle:
+                    if len(self._early_unsent) > 10_000:
+                        self._early_unsent.clear()
+                    self._early_unsent[id(handle)] = (handle, unsent)
+                    return
+            self._unsent(entry[1], unsent)
+            return
         if outcome == "resized":
             try:
                 size = int(reason)
@@ -1196,17 +1239,22 @@ class Channel:
         if len(self._resend_asked) > 4096:
             self._resend_asked.clear()
 
-    def _on_packet(self, ev: PacketEvent) -> None:
+    def _on_packet(self, ev: PacketEvent) -> int | None:
         """Ledger row for an MQTT packet that is not an application PUBLISH (control packets, and
-        PUBLISH retransmissions with DUP set, which the application did not send twice). A
-        ``dropped`` event (a control packet the socket never took, :class:`PacketEvent`) turns the
-        last row of a packet of its type and size into a ``message`` row with delivery ``dropped``:
-        its bytes leave the wire totals."""
+        PUBLISH retransmissions with DUP set, which the application did not send twice); returns
+        its row id (0 without a ledger), ``None`` when no row was written. A ``dropped`` event (a
+        control packet the socket never took, :class:`PacketEvent`) turns the last row of a packet
+        of its type and size into a ``message`` row with delivery ``dropped``: its bytes leave the
+        wire totals. An event with ``unsent_bytes`` (the socket took only part of that packet) sets
+        them on the row its ``ref`` names: the row this method returned for the packet."""
         if ev.dropped:
             self._void_control(ev)
-            return
+            return None
+        if ev.unsent_bytes:
+            self._cut_control(ev)
+            return None
         if ev.packet_type == "PUBLISH" and not ev.dup:
-            return
+            return None
         sent = ev.direction == "out"
         with self._count_lock:
             if sent:
@@ -1214,7 +1262,7 @@ class Channel:
             else:
                 self.control_bytes_received += ev.packet_bytes
         if self.ledger is None:
-            return
+            return 0
         to_server = (self.side == "agent") == sent
         kind = "PUBLISH-DUP" if ev.packet_type == "PUBLISH" else ev.packet_type
         row = self.ledger.record(LedgerRow(
@@ -1227,6 +1275,29 @@ class Channel:
             with self._count_lock:
                 rows = self._control_rows.setdefault((kind, ev.packet_bytes), collections.deque(maxlen=64))
                 rows.append(row)
+        return row
+
+    def _cut_control(self, ev: PacketEvent) -> None:
+        """A control packet (or a PUBLISH retransmission) recorded as sent of which the socket
+        took only part (see :meth:`_on_packet`): its row keeps ``sent``, with ``unsent_bytes``; it
+        is never taken for one dropped unwritten."""
+        row = ev.ref if isinstance(ev.ref, int) and not isinstance(ev.ref, bool) else 0
+        kind = "PUBLISH-DUP" if ev.packet_type == "PUBLISH" else ev.packet_type
+        with self._count_lock:
+            self.control_bytes_sent -= ev.unsent_bytes
+            rows = self._control_rows.get((kind, ev.packet_bytes))
+            if rows is not None and row in rows:
+                rows.remove(row)
+        if self.ledger is None:
+            return
+        if not row:
+            log.warning("%s: %d unsent bytes of a %d-byte %s not recorded: its ledger row is not known",
+                        self.node_id, ev.unsent_bytes, ev.packet_bytes, kind)
+            return
+        try:
+            self.ledger.set_unsent(row, ev.unsent_bytes)
+        except LedgerError as exc:  # never break the network thread
+            log.warning("%s: unsent bytes of %s (ledger row %d) not recorded: %s", self.node_id, kind, row, exc)
 
     def _void_control(self, ev: PacketEvent) -> None:
         """A control packet recorded as sent that the socket never took (see :meth:`_on_packet`)."""
@@ -1245,9 +1316,10 @@ class Channel:
                 retain: bool, codec: str = "", reason: str = "", raw_bytes: int = 0, fields: str = "",
                 transfer_id: str | None = None, chunk_index: int | None = None,
                 chunk_count: int | None = None, sig_bytes: int = 0, enc_bytes: int = 0,
-                delivery: str = "", protocol: int | None = None) -> int:
+                delivery: str = "", protocol: int | None = None, unsent_bytes: int = 0) -> int:
         """Write one ledger row (and count its wire bytes); return its row id (0 without a ledger).
-        ``protocol``: the MQTT protocol level its packet is sized for (default: the transport's now)."""
+        ``protocol``: the MQTT protocol level its packet is sized for (default: the transport's now);
+        ``unsent_bytes``: bytes of the packet the socket never took (a ``sent`` row's)."""
         size = publish_size(topic, payload_bytes, qos, protocol=self._protocol() if protocol is None else protocol)
         direction = "down" if "/down/" in topic else "up"
         # a chunked transfer is pipelined (QoS 1 in flight): one round trip per transfer, not per chunk
@@ -1255,7 +1327,7 @@ class Channel:
                   if self.link_time and event != "message" else 0.0)
         with self._count_lock:
             if event == "sent":
-                self.wire_bytes_sent += size.packet_bytes
+                self.wire_bytes_sent += size.packet_bytes - unsent_bytes
             elif event != "message":
                 self.wire_bytes_received += size.packet_bytes
         if self.ledger is None:
@@ -1267,7 +1339,7 @@ class Channel:
             envelope_bytes=payload_bytes - body_bytes - sig_bytes - enc_bytes, body_bytes=body_bytes,
             payload_bytes=payload_bytes, qos=qos, retained=retain, codec=codec, reason=reason, raw_bytes=raw_bytes,
             fields=fields, transfer_id=transfer_id, chunk_index=chunk_index, chunk_count=chunk_count, link_s=link_s,
-            sig_bytes=sig_bytes, enc_bytes=enc_bytes, delivery=delivery))
+            sig_bytes=sig_bytes, enc_bytes=enc_bytes, delivery=delivery, unsent_bytes=unsent_bytes))
 
 
 def _answerable_header(payload: bytes, info: topics.TopicInfo, sender: str | None) -> tuple[Kind, int, str, int] | None:

@@ -178,12 +178,15 @@ class PublishDropped(TransportError):
     Attributes:
         on_wire: the socket took part of the packet before the connection was lost (its bytes
             count as sent; the broker got no whole packet); ``False``: nothing reached the socket.
+        unsent_bytes: with ``on_wire``, the bytes of the packet the socket never took (the
+            ledger row's ``unsent_bytes``); 0 otherwise.
     """
 
     def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None,
-                 on_wire: bool = False) -> None:
+                 on_wire: bool = False, unsent_bytes: int = 0) -> None:
         super().__init__(message, client_id=client_id, topic=topic)
         self.on_wire = on_wire
+        self.unsent_bytes = unsent_bytes
 
 
 class OfflineBufferFull(TransportError):

@@ -3,7 +3,8 @@
 Each side that sends or receives a message writes one row. The sender writes ``event='sent'``
 when it hands the payload to the MQTT client; the receiver writes ``event='received'`` after a
 successful decode, or ``event='rejected'`` with a reason. Wire totals are the sums over
-``event IN ('sent', 'received', 'rejected')``. Byte columns count exact ``len()`` of
+``event IN ('sent', 'received', 'rejected')`` of ``mqtt_header_bytes + topic_bytes +
+payload_bytes - unsent_bytes`` (:attr:`LedgerRow.wire_bytes`). Byte columns count exact ``len()`` of
 what crossed the MQTT client API (STYLE: count bytes, don't estimate):
 
 ====================  ==========================================================================
@@ -19,6 +20,11 @@ sig_bytes             bytes the signature trailer ``sec`` adds (Ed25519 signatur
 enc_bytes             bytes encryption adds (AES-GCM tag + growth of the body's ``bin`` header);
                       0 for plain bodies
 payload_bytes         envelope_bytes + body_bytes + sig_bytes + enc_bytes = the MQTT payload length
+unsent_bytes          bytes of the row's packet that the socket never took: the connection was
+                      lost, or the transport closed (or its client's network thread ended), after
+                      the socket had taken part of the packet (schema 6); 0 for a packet written
+                      whole. The row's other byte columns keep the whole packet's sizes; its wire
+                      bytes are header + topic + payload - unsent_bytes, as the socket wrote
 raw_bytes             tensor values before the codec (``size × itemsize``), 0 without tensors;
                       ``raw_bytes / body_bytes`` is the codec's compression ratio
 fields                JSON object: bytes of each body field (``{"tensors": 423412, …}``)
@@ -46,8 +52,10 @@ dropped one is said undeliverable. Rows of a message refused *before* it was sen
 limit), and of one dropped before the socket took a byte of it, count no wire bytes: their
 ``mqtt_header_bytes``, ``topic_bytes`` and ``payload_bytes`` are kept, but ``event`` is ``'message'``
 (a dropped row's ``sent`` turns into ``message`` when the loss is known). A PUBLISH the socket took
-part of before the connection was lost stays ``sent`` (its bytes were on the wire) with
-``dropped``.
+part of before the connection was lost stays ``sent`` (the part it took was on the wire) with
+``dropped``, and ``unsent_bytes`` says how much of it the socket never took. So does a QoS 1
+PUBLISH cut that way: its message is sent again after the reconnect (a ``PUBLISH-DUP`` row, whole
+unless it is cut too), and its row's delivery is that of the message (``acked`` …).
 
 A ``sent`` row's sizes are those of the packet that goes out: a message queued while the MQTT
 protocol level was not settled (before the first CONNACK, the MQTT 5 trial) and moved to a client
@@ -57,7 +65,8 @@ Rows with ``reason='control'`` are MQTT control packets (CONNECT, CONNACK, SUBSC
 PUBACK, PINGREQ, PINGRESP, DISCONNECT, and PUBLISH retransmissions as ``PUBLISH-DUP``): their
 whole packet size is in ``mqtt_header_bytes``. One recorded when it was queued that the socket never
 took (the connection was lost, or the transport closed, first) turns into a ``message`` row with
-delivery ``dropped``. A ``PUBLISH-DUP`` row is a packet that was on the
+delivery ``dropped``; one the socket took part of stays ``sent`` with its ``unsent_bytes``. A
+``PUBLISH-DUP`` row is a packet that was on the
 wire before: a QoS 1 PUBLISH that a lost connection dropped from paho's queue before the socket
 took a byte of it goes out after the reconnect with the DUP flag, but as its first transmission,
 counted by its ``sent`` row alone.
@@ -91,8 +100,9 @@ SIGKILL included; only a power loss can take the last commits). Durability:
   resumes added.
 
 Schema versions: 1 (first cut), 2 (``message`` event, raw/field/chunk columns), 3 (``link_s``),
-4 (``sig_bytes``, ``enc_bytes``), 5 (``delivery``). Opening an older file for writing migrates it in place (new
-columns read 0 in old rows); a newer file is refused.
+4 (``sig_bytes``, ``enc_bytes``), 5 (``delivery``), 6 (``unsent_bytes``). Opening an older file for
+writing migrates it in place (new columns read 0 in old rows); a newer file is refused. A reader of
+an older file takes ``unsent_bytes`` as 0 (those fedfleets counted a cut packet whole).
 """
 
 from __future__ import annotations
@@ -111,7 +121,7 @@ from pathlib import Path
 
 from .errors import LedgerError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +165,8 @@ CREATE TABLE IF NOT EXISTS messages (
     link_s REAL NOT NULL DEFAULT 0,
     sig_bytes INTEGER NOT NULL DEFAULT 0,
     enc_bytes INTEGER NOT NULL DEFAULT 0,
-    delivery TEXT NOT NULL DEFAULT ''
+    delivery TEXT NOT NULL DEFAULT '',
+    unsent_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS messages_round ON messages (round);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -195,12 +206,14 @@ class LedgerRow:
     sig_bytes: int = 0
     enc_bytes: int = 0
     delivery: str = ""
+    unsent_bytes: int = 0
     ts: float = 0.0
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes of the whole PUBLISH packet (header + topic + payload)."""
-        return self.mqtt_header_bytes + self.topic_bytes + self.payload_bytes
+        """Bytes of the row's packet the socket wrote: header + topic + payload, less the
+        ``unsent_bytes`` a lost connection (or a close) kept off the wire."""
+        return self.mqtt_header_bytes + self.topic_bytes + self.payload_bytes - self.unsent_bytes
 
 
 _COLUMNS = [f.name for f in fields(LedgerRow)]
@@ -249,6 +262,7 @@ _ADDED_COLUMNS = (
     ("sig_bytes", "INTEGER NOT NULL DEFAULT 0"),
     ("enc_bytes", "INTEGER NOT NULL DEFAULT 0"),
     ("delivery", "TEXT NOT NULL DEFAULT ''"),
+    ("unsent_bytes", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 #: Values of the ``delivery`` column of a ``sent`` row (``''`` on other rows).
@@ -460,6 +474,21 @@ class Ledger:
         if not on_wire:
             sets.append("event = CASE WHEN event = 'sent' THEN 'message' ELSE event END")
         self._update(row_id, f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*params, row_id))
+
+    def set_unsent(self, row_id: int, unsent_bytes: int) -> None:
+        """Set the ``unsent_bytes`` of row ``row_id``: how many bytes of its packet the socket never
+        took (the connection was lost, or the transport closed, with the packet partly written).
+        Its sizes stay those of the whole packet; its wire bytes become theirs less
+        ``unsent_bytes``. A row stands for one transmission of its packet, so a second call
+        replaces the first. A no-op on a closed ledger (a loss reported after the close).
+
+        Raises:
+            ValueError: ``unsent_bytes`` is negative.
+            LedgerError: SQLite refused the update.
+        """
+        if unsent_bytes < 0:
+            raise ValueError(f"unsent_bytes must be >= 0, not {unsent_bytes!r}")
+        self._update(row_id, "UPDATE messages SET unsent_bytes = ? WHERE id = ?", (int(unsent_bytes), row_id))
 
     def resize(self, row_id: int, packet_bytes: int) -> None:
         """Set the PUBLISH packet size of row ``row_id`` to ``packet_bytes`` (its

@@ -52,7 +52,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 try:
     import paho.mqtt.client as mqtt
@@ -240,6 +240,12 @@ class PollingClient(mqtt.Client):
         return self.loop_misc()
 
 
+#: What names the ledger row of a packet queued (:class:`_CountingClient`): the event reported at its
+#: queueing, what the packet listener returned for it, and the message's handle for a QoS > 0
+#: PUBLISH reported as its message's first transmission (else ``None``).
+_Note = tuple[PacketEvent, object, "mqtt.MQTTMessageInfo | None"]
+
+
 class _CountingClient(PollingClient):
     """paho Client that reports every packet and counts socket bytes.
 
@@ -258,6 +264,22 @@ class _CountingClient(PollingClient):
     queued is noted until the socket took all of it (:meth:`qos0_written`); those :meth:`reconnect`
     finds unwritten or partly written go to ``on_lost``.
 
+    A packet the socket took part of when the connection was lost (or the network thread ended for
+    good) never goes out whole: paho writes its queue in order, so only the packet at the head of
+    the queue can be partly written (``0 < pos < len``). Each packet queued is noted with what
+    names the row that stands for it: the event reported for it, what ``on_packet`` returned for
+    that event (a channel: the id of the ledger row it wrote) and, for a QoS > 0 PUBLISH reported
+    as its message's first transmission, the message's ``MQTTMessageInfo`` (the channel's row is
+    the message's ``sent`` row). A re-send in place of a packet that never reached the socket
+    (reported without DUP, above) writes no row of its own: it takes the note of that packet
+    (the message's first transmission, or a retransmission whose row then stands for it).
+    :meth:`report_cut` finds the partly written head, once, and reports its note to ``on_cut`` as
+    ``(event, ref, handle, bytes the socket never took)``. A QoS 0 PUBLISH is left to
+    ``on_lost``, which says how much of it the socket took. The notes are keyed by the identity of
+    the packet's bytes, which paho's queue holds until the packet is written or dropped; those of
+    packets no longer queued are let go on the network thread between passes of its loop
+    (:meth:`_loop`), where no packet is half-way through a write.
+
     paho's ``reconnect`` sets its new socket before it queues CONNECT (and calls
     ``on_socket_open`` between the two); a PUBLISH another thread queued in that gap went out
     before CONNECT, and the broker closed the connection (a protocol error; against Mosquitto a
@@ -267,9 +289,20 @@ class _CountingClient(PollingClient):
     so (the link is not up).
     """
 
-    def __init__(self, *args, on_packet, on_lost=None, **kwargs) -> None:
+    def __init__(self, *args, on_packet, on_lost=None, on_cut=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._fedfleet_on_packet = on_packet
+        # called as on_cut(event, ref, handle, bytes the socket never took) (see report_cut)
+        self._fedfleet_on_cut: Callable[[PacketEvent, object, mqtt.MQTTMessageInfo | None, int], None] | None = \
+            on_cut
+        # id(packet bytes) -> note (event reported, what on_packet returned, the message's handle for a
+        # first transmission) of each packet queued; the ids of packets no longer in paho's queue are
+        # let go in _loop (stale ones are overwritten on reuse)
+        self._queued: dict[int, _Note] = {}
+        self._last_noted: dict[int, _Note] = {}  # mid -> note of the last QoS > 0 PUBLISH queued of it
+        # held while a packet is noted and queued, and while the notes are pruned: one noted and not
+        # yet in paho's queue is never taken for gone (re-entrant: paho may write from inside its queueing)
+        self._queued_lock = threading.RLock()
         # called as on_lost(list of (handle, packet bytes, bytes the socket took), why) on paho's thread
         self._fedfleet_on_lost: Callable[[list[tuple[mqtt.MQTTMessageInfo, int, int]], str], None] | None = on_lost
         self.socket_bytes_out = 0
@@ -308,6 +341,45 @@ class _CountingClient(PollingClient):
                     self._qos0_unwritten.pop(mid, None)
                     lost.append((info, size, taken.get(mid, 0) if taken is not None else queued.get(mid, 0)))
             return lost
+
+    def report_cut(self) -> None:
+        """Report the packet at the head of paho's queue when the socket took part of it and not
+        all (``0 < pos < len``), once: to ``on_cut`` as ``(event, ref, handle, unsent)`` with the
+        event reported at its queueing, what ``on_packet`` returned for it, the message's handle
+        for a QoS > 0 PUBLISH reported as a first transmission (else ``None``), and the bytes the
+        socket never took. Only the head can be partly written (paho writes its queue in order).
+        A QoS 0 PUBLISH is not reported here (``on_lost`` says what the socket took of it).
+
+        Call it where nothing more of the queue is written: on the network thread once the
+        connection is lost (paho's socket closed), or after the thread has ended for good; a
+        packet half-way through a write is not in paho's queue (paho takes it out while the
+        socket writes), so a call from another thread while the loop runs may miss it.
+        """
+        with self._queued_lock:
+            try:
+                head = self._out_packet[0]
+            except IndexError:
+                return
+            if not 0 < head["pos"] < len(head["packet"]):
+                return
+            noted = self._queued.pop(id(head["packet"]), None)  # popped: reported once
+        if noted is None or (head["command"] & 0xF0 == mqtt.PUBLISH and head["qos"] == 0):
+            return
+        if self._fedfleet_on_cut is not None:
+            self._fedfleet_on_cut(*noted, len(head["packet"]) - head["pos"])
+
+    def _loop(self, timeout: float = 1.0):
+        """:meth:`PollingClient._loop`, after letting go of the notes of packets no longer in
+        paho's queue (written or dropped) once there are many of them: here, between two passes
+        of the network loop, every queued packet is in paho's queue."""
+        if len(self._queued) > 2 * len(self._out_packet) + 64:
+            with self._queued_lock:
+                live = {id(p["packet"]) for p in tuple(self._out_packet)}
+                self._queued = {k: v for k, v in self._queued.items() if k in live}
+        if len(self._last_noted) > 2 * len(self._out_messages) + 64:  # acknowledged or withdrawn: never sent again
+            with self._queued_lock:
+                self._last_noted = {mid: n for mid, n in self._last_noted.items() if mid in self._out_messages}
+        return super()._loop(timeout)
 
     def _report_lost(self, lost: list[tuple[mqtt.MQTTMessageInfo, int, int]], why: str) -> None:
         if lost and self._fedfleet_on_lost is not None:
@@ -370,8 +442,10 @@ class _CountingClient(PollingClient):
 
     def reconnect(self):
         """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
-        PUBLISH packets it drops unwritten, and reporting the QoS 0 ones it drops (never sent
-        again) to ``on_lost``, with how much of each the socket took (paho thread)."""
+        PUBLISH packets it drops unwritten, reporting a packet the socket took part of to
+        ``on_cut`` (:meth:`report_cut`), the control packets it drops unwritten as ``dropped``,
+        and the QoS 0 PUBLISH packets it drops (never sent again) to ``on_lost``, with how much of
+        each the socket took (paho thread)."""
         with self._publish_gate:  # a PUBLISH being queued now goes into the old queue, which is emptied below
             self._connect_pending = True
         with self._out_message_mutex:
@@ -379,7 +453,8 @@ class _CountingClient(PollingClient):
         self._never_written = (self._never_written & live) | self.unwritten_mids()
         taken = {p["mid"]: p["pos"] for p in tuple(self._out_packet)
                  if p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] == 0}
-        self.void_unwritten_control()  # paho's thread: nothing is written until the queue is emptied
+        self.report_cut()  # paho's thread: nothing is written until the queue is emptied
+        self.void_unwritten_control()
         try:
             return super().reconnect()
         finally:  # also when the new connection fails (paho emptied its queue first)
@@ -399,22 +474,43 @@ class _CountingClient(PollingClient):
         if first >> 4 == 3 and qos == 0 and info is not None:  # noted before paho's thread can write it
             with self._qos0_lock:
                 self._qos0_unwritten[mid] = (info, len(packet))
-                self._fedfleet_on_packet(PacketEvent("out", "PUBLISH", len(packet), False))
-                return super()._packet_queue(command, packet, mid, qos, info)
+                return self._queue_noted(PacketEvent("out", "PUBLISH", len(packet), False),
+                                         command, packet, mid, qos, info)
         if first >> 4 == 1:  # CONNECT: a PUBLISH queued from now on goes after it
-            self._fedfleet_on_packet(PacketEvent("out", "CONNECT", len(packet), False))
             try:
-                return super()._packet_queue(command, packet, mid, qos, info)
+                return self._queue_noted(PacketEvent("out", "CONNECT", len(packet), False),
+                                         command, packet, mid, qos, info)
             finally:
                 self._connect_pending = False
         dup = bool(first & 0x08) and first >> 4 == 3
+        in_place = False
         if first >> 4 == 3 and qos > 0 and mid in self._never_written:
             # the re-send in place of a packet that never reached the socket (not a retransmission),
             # or a new message under a reused mid (the note was stale: a withdrawn message's)
             self._never_written.discard(mid)
+            in_place = dup  # paho's re-send has DUP set; a new message has not
             dup = False
-        self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet), dup))
-        return super()._packet_queue(command, packet, mid, qos, info)
+        return self._queue_noted(PacketEvent("out", PACKET_TYPES.get(first >> 4, "?"), len(packet), dup),
+                                 command, packet, mid, qos, info, in_place=in_place)
+
+    def _queue_noted(self, event: PacketEvent, command, packet, mid, qos, info, *, in_place: bool = False):
+        """Report ``event`` to ``on_packet``, note the packet (for :meth:`report_cut`), then hand
+        it to paho's queue. The note: ``event``, what ``on_packet`` returned and, for a QoS > 0
+        PUBLISH reported as a first transmission, its message's handle; ``in_place`` (a re-send in
+        place of a packet of the message that never reached the socket): that packet's note."""
+        ref = self._fedfleet_on_packet(event)
+        note: _Note = (event, ref, None)
+        publish = event.packet_type == "PUBLISH" and qos > 0
+        if publish and in_place and mid in self._last_noted:
+            note = self._last_noted[mid]
+        elif publish and not event.dup:
+            msg = self._out_messages.get(mid)  # a dict read: paho holds its lock around this call
+            note = (event, ref, info if info is not None else msg.info if msg is not None else None)
+        with self._queued_lock:
+            self._queued[id(packet)] = note
+            if publish:
+                self._last_noted[mid] = note
+            return super()._packet_queue(command, packet, mid, qos, info)
 
     def _packet_handle(self):
         ip = self._in_packet
@@ -441,6 +537,21 @@ class _CountingClient(PollingClient):
         if data:
             self.socket_bytes_in += len(data)
         return data
+
+
+class _EarlyRef:
+    """What :meth:`MqttTransport._on_packet` returns for an event seen before a packet listener was
+    set: the listener's answer, once the event is replayed to it (``value``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: object = None
+
+
+def _resolved(event: PacketEvent) -> PacketEvent:
+    """``event`` with a ``ref`` that is an :class:`_EarlyRef` replaced by the listener's answer it holds."""
+    return replace(event, ref=event.ref.value) if isinstance(event.ref, _EarlyRef) else event
 
 
 def _close_socket(client: mqtt.Client) -> None:
@@ -535,7 +646,7 @@ class MqttTransport:
         self._closed_before_connack = False
         self.connects = 0
         self.disconnects = 0
-        self._packet_listener: Callable[[PacketEvent], None] | None = None
+        self._packet_listener: Callable[[PacketEvent], object] | None = None
         self._delivery_listener: Callable[[object, str, str], None] | None = None
         self._connect_listeners: list[Callable[[int], None]] = []
         self.max_buffered_messages = max_buffered_messages
@@ -543,8 +654,8 @@ class MqttTransport:
         self._unacked: list[tuple[mqtt.MQTTMessageInfo, int]] = []
         self._unacked_bytes = 0
         self._buffer_lock = threading.Lock()
-        self._early_packets: list[PacketEvent] = []
-        self._packet_lock = threading.Lock()
+        self._early_packets: list[tuple[PacketEvent, _EarlyRef]] = []
+        self._packet_lock = threading.RLock()
         # id(info) -> (info, why the broker refused it); the info is held so that its id is not reused
         self._refusals: dict[int, tuple[mqtt.MQTTMessageInfo, PublishRefused]] = {}
         # id(info) -> (info, why it was dropped unsent): QoS 0 lost with a connection, anything unsent at close
@@ -577,11 +688,12 @@ class MqttTransport:
         """A paho client for protocol level ``version`` (5 or 4) with this transport's settings."""
         if version == MQTT_V5:
             c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                                protocol=mqtt.MQTTv5, on_packet=self._on_packet, on_lost=self._on_lost)
+                                protocol=mqtt.MQTTv5, on_packet=self._on_packet, on_lost=self._on_lost,
+                                on_cut=self._on_cut)
         else:
             c = _CountingClient(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
                                 protocol=mqtt.MQTTv311, clean_session=True, on_packet=self._on_packet,
-                                on_lost=self._on_lost)
+                                on_lost=self._on_lost, on_cut=self._on_cut)
         c.reconnect_delay_set(min_delay=1, max_delay=8)
         c.max_inflight_messages_set(20)
         if self._username is not None:
@@ -598,7 +710,10 @@ class MqttTransport:
 
     # paho callbacks (network thread) ---------------------------------------------------------
 
-    def _on_packet(self, event: PacketEvent) -> None:
+    def _on_packet(self, event: PacketEvent) -> object:
+        """Hand ``event`` to the packet listener and return what it returned (the client notes it
+        with the packet, :meth:`_CountingClient.report_cut`); before a listener is set, keep the
+        event for it and return a :class:`_EarlyRef` that the replay fills."""
         if event.direction == "in":  # the broker kept the connection after the last PUBACK (paho thread)
             last = self._last_acked
             if last is not None:
@@ -607,19 +722,45 @@ class MqttTransport:
         with self._packet_lock:
             listener = self._packet_listener
             if listener is None:
+                cell = _EarlyRef()
                 if len(self._early_packets) < 10_000:
-                    self._early_packets.append(event)
-                return
-        listener(event)
+                    self._early_packets.append((event, cell))
+                return cell
+        return listener(_resolved(event))
 
-    def set_packet_listener(self, listener: Callable[[PacketEvent], None]) -> None:
+    def set_packet_listener(self, listener: Callable[[PacketEvent], object]) -> None:
         """Receive a :class:`PacketEvent` for every MQTT packet from now on; packets seen before
-        (CONNECT, CONNACK, SUBSCRIBE … of :meth:`connect`) are replayed first."""
-        with self._packet_lock:
+        (CONNECT, CONNACK, SUBSCRIBE … of :meth:`connect`) are replayed first, before any later
+        one. What ``listener`` returns for an ``out`` event (a channel: the id of the ledger row
+        it wrote) comes back as the ``ref`` of a later event with ``unsent_bytes`` about the same
+        packet (the socket took only part of it)."""
+        with self._packet_lock:  # a packet of the network thread meanwhile waits for the replay
             early, self._early_packets = self._early_packets, []
+            for ev, cell in early:
+                cell.value = listener(_resolved(ev))
             self._packet_listener = listener
-        for ev in early:
-            listener(ev)
+
+    def _on_cut(self, event: PacketEvent, ref: object, handle: mqtt.MQTTMessageInfo | None, unsent: int) -> None:
+        """A packet the socket took part of and never will all of (:meth:`_CountingClient.report_cut`),
+        named by the note of the row that stands for it: a message's first transmission is told
+        to the delivery listener by its ``handle`` (outcome ``unsent``, ``reason`` the bytes never
+        written); a control packet or a PUBLISH reported with DUP goes to the packet listener as
+        ``event`` with ``unsent_bytes`` and the ``ref`` its listener returned for ``event``."""
+        log.info("%s: the socket took %d of the %d bytes of a %s%s before the connection was lost or closed",
+                 self.client_id, event.packet_bytes - unsent, event.packet_bytes, event.packet_type,
+                 " (DUP)" if event.dup else "")
+        if handle is not None:
+            self._tell(handle, "unsent", str(unsent))
+            return
+        if event.packet_type == "PUBLISH" and not event.dup:  # a first transmission whose message is not known
+            log.warning("%s: %d unsent bytes of a %d-byte PUBLISH not reported: its message is not known",
+                        self.client_id, unsent, event.packet_bytes)
+            return
+        try:
+            self._on_packet(PacketEvent("out", event.packet_type, event.packet_bytes, event.dup,
+                                        unsent_bytes=unsent, ref=ref))
+        except Exception:  # a listener must never break paho's network thread (or a close)
+            log.exception("%s: packet listener failed", self.client_id)
 
     def add_connect_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(n)`` on paho's network thread after the n-th accepted CONNECT (n > 1 is
@@ -648,7 +789,13 @@ class MqttTransport:
           its queue at the reconnect and does not send QoS 0 again), or a message of any QoS
           still unsent when the transport was closed or its client replaced; ``reason`` says which;
         * ``"cut"``: as ``dropped``, but the socket took part of the packet (its bytes were on
-          the wire; the broker got no whole packet);
+          the wire; the broker got no whole packet); ``unsent`` came first;
+        * ``"unsent"``: the socket took only part of the message's PUBLISH before the connection
+          was lost, or the transport closed, or its client's network thread ended: ``reason``
+          is the number of its bytes it never took (a decimal number). For the PUBLISH the
+          message went out with first (one reported with DUP is a packet event, see
+          :meth:`set_packet_listener`). Not final: a QoS 1 message is sent again after the
+          reconnect, with DUP, and its outcome follows; a QoS 0 one is ``cut``;
         * ``"resized"``: a QoS 1 message queued on a client of one MQTT protocol level was moved to
           one of another (``connect``'s fallback from MQTT 5 to 3.1.1): its PUBLISH goes out with
           another size, ``reason`` (the packet's new size in bytes, a decimal number). Not final:
@@ -668,16 +815,19 @@ class MqttTransport:
 
     def _on_lost(self, lost: list[tuple[mqtt.MQTTMessageInfo, int, int]], why: str) -> None:
         """QoS 0 PUBLISH packets (``(handle, packet bytes, bytes the socket took)``) that will never
-        be sent: remembered for :meth:`publish`'s wait and reported ``dropped`` / ``cut``."""
+        be sent: remembered for :meth:`publish`'s wait and reported ``dropped``, or ``unsent``
+        (the bytes the socket never took) then ``cut``."""
         for info, size, taken in lost:
             if taken:
                 reason = (f"{why} after the socket took {taken:,} of the {size:,} bytes of this QoS 0 PUBLISH: the "
                           "broker got no whole packet, and MQTT does not send a QoS 0 message again")
+                self._tell(info, "unsent", str(size - taken))
             else:
                 reason = (f"{why} with this {size:,}-byte QoS 0 PUBLISH still in the MQTT client's queue, none of "
                           "it written: MQTT does not send a QoS 0 message again")
             self._drop(info, PublishDropped(f"{self.client_id}: QoS 0 PUBLISH (message id {info.mid}) not sent: "
-                                            f"{reason}", client_id=self.client_id, on_wire=taken > 0))
+                                            f"{reason}", client_id=self.client_id, on_wire=taken > 0,
+                                            unsent_bytes=size - taken if taken else 0))
 
     def _drop(self, info: mqtt.MQTTMessageInfo, exc: PublishDropped) -> None:
         log.warning("%s", exc)  # the channel says the message undeliverable (an error)
@@ -745,7 +895,9 @@ class MqttTransport:
         last, self._last_acked = self._last_acked, None
         self.closed_for_refusal = False
         # paho's socket is closed: the QoS 0 PUBLISH packets still in its queue are never written (its
-        # reconnect empties the queue); said now, not at the reconnect a delay later
+        # reconnect empties the queue), nor the rest of a packet it took part of; said now, not at the
+        # reconnect a delay later
+        client.report_cut()
         self._on_lost(client.take_lost_qos0(), "the link is down: the connection was lost")
         if not self._closed:
             log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
@@ -1013,6 +1165,7 @@ class MqttTransport:
                 if size != publish_size(m.topic, len(m.payload), m.qos, protocol=before).packet_bytes:
                     self._tell(m.info, "resized", str(size))
         self._on_lost(old.take_lost_qos0(), "the client was replaced before its CONNACK")
+        old.report_cut()  # its socket is closed: the rest of a packet it took part of never goes out
         if old not in self._retired:  # its loop has ended: what is left in its queue is never written
             old.void_unwritten_control()
 
@@ -1201,7 +1354,7 @@ class MqttTransport:
                 if dropped is not None:
                     raise PublishDropped(f"{self.client_id}: PUBLISH to {topic} ({len(payload):,} bytes) not sent: "
                                          f"{str(dropped).split(' not sent: ', 1)[-1]}", client_id=self.client_id,
-                                         topic=topic, on_wire=dropped.on_wire)
+                                         topic=topic, on_wire=dropped.on_wire, unsent_bytes=dropped.unsent_bytes)
                 # paho marks a QoS 0 PUBLISH that a lost connection took out of its queue published, with
                 # rc CONN_LOST (paho's reconnect; its report as dropped follows at once): not a success
                 lost = _published(info) and qos == 0 and info.rc == mqtt.MQTT_ERR_CONN_LOST
@@ -1313,6 +1466,7 @@ class MqttTransport:
         client._thread_terminate = True
         client.loop_stop()
         _close_socket(client)
+        client.report_cut()  # the rest of a packet the socket took part of never goes out
         self._connected.clear()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -1347,9 +1501,11 @@ class MqttTransport:
                 if thread is not None and thread is not threading.current_thread():
                     thread.join(timeout_s)
                 _close_socket(old)
+                old.report_cut()
                 old.void_unwritten_control()
             self._retired = []
             self._connected.clear()
+        client.report_cut()
         self._on_lost(client.take_lost_qos0(), "the transport was closed")
         client.void_unwritten_control()
         for m in client.unsent_messages():

@@ -59,6 +59,16 @@ class PacketEvent:
         dropped: an ``out`` control packet reported before (at its queueing) that the socket never
             took a byte of: a lost connection or a close dropped it from the client's queue. It
             voids that earlier event (same type and size); its bytes were never on the wire.
+        unsent_bytes: > 0: an ``out`` packet reported before (at its queueing: a control packet,
+            or a PUBLISH reported with ``dup``) of which the socket took only part before the
+            connection was lost, or the transport closed, or its client's network thread ended:
+            this many of its bytes never went out (the other ``packet_bytes - unsent_bytes``
+            did). It amends that earlier event, which ``ref`` names. (A PUBLISH reported without
+            ``dup``, its message's first transmission, is told to the delivery listener instead,
+            by its handle: outcome ``unsent``.)
+        ref: with ``unsent_bytes``, what the packet listener returned for the earlier event of
+            that packet (a :class:`~protocol.channel.Channel` returns the id of the ledger row it
+            wrote for it); ``None`` otherwise, or when the listener returned nothing.
     """
 
     direction: str
@@ -66,6 +76,8 @@ class PacketEvent:
     packet_bytes: int
     dup: bool = False
     dropped: bool = False
+    unsent_bytes: int = 0
+    ref: object = None
 
 
 class Transport(Protocol):

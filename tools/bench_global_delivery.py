@@ -57,7 +57,7 @@ def run_config(data_dir: str, rate: float, delivery: str) -> config_mod.Config:
 def measure(run_dir: Path) -> dict:
     """Byte figures of one finished run (module docstring), from its ledger and metrics."""
     db = sqlite3.connect(f"file:{run_dir / 'ledger.sqlite'}?mode=ro", uri=True)
-    wire = "mqtt_header_bytes + topic_bytes + payload_bytes"
+    wire = "mqtt_header_bytes + topic_bytes + payload_bytes - unsent_bytes"  # the ledger's wire bytes (schema 6)
     where = "event IN ('sent', 'received') AND reason != 'control' AND direction = 'down'"
 
     def total(extra: str) -> int:

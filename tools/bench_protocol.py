@@ -271,8 +271,9 @@ def _round_up_bytes(report: dict[str, Any], run_dir: Path, rounds: int) -> list[
     try:
         out = []
         for r in range(1, rounds + 1):
-            (v,) = db.execute("SELECT COALESCE(SUM(mqtt_header_bytes + topic_bytes + payload_bytes), 0) FROM messages "
-                              "WHERE side='agent' AND event='sent' AND direction='up' AND round=?", (r,)).fetchone()
+            (v,) = db.execute("SELECT COALESCE(SUM(mqtt_header_bytes + topic_bytes + payload_bytes - unsent_bytes), 0) "
+                              "FROM messages WHERE side='agent' AND event='sent' AND direction='up' AND round=?",
+                              (r,)).fetchone()
             out.append(int(v))
         return out
     finally:

@@ -67,9 +67,13 @@ Byte columns, per row (all in bytes)::
     sig_bytes        the signature trailers of signed messages (``protocol.security``)
     enc_bytes        what encryption added (AES-GCM tags)
     mqtt_bytes       mqtt_header_bytes + topic_bytes of an application PUBLISH (framing and topic)
-    control_bytes    the whole packet of a control-packet row (0 for application messages)
-    wire_bytes       what crossed the link: mqtt_header_bytes + topic_bytes + payload_bytes,
-                     so wire = body + envelope + sig + enc + mqtt + control
+    control_bytes    what a control-packet row's packet put on the link (0 for application messages)
+    unsent_bytes     of an application PUBLISH the socket took only part of (the connection was
+                     lost, or the transport closed, with it partly written; ledger schema 6): the
+                     bytes it never took, which the columns above count (they size whole packets)
+    wire_bytes       what crossed the link: mqtt_header_bytes + topic_bytes + payload_bytes −
+                     unsent_bytes (the ledger's column, control packets' included),
+                     so wire = body + envelope + sig + enc + mqtt + control − unsent
 
 ``signed_messages`` / ``encrypted_messages`` count the rows that carried a signature / an
 encrypted body. A chunked transfer's chunks are each signed (and their bodies encrypted on

@@ -101,6 +101,17 @@ DIRECTION_MEANING = {
                "SUBSCRIBE, PUBACK for an upload it received, PINGREQ, DISCONNECT."),
 }
 
+def unsent_line(tot: Mapping[str, Any]) -> str | None:
+    """The line under a link's totals when PUBLISH packets were cut short (the totals dict's
+    ``unsent_bytes`` of its ``all``): their bytes the socket never took count in the body,
+    envelope and MQTT columns (whole packets) and not in wire B; ``None`` when there were none."""
+    n = tot.get("all", {}).get("unsent_bytes", 0)
+    if not n:
+        return None
+    return (f"{count(n)} bytes of PUBLISH packets cut short by a lost connection (or a close) count in the body, "
+            "envelope and MQTT columns but never went out: wire B leaves them out.")
+
+
 #: Columns of a per-kind table (:func:`kind_cells`).
 KIND_COLUMNS = ("kind", "dir", "messages", "body B", "envelope B", "MQTT B", "control B", "wire B", "overhead")
 
@@ -209,7 +220,8 @@ def field_notes(fields: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def overhead_parts(tot: Mapping[str, Any]) -> list[tuple[str, int]]:
     """(part, bytes) of one totals dict: body, envelope, signatures and encryption (when any), MQTT
-    header + topic, control packets; they add up to its ``wire_bytes``."""
+    header + topic, control packets; they add up to its ``wire_bytes`` plus its ``unsent_bytes``
+    (PUBLISH packets cut short by a lost connection count whole in the parts)."""
     parts = [("body", tot["body_bytes"]), ("envelope", tot["envelope_bytes"]),
              ("MQTT header + topic", tot["mqtt_bytes"]), ("control packets", tot.get("control_bytes", 0))]
     if tot.get("sig_bytes") or tot.get("enc_bytes"):

@@ -34,6 +34,7 @@ from ._format import (
     short_run_labels,
     target_parts_text,
     target_text,
+    unsent_line,
 )
 from ._plots import plot_by_round, plot_clients, plot_curves, plot_overhead
 from ._report import comparison_row, fleet_total, resume_view
@@ -202,9 +203,13 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
         parts.append("<h3>Totals: device links (uploads sent + downloads received by each agent)</h3>")
         parts.append(f'<p class="note">{_esc(DIRECTION_MEANING["device"])}</p>')
         parts.append(_totals_html(rep["totals"]["device"]))
+        if (cut := unsent_line(rep["totals"]["device"])) is not None:
+            parts.append(f'<p class="note">{_esc(cut)}</p>')
         parts.append("<h3>Totals: server link (a broadcast counts once)</h3>")
         parts.append(f'<p class="note">{_esc(DIRECTION_MEANING["server"])}</p>')
         parts.append(_totals_html(rep["totals"]["server"]))
+        if (cut := unsent_line(rep["totals"]["server"])) is not None:
+            parts.append(f'<p class="note">{_esc(cut)}</p>')
         tgt = rep.get("target") or {}
         if tgt.get("bytes") is not None:
             parts.append(f"<p>Device-link bytes to reach accuracy ≥ {_esc(acc(tgt['accuracy']))}: "

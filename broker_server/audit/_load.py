@@ -29,7 +29,7 @@ LEDGER_NAME = "ledger.sqlite"
 #: other integers as 0, text as ''; ``round``, ``chunk_index`` and ``transfer_id`` keep NULL (it
 #: means something: no round, not a chunk, not chunked).
 INT_COLUMNS = ("topic_bytes", "mqtt_header_bytes", "envelope_bytes", "body_bytes", "payload_bytes", "raw_bytes",
-               "sig_bytes", "enc_bytes")
+               "sig_bytes", "enc_bytes", "unsent_bytes")
 TEXT_COLUMNS = ("federation", "side", "node", "event", "direction", "kind", "client", "topic", "codec", "reason",
                 "fields", "delivery")
 NULLABLE_COLUMNS = ("round", "chunk_index", "transfer_id")

@@ -33,8 +33,9 @@ _VIEW_SIDE = {"device": "agent", "server": "server"}
 
 #: SQL: a row is an MQTT control packet (same test as :func:`is_control`).
 IS_CONTROL = "(reason = 'control' OR kind IN ({}))".format(", ".join(f"'{k}'" for k in sorted(CONTROL_KINDS)))
-#: SQL: the bytes the row's packet took on the link (header + topic + payload).
-WIRE = "(mqtt_header_bytes + topic_bytes + payload_bytes)"
+#: SQL: the bytes the row's packet took on the link: header + topic + payload, less the bytes of it
+#: the socket never took (``unsent_bytes``: the connection was lost with the packet partly written).
+WIRE = "(mqtt_header_bytes + topic_bytes + payload_bytes - unsent_bytes)"
 #: SQL: a row stands for one whole message, once (same test as :func:`whole_message`).
 WHOLE_MESSAGE = "(event = 'message' OR (event IN ('sent', 'received') AND chunk_index IS NULL))"
 
@@ -48,11 +49,12 @@ _TALLY = """COUNT(*) AS messages,
     COALESCE(SUM(wire), 0) AS wire,
     COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE sig_bytes END), 0) AS sig,
     COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE enc_bytes END), 0) AS enc,
+    COALESCE(SUM(CASE WHEN ctl THEN 0 ELSE unsent_bytes END), 0) AS unsent,
     COALESCE(SUM(NOT ctl AND sig_bytes > 0), 0) AS signed,
     COALESCE(SUM(NOT ctl AND enc_bytes > 0), 0) AS encrypted"""
 
 _EMPTY_TALLY = {"messages": 0, "body": 0, "envelope": 0, "mqtt": 0, "control_messages": 0, "control": 0,
-                "wire": 0, "sig": 0, "enc": 0, "signed": 0, "encrypted": 0}
+                "wire": 0, "sig": 0, "enc": 0, "unsent": 0, "signed": 0, "encrypted": 0}
 
 
 @contextmanager
@@ -116,7 +118,8 @@ def _tally(t: Mapping[str, Any]) -> dict[str, Any]:
     return {"messages": t["messages"], "body_bytes": t["body"], "envelope_bytes": t["envelope"],
             "mqtt_bytes": t["mqtt"], "control_messages": t["control_messages"], "control_bytes": t["control"],
             "wire_bytes": t["wire"], "overhead_share": _overhead(t["wire"], t["body"]), "sig_bytes": t["sig"],
-            "enc_bytes": t["enc"], "signed_messages": t["signed"], "encrypted_messages": t["encrypted"]}
+            "enc_bytes": t["enc"], "unsent_bytes": t["unsent"], "signed_messages": t["signed"],
+            "encrypted_messages": t["encrypted"]}
 
 
 def round_key(value: int | None) -> tuple[bool, int]:
@@ -171,8 +174,10 @@ def totals(rows: LedgerSource, view: str = "device") -> dict[str, Any]:
         ``{"view": view, "up": T, "down": T, "all": T}`` where each ``T`` holds ``messages``
         (control packets included), ``body_bytes``, ``envelope_bytes``, ``mqtt_bytes``,
         ``control_messages``, ``control_bytes``, ``wire_bytes`` (= body + envelope + sig + enc +
-        mqtt + control), ``overhead_share``, ``sig_bytes``, ``enc_bytes``, ``signed_messages``
-        and ``encrypted_messages``.
+        mqtt + control − unsent), ``overhead_share``, ``sig_bytes``, ``enc_bytes``,
+        ``unsent_bytes`` (of application PUBLISH packets the socket took only part of: counted
+        whole in body … mqtt, never on the wire; a control packet's are already out of
+        ``control_bytes``), ``signed_messages`` and ``encrypted_messages``.
 
     Raises:
         ValueError: unknown ``view``.

@@ -33,6 +33,7 @@ from ._format import (
     short_run_labels,
     target_parts_text,
     target_text,
+    unsent_line,
 )
 from ._queries import VIEWS, round_label
 from ._report import comparison_row, fleet_total, resume_view
@@ -110,6 +111,8 @@ def render_text(report: Mapping[str, Any]) -> str:
                       count(d["mqtt_bytes"]), count(d.get("control_bytes", 0)), count(d["wire_bytes"]),
                       human(d["wire_bytes"]), pct(d["overhead_share"]))
         console.print(t)
+        if (cut := unsent_line(tot)) is not None:
+            console.print(cut)
         console.print(DIRECTION_MEANING[view])
 
     if (resume_rows := resume_cells(report)):

@@ -137,14 +137,14 @@ def test_totals_device_view(rows):
     down_body = 2 * 1000 + 2 * 2000  # each broadcast counted once per receiving agent
     assert t["up"] == {"messages": 4, "body_bytes": up_body, "envelope_bytes": 4 * 27,
                        "mqtt_bytes": 4 * (5 + 33), "control_messages": 0, "control_bytes": 0,
-                       "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
+                       "sig_bytes": 0, "enc_bytes": 0, "unsent_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
                        "wire_bytes": U1A1 + U1A2 + U2A1 + U2A2,
                        "overhead_share": pytest.approx((2460 - up_body) / 2460)}
     assert t["up"]["wire_bytes"] == 2460
     assert t["down"] == {"messages": 4, "body_bytes": down_body, "envelope_bytes": 4 * 25,
                          "mqtt_bytes": 4 * (5 + 32), "control_messages": 0, "control_bytes": 0,
-                         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
-                         "wire_bytes": 2 * G1 + 2 * G2,
+                         "sig_bytes": 0, "enc_bytes": 0, "unsent_bytes": 0, "signed_messages": 0,
+                         "encrypted_messages": 0, "wire_bytes": 2 * G1 + 2 * G2,
                          "overhead_share": pytest.approx((6248 - down_body) / 6248)}
     assert t["down"]["wire_bytes"] == 6248
     assert t["all"]["messages"] == 8
@@ -221,11 +221,11 @@ def test_by_kind(rows):
     assert by_kind(rows) == [
         {"kind": "global", "direction": "down", "messages": 4, "body_bytes": 6000, "envelope_bytes": 100,
          "mqtt_bytes": 148, "control_messages": 0, "control_bytes": 0, "wire_bytes": 6248,
-         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
+         "sig_bytes": 0, "enc_bytes": 0, "unsent_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
          "overhead_share": pytest.approx(248 / 6248)},
         {"kind": "update", "direction": "up", "messages": 4, "body_bytes": 2200, "envelope_bytes": 108,
          "mqtt_bytes": 152, "control_messages": 0, "control_bytes": 0, "wire_bytes": 2460,
-         "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
+         "sig_bytes": 0, "enc_bytes": 0, "unsent_bytes": 0, "signed_messages": 0, "encrypted_messages": 0,
          "overhead_share": pytest.approx(260 / 2460)},
     ]
 
@@ -245,7 +245,8 @@ def test_empty_ledger_totals_are_zero():
     t = totals([], "device")
     assert t["all"] == {"messages": 0, "body_bytes": 0, "envelope_bytes": 0, "mqtt_bytes": 0,
                         "control_messages": 0, "control_bytes": 0, "wire_bytes": 0, "overhead_share": None,
-                        "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0}
+                        "sig_bytes": 0, "enc_bytes": 0, "unsent_bytes": 0, "signed_messages": 0,
+                        "encrypted_messages": 0}
     assert by_round([]) == [] and by_client([]) == [] and by_kind([]) == [] and rejected([]) == []
 
 
@@ -314,7 +315,7 @@ def test_main_json_totals_equal_text_totals(run_dir, capsys):
         for key in ("up", "down", "all"):
             expected = {k: v for k, v in rep["totals"][view][key].items()  # security costs: their own table
                         if k not in ("overhead_share", "control_messages", "sig_bytes", "enc_bytes",
-                                     "signed_messages", "encrypted_messages")}
+                                     "unsent_bytes", "signed_messages", "encrypted_messages")}
             assert parsed[key] == expected, (view, key)
     assert rep["totals"]["device"]["all"]["wire_bytes"] == 8708
 
@@ -427,7 +428,7 @@ def test_control_packets_in_by_kind_totals_and_session_row(ctrl_run):
     assert kinds[("CONNECT", "up")] == {
         "kind": "CONNECT", "direction": "up", "messages": 2, "body_bytes": 0, "envelope_bytes": 0,
         "mqtt_bytes": 0, "control_messages": 2, "control_bytes": 28, "wire_bytes": 28, "overhead_share": 1.0,
-        "sig_bytes": 0, "enc_bytes": 0, "signed_messages": 0, "encrypted_messages": 0}
+        "sig_bytes": 0, "enc_bytes": 0, "unsent_bytes": 0, "signed_messages": 0, "encrypted_messages": 0}
     assert kinds[("CONNACK", "down")]["wire_bytes"] == 4
     assert kinds[("PUBACK", "up")]["wire_bytes"] == 4
     assert kinds[("DISCONNECT", "up")]["wire_bytes"] == 2
@@ -458,6 +459,36 @@ def test_control_packets_in_by_kind_totals_and_session_row(ctrl_run):
     text = render_text(audit_report(ctrl_run))
     assert re.search(r"^session\s+4\s+34\s+0\s+1\s+4\s+0\s+100\.0 %$", text, re.M)
     assert re.search(r"^CONNECT\s+up\s+2\s+0\s+0\s+0\s+28\s+28\s+100\.0 %$", text, re.M)
+
+
+def test_packets_cut_short_count_the_bytes_the_socket_took(tmp_path):
+    """The control-packet run with two packets cut short by a lost connection (ledger schema 6):
+    a1's round-1 update (465 bytes) of which the socket took 65 (``unsent_bytes`` 400), and a2's
+    PUBACK (4 bytes) of which it took 1 (3). By hand, on the device links: up wire 2460 + 34 −
+    400 − 3 = 2091; the update kind 2460 − 400 = 2060 of wire with its parts whole (body
+    2200 …) and ``unsent_bytes`` 400; the PUBACK's 3 are out of control bytes (1); body +
+    envelope + MQTT + control − unsent = wire. The text and HTML say what the parts hold."""
+    unsent = {("a1", "update", 1): 400, ("a2", "PUBACK", None): 3}
+    rows = [replace(r, unsent_bytes=unsent.get((r.node, r.kind, r.round), 0)) if r.side == "agent"
+            and r.event == "sent" else r for r in _control_rows()]
+    assert sum(r.unsent_bytes for r in rows) == 403
+    run = _write_run(tmp_path / "cut-run", rows, METRICS)
+    loaded = load_run(run).rows
+    t = totals(loaded, "device")
+    assert t["up"]["wire_bytes"] == 2460 + 34 - 400 - 3 == 2091
+    assert t["up"]["unsent_bytes"] == 400 and t["up"]["control_bytes"] == 34 - 3
+    for d in (t["up"], t["down"], t["all"]):
+        assert d["wire_bytes"] == (d["body_bytes"] + d["envelope_bytes"] + d["mqtt_bytes"] + d["control_bytes"]
+                                   - d["unsent_bytes"])
+    kinds = {(k["kind"], k["direction"]): k for k in by_kind(loaded)}
+    assert kinds[("update", "up")]["wire_bytes"] == 2460 - 400 == 2060
+    assert kinds[("update", "up")]["body_bytes"] == 2200 and kinds[("update", "up")]["unsent_bytes"] == 400
+    assert kinds[("PUBACK", "up")]["wire_bytes"] == 1
+    assert by_round(loaded)[0]["up_bytes"] == U1A1 - 400 + U1A2
+    assert totals(loaded, "server") == totals([asdict(r) for r in _control_rows()], "server")  # whole
+    text = render_text(audit_report(run))
+    assert "400 bytes of PUBLISH packets cut short by a lost connection" in " ".join(text.split())
+    assert "400 bytes of PUBLISH packets cut short" in render_html([audit_report(run)])
 
 
 def test_unknown_and_missing_optional_columns_are_tolerated(ctrl_run):
@@ -1282,8 +1313,8 @@ def test_several_resumes_cut_the_ledger_into_sessions_by_row_id():
 
 def _wire_sql(run, where: str, *params) -> int:
     """Σ wire bytes of the raw ``messages`` rows matching ``where`` (SQL of its own, not the audit's)."""
-    ((n,),) = _sql(run, "SELECT COALESCE(SUM(mqtt_header_bytes + topic_bytes + payload_bytes), 0) FROM messages "
-                        f"WHERE event IN ('sent', 'received', 'rejected') AND {where}", *params)
+    ((n,),) = _sql(run, "SELECT COALESCE(SUM(mqtt_header_bytes + topic_bytes + payload_bytes - unsent_bytes), 0) "
+                        f"FROM messages WHERE event IN ('sent', 'received', 'rejected') AND {where}", *params)
     return n
 
 

@@ -129,7 +129,7 @@ def _sql(run, query: str, *params):
         db.close()
 
 
-WIRE = "mqtt_header_bytes + topic_bytes + payload_bytes"
+WIRE = "mqtt_header_bytes + topic_bytes + payload_bytes - unsent_bytes"
 VIEW = "event IN ('sent', 'received', 'rejected')"
 
 

@@ -2,9 +2,10 @@
 
 A ledger of known rows is built by a seeded generator: several rounds, the session (round NULL
 and round 0), three clients, both sides, every event, control packets, chunked transfers,
-signed and encrypted rows, rejected rows, and JSON ``fields`` columns. Every expected number is a
-plain Python sum over those rows, written out below from the definitions of the audit (device
-view: the agents' sent/received/rejected rows; wire = MQTT header + topic + payload; …), never
+signed and encrypted rows, rejected rows, JSON ``fields`` columns, and sent packets the socket took
+only part of (``unsent_bytes``). Every expected number is a plain Python sum over those rows,
+written out below from the definitions of the audit (device view: the agents'
+sent/received/rejected rows; wire = MQTT header + topic + payload − unsent; …), never
 by calling the audit. The queries run both on the ledger file (the connection ``audit_report``
 uses) and on the same rows as dicts (loaded into an in-memory table).
 """
@@ -47,18 +48,24 @@ CONTROL = ("CONNECT", "CONNACK", "PUBACK", "PINGREQ", "DISCONNECT")
 
 def _make_rows(seed: int = 7, n: int = 400) -> list[LedgerRow]:
     rng = random.Random(seed)
+    cut = random.Random(seed + 1)  # which sent packets a lost connection cut short (its own stream)
     rows = []
+
+    def unsent(event: str, whole: int) -> int:
+        return cut.randint(1, whole - 1) if event == "sent" and whole > 1 and cut.random() < 0.15 else 0
     for _ in range(n):
         side = rng.choice(("agent", "server"))
         client = rng.choice(CLIENTS)
         control = rng.random() < 0.2
         if control:
             kind, direction = rng.choice(CONTROL), rng.choice(("up", "down"))
+            event, size = rng.choice(("sent", "received")), rng.randint(2, 30)
             rows.append(LedgerRow(federation=FED, side=side, node=client if side == "agent" else "server",
-                                  event=rng.choice(("sent", "received")), direction=direction, kind=kind, round=None,
+                                  event=event, direction=direction, kind=kind, round=None,
                                   client=client if side == "agent" else "*", sender=None, seq=None, topic="",
-                                  topic_bytes=0, mqtt_header_bytes=rng.randint(2, 30), envelope_bytes=0,
-                                  body_bytes=0, payload_bytes=0, qos=0, reason="control"))
+                                  topic_bytes=0, mqtt_header_bytes=size, envelope_bytes=0,
+                                  body_bytes=0, payload_bytes=0, qos=0, reason="control",
+                                  unsent_bytes=unsent(event, size)))
             continue
         kind, direction = rng.choice((("update", "up"), ("global", "down"), ("status", "up"), ("join", "up")))
         event = rng.choices(("sent", "received", "rejected", "message"), weights=(5, 5, 1, 1))[0]
@@ -78,16 +85,18 @@ def _make_rows(seed: int = 7, n: int = 400) -> list[LedgerRow]:
                 f["extras"] = rng.randint(5, 900)  # a receiver's lump
             fields = rng.choice((json.dumps(f), json.dumps(f), "", "not json", "[1, 2]"))
         topic = f"fedfleet/v1/{FED}/{direction}/{client}/{kind}"
+        header = rng.randint(2, 5)
         rows.append(LedgerRow(
             federation=FED, side=side, node=client if side == "agent" else "server", event=event,
             direction=direction, kind=kind, round=rnd, client=client if (side == "agent" or direction == "up") else "*",
-            sender=None, seq=None, topic=topic, topic_bytes=len(topic), mqtt_header_bytes=rng.randint(2, 5),
+            sender=None, seq=None, topic=topic, topic_bytes=len(topic), mqtt_header_bytes=header,
             envelope_bytes=envelope, body_bytes=body, payload_bytes=envelope + body + sig + enc, qos=1,
             codec=rng.choice(("fp32", "int8+zstd", "fp32,prototypes=fp16", "")), reason="bad" if event == "rejected"
             else "", raw_bytes=rng.randint(0, 9000), fields=fields,
             transfer_id=f"t{rng.randint(0, 9)}" if chunk or event == "message" else None,
             chunk_index=rng.randint(0, 3) if chunk else None, chunk_count=4 if chunk else None,
-            sig_bytes=sig, enc_bytes=enc))
+            sig_bytes=sig, enc_bytes=enc,
+            unsent_bytes=unsent(event, header + len(topic) + envelope + body + sig + enc)))
     return rows
 
 
@@ -96,7 +105,7 @@ def _make_rows(seed: int = 7, n: int = 400) -> list[LedgerRow]:
 
 
 def _wire(r: LedgerRow) -> int:
-    return r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes
+    return r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes - r.unsent_bytes
 
 
 def _view(rows, side="agent"):
@@ -113,7 +122,7 @@ def _sums(rows) -> dict:
             "control_bytes": sum(_wire(r) for r in ctl), "wire_bytes": wire,
             "overhead_share": (wire - body) / wire if wire else None,
             "sig_bytes": sum(r.sig_bytes for r in app), "enc_bytes": sum(r.enc_bytes for r in app),
-            "signed_messages": sum(r.sig_bytes > 0 for r in app),
+            "unsent_bytes": sum(r.unsent_bytes for r in app), "signed_messages": sum(r.sig_bytes > 0 for r in app),
             "encrypted_messages": sum(r.enc_bytes > 0 for r in app)}
 
 
@@ -153,6 +162,9 @@ def test_the_generated_ledger_covers_every_case(ledger):
     assert {r.round for r in rows} >= {None, 0, 1, 2, 3, 4}
     assert any(r.reason == "control" for r in _view(rows)) and any(r.chunk_index is not None for r in rows)
     assert any(r.sig_bytes for r in _view(rows)) and any(r.enc_bytes for r in _view(rows))
+    for side in ("agent", "server"):  # cut packets: application and control, in both views
+        assert any(r.unsent_bytes and r.reason != "control" for r in _view(rows, side))
+        assert any(r.unsent_bytes and r.reason == "control" for r in _view(rows, side))
 
 
 @pytest.mark.parametrize("view, side", [("device", "agent"), ("server", "server")])
@@ -160,7 +172,12 @@ def test_totals_equal_python_sums(source, ledger, view, side):
     mine = _view(ledger[1], side)
     expected = {"view": view, "up": _sums([r for r in mine if r.direction == "up"]),
                 "down": _sums([r for r in mine if r.direction != "up"]), "all": _sums(mine)}
-    assert totals(source, view) == expected
+    got = totals(source, view)
+    assert got == expected
+    for t in (got["up"], got["down"], got["all"]):  # the parts size whole packets: less what never went out
+        assert t["wire_bytes"] == (t["body_bytes"] + t["envelope_bytes"] + t["sig_bytes"] + t["enc_bytes"]
+                                   + t["mqtt_bytes"] + t["control_bytes"] - t["unsent_bytes"])
+    assert got["all"]["unsent_bytes"] > 0
 
 
 @pytest.mark.parametrize("view, side", [("device", "agent"), ("server", "server")])

@@ -6,7 +6,10 @@ tracks the handle, as a fast network thread does), so each step is explicit.
 The rule is the ledger's: the ``sent`` rows' bytes are the socket's. A QoS 0 PUBLISH dropped from
 the MQTT client's queue unwritten (``dropped``) leaves the wire totals (its row becomes a
 ``message`` row, delivery ``dropped``); one the socket took part of (``cut``) stays ``sent``; both
-make their message undeliverable, once per message. A ``resized`` report corrects the row's size."""
+make their message undeliverable, once per message. A ``resized`` report corrects the row's size.
+An ``unsent`` report (a PUBLISH the socket took part of, by its handle) and a packet event with
+``unsent_bytes`` (a control packet or a retransmission, by the row the channel answered for it)
+set the row's ``unsent_bytes``: its wire bytes are the whole packet's less those."""
 
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ class ReportingTransport(StubTransport):
 
 
 def _wire(rows) -> int:
-    return sum(r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes for r in rows if r.event == "sent")
+    return sum(r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes - r.unsent_bytes  # less what never went out
+               for r in rows if r.event == "sent")
 
 
 def test_qos0_outcomes_written_dropped_cut_correct_the_rows_and_say_the_message_undeliverable(tmp_path) -> None:
@@ -126,4 +130,62 @@ def test_a_control_packet_dropped_unwritten_voids_its_row(tmp_path) -> None:
     assert [(r.kind, r.event, r.delivery) for r in rows] == [("SUBSCRIBE", "sent", ""), ("PINGREQ", "sent", ""),
                                                              ("SUBSCRIBE", "message", "dropped")]
     assert ch.control_bytes_sent == 32 == _wire(rows)
+    ledger.close()
+
+
+def test_unsent_bytes_of_a_cut_publish_land_on_its_row_before_or_after_it_is_tracked(tmp_path) -> None:
+    """QoS 1: M1's PUBLISH is reported ``unsent`` (700 bytes never written) after the channel
+    tracked it, M2's inside ``publish`` (before); both are then acknowledged (sent again whole
+    after the reconnect: a ``PUBLISH-DUP`` row, not part of this test). QoS 0: M3 ``unsent`` (50)
+    then ``cut``. Each row keeps its whole sizes, says its ``unsent_bytes``, and the channel's
+    ``wire_bytes_sent`` is the ledger's wire sum (whole packets less unsent)."""
+    tr = ReportingTransport()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=1)
+    ch.send(TOPIC, update_of(1000), round=1)  # M1
+    tr.tell(tr.handles[0], "unsent", "700")
+    tr.inside = [("unsent", "900")]
+    ch.send(TOPIC, update_of(1000), round=1)  # M2: its report came before the channel tracked it
+    for h in tr.handles:
+        tr.tell(h, "acked")
+    assert ch.acked == 2 and ch._handles == {} and ch._early_unsent == {}
+    q0 = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=0)
+    q0.send(TOPIC, update_of(100), round=1)  # M3
+    tr.tell(tr.handles[-1], "unsent", "50")
+    tr.tell(tr.handles[-1], "cut", "the connection was lost after the socket took part of it")
+    assert q0.undeliverable == 1 and q0._handles == {}
+    ledger.flush()
+    rows = [r for r in ledger.rows() if r.kind == "update"]
+    assert [(r.event, r.delivery, r.unsent_bytes) for r in rows] == [("sent", "acked", 700), ("sent", "acked", 900),
+                                                                    ("sent", "dropped", 50)]
+    whole = [r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes for r in rows]
+    assert [r.wire_bytes for r in rows] == [whole[0] - 700, whole[1] - 900, whole[2] - 50]
+    assert ch.wire_bytes_sent == sum(whole[:2]) - 1600 and q0.wire_bytes_sent == whole[2] - 50
+    assert ch.wire_bytes_sent + q0.wire_bytes_sent == _wire(rows)
+    ledger.close()
+
+
+def test_a_cut_control_packet_or_retransmission_keeps_its_row_sent_with_its_unsent_bytes(tmp_path) -> None:
+    """Three SUBSCRIBEs (30 bytes) recorded as sent: the first written whole, the second (the head
+    of the MQTT client's queue when the connection was lost) cut after 18 bytes, the third still
+    unwritten. The transport says so as it does at a reconnect: the cut one first, by the row the
+    channel answered for it (``ref``), then the unwritten one (``dropped``, by type and size). A
+    retransmission (``PUBLISH-DUP``, 500 bytes) cut after 100 bytes the same way. By hand: rows
+    SUBSCRIBE sent 0, sent 12, message (dropped); PUBLISH-DUP sent 400; control bytes sent
+    30 + 18 + 100 = 148 = the ledger's wire sum."""
+    tr = ReportingTransport()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=1)
+    subs = [ch._on_packet(PacketEvent("out", "SUBSCRIBE", 30)) for _ in range(3)]
+    dup = ch._on_packet(PacketEvent("out", "PUBLISH", 500, dup=True))
+    assert all(isinstance(r, int) and r > 0 for r in [*subs, dup])
+    assert ch._on_packet(PacketEvent("out", "SUBSCRIBE", 30, unsent_bytes=12, ref=subs[1])) is None
+    ch._on_packet(PacketEvent("out", "SUBSCRIBE", 30, dropped=True))
+    ch._on_packet(PacketEvent("out", "PUBLISH", 500, dup=True, unsent_bytes=400, ref=dup))
+    ledger.flush()
+    rows = ledger.rows()
+    assert [(r.kind, r.event, r.delivery, r.unsent_bytes) for r in rows] == [
+        ("SUBSCRIBE", "sent", "", 0), ("SUBSCRIBE", "sent", "", 12), ("SUBSCRIBE", "message", "dropped", 0),
+        ("PUBLISH-DUP", "sent", "", 400)]
+    assert ch.control_bytes_sent == 148 == _wire(rows)
     ledger.close()

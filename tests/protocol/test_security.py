@@ -621,8 +621,8 @@ def _v3_ledger(path: Path, version: int) -> None:
                              round=1, client="a", sender="a", seq=1, topic="t", topic_bytes=1, mqtt_header_bytes=4,
                              envelope_bytes=20, body_bytes=100, payload_bytes=120, qos=1))
     db = sqlite3.connect(path)
-    drop = {4: ["delivery"], 3: ["delivery", "sig_bytes", "enc_bytes"],
-            2: ["delivery", "sig_bytes", "enc_bytes", "link_s"]}[version]
+    drop = ["unsent_bytes"] + {5: [], 4: ["delivery"], 3: ["delivery", "sig_bytes", "enc_bytes"],
+                               2: ["delivery", "sig_bytes", "enc_bytes", "link_s"]}[version]
     for col in drop:
         db.execute(f"ALTER TABLE messages DROP COLUMN {col}")
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
@@ -630,20 +630,37 @@ def _v3_ledger(path: Path, version: int) -> None:
     db.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("version", [2, 3, 4, 5])
 def test_older_ledgers_are_migrated_in_place(tmp_path, version):
+    """A ledger of schema ``version`` (its newer columns dropped) opened for writing gains every
+    column in place: its row reads the defaults (``sig_bytes`` 0, ``delivery`` '', ``unsent_bytes``
+    0: an older fedfleet counted a cut packet whole), a new row keeps what it is given, and the
+    audit reads the file as before with the new columns (before the migration too, by default)."""
+    from broker_server.audit._load import open_ledger
+    from broker_server.audit._queries import totals
+
     path = tmp_path / "ledger.sqlite"
     _v3_ledger(path, version)
+    db = open_ledger(tmp_path)  # read-only, unmigrated: the missing columns read 0
+    assert totals(db, "device")["up"]["wire_bytes"] == 125
+    db.close()
     with Ledger(path) as led:
         rows = led.rows()
-        assert len(rows) == 1 and rows[0].sig_bytes == 0 and rows[0].body_bytes == 100
+        assert len(rows) == 1 and rows[0].sig_bytes == 0 and rows[0].body_bytes == 100 and rows[0].unsent_bytes == 0
         led.record(LedgerRow(federation="f", side="agent", node="a", event="sent", direction="up", kind="update",
                              round=2, client="a", sender="a", seq=2, topic="t", topic_bytes=1, mqtt_header_bytes=4,
-                             envelope_bytes=20, body_bytes=100, payload_bytes=220, qos=1, sig_bytes=80, enc_bytes=20))
+                             envelope_bytes=20, body_bytes=100, payload_bytes=220, qos=1, sig_bytes=80, enc_bytes=20,
+                             unsent_bytes=25))
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "5"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "6"
+    assert db.execute("SELECT value FROM meta WHERE key='migrated_from'").fetchone()[0] == str(version)
     assert db.execute("SELECT sum(sig_bytes), sum(enc_bytes) FROM messages").fetchone() == (80, 20)
     assert [r[0] for r in db.execute("SELECT delivery FROM messages ORDER BY id")] == ["", ""]  # old rows read ''
+    assert [r[0] for r in db.execute("SELECT unsent_bytes FROM messages ORDER BY id")] == [0, 25]  # old rows read 0
+    db.close()
+    db = open_ledger(tmp_path)
+    assert totals(db, "device")["up"]["wire_bytes"] == 125 + (4 + 1 + 220 - 25)  # whole packets less unsent
+    db.close()
 
 
 

@@ -17,8 +17,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from helpers.waiting import wait_for
 
-from broker_server.audit._queries import deliveries
+from broker_server.audit._queries import deliveries, totals
 from broker_server.embedded_broker import EmbeddedBroker
+from protocol.messages import Update
 from protocol.transport import OVERSIZE_STRIKES, MqttTransport, _close_socket, _CountingClient
 from protocol.transport_base import PacketEvent
 from tools.counting_relay import CountingRelay
@@ -32,7 +33,8 @@ def test_a_publish_dropped_unwritten_is_a_first_transmission_after_the_reconnect
     the rest of the first and part of the second on the wire once in a loaded suite (then the
     second was a real retransmission). After the reconnect all three go out with DUP set; by hand:
     the wire carries 4 PUBLISH packets (the cut first one, then 3 with DUP), and the packet events
-    say DUP once (the first), so ledger rows (3 messages + 1 retransmission) = 4 = the wire."""
+    say DUP once (the first), so ledger rows (3 messages + 1 retransmission) = 4 = the wire. The
+    first one's cut is told to the delivery listener (``unsent``) before the three PUBACKs."""
     with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
         relay = CountingRelay(broker.port)
         tr = MqttTransport("lost-pub", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
@@ -58,7 +60,7 @@ def test_a_publish_dropped_unwritten_is_a_first_transmission_after_the_reconnect
         finally:
             tr.close()
             relay.close()
-    assert outcomes == ["acked"] * 3
+    assert outcomes == ["unsent"] + ["acked"] * 3
     publishes = [e for e in events if e.direction == "out" and e.packet_type == "PUBLISH"]
     assert sum(e.dup for e in publishes) == 1  # only the first was on the wire before
     assert len(publishes) == 6  # 3 first sends + 3 after the reconnect (2 of them first transmissions)
@@ -67,6 +69,102 @@ def test_a_publish_dropped_unwritten_is_a_first_transmission_after_the_reconnect
     assert again["PUBLISH-DUP"] == 3 and again["PUBLISH"] == 0  # paho sets DUP on all three
     ledger_rows = 3 + sum(e.dup for e in publishes)
     assert ledger_rows == cut["partial"] + again["PUBLISH-DUP"] == 4
+
+
+def _update(i: int, values: int) -> Update:
+    return Update(tensors=(np.full(values, i, dtype=np.float32),), num_samples=10, train_loss=0.5, metrics={})
+
+
+@pytest.mark.parametrize("cuts", [1, 2])
+def test_a_qos1_publish_cut_mid_packet_counts_in_the_ledger_as_the_socket_wrote_it(tmp_path: Path, cuts: int) -> None:
+    """Three 800 KB QoS 1 updates through a Channel into a real Ledger, on a connection whose
+    relay stops reading (every socket's send buffer set to 16 KiB as it opens): the socket takes
+    x1 bytes of the first PUBLISH (P bytes: header + topic + payload), the other two stay in
+    paho's queue. The broker side is then closed (the relay reads what the client wrote once the
+    client has closed its socket, as in the test above). With ``cuts=2`` the next connection is
+    held too right after its CONNECT, so its first packet, the first message's PUBLISH again
+    (with DUP: x1 bytes of it were on the wire), is cut as well after x2 bytes; its broker side
+    is closed the same way. The connection after that carries all three whole.
+
+    By hand (c: a CONNECT, d: the DISCONNECT of the close; PINGREQs, if any, on both sides
+    alike). The socket writes c + x1 | c (+ x2 | c) | 3P + d. The ledger's device rows: one
+    CONNECT row per connection, 3 ``sent`` rows of P (the two never written went out first
+    after a reconnect: no DUP row), one ``PUBLISH-DUP`` row of P per retransmission (``cuts``
+    of them: after the first cut, and after the second) and the DISCONNECT: (1 + cuts)·c + 3P +
+    cuts·P + d. Those equal the socket's bytes only if the cut rows keep their unsent parts out:
+    the first message's ``sent`` row P − x1, the cut DUP row P − x2. Before the fix nothing was
+    subtracted and the ledger was above the socket by (P − x1) (+ (P − x2)): 589,664 bytes for
+    one cut (1,214,144 for two) in a run here. The broker kept packets of P bytes before (the
+    transport is told so): the two closes are the link's, not taken for a size limit."""
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger, read_rows
+
+    topic = "fedfleet/v1/fed/up/cut-dev/update"
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("fed:cut-dev", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        client = tr._client
+        opened = client._call_socket_open
+
+        def small_buffer(sock) -> None:  # paho's thread, each new socket before its CONNECT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16_384)
+            opened(sock)
+
+        client._call_socket_open = small_buffer
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="cut-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1  # the one before is connect()'s TCP probe
+            relay.hold(first)
+            if cuts == 2:
+                relay.hold(first + 1, after_bytes=1)  # its CONNECT goes through (alone, before the CONNACK)
+            for i in range(3):
+                ch.send(topic, _update(i, 200_000), round=1)
+            size = ledger.rows("kind = 'update'")[0].wire_bytes
+            tr.kept_packet_bytes = size  # a broker that took P-byte packets: closes are the link's
+            assert wait_for(lambda: len(client.unwritten_mids()) == 2, 10.0)
+            time.sleep(0.3)  # the socket is full: still two unwritten
+            assert len(client.unwritten_mids()) == 2
+            relay.cut(first, keep_held=True)
+            assert wait_for(lambda: not tr.connected, 10.0)
+            relay.release(first)
+            if cuts == 2:
+                def dup_cut_short() -> bool:
+                    queue = tuple(client._out_packet)
+                    return (tr.connected and bool(queue) and bool(queue[0]["packet"][0] & 0x08)
+                            and queue[0]["pos"] > 0 and len(client.unwritten_mids()) == 2)
+
+                assert wait_for(dup_cut_short, 30.0)
+                time.sleep(0.3)
+                relay.cut(first + 1, keep_held=True)
+                assert wait_for(lambda: not tr.connected, 10.0)
+                relay.release(first + 1)
+            assert wait_for(lambda: ch.acked == 3, 60.0), (ch.acked, ch.refused)
+        finally:
+            ch.close()
+            relay.close()
+            ledger.close()
+    assert ch.refused == 0 and tr.inferred_max_packet_bytes == 0
+    socket_out = tr.socket_bytes[0]
+    assert relay.total_bytes("up") == socket_out  # the relay counted what the socket wrote
+    for n in range(first, first + cuts):  # cut off mid-PUBLISH
+        assert relay.packets(n)["partial"] == 1 and relay.packets(n)["CONNECT"] == 1
+    last = relay.packets(first + cuts)
+    assert last["PUBLISH-DUP"] == 3 and last["partial"] == 0
+    rows = [r for r in read_rows(tmp_path / "ledger.sqlite") if r["side"] == "agent" and r["event"] == "sent"]
+    kinds = [r["kind"] for r in rows]
+    assert kinds.count("update") == 3 and kinds.count("PUBLISH-DUP") == cuts and kinds.count("CONNECT") == 1 + cuts
+    connect = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
+    publishes = [r for r in rows if r["kind"] in ("update", "PUBLISH-DUP")]
+    on_wire = [relay.parsers[(n, "up")].bytes - connect for n in range(first, first + cuts)]  # x1 (, x2)
+    assert [r["unsent_bytes"] for r in publishes] == [size - on_wire[0], 0, 0] + [size - x for x in on_wire[1:]] + [0]
+    assert all(0 < x < size for x in on_wire)
+    ledger_wire = totals(rows, "device")["up"]["wire_bytes"]  # the audit's sum: whole packets less unsent
+    assert ledger_wire == sum(r["mqtt_header_bytes"] + r["topic_bytes"] + r["payload_bytes"] - r["unsent_bytes"]
+                              for r in rows)
+    assert ledger_wire == socket_out  # (1 + cuts)·c + x1 (+ x2) + 3P + d, as the socket wrote
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
 
 
 def test_the_note_of_an_unwritten_publish_covers_one_re_send_and_not_a_reused_message_id() -> None:
@@ -161,9 +259,11 @@ def test_qos0_publishes_lost_in_paho_queue_with_the_connection_are_dropped_not_c
     delivery ``dropped``: the socket took part of it), B ``dropped`` (its ``sent`` row becomes a
     ``message`` row, out of the wire totals), C's send raises PublishDropped and leaves no
     ``sent`` row; all three are undeliverable. After the reconnect D goes out whole (``written``).
-    The ledger's sent bytes equal the relay's, less what the cut PUBLISH did not get onto the
-    wire (a partly written packet counts as sent, as a QoS 1 one does). Before the fix B stayed
-    ``sent``/``handed`` (ledger > wire by its size) and C's send returned as if written."""
+    By hand: the socket wrote c + 100 | c + D + d (c: a CONNECT, d: the DISCONNECT) and the
+    ledger's sent rows are c, A, c, D, d with A's ``unsent_bytes`` = A − 100, so their wire
+    bytes (whole packets less unsent) are the relay's to the byte. Before the fix B stayed
+    ``sent``/``handed`` (ledger > wire by its size) and C's send returned as if written; later
+    A counted whole (ledger > wire by A − 100)."""
     from protocol.channel import Channel
     from protocol.errors import PublishDropped
     from protocol.ledger import Ledger
@@ -238,11 +338,16 @@ def test_qos0_publishes_lost_in_paho_queue_with_the_connection_are_dropped_not_c
                                                      ("sent", "handed")]  # A cut, B dropped, D; C: no row
     assert "after the socket took 100 of the" in rows[0].reason and "none of it written" in rows[1].reason
     a_size = rows[0].mqtt_header_bytes + rows[0].topic_bytes + rows[0].payload_bytes
-    sent = sum(r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes for r in Ledger(tmp_path / "ledger.sqlite").rows()
-               if r.event == "sent")
+    assert [r.unsent_bytes for r in rows] == [a_size - 100, 0, 0]  # A's part the socket never took
+    sent_rows = [asdict(r) for r in Ledger(tmp_path / "ledger.sqlite").rows() if r.event == "sent"]
+    assert [r["kind"] for r in sent_rows if r["kind"] != "PINGREQ"] == ["CONNECT", "update", "CONNECT", "update",
+                                                                          "DISCONNECT"]
     wire = relay.bytes_per_node()[("q0-lost", "up")]
     assert wire == tr.socket_bytes[0]
-    assert sent - (a_size - 100) == wire
+    assert sum(r["mqtt_header_bytes"] + r["topic_bytes"] + r["payload_bytes"] - r["unsent_bytes"]
+               for r in sent_rows) == wire
+    assert totals(sent_rows, "device")["up"]["wire_bytes"] == wire  # the audit's sum
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == wire
 
 
 def test_the_reconnect_reports_the_qos0_and_control_packets_it_drops_from_paho_queue() -> None:
@@ -273,6 +378,90 @@ def test_the_reconnect_reports_the_qos0_and_control_packets_it_drops_from_paho_q
     assert all(i.rc == mqtt.MQTT_ERR_CONN_LOST for i in infos)
     assert [(e.packet_type, e.packet_bytes) for e in events if e.dropped] == [("SUBSCRIBE", 8)]
     assert client.take_lost_qos0() == []  # reported once
+
+
+def test_the_packet_the_socket_took_part_of_is_reported_once_with_its_row_or_its_message() -> None:
+    """Packets queued by hand (no socket: nothing written), the packet listener answering each
+    event with its index (a channel answers with its ledger row, and nothing for a PUBLISH without
+    DUP). Only the head of paho's queue can be partly written (``pos`` set by hand). By hand:
+
+    1. a SUBSCRIBE (8 bytes) at the head, 3 bytes written, a PINGREQ behind it: ``report_cut``
+       names the SUBSCRIBE's event, answer 0, no handle and 5 bytes never written; a second call
+       says nothing, and paho's reconnect (to a closed port) only drops the PINGREQ;
+    2. a QoS 1 PUBLISH (8 bytes; its message in paho's out-messages), its first transmission, 4
+       bytes written: named by the message's handle (the channel's row is the message's);
+    3. the same message again with DUP, 2 bytes written: a retransmission, named by the answer
+       for its event (the channel's ``PUBLISH-DUP`` row), no handle;
+    4. again with DUP, none of it written when the connection is lost; then its re-send in place
+       of it (reported without DUP: no row of its own), 5 bytes written: named as the packet it
+       replaces, by 4's event and answer (that ``PUBLISH-DUP`` row stands for this one);
+    5. a new message reusing an id whose last packet was dropped unwritten (no DUP flag): named
+       by its own handle, not by the note of the old one.
+    A QoS 0 PUBLISH is left to ``on_lost`` (the test above): ``report_cut`` says nothing of it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    events: list[PacketEvent] = []
+    cuts: list[tuple[PacketEvent, object, object, int]] = []
+
+    def answer(ev: PacketEvent) -> int:
+        events.append(ev)
+        return len(events) - 1
+
+    client = _CountingClient(mqtt.CallbackAPIVersion.VERSION2, client_id="cut", on_packet=answer,
+                             on_cut=lambda ev, ref, handle, unsent: cuts.append((ev, ref, handle, unsent)))
+    client.connect_async("127.0.0.1", port)
+
+    def lose_connection() -> None:
+        with pytest.raises(ConnectionRefusedError):
+            client.reconnect()  # reports, notes, then paho empties its queue and fails to connect
+
+    def queue(packet: bytes, mid: int, qos: int, pos: int, info=None) -> None:
+        client._packet_queue(packet[0] & 0xF0, packet, mid, qos, info)
+        client._out_packet[-1]["pos"] = pos
+
+    topic = b"\x00\x01t"
+    queue(b"\x82\x06\x00\x04\x00\x01t\x01", 4, 1, 3)  # 1. SUBSCRIBE, 8 bytes
+    queue(b"\xc0\x00", 0, 0, 0)  # PINGREQ
+    client.report_cut()
+    client.report_cut()  # reported once
+    assert cuts == [(events[0], 0, None, 5)]
+    lose_connection()
+    assert len(cuts) == 1 and [(e.packet_type, e.packet_bytes) for e in events if e.dropped] == [("PINGREQ", 2)]
+
+    msg = mqtt.MQTTMessage(mid=5, topic=b"t")
+    msg.qos = 1
+    client._out_messages[5] = msg
+    publish = bytes([0x32, len(topic) + 3]) + topic + b"\x00\x05x"  # QoS 1, payload "x": 8 bytes
+    dup = bytes([publish[0] | 0x08]) + publish[1:]
+    queue(publish, 5, 1, 4)  # 2.
+    lose_connection()
+    assert cuts[1] == (events[-1], len(events) - 1, msg.info, 4) and not events[-1].dup
+    queue(dup, 5, 1, 2)  # 3.
+    lose_connection()
+    assert cuts[2] == (events[-1], len(events) - 1, None, 6) and events[-1].dup
+    queue(dup, 5, 1, 0)  # 4. dropped unwritten: its row stands for the next send
+    replaced = (events[-1], len(events) - 1)
+    lose_connection()
+    assert len(cuts) == 3 and client._never_written == {5}
+    queue(dup, 5, 1, 3)  # its re-send in place, cut
+    assert not events[-1].dup  # no row of its own
+    lose_connection()
+    assert cuts[3] == (*replaced, None, 5) and replaced[0].dup
+
+    queue(publish, 5, 1, 0)  # 5. unwritten, then a new message under id 5
+    lose_connection()
+    new = mqtt.MQTTMessage(mid=5, topic=b"t")
+    new.qos = 1
+    client._out_messages[5] = new
+    queue(publish, 5, 1, 1)
+    lose_connection()
+    assert cuts[4] == (events[-1], len(events) - 1, new.info, 7)
+
+    qos0 = mqtt.MQTTMessageInfo(6)
+    queue(bytes([0x30, len(topic) + 1]) + topic + b"x", 6, 0, 1, qos0)
+    client.report_cut()
+    assert len(cuts) == 5
 
 
 def test_a_flapping_link_is_not_taken_for_a_packet_limit_below_what_the_broker_kept() -> None:
