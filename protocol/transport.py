@@ -497,12 +497,15 @@ class _CountingClient(PollingClient):
         """Report ``event`` to ``on_packet``, note the packet (for :meth:`report_cut`), then hand
         it to paho's queue. The note: ``event``, what ``on_packet`` returned and, for a QoS > 0
         PUBLISH reported as a first transmission, its message's handle; ``in_place`` (a re-send in
-        place of a packet of the message that never reached the socket): that packet's note."""
+        place of a packet of the message that never reached the socket): that packet's note (when
+        this client queued none, as for a message moved from a replaced client that never wrote
+        it: the message's own, its first transmission)."""
         ref = self._fedfleet_on_packet(event)
         note: _Note = (event, ref, None)
         publish = event.packet_type == "PUBLISH" and qos > 0
-        if publish and in_place and mid in self._last_noted:
-            note = self._last_noted[mid]
+        replaced = self._last_noted.get(mid) if publish and in_place else None
+        if replaced is not None:
+            note = replaced
         elif publish and not event.dup:
             msg = self._out_messages.get(mid)  # a dict read: paho holds its lock around this call
             note = (event, ref, info if info is not None else msg.info if msg is not None else None)
