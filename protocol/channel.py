@@ -622,7 +622,9 @@ class Channel:
     def _on_delivery(self, handle: object, outcome: str, reason: str) -> None:
         """The transport's delivery listener (network thread): note the outcome on the row. A
         refusal of a handle already acknowledged (the broker closed the connection right after its
-        PUBACK) turns its row to ``refused`` and sends the message again smaller. ``resized``
+        PUBACK) turns its row to ``refused`` and sends the message again smaller; so does
+        ``withdrawn`` (a refusal of a message none of whose PUBLISH packets reached the socket,
+        whose row then leaves the wire totals). ``resized``
         (a size change, not an outcome) corrects the row's size and keeps the handle; so does
         ``unsent`` (the bytes of the PUBLISH the socket never took, ``reason``) for the row's
         ``unsent_bytes``."""
@@ -683,6 +685,12 @@ class Channel:
 
     def _outcome(self, handle: object, row: int, out: _Outgoing | None, gen: int, outcome: str, reason: str, *,
                  counted: bool, packet_bytes: int = 0) -> None:
+        """Apply the final ``outcome`` of ``handle`` (ledger row ``row`` of ``packet_bytes``, of
+        ``out``'s generation ``gen``; ``counted``: the handle was tracked, its message's pending count
+        holds it): ``written`` and ``acked`` keep the row on the wire; ``dropped`` / ``cut`` see
+        :meth:`_lost`; ``refused`` and ``withdrawn`` (refused before any PUBLISH of it reached the
+        socket: the row leaves the wire totals, ``event`` ``message``) queue the message to be sent
+        again smaller."""
         if outcome == "written":  # a QoS 0 PUBLISH the socket took whole: its row stays "handed"
             if out is not None:
                 with self._delivery_lock:
@@ -706,9 +714,13 @@ class Channel:
                         gone.sent.settle()
         else:
             self.refused += 1
+        on_wire = outcome != "withdrawn"  # refused before a byte of it was written: its row leaves the wire totals
+        if not on_wire:
+            with self._count_lock:
+                self.wire_bytes_sent -= packet_bytes
         if self.ledger is not None and row:
             try:
-                self.ledger.set_delivery(row, "acked" if outcome == "acked" else "refused", reason)
+                self.ledger.set_delivery(row, "acked" if outcome == "acked" else "refused", reason, on_wire=on_wire)
             except LedgerError as exc:  # never break the network thread; the row keeps "handed"
                 log.warning("%s: delivery of ledger row %d not recorded: %s", self.node_id, row, exc)
         if out is None:
@@ -1243,9 +1255,10 @@ class Channel:
         """Ledger row for an MQTT packet that is not an application PUBLISH (control packets, and
         PUBLISH retransmissions with DUP set, which the application did not send twice); returns
         its row id (0 without a ledger), ``None`` when no row was written. A ``dropped`` event (a
-        control packet the socket never took, :class:`PacketEvent`) turns the last row of a packet
-        of its type and size into a ``message`` row with delivery ``dropped``: its bytes leave the
-        wire totals. An event with ``unsent_bytes`` (the socket took only part of that packet) sets
+        control packet, or a PUBLISH retransmission, the socket never took, :class:`PacketEvent`)
+        turns the row its ``ref`` names (else the last row of a control packet of its type and
+        size) into a ``message`` row with delivery ``dropped``: its bytes leave the wire totals.
+        An event with ``unsent_bytes`` (the socket took only part of that packet) sets
         them on the row its ``ref`` names: the row this method returned for the packet."""
         if ev.dropped:
             self._void_control(ev)
@@ -1300,16 +1313,29 @@ class Channel:
             log.warning("%s: unsent bytes of %s (ledger row %d) not recorded: %s", self.node_id, kind, row, exc)
 
     def _void_control(self, ev: PacketEvent) -> None:
-        """A control packet recorded as sent that the socket never took (see :meth:`_on_packet`)."""
+        """A control packet (or a PUBLISH retransmission) recorded as sent that the socket never
+        took (see :meth:`_on_packet`): the row its ``ref`` names (the row this method returned
+        for its queueing), else the last control row of its type and size, turns into a
+        ``message`` row with delivery ``dropped``."""
+        kind = "PUBLISH-DUP" if ev.packet_type == "PUBLISH" else ev.packet_type
+        ref = ev.ref if isinstance(ev.ref, int) and not isinstance(ev.ref, bool) else 0
         with self._count_lock:
             self.control_bytes_sent -= ev.packet_bytes
-            rows = self._control_rows.get((ev.packet_type, ev.packet_bytes))
-            row = rows.pop() if rows else 0
+            rows = self._control_rows.get((kind, ev.packet_bytes))
+            if ref:
+                row = ref
+                if rows is not None and row in rows:
+                    rows.remove(row)
+            else:
+                row = rows.pop() if rows else 0
         if self.ledger is not None and row:
             try:  # the row's reason stays "control"
                 self.ledger.set_delivery(row, "dropped", on_wire=False)
             except LedgerError as exc:  # never break the network thread
-                log.warning("%s: unsent %s (ledger row %d) not recorded: %s", self.node_id, ev.packet_type, row, exc)
+                log.warning("%s: unsent %s (ledger row %d) not recorded: %s", self.node_id, kind, row, exc)
+        elif self.ledger is not None:
+            log.warning("%s: a %d-byte %s never written not recorded: its ledger row is not known", self.node_id,
+                        ev.packet_bytes, kind)
 
     def _record(self, topic: str, event: str, kind: str, round: int | None, sender: str | None,
                 seq: int | None, *, client: str, payload_bytes: int, body_bytes: int, qos: int,

@@ -49,13 +49,16 @@ client's queue when the connection was lost, which MQTT does not send again, or 
 unsent when the transport was closed; ``reason`` says which). It is ``''`` on every other row. A
 refused message is sent again as a chunked transfer below the limit (new rows) or fails loudly; a
 dropped one is said undeliverable. Rows of a message refused *before* it was sent (above a known
-limit), and of one dropped before the socket took a byte of it, count no wire bytes: their
-``mqtt_header_bytes``, ``topic_bytes`` and ``payload_bytes`` are kept, but ``event`` is ``'message'``
-(a dropped row's ``sent`` turns into ``message`` when the loss is known). A PUBLISH the socket took
-part of before the connection was lost stays ``sent`` (the part it took was on the wire) with
-``dropped``, and ``unsent_bytes`` says how much of it the socket never took. So does a QoS 1
-PUBLISH cut that way: its message is sent again after the reconnect (a ``PUBLISH-DUP`` row, whole
-unless it is cut too), and its row's delivery is that of the message (``acked`` …).
+limit), of one withdrawn as refused before the socket took a byte of any PUBLISH of it (above a
+limit inferred from the broker's closes, :mod:`protocol.transport`), and of one dropped before the
+socket took a byte of it, count no wire bytes: their ``mqtt_header_bytes``, ``topic_bytes`` and
+``payload_bytes`` are kept, but ``event`` is ``'message'`` (a withdrawn or dropped row's ``sent``
+turns into ``message`` when that is known). A PUBLISH the socket took part of before the connection
+was lost stays ``sent`` (the part it took was on the wire) with ``dropped``, and ``unsent_bytes``
+says how much of it the socket never took. So does a QoS 1 PUBLISH cut that way: its message is
+sent again after the reconnect (a ``PUBLISH-DUP`` row, whole unless it is cut too), and its row's
+delivery is that of the message (``acked`` …; ``dropped`` when the transport is closed before the
+socket took a whole PUBLISH of it: the broker got none).
 
 A ``sent`` row's sizes are those of the packet that goes out: a message queued while the MQTT
 protocol level was not settled (before the first CONNACK, the MQTT 5 trial) and moved to a client
@@ -69,7 +72,10 @@ delivery ``dropped``; one the socket took part of stays ``sent`` with its ``unse
 ``PUBLISH-DUP`` row is a packet that was on the
 wire before: a QoS 1 PUBLISH that a lost connection dropped from paho's queue before the socket
 took a byte of it goes out after the reconnect with the DUP flag, but as its first transmission,
-counted by its ``sent`` row alone.
+counted by its ``sent`` row alone. Likewise a retransmission dropped that way: its re-send after
+the next reconnect is counted by its ``PUBLISH-DUP`` row, which turns into a ``message`` row with
+delivery ``dropped`` when it is never sent (the transport closed, or its message withdrawn as
+refused, before the socket took a byte of it).
 
 ``direction`` is ``up`` (agent → server: join, update, status) or ``down`` (server → agents).
 ``client`` is the agent the row concerns: the sender of an upload, the recipient of a download

@@ -19,7 +19,9 @@ Design rules (``notes/mqtt-transport-study.md``):
   it is sent (:class:`~protocol.errors.PublishRefused`, naming the limit), and a QoS 1 PUBLISH the
   broker closes the connection for :data:`OVERSIZE_STRIKES` times (an MQTT 3.1.1 broker with
   ``max_packet_size``, which says nothing) is taken out of paho's queue, reported refused, and the
-  limit is taken to be at most half its size (:attr:`MqttTransport.inferred_max_packet_bytes`).
+  limit is taken to be at most half its size (:attr:`MqttTransport.inferred_max_packet_bytes`); a
+  message withdrawn so of which the socket never took a byte is reported ``withdrawn`` (its row
+  counts no wire bytes), and a retransmission of one that was never written is voided.
   A broker that acknowledges a QoS 1 PUBLISH and closes the connection at once, before any other
   packet (Mosquitto 2.0 with ``message_size_limit`` over MQTT 3.1.1: an ordinary PUBACK, the
   message dropped), refused it: a close within :data:`ACK_CLOSE_S` of the PUBACK of a packet
@@ -280,6 +282,12 @@ class _CountingClient(PollingClient):
     packets no longer queued are let go on the network thread between passes of its loop
     (:meth:`_loop`), where no packet is half-way through a write.
 
+    The same notes name the row of a transmission that will never be made: a message withdrawn
+    (:meth:`MqttTransport._withdraw_oversize`), or held when the network thread has ended for good
+    (:meth:`held_messages`), has the note of its pending transmission when the socket took no
+    byte of it (:meth:`pending_note`). Which messages the socket took a PUBLISH of whole is noted
+    per connection (:meth:`note_whole_writes`): the broker never got a whole packet of the others.
+
     paho's ``reconnect`` sets its new socket before it queues CONNECT (and calls
     ``on_socket_open`` between the two); a PUBLISH another thread queued in that gap went out
     before CONNECT, and the broker closed the connection (a protocol error; against Mosquitto a
@@ -300,6 +308,10 @@ class _CountingClient(PollingClient):
         # let go in _loop (stale ones are overwritten on reuse)
         self._queued: dict[int, _Note] = {}
         self._last_noted: dict[int, _Note] = {}  # mid -> note of the last QoS > 0 PUBLISH queued of it
+        # mid -> handle of each QoS > 0 message of which the socket took one PUBLISH whole (note_whole_writes)
+        self._whole: dict[int, mqtt.MQTTMessageInfo] = {}
+        # mid -> handle of each QoS > 0 message a PUBLISH of which was queued on this connection
+        self._queued_here: dict[int, mqtt.MQTTMessageInfo] = {}
         # held while a packet is noted and queued, and while the notes are pruned: one noted and not
         # yet in paho's queue is never taken for gone (re-entrant: paho may write from inside its queueing)
         self._queued_lock = threading.RLock()
@@ -370,8 +382,9 @@ class _CountingClient(PollingClient):
 
     def _loop(self, timeout: float = 1.0):
         """:meth:`PollingClient._loop`, after letting go of the notes of packets no longer in
-        paho's queue (written or dropped) once there are many of them: here, between two passes
-        of the network loop, every queued packet is in paho's queue."""
+        paho's queue (written or dropped), and of messages no longer held, once there are many of
+        them: here, between two passes of the network loop, every queued packet is in paho's
+        queue."""
         if len(self._queued) > 2 * len(self._out_packet) + 64:
             with self._queued_lock:
                 live = {id(p["packet"]) for p in tuple(self._out_packet)}
@@ -379,6 +392,12 @@ class _CountingClient(PollingClient):
         if len(self._last_noted) > 2 * len(self._out_messages) + 64:  # acknowledged or withdrawn: never sent again
             with self._queued_lock:
                 self._last_noted = {mid: n for mid, n in self._last_noted.items() if mid in self._out_messages}
+        for name in ("_whole", "_queued_here"):  # of messages acknowledged or withdrawn
+            notes = getattr(self, name)
+            if len(notes) > 2 * len(self._out_messages) + 64:
+                with self._out_message_mutex, self._queued_lock:  # paho's order: a publish queues under both
+                    setattr(self, name, {mid: i for mid, i in notes.items()
+                                         if (m := self._out_messages.get(mid)) is not None and m.info is i})
         return super()._loop(timeout)
 
     def _report_lost(self, lost: list[tuple[mqtt.MQTTMessageInfo, int, int]], why: str) -> None:
@@ -387,13 +406,91 @@ class _CountingClient(PollingClient):
 
     def void_unwritten_control(self) -> None:
         """Report each control packet (not a PUBLISH) in paho's queue of which the socket took no
-        byte as ``dropped`` (its queueing was reported): paho's reconnect empties the queue, and a
-        client whose thread has ended writes it no more. (An unwritten PUBLISH needs none: its
-        message is sent again, :meth:`reconnect`, or reported to the delivery listener.)"""
+        byte as ``dropped`` (its queueing was reported), once, with the ``ref`` ``on_packet``
+        returned for its queueing (the row to void): paho's reconnect empties the queue, and a
+        client whose thread has ended writes it no more. (An unwritten PUBLISH is not reported
+        here: at a reconnect its message is sent again, :meth:`reconnect`; a client that has ended
+        leaves it to :meth:`held_messages`.)"""
         for p in tuple(self._out_packet):
             if p["command"] & 0xF0 != mqtt.PUBLISH and p["pos"] == 0:
-                self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(p["command"] >> 4, "?"),
-                                                     len(p["packet"]), dropped=True))
+                with self._queued_lock:
+                    noted = self._queued.pop(id(p["packet"]), None)  # popped: reported once
+                if noted is not None:
+                    self._fedfleet_on_packet(PacketEvent("out", PACKET_TYPES.get(p["command"] >> 4, "?"),
+                                                         len(p["packet"]), dropped=True, ref=noted[1]))
+
+    def partial_head(self) -> int | None:
+        """The message id of the QoS > 0 PUBLISH at the head of paho's queue when the socket took
+        part of it and not all (``0 < pos < len``), else ``None`` (whether or not :meth:`report_cut`
+        reported it already). Read it where nothing more is written (see :meth:`report_cut`)."""
+        try:
+            head = self._out_packet[0]
+        except IndexError:
+            return None
+        if head["command"] & 0xF0 == mqtt.PUBLISH and head["qos"] > 0 and 0 < head["pos"] < len(head["packet"]):
+            return int(head["mid"])
+        return None
+
+    def note_whole_writes(self) -> None:
+        """Note each QoS > 0 message whose PUBLISH queued on this connection the socket took whole:
+        still held (no PUBACK yet), and its packet neither unwritten in paho's queue nor the partly
+        written head (:meth:`partial_head`); a message never noted so has never been on the wire
+        whole (:meth:`whole_once`). Call it where nothing more is written and before the next
+        connection queues anything: :meth:`reconnect` (which then starts the next connection's
+        list), a client replaced or whose network thread has ended."""
+        unwritten = self.unwritten_mids()
+        partial = self.partial_head()
+        with self._out_message_mutex, self._queued_lock:
+            for mid, info in self._queued_here.items():
+                m = self._out_messages.get(mid)
+                if m is not None and m.info is info and mid not in unwritten and mid != partial:
+                    self._whole[mid] = info
+
+    def whole_once(self, msg: mqtt.MQTTMessage) -> bool:
+        """Whether the socket took a PUBLISH of QoS > 0 message ``msg`` whole (as noted by
+        :meth:`note_whole_writes`): the broker may have it."""
+        return self._whole.get(msg.mid) is msg.info
+
+    def pending_note(self, msg: mqtt.MQTTMessage, unwritten: set[int] | None = None) -> _Note | None:
+        """The note (:data:`_Note`) of the row that stands for the transmission of QoS > 0 message
+        ``msg`` that paho has yet to make, when the socket took no byte of it; ``None`` when its
+        last PUBLISH reached the socket (whole, or the partly written head of the queue) and no
+        transmission of it with a row of its own is pending.
+
+        Pending: the message awaits a connection (or room in flight), or its packet is in paho's
+        queue unwritten (``unwritten``: :meth:`unwritten_mids`, read once by a caller asking for many
+        messages). Its row: a message never sent before (no DUP flag) has its own first
+        transmission (a note made here, with its handle); one whose last PUBLISH was dropped
+        unwritten (:meth:`reconnect`) or is unwritten in the queue has the note of that packet (a
+        re-send in place of one that never reached the socket took the note of the packet it
+        replaced: the message's first transmission, or a ``PUBLISH-DUP`` row); one whose last
+        PUBLISH reached the socket on an earlier connection has none yet (its retransmission is
+        reported when paho queues it)."""
+        if unwritten is None:
+            unwritten = self.unwritten_mids()
+        mid = msg.mid
+        if msg.state == mqtt.mqtt_ms_wait_for_puback and mid not in unwritten:
+            return None  # on the socket on this connection, whole or in part
+        size = publish_size(msg.topic, len(msg.payload), msg.qos,
+                            protocol=MQTT_V5 if self._protocol == mqtt.MQTTv5 else MQTT_V311).packet_bytes
+        own: _Note = (PacketEvent("out", "PUBLISH", size, False), None, msg.info)
+        if not msg.dup:
+            return own
+        if mid in unwritten or mid in self._never_written:
+            return self._last_noted.get(mid, own)
+        return None
+
+    def held_messages(self) -> list[tuple[mqtt.MQTTMessage, _Note | None]]:
+        """Each QoS > 0 message this client holds (not acknowledged), with the note of its pending
+        transmission that never reached the socket (:meth:`pending_note`), or ``None``. For a client
+        whose network thread has ended for good (nothing more is written): a note with its
+        message's handle (no DUP) says no PUBLISH of the message ever reached the socket; one of a
+        ``PUBLISH-DUP`` row, a row that stands for a packet never written."""
+        unwritten = self.unwritten_mids()
+        with self._out_message_mutex:
+            held = [m for m in self._out_messages.values() if m.qos > 0]
+        with self._queued_lock:
+            return [(m, self.pending_note(m, unwritten)) for m in held]
 
     def unwritten_mids(self) -> set[int]:
         """Message ids of the QoS > 0 PUBLISH packets in paho's queue of which the socket has taken
@@ -411,14 +508,9 @@ class _CountingClient(PollingClient):
 
     def unsent_messages(self) -> list[mqtt.MQTTMessage]:
         """The QoS > 0 messages of which no PUBLISH ever reached the socket, as far as this client
-        knows: queued and not yet sent on this connection (unwritten in paho's queue, or waiting
-        for a connection) and not sent on an earlier one (no DUP flag, or the last PUBLISH was
-        dropped unwritten at a reconnect, :meth:`reconnect`)."""
-        unwritten = self.unwritten_mids()
-        with self._out_message_mutex:
-            return [m for m in self._out_messages.values()
-                    if m.qos > 0 and (m.state != mqtt.mqtt_ms_wait_for_puback or m.mid in unwritten)
-                    and (not m.dup or m.mid in self._never_written)]
+        knows: the transmission paho has yet to make is their first (:meth:`pending_note`: not sent
+        before, or every PUBLISH of them was dropped unwritten, a re-send in place included)."""
+        return [m for m, note in self.held_messages() if note is not None and not note[0].dup]
 
     def take_queue(self, old: _CountingClient) -> list[mqtt.MQTTMessage]:
         """Move the QoS > 0 messages of ``old`` (a client being replaced, its network thread stopped
@@ -426,6 +518,7 @@ class _CountingClient(PollingClient):
         is sent after this client's CONNACK as paho re-sends its queue after a reconnect (a PUBLISH
         the old socket took a byte of with DUP, one it never took noted as in :meth:`reconnect`).
         Returns the messages moved."""
+        old.note_whole_writes()
         with old._out_message_mutex:
             moved = {mid: m for mid, m in old._out_messages.items() if m.qos > 0}
             never = (old._never_written | old.unwritten_mids()) & set(moved)
@@ -436,13 +529,17 @@ class _CountingClient(PollingClient):
                 raise RuntimeError("take_queue: this client has queued messages of its own")
             self._out_messages.update(moved)
             self._never_written = never
+        with self._queued_lock:  # the rows that stand for their next transmissions, and what went out whole
+            self._last_noted.update({mid: n for mid, n in old._last_noted.items() if mid in never})
+            self._whole.update({mid: i for mid, i in old._whole.items() if mid in moved and moved[mid].info is i})
         with self._mid_generate_mutex:
             self._last_mid = old._last_mid
         return list(moved.values())
 
     def reconnect(self):
         """paho's ``reconnect`` (which empties paho's packet queue), after noting the QoS > 0
-        PUBLISH packets it drops unwritten, reporting a packet the socket took part of to
+        PUBLISH packets it drops unwritten and the messages the socket took whole
+        (:meth:`note_whole_writes`), reporting a packet the socket took part of to
         ``on_cut`` (:meth:`report_cut`), the control packets it drops unwritten as ``dropped``,
         and the QoS 0 PUBLISH packets it drops (never sent again) to ``on_lost``, with how much of
         each the socket took (paho thread)."""
@@ -451,6 +548,9 @@ class _CountingClient(PollingClient):
         with self._out_message_mutex:
             live = set(self._out_messages)
         self._never_written = (self._never_written & live) | self.unwritten_mids()
+        self.note_whole_writes()
+        with self._queued_lock:
+            self._queued_here = {}  # the next connection's
         taken = {p["mid"]: p["pos"] for p in tuple(self._out_packet)
                  if p["command"] & 0xF0 == mqtt.PUBLISH and p["qos"] == 0}
         self.report_cut()  # paho's thread: nothing is written until the queue is emptied
@@ -503,16 +603,19 @@ class _CountingClient(PollingClient):
         ref = self._fedfleet_on_packet(event)
         note: _Note = (event, ref, None)
         publish = event.packet_type == "PUBLISH" and qos > 0
+        msg = self._out_messages.get(mid) if publish else None  # a dict read: paho holds its lock around this call
+        handle = info if info is not None else msg.info if msg is not None else None
         replaced = self._last_noted.get(mid) if publish and in_place else None
         if replaced is not None:
             note = replaced
         elif publish and not event.dup:
-            msg = self._out_messages.get(mid)  # a dict read: paho holds its lock around this call
-            note = (event, ref, info if info is not None else msg.info if msg is not None else None)
+            note = (event, ref, handle)
         with self._queued_lock:
             self._queued[id(packet)] = note
             if publish:
                 self._last_noted[mid] = note
+                if handle is not None:
+                    self._queued_here[mid] = handle
             return super()._packet_queue(command, packet, mid, qos, info)
 
     def _packet_handle(self):
@@ -663,6 +766,8 @@ class MqttTransport:
         self._refusals: dict[int, tuple[mqtt.MQTTMessageInfo, PublishRefused]] = {}
         # id(info) -> (info, why it was dropped unsent): QoS 0 lost with a connection, anything unsent at close
         self._drops: dict[int, tuple[mqtt.MQTTMessageInfo, PublishDropped]] = {}
+        # id(info) -> (info, bytes of its first PUBLISH the socket never took), as told "unsent" (_on_cut)
+        self._first_unsent: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
         # id(info) -> (info, connections the broker closed while it awaited its PUBACK)
         self._strikes: dict[int, tuple[mqtt.MQTTMessageInfo, int]] = {}
         self._bytes_before = (0, 0)  # socket bytes of clients replaced by a protocol fallback or a retry
@@ -735,8 +840,10 @@ class MqttTransport:
         """Receive a :class:`PacketEvent` for every MQTT packet from now on; packets seen before
         (CONNECT, CONNACK, SUBSCRIBE … of :meth:`connect`) are replayed first, before any later
         one. What ``listener`` returns for an ``out`` event (a channel: the id of the ledger row
-        it wrote) comes back as the ``ref`` of a later event with ``unsent_bytes`` about the same
-        packet (the socket took only part of it)."""
+        it wrote) comes back as the ``ref`` of a later event about the same packet: one with
+        ``unsent_bytes`` (the socket took only part of it), or a ``dropped`` one (it never took a
+        byte of it: a control packet, or a PUBLISH retransmission (reported with ``dup``) that is
+        never written, the transport closed or its message withdrawn)."""
         with self._packet_lock:  # a packet of the network thread meanwhile waits for the replay
             early, self._early_packets = self._early_packets, []
             for ev, cell in early:
@@ -753,6 +860,10 @@ class MqttTransport:
                  self.client_id, event.packet_bytes - unsent, event.packet_bytes, event.packet_type,
                  " (DUP)" if event.dup else "")
         if handle is not None:
+            if len(self._first_unsent) >= 10_000:  # the oldest: their messages have long had their outcomes
+                for k in list(self._first_unsent)[:1000]:
+                    del self._first_unsent[k]
+            self._first_unsent[id(handle)] = (handle, unsent)
             self._tell(handle, "unsent", str(unsent))
             return
         if event.packet_type == "PUBLISH" and not event.dup:  # a first transmission whose message is not known
@@ -786,13 +897,21 @@ class MqttTransport:
         * ``"acked"``: the broker's PUBACK accepted a QoS 1 PUBLISH;
         * ``"refused"``: a QoS 1 PUBLISH refused (PUBACK reason code >= 0x80, or a packet the
           broker closed the connection for; ``reason`` says which and names the limit);
+        * ``"withdrawn"``: as ``refused`` (taken out of paho's queue above the packet limit
+          inferred from the broker's closes), for a message none of whose PUBLISH packets ever
+          reached the socket: no byte of it was on the wire. (A message withdrawn with a
+          retransmission never written is ``refused``: its earlier PUBLISH was on the wire, and
+          the retransmission's row is voided by a ``dropped`` packet event, see
+          :meth:`set_packet_listener`);
         * ``"written"``: the socket took all of a QoS 0 PUBLISH (all MQTT says of QoS 0);
         * ``"dropped"``: a PUBLISH that was not sent and never will be, of which the socket took
           no byte: a QoS 0 one still in paho's queue when the connection was lost (paho empties
           its queue at the reconnect and does not send QoS 0 again), or a message of any QoS
           still unsent when the transport was closed or its client replaced; ``reason`` says which;
         * ``"cut"``: as ``dropped``, but the socket took part of the packet (its bytes were on
-          the wire; the broker got no whole packet); ``unsent`` came first;
+          the wire; the broker got no whole packet): a QoS 0 PUBLISH (``unsent`` came first), or a
+          QoS 1 message of which the socket never took a whole PUBLISH when the transport was
+          closed (``unsent`` came first for its first PUBLISH when that was the one cut);
         * ``"unsent"``: the socket took only part of the message's PUBLISH before the connection
           was lost, or the transport closed, or its client's network thread ended: ``reason``
           is the number of its bytes it never took (a decimal number). For the PUBLISH the
@@ -897,18 +1016,19 @@ class MqttTransport:
             self._closed_before_connack = True
         last, self._last_acked = self._last_acked, None
         self.closed_for_refusal = False
+        if self._closed:  # close() or abort() say what is left unwritten, with their reason (_settle_ended)
+            return
         # paho's socket is closed: the QoS 0 PUBLISH packets still in its queue are never written (its
         # reconnect empties the queue), nor the rest of a packet it took part of; said now, not at the
         # reconnect a delay later
         client.report_cut()
         self._on_lost(client.take_lost_qos0(), "the link is down: the connection was lost")
-        if not self._closed:
-            log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
-            if was_connected:
-                if self._ack_close(client, last, str(reason_code)):
-                    self.closed_for_refusal = True
-                else:
-                    self._strike(client, str(reason_code))
+        log.info("%s: disconnected (%s); paho reconnects", self.client_id, reason_code)
+        if was_connected:
+            if self._ack_close(client, last, str(reason_code)):
+                self.closed_for_refusal = True
+            else:
+                self._strike(client, str(reason_code))
 
     def _ack_close(self, client: _CountingClient, last: tuple[mqtt.MQTTMessageInfo, int, str, float] | None,
                    why: str) -> bool:
@@ -975,41 +1095,68 @@ class MqttTransport:
 
     def _withdraw_oversize(self, client: _CountingClient) -> None:
         """Take every QoS 1 PUBLISH above the inferred limit out of paho's queue and report it
-        refused (called from on_connect, before paho re-sends its queue)."""
+        refused (called from on_connect, before paho re-sends its queue). The transmission each
+        would have had next never happens: when the socket took no byte of it, the row that stood
+        for it is voided (:meth:`_refuse` with its note, :meth:`_CountingClient.pending_note`): the
+        message's own (outcome ``withdrawn``: no PUBLISH of it ever reached the socket) or a
+        ``PUBLISH-DUP`` row (a retransmission dropped unwritten: the message is ``refused``)."""
         if self._withdraw is None:
             return
         reason, self._withdraw = self._withdraw, None
-        refused: list[tuple[mqtt.MQTTMessageInfo, PublishRefused]] = []
+        refused: list[tuple[mqtt.MQTTMessageInfo, PublishRefused, _Note | None]] = []
         limit = self.inferred_max_packet_bytes
+        unwritten = client.unwritten_mids()
         with client._out_message_mutex:
             for mid, m in list(client._out_messages.items()):
                 if m.qos > 0 and self._packet_size(m) > limit:
+                    note = client.pending_note(m, unwritten)  # before it is gone from the client's messages
                     client._out_messages.pop(mid)
                     self._strikes.pop(id(m.info), None)
                     msize = self._packet_size(m)
                     refused.append((m.info, PublishRefused(
                         f"{self.client_id}: {msize:,}-byte PUBLISH to {m.topic} refused: {reason}",
                         client_id=self.client_id, topic=m.topic, reason=reason, packet_bytes=msize,
-                        limit_bytes=limit)))
+                        limit_bytes=limit), note))
         if refused:
             log.error("%s: %d PUBLISH packet(s) of more than %d bytes withdrawn: %s (a size limit the broker did not "
                       "announce; declare it in the configuration, [protocol] max_packet_bytes, to chunk below it from "
                       "the start)", self.client_id, len(refused), limit, reason)
-        for info, exc in refused:
-            self._refuse(info, exc)
+        for info, exc, note in refused:
+            self._refuse(info, exc, note)
 
-    def _refuse(self, info: mqtt.MQTTMessageInfo, exc: PublishRefused) -> None:
+    def _refuse(self, info: mqtt.MQTTMessageInfo, exc: PublishRefused, pending: _Note | None = None) -> None:
+        """Report the QoS 1 message of ``info`` refused (``exc``) to the delivery listener and keep
+        it for :meth:`refusal`. ``pending``: the note of its transmission that will now never be
+        made, of which the socket took no byte (:meth:`_CountingClient.pending_note`): a first
+        transmission makes the outcome ``withdrawn`` (its row leaves the wire totals); a
+        ``PUBLISH-DUP`` row is voided first (:meth:`_void_pending`), and the outcome stays
+        ``refused`` (an earlier PUBLISH of the message was on the wire)."""
         self.refused += 1
         if len(self._refusals) >= 10_000:  # the oldest refusals: their publishers have long been told
             for k in list(self._refusals)[:1000]:
                 del self._refusals[k]
         self._refusals[id(info)] = (info, exc)
+        outcome = "refused"
+        if pending is not None and not pending[0].dup:
+            outcome = "withdrawn"
+        elif pending is not None:
+            self._void_pending(pending)
         listener = self._delivery_listener
         if listener is not None:
             try:
-                listener(info, "refused", exc.reason)
+                listener(info, outcome, exc.reason)
             except Exception:  # a listener must never break paho's network thread
                 log.exception("%s: delivery listener failed", self.client_id)
+
+    def _void_pending(self, note: _Note) -> None:
+        """Tell the packet listener that the retransmission ``note`` names (a ``PUBLISH-DUP``
+        row) will never reach the socket: a ``dropped`` event with the ``ref`` its listener
+        returned for it (the channel voids that row)."""
+        event, ref, _ = note
+        try:
+            self._on_packet(PacketEvent("out", event.packet_type, event.packet_bytes, True, dropped=True, ref=ref))
+        except Exception:  # a listener must never break paho's network thread (or a close)
+            log.exception("%s: packet listener failed", self.client_id)
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
         written = client.qos0_written(mid)  # a QoS 0 PUBLISH the socket took whole
@@ -1459,18 +1606,27 @@ class MqttTransport:
                 pass
 
     def abort(self) -> None:
-        """Vanish like a device losing power: stop the network thread and close the socket
-        without DISCONNECT, so the broker publishes the last will. No reconnect follows (a
-        :meth:`connect` under way ends as after :meth:`close`)."""
+        """Vanish like a device losing power: close the socket without DISCONNECT, so the broker
+        publishes the last will, and stop the network thread (the socket is closed first: paho's
+        loop, told to end, would otherwise run on until every QoS 1 message had its PUBACK, or the
+        keepalive gave up on a stalled link). No reconnect follows (a :meth:`connect` under way
+        ends as after :meth:`close`), so what was never sent never will be: reported as
+        :meth:`close` reports it (:meth:`_settle_ended`). A no-op after :meth:`close` or a first
+        ``abort``."""
         with self._state_lock:
+            if self._closed:
+                return
             self._closed = True
             client = self._client
         self._closing.set()
         client._thread_terminate = True
-        client.loop_stop()
-        _close_socket(client)
-        client.report_cut()  # the rest of a packet the socket took part of never goes out
-        self._connected.clear()
+        try:  # the socket first: a loop told to end still runs while QoS 1 messages await their PUBACKs
+            _close_socket(client)
+            client.loop_stop()
+            self._end_retired()
+        finally:
+            self._connected.clear()
+        self._settle_ended(client, "the transport was aborted (the device vanished)")
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send DISCONNECT (no last will) and stop the network thread (idempotent). Messages
@@ -1479,10 +1635,12 @@ class MqttTransport:
         While :meth:`connect` runs on another thread (the link not up yet), it is ended: the
         connection it is making is closed without a packet more (no DISCONNECT: none was
         accepted), and it raises. No paho thread or socket of this transport is left (the clients
-        a fallback or a retry replaced included). Messages that were never sent (their PUBLISH
-        never reached the socket, published before the connection came up, or queued when the
-        link was lost) never will be: each is reported ``dropped`` to the delivery listener, and
-        :meth:`publish` waiting on one raises :class:`~protocol.errors.PublishDropped`."""
+        a fallback or a retry replaced included, each given ``timeout_s`` seconds to end). What
+        was never sent never will be (:meth:`_settle_ended`): a message none of whose PUBLISH
+        packets reached the socket (published before the connection came up, or queued when the
+        link was lost) is reported ``dropped`` to the delivery listener, one the socket never took
+        a whole PUBLISH of ``cut``, and :meth:`publish` waiting on one raises
+        :class:`~protocol.errors.PublishDropped`."""
         with self._state_lock:  # not while connect() starts or replaces a client
             if self._closed:
                 return
@@ -1499,19 +1657,57 @@ class MqttTransport:
         finally:
             client.loop_stop()
             _close_socket(client)
-            for old in self._retired:  # trial clients whose threads end on their own: ended now
-                thread = old._thread
-                if thread is not None and thread is not threading.current_thread():
-                    thread.join(timeout_s)
-                _close_socket(old)
-                old.report_cut()
-                old.void_unwritten_control()
-            self._retired = []
+            self._end_retired(timeout_s)
             self._connected.clear()
+        self._settle_ended(client, "the transport was closed")
+
+    def _end_retired(self, timeout_s: float = 5.0) -> None:
+        """End the clients :meth:`connect` replaced whose threads end on their own (the MQTT 5
+        trial's): each thread is given ``timeout_s`` seconds, its socket closed, the rest of a
+        packet it took part of reported and its control packets never written voided (their
+        QoS 1 messages moved on; their QoS 0 ones were reported when they were replaced)."""
+        for old in self._retired:
+            thread = old._thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout_s)
+            _close_socket(old)
+            old.report_cut()
+            old.void_unwritten_control()
+        self._retired = []
+
+    def _settle_ended(self, client: _CountingClient, why: str) -> None:
+        """Report what ``client``, whose network thread has ended for good (:meth:`close`,
+        :meth:`abort`), leaves unsent, so that no ledger row counts a byte the socket never wrote:
+        the rest of a packet the socket took part of (:meth:`_CountingClient.report_cut`), the
+        QoS 0 PUBLISH packets it did not write whole (:meth:`_on_lost`), its control packets never
+        written (``dropped`` events) and, for each QoS 1 message it holds (no PUBACK came):
+
+        * no PUBLISH of it ever reached the socket: ``dropped`` (its ``sent`` row leaves the wire
+          totals);
+        * its pending retransmission never reached the socket: that ``PUBLISH-DUP`` row is voided
+          (:meth:`_void_pending`), its earlier PUBLISH packets stay counted;
+        * the socket never took a PUBLISH of it whole (each was cut, or is the retransmission just
+          voided): ``cut`` (its ``sent`` row stays, with delivery ``dropped``: the broker got no whole
+          packet of it; the :class:`~protocol.errors.PublishDropped` a :meth:`publish` waiting on it
+          raises carries the ``unsent_bytes`` of its first PUBLISH, for the row its caller writes);
+        * one PUBLISH of it went out whole: nothing more (the broker may have it: ``handed``).
+
+        ``why`` begins the reason each report gives ("the transport was closed")."""
+        client.note_whole_writes()
         client.report_cut()
-        self._on_lost(client.take_lost_qos0(), "the transport was closed")
+        self._on_lost(client.take_lost_qos0(), why)
         client.void_unwritten_control()
-        for m in client.unsent_messages():
-            self._drop(m.info, PublishDropped(
-                f"{self.client_id}: QoS {m.qos} PUBLISH to {m.topic} (message id {m.mid}) not sent: the transport "
-                "was closed before the socket took a byte of it", client_id=self.client_id, topic=m.topic))
+        for m, note in client.held_messages():
+            head = f"{self.client_id}: QoS {m.qos} PUBLISH to {m.topic} (message id {m.mid}) not sent"
+            if note is not None and not note[0].dup:
+                self._drop(m.info, PublishDropped(f"{head}: {why} before the socket took a byte of it",
+                                                  client_id=self.client_id, topic=m.topic))
+                continue
+            if note is not None:
+                self._void_pending(note)
+            if not client.whole_once(m):
+                told = self._first_unsent.get(id(m.info))
+                self._drop(m.info, PublishDropped(
+                    f"{head}: {why} before the socket took a whole PUBLISH of it (what it took of one was on the "
+                    "wire; the broker got no whole packet)", client_id=self.client_id, topic=m.topic, on_wire=True,
+                    unsent_bytes=told[1] if told is not None and told[0] is m.info else 0))

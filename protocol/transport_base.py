@@ -56,9 +56,12 @@ class PacketEvent:
         packet_type: name from :data:`PACKET_TYPES` (``"PUBACK"``).
         packet_bytes: exact size of the whole packet: fixed header + variable header + payload.
         dup: the DUP flag of a PUBLISH (a retransmission by paho after a reconnect).
-        dropped: an ``out`` control packet reported before (at its queueing) that the socket never
-            took a byte of: a lost connection or a close dropped it from the client's queue. It
-            voids that earlier event (same type and size); its bytes were never on the wire.
+        dropped: an ``out`` packet reported before (at its queueing) that the socket never took a
+            byte of and never will: a control packet a lost connection or a close dropped from the
+            client's queue, or a PUBLISH retransmission (reported with ``dup``) that is never
+            written (the transport closed, or its message withdrawn as refused). It voids that
+            earlier event, which ``ref`` names (without a ``ref``: the last one of the same type
+            and size); its bytes were never on the wire.
         unsent_bytes: > 0: an ``out`` packet reported before (at its queueing: a control packet,
             or a PUBLISH reported with ``dup``) of which the socket took only part before the
             connection was lost, or the transport closed, or its client's network thread ended:
@@ -66,9 +69,10 @@ class PacketEvent:
             did). It amends that earlier event, which ``ref`` names. (A PUBLISH reported without
             ``dup``, its message's first transmission, is told to the delivery listener instead,
             by its handle: outcome ``unsent``.)
-        ref: with ``unsent_bytes``, what the packet listener returned for the earlier event of
-            that packet (a :class:`~protocol.channel.Channel` returns the id of the ledger row it
-            wrote for it); ``None`` otherwise, or when the listener returned nothing.
+        ref: with ``unsent_bytes`` or ``dropped``, what the packet listener returned for the
+            earlier event of that packet (a :class:`~protocol.channel.Channel` returns the id of
+            the ledger row it wrote for it); ``None`` otherwise, or when the listener returned
+            nothing.
     """
 
     direction: str

@@ -189,3 +189,35 @@ def test_a_cut_control_packet_or_retransmission_keeps_its_row_sent_with_its_unse
         ("PUBLISH-DUP", "sent", "", 400)]
     assert ch.control_bytes_sent == 148 == _wire(rows)
     ledger.close()
+
+
+def test_a_message_withdrawn_unsent_leaves_the_wire_totals_and_a_voided_retransmission_its_row(tmp_path) -> None:
+    """QoS 1, by hand. M1 is reported ``withdrawn`` (refused above a limit the transport inferred,
+    none of its PUBLISH packets having reached the socket): its ``sent`` row turns into a
+    ``message`` row with delivery ``refused`` and leaves ``wire_bytes_sent``; the message is queued
+    to be sent again smaller, as after ``refused``. M2 was on the wire (its row stays), and its
+    retransmission (a ``PUBLISH-DUP`` row, 500 bytes) is voided by a ``dropped`` event naming
+    that row (``ref``), never by type and size: a SUBSCRIBE of 500 bytes keeps its row. By hand:
+    the wire sum is M2's packet + the SUBSCRIBE's 500 bytes."""
+    tr = ReportingTransport()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="client-001", side="agent", federation="fed", ledger=ledger, qos=1)
+    ch.send(TOPIC, update_of(1000), round=1)  # M1
+    ch.send(TOPIC, update_of(1000), round=1)  # M2
+    sub = ch._on_packet(PacketEvent("out", "SUBSCRIBE", 500))
+    dup = ch._on_packet(PacketEvent("out", "PUBLISH", 500, dup=True))
+    tr.tell(tr.handles[0], "withdrawn", "the broker closed the connection 2 times (test)")
+    tr.tell(tr.handles[1], "refused", "the broker closed the connection 2 times (test)")
+    assert ch._on_packet(PacketEvent("out", "PUBLISH", 500, dup=True, dropped=True, ref=dup)) is None
+    assert ch.refused == 2 and len(ch._refusal_queue) == 2 and ch._handles == {}
+    ledger.flush()
+    rows = ledger.rows()
+    updates = [r for r in rows if r.kind == "update"]
+    assert [(r.event, r.delivery) for r in updates] == [("message", "refused"), ("sent", "refused")]
+    assert all("closed the connection 2 times" in r.reason for r in updates)
+    assert [(r.kind, r.event, r.delivery) for r in rows if r.reason == "control"] == [
+        ("SUBSCRIBE", "sent", ""), ("PUBLISH-DUP", "message", "dropped")]
+    assert sub and dup
+    assert ch.wire_bytes_sent == updates[1].wire_bytes and ch.control_bytes_sent == 500
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == _wire(rows)
+    ledger.close()

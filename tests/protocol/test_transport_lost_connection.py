@@ -2,7 +2,12 @@
 them still unwritten in paho's queue: paho re-sends them all with the DUP flag after the
 reconnect, but only a packet the socket had taken a byte of was ever on the wire before. The
 ledger counts a PUBLISH-DUP row per packet event reported with ``dup=True``, so the packet events
-must say DUP only for real retransmissions; a relay counts what was on the wire."""
+must say DUP only for real retransmissions; a relay counts what was on the wire.
+
+The later tests follow the rows of packets that are never written at all (messages withdrawn as
+refused above a limit inferred from the broker's closes, retransmissions and control packets left
+unwritten by a close or an abort): through a Channel into a Ledger, the audit's wire sum equals
+the bytes the socket wrote and the relay counted, worked out by hand in each docstring."""
 
 from __future__ import annotations
 
@@ -603,3 +608,414 @@ def test_a_publish_in_the_reconnects_gap_before_connect_goes_out_after_it(tmp_pa
         finally:
             tr.close()
             sub.close()
+
+
+def _small_send_buffers(tr: MqttTransport, *sizes: int) -> None:
+    """Set the send buffer of each socket ``tr``'s client opens, before its CONNECT (paho's
+    thread): the n-th socket gets ``sizes[n]`` bytes (the last size for the sockets after; none
+    given: 16 KiB each). A relay that stops reading then leaves what does not fit in the sockets'
+    buffers unwritten in paho's queue (here a held loopback connection took about 177 KB with
+    16 KiB, about 1.2 MB with 512 KiB)."""
+    client = tr._client
+    opened = client._call_socket_open
+    sizes = sizes or (16_384,)
+    count = [0]
+
+    def small_buffer(sock) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sizes[min(count[0], len(sizes) - 1)])
+        count[0] += 1
+        opened(sock)
+
+    client._call_socket_open = small_buffer
+
+
+def _device_wire(path: Path) -> tuple[list[dict], int]:
+    """The device's ledger rows of ``path`` and their wire sum as the audit makes it (its ``WIRE``:
+    whole packets less ``unsent_bytes``, over ``sent`` / ``received`` / ``rejected`` rows)."""
+    from protocol.ledger import read_rows
+
+    rows = [r for r in read_rows(path) if r["side"] == "agent"]
+    return rows, totals(rows, "device")["up"]["wire_bytes"]
+
+
+def test_messages_withdrawn_above_an_inferred_limit_before_the_socket_took_them_count_no_wire_bytes(
+        tmp_path: Path) -> None:
+    """Three 800 KB QoS 1 updates (P bytes each) through a Channel into a Ledger, and the broker
+    closes the connection twice while the first awaits its PUBACK (the relay, as in the cut tests
+    above): the transport takes it for a packet above a size limit (:data:`OVERSIZE_STRIKES`) and,
+    at the third CONNACK, withdraws all three (each above the inferred P/2) as refused.
+
+    On the wire (16 KiB send buffers, the relay holding what the client writes): connection 1
+    carries c (CONNECT) + x1 bytes of the first PUBLISH, the other two unwritten in paho's queue;
+    connection 2 c + x2 bytes of the first one's re-send with DUP (the two others again unwritten:
+    their re-sends were their first transmissions); connection 3 c, then, at the close, d
+    (DISCONNECT). By hand the socket wrote 3c + x1 + x2 + d.
+
+    The ledger's device rows: 3 CONNECT, the first message's ``sent`` row (P, unsent P − x1, now
+    ``refused``), its ``PUBLISH-DUP`` row (P, unsent P − x2), the DISCONNECT, and the ``sent`` rows
+    of the two messages withdrawn before a byte of them was written: those must leave the wire
+    totals (``event='message'``, delivery ``refused``, sizes kept), so the audit's wire sum is
+    3c + x1 + x2 + d too. Before the fix they stayed ``sent``: the ledger was 2P = 1,600,192 bytes
+    above the socket."""
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger
+
+    topic = "fedfleet/v1/fed/up/wd-dev/update"
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("fed:wd-dev", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        client = tr._client
+        _small_send_buffers(tr)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="wd-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1  # the one before is connect()'s TCP probe
+            relay.hold(first)
+            relay.hold(first + 1, after_bytes=1)  # its CONNECT goes through, then it is held
+            for i in range(3):
+                ch.send(topic, _update(i, 200_000), round=1)
+            assert wait_for(lambda: len(client.unwritten_mids()) == 2, 10.0)
+            time.sleep(0.3)  # the socket is full: still two unwritten
+            assert len(client.unwritten_mids()) == 2
+            relay.cut(first, keep_held=True)
+            assert wait_for(lambda: not tr.connected, 10.0)
+            relay.release(first)
+
+            def dup_cut_short() -> bool:
+                queue = tuple(client._out_packet)
+                return (tr.connected and bool(queue) and bool(queue[0]["packet"][0] & 0x08)
+                        and queue[0]["pos"] > 0 and len(client.unwritten_mids()) == 2)
+
+            assert wait_for(dup_cut_short, 30.0)
+            time.sleep(0.3)
+            relay.cut(first + 1, keep_held=True)
+            assert wait_for(lambda: not tr.connected, 10.0)
+            relay.release(first + 1)
+            assert wait_for(lambda: ch.refused == 3 and tr.connected, 30.0), (ch.refused, ch.acked)
+        finally:
+            ch.close()
+            relay.close()
+            ledger.close()
+    assert tr.inferred_max_packet_bytes > 0 and ch.acked == 0
+    socket_out = tr.socket_bytes[0]
+    assert relay.total_bytes("up") == socket_out
+    for n in (first, first + 1):
+        assert relay.packets(n)["partial"] == 1 and relay.packets(n)["CONNECT"] == 1
+    last = relay.packets(first + 2)
+    assert last["PUBLISH"] == last["PUBLISH-DUP"] == last["partial"] == 0 and last["DISCONNECT"] == 1
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    updates = [r for r in rows if r["kind"] == "update"]
+    size = updates[0]["mqtt_header_bytes"] + updates[0]["topic_bytes"] + updates[0]["payload_bytes"]
+    connect = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
+    x1, x2 = (relay.parsers[(n, "up")].bytes - connect for n in (first, first + 1))
+    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in updates] == [
+        ("sent", "refused", size - x1), ("message", "refused", 0), ("message", "refused", 0)]
+    dups = [r for r in rows if r["kind"] == "PUBLISH-DUP"]
+    assert [(r["event"], r["unsent_bytes"]) for r in dups] == [("sent", size - x2)]
+    d = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "DISCONNECT")
+    assert socket_out == 3 * connect + x1 + x2 + d
+    assert ledger_wire == socket_out, ledger_wire - socket_out
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
+
+
+def _stalled(client: _CountingClient, unwritten: int) -> bool:
+    """Whether the head of ``client``'s queue is a QoS 1 PUBLISH the socket took part of, with
+    ``unwritten`` QoS 1 PUBLISH packets behind it of which it took no byte (the socket is full)."""
+    queue = tuple(client._out_packet)
+    return (bool(queue) and queue[0]["command"] & 0xF0 == mqtt.PUBLISH and 0 < queue[0]["pos"]
+            and len(client.unwritten_mids()) == unwritten)
+
+
+def test_a_qos1_message_the_socket_took_part_of_ends_dropped_when_the_transport_is_closed(tmp_path: Path) -> None:
+    """Three 800 KB QoS 1 updates (P bytes each) through a Channel into a Ledger on a connection
+    whose relay stops reading: the socket takes x1 bytes of the first, the others stay unwritten
+    in paho's queue. The broker side is closed, paho waits (its reconnect delay set to a minute)
+    and the transport is closed meanwhile: nothing more is ever sent.
+
+    By hand the socket wrote c + x1 (c: the CONNECT; no DISCONNECT: the link was down). The
+    ledger: the CONNECT, the first update's ``sent`` row with ``unsent_bytes`` P − x1, the two
+    others ``message`` rows (never written): c + x1, the socket's. Each update is said
+    undeliverable, and each row's delivery is ``dropped`` with the reason: the first one too (the
+    broker got no whole PUBLISH of it), which before the fix kept ``handed`` (only its
+    ``unsent_bytes`` was set)."""
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger
+
+    topic = "fedfleet/v1/fed/up/cl-dev/update"
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("fed:cl-dev", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        client = tr._client
+        _small_send_buffers(tr)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="cl-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1
+            relay.hold(first)
+            for i in range(3):
+                ch.send(topic, _update(i, 200_000), round=1)
+            assert wait_for(lambda: _stalled(client, 2), 10.0)
+            time.sleep(0.3)  # the socket is full: still two unwritten
+            assert _stalled(client, 2)
+            client.reconnect_delay_set(min_delay=60, max_delay=60)  # no reconnect before the close
+            relay.cut(first, keep_held=True)
+            assert wait_for(lambda: not tr.connected, 10.0)
+            relay.release(first)
+            ch.close()  # the transport's close: what it settles is the test
+        finally:
+            ch.close()
+            relay.close()
+            ledger.close()
+    socket_out = tr.socket_bytes[0]
+    assert relay.total_bytes("up") == socket_out and relay.connections == first + 1
+    assert relay.packets(first)["partial"] == 1 and relay.packets(first)["CONNECT"] == 1
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    updates = [r for r in rows if r["kind"] == "update"]
+    size = updates[0]["mqtt_header_bytes"] + updates[0]["topic_bytes"] + updates[0]["payload_bytes"]
+    connect = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
+    x1 = relay.parsers[(first, "up")].bytes - connect
+    assert 0 < x1 < size
+    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in updates] == [
+        ("sent", "dropped", size - x1), ("message", "dropped", 0), ("message", "dropped", 0)]
+    assert "the transport was closed before the socket took a whole PUBLISH of it" in updates[0]["reason"]
+    assert all("the transport was closed before the socket took a byte of it" in r["reason"] for r in updates[1:])
+    assert ch.undeliverable == 3
+    assert ledger_wire == socket_out, ledger_wire - socket_out  # c + x1
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
+
+
+def _a_retransmission_behind_a_cut(tr: MqttTransport, ch, relay: CountingRelay, topic: str) -> tuple[int, int, int]:
+    """Drive two connections so that message D's retransmission (a ``PUBLISH-DUP`` row) is never
+    written: A (200,000 floats) and D (190,000) are sent on connection 1, whose socket (512 KiB
+    send buffer) takes A whole and part of D before the relay holds it (it stops reading); the
+    broker side is closed. Connection 2 (16 KiB) is held right after its CONNECT: paho re-sends
+    both with DUP (each was on the wire), the socket takes part of A's, and D's stays unwritten in
+    paho's queue. Returns (connection 1's number, A's and D's message ids); connection 2 is held,
+    its broker side still open, when this returns (the caller cuts it or not)."""
+    client = tr._client
+    _small_send_buffers(tr, 524_288, 16_384)
+    tr.connect(timeout_s=10.0)
+    first = relay.connections - 1  # the one before is connect()'s TCP probe
+    relay.hold(first)
+    relay.hold(first + 1, after_bytes=1)  # its CONNECT goes through (alone, before the CONNACK), then held
+    ch.send(topic, _update(0, 200_000), round=1)
+    ch.send(topic, _update(1, 190_000), round=1)
+    a, d = sorted(client._out_messages)
+
+    def a_whole_d_in_part() -> bool:
+        queue = tuple(client._out_packet)
+        return len(queue) == 1 and queue[0]["mid"] == d and queue[0]["pos"] > 0
+
+    assert wait_for(a_whole_d_in_part, 10.0)
+    time.sleep(0.3)  # the socket is full
+    assert a_whole_d_in_part()
+    relay.cut(first, keep_held=True)
+    assert wait_for(lambda: not tr.connected, 10.0)
+    relay.release(first)
+
+    def a_dup_in_part_d_dup_unwritten() -> bool:
+        queue = tuple(client._out_packet)
+        return (tr.connected and len(queue) >= 2 and queue[0]["mid"] == a and bool(queue[0]["packet"][0] & 0x08)
+                and queue[0]["pos"] > 0 and client.unwritten_mids() == {d} and bool(queue[1]["packet"][0] & 0x08))
+
+    assert wait_for(a_dup_in_part_d_dup_unwritten, 30.0)
+    time.sleep(0.3)
+    assert a_dup_in_part_d_dup_unwritten()
+    return first, a, d
+
+
+def _sizes(rows: list[dict], relay: CountingRelay, first: int) -> tuple[int, int, int, int, int]:
+    """(c, P_A, P_D, x_D, x_A2): the CONNECT's size, A's and D's PUBLISH sizes (their ``sent``
+    rows), the bytes of D the socket took on connection ``first`` (after c + P_A) and of A's
+    retransmission on the next one (after c), from the relay's counts."""
+    updates = [r for r in rows if r["kind"] == "update"]
+    p_a, p_d = (r["mqtt_header_bytes"] + r["topic_bytes"] + r["payload_bytes"] for r in updates)
+    c = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
+    x_d = relay.parsers[(first, "up")].bytes - c - p_a
+    x_a2 = relay.parsers[(first + 1, "up")].bytes - c
+    assert 0 < x_d < p_d and 0 < x_a2 < p_a
+    return c, p_a, p_d, x_d, x_a2
+
+
+def test_a_message_withdrawn_with_its_retransmission_unwritten_voids_that_publish_dup_row(tmp_path: Path) -> None:
+    """As above (:func:`_a_retransmission_behind_a_cut`): A whole and D in part on connection 1,
+    A's retransmission in part and D's unwritten on connection 2. The broker closed both while A
+    awaited its PUBACK (a 1.2 MB write taken whole the first time): the transport takes A for a
+    packet above a size limit of P_A / 2 and withdraws A and D (D is larger than that) at the
+    third CONNACK, as refused. D's ``PUBLISH-DUP`` row stands for a packet the socket never took
+    and never will: it is voided (``message``, delivery ``dropped``); D's ``sent`` row (the socket
+    took x_D bytes of it) stays ``sent``, ``refused``.
+
+    By hand the socket wrote c + P_A + x_D | c + x_A2 | c + d (d: the DISCONNECT of the close); the
+    ledger: 3c, A's row (P_A), D's (P_D less unsent P_D − x_D), A's retransmission (P_A less unsent
+    P_A − x_A2), D's voided retransmission (0) and d: the same. Before the fix D's ``PUBLISH-DUP``
+    row stayed ``sent``: the ledger was P_D (760,094 bytes) above the socket."""
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger
+
+    topic = "fedfleet/v1/fed/up/wdd-dev/update"
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("fed:wdd-dev", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="wdd-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+        try:
+            first, _, _ = _a_retransmission_behind_a_cut(tr, ch, relay, topic)
+            relay.cut(first + 1, keep_held=True)
+            assert wait_for(lambda: not tr.connected, 10.0)
+            relay.release(first + 1)
+            assert wait_for(lambda: ch.refused == 2 and tr.connected, 30.0), (ch.refused, ch.acked)
+        finally:
+            ch.close()
+            relay.close()
+            ledger.close()
+    assert tr.inferred_max_packet_bytes > 0 and ch.acked == 0
+    socket_out = tr.socket_bytes[0]
+    assert relay.total_bytes("up") == socket_out
+    last = relay.packets(first + 2)
+    assert last["PUBLISH"] == last["PUBLISH-DUP"] == last["partial"] == 0 and last["DISCONNECT"] == 1
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    c, p_a, p_d, x_d, x_a2 = _sizes(rows, relay, first)
+    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in rows if r["kind"] == "update"] == [
+        ("sent", "refused", 0), ("sent", "refused", p_d - x_d)]
+    assert [(r["event"], r["delivery"], r["unsent_bytes"], r["mqtt_header_bytes"]) for r in rows
+            if r["kind"] == "PUBLISH-DUP"] == [("sent", "", p_a - x_a2, p_a), ("message", "dropped", 0, p_d)]
+    d = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "DISCONNECT")
+    assert socket_out == 3 * c + p_a + x_d + x_a2 + d
+    assert ledger_wire == socket_out, ledger_wire - socket_out
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
+
+
+@pytest.mark.parametrize("when", ["queued", "dropped"])
+def test_a_retransmission_never_written_at_close_voids_its_publish_dup_row_not_the_message_row(
+        tmp_path: Path, when: str) -> None:
+    """As above (:func:`_a_retransmission_behind_a_cut`), but the broker is known to keep packets
+    of A's size (no size limit is inferred). Connection 2's broker side is closed too, then the
+    transport is closed before the next connection is up, with D's retransmission never written:
+
+    * ``queued``: paho waits before reconnecting (its delay set to a minute): D's retransmission
+      is still in paho's queue at the close;
+    * ``dropped``: the next connection is held from its start (no CONNACK comes): paho's reconnect
+      dropped D's retransmission from its queue, and its re-send in place (after a CONNACK) would
+      have been that packet's (the ``PUBLISH-DUP`` row stands for it).
+
+    Either way D's ``PUBLISH-DUP`` row is voided (``message``, ``dropped``) and D's ``sent`` row
+    stays ``sent`` (the socket took x_D bytes of it), with delivery ``dropped`` (the socket never
+    took a PUBLISH of D whole: the broker got none); A's stays ``handed`` (the socket took it whole
+    on connection 1: the broker may have it) and A's retransmission keeps its unsent part.
+
+    By hand the socket wrote c + P_A + x_D | c + x_A2 (| c) and no DISCONNECT (the link was down);
+    the ledger: 2c (3c), P_A, P_D less P_D − x_D, P_A less P_A − x_A2, and 0 for D's voided
+    retransmission: the same. Before the fix D's retransmission row stayed ``sent`` (P_D) and,
+    with ``dropped``, D's ``sent`` row was voided instead (the x_D bytes the socket took gone)."""
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger
+
+    topic = "fedfleet/v1/fed/up/dc-dev/update"
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("fed:dc-dev", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        client = tr._client
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="dc-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+        tr.kept_packet_bytes = 10_000_000  # a broker that took larger packets: the closes are the link's
+        try:
+            first, a, d = _a_retransmission_behind_a_cut(tr, ch, relay, topic)
+            if when == "queued":
+                client.reconnect_delay_set(min_delay=60, max_delay=60)
+            else:
+                relay.hold(first + 2)
+            relay.cut(first + 1, keep_held=True)
+            assert wait_for(lambda: not tr.connected, 10.0)
+            relay.release(first + 1)
+            if when == "queued":
+                assert d in client.unwritten_mids()
+            else:
+                assert wait_for(lambda: relay.connections == first + 3 and not client._out_packet
+                                and client._never_written == {d}, 30.0)
+            ch.close()
+        finally:
+            ch.close()
+            relay.close()
+            ledger.close()
+    assert ch.refused == ch.acked == 0 and ch.undeliverable == 1
+    socket_out = tr.socket_bytes[0]
+    assert relay.total_bytes("up") == socket_out
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    c, p_a, p_d, x_d, x_a2 = _sizes(rows, relay, first)
+    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in rows if r["kind"] == "update"] == [
+        ("sent", "handed", 0), ("sent", "dropped", p_d - x_d)]
+    assert "the transport was closed before the socket took a whole PUBLISH of it" in \
+        [r for r in rows if r["kind"] == "update"][1]["reason"]
+    assert [(r["event"], r["delivery"], r["unsent_bytes"], r["mqtt_header_bytes"]) for r in rows
+            if r["kind"] == "PUBLISH-DUP"] == [("sent", "", p_a - x_a2, p_a), ("message", "dropped", 0, p_d)]
+    connects = 2 if when == "queued" else 3
+    assert [r["kind"] for r in rows if r["event"] == "sent" and r["reason"] == "control"].count("CONNECT") == connects
+    assert socket_out == connects * c + p_a + x_d + x_a2
+    assert ledger_wire == socket_out, ledger_wire - socket_out
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+def test_abort_voids_what_it_leaves_unwritten_as_close_does(tmp_path: Path, qos: int) -> None:
+    """Three 800 KB updates (P bytes each) at ``qos`` through a Channel into a Ledger on a
+    connection whose relay stops reading: the socket takes x1 bytes of the first, the two others
+    and then a SUBSCRIBE stay unwritten in paho's queue. The device then vanishes
+    (:meth:`MqttTransport.abort`): nothing more is ever written.
+
+    By hand the socket wrote c + x1 (no DISCONNECT: abort sends none). The ledger: the CONNECT,
+    the first update's ``sent`` row with ``unsent_bytes`` P − x1 (delivery ``dropped``: the
+    broker got no whole packet), the two others ``message`` rows and the SUBSCRIBE a ``message``
+    row (never written, each ``dropped``): c + x1, the socket's. Before the fix abort reported the
+    cut only, after waiting for paho's loop, which runs on while its queue holds packets (QoS 1:
+    or messages await PUBACKs) until the keepalive gives up on the stalled link, queueing a
+    PINGREQ: the SUBSCRIBE, the PINGREQ and (QoS 1) the two unwritten updates stayed ``sent``."""
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger
+
+    topic = "fedfleet/v1/fed/up/ab-dev/update"
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("fed:ab-dev", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=30)
+        client = tr._client
+        _small_send_buffers(tr)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="ab-dev", side="agent", federation="fed", ledger=ledger, qos=qos)
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1
+            relay.hold(first)
+            for i in range(3):
+                ch.send(topic, _update(i, 200_000), round=1)
+            queued = lambda n: (len(client._out_packet) == n and 0 < client._out_packet[0]["pos"]  # noqa: E731
+                                and all(p["pos"] == 0 for p in tuple(client._out_packet)[1:]))
+            assert wait_for(lambda: queued(3), 10.0)
+            time.sleep(0.3)  # the socket is full: two unwritten behind the first
+            tr.subscribe(["fedfleet/v1/fed/down/ab-dev/#"], qos=1)
+            assert queued(4)
+            tr.abort()
+            assert not tr.connected and client._thread is None
+            relay.release(first)
+        finally:
+            ch.close()
+            relay.close()
+            ledger.close()
+    socket_out = tr.socket_bytes[0]
+    assert relay.total_bytes("up") == socket_out and relay.connections == first + 1
+    assert relay.packets(first)["partial"] == 1 and relay.packets(first)["CONNECT"] == 1
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    updates = [r for r in rows if r["kind"] == "update"]
+    size = updates[0]["mqtt_header_bytes"] + updates[0]["topic_bytes"] + updates[0]["payload_bytes"]
+    connect = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
+    x1 = relay.parsers[(first, "up")].bytes - connect
+    assert 0 < x1 < size
+    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in updates] == [
+        ("sent", "dropped", size - x1), ("message", "dropped", 0), ("message", "dropped", 0)]
+    assert all("the transport was aborted (the device vanished)" in r["reason"] for r in updates)
+    assert [(r["kind"], r["event"], r["delivery"]) for r in rows if r["reason"] == "control" and r["side"] == "agent"
+            and r["direction"] == "up"] == [("CONNECT", "sent", ""), ("SUBSCRIBE", "message", "dropped")]
+    assert ch.undeliverable == 3
+    assert ledger_wire == socket_out == connect + x1, ledger_wire - socket_out
+    assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
