@@ -57,6 +57,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from helpers.checkpoints import checkpoint_round
 from helpers.federation import small_config
+from helpers.waiting import wait_for
 
 import broker_server.server as server_mod
 import broker_server.simulate as simulate_mod
@@ -656,6 +657,9 @@ def run_agent_dies_mid_upload(tmp: Path, *, rounds: int = 2, monkeypatch=None) -
                 state["published"] += 1
                 if state["published"] >= body.count // 2:
                     state["dead"] = True
+                    # the device dies once its socket has taken the chunks published so far (abort() closes
+                    # the socket at once: what is still in paho's queue never goes out, as at a power loss)
+                    assert wait_for(lambda: not tr._client._out_packet, 10.0)
                     tr.abort()
                     agent.stop()
 
