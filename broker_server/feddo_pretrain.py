@@ -27,11 +27,13 @@ written metadata's ``started_from*`` keys record the starting policy, so that ``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import json
 import logging
 import math
 import os
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -184,13 +186,16 @@ def progress_line(m: dict, episodes: int) -> str:
 
 #: the progress file's format (a file of a newer one is refused, not misread)
 PROGRESS_FORMAT = 1
+#: the progress settings' key of the starting policy: its SHA-256 (``""``: an untrained agent)
+STARTING_POLICY = "starting policy (SHA-256)"
 
 
 def progress_path(out: str | Path) -> Path:
     """Where a pre-training writing its policy to ``out`` keeps its progress between episodes:
-    ``NAME.progress`` beside it (msgpack: the settings it was made with, the whole episodes'
-    lines, the CPU seconds so far, the resumes, and the FedDO strategy's ``state_dict()``: agent
-    networks, optimisers, temperature, random streams and replay buffer)."""
+    ``NAME.progress`` beside it (msgpack: its format, the SHA-256 of its state and the state: the
+    settings it was made with, the whole episodes' lines, the CPU seconds so far, the resumes, and
+    the FedDO strategy's ``state_dict()``: agent networks, optimisers, temperature, random streams
+    and replay buffer)."""
     out = Path(out)
     return out.with_name(f"{out.name}.progress")
 
@@ -204,8 +209,8 @@ def progress_settings(cfg: Config, rounds: int, start: StartingPoint) -> dict:
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "data_dir"}
     algorithm = {k: v for k, v in cfg.algorithm.items() if k != "policy"}
     settings = {"data": data, "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
-                "algorithm": algorithm, "seed": cfg.run.seed, "rounds": rounds,
-                "starting_policy_sha256": start.sha256 if start.loaded else ""}
+                "algorithm": algorithm, "run": {"seed": cfg.run.seed}, "--rounds": rounds,
+                STARTING_POLICY: start.sha256 if start.loaded else ""}
     return json.loads(json.dumps(settings))  # as msgpack gives it back: tuples as lists
 
 
@@ -213,8 +218,9 @@ def read_progress(path: Path) -> dict | None:
     """The progress file at ``path`` (``None``: there is none).
 
     Raises:
-        ConfigError: it cannot be read (truncated, not a progress file, a newer format), naming
-            it and saying to delete it to start over.
+        ConfigError: it cannot be read (truncated, not a progress file, a newer format, damaged:
+            its checksum does not match, or its content is not of a pre-training), naming it and
+            saying to delete it to start over.
     """
     try:
         blob = path.read_bytes()
@@ -223,14 +229,22 @@ def read_progress(path: Path) -> dict | None:
     except OSError as exc:
         raise ConfigError(f"the pre-training's progress file {path} cannot be read ({exc})") from exc
     try:
-        state = msgpack.unpackb(blob, raw=False, strict_map_key=False)
-        if not isinstance(state, dict) or "format" not in state:
+        outer = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+        if not isinstance(outer, dict) or "format" not in outer:
             raise ValueError("not a FedDO pre-training progress file")
-        if int(state["format"]) > PROGRESS_FORMAT:
-            raise ValueError(f"format {state['format']}, newer than this fedfleet's {PROGRESS_FORMAT}")
-        for key in ("settings", "lines", "cpu_seconds", "resumed_after", "strategy"):
-            if key not in state:
-                raise ValueError(f"its {key!r} is missing")
+        if int(outer["format"]) > PROGRESS_FORMAT:
+            raise ValueError(f"format {outer['format']}, newer than this fedfleet's {PROGRESS_FORMAT}")
+        body = outer.get("state")
+        if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != outer.get("sha256"):
+            raise ValueError("its checksum does not match its content: the file is damaged")
+        state = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        kinds: dict[str, tuple[type, ...]] = {"settings": (dict,), "lines": (list,), "cpu_seconds": (int, float),
+                                              "resumed_after": (list,), "strategy": (dict,)}
+        for key, kind in kinds.items():
+            if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+                raise ValueError(f"its {key!r} is missing or not a {' or '.join(k.__name__ for k in kind)}")
+        if not all(isinstance(line, dict) for line in state["lines"]) or not state["strategy"].get("agent"):
+            raise ValueError("its episodes' lines or its agent are not those of a pre-training")
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ConfigError(f"the pre-training's progress file {path} cannot be read ({exc}): delete it to start "
                           "over") from exc
@@ -253,18 +267,43 @@ def _differences(saved: object, now: object, where: str = "") -> list[str]:
         for k in sorted(set(saved) | set(now)):
             out += _differences(saved.get(k, "(absent)"), now.get(k, "(absent)"), f"{where}.{k}" if where else k)
         return out
-    return [] if saved == now else [f"{where}: {saved!r} in the progress file, {now!r} now"]
+    if saved == now:
+        return []
+    if where == STARTING_POLICY:  # "" is an untrained agent (no policy, or --from-scratch)
+        saved, now = (repr(v) if v else "an untrained agent" for v in (saved, now))
+        return [f"{where}: {saved} in the progress file, {now} now"]
+    return [f"{where}: {saved!r} in the progress file, {now!r} now"]
 
 
-def check_progress(saved: dict, settings: dict, path: Path, episodes: int) -> None:
+def _policy_metadata(path: Path) -> dict:
+    """The metadata of the policy file at ``path`` (``{}``: none there, or not a policy)."""
+    try:
+        meta = torch.load(path, weights_only=True, map_location="cpu").get("metadata")
+    except Exception:  # noqa: BLE001 - absent, not a policy: it says nothing about the progress file
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def check_progress(saved: dict, settings: dict, path: Path, episodes: int, *, out: Path | None = None) -> None:
     """Refuse to go on from a progress file made with other settings (:func:`progress_settings`)
-    or holding more whole episodes than ``episodes``.
+    or holding more whole episodes than ``episodes``. Where the policy at ``out`` is the finished
+    policy of that very pre-training (its whole episodes, from its starting policy: a stop after
+    the policy was written and before the progress file was removed; its file the starting
+    policy, it now differs from the one the progress file started from), that is said instead.
 
     Raises:
         ConfigError: naming the file, each setting that differs (at most 5) or the episodes, and
             what to do.
     """
     diff = _differences(saved["settings"], settings)
+    start = saved["settings"].get(STARTING_POLICY, "")
+    meta = _policy_metadata(out) if out is not None and out.exists() else {}
+    if (diff and meta and "interrupted_episode" not in meta and meta.get("episodes") == len(saved["lines"])
+            and meta.get("started_from_sha256", "") == start):
+        raise ConfigError(f"{out} is already the finished policy of the pre-training in the progress file {path} "
+                          f"({len(saved['lines'])} episodes; the process stopped after writing it, before removing "
+                          f"the progress file): delete {path}, then run the command again to pre-train further from "
+                          f"{out}")
     if diff:
         more = f" (and {len(diff) - 5} more)" if len(diff) > 5 else ""
         raise ConfigError(f"the progress file {path} holds {plural(len(saved['lines']), 'whole episode')} of a "
@@ -280,8 +319,10 @@ def write_progress(path: Path, settings: dict, lines: list[dict], cpu_seconds: f
                    strategy: FedDO) -> None:
     """Write the progress after a whole episode, atomically and flushed to the disk (a stop or a
     power cut leaves the last whole one)."""
-    blob = msgpack.packb({"format": PROGRESS_FORMAT, "settings": settings, "lines": lines, "cpu_seconds": cpu_seconds,
+    body = msgpack.packb({"settings": settings, "lines": lines, "cpu_seconds": cpu_seconds,
                           "resumed_after": resumed_after, "strategy": pack_state(strategy.state_dict())},
+                         use_bin_type=True)
+    blob = msgpack.packb({"format": PROGRESS_FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "state": body},
                          use_bin_type=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, blob, mode=0o600, fsync=True)
@@ -368,11 +409,15 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         settings = progress_settings(cfg, rounds, start)
         saved = read_progress(progress)
         if saved is not None:  # go on after its last whole episode
-            check_progress(saved, settings, progress, episodes)
-            strategy.load_state_dict(unpack_state(saved["strategy"]))
-            lines = [dict(line) for line in saved["lines"]]
-            resumed_after = [*(int(n) for n in saved["resumed_after"]), len(lines)]
-            cpu0 -= float(saved["cpu_seconds"])
+            check_progress(saved, settings, progress, episodes, out=Path(out))
+            try:
+                strategy.load_state_dict(unpack_state(saved["strategy"]))
+                lines = [dict(line) for line in saved["lines"]]
+                resumed_after = [*(int(n) for n in saved["resumed_after"]), len(lines)]
+                cpu0 -= float(saved["cpu_seconds"])
+            except (KeyError, TypeError, ValueError, RuntimeError, struct.error) as exc:  # its content, not ours
+                raise ConfigError(f"the pre-training's progress file {progress} cannot be read (its agent or "
+                                  f"episodes: {type(exc).__name__}: {exc}): delete it to start over") from exc
             start = dataclasses.replace(start, resumed_after=len(lines), progress=str(progress))
         if on_start is not None:
             on_start(start)
@@ -424,15 +469,16 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
                 write_progress(progress, settings, lines, time.process_time() - cpu0, resumed_after, strategy)
             except OSError as exc:  # a full disk: the pre-training goes on, without this safety net
                 kept = read_progress_episodes(progress)
-                log.warning("FedDO pre-training: the progress after episode %d could not be written to %s (%s): a "
-                            "stop now %s", ep, progress, exc,
-                            f"goes on after episode {kept}, its progress file's" if kept else "starts over")
+                log.warning("FedDO pre-training: the progress after episode %d could not be written to %s (%s): "
+                            "the pre-training goes on; a stop now %s", ep, progress, exc,
+                            f"goes on after episode {kept}, the last progress written" if kept else "starts over")
             if on_episode:
                 on_episode(line)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: what the agent learned is kept
         said = _save_interrupted(strategy, cfg, out, lines, episodes, rounds, r, cpu0, start)
-        if progress.exists() and lines:
-            said += (f"; the same command goes on after episode {len(lines)} (the progress file {progress}; delete it "
+        kept = read_progress_episodes(progress)  # a stop during its write leaves the one before
+        if kept:
+            said += (f"; the same command goes on after episode {kept} (the progress file {progress}; delete it "
                      "to start over)")
         (on_interrupt or log.warning)(said)
         raise
@@ -449,7 +495,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
     except (OSError, ValueError) as exc:  # a full disk, a diverged agent: said so; the progress file stays
         raise RunError(f"pre-training finished ({plural(episodes, 'episode')} x {plural(rounds, 'round')}, "
                        f"{cpu_s:.0f} CPU s) but {exc}"
-                       + (f"; its episodes are kept in {progress}" if progress.exists() else "")) from exc
+                       + (f"; its first {plural(kept, 'episode')} are kept in {progress}: the same command goes on "
+                          "from there" if (kept := read_progress_episodes(progress)) else "")) from exc
     progress.unlink(missing_ok=True)
     return PretrainResult(out, lines, cpu_s, agent.parameter_counts(), tuple(resumed_after))
 
@@ -500,7 +547,10 @@ def _save_interrupted(strategy: FedDO | None, cfg: Config, out: str | Path, line
         return (f"fedfleet feddo pretrain: stopped {where}, before the agent's first DSAC-T update: no policy "
                 f"written ({out} untouched)")
     out = Path(out)
-    target = stopped_policy_path(out) if out.exists() else out
+    # a file there before is kept, but the policy an earlier stop of this very pre-training wrote
+    # there (a resumed one: its metadata says where it stopped) is this one's, and replaced
+    own = bool(start and start.resumed_after) and "interrupted_episode" in _policy_metadata(out)
+    target = stopped_policy_path(out) if out.exists() and not own else out
     kept = f" (the file at {out}, there before, is untouched)" if target != out else ""
     try:
         atomic(_write_policy)(strategy, cfg, target, done, rounds, cpu_s, episodes_planned=episodes,
@@ -589,8 +639,11 @@ def run_pretrain(args, stream: TextIO | None = None) -> int:
     legend = PROGRESS_LEGEND.format(top=k * math.log(2), target=-k,
                                     warmup=cfg.algorithm.get("warmup", feddo_defaults()["warmup"]))
 
+    shown = [False]
+
     def show(m: dict) -> None:
-        if m["episode"] == 1:  # the legend above the first line (none when the pre-training fails before it)
+        if not shown[0]:  # the legend above the first line, a resume's too (none when it fails before it)
+            shown[0] = True
             print(legend, file=stream)
         print(progress_line(m, args.episodes), file=stream, flush=True)
 

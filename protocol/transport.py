@@ -561,13 +561,23 @@ class _CountingClient(PollingClient):
             self._connect_pending = False
             self._report_lost(self.take_lost_qos0(taken), "the link is down: the connection was lost")
 
-    def _send_publish(self, *args, **kwargs):
+    def _send_publish(self, mid, topic, payload=b"", qos=0, retain=False, dup=False, info=None, properties=None):
         """paho's, but ``MQTT_ERR_NO_CONN`` while a reconnect has not yet queued its CONNECT (the
-        class docstring), as paho answers with no socket."""
+        class docstring), as paho answers with no socket.
+
+        A QoS > 0 message's first transmission that gets no packet (``MQTT_ERR_NO_CONN``: no
+        socket) is noted as never written: paho may already count it in flight (its re-send after a
+        CONNACK whose connection was lost meanwhile, paho's ``_handle_connack``), and then sends it
+        with DUP after the next reconnect, though no PUBLISH of it was ever on the wire; that send
+        is reported as its first transmission (:meth:`_packet_queue`)."""
         with self._publish_gate:
             if self._connect_pending:
-                return mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
-            return super()._send_publish(*args, **kwargs)
+                rc = mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
+            else:
+                rc = super()._send_publish(mid, topic, payload, qos, retain, dup, info, properties)
+            if rc == mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN and qos > 0 and not dup:
+                self._never_written.add(mid)
+            return rc
 
     def _packet_queue(self, command, packet, mid, qos, info=None):
         first = packet[0] if len(packet) else command  # paho sets DUP in the packet, not in `command`

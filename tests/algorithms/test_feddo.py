@@ -676,7 +676,7 @@ def test_a_policy_that_cannot_be_written_leaves_the_file_there_before(tmp_path, 
     assert "pre-training finished (1 episode x 3 rounds, " in done.stderr
     # the episode's progress file could not be written either: said, and the pre-training went on to its end
     assert (f"FedDO pre-training: the progress after episode 1 could not be written to {good}.progress ([Errno 27] "
-            "File too large): a stop now starts over") in done.stderr
+            "File too large): the pre-training goes on; a stop now starts over") in done.stderr
     assert f"policy {good}: could not be written (" in done.stderr
     assert "the file there before is untouched" in done.stderr
     assert "Traceback" not in done.stderr
@@ -890,6 +890,64 @@ def test_a_progress_file_of_other_settings_or_more_episodes_is_refused_naming_th
     assert main([*args, "--config", str(cfg_path)]) == 2
     assert f"the pre-training's progress file {progress} cannot be read (" in capsys.readouterr().err
     assert progress.read_bytes() == b"\x93not a progress file"
+    # one byte of an intact file changed (in its agent): its checksum no longer matches
+    damaged = bytearray(kept)
+    damaged[len(damaged) // 2] ^= 0x01
+    progress.write_bytes(bytes(damaged))
+    assert main([*args, "--config", str(cfg_path)]) == 2
+    assert (f"the pre-training's progress file {progress} cannot be read (its checksum does not match its content: "
+            "the file is damaged): delete it to start over") in capsys.readouterr().err
+
+
+def test_a_resumed_pretrainings_stops_and_its_finished_policy_are_told_apart(tmp_path, capsys) -> None:
+    """A pre-training stopped twice: the resumed one's stop replaces the policy the first stop
+    wrote at --out (its own), no NAME.stopped.pt. A configuration naming a starting policy against
+    that progress file (an untrained agent's) is refused naming "an untrained agent". A
+    pre-training onto its own starting policy stopped after its finished policy was written but
+    before the progress file was removed (the starting policy's file, so now another SHA-256 than
+    the one the progress file started from): said to be the finished policy, not a pre-training
+    of other settings."""
+    from broker_server.config import load as load_config
+    from broker_server.feddo_pretrain import pretrain, progress_path
+
+    cfg_path = tmp_path / "feddo.toml"
+    cfg_path.write_text(TINY_TOML, encoding="utf-8")
+    out = tmp_path / "policy.pt"
+    cfg = load_config(cfg_path)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(cfg, episodes=4, rounds=2, out=out, on_episode=_stop_after(1), on_interrupt=lambda line: None)
+    first = DSACTAgent.load_policy(out)[1]
+    assert first["interrupted_episode"] == 2
+    said: list[str] = []
+    with pytest.raises(KeyboardInterrupt):  # resumed, stopped again after episode 2: its own policy replaced
+        pretrain(cfg, episodes=4, rounds=2, out=out, on_episode=_stop_after(2), on_interrupt=said.append)
+    assert f"was written to {out}; its metadata records where it stopped" in said[0]
+    assert DSACTAgent.load_policy(out)[1]["interrupted_episode"] == 3
+    assert not (tmp_path / "policy.stopped.pt").exists()
+    # the config naming a starting policy, against this progress file of an untrained agent's
+    start = Path(_policy(tmp_path / "start.pt", 3))
+    onto = tmp_path / "onto.toml"
+    onto.write_text(TINY_TOML + f'policy = "{start}"\n', encoding="utf-8")
+    assert main(["feddo", "pretrain", "--episodes", "4", "--rounds", "2", "--out", str(out), "--config",
+                 str(onto)]) == 2
+    assert ("holds 2 whole episodes of a pre-training with other settings: starting policy (SHA-256): an untrained "
+            "agent in the progress file, '") in capsys.readouterr().err
+    # a pre-training onto its starting policy, killed between the policy's write and the progress file's removal
+    cfg = load_config(onto)
+    last: dict[str, bytes] = {}
+
+    def keep(line: dict) -> None:  # the progress file as the last episode leaves it
+        last["progress"] = progress_path(start).read_bytes()
+
+    pretrain(cfg, episodes=2, rounds=2, out=start, on_episode=keep)
+    progress = progress_path(start)
+    assert not progress.exists()
+    progress.write_bytes(last["progress"])
+    assert main(["feddo", "pretrain", "--episodes", "2", "--rounds", "2", "--out", str(start), "--config",
+                 str(onto)]) == 2
+    assert (f"{start} is already the finished policy of the pre-training in the progress file {progress} (2 episodes; "
+            f"the process stopped after writing it, before removing the progress file): delete {progress}, then run "
+            f"the command again to pre-train further from {start}") in capsys.readouterr().err
 
 
 def test_the_validation_set_is_held_out_from_every_devices_training_images(tmp_path, caplog) -> None:

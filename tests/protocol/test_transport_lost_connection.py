@@ -1019,3 +1019,51 @@ def test_abort_voids_what_it_leaves_unwritten_as_close_does(tmp_path: Path, qos:
     assert ch.undeliverable == 3
     assert ledger_wire == socket_out == connect + x1, ledger_wire - socket_out
     assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
+
+
+def test_a_message_paho_counts_in_flight_with_no_packet_is_a_first_transmission_after_the_reconnect(
+        tmp_path: Path) -> None:
+    """Two QoS 1 updates sent while the link is down wait in paho for the CONNACK; the new
+    connection is closed just before paho handles that CONNACK. paho then re-sends both: the first
+    gets a packet, whose write fails on the closed socket (paho clears it), the second none (no
+    socket: ``MQTT_ERR_NO_CONN``), yet paho counts it in flight and sends it with DUP after the next
+    reconnect. Neither was on the wire before: each goes out once, so the ledger has the two
+    updates' ``sent`` rows and no ``PUBLISH-DUP`` row, and its wire sum (the audit's) equals the
+    bytes the socket wrote (it was one whole packet above it)."""
+    from protocol.channel import Channel
+    from protocol.ledger import Ledger
+
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        tr = MqttTransport("fed:inflight", "127.0.0.1", broker.port, keepalive_s=30)
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ch = Channel(tr, node_id="inflight", side="agent", federation="fed", ledger=ledger, qos=1)
+        try:
+            tr.connect(timeout_s=10.0)
+            tr.kept_packet_bytes = 10**9  # the closes are the link's, not a packet limit
+            client = tr._client
+            _close_socket(client)  # the link is lost
+            assert wait_for(lambda: client._sock is None, 10.0)
+            topic = "fedfleet/v1/fed/up/inflight/update"
+            for i in range(2):
+                ch.send(topic, Update(tensors=(np.full(10_000, i, np.float32),), num_samples=1, train_loss=0.1,
+                                      metrics={}), round=1)
+            handle = client._handle_connack
+            armed = [True]
+
+            def connack_on_a_lost_link():  # the new connection dies just as its CONNACK is handled
+                if armed[0]:
+                    armed[0] = False
+                    _close_socket(client)
+                return handle()
+
+            client._handle_connack = connack_on_a_lost_link
+            assert wait_for(lambda: ch.acked == 2, 30.0), ch.acked
+            assert not armed[0] and tr.connects >= 3
+        finally:
+            ch.close()
+            ledger.close()
+            tr.close()
+    rows, wire = _device_wire(tmp_path / "ledger.sqlite")
+    assert [r["kind"] for r in rows if r["event"] == "sent" and r["kind"] == "update"] == ["update", "update"]
+    assert [r for r in rows if r["kind"] == "PUBLISH-DUP"] == []
+    assert wire == tr.socket_bytes[0]
