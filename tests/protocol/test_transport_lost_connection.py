@@ -629,6 +629,28 @@ def _small_send_buffers(tr: MqttTransport, *sizes: int) -> None:
     client._call_socket_open = small_buffer
 
 
+def _first_update_cut(path: Path, tr: MqttTransport, relay: CountingRelay, first: int
+                      ) -> tuple[int, list[dict], int, list[dict]]:
+    """After a transport ended (closed or aborted) on relay connection ``first`` holding three
+    updates, the socket having taken part of the first and none of the two others: checks that
+    the relay saw what the socket wrote (one connection, its CONNECT, one cut PUBLISH) and that
+    the ledger's three update rows say so (the first ``sent`` with the x1 bytes that went out
+    subtracted as ``unsent_bytes``, the two others ``message`` rows, all ``dropped``); returns
+    (socket bytes out, the device's rows, their wire sum as the audit makes it, the update rows)."""
+    socket_out = tr.socket_bytes[0]
+    assert relay.total_bytes("up") == socket_out and relay.connections == first + 1
+    assert relay.packets(first)["partial"] == 1 and relay.packets(first)["CONNECT"] == 1
+    rows, ledger_wire = _device_wire(path)
+    updates = [r for r in rows if r["kind"] == "update"]
+    size = updates[0]["mqtt_header_bytes"] + updates[0]["topic_bytes"] + updates[0]["payload_bytes"]
+    connect = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
+    x1 = relay.parsers[(first, "up")].bytes - connect
+    assert 0 < x1 < size
+    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in updates] == [
+        ("sent", "dropped", size - x1), ("message", "dropped", 0), ("message", "dropped", 0)]
+    return socket_out, rows, ledger_wire, updates
+
+
 def _device_wire(path: Path) -> tuple[list[dict], int]:
     """The device's ledger rows of ``path`` and their wire sum as the audit makes it (its ``WIRE``:
     whole packets less ``unsent_bytes``, over ``sent`` / ``received`` / ``rejected`` rows)."""
@@ -768,17 +790,7 @@ def test_a_qos1_message_the_socket_took_part_of_ends_dropped_when_the_transport_
             ch.close()
             relay.close()
             ledger.close()
-    socket_out = tr.socket_bytes[0]
-    assert relay.total_bytes("up") == socket_out and relay.connections == first + 1
-    assert relay.packets(first)["partial"] == 1 and relay.packets(first)["CONNECT"] == 1
-    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
-    updates = [r for r in rows if r["kind"] == "update"]
-    size = updates[0]["mqtt_header_bytes"] + updates[0]["topic_bytes"] + updates[0]["payload_bytes"]
-    connect = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
-    x1 = relay.parsers[(first, "up")].bytes - connect
-    assert 0 < x1 < size
-    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in updates] == [
-        ("sent", "dropped", size - x1), ("message", "dropped", 0), ("message", "dropped", 0)]
+    socket_out, rows, ledger_wire, updates = _first_update_cut(tmp_path / "ledger.sqlite", tr, relay, first)
     assert "the transport was closed before the socket took a whole PUBLISH of it" in updates[0]["reason"]
     assert all("the transport was closed before the socket took a byte of it" in r["reason"] for r in updates[1:])
     assert ch.undeliverable == 3
@@ -1002,22 +1014,13 @@ def test_abort_voids_what_it_leaves_unwritten_as_close_does(tmp_path: Path, qos:
             ch.close()
             relay.close()
             ledger.close()
-    socket_out = tr.socket_bytes[0]
-    assert relay.total_bytes("up") == socket_out and relay.connections == first + 1
-    assert relay.packets(first)["partial"] == 1 and relay.packets(first)["CONNECT"] == 1
-    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
-    updates = [r for r in rows if r["kind"] == "update"]
-    size = updates[0]["mqtt_header_bytes"] + updates[0]["topic_bytes"] + updates[0]["payload_bytes"]
-    connect = next(r["mqtt_header_bytes"] for r in rows if r["kind"] == "CONNECT")
-    x1 = relay.parsers[(first, "up")].bytes - connect
-    assert 0 < x1 < size
-    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in updates] == [
-        ("sent", "dropped", size - x1), ("message", "dropped", 0), ("message", "dropped", 0)]
+    socket_out, rows, ledger_wire, updates = _first_update_cut(tmp_path / "ledger.sqlite", tr, relay, first)
     assert all("the transport was aborted (the device vanished)" in r["reason"] for r in updates)
     assert [(r["kind"], r["event"], r["delivery"]) for r in rows if r["reason"] == "control" and r["side"] == "agent"
             and r["direction"] == "up"] == [("CONNECT", "sent", ""), ("SUBSCRIBE", "message", "dropped")]
     assert ch.undeliverable == 3
-    assert ledger_wire == socket_out == connect + x1, ledger_wire - socket_out
+    # c + x1: the CONNECT and the part of the first update the socket took, all of the connection's bytes
+    assert ledger_wire == socket_out == relay.parsers[(first, "up")].bytes, ledger_wire - socket_out
     assert ch.wire_bytes_sent + ch.control_bytes_sent == socket_out
 
 
