@@ -48,7 +48,7 @@ import torch
 from edge_agent.algorithms import TrainConfig, shared_arrays
 from edge_agent.data import load_dataset
 from edge_agent.state import load_arrays
-from protocol.files import write_atomically
+from protocol.files import remove_stale_temporaries, write_atomically
 from protocol.lifecycle import atomic
 
 from .checkpoint import pack_state, unpack_state
@@ -407,6 +407,8 @@ def pretrain(cfg: Config, *, episodes: int, rounds: int, out: str | Path,
         base = TrainConfig.from_mapping(TrainConfig(seed=cfg.run.seed), train_config(cfg))
         cpu = torch.device("cpu")
         settings = progress_settings(cfg, rounds, start)
+        for tmp in remove_stale_temporaries(progress):  # a kill between a progress write and its rename
+            log.info("FedDO pre-training: removed %s, a progress write a killed process left", tmp)
         saved = read_progress(progress)
         if saved is not None:  # go on after its last whole episode
             check_progress(saved, settings, progress, episodes, out=Path(out))

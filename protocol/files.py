@@ -11,7 +11,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["fsync_dir", "remove_partial_files", "write_atomically", "write_private"]
+__all__ = ["fsync_dir", "remove_partial_files", "remove_stale_temporaries", "write_atomically", "write_private"]
 
 #: the temporary files being written now (removed by :func:`remove_partial_files` when a process
 #: must exit at once, as after a second stop signal)
@@ -71,6 +71,31 @@ def remove_partial_files() -> None:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Remove the temporary files :func:`write_atomically` left beside ``path`` when its process
+    was killed between writing one and renaming it (``.NAME.PID.HEX.tmp`` of a process that no
+    longer runs); those of a running process are left. Returns the files removed. Never raises."""
+    path = Path(path)
+    removed: list[Path] = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid_text = tmp.name[len(path.name) + 2:].split(".")[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # its process runs: its write may be under way
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):  # another user's process, or not a pid at all
+            continue
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except OSError:
+            pass
+    return removed
 
 
 def write_private(path: str | Path, data: bytes) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import signal
 import threading
@@ -835,7 +836,14 @@ def test_a_stopped_pretraining_goes_on_to_the_bits_of_one_run_straight_through(t
     assert interrupted["episodes"] == 1 and interrupted["interrupted_episode"] == 2
     first_part = float(read_progress(progress_path(out))["cpu_seconds"])
     assert first_part > 0
+    # a temporary file a kill between a progress write and its rename left (its process gone), and one of a
+    # process that runs (this one: a write under way)
+    stale, running = tmp_path / ".resumed.pt.progress.4194305.0a1b2c3d.tmp", \
+        tmp_path / f".resumed.pt.progress.{os.getpid()}.0a1b2c3d.tmp"
+    stale.write_bytes(b"x")
+    running.write_bytes(b"x")
     resumed = pretrain(cfg, episodes=3, rounds=2, out=out, on_start=starts.append)
+    assert not stale.exists() and running.exists()
     assert [(s.resumed_after, s.progress) for s in starts] == [(0, ""), (1, str(progress_path(out)))]
     assert resumed.resumed_after == (1,)
     assert not progress_path(out).exists()
