@@ -469,8 +469,8 @@ class _CountingClient(PollingClient):
         if unwritten is None:
             unwritten = self.unwritten_mids()
         mid = msg.mid
-        if msg.state == mqtt.mqtt_ms_wait_for_puback and mid not in unwritten:
-            return None  # on the socket on this connection, whole or in part
+        if msg.state == mqtt.mqtt_ms_wait_for_puback and mid not in unwritten and mid not in self._never_written:
+            return None  # on the socket on this connection, whole or in part (in flight with no packet: noted)
         size = publish_size(msg.topic, len(msg.payload), msg.qos,
                             protocol=MQTT_V5 if self._protocol == mqtt.MQTTv5 else MQTT_V311).packet_bytes
         own: _Note = (PacketEvent("out", "PUBLISH", size, False), None, msg.info)
