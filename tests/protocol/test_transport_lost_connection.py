@@ -950,7 +950,8 @@ def test_a_retransmission_never_written_at_close_voids_its_publish_dup_row_not_t
             ch.close()
         finally:
             ch.close()
-            relay.close()
+            # the held connection released, its last bytes read (5 s, the default, was short on a loaded machine)
+            relay.close(timeout_s=30.0)
             ledger.close()
     assert ch.refused == ch.acked == 0 and ch.undeliverable == 1
     socket_out = tr.socket_bytes[0]
