@@ -857,6 +857,50 @@ def test_a_stopped_pretraining_goes_on_to_the_bits_of_one_run_straight_through(t
     assert "resumed_after" not in torch.load(tmp_path / "straight.pt", weights_only=True)["metadata"]
 
 
+def test_a_stop_during_a_progress_write_names_the_episode_the_file_holds(tmp_path, monkeypatch) -> None:
+    """The line of a stop says after which episode the same command goes on: the last progress
+    written. A stop inside episode 2's progress write, before its rename, leaves episode 1's file
+    (after episode 1); one after the rename leaves episode 2's (after episode 2); a resumed run
+    stopped before its first write goes on after the episodes it resumed."""
+    import broker_server.feddo_pretrain as fp
+    from broker_server.config import load as load_config
+
+    (tmp_path / "feddo.toml").write_text(TINY_TOML, encoding="utf-8")
+    cfg = load_config(tmp_path / "feddo.toml")
+    real = fp.write_atomically
+
+    def stopping(after_rename: bool):
+        calls = []
+
+        def write(path, data, **kw):
+            calls.append(path)
+            if len(calls) == 2 and not after_rename:
+                raise KeyboardInterrupt
+            real(path, data, **kw)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return write
+
+    for after_rename, episode in ((False, 1), (True, 2)):
+        out = tmp_path / f"policy-{episode}.pt"
+        said: list[str] = []
+        monkeypatch.setattr(fp, "write_atomically", stopping(after_rename))
+        with pytest.raises(KeyboardInterrupt):
+            fp.pretrain(cfg, episodes=3, rounds=2, out=out, on_interrupt=said.append)
+        assert len(fp.read_progress(fp.progress_path(out))["lines"]) == episode
+        assert said[0].endswith(f"the same command goes on after episode {episode} (the progress file "
+                                f"{fp.progress_path(out)}; delete it to start over)"), said
+    monkeypatch.setattr(fp, "write_atomically", real)
+
+    def stop(_start) -> None:
+        raise KeyboardInterrupt
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        fp.pretrain(cfg, episodes=3, rounds=2, out=tmp_path / "policy-2.pt", on_start=stop, on_interrupt=said.append)
+    assert said[0].endswith(f"the same command goes on after episode 2 (the progress file "
+                            f"{fp.progress_path(tmp_path / 'policy-2.pt')}; delete it to start over)"), said
+
+
 def test_a_progress_file_of_other_settings_or_more_episodes_is_refused_naming_them(tmp_path, capsys) -> None:
     """A stopped pre-training's progress file (2 whole episodes), then the same command with
     another Dirichlet α and learning rate: refused before any training, naming both settings as
