@@ -787,8 +787,9 @@ class MqttTransport:
         self._withdraw: str | None = None  # why the PUBLISHes above the inferred limit go at the next CONNACK
         # (info, packet bytes, topic, when) of the last PUBACKed QoS 1 PUBLISH while no packet followed it
         self._last_acked: tuple[mqtt.MQTTMessageInfo, int, str, float] | None = None
-        #: largest QoS 1 PUBLISH (packet bytes) the broker acknowledged and then sent another packet:
-        #: it did not close the connection for it
+        #: largest QoS 1 PUBLISH (packet bytes) the broker took: over MQTT 3.1.1 one it acknowledged
+        #: and then sent another packet (it did not close the connection for it), over MQTT 5 one
+        #: it acknowledged with success
         self.kept_packet_bytes = 0
         #: PUBLISHes the broker acknowledged and then closed the connection for (taken as refused)
         self.ack_close_refusals = 0
@@ -1199,6 +1200,11 @@ class MqttTransport:
             # timed from when this thread can read again: a listener that took its time (a ledger
             # write waiting on SQLite's lock) must not make the close that followed look late
             self._last_acked = (info, self._packet_size(msg), msg.topic, time.monotonic())
+        else:  # MQTT 5: a success PUBACK is the broker's word that it took the whole packet (a packet
+            # above a limit it declared is a protocol error, closed unacknowledged; one above its
+            # message size limit is answered with a refusal code, above): no packet this large is
+            # above its limit, and closes while one awaits its PUBACK are the link's (_strike)
+            self.kept_packet_bytes = max(self.kept_packet_bytes, self._packet_size(msg))
 
     def _on_message(self, client, userdata, msg) -> None:
         self._queue.put(Incoming(msg.topic, bytes(msg.payload), msg.qos, bool(msg.retain), time.monotonic()))

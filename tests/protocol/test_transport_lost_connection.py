@@ -508,6 +508,52 @@ def test_a_flapping_link_is_not_taken_for_a_packet_limit_below_what_the_broker_k
     assert tr.inferred_max_packet_bytes == 5_012
 
 
+@pytest.mark.mosquitto
+def test_mqtt5_a_flapping_link_is_not_taken_for_a_packet_limit_below_an_acknowledged_publish(tmp_path: Path) -> None:
+    """MQTT 5, through a relay to Mosquitto: an 80,000-byte PUBLISH acknowledged with success (the
+    broker took the whole packet: above a limit it declared it would have closed unacknowledged,
+    above its message size limit answered a refusal code), then the link closes twice while a
+    47,000-byte PUBLISH, written whole, awaits its PUBACK. Those closes are the link's: no limit
+    is inferred and the message is delivered on the third connection. Before, MQTT 5 PUBACKs
+    never raised the kept size, so the two closes set the limit to half the 47,0xx-byte packet
+    and withdrew it as refused."""
+    from helpers.brokers import require_mosquitto
+
+    from protocol.mqtt_bytes import publish_size
+
+    require_mosquitto()
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("flap-v5", "127.0.0.1", relay.port, mqtt_version="5", keepalive_s=30)
+        outcomes: list[tuple[object, str]] = []
+        tr.set_delivery_listener(lambda handle, outcome, reason: outcomes.append((handle, outcome)))
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1
+            acked = tr.publish("t/acked", b"a" * 80_000, qos=1)
+            assert wait_for(lambda: (acked, "acked") in outcomes, 10.0), outcomes
+            assert tr.kept_packet_bytes == publish_size("t/acked", 80_000, 1, protocol=5).packet_bytes
+            relay.hold(first)  # the read under way when it is held still goes through: a QoS 0 PUBLISH for it
+            before = relay.packets(first)["PUBLISH"]
+            tr.publish("t/read", b"r", qos=0)
+            assert wait_for(lambda: relay.packets(first)["PUBLISH"] == before + 1, 10.0)
+            for n in (first, first + 1):  # two closes while the 47 KB PUBLISH awaits its PUBACK
+                relay.hold(n + 1, after_bytes=1)  # the next connection's CONNECT goes through, then it is held
+                if n == first:
+                    flapped = tr.publish("t/flap", b"f" * 47_000, qos=1)
+                assert wait_for(lambda: tr.connected and len(tr._client.written_awaiting_puback()) == 1, 20.0)
+                relay.cut(n)
+                assert wait_for(lambda n=n: tr.connected and tr.connects == n - first + 2, 30.0)  # on connection n + 1
+            relay.release(first + 2)
+            assert wait_for(lambda: (flapped, "acked") in outcomes, 30.0), outcomes
+            assert tr.connects == 3 and tr.disconnects == 2
+        finally:
+            tr.close()
+            relay.close()
+    assert [o for h, o in outcomes if h in (acked, flapped)] == ["acked", "acked"]
+    assert tr.inferred_max_packet_bytes == 0 and tr.refusal(flapped) is None
+
+
 def test_publish_after_close_and_a_wait_cut_by_close_raise() -> None:
     """A publish after close() is refused at once (nothing sent, no ledger row: the channel
     records a row only for what the transport took), and a publish(wait_s) whose PUBACK never
