@@ -670,6 +670,23 @@ def _resolved(event: PacketEvent) -> PacketEvent:
     return replace(event, ref=event.ref.value) if isinstance(event.ref, _EarlyRef) else event
 
 
+def _await_thread(client: _CountingClient, quiet_s: float) -> bool:
+    """Wait for ``client``'s network thread to end while its socket goes on taking bytes; give up
+    once it has taken none for ``quiet_s`` seconds. Returns whether the thread ended (``True`` at
+    once where it has none, or where this is that thread)."""
+    thread = client._thread
+    if thread is None or thread is threading.current_thread():
+        return True
+    written, since = client.socket_bytes_out, time.monotonic()
+    while thread.is_alive():
+        thread.join(min(0.05, quiet_s))
+        if client.socket_bytes_out != written:
+            written, since = client.socket_bytes_out, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return not thread.is_alive()
+    return True
+
+
 def _close_socket(client: mqtt.Client) -> None:
     """Close ``client``'s socket, if it has one (no DISCONNECT); shut down first, which wakes a
     network thread waiting on it (a close alone leaves its ``poll()`` waiting out its timeout)."""
@@ -1646,7 +1663,10 @@ class MqttTransport:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send DISCONNECT (no last will) and stop the network thread (idempotent). Messages
-        already received stay in the queue: :meth:`get` still returns them.
+        already received stay in the queue: :meth:`get` still returns them. The packets queued
+        before the DISCONNECT go out first, however slow the link; but once the socket has taken
+        no byte for ``timeout_s`` seconds (a stalled link: the broker reads nothing) the socket is
+        closed without it, said in the log, and the broker publishes the last will.
 
         While :meth:`connect` runs on another thread (the link not up yet), it is ended: the
         connection it is making is closed without a packet more (no DISCONNECT: none was
@@ -1667,6 +1687,11 @@ class MqttTransport:
         try:
             if up:
                 client.disconnect()
+                if not _await_thread(client, timeout_s):  # a stalled link: paho would wait out the keepalive
+                    log.warning("%s: the DISCONNECT could not be written (the socket took no byte in %g s: the link "
+                                "is stalled, the broker reads nothing): the connection is closed without it, so the "
+                                "broker publishes the last will", self.client_id, timeout_s)
+                    _close_socket(client)
             else:  # nothing may go out on a connection coming up now; the loop ends with its socket
                 client._thread_terminate = True
                 _close_socket(client)

@@ -11,6 +11,7 @@ the bytes the socket wrote and the relay counted, worked out by hand in each doc
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -552,6 +553,56 @@ def test_mqtt5_a_flapping_link_is_not_taken_for_a_packet_limit_below_an_acknowle
             relay.close()
     assert [o for h, o in outcomes if h in (acked, flapped)] == ["acked", "acked"]
     assert tr.inferred_max_packet_bytes == 0 and tr.refusal(flapped) is None
+
+
+def test_close_on_a_stalled_link_closes_without_the_disconnect_and_the_will_is_published(tmp_path: Path,
+                                                                                        caplog) -> None:
+    """A link whose broker side reads nothing (the relay holds it; the client's send buffer set to
+    16 KiB), three 1 MB QoS 1 PUBLISHes queued, keepalive 600 s: close(timeout_s=0.5) cannot
+    write its DISCONNECT behind them. It returns once the socket has taken no byte for 0.5 s (it
+    used to wait for the keepalive to give up: about 900 s), says so in the log, and closes the
+    connection without a DISCONNECT, so the broker publishes the last will (a subscriber gets it)
+    and the relay counts no DISCONNECT; the three messages are reported (none acked)."""
+    from protocol.transport_base import Will
+
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        watcher = MqttTransport("will-watcher", "127.0.0.1", broker.port, mqtt_version="3.1.1")
+        watcher.connect(timeout_s=10.0)
+        watcher.subscribe(["status/#"], qos=1)
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("stalled", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=600,
+                           will=Will("status/stalled", b"gone", qos=1, retain=False))
+        outcomes: list[str] = []
+        tr.set_delivery_listener(lambda handle, outcome, reason: outcomes.append(outcome))
+        closer = threading.Thread(target=tr.close, kwargs={"timeout_s": 0.5})
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1
+            tr._client.socket().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16_384)
+            relay.hold(first)  # the read under way when it is held still goes through: a QoS 0 PUBLISH for it
+            tr.publish("t/read", b"r", qos=0)
+            assert wait_for(lambda: relay.packets(first)["PUBLISH"] == 1, 10.0)
+            for i in range(3):
+                tr.publish("t/stalled", bytes([i]) * 1_000_000, qos=1)
+            assert wait_for(lambda: len(tr._client.unwritten_mids()) == 2, 10.0)
+            caplog.set_level(logging.WARNING, logger="protocol.transport")
+            closer.start()
+            closer.join(120.0)  # a bound for a failure only: the keepalive would take 600 s and more
+            assert not closer.is_alive()
+            assert "stalled: the DISCONNECT could not be written (the socket took no byte in 0.5 s" in caplog.text
+            relay.release(first)
+            got = watcher.get(30.0)
+            assert got is not None and (got.topic, got.payload) == ("status/stalled", b"gone")
+        finally:
+            if closer.is_alive():
+                tr.abort()
+            tr.close()
+            watcher.close()
+            relay.close(timeout_s=30.0)
+    assert relay.packets(first)["DISCONNECT"] == 0 and relay.packets(first)["partial"] == 1
+    # the QoS 0 one written; the first 1 MB one cut (its unsent rest, then the socket never took it whole), the
+    # other two never written
+    assert outcomes == ["written", "unsent", "cut", "dropped", "dropped"]
 
 
 def test_publish_after_close_and_a_wait_cut_by_close_raise() -> None:
