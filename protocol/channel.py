@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 from . import topics
 from .chunking import DEFAULT_CHUNK_BYTES, Reassembler, TransferCache, chunk_data_budget, needs_chunking, split
-from .errors import FedfleetProtocolError, FieldError, LedgerError, ProtocolError, PublishDropped, PublishRefused
+from .errors import (
+    FedfleetProtocolError,
+    FieldError,
+    LedgerError,
+    ProtocolError,
+    PublishDropped,
+    PublishRefused,
+    TransportError,
+)
 from .ledger import Ledger, LedgerRow
 from .lifecycle import atomic
 from .messages import (
@@ -447,6 +455,7 @@ class Channel:
                 sealed = sec.seal(out.topic, out.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
             proto = self._protocol()  # the row is sized as the packet is queued (a later move: "resized")
+            waited: TransportError | None = None
             try:
                 handle = self.transport.publish(out.topic, wire, qos=self.qos, retain=out.retain, wait_s=wait_s)
             except PublishDropped as exc:
@@ -467,12 +476,18 @@ class Channel:
                 self._refused_again(out, gen, exc.packet_bytes or self._size(out.topic, len(wire)), exc.limit_bytes,
                                     exc.reason, wait_s, sent=False)
                 return wire
+            except TransportError as exc:  # the wait ended first (a timeout, a close): the client took it
+                if exc.handle is None:
+                    raise
+                handle, waited = exc.handle, exc  # its row is written and tracked, then the error raised
             row = self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
                                payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
                                codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
                                enc_bytes=enc_b, delivery="handed", protocol=proto)
             out.packet_bytes = self._size(out.topic, len(wire), proto)
             self._track(handle, row, out, gen, out.packet_bytes)
+            if waited is not None:
+                raise waited
             return wire
         budget = out.chunk_bytes
         if limit < _NO_LIMIT:
@@ -529,6 +544,7 @@ class Channel:
                 sealed = self.security.seal(topic, cenc.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
             proto = self._protocol()
+            waited: TransportError | None = None
             try:
                 handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
             except PublishDropped as exc:
@@ -545,6 +561,10 @@ class Channel:
                              transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
                              sig_bytes=sig_b, enc_bytes=enc_b, reason=exc.reason[:500], delivery="refused")
                 raise
+            except TransportError as exc:  # the wait ended first (a timeout, a close): the client took it
+                if exc.handle is None:
+                    raise
+                handle, waited = exc.handle, exc  # its row is written and tracked, then the error raised
             row = self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
                                payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
                                transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
@@ -553,6 +573,8 @@ class Channel:
             if track is not None:
                 track[0].packet_bytes = max(track[0].packet_bytes, size)
             self._track(handle, row, track[0] if track else None, track[1] if track else 0, size)
+            if waited is not None:
+                raise waited
 
     # ------------------------------------------------------------------ delivery outcomes
 

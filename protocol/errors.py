@@ -121,12 +121,21 @@ class LedgerError(FedfleetProtocolError):
 
 
 class TransportError(FedfleetProtocolError):
-    """The MQTT transport failed (connection refused, lost, or a publish not acknowledged)."""
+    """The MQTT transport failed (connection refused, lost, or a publish not acknowledged).
 
-    def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None) -> None:
+    Attributes:
+        handle: where a wait for a PUBLISH the MQTT client had taken ended without its outcome
+            (:class:`PublishTimeout`; the transport closed while it waited), that PUBLISH's
+            handle: it may be on the wire or go out later, and its outcome still comes to the
+            delivery listener. ``None``: nothing of it was handed over.
+    """
+
+    def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None,
+                 handle: object | None = None) -> None:
         super().__init__(message)
         self.client_id = client_id
         self.topic = topic
+        self.handle = handle
 
 
 class ConnectError(TransportError):

@@ -1490,12 +1490,14 @@ class MqttTransport:
         Raises:
             PublishRefused: the packet is above the broker's known maximum packet size (not sent;
                 the message names both sizes), or, with ``wait_s``, the broker refused it.
-            PublishTimeout: ``wait_s`` given and the PUBLISH not acknowledged in that time.
+            PublishTimeout: ``wait_s`` given and the PUBLISH not acknowledged in that time (it
+                stays queued; the error's ``handle`` is the one this call would have returned).
             PublishDropped: a QoS 0 PUBLISH while the link is down (paho does not keep it; nothing
                 was written).
             TransportError: paho refused the message (e.g. payload too large for MQTT); the
                 transport is closed (nothing sent); with ``wait_s``, :meth:`close` came while it
-                waited (the PUBLISH may or may not have reached the broker).
+                waited (the PUBLISH may or may not have reached the broker; the error's
+                ``handle``: its outcome comes to the delivery listener as the close settles it).
         """
         if self._closed:
             raise TransportError(f"{self.client_id}: PUBLISH to {topic} ({len(payload):,} bytes) not sent: the "
@@ -1546,15 +1548,16 @@ class MqttTransport:
                 if self._closed:
                     raise TransportError(f"{self.client_id}: PUBLISH to {topic} not acknowledged: the transport was "
                                          "closed while it waited (it may or may not have reached the broker)",
-                                         client_id=self.client_id, topic=topic)
+                                         client_id=self.client_id, topic=topic, handle=info)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     if lost:
                         raise PublishDropped(f"{self.client_id}: QoS 0 PUBLISH to {topic} ({len(payload):,} bytes) "
                                              "not sent: the link is down: the connection was lost with it in the "
                                              "MQTT client's queue", client_id=self.client_id, topic=topic)
-                    raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within {wait_s:g} s",
-                                         client_id=self.client_id, topic=topic)
+                    raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within {wait_s:g} s "
+                                         "(it stays queued: its outcome comes later)", client_id=self.client_id,
+                                         topic=topic, handle=info)
                 if lost:
                     time.sleep(0.005)
                 elif self.connected:

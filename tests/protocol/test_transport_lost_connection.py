@@ -757,6 +757,76 @@ def _device_wire(path: Path) -> tuple[list[dict], int]:
     return rows, totals(rows, "device")["up"]["wire_bytes"]
 
 
+def test_a_send_whose_wait_ends_first_keeps_its_row_and_the_ledger_equals_the_socket(tmp_path: Path) -> None:
+    """A broker that answers CONNECT and then reads without a PUBACK: one update sent with
+    ``wait_s=0.5`` raises PublishTimeout, a second sent with ``wait_s=60`` raises TransportError
+    when the transport is closed meanwhile. Both PUBLISH packets were on the wire: each keeps a
+    ``sent`` row (``handed``: no PUBACK came, the broker may have it), so the audit's wire sum
+    equals the bytes the socket wrote and the broker read (CONNECT + 2 PUBLISH + DISCONNECT).
+    Before, neither wait wrote a row: the ledger was 2 packets below the socket."""
+    from protocol.channel import Channel
+    from protocol.errors import PublishTimeout, TransportError
+    from protocol.ledger import Ledger
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    read = [0]
+
+    def silent_broker() -> None:  # CONNACK (MQTT 3.1.1, accepted), then reads and answers nothing
+        while True:  # the first connection is connect()'s TCP probe: it sends nothing
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                if not (connect := conn.recv(1024)):  # CONNECT, sent alone before the CONNACK
+                    continue
+                read[0] += len(connect)
+                conn.sendall(b"\x20\x02\x00\x00")
+                while (data := conn.recv(65536)):
+                    read[0] += len(data)
+                return
+
+    broker = threading.Thread(target=silent_broker, daemon=True)
+    broker.start()
+    topic = "fedfleet/v1/fed/up/wait-dev/update"
+    tr = MqttTransport("fed:wait-dev", "127.0.0.1", port, mqtt_version="3.1.1", keepalive_s=30)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="wait-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+    errors: list[BaseException] = []
+    try:
+        tr.connect(timeout_s=10.0)
+        with pytest.raises(PublishTimeout, match="not acknowledged within 0.5 s"):
+            ch.send(topic, _update(1, 2_000), round=1, wait_s=0.5)
+
+        def wait_long() -> None:
+            try:
+                ch.send(topic, _update(2, 2_000), round=1, wait_s=60.0)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait_long)
+        waiter.start()
+        # both PUBLISH packets written whole, awaiting PUBACKs that never come
+        assert wait_for(lambda: len(tr._client.written_awaiting_puback()) == 2 and not tr._client._out_packet, 10.0)
+        tr.close()
+        waiter.join(30.0)
+        assert not waiter.is_alive()
+    finally:
+        ch.close()
+        ledger.close()
+        broker.join(10.0)
+        server.close()
+    assert len(errors) == 1 and type(errors[0]) is TransportError and "closed while it waited" in str(errors[0])
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    updates = [r for r in rows if r["kind"] == "update"]
+    assert [(r["event"], r["delivery"], r["unsent_bytes"]) for r in updates] == [("sent", "handed", 0)] * 2
+    # the second update's row is written once its wait has ended: after the close's DISCONNECT row
+    assert [(r["kind"], r["event"]) for r in rows] == [("CONNECT", "sent"), ("CONNACK", "received"),
+                                                       ("update", "sent"), ("DISCONNECT", "sent"), ("update", "sent")]
+    assert ledger_wire == tr.socket_bytes[0] == read[0]
+
+
 def test_messages_withdrawn_above_an_inferred_limit_before_the_socket_took_them_count_no_wire_bytes(
         tmp_path: Path) -> None:
     """Three 800 KB QoS 1 updates (P bytes each) through a Channel into a Ledger, and the broker
