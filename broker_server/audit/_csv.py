@@ -30,8 +30,9 @@ _BY_ROUND_FIELDS = ["run", "round", "up_messages", "up_bytes", "up_body_bytes", 
 _BY_CLIENT_FIELDS = ["run", "client", "up_messages", "up_bytes", "down_messages", "down_bytes", "body_bytes"]
 
 
-_BY_KIND_FIELDS = ["run", "kind", "direction", "messages", "body_bytes", "envelope_bytes", "mqtt_bytes",
-                   "control_messages", "control_bytes", "wire_bytes", "overhead_share"]
+#: wire_bytes = body + envelope + sig + enc + mqtt + control − unsent on every row
+_BY_KIND_FIELDS = ["run", "kind", "direction", "messages", "body_bytes", "envelope_bytes", "sig_bytes", "enc_bytes",
+                   "mqtt_bytes", "control_messages", "control_bytes", "unsent_bytes", "wire_bytes", "overhead_share"]
 
 
 _COMPARISON_FIELDS = ["run", "federation", "rounds", "final_accuracy", "up_bytes", "down_bytes", "wire_bytes",

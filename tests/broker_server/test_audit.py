@@ -486,6 +486,15 @@ def test_packets_cut_short_count_the_bytes_the_socket_took(tmp_path):
     assert kinds[("PUBACK", "up")]["wire_bytes"] == 1
     assert by_round(loaded)[0]["up_bytes"] == U1A1 - 400 + U1A2
     assert totals(loaded, "server") == totals([asdict(r) for r in _control_rows()], "server")  # whole
+    # by_kind.csv: each row's parts less its unsent bytes are its wire bytes (the update's 2200 body … − 400)
+    out = tmp_path / "csv"
+    assert main_audit([str(run), "--csv", str(out)]) == 0
+    by_kind_csv = {(r["kind"], r["direction"]): r for r in _read_csv(out / "by_kind.csv")}
+    update = by_kind_csv[("update", "up")]
+    assert (update["unsent_bytes"], update["wire_bytes"]) == ("400", "2060")
+    for r in by_kind_csv.values():
+        parts = ("body_bytes", "envelope_bytes", "sig_bytes", "enc_bytes", "mqtt_bytes", "control_bytes")
+        assert sum(int(r[k]) for k in parts) - int(r["unsent_bytes"]) == int(r["wire_bytes"]), r
     text = render_text(audit_report(run))
     assert "400 bytes of PUBLISH packets cut short by a lost connection" in " ".join(text.split())
     assert "400 bytes of PUBLISH packets cut short" in render_html([audit_report(run)])
