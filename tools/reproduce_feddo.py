@@ -1449,7 +1449,8 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
                            for ds, (n, split) in budgets.items())
     overlap = [ds for ds, (n, split) in budgets.items() if not 0 < n or (split and n > split - VALIDATION_IMAGES)]
     lines = [*report_header("FedDO: reproduction with baselines, one-mechanism controls and sweeps",
-                            "tools/reproduce_feddo.py", commit, ok),
+                            "tools/reproduce_feddo.py", commit, ok,
+                            committed="benchmarks/results/feddo.jsonl"),
              "## Protocol (and how it differs from the paper)", "",
              f"- {C} clients; Dirichlet α ∈ {{0.1, 0.5}} and IID; the light CNN from scratch; {R} rounds × 1 local "
              f"epoch, SGD lr 0.05, batch 32; a seeded class-stratified subset of the training images on the devices "

@@ -305,7 +305,8 @@ def report(results: dict[str, dict], jobs: Sequence[Job], *, out: str | Path, be
     keys = {j.key for j in jobs}
     ok = [r for k, r in results.items() if k in keys and "error" not in r]
     lines = [*report_header("FedPAD under domain imbalance: reproduction with baselines, controls and sweeps",
-                            "tools/reproduce_fedpad.py", commit, ok),
+                            "tools/reproduce_fedpad.py", commit, ok,
+                            committed="benchmarks/results/fedpad.jsonl"),
              "## Protocol (and how it differs from the paper)", "",
              f"- 10 clients, domain-silo partition (each client holds one domain; a domain's training split is cut "
              f"into equal disjoint shards), full participation, {settings['rounds']} rounds × {settings['epochs']} "
