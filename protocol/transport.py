@@ -53,7 +53,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 try:
@@ -65,6 +65,7 @@ except ImportError as exc:  # the codec works without paho; only the MQTT transp
                       name="paho") from exc
 
 from .errors import ConnectError, OfflineBufferFull, PublishDropped, PublishRefused, PublishTimeout, TransportError
+from .memory_transport import check_filter
 from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
 from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
 from .transport_tls import tls_context
@@ -1470,8 +1471,16 @@ class MqttTransport:
         """Block until connected (True) or ``timeout_s`` seconds pass (False)."""
         return self._connected.wait(timeout_s)
 
-    def subscribe(self, filters: list[str], qos: int = 1) -> None:
-        """Subscribe now and after every reconnect."""
+    def subscribe(self, filters: Iterable[str] | str, qos: int = 1) -> None:
+        """Subscribe to each filter (one string: that filter) now and after every reconnect.
+
+        Raises:
+            ValueError: an invalid filter (:func:`~protocol.memory_transport.check_filter`) or a
+                QoS outside 0–2; nothing is subscribed.
+        """
+        if qos not in (0, 1, 2):
+            raise ValueError(f"QoS must be 0, 1 or 2, not {qos!r}")
+        filters = [check_filter(f) for f in ([filters] if isinstance(filters, str) else filters)]
         for f in filters:
             self._filters[f] = qos
             if self.connected:

@@ -8,6 +8,7 @@ those who use it, so the codec and the channel import without paho.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,7 +90,7 @@ class Transport(Protocol):
 
     client_id: str
 
-    def subscribe(self, filters: list[str], qos: int = 1) -> None: ...
+    def subscribe(self, filters: Iterable[str] | str, qos: int = 1) -> None: ...
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
                 wait_s: float | None = None) -> object | None:

@@ -438,3 +438,19 @@ def test_a_message_moved_from_the_mqtt5_trial_is_ledgered_at_its_mqtt_3_1_1_size
     assert sent == tr.socket_bytes[0] == relay.total_bytes("up")
     (row,) = [r for r in rows if r.kind == "update"]
     assert row.mqtt_header_bytes == publish_size(row.topic, row.payload_bytes, 1, protocol=MQTT_V311).header_bytes
+
+
+def test_subscribe_takes_one_filter_or_several_and_refuses_an_invalid_one() -> None:
+    """A string is one filter (it used to be taken as a list of its characters: ``"status/#"``
+    subscribed to ``s``, ``t`` … and ``#``, every topic); an invalid filter or QoS is refused
+    before any is kept, as the memory transport refuses them."""
+    tr = MqttTransport("subscriber", "127.0.0.1", 1, mqtt_version="3.1.1")
+    tr.subscribe("status/#")
+    tr.subscribe(["a/+/c", "d"], qos=0)
+    assert tr._filters == {"status/#": 1, "a/+/c": 0, "d": 0}
+    for bad in (["e", "a/#/b"], ["x+"], [""]):
+        with pytest.raises(ValueError, match="topic filter"):
+            tr.subscribe(bad)
+    with pytest.raises(ValueError, match="QoS must be 0, 1 or 2"):
+        tr.subscribe(["f"], qos=3)
+    assert tr._filters == {"status/#": 1, "a/+/c": 0, "d": 0}
