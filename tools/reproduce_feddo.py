@@ -706,6 +706,16 @@ def stop_children() -> None:
             proc.join()
 
 
+def expected_pretrain_seconds(spec: dict, info: dict[str, dict]) -> list[float]:
+    """The seconds a pre-training of ``spec`` is expected to take, one figure per policy made so
+    far (its CPU seconds per episode-round × ``spec``'s episodes × rounds), for
+    :func:`~broker_server.experiments.ends_after_stop`: a policy of 30 episodes takes about 3× one
+    of 10. ``[]`` while none is made."""
+    return [float(v["cpu_seconds"]) / (int(v["episodes"]) * int(v["rounds"])) * int(spec["episodes"])
+            * int(spec["rounds"]) for v in info.values()
+            if "error" not in v and v.get("cpu_seconds") and v.get("episodes") and v.get("rounds")]
+
+
 def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
                       filler: tuple[Callable[[dict[str, dict]], list[Job]], Callable[[list[Job], int], object]]
                       | None = None) -> dict[str, dict]:
@@ -728,10 +738,14 @@ def pretrain_policies(out: Path, specs: list[dict], *, workers: int,
             and not ("error" in info.get(s["name"], {}) and s["name"] in _TRIED)}
     if not todo:
         return info
-    made = [float(v["cpu_seconds"]) for v in info.values() if "error" not in v and "cpu_seconds" in v]
-    if ends_after_stop(grid_stop_at(), made):  # a policy cut off is lost
+    late = [name for name, s in todo.items() if ends_after_stop(grid_stop_at(), expected_pretrain_seconds(s, info))]
+    if len(late) == len(todo):  # a policy cut off is lost (its progress file stays in this folder only)
         raise GridStopped(f"{out}: {len(todo)} policies not pre-trained: each would have ended after the stop time "
                           f"({STOP_AT_ENV}); the same command goes on")
+    for name in late:  # the others go on: a long one (more episodes) is left for the next invocation
+        print(f"pre-training {name}: not started, it would end after the stop time ({STOP_AT_ENV}; "
+              f"{todo[name]['episodes']} episodes); the same command goes on", flush=True)
+        del todo[name]
     (out / "policies").mkdir(parents=True, exist_ok=True)
     for s in todo.values():
         print(f"pre-training {s['name']}: {s['episodes']} episodes x {s['rounds']} rounds", flush=True)
@@ -1077,7 +1091,13 @@ def run_sweep(grid: Grid, out: Path, *, workers: int, on_result: Callable[[dict]
         info = pretrain_policies(out, wave, workers=workers, filler=(meanwhile, fill))
         run_grid([j for j in runnable(jobs, info)[0] if j.config["algorithm"].get("policy") in paths], out,
                  workers=workers, on_result=on_result, stamp=stamp)
-    run_grid(runnable(jobs, load_pretrain_info(out))[0], out, workers=workers, on_result=on_result, stamp=stamp)
+    info = load_pretrain_info(out)
+    run_grid(runnable(jobs, info)[0], out, workers=workers, on_result=on_result, stamp=stamp)
+    left = [sp["name"] for sp in specs if not policy_made(sp["path"], info) and "error" not in info.get(sp["name"], {})]
+    if left and grid_stop_at() is not None:  # left by pretrain_policies: each would have ended after the stop time
+        raise GridStopped(f"{out}: {len(left)} sweep {'policy' if len(left) == 1 else 'policies'} not pre-trained "
+                          f"({', '.join(left)}): each would have ended after the stop time ({STOP_AT_ENV}); the "
+                          "same command goes on")
 
 
 def policy_made(path: str, info: dict[str, dict]) -> bool:

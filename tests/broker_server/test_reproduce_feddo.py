@@ -971,6 +971,43 @@ def test_cells_without_a_policy_fill_the_worker_the_last_policy_leaves_idle(
     assert isinstance(remake["load_avg"], float) and remake["load_avg"] == round(remake["load_avg"], 2)
 
 
+def test_a_policy_that_would_end_after_the_stop_time_is_left_and_the_others_made(
+        tmp_path: Path, tiny_policy: tuple[dict, dict], monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The stop check scales by each policy's episodes: with the tiny policy on record (C CPU
+    seconds for 1 episode x 2 rounds: C/2 an episode-round), a 1,000-episode policy is expected to
+    take 1000·C (a 1-episode one C). With the stop 100·C + 30 s away the long one is not started
+    and said so, and the short one is made (it had been left whole with the long one before: the
+    check took the mean of made policies, whatever their episodes); with the stop 1 s away,
+    neither: GridStopped. Before, the check used that mean for every policy, so a 30-episode
+    policy was started near the end of a session and cut off by the stop."""
+    import time
+
+    from broker_server.experiments import STOP_AT_ENV, GridStopped
+
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    spec, first = tiny_policy
+    c = float(first["cpu_seconds"])
+    assert (first["episodes"], first["rounds"]) == (1, 2)
+    short = t.policy_spec(tmp_path, "fashion_mnist", "dir0.1", rounds=2, **TINY)
+    long = t.policy_spec(tmp_path, "fashion_mnist", "dir0.1", rounds=2, **{**TINY, "episodes": 1000})
+    assert short["name"] == spec["name"] != long["name"]
+    assert t.expected_pretrain_seconds(long, {spec["name"]: first}) == [c / 2 * 1000 * 2]
+    assert t.expected_pretrain_seconds(short, {spec["name"]: first, "failed": {"error": "x"}}) == [c]
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps({spec["name"]: first}), encoding="utf-8")
+    monkeypatch.setenv(STOP_AT_ENV, str(time.time() + 1.0))
+    with pytest.raises(GridStopped, match="2 policies not pre-trained: each would have ended after the stop time"):
+        t.pretrain_policies(tmp_path, [short, long], workers=2)
+    monkeypatch.setenv(STOP_AT_ENV, str(time.time() + 100 * c + 30))
+    info = t.pretrain_policies(tmp_path, [short, long], workers=2)
+    said = capsys.readouterr().out
+    assert (f"pre-training {long['name']}: not started, it would end after the stop time ({STOP_AT_ENV}; 1000 "
+            "episodes); the same command goes on") in said
+    assert info[short["name"]]["sha256"] == first["sha256"] and long["name"] not in info
+    assert not Path(long["path"]).exists() and Path(short["path"]).is_file()
+
+
 def test_the_sweep_runs_each_waves_cells_before_it_pre_trains_the_next(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Two swept values, each with its own policy, on one worker: the first policy is made and its
@@ -991,6 +1028,33 @@ def test_the_sweep_runs_each_waves_cells_before_it_pre_trains_the_next(tmp_path:
     t.run_sweep(grid, tmp_path, workers=1, on_result=seen, stamp={"commit": "test"})
     assert order == [("reward", False), ("drift_missing", True)]
     assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs()}
+
+
+def test_a_sweep_policy_left_for_the_stop_time_does_not_hold_back_the_others(
+        tmp_path: Path, tiny_policy: tuple[dict, dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wave of a 1-episode and a 1,000-episode policy, the stop 100·C + 60 s away (C: the tiny
+    policy's CPU seconds on record, 1 episode): the short one is made and its cell runs; the long
+    one is left, and the sweep then says so (GridStopped naming it), so the same command goes on
+    with it next time."""
+    import time
+
+    from broker_server.experiments import STOP_AT_ENV, GridStopped
+
+    t = _tool()
+    monkeypatch.syspath_prepend(str(Path(t.__file__).parent))  # the pre-training workers import the script
+    spec, first = tiny_policy
+    sweeps = {"reward": ["seed", "continuous"], "episodes": [1, 1000]}
+    grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedDO"], seeds=[0],
+                 rounds=2, pretrain_rounds=2, sweeps=sweeps, sweep_baselines=[], **TINY)
+    short, long = grid.sweep_policy("reward", "continuous"), grid.sweep_policy("episodes", 1000)
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "pretrain.json").write_text(json.dumps({spec["name"]: first}), encoding="utf-8")
+    monkeypatch.setenv(STOP_AT_ENV, str(time.time() + 100 * float(first["cpu_seconds"]) + 60))
+    with pytest.raises(GridStopped, match=f"1 sweep policy not pre-trained \\({long['name']}\\)"):
+        t.run_sweep(grid, tmp_path, workers=2, stamp={"commit": "test"})
+    assert Path(short["path"]).is_file() and not Path(long["path"]).exists()
+    assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs() if j.config["algorithm"]["policy"] ==
+                                     short["path"]} != set()
 
 
 def test_a_sweep_waves_made_policy_runs_its_cells_while_the_other_still_trains(
