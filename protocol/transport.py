@@ -51,6 +51,7 @@ import random
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -672,20 +673,63 @@ def _resolved(event: PacketEvent) -> PacketEvent:
 
 
 def _await_thread(client: _CountingClient, quiet_s: float) -> bool:
-    """Wait for ``client``'s network thread to end while its socket goes on taking bytes; give up
-    once it has taken none for ``quiet_s`` seconds. Returns whether the thread ended (``True`` at
-    once where it has none, or where this is that thread)."""
+    """Wait for ``client``'s network thread to end while its link goes on taking bytes; give up
+    once it has taken none for ``quiet_s`` seconds (:func:`_link_progress`: neither a byte more
+    written to the socket nor one more acknowledged by the peer) unless the thread, not the link,
+    is what holds the packets back (:func:`_thread_behind`). Returns whether the thread ended
+    (``True`` at once where it has none, or where this is that thread)."""
     thread = client._thread
     if thread is None or thread is threading.current_thread():
         return True
-    written, since = client.socket_bytes_out, time.monotonic()
+    seen, since = _link_progress(client), time.monotonic()
     while thread.is_alive():
         thread.join(min(0.05, quiet_s))
-        if client.socket_bytes_out != written:
-            written, since = client.socket_bytes_out, time.monotonic()
+        now = _link_progress(client)
+        if now != seen or _thread_behind(client):
+            seen, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
             return not thread.is_alive()
     return True
+
+
+def _unacked_bytes(sock: object) -> int | None:
+    """Bytes ``sock``'s kernel holds that its peer has not acknowledged (Linux's ``SIOCOUTQ``);
+    ``None`` where that cannot be read (another system, a closed socket)."""
+    try:
+        import fcntl
+        import termios
+
+        out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")  # type: ignore[attr-defined]
+        return int(struct.unpack("i", out)[0])
+    except (ImportError, AttributeError, OSError, ValueError, struct.error):
+        return None
+
+
+def _link_progress(client: _CountingClient) -> tuple[int, int | None]:
+    """(bytes the socket took, bytes of them its peer has not acknowledged): either changes while a
+    link moves bytes. The first alone does not say it: a slow link's socket takes a third of its
+    send buffer at a time, and then nothing for as long as the link takes to carry that (1.3 s at
+    100 KB/s with 256 KiB measured), while the peer acknowledges bytes all along."""
+    sock = client.socket()
+    return client.socket_bytes_out, (_unacked_bytes(sock) if sock is not None else None)
+
+
+def _thread_behind(client: _CountingClient) -> bool:
+    """Whether paho has packets to write that its socket has room for (the peer acknowledged all
+    it took; where that is unknown, the socket is writable): its network thread is busy elsewhere
+    (a listener taking its time), the link is not stalled."""
+    sock = client.socket()
+    if not client._out_packet or sock is None:
+        return False
+    unacked = _unacked_bytes(sock)
+    if unacked is not None:
+        return unacked == 0
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLOUT)
+        return any(ev & select.POLLOUT for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _close_socket(client: mqtt.Client) -> None:
@@ -1676,9 +1720,11 @@ class MqttTransport:
     def close(self, timeout_s: float = 5.0) -> None:
         """Send DISCONNECT (no last will) and stop the network thread (idempotent). Messages
         already received stay in the queue: :meth:`get` still returns them. The packets queued
-        before the DISCONNECT go out first, however slow the link; but once the socket has taken
-        no byte for ``timeout_s`` seconds (a stalled link: the broker reads nothing) the socket is
-        closed without it, said in the log, and the broker publishes the last will.
+        before the DISCONNECT go out first, however slow the link, and however long the network
+        thread takes to write them (a listener holding it); but once the link has taken no byte
+        for ``timeout_s`` seconds (none written to the socket, none acknowledged by the broker's
+        side: a stalled link, the broker reads nothing) the socket is closed without it, said in
+        the log, and the broker publishes the last will.
 
         While :meth:`connect` runs on another thread (the link not up yet), it is ended: the
         connection it is making is closed without a packet more (no DISCONNECT: none was

@@ -605,6 +605,124 @@ def test_close_on_a_stalled_link_closes_without_the_disconnect_and_the_will_is_p
     assert outcomes == ["written", "unsent", "cut", "dropped", "dropped"]
 
 
+class _SlowRelay:
+    """A TCP relay 127.0.0.1:``port`` → the broker whose client → broker direction goes at about
+    ``rate`` bytes per second (4 KiB reads, a small receive buffer: the relay's kernel takes a
+    little at a time, as a slow link does); it keeps the bytes it forwarded that way (``up``)."""
+
+    def __init__(self, target_port: int, rate: int) -> None:
+        self.srv = socket.socket()
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4_096)  # the accepted sockets inherit it
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen()
+        self.port = self.srv.getsockname()[1]
+        self.target, self.rate, self.up = target_port, rate, bytearray()
+        self.threads: list[threading.Thread] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            for src, dst, up in ((c, b, True), (b, c, False)):
+                t = threading.Thread(target=self._pump, args=(src, dst, up), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while data := src.recv(4_096 if up else 65_536):
+                if up:
+                    self.up += data
+                    time.sleep(len(data) / self.rate)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.srv.close()
+        for t in self.threads:
+            t.join(timeout_s)
+
+
+def test_close_waits_for_a_slow_link_whose_peer_still_acknowledges_bytes(tmp_path: Path, caplog) -> None:
+    """A link of about 100 KB/s, the client's send buffer 256 KiB: a 600,000-byte QoS 1 PUBLISH
+    queued, then close(timeout_s=0.5). The kernel takes a third of the send buffer at a time, so
+    the socket takes no byte for more than a second at a stretch (1.3 s measured here) while the
+    link drains it, the peer acknowledging bytes all along. That link is slow, not stalled: close
+    waits, the DISCONNECT goes out after the PUBLISH, and the relay forwards every byte the socket
+    wrote, ending with it (0xE0 0x00). Before, close took the first silent half second for a
+    stall, closed the socket without the DISCONNECT and the broker published the last will."""
+    from protocol.transport_base import Will
+
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = _SlowRelay(broker.port, 100_000)
+        tr = MqttTransport("slow", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=60,
+                           will=Will("status/slow", b"gone", qos=1, retain=False))
+        outcomes: list[str] = []
+        tr.set_delivery_listener(lambda handle, outcome, reason: outcomes.append(outcome))
+        try:
+            tr.connect(timeout_s=10.0)
+            tr._client.socket().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 262_144)
+            tr.publish("t/slow", b"s" * 600_000, qos=1)
+            caplog.set_level(logging.WARNING, logger="protocol.transport")
+            tr.close(timeout_s=0.5)
+        finally:
+            tr.close()
+            relay.close()
+    assert "DISCONNECT could not be written" not in caplog.text
+    assert "cut" not in outcomes and "dropped" not in outcomes, outcomes
+    assert len(relay.up) == tr.socket_bytes[0] and bytes(relay.up[-2:]) == b"\xe0\x00"
+
+
+def test_close_waits_for_a_network_thread_busy_in_a_listener_not_taken_for_a_stalled_link(tmp_path: Path,
+                                                                                          caplog) -> None:
+    """The delivery listener (paho's network thread) is still busy with a PUBACK (a ledger write
+    waiting on SQLite's lock, say) when close(timeout_s=0.2) queues the DISCONNECT: nothing is
+    written while it is, but the link has taken and the broker acknowledged every byte: the thread
+    is slow, not the link. close waits for it; once the listener returns the DISCONNECT goes out
+    (the relay counts 1) and no warning is logged. Before, close closed the socket without the
+    DISCONNECT after 0.2 s (the broker published the last will) and said the link was stalled."""
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("busy", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=60)
+        busy, release = threading.Event(), threading.Event()
+
+        def listener(handle, outcome, reason) -> None:
+            busy.set()
+            release.wait(60.0)
+
+        tr.set_delivery_listener(listener)
+        closer = threading.Thread(target=tr.close, kwargs={"timeout_s": 0.2})
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1
+            tr.publish("t/busy", b"b", qos=1)
+            assert busy.wait(10.0)
+            caplog.set_level(logging.WARNING, logger="protocol.transport")
+            closer.start()
+            closer.join(1.0)  # five times its timeout_s: the listener still holds the thread
+            assert closer.is_alive()
+            release.set()
+            closer.join(30.0)
+            assert not closer.is_alive()
+        finally:
+            release.set()
+            tr.close()
+            relay.close(timeout_s=30.0)
+    assert "DISCONNECT could not be written" not in caplog.text
+    assert relay.packets(first)["DISCONNECT"] == 1 and relay.total_bytes("up") == tr.socket_bytes[0]
+
+
 def test_publish_after_close_and_a_wait_cut_by_close_raise() -> None:
     """A publish after close() is refused at once (nothing sent, no ledger row: the channel
     records a row only for what the transport took), and a publish(wait_s) whose PUBACK never
