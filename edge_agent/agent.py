@@ -775,13 +775,19 @@ class EdgeAgent:
     def _send_join(self, wait_s: float) -> None:
         """Publish the ``join`` (again: a join the server never answered, e.g. one published before
         the server had subscribed, is re-sent by :meth:`run` every 5 s, doubling to 30 s). Every
-        join's seq is kept, so the answer to any of them is this agent's own."""
+        join's seq is kept, so the answer to any of them is this agent's own: also one whose wait
+        ended before its acknowledgement (its PUBLISH stays queued and may yet arrive)."""
         hist = class_histogram(self.y.numpy(), self.num_classes)
-        self._join_seq = self._send_linked(topics.up(self.fed, self.client_id, Kind.JOIN),
-                                           Join(profile=self.profile, manifest_hash=self.manifest_hash,
-                                                num_samples=int(self.y.shape[0]), class_histogram=tuple(hist),
-                                                info={**self.info, JOIN_INFO_KEY: True}),
-                                           what="join", wait_s=wait_s).seq
+        try:
+            self._join_seq = self._send_linked(topics.up(self.fed, self.client_id, Kind.JOIN),
+                                               Join(profile=self.profile, manifest_hash=self.manifest_hash,
+                                                    num_samples=int(self.y.shape[0]), class_histogram=tuple(hist),
+                                                    info={**self.info, JOIN_INFO_KEY: True}),
+                                               what="join", wait_s=wait_s).seq
+        except TransportError as exc:
+            if exc.seq is not None:  # the wait ended first: the join may yet reach the server, its answer is ours
+                self._join_seqs.add(exc.seq)
+            raise
         self._join_seqs.add(self._join_seq)
         self._join_sent_at = time.monotonic()
 

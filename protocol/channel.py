@@ -381,7 +381,9 @@ class Channel:
                 carry it (the message names the limit).
             PublishDropped: with ``wait_s``, a QoS 0 message while the link is down, or lost with
                 the connection before the socket took it whole.
-            PublishTimeout, TransportError: from the transport.
+            PublishTimeout, TransportError: from the transport; one whose wait ended before the
+                PUBLISH's outcome (``handle`` set) carries the message's ``seq``: its row is kept
+                and it may yet reach its recipient.
             FieldError, TensorError: the body cannot be encoded.
         """
         self._handle_refusals()
@@ -407,7 +409,12 @@ class Channel:
             self._sent[out.seq] = out.sent
             while len(self._sent) > _RECENT_SENT:
                 self._sent.popitem(last=False)
-        wire = self._deliver(out, wait_s)
+        try:
+            wire = self._deliver(out, wait_s)
+        except TransportError as exc:
+            if exc.handle is not None:  # the wait ended first: the message (or a chunk of it) went on, and may arrive
+                exc.seq = env.seq
+            raise
         with self._delivery_lock:
             out.sent.settle()  # delivered at once (no outcomes to wait for), or handed over
         # the payload as published (receipts carry its SHA-256)

@@ -128,6 +128,9 @@ class TransportError(FedfleetProtocolError):
             (:class:`PublishTimeout`; the transport closed while it waited), that PUBLISH's
             handle: it may be on the wire or go out later, and its outcome still comes to the
             delivery listener. ``None``: nothing of it was handed over.
+        seq: with ``handle``, raised by :meth:`protocol.channel.Channel.send`: the envelope seq of
+            the message sent (its ``sent`` row kept): it may yet reach its recipient, whose answer
+            names this seq. ``None`` otherwise.
     """
 
     def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None,
@@ -136,6 +139,7 @@ class TransportError(FedfleetProtocolError):
         self.client_id = client_id
         self.topic = topic
         self.handle = handle
+        self.seq: int | None = None
 
 
 class ConnectError(TransportError):

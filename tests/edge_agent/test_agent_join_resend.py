@@ -85,3 +85,47 @@ def test_a_join_never_answered_gives_up_after_the_join_timeout_while_broadcasts_
         stop.set()
         t.join(5)
     assert not agent.joined and agent.join_refused is None
+
+
+def test_the_answer_to_a_join_whose_wait_ended_first_counts() -> None:
+    """The join sent again waits 5 s for its acknowledgement; a wait that ends first
+    (PublishTimeout: a slow link, a busy broker) leaves the PUBLISH queued, and it reaches the
+    server all the same. Here the transport delivers it, then says the wait ended: the server's
+    answer to that join (its seq, the second join's) is the agent's own and it is joined. Before,
+    the seq of a join whose send raised was never kept: the receipt was "for a join it did not
+    send", ignored, and a device whose every re-sent join outlasted its wait never joined."""
+    from protocol.errors import PublishTimeout
+
+    hub = MemoryBroker()
+    rng = np.random.default_rng(0)
+    transport = hub.connect("dev-c")
+    published = transport.publish
+    join_topic = topics.up("mem", "dev-c", Kind.JOIN)
+    sent_joins: list[int] = []
+
+    def slow_ack(topic: str, payload: bytes, **kwargs) -> object:
+        published(topic, payload, **kwargs)  # the broker has it
+        if topic == join_topic:
+            sent_joins.append(decode(payload).envelope.seq)
+            if len(sent_joins) == 2:
+                raise PublishTimeout(f"PUBLISH to {topic} not acknowledged within 5 s", topic=topic, handle=object())
+        return None
+
+    transport.publish = slow_ack  # type: ignore[method-assign]
+    agent = EdgeAgent(channel=Channel(transport, node_id="dev-c", side="agent", federation="mem", ledger=None),
+                      model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+                      algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
+                      y=rng.integers(0, 10, 20), num_classes=10, client_index=0, idle_timeout_s=120,
+                      train_defaults=TrainConfig())
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("summary", agent.run()), daemon=True)
+    t.start()
+    assert wait_for(lambda: len(sent_joins) >= 2), "the unanswered join was not sent again"
+    server = Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None)
+    server.send(topics.down_to("mem", "dev-c", Kind.RECEIPT),
+                Receipt(ref_kind=int(Kind.JOIN), ref_seq=sent_joins[1], accepted=True, reason="", sha256=b""),
+                round=0, recipient="dev-c")
+    assert wait_for(lambda: agent.joined, 30.0)
+    server.send(topics.down("mem", Kind.FINISH), Finish(reason="completed", rounds_completed=0), round=0)
+    t.join(60)
+    assert not t.is_alive() and "summary" in box
