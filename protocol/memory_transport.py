@@ -61,11 +61,18 @@ def check_filter(topic_filter: str) -> str:
     """Return ``topic_filter`` if it is a valid MQTT topic filter (what a SUBSCRIBE carries).
 
     Raises:
-        ValueError: empty, containing NUL, ``#`` not alone in the last level, or ``+`` not alone in
-            its level (MQTT 3.1.1 §4.7.1).
+        ValueError: empty, containing NUL, no UTF-8 form (a lone surrogate) or more than 65,535
+            bytes of it (MQTT 3.1.1 §1.5.3: what a SUBSCRIBE can carry), ``#`` not alone in the
+            last level, or ``+`` not alone in its level (MQTT 3.1.1 §4.7.1).
     """
     if not isinstance(topic_filter, str) or not topic_filter or "\x00" in topic_filter:
         raise ValueError(f"a topic filter is a non-empty string without NUL, not {topic_filter!r}")
+    try:
+        size = len(topic_filter.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"topic filter {topic_filter[:80]!r}: no UTF-8 form ({exc.reason})") from None
+    if size > 65_535:
+        raise ValueError(f"topic filter {topic_filter[:80]!r}…: {size:,} bytes of UTF-8, above MQTT's 65,535")
     levels = topic_filter.split("/")
     for i, level in enumerate(levels):
         if "#" in level and (level != "#" or i != len(levels) - 1):

@@ -454,3 +454,24 @@ def test_subscribe_takes_one_filter_or_several_and_refuses_an_invalid_one() -> N
     with pytest.raises(ValueError, match="QoS must be 0, 1 or 2"):
         tr.subscribe(["f"], qos=3)
     assert tr._filters == {"status/#": 1, "a/+/c": 0, "d": 0}
+
+
+def test_subscribe_refuses_a_filter_mqtt_cannot_carry_and_the_next_connect_is_not_broken(tmp_path: Path) -> None:
+    """A filter is a UTF-8 string of at most 65,535 bytes (MQTT 3.1.1 §1.5.3): one of 65,536
+    bytes, and one with a lone surrogate (no UTF-8 form), are refused as the wildcard misuses are,
+    before any is kept. Before, they passed the check and were kept: paho refused them only as it
+    subscribed, on the CONNACK, and its network thread died there: connect() waited its 10 s and
+    raised "no CONNACK" (with the link up, subscribe raised but kept the filter for the reconnects)."""
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        tr = MqttTransport("subscriber", "127.0.0.1", broker.port, mqtt_version="3.1.1")
+        tr.subscribe("ok/#")
+        for bad in ("a" * 65_536, ["b", "st\ud800/x"]):
+            with pytest.raises(ValueError, match="topic filter"):
+                tr.subscribe(bad)
+        tr.subscribe("é" * 32_767 + "z")  # 65,535 bytes: the most a filter takes
+        assert list(tr._filters) == ["ok/#", "é" * 32_767 + "z"]
+        try:
+            tr.connect(timeout_s=10.0)
+            assert tr.connected
+        finally:
+            tr.close()
