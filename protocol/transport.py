@@ -1734,7 +1734,11 @@ class MqttTransport:
         packets reached the socket (published before the connection came up, or queued when the
         link was lost) is reported ``dropped`` to the delivery listener, one the socket never took
         a whole PUBLISH of ``cut``, and :meth:`publish` waiting on one raises
-        :class:`~protocol.errors.PublishDropped`."""
+        :class:`~protocol.errors.PublishDropped`.
+
+        Called on paho's network thread (a delivery listener, say) with the link up, it returns at
+        once and the close is finished on a thread of its own: the network thread writes the
+        DISCONNECT once the listener returns (it cannot wait for itself)."""
         with self._state_lock:  # not while connect() starts or replaces a client
             if self._closed:
                 return
@@ -1742,6 +1746,16 @@ class MqttTransport:
             client = self._client
             up = self.connected  # on_connect looks for a close under this lock before it marks the link up
         self._closing.set()
+        if up and client._thread is threading.current_thread():  # a listener on paho's thread: it is waited for
+            # elsewhere, and writes the DISCONNECT once the listener returns
+            threading.Thread(target=self._finish_close, args=(client, up, timeout_s), daemon=True,
+                             name=f"close-{self.client_id}").start()
+            return
+        self._finish_close(client, up, timeout_s)
+
+    def _finish_close(self, client: _CountingClient, up: bool, timeout_s: float) -> None:
+        """:meth:`close` once the transport is marked closed: the DISCONNECT (``up``: the link was
+        up) or the socket closed, the network threads ended, what is left unsent settled."""
         try:
             if up:
                 client.disconnect()

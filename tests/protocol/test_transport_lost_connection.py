@@ -723,6 +723,37 @@ def test_close_waits_for_a_network_thread_busy_in_a_listener_not_taken_for_a_sta
     assert relay.packets(first)["DISCONNECT"] == 1 and relay.total_bytes("up") == tr.socket_bytes[0]
 
 
+def test_close_from_the_delivery_listener_sends_the_disconnect_once_the_listener_returns(tmp_path: Path) -> None:
+    """close() called in the delivery listener, on paho's network thread (an application that
+    stops at its last PUBACK): that thread cannot be waited for from itself, so the close is
+    finished on another one: the DISCONNECT goes out once the listener returns (the relay counts
+    1, and every byte the socket wrote), the broker publishes no last will, and the thread ends.
+    Before, close() closed the socket at once, as abort() does: no DISCONNECT, and the broker
+    published the will of a device that had closed on purpose."""
+    with EmbeddedBroker(workdir=tmp_path / "broker") as broker:
+        relay = CountingRelay(broker.port)
+        tr = MqttTransport("in-listener", "127.0.0.1", relay.port, mqtt_version="3.1.1", keepalive_s=60)
+        outcomes: list[str] = []
+
+        def listener(handle, outcome, reason) -> None:
+            outcomes.append(outcome)
+            if outcome == "acked":
+                tr.close()
+
+        tr.set_delivery_listener(listener)
+        try:
+            tr.connect(timeout_s=10.0)
+            first = relay.connections - 1
+            client = tr._client
+            tr.publish("t/last", b"bye", qos=1)
+            assert wait_for(lambda: client._thread is None or not client._thread.is_alive(), 30.0)
+        finally:
+            tr.close()
+            relay.close(timeout_s=30.0)
+    assert outcomes == ["acked"]
+    assert relay.packets(first)["DISCONNECT"] == 1 and relay.total_bytes("up") == tr.socket_bytes[0]
+
+
 def test_publish_after_close_and_a_wait_cut_by_close_raise() -> None:
     """A publish after close() is refused at once (nothing sent, no ledger row: the channel
     records a row only for what the transport took), and a publish(wait_s) whose PUBACK never
