@@ -589,7 +589,7 @@ class AggregationServer:
         self.round = 0
         self.open = RoundState()
         self._counted = CountedUpdates()
-        self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0}
+        self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0, "early": 0}
         self.rejected_by_reason: dict[str, int] = {}  # invalid messages since the last metrics line, by code
         self.run_rejected_by_reason: dict[str, int] = {}  # the same over the whole run
         self._manifest = model_manifest(model)
@@ -674,11 +674,13 @@ class AggregationServer:
 
     def refusal_totals(self) -> dict:
         """Refusals over the whole run (``summary.json``): ``invalid`` and its split by reason
-        code ``rejected_by_reason`` (they add up), ``late``, ``duplicates``, ``unsolicited``, and
-        the devices each round dropped (``dropped``: round → ids)."""
+        code ``rejected_by_reason`` (they add up), ``late``, ``duplicates``, ``unsolicited``, the
+        devices each round dropped (``dropped``: round → ids), and, not refused but left
+        unanswered, ``early``: updates for a round not open yet (the device sends each again when
+        that round starts)."""
         return {"invalid": self.totals["rejected_invalid"], "rejected_by_reason": dict(self.run_rejected_by_reason),
                 "late": self.totals["late"], "duplicates": self.totals["duplicates"],
-                "unsolicited": self.totals["unsolicited"],
+                "unsolicited": self.totals["unsolicited"], "early": self.totals["early"],
                 "dropped": {str(m["round"]): m["dropped"] for m in self.metrics if m.get("dropped")}}
 
     def _on_rejected(self, item: Rejected) -> None:
@@ -816,10 +818,16 @@ class AggregationServer:
             self._reply(item, False, f"arrived after the deadline of round {env.round}")
             self._event("late", env.sender)
             return
-        if env.round > self.round + 1:
-            self.totals["unsolicited"] += 1
-            o.stats.unsolicited += 1
-            self._reply(item, False, f"round {env.round} has not started")
+        if env.round > (o.collecting if o.collecting is not None else self.round):
+            # a round not open yet: an update a device trained before this server stopped (a resumed
+            # server runs that round again), or a copy of one delayed since. Not answered: a refusal is
+            # final for the device (it rolls its state back and never offers that update again); it
+            # sends it again when that round starts (a round_start of a round it trained), and then it
+            # counts. Unanswered copies of it also end at the device's max_resends.
+            self.totals["early"] += 1
+            log.info("update from %s for round %d, which is not open (%s): not answered; the device sends it again "
+                     "when that round starts", env.sender, env.round,
+                     f"round {o.collecting} is" if o.collecting is not None else f"round {self.round} was the last")
             return
         if o.collecting is None or env.round != o.collecting:
             self.totals["late"] += 1

@@ -54,6 +54,37 @@ def test_counted_update_resent_after_its_round_closed_is_acknowledged(tmp_path: 
     assert srv.totals["late"] == 0 and srv.totals["duplicates"] == 1
 
 
+def test_an_update_for_a_round_not_open_yet_is_not_answered_and_counts_when_sent_again(tmp_path: Path) -> None:
+    """Round 1 closed, round 2 not open yet (between rounds, as a resumed server is before it runs
+    the round its devices had trained): client A's round-2 update arrives. A refusal would be
+    final for A (it rolls back and never offers that update again: the round then lacks it), so it
+    is not answered and counted as ``early``; A's copy sent when round 2 starts is counted, and
+    the one receipt A gets for round 2 accepts it. Before, A got "round 2 is closed"."""
+    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
+    like = list(state_arrays(torch_model))
+    rng = np.random.default_rng(0)
+    fed = "mem"
+    feed: deque[Incoming] = deque()
+    srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=2,
+                        feed=lambda: feed.popleft() if feed else None, fed=fed)
+    tr = srv.channel.transport
+    feed.extend([incoming(*update_payload(fed, "client-a", 1, 2, like, rng)),
+                 incoming(*update_payload(fed, "client-b", 1, 2, like, rng))])
+    assert srv.run_round(1)["clients_reported"] == 2
+    a2 = update_payload(fed, "client-a", 2, 3, like, rng)
+    feed.append(incoming(*a2))
+    srv._drain(until=lambda: not feed and srv.totals["early"] == 1)
+    srv._drain()
+    assert srv.totals["early"] == 1 and srv.totals["late"] == 0
+    assert [b for r, b in receipts_to(tr, "client-a") if r == 2] == []
+    feed.extend([incoming(*a2), incoming(*update_payload(fed, "client-b", 2, 3, like, rng))])
+    m2 = srv.run_round(2)
+    assert m2["clients_reported"] == 2 and m2["late"] == 0
+    answers = [b for r, b in receipts_to(tr, "client-a") if r == 2 and b.ref_kind == Kind.UPDATE]
+    assert [(b.accepted, b.reason) for b in answers] == [(True, "")], answers
+    assert srv.refusal_totals()["early"] == 1
+
+
 def test_receipt_of_the_resent_global_counts_after_a_server_reconnect(tmp_path: Path) -> None:
     """The server's link comes back mid-round (a broker restart): it re-sends the round's global
     model, and an agent's confirmation of that copy (its hash) counts in ``global_receipts``."""
