@@ -931,6 +931,29 @@ class AggregationServer:
             log.warning("progress display failed (%s: %s); it is switched off", type(exc).__name__, exc)
             self.on_event = None
 
+    def _await_quorum(self, r: int) -> None:
+        """Before round ``r`` selects: with fewer devices online than the quorum because some went
+        offline less than ``offline_grace_s`` ago (a restart, a dropped link; the time of their
+        ``offline`` status), wait for enough of them to come back, at most until the last of them
+        has been offline ``offline_grace_s``, handling messages meanwhile. The round then selects
+        among those online (and is skipped, as before, when fewer than the quorum report); a
+        device gone for longer than the grace is not waited for again. Without this wait a round
+        started at once with too few devices selected and was skipped, though the missing device
+        came back seconds later."""
+        quorum, grace = self.settings.quorum, self.settings.offline_grace_s
+        if len(self._online()) >= quorum or grace <= 0:
+            return
+        gone = [rec.last_seen for rec in self.devices.records.values() if not rec.online and rec.last_seen > 0]
+        until = max(gone, default=0.0) + grace
+        if not gone or time.monotonic() >= until:
+            return
+        log.warning("round %d waits up to %.0f s (offline_grace_s) for devices that went offline to come back: "
+                    "%d of %d joined are online, the quorum is %d", r, until - time.monotonic(), len(self._online()),
+                    len(self.devices.records), quorum)
+        while len(self._online()) < quorum and time.monotonic() < until:
+            self.pump(min(0.2, max(0.0, until - time.monotonic())))
+        log.info("round %d starts with %d device(s) online (quorum %d)", r, len(self._online()), quorum)
+
     def _went_offline(self, client: str, detail: str, now: float) -> None:
         """A selected device still awaited by the open round said ``offline`` (its last will, or
         its own offline status): the round waits at most ``offline_grace_s`` for it to return."""
@@ -1345,6 +1368,7 @@ class AggregationServer:
         ledger0 = self.channel.ledger.write_s if self.channel.ledger is not None else 0.0
         mark = self.phases.lap()
         refused0, undeliverable0 = self.channel.refused, self.channel.undeliverable
+        self._await_quorum(r)
         available = self._online()
         plan = self.strategy.configure_round(r, available, self.rng)
         undeclared = sorted({k for ins in plan.instructions.values() for k in ins} - set(self.strategy.instructions))

@@ -46,6 +46,56 @@ def _global_receipt(cid: str, payload: bytes, seq: int, env_seq: int) -> Incomin
     return incoming(topics.up(FED, cid, Kind.RECEIPT), payload_out)
 
 
+def test_a_round_short_of_its_quorum_waits_for_a_device_that_went_offline_to_come_back(tmp_path: Path,
+                                                                                         caplog) -> None:
+    """Quorum 2 of 2: round 1 both report; then B's last will arrives (``offline``) before round 2
+    selects, and B is back (``online``) a moment later, while the server waits. Round 2 waits for
+    it (at most offline_grace_s = 30 s from B's offline status), selects both and is not skipped.
+    Before, round 2 selected A alone at once and was skipped (1 update < quorum 2) though B came
+    back seconds later. A device gone longer than the grace is not waited for again: round 3,
+    with B offline for good and its status older than the grace (set back by hand), starts at once
+    with A alone and is skipped."""
+    import dataclasses
+
+    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
+    like = list(state_arrays(torch_model))
+    rng = np.random.default_rng(0)
+    fed = "mem"
+    feed: deque = deque()
+
+    def next_message():  # an update once its round is open (as a device sends it after its round_start)
+        if not feed or (feed[0][0] and srv.open.collecting != feed[0][0]):
+            return None
+        return feed.popleft()[1]
+
+    srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=3, feed=next_message,
+                        fed=fed)
+    srv.settings = dataclasses.replace(srv.settings, quorum=2)
+    feed.extend([(1, incoming(*update_payload(fed, "client-a", 1, 2, like, rng))),
+                 (1, incoming(*update_payload(fed, "client-b", 1, 2, like, rng)))])
+    assert srv.run_round(1)["clients_reported"] == 2
+    feed.append((0, incoming(*status_payload(fed, "client-b", "offline", "connection lost", seq=3))))
+    srv._drain(until=lambda: not feed and "client-b" not in srv._online())
+    srv._drain()
+    assert srv._online() == ["client-a"]
+    caplog.set_level(logging.INFO, logger="broker_server.server")
+    feed.extend([(0, incoming(*status_payload(fed, "client-b", "online", "back", seq=4))),
+                 (2, incoming(*update_payload(fed, "client-a", 2, 5, like, rng))),
+                 (2, incoming(*update_payload(fed, "client-b", 2, 6, like, rng)))])
+    m2 = srv.run_round(2)
+    assert "round 2 waits up to" in caplog.text and "1 of 2 joined are online, the quorum is 2" in caplog.text
+    assert (m2["clients_selected"], m2["clients_reported"], m2["skipped"]) == (2, 2, False)
+    feed.append((0, incoming(*status_payload(fed, "client-b", "offline", "connection lost", seq=7))))
+    srv._drain(until=lambda: not feed and "client-b" not in srv._online())
+    srv._drain()
+    srv.devices.get("client-b").last_seen -= 31.0  # offline for longer than the grace
+    caplog.clear()
+    feed.append((3, incoming(*update_payload(fed, "client-a", 3, 8, like, rng))))
+    m3 = srv.run_round(3)
+    assert "round 3 waits" not in caplog.text
+    assert (m3["clients_selected"], m3["clients_reported"], m3["skipped"]) == (1, 1, True)
+
+
 def test_device_back_online_mid_round_gets_the_round_again_alone_and_its_update_counts(tmp_path: Path) -> None:
     """Round 1 asks A and B. A's last will (offline) arrives, then A says online again
     ("reconnected"). The server sends A alone a copy of the round's global on
