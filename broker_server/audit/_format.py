@@ -50,8 +50,12 @@ def mean(value: float | None) -> str:
 
 def target_text(row: Mapping[str, Any]) -> str:
     """Bytes to the target of a :func:`comparison_row`, with the round that reached it;
-    ``'not reached'``; ``'—'`` for a run that records no accuracy (a device's own folder)."""
+    ``'not reached'``; ``'—'`` for a run that records no accuracy (a device's own folder), and
+    ``'— (no device-link rows)'`` for a ledger of the server's side alone (a ``fedfleet server``
+    run's: what the devices' links carried is in their own folders)."""
     if row.get("bytes_to_target") is None:
+        if row.get("device_rows") == 0 and row.get("final_accuracy") is not None:
+            return "— (no device-link rows)"
         return "not reached" if row.get("final_accuracy") is not None else "—"
     return f"{count(row['bytes_to_target'])} ({human(row['bytes_to_target'])}, round {row['target_round']})"
 

@@ -86,10 +86,12 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         link = None
         if uplink_kbps is not None or downlink_kbps is not None:
             link = link_time_s(db, uplink_kbps, downlink_kbps)
+        device = totals(db, "device")
+        device_rows = device["all"]["messages"]
         return {
             "run": {"path": str(run), "federation": federation, "rounds": training_rounds(db),
                     "metrics_rounds": len(metrics)},
-            "totals": {view: totals(db, view) for view in VIEWS},
+            "totals": {view: device if view == "device" else totals(db, view) for view in VIEWS},
             "by_round": by_round(db, "device"),
             "by_round_kind": by_round_kind(db, "device"),
             "by_client": by_client(db, "device"),
@@ -101,8 +103,11 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
             "deliveries": deliveries(db),
             "final_accuracy": final_accuracy(metrics),
             "accuracy_curve": curve,
+            # a ledger without device-link rows (a `fedfleet server` run's: the server's side alone) says
+            # nothing of what the devices' links carried to the target: no figure, not 0
             "target": {"accuracy": target, "round": target_round,
-                       "bytes": next((p["cumulative_bytes"] for p in curve if p["round"] == target_round), None),
+                       "bytes": next((p["cumulative_bytes"] for p in curve if p["round"] == target_round), None)
+                       if device_rows else None,
                        "parts": None if target_round is None else cumulative_parts(db, target_round)},
             "link_time": link,
             "ledger_closed": clean_close(db),
@@ -199,7 +204,9 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
         ``run`` (path), ``federation``, ``rounds``, ``final_accuracy`` (fraction or None),
         ``up_bytes``, ``down_bytes``, ``wire_bytes`` (device-link wire bytes), ``overhead_share``,
-        ``target`` (fraction), ``target_round`` and ``bytes_to_target`` (None: not reached),
+        ``target`` (fraction), ``target_round`` and ``bytes_to_target`` (None: not reached, or
+        ``device_rows`` 0), ``device_rows`` (the ledger's device-link rows: 0 in a ledger of the
+        server's side alone, whose device-link figures are then not known, not 0),
         and from ``link_time`` (None without link speeds): ``uplink_kbps``, ``downlink_kbps``,
         ``up_max_s``, ``down_max_s``, ``time_max_s`` (parallel clients), ``up_sum_s``,
         ``down_sum_s``, ``time_sum_s`` (sum over clients); and from ``fields``
@@ -226,6 +233,7 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         "up_bytes": dev["up"]["wire_bytes"], "down_bytes": dev["down"]["wire_bytes"],
         "wire_bytes": dev["all"]["wire_bytes"], "overhead_share": dev["all"]["overhead_share"],
         "target": tgt.get("accuracy"), "target_round": tgt.get("round"), "bytes_to_target": tgt.get("bytes"),
+        "device_rows": dev["all"]["messages"],
         "uplink_kbps": link.get("uplink_kbps"), "downlink_kbps": link.get("downlink_kbps"),
         "up_max_s": link.get("up_max_s"), "down_max_s": link.get("down_max_s"),
         "time_max_s": link.get("max_s"),

@@ -500,6 +500,22 @@ def test_packets_cut_short_count_the_bytes_the_socket_took(tmp_path):
     assert "400 bytes of PUBLISH packets cut short" in render_html([audit_report(run)])
 
 
+def test_a_server_only_ledger_gives_no_device_link_bytes_to_target(tmp_path):
+    """A ledger of the server's side alone (a ``fedfleet server`` run folder) has no device-link
+    rows: the bytes its devices' links carried to the target are not in it. The comparison says
+    so ("— (no device-link rows)"), not 0 bytes, nor "not reached" (round 1 reached 0.5); the
+    run with the agents' rows says the bytes to round 1 (3,254 + control packets)."""
+    server_only = _write_run(tmp_path / "server-run", [r for r in _control_rows() if r.side == "server"], METRICS)
+    both = _write_run(tmp_path / "fleet-run", _control_rows(), METRICS)
+    reps = [audit_report(server_only, target=0.5), audit_report(both, target=0.5)]
+    rows = [comparison_row(r) for r in reps]
+    assert [(r["device_rows"] > 0, r["bytes_to_target"] is None, r["target_round"]) for r in rows] == [
+        (False, True, 1), (True, False, 1)]
+    assert target_text(rows[0]) == "— (no device-link rows)"
+    text = " ".join(render_comparison_text(reps).split())
+    assert "— (no device-link rows)" in text and " 0 1 " not in text
+
+
 def test_unknown_and_missing_optional_columns_are_tolerated(ctrl_run):
     db = sqlite3.connect(ctrl_run / "ledger.sqlite")
     db.execute("ALTER TABLE messages ADD COLUMN zz_future_column INTEGER")
