@@ -1071,7 +1071,9 @@ def run_sweep(grid: Grid, out: Path, *, workers: int, on_result: Callable[[dict]
 
     Raises:
         GridStopped: the stop time (:data:`~broker_server.experiments.STOP_AT_ENV`) left a
-            policy or a cell unstarted (the same command goes on).
+            policy or a cell unstarted (the same command goes on). A wave whose policies would
+            all end after it is left whole, and the waves after it and the cells that load no
+            policy are still tried before this is raised.
     """
     jobs = grid.sweep_jobs()
     free = sorted((j for j in jobs if not j.config["algorithm"].get("policy")), key=lambda j: j.tags["seed"])
@@ -1088,7 +1090,11 @@ def run_sweep(grid: Grid, out: Path, *, workers: int, on_result: Callable[[dict]
             """A made policy's cells of this wave first, then the cells that load no policy."""
             return [j for j in runnable(jobs, made)[0] if j.config["algorithm"].get("policy") in paths] + free
 
-        info = pretrain_policies(out, wave, workers=workers, filler=(meanwhile, fill))
+        try:
+            info = pretrain_policies(out, wave, workers=workers, filler=(meanwhile, fill))
+        except GridStopped as exc:  # each of the wave's policies would end after the stop time: the cells
+            print(f"{exc}; the cells that load no policy may still run before it", flush=True)  # that load none
+            continue  # may still fit, and a later wave's policies (the stop is said once they are done)
         run_grid([j for j in runnable(jobs, info)[0] if j.config["algorithm"].get("policy") in paths], out,
                  workers=workers, on_result=on_result, stamp=stamp)
     info = load_pretrain_info(out)

@@ -1032,10 +1032,11 @@ def test_the_sweep_runs_each_waves_cells_before_it_pre_trains_the_next(tmp_path:
 
 def test_a_sweep_policy_left_for_the_stop_time_does_not_hold_back_the_others(
         tmp_path: Path, tiny_policy: tuple[dict, dict], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A wave of a 1-episode and a 1,000-episode policy, the stop 100·C + 60 s away (C: the tiny
-    policy's CPU seconds on record, 1 episode): the short one is made and its cell runs; the long
-    one is left, and the sweep then says so (GridStopped naming it), so the same command goes on
-    with it next time."""
+    """A 1-episode and a 1,000-episode policy, one wave each (one worker), the stop 100·C + 60 s
+    away (C: the tiny policy's CPU seconds on record, 1 episode): the short one is made and its
+    cell runs; the long one's wave is left whole, the baseline's cell that loads no policy still
+    runs after it, and the sweep then says so (GridStopped naming the long one), so the same
+    command goes on with it next time."""
     import time
 
     from broker_server.experiments import STOP_AT_ENV, GridStopped
@@ -1045,16 +1046,18 @@ def test_a_sweep_policy_left_for_the_stop_time_does_not_hold_back_the_others(
     spec, first = tiny_policy
     sweeps = {"reward": ["seed", "continuous"], "episodes": [1, 1000]}
     grid = _grid(t, tmp_path, datasets=["fashion_mnist"], partitions=["dir0.1"], methods=["FedDO"], seeds=[0],
-                 rounds=2, pretrain_rounds=2, sweeps=sweeps, sweep_baselines=[], **TINY)
+                 rounds=2, pretrain_rounds=2, sweeps=sweeps, sweep_baselines=["FedAvg"], participations=[0.5],
+                 **TINY)
     short, long = grid.sweep_policy("reward", "continuous"), grid.sweep_policy("episodes", 1000)
     (tmp_path / "policies").mkdir()
     (tmp_path / "policies" / "pretrain.json").write_text(json.dumps({spec["name"]: first}), encoding="utf-8")
     monkeypatch.setenv(STOP_AT_ENV, str(time.time() + 100 * float(first["cpu_seconds"]) + 60))
     with pytest.raises(GridStopped, match=f"1 sweep policy not pre-trained \\({long['name']}\\)"):
-        t.run_sweep(grid, tmp_path, workers=2, stamp={"commit": "test"})
+        t.run_sweep(grid, tmp_path, workers=1, stamp={"commit": "test"})
     assert Path(short["path"]).is_file() and not Path(long["path"]).exists()
-    assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs() if j.config["algorithm"]["policy"] ==
-                                     short["path"]} != set()
+    assert t.done_keys(tmp_path) == {j.key for j in grid.sweep_jobs()
+                                     if j.config["algorithm"].get("policy", "") in (short["path"], "")}
+    assert len(t.done_keys(tmp_path)) == 2  # the short policy's cell and FedAvg's at participation 0.5
 
 
 def test_a_sweep_waves_made_policy_runs_its_cells_while_the_other_still_trains(
