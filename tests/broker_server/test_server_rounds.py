@@ -25,18 +25,23 @@ from protocol.messages import Envelope, Kind, Receipt, decode, encode
 from protocol.transport import Incoming
 
 
+def _two_clients(tmp_path: Path) -> tuple[AggregationServer, deque[Incoming], list, np.random.Generator]:
+    """The server of these tests with clients A and B joined (2 rounds), the queue its feed reads
+    and what an update's arrays look like, with a seeded generator for them."""
+    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
+    feed: deque[Incoming] = deque()
+    srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=2,
+                        feed=lambda: feed.popleft() if feed else None, fed="mem")
+    return srv, feed, list(state_arrays(torch_model)), np.random.default_rng(0)
+
+
 def test_counted_update_resent_after_its_round_closed_is_acknowledged(tmp_path: Path) -> None:
     """Round 1: client A's update is counted (its receipt is lost on the way). Round 2 is open when
     A's copy of the same update arrives again: the receipt says accepted ('duplicate: already
     counted', the update is in round 1's aggregate) and the metrics count a duplicate, not a
     late update."""
-    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
-    like = list(state_arrays(torch_model))
-    rng = np.random.default_rng(0)
     fed = "mem"
-    feed: deque[Incoming] = deque()
-    srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=2,
-                        feed=lambda: feed.popleft() if feed else None, fed=fed)
+    srv, feed, like, rng = _two_clients(tmp_path)
     tr = srv.channel.transport
     a1 = update_payload(fed, "client-a", 1, 2, like, rng)
     feed.extend([incoming(*a1), incoming(*update_payload(fed, "client-b", 1, 2, like, rng))])
@@ -60,13 +65,8 @@ def test_an_update_for_a_round_not_open_yet_is_not_answered_and_counts_when_sent
     final for A (it rolls back and never offers that update again: the round then lacks it), so it
     is not answered and counted as ``early``; A's copy sent when round 2 starts is counted, and
     the one receipt A gets for round 2 accepts it. Before, A got "round 2 is closed"."""
-    torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
-    like = list(state_arrays(torch_model))
-    rng = np.random.default_rng(0)
     fed = "mem"
-    feed: deque[Incoming] = deque()
-    srv = memory_server(tmp_path, model=torch_model, clients=["client-a", "client-b"], rounds=2,
-                        feed=lambda: feed.popleft() if feed else None, fed=fed)
+    srv, feed, like, rng = _two_clients(tmp_path)
     tr = srv.channel.transport
     feed.extend([incoming(*update_payload(fed, "client-a", 1, 2, like, rng)),
                  incoming(*update_payload(fed, "client-b", 1, 2, like, rng))])

@@ -19,15 +19,19 @@ from protocol.memory_transport import MemoryBroker
 from protocol.messages import Finish, Join, Kind, Receipt, decode
 
 
+def _agent(transport, client_id: str, rng: np.random.Generator) -> EdgeAgent:
+    """A FedAvg agent of 20 random 1×8×8 images on ``transport`` (federation ``mem``)."""
+    return EdgeAgent(channel=Channel(transport, node_id=client_id, side="agent", federation="mem", ledger=None),
+                     model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+                     algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
+                     y=rng.integers(0, 10, 20), num_classes=10, client_index=0, idle_timeout_s=120,
+                     train_defaults=TrainConfig())
+
+
 def test_an_unanswered_join_is_sent_again_and_any_answer_counts() -> None:
     hub = MemoryBroker()
     rng = np.random.default_rng(0)
-    agent = EdgeAgent(channel=Channel(hub.connect("dev-a"), node_id="dev-a", side="agent", federation="mem",
-                                      ledger=None),
-                      model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
-                      algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
-                      y=rng.integers(0, 10, 20), num_classes=10, client_index=0, idle_timeout_s=120,
-                      train_defaults=TrainConfig())
+    agent = _agent(hub.connect("dev-a"), "dev-a", rng)
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("summary", agent.run()), daemon=True)
     t.start()
@@ -61,12 +65,7 @@ def test_a_join_never_answered_gives_up_after_the_join_timeout_while_broadcasts_
 
     hub = MemoryBroker()
     rng = np.random.default_rng(0)
-    agent = EdgeAgent(channel=Channel(hub.connect("dev-b"), node_id="dev-b", side="agent", federation="mem",
-                                      ledger=None),
-                      model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
-                      algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
-                      y=rng.integers(0, 10, 20), num_classes=10, client_index=0, idle_timeout_s=120,
-                      train_defaults=TrainConfig())
+    agent = _agent(hub.connect("dev-b"), "dev-b", rng)
     agent.join_timeout_s = 1.0
     server = Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None)
     stop = threading.Event()
