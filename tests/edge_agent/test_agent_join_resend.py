@@ -111,11 +111,7 @@ def test_the_answer_to_a_join_whose_wait_ended_first_counts() -> None:
         return None
 
     transport.publish = slow_ack  # type: ignore[method-assign]
-    agent = EdgeAgent(channel=Channel(transport, node_id="dev-c", side="agent", federation="mem", ledger=None),
-                      model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
-                      algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
-                      y=rng.integers(0, 10, 20), num_classes=10, client_index=0, idle_timeout_s=120,
-                      train_defaults=TrainConfig())
+    agent = _agent(transport, "dev-c", rng)
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("summary", agent.run()), daemon=True)
     t.start()
