@@ -181,8 +181,12 @@ def server_byte_summary(run_dir: Path) -> str:
 
     tot = audit_report(run_dir)["totals"]["server"]
     up, down = tot["up"], tot["down"]
-    return (f"bytes on the server link: up {up['wire_bytes']:,} ({up['messages']:,} messages received from the "
-            f"agents)  down {down['wire_bytes']:,} ({down['messages']:,} sent; a broadcast counted once)  "
+    def packets(t: dict, verb: str) -> str:  # the MQTT control packets (CONNACK, PUBACK …) said apart
+        n, ctl = t["messages"], t["control_messages"]
+        return f"{n - ctl:,} messages {verb}, {ctl:,} MQTT control packets"
+
+    return (f"bytes on the server link: up {up['wire_bytes']:,} ({packets(up, 'received')})  "
+            f"down {down['wire_bytes']:,} ({packets(down, 'sent')}; a broadcast counted once)  "
             f"protocol overhead {100 * (tot['all']['overhead_share'] or 0):.2f} %\n"
             f"each device's own link: fedfleet audit on its --out folder (several folders: a fleet total); "
             f"this run: fedfleet audit {run_dir}")

@@ -47,8 +47,16 @@ def test_a_resumed_run_says_so_and_counts_the_whole_run(tmp_path: Path, capsys: 
     up, down = (db.execute("SELECT COALESCE(SUM(mqtt_header_bytes + topic_bytes + payload_bytes), 0) FROM messages "
                            "WHERE side = 'server' AND event IN ('sent', 'received', 'rejected') "
                            f"AND (direction = 'up') = {d}").fetchone()[0] for d in (1, 0))
+    # and its packets: the messages apart from the MQTT control packets (CONNACK, PUBACK … from the broker)
+    counts = {d: db.execute("SELECT COUNT(*), COALESCE(SUM(kind IN ('CONNECT', 'CONNACK', 'SUBSCRIBE', 'SUBACK', "
+                            "'PUBACK', 'PINGREQ', 'PINGRESP', 'DISCONNECT') OR reason = 'control'), 0) FROM messages "
+                            "WHERE side = 'server' AND event IN ('sent', 'received', 'rejected') "
+                            f"AND (direction = 'up') = {d}").fetchone() for d in (1, 0)}
     db.close()
     text = server_byte_summary(run)
+    for d, verb in ((1, "received"), (0, "sent")):
+        n, ctl = counts[d]
+        assert 0 < ctl < n and f"({n - ctl:,} messages {verb}, {ctl:,} MQTT control packets" in text, text
     assert text.startswith("bytes on the server link: up ")
     shown_up = int(text.split("up ")[1].split(" ")[0].replace(",", ""))
     shown_down = int(text.split("down ")[1].split(" ")[0].replace(",", ""))
