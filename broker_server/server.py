@@ -724,7 +724,7 @@ class AggregationServer:
         diffs = [f"{k} {body.info.get(k)!r} (server: {v!r})" for k, v in self.settings.expected_data
                  if str(body.info.get(k)) != v]
         if diffs:
-            return "data settings differ from the server's configuration: " + "; ".join(diffs)
+            return "settings differ from the server's configuration (data and algorithm): " + "; ".join(diffs)
         return None
 
     def _handle(self, item: Received | Rejected) -> None:

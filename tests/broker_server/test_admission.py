@@ -121,7 +121,8 @@ def test_a_run_short_of_its_quorum_names_the_refused_joins(tmp_path) -> None:
         topics.up("mem", "pi-0", Kind.JOIN), encode(Envelope(round=0, sender="pi-0", seq=1, body=join)).payload, qos=1)
     srv._handle(srv.channel.receive(1.0))
     assert "pi-0" not in srv.devices.records
-    with pytest.raises(RunError, match=r"only 0 agent\(s\) joined .* the quorum is 1; pi-0's join was refused: data "
-                                       r"settings differ from the server's configuration: client_test 'shared' "
+    with pytest.raises(RunError, match=r"only 0 agent\(s\) joined .* the quorum is 1; pi-0's join was refused: "
+                                       r"settings differ from the server's configuration \(data and algorithm\): "
+                                       r"client_test 'shared' "
                                        r"\(server: 'local'\)\. Check that"):
         srv.run()
