@@ -64,8 +64,9 @@ CONNECT_BACKOFF_S = (1.0, 30.0)
 (:class:`protocol.transport.ConnectRetry`): about 8 minutes of trying in all at the default attempts."""
 
 NOT_JOINED_HINT = ("the likely causes: this device is not enrolled on a signing server (fedfleet keys enroll), "
-                   "--server-pubkey is not that server's key, or --federation / --broker name another "
-                   "federation (the server prints its own)")
+                   "--server-pubkey is not that server's key, --federation / --broker name another "
+                   "federation (the server prints its own), or that federation has finished or its server "
+                   "is not running (a finish is not kept for devices that start later)")
 
 
 def client_test_fraction(text: str) -> float:
