@@ -27,6 +27,8 @@ class RoundStats:
     duplicates: int = 0
     late: int = 0
     unsolicited: int = 0
+    #: updates for a round not open yet, left unanswered (the device sends each again when it starts)
+    early: int = 0
     invalid: int = 0
     global_receipts: int = 0
     global_resends: int = 0

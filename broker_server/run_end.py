@@ -264,7 +264,7 @@ def refusals_from_metrics(metrics: list[dict]) -> dict:
     """``summary.json``'s ``refusals`` (:meth:`AggregationServer.refusal_totals
     <broker_server.server.AggregationServer.refusal_totals>`'s keys) summed over the rounds'
     metrics lines: ``invalid`` and ``rejected_by_reason``, ``late``, ``duplicates``,
-    ``unsolicited``, and ``dropped`` (round → ids)."""
+    ``unsolicited``, ``early`` and ``dropped`` (round → ids)."""
     by_reason: dict[str, int] = {}
     for m in metrics:
         for code, count in (m.get("rejected_by_reason") or {}).items():
@@ -273,6 +273,7 @@ def refusals_from_metrics(metrics: list[dict]) -> dict:
             "late": sum(int(m.get("late") or 0) for m in metrics),
             "duplicates": sum(int(m.get("duplicates") or 0) for m in metrics),
             "unsolicited": sum(int(m.get("unsolicited") or 0) for m in metrics),
+            "early": sum(int(m.get("early") or 0) for m in metrics),
             "dropped": {str(m["round"]): m["dropped"] for m in metrics if m.get("dropped")}}
 
 

@@ -590,6 +590,7 @@ class AggregationServer:
         self.open = RoundState()
         self._counted = CountedUpdates()
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0, "early": 0}
+        self._early_between = 0  # early updates since the last round closed: the next round's line counts them
         self.rejected_by_reason: dict[str, int] = {}  # invalid messages since the last metrics line, by code
         self.run_rejected_by_reason: dict[str, int] = {}  # the same over the whole run
         self._manifest = model_manifest(model)
@@ -680,7 +681,8 @@ class AggregationServer:
         that round starts)."""
         return {"invalid": self.totals["rejected_invalid"], "rejected_by_reason": dict(self.run_rejected_by_reason),
                 "late": self.totals["late"], "duplicates": self.totals["duplicates"],
-                "unsolicited": self.totals["unsolicited"], "early": self.totals["early"],
+                "unsolicited": self.totals["unsolicited"],
+                "early": sum(int(m.get("early") or 0) for m in self.metrics) + self._early_between,
                 "dropped": {str(m["round"]): m["dropped"] for m in self.metrics if m.get("dropped")}}
 
     def _on_rejected(self, item: Rejected) -> None:
@@ -825,6 +827,10 @@ class AggregationServer:
             # sends it again when that round starts (a round_start of a round it trained), and then it
             # counts. Unanswered copies of it also end at the device's max_resends.
             self.totals["early"] += 1
+            if o.collecting is not None:
+                o.stats.early += 1
+            else:  # between rounds (a resumed server before its first): the next round's line counts it
+                self._early_between += 1
             log.info("update from %s for round %d, which is not open (%s): not answered; the device sends it again "
                      "when that round starts", env.sender, env.round,
                      f"round {o.collecting} is" if o.collecting is not None else f"round {self.round} was the last")
@@ -1377,6 +1383,7 @@ class AggregationServer:
                            f"its class attribute instructions = {self.strategy.instructions!r}")
         o = self.open = RoundState(collecting=r, selected=set(plan.selected), stats=RoundStats(round=r))
         o.stats.selected = len(plan.selected)
+        o.stats.early, self._early_between = self._early_between, 0  # those that came before it opened
         if self.global_codec.lossy:
             self.global_tensors = [np.array(decode_tensor(encode_tensor(t, self.global_codec),
                                                           limits=TensorLimits(allow_nonfinite=True)))
@@ -1509,7 +1516,7 @@ class AggregationServer:
             "global_receipts": st.global_receipts, "global_reached_no_device": reached_none,
             "global_resends": st.global_resends, "broker_refusals": self.channel.refused - refused0,
             "undeliverable": self.channel.undeliverable - undeliverable0, "unsolicited": st.unsolicited,
-            "withdrawn": st.withdrawn, "dropped": st.dropped, "resent_to": st.resent_to,
+            "early": st.early, "withdrawn": st.withdrawn, "dropped": st.dropped, "resent_to": st.resent_to,
             "unreported": st.unreported, "global_delivery": o.delivery,
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))

@@ -317,7 +317,7 @@ def account(run_dir: Path, rec: Recorder, rounds_completed: int, agents: list[Ag
     deliveries = len(server_update_deliveries(rows))
     t = srv.totals
     accounted = sum(len(v) for v in counted.values()) + t["duplicates"] + t["late"] + t["unsolicited"] \
-        + t["rejected_invalid"]
+        + t["rejected_invalid"] + t["early"]
     per_agent = Counter(c for r in acked for c in acked[r])
     summaries_mismatch = [f"{s.client_id}: receipts_accepted {s.receipts_accepted} != acked rounds "
                           f"{per_agent.get(s.client_id, 0)}" for s in agents
