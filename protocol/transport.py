@@ -685,7 +685,7 @@ def _await_thread(client: _CountingClient, quiet_s: float) -> bool:
     while thread.is_alive():
         thread.join(min(0.05, quiet_s))
         now = _link_progress(client)
-        if now != seen or _thread_behind(client):
+        if now != seen or _thread_behind(client, now[1]):
             seen, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
             return not thread.is_alive()
@@ -714,14 +714,14 @@ def _link_progress(client: _CountingClient) -> tuple[int, int | None]:
     return client.socket_bytes_out, (_unacked_bytes(sock) if sock is not None else None)
 
 
-def _thread_behind(client: _CountingClient) -> bool:
+def _thread_behind(client: _CountingClient, unacked: int | None) -> bool:
     """Whether paho has packets to write that its socket has room for (the peer acknowledged all
-    it took; where that is unknown, the socket is writable): its network thread is busy elsewhere
-    (a listener taking its time), the link is not stalled."""
+    it took: ``unacked``, :func:`_link_progress`'s second figure, is 0; where that is unknown,
+    the socket is writable): its network thread is busy elsewhere (a listener taking its time),
+    the link is not stalled."""
     sock = client.socket()
     if not client._out_packet or sock is None:
         return False
-    unacked = _unacked_bytes(sock)
     if unacked is not None:
         return unacked == 0
     try:
