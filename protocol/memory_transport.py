@@ -13,9 +13,11 @@ nothing is ever lost or reordered and a ``wait_s`` never times out.
 
 :class:`MemoryTransport` is what :class:`~protocol.channel.Channel` and the aggregation server
 use from :class:`~protocol.transport.MqttTransport`: ``client_id``, ``subscribe``, ``publish``,
-``get``, ``close``, ``add_connect_listener``, plus the link events of the real one (``abort``:
-vanish, the broker publishes the last will; ``drop_link``: the link breaks and comes back, the
-will is published, subscriptions are renewed and the connect listeners called). It reports no
+``get``, ``close``, the link listeners (:class:`~protocol.transport_base.LinkEvents`:
+``add_connect_listener``, ``add_disconnect_listener``), plus the link events of the real one
+(``abort``: vanish, the broker publishes the last will; ``drop_link``: the link breaks and comes
+back, the disconnect listeners are called, the will is published, subscriptions are renewed and
+the connect listeners called). It reports no
 MQTT control packets (no ``set_packet_listener``), so a channel on it ledgers PUBLISH rows only.
 
 Example::
@@ -37,11 +39,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .errors import TransportError
-from .transport_base import Incoming, Will
+from .transport_base import Incoming, LinkLost, Will
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryBroker", "MemoryTransport", "Published", "check_filter", "check_topic", "topic_matches"]
+__all__ = ["DROP_REASON", "MemoryBroker", "MemoryTransport", "Published", "check_filter", "check_topic",
+           "topic_matches"]
+
+#: the ``reason`` of the :class:`~protocol.transport_base.LinkLost` that
+#: :meth:`MemoryTransport.drop_link` tells its disconnect listeners
+DROP_REASON = "link dropped (MemoryTransport.drop_link)"
 
 
 def check_topic(topic: str) -> str:
@@ -222,6 +229,7 @@ class MemoryTransport:
         self._connected = True
         self._closed = False
         self._listeners: list[Callable[[int], None]] = []
+        self._lost_listeners: list[Callable[[LinkLost], None]] = []
 
     # ------------------------------------------------------------------ Transport
 
@@ -316,6 +324,13 @@ class MemoryTransport:
         """Call ``listener(n)`` after the n-th connection (n > 1: a reconnect, see :meth:`drop_link`)."""
         self._listeners.append(listener)
 
+    def add_disconnect_listener(self, listener: Callable[[LinkLost], None]) -> None:
+        """Call ``listener(lost)`` when the link breaks (:meth:`drop_link`, before the will and the
+        reconnect), on the caller's thread: :class:`~protocol.transport_base.LinkLost` with the
+        number of the connection lost, reason :data:`DROP_REASON` and no message awaiting
+        acknowledgement (delivery is immediate here). Never for :meth:`close` or :meth:`abort`."""
+        self._lost_listeners.append(listener)
+
     def abort(self) -> None:
         """Vanish like a device losing power: the broker publishes the last will; no reconnect."""
         if self._closed:
@@ -325,9 +340,10 @@ class MemoryTransport:
         self.broker._gone(self, publish_will=True)
 
     def drop_link(self) -> None:
-        """The link breaks and comes back: the broker publishes the last will, the client
-        reconnects (``connects`` + 1), renews its subscriptions (retained messages are delivered
-        again) and calls the connect listeners with the new count.
+        """The link breaks and comes back: the disconnect listeners are called (with
+        ``connection`` = ``connects``), the broker publishes the last will, the client reconnects
+        (``connects`` + 1), renews its subscriptions (retained messages are delivered again) and
+        calls the connect listeners with the new count.
 
         Raises:
             TransportError: the client is closed, or was taken over by a newer connection under
@@ -338,6 +354,12 @@ class MemoryTransport:
         if not self._connected:  # taken over by a newer connection under this id: it keeps the id
             raise TransportError(f"{self.client_id}: not connected (taken over by a newer connection)",
                                  client_id=self.client_id)
+        lost = LinkLost(self.connects, DROP_REASON)
+        for lost_listener in list(self._lost_listeners):
+            try:
+                lost_listener(lost)
+            except Exception:  # as on paho's thread: a listener never breaks the transport
+                log.exception("%s: disconnect listener failed", self.client_id)
         self.broker._gone(self, publish_will=True)
         with self.broker._lock:
             self.broker._clients[self.client_id] = self

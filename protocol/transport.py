@@ -33,12 +33,16 @@ Design rules (``notes/mqtt-transport-study.md``):
   for a PUBLISH the broker closed the connection for right after acknowledging it).
 * ``on_message`` only enqueues ``(topic, payload)``; all decoding happens on the consumer's thread.
 * Subscriptions are renewed in ``on_connect``, so a reconnect after a broker restart resumes
-  without relying on broker sessions.
+  without relying on broker sessions. The link events reach listeners
+  (:class:`~protocol.transport_base.LinkEvents`): a connection lost (``on_disconnect`` of a
+  connection that was up, not closed by this client: :meth:`MqttTransport.add_disconnect_listener`)
+  and each accepted one (:meth:`MqttTransport.add_connect_listener`), both on paho's thread.
 * ``wait_for_publish(timeout)`` returns silently on timeout: :meth:`MqttTransport.publish` checks
   ``is_published()`` afterwards and raises :class:`~protocol.errors.PublishTimeout`.
 
 The paho-free parts live beside it and are re-exported here: the seam's types in
-:mod:`protocol.transport_base` (``Transport``, ``Incoming``, ``Will``, ``PacketEvent``) and the TLS
+:mod:`protocol.transport_base` (``Transport``, ``Incoming``, ``Will``, ``PacketEvent``,
+``LinkEvents``, ``LinkLost``) and the TLS
 checks in :mod:`protocol.transport_tls` (``tls_context``). Importing this module without paho-mqtt
 raises an :class:`ImportError` that says so.
 """
@@ -68,12 +72,12 @@ except ImportError as exc:  # the codec works without paho; only the MQTT transp
 from .errors import ConnectError, OfflineBufferFull, PublishDropped, PublishRefused, PublishTimeout, TransportError
 from .memory_transport import check_filter
 from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
-from .transport_base import PACKET_TYPES, Incoming, PacketEvent, Transport, Will
+from .transport_base import PACKET_TYPES, Incoming, LinkEvents, LinkLost, PacketEvent, Transport, Will
 from .transport_tls import tls_context
 
 __all__ = ["ACK_CLOSE_S", "MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "ConnectRetry", "Incoming",
-           "MqttTransport", "PacketEvent", "PollingClient", "Transport", "Will", "parse_mqtt_version",
-           "tls_context"]
+           "LinkEvents", "LinkLost", "MqttTransport", "PacketEvent", "PollingClient", "Transport", "Will",
+           "parse_mqtt_version", "tls_context"]
 
 log = logging.getLogger(__name__)
 
@@ -827,6 +831,7 @@ class MqttTransport:
         self._packet_listener: Callable[[PacketEvent], object] | None = None
         self._delivery_listener: Callable[[object, str, str], None] | None = None
         self._connect_listeners: list[Callable[[int], None]] = []
+        self._disconnect_listeners: list[Callable[[LinkLost], None]] = []
         self.max_buffered_messages = max_buffered_messages
         self.max_buffered_bytes = max_buffered_bytes
         self._unacked: list[tuple[mqtt.MQTTMessageInfo, int]] = []
@@ -953,6 +958,15 @@ class MqttTransport:
         """Call ``listener(n)`` on paho's network thread after the n-th accepted CONNECT (n > 1 is
         a reconnect). It must not block: publish without waiting."""
         self._connect_listeners.append(listener)
+
+    def add_disconnect_listener(self, listener: Callable[[LinkLost], None]) -> None:
+        """Call ``listener(lost)`` on paho's network thread when a connection that was up is lost
+        (:class:`~protocol.transport_base.LinkLost`: its number, paho's reason, whether the broker
+        sent a DISCONNECT, and the QoS 1 messages then awaiting acknowledgement, :attr:`buffered`),
+        before paho reconnects; never for :meth:`close` or :meth:`abort`, nor for a connect attempt
+        that fails. It must not block (paho's thread sends the keepalive): hand slow work, a log
+        record included, to another thread (:mod:`protocol.link_log`)."""
+        self._disconnect_listeners.append(listener)
 
     @property
     def socket_bytes(self) -> tuple[int, int]:
@@ -1102,6 +1116,15 @@ class MqttTransport:
                 self.closed_for_refusal = True
             else:
                 self._strike(client, str(reason_code))
+            if self._disconnect_listeners:
+                held, held_bytes = self.buffered
+                lost = LinkLost(self.connects, str(reason_code),
+                                bool(getattr(flags, "is_disconnect_packet_from_server", False)), held, held_bytes)
+                for listener in list(self._disconnect_listeners):
+                    try:
+                        listener(lost)
+                    except Exception:  # a listener must never break paho's network thread
+                        log.exception("%s: disconnect listener failed", self.client_id)
 
     def _ack_close(self, client: _CountingClient, last: tuple[mqtt.MQTTMessageInfo, int, str, float] | None,
                    why: str) -> bool:

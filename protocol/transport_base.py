@@ -1,14 +1,16 @@
 """The transport seam without paho: what a channel needs from a transport, and the values that
-cross it (received messages, last wills, packet events).
+cross it (received messages, last wills, packet events, a lost link).
 
 :class:`Transport` is the interface :class:`protocol.channel.Channel` depends on; the real MQTT
 implementation is :class:`protocol.transport.MqttTransport` (paho-mqtt 2.x), loaded only by
-those who use it, so the codec and the channel import without paho.
+those who use it, so the codec and the channel import without paho. :class:`LinkEvents` is what
+both it and :class:`protocol.memory_transport.MemoryTransport` offer besides: listeners told when
+the link to the broker is lost (:class:`LinkLost`) and when a connection is made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +85,52 @@ class PacketEvent:
     dropped: bool = False
     unsent_bytes: int = 0
     ref: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkLost:
+    """A connection to the broker that was up and is lost (not closed by this client), as told to
+    the disconnect listeners (:meth:`LinkEvents.add_disconnect_listener`). The transport
+    reconnects by itself; its connect listeners hear of it.
+
+    Attributes:
+        connection: the number of the connection lost, counted as the connect listeners count
+            them (1: the first accepted CONNECT); once the link is back the connection is
+            ``connection + 1``.
+        reason: why, as the MQTT client says it: paho-mqtt's reason code name (``"Unspecified
+            error"`` for a socket closed or reset under it, ``"Keep alive timeout"``, or the reason
+            code of the broker's MQTT 5 DISCONNECT); ``""`` when none is known.
+        by_broker: the broker sent a DISCONNECT packet (MQTT 5) before closing the connection.
+        unacked_messages: QoS 1 PUBLISHes handed to the MQTT client and not yet acknowledged when
+            the link went, in flight or still queued (the client sends them again once it is back);
+            0 for a transport that holds none (the memory transport delivers at once).
+        unacked_bytes: their payload bytes.
+    """
+
+    connection: int
+    reason: str = ""
+    by_broker: bool = False
+    unacked_messages: int = 0
+    unacked_bytes: int = 0
+
+
+class LinkEvents(Protocol):
+    """The link events a transport may offer beside :class:`Transport` (a channel needs none):
+    :class:`~protocol.transport.MqttTransport` and
+    :class:`~protocol.memory_transport.MemoryTransport` both do. Reconnecting is the transport's
+    business; its listeners only hear of it. A listener runs on the transport's network thread
+    (paho's; the caller's thread of ``drop_link`` in the memory transport), which also sends the
+    keepalive and reads the acknowledgements: it must not block (publish without waiting, hand
+    slow work such as writing a log record to another thread: :mod:`protocol.link_log`), and an
+    exception it raises is logged, never passed on."""
+
+    def add_connect_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(n)`` after the n-th accepted connection (n > 1: a reconnect)."""
+
+    def add_disconnect_listener(self, listener: Callable[[LinkLost], None]) -> None:
+        """Call ``listener(lost)`` when a connection that was up is lost, before the reconnect;
+        never for the transport's own ``close`` or ``abort``, nor for a connect attempt that
+        fails."""
 
 
 class Transport(Protocol):

@@ -14,7 +14,7 @@ from protocol.channel import Channel, Received
 from protocol.errors import TransportError
 from protocol.memory_transport import MemoryBroker, check_filter, topic_matches
 from protocol.messages import Kind, Update
-from protocol.transport_base import Will
+from protocol.transport_base import LinkLost, Will
 
 # (filter, topic, matches): MQTT 3.1.1 §4.7.1.2, §4.7.1.3 and §4.7.2 examples, and fedfleet's filters
 CASES = [
@@ -129,6 +129,28 @@ def test_drop_link_renews_subscriptions_and_calls_connect_listeners() -> None:
     assert watcher.get(0).payload == b"offline"
     again = a.get(0)  # re-subscribed: the retained message comes again, flagged retained
     assert (again.payload, again.retain) == (b"v1", True)
+
+
+def test_drop_link_tells_the_disconnect_listeners_before_the_will_and_the_reconnect() -> None:
+    """Each ``drop_link`` tells the disconnect listeners which connection was lost (1, then 2),
+    why, and that no message awaits acknowledgement (delivery is immediate), before the broker
+    publishes the will (none of this drop's wills is out yet) and before the connect listeners
+    hear of the next connection; ``close`` and ``abort`` tell them nothing."""
+    broker = MemoryBroker()
+    a = broker.connect("a", will=Will("status/a", b"offline", retain=False))
+    events: list[object] = []
+    a.add_disconnect_listener(lambda lost: events.append(
+        (lost, sum(p.topic == "status/a" for p in broker.published))))
+    a.add_connect_listener(events.append)
+    a.drop_link()
+    a.drop_link()
+    reason = "link dropped (MemoryTransport.drop_link)"
+    assert events == [(LinkLost(1, reason, False, 0, 0), 0), 2, (LinkLost(2, reason, False, 0, 0), 1), 3]
+    a.close()
+    b = broker.connect("b", will=Will("status/b", b"offline"))
+    b.add_disconnect_listener(events.append)
+    b.abort()
+    assert len(events) == 4
 
 
 def test_takeover_disconnects_the_older_client_with_the_same_id() -> None:

@@ -1,0 +1,169 @@
+"""What a node says in its log about its link to the broker: lost (``WARNING``) and back
+(``INFO``), the same for an edge agent and the aggregation server.
+
+:class:`LinkLog` listens to a transport's link events
+(:class:`~protocol.transport_base.LinkEvents`). Those listeners run on the MQTT client's network
+thread (paho's), which must never block: it sends the keepalive and reads the acknowledgements.
+Handing a record to logging's handlers may block (a full pipe on stderr, a slow disk, a handler
+that sends it over the network), so a record is made on that thread, with the event's time, and
+passed to its logger's handlers by one daemon thread of the process; a listener only puts it in
+an unbounded queue. :func:`flush` waits until every record queued so far has been handled (the
+tests, and the process's exit, call it).
+
+The records (``{who}`` is the ``prefix`` given, ``"pi-07: "`` for an agent, ``""`` for the
+server)::
+
+    WARNING {who}link to the broker lost (connection 1: Unspecified error); 2 message(s) (1,234 bytes)
+            not yet acknowledged, sent again once it is back; its update of round 3 awaits its receipt;
+            reconnecting
+    INFO    {who}link to the broker back (connection 2), 12.5 s after it was lost
+
+paho's reason ``Unspecified error`` is what it says of a socket closed or reset under it; a
+broker's MQTT 5 DISCONNECT is named (``DISCONNECT from the broker: Server shutting down``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from .transport_base import LinkLost
+
+__all__ = ["LinkLog", "flush"]
+
+_queue: queue.SimpleQueue[logging.LogRecord | threading.Event] = queue.SimpleQueue()
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+
+
+def _report() -> None:
+    """The reporter thread: hand each queued record to its logger's handlers, in order."""
+    while True:
+        item = _queue.get()
+        if isinstance(item, threading.Event):  # a flush() waiting for what came before it
+            item.set()
+            continue
+        try:
+            logging.getLogger(item.name).handle(item)
+        except Exception:  # noqa: BLE001 - handlers report their own errors; this thread must go on
+            pass
+
+
+def _submit(item: logging.LogRecord | threading.Event) -> None:
+    """Queue ``item`` for the reporter thread (started on first use); never blocks for long (an
+    unbounded queue; the start lock is held only while the thread is started)."""
+    global _thread
+    if _thread is None:
+        with _start_lock:
+            if _thread is None:
+                t = threading.Thread(target=_report, name="fedfleet-link-log", daemon=True)
+                t.start()
+                _thread = t
+    _queue.put(item)
+
+
+def flush(timeout_s: float = 5.0) -> bool:
+    """Wait up to ``timeout_s`` seconds until every record queued before this call has been
+    handed to its handlers. Returns whether it was (``True`` at once when none was ever queued)."""
+    if _thread is None:
+        return True
+    done = threading.Event()
+    _submit(done)
+    return done.wait(timeout_s)
+
+
+def _after_fork() -> None:
+    """In a forked child the reporter thread is gone (and the queue may hold the parent's
+    records): start afresh."""
+    global _queue, _thread, _start_lock
+    _queue, _thread, _start_lock = queue.SimpleQueue(), None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+atexit.register(flush, 1.0)  # runs before logging's own shutdown (registered earlier, run later)
+
+
+class LinkLog:
+    """Logs one transport's link events (see the module docstring for the records).
+
+    Args:
+        logger: where the records go (the node's own logger: ``edge_agent.agent``,
+            ``broker_server.server``).
+        prefix: put before each message (``"pi-07: "``, or ``""``).
+        pending: called at a loss, on the network thread, for more words on what was in flight
+            (an agent: ``"its update of round 3 awaits its receipt"``), ``""`` for none; it must
+            not block (read a few attributes); an exception it raises leaves the words out.
+        clock: monotonic seconds (a test passes its own).
+
+    Attributes:
+        losses: connections lost so far.
+        down_s: seconds the link was down, summed over the losses it came back from.
+        lost_at: ``clock()`` when the link was lost, while it is down; ``None`` while it is up.
+    """
+
+    def __init__(self, logger: logging.Logger, *, prefix: str = "", pending: Callable[[], str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.prefix = prefix
+        self.pending = pending
+        self.clock = clock
+        self.losses = 0
+        self.down_s = 0.0
+        self.lost_at: float | None = None
+
+    def attach(self, transport: object) -> bool:
+        """Listen to ``transport``'s link events (``add_disconnect_listener``,
+        ``add_connect_listener``: whichever it has). Returns whether it has the disconnect
+        listener (without it, nothing is said of a loss, and a reconnect is said without the
+        time down)."""
+        add_lost = getattr(transport, "add_disconnect_listener", None)
+        add_connect = getattr(transport, "add_connect_listener", None)
+        if add_lost is not None:
+            add_lost(self.on_lost)
+        if add_connect is not None:
+            add_connect(self.on_connect)
+        return add_lost is not None
+
+    def on_lost(self, lost: LinkLost) -> None:
+        """A disconnect listener: the ``WARNING`` record of ``lost`` (network thread)."""
+        self.lost_at = self.clock()
+        self.losses += 1
+        what = f"connection {lost.connection}"
+        if lost.reason:
+            what += f": {'DISCONNECT from the broker: ' if lost.by_broker else ''}{lost.reason}"
+        held = (f"{lost.unacked_messages} message(s) ({lost.unacked_bytes:,} bytes) not yet acknowledged, sent "
+                f"again once it is back" if lost.unacked_messages else "no message awaiting acknowledgement")
+        extra = ""
+        if self.pending is not None:
+            try:
+                extra = self.pending()
+            except Exception:  # noqa: BLE001 - a few words less, never a broken network thread
+                extra = ""
+        self._say(logging.WARNING, "%slink to the broker lost (%s); %s%s; reconnecting", self.prefix, what, held,
+                  f"; {extra}" if extra else "")
+
+    def on_connect(self, n: int) -> None:
+        """A connect listener: the ``INFO`` record of the n-th connection when it follows a loss
+        (n > 1; network thread)."""
+        if n <= 1:
+            return
+        lost_at, self.lost_at = self.lost_at, None
+        if lost_at is None:  # the loss was not told (a transport without the disconnect listener)
+            self._say(logging.INFO, "%slink to the broker back (connection %d)", self.prefix, n)
+            return
+        down = max(0.0, self.clock() - lost_at)
+        self.down_s += down
+        self._say(logging.INFO, "%slink to the broker back (connection %d), %.1f s after it was lost", self.prefix,
+                  n, down)
+
+    def _say(self, level: int, msg: str, *args: object) -> None:
+        """Make the record here (its time is the event's) and queue it for the reporter thread."""
+        if not self.logger.isEnabledFor(level):
+            return
+        _submit(self.logger.makeRecord(self.logger.name, level, __file__, 0, msg, args, None, func="LinkLog"))
