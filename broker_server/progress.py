@@ -10,6 +10,10 @@ kind                      when (``info`` keys besides ``up``/``down``, the serve
 ========================  =======================================================================
 ``waiting``               before round 1, waiting for joins (``want``, ``timeout_s``)
 ``joined``                a join was admitted (``profile``, ``samples``, ``online``)
+``back``                  a resumed server first heard again from a device its checkpoint knew,
+                          by something else than a join (its ``online`` status, retained or
+                          live, or a message of the run): ``profile``, ``samples``, ``online``,
+                          ``how``; a device that joins again is ``joined``
 ``round_open``            the round's ``global`` and ``round_start`` went out (``selected``,
                           ``deadline_s``, ``rounds``, ``start_up``/``start_down``: the link's
                           bytes when the round began, before its ``global``)
@@ -31,8 +35,9 @@ Two displays share one state (:class:`RoundProgress`):
   deadline; with ``verbose`` a line per selected device under it. Events that matter
   (withdrawals, refusals, late updates; joins of a real fleet) are printed above it.
 - :class:`PlainProgress` when stdout is not a terminal (a log file, CI): one line per event that
-  matters, never a redraw: the round's start, withdrawals, refusals and late updates (and joins
-  when ``show_joins``); with ``verbose`` also each device's model receipt and report.
+  matters, never a redraw: the round's start, withdrawals, refusals and late updates (and joins,
+  and the devices back at a resumed server, when ``show_joins``); with ``verbose`` also each
+  device's model receipt and report.
 
 Each round ends with the caller's round line (``round_line``, e.g.
 :func:`broker_server.simulate.progress_printer`), printed after the live line is cleared.
@@ -52,11 +57,17 @@ from typing import Any, TextIO
 __all__ = ["LiveProgress", "PlainProgress", "RoundProgress", "make_progress"]
 
 #: Event kinds the server emits (see the module docstring).
-EVENTS = ("waiting", "joined", "round_open", "model_received", "reported", "withdrew", "refused", "late")
+EVENTS = ("waiting", "joined", "back", "round_open", "model_received", "reported", "withdrew", "refused", "late")
 
 
 def _kib(n: int) -> str:
     return f"{n / 1024:,.1f} KiB"
+
+
+def _member_line(kind: str, client: str | None, info: dict[str, Any]) -> str:
+    """The line of a ``joined`` or ``back`` event: ``joined: pi-07 (rpi4, 1,234 samples), 3 online``."""
+    return (f"{kind}: {client} ({info.get('profile')}, {int(info.get('samples', 0)):,} samples), "
+            f"{info.get('online')} online")
 
 
 @dataclass
@@ -97,7 +108,7 @@ class RoundProgress:
             self._up, self._down = int(info.get("up", self._up)), int(info.get("down", self._down))
             if kind == "waiting":
                 self._waiting = (self.clock(), int(info.get("want", 0)), float(info.get("timeout_s", 0.0)))
-            elif kind == "joined":
+            elif kind in ("joined", "back"):
                 self._online = int(info.get("online", self._online + 1))
             elif kind == "round_open":
                 self._waiting = None
@@ -180,7 +191,8 @@ class PlainProgress:
         rounds: the run's last round.
         stream: where the lines go.
         verbose: also each device's model receipt and accepted update.
-        show_joins: a line per admitted join (a real fleet: who is there).
+        show_joins: a line per admitted join, and per device back at a resumed server (a real
+            fleet: who is there).
         round_line: prints the round's closing line (called by :meth:`on_round`).
     """
 
@@ -204,9 +216,8 @@ class PlainProgress:
         progress = f"{c['reported']}/{c['selected']} reported, server link up {up} this round"
         if kind == "waiting":
             self._say(f"waiting for {info.get('want')} agent(s) to join (join timeout {info.get('timeout_s', 0):g} s)")
-        elif kind == "joined" and (self.show_joins or self.verbose):
-            self._say(f"joined: {client} ({info.get('profile')}, {int(info.get('samples', 0)):,} samples), "
-                      f"{info.get('online')} online")
+        elif kind in ("joined", "back") and (self.show_joins or self.verbose):
+            self._say(_member_line(kind, client, info))
         elif kind == "round_open":
             self._say(f"round {rnd}/{self.state.rounds} started: {len(info.get('selected', ()))} device(s) selected, "
                       f"deadline {float(info.get('deadline_s', 0)):g} s")
@@ -268,8 +279,9 @@ class LiveProgress(PlainProgress):
         refresh_per_second: redraws per second (the elapsed time moves on between events).
         Other arguments as :class:`PlainProgress`.
 
-    Lines that matter (withdrawals, refusals, late updates, joins with ``show_joins``) are printed
-    above the live line; the round's line is printed once the live line is cleared.
+    Lines that matter (withdrawals, refusals, late updates, joins and devices back with
+    ``show_joins``) are printed above the live line; the round's line is printed once the live
+    line is cleared.
     """
 
     def __init__(self, rounds: int, *, stream: TextIO | None = None, verbose: bool = False, show_joins: bool = False,
@@ -309,9 +321,8 @@ class LiveProgress(PlainProgress):
     def on_event(self, kind: str, rnd: int, client: str | None, info: dict[str, Any]) -> None:
         """Record the event, print it above the live line when it matters, redraw."""
         self.state.on_event(kind, rnd, client, info)
-        if kind == "joined" and self.show_joins:
-            self._say(f"joined: {client} ({info.get('profile')}, {int(info.get('samples', 0)):,} samples), "
-                      f"{info.get('online')} online")
+        if kind in ("joined", "back") and self.show_joins:
+            self._say(_member_line(kind, client, info))
         elif kind in ("withdrew", "refused"):
             self._say(f"  round {rnd}: {client} {kind}: {info.get('reason', '')}")
         elif kind == "late":

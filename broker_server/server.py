@@ -112,6 +112,7 @@ from edge_agent.state import load_arrays, state_arrays
 from protocol import topics
 from protocol.channel import Channel, Received, Rejected
 from protocol.errors import TransportError
+from protocol.link_log import LinkLog
 from protocol.membership import JOIN_INFO_KEY, encode_members
 from protocol.messages import (
     MAX_STR,
@@ -632,6 +633,14 @@ class AggregationServer:
         self.on_event: Callable[[str, int, str | None, dict], None] | None = None
         if hasattr(channel.transport, "add_connect_listener"):
             channel.transport.add_connect_listener(self._on_reconnect)
+        #: the log of the server's link to the broker: lost (WARNING), back (INFO), the records
+        #: handed to the handlers off paho's thread (:mod:`protocol.link_log`)
+        self.link_log = LinkLog(log)
+        self.link_log.attach(channel.transport)
+        #: devices of the resumed checkpoint's registry not heard from since the resume
+        #: (:meth:`_heard_again` says each once; a join is said as a join); empty without a resume
+        self.not_back: set[str] = set()
+        self._resumed_after = 0
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
 
     @property
@@ -737,7 +746,10 @@ class AggregationServer:
         body = env.body
         now = time.monotonic()
         if not isinstance(body, (Join, Status)) and self.devices.seen(env.sender, now):
-            log.info("%s is back online", env.sender)
+            if env.sender in self.not_back:  # a device of the resumed checkpoint
+                self._heard_again(env.sender, f"its {env.kind.label}")
+            else:
+                log.info("%s is back online", env.sender)
         if isinstance(body, Join):
             reason = self._admission_problem(body)
             if reason:
@@ -757,6 +769,7 @@ class AggregationServer:
                             "its run folder)", env.sender, STATE_ROUND_KEY, counted)
                 self.rejoined_without_state[env.sender] = self.round
             joined = self.devices.admit(env.sender, body, round=self.round, now=now)
+            self.not_back.discard(env.sender)  # back by joining again: said as a join
             try:  # the strategy's view of the fleet (Oort's speed prior, FedDO's |D_k|)
                 self.strategy.on_join(env.sender, body.profile, int(body.num_samples))
             except Exception:  # noqa: BLE001 - a strategy's bookkeeping failing costs the join nothing
@@ -772,6 +785,10 @@ class AggregationServer:
             rec = self.devices.set_status(env.sender, body.state, now)
             if rec is not None and not rec.online:
                 log.info("%s is offline (%s)", env.sender, body.detail)
+            elif rec is not None and (item.retain or body.state != "online" or body.detail):
+                # (a live plain "online" is an agent starting, EdgeAgent.join: its join follows, said as a join)
+                kept = " (kept by the broker)" if item.retain else ""
+                self._heard_again(env.sender, f"its {body.state} status{kept}")
             o = self.open
             if rec is not None and body.state == "offline":
                 self._went_offline(env.sender, body.detail, now)
@@ -959,6 +976,22 @@ class AggregationServer:
         while len(self._online()) < quorum and time.monotonic() < until:
             self.pump(min(0.2, max(0.0, until - time.monotonic())))
         log.info("round %d starts with %d device(s) online (quorum %d)", r, len(self._online()), quorum)
+
+    def _heard_again(self, client: str, how: str) -> None:
+        """``client``, a device of the resumed checkpoint's registry (:attr:`not_back`), is heard
+        from for the first time since the resume, ``how`` (its online status, retained or live,
+        or a message of the run) and is online again: said once, in the log (``INFO``) and to the
+        progress display (event ``back``, whose line mirrors a join's). Nothing for any other
+        device, nor again."""
+        if client not in self.not_back:
+            return
+        self.not_back.discard(client)
+        rec = self.devices.get(client)
+        online = len(self._online())
+        log.info("%s is back (in the registry of the checkpoint of round %d; %s): %d online", client,
+                 self._resumed_after, how, online)
+        self._event("back", client, profile=rec.profile if rec is not None else "",
+                    samples=rec.num_samples if rec is not None else 0, online=online, how=how)
 
     def _went_offline(self, client: str, detail: str, now: float) -> None:
         """A selected device still awaited by the open round said ``offline`` (its last will, or
@@ -1779,7 +1812,9 @@ class AggregationServer:
 
     def resume(self, ckpt: Checkpoint) -> None:
         """Continue after ``ckpt.round``: restore the global model, strategy state, the selection
-        RNG and the registry (every device offline until it joins again); drop ``metrics.jsonl``
+        RNG and the registry (every device offline until it joins again or is heard from: its
+        online status, kept by the broker or live, or a message of the run; each is said once,
+        :meth:`_heard_again`); drop ``metrics.jsonl``
         lines of rounds after the checkpoint (an interrupted round is run again). When the
         checkpoint's round has no line yet (the server stopped while that round was evaluated
         under evaluation overlap), its line is completed from the checkpoint (``meta``'s
@@ -1826,6 +1861,8 @@ class AggregationServer:
         load_arrays(self.model, self.global_tensors)
         self.rng.bit_generator.state = ckpt.rng_state
         self.devices.restore(ckpt.registry)
+        self.not_back = {str(row["client_id"]) for row in ckpt.registry if "client_id" in row}
+        self._resumed_after = ckpt.round
         line = ckpt.meta.get("pending_line")
         if isinstance(line, dict) and not any(m.get("round") == ckpt.round for m in self.metrics):
             log.warning("round %d has a checkpoint but no metrics line (the server stopped while evaluating it): "

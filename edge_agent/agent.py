@@ -25,6 +25,7 @@ import torch
 from protocol import topics
 from protocol.channel import Channel, Received
 from protocol.errors import PublishDropped, TransportError
+from protocol.link_log import LinkLog
 from protocol.membership import JOIN_INFO_KEY, members_contain
 from protocol.messages import (
     Body,
@@ -358,6 +359,11 @@ class EdgeAgent:
     after a refusal), and not for a copy addressed to this device alone (the server's answer to
     its reconnect) when the update, still without a receipt, went out on the connection made
     since; such copies are counted in ``round_starts_not_answered``.
+
+    The agent says in its log when its link to the broker is lost (``WARNING``, with the MQTT
+    client's reason, the messages then awaiting the broker's acknowledgement and an update still
+    awaiting its receipt) and when it is back (``INFO``, the connection's number and the seconds
+    it was down): :attr:`link_log`, :class:`protocol.link_log.LinkLog`.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -495,6 +501,17 @@ class EdgeAgent:
         channel.keep_last_payload = False  # never read here; it would hold the update until the next message
         if hasattr(channel.transport, "add_connect_listener"):
             channel.transport.add_connect_listener(self._on_connect)
+        #: the log of the link to the broker: lost (WARNING: paho's reason, the messages awaiting
+        #: acknowledgement, an update awaiting its receipt), back (INFO: the connection's number,
+        #: the seconds it was down); records handed to the handlers off paho's thread
+        self.link_log = LinkLog(log, prefix=f"{self.client_id}: ", pending=self._in_flight)
+        self.link_log.attach(channel.transport)
+
+    def _in_flight(self) -> str:
+        """What the link log adds at a loss of the link (paho's thread: one attribute read): the
+        round whose update awaits its receipt, or ``""``."""
+        unacked = self._unacked
+        return "" if unacked is None else f"its update of round {unacked[0]} awaits its receipt"
 
     def _on_connect(self, n: int) -> None:
         """After a reconnect the broker may have published this agent's last will (offline):

@@ -1,7 +1,8 @@
 """Progress while a round runs (:mod:`broker_server.progress`): the state and its text from a
 scripted event sequence (a fake clock), the plain lines for a stream that is not a terminal, the
-live line on a (forced) terminal, and the events the real server emits in a round on the
-in-process broker, with the bytes they carry checked against the MQTT framing of the messages;
+live line on a (forced) terminal, the lines of devices back at a resumed server, and the events
+the real server emits in a round on the in-process broker, with the bytes they carry checked
+against the MQTT framing of the messages;
 ``fedfleet simulate``'s round line for a round the server evaluated, one it did not
 (``[server] eval_every``: ``-`` and a note, not ``n/a``), and a personalised round without
 client evaluation (``n/a``)."""
@@ -88,6 +89,36 @@ def test_plain_lines_one_per_event_that_matters() -> None:
     assert lines[5:7] == ["  round 1: a has the round's global",
                           "  round 1: a reported (500 samples, trained 1.2 s)  (1/3 reported, server link up 2.0 KiB "
                           "this round)"]
+
+
+def test_devices_back_at_a_resumed_server_are_lines_like_joins_and_count_online() -> None:
+    """``back`` (a device of the checkpoint heard from again) prints as a join does, with
+    ``show_joins`` (``fedfleet server``), on a terminal and off it, and sets the online count the
+    wait for joins shows; without ``show_joins`` (a simulation) it prints nothing."""
+    from rich.console import Console
+
+    events = [("back", "pi-07", {"profile": "rpi4", "samples": 1234, "online": 1, "how": "its online status"}),
+              ("joined", "pi-08", {"profile": "rpi5", "samples": 50, "online": 2})]
+    clock = Clock()
+    state = RoundProgress(4, clock=clock)
+    state.on_event("waiting", 0, None, {"want": 3, "timeout_s": 60.0})
+    state.on_event("back", 0, "pi-07", {**events[0][2], "up": 0, "down": 0})
+    assert state.line() == "waiting for agents: 1/3 joined  elapsed 0 s / join timeout 60 s"
+    want = ["back: pi-07 (rpi4, 1,234 samples), 1 online", "joined: pi-08 (rpi5, 50 samples), 2 online"]
+    out = io.StringIO()
+    plain = PlainProgress(4, stream=out, show_joins=True)
+    quiet = io.StringIO()
+    simulated = PlainProgress(4, stream=quiet)
+    buf = io.StringIO()
+    live = LiveProgress(4, show_joins=True, console=Console(file=buf, force_terminal=True, width=200,
+                                                             color_system=None))
+    for kind, client, info in events:
+        for p in (plain, simulated, live):
+            p.on_event(kind, 0, client, {**info, "up": 0, "down": 0})
+    live.close()
+    assert out.getvalue().splitlines() == want
+    assert quiet.getvalue() == ""
+    assert buf.getvalue().splitlines() == want
 
 
 def test_make_progress_picks_plain_lines_off_a_terminal() -> None:

@@ -1,23 +1,35 @@
 """A live, healthy agent stays in the federation and stops when it should: forged messages and
 link drops do not remove it for good, and a device that falls behind does not train rounds that
-are already over. Real federations (digits, amqtt, 3 clients, 3–4 rounds)."""
+are already over. Real federations (digits, amqtt, 3 clients, 3–4 rounds). And what an agent
+says in its log when its broker is killed and comes back (each broker kind)."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from helpers.federation import read_metrics as _metrics
 from helpers.federation import read_summary, small_config
+from helpers.waiting import wait_for
 
 from broker_server import config as config_mod
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.simulate import simulate
+from edge_agent.agent import EdgeAgent
+from edge_agent.algorithms import TrainConfig
+from edge_agent.algorithms.fedavg import FedAvgClient
+from edge_agent.models import build_model
+from protocol.channel import Channel
+from protocol.link_log import flush
 from protocol.messages import Envelope, Join, RoundStart, decode, encode
+from protocol.topics import mqtt_client_id
+from protocol.transport import MqttTransport
 
 pytestmark = pytest.mark.slow
 
@@ -128,3 +140,36 @@ def test_agent_does_not_train_rounds_that_are_already_over(tmp_path: Path) -> No
                             "AND kind='update' AND ts > ? GROUP BY node", (finish_ts,)).fetchall())
     db.close()
     assert all(n <= 1 for n in after.values()), f"updates published after the server's finish: {after}"
+
+
+def test_agent_logs_its_broker_killed_as_lost_and_the_restarted_one_as_back(embedded_broker: EmbeddedBroker,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The broker is SIGKILLed under a connected agent (nothing in flight) and started again on
+    its port: the agent logs one WARNING, with paho's reason for a connection closed under it
+    (``Unspecified error``, its name for MQTT_ERR_CONN_LOST whatever the protocol level: a killed
+    broker sends no DISCONNECT), and, once paho has reconnected, one INFO naming connection 2 and
+    the seconds down on the agent's link clock (scripted: lost at 50 s, back at 57.5 s)."""
+    caplog.set_level(logging.INFO, logger="edge_agent.agent")
+    tr = MqttTransport(mqtt_client_id("brk-log", "dev-k"), "127.0.0.1", embedded_broker.port, keepalive_s=30)
+    tr.connect(timeout_s=30.0)
+    try:
+        rng = np.random.default_rng(0)
+        agent = EdgeAgent(channel=Channel(tr, node_id="dev-k", side="agent", federation="brk-log", ledger=None),
+                          model=build_model("lightcnn", in_channels=1, image_size=8, num_classes=10),
+                          algorithm=FedAvgClient(), x=rng.standard_normal((20, 1, 8, 8)).astype(np.float32),
+                          y=rng.integers(0, 10, 20), num_classes=10, train_defaults=TrainConfig(batch_size=10))
+        ticks = iter([50.0, 57.5])
+        agent.link_log.clock = lambda: next(ticks)
+        embedded_broker.kill()
+        assert wait_for(lambda: not tr.connected, 30)
+        embedded_broker.start()
+        assert wait_for(lambda: tr.connects == 2, 60)
+        assert flush()
+    finally:
+        tr.close()
+    records = [(r.levelno, r.getMessage()) for r in caplog.records
+               if r.name == "edge_agent.agent" and "link to the broker" in r.getMessage()]
+    assert records == [
+        (logging.WARNING, "dev-k: link to the broker lost (connection 1: Unspecified error); no message awaiting "
+                          "acknowledgement; reconnecting"),
+        (logging.INFO, "dev-k: link to the broker back (connection 2), 7.5 s after it was lost")]
