@@ -3,12 +3,9 @@
 
 :class:`LinkLog` listens to a transport's link events
 (:class:`~protocol.transport_base.LinkEvents`). Those listeners run on the MQTT client's network
-thread (paho's), which must never block: it sends the keepalive and reads the acknowledgements.
-Handing a record to logging's handlers may block (a full pipe on stderr, a slow disk, a handler
-that sends it over the network), so a record is made on that thread, with the event's time, and
-passed to its logger's handlers by one daemon thread of the process; a listener only puts it in
-an unbounded queue. :func:`flush` waits until every record queued so far has been handled (the
-tests, and the process's exit, call it).
+thread (paho's), as the transport's own records do: a process whose log handler may block (a
+full pipe, a network handler) puts a :class:`logging.handlers.QueueHandler` in front of it, as
+for any record of that thread.
 
 The records (``{who}`` is the ``prefix`` given, ``"pi-07: "`` for an agent, ``""`` for the
 server)::
@@ -24,69 +21,13 @@ broker's MQTT 5 DISCONNECT is named (``DISCONNECT from the broker: Server shutti
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 
 from .transport_base import LinkLost
 
-__all__ = ["LinkLog", "flush"]
-
-_queue: queue.SimpleQueue[logging.LogRecord | threading.Event] = queue.SimpleQueue()
-_thread: threading.Thread | None = None
-_start_lock = threading.Lock()
-
-
-def _report() -> None:
-    """The reporter thread: hand each queued record to its logger's handlers, in order."""
-    while True:
-        item = _queue.get()
-        if isinstance(item, threading.Event):  # a flush() waiting for what came before it
-            item.set()
-            continue
-        try:
-            logging.getLogger(item.name).handle(item)
-        except Exception:  # noqa: BLE001 - handlers report their own errors; this thread must go on
-            pass
-
-
-def _submit(item: logging.LogRecord | threading.Event) -> None:
-    """Queue ``item`` for the reporter thread (started on first use); never blocks for long (an
-    unbounded queue; the start lock is held only while the thread is started)."""
-    global _thread
-    if _thread is None:
-        with _start_lock:
-            if _thread is None:
-                t = threading.Thread(target=_report, name="fedfleet-link-log", daemon=True)
-                t.start()
-                _thread = t
-    _queue.put(item)
-
-
-def flush(timeout_s: float = 5.0) -> bool:
-    """Wait up to ``timeout_s`` seconds until every record queued before this call has been
-    handed to its handlers. Returns whether it was (``True`` at once when none was ever queued)."""
-    if _thread is None:
-        return True
-    done = threading.Event()
-    _submit(done)
-    return done.wait(timeout_s)
-
-
-def _after_fork() -> None:
-    """In a forked child the reporter thread is gone (and the queue may hold the parent's
-    records): start afresh."""
-    global _queue, _thread, _start_lock
-    _queue, _thread, _start_lock = queue.SimpleQueue(), None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
-atexit.register(flush, 1.0)  # runs before logging's own shutdown (registered earlier, run later)
+__all__ = ["LinkLog"]
 
 
 class LinkLog:
@@ -163,7 +104,5 @@ class LinkLog:
                   n, down)
 
     def _say(self, level: int, msg: str, *args: object) -> None:
-        """Make the record here (its time is the event's) and queue it for the reporter thread."""
-        if not self.logger.isEnabledFor(level):
-            return
-        _submit(self.logger.makeRecord(self.logger.name, level, __file__, 0, msg, args, None, func="LinkLog"))
+        """Log the record (on the network thread, like the transport's own)."""
+        self.logger.log(level, msg, *args)

@@ -22,7 +22,6 @@ from edge_agent.models import build_model
 from edge_agent.state import state_arrays
 from protocol import topics
 from protocol.channel import Channel
-from protocol.link_log import flush
 from protocol.memory_transport import MemoryBroker
 from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, decode
 
@@ -37,7 +36,6 @@ def _clock(*values: float) -> Callable[[], float]:
 
 
 def _link_records(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
-    assert flush()
     return [(r.levelno, r.getMessage()) for r in caplog.records
             if r.name == "edge_agent.agent" and "link to the broker" in r.getMessage()]
 

@@ -1,20 +1,18 @@
 """protocol.link_log: the records :class:`LinkLog` makes of a transport's link events, lost
 (``WARNING``: the MQTT client's reason, whether the broker sent DISCONNECT, the messages awaiting
 acknowledgement, the node's own words) and back (``INFO``: the connection's number, the seconds
-down on the given clock), and that a listener never waits for the log's handlers: a handler stuck
-(a full pipe) does not hold the network thread that calls the listener.
+down on the given clock).
 
 Each expected message is written out by hand from the event; the clock is scripted."""
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import pytest
 
-from protocol.link_log import LinkLog, flush
+from protocol.link_log import LinkLog
 from protocol.memory_transport import MemoryBroker
 from protocol.transport_base import LinkLost
 
@@ -28,7 +26,6 @@ def _clock(*values: float) -> Callable[[], float]:
 
 
 def _records(caplog: pytest.LogCaptureFixture, name: str = LOG) -> list[tuple[int, str]]:
-    assert flush()
     return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == name]
 
 
@@ -100,37 +97,3 @@ def test_attach_listens_to_the_memory_transports_drop_link(caplog) -> None:
         (logging.INFO, "dev: link to the broker back (connection 2), 0.5 s after it was lost")]
     assert link.down_s == 0.5
     assert not LinkLog(logging.getLogger(LOG)).attach(object())  # no link events: nothing to listen to
-
-
-def test_a_listener_returns_while_a_handler_is_stuck_and_the_record_keeps_its_thread() -> None:
-    """A handler that blocks (a full pipe on stderr) holds the reporter thread, never the thread
-    that calls the listener: with the handler stuck in the first record, a second loss is still
-    told and returns. Each record was made on the listener's thread (its ``threadName``)."""
-    entered, release = threading.Event(), threading.Event()
-    seen: list[logging.LogRecord] = []
-
-    class Stuck(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record)
-            entered.set()
-            release.wait(60)
-
-    logger = logging.getLogger(LOG + ".stuck")
-    handler = Stuck()
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)
-    logger.propagate = False
-    try:
-        link = LinkLog(logger, clock=_clock(1.0, 2.0))
-        link.on_lost(LinkLost(1))
-        assert entered.wait(60)  # the reporter thread is in the handler now, and stays there
-        link.on_lost(LinkLost(2))  # returns all the same
-        assert link.losses == 2 and not release.is_set() and len(seen) == 1
-    finally:
-        release.set()
-        assert flush()
-        logger.removeHandler(handler)
-        logger.propagate = True
-    assert [r.getMessage()[:38] for r in seen] == ["link to the broker lost (connection 1)",
-                                                   "link to the broker lost (connection 2)"]
-    assert {r.threadName for r in seen} == {threading.current_thread().name}
