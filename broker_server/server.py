@@ -633,8 +633,8 @@ class AggregationServer:
         self.on_event: Callable[[str, int, str | None, dict], None] | None = None
         if hasattr(channel.transport, "add_connect_listener"):
             channel.transport.add_connect_listener(self._on_reconnect)
-        #: the log of the server's link to the broker: lost (WARNING), back (INFO), the records
-        #: handed to the handlers off paho's thread (:mod:`protocol.link_log`)
+        #: the log of the server's link to the broker: lost (WARNING), back (INFO)
+        #: (:mod:`protocol.link_log`)
         self.link_log = LinkLog(log)
         self.link_log.attach(channel.transport)
         #: devices of the resumed checkpoint's registry not heard from since the resume

@@ -503,7 +503,7 @@ class EdgeAgent:
             channel.transport.add_connect_listener(self._on_connect)
         #: the log of the link to the broker: lost (WARNING: paho's reason, the messages awaiting
         #: acknowledgement, an update awaiting its receipt), back (INFO: the connection's number,
-        #: the seconds it was down); records handed to the handlers off paho's thread
+        #: the seconds it was down)
         self.link_log = LinkLog(log, prefix=f"{self.client_id}: ", pending=self._in_flight)
         self.link_log.attach(channel.transport)
 
