@@ -188,6 +188,20 @@ class _Sent:
             self.packet_bytes, self.connection, self.out = out.packet_bytes, out.connection, None
 
 
+@dataclass(frozen=True, slots=True)
+class _ChunkPacket:
+    """One chunk in its envelope, as its PUBLISH carries it (``wire``: sealed when security is on,
+    ``sig_bytes`` and ``enc_bytes`` of it added by the sealing), and the MQTT protocol level its
+    ledger row is sized for (the transport's when it was made)."""
+
+    env: Envelope
+    chunk: Chunk
+    wire: bytes
+    sig_bytes: int
+    enc_bytes: int
+    protocol: int
+
+
 class Channel:
     """Messages over one transport, with sequence numbers and ledger rows.
 
@@ -362,12 +376,24 @@ class Channel:
         with those ``unsent_bytes``; paho sends it again after the reconnect (a ``PUBLISH-DUP``
         row, which gets its own ``unsent_bytes`` if it is cut too).
 
+        A chunked message is never left half-sent without a word: when the wait for one of its
+        chunks ends first (see ``wait_s``), the chunks after it are handed to the MQTT client all
+        the same, without a wait (queued as that chunk is, they go out as the link moves); a chunk
+        the transport does not take (it is closed, its offline buffer is full) and every chunk
+        after it get ``message`` rows with delivery ``dropped`` (their sizes, out of the wire
+        totals) and a WARNING naming them; they reach the recipient only if it asks for them
+        again (a ``resend`` request, answered from the chunk cache). The error raised names the
+        chunks handed over (:attr:`~protocol.errors.TransportError.chunks_handed` of
+        ``chunk_count``, and the message text).
+
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
             body: the message record.
             round: round number for the envelope.
             retain: publish as retained (never for chunked transfers).
-            wait_s: block until acknowledged (QoS 1) for at most this many seconds (each chunk).
+            wait_s: block until acknowledged (QoS 1) for at most this many seconds (each chunk, up
+                to the first whose wait ends first: the chunks after it are handed over without a
+                wait).
             recipient: ledger ``client`` for downloads (``"*"`` = broadcast).
             codec: tensor codec (:class:`protocol.tensors.Codec`) for ``global``/``update``;
                 ``None`` = fp32.
@@ -383,7 +409,10 @@ class Channel:
                 the connection before the socket took it whole.
             PublishTimeout, TransportError: from the transport; one whose wait ended before the
                 PUBLISH's outcome (``handle`` set) carries the message's ``seq``: its row is kept
-                and it may yet reach its recipient.
+                and it may yet reach its recipient. Of a chunked message, the first such error (or,
+                when none came before, the transport's refusal to take a chunk) is raised once
+                every chunk was handed over or the transport refused one, with ``chunks_handed``
+                and ``chunk_count`` set.
             FieldError, TensorError: the body cannot be encoded.
         """
         self._handle_refusals()
@@ -462,9 +491,8 @@ class Channel:
                 sealed = sec.seal(out.topic, out.payload)
                 wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
             proto = self._protocol()  # the row is sized as the packet is queued (a later move: "resized")
-            waited: TransportError | None = None
             try:
-                handle = self.transport.publish(out.topic, wire, qos=self.qos, retain=out.retain, wait_s=wait_s)
+                handle, waited = self._hand_over(out.topic, wire, retain=out.retain, wait_s=wait_s)
             except PublishDropped as exc:
                 if exc.on_wire:  # the socket took part of it: those bytes were sent
                     self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
@@ -483,10 +511,6 @@ class Channel:
                 self._refused_again(out, gen, exc.packet_bytes or self._size(out.topic, len(wire)), exc.limit_bytes,
                                     exc.reason, wait_s, sent=False)
                 return wire
-            except TransportError as exc:  # the wait ended first (a timeout, a close): the client took it
-                if exc.handle is None:
-                    raise
-                handle, waited = exc.handle, exc  # its row is written and tracked, then the error raised
             row = self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
                                payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
                                codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
@@ -543,45 +567,130 @@ class Channel:
     @atomic
     def _publish_chunks(self, chunks: list[Chunk], topic: str, round: int, kind_label: str, client: str,
                         wait_s: float | None, track: tuple[_Outgoing, int] | None = None) -> None:
-        for c in chunks:
-            cenv = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=c, timestamp_ms=now_ms())
-            cenc = encode(cenv)
-            wire, sig_b, enc_b = cenc.payload, 0, 0
-            if self.security is not None:  # each chunk is sealed on its own (protocol.security)
-                sealed = self.security.seal(topic, cenc.payload)
-                wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
-            proto = self._protocol()
-            waited: TransportError | None = None
+        """Hand ``chunks`` (of one transfer, in order) to the transport, each sealed in an envelope
+        of its own, with a ``sent`` ledger row (delivery ``handed``; ``track``: the message and its
+        generation, whose delivery the chunks' outcomes count in, ``None`` for chunks asked for
+        again of a message no longer held).
+
+        ``wait_s`` (seconds) bounds each chunk's wait for its acknowledgement until a wait ends
+        before its chunk's outcome (:class:`~protocol.errors.PublishTimeout`, or the transport
+        closed while it waited): the MQTT client took that chunk (it keeps its row and goes out as
+        the link moves), and the chunks after it are handed over all the same, without a wait,
+        queued as it is, so the message can complete; then that error is raised.
+
+        A chunk the transport does not take (a :class:`~protocol.errors.TransportError` without a
+        handle: the transport is closed, its offline buffer is full) ends the transfer there: it and
+        every chunk after it are never offered again, each gets a ``message`` row with delivery
+        ``dropped``, its whole sizes (out of the wire totals) and the reason, a WARNING names them,
+        and the error is raised (the wait's, if one ended before). They reach the recipient only if
+        it asks for them again (a ``resend`` request, answered from :attr:`cache`).
+
+        Raises:
+            PublishDropped: a chunk not sent (QoS 0 with the link down; its row: see :meth:`send`):
+                the chunks after it are not offered, the caller says the message undeliverable.
+            PublishRefused: a chunk above a limit the transport learnt since the chunks were cut (a
+                ``message`` row, delivery ``refused``): the chunks after it are not offered, the
+                caller sends the message again smaller.
+            PublishTimeout, TransportError: as above; ``chunks_handed`` and ``chunk_count`` set
+                and the message naming the chunks
+                (:meth:`~protocol.errors.TransportError.note_chunks`).
+        """
+        out = track[0] if track is not None else None
+        what = f"{kind_label} of round {round}" + (f" (seq {out.seq})" if out is not None else "")
+        count = chunks[0].count if chunks else 0
+        waited: TransportError | None = None  # the first wait that ended before its chunk's outcome
+        waited_at = 0
+        for i, c in enumerate(chunks):
+            pkt = self._chunk_packet(topic, round, c)
+            wait = wait_s if waited is None else None  # after a wait that ended first: queued without one
             try:
-                handle = self.transport.publish(topic, wire, qos=self.qos, retain=False, wait_s=wait_s)
+                handle, ended = self._hand_over(topic, pkt.wire, retain=False, wait_s=wait)
             except PublishDropped as exc:
                 if exc.on_wire:  # the socket took part of it: those bytes were sent
-                    self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
-                                 payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
-                                 transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
-                                 sig_bytes=sig_b, enc_bytes=enc_b, reason=str(exc)[:500], delivery="dropped",
-                                 protocol=proto, unsent_bytes=exc.unsent_bytes)
+                    self._record_chunk(topic, kind_label, client, pkt, "sent", "dropped", str(exc), exc.unsent_bytes)
                 raise
             except PublishRefused as exc:  # above a limit the transport learnt since the chunks were cut
-                self._record(topic, "message", kind_label, round, cenv.sender, cenv.seq, client=client,
-                             payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
-                             transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
-                             sig_bytes=sig_b, enc_bytes=enc_b, reason=exc.reason[:500], delivery="refused")
+                self._record_chunk(topic, kind_label, client, pkt, "message", "refused", exc.reason)
                 raise
-            except TransportError as exc:  # the wait ended first (a timeout, a close): the client took it
-                if exc.handle is None:
+            except TransportError as exc:  # not taken (closed, no room): nor are the chunks after it offered
+                handed, note = self._not_handed(topic, kind_label, client, what, chunks[:i], pkt, chunks[i + 1:], exc,
+                                                say_why=waited is not None)
+                if waited is None:
+                    exc.note_chunks(handed, count, f"{what} in {count} chunks: {note}")
                     raise
-                handle, waited = exc.handle, exc  # its row is written and tracked, then the error raised
-            row = self._record(topic, "sent", kind_label, round, cenv.sender, cenv.seq, client=client,
-                               payload_bytes=len(wire), body_bytes=len(c.data), qos=self.qos, retain=False,
-                               transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
-                               sig_bytes=sig_b, enc_bytes=enc_b, delivery="handed", protocol=proto)
-            size = self._size(topic, len(wire), proto)
-            if track is not None:
-                track[0].packet_bytes = max(track[0].packet_bytes, size)
-            self._track(handle, row, track[0] if track else None, track[1] if track else 0, size)
-            if waited is not None:
-                raise waited
+                waited.note_chunks(handed, count, f"{what} in {count} chunks: the wait for chunk "
+                                                  f"{chunks[waited_at].index + 1} ended first; {note}")
+                raise waited from exc
+            row = self._record_chunk(topic, kind_label, client, pkt, "sent", "handed")
+            size = self._size(topic, len(pkt.wire), pkt.protocol)
+            if out is not None:
+                out.packet_bytes = max(out.packet_bytes, size)
+            self._track(handle, row, out, track[1] if track is not None else 0, size)
+            if ended is not None and waited is None:
+                waited, waited_at = ended, i
+        if waited is not None:  # every chunk handed over
+            span = f"all {count}" if len(chunks) == count else _chunk_span([c.index for c in chunks], count)
+            waited.note_chunks(len(chunks), count, f"{what} in {count} chunks: the wait for chunk "
+                                                   f"{chunks[waited_at].index + 1} ended first; {span} handed to the "
+                                                   "MQTT client (queued: they go out as the link moves)")
+            raise waited
+
+    def _not_handed(self, topic: str, kind_label: str, client: str, what: str, handed: list[Chunk],
+                    first: _ChunkPacket, rest: list[Chunk], exc: TransportError, *, say_why: bool) -> tuple[int, str]:
+        """The transport did not take the chunk of ``first`` (``exc``, without a handle), after the
+        ``handed`` chunks; it and the ``rest`` (never offered) each get a ``message`` row with
+        delivery ``dropped``, their whole sizes and the reason, and a WARNING names them (``what``:
+        the message). Returns how many chunks were handed over and a note naming the chunks that
+        were not (and why, with ``say_why``) and those that were."""
+        reason = f"not handed to the MQTT client: {exc}"
+        self._record_chunk(topic, kind_label, client, first, "message", "dropped", reason)
+        for c in rest:  # one sealed packet at a time: a model-sized transfer is not held twice
+            self._record_chunk(topic, kind_label, client, self._chunk_packet(topic, first.env.round, c), "message",
+                               "dropped", reason)
+        count = first.chunk.count
+        missing = _chunk_span([first.chunk.index] + [c.index for c in rest], count)
+        indices = [c.index for c in handed]
+        were = f"{_chunk_span(indices)} {'was' if len(indices) == 1 else 'were'}" if indices else "none of them were"
+        log.warning("%s: %s: %s (transfer %s) not handed to the MQTT client: %s; %s; they reach the recipient only if "
+                    "it asks for them again (a resend request, answered from the chunk cache)", self.node_id, what,
+                    missing, first.chunk.transfer_id.hex(), exc, were)
+        return len(indices), f"{missing} not handed to the MQTT client{f' ({exc})' if say_why else ''}; {were}"
+
+    def _chunk_packet(self, topic: str, round: int, chunk: Chunk) -> _ChunkPacket:
+        """``chunk`` in an envelope of its own (the next seq), sealed on its own (protocol.security)."""
+        env = Envelope(round=round, sender=self.node_id, seq=self.next_seq(), body=chunk, timestamp_ms=now_ms())
+        wire, sig_b, enc_b = encode(env).payload, 0, 0
+        if self.security is not None:
+            sealed = self.security.seal(topic, wire)
+            wire, sig_b, enc_b = sealed.payload, sealed.sig_bytes, sealed.enc_bytes
+        return _ChunkPacket(env, chunk, wire, sig_b, enc_b, self._protocol())
+
+    def _record_chunk(self, topic: str, kind_label: str, client: str, pkt: _ChunkPacket, event: str, delivery: str,
+                      reason: str = "", unsent_bytes: int = 0) -> int:
+        """The ledger row of the PUBLISH of one chunk (see :meth:`_record`); returns its id."""
+        c = pkt.chunk
+        return self._record(topic, event, kind_label, pkt.env.round, pkt.env.sender, pkt.env.seq, client=client,
+                            payload_bytes=len(pkt.wire), body_bytes=len(c.data), qos=self.qos, retain=False,
+                            transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
+                            sig_bytes=pkt.sig_bytes, enc_bytes=pkt.enc_bytes, reason=reason[:500], delivery=delivery,
+                            protocol=pkt.protocol, unsent_bytes=unsent_bytes)
+
+    def _hand_over(self, topic: str, wire: bytes, *, retain: bool,
+                   wait_s: float | None) -> tuple[object | None, TransportError | None]:
+        """Publish one PUBLISH: ``(handle, None)``, or ``(handle, error)`` when its wait ended before
+        its outcome (:class:`~protocol.errors.PublishTimeout`, the transport closed while it waited:
+        the MQTT client took it, the error's ``handle``): the caller writes its row and tracks the
+        handle like any other, then raises the error.
+
+        Raises:
+            TransportError: any other (nothing of it was handed over, ``handle`` ``None``).
+        """
+        try:
+            return self.transport.publish(topic, wire, qos=self.qos, retain=retain, wait_s=wait_s), None
+        except TransportError as exc:
+            if exc.handle is None:
+                raise
+            return exc.handle, exc
 
     # ------------------------------------------------------------------ delivery outcomes
 
@@ -1433,6 +1542,20 @@ after the acknowledgement (the close that followed it) still finds its row and c
 _ACKED_HOLD_S = 5.0
 """Seconds an acknowledged message stays held for such a refusal (ten times
 :data:`protocol.transport.ACK_CLOSE_S`, the window in which the transport reports one); its row stays known."""
+
+
+def _chunk_span(indices: list[int], count: int = 0) -> str:
+    """Chunk indices as a reader counts them, from 1: ``[2, 3, 4]`` → ``"chunks 3-5"``, ``[0, 2]`` →
+    ``"chunks 1, 3"``, ``[4]`` → ``"chunk 5"``; with ``count``, ``" of {count}"`` after them."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(f"{a + 1}" if a == b else f"{a + 1}-{b + 1}" for a, b in runs)
+    many = len(indices) != 1
+    return f"chunk{'s' if many else ''} {text}" + (f" of {count}" if count else "")
 
 
 def _raw(body: Body) -> int:

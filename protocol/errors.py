@@ -131,6 +131,12 @@ class TransportError(FedfleetProtocolError):
         seq: with ``handle``, raised by :meth:`protocol.channel.Channel.send`: the envelope seq of
             the message sent (its ``sent`` row kept): it may yet reach its recipient, whose answer
             names this seq. ``None`` otherwise.
+        chunks_handed, chunk_count: raised by :meth:`protocol.channel.Channel.send` for a message
+            sent as a chunked transfer of ``chunk_count`` chunks, when a chunk's wait ended first
+            or the transport did not take a chunk: its first ``chunks_handed`` chunks were handed
+            to the MQTT client, the others never were (each a ledger row of event ``message``,
+            delivery ``dropped``). The message text says which, numbering chunks from 1
+            (:meth:`note_chunks`). ``None`` otherwise.
     """
 
     def __init__(self, message: str, *, client_id: str | None = None, topic: str | None = None,
@@ -140,6 +146,16 @@ class TransportError(FedfleetProtocolError):
         self.topic = topic
         self.handle = handle
         self.seq: int | None = None
+        self.chunks_handed: int | None = None
+        self.chunk_count: int | None = None
+
+    def note_chunks(self, handed: int, count: int, note: str) -> None:
+        """Say that ``handed`` of the ``count`` chunks of the message whose send this error ended
+        were handed to the MQTT client: sets :attr:`chunks_handed` and :attr:`chunk_count`, and
+        adds ``note`` (which chunks, and why) to the message, so that whoever logs the error
+        names them."""
+        self.chunks_handed, self.chunk_count = handed, count
+        self.args = (f"{self.args[0]}; {note}" if self.args else note, *self.args[1:])
 
 
 class ConnectError(TransportError):

@@ -43,22 +43,25 @@ transfer_id           hex id of a chunked transfer; ``chunk_index``/``chunk_coun
 ``delivery`` (schema 5) says what became of a PUBLISH this side sent (``event='sent'`` rows):
 ``handed`` (given to the MQTT client; QoS 0, or no answer yet), ``acked`` (the broker's PUBACK
 accepted it), ``refused`` (a PUBACK reason code >= 0x80, a packet above the broker's known limit
-that was not sent, or one the broker closed the connection for; ``reason`` says which and names
-the limit), ``dropped`` (lost before the broker got it whole: a QoS 0 PUBLISH still in the MQTT
+that was not sent, or one the broker closed the connection for; ``reason`` says which and names the
+limit), ``dropped`` (lost before the broker got it whole: a QoS 0 PUBLISH still in the MQTT
 client's queue when the connection was lost, which MQTT does not send again, or a message still
 unsent when the transport was closed; ``reason`` says which). It is ``''`` on every other row. A
 refused message is sent again as a chunked transfer below the limit (new rows) or fails loudly; a
 dropped one is said undeliverable. Rows of a message refused *before* it was sent (above a known
 limit), of one withdrawn as refused before the socket took a byte of any PUBLISH of it (above a
-limit inferred from the broker's closes, :mod:`protocol.transport`), and of one dropped before the
-socket took a byte of it, count no wire bytes: their ``mqtt_header_bytes``, ``topic_bytes`` and
-``payload_bytes`` are kept, but ``event`` is ``'message'`` (a withdrawn or dropped row's ``sent``
-turns into ``message`` when that is known). A PUBLISH the socket took part of before the connection
-was lost stays ``sent`` (the part it took was on the wire) with ``dropped``, and ``unsent_bytes``
-says how much of it the socket never took. So does a QoS 1 PUBLISH cut that way: its message is
-sent again after the reconnect (a ``PUBLISH-DUP`` row, whole unless it is cut too), and its row's
-delivery is that of the message (``acked`` …; ``dropped`` when the transport is closed before the
-socket took a whole PUBLISH of it: the broker got none).
+limit inferred from the broker's closes, :mod:`protocol.transport`), of one dropped before the
+socket took a byte of it, and of the chunks of a transfer that the transport did not take (it was
+closed, or its offline buffer full: that chunk and every one after it, never offered, delivery
+``dropped``, ``reason`` ``'not handed to the MQTT client: …'``; the sender logs a warning, and the
+recipient gets them only by asking again) count no wire bytes: their ``mqtt_header_bytes``,
+``topic_bytes`` and ``payload_bytes`` are kept, but ``event`` is ``'message'`` (a withdrawn or
+dropped row's ``sent`` turns into ``message`` when that is known). A PUBLISH the socket took part
+of before the connection was lost stays ``sent`` (the part it took was on the wire) with
+``dropped``, and ``unsent_bytes`` says how much of it the socket never took. So does a QoS 1
+PUBLISH cut that way: its message is sent again after the reconnect (a ``PUBLISH-DUP`` row, whole
+unless it is cut too), and its row's delivery is that of the message (``acked`` …; ``dropped`` when
+the transport is closed before the socket took a whole PUBLISH of it: the broker got none).
 
 A ``sent`` row's sizes are those of the packet that goes out: a message queued while the MQTT
 protocol level was not settled (before the first CONNACK, the MQTT 5 trial) and moved to a client

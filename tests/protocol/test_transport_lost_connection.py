@@ -976,6 +976,156 @@ def test_a_send_whose_wait_ends_first_keeps_its_row_and_the_ledger_equals_the_so
     assert ledger_wire == tr.socket_bytes[0] == read[0]
 
 
+class _AcksThenSilence:
+    """A broker on a loopback port for one MqttTransport (MQTT 3.1.1): it accepts connect()'s TCP
+    probe and forgets it, CONNACKs the next connection, PUBACKs its first ``acks`` PUBLISH packets,
+    then reads what comes and answers nothing. ``read``: bytes read from that connection;
+    ``publishes``: its PUBLISH packets read whole."""
+
+    def __init__(self, acks: int) -> None:
+        self.acks = acks
+        self.read = 0
+        self.publishes = 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                buf = bytearray()
+                while (data := conn.recv(65536)):
+                    self.read += len(data)
+                    buf += data
+                    while (packet := _take_packet(buf)) is not None:
+                        first, body = packet
+                        if first >> 4 == 1:  # CONNECT
+                            conn.sendall(b"\x20\x02\x00\x00")
+                        elif first >> 4 == 3:  # PUBLISH, QoS 1: topic length, topic, packet id
+                            self.publishes += 1
+                            if self.publishes <= self.acks:
+                                end = 2 + int.from_bytes(body[:2], "big")
+                                conn.sendall(b"\x40\x02" + body[end:end + 2])
+                if self.read:  # the transport's connection ended (not the probe)
+                    return
+
+    def close(self) -> None:
+        self.server.close()
+        self.thread.join(10.0)
+
+
+def _take_packet(buf: bytearray) -> tuple[int, bytes] | None:
+    """The first whole MQTT packet of ``buf`` (its first byte and what follows its remaining
+    length), taken off ``buf``; ``None`` while it is incomplete."""
+    n, shift, i = 0, 0, 1
+    while True:
+        if i >= len(buf):
+            return None
+        n |= (buf[i] & 0x7F) << shift
+        shift += 7
+        i += 1
+        if not buf[i - 1] & 0x80:
+            break
+    if len(buf) < i + n:
+        return None
+    first, body = buf[0], bytes(buf[i:i + n])
+    del buf[:i + n]
+    return first, body
+
+
+def test_a_chunked_send_whose_wait_ends_at_a_middle_chunk_still_writes_the_chunks_after_it(tmp_path: Path) -> None:
+    """An update in 5 chunks (1,000 bytes of payload each but the last) sent with ``wait_s=3``
+    to a broker that PUBACKs the first 2 PUBLISH packets and then reads without answering: the
+    wait for chunk 3 ends first (PublishTimeout), and chunks 4 and 5 are still handed to paho,
+    which writes them: the broker reads 5 PUBLISH packets. The error names all 5 chunks handed
+    over. Ledger: chunks 1-2 ``acked``, 3-5 ``handed`` (no PUBACK came); after the close the
+    audit's wire sum equals the bytes the socket wrote and the broker read (CONNECT + 5 PUBLISH +
+    DISCONNECT). Before, chunks 4 and 5 were never handed over: 3 PUBLISH packets, the message
+    incomplete and nothing saying so."""
+    from protocol.channel import Channel
+    from protocol.errors import PublishTimeout
+    from protocol.ledger import Ledger
+
+    broker = _AcksThenSilence(acks=2)
+    topic = "fedfleet/v1/fed/up/chunk-dev/update"
+    tr = MqttTransport("fed:chunk-dev", "127.0.0.1", broker.port, mqtt_version="3.1.1", keepalive_s=30)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="chunk-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+    try:
+        tr.connect(timeout_s=10.0)
+        with pytest.raises(PublishTimeout) as raised:
+            ch.send(topic, _update(1, 1_000), round=1, wait_s=3.0, chunk_bytes=1_000)
+        assert (raised.value.chunks_handed, raised.value.chunk_count) == (5, 5)
+        assert "the wait for chunk 3 ended first; all 5 handed to the MQTT client" in str(raised.value)
+        assert wait_for(lambda: broker.publishes == 5 and not tr._client._out_packet, 10.0), broker.publishes
+    finally:
+        ch.close()
+        ledger.close()
+        broker.close()
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    chunks = [r for r in rows if r["kind"] == "update" and r["chunk_index"] is not None]
+    assert [(r["event"], r["delivery"], r["chunk_index"]) for r in chunks] == \
+        [("sent", "acked", 0), ("sent", "acked", 1), ("sent", "handed", 2), ("sent", "handed", 3),
+         ("sent", "handed", 4)]
+    assert ledger_wire == tr.socket_bytes[0] == broker.read
+
+
+def test_chunks_after_a_wait_the_close_ended_are_ledgered_as_never_handed_over(tmp_path: Path) -> None:
+    """The same update sent with ``wait_s=60`` on a thread; the transport is closed while chunk 3
+    awaits its PUBACK (written whole, the broker silent after 2 PUBACKs): the send raises the
+    wait's TransportError naming chunks 4-5 of 5 not handed over. The broker read 3 PUBLISH
+    packets; chunk 3 keeps its ``sent`` row (``handed``), chunks 4 and 5, which the closed
+    transport never took, are ``message`` rows with delivery ``dropped``: out of the wire sum,
+    which equals the bytes the socket wrote and the broker read (CONNECT + 3 PUBLISH +
+    DISCONNECT). Before, chunks 4 and 5 had no row at all."""
+    from protocol.channel import Channel
+    from protocol.errors import TransportError
+    from protocol.ledger import Ledger
+
+    broker = _AcksThenSilence(acks=2)
+    topic = "fedfleet/v1/fed/up/chunk-dev/update"
+    tr = MqttTransport("fed:chunk-dev", "127.0.0.1", broker.port, mqtt_version="3.1.1", keepalive_s=30)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ch = Channel(tr, node_id="chunk-dev", side="agent", federation="fed", ledger=ledger, qos=1)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            ch.send(topic, _update(1, 1_000), round=1, wait_s=60.0, chunk_bytes=1_000)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    try:
+        tr.connect(timeout_s=10.0)
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert wait_for(lambda: broker.publishes == 3 and len(tr._client.written_awaiting_puback()) == 1
+                        and not tr._client._out_packet, 10.0), broker.publishes
+        tr.close()
+        sender.join(30.0)
+        assert not sender.is_alive()
+    finally:
+        ch.close()
+        ledger.close()
+        broker.close()
+    assert len(errors) == 1 and type(errors[0]) is TransportError, errors
+    exc = errors[0]
+    assert "closed while it waited" in str(exc) and (exc.chunks_handed, exc.chunk_count) == (3, 5)
+    assert "the wait for chunk 3 ended first; chunks 4-5 of 5 not handed to the MQTT client" in str(exc)
+    rows, ledger_wire = _device_wire(tmp_path / "ledger.sqlite")
+    chunks = [r for r in rows if r["kind"] == "update" and r["chunk_index"] is not None]
+    assert [(r["event"], r["delivery"], r["chunk_index"]) for r in chunks] == \
+        [("sent", "acked", 0), ("sent", "acked", 1), ("sent", "handed", 2), ("message", "dropped", 3),
+         ("message", "dropped", 4)]
+    assert broker.publishes == 3
+    assert ledger_wire == tr.socket_bytes[0] == broker.read
+
+
 def test_messages_withdrawn_above_an_inferred_limit_before_the_socket_took_them_count_no_wire_bytes(
         tmp_path: Path) -> None:
     """Three 800 KB QoS 1 updates (P bytes each) through a Channel into a Ledger, and the broker
