@@ -1321,5 +1321,5 @@ class EdgeAgent:
         try:
             self._send_linked(topics.status(self.fed, self.client_id), Status("offline", detail),
                               what="offline status", wait_s=5, retain=True)
-        except Exception as exc:  # leaving must not mask the run's outcome
-            log.info("%s: could not publish offline status: %s", self.client_id, exc)
+        except Exception as exc:  # leaving must not mask the run's outcome: said, not raised
+            log.warning("%s: could not publish offline status: %s", self.client_id, exc)

@@ -3,6 +3,7 @@ again, and the server's answer to any of its joins counts as the answer to its o
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -14,9 +15,9 @@ from edge_agent.algorithms import TrainConfig
 from edge_agent.algorithms.fedavg import FedAvgClient
 from edge_agent.models import build_model
 from protocol import topics
-from protocol.channel import Channel
+from protocol.channel import Channel, Received
 from protocol.memory_transport import MemoryBroker
-from protocol.messages import Finish, Join, Kind, Receipt, decode
+from protocol.messages import Chunk, Finish, Join, Kind, Receipt, decode
 
 
 def _agent(transport, client_id: str, rng: np.random.Generator) -> EdgeAgent:
@@ -124,3 +125,65 @@ def test_the_answer_to_a_join_whose_wait_ended_first_counts() -> None:
     server.send(topics.down("mem", Kind.FINISH), Finish(reason="completed", rounds_completed=0), round=0)
     t.join(60)
     assert not t.is_alive() and "summary" in box
+
+
+def test_a_join_in_chunks_whose_wait_ends_at_a_middle_chunk_reaches_the_server_whole_and_is_logged(caplog) -> None:
+    """The agent's chunk size is 32 bytes, so each join is a chunked transfer. The join sent again
+    waits 5 s for each chunk's acknowledgement; the wait for its chunk 2 ends first
+    (PublishTimeout: the transport delivers the chunk, then says the wait ended). The chunks after
+    it are handed over all the same: the server (which never asks for missing chunks here) gets
+    the whole join, answers its seq, and the agent is joined. The agent's warning names the join
+    and its chunks. Before, the chunks after chunk 2 were never published: the server got 2 of
+    them and nothing more unless it asked for the rest."""
+    from protocol.errors import PublishTimeout
+
+    hub = MemoryBroker()
+    rng = np.random.default_rng(0)
+    server = Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None,
+                     resend_after_s=3600.0)
+    server.transport.subscribe(topics.server_filters("mem"))
+    transport = hub.connect("dev-d")
+    published = transport.publish
+    join_topic = topics.up("mem", "dev-d", Kind.JOIN)
+    transfers: list[bytes] = []  # the transfer id of each join, in order
+    counts: list[int] = []
+
+    def slow_ack(topic: str, payload: bytes, **kwargs) -> object:
+        published(topic, payload, **kwargs)  # the broker has it
+        if topic == join_topic:
+            chunk = decode(payload).envelope.body
+            assert isinstance(chunk, Chunk), chunk
+            if chunk.transfer_id not in transfers:
+                transfers.append(chunk.transfer_id)
+                counts.append(chunk.count)
+            if len(transfers) == 2 and chunk.index == 1:
+                raise PublishTimeout(f"PUBLISH to {topic} not acknowledged within 5 s", topic=topic, handle=object())
+        return None
+
+    transport.publish = slow_ack  # type: ignore[method-assign]
+    agent = _agent(transport, "dev-d", rng)
+    agent.channel.chunk_bytes = 32
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("summary", agent.run()), daemon=True)
+    joins: list[int] = []  # the seq of each join the server got whole
+    with caplog.at_level(logging.WARNING, logger="edge_agent.agent"):
+        t.start()
+        deadline = time.monotonic() + 30.0
+        while len(joins) < 2 and time.monotonic() < deadline:
+            item = server.receive(1.0)
+            if isinstance(item, Received) and isinstance(item.envelope.body, Join):
+                joins.append(item.envelope.seq)
+        assert len(joins) == 2, joins
+        assert len(transfers) == 2 and counts[1] >= 3, counts
+        server.send(topics.down_to("mem", "dev-d", Kind.RECEIPT),
+                    Receipt(ref_kind=int(Kind.JOIN), ref_seq=joins[1], accepted=True, reason="", sha256=b""),
+                    round=0, recipient="dev-d")
+        assert wait_for(lambda: agent.joined, 30.0)
+        server.send(topics.down("mem", Kind.FINISH), Finish(reason="completed", rounds_completed=0), round=0)
+        t.join(60)
+    assert not t.is_alive() and "summary" in box
+    warned = [r.getMessage() for r in caplog.records if "could not send the join again" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert (f"join of round 0 (seq {joins[1]}) in {counts[1]} chunks: the wait for chunk 2 ended first; "
+            f"all {counts[1]} handed to the MQTT client") in warned[0]
+    assert not [m for m in hub.published if m.topic.endswith("/resend")]  # nobody asked for a chunk again
