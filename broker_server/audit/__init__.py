@@ -119,6 +119,11 @@ resume, is said to be resumed with the attribution unknown; a note that is there
 or implausible (beyond the ledger's last round or row, negative, repeated), is said to be so,
 with the attribution unknown.
 
+**Fleet total.** Several ledgers of one federation (a fleet's agent folders) have a fleet total
+(:func:`fleet_total`): the device-link bytes and messages summed over them. The text and HTML
+comparisons print it, and ``fedfleet audit --json`` gives it as ``fleet_total`` in each report
+(the same object; None for a single run or runs of other federations).
+
 **Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
 returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the
 report, and one line in the text and HTML.
@@ -147,7 +152,7 @@ from ._queries import (
     totals,
     whole_message,
 )
-from ._report import DEFAULT_TARGET, audit_report, comparison_row, resume_report
+from ._report import DEFAULT_TARGET, audit_report, comparison_row, fleet_total, resume_report
 from ._text import render_comparison_text, render_text
 
 __all__ = [
@@ -173,6 +178,7 @@ __all__ = [
     "field_bytes_per_client_round",
     "field_codecs",
     "first_round_reaching",
+    "fleet_total",
     "is_control",
     "link_time_s",
     "load_run",

@@ -11,7 +11,7 @@ from pathlib import Path
 from ._csv import write_csv
 from ._html import write_html
 from ._load import AuditError
-from ._report import DEFAULT_TARGET, audit_report
+from ._report import DEFAULT_TARGET, audit_report, fleet_total
 from ._text import render_comparison_text, render_text
 
 
@@ -39,7 +39,8 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """Add the arguments of ``fedfleet audit`` to ``parser`` (shared by the CLI and :func:`main_audit`)."""
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) holding ledger.sqlite")
     parser.add_argument("--json", action="store_true",
-                        help="print the report as JSON instead of tables (a list of reports for several runs)")
+                        help="print the report as JSON instead of tables (a list of reports for several runs, each "
+                             "with the runs' fleet_total)")
     parser.add_argument("--html", metavar="OUT.html",
                         help="also write a self-contained HTML report with plots to this file")
     parser.add_argument("--csv", metavar="DIR",
@@ -65,6 +66,13 @@ def run_audit(ns: argparse.Namespace) -> int:
     Prints text tables (default; with several runs each run, then the comparison) or JSON to
     stdout, writes the HTML and CSV files asked for, and says on stderr which files it wrote.
 
+    The JSON is the :func:`audit_report` of the run (a list of them, in the order given, for
+    several runs), each with one more key, ``fleet_total``: :func:`._report.fleet_total` of all the
+    runs given, the same object in every report, whose numbers the text and HTML comparisons
+    print as the fleet total (``federation``, ``runs``, ``up_bytes``, ``down_bytes``,
+    ``wire_bytes``, ``messages``); None for a single run, or runs of different or unknown
+    federations.
+
     Returns:
         0 on success; 2 when a run folder cannot be audited or an output cannot be written, after
         one line ``fedfleet audit: error: …`` on stderr.
@@ -89,7 +97,9 @@ def run_audit(ns: argparse.Namespace) -> int:
     except OSError as exc:
         return _error(f"cannot write {exc.filename or ''}: {exc.strerror or exc}")
     if ns.json:
-        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+        fleet = fleet_total(reports)
+        out = [{**r, "fleet_total": fleet} for r in reports]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     else:
         texts = [render_text(r) for r in reports]
         if len(reports) > 1:

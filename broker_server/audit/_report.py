@@ -185,9 +185,14 @@ def resume_view(report: Mapping[str, Any]) -> str:
 
 def fleet_total(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The sum over several runs of one federation (the agent folders of one fleet, each device's
-    own ledger): ``federation``, ``runs``, ``up_bytes``, ``down_bytes``, ``wire_bytes`` (device
-    links, wire bytes), ``messages``; ``None`` for a single run or runs of different (or unknown)
-    federations, whose sum means nothing."""
+    own ledger), as the text, HTML and JSON (``fleet_total``) outputs give it.
+
+    Returns:
+        ``federation``, ``runs`` (the number of ledgers), ``up_bytes``, ``down_bytes``,
+        ``wire_bytes`` (device links, wire bytes), ``messages`` (their rows, control packets
+        included); ``None`` for a single run or runs of different (or unknown) federations, whose
+        sum means nothing.
+    """
     feds = {r["run"].get("federation") for r in reports}
     if len(reports) < 2 or len(feds) != 1 or None in feds:
         return None
