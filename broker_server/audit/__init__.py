@@ -13,7 +13,8 @@ The package, one job per module:
 ``_load``         the run folder: ledger rows (:func:`load_run`), the ledger as an SQLite
                   relation for the queries, ``meta``, ``metrics.jsonl``
 ``_queries``      totals per link, round, client, kind and direction; rejected messages;
-                  bytes paid up to a round; what a resume added — ``GROUP BY`` queries in SQLite
+                  bytes paid up to a round; what a resume added; what the devices sent or
+                  received again — ``GROUP BY`` and window queries in SQLite
 ``_fields``       what ``global``/``update`` bodies are made of (``fields`` column, ``json_each``)
 ``_cost``         bytes to reach a target accuracy, accuracy against bytes, transfer time
 ``_report``       the report model: :func:`audit_report` (a plain dict) and :func:`comparison_row`
@@ -119,10 +120,26 @@ resume, is said to be resumed with the attribution unknown; a note that is there
 or implausible (beyond the ledger's last round or row, negative, repeated), is said to be so,
 with the attribution unknown.
 
+**What the devices sent or received again** (a resume's or reconnect's cost on the device links,
+as the devices' own ledgers tell it). An agent's ``--out`` folder notes no resume: its server's
+ledger does. :func:`repeat_bytes` counts, per device, the rows an uninterrupted session does not
+have: *copies after the first* (a round's ``global``, ``round_start`` (per topic), ``update``,
+``receipt``, ``finish``, or a ``join``, sent or received again, a message delivered twice, and
+every ``resend`` request), MQTT *retransmissions* (``PUBLISH-DUP`` rows) and *reconnections*
+(CONNECT, CONNACK, SUBSCRIBE, SUBACK from the first CONNECT after the device's first message).
+Exact, row by row; whatever made a message go again counts (the ledger does not say why), and
+the rows that no message or outage can be told from (the acknowledgements of those messages,
+pings, the ``online`` status published again after a reconnect) do not. The report's ``repeats``
+holds them; the text and HTML say them in a line ("Resume/reconnect cost on the device links
+(what was sent or received again): …"), the comparison's ``resume B`` gives a device's own
+ledger's as "N again" (never "0: never resumed", which only a server's ledger can say), the CSV
+and the comparison rows in ``repeat_*``, and the fleet total sums them.
+
 **Fleet total.** Several ledgers of one federation (a fleet's agent folders) have a fleet total
-(:func:`fleet_total`): the device-link bytes and messages summed over them. The text and HTML
-comparisons print it, and ``fedfleet audit --json`` gives it as ``fleet_total`` in each report
-(the same object; None for a single run or runs of other federations).
+(:func:`fleet_total`): the device-link bytes and messages summed over them, and what they sent
+or received again. The text and HTML comparisons print it, and ``fedfleet audit --json`` gives
+it as ``fleet_total`` in each report (the same object; None for a single run or runs of other
+federations).
 
 **Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
 returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the
@@ -147,6 +164,7 @@ from ._queries import (
     cumulative_parts,
     is_control,
     rejected,
+    repeat_bytes,
     resume_bytes,
     round_label,
     totals,
@@ -189,6 +207,7 @@ __all__ = [
     "render_comparison_text",
     "render_html",
     "render_text",
+    "repeat_bytes",
     "resume_bytes",
     "resume_report",
     "round_label",

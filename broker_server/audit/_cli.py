@@ -70,8 +70,8 @@ def run_audit(ns: argparse.Namespace) -> int:
     several runs), each with one more key, ``fleet_total``: :func:`._report.fleet_total` of all the
     runs given, the same object in every report, whose numbers the text and HTML comparisons
     print as the fleet total (``federation``, ``runs``, ``up_bytes``, ``down_bytes``,
-    ``wire_bytes``, ``messages``); None for a single run, or runs of different or unknown
-    federations.
+    ``wire_bytes``, ``messages``, ``repeat_bytes``, ``repeat_messages``, ``repeat_unknown``);
+    None for a single run, or runs of different or unknown federations.
 
     Returns:
         0 on success; 2 when a run folder cannot be audited or an output cannot be written, after

@@ -41,7 +41,9 @@ _COMPARISON_FIELDS = ["run", "federation", "rounds", "final_accuracy", "up_bytes
                       "time_sum_s", "up_tensor_bytes_per_client_round", "up_extras_bytes_per_client_round",
                       "down_tensor_bytes_per_client_round", "down_extras_bytes_per_client_round", "resumed_after",
                       "resume_link", "resume_bytes", "resume_rerun_bytes", "resume_ending_bytes", "resume_rejoin_bytes",
-                      "resume_refused_bytes", "wire_bytes_without_resume", "resume_note"]
+                      "resume_refused_bytes", "wire_bytes_without_resume", "resume_note", "repeat_bytes",
+                      "repeat_messages", "repeat_again_bytes", "repeat_dup_bytes", "repeat_reconnect_bytes",
+                      "repeat_note"]
 
 
 def _comparison_csv_row(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,7 +68,10 @@ def write_csv(reports: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list
     bytes its resumes added on ``resume_link`` (the device links; the server link for a ledger
     with only the server's rows) in ``resume_bytes``, ``resume_rerun_bytes``,
     ``resume_ending_bytes``, ``resume_rejoin_bytes`` and ``resume_refused_bytes``, empty where
-    its ledger does not note them, and ``resume_note`` saying why); ``fields.csv`` has one row
+    its ledger does not note them, and ``resume_note`` saying why: ``device ledger`` for a device's
+    own, whose cost is in ``repeat_bytes``, ``repeat_messages``, ``repeat_again_bytes``,
+    ``repeat_dup_bytes``, ``repeat_reconnect_bytes``: what the devices sent or received again,
+    :func:`._queries.repeat_bytes`, empty without device-link rows); ``fields.csv`` has one row
     per body field of :func:`body_fields` (``other`` included, so a kind's ``bytes`` add up to
     its ``kind_message_bytes``), with the kind's
     ``kind_messages``, ``kind_message_bytes``, ``kind_raw_bytes`` and ``kind_encoded_bytes``

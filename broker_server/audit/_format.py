@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._report import device_ledger
+
 
 def count(value: int) -> str:
     """An integer with thousands separators: ``8708`` → ``'8,708'``."""
@@ -385,7 +387,14 @@ def resume_cell(row: Mapping[str, Any]) -> str:
     """The ``resume B`` cell of a :func:`comparison_row`: the bytes its resumes added,
     ``"unknown"`` when its ledger does not tell them, ``"≥ N"`` when resumes before the first
     noted one count in the first session; ``"N (server link)"`` for a resumed run whose ledger
-    has only the server's rows (the other columns are device-link bytes)."""
+    has only the server's rows (the other columns are device-link bytes); for a device's own
+    ledger (``resume_note`` ``"device ledger"``, which notes no resume) ``"N again"``, the bytes it
+    sent or received again (``repeat_bytes``; ``"≥ N again"`` when its control packets are not
+    recorded)."""
+    if row.get("resume_note") == "device ledger":
+        if row.get("repeat_bytes") is None:
+            return "—"
+        return ("≥ " if row.get("repeat_note") else "") + f"{count(row['repeat_bytes'])} again"
     if row["resume_bytes"] is None:
         return "unknown"
     return (("≥ " if row.get("resume_note") == "earlier not noted" else "") + count(row["resume_bytes"])
@@ -490,3 +499,123 @@ def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
                    "session's rows, its connections; the next resume, if any, goes on from the session before it, "
                    "and a run never continued keeps its ending as its own.")
     return out
+
+
+def resume_column(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the comparison of :func:`comparison_row` rows has a ``resume B`` column: a run was
+    resumed, or its ledger's resumes cannot be told (its note is unreadable …), or a device's own
+    ledger sent or received something again (:func:`resume_cell`)."""
+    def said(r: Mapping[str, Any]) -> bool:
+        if r.get("resume_note") == "device ledger":
+            return bool(r.get("repeat_bytes"))
+        return bool(r["resumed_after"]) or r["resume_bytes"] != 0
+    return any(said(r) for r in rows)
+
+
+def resume_legend(reports: Sequence[Mapping[str, Any]], *, code: str = "`") -> str:
+    """What the comparison's ``resume B`` column holds (after ``"resume B: "``): for runs whose
+    ledger has the server's rows, the bytes their resumes added (``0: never resumed`` …), and for a
+    device's own ledger :data:`RESUME_B_DEVICE`; each only when a run of that sort is compared.
+    ``code``: the quotes around a command (a backtick in text, none in HTML)."""
+    out = []
+    if any(not device_ledger(r) for r in reports):
+        out.append("device-link bytes a run's resumes added (its interrupted attempt's rounds, sent again after the "
+                   "resume, that session's ending and the resumed session's reconnection; counted in up B and down B, "
+                   "as they crossed the wire), or, marked (server link), server-link bytes of a ledger with only the "
+                   f"server's rows (a {code}fedfleet server{code} run's); 0: never resumed; unknown: its ledger does "
+                   "not tell them apart; ≥ N: those of the resumes it noted (earlier ones were not).")
+    if any(device_ledger(r) for r in reports):
+        out.append(RESUME_B_DEVICE)
+    return " ".join(out)
+
+
+#: The ``resume B`` legend of the comparison (text and HTML) for a device's own ledger.
+RESUME_B_DEVICE = ("N again: a device's own ledger, where no resume is noted (its server's ledger notes them): "
+                   "the bytes it sent or received again, its resume/reconnect cost (its run's \"Resume/reconnect "
+                   "cost\" line); ≥ N again: its MQTT control packets are not recorded, so neither are its "
+                   "retransmissions and reconnections.")
+
+_PART_TEXT = {"again": "copies after the first", "dup": "retransmitted by MQTT", "reconnect": "reconnecting"}
+
+
+def _repeat_kinds_text(kinds: Sequence[Mapping[str, Any]]) -> str:
+    """``"update (up) 2× 1,130 B, global (down) 1× 2,062 B"`` of a :func:`._queries.repeat_bytes`
+    part's ``kinds``, largest first (control packets by their own kind)."""
+    merged: dict[tuple[str, str], list[int]] = {}
+    for k in kinds:
+        m = merged.setdefault((k["kind"], k["direction"]), [0, 0])
+        m[0] += k["messages"]
+        m[1] += k["wire_bytes"]
+    return ", ".join(f"{kind} ({d}) {count(n)}× {count(b)} B"
+                     for (kind, d), (n, b) in sorted(merged.items(), key=lambda kv: -kv[1][1]))
+
+
+def repeat_line(report: Mapping[str, Any]) -> str | None:
+    """One sentence on what the devices sent or received again (:func:`._queries.repeat_bytes`:
+    a resume's or reconnect's cost as the devices' own ledgers tell it), or None for a ledger
+    without device-link rows, and for one with the server's rows too where nothing was (a run
+    whose resumes, if any, its ``resume`` tells): e.g. ``"Resume/reconnect cost on the device links (what was sent or
+    received again): 3,207 of the 8,107 bytes, in 4 messages: 3,193 B copies after the first
+    (global (down) 1× 2,062 B, join (up) 1× 566 B, update (up) 1× 565 B), 0 B retransmitted by MQTT
+    and 14 B reconnecting (CONNECT (up) 1× 14 B)."``; ``"…: 0 B: no copy of a message after the
+    first, no MQTT retransmission, no reconnection."`` when nothing was; devices whose ledger
+    records no control packets are named, their retransmissions and reconnections unknown (and
+    the bytes said "at least")."""
+    again = report.get("repeats")
+    if not again or not (again["all"]["messages"] or device_ledger(report)):
+        return None
+    head = "Resume/reconnect cost on the device links (what was sent or received again): "
+    wire = report["totals"]["device"]["all"]["wire_bytes"]
+    without = again.get("without_control") or []
+    unknown = (f"; the retransmissions and reconnections of {', '.join(without)} are unknown (no MQTT control "
+               f"packets in {'its' if len(without) == 1 else 'their'} ledger)" if without else "")
+    total = again["all"]
+    if not total["messages"]:
+        return (head + "0 B: no copy of a message after the first, no MQTT retransmission, no reconnection"
+                + unknown + ".")
+    parts = []
+    for name in ("again", "dup", "reconnect"):
+        part = again[name]
+        kinds = _repeat_kinds_text(part["kinds"])
+        parts.append(f"{count(part['wire_bytes'])} B {_PART_TEXT[name]}" + (f" ({kinds})" if kinds else ""))
+    return (head + f"{'at least ' if without else ''}{count(total['wire_bytes'])} of the {count(wire)} bytes, in "
+            f"{count(total['messages'])} message{'s' if total['messages'] != 1 else ''}: {parts[0]}, {parts[1]} and "
+            f"{parts[2]}" + unknown + ".")
+
+
+#: What :func:`repeat_line`'s bytes are, and what they leave out (under the line when it counts any).
+REPEAT_NOTE = ("Copies after the first: of a join, round_start (per topic), global, update, receipt or finish of one "
+               "round, every copy after the first one a device sent or received (and a message delivered to it twice), "
+               "and every resend request; MQTT retransmissions: PUBLISH-DUP rows; reconnecting: CONNECT, CONNACK, "
+               "SUBSCRIBE and SUBACK from the first CONNECT after a device's first message on. Counted row by row, "
+               "whatever made the message go again (the ledger does not say why: a server resume, a broker restart, "
+               "a receipt later than the device waits for, a global re-sent smaller after the broker refused its "
+               "size, a join re-sent before a server answered). Not counted, as no row ties them to it: their "
+               "acknowledgements (PUBACK), keepalive pings, the online status a device publishes again after a "
+               "reconnect, and a round_start re-sent on a device's own topic after a broadcast one. Counted in the "
+               "totals above, as they crossed the wire.")
+
+
+def repeat_client_cells(report: Mapping[str, Any]) -> list[list[str]]:
+    """Rows (client, messages, up B, down B, wire B) of what each device sent or received again,
+    when more than one device did ([] otherwise: the line says it all)."""
+    clients = (report.get("repeats") or {}).get("by_client") or []
+    if len(clients) < 2:
+        return []
+    return [[c["client"], count(c["messages"]), count(c["up_bytes"]), count(c["down_bytes"]), count(c["wire_bytes"])]
+            for c in clients]
+
+
+def fleet_line(fleet: Mapping[str, Any]) -> str:
+    """The fleet total (:func:`._report.fleet_total`) in one line: e.g. ``"Fleet total of federation
+    trial (3 ledgers, e.g. one per device): up 1,500 B, down 6,000 B, 7,500 B in 12 messages; sent or
+    received again (resume/reconnect cost): 2,062 B in 1 message"``."""
+    unknown = fleet.get("repeat_unknown") or []
+    again = (f"; sent or received again (resume/reconnect cost): {'≥ ' if unknown else ''}"
+             f"{count(fleet['repeat_bytes'])} B in {count(fleet['repeat_messages'])} "
+             f"message{'s' if fleet['repeat_messages'] != 1 else ''}"
+             + (f" (retransmissions and reconnections of {', '.join(unknown)} unknown)" if unknown else "")
+             if "repeat_bytes" in fleet else "")
+    return (f"Fleet total of federation {fleet['federation']} ({fleet['runs']} ledgers, e.g. one per device): "
+            f"up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, {count(fleet['wire_bytes'])} B "
+            f"in {count(fleet['messages'])} messages" + again)

@@ -12,6 +12,7 @@ from ._format import (
     FIELD_COLUMNS,
     FIELDS_TITLE,
     KIND_COLUMNS,
+    REPEAT_NOTE,
     RESUME_COLUMNS,
     UNCLEAN_CLOSE,
     acc,
@@ -20,14 +21,19 @@ from ._format import (
     directions_label,
     field_cells,
     field_notes,
+    fleet_line,
     human,
     kbps,
     kind_cells,
     mean,
     overhead_parts,
     pct,
+    repeat_client_cells,
+    repeat_line,
     resume_cell,
     resume_cells,
+    resume_column,
+    resume_legend,
     resume_line,
     resume_notes,
     secs,
@@ -114,7 +120,7 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
     target = next((r["target"] for r in rows if r["target"] is not None), None)
     headers = ["run", "rounds", "final accuracy", "up B", "down B", "overhead",
                f"bytes to {acc(target)}" if target is not None else "bytes to target"]
-    resumed = any(r["resumed_after"] or r["resume_bytes"] != 0 for r in rows)  # or its note cannot be read
+    resumed = resume_column(rows)
     if resumed:
         headers.insert(5, "resume B")
     if link:
@@ -140,19 +146,14 @@ def _comparison_html(reports: Sequence[Mapping[str, Any]]) -> str:
                  "slowest client (parallel links), or the sum over clients (one shared link); session "
                  "traffic counted as one more phase.")
     if resumed:
-        note += (" Resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent again "
-                 "after the resume, that session's ending and the resumed session's reconnection; counted in up B "
-                 "and down B, as they crossed the wire), or, marked (server link), server-link bytes of a ledger "
-                 "with only the server's rows (a fedfleet server run's); 0: never resumed; unknown: its ledger does "
-                 "not tell them apart; ≥ N: those of the resumes it noted (earlier ones were not). "
+        note += (" Resume B: " + _esc(resume_legend(reports, code="")) + " "
                  + " ".join(f"{_esc(label)}: {_esc(line)}" for label, rep in zip(labels, reports, strict=True)
                             if (line := resume_line(rep, resume_view(rep))) is not None))
     fleet = fleet_total(reports)
     if fleet is not None:
         body.append(["fleet total", "", "", count(fleet["up_bytes"]), count(fleet["down_bytes"]), "", "",
                      *([""] * ((2 if link else 0) + (1 if resumed else 0)))])
-        note += (f" Fleet total: the sum over the {fleet['runs']} ledgers of federation {_esc(fleet['federation'])} "
-                 "(e.g. one per device).")
+        note += f" {_esc(fleet_line(fleet))}."
     per_client = _html_table(
         ["run", "up tensors B/client/round", "up extras B/client/round", "down tensors B/client/round",
          "down extras B/client/round"],
@@ -174,7 +175,8 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
     per run; with several runs also an overlay of accuracy against cumulative bytes), then per
     run: totals (device links, server link, each with what up and down mean on it), the bytes to
     reach the target (with what they are made of in the per-round rows), for a resumed run what
-    its resumes added (:func:`resume_report`), per kind (device links, server link), bytes per
+    its resumes added (:func:`resume_report`), what the devices sent or received again
+    (:func:`repeat_bytes`, as in :func:`render_text`), per kind (device links, server link), bytes per
     round by kind and direction,
     cumulative bytes against accuracy, bytes per client, protocol overhead share, the body
     fields of global/update messages (:func:`body_fields`), and the rejected messages with what the
@@ -222,6 +224,13 @@ def render_html(reports: Sequence[Mapping[str, Any]], title: str = "fedfleet com
                 parts.append(_html_table(list(RESUME_COLUMNS), cells, text_columns=3))
             if (notes := resume_notes(rep, told_in)):
                 parts.append('<p class="note">' + "<br>".join(_esc(n) for n in notes) + "</p>")
+        if (line := repeat_line(rep)) is not None:
+            parts.append("<h3>Resume/reconnect cost: what the devices sent or received again</h3>")
+            parts.append(f"<p>{_esc(line)}</p>")
+            if (cells := repeat_client_cells(rep)):
+                parts.append(_html_table(["client", "messages", "up B", "down B", "wire B"], cells))
+            if rep["repeats"]["all"]["messages"]:
+                parts.append(f'<p class="note">{_esc(REPEAT_NOTE)}</p>')
         parts.append("<h3>Bytes per round, by kind and direction</h3>")
         parts.append(plot_by_round(rep))
         parts.append("<h3>Cumulative device-link bytes and test accuracy</h3>")

@@ -26,18 +26,20 @@ from ..metrics_file import METRICS_NAME
 LEDGER_NAME = "ledger.sqlite"
 
 #: The columns of the ``ledger`` relation, by how a missing or NULL value reads: byte counts and
-#: other integers as 0, text as ''; ``round``, ``chunk_index`` and ``transfer_id`` keep NULL (it
-#: means something: no round, not a chunk, not chunked).
+#: other integers as 0, text as ''; ``round``, ``chunk_index``, ``transfer_id`` and ``seq`` keep NULL
+#: (it means something: no round, not a chunk, not chunked, no envelope: a control packet).
+#: ``sender`` and ``seq`` (the envelope's) tell one copy of a message from another
+#: (:func:`._queries.repeat_bytes`).
 INT_COLUMNS = ("topic_bytes", "mqtt_header_bytes", "envelope_bytes", "body_bytes", "payload_bytes", "raw_bytes",
                "sig_bytes", "enc_bytes", "unsent_bytes")
 TEXT_COLUMNS = ("federation", "side", "node", "event", "direction", "kind", "client", "topic", "codec", "reason",
-                "fields", "delivery")
-NULLABLE_COLUMNS = ("round", "chunk_index", "transfer_id")
+                "fields", "delivery", "sender")
+NULLABLE_COLUMNS = ("round", "chunk_index", "transfer_id", "seq")
 LEDGER_COLUMNS = ("id", *TEXT_COLUMNS, *INT_COLUMNS, *NULLABLE_COLUMNS)
 
 _TABLE = ("CREATE TABLE ledger (id INTEGER PRIMARY KEY, " + ", ".join(f"{c} TEXT NOT NULL" for c in TEXT_COLUMNS)
           + ", " + ", ".join(f"{c} INTEGER NOT NULL" for c in INT_COLUMNS)
-          + ", round INTEGER, chunk_index INTEGER, transfer_id TEXT)")
+          + ", round INTEGER, chunk_index INTEGER, transfer_id TEXT, seq INTEGER)")
 
 
 class AuditError(Exception):
@@ -186,7 +188,7 @@ def memory_ledger(rows: Iterable[Mapping[str, Any]], *, keep_ids: bool = False) 
     The caller closes it.
 
     Raises:
-        ValueError: a byte column or ``round``/``chunk_index`` holds something that is not an integer.
+        ValueError: a byte column or ``round``/``chunk_index``/``seq`` holds something that is not an integer.
         sqlite3.IntegrityError: with ``keep_ids``, two rows have the same ``id``.
     """
     db = sqlite3.connect(":memory:")
@@ -198,6 +200,7 @@ def memory_ledger(rows: Iterable[Mapping[str, Any]], *, keep_ids: bool = False) 
         out += [0 if r.get(c) is None else int(r.get(c)) for c in INT_COLUMNS]  # type: ignore[arg-type]
         out += [None if r.get(c) is None else int(r.get(c)) for c in ("round", "chunk_index")]  # type: ignore[arg-type]
         out.append(None if r.get("transfer_id") is None else str(r.get("transfer_id")))
+        out.append(None if r.get("seq") is None else int(r.get("seq")))  # type: ignore[arg-type]
         return out
 
     marks = ", ".join("?" for _ in LEDGER_COLUMNS)

@@ -638,3 +638,139 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
                         "wire_bytes": sum(p["wire_bytes"] for p in parts)})
     sums = {key: _sum_parts(x[key] for x in out) for key in RESUME_PARTS}
     return {"view": view, "resumes": out, **sums, "all": _sum_parts(sums.values())}
+
+
+# --------------------------------------------------------------------------------------------
+# What the devices sent or received again: a resume's or reconnect's cost as an agent's ledger tells it
+
+
+#: Application kinds a device sends or receives once per round (``round`` 0: per run) in an
+#: uninterrupted session, where a later copy of the same round is one sent or received again
+#: (see :func:`repeat_bytes`); ``round_start`` once per round and topic.
+REPEAT_KINDS = ("join", "round_start", "global", "update", "receipt", "finish")
+
+#: The control packets that set a connection up: those of a connection after the first are a
+#: reconnection's (see :func:`repeat_bytes`).
+CONNECTION_KINDS = ("CONNECT", "CONNACK", "SUBSCRIBE", "SUBACK")
+
+#: The parts of :func:`repeat_bytes`, in the order told.
+REPEAT_PARTS = ("again", "dup", "reconnect")
+
+#: SQL (after :func:`_view`'s ``WITH v``): the ids of the ``again`` part. A *group* is one device's
+#: (``federation``, ``node``) rows of one kind, direction and round (and topic, for ``round_start``);
+#: a *copy* is one message: its transfer (a chunked message's chunk rows), else its envelope
+#: (``sender``, ``seq``), else the row alone (a ledger without seq); a *piece* is one chunk of a
+#: copy (or the whole unchunked copy). Counted: every row but the first row of each piece of the
+#: group's first copy, and every ``resend`` row.
+_AGAIN_IDS = """SELECT id FROM (
+    SELECT id, kind,
+      MIN(id) OVER (PARTITION BY federation, node, kind, dir, round, t) AS group_first,
+      MIN(id) OVER (PARTITION BY federation, node, kind, dir, round, t, copy) AS copy_first,
+      MIN(id) OVER (PARTITION BY federation, node, kind, dir, round, t, copy, chunk_index) AS piece_first
+    FROM (SELECT id, federation, node, kind, dir, round, chunk_index,
+            CASE WHEN kind = 'round_start' THEN topic ELSE '' END AS t,
+            COALESCE('transfer ' || transfer_id, 'message ' || sender || ' ' || seq, 'row ' || id) AS copy
+          FROM v WHERE NOT ctl AND kind IN ({kinds})))
+  WHERE kind = 'resend' OR copy_first != group_first OR id != piece_first""".format(
+    kinds=", ".join(f"'{k}'" for k in (*REPEAT_KINDS, "resend")))
+
+#: SQL: each device's (``federation``, ``node``) first row that is not a control packet (any
+#: event: its first message, sent or not); the connection made before it is the device's first.
+_FIRST_MESSAGE = f"""SELECT federation, node, MIN(id) AS first_id FROM ledger
+    WHERE side = 'agent' AND NOT {IS_CONTROL} GROUP BY federation, node"""
+
+#: SQL (after ``WITH v``): the ids of the ``reconnect`` part: a device's connection set-up packets
+#: from its first CONNECT after its first message on.
+_RECONNECT_IDS = """SELECT v.id FROM v JOIN (
+      SELECT c.federation, c.node, MIN(c.id) AS from_id FROM v c JOIN ({first}) f USING (federation, node)
+      WHERE c.kind = 'CONNECT' AND c.id > f.first_id GROUP BY c.federation, c.node) b USING (federation, node)
+    WHERE v.kind IN ({kinds}) AND v.id >= b.from_id""".format(first=_FIRST_MESSAGE,
+                                                              kinds=", ".join(f"'{k}'" for k in CONNECTION_KINDS))
+
+
+#: The temporary table :func:`repeat_bytes` notes the counted rows' ids in (dropped when it returns).
+_REPEAT_IDS = "fedfleet_repeat_ids"
+
+
+def repeat_bytes(rows: LedgerSource) -> dict[str, Any]:
+    """What the devices sent or received again, on the device links (agent-side rows; bytes =
+    wire bytes): a resume's or reconnect's cost as a device's own ledger tells it, counted row by
+    row, never estimated.
+
+    A server stopped and resumed (``--resume``), a broker restarted, a link that broke: the device
+    receives a round's ``global`` and ``round_start`` again, confirms the global again, sends its
+    update again (and gets its receipt again), and after a broken connection connects again and
+    MQTT retransmits what was in flight. A device's ledger keeps no note of the outage (a server's
+    ledger notes its resumes: :func:`resume_bytes`), but each of these is a row that an
+    uninterrupted session does not have. Per device (the ``federation`` and ``node`` of its
+    rows), three parts:
+
+    ``again``
+        copies after the first: of :data:`REPEAT_KINDS`, one group per kind, direction and round
+        (``join`` and its receipt: round 0), and for ``round_start`` per topic too (a round may
+        bring one on ``down/round_start`` and one on the device's own topic, both first copies);
+        every row of a group's later copies (a copy: one transfer of a chunked message, else one
+        envelope ``sender``/``seq``, else one row), and a chunk, or an unchunked message, of its
+        first copy recorded again (the same message delivered twice); and every ``resend`` row
+        (a request for missing chunks, sent or received).
+    ``dup``
+        every ``PUBLISH-DUP`` row: a PUBLISH sent or received again after a reconnect (MQTT
+        retransmission).
+    ``reconnect``
+        the connection set-up packets (:data:`CONNECTION_KINDS`: CONNECT, CONNACK, SUBSCRIBE,
+        SUBACK) from the first CONNECT the device sent after its first message on. A device
+        connects (its first connection: an MQTT 5 trial and the connect retries included) before
+        it sends or receives anything, so every later connection is a reconnection (a restarted
+        agent process writing on to the same ledger makes one too).
+
+    Whatever made a message go again counts: the ledger does not say why (a server resume, a
+    broker restart, an update's receipt later than ``receipt_timeout_s``, a global re-sent in
+    smaller packets after a broker refused its size, a join re-sent while no server answered:
+    a device started before its server). Not counted, as no row ties them to the outage: the
+    acknowledgements (PUBACK) of the messages counted (a control packet names no message),
+    keepalive pings, DISCONNECT, the ``online`` status a device publishes again after a
+    reconnect (a row like its first one), and a ``round_start`` re-sent on the device's own
+    topic after a broadcast one (the server's copy for a device that came back). A ledger whose
+    device has no CONNECT row at all (written without control packets: a transport that does not
+    report them, or an older fedfleet) cannot tell its ``dup`` and ``reconnect`` parts: that
+    device is listed in ``without_control``.
+
+    Args:
+        rows: ledger rows (in ledger order, or with their ``id``) or an open ledger connection.
+
+    Returns:
+        ``view`` (``"device"``), ``again``, ``dup``, ``reconnect`` (each: ``messages``,
+        ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``; ``kinds``: per
+        ``kind`` and ``direction``, ``control``, ``messages``, ``wire_bytes``, in the order first
+        recorded; ``rounds``: per ``round`` (None: the session row of :func:`by_round`),
+        ``messages``, ``wire_bytes``), ``all`` (the sums of the three), ``by_client`` (per
+        device with rows counted, by id: ``client``, ``messages``, ``up_bytes``, ``down_bytes``,
+        ``wire_bytes``) and ``without_control`` (the devices whose rows hold no CONNECT, sorted:
+        their ``dup`` and ``reconnect`` are unknown, not 0; [] when every device's are known).
+    """
+    with_v, params = _view("device")
+    with ledger_db(rows, ordered=True, keep_ids=True) as db:
+        # each counted row's id and part, found once (the window queries), then summed per part; the
+        # transaction its inserts open (a read of the ledger) ends with it, unless the caller had one open
+        was_open = db.in_transaction
+        db.execute(f"CREATE TEMP TABLE {_REPEAT_IDS} (id INTEGER PRIMARY KEY, part TEXT NOT NULL)")
+        try:
+            for name, ids in (("again", _AGAIN_IDS), ("dup", "SELECT id FROM v WHERE kind = 'PUBLISH-DUP'"),
+                              ("reconnect", _RECONNECT_IDS)):
+                db.execute(f"{with_v} INSERT INTO temp.{_REPEAT_IDS} SELECT id, ? FROM ({ids})", (*params, name))
+            parts = {name: _part(db, with_v, params, f"id IN (SELECT id FROM temp.{_REPEAT_IDS} WHERE part = ?)",
+                                 (name,)) for name in REPEAT_PARTS}
+            clients = query(db, f"{with_v} SELECT node AS client, COUNT(*) AS messages, "
+                                "COALESCE(SUM(CASE WHEN dir = 'up' THEN wire END), 0) AS up_bytes, "
+                                "COALESCE(SUM(CASE WHEN dir = 'down' THEN wire END), 0) AS down_bytes, "
+                                f"COALESCE(SUM(wire), 0) AS wire_bytes FROM v WHERE id IN (SELECT id FROM temp."
+                                f"{_REPEAT_IDS}) GROUP BY node ORDER BY node", params)
+        finally:
+            db.execute(f"DROP TABLE temp.{_REPEAT_IDS}")
+            if db.in_transaction and not was_open:
+                db.commit()
+        without = [n for (n,) in db.execute(
+            "SELECT DISTINCT node FROM (SELECT node FROM ledger WHERE side = 'agent' GROUP BY federation, node "
+            "HAVING SUM(kind = 'CONNECT') = 0) ORDER BY node")]
+    return {"view": "device", **parts, "all": _sum_parts(parts.values()), "by_client": clients,
+            "without_control": without}

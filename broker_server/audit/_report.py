@@ -26,6 +26,7 @@ from ._queries import (
     federations,
     rejected,
     rejected_totals,
+    repeat_bytes,
     resume_bytes,
     totals,
     training_rounds,
@@ -67,6 +68,8 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
         ``ledger_closed``: False when the ledger file was not closed by its writer (still in WAL
         mode: the writer crashed, was killed or is still running; see :func:`._load.clean_close`).
         ``resume``: :func:`resume_report` (None: the run was never resumed).
+        ``repeats``: :func:`repeat_bytes`, what the devices sent or received again (their
+        resume/reconnect cost as their own ledgers tell it; None: the ledger has no device-link rows).
 
     Raises:
         AuditError: see :func:`load_run`.
@@ -112,6 +115,7 @@ def audit_report(run_dir: str | Path, *, target: float = DEFAULT_TARGET, uplink_
             "link_time": link,
             "ledger_closed": clean_close(db),
             "resume": resume_report(db, meta, run),
+            "repeats": repeat_bytes(db) if device_rows else None,
         }
     finally:
         db.close()
@@ -190,17 +194,34 @@ def fleet_total(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     Returns:
         ``federation``, ``runs`` (the number of ledgers), ``up_bytes``, ``down_bytes``,
         ``wire_bytes`` (device links, wire bytes), ``messages`` (their rows, control packets
-        included); ``None`` for a single run or runs of different (or unknown) federations, whose
-        sum means nothing.
+        included), ``repeat_bytes`` and ``repeat_messages`` (what the devices sent or received
+        again: the sums of each report's ``repeats`` ``all``, :func:`repeat_bytes`; a ledger
+        without device-link rows adds 0) and ``repeat_unknown`` (devices whose ledger records no
+        control packets, so that their retransmissions and reconnections are not in
+        ``repeat_bytes``: ``repeats`` ``without_control``, sorted); ``None`` for a single run or
+        runs of different (or unknown) federations, whose sum means nothing.
     """
     feds = {r["run"].get("federation") for r in reports}
     if len(reports) < 2 or len(feds) != 1 or None in feds:
         return None
     dev = [r["totals"]["device"] for r in reports]
+    again = [r["repeats"] for r in reports if r.get("repeats")]
     return {"federation": feds.pop(), "runs": len(reports),
             "up_bytes": sum(d["up"]["wire_bytes"] for d in dev),
             "down_bytes": sum(d["down"]["wire_bytes"] for d in dev),
-            "wire_bytes": sum(d["all"]["wire_bytes"] for d in dev), "messages": sum(d["all"]["messages"] for d in dev)}
+            "wire_bytes": sum(d["all"]["wire_bytes"] for d in dev), "messages": sum(d["all"]["messages"] for d in dev),
+            "repeat_bytes": sum(a["all"]["wire_bytes"] for a in again),
+            "repeat_messages": sum(a["all"]["messages"] for a in again),
+            "repeat_unknown": sorted({n for a in again for n in a.get("without_control", [])})}
+
+
+def device_ledger(report: Mapping[str, Any]) -> bool:
+    """Whether ``report`` is of a device's own ledger (an agent's ``--out`` folder: device-link
+    rows, none of the server's, and no resume noted): its server's resumes are noted in the
+    server's ledger, not there, so the bytes it sent or received again (``repeats``) tell what
+    they cost it."""
+    return (bool(report["totals"]["device"]["all"]["messages"]) and not report["totals"]["server"]["all"]["messages"]
+            and not report.get("resume"))
 
 
 def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -227,7 +248,16 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         never resumed, None when the ledger does not tell them: see ``resume_note``),
         ``wire_bytes_without_resume`` (the link's wire bytes − ``resume_bytes``; None when unknown, as
         when resumes before the first noted one count in the first session) and ``resume_note``
-        (:func:`resume_note`).
+        (:func:`resume_note`); a device's own ledger (:func:`device_ledger`), which notes no resume
+        whether its server was resumed or not, has ``resume_bytes`` … ``wire_bytes_without_resume``
+        None and ``resume_note`` ``"device ledger"`` (its cost is in the ``repeat_*`` columns);
+        and from ``repeats`` (:func:`repeat_bytes`; None without device-link rows):
+        ``repeat_bytes``, ``repeat_messages`` (what the devices sent or received again: their
+        resume/reconnect cost as their own ledgers tell it), ``repeat_again_bytes`` (copies after
+        the first), ``repeat_dup_bytes`` (MQTT retransmissions), ``repeat_reconnect_bytes``
+        (reconnections) and ``repeat_note`` (``""``, or ``"control packets not recorded"``: the
+        ledger of a device in it has no control packets, so its retransmissions and reconnections
+        are not counted).
     """
     dev = report["totals"]["device"]
     tgt = report.get("target") or {}
@@ -246,7 +276,20 @@ def comparison_row(report: Mapping[str, Any]) -> dict[str, Any]:
         "time_sum_s": link.get("sum_s"),
         **field_bytes_per_client_round(report.get("fields") or []),
         **_resume_columns(report),
+        **_repeat_columns(report),
     }
+
+
+def _repeat_columns(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``repeat_*`` columns of :func:`comparison_row` (device links, wire bytes)."""
+    again = report.get("repeats")
+    if not again:
+        return {"repeat_bytes": None, "repeat_messages": None, "repeat_again_bytes": None, "repeat_dup_bytes": None,
+                "repeat_reconnect_bytes": None, "repeat_note": ""}
+    return {"repeat_bytes": again["all"]["wire_bytes"], "repeat_messages": again["all"]["messages"],
+            "repeat_again_bytes": again["again"]["wire_bytes"], "repeat_dup_bytes": again["dup"]["wire_bytes"],
+            "repeat_reconnect_bytes": again["reconnect"]["wire_bytes"],
+            "repeat_note": "control packets not recorded" if again.get("without_control") else ""}
 
 
 def resume_note(resume: Mapping[str, Any] | None) -> str:
@@ -267,6 +310,10 @@ def _resume_columns(report: Mapping[str, Any]) -> dict[str, Any]:
     resume = report.get("resume")
     link = resume_view(report)
     wire_bytes = report["totals"][link]["all"]["wire_bytes"]
+    if device_ledger(report):  # not "0: never resumed": the server's resumes are not noted in a device's ledger
+        return {"resumed_after": [], "resume_link": link, "resume_bytes": None, "resume_rerun_bytes": None,
+                "resume_ending_bytes": None, "resume_rejoin_bytes": None, "resume_refused_bytes": None,
+                "wire_bytes_without_resume": None, "resume_note": "device ledger"}
     if not resume:
         return {"resumed_after": [], "resume_link": link, "resume_bytes": 0, "resume_rerun_bytes": 0,
                 "resume_ending_bytes": 0, "resume_rejoin_bytes": 0, "resume_refused_bytes": 0,

@@ -11,6 +11,7 @@ from ._format import (
     FIELD_COLUMNS,
     FIELDS_TITLE,
     KIND_COLUMNS,
+    REPEAT_NOTE,
     RESUME_COLUMNS,
     UNCLEAN_CLOSE,
     acc,
@@ -19,14 +20,19 @@ from ._format import (
     directions_label,
     field_cells,
     field_notes,
+    fleet_line,
     human,
     kbps,
     kind_cells,
     mean,
     pct,
     refusal_line,
+    repeat_client_cells,
+    repeat_line,
     resume_cell,
     resume_cells,
+    resume_column,
+    resume_legend,
     resume_line,
     resume_notes,
     secs,
@@ -72,7 +78,10 @@ def render_text(report: Mapping[str, Any]) -> str:
     Sections: Totals (device links, server link; each says what up and down mean on it, control
     packets included: :data:`DIRECTION_MEANING`), for a resumed run what its resumes added
     (:func:`resume_report`: one line under the run's name, then a table of the bytes re-sent,
-    ending the interrupted session and spent reconnecting, per link and resume), Per round
+    ending the interrupted session and spent reconnecting, per link and resume), what the devices
+    sent or received again (:func:`repeat_bytes`: their resume/reconnect cost as their own ledgers
+    tell it; one line, for a device's own ledger and wherever something was, with a table per
+    device when several did and what the line counts and leaves out), Per round
     (control packets and other traffic without a round in the ``session`` row), Per client, Per
     kind and direction (device links, then the server link), Body fields (:func:`body_fields`),
     Rejected messages and what the broker did with each side's PUBLISH packets, and, when the
@@ -125,6 +134,17 @@ def render_text(report: Mapping[str, Any]) -> str:
         console.print(t)
         for line in resume_notes(report, told_in):
             console.print(line)
+
+    if (line := repeat_line(report)) is not None:
+        console.print()
+        console.print(line)
+        if (client_rows := repeat_client_cells(report)):
+            t = _table("client", "messages", "up B", "down B", "wire B")
+            for client_row in client_rows:
+                t.add_row(*client_row)
+            console.print(t)
+        if report["repeats"]["all"]["messages"]:
+            console.print(REPEAT_NOTE)
 
     console.print()
     console.print("Security: bytes added by signatures and by encryption (protocol.security)")
@@ -213,8 +233,10 @@ def render_text(report: Mapping[str, Any]) -> str:
 def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     """The comparison of several runs as text: one table of bytes, accuracy and transfer time (and,
     when a run was resumed, the bytes its resumes added: ``resume B``, with one line per resumed
-    run under the table saying what they are), then one of model-tensor and extras bytes per
-    client per round (see :func:`comparison_row`); one row per run in each, in the order given."""
+    run under the table saying what they are; a device's own ledger's cell there is what it sent
+    or received again, ``N again``: :func:`._format.resume_cell`), the fleet total of ledgers of one
+    federation (:func:`fleet_total`), then one of model-tensor and extras bytes per client per
+    round (see :func:`comparison_row`); one row per run in each, in the order given."""
     console, buf = _console()
     rows = [comparison_row(r) for r in reports]
     labels = short_run_labels([str(r["run"]) for r in rows])
@@ -222,7 +244,7 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
     link = next((r.get("link_time") for r in reports if r.get("link_time")), None)
     console.print(f"Comparison of {len(rows)} runs (device links; bytes = wire bytes)")
     headers = ["run", "final acc", "up B", "down B", "overhead", f"B to {acc(target)}", "at round"]
-    resumed = any(r["resumed_after"] or r["resume_bytes"] != 0 for r in rows)  # or its note cannot be read
+    resumed = resume_column(rows)
     if resumed:
         headers.insert(4, "resume B")
     if link:
@@ -243,20 +265,14 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
         if (line := resume_line(report, resume_view(report))) is not None:
             console.print(f"{label}: {line}", overflow="fold")
     if resumed:
-        console.print("resume B: device-link bytes a run's resumes added (its interrupted attempt's rounds, sent "
-                      "again after the resume, that session's ending and the resumed session's reconnection; counted "
-                      "in up B and down B, as they crossed the wire), or, marked (server link), server-link bytes of a "
-                      "ledger with only the server's rows (a `fedfleet server` run's); 0: never resumed; unknown: its "
-                      "ledger does not tell them apart; ≥ N: those of the resumes it noted (earlier ones were not).")
+        console.print("resume B: " + resume_legend(reports))
     console.print(f"B to {acc(target)}: device-link bytes up to and including the first round whose test "
                   "accuracy reached the target, of the rounds with an accuracy (a run with \\[server] eval_every = E "
                   "measures it every E-th round and the last; —: the run records no accuracy, as a device's own "
                   "folder), and the traffic outside the rounds (round 0, the session row: joins, control packets …) "
                   "recorded before that round's last row.")
     if (fleet := fleet_total(reports)) is not None:
-        console.print(f"Fleet total of federation {fleet['federation']} ({fleet['runs']} ledgers, e.g. one per "
-                      f"device): up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, "
-                      f"{count(fleet['wire_bytes'])} B in {count(fleet['messages'])} messages")
+        console.print(fleet_line(fleet))
     console.print()
     console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it"
                   + ("; a resumed run's include the messages it sent again)" if resumed else ")"))

@@ -1255,7 +1255,7 @@ def test_a_resume_is_said_in_text_json_csv_and_html(resumed_pair, tmp_path, caps
     flat = " ".join(text.split())
     assert line in flat
     assert " ".join(render_text(audit_report(twin)).split()).count("Resume") == 0
-    table = text[text.index("Resumes:"):text.index("Security:")]
+    table = text[text.index("Resumes:"):text.index("Resume/reconnect cost")]  # what a1 sent again follows it
     cells = [ln.split() for ln in table.splitlines() if ln.startswith(("device", "server"))]
     assert [c[-3] for c in cells] == [f"{b:,}" for b in (DEV_RERUN, DEV_ENDING, DEV_REJOIN, DEV_ADDED,
                                                           SRV_RERUN, 0, SRV_REJOIN, SRV_RERUN + SRV_REJOIN)]
@@ -1305,9 +1305,13 @@ def test_a_ledger_that_notes_no_resume_says_the_attribution_is_unknown(tmp_path)
     row = comparison_row(rep)
     assert (row["resumed_after"], row["resume_bytes"], row["wire_bytes_without_resume"]) == ([1], None, None)
     assert "unknown" in render_comparison_text([rep, rep])
-    # without a summary naming a resume, an old ledger reads as never resumed, as before
+    # without a summary naming a resume, an old ledger reads as never resumed, as before; what its
+    # device sent or received again is still told, from its rows
     plain = _resumed_run(tmp_path / "plain", note=False)
-    assert audit_report(plain)["resume"] is None and "Resume" not in render_text(audit_report(plain))
+    plain_text = render_text(audit_report(plain))
+    assert audit_report(plain)["resume"] is None and "Resumed" not in plain_text and "Resumes:" not in plain_text
+    assert "Resume/reconnect cost on the device links (what was sent or received again): 3,207 of" in " ".join(
+        plain_text.split())
 
 
 def test_several_resumes_cut_the_ledger_into_sessions_by_row_id():

@@ -1,5 +1,6 @@
-"""The audit of a fleet's agent folders, against hand-made agent ledgers: the fleet total of
-several folders (``fedfleet audit --json``'s ``fleet_total``, and the text's).
+"""The audit of a fleet's agent folders, against hand-made agent ledgers: what each device sent or
+received again (``repeat_bytes``: a resume's or reconnect's cost as its own ledger tells it) and
+the fleet total of several folders (``fedfleet audit --json``'s ``fleet_total``, and the text's).
 
 Three agent folders of federation ``fleet-x``, each a device's ``--out`` ledger (agent rows only):
 
@@ -29,9 +30,12 @@ update 1,540.
 
 from __future__ import annotations
 
+import csv
+import html
 import json
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
+from itertools import zip_longest
 from pathlib import Path
 
 import matplotlib
@@ -41,8 +45,15 @@ matplotlib.use("Agg")
 
 from broker_server.audit import (  # noqa: E402
     audit_report,
+    comparison_row,
     fleet_total,
+    load_run,
     main_audit,
+    render_comparison_text,
+    render_html,
+    render_text,
+    repeat_bytes,
+    write_csv,
 )
 from protocol.ledger import Ledger, LedgerRow  # noqa: E402
 
@@ -54,10 +65,19 @@ STATUS, STATUS_AGAIN, JOIN, RCPT_DOWN, RCPT_UP = 67, 70, 538, 103, 91
 GLOBAL, GLOBAL_OWN, CHUNK, START, START_OWN, UPDATE, RESEND, FINISH = 2036, 2042, 1056, 141, 137, 1540, 80, 76
 CONNECT, CONNECT_311, CONNACK, SUBSCRIBE, SUBACK, PUBACK, PING, DISCONNECT = 60, 58, 4, 30, 5, 4, 2, 2
 
+# dev-a (server resumed): again, round 2's update twice, global, round_start, its receipt (up) and
+# the second receipt of its update (down); nothing retransmitted, no reconnection.
+A_AGAIN = 2 * UPDATE + GLOBAL + START + RCPT_UP + RCPT_DOWN  # 3,080 + 2,036 + 141 + 91 + 103 = 5,451
 A_TOTAL = (60 + 4 + 30 + 30 + 5 + 5 + 4 + 2 + 2 + 2  # its control packets: 144
            + 2 * STATUS + JOIN + RCPT_DOWN + 4 * GLOBAL + 4 * RCPT_UP + 4 * START + 5 * UPDATE + 4 * RCPT_DOWN
            + FINISH)  # 18,179
-B_TOTAL = (CONNECT + 2 * CONNECT_311 + 2 * CONNACK + 4 * SUBSCRIBE + 4 * SUBACK + UPDATE + PUBACK + DISCONNECT  # 1,870
+# dev-b (broker restart): again, the resend request, round 1's second chunk delivered twice, round
+# 2's global on its own topic, its receipt, the update sent again, its second receipt; MQTT
+# retransmitted the update once; reconnecting, CONNECT, CONNACK, 2 SUBSCRIBE, 2 SUBACK.
+B_AGAIN = RESEND + CHUNK + GLOBAL_OWN + RCPT_UP + UPDATE + RCPT_DOWN  # 4,912
+B_DUP = UPDATE  # 1,540
+B_RECONNECT = CONNECT_311 + CONNACK + 2 * SUBSCRIBE + 2 * SUBACK  # 132
+B_TOTAL = (CONNECT + 2 * CONNECT_311 + 2 * CONNACK + 4 * SUBSCRIBE + 4 * SUBACK + B_DUP + PUBACK + DISCONNECT  # 1,870
            + 2 * STATUS + STATUS_AGAIN + JOIN + RCPT_DOWN  # 845
            + 3 * CHUNK + RESEND + RCPT_UP + START + UPDATE + RCPT_DOWN  # round 1: 5,123
            + GLOBAL + RCPT_UP + START + UPDATE  # round 2 before the restart: 3,808
@@ -214,9 +234,156 @@ def test_hand_numbers_are_consistent() -> None:
     for tail, n in topics.items():
         topic = P + (tail if tail != "status" else "status/dev-a")
         assert len(topic) == n, topic
-    assert (A_TOTAL, B_TOTAL, C_TOTAL) == (18179, 15738, 8946)
+    assert (A_AGAIN, A_TOTAL) == (5451, 18179)
+    assert (B_AGAIN, B_DUP, B_RECONNECT, B_TOTAL, C_TOTAL) == (4912, 1540, 132, 15738, 8946)
     for rows, total in ((dev_a_rows(), A_TOTAL), (dev_b_rows(), B_TOTAL), (dev_c_rows(), C_TOTAL)):
         assert _wire(rows) == total
+
+
+def test_a_device_that_stayed_connected_through_a_server_resume_counts_what_came_and_went_again(fleet) -> None:
+    rep = audit_report(fleet[0])
+    assert rep["totals"]["device"]["all"]["wire_bytes"] == A_TOTAL and rep["resume"] is None
+    again = rep["repeats"]
+    assert {k: again["again"][k] for k in ("messages", "up_bytes", "down_bytes", "wire_bytes")} == {
+        "messages": 6, "up_bytes": 2 * UPDATE + RCPT_UP, "down_bytes": GLOBAL + START + RCPT_DOWN,
+        "wire_bytes": A_AGAIN}
+    assert [(k["kind"], k["direction"], k["messages"], k["wire_bytes"]) for k in again["again"]["kinds"]] == [
+        ("update", "up", 2, 2 * UPDATE), ("global", "down", 1, GLOBAL), ("receipt", "up", 1, RCPT_UP),
+        ("round_start", "down", 1, START), ("receipt", "down", 1, RCPT_DOWN)]
+    assert again["again"]["rounds"] == [{"round": 2, "messages": 6, "wire_bytes": A_AGAIN}]
+    assert again["dup"]["wire_bytes"] == again["reconnect"]["wire_bytes"] == 0
+    assert again["all"] == {"messages": 6, "up_bytes": 2 * UPDATE + RCPT_UP, "down_bytes": GLOBAL + START + RCPT_DOWN,
+                            "wire_bytes": A_AGAIN, "control_messages": 0}
+    assert again["by_client"] == [{"client": "dev-a", "messages": 6, "up_bytes": 3171, "down_bytes": 2280,
+                                   "wire_bytes": A_AGAIN}]
+    assert again["without_control"] == []
+    # its uninterrupted twin sends exactly that less, and nothing again
+    twin_rows = dev_a_rows(twin=True)
+    assert len(dev_a_rows()) - len(twin_rows) == 6 and _wire(dev_a_rows()) - _wire(twin_rows) == A_AGAIN
+    twin = audit_report(_write(fleet[0].parent / "twin-a", twin_rows))
+    assert twin["repeats"]["all"]["wire_bytes"] == 0
+
+
+def test_a_broker_restart_counts_the_copies_the_retransmissions_and_the_reconnection(fleet) -> None:
+    """Not counted: the MQTT 5 trial's CONNECT and the first connection's SUBACKs (before or after the
+    first message, they are the first connection's), the online status said again, the PUBACK of the
+    retransmission and the round_start sent on the device's own topic after the broadcast one."""
+    rep = audit_report(fleet[1])
+    assert rep["totals"]["device"]["all"]["wire_bytes"] == B_TOTAL
+    again = rep["repeats"]
+    assert [(k["kind"], k["direction"], k["messages"], k["wire_bytes"]) for k in again["again"]["kinds"]] == [
+        ("resend", "up", 1, RESEND), ("global", "down", 2, CHUNK + GLOBAL_OWN), ("receipt", "up", 1, RCPT_UP),
+        ("update", "up", 1, UPDATE), ("receipt", "down", 1, RCPT_DOWN)]
+    assert again["again"]["wire_bytes"] == B_AGAIN
+    assert again["again"]["rounds"] == [{"round": 0, "messages": 1, "wire_bytes": RESEND},
+                                        {"round": 1, "messages": 1, "wire_bytes": CHUNK},
+                                        {"round": 2, "messages": 4, "wire_bytes": GLOBAL_OWN + RCPT_UP + UPDATE
+                                         + RCPT_DOWN}]
+    assert [(k["kind"], k["messages"], k["wire_bytes"]) for k in again["dup"]["kinds"]] == [
+        ("PUBLISH-DUP", 1, B_DUP)]
+    assert [(k["kind"], k["direction"], k["messages"], k["wire_bytes"]) for k in again["reconnect"]["kinds"]] == [
+        ("CONNECT", "up", 1, CONNECT_311), ("CONNACK", "down", 1, CONNACK), ("SUBSCRIBE", "up", 2, 2 * SUBSCRIBE),
+        ("SUBACK", "down", 2, 2 * SUBACK)]
+    assert again["reconnect"]["rounds"] == [{"round": None, "messages": 6, "wire_bytes": B_RECONNECT}]
+    assert (again["all"]["messages"], again["all"]["wire_bytes"], again["all"]["control_messages"]) == (
+        6 + 1 + 6, B_AGAIN + B_DUP + B_RECONNECT, 7)
+
+
+def test_an_uninterrupted_device_sent_nothing_again(fleet) -> None:
+    """A broadcast round_start naming nobody beside the device's own (per-device instructions) is no copy."""
+    rep = audit_report(fleet[2])
+    assert rep["totals"]["device"]["all"]["wire_bytes"] == C_TOTAL
+    assert rep["repeats"]["all"] == {"messages": 0, "up_bytes": 0, "down_bytes": 0, "wire_bytes": 0,
+                                     "control_messages": 0}
+    assert ("Resume/reconnect cost on the device links (what was sent or received again): 0 B: no copy of a message "
+            "after the first, no MQTT retransmission, no reconnection.") in " ".join(render_text(rep).split())
+
+
+def test_rows_give_what_the_ledger_file_gives_and_a_ledger_without_seq_counts_the_same(fleet) -> None:
+    for folder in fleet:
+        assert repeat_bytes(load_run(folder).rows) == audit_report(folder)["repeats"]
+    # rows without ids (their order is the ledger's) and without envelope seqs: every copy is a row of its own
+    plain = [{**asdict(r), "seq": None} for r in dev_a_rows()]
+    got = repeat_bytes(plain)
+    assert (got["all"]["wire_bytes"], got["all"]["messages"]) == (A_AGAIN, 6)
+
+
+def test_one_ledger_of_several_devices_counts_each_device_s_copies_apart(tmp_path: Path) -> None:
+    """A simulation's ledger holds every device's rows: dev-a's first copies do not make dev-b's
+    (or dev-c's) copies again, and dev-b's reconnection starts after its own first message."""
+    a, b, c = dev_a_rows(), dev_b_rows(), dev_c_rows()
+    mixed = [r for trio in zip_longest(a, b, c) for r in trio if r is not None]
+    assert len(mixed) == len(a) + len(b) + len(c)
+    got = repeat_bytes([asdict(r) for r in mixed])
+    assert got["by_client"] == [
+        {"client": "dev-a", "messages": 6, "up_bytes": 3171, "down_bytes": 2280, "wire_bytes": A_AGAIN},
+        {"client": "dev-b", "messages": 13, "up_bytes": RESEND + RCPT_UP + UPDATE + B_DUP + CONNECT_311
+         + 2 * SUBSCRIBE, "down_bytes": CHUNK + GLOBAL_OWN + RCPT_DOWN + CONNACK + 2 * SUBACK,
+         "wire_bytes": B_AGAIN + B_DUP + B_RECONNECT}]
+    assert got["all"]["wire_bytes"] == A_AGAIN + B_AGAIN + B_DUP + B_RECONNECT
+
+
+def test_a_ledger_without_control_packets_says_its_reconnections_are_unknown(tmp_path: Path, capsys) -> None:
+    rows = [r for r in dev_a_rows() if r.reason != "control"]
+    folder = _write(tmp_path / "dev-a", rows)
+    rep = audit_report(folder)
+    assert rep["repeats"]["without_control"] == ["dev-a"]
+    assert rep["repeats"]["all"]["wire_bytes"] == A_AGAIN  # the copies are still counted
+    flat = " ".join(render_text(rep).split())
+    assert (f"(what was sent or received again): at least {A_AGAIN:,} of the {_wire(rows):,} bytes, in 6 messages"
+            in flat)
+    assert ("the retransmissions and reconnections of dev-a are unknown (no MQTT control packets in its ledger)."
+            in flat)
+    row = comparison_row(rep)
+    assert (row["repeat_bytes"], row["repeat_note"]) == (A_AGAIN, "control packets not recorded")
+    table = render_comparison_text([rep, audit_report(_write(tmp_path / "dev-c", dev_c_rows()))])
+    assert f"≥ {A_AGAIN:,} again" in table
+
+
+def test_a_device_folder_is_never_said_to_be_never_resumed(fleet, tmp_path: Path, capsys) -> None:
+    """Its resume B is what it sent or received again ("N again"), in the text, HTML and CSV
+    comparison; its own text gives it in a line, its kinds largest first."""
+    reports = [audit_report(f) for f in fleet]
+    rows = [comparison_row(r) for r in reports]
+    assert [(r["resume_bytes"], r["resume_note"], r["wire_bytes_without_resume"]) for r in rows] == [
+        (None, "device ledger", None)] * 3
+    assert [(r["repeat_bytes"], r["repeat_messages"], r["repeat_again_bytes"], r["repeat_dup_bytes"],
+             r["repeat_reconnect_bytes"], r["repeat_note"]) for r in rows] == [
+        (A_AGAIN, 6, A_AGAIN, 0, 0, ""), (B_AGAIN + B_DUP + B_RECONNECT, 13, B_AGAIN, B_DUP, B_RECONNECT, ""),
+        (0, 0, 0, 0, 0, "")]
+
+    flat = " ".join(render_text(reports[0]).split())
+    assert ("Resume/reconnect cost on the device links (what was sent or received again): 5,451 of the 18,179 bytes, "
+            "in 6 messages: 5,451 B copies after the first (update (up) 2× 3,080 B, global (down) 1× 2,036 B, "
+            "round_start (down) 1× 141 B, receipt (down) 1× 103 B, receipt (up) 1× 91 B), 0 B retransmitted by MQTT "
+            "and 0 B reconnecting.") in flat
+    assert "Not counted, as no row ties them to it: their acknowledgements (PUBACK)" in flat
+    flat_b = " ".join(render_text(reports[1]).split())
+    assert ("6,584 of the 15,738 bytes, in 13 messages: 4,912 B copies after the first (global (down) 2× 3,098 B, "
+            "update (up) 1× 1,540 B, receipt (down) 1× 103 B, receipt (up) 1× 91 B, resend (up) 1× 80 B), 1,540 B "
+            "retransmitted by MQTT (PUBLISH-DUP (up) 1× 1,540 B) and 132 B reconnecting (SUBSCRIBE (up) 2× 60 B, "
+            "CONNECT (up) 1× 58 B, SUBACK (down) 2× 10 B, CONNACK (down) 1× 4 B).") in flat_b
+
+    text = render_comparison_text(reports)
+    cells = {line.split()[0]: line for line in text[:text.index("Model tensors")].splitlines()
+             if line.split()[:1] in (["dev-a"], ["dev-b"], ["dev-c"])}
+    assert "5,451 again" in cells["dev-a"] and "6,584 again" in cells["dev-b"] and "0 again" in cells["dev-c"]
+    flat = " ".join(text.split())
+    assert "resume B: N again: a device's own ledger, where no resume is noted" in flat
+    assert "never resumed" not in flat  # that legend is for the runs whose server's rows would note a resume
+
+    page = render_html(reports)
+    assert "5,451 again" in page and "Resume/reconnect cost: what the devices sent or received again" in page
+    assert "never resumed" not in page
+    assert html.escape("5,451 of the 18,179 bytes, in 6 messages") in page
+
+    out = tmp_path / "csv"
+    write_csv(reports, out)
+    with (out / "comparison.csv").open(encoding="utf-8") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["resume_bytes"], r["resume_note"], r["repeat_bytes"], r["repeat_dup_bytes"]) for r in table] == [
+        ("", "device ledger", str(A_AGAIN), "0"), ("", "device ledger", "6584", str(B_DUP)),
+        ("", "device ledger", "0", "0")]
 
 
 def test_json_fleet_total_is_the_sum_of_the_folders_and_what_the_text_prints(fleet, capsys) -> None:
@@ -232,19 +399,22 @@ def test_json_fleet_total_is_the_sum_of_the_folders_and_what_the_text_prints(fle
     reps = json.loads(capsys.readouterr().out)
     assert [r["run"]["path"] for r in reps] == [str(f) for f in fleet]
     expected = {"federation": FED, "runs": 3, "up_bytes": up, "down_bytes": down, "wire_bytes": up + down,
-                "messages": messages}
+                "messages": messages, "repeat_bytes": A_AGAIN + B_AGAIN + B_DUP + B_RECONNECT,
+                "repeat_messages": 6 + 13, "repeat_unknown": []}
     assert all(r["fleet_total"] == expected for r in reps)  # the same object in every report
     assert fleet_total([audit_report(f) for f in fleet]) == expected
 
     assert main_audit([str(f) for f in fleet]) == 0
     flat = " ".join(capsys.readouterr().out.split())
     m = re.search(r"Fleet total of federation (\S+) \((\d+) ledgers, e\.g\. one per device\): up ([\d,]+) B, down "
-                  r"([\d,]+) B, ([\d,]+) B in ([\d,]+) messages", flat)
+                  r"([\d,]+) B, ([\d,]+) B in ([\d,]+) messages; sent or received again \(resume/reconnect cost\): "
+                  r"([\d,]+) B in ([\d,]+) messages", flat)
     assert m, flat[flat.find("Fleet total"):][:300]
     printed = [m.group(1), int(m.group(2)), *(int(g.replace(",", "")) for g in m.groups()[2:])]
     fleet_json = reps[0]["fleet_total"]
     assert printed == [fleet_json["federation"], fleet_json["runs"], fleet_json["up_bytes"], fleet_json["down_bytes"],
-                       fleet_json["wire_bytes"], fleet_json["messages"]]
+                       fleet_json["wire_bytes"], fleet_json["messages"], fleet_json["repeat_bytes"],
+                       fleet_json["repeat_messages"]]
 
 
 def test_json_fleet_total_is_null_for_one_folder_or_folders_of_other_federations(fleet, tmp_path: Path,
