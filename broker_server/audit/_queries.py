@@ -37,7 +37,7 @@ IS_CONTROL = "(reason = 'control' OR kind IN ({}))".format(", ".join(f"'{k}'" fo
 #: the socket never took (``unsent_bytes``: the connection was lost with the packet partly written).
 WIRE = "(mqtt_header_bytes + topic_bytes + payload_bytes - unsent_bytes)"
 #: SQL: a row stands for one whole message, once (same test as :func:`whole_message`).
-WHOLE_MESSAGE = "(event = 'message' OR (event IN ('sent', 'received') AND chunk_index IS NULL))"
+WHOLE_MESSAGE = "(event IN ('message', 'sent', 'received') AND chunk_index IS NULL)"
 
 #: Sums of one group of view rows (see :func:`_tally`); ``ctl`` and ``wire`` come from :func:`_view`.
 _TALLY = """COUNT(*) AS messages,
@@ -153,9 +153,9 @@ def is_control(row: Mapping[str, Any]) -> bool:
 def whole_message(row: Mapping[str, Any]) -> bool:
     """Whether a ledger row stands for one whole message, once: an unchunked ``sent`` or
     ``received`` row, or the ``event='message'`` row of a chunked transfer. The chunk rows of a
-    transfer (``chunk_index`` set) and ``rejected`` rows are not."""
-    event = row.get("event")
-    return event == "message" or (event in ("sent", "received") and row.get("chunk_index") is None)
+    transfer (``chunk_index`` set: ``sent``/``received``, and the ``message`` rows of a chunk
+    refused or never handed to the MQTT client) and ``rejected`` rows are not."""
+    return row.get("event") in ("message", "sent", "received") and row.get("chunk_index") is None
 
 
 def round_label(value: int | None) -> str:

@@ -820,6 +820,31 @@ def test_whole_message():
     assert not whole_message(rows[8])  # rejected
 
 
+def _dropped_chunk_row() -> dict:
+    """The ``message`` row of a chunk never handed to the MQTT client (its transfer's wait ended
+    and the transport closed): a chunk's row, never a whole message."""
+    return _fields_row("agent", "a2", "message", "up", "update", 1, "a2", 90, 374, transfer_id="ab", chunk_index=1,
+                       chunk_count=2, delivery="dropped", reason="not handed to the MQTT client: closed")
+
+
+def test_a_chunk_never_handed_over_is_no_whole_message(tmp_path, capsys):
+    """The up figures stay those of test_body_fields_by_hand (2 messages, 854 + 874 bytes), in the
+    Python test and in the SQL one behind ``fedfleet audit --json``."""
+    rows, dropped = _field_rows(), _dropped_chunk_row()
+    assert not whole_message(dropped)
+    up = body_fields(rows + [dropped])[1]
+    assert (up["messages"], up["message_bytes"]) == (2, 854 + 874)
+    run = tmp_path / "dropped-chunk-run"
+    run.mkdir()
+    with Ledger(run / "ledger.sqlite") as ledger:
+        for r in rows + [dropped]:
+            ledger.record(LedgerRow(**{k: v for k, v in r.items() if k != "id"}, federation=FED, sender=None,
+                                    seq=None, qos=1))
+    assert main_audit([str(run), "--json"]) == 0
+    up_sql = json.loads(capsys.readouterr().out)["fields"][1]
+    assert (up_sql["kind"], up_sql["messages"], up_sql["message_bytes"]) == ("update", 2, 854 + 874)
+
+
 def test_field_codecs():
     assert field_codecs("") == {}
     assert field_codecs("fp32") == {"*": "fp32"}
