@@ -17,7 +17,8 @@ use from :class:`~protocol.transport.MqttTransport`: ``client_id``, ``subscribe`
 ``add_connect_listener``, ``add_disconnect_listener``), plus the link events of the real one
 (``abort``: vanish, the broker publishes the last will; ``drop_link``: the link breaks and comes
 back, the disconnect listeners are called, the will is published, subscriptions are renewed and
-the connect listeners called). It reports no
+the connect listeners called), and of the broker (:meth:`MemoryBroker.restart`: every link
+breaks, no will, retained messages lost, the clients come back one by one). It reports no
 MQTT control packets (no ``set_packet_listener``), so a channel on it ledgers PUBLISH rows only.
 
 Example::
@@ -158,6 +159,31 @@ class MemoryBroker:
         """Ids of the clients connected now."""
         with self._lock:
             return sorted(c for c, t in self._clients.items() if t._connected)
+
+    def restart(self, order: Iterable[str] | None = None) -> None:
+        """The broker process stops and starts again, without persistence (Mosquitto's default):
+        every connected client loses its link at once, no last will is published (the broker that
+        would publish it is gone), the retained messages are lost; then the clients connect again
+        one after the other, in ``order`` (client ids; default: the order they first connected in),
+        each as :meth:`MemoryTransport.drop_link` reconnects (``connects`` + 1, subscriptions
+        renewed, connect listeners called). A client not yet back is not connected: what is
+        published meanwhile is not delivered to it, and a PUBLISH it makes raises.
+
+        Raises:
+            ValueError: ``order`` names a client that was not connected, or leaves one out.
+        """
+        with self._lock:
+            was = {c.client_id: c for c in self._clients.values() if c._connected}
+            for c in was.values():
+                c._connected = False
+            self._retained.clear()
+        ids = list(was) if order is None else list(order)
+        if sorted(ids) != sorted(was):
+            for c in was.values():
+                c._connected = True
+            raise ValueError(f"restart order {ids} is not the connected clients {sorted(was)}")
+        for cid in ids:
+            was[cid]._come_back()
 
     # ------------------------------------------------------------------ called by the transports
 
@@ -363,6 +389,14 @@ class MemoryTransport:
         self.broker._gone(self, publish_will=True)
         with self.broker._lock:
             self.broker._clients[self.client_id] = self
+        self._come_back()
+
+    def _come_back(self) -> None:
+        """Connect again: ``connects`` + 1, every subscription renewed (its retained messages
+        delivered, flagged retained), then the connect listeners called with the new count (as
+        :class:`~protocol.transport.MqttTransport` calls them once the broker acknowledged the
+        renewed subscriptions)."""
+        self._connected = True
         self.connects += 1
         for f, q in list(self._filters.items()):
             for topic, payload, rq in self.broker._retained_for(f):

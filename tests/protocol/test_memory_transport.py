@@ -214,3 +214,33 @@ def test_a_taken_over_client_cannot_drop_the_link_of_the_connection_that_replace
     got = new.get(0.0)
     assert got is not None and got.payload == b"hi"
     assert old.get(0.0) is None and broker.clients == ["dev", "pub"]
+
+
+def test_restart_breaks_every_link_without_wills_loses_retained_and_reconnects_in_order() -> None:
+    """A broker restart (no persistence): no last will is published, the retained messages are
+    gone, and the clients come back in the order given, each renewing its subscriptions and
+    calling its connect listeners; a message published before a client is back misses it."""
+    broker = MemoryBroker()
+    seen: list[tuple[str, int]] = []
+    a = broker.connect("a", will=Will("status/a", b"offline"))
+    b = broker.connect("b", will=Will("status/b", b"offline"))
+    for t in (a, b):
+        t.subscribe(["status/#", "news"])
+        t.add_connect_listener(lambda n, cid=t.client_id: seen.append((cid, n)))
+    a.publish("status/a", b"online", retain=True)
+    for t in (a, b):
+        assert t.get(0).payload == b"online" and t.get(0) is None
+
+    def b_back(n: int) -> None:  # b's listener runs when b is back: a is not yet
+        assert not a.connected
+        b.publish("news", b"b is back")
+
+    b.add_connect_listener(b_back)
+    broker.restart(["b", "a"])
+    assert seen == [("b", 2), ("a", 2)] and a.connects == b.connects == 2
+    assert broker.retained == {}  # lost with the broker; no will took its place
+    assert b.get(0).payload == b"b is back" and b.get(0) is None
+    assert a.get(0) is None  # published before a was back
+    with pytest.raises(ValueError, match="order"):
+        broker.restart(["a"])
+    assert a.connected and b.connected
