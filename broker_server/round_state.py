@@ -117,21 +117,28 @@ class RoundState:
 
 class CountedUpdates:
     """Client ids whose update was counted, per round, for the last few rounds (duplicates and
-    resends after a lost receipt are acknowledged as counted, never counted again)."""
+    resends after a lost receipt are acknowledged as counted, never counted again), each with the
+    envelope ``seq`` and payload SHA-256 of the copy counted (what its receipt names)."""
 
     def __init__(self, keep_rounds: int = 8) -> None:
         self.keep_rounds = keep_rounds
-        self._by_round: dict[int, set[str]] = {}
+        self._by_round: dict[int, dict[str, tuple[int, bytes]]] = {}
 
     def __contains__(self, key: tuple[int, str]) -> bool:
         round, client = key
-        return client in self._by_round.get(round, ())
+        return client in self._by_round.get(round, {})
 
     def clear(self) -> None:
         """Forget every count (what a freshly started process knows)."""
         self._by_round.clear()
 
-    def add(self, round: int, client: str) -> None:
-        self._by_round.setdefault(round, set()).add(client)
+    def add(self, round: int, client: str, seq: int = 0, sha256: bytes = b"") -> None:
+        """Count ``client``'s update of ``round``: the copy with envelope ``seq`` and payload ``sha256``."""
+        self._by_round.setdefault(round, {})[client] = (seq, sha256)
         for old in [r for r in self._by_round if r < round - self.keep_rounds]:
             del self._by_round[old]
+
+    def copy(self, round: int, client: str) -> tuple[int, bytes] | None:
+        """(``seq``, ``sha256``) of the copy of ``client``'s update of ``round`` that was counted,
+        or ``None`` (not counted, or a round no longer kept)."""
+        return self._by_round.get(round, {}).get(client)

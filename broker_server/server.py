@@ -16,11 +16,15 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    a selected device that has nothing to send (no samples, diverged training) withdraws with an
    ``idle`` status for the round, and the round does not wait for it;
    **devices that come back**: a selected device that says ``online`` again while the round is
-   open (it lost its link, perhaps while the global was on its way) is sent the round's ``global``
-   and ``round_start`` again, on its own topics (``down/{client}/global``,
-   ``down/{client}/round_start``, with the time left as ``deadline_s``): the others are not
-   sent anything again, and an agent that already trained the round does not train it twice (it
-   re-sends its update, answered as a duplicate). A selected device whose last will (an
+   open (it lost its link, perhaps while the global was on its way) is sent what its ``online``
+   says it lacks (:attr:`protocol.messages.Status.holds`): the round's ``global`` and
+   ``round_start``, or the ``round_start`` alone, on its own topics (``down/{client}/global``,
+   ``down/{client}/round_start``, with the time left as ``deadline_s``), or, for an update this
+   server counted, that update's receipt again: the others are not sent anything again, and an
+   agent that already trained the round does not train it twice (it re-sends its update unless
+   that copy is still on its way, answered as a duplicate). After the server's own reconnect
+   the ``round_start`` goes again to the devices the round awaits only, the ``global`` only to
+   those that do not say what they hold (:meth:`AggregationServer._resync_round`). A selected device whose last will (an
    ``offline`` status) arrives and that does not say ``online`` within ``offline_grace_s`` is
    **dropped**: the round no longer waits for it (``dropped`` in ``metrics.jsonl``);
    **refusals**: every refused update is answered with a receipt saying why and is a
@@ -590,6 +594,12 @@ class AggregationServer:
         self.round = 0
         self.open = RoundState()
         self._counted = CountedUpdates()
+        #: device → SHA-256 of the last status payload handled from it: a retained copy of that one,
+        #: handed to this server's subscription again after a reconnect of its own, is not news
+        self._status_seen: dict[str, bytes] = {}
+        #: devices whose last ``online`` said what they hold of the rounds (Status.holds): after this
+        #: server's reconnect they get only what their next ``online`` says they lack
+        self._holdings_known: set[str] = set()
         self.totals = {"rejected_invalid": 0, "late": 0, "duplicates": 0, "unsolicited": 0, "early": 0}
         self._early_between = 0  # early updates since the last round closed: the next round's line counts them
         self.rejected_by_reason: dict[str, int] = {}  # invalid messages since the last metrics line, by code
@@ -790,11 +800,18 @@ class AggregationServer:
                 kept = " (kept by the broker)" if item.retain else ""
                 self._heard_again(env.sender, f"its {body.state} status{kept}")
             o = self.open
+            holds = body.holds if body.state == "online" else None
+            if body.state == "online":
+                (self._holdings_known.add if holds is not None else self._holdings_known.discard)(env.sender)
+            news = not item.retain or (holds is not None and self._status_seen.get(env.sender) != item.sha256)
+            self._status_seen[env.sender] = item.sha256
             if rec is not None and body.state == "offline":
                 self._went_offline(env.sender, body.detail, now)
-            elif rec is not None and body.state == "online" and not item.retain:
-                # a live "online" (a retained one is only a copy handed to a new subscription)
-                self._came_back(env.sender, body.detail)
+            elif rec is not None and body.state == "online" and news:
+                # a live "online", or a retained one this server never handled (published while its
+                # own link was down: a broker restart the device was back from first); any other
+                # retained one is only a copy handed to a new subscription
+                self._came_back(env.sender, body.detail, holds)
             if (body.state == "idle" and env.round and env.round == o.collecting
                     and env.sender in o.awaited()):
                 # the device says it will not contribute to the open round (no samples, training
@@ -906,7 +923,7 @@ class AggregationServer:
         o.withdrawn.discard(env.sender)  # a corrected update after a refusal counts
         o.dropped.discard(env.sender)  # … and so does one from a device dropped while offline
         o.offline_since.pop(env.sender, None)
-        self._counted.add(env.round, env.sender)
+        self._counted.add(env.round, env.sender, env.seq, item.sha256)
         self.devices.count_update(env.sender)
         self._reply(item, True)
         self._event("reported", env.sender, samples=body.num_samples, train_s=body.metrics.get("train_seconds"))
@@ -1017,16 +1034,38 @@ class AggregationServer:
                                 "the round goes on without it", o.collecting, client, detail or "no detail",
                                 self.settings.offline_grace_s)
 
-    def _came_back(self, client: str, detail: str) -> None:
-        """A selected device the open round still waits for (or dropped) says ``online`` again:
-        it may have missed the round's messages while its link was down, so they are sent to it
-        again (:meth:`_send_round_to`)."""
+    def _came_back(self, client: str, detail: str, holds: tuple[int, int, int] | None = None) -> None:
+        """A device says ``online`` again: it may have missed messages while its link was down.
+
+        ``holds``: what its status says it holds of the rounds (:attr:`protocol.messages.Status.holds`:
+        global, round_start, update still without a receipt), ``None`` when it does not say (an
+        agent of an older version). An update of it that was counted but whose receipt it has not
+        read (lost with the link) gets its receipt again, not a request for the update. A
+        selected device the open round still waits for (or dropped) is sent again what it lacks
+        of the round (:meth:`_send_round_to`): the ``global`` unless it holds the round's (and
+        the ``round_start`` with it), the ``round_start`` alone when it holds the global but not
+        the round_start, or when its update of the round awaits a receipt and was not counted (the
+        agent sends it again unless its copy is still on its way); nothing when it holds both and
+        trains. Without ``holds``, both are sent, as to every device before."""
         o = self.open
+        if holds is not None and holds[2] and (copy := self._counted.copy(holds[2], client)) is not None:
+            log.info("%s is back online (%s): its update of round %d was counted; its receipt is sent again",
+                     client, detail or "no detail", holds[2])
+            try:
+                self._send_receipt(client, Kind.UPDATE, copy[0], holds[2], True, "", copy[1])
+            except TransportError as exc:
+                log.error("the receipt of %s's update of round %d could not be sent again: %s", client, holds[2], exc)
         if (o.collecting is None or o.messages is None or client not in o.selected or client in o.results
                 or client in o.withdrawn or time.monotonic() >= o.deadline):
             return
         o.offline_since.pop(client, None)
         o.dropped.discard(client)
+        r = o.collecting
+        lacks_global = holds is None or holds[0] < r
+        if not lacks_global and holds is not None and holds[1] >= r and holds[2] != r:
+            log.info("%s is back online during round %d (%s) and holds the round's global and round_start: "
+                     "nothing is sent again", client, r, detail or "no detail")
+            return
         sent = o.resent.get(client, 0)
         if sent >= MAX_ROUND_RESENDS:  # a flapping link (or a forged status) costs at most this many models
             if (o.collecting, client) not in self._resend_capped:  # said once per device and round
@@ -1035,13 +1074,13 @@ class AggregationServer:
                             "already, nothing more is sent to it this round", client, o.collecting,
                             detail or "no detail", MAX_ROUND_RESENDS)
             return
-        log.warning("%s is back online during round %d (%s): sending it the round's global and round_start again",
-                    client, o.collecting, detail or "no detail")
-        self._send_round_to(client)
+        log.warning("%s is back online during round %d (%s): sending it the round's %s again", client, r,
+                    detail or "no detail", "global and round_start" if lacks_global else "round_start")
+        self._send_round_to(client, with_global=lacks_global)
 
-    def _send_round_to(self, client: str) -> None:
-        """Send the open round's ``global`` and ``round_start`` to ``client`` alone, on its own
-        topics (``down/{client}/global``, ``down/{client}/round_start``).
+    def _send_round_to(self, client: str, *, with_global: bool = True) -> None:
+        """Send the open round's ``global`` (unless ``with_global`` is false) and ``round_start``
+        to ``client`` alone, on its own topics (``down/{client}/global``, ``down/{client}/round_start``).
 
         A per-device copy rather than a re-broadcast: the other devices have the round already
         (a broadcast would cost every device a model download, and each would confirm it again);
@@ -1063,7 +1102,8 @@ class AggregationServer:
         r = o.collecting
         try:
             packet, chunk = self._limits([client])
-            self._send_global_to(client, r)
+            if with_global:
+                self._send_global_to(client, r)
             self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
                               dataclasses.replace(start, selected=(client,), deadline_s=remaining, members=b""),
                               round=r, recipient=client, max_packet_bytes=packet, chunk_bytes=chunk)
@@ -1198,16 +1238,55 @@ class AggregationServer:
         self._send_global(o.collecting, o.messages[0], packet, min(chunk, packet) if chunk else packet)
 
     def _resync_round(self) -> None:
-        """After the server's link came back (a broker restart), publish the open round's global
-        model and round_start message(s) again (per-device ones included): agents that missed them
-        train now; agents that already trained send their update again unless it was refused
-        (answered as a duplicate when counted)."""
+        """After the server's link came back (a broker restart, or its own link alone), send the
+        open round's ``round_start`` again to the devices it still awaits only: the broadcast one
+        naming just them (``selected``/``members``), the per-device ones to them alone, each with
+        the time left as ``deadline_s``. An awaited agent that trained the round sends its update
+        again (the server may have missed it while its link was down) unless that copy is still on
+        its way or went out after this round_start came; one that missed the round_start trains;
+        a device whose update was counted is not named, so it sends nothing again.
+
+        The ``global`` is not sent again to a device whose statuses say what it holds
+        (:attr:`protocol.messages.Status.holds`): a device whose link broke too says ``online``
+        once it is back and subscribed (live, or retained when it was back first), and
+        :meth:`_came_back` sends it the global only if it lacks it; a re-broadcast besides would
+        cost every device that subscribed in time a second download. Awaited devices that do not
+        say (older agents) get it again as before: the broadcast, or each its copy with per-device
+        delivery."""
         self._resync = False
-        if self.open.collecting is None or self.open.messages is None:
+        o = self.open
+        if o.collecting is None or o.messages is None:
             return
-        log.warning("reconnected to the broker: re-sending round %d", self.open.collecting)
-        self._publish_round(self.open.collecting)
+        r = o.collecting
         self.resyncs += 1
+        awaited = tuple(sorted(o.awaited()))
+        if not awaited:
+            log.info("reconnected to the broker: round %d awaits no device, nothing is sent again", r)
+            return
+        legacy = [c for c in awaited if c not in self._holdings_known]
+        log.warning("reconnected to the broker: round %d's round_start goes again to the %d device(s) it awaits%s",
+                    r, len(awaited),
+                    f", its global to {', '.join(legacy)} (they do not say what they hold)" if legacy else "")
+        glob, starts = o.messages
+        packet, chunk = self._limits()
+        if legacy and o.delivery == "per_device":
+            for device in legacy:
+                if device in o.device_globals:
+                    self._send_global_to(device, r, note=True)
+        elif legacy:
+            self._send_global(r, glob, packet, chunk)
+        remaining = min(self.settings.round_deadline_s, max(0.1, o.deadline - time.monotonic()))
+        for client, start in starts:
+            if client is None:
+                (_, named), = self._round_starts(awaited, dict(start.config), {})
+                self.channel.send(topics.down(self.fed, Kind.ROUND_START),
+                                  dataclasses.replace(named, deadline_s=remaining), round=r, max_packet_bytes=packet,
+                                  chunk_bytes=chunk)
+            elif client in awaited:
+                p1, c1 = self._limits([client])
+                self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
+                                  dataclasses.replace(start, deadline_s=remaining), round=r, recipient=client,
+                                  max_packet_bytes=p1, chunk_bytes=c1)
 
     def pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
         """Handle every message that arrives within ``timeout_s`` seconds (at least one wait),

@@ -356,9 +356,16 @@ class EdgeAgent:
     server's c / h again holds what the device committed. It answers once however many copies of
     that ``round_start`` were queued, not while the last copy of the update is still being
     delivered (its packets await the broker's acknowledgement, or it is being sent again smaller
-    after a refusal), and not for a copy addressed to this device alone (the server's answer to
-    its reconnect) when the update, still without a receipt, went out on the connection made
-    since; such copies are counted in ``round_starts_not_answered``.
+    after a refusal), not for a copy that arrived before the last copy of the update was sent
+    (the server sent it before it could have that copy: one queued while the device trained),
+    and not for a copy addressed to this device alone (the server's answer to its reconnect)
+    when the update, still without a receipt, went out on the connection made since; such
+    copies are counted in ``round_starts_not_answered``.
+
+    After a reconnect (once the broker acknowledged the renewed subscriptions) the agent says
+    ``online`` with what it holds of the rounds (:meth:`holdings`), so the server sends it again
+    only what it lacks: no second download of a global it holds, a receipt again instead of a
+    request for an update the server counted.
 
     The agent says in its log when its link to the broker is lost (``WARNING``, with the MQTT
     client's reason, the messages then awaiting the broker's acknowledgement and an update still
@@ -459,6 +466,9 @@ class EdgeAgent:
         # addressed to this device alone (down/{client_id}/round_start)
         self._again: dict[int, bool] = {}
         self._pending_at = 0.0
+        self._training_round = 0  # the newest round this device took up to train (0: none)
+        self._receipt_round = 0  # the round of the last update whose accepted receipt was read
+        self._update_sent_at = 0.0  # time.monotonic() when the last copy of the last update was handed over
         self._ef: ErrorFeedback | None = None
         self.rounds_trained = 0
         self.receipts_accepted = 0
@@ -515,13 +525,35 @@ class EdgeAgent:
 
     def _on_connect(self, n: int) -> None:
         """After a reconnect the broker may have published this agent's last will (offline):
-        say online again, so the server selects it again."""
+        say online again, so the server selects it again, with what this device holds of the
+        rounds (:meth:`holdings`), so that the server sends it again only what it lacks. The
+        transport calls this once the broker acknowledged the renewed subscriptions, so the
+        server's answer cannot miss them."""
         if n > 1 and self.joined and not self._stop.is_set():
             try:
-                self.channel.send(topics.status(self.fed, self.client_id), Status("online", "reconnected"), round=0,
+                self.channel.send(topics.status(self.fed, self.client_id), self._online("reconnected"), round=0,
                                   retain=True)
             except Exception as exc:  # never break paho's network thread
                 log.warning("%s: could not republish online status: %s", self.client_id, exc)
+
+    def holdings(self) -> tuple[int, int, int]:
+        """What this device holds of the rounds, as its ``online`` status says
+        (:class:`protocol.messages.Status`): (the newest round whose ``global`` it holds or
+        trained, the newest round whose ``round_start`` selecting it it holds, trains or trained,
+        the round of its last update whose receipt it has not read; 0: none). Read on paho's
+        thread while the agent's own runs: each value is read once, whole."""
+        held = self._global
+        pending = self._pending
+        trained, training = self._last_trained_round, self._training_round
+        last, answered = self._last_update, self._receipt_round
+        return (max(held[0] if held is not None else 0, trained),
+                max(pending[0] if pending is not None else 0, training, trained),
+                last[0] if last is not None and last[0] > answered else 0)
+
+    def _online(self, detail: str = "") -> Status:
+        """The ``online`` status with what this device holds of the rounds (:meth:`holdings`)."""
+        g, st, up = self.holdings()
+        return Status("online", detail, global_round=g, start_round=st, update_round=up)
 
     def stop(self) -> None:
         """Ask :meth:`run` to return at its next check (within about a second)."""
@@ -784,7 +816,7 @@ class EdgeAgent:
             TransportError: not sent in time (:class:`~protocol.errors.PublishDropped` under QoS 0
                 when the link stayed down, :class:`~protocol.errors.PublishTimeout` …).
         """
-        self._send_linked(topics.status(self.fed, self.client_id), Status("online"), what="online status",
+        self._send_linked(topics.status(self.fed, self.client_id), self._online(), what="online status",
                           wait_s=wait_s, retain=True)
         self._joining_since = time.monotonic()
         self._send_join(wait_s)
@@ -927,6 +959,11 @@ class EdgeAgent:
                 # from an older checkpoint runs it again (answered once the batch is handled)
                 if (self._last_update is not None and self._last_update[0] == env.round
                         and self.selected_by(body)):
+                    if item.received_at and item.received_at < self._update_sent_at:
+                        # here before the last copy of the update went out (queued while this device
+                        # trained): sent before the server could have had that copy, it asks nothing
+                        self.round_starts_not_answered += 1
+                        return False
                     if env.round in self._again:
                         self.round_starts_not_answered += 1
                     own = item.topic_info.client_id == self.client_id
@@ -962,6 +999,7 @@ class EdgeAgent:
                                 body.ref_seq)
                 elif body.accepted:
                     self._update_seqs.discard(body.ref_seq)
+                    self._receipt_round = max(self._receipt_round, env.round)
                     if self._unacked is not None and self._unacked[0] == env.round:
                         self._unacked = None
                         self.receipts_accepted += 1
@@ -1001,6 +1039,7 @@ class EdgeAgent:
         if self._pending is None or self._global is None or self._global[0] != self._pending[0]:
             return
         rnd, start = self._pending
+        self._training_round = max(self._training_round, rnd)  # before the pending round is let go (holdings)
         self._pending = None
         if time.monotonic() > self._pending_at + start.deadline_s:
             log.info("%s: round %d is already over (deadline %.1f s); not training it", self.client_id, rnd,
@@ -1091,6 +1130,7 @@ class EdgeAgent:
             if self.emulate_link:
                 self._emulate("up", self.channel.encoded_size(update, codec, extra_codecs))
             mark("prepare_update")
+            self._update_sent_at = time.monotonic()
             enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
                                     extra_codecs=extra_codecs)
             mark("send_update")
@@ -1215,12 +1255,15 @@ class EdgeAgent:
         _, update, codec, extra_codecs = self._last_update
         log.warning("%s: round %d started again: sending its update again", self.client_id, rnd)
         self._resend_update(rnd, update, codec, extra_codecs)
+        if self._unacked is not None and self._unacked[0] == rnd:  # the receipt timeout counts from this copy
+            self._unacked = self._unacked[:3] + (time.monotonic(),) + self._unacked[4:]
 
     def _resend_update(self, rnd: int, update, codec, extra_codecs, max_packet_bytes: int = 0) -> None:
         """Publish an update of round ``rnd`` once more (its receipt is matched by the new seq), in
         packets of at most ``max_packet_bytes`` (0: the channel's limit); a transport failure is
         logged, not raised: the caller's next chance retries."""
         try:
+            self._update_sent_at = time.monotonic()
             enc = self.channel.send(topics.up(self.fed, self.client_id, Kind.UPDATE), update, round=rnd, codec=codec,
                                     extra_codecs=extra_codecs, max_packet_bytes=max_packet_bytes)
             self._update_seqs.add(enc.seq)
@@ -1230,15 +1273,22 @@ class EdgeAgent:
             log.error("%s: resend of round %d failed: %s", self.client_id, rnd, exc)
 
     def _maybe_resend(self) -> None:
-        """Send the last update again when no receipt came back within ``receipt_timeout_s``
-        (a message lost in a broker restart, say), at most ``max_resends`` times and only while
-        its round is still open. The server counts an update once per (client, round)."""
+        """Send the last update again when no receipt came back within ``receipt_timeout_s`` of
+        the broker's acknowledgement of its last copy (a message lost in a broker restart, say):
+        not while that copy is still being delivered (the transport sends it after a reconnect),
+        at most ``max_resends`` times and only while its round is still open. The server counts
+        an update once per (client, round)."""
         if self._unacked is None:
             return
         rnd, update, codec, sent_at, tries, deadline_at, extra_codecs = self._unacked
         now = time.monotonic()
         if now > deadline_at or tries >= self.max_resends:
             self._unacked = None
+            return
+        if self._update_seq is not None and self.channel.in_flight(self._update_seq):
+            # its last copy still awaits the broker's acknowledgement (the link is down, say): the
+            # transport sends it after the reconnect; the timeout counts from when the broker has it
+            self._unacked = (rnd, update, codec, now, tries, deadline_at, extra_codecs)
             return
         if now - sent_at < self.receipt_timeout_s:
             return

@@ -254,12 +254,30 @@ class Status:
     Attributes:
         state: one of :data:`STATUS_STATES`.
         detail: free text (reason for ``offline``, current round …).
+        global_round, start_round, update_round: what an ``online`` device holds of the rounds,
+            so that a server sends it again only what it lacks (third to fifth body fields, sent
+            all three or none, only with ``online``; ``None``: not said, as by a device of an
+            older version): the newest round whose ``global`` it holds or trained, the newest
+            round whose ``round_start`` selecting it it holds or trained, and the round of its
+            last ``update`` whose receipt it has not read (0: none of each). The encoder refuses
+            them with another state or one without the others; the decoder ignores them with
+            another state (``None``).
     """
 
     state: str
     detail: str = ""
+    global_round: int | None = None
+    start_round: int | None = None
+    update_round: int | None = None
 
     KIND = Kind.STATUS
+
+    @property
+    def holds(self) -> tuple[int, int, int] | None:
+        """``(global_round, start_round, update_round)`` when the status says all three, else ``None``."""
+        if self.global_round is None or self.start_round is None or self.update_round is None:
+            return None
+        return self.global_round, self.start_round, self.update_round
 
 
 STATUS_STATES = ("online", "offline", "training", "idle")
@@ -534,7 +552,16 @@ def _encode_body(body: Body, codec: Any = None) -> list[Any]:
         case Finish():
             return [body.reason, int(body.rounds_completed)]
         case Status():
-            return [body.state, body.detail]
+            held = (body.global_round, body.start_round, body.update_round)
+            if all(h is None for h in held):
+                return [body.state, body.detail]
+            if body.state != "online" or any(h is None for h in held):
+                raise FieldError("global_round, start_round, update_round: sent all three, with state 'online' only",
+                                 field="global_round")
+            for name, h in zip(("global_round", "start_round", "update_round"), held):
+                if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_INT:
+                    raise FieldError(f"{name} {h!r} is not a round number", field=name)
+            return [body.state, body.detail, *held]
         case Receipt():
             out = [int(body.ref_kind), int(body.ref_seq), bool(body.accepted), body.reason, bytes(body.sha256)]
             if body.member_index is not None:
@@ -560,7 +587,7 @@ BODY_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.GLOBAL: ("tensors", "meta", "extras"),
     Kind.UPDATE: ("tensors", "num_samples", "train_loss", "metrics", "delta", "extras"),
     Kind.FINISH: ("reason", "rounds_completed"),
-    Kind.STATUS: ("state", "detail"),
+    Kind.STATUS: ("state", "detail", "global_round", "start_round", "update_round"),
     Kind.RECEIPT: ("ref_kind", "ref_seq", "accepted", "reason", "sha256", "member_index"),
     Kind.CHUNK: ("transfer_id", "index", "count", "offset", "total_bytes", "sha256", "data"),
     Kind.RESEND: ("transfer_id", "indices"),
@@ -813,7 +840,13 @@ def _decode_body(kind: Kind, raw: Any, limits: TensorLimits) -> Body:
         state = _str(f[0], "body.state", 32)
         if state not in STATUS_STATES:
             raise FieldError(f"body.state: {state!r} is not one of {STATUS_STATES}", field="body.state")
-        return Status(state=state, detail=_str(f[1], "body.detail"))
+        held: list[int | None] = [_uint(v, f"body.{name}")
+                                  for v, name in zip(f[2:5], ("global_round", "start_round", "update_round"))]
+        if state != "online":
+            held = []  # meaningless there: ignored
+        held += [None] * (3 - len(held))
+        return Status(state=state, detail=_str(f[1], "body.detail"), global_round=held[0], start_round=held[1],
+                      update_round=held[2])
     if kind is Kind.RECEIPT:
         f = _fields(raw, 5, b)
         digest = _bin(f[4], "body.sha256")

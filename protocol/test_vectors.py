@@ -98,6 +98,7 @@ MESSAGE_VECTORS: dict[str, tuple[str | None, str]] = {
     "update-int8-delta": ('int8', "97010403aa636c69656e742d30303705cf0000019acfa09900c4259591960301920203c40615cb7f0055fbffc4040683c13ccd0258cb3fd000000000000080c3"),
     "finish": (None, "9701050aa673657276657228cf0000019acfa09900c40c92a9636f6d706c657465640a"),
     "status": (None, "97010600aa636c69656e742d30303702cf0000019acfa09900c40992a66f6e6c696e65a0"),
+    "status-holdings": (None, "97010600aa636c69656e742d30303703cf0000019acfa09900c41795a66f6e6c696e65ab7265636f6e6e6563746564030303"),
     "receipt": (None, "97010703a67365727665720ccf0000019acfa09900c427950404c3a0c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"),
     "receipt-join-index": (None, "97010700a673657276657210cf0000019acfa09900c42a960101c3a0c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fcd012c"),
     "chunk": (None, "97010803aa636c69656e742d30303706cf0000019acfa09900c43d97c410000102030405060708090a0b0c0d0e0f01020406c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fc4026566"),
@@ -158,6 +159,9 @@ def message_vector_records() -> dict[str, object]:
                                       body=Update((t,), 600, 0.25, {}, True)),
         "finish": Envelope(round=10, sender="server", seq=40, timestamp_ms=ts, body=Finish("completed", 10)),
         "status": Envelope(round=0, sender="client-007", seq=2, timestamp_ms=ts, body=Status("online", "")),
+        # back after a reconnect, holding round 3's global and round_start, its update still without a receipt
+        "status-holdings": Envelope(round=0, sender="client-007", seq=3, timestamp_ms=ts,
+                                    body=Status("online", "reconnected", 3, 3, 3)),
         "receipt": Envelope(round=3, sender="server", seq=12, timestamp_ms=ts,
                             body=Receipt(4, 4, True, "", bytes(range(32)))),
         "receipt-join-index": Envelope(round=0, sender="server", seq=16, timestamp_ms=ts,

@@ -36,7 +36,9 @@ Design rules (``notes/mqtt-transport-study.md``):
   without relying on broker sessions. The link events reach listeners
   (:class:`~protocol.transport_base.LinkEvents`): a connection lost (``on_disconnect`` of a
   connection that was up, not closed by this client: :meth:`MqttTransport.add_disconnect_listener`)
-  and each accepted one (:meth:`MqttTransport.add_connect_listener`), both on paho's thread.
+  and each accepted one (:meth:`MqttTransport.add_connect_listener`, once the broker acknowledged
+  the renewed subscriptions (SUBACK), so what they publish (an agent's ``online``) cannot overtake
+  them), both on paho's thread.
 * ``wait_for_publish(timeout)`` returns silently on timeout: :meth:`MqttTransport.publish` checks
   ``is_published()`` afterwards and raises :class:`~protocol.errors.PublishTimeout`.
 
@@ -832,6 +834,7 @@ class MqttTransport:
         self._delivery_listener: Callable[[object, str, str], None] | None = None
         self._connect_listeners: list[Callable[[int], None]] = []
         self._disconnect_listeners: list[Callable[[LinkLost], None]] = []
+        self._suback_waiting: set[int] = set()  # SUBSCRIBEs of this connection not yet acknowledged
         self.max_buffered_messages = max_buffered_messages
         self.max_buffered_bytes = max_buffered_bytes
         self._unacked: list[tuple[mqtt.MQTTMessageInfo, int]] = []
@@ -892,6 +895,7 @@ class MqttTransport:
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
         c.on_publish = self._on_publish
+        c.on_subscribe = self._on_subscribe
         return c
 
     # paho callbacks (network thread) ---------------------------------------------------------
@@ -956,7 +960,11 @@ class MqttTransport:
 
     def add_connect_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(n)`` on paho's network thread after the n-th accepted CONNECT (n > 1 is
-        a reconnect). It must not block: publish without waiting."""
+        a reconnect) once the broker acknowledged (SUBACK) every subscription renewed on that
+        connection, at once when there is none: what the listener publishes then reaches the
+        broker after it put those subscriptions in place, however it orders one client's
+        SUBSCRIBE against its next PUBLISH (a connection lost before its SUBACKs calls no
+        listener; the next one does). It must not block: publish without waiting."""
         self._connect_listeners.append(listener)
 
     def add_disconnect_listener(self, listener: Callable[[LinkLost], None]) -> None:
@@ -964,9 +972,26 @@ class MqttTransport:
         (:class:`~protocol.transport_base.LinkLost`: its number, paho's reason, whether the broker
         sent a DISCONNECT, and the QoS 1 messages then awaiting acknowledgement, :attr:`buffered`),
         before paho reconnects; never for :meth:`close` or :meth:`abort`, nor for a connect attempt
-        that fails. It must not block (paho's thread sends the keepalive): hand slow work, a log
-        record included, to another thread (:mod:`protocol.link_log`)."""
+        that fails. It must not block (paho's thread sends the keepalive): hand slow work to another
+        thread."""
         self._disconnect_listeners.append(listener)
+
+    def _call_connect_listeners(self, n: int) -> None:
+        for listener in list(self._connect_listeners):
+            try:
+                listener(n)
+            except Exception:  # a listener must never break paho's network thread
+                log.exception("%s: connect listener failed", self.client_id)
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        """A SUBACK: once every subscription renewed on this connection is acknowledged, the
+        connect listeners are called (:meth:`add_connect_listener`)."""
+        waiting = self._suback_waiting
+        if mid not in waiting:  # a subscription made later (subscribe() while connected)
+            return
+        waiting.discard(mid)
+        if not waiting:
+            self._call_connect_listeners(self.connects)
 
     @property
     def socket_bytes(self) -> tuple[int, int]:
@@ -1086,14 +1111,15 @@ class MqttTransport:
                      limit)
         self.connects += 1
         self._withdraw_oversize(client)
+        waiting: set[int] = set()  # the message ids of this connection's SUBSCRIBEs (SUBACK awaited)
         for flt, qos in self._filters.items():
-            client.subscribe(flt, qos)
+            rc, mid = client.subscribe(flt, qos)
+            if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
+                waiting.add(mid)
+        self._suback_waiting = waiting  # the SUBACKs come on this thread, after this callback
         self._connected.set()
-        for listener in list(self._connect_listeners):
-            try:
-                listener(self.connects)
-            except Exception:  # a listener must never break paho's network thread
-                log.exception("%s: connect listener failed", self.client_id)
+        if not waiting:
+            self._call_connect_listeners(self.connects)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         was_connected = self._connected.is_set()

@@ -132,8 +132,8 @@ def message_expectations() -> dict[str, dict]:
         dec = messages.decode(bytes.fromhex(hx))
         env, rec = dec.envelope, records[name]
         body = {f: _json_value(getattr(env.body, f)) for f in type(env.body).__dataclass_fields__}
-        # absent optional fields (extras, instructions) are shown absent, as on the wire
-        for f in ("extras", "instructions", "members", "member_index"):
+        # absent optional fields (extras, instructions, a status's holdings) are shown absent, as on the wire
+        for f in ("extras", "instructions", "members", "member_index", "global_round", "start_round", "update_round"):
             if f in body and body[f] in ({}, None, {"bin": ""}):
                 del body[f]
         out[name] = {"version": env.version, "kind": int(env.kind), "round": env.round, "sender": env.sender,
@@ -210,10 +210,15 @@ implementation's constants and documentation; it is not edited by hand.
   sessions: correctness never rests on broker sessions.
 * QoS 1 for every message (QoS 1 *delivers duplicates*: receivers de-duplicate, §8).
 @MQTT_CLIENT_ID@
-* Each agent publishes a retained `status` message (`online`) and registers the same topic as its
-  MQTT last will with an `offline` status whose envelope `seq` is 0 and `round` 0, so the server
-  marks it offline when it vanishes. With signing on, the will is sealed like any other message
-  of the device (§6), encrypted too when the device encrypts.
+* Each agent publishes a retained `status` message (`online`, saying what it holds of the
+  rounds, §8) and registers the same topic as its MQTT last will with an `offline` status whose
+  envelope `seq` is 0 and `round` 0, so the server marks it offline when it vanishes. With
+  signing on, the will is sealed like any other message of the device (§6), encrypted too when
+  the device encrypts.
+* A client that reconnects renews its subscriptions and publishes what answers the reconnect
+  (an agent's `online`) only once the broker acknowledged them (SUBACK): a broker may route a
+  client's PUBLISH before it put in place the SUBSCRIBE that client sent just before it, and the
+  server's answer to that `online` would then miss the agent.
 * The broker's maximum packet size is enforced by the sender: a payload whose PUBLISH would
   exceed it, or that is longer than the sender's chunk size, goes as a chunked transfer (§5).
 
@@ -374,6 +379,13 @@ their deltas, §8) |
 | finish | rounds_completed | uint | rounds aggregated |
 | status | state | str | one of {states} |
 | status | detail | str | free text (why offline; for `idle`, `round r: why`) |
+| status | (global_round) | uint | with `online` only: the newest round whose `global` the agent holds or trained \
+(0: none) |
+| status | (start_round) | uint | with `online` only: the newest round whose `round_start` selecting the agent it \
+holds, trains or trained (0: none) |
+| status | (update_round) | uint | with `online` only: the round of the agent's last `update` whose receipt it has not \
+read (0: none). The three are sent together or not at all (an `online` without them says nothing of what the agent \
+holds, as one from an older agent); receivers ignore them beside another state |
 | receipt | ref_kind | uint ≤ 255 | kind number of the acknowledged message |
 | receipt | ref_seq | uint | envelope `seq` of the acknowledged message; for a chunked message, the inner message's \
 `seq` (§2), never a chunk's |
@@ -727,12 +739,20 @@ agent → server   status/c               status offline                      ro
 
 * `seq` is per sender (§2), so duplicates and replays can be recognised.
 * The server opens round *r* with `global` (the model for round *r*) then `round_start`. An agent
-  trains once it holds both for the same round and it is selected. The server sends the same
-  `global` and `round_start` again after it reconnects (not after a close it took for the
-  broker's refusal of a message, which it sends again smaller); an agent that already trained that round
-  sends its update again, once however many copies of that `round_start` it finds queued, and not
-  while its last copy is still being delivered (awaiting the broker's acknowledgement, or being
-  sent again smaller after a refusal).
+  trains once it holds both for the same round and it is selected. After the server reconnects
+  (not after a close it took for the broker's refusal of a message, which it sends again
+  smaller) it sends the open round's `round_start` again to the selected agents whose update it
+  has not counted only (the broadcast one naming just them, each per-device one to its agent),
+  with the time left in the round as `deadline_s`, and the round's `global` again only to those
+  of them whose `online` never said what they hold (an agent whose link broke too says what it
+  lacks once it is back, below): the broadcast, or each its own copy with per-device delivery.
+  An agent that already trained that round sends its update again, once however many copies of
+  that `round_start` it finds queued, not while its last copy is still being delivered
+  (awaiting the broker's acknowledgement, or being sent again smaller after a refusal), and not
+  for a copy that arrived before its last copy of the update was sent (the server sent it
+  before it could have that copy). An update without a receipt is sent again after a timeout
+  that counts from the broker's acknowledgement of its last copy, never while that copy is
+  still being delivered.
 * **Per-device delivery.** The server may send a round's `global` to each selected agent on
   `down/{client_id}/global` instead of broadcasting it (the unselected agents then download no
   model for that round); each copy may carry that agent's own tensors and extras (same shapes
@@ -741,15 +761,26 @@ agent → server   status/c               status offline                      ro
   the round's `round_start` also goes per device (per-device instructions), the server
   broadcasts a `round_start` whose `selected` and `members` are empty as well, which selects
   nobody: every agent hears from the server each round.
-* **Devices that come back.** When a selected device that has not reported publishes `status`
-  `online` (not retained: a live message) while its round is open, the server sends that
-  device alone the round's `global` on `down/{client_id}/global` and a `round_start` on
-  `down/{client_id}/round_start` whose `selected` names only it and whose `deadline_s` is the
-  time left in the round; the agent treats them like the broadcast ones (a copy of a round it
-  already trained is not trained again: it sends its update again, unless that update still
-  awaits its receipt and went out on the connection made since the device's link came back). A
-  selected device whose `status` `offline` (its last will) arrives and that does not say `online`
-  within the server's grace period is no longer waited for.
+* **Devices that come back.** An agent whose link came back publishes `status` `online`
+  (retained) with `global_round`, `start_round` and `update_round` (§3), once its subscriptions
+  are acknowledged (§1). The server takes it up when it arrives live, or retained when it
+  differs from the last `status` the server handled from that agent (it was published while
+  the server's own link was down: after a broker restart the agent may be back first); any
+  other retained copy is one it handled already. When `update_round` names a round whose update
+  from that agent the server counted, the server sends that update's receipt again (its
+  `ref_seq` and `sha256` those of the copy it counted), and nothing asks for the update. When
+  the agent is selected in the open round *r*, has not reported or withdrawn, the server sends
+  that agent alone what it lacks of round *r*: with `global_round` < *r* (or an `online`
+  without them, from an older agent, or a live one), the round's `global` on
+  `down/{client_id}/global` and a `round_start` on `down/{client_id}/round_start`; with the
+  global held but `start_round` < *r*, or with `update_round` = *r* (its update not counted),
+  the `round_start` alone; else nothing (it holds both and trains). That `round_start` names
+  only the agent and its `deadline_s` is the time left in the round; the agent treats both
+  like the broadcast ones (a copy of a round it already trained is not trained again: it sends
+  its update again, unless that update still awaits its receipt and went out on the connection
+  made since the device's link came back, or the copy arrived before its last copy of the
+  update was sent). A selected device whose `status` `offline` (its last will) arrives and that
+  does not say `online` within the server's grace period is no longer waited for.
 * **Per-device instructions.** When a round's plan gives devices their own settings, the server
   sends no broadcast `round_start` for that round: each selected device gets its own on
   `down/{client_id}/round_start`, whose `selected` names only it and whose fourth body field
@@ -814,8 +845,8 @@ agent → server   status/c               status offline                      ro
   fields are appended at the end of a *body* or of a *tensor array* (after the codec's params),
   or inside `sec` between `check` and `signature`, each optional with a default, so that old
   messages keep their bytes; decoders ignore trailing body, tensor and `sec` elements they do
-  not know (`round_start.instructions`, `round_start.members` and `receipt.member_index` were
-  added this way). A field's type never changes; kind,
+  not know (`round_start.instructions`, `round_start.members`, `receipt.member_index` and
+  `status.global_round`, `start_round`, `update_round` were added this way). A field's type never changes; kind,
   codec and dtype numbers are never reused. An incompatible change increments the version.
 """
 

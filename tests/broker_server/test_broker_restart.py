@@ -84,8 +84,6 @@ def _per_device(ledger: Ledger, where: str) -> dict[tuple[str, int], int]:
 
 @pytest.mark.parametrize("order", [["server", *CIDS], [*CIDS, "server"], ["dev-a", "server", "dev-b", "dev-c"]],
                          ids=["server-first", "server-last", "server-between"])
-@pytest.mark.xfail(strict=True, reason="the server re-broadcasts the open round after its reconnect and sends a "
-                   "device that says online its own copy as well; agents send their update again on each copy")
 def test_broker_restart_mid_round_costs_no_second_download_or_upload(tmp_path: Path, digits,
                                                                      order: list[str]) -> None:
     ledger, server = _restart_mid_round(tmp_path, digits, order)

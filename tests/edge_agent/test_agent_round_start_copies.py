@@ -19,7 +19,7 @@ from edge_agent.state import state_arrays
 from protocol import topics
 from protocol.channel import Channel
 from protocol.memory_transport import MemoryBroker
-from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Update, decode
+from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status, Update, decode
 
 FED = "mem"
 DEV = "dev-a"
@@ -112,3 +112,74 @@ def test_the_copy_answering_a_reconnect_is_not_answered_when_the_update_went_out
     assert wait_for(lambda: len(f.sent(Update)) == 2)
     f.finish()
     assert f.agent.round_starts_not_answered == 1 and f.agent.resends == 1
+
+
+def test_a_copy_that_came_while_the_device_trained_is_not_answered() -> None:
+    """The server re-sends round 1's round_start (its link came back) while the agent waits for
+    its training slot: that copy was sent before the server could have the update, so once the
+    agent has trained and sent its update it does not send it again for that copy (1 update, 1
+    copy not answered). A copy that comes after the update is answered (the existing rule)."""
+    f = _Fleet()
+    f.gate.set()
+    with f.lock:  # the agent waits for its training slot
+        f.open_round()
+        assert wait_for(lambda: f.agent._pending is None and f.agent._global is not None)
+        f.server.send(topics.down(FED, Kind.ROUND_START), f.start, round=1)
+    assert wait_for(lambda: f.agent.round_starts_not_answered == 1)
+    assert len(f.sent(Update)) == 1 and f.agent.resends == 0
+    f.server.send(topics.down(FED, Kind.ROUND_START), f.start, round=1)
+    assert wait_for(lambda: len(f.sent(Update)) == 2)
+    f.finish()
+    assert f.agent.round_starts_not_answered == 1 and f.agent.resends == 1
+
+
+def _onlines(f: _Fleet) -> list[Status]:
+    """The agent's ``online`` statuses, in the order published."""
+    envs = [decode(m.payload).envelope for m in f.hub.published if m.topic == topics.status(FED, DEV)]
+    return [e.body for e in envs if isinstance(e.body, Status) and e.body.state == "online"]
+
+
+def test_the_online_after_a_reconnect_says_what_the_device_holds() -> None:
+    """(global_round, start_round, update_round) in each ``online``: (0, 0, 0) at join and after a
+    reconnect before any round; (1, 1, 1) once round 1 is trained and its update awaits a
+    receipt; (1, 1, 0) once the receipt came. Each reconnect's ``online`` is detailed
+    ``reconnected``."""
+    f = _Fleet()
+    f.gate.set()
+    f.agent.channel.transport.drop_link()
+    assert wait_for(lambda: len(_onlines(f)) == 2)
+    f.open_round()
+    assert wait_for(lambda: len(f.sent(Update)) == 1)
+    f.agent.channel.transport.drop_link()
+    assert wait_for(lambda: len(_onlines(f)) == 3)
+    (update,) = f.sent(Update)
+    f.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.UPDATE), ref_seq=update.seq,
+                  accepted=True), round=1, recipient=DEV)
+    assert wait_for(lambda: f.agent.receipts_accepted == 1)
+    f.agent.channel.transport.drop_link()
+    assert wait_for(lambda: len(_onlines(f)) == 4)
+    f.finish()
+    assert [(s.detail, s.holds) for s in _onlines(f)] == [("", (0, 0, 0)), ("reconnected", (0, 0, 0)),
+                                                         ("reconnected", (1, 1, 1)), ("reconnected", (1, 1, 0))]
+
+
+def test_no_receipt_timeout_resend_while_the_last_copy_is_still_being_delivered() -> None:
+    """An update without a receipt is sent again ``receipt_timeout_s`` (here 0 s) after the broker
+    has its last copy, not before: while the channel says that copy is in flight (the link is
+    down: the transport sends it after the reconnect) the timeout does not fire, however often
+    it is looked at; once it is delivered, it does (1 update, then 2)."""
+    f = _Fleet()
+    f.gate.set()
+    delivering = [True]
+    f.agent.channel.in_flight = lambda seq: delivering[0]  # type: ignore[method-assign]
+    f.agent.receipt_timeout_s = 0.0
+    f.open_round()
+    assert wait_for(lambda: len(f.sent(Update)) == 1 and f.agent._unacked is not None)
+    looked = f.agent._unacked[3]
+    assert wait_for(lambda: f.agent._unacked[3] > looked)  # looked at again since, while in flight
+    looked = f.agent._unacked[3]
+    assert wait_for(lambda: f.agent._unacked[3] > looked)
+    assert len(f.sent(Update)) == 1 and f.agent.resends == 0
+    delivering[0] = False
+    assert wait_for(lambda: len(f.sent(Update)) == 2)
+    f.finish()

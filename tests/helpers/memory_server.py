@@ -92,9 +92,13 @@ def update_payload(fed: str, cid: str, rnd: int, seq: int, like: list[np.ndarray
     return topics.up(fed, cid, Kind.UPDATE), encode(Envelope(round=rnd, sender=cid, seq=seq, body=upd)).payload
 
 
-def status_payload(fed: str, cid: str, state: str, detail: str = "", seq: int = 0) -> tuple[str, bytes]:
-    """(topic, payload) of a ``status`` of ``cid`` (seq 0: a last will, as the broker publishes it)."""
-    return topics.status(fed, cid), encode(Envelope(round=0, sender=cid, seq=seq, body=Status(state, detail))).payload
+def status_payload(fed: str, cid: str, state: str, detail: str = "", seq: int = 0,
+                   holds: tuple[int, int, int] | None = None) -> tuple[str, bytes]:
+    """(topic, payload) of a ``status`` of ``cid`` (seq 0: a last will, as the broker publishes it);
+    ``holds``: an ``online``'s (global_round, start_round, update_round), ``None``: not said."""
+    g, st, up = holds if holds is not None else (None, None, None)
+    body = Status(state, detail, global_round=g, start_round=st, update_round=up)
+    return topics.status(fed, cid), encode(Envelope(round=0, sender=cid, seq=seq, body=body)).payload
 
 
 def sent_on(tr: MemoryTransport, suffix: str) -> list:

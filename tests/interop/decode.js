@@ -316,7 +316,12 @@ function decodeBody(kind, u8) {
     case 5: b.reason = str(f[0], 'body.reason'); b.rounds_completed = uint(f[1], 'body.rounds_completed'); break;
     case 6:
       b.state = str(f[0], 'body.state', 32); if (!STATES.includes(b.state)) fail(`body.state: ${b.state}`);
-      b.detail = str(f[1], 'body.detail'); break;
+      b.detail = str(f[1], 'body.detail');
+      // §3: an online's holdings (global_round, start_round, update_round); ignored beside another state
+      ['global_round', 'start_round', 'update_round'].forEach((name, i) => {
+        if (f.length > 2 + i) { const v = uint(f[2 + i], `body.${name}`); if (b.state === 'online') b[name] = v; }
+      });
+      break;
     case 7:
       b.ref_kind = uint(f[0], 'body.ref_kind'); b.ref_seq = uint(f[1], 'body.ref_seq');
       b.accepted = bool(f[2], 'body.accepted'); b.reason = str(f[3], 'body.reason');

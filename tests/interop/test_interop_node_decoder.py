@@ -125,7 +125,8 @@ def _view(v):
 def _message_view(payload: bytes) -> dict:
     env = decode(payload).envelope
     body = {f: _view(getattr(env.body, f)) for f in BODY_FIELDS[env.kind] if hasattr(env.body, f)}
-    for f in ("extras", "instructions", "members", "member_index"):  # optional fields absent on the wire
+    # optional fields absent on the wire
+    for f in ("extras", "instructions", "members", "member_index", "global_round", "start_round", "update_round"):
         if f in body and body[f] in ({}, None, {"bin": ""}):
             del body[f]
     return {"version": env.version, "kind": int(env.kind), "round": env.round, "sender": env.sender, "seq": env.seq,
@@ -233,6 +234,9 @@ def _federation(bus: _Bus, fed: str, cid: str, *, secure: bool, expected: dict) 
         sent_back = upd.envelope.body.tensors
         model = [np.array(g + t if delta and t.dtype.kind == "f" else t) for g, t in zip(got, sent_back, strict=True)]
     assert agent.resent_chunks == 1  # the dropped chunk came again, once
+    # back after a reconnect: holds the last round's global and round_start, its update answered
+    agent.send(topics.status(fed, cid), Status("online", "reconnected", len(CODECS), len(CODECS), 0), round=0,
+               retain=True)
     agent.send(topics.status(fed, cid), Status("idle", "round 9: battery low"), round=9)
     server.send(topics.down(fed, Kind.FINISH), Finish("completed", len(CODECS)), round=len(CODECS))
     _pump(agent, server, lambda i: isinstance(i, Received) and i.envelope.kind is Kind.FINISH)

@@ -42,7 +42,8 @@ def _view(v):
 def _message_view(payload: bytes) -> dict:
     env = decode(payload).envelope
     body = {f: _view(getattr(env.body, f)) for f in BODY_FIELDS[env.kind] if hasattr(env.body, f)}
-    for f in ("extras", "instructions", "members", "member_index"):  # optional fields absent on the wire
+    # optional fields absent on the wire
+    for f in ("extras", "instructions", "members", "member_index", "global_round", "start_round", "update_round"):
         if f in body and body[f] in ({}, None, {"bin": ""}):
             del body[f]
     return {"version": env.version, "kind": int(env.kind), "round": env.round, "sender": env.sender, "seq": env.seq,

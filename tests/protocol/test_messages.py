@@ -461,6 +461,35 @@ def test_map_entry_count_at_size_class_boundaries(n: int) -> None:
     assert decode(encode(envelope_of(body)).payload).envelope.body.meta == meta
 
 
+def test_online_status_with_holdings_is_three_uints_after_the_detail() -> None:
+    """An ``online`` that says what the device holds: ``[state, detail, global_round, start_round,
+    update_round]``, each the smallest msgpack uint; one without them is the two-field form of
+    before, byte for byte, and decodes to ``holds`` ``None``."""
+    body = Status("online", "reconnected", global_round=2, start_round=2, update_round=200)
+    enc = encode(envelope_of(body))
+    assert enc.body_bytes == len(pack(["online", "reconnected", 2, 2, 200]))
+    assert enc.body_bytes == 1 + 7 + 12 + 1 + 1 + 2  # fixarray, "online", "reconnected", 2, 2, uint8 200
+    got = decode(enc.payload).envelope.body
+    assert got == body and got.holds == (2, 2, 200)
+    plain = encode(envelope_of(Status("online", "reconnected")))
+    assert plain.body_bytes == len(pack(["online", "reconnected"]))
+    assert decode(plain.payload).envelope.body.holds is None
+
+
+def test_holdings_beside_another_state_are_ignored_and_refused_by_the_encoder() -> None:
+    raw = frame(["offline", "gone", 3, 3, 0], kind=KIND_NUMBERS["STATUS"])
+    assert decode(raw).envelope.body == Status("offline", "gone")
+    with pytest.raises(FieldError, match="'online' only"):
+        encode(envelope_of(Status("offline", "", global_round=1, start_round=1, update_round=0)))
+    with pytest.raises(FieldError, match="all three"):
+        encode(envelope_of(Status("online", "", global_round=1)))
+    for bad in (-1, True):
+        with pytest.raises(FieldError):
+            encode(envelope_of(Status("online", "", global_round=1, start_round=bad, update_round=0)))
+    with pytest.raises(MalformedMessage):
+        decode(frame(["online", "", 1, "two", 0], kind=KIND_NUMBERS["STATUS"]))
+
+
 # ------------------------------------------------------------------------------------------
 # Forward compatibility
 
@@ -471,8 +500,9 @@ def test_unknown_trailing_envelope_and_body_fields_are_ignored(name: str) -> Non
     # global/update/round_start: the optional map (extras, instructions) comes first (empty = none), then
     # fields of the future
     extras = [{}] if SAMPLE_KIND[name].name in ("GLOBAL", "UPDATE", "ROUND_START") else []
-    # round_start's members (an empty bin: none) and a non-join receipt's member_index (ignored)
-    extras += [b""] if SAMPLE_KIND[name] is Kind.ROUND_START else [0] if SAMPLE_KIND[name] is Kind.RECEIPT else []
+    # round_start's members (an empty bin: none), a non-join receipt's member_index (ignored) and a
+    # status's holdings beside another state than online (ignored)
+    extras += {Kind.ROUND_START: [b""], Kind.RECEIPT: [0], Kind.STATUS: [0, 0, 0]}.get(SAMPLE_KIND[name], [])
     raw_body = pack([*hand_body(body), *extras, "future-field", {"x": 1}])
     payload = pack([1, KIND_NUMBERS[SAMPLE_KIND[name].name], 3, CLIENT, 5, 0, raw_body, b"signature", 42])
     dec = decode(payload)
