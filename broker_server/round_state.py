@@ -76,6 +76,11 @@ class RoundState:
             tensors: its delta updates are resolved against them.
         global_bytes_to, global_seq_to: with per-device delivery, each copy's payload size and
             envelope seq when last sent.
+        opened_on: the server transport's connection (its ``connects`` count; 0: unknown) the
+            round's messages went out on: a reconnect to that one or an older one lost none of them.
+        deferred: devices whose ``online`` said they lack the round's global while the copy sent
+            after the server's reconnect may still reach them: client → ``time.monotonic()`` of
+            that ``online`` (their own copy goes unless they confirm the round's global in time).
     """
 
     collecting: int | None = None
@@ -101,6 +106,8 @@ class RoundState:
     delta_base: dict[str, tuple[np.ndarray, ...]] = field(default_factory=dict)
     global_bytes_to: dict[str, int] = field(default_factory=dict)
     global_seq_to: dict[str, int] = field(default_factory=dict)
+    opened_on: int = 0
+    deferred: dict[str, float] = field(default_factory=dict)
 
     def awaited(self) -> set[str]:
         """Selected clients that have neither reported, withdrawn, nor been dropped."""

@@ -23,8 +23,9 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    server counted, that update's receipt again: the others are not sent anything again, and an
    agent that already trained the round does not train it twice (it re-sends its update unless
    that copy is still on its way, answered as a duplicate). After the server's own reconnect
-   the ``round_start`` goes again to the devices the round awaits only, the ``global`` only to
-   those that do not say what they hold (:meth:`AggregationServer._resync_round`). A selected device whose last will (an
+   the ``round_start`` goes again to each device the round awaits, on its own topic, the
+   ``global`` only to those that do not say what they hold
+   (:meth:`AggregationServer._resync_round`). A selected device whose last will (an
    ``offline`` status) arrives and that does not say ``online`` within ``offline_grace_s`` is
    **dropped**: the round no longer waits for it (``dropped`` in ``metrics.jsonl``);
    **refusals**: every refused update is answered with a receipt saying why and is a
@@ -624,7 +625,7 @@ class AggregationServer:
         self._extras_seen: set[str] = set()  # names carried by a global or an accepted update
         self._extras_codec_checked = False
         self._extras_update_seen = False  # an update was accepted: the upload names are known
-        self._resync = False
+        self._resync = 0  # the connection whose reconnect is still to be handled (0: none)
         self.resyncs = 0
         self._resend_capped: set[tuple[int, str]] = set()  # (round, client) told "nothing more is sent"
         self.onnx_result: dict = {}
@@ -1046,7 +1047,10 @@ class AggregationServer:
         the ``round_start`` with it), the ``round_start`` alone when it holds the global but not
         the round_start, or when its update of the round awaits a receipt and was not counted (the
         agent sends it again unless its copy is still on its way); nothing when it holds both and
-        trains. Without ``holds``, both are sent, as to every device before."""
+        trains. Without ``holds``, both are sent, as to every device before. When the round's
+        global it lacks went out after this server's own reconnect, it may still reach the device
+        (:meth:`_global_may_follow`): its own copy then waits until ``global_confirm_s`` passed
+        without the device confirming that one (:meth:`_send_deferred`)."""
         o = self.open
         if holds is not None and holds[2] and (copy := self._counted.copy(holds[2], client)) is not None:
             log.info("%s is back online (%s): its update of round %d was counted; its receipt is sent again",
@@ -1066,10 +1070,57 @@ class AggregationServer:
             log.info("%s is back online during round %d (%s) and holds the round's global and round_start: "
                      "nothing is sent again", client, r, detail or "no detail")
             return
+        if lacks_global and holds is not None and self._global_may_follow(client):
+            if client not in o.deferred:
+                o.deferred[client] = time.monotonic()
+                log.info("%s is back online during round %d (%s) without the round's global, which went out after "
+                         "this server's reconnect and may reach it still: its own copy goes only if it does not "
+                         "confirm that one within %g s (global_confirm_s)", client, r, detail or "no detail",
+                         self.settings.global_confirm_s)
+            return
+        self._send_lacking(client, detail, lacks_global)
+
+    def _global_may_follow(self, client: str) -> bool:
+        """Whether the open round's global copy for ``client`` (the broadcast, or its own with
+        per-device delivery) went out on this server's current connection and that connection is
+        a reconnect: after a broker restart, a device back and subscribed before that copy reached
+        the broker gets it, one back after it does not, and its ``online``, published as it came
+        back, cannot say which (the server and the broker order things the device cannot see)."""
+        o = self.open
+        connects = getattr(self.channel.transport, "connects", 0)
+        if not isinstance(connects, int) or connects <= 1:
+            return False
+        seq = o.global_seq_to.get(client, 0) if o.delivery == "per_device" else o.global_seq
+        return bool(seq) and self.channel.handed_on(seq) >= connects
+
+    def _send_deferred(self) -> None:
+        """Send the devices whose ``online`` said they lack the open round's global while it may
+        still reach them (:meth:`_global_may_follow`) their own copy once ``global_confirm_s``
+        passed without their confirming the round's global; one that confirmed it (or reported,
+        withdrew) needs nothing."""
+        o = self.open
+        if not o.deferred:
+            return
+        now = time.monotonic()
+        for client, since in sorted(o.deferred.items()):
+            if o.collecting is None or client in o.global_confirmed or client not in o.awaited():
+                del o.deferred[client]
+            elif now - since >= self.settings.global_confirm_s and now < o.deadline:
+                del o.deferred[client]
+                log.warning("%s did not confirm round %d's global within %g s of saying online without it: sending "
+                            "it its own copy", client, o.collecting, self.settings.global_confirm_s)
+                self._send_lacking(client, "no confirmation", True)
+
+    def _send_lacking(self, client: str, detail: str, lacks_global: bool) -> None:
+        """Send ``client`` what it lacks of the open round (:meth:`_send_round_to`), at most
+        :data:`MAX_ROUND_RESENDS` times a round."""
+        o = self.open
+        r = o.collecting
+        assert r is not None  # checked by the callers
         sent = o.resent.get(client, 0)
         if sent >= MAX_ROUND_RESENDS:  # a flapping link (or a forged status) costs at most this many models
-            if (o.collecting, client) not in self._resend_capped:  # said once per device and round
-                self._resend_capped.add((o.collecting, client))
+            if (r, client) not in self._resend_capped:  # said once per device and round
+                self._resend_capped.add((r, client))
                 log.warning("%s is back online during round %d again (%s): it was sent the round %d times "
                             "already, nothing more is sent to it this round", client, o.collecting,
                             detail or "no detail", MAX_ROUND_RESENDS)
@@ -1119,7 +1170,7 @@ class AggregationServer:
             # links did not break, so nothing needs re-broadcasting
             log.info("reconnected to the broker after it refused a PUBLISH: the round is not re-sent")
         elif n > 1:
-            self._resync = True  # handled on the round-loop thread (never publish from paho's thread)
+            self._resync = n  # handled on the round-loop thread (never publish from paho's thread)
 
     def _publish_round(self, r: int) -> None:
         """Publish the open round's ``global`` then its ``round_start`` message(s).
@@ -1136,6 +1187,9 @@ class AggregationServer:
         assert o.messages is not None  # called only for the open round, after its messages are made
         glob, starts = o.messages
         packet, chunk = self._limits()
+        connects = getattr(self.channel.transport, "connects", 0)
+        if isinstance(connects, int):  # queued while the link is down: they go out on the next connection
+            o.opened_on = connects + (0 if getattr(self.channel.transport, "connected", True) else 1)
         if o.delivery == "per_device":
             for device in sorted(o.device_globals):
                 self._send_global_to(device, r, note=True)
@@ -1239,25 +1293,33 @@ class AggregationServer:
 
     def _resync_round(self) -> None:
         """After the server's link came back (a broker restart, or its own link alone), send the
-        open round's ``round_start`` again to the devices it still awaits only: the broadcast one
-        naming just them (``selected``/``members``), the per-device ones to them alone, each with
-        the time left as ``deadline_s``. An awaited agent that trained the round sends its update
-        again (the server may have missed it while its link was down) unless that copy is still on
-        its way or went out after this round_start came; one that missed the round_start trains;
-        a device whose update was counted is not named, so it sends nothing again.
+        open round's ``round_start`` again to each device it still awaits, on the device's own
+        topic (``down/{client}/round_start``, naming only it, with its instructions if the round
+        has per-device ones and the time left as ``deadline_s``); a device whose update was
+        counted, or that withdrew or was dropped, gets nothing, and nothing is sent again for a
+        round whose messages went out on the connection that came back (opened after the
+        reconnect, or queued while the link was down). An awaited agent that trained the
+        round sends its update again (the server may have missed it while its link was down)
+        unless that copy is still on its way, went out on the connection the agent made since its
+        own link came back (the copy paho held through a broker restart), or went out after this
+        round_start came; one that missed the round_start trains. A broadcast naming the awaited
+        devices would not do: to the agent it would not say that the server's link, not its own,
+        broke, and the copy paho re-sent after the restart would go again.
 
         The ``global`` is not sent again to a device whose statuses say what it holds
         (:attr:`protocol.messages.Status.holds`): a device whose link broke too says ``online``
         once it is back and subscribed (live, or retained when it was back first), and
-        :meth:`_came_back` sends it the global only if it lacks it; a re-broadcast besides would
-        cost every device that subscribed in time a second download. Awaited devices that do not
-        say (older agents) get it again as before: the broadcast, or each its copy with per-device
-        delivery."""
-        self._resync = False
+        :meth:`_came_back` sends it the global only if it lacks it; a re-broadcast besides cost
+        every device that subscribed in time a second download. Awaited devices that do not say
+        (older agents) are each sent their copy again (:meth:`_send_global_to`)."""
+        back, self._resync = self._resync, 0
         o = self.open
         if o.collecting is None or o.messages is None:
             return
         r = o.collecting
+        if o.opened_on >= back:  # the round's messages went out on the connection that came back: none lost
+            log.info("reconnected to the broker: round %d went out on this connection, nothing is sent again", r)
+            return
         self.resyncs += 1
         awaited = tuple(sorted(o.awaited()))
         if not awaited:
@@ -1267,26 +1329,18 @@ class AggregationServer:
         log.warning("reconnected to the broker: round %d's round_start goes again to the %d device(s) it awaits%s",
                     r, len(awaited),
                     f", its global to {', '.join(legacy)} (they do not say what they hold)" if legacy else "")
-        glob, starts = o.messages
-        packet, chunk = self._limits()
-        if legacy and o.delivery == "per_device":
-            for device in legacy:
-                if device in o.device_globals:
-                    self._send_global_to(device, r, note=True)
-        elif legacy:
-            self._send_global(r, glob, packet, chunk)
+        for device in legacy:
+            self._send_global_to(device, r, note=True)
         remaining = min(self.settings.round_deadline_s, max(0.1, o.deadline - time.monotonic()))
-        for client, start in starts:
-            if client is None:
-                (_, named), = self._round_starts(awaited, dict(start.config), {})
-                self.channel.send(topics.down(self.fed, Kind.ROUND_START),
-                                  dataclasses.replace(named, deadline_s=remaining), round=r, max_packet_bytes=packet,
-                                  chunk_bytes=chunk)
-            elif client in awaited:
-                p1, c1 = self._limits([client])
-                self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
-                                  dataclasses.replace(start, deadline_s=remaining), round=r, recipient=client,
-                                  max_packet_bytes=p1, chunk_bytes=c1)
+        starts = o.messages[1]
+        for client in awaited:
+            start = next((st for c, st in starts if c is None or c == client), None)
+            if start is None:  # pragma: no cover - a selected client always has its round_start
+                continue
+            p1, c1 = self._limits([client])
+            self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
+                              dataclasses.replace(start, selected=(client,), deadline_s=remaining, members=b""),
+                              round=r, recipient=client, max_packet_bytes=p1, chunk_bytes=c1)
 
     def pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
         """Handle every message that arrives within ``timeout_s`` seconds (at least one wait),
@@ -1298,6 +1352,7 @@ class AggregationServer:
             if self._resync:
                 self._resync_round()
             self._confirm_global()
+            self._send_deferred()
             item = self.channel.receive(max(0.0, min(deadline - time.monotonic(), 1.0)))
             if item is not None:
                 self._handle(item)

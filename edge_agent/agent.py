@@ -7,6 +7,7 @@ a slow device trains.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import logging
@@ -457,6 +458,9 @@ class EdgeAgent:
         self.receipt_timeout_s = receipt_timeout_s
         self.max_resends = max_resends
         self._update_seqs: set[int] = set()
+        # seqs of update copies already answered (the last few): a receipt sent again for one of
+        # them (the server's answer to an online that crossed the first receipt) is no stranger's
+        self._answered_seqs: collections.deque[int] = collections.deque(maxlen=64)
         self._update_seq: int | None = None  # envelope seq of the last copy of the update sent
         self.resends = 0
         #: round_starts of a round already trained that asked for its update again and were not
@@ -994,18 +998,27 @@ class EdgeAgent:
                                  "index %d: taken", self.client_id, held[0], self.member_index)
                         self._take_round(*held)
             elif body.ref_kind == Kind.UPDATE:
-                if body.ref_seq not in self._update_seqs:
+                if body.ref_seq in self._answered_seqs:
+                    log.info("%s: receipt again for its update of round %d (seq %d), answered already", self.client_id,
+                             env.round, body.ref_seq)
+                elif body.ref_seq not in self._update_seqs:
                     log.warning("%s: receipt for an update it did not send (seq %d) ignored", self.client_id,
                                 body.ref_seq)
                 elif body.accepted:
                     self._update_seqs.discard(body.ref_seq)
+                    self._answered_seqs.append(body.ref_seq)
                     self._receipt_round = max(self._receipt_round, env.round)
+                    if self._again.pop(env.round, None) is not None:
+                        # a round_start copy of this round came before this receipt in the batch: the
+                        # server counted the update after it sent that copy, which asks for nothing more
+                        self.round_starts_not_answered += 1
                     if self._unacked is not None and self._unacked[0] == env.round:
                         self._unacked = None
                         self.receipts_accepted += 1
                     self._settle(env.round, True)
                 else:
                     self._update_seqs.discard(body.ref_seq)
+                    self._answered_seqs.append(body.ref_seq)
                     if self._unacked is not None and self._unacked[0] == env.round:
                         self._unacked = None  # a definite answer: do not send it again
                     log.warning("%s: update of round %d rejected: %s", self.client_id, env.round, body.reason)

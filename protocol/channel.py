@@ -863,9 +863,13 @@ class Channel:
                 log.warning("%s: delivery of ledger row %d not recorded: %s", self.node_id, row, exc)
         if out is None:
             return
+        connects = getattr(self.transport, "connects", 0) if outcome == "acked" else 0
         with self._delivery_lock:
             if counted:
                 out.pending -= 1
+            if isinstance(connects, int) and connects > out.connection:
+                # the broker took it on this connection: one handed before a link broke went out again after
+                out.connection = connects
             if outcome != "acked" and gen == out.generation and not out.refusal_queued:
                 out.refusal_queued = True
                 self._refusal_queue.append((out, gen, reason, 0))
@@ -972,8 +976,10 @@ class Channel:
     def handed_on(self, seq: int) -> int:
         """The transport connection (its ``connects`` count, 1 = the first) on which the last copy
         of the message with envelope ``seq`` went out (a re-send after a refusal counts; one handed
-        while the link was down goes out on the next connection), 0 when unknown (not one of the
-        last messages sent, or a transport that does not count its connections)."""
+        while the link was down goes out on the next connection; one the broker acknowledged on a
+        later connection than it was handed on, as the MQTT client sends it again after a
+        reconnect, went out on that one), 0 when unknown (not one of the last messages sent, or a
+        transport that does not count its connections)."""
         with self._delivery_lock:
             sent = self._sent.get(seq)
             if sent is None:

@@ -741,18 +741,19 @@ agent → server   status/c               status offline                      ro
 * The server opens round *r* with `global` (the model for round *r*) then `round_start`. An agent
   trains once it holds both for the same round and it is selected. After the server reconnects
   (not after a close it took for the broker's refusal of a message, which it sends again
-  smaller) it sends the open round's `round_start` again to the selected agents whose update it
-  has not counted only (the broadcast one naming just them, each per-device one to its agent),
-  with the time left in the round as `deadline_s`, and the round's `global` again only to those
-  of them whose `online` never said what they hold (an agent whose link broke too says what it
-  lacks once it is back, below): the broadcast, or each its own copy with per-device delivery.
+  smaller) it sends the open round's `round_start` again to each selected agent whose update it
+  has not counted (that has not withdrawn or been dropped), on `down/{client_id}/round_start`
+  naming only that agent, with the time left in the round as `deadline_s`, and the round's
+  `global` again, on `down/{client_id}/global`, only to those of them whose `online` never said
+  what they hold (an agent whose link broke too says what it lacks once it is back, below).
   An agent that already trained that round sends its update again, once however many copies of
   that `round_start` it finds queued, not while its last copy is still being delivered
-  (awaiting the broker's acknowledgement, or being sent again smaller after a refusal), and not
+  (awaiting the broker's acknowledgement, or being sent again smaller after a refusal), not
   for a copy that arrived before its last copy of the update was sent (the server sent it
-  before it could have that copy). An update without a receipt is sent again after a timeout
-  that counts from the broker's acknowledgement of its last copy, never while that copy is
-  still being delivered.
+  before it could have that copy), and not for a copy on its own topic when that update, still
+  without a receipt, went out on the connection it made since its own link came back. An
+  update without a receipt is sent again after a timeout that counts from the broker's
+  acknowledgement of its last copy, never while that copy is still being delivered.
 * **Per-device delivery.** The server may send a round's `global` to each selected agent on
   `down/{client_id}/global` instead of broadcasting it (the unselected agents then download no
   model for that round); each copy may carry that agent's own tensors and extras (same shapes
@@ -774,7 +775,11 @@ agent → server   status/c               status offline                      ro
   without them, from an older agent, or a live one), the round's `global` on
   `down/{client_id}/global` and a `round_start` on `down/{client_id}/round_start`; with the
   global held but `start_round` < *r*, or with `update_round` = *r* (its update not counted),
-  the `round_start` alone; else nothing (it holds both and trains). That `round_start` names
+  the `round_start` alone; else nothing (it holds both and trains). When the round's `global`
+  (the broadcast, or the agent's copy) went out after the server's own reconnect, an agent that
+  subscribed before it reached the broker still gets it, which its `online` cannot say: the
+  server then sends its copy only if the agent has not confirmed that `global` (its receipt)
+  within the server's confirmation timeout. That `round_start` names
   only the agent and its `deadline_s` is the time left in the round; the agent treats both
   like the broadcast ones (a copy of a round it already trained is not trained again: it sends
   its update again, unless that update still awaits its receipt and went out on the connection

@@ -7,12 +7,15 @@ sends it on its own topics the round's ``global`` only when it lacks it (with th
 the ``round_start`` alone when it holds the global but not the round_start or its update of the
 round awaits a receipt the server never gave, and nothing when it holds both; an update the
 server counted gets its receipt again instead. A retained ``online`` the server never handled
-(published while its own link was down) is taken up once. After the server's own reconnect the
-round_start goes again to the devices it still awaits only, and the global to none of them that
-say what they hold. Deadlines are 600 s: a round closes because it stopped waiting."""
+(published while its own link was down) is taken up once; a global sent after the server's own
+reconnect, which a device back before it still gets, is copied only to a device that does not
+confirm it in time. After the server's own reconnect the round_start goes again, on each one's
+own topic, to the devices it still awaits only, and the global to none of them that say what they
+hold. Deadlines are 600 s: a round closes because it stopped waiting."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections import deque
@@ -24,7 +27,8 @@ from helpers.memory_server import incoming, memory_server, receipts_to, sent_on,
 
 from edge_agent.models import build_model
 from edge_agent.state import state_arrays
-from protocol.messages import Kind, RoundStart
+from protocol import topics
+from protocol.messages import Envelope, Kind, Receipt, RoundStart, encode
 from protocol.transport_base import Incoming
 
 FED = "mem"
@@ -113,12 +117,14 @@ def test_a_retained_online_the_server_never_handled_is_taken_up_once(tmp_path: P
 
 
 @pytest.mark.parametrize("c_says", [True, False], ids=["all-say", "c-does-not-say"])
-def test_after_its_reconnect_the_server_names_only_the_devices_it_awaits(tmp_path: Path, c_says: bool) -> None:
+def test_after_its_reconnect_the_server_sends_the_round_start_to_each_awaited_device(tmp_path: Path,
+                                                                                     c_says: bool) -> None:
     """Round 1 asks A, B and C; A's update is counted; B and C hold the round (B's ``online`` says
     so, and C's too, or C never said, as an older agent). The server's link breaks and comes
-    back: it sends one broadcast ``round_start`` naming B and C only (A would otherwise send its
-    counted update again), with the time left, and the global again only when an awaited device
-    (C) does not say what it holds: 1 broadcast global in all, or 2."""
+    back: it sends a ``round_start`` on B's and on C's own topic, each naming only that device,
+    with the time left, and none to A (it would send its counted update again); the global
+    again only to an awaited device that does not say what it holds (C's own copy): nothing is
+    broadcast again (1 broadcast global, 1 broadcast round_start in all)."""
     model, like = _model()
     rng = np.random.default_rng(5)
     phase = [0]
@@ -144,11 +150,67 @@ def test_after_its_reconnect_the_server_names_only_the_devices_it_awaits(tmp_pat
     m = srv.run_round(1)
     tr = srv.channel.transport
     assert srv.resyncs == 1
-    starts = sent_on(tr, "/down/round_start")
-    assert len(starts) == 2
-    assert sorted(starts[0].body.selected) == ["client-a", "client-b", "client-c"]
-    assert starts[1].body.selected == ("client-b", "client-c") and starts[1].body.members == b""
-    assert 0 < starts[1].body.deadline_s <= 600.0
-    assert len(sent_on(tr, "/down/global")) == (1 if c_says else 2)
-    assert [t for t, _ in tr.sent if "/down/client-" in t and not t.endswith("/receipt")] == []
-    assert (m["clients_reported"], m["duplicates"]) == (3, 0)
+    assert len(sent_on(tr, "/down/round_start")) == len(sent_on(tr, "/down/global")) == 1
+    assert sent_on(tr, "/down/client-a/round_start") == []
+    for c in ("client-b", "client-c"):
+        (start,) = sent_on(tr, f"/down/{c}/round_start")
+        assert start.body.selected == (c,) and start.body.members == b""
+        assert 0 < start.body.deadline_s <= 600.0
+    assert len(sent_on(tr, "/down/client-c/global")) == (0 if c_says else 1)
+    assert sent_on(tr, "/down/client-a/global") == sent_on(tr, "/down/client-b/global") == []
+    assert (m["clients_reported"], m["duplicates"], m["resent_to"]) == (3, 0, [])
+
+
+@pytest.mark.parametrize("confirms", [True, False], ids=["confirms-the-broadcast", "never-confirms"])
+def test_a_global_sent_after_the_servers_reconnect_is_not_copied_to_a_device_it_may_still_reach(
+        tmp_path: Path, confirms: bool) -> None:
+    """The server's link broke and came back before round 1 opened, so round 1's broadcast went
+    out on the new connection; A's ``online`` (holding nothing of round 1) arrives after it: A
+    may have subscribed in time for that broadcast or not, which its ``online`` cannot say. The
+    server sends no copy at once: A confirms the broadcast (its hash) and never gets a copy
+    (``global_confirm_s`` 600 s); or A never confirms, and once ``global_confirm_s`` (0 s from
+    A's ``online`` on) passed it gets exactly one copy with a round_start. B confirms the
+    broadcast in both cases (so the round's global is not taken for dropped and re-broadcast
+    smaller)."""
+    model, like = _model()
+    rng = np.random.default_rng(6)
+
+    def confirm(cid: str, seq: int) -> Incoming:
+        (topic, payload) = next((t, p) for t, p in srv.channel.transport.sent if t.endswith("/down/global"))
+        env = sent_on(srv.channel.transport, "/down/global")[0]
+        body = Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True,
+                       sha256=hashlib.sha256(payload).digest())
+        return incoming(topics.up(FED, cid, Kind.RECEIPT),
+                        encode(Envelope(round=1, sender=cid, seq=seq, body=body)).payload)
+
+    def a_online() -> Incoming:
+        if not confirms:  # from now on, no wait (B's confirmation is in: the broadcast is not taken for dropped)
+            srv.settings = dataclasses.replace(srv.settings, global_confirm_s=0.0)
+        return incoming(*status_payload(FED, "client-a", "online", "reconnected", seq=3, holds=(0, 0, 0)))
+
+    steps: deque = deque([lambda: confirm("client-b", 2), a_online,
+                          *([lambda: confirm("client-a", 4)] if confirms else []),
+                          lambda: incoming(*update_payload(FED, "client-b", 1, 5, like, rng))])
+
+    def feed():
+        if steps:
+            return steps.popleft()()
+        if not confirms and sent_on(srv.channel.transport, "/down/client-a/round_start") and phase[0] == 0:
+            phase[0] = 1
+            return incoming(*update_payload(FED, "client-a", 1, 6, like, rng))
+        if confirms and phase[0] == 0:
+            phase[0] = 1
+            return incoming(*update_payload(FED, "client-a", 1, 6, like, rng))
+        return None
+
+    phase = [0]
+    srv = memory_server(tmp_path, model=model, clients=["client-a", "client-b"], rounds=1, fed=FED, feed=feed)
+    srv.settings = dataclasses.replace(srv.settings, global_confirm_s=600.0)
+    srv.channel.transport.drop_link()  # before round 1: its messages go out on connection 2
+    m = srv.run_round(1)
+    tr = srv.channel.transport
+    assert srv.resyncs == 0  # no round was open at the reconnect
+    copies = (len(sent_on(tr, "/down/client-a/global")), len(sent_on(tr, "/down/client-a/round_start")))
+    assert copies == ((0, 0) if confirms else (1, 1))
+    assert len(sent_on(tr, "/down/global")) == 1 and m["global_resends"] == 0
+    assert m["clients_reported"] == 2 and m["global_receipts"] == (2 if confirms else 1)

@@ -125,7 +125,8 @@ def test_each_device_trains_its_own_epochs(memory_hub, tmp_path) -> None:
 
 
 def test_resync_sends_every_per_device_round_start_again(memory_hub, tmp_path) -> None:
-    """After a reconnect the open round's global and both per-device round_starts go out again."""
+    """After a reconnect the open round's global (each awaited device its own copy: neither said
+    what it holds) and both per-device round_starts, with their instructions, go out again."""
     server = AggregationServer(
         channel=Channel(memory_hub.connect("server"), node_id="server", side="server", federation="mem",
                         ledger=None),
@@ -139,9 +140,9 @@ def test_resync_sends_every_per_device_round_start_again(memory_hub, tmp_path) -
     server._on_reconnect(2)
     server._resync_round()
     sent = [(m.topic, decode(m.payload).envelope.body) for m in memory_hub.published if m.sender == "server"]
-    assert [t.rsplit("/", 2)[-2:] for t, _ in sent] == [["down", "global"], ["dev-a", "round_start"],
-                                                       ["dev-b", "round_start"]]
-    assert [dict(b.instructions) for _, b in sent[1:]] == [{"local_epochs": 1}, {"local_epochs": 3}]
+    assert [t.rsplit("/", 2)[-2:] for t, _ in sent] == [["dev-a", "global"], ["dev-b", "global"],
+                                                       ["dev-a", "round_start"], ["dev-b", "round_start"]]
+    assert [dict(b.instructions) for _, b in sent[2:]] == [{"local_epochs": 1}, {"local_epochs": 3}]
     assert server.resyncs == 1
 
 

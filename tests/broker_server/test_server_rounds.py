@@ -89,8 +89,10 @@ def test_an_update_for_a_round_not_open_yet_is_not_answered_and_counts_when_sent
 
 
 def test_receipt_of_the_resent_global_counts_after_a_server_reconnect(tmp_path: Path) -> None:
-    """The server's link comes back mid-round (a broker restart): it re-sends the round's global
-    model, and an agent's confirmation of that copy (its hash) counts in ``global_receipts``."""
+    """The server's link comes back mid-round (a broker restart): it sends the round's global
+    model again to the agent it awaits, which never said what it holds (an older agent), as a
+    copy on its own topic, and that agent's confirmation of the copy (its hash) counts in
+    ``global_receipts``."""
     torch_model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
     like = list(state_arrays(torch_model))
     rng = np.random.default_rng(1)
@@ -98,7 +100,7 @@ def test_receipt_of_the_resent_global_counts_after_a_server_reconnect(tmp_path: 
     phase = [0]
 
     def feed() -> Incoming | None:
-        globals_ = [p for t, p in srv.channel.transport.sent if t.endswith("/down/global")]
+        globals_ = [p for t, p in srv.channel.transport.sent if t.endswith("/global")]
         if phase[0] == 0:  # the link came back: paho's thread calls this after the 2nd CONNACK
             phase[0] = 1
             srv.channel.transport.drop_link()  # listeners: the server re-sends the round
@@ -118,7 +120,8 @@ def test_receipt_of_the_resent_global_counts_after_a_server_reconnect(tmp_path: 
     tr = srv.channel.transport
     m = srv.run_round(1)
     assert srv.resyncs == 1
-    assert len([t for t, _ in tr.sent if t.endswith("/down/global")]) == 2
+    assert [t.rsplit("/", 2)[-2:] for t, _ in tr.sent if t.endswith("/global")] == [["down", "global"],
+                                                                                     ["client-a", "global"]]
     assert m["clients_reported"] == 1
     assert m["global_receipts"] == 1, "the agent's confirmation of the re-sent model was not counted"
 

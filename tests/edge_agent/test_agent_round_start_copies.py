@@ -183,3 +183,27 @@ def test_no_receipt_timeout_resend_while_the_last_copy_is_still_being_delivered(
     delivering[0] = False
     assert wait_for(lambda: len(f.sent(Update)) == 2)
     f.finish()
+
+
+def test_a_copy_followed_by_the_updates_receipt_is_answered_by_that_receipt(caplog) -> None:
+    """While the agent is held after sending its update, the server sends round 1's round_start
+    again (its link came back before it had the update), then counts the update and answers it:
+    both wait in one batch, the copy first. The receipt, sent after the copy, says the server has
+    the update: nothing is sent again (1 update, 1 copy not answered). The same receipt sent
+    again (the answer to an ``online`` that crossed the first) is no stranger's: no warning."""
+    import logging
+
+    f = _Fleet()
+    f.open_round()
+    assert f.trained.wait(60)  # held in on_trained, its update published
+    (update,) = f.sent(Update)
+    receipt = Receipt(ref_kind=int(Kind.UPDATE), ref_seq=update.seq, accepted=True)
+    f.server.send(topics.down_to(FED, DEV, Kind.ROUND_START), f.start, round=1, recipient=DEV)
+    f.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), receipt, round=1, recipient=DEV)
+    with caplog.at_level(logging.WARNING, logger="edge_agent.agent"):
+        f.gate.set()
+        assert wait_for(lambda: f.agent.receipts_accepted == 1 and f.agent.round_starts_not_answered == 1)
+        f.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), receipt, round=1, recipient=DEV)
+        f.finish()
+    assert len(f.sent(Update)) == 1 and f.agent.resends == 0
+    assert not [r for r in caplog.records if "did not send" in r.getMessage()]
