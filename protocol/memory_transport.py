@@ -44,12 +44,14 @@ from .transport_base import Incoming, LinkLost, Will
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DROP_REASON", "MemoryBroker", "MemoryTransport", "Published", "check_filter", "check_topic",
-           "topic_matches"]
+__all__ = ["DROP_REASON", "RESTART_REASON", "MemoryBroker", "MemoryTransport", "Published", "check_filter",
+           "check_topic", "topic_matches"]
 
 #: the ``reason`` of the :class:`~protocol.transport_base.LinkLost` that
 #: :meth:`MemoryTransport.drop_link` tells its disconnect listeners
 DROP_REASON = "link dropped (MemoryTransport.drop_link)"
+#: the disconnect listeners' reason at :meth:`MemoryBroker.restart`
+RESTART_REASON = "broker restarted (MemoryBroker.restart)"
 
 
 def check_topic(topic: str) -> str:
@@ -166,7 +168,8 @@ class MemoryBroker:
         would publish it is gone), the retained messages are lost; then the clients connect again
         one after the other, in ``order`` (client ids; default: the order they first connected in),
         each as :meth:`MemoryTransport.drop_link` reconnects (``connects`` + 1, subscriptions
-        renewed, connect listeners called). A client not yet back is not connected: what is
+        renewed, connect listeners called), after every client's disconnect listeners were called
+        (reason :data:`RESTART_REASON`). A client not yet back is not connected: what is
         published meanwhile is not delivered to it, and a PUBLISH it makes raises.
 
         Raises:
@@ -176,12 +179,16 @@ class MemoryBroker:
             was = {c.client_id: c for c in self._clients.values() if c._connected}
             for c in was.values():
                 c._connected = False
-            self._retained.clear()
         ids = list(was) if order is None else list(order)
         if sorted(ids) != sorted(was):
-            for c in was.values():
-                c._connected = True
+            with self._lock:
+                for c in was.values():
+                    c._connected = True
             raise ValueError(f"restart order {ids} is not the connected clients {sorted(was)}")
+        with self._lock:
+            self._retained.clear()
+        for c in was.values():
+            c._tell_lost(RESTART_REASON)
         for cid in ids:
             was[cid]._come_back()
 
@@ -380,16 +387,20 @@ class MemoryTransport:
         if not self._connected:  # taken over by a newer connection under this id: it keeps the id
             raise TransportError(f"{self.client_id}: not connected (taken over by a newer connection)",
                                  client_id=self.client_id)
-        lost = LinkLost(self.connects, DROP_REASON)
+        self._tell_lost(DROP_REASON)
+        self.broker._gone(self, publish_will=True)
+        with self.broker._lock:
+            self.broker._clients[self.client_id] = self
+        self._come_back()
+
+    def _tell_lost(self, reason: str) -> None:
+        """Call the disconnect listeners: the connection ``connects`` is lost, for ``reason``."""
+        lost = LinkLost(self.connects, reason)
         for lost_listener in list(self._lost_listeners):
             try:
                 lost_listener(lost)
             except Exception:  # as on paho's thread: a listener never breaks the transport
                 log.exception("%s: disconnect listener failed", self.client_id)
-        self.broker._gone(self, publish_will=True)
-        with self.broker._lock:
-            self.broker._clients[self.client_id] = self
-        self._come_back()
 
     def _come_back(self) -> None:
         """Connect again: ``connects`` + 1, every subscription renewed (its retained messages

@@ -244,3 +244,20 @@ def test_restart_breaks_every_link_without_wills_loses_retained_and_reconnects_i
     with pytest.raises(ValueError, match="order"):
         broker.restart(["a"])
     assert a.connected and b.connected
+
+
+def test_restart_tells_every_clients_disconnect_listeners_before_any_is_back() -> None:
+    """Both links are lost at once (connection 1 of each, the restart's reason), before either
+    client's connect listeners hear of connection 2; a refused order tells no one."""
+    broker = MemoryBroker()
+    a, b = broker.connect("a"), broker.connect("b")
+    events: list[object] = []
+    for t in (a, b):
+        t.add_disconnect_listener(lambda lost, cid=t.client_id: events.append((cid, lost)))
+        t.add_connect_listener(lambda n, cid=t.client_id: events.append((cid, n)))
+    with pytest.raises(ValueError, match="order"):
+        broker.restart(["b"])
+    assert events == []
+    broker.restart(["b", "a"])
+    lost = LinkLost(1, "broker restarted (MemoryBroker.restart)", False, 0, 0)
+    assert events == [("a", lost), ("b", lost), ("b", 2), ("a", 2)]
