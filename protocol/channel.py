@@ -384,7 +384,11 @@ class Channel:
         totals) and a WARNING naming them; they reach the recipient only if it asks for them
         again (a ``resend`` request, answered from the chunk cache). The error raised names the
         chunks handed over (:attr:`~protocol.errors.TransportError.chunks_handed` of
-        ``chunk_count``, and the message text).
+        ``chunk_count``, and the message text). An unchunked message the transport does not take
+        gets the same: a ``message`` row with delivery ``dropped`` (its sizes, out of the wire
+        totals; ``reason`` ``not handed to the MQTT client: …``) and a WARNING; the transport's
+        error is raised as it is (``seq`` ``None``: nothing of it was handed over, nothing of it
+        can arrive unless the caller sends it again).
 
         Args:
             topic: destination topic (see :mod:`protocol.topics`).
@@ -413,6 +417,8 @@ class Channel:
                 when none came before, the transport's refusal to take a chunk) is raised once
                 every chunk was handed over or the transport refused one, with ``chunks_handed``
                 and ``chunk_count`` set.
+            OfflineBufferFull, TransportError: without a ``handle``: the transport did not take
+                the (unchunked) message: it is closed, its offline buffer is full (see above).
             FieldError, TensorError: the body cannot be encoded.
         """
         self._handle_refusals()
@@ -511,6 +517,9 @@ class Channel:
                 self._refused_again(out, gen, exc.packet_bytes or self._size(out.topic, len(wire)), exc.limit_bytes,
                                     exc.reason, wait_s, sent=False)
                 return wire
+            except TransportError as exc:  # not taken (closed, no room): never handed over, as a chunk can be
+                self._not_handed_whole(out, wire, sig_b, enc_b, proto, exc)
+                raise
             row = self._record(out.topic, "sent", out.kind, out.round, out.sender, out.seq, client=out.client,
                                payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
                                codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_b,
@@ -655,6 +664,24 @@ class Channel:
                     "it asks for them again (a resend request, answered from the chunk cache)", self.node_id, what,
                     missing, first.chunk.transfer_id.hex(), exc, were)
         return len(indices), f"{missing} not handed to the MQTT client{f' ({exc})' if say_why else ''}; {were}"
+
+    def _not_handed_whole(self, out: _Outgoing, wire: bytes, sig_bytes: int, enc_bytes: int, protocol: int,
+                          exc: TransportError) -> None:
+        """The transport did not take the PUBLISH of unchunked ``out`` (``wire``, its payload as it
+        would have gone out: ``sig_bytes`` and ``enc_bytes`` of it added by the sealing; sized for
+        MQTT ``protocol``): ``exc``, without a handle (the transport is closed, its offline buffer
+        is full). Its ``message`` row gets delivery ``dropped``, the whole sizes (out of the wire
+        totals: no byte of it reached the MQTT client) and the reason ``not handed to the MQTT
+        client: …``, as a chunk's does (:meth:`_not_handed`), and a WARNING names it. The message
+        is not said undeliverable: the caller gets ``exc`` and may send it again."""
+        reason = f"not handed to the MQTT client: {exc}"
+        self._record(out.topic, "message", out.kind, out.round, out.sender, out.seq, client=out.client,
+                     payload_bytes=len(wire), body_bytes=out.body_bytes, qos=self.qos, retain=out.retain,
+                     codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, sig_bytes=sig_bytes,
+                     enc_bytes=enc_bytes, reason=reason[:500], delivery="dropped", protocol=protocol)
+        log.warning("%s: %s of round %d (seq %d, %s bytes) on %s not handed to the MQTT client: %s; it reaches its "
+                    "recipient only if it is sent again", self.node_id, out.kind, out.round, out.seq,
+                    f"{len(wire):,}", out.topic, exc)
 
     def _chunk_packet(self, topic: str, round: int, chunk: Chunk) -> _ChunkPacket:
         """``chunk`` in an envelope of its own (the next seq), sealed on its own (protocol.security)."""

@@ -51,10 +51,11 @@ refused message is sent again as a chunked transfer below the limit (new rows) o
 dropped one is said undeliverable. Rows of a message refused *before* it was sent (above a known
 limit), of one withdrawn as refused before the socket took a byte of any PUBLISH of it (above a
 limit inferred from the broker's closes, :mod:`protocol.transport`), of one dropped before the
-socket took a byte of it, and of the chunks of a transfer that the transport did not take (it was
-closed, or its offline buffer full: that chunk and every one after it, never offered, delivery
-``dropped``, ``reason`` ``'not handed to the MQTT client: …'``; the sender logs a warning, and the
-recipient gets them only by asking again) count no wire bytes: their ``mqtt_header_bytes``,
+socket took a byte of it, and of a message or the chunks of a transfer that the transport did not
+take (it was closed, or its offline buffer full: an unchunked message's one row, or that chunk and
+every one after it, never offered, delivery ``dropped``, ``reason`` ``'not handed to the MQTT
+client: …'``; the sender logs a warning, and the recipient gets them only if the sender sends the
+message again or, chunks, by asking again) count no wire bytes: their ``mqtt_header_bytes``,
 ``topic_bytes`` and ``payload_bytes`` are kept, but ``event`` is ``'message'`` (a withdrawn or
 dropped row's ``sent`` turns into ``message`` when that is known). A PUBLISH the socket took part
 of before the connection was lost stays ``sent`` (the part it took was on the wire) with

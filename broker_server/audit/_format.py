@@ -144,6 +144,8 @@ def delivery_lines(dv: Mapping[str, Any] | None) -> list[str]:
                 f"{count(d['handed'])} handed over without acknowledgement, {count(d['refused'])} refused by the "
                 "broker" + (f", {count(d['dropped'])} lost with the connection before the socket took them whole "
                             "(QoS 0, or unsent at close)" if d.get("dropped") else "")
+                + (f", {count(d['not_handed'])} never handed to the MQTT client (its offline buffer full, or the "
+                   "transport closed: none of their bytes were sent)" if d.get("not_handed") else "")
                 + (f", {count(d['unknown'])} without a delivery record (older ledger)" if d["unknown"] else "")
                 + (f"; {count(d['undeliverable'])} message(s) given up" if d["undeliverable"] else "")
                 + (f"; {count(d['not_sent'])} QoS 0 message(s) not sent (the link was down: not refused by the "
@@ -153,12 +155,13 @@ def delivery_lines(dv: Mapping[str, Any] | None) -> list[str]:
     if sides is None:
         return [line("both sides together", dv)]
     return [line(_SENDER[side], d) for side, d in sides.items()
-            if d.get("sent") or d["refused"] or d["undeliverable"] or d.get("not_sent") or d.get("dropped")]
+            if d.get("sent") or d["refused"] or d["undeliverable"] or d.get("not_sent") or d.get("dropped")
+            or d.get("not_handed")]
 
 
 #: How the text names each of ``deliveries``' ``refusals`` by its ``what``.
 REFUSAL_LABELS = {"refused": "refused", "given up": "given up after the broker's refusals",
-                  "not sent": "not sent (link down, QoS 0)"}
+                  "not sent": "not sent (link down, QoS 0)", "not handed": "never handed to the MQTT client"}
 
 
 def refusal_line(r: Mapping[str, Any]) -> str:

@@ -308,8 +308,9 @@ SIDES = ("agent", "server")
 
 
 def _delivery_counts(db: sqlite3.Connection, where: str, params: tuple[Any, ...]) -> dict[str, int]:
-    """``acked``, ``handed``, ``refused``, ``unknown``, ``undeliverable`` of the ledger rows matching
-    ``where`` (see :func:`deliveries`)."""
+    """``acked``, ``handed``, ``refused``, ``unknown``, ``dropped``, ``not_handed``,
+    ``undeliverable``, ``not_sent``, ``sent`` of the ledger rows matching ``where`` (see
+    :func:`deliveries`)."""
     counts = {d: n for d, n in db.execute(
         f"SELECT delivery, COUNT(*) FROM ledger WHERE event = 'sent' AND reason != 'control' AND {where} "
         "GROUP BY delivery", params)}
@@ -318,12 +319,14 @@ def _delivery_counts(db: sqlite3.Connection, where: str, params: tuple[Any, ...]
     given_up, not_sent = db.execute(
         f"SELECT COALESCE(SUM(NOT ({_NOT_SENT})), 0), COALESCE(SUM({_NOT_SENT}), 0) FROM ledger "
         f"WHERE kind = 'undeliverable' AND {where}", params).fetchone()
-    never_written = db.execute(f"SELECT COUNT(*) FROM ledger WHERE event = 'message' AND delivery = 'dropped' "
-                               f"AND kind != 'undeliverable' AND reason != 'control' AND {where}", params).fetchone()[0]
+    never_written, not_handed = db.execute(
+        f"SELECT COALESCE(SUM(NOT ({NOT_HANDED})), 0), COALESCE(SUM({NOT_HANDED}), 0) FROM ledger "
+        f"WHERE event = 'message' AND delivery = 'dropped' AND kind != 'undeliverable' AND reason != 'control' "
+        f"AND {where}", params).fetchone()
     return {"acked": counts.get("acked", 0), "handed": counts.get("handed", 0),
             "refused": counts.get("refused", 0) + refused_messages, "unknown": counts.get("", 0),
-            "dropped": counts.get("dropped", 0) + never_written, "undeliverable": given_up, "not_sent": not_sent,
-            "sent": sum(counts.values())}
+            "dropped": counts.get("dropped", 0) + never_written, "not_handed": not_handed,
+            "undeliverable": given_up, "not_sent": not_sent, "sent": sum(counts.values())}
 
 
 #: An ``undeliverable`` row of a message (or chunk) the channel could not send: QoS 0 while the
@@ -331,6 +334,12 @@ def _delivery_counts(db: sqlite3.Connection, where: str, params: tuple[Any, ...]
 #: connection or the transport closed: the channel writes it with delivery ``dropped``. The
 #: broker never saw it: not one it refused.
 _NOT_SENT = "delivery = 'dropped'"
+
+#: SQL: a ``message`` row (delivery ``dropped``) of a PUBLISH the transport never took: an unchunked
+#: message, or a chunk and the chunks after it, offered to a closed transport or one whose offline
+#: buffer was full (:meth:`protocol.channel.Channel.send`). Not one the lost connection took out of
+#: the MQTT client's queue: it was never in it.
+NOT_HANDED = "(reason LIKE 'not handed to the MQTT client:%')"
 
 
 def deliveries(rows: LedgerSource) -> dict[str, Any]:
@@ -346,6 +355,9 @@ def deliveries(rows: LedgerSource) -> dict[str, Any]:
         transport's close) took out of its queue before the socket took all of them (QoS 0, or
         unsent at close): partly written ones stay ``sent`` rows, never written ones are out of
         the wire totals (``message`` rows);
+        ``not_handed``: PUBLISH packets the MQTT client never took (:data:`NOT_HANDED`: the
+        transport was closed, or its offline buffer full; an unchunked message, or chunks of a
+        transfer): not sent, out of the wire totals (``message`` rows, delivery ``dropped``);
         ``undeliverable``: messages given up after the broker's refusals; ``not_sent``: QoS 0
         messages (or chunks) the channel could not send, the link being down (not the broker's
         doing: it never saw them); ``sent``: the ``sent`` PUBLISH rows;
@@ -353,15 +365,17 @@ def deliveries(rows: LedgerSource) -> dict[str, Any]:
         device links) and ``"server"`` (on the server link); ``refusals``: up to 20
         ``{side, node, kind, reason, count, what}`` (reasons in the order first seen; ``what``:
         ``"refused"`` by the broker, ``"given up"`` after its refusals, ``"not sent"``: QoS 0
-        while the link was down).
+        while the link was down, ``"not handed"``: never handed to the MQTT client).
     """
+    untaken = f"(event = 'message' AND delivery = 'dropped' AND kind != 'undeliverable' AND {NOT_HANDED})"
     with ledger_db(rows) as db:
         out: dict[str, Any] = _delivery_counts(db, "1", ())
         out["by_side"] = {side: _delivery_counts(db, "side = ?", (side,)) for side in SIDES}
-        out["refusals"] = query(db, "SELECT side, node, kind, reason, COUNT(*) AS count, CASE WHEN kind != "
-                                    f"'undeliverable' THEN 'refused' WHEN {_NOT_SENT} THEN 'not sent' ELSE "
-                                    "'given up' END AS what FROM ledger WHERE delivery = 'refused' OR kind = "
-                                    "'undeliverable' GROUP BY side, node, kind, reason ORDER BY MIN(id) LIMIT 20")
+        out["refusals"] = query(db, f"SELECT side, node, kind, reason, COUNT(*) AS count, CASE WHEN {untaken} THEN "
+                                    f"'not handed' WHEN kind != 'undeliverable' THEN 'refused' WHEN {_NOT_SENT} THEN "
+                                    "'not sent' ELSE 'given up' END AS what FROM ledger WHERE delivery = 'refused' "
+                                    f"OR kind = 'undeliverable' OR {untaken} GROUP BY side, node, kind, reason "
+                                    "ORDER BY MIN(id) LIMIT 20")
     return out
 
 

@@ -1968,3 +1968,40 @@ def test_publish_packets_the_lost_connection_dropped_are_counted_apart(tmp_path)
     assert rep["totals"]["server"] == with_cut["totals"]["server"]  # the never-written one adds no byte
     flat = " ".join(render_text(rep).split())
     assert ", 2 lost with the connection before the socket took them whole (QoS 0, or unsent at close)" in flat
+
+
+UNTAKEN_WHY = ("not handed to the MQTT client: a1: no room for a 527-byte message: 100 messages (52,700 bytes) wait "
+               "for acknowledgement (link down); the offline buffer holds at most 100 messages / 1,048,576 bytes")
+CHUNK_UNTAKEN_WHY = (f"not handed to the MQTT client: a2: PUBLISH to {T_UP['a2']} (374 bytes) not sent: the transport "
+                     "is closed")
+
+
+def test_publish_packets_never_handed_to_the_mqtt_client_are_counted_as_not_delivered_not_as_wire_bytes(tmp_path):
+    """a1's round-2 update first went unchunked to a full offline buffer (the channel's ``message``
+    row, delivery ``dropped``, reason ``not handed to the MQTT client: …``: 5 + 33 + 27 + 500 =
+    565 bytes kept, none sent) before its ``sent`` row; chunk 2 of 2 of a transfer of a2's went to
+    a closed transport (the same, with its chunk index). By hand: the device links' totals are
+    those of the run without the two rows (no byte of them reached the MQTT client), the devices'
+    delivery line counts 2 never handed over and none lost with the connection, and each reason is
+    listed once. Before, the audit counted them as lost with the connection before the socket
+    took them (the unchunked one had no row at all)."""
+    untaken = replace(_row("agent", "a1", "message", "up", "update", 2, "a1", T_UP["a1"], ENV_U, 500),
+                      delivery="dropped", reason=UNTAKEN_WHY)
+    chunk = replace(_row("agent", "a2", "message", "up", "update", 2, "a2", T_UP["a2"], 90, 284),
+                    delivery="dropped", reason=CHUNK_UNTAKEN_WHY, transfer_id="ab", chunk_index=1, chunk_count=2)
+    base = audit_report(_write_run(tmp_path / "base", _rows(), METRICS))
+    rep = audit_report(_write_run(tmp_path / "run-n", _rows() + [untaken, chunk], METRICS))
+    assert rep["totals"] == base["totals"] and rep["by_round"] == base["by_round"]
+    agent = rep["deliveries"]["by_side"]["agent"]
+    assert (agent["not_handed"], agent["dropped"], agent["sent"]) == (2, 0, 4)  # the 4 updates' sent rows
+    assert rep["deliveries"]["not_handed"] == 2 and rep["deliveries"]["by_side"]["server"]["not_handed"] == 0
+    assert [(r["side"], r["node"], r["kind"], r["count"], r["what"], r["reason"])
+            for r in rep["deliveries"]["refusals"]] == [("agent", "a1", "update", 1, "not handed", UNTAKEN_WHY),
+                                                        ("agent", "a2", "update", 1, "not handed", CHUNK_UNTAKEN_WHY)]
+    flat = " ".join(render_text(rep).split())
+    line = ("PUBLISH packets sent by the devices (device links): 0 acknowledged by the broker, 0 handed over without "
+            "acknowledgement, 0 refused by the broker, 2 never handed to the MQTT client (its offline buffer full, or "
+            "the transport closed: none of their bytes were sent), 4 without a delivery record (older ledger)")
+    assert line in flat and "lost with the connection" not in flat
+    assert f"never handed to the MQTT client (agent a1, update, 1×): {UNTAKEN_WHY}" in flat
+    assert html.escape(line) in render_html([rep])

@@ -274,7 +274,8 @@ def test_deliveries_per_side_equal_python(source, ledger):
         sent = [r for r in rows if r.side == side and r.event == "sent" and r.reason != "control"]
         # the generated rows carry no delivery: every sent PUBLISH is 'unknown' (an older ledger)
         assert out["by_side"][side] == {"acked": 0, "handed": 0, "refused": 0, "unknown": len(sent),
-                                        "dropped": 0, "undeliverable": 0, "not_sent": 0, "sent": len(sent)}, side
+                                        "dropped": 0, "not_handed": 0, "undeliverable": 0, "not_sent": 0,
+                                        "sent": len(sent)}, side
     assert out["unknown"] == out["by_side"]["agent"]["unknown"] + out["by_side"]["server"]["unknown"] > 0
 
 

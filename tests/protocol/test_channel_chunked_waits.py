@@ -197,3 +197,37 @@ def test_chunks_the_transport_never_took_get_rows_and_a_resend_request_still_get
         [("sent", "handed", i, PAYLOADS[i]) for i in missing]
     assert ch.wire_bytes_sent == _wire(_chunk_rows(ledger)) == sum(PAYLOADS) + 5 * PACKET_OVERHEAD
     ledger.close()
+
+
+@pytest.mark.parametrize("refusal", ["closed", "buffer full"])
+def test_an_unchunked_message_the_transport_does_not_take_gets_a_dropped_message_row_and_a_warning(
+        tmp_path, caplog, refusal: str) -> None:
+    """The same update unchunked (its 4,052-byte payload under the channel's 1 MiB chunk size),
+    offered once and not taken: the transport is closed, or its offline buffer is full (no
+    handle). It gets one ``message`` row with delivery ``dropped``, its whole sizes (7 + 36 MQTT
+    bytes, 28 envelope + 4,024 body = 4,052 payload bytes; 4,000 raw tensor bytes) out of the wire
+    totals, the reason ``not handed to the MQTT client: …``; a WARNING names the message; the
+    transport's error is raised as it was (no ``seq``: nothing of it may arrive). Before, the
+    ledger had no row of it: only the caller's log said so."""
+    ch, tr, ledger = _channel(tmp_path)
+    tr.takes_none_from = 0
+    if refusal == "buffer full":
+        tr.refusal = lambda topic: OfflineBufferFull("client-001: no room for a 4,052-byte message", topic=topic)
+    with caplog.at_level(logging.WARNING, logger="protocol.channel"), pytest.raises(TransportError) as raised:
+        ch.send(TOPIC, update_of(1000), round=1, wait_s=5.0)
+    exc = raised.value
+    assert type(exc) is (OfflineBufferFull if refusal == "buffer full" else TransportError)
+    assert exc.handle is None and exc.seq is None and exc.chunks_handed is None
+    assert tr.tries == 1 and tr.published == []
+    ledger.flush()
+    rows = [r for r in ledger.rows() if r.kind == "update"]
+    assert [(r.event, r.delivery, r.seq, r.chunk_index, r.transfer_id, r.mqtt_header_bytes, r.topic_bytes,
+             r.envelope_bytes, r.body_bytes, r.payload_bytes, r.raw_bytes, r.codec, r.unsent_bytes)
+            for r in rows] == [("message", "dropped", 1, None, None, 7, 36, 28, 4_024, 4_052, 4_000, "fp32", 0)]
+    assert rows[0].reason == f"not handed to the MQTT client: {exc}"
+    assert ch.wire_bytes_sent == _wire(rows) == 0
+    assert not ch.in_flight(1) and ch.undeliverable == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"client-001: update of round 1 (seq 1, 4,052 bytes) on {TOPIC} not handed to the MQTT "
+                      f"client: {exc}; it reaches its recipient only if it is sent again"], warned
+    ledger.close()
