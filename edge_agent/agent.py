@@ -812,18 +812,43 @@ class EdgeAgent:
             self._kept = {n: t.detach().clone() for n, t in state.items()}
 
     def join(self, wait_s: float = 30.0) -> None:
-        """Publish the retained ``online`` status and the ``join`` message, each acknowledged (QoS
-        1) or written (QoS 0) within ``wait_s`` seconds; under QoS 0 each waits for the link when
-        it is down (:meth:`_send_linked`).
+        """Publish the retained ``online`` status and the ``join`` message, each waiting up to
+        ``wait_s`` seconds to be acknowledged (QoS 1) or written (QoS 0); under QoS 0 each waits
+        for the link when it is down (:meth:`_send_linked`).
+
+        A wait that ends before the broker's acknowledgement (:class:`~protocol.errors.PublishTimeout`
+        on a slow link, the error's ``seq`` set: the MQTT client holds the message, which goes out
+        as the link moves) is no failure: a WARNING says so, the join follows the status, and a
+        join whose wait ended is one not answered yet (its seq is this agent's, :meth:`run` sends
+        it again on its schedule).
 
         Raises:
-            TransportError: not sent in time (:class:`~protocol.errors.PublishDropped` under QoS 0
-                when the link stayed down, :class:`~protocol.errors.PublishTimeout` …).
+            TransportError: a message the MQTT client did not take (``seq`` ``None``): the transport
+                is closed, its offline buffer is full, or, under QoS 0, the link stayed down for
+                ``wait_s`` seconds (:class:`~protocol.errors.PublishDropped`).
         """
-        self._send_linked(topics.status(self.fed, self.client_id), self._online(), what="online status",
-                          wait_s=wait_s, retain=True)
+        try:
+            self._send_linked(topics.status(self.fed, self.client_id), self._online(), what="online status",
+                              wait_s=wait_s, retain=True)
+        except TransportError as exc:
+            if exc.seq is None:
+                raise
+            self._queued("online status", exc)
         self._joining_since = time.monotonic()
-        self._send_join(wait_s)
+        try:
+            self._send_join(wait_s)
+        except TransportError as exc:
+            if exc.seq is None:
+                raise
+            self._join_sent_at = time.monotonic()  # sent again on run()'s schedule, from now
+            self._queued("join", exc, "; waiting for the server's answer to it (the join is sent again every 5 s, "
+                                      "doubling to 30 s)")
+
+    def _queued(self, what: str, exc: TransportError, then: str = "") -> None:
+        """Say (WARNING) that the wait for the broker's acknowledgement of ``what`` ended first
+        (``exc``, its ``seq`` set): the message stays queued in the MQTT client."""
+        log.warning("%s: its %s (seq %d) is not acknowledged by the broker yet (%s): it stays queued and goes out as "
+                    "the link moves%s", self.client_id, what, exc.seq, exc, then)
 
     def _send_join(self, wait_s: float) -> None:
         """Publish the ``join`` (again: a join the server never answered, e.g. one published before
@@ -899,9 +924,15 @@ class EdgeAgent:
     def run(self) -> AgentSummary:
         """Join, then serve rounds until ``finish``, :meth:`stop`, or the idle timeout.
 
+        A first join (or ``online`` status) whose wait for the broker's acknowledgement ends
+        first is taken as a join not answered yet (:meth:`join`).
+
         Raises:
             AgentError: the server refused the join, no join was answered within
                 :attr:`join_timeout_s`, or nothing arrived for ``idle_timeout_s``.
+            TransportError: the MQTT client did not take a message the run cannot go on without
+                (:meth:`join`: the transport is closed, its offline buffer is full, a QoS 0 link
+                stayed down), or a receipt for a ``global``.
         """
         self.join()
         last = time.monotonic()

@@ -25,7 +25,11 @@ assigns it); the join carries its manifest hash, name, feature width and class c
 Exit codes (never reused): 0 finished; 1 failed (join refused, the server's model does not fit
 this device's algorithm, nothing heard for ``--idle-timeout-s``); 2 bad arguments, or unusable
 keys/certificates (said at start-up); 3 data not found; 4 broker unreachable (TLS handshake and
-login refusals included); 5 the server never acknowledged the join and nothing was trained (not
+login refusals included), or the link to it failed during the run: a message the run cannot go on
+without that the MQTT client did not take (the transport closed, its offline buffer full, a QoS 0
+link down), said in one line, ``broker link error: …`` (a join or status whose wait for the
+broker's acknowledgement ends is no such failure: it stays queued, and the join counts as not
+answered yet); 5 the server never acknowledged the join and nothing was trained (not
 enrolled on a signing server, a wrong ``--server-pubkey``, or another federation): after a warning
 at 30 s it gives up after ``--join-timeout-s`` (300 s), or when the federation finishes without it.
 """
@@ -227,7 +231,7 @@ def _main(argv: list[str] | None) -> int:
     """:func:`main` inside its stdout guard."""
     from protocol.broker_url import parse_broker_url
     from protocol.channel import Channel
-    from protocol.errors import ConnectError, FieldError
+    from protocol.errors import ConnectError, FieldError, TransportError
     from protocol.ledger import Ledger
     from protocol.messages import valid_id
     from protocol.topics import check_device_id, mqtt_client_id
@@ -387,6 +391,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"fedfleet-agent: the server never acknowledged the join; {NOT_JOINED_HINT}", file=sys.stderr)
             return EXIT_NOT_JOINED if agent.rounds_trained == 0 else EXIT_FAILED
         return EXIT_FAILED
+    except TransportError as exc:  # the link failed under a message the run cannot go on without
+        print(f"fedfleet-agent: broker link error: {exc}", file=sys.stderr)
+        if agent is not None:  # said offline if the link still takes it (a clean close fires no last will)
+            agent.leave(f"broker link error: {exc}")
+        return EXIT_BROKER
     except (SystemExit, KeyboardInterrupt):  # SIGTERM/SIGINT (protocol.lifecycle): a clean DISCONNECT
         if agent is not None:               # fires no last will, so say offline before it
             agent.leave("stopped by a signal")

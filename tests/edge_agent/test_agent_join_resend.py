@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from helpers.waiting import wait_for
 
 from edge_agent.agent import EdgeAgent
@@ -187,3 +188,55 @@ def test_a_join_in_chunks_whose_wait_ends_at_a_middle_chunk_reaches_the_server_w
     assert (f"join of round 0 (seq {joins[1]}) in {counts[1]} chunks: the wait for chunk 2 ended first; "
             f"all {counts[1]} handed to the MQTT client") in warned[0]
     assert not [m for m in hub.published if m.topic.endswith("/resend")]  # nobody asked for a chunk again
+
+
+
+@pytest.mark.parametrize(("stalls", "seq"), [("online status", 1), ("join", 2)])
+def test_a_first_join_whose_wait_ends_first_is_taken_as_not_answered_yet(stalls: str, seq: int, caplog) -> None:
+    """The first ``online`` status (seq 1), or the first join (seq 2), waits up to 30 s for its
+    acknowledgement and the wait ends first (PublishTimeout: a slow link; the transport delivers
+    the message, then says the wait ended). The message is queued, not lost: the agent says so in
+    a WARNING and goes on (after the status: with its first join), waiting for the server's answer
+    as for any join not answered yet. The server answers the first join (seq 2): the agent is
+    joined, and ends at the server's finish. Before, ``run()`` raised the PublishTimeout, and
+    ``fedfleet-agent`` ended in a traceback."""
+    from protocol.errors import PublishTimeout
+
+    hub = MemoryBroker()
+    rng = np.random.default_rng(0)
+    transport = hub.connect("dev-e")
+    published = transport.publish
+    topic = topics.status("mem", "dev-e") if stalls == "online status" else topics.up("mem", "dev-e", Kind.JOIN)
+    stalled: list[int] = []
+
+    def slow_ack(t: str, payload: bytes, **kwargs) -> object:
+        published(t, payload, **kwargs)  # the broker has it
+        if t == topic and not stalled:
+            stalled.append(decode(payload).envelope.seq)
+            raise PublishTimeout(f"PUBLISH to {t} not acknowledged within 30 s", topic=t, handle=object())
+        return None
+
+    transport.publish = slow_ack  # type: ignore[method-assign]
+    agent = _agent(transport, "dev-e", rng)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("summary", agent.run()), daemon=True)
+    joins = lambda: [m for m in hub.published if m.topic == topics.up("mem", "dev-e", Kind.JOIN)]  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="edge_agent.agent"):
+        t.start()
+        assert wait_for(lambda: len(joins()) >= 1), "no join was sent"
+        first = decode(joins()[0].payload).envelope.seq
+        assert (stalled, first) == ([seq], 2)
+        server = Channel(hub.connect("server"), node_id="server", side="server", federation="mem", ledger=None)
+        server.send(topics.down_to("mem", "dev-e", Kind.RECEIPT),
+                    Receipt(ref_kind=int(Kind.JOIN), ref_seq=first, accepted=True, reason="", sha256=b""),
+                    round=0, recipient="dev-e")
+        assert wait_for(lambda: agent.joined, 30.0)
+        server.send(topics.down("mem", Kind.FINISH), Finish(reason="completed", rounds_completed=0), round=0)
+        t.join(60)
+    assert not t.is_alive() and "summary" in box and box["summary"].finished
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w for w in warned if "not acknowledged within 30 s" in w] == [
+        f"dev-e: its {stalls} (seq {seq}) is not acknowledged by the broker yet (PUBLISH to {topic} not acknowledged "
+        "within 30 s): it stays queued and goes out as the link moves"
+        + ("; waiting for the server's answer to it (the join is sent again every 5 s, doubling to 30 s)"
+           if stalls == "join" else "")], warned

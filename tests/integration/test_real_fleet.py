@@ -37,7 +37,7 @@ from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.runtime import expected_data
 from broker_server.server_main import agent_command
 from edge_agent.agent import data_announcement, param_value
-from edge_agent.cli import EXIT_FAILED, EXIT_NOT_JOINED, build_parser
+from edge_agent.cli import EXIT_BROKER, EXIT_FAILED, EXIT_NOT_JOINED, build_parser
 from edge_agent.cli import main as agent_main
 from protocol import topics
 from protocol.channel import Channel, Received
@@ -379,6 +379,68 @@ def test_a_join_never_answered_exits_5_after_the_join_timeout(tmp_path: Path, br
     err = capsys.readouterr().err
     assert code == EXIT_NOT_JOINED
     assert "no answer to its join within 1.5 s" in err and "never acknowledged the join" in err
+
+
+#: ``python -c`` of a ``fedfleet-agent`` process whose MQTT transport does, with its first join,
+#: what argv[1] says: ``wait-ends`` publishes it, then its wait ends before the PUBACK
+#: (PublishTimeout, the handle set: a slow link); ``not-taken`` takes nothing (the transport closed
+#: under it). The rest of argv is the agent's.
+_STALLING_AGENT = """
+import sys
+from protocol.errors import PublishTimeout, TransportError
+from protocol.transport import MqttTransport
+from edge_agent.cli import main
+
+how, real, joins = sys.argv[1], MqttTransport.publish, []
+
+def publish(self, topic, payload, *, qos=1, retain=False, wait_s=None):
+    if not topic.endswith("/join") or joins:
+        return real(self, topic, payload, qos=qos, retain=retain, wait_s=wait_s)
+    joins.append(topic)
+    if how == "not-taken":
+        raise TransportError(f"{self.client_id}: PUBLISH to {topic} ({len(payload):,} bytes) not sent: the "
+                             "transport is closed", client_id=self.client_id, topic=topic)
+    info = real(self, topic, payload, qos=qos, retain=retain)
+    raise PublishTimeout(f"{self.client_id}: PUBLISH to {topic} not acknowledged within 30 s (it stays queued: "
+                         "its outcome comes later)", client_id=self.client_id, topic=topic, handle=info)
+
+MqttTransport.publish = publish
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["wait-ends", "not-taken"])
+def test_a_first_join_the_link_stalls_or_refuses_never_ends_the_agent_in_a_traceback(tmp_path: Path, broker,
+                                                                                       how: str) -> None:
+    """A ``fedfleet-agent`` process. ``wait-ends``: its first join's wait for the PUBACK ends first
+    (a slow link): the join is queued, taken as not answered yet (a WARNING says so), and reaches
+    the scripted server, which ends the run without answering it: exit 5, as any unanswered join.
+    ``not-taken``: the transport takes no join (closed under it): the run cannot go on; the agent
+    says so in one line, ``broker link error: …``, and exits 4. Before, both ended in a Python
+    traceback (an uncaught PublishTimeout / TransportError, exit 1)."""
+    fed = f"fed-stall-{how}"
+    srv = ScriptedServer(broker.port, fed, "silent") if how == "wait-ends" else None
+    try:
+        proc = subprocess.run([sys.executable, "-c", _STALLING_AGENT, how, *_agent(broker, fed, tmp_path)],
+                              cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    finally:
+        if srv is not None:
+            srv.close()
+    err = proc.stderr
+    assert "Traceback" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("fedfleet-agent:")]
+    join_topic = topics.up(fed, "dev-1", Kind.JOIN)
+    if how == "wait-ends":
+        assert proc.returncode == EXIT_NOT_JOINED == 5, err[-3000:]
+        assert (f"dev-1: its join (seq 2) is not acknowledged by the broker yet ({fed}:dev-1: PUBLISH to {join_topic} "
+                "not acknowledged within 30 s (it stays queued: its outcome comes later)): it stays queued and goes "
+                "out as the link moves; waiting for the server's answer to it") in err
+        assert len(said) == 1 and "never acknowledged the join of dev-1" in said[0] and "federation finished" in said[0]
+    else:
+        assert proc.returncode == EXIT_BROKER == 4, err[-3000:]
+        assert len(said) == 1 and re.fullmatch(
+            rf"fedfleet-agent: broker link error: {re.escape(f'{fed}:dev-1: PUBLISH to {join_topic}')} "
+            r"\([0-9,]+ bytes\) not sent: the transport is closed", said[0]), said
 
 
 def test_a_global_that_does_not_fit_the_algorithm_stops_the_agent_clearly(tmp_path: Path, broker, capsys) -> None:
