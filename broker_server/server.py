@@ -85,10 +85,11 @@ agent learns from). Skipped rounds, rounds after a resume and ``share != "all"``
 the devices' ``client_eval`` reports, which the line has when the round closes) overlap as any
 other.
 
-After the last round the server publishes ``finish``. The device registry
-(:mod:`broker_server.registry`), the open round's state (:mod:`broker_server.round_state`) and
-the run folder (:mod:`broker_server.persistence`) live in their own modules; this one holds the
-loop and the message handling.
+After the last round the server publishes ``finish`` and writes the final files (a ``finish``
+the broker does not acknowledge is said, never fatal: :meth:`AggregationServer.run`). The
+device registry (:mod:`broker_server.registry`), the open round's state
+(:mod:`broker_server.round_state`) and the run folder (:mod:`broker_server.persistence`) live in
+their own modules; this one holds the loop and the message handling.
 """
 
 from __future__ import annotations
@@ -334,14 +335,27 @@ GLOBAL_RESENDS = 3
 MAX_ROUND_RESENDS = 3
 
 
+#: Seconds :meth:`AggregationServer.run` waits for the broker's acknowledgement of its ``finish``.
+FINISH_WAIT_S = 10.0
+
+
 @dataclass(frozen=True)
 class RunSummary:
-    """The outcome of :meth:`AggregationServer.run`."""
+    """The outcome of :meth:`AggregationServer.run`.
+
+    Attributes:
+        rounds_completed: the rounds done (a resumed run's earlier ones included).
+        final_accuracy, final_loss: the figures the run ends with (:func:`final_figures`).
+        metrics: every round's metrics line.
+        finish_unconfirmed: ``None`` when the broker acknowledged the run's ``finish`` (or none
+            was sent), else what :attr:`AggregationServer.finish_unconfirmed` says of it.
+    """
 
     rounds_completed: int
     final_accuracy: float
     final_loss: float
     metrics: list[dict]
+    finish_unconfirmed: dict | None = None
 
 
 def final_figures(metrics: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
@@ -629,6 +643,8 @@ class AggregationServer:
         self.resyncs = 0
         self._resend_capped: set[tuple[int, str]] = set()  # (round, client) told "nothing more is sent"
         self.onnx_result: dict = {}
+        #: the run's ``finish`` when the broker did not acknowledge it (:meth:`run`), else ``None``
+        self.finish_unconfirmed: dict | None = None
         self.eval_slot: AbstractContextManager[Any] = eval_slot if eval_slot is not None else nullcontext()
         self._eval_model: torch.nn.Module | None = None  # the overlapped evaluations' copy of the model
         self._started = time.monotonic()  # metrics.jsonl "ended_s" counts from here
@@ -1373,10 +1389,23 @@ class AggregationServer:
         log.info("%d clients joined (wanted %d)", len(self._online()), want)
 
     def run(self) -> RunSummary:
-        """Run rounds ``round+1 … rounds``, then publish ``finish``.
+        """Run rounds ``round+1 … rounds``, then publish ``finish`` (broadcast, waiting up to
+        :data:`FINISH_WAIT_S` seconds for the broker's acknowledgement) and write the final files
+        (``model_final.pt``, ``model_final.onnx``; the run store closed, the ledger flushed).
+
+        A ``finish`` the broker did not acknowledge does not stop the final files: its wait ended
+        first (a slow or stalled link: the MQTT client keeps it queued, and it may yet go out), or
+        the transport did not take it (closed, offline buffer full: never sent). Either way a
+        WARNING says so, naming the devices online at the end (each stops at its
+        ``--idle-timeout-s`` if the finish never reaches it), and :attr:`finish_unconfirmed` (and
+        the summary's) holds ``{"round", "queued", "devices", "error"}``: the last round, whether
+        the MQTT client holds the finish, those devices' ids (sorted) and the transport's error.
 
         Returns:
             :class:`RunSummary` with the final accuracy and every round's metrics.
+
+        Raises:
+            RunError: fewer agents than the quorum joined.
         """
         self.wait_for_clients()
         if len(self._online()) < self.settings.quorum:
@@ -1402,16 +1431,34 @@ class AggregationServer:
             raise
         last_acc, last_loss = final_figures(self.metrics)  # a resumed run's rounds before this session's too
         packet, chunk = self._limits()
-        self.channel.send(topics.down(self.fed, Kind.FINISH),
-                          Finish(reason="completed", rounds_completed=self.round), round=self.round, wait_s=10,
-                          max_packet_bytes=packet, chunk_bytes=chunk)
+        try:
+            self.channel.send(topics.down(self.fed, Kind.FINISH),
+                              Finish(reason="completed", rounds_completed=self.round), round=self.round,
+                              wait_s=FINISH_WAIT_S, max_packet_bytes=packet, chunk_bytes=chunk)
+        except TransportError as exc:  # the rounds are done: their final files are written all the same
+            self._finish_unconfirmed(exc)
         self.pump(0.2)
         self.store.close()
         self.onnx_result = write_final_model(self.store, self.model, share=self.share, algorithm=self.strategy.name,
                                              test=self.test)
         if self.channel.ledger is not None:
             self.channel.ledger.flush()
-        return RunSummary(self.round, last_acc, last_loss, self.metrics)
+        return RunSummary(self.round, last_acc, last_loss, self.metrics, self.finish_unconfirmed)
+
+    def _finish_unconfirmed(self, exc: TransportError) -> None:
+        """The run's ``finish`` was not acknowledged by the broker (``exc``; see :meth:`run`):
+        note it in :attr:`finish_unconfirmed` and say it in a WARNING."""
+        queued = exc.seq is not None  # the MQTT client took it: its wait ended first
+        devices = sorted(self._online())
+        self.finish_unconfirmed = {"round": self.round, "queued": queued, "devices": devices, "error": str(exc)}
+        how = (f"its wait for the acknowledgement ended after {FINISH_WAIT_S:g} s; it stays queued in the MQTT client "
+               "and may yet go out" if queued else "the MQTT client did not take it: never sent")
+        one = len(devices) == 1
+        who = (f"{', '.join(devices)}, online at the end, {'stops at its' if one else 'stop at their'} "
+               f"--idle-timeout-s if {'it never gets' if one else 'they never get'} it" if devices
+               else "no device was online at the end")
+        log.warning("the finish of round %d was not confirmed by the broker (%s: %s); %s; the final files are written "
+                    "all the same", self.round, how, exc, who)
 
     def _round_starts(self, selected: tuple[str, ...], config: dict,
                       instructions: dict) -> list[tuple[str | None, RoundStart]]:

@@ -371,12 +371,15 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)],
             **({"devices_rejoined_without_state": server.rejoined_without_state}
                if server.rejoined_without_state else {}),
-            **({"metrics_lines_missing": server.metrics_lines_missing} if server.metrics_lines_missing else {})))
+            **({"metrics_lines_missing": server.metrics_lines_missing} if server.metrics_lines_missing else {}),
+            **({"finish_unconfirmed": summary.finish_unconfirmed} if summary.finish_unconfirmed else {})))
         done = summary.rounds_completed
+        unconfirmed = ("; its finish was not confirmed by the broker (summary.json: finish_unconfirmed)"
+                       if summary.finish_unconfirmed else "")
         this_time = f" ({done - ckpt.round} in this session, resumed after round {ckpt.round})" if ckpt else ""
         say(f"finished {plural(done, 'round')} of {cfg.run.rounds}{this_time}; "
             f"{final_accuracy_text(summary.final_accuracy, final_accuracy_source(summary.metrics))}"
-            f"{run_troubles_text(summary.metrics)}; run folder {out}")
+            f"{run_troubles_text(summary.metrics)}{unconfirmed}; run folder {out}")
         finished = True
     finally:
         if tracker is not None and not finished:

@@ -804,6 +804,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         **({"devices_rejoined_without_state": server.rejoined_without_state}
            if server.rejoined_without_state else {}),
         **({"metrics_lines_missing": server.metrics_lines_missing} if server.metrics_lines_missing else {}),
+        **({"finish_unconfirmed": summary.finish_unconfirmed} if summary.finish_unconfirmed else {}),
     ))
     if state_store is not None and finished_run(out, cfg.run.rounds) is not None:
         for f in out.glob(DEVICE_STATE_FILE + "*"):  # no round left to resume: the devices' kept state is spent
