@@ -250,6 +250,9 @@ class Channel:
         delivered_max_packet_bytes, delivered_max_payload_bytes: the largest PUBLISH (packet,
             payload bytes) the broker delivered to this side: a size it takes from a client, so a
             message sent again after a refusal is never sized below it (see :meth:`_next_limit`).
+        superseded_copies: transfers in progress dropped because another copy of their message
+            (a ``global`` or ``update`` of the same sender and round, or of a later round) arrived
+            whole: never asked for again (:meth:`_supersede_copies`).
         superseded_resend_requests: ``resend`` requests for a transfer this side replaced (sent
             the message again as a new transfer after a refusal): not answered, logged at debug.
         last_payload: the encoded (unsealed) payload of the last message sent.
@@ -296,6 +299,9 @@ class Channel:
         self.resent_chunks = 0
         self.incomplete_transfers = 0
         self._resend_asked: dict[tuple[str, bytes], float] = {}
+        # (sender, transfer_id) of a transfer in progress -> (kind label, round) of its chunks
+        self._transfer_msgs: dict[tuple[str, bytes], tuple[str, int]] = {}
+        self.superseded_copies = 0
         self._resent_at: dict[tuple[bytes, int], float] = {}
         if resend_burst_bytes < 0 or resend_rate_bytes_s < 0:
             raise ValueError(f"resend_burst_bytes and resend_rate_bytes_s must be >= 0, got {resend_burst_bytes}, "
@@ -1188,12 +1194,16 @@ class Channel:
                          payload_bytes=len(inc.payload), body_bytes=len(c.data), qos=inc.qos, retain=inc.retain,
                          transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
                          sig_bytes=sig_b, enc_bytes=enc_b)
+            key = (env.sender, bytes(c.transfer_id))
+            self._transfer_msgs[key] = (info.kind_label, env.round)
             try:
                 whole = self.reassembler.add(env.sender, c)
             except ProtocolError as exc:
+                self._transfer_msgs.pop(key, None)
                 return self._reject(inc, exc, recorded=True)
             if whole is None:
                 return None
+            self._transfer_msgs.pop(key, None)
             try:
                 inner = decode(whole, limits=self.limits)
                 if inner.envelope.sender != env.sender:
@@ -1213,6 +1223,7 @@ class Channel:
                          payload_bytes=inner.payload_bytes, body_bytes=inner.body_bytes, qos=inc.qos, retain=False,
                          raw_bytes=_raw(ienv.body), fields=_fields_json(inner), codec=inner.codec,
                          transfer_id=c.transfer_id.hex(), chunk_count=c.count)
+            self._supersede_copies(ienv.sender, ienv.kind.label, ienv.round)
             return Received(inc.topic, info, inner, False, payload_sha256(whole), inc.received_at)
         resend_plan: tuple | None = None  # set for a resend request only
         if isinstance(env.body, Resend):
@@ -1228,7 +1239,28 @@ class Channel:
         if resend_plan is not None:
             self._publish_resend(resend_plan)
             return None
+        self._supersede_copies(env.sender, env.kind.label, env.round)
         return Received(inc.topic, info, dec, inc.retain, payload_sha256(inc.payload), inc.received_at)
+
+    def _supersede_copies(self, sender: str, kind_label: str, round: int) -> None:
+        """A ``global`` or ``update`` of ``sender`` and ``round`` arrived whole: drop that
+        sender's transfers still in progress of the same kind and of this round or an earlier
+        one (the broadcast global a broker restart cut, when the device's own copy came after its
+        reconnect; an update's first copy cut, when its copy sent again arrived), so that their
+        missing chunks are never asked for (a ``resend`` request, answered on the transfer's
+        topic, costs every device of a broadcast a chunk) and a late chunk completes no stale
+        copy. Transfers of another payload only: one of the same payload is superseded by the
+        reassembler itself."""
+        if kind_label not in ("global", "update") or not self._transfer_msgs:
+            return
+        for key, (k, r) in list(self._transfer_msgs.items()):
+            if key[0] != sender or k != kind_label or r > round:
+                continue
+            del self._transfer_msgs[key]
+            if self.reassembler.drop(*key):
+                self.superseded_copies += 1
+                log.debug("%s: transfer %s from %s (%s of round %d) dropped: a copy of the %s of round %d arrived "
+                          "whole", self.node_id, key[1].hex(), sender, k, r, kind_label, round)
 
     def close(self) -> None:
         """Close the transport (DISCONNECT), then decode and ledger every message that had already
@@ -1421,6 +1453,9 @@ class Channel:
                 log.warning("%s: cannot ask %s for missing chunks: %s", self.node_id, t.sender, exc)
         if len(self._resend_asked) > 4096:
             self._resend_asked.clear()
+        if len(self._transfer_msgs) > 256:  # transfers expired or refused since: forget them
+            live = {(t.sender, t.transfer_id) for t in self.reassembler.pending()}
+            self._transfer_msgs = {k: v for k, v in self._transfer_msgs.items() if k in live}
 
     def _on_packet(self, ev: PacketEvent) -> int | None:
         """Ledger row for an MQTT packet that is not an application PUBLISH (control packets, and

@@ -611,6 +611,24 @@ class Reassembler:
         self._buffered -= t.total_bytes
         self._refuse(key, message, field)
 
+    def drop(self, sender: str, transfer_id: bytes) -> bool:
+        """Drop a transfer in progress whose message arrived by another copy (a receiver's
+        decision: :meth:`protocol.channel.Channel.accept`) and ignore its later chunks, as a
+        superseded transfer (counted in ``superseded``, not reported as incomplete).
+
+        Returns:
+            whether such a transfer was in progress.
+        """
+        with self._lock:
+            key = (sender, bytes(transfer_id))
+            t = self._transfers.pop(key, None)
+            if t is None:
+                return False
+            self._buffered -= t.total_bytes
+            self.superseded += 1
+            self._remember_done(key)
+            return True
+
     def missing(self, sender: str, transfer_id: bytes) -> list[int]:
         """Indices (ascending) not yet received for a transfer in progress; ``[]`` when the
         transfer is unknown, completed or dropped."""

@@ -168,3 +168,52 @@ def test_with_signing_on_an_unsigned_request_from_a_joined_client_is_refused(tmp
 def test_a_negative_resend_budget_is_a_clear_error(tmp_path: Path, bad: dict) -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
         _server(tmp_path, **bad)
+
+
+def test_a_transfer_whose_message_arrived_by_another_copy_is_never_asked_for_again(tmp_path: Path) -> None:
+    """A broker restart cut round 3's broadcast global after chunk 4 of 5; the device, back online
+    without it, got its own copy (another transfer, on its own topic) whole. The broadcast's
+    missing chunk is then never asked for (the server would answer on the broadcast topic, to
+    every device), and its late chunk completes no second, stale copy. Found in a field trial
+    (Mosquitto restarted as round 3's chunked global went out): the agent asked for chunk 7 of 7
+    as it sent its update, the server re-sent it to all three devices after round 4 had opened,
+    and the agent confirmed round 3's global a second time."""
+    server, str_ = _server(tmp_path)[:2]
+    server.send(topics.down(FED, Kind.GLOBAL), _global(), round=3)
+    broadcast = list(str_.published)
+    str_.published.clear()
+    server.send(topics.down_to(FED, "client-001", Kind.GLOBAL), _global(), round=3, recipient="client-001")
+    own = list(str_.published)
+    assert len(broadcast) == len(own) == 5
+    assert decode(broadcast[0][1]).envelope.body.transfer_id != decode(own[0][1]).envelope.body.transfer_id
+    tr = _Recorder()
+    agent = Channel(tr, node_id="client-001", side="agent", federation=FED, ledger=Ledger(tmp_path / "a.sqlite"),
+                    chunk_bytes=1000, resend_after_s=0.0)
+    got = [agent.accept(Incoming(t, p, 1, False, time.monotonic())) for t, p in broadcast[:4] + own]
+    assert [type(g).__name__ for g in got] == ["NoneType"] * 8 + ["Received"]
+    assert got[-1].envelope.round == 3 and got[-1].topic == topics.down_to(FED, "client-001", Kind.GLOBAL)
+    agent._maintain()  # a stalled transfer would be asked for its missing chunks here
+    assert tr.published == [] and agent.reassembler.pending() == []
+    assert agent.superseded_copies == 1 and agent.incomplete_transfers == 0
+    late = agent.accept(Incoming(broadcast[4][0], broadcast[4][1], 1, False, time.monotonic()))
+    assert late is None and tr.published == []  # counted as received (its bytes came), nothing more
+
+
+def test_a_partial_transfer_of_another_kind_or_a_later_round_is_kept(tmp_path: Path) -> None:
+    """Only a global (or update) of the same or a later round supersedes a transfer: round 4's
+    global cut mid-way is still asked for when round 3's arrives whole."""
+    server, str_ = _server(tmp_path)[:2]
+    server.send(topics.down(FED, Kind.GLOBAL), _global(), round=4)
+    later = list(str_.published)
+    str_.published.clear()
+    server.send(topics.down_to(FED, "client-001", Kind.GLOBAL), _global(), round=3, recipient="client-001")
+    older = list(str_.published)
+    tr = _Recorder()
+    agent = Channel(tr, node_id="client-001", side="agent", federation=FED, ledger=Ledger(tmp_path / "a.sqlite"),
+                    chunk_bytes=1000, resend_after_s=0.0)
+    for t, p in later[:4] + older:
+        agent.accept(Incoming(t, p, 1, False, time.monotonic()))
+    agent._maintain()
+    asked = [decode(p).envelope.body for _, p in tr.published]
+    assert [(type(b).__name__, b.indices) for b in asked] == [("Resend", (4,))]
+    assert agent.superseded_copies == 0
