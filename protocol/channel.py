@@ -1038,6 +1038,12 @@ class Channel:
         dropped because the 423,672-byte global had been delivered, and every later packet capped
         at 423,672 bytes).
 
+        Over MQTT 5 nothing is learned: such a broker refuses a PUBLISH it will not forward in its
+        PUBACK (Mosquitto 2.0 answers 0x95 for one over ``message_size_limit``; one over the
+        Maximum Packet Size its CONNACK announced is a DISCONNECT), both refusals of their own
+        (:meth:`_refused_again`); a message it acknowledged and no recipient confirmed was lost
+        some other way (the recipient's link or process down, as a server killed and resumed).
+
         Returns:
             The packet limit (bytes, at least :data:`MIN_SUSPECTED_PACKET`) to send the message
             again under, 0 when ``seq`` is not one of the last messages sent or nothing smaller is
@@ -1048,7 +1054,7 @@ class Channel:
             if sent is None:
                 return 0
             packet = sent.out.packet_bytes if sent.out is not None else sent.packet_bytes
-        if packet <= MIN_SUSPECTED_PACKET:
+        if packet <= MIN_SUSPECTED_PACKET or self._protocol() == MQTT_V5:
             return 0
         proven = self.delivered_packet_bytes(sent.topic)
         if proven and packet - proven <= max(MIN_SUSPECTED_PACKET, int(packet * NEAR_DELIVERED_FRACTION)):

@@ -195,6 +195,30 @@ def test_suspect_dropped_learns_a_quarter_and_never_below_what_was_delivered(tmp
     ledger2.close()
 
 
+def test_over_mqtt_5_an_unconfirmed_message_is_not_taken_for_a_size_drop(tmp_path, caplog) -> None:
+    """Over MQTT 5 a broker refuses a PUBLISH it will not forward in its PUBACK (Mosquitto 2.0:
+    0x95 for a message over message_size_limit; a packet over the Maximum Packet Size its CONNACK
+    announced is a DISCONNECT), so a message it acknowledged and whose recipient never confirmed it
+    was lost some other way: nothing is learned, the copy goes again as before. Found in a field
+    trial (Mosquitto, max_packet_size 16384, MQTT 5): the server was killed and resumed; an agent's
+    update sent meanwhile got no receipt, and the agent logged that the broker had dropped its
+    16,364-byte packets "above a size limit it does not announce" and sent every later update in
+    packets of at most 8,315 bytes (7 chunks instead of 4)."""
+    class Mqtt5(RefusingTransport):
+        mqtt_version = 5
+
+    tr = Mqtt5(limit=1 << 30)
+    ch, ledger = _channel(tmp_path, tr)
+    enc = ch.send(TOPIC, update_of(12_000), round=1)
+    tr.answer()
+    ch.receive(0.0)
+    assert not ch.in_flight(enc.seq)
+    with caplog.at_level("WARNING"):
+        assert ch.suspect_dropped(enc.seq) == 0
+    assert ch.learned_max_packet_bytes == 0 and "size limit" not in caplog.text
+    ledger.close()
+
+
 def test_a_packet_just_above_a_delivered_size_is_not_taken_for_dropped(tmp_path) -> None:
     """The broker delivered what proves packets 32 bytes smaller than the update's fit (a global
     of the same model, as when a loaded server's receipt came late): the update's silence is not
