@@ -255,6 +255,11 @@ class Channel:
             whole: never asked for again (:meth:`_supersede_copies`).
         superseded_resend_requests: ``resend`` requests for a transfer this side replaced (sent
             the message again as a new transfer after a refusal): not answered, logged at debug.
+        resent_chunks: chunks published again on ``resend`` requests (each copy counted).
+        resent_on_broadcast: of them, chunks of a broadcast ``global`` published again on the
+            broadcast topic, not on the requester's own, because their PUBLISH on the longer
+            per-device topic would not fit the packet limit the transfer was cut for (see
+            :meth:`_publish_resend`).
         last_payload: the encoded (unsealed) payload of the last message sent.
     """
 
@@ -297,12 +302,14 @@ class Channel:
         # (packet bytes, "up"/"down", pays the round trip) -> seconds on the device's link
         self.link_time: Callable[[int, str, bool], float] | None = None
         self.resent_chunks = 0
+        self.resent_on_broadcast = 0
         self.incomplete_transfers = 0
         self._resend_asked: dict[tuple[str, bytes], float] = {}
-        # (sender, transfer_id) of a transfer in progress -> (kind label, round) of its chunks
-        self._transfer_msgs: dict[tuple[str, bytes], tuple[str, int]] = {}
+        # (sender, transfer_id) of a transfer in progress -> (kind label, round, topic) of its first chunk
+        self._transfer_msgs: dict[tuple[str, bytes], tuple[str, int, str]] = {}
         self.superseded_copies = 0
-        self._resent_at: dict[tuple[bytes, int], float] = {}
+        # (requester, transfer_id, chunk index) -> when that chunk was last published again for it
+        self._resent_at: dict[tuple[str, bytes, int], float] = {}
         if resend_burst_bytes < 0 or resend_rate_bytes_s < 0:
             raise ValueError(f"resend_burst_bytes and resend_rate_bytes_s must be >= 0, got {resend_burst_bytes}, "
                              f"{resend_rate_bytes_s}")
@@ -463,12 +470,18 @@ class Channel:
 
     def _packet_limit(self, out: _Outgoing) -> tuple[int, int]:
         """(packet limit in bytes, MQTT protocol level to size packets with) for ``out``."""
-        limits = [self.max_packet_bytes, out.max_packet_bytes, self.learned_max_packet_bytes or _NO_LIMIT]
+        return self._limit_for(out.max_packet_bytes)
+
+    def _limit_for(self, recipient_max_packet_bytes: int) -> tuple[int, int]:
+        """(packet limit in bytes, MQTT protocol level to size packets with) for a message whose
+        recipients' own limit is ``recipient_max_packet_bytes`` (:data:`_NO_LIMIT`: none), under
+        the limits this side knows now."""
+        limits = [self.max_packet_bytes, recipient_max_packet_bytes, self.learned_max_packet_bytes or _NO_LIMIT]
         known = getattr(self.transport, "max_packet_bytes", 0)
         if isinstance(known, int) and known > 0:
             limits.append(known)
         protocol = self._protocol()
-        if out.max_packet_bytes < _NO_LIMIT:  # a recipient's own limit: it may speak MQTT 5, one byte more
+        if recipient_max_packet_bytes < _NO_LIMIT:  # a recipient's own limit: it may speak MQTT 5, one byte more
             protocol = MQTT_V5
         return min(limits), protocol
 
@@ -560,7 +573,7 @@ class Channel:
             while len(self._superseded) > 1024:
                 self._superseded.popitem(last=False)
         out.transfer_id = tid
-        self.cache.put(tid, chunks, meta=(out.topic, out.round, out.kind, out.client))
+        self.cache.put(tid, chunks, meta=(out.topic, out.round, out.kind, out.client, out.max_packet_bytes))
         self._record(out.topic, "message", out.kind, out.round, out.sender, out.seq, client=out.client,
                      payload_bytes=len(out.payload), body_bytes=out.body_bytes, qos=self.qos, retain=False,
                      codec=out.codec, raw_bytes=out.raw_bytes, fields=out.fields, transfer_id=tid.hex(),
@@ -581,11 +594,13 @@ class Channel:
 
     @atomic
     def _publish_chunks(self, chunks: list[Chunk], topic: str, round: int, kind_label: str, client: str,
-                        wait_s: float | None, track: tuple[_Outgoing, int] | None = None) -> None:
+                        wait_s: float | None, track: tuple[_Outgoing, int] | None = None,
+                        packets: list[_ChunkPacket] | None = None) -> None:
         """Hand ``chunks`` (of one transfer, in order) to the transport, each sealed in an envelope
         of its own, with a ``sent`` ledger row (delivery ``handed``; ``track``: the message and its
         generation, whose delivery the chunks' outcomes count in, ``None`` for chunks asked for
-        again of a message no longer held).
+        again of a message no longer held; ``packets``: the chunks' packets made already for
+        ``topic`` by :meth:`_chunk_packet`, one per chunk, ``None``: made here).
 
         ``wait_s`` (seconds) bounds each chunk's wait for its acknowledgement until a wait ends
         before its chunk's outcome (:class:`~protocol.errors.PublishTimeout`, or the transport
@@ -616,7 +631,7 @@ class Channel:
         waited: TransportError | None = None  # the first wait that ended before its chunk's outcome
         waited_at = 0
         for i, c in enumerate(chunks):
-            pkt = self._chunk_packet(topic, round, c)
+            pkt = packets[i] if packets is not None else self._chunk_packet(topic, round, c)
             wait = wait_s if waited is None else None  # after a wait that ended first: queued without one
             try:
                 handle, ended = self._hand_over(topic, pkt.wire, retain=False, wait_s=wait)
@@ -1201,7 +1216,17 @@ class Channel:
                          transfer_id=c.transfer_id.hex(), chunk_index=c.index, chunk_count=c.count,
                          sig_bytes=sig_b, enc_bytes=enc_b)
             key = (env.sender, bytes(c.transfer_id))
-            self._transfer_msgs[key] = (info.kind_label, env.round)
+            # a transfer's chunks may come on more than one topic of its kind: a broadcast global's
+            # chunks asked for again come on this device's own topic (_publish_resend); the message
+            # is the first chunk's topic's (a broadcast stays a broadcast to its consumer)
+            first = self._transfer_msgs.setdefault(key, (info.kind_label, env.round, inc.topic))
+            if first[2] != inc.topic:
+                first_info = topics.parse(first[2])
+                if (first_info.direction, first_info.kind_label) != (info.direction, info.kind_label):
+                    return self._reject(inc, FieldError(
+                        f"chunk {c.index} of transfer {c.transfer_id.hex()} on {inc.topic!r}: its transfer began on "
+                        f"{first[2]!r}, a topic of another kind", field="topic"), recorded=True)
+                info = first_info
             try:
                 whole = self.reassembler.add(env.sender, c)
             except ProtocolError as exc:
@@ -1210,6 +1235,8 @@ class Channel:
             if whole is None:
                 return None
             self._transfer_msgs.pop(key, None)
+            topic = first[2]
+            client = info.client_id or (self.node_id if self.side == "agent" else "*")
             try:
                 inner = decode(whole, limits=self.limits)
                 if inner.envelope.sender != env.sender:
@@ -1222,15 +1249,15 @@ class Channel:
                     raise FieldError(f"a {inner.envelope.kind.label} message on a {info.kind_label} topic",
                                      field="envelope.kind")
             except ProtocolError as exc:  # every chunk passed the security checks: its sender is known
-                return self._reject(Incoming(inc.topic, whole, inc.qos, False, inc.received_at), exc, recorded=True,
+                return self._reject(Incoming(topic, whole, inc.qos, False, inc.received_at), exc, recorded=True,
                                     header=_answerable_header(whole, info, env.sender))
             ienv = inner.envelope
-            self._record(inc.topic, "message", ienv.kind.label, ienv.round, ienv.sender, ienv.seq, client=client,
+            self._record(topic, "message", ienv.kind.label, ienv.round, ienv.sender, ienv.seq, client=client,
                          payload_bytes=inner.payload_bytes, body_bytes=inner.body_bytes, qos=inc.qos, retain=False,
                          raw_bytes=_raw(ienv.body), fields=_fields_json(inner), codec=inner.codec,
                          transfer_id=c.transfer_id.hex(), chunk_count=c.count)
             self._supersede_copies(ienv.sender, ienv.kind.label, ienv.round)
-            return Received(inc.topic, info, inner, False, payload_sha256(whole), inc.received_at)
+            return Received(topic, info, inner, False, payload_sha256(whole), inc.received_at)
         resend_plan: tuple | None = None  # set for a resend request only
         if isinstance(env.body, Resend):
             # decided before the row is written: a refused request is a ``rejected`` row, not a received one
@@ -1253,13 +1280,13 @@ class Channel:
         sender's transfers still in progress of the same kind and of this round or an earlier
         one (the broadcast global a broker restart cut, when the device's own copy came after its
         reconnect; an update's first copy cut, when its copy sent again arrived), so that their
-        missing chunks are never asked for (a ``resend`` request, answered on the transfer's
-        topic, costs every device of a broadcast a chunk) and a late chunk completes no stale
+        missing chunks are never asked for (the message is here: a ``resend`` request would cost
+        the sender's link and this device's for nothing) and a late chunk completes no stale
         copy. Transfers of another payload only: one of the same payload is superseded by the
         reassembler itself."""
         if kind_label not in ("global", "update") or not self._transfer_msgs:
             return
-        for key, (k, r) in list(self._transfer_msgs.items()):
+        for key, (k, r, _topic) in list(self._transfer_msgs.items()):
             if key[0] != sender or k != kind_label or r > round:
                 continue
             del self._transfer_msgs[key]
@@ -1344,9 +1371,12 @@ class Channel:
         ``resend_rate_bytes_s``). A chunk already resent less than a second ago is not sent again
         (the request is still honoured).
 
+        The once-a-second limit and the budget are the requester's own: two devices missing one
+        chunk of a broadcast each get it (on its own topic, :meth:`_publish_resend`).
+
         Returns:
-            ``(chunks, meta)`` to hand to :meth:`_publish_resend` (``chunks`` may be empty), or
-            the reason of the refusal (a sentence naming the requester and the transfer).
+            ``(chunks, meta, requester)`` to hand to :meth:`_publish_resend` (``chunks`` may be
+            empty), or the reason of the refusal (a sentence naming the requester and the transfer).
         """
         tid = req.transfer_id.hex()
         if self.side == "agent":
@@ -1361,10 +1391,10 @@ class Channel:
             self.superseded_resend_requests += 1
             log.debug("%s: resend request from %s for transfer %s not answered: replaced by a smaller re-send of "
                       "its message", self.node_id, requester, tid)
-            return [], None
+            return [], None, requester
         if not held:
             return f"resend request from {requester!r} refused: transfer {tid} is not held here (unknown or expired)"
-        topic, round, kind_label, client = meta
+        client = meta[3]
         if self.side == "server" and client not in ("*", requester):
             return f"resend request from {requester!r} refused: transfer {tid} was sent to {client!r}, not to it"
         count = held[0].count
@@ -1374,7 +1404,7 @@ class Channel:
             return f"resend request from {requester!r} refused: asks for {what} of transfer {tid} ({count} chunks)"
         now = time.monotonic()
         chunks = [c for c in self.cache.get(req.transfer_id, list(req.indices))
-                  if now - self._resent_at.get((c.transfer_id, c.index), -1e9) >= 1.0]
+                  if now - self._resent_at.get((requester, c.transfer_id, c.index), -1e9) >= 1.0]
         cost = sum(len(c.data) for c in chunks)
         tokens, last = self._resend_budget.get(requester, (float(self.resend_burst_bytes), now))
         tokens = min(float(self.resend_burst_bytes), tokens + (now - last) * self.resend_rate_bytes_s)
@@ -1386,30 +1416,60 @@ class Channel:
             self._resend_budget.clear()
         self._resend_budget[requester] = (tokens - cost, now)
         for c in chunks:
-            self._resent_at[(c.transfer_id, c.index)] = now
+            self._resent_at[(requester, c.transfer_id, c.index)] = now
         if len(self._resent_at) > 100_000:
             self._resent_at.clear()
-        return chunks, meta
+        return chunks, meta, requester
 
     def _publish_resend(self, plan: tuple) -> None:
-        """Publish the chunks a ``resend`` request asked for. Chunks cut before the broker's limit
-        became known may be above it now: the transport refuses them unsent
-        (:class:`~protocol.errors.PublishRefused`), and the message they belong to, when it is one
-        of the last sent, is sent again smaller (as after a refusal); never raised to the receiver
-        of the request."""
-        chunks, meta = plan
+        """Publish the chunks a ``resend`` request asked for, on the topic the transfer went on;
+        but a broadcast ``global``'s (``down/global``) go to the device that asked alone, on its
+        own topic (``down/{requester}/global``, which every agent subscribes to; sealed for that
+        topic when signing is on; ledger ``client`` the requester): answered on the broadcast
+        topic, every online device would download them again. A chunk whose PUBLISH on that longer
+        topic would not fit the packet limit the transfer was cut for (a transfer cut to the limit:
+        the topic adds the requester's id and a ``/``) goes on the broadcast topic as before
+        (counted in :attr:`resent_on_broadcast`, said at INFO): a packet above a device's limit
+        never reaches it. Chunks cut before the broker's limit became known may be above it now:
+        the transport refuses them unsent (:class:`~protocol.errors.PublishRefused`), and the
+        message they belong to, when it is one of the last sent, is sent again smaller (as after
+        a refusal); never raised to the receiver of the request."""
+        chunks, meta, requester = plan
         if not chunks:
             return
-        topic, round, kind_label, client = meta
+        topic, round, kind_label, client, max_packet = meta
         self.resent_chunks += len(chunks)
         tid = chunks[0].transfer_id
         with self._delivery_lock:  # the message, while it may still be sent again
             held = [s.out for s in self._sent.values() if s.out is not None]
             held += [e[2] for e in self._acked_recently.values() if e[2] is not None]
             out = next((o for o in reversed(held) if o.transfer_id == tid), None)
+        track = (out, out.generation) if out is not None else None
+        groups: list[tuple[str, str, list[Chunk], list[_ChunkPacket] | None]] = [(topic, client, chunks, None)]
+        own = self._own_resend_topic(topic, kind_label, requester)
+        if own is not None:
+            limit, protocol = self._limit_for(max_packet)
+            fit: list[Chunk] = []
+            packets: list[_ChunkPacket] = []
+            rest: list[Chunk] = []
+            for c in chunks:
+                pkt = self._chunk_packet(own, round, c)
+                if self._size(own, len(pkt.wire), protocol) <= limit:
+                    fit.append(c)
+                    packets.append(pkt)
+                else:  # its seq goes unused: receivers never expect consecutive numbers
+                    rest.append(c)
+            groups = [(own, requester, fit, packets)] if fit else []
+            if rest:
+                groups.append((topic, client, rest, None))
+                self.resent_on_broadcast += len(rest)
+                log.info("%s: %s of transfer %s asked for by %s go again on %s: on its own topic their packets "
+                         "would exceed the %s-byte limit the transfer was cut for", self.node_id,
+                         _chunk_span([c.index for c in rest], rest[0].count), tid.hex(), requester, topic,
+                         f"{limit:,}")
         try:
-            self._publish_chunks(chunks, topic, round, kind_label, client, None,
-                                 track=(out, out.generation) if out is not None else None)
+            for to, who, these, pkts in groups:
+                self._publish_chunks(these, to, round, kind_label, who, None, track=track, packets=pkts)
         except PublishRefused as exc:
             self.refused += 1
             if out is None:
@@ -1423,6 +1483,23 @@ class Channel:
                     return
                 out.refusal_queued = True
                 self._refusal_queue.append((out, out.generation, exc.reason, exc.limit_bytes or 0))
+
+    def _own_resend_topic(self, topic: str, kind_label: str, requester: str) -> str | None:
+        """The topic to answer ``requester``'s ``resend`` request for a transfer sent on ``topic``
+        on instead of ``topic``: its own ``down/{requester}/global`` for a broadcast ``global``
+        (server side); ``None`` for every other transfer (addressed to one peer already, or a
+        ``round_start``/``finish`` broadcast, whose chunks stay on the broadcast topic: an agent
+        that reads a ``round_start`` on its own topic as a copy meant for it alone would take a
+        broadcast's for one)."""
+        if self.side != "server" or kind_label != Kind.GLOBAL.label:
+            return None
+        try:
+            info = topics.parse(topic)
+        except ProtocolError:
+            return None
+        if info.direction != "down" or info.client_id is not None:
+            return None
+        return topics.down_to(self.federation, requester, Kind.GLOBAL)
 
     def _maintain(self) -> None:
         """Send refused messages again; let go of acknowledged messages past :data:`_ACKED_HOLD_S`;

@@ -35,7 +35,10 @@ delivers at least once: a lost PUBACK or a reconnect re-sends, study §3 T4/T5/T
 if its bytes are identical; a chunk of a transfer completed recently is ignored too. When every
 index has arrived, the SHA-256 digest of the buffer must equal ``sha256``; the buffer is then
 decoded as an ordinary payload (:func:`protocol.messages.decode`), whose own envelope ``sender``
-must equal the chunks' sender. A chunk that disagrees with its transfer (``count``,
+must equal the chunks' sender. The topic a chunk came on plays no part here: a transfer's
+chunks may come on more than one topic (a broadcast ``global``'s chunks asked for again come on
+the device's own topic; :class:`protocol.channel.Channel` checks that they are of one kind). A
+chunk that disagrees with its transfer (``count``,
 ``total_bytes``, ``sha256``, slice length, different bytes at a seen index) or a digest
 mismatch drops the whole transfer. A transfer that received no chunk for ``ttl_s`` seconds
 (120 s by default) is dropped and reported, never waited on forever.
@@ -55,8 +58,10 @@ records again (new envelopes, fresh ``seq``). It honours a request only from a k
 server: a joined agent, verified when signing is on; an agent: the server), for a transfer sent
 to that peer, for indices the transfer has, and within a per-peer budget of resent bytes; a
 refused request (a sender that no longer holds the transfer included) is a ``rejected`` ledger
-row with its reason, and the receiver's transfer then expires. Resent chunks are ordinary chunks to the
-receiver (duplicates included).
+row with its reason, and the receiver's transfer then expires. A broadcast ``global``'s chunks go
+again to the device that asked alone, on its own topic (``down/{client}/global``), unless their
+PUBLISH would not fit there (:meth:`protocol.channel.Channel._publish_resend`). Resent chunks are
+ordinary chunks to the receiver (duplicates included).
 
 Units: bytes for every size, seconds for every duration.
 """

@@ -243,7 +243,8 @@ or a device that came back during the round; §8) | server → agents |
 | `status` | `status/{client_id}` (retained when `online`; the last will) | agent → server |
 | `receipt` | `down/{client_id}/receipt` (answers a `join` or an `update`); `up/{client_id}/receipt` (answers a \
 `global`) | both |
-| `chunk` | the topic of the message it carries (§5) | both |
+| `chunk` | the topic of the message it carries; a broadcast `global`'s chunks asked for again: the asking \
+agent's `down/{client_id}/global` (§5) | both |
 | `resend` | `down/{client_id}/resend` (server asks an agent); `up/{client_id}/resend` (agent asks the server) | both |
 
 (Topic prefixes `fedfleet/v1/{federation}/` omitted in the table.) `federation` and `client_id`
@@ -531,8 +532,9 @@ The probe puts every field the sender does not fix at its widest form (`seq` and
 chunk is never longer. A sender with `L < 1` cannot send the message (an error, not a transfer).
 
 **Envelopes.** Each chunk is a message of its own: envelope `sender` and `round` of the chunked
-message, a fresh `seq` per chunk (§2), published on the chunked message's topic with the same
-QoS, never retained. With signing on, each chunk is sealed on its own (§6). The inner payload is
+message, a fresh `seq` per chunk (§2), published on the chunked message's topic (chunks of a
+broadcast `global` asked for again: see *Resend*) with the same QoS, never retained. With signing
+on, each chunk is sealed on its own (§6), for the topic it is published on. The inner payload is
 the unsealed encoding of the whole message (7-element envelope).
 
 **Reassembly.** The receiver keys a transfer by (envelope `sender`, `transfer_id`). It checks
@@ -542,8 +544,12 @@ arrives again is a **duplicate** (MQTT QoS 1 delivers at least once) and is igno
 are identical; a chunk of a transfer completed recently is ignored too. When every index has
 arrived, the SHA-256 of the buffer must equal `sha256`; the buffer is then decoded as an ordinary
 unsigned payload, whose envelope `sender`, `round` and kind must equal the chunks' sender, round
-and topic kind. A chunk that disagrees with its transfer (`count`, `total_bytes`, `sha256`, slice
-length, different bytes at a seen index) or a digest mismatch drops the whole transfer. A
+and topic kind. The chunks of one transfer may arrive on more than one topic of its kind (a
+broadcast's chunks asked for again come on the device's own topic): the message is taken as
+arrived on its first chunk's topic, and a chunk on a topic of another kind (or direction) than
+its transfer's first chunk is refused (the transfer keeps the chunks it has). A chunk that
+disagrees with its transfer (`count`, `total_bytes`, `sha256`, slice length, different bytes at a
+seen index) or a digest mismatch drops the whole transfer. A
 transfer that got no chunk for 120 s (default) is dropped and reported, never waited on forever.
 The server admits chunks only from joined agents; an agent only from the server.
 
@@ -563,8 +569,16 @@ the transfer has, and at most once per chunk per second and within a per-peer bu
 bytes; a refused request is logged as `rejected` with its reason, and nothing is resent. A
 sender that no longer holds the transfer refuses the request; the receiver's transfer then
 expires. A request for a transfer the sender replaced (sent the message again as a new transfer
-after a refusal) is not answered and not a refusal: it is ledgered as received. Resent chunks
-are ordinary chunks to the receiver (duplicates included).
+after a refusal) is not answered and not a refusal: it is ledgered as received. The once-a-second
+limit and the budget are each requester's own. The chunks go again on the transfer's topic, except
+a broadcast `global`'s (`down/global`): the server publishes those to the device that asked alone,
+on its own `down/{{client_id}}/global` (which every agent subscribes to, §1; sealed for that topic
+when signing is on), so that no other device downloads them again; a chunk whose PUBLISH on that
+longer topic would exceed the packet limit its transfer was cut for (the budget above, on the
+broadcast topic) goes on the broadcast topic, as does every chunk of a `round_start` or `finish`
+broadcast. Resent chunks are ordinary chunks to the receiver (duplicates included). A receiver that
+keys transfers by (`sender`, `transfer_id`) as above, whatever the topic, completes a transfer from
+chunks on both topics; so did every earlier fedfleet agent, which subscribes to its own topics.
 
 Units: bytes for every size, seconds for every duration.
 """

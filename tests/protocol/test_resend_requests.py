@@ -217,3 +217,190 @@ def test_a_partial_transfer_of_another_kind_or_a_later_round_is_kept(tmp_path: P
     asked = [decode(p).envelope.body for _, p in tr.published]
     assert [(type(b).__name__, b.indices) for b in asked] == [("Resend", (4,))]
     assert agent.superseded_copies == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A broadcast transfer's missing chunks go to the device that asked, on its own topic
+
+DEVICES = ("client-001", "client-002", "client-003")
+
+
+def _fleet(tmp_path: Path, *, signed: bool = False, devices: tuple[str, ...] = DEVICES, **server_opts):
+    """A server channel and the ``devices``' channels (by id) on one memory broker, each
+    subscribed as it is in a federation (topics.server_filters / agent_filters), each with its own
+    ledger."""
+    from protocol.memory_transport import MemoryBroker
+
+    broker = MemoryBroker()
+    sec: dict[str, object] = {}
+    if signed:
+        from protocol.security import ChannelSecurity, generate_identity
+
+        ids = {n: generate_identity(n) for n in ("server", *devices)}
+        sec["server"] = ChannelSecurity(ids["server"], side="server", peers={d: ids[d].public for d in devices},
+                                        epoch=1, replay_state=None)
+        for d in devices:
+            sec[d] = ChannelSecurity(ids[d], side="agent", peers={"server": ids["server"].public}, epoch=1,
+                                     replay_state=None)
+    st = broker.connect(topics.mqtt_client_id(FED, "server"))
+    st.subscribe(topics.server_filters(FED))
+    server = Channel(st, node_id="server", side="server", federation=FED, ledger=Ledger(tmp_path / "server.sqlite"),
+                     chunk_bytes=1000, transfer_filter=lambda s: s in devices, security=sec.get("server"),
+                     **server_opts)
+    channels = {}
+    for d in devices:
+        t = broker.connect(topics.mqtt_client_id(FED, d))
+        t.subscribe(topics.agent_filters(FED, d))
+        channels[d] = Channel(t, node_id=d, side="agent", federation=FED, ledger=Ledger(tmp_path / f"{d}.sqlite"),
+                              chunk_bytes=1000, resend_after_s=0.0, security=sec.get(d))
+    return server, channels
+
+
+def _drain(ch: Channel, *, lose: tuple[int, ...] = ()) -> list:
+    """Accept everything delivered to ``ch``, except the chunks whose index is in ``lose`` (lost
+    on the way: never accepted, never ledgered); returns what accept returned."""
+    got = []
+    while (inc := ch.transport.get(0.0)) is not None:
+        body = decode(inc.payload).envelope.body
+        if isinstance(body, Chunk) and body.index in lose:
+            continue
+        got.append(ch.accept(inc))
+    return got
+
+
+def _chunk_rows_received(ch: Channel) -> list:
+    return [r for r in ch.ledger.rows("event='received' AND chunk_index IS NOT NULL")]
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_a_broadcast_chunk_asked_for_again_reaches_only_the_device_that_asked(tmp_path: Path, signed: bool) -> None:
+    """The server broadcasts round 1's global (5 chunks) to 3 devices; client-002 loses chunk 2
+    and asks for it. The server publishes it again on client-002's own topic
+    (``down/client-002/global``, sealed for that topic when signing is on), ledgered with
+    ``client`` client-002: client-002 completes the global (reported on the broadcast topic it
+    began on) and the other two devices receive nothing more. Before, the chunk went again on
+    ``down/global``, and each of the 3 devices downloaded it (a field test: 5,933 B per device)."""
+    server, devices = _fleet(tmp_path, signed=signed)
+    bcast = topics.down(FED, Kind.GLOBAL)
+    server.send(bcast, _global(), round=1)
+    first = {d: _drain(ch, lose=(2,) if d == "client-002" else ()) for d, ch in devices.items()}
+    assert [type(g).__name__ for g in first["client-001"]] == ["NoneType"] * 4 + ["Received"]
+    assert first["client-002"] == [None] * 4
+    before = {d: len(_chunk_rows_received(ch)) for d, ch in devices.items()}
+    assert before == {"client-001": 5, "client-002": 4, "client-003": 5}
+
+    devices["client-002"]._maintain()  # stalled: asks for chunk 2
+    inc = server.transport.get(0.0)
+    assert inc is not None and inc.topic == topics.up(FED, "client-002", Kind.RESEND)
+    assert server.accept(inc) is None and server.resent_chunks == 1
+    after = {d: _drain(ch) for d, ch in devices.items()}
+
+    assert after["client-001"] == [] and after["client-003"] == []  # nothing more downloaded
+    (done,) = after["client-002"]
+    assert done.envelope.kind is Kind.GLOBAL and done.envelope.round == 1 and done.topic == bcast
+    np.testing.assert_array_equal(done.envelope.body.tensors[0], _global().tensors[0])
+    assert {d: len(_chunk_rows_received(ch)) - before[d] for d, ch in devices.items()} == \
+        {"client-001": 0, "client-002": 1, "client-003": 0}
+    own = topics.down_to(FED, "client-002", Kind.GLOBAL)
+    (row,) = _chunk_rows_received(devices["client-002"])[4:]
+    # the same chunk record as client-001's chunk 2 (a new envelope; its seq is one byte still),
+    # sealed alike when signed: the same payload; the PUBLISH (MQTT 3.1.1, QoS 1): 1 byte of fixed
+    # header, 2 of remaining length (a payload of ~1,100 bytes), 2 of topic length, the topic, 2 of
+    # packet id, the payload
+    ref = next(r for r in _chunk_rows_received(devices["client-001"]) if r.chunk_index == 2)
+    assert (row.topic, row.chunk_index, row.client, row.payload_bytes) == (own, 2, "client-002", ref.payload_bytes)
+    assert row.wire_bytes == 1 + 2 + 2 + len(own) + 2 + ref.payload_bytes
+    assert row.wire_bytes - ref.wire_bytes == len("client-002/")  # the longer topic, nothing else
+    (sent,) = [r for r in server.ledger.rows("event='sent' AND chunk_index IS NOT NULL")][5:]
+    assert (sent.topic, sent.client, sent.chunk_index, sent.wire_bytes) == (own, "client-002", 2, row.wire_bytes)
+    assert not any(r.event == "rejected" for ch in devices.values() for r in ch.ledger.rows())
+
+
+def test_two_devices_missing_one_broadcast_chunk_each_get_their_own_copy(tmp_path: Path) -> None:
+    """client-002 and client-003 both lose chunk 2 and ask for it within the same second: each
+    gets one copy on its own topic (the once-a-second limit on a chunk asked for again is per
+    requester), client-001 none; each requester's budget pays for its own copy only."""
+    server, devices = _fleet(tmp_path, resend_burst_bytes=1000, resend_rate_bytes_s=0.0)
+    server.send(topics.down(FED, Kind.GLOBAL), _global(), round=1)
+    for d, ch in devices.items():
+        _drain(ch, lose=(2,) if d != "client-001" else ())
+    for d in ("client-002", "client-003"):
+        devices[d]._maintain()
+    while (inc := server.transport.get(0.0)) is not None:
+        assert server.accept(inc) is None
+    assert server.resent_chunks == 2
+    after = {d: _drain(ch) for d, ch in devices.items()}
+    assert after["client-001"] == []
+    for d in ("client-002", "client-003"):
+        (done,) = after[d]
+        assert done.envelope.kind is Kind.GLOBAL
+        rows = _chunk_rows_received(devices[d])
+        assert len(rows) == 5 and rows[-1].topic == topics.down_to(FED, d, Kind.GLOBAL)
+    # each requester's budget of 1,000 bytes paid for its own 1,000-byte chunk: both are spent now
+    tid = bytes.fromhex(_chunk_rows_received(devices["client-002"])[-1].transfer_id)
+    for n, d in enumerate(("client-002", "client-003"), start=10):
+        item = server.accept(_request(d, tid, [4], seq=n))
+        assert isinstance(item, Rejected) and "rate limit" in item.reason and "0 left of 1,000" in item.reason
+
+
+def test_a_broadcast_chunk_too_large_for_the_requesters_own_topic_goes_on_the_broadcast_topic(
+        tmp_path: Path) -> None:
+    """A global broadcast under the devices' own packet limit (900 bytes) is cut so that its full
+    chunks fill it; on a device's own topic, 28 bytes longer for a 27-character id, such a chunk
+    would exceed it (and a packet above a device's limit never reaches it), so it goes again on
+    the broadcast topic, to every device, as before; the short last chunk fits and goes to the
+    device that asked alone."""
+    ids = tuple(f"greenhouse-sensor-node-000{i}" for i in (1, 2, 3))
+    server, devices = _fleet(tmp_path, devices=ids)
+    bcast = topics.down(FED, Kind.GLOBAL)
+    server.send(bcast, _global(), round=1, max_packet_bytes=900)
+    sent = server.ledger.rows("event='sent' AND chunk_index IS NOT NULL")
+    count = len(sent)
+    # every PUBLISH within 900 bytes (MQTT 5 framing: 1 byte more than the 3.1.1 rows count), the
+    # full ones within the 28 bytes the longer topic adds
+    assert count == 6 and all(r.wire_bytes + 1 <= 900 for r in sent)
+    assert all(r.wire_bytes + 1 + len(ids[1]) + 1 > 900 for r in sent[:-1])
+    assert sent[-1].wire_bytes + 1 + len(ids[1]) + 1 <= 900
+    asker = devices[ids[1]]
+    for ch in devices.values():
+        _drain(ch, lose=(1, count - 1) if ch is asker else ())
+    asker._maintain()
+    inc = server.transport.get(0.0)
+    assert inc is not None and server.accept(inc) is None
+    assert (server.resent_chunks, server.resent_on_broadcast) == (2, 1)
+    after = {d: _drain(ch) for d, ch in devices.items()}
+    assert after[ids[0]] == [None] and after[ids[2]] == [None]  # a duplicate of chunk 1 each
+    rows = _chunk_rows_received(asker)[count - 2:]
+    assert [(r.chunk_index, r.topic) for r in rows] == \
+        [(count - 1, topics.down_to(FED, ids[1], Kind.GLOBAL)), (1, bcast)]  # those that fit go first
+    assert [type(g).__name__ for g in after[ids[1]]] == ["NoneType", "Received"]
+    assert after[ids[1]][1].topic == bcast
+
+
+def test_a_transfer_sent_to_one_device_is_answered_on_its_own_topic_as_before(tmp_path: Path) -> None:
+    ch, tr, ledger = _server(tmp_path)
+    own = topics.down_to(FED, "client-002", Kind.GLOBAL)
+    ch.send(own, _global(), round=1, recipient="client-002")
+    tid = decode(tr.published[0][1]).envelope.body.transfer_id
+    tr.published.clear()
+    assert ch.accept(_request("client-002", tid, [0, 4])) is None
+    assert [t for t, _ in tr.published] == [own, own] and ch.resent_on_broadcast == 0
+    resent = ledger.rows("event='sent' AND chunk_index IS NOT NULL")[5:]
+    assert [(r.topic, r.client, r.chunk_index) for r in resent] == [(own, "client-002", 0), (own, "client-002", 4)]
+
+
+def test_a_chunk_on_a_topic_of_another_kind_than_its_transfer_is_refused(tmp_path: Path) -> None:
+    """Chunks of one transfer may come on the broadcast topic and on the device's own topic of
+    the same kind; one on a topic of another kind is a ``rejected`` chunk (its bytes were
+    received), and the transfer still completes from the right chunks."""
+    server, str_ = _server(tmp_path)[:2]
+    server.send(topics.down(FED, Kind.GLOBAL), _global(), round=1)
+    chunks = list(str_.published)
+    agent = Channel(_Recorder(), node_id="client-001", side="agent", federation=FED,
+                    ledger=Ledger(tmp_path / "a.sqlite"), chunk_bytes=1000)
+    now = time.monotonic()
+    assert agent.accept(Incoming(chunks[0][0], chunks[0][1], 1, False, now)) is None
+    wrong = agent.accept(Incoming(topics.down_to(FED, "client-001", Kind.ROUND_START), chunks[1][1], 1, False, now))
+    assert isinstance(wrong, Rejected) and "a topic of another kind" in wrong.reason
+    got = [agent.accept(Incoming(t, p, 1, False, now)) for t, p in chunks[1:]]
+    assert got[-1].envelope.kind is Kind.GLOBAL and got[-1].topic == topics.down(FED, Kind.GLOBAL)
