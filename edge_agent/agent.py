@@ -476,6 +476,9 @@ class EdgeAgent:
         self._ef: ErrorFeedback | None = None
         self.rounds_trained = 0
         self.receipts_accepted = 0
+        # rounds whose last update's accepted receipt was counted in receipts_accepted: once per update,
+        # whenever it comes (after the re-sends ran out too), never again for a copy's duplicate receipt
+        self._counted_rounds: set[int] = set()
         self.joined = False
         self._join_seqs: set[int] = set()  # seq of every join sent (a re-sent join's answer is ours too)
         self._join_sent_at = 0.0
@@ -1045,6 +1048,8 @@ class EdgeAgent:
                         self.round_starts_not_answered += 1
                     if self._unacked is not None and self._unacked[0] == env.round:
                         self._unacked = None
+                    if env.round not in self._counted_rounds:  # late (re-sends ran out) or not: it counts
+                        self._counted_rounds.add(env.round)
                         self.receipts_accepted += 1
                     self._settle(env.round, True)
                 else:
@@ -1170,6 +1175,7 @@ class EdgeAgent:
         deadline_at = self._pending_at + start.deadline_s
         self._unacked = (rnd, update, codec, time.monotonic(), 0, deadline_at, extra_codecs)
         self._last_update = (rnd, update, codec, extra_codecs)
+        self._counted_rounds.discard(rnd)  # a new update of the round (trained again): its receipt counts
         try:
             if self.emulate_link:
                 self._emulate("up", self.channel.encoded_size(update, codec, extra_codecs))
@@ -1326,7 +1332,7 @@ class EdgeAgent:
             return
         rnd, update, codec, sent_at, tries, deadline_at, extra_codecs = self._unacked
         now = time.monotonic()
-        if now > deadline_at or tries >= self.max_resends:
+        if now > deadline_at:
             self._unacked = None
             return
         if self._update_seq is not None and self.channel.in_flight(self._update_seq):
@@ -1335,6 +1341,12 @@ class EdgeAgent:
             self._unacked = (rnd, update, codec, now, tries, deadline_at, extra_codecs)
             return
         if now - sent_at < self.receipt_timeout_s:
+            return
+        if tries >= self.max_resends:  # the last copy had its receipt_timeout_s too
+            self._unacked = None
+            log.warning("%s: no receipt for the update of round %d after %d re-send%s: not sent again unless "
+                        "the server starts round %d again (a receipt that comes later still counts)",
+                        self.client_id, rnd, tries, "" if tries == 1 else "s", rnd)
             return
         self._unacked = (rnd, update, codec, now, tries + 1, deadline_at, extra_codecs)
         # a broker may drop a message above a size it does not announce (MQTT 3.1.1 with Mosquitto's

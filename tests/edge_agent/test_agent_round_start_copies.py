@@ -2,7 +2,8 @@
 server resumed from a checkpoint, or one whose link broke, may have lost it), but once however
 many copies of that ``round_start`` were queued meanwhile, and not for the server's copy to a
 device that came back when its update went out on the connection made since (the copy answers
-that reconnect: the update was not lost to it)."""
+that reconnect: the update was not lost to it). A receipt that comes after the re-sends ran out
+still counts, once."""
 
 from __future__ import annotations
 
@@ -207,3 +208,31 @@ def test_a_copy_followed_by_the_updates_receipt_is_answered_by_that_receipt(capl
         f.finish()
     assert len(f.sent(Update)) == 1 and f.agent.resends == 0
     assert not [r for r in caplog.records if "did not send" in r.getMessage()]
+
+
+def test_a_receipt_after_the_resends_ran_out_still_counts(caplog) -> None:
+    """With ``receipt_timeout_s`` 0 and ``max_resends`` 2, an update never answered is sent 3
+    times (the original and 2 re-sends); once the last copy's timeout passed too, one warning says
+    the re-sends ran out and what happens next. A receipt that comes after that (a resumed server
+    answering a copy) counts: 1 update acknowledged; the duplicate receipt for another copy of
+    the same update does not count it twice."""
+    import logging
+
+    f = _Fleet()
+    f.gate.set()
+    f.agent.receipt_timeout_s = 0.0
+    f.agent.max_resends = 2
+    with caplog.at_level(logging.WARNING, logger="edge_agent.agent"):
+        f.open_round()
+        assert wait_for(lambda: len(f.sent(Update)) == 3 and f.agent._unacked is None)
+    ups = f.sent(Update)
+    assert [e.round for e in ups] == [1, 1, 1] and f.agent.resends == 2
+    out = [r.getMessage() for r in caplog.records if "re-send" in r.getMessage()]
+    assert out == [f"{DEV}: no receipt for the update of round 1 after 2 re-sends: not sent again unless the server "
+                   "starts round 1 again (a receipt that comes later still counts)"]
+    for copy in (ups[2], ups[0]):  # the receipt of the last copy, then a duplicate's for the first
+        f.server.send(topics.down_to(FED, DEV, Kind.RECEIPT), Receipt(ref_kind=int(Kind.UPDATE), ref_seq=copy.seq,
+                      accepted=True), round=1, recipient=DEV)
+    assert wait_for(lambda: f.agent.receipts_accepted == 1)
+    f.finish()
+    assert f.agent.receipts_accepted == 1 and len(f.sent(Update)) == 3
