@@ -223,7 +223,8 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
                 train_defaults: TrainConfig | None = None, device: torch.device | None = None,
                 train_lock: threading.Semaphore | threading.Lock | None = None, emulate_link: bool = False,
                 on_trained: Callable[[int, LocalResult, int], None] | None = None,
-                slots: TrainingSlots | None = None, state_store: DeviceStateStore | None = None) -> EdgeAgent:
+                slots: TrainingSlots | None = None, state_store: DeviceStateStore | None = None,
+                receipt_timeout_s: float = 10.0, max_resends: int = 3) -> EdgeAgent:
     """The :class:`~edge_agent.agent.EdgeAgent` of a prepared agent on ``channel``.
 
     Args:
@@ -243,6 +244,9 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
             copied).
         state_store: the device's state file (:class:`~edge_agent.agent.EdgeAgent`'s
             ``state_store``): what it keeps between rounds survives a restart.
+        receipt_timeout_s: seconds after the broker acknowledged an update's last copy before,
+            without a receipt, it is sent again (``fedfleet-agent --receipt-timeout-s``).
+        max_resends: at most this many such re-sends (``fedfleet-agent --max-resends``).
     """
     from .agent import EdgeAgent
     from .algorithms import TrainConfig
@@ -257,7 +261,8 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
                      train_defaults=train_defaults, client_index=spec.shard, profile=runtime.profile.name,
                      device=device, runtime=runtime, emulate_link=emulate_link, train_lock=train_lock,
                      idle_timeout_s=spec.idle_timeout_s, info=dict(prepared.info), on_trained=on_trained,
-                     slots=slots, state_store=state_store)
+                     slots=slots, state_store=state_store, receipt_timeout_s=receipt_timeout_s,
+                     max_resends=max_resends)
 
 
 def offline_will(federation: str, client_id: str, security: ChannelSecurity | None = None) -> Will:

@@ -67,6 +67,14 @@ CONNECT_BACKOFF_S = (1.0, 30.0)
 """First and largest bound (seconds) of the jittered delay between connect attempts
 (:class:`protocol.transport.ConnectRetry`): about 8 minutes of trying in all at the default attempts."""
 
+RECEIPT_TIMEOUT_S = 10.0
+"""Default ``--receipt-timeout-s`` (:class:`~edge_agent.agent.EdgeAgent`'s ``receipt_timeout_s``): seconds
+after the broker acknowledged an update's last copy before, without a receipt, it is sent again."""
+
+MAX_RESENDS = 3
+"""Default ``--max-resends`` (:class:`~edge_agent.agent.EdgeAgent`'s ``max_resends``): re-sends of an update
+without a receipt, each after ``--receipt-timeout-s``, only while its round is open."""
+
 NOT_JOINED_HINT = ("the likely causes: this device is not enrolled on a signing server (fedfleet keys enroll), "
                    "--server-pubkey is not that server's key, --federation / --broker name another "
                    "federation (the server prints its own), or that federation has finished or its server "
@@ -91,6 +99,36 @@ def client_test_fraction(text: str) -> float:
     if not lo <= value <= hi:  # NaN fails too
         raise argparse.ArgumentTypeError(f"{text} is outside [{lo:g}, {hi:g}], the range of the server's "
                                          "[data] client_test_fraction")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A value of seconds that must be above 0 (``--receipt-timeout-s``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or not above 0 (argparse exits 2 with it).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text}: need a positive number of seconds")
+    return value
+
+
+def non_negative_count(text: str) -> int:
+    """A whole number that must be 0 or more (``--max-resends``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number, or below 0 (argparse exits 2 with it).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: need 0 or more (0: never sent again)")
     return value
 
 
@@ -194,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 5 when no join was answered this many seconds after the first (a warning comes "
                         f"after {JOIN_WARN_S:g} s; the agent re-sends its join meanwhile, so a server started "
                         "later still finds it)")
+    p.add_argument("--receipt-timeout-s", type=positive_seconds, default=RECEIPT_TIMEOUT_S, metavar="S",
+                   help="an update without the server's receipt this many seconds after the broker acknowledged its "
+                        "last copy is sent again (> 0)")
+    p.add_argument("--max-resends", type=non_negative_count, default=MAX_RESENDS, metavar="N",
+                   help="at most this many re-sends of an update without a receipt, only while its round is open "
+                        "(>= 0; after the last, it is sent again only when the server starts its round again)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 
@@ -370,6 +414,7 @@ def _main(argv: list[str] | None) -> int:
     warn = None
     try:
         agent = build_agent(prepared, ch, runtime=rt, device=rt.plan.device, state_store=state,
+                            receipt_timeout_s=args.receipt_timeout_s, max_resends=args.max_resends,
                             on_trained=lambda rnd, res, nbytes: print(
                                 f"round {rnd}: trained {res.num_samples} samples in "
                                 f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "

@@ -78,6 +78,9 @@ def test_build_agent_wires_the_runtime_and_the_spec(digits) -> None:
     assert agent.manifest_hash == manifest_hash(model_manifest(p.model))
     assert len(agent.y) == len(p.indices) and agent.idle_timeout_s == 3600.0
     assert len(subscriptions) == 1  # the agent's own topics, nothing sent yet
+    assert (agent.receipt_timeout_s, agent.max_resends) == (10.0, 3)  # EdgeAgent's defaults
+    other = build_agent(p, channel, runtime=rt, receipt_timeout_s=2.5, max_resends=0)  # fedfleet-agent's flags
+    assert (other.receipt_timeout_s, other.max_resends) == (2.5, 0)
 
 
 def _fake_channel(node_id: str) -> SimpleNamespace:
