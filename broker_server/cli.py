@@ -2,7 +2,9 @@
 ``feddo pretrain``.
 
 Exit codes (never reused): 0 success; 1 the run failed; 2 bad usage or configuration (the
-message says what to fix); 3 data set not found; 4 broker not reachable or not started.
+message says what to fix); 3 data set not found; 4 broker not reachable or not started; 130 stopped
+by Ctrl-C (SIGINT, 128 + 2 as a shell reports it; SIGTERM exits 143): one line says so and, for a
+run with a checkpoint, how to continue it.
 """
 
 from __future__ import annotations

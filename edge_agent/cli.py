@@ -31,7 +31,10 @@ link down), said in one line, ``broker link error: …`` (a join or status whose
 broker's acknowledgement ends is no such failure: it stays queued, and the join counts as not
 answered yet); 5 the server never acknowledged the join and nothing was trained (not
 enrolled on a signing server, a wrong ``--server-pubkey``, or another federation): after a warning
-at 30 s it gives up after ``--join-timeout-s`` (300 s), or when the federation finishes without it.
+at 30 s it gives up after ``--join-timeout-s`` (300 s), or when the federation finishes without
+it; 130 stopped by Ctrl-C (SIGINT; 128 + 2, as a shell reports it): one line says so and in which
+round, the offline status is published if the link takes it (SIGTERM exits 143 the same way,
+without the line).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ EXIT_USAGE = 2
 EXIT_DATA = 3
 EXIT_BROKER = 4
 EXIT_NOT_JOINED = 5
+#: stopped by Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports it (``fedfleet server``'s too)
+EXIT_INTERRUPTED = 130
 
 JOIN_WARN_S = 30.0
 """Seconds after which an unanswered join is warned about (the run goes on until ``--join-timeout-s``)."""
@@ -268,7 +273,32 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.lifecycle import guard_stdout
 
     with guard_stdout("fedfleet-agent"):
-        return _main(argv)
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # Ctrl-C before the run (data, connect) or while it ends
+            print(interrupted_line(None), file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+
+
+def interrupted_line(agent) -> str:
+    """The one line ``fedfleet-agent`` ends with when Ctrl-C stops it: where the run was, from
+    ``agent`` (an :class:`~edge_agent.agent.EdgeAgent`; ``None``: stopped before it joined):
+    whether its join was answered, the newest round it took up (:meth:`~edge_agent.agent.EdgeAgent.holdings`'
+    start round) and whether that round's update awaits its receipt, the rounds trained and the
+    updates acknowledged."""
+    if agent is None:
+        return "fedfleet-agent: stopped by Ctrl-C before it joined"
+    _, started, awaiting = agent.holdings()
+    if not agent.joined:
+        where = "before the server answered its join"
+    elif started == 0:
+        where = "before its first round"
+    else:
+        where = f"in round {started}" + (" (its update awaits its receipt)" if awaiting == started else "")
+    trained, acked = agent.rounds_trained, agent.receipts_accepted
+    return (f"fedfleet-agent: {agent.client_id} stopped by Ctrl-C {where}; "
+            f"{trained} round{'s' if trained != 1 else ''} trained, "
+            f"{acked} update{'s' if acked != 1 else ''} acknowledged")
 
 
 def _main(argv: list[str] | None) -> int:
@@ -441,8 +471,13 @@ def _main(argv: list[str] | None) -> int:
         if agent is not None:  # said offline if the link still takes it (a clean close fires no last will)
             agent.leave(f"broker link error: {exc}")
         return EXIT_BROKER
-    except (SystemExit, KeyboardInterrupt):  # SIGTERM/SIGINT (protocol.lifecycle): a clean DISCONNECT
-        if agent is not None:               # fires no last will, so say offline before it
+    except KeyboardInterrupt:  # Ctrl-C, SIGINT (protocol.lifecycle): a clean DISCONNECT fires no last
+        if agent is not None:   # will, so say offline before it (as a run's end does)
+            agent.leave("stopped by a signal")
+        print(interrupted_line(agent), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except SystemExit:  # SIGTERM (exit 143), the same way, without the line
+        if agent is not None:
             agent.leave("stopped by a signal")
         raise
     finally:

@@ -367,3 +367,11 @@ def test_an_unknown_option_is_reported_by_its_command_with_a_suggestion(argv: li
     command = error.split(":")[0]
     assert err.startswith(f"usage: {command} [-h]"), err
     assert err.endswith(f"\n{error}\n"), err
+
+
+def test_every_exit_code_is_explained_in_the_module_docstring() -> None:
+    """Numbered codes are never reused: each ``EXIT_*`` of ``fedfleet`` has its help text."""
+    codes = {k: v for k, v in vars(cli).items() if k.startswith("EXIT_")}
+    assert sorted(codes.values()) == [*range(5), 130]
+    for value in codes.values():
+        assert f"; {value} " in cli.__doc__ or f": {value} " in cli.__doc__, value
