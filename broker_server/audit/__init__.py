@@ -139,7 +139,8 @@ and the comparison rows in ``repeat_*``, and the fleet total sums them.
 (:func:`fleet_total`): the device-link bytes and messages summed over them, and what they sent
 or received again. The text and HTML comparisons print it, and ``fedfleet audit --json`` gives
 it as ``fleet_total`` in each report (the same object; None for a single run or runs of other
-federations).
+federations, which the text says in one line). Its ``runs`` counts the device ledgers (those
+with device-link rows: a server's folder adds none), ``ledgers`` every ledger summed.
 
 **Unclean close.** A ledger file that its writer did not close (:meth:`protocol.ledger.Ledger.close`
 returns it from WAL mode to a rollback journal) is reported: ``ledger_closed`` False in the

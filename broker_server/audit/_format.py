@@ -611,7 +611,7 @@ def repeat_client_cells(report: Mapping[str, Any]) -> list[list[str]]:
 
 def fleet_line(fleet: Mapping[str, Any]) -> str:
     """The fleet total (:func:`._report.fleet_total`) in one line: e.g. ``"Fleet total of federation
-    trial (3 ledgers, e.g. one per device): up 1,500 B, down 6,000 B, 7,500 B in 12 messages; sent or
+    trial (3 device ledgers): up 1,500 B, down 6,000 B, 7,500 B in 12 messages; sent or
     received again (resume/reconnect cost): 2,062 B in 1 message"``."""
     unknown = fleet.get("repeat_unknown") or []
     again = (f"; sent or received again (resume/reconnect cost): {'≥ ' if unknown else ''}"
@@ -619,6 +619,10 @@ def fleet_line(fleet: Mapping[str, Any]) -> str:
              f"message{'s' if fleet['repeat_messages'] != 1 else ''}"
              + (f" (retransmissions and reconnections of {', '.join(unknown)} unknown)" if unknown else "")
              if "repeat_bytes" in fleet else "")
-    return (f"Fleet total of federation {fleet['federation']} ({fleet['runs']} ledgers, e.g. one per device): "
+    runs, more = fleet["runs"], fleet.get("ledgers", fleet["runs"]) - fleet["runs"]
+    ledgers = (f"{runs} device ledger{'s' if runs != 1 else ''}"
+               + (f"; {more} other ledger{'s' if more != 1 else ''}, without device-link rows (a server's), "
+                  f"add{'s' if more == 1 else ''} nothing" if more else ""))
+    return (f"Fleet total of federation {fleet['federation']} ({ledgers}): "
             f"up {count(fleet['up_bytes'])} B, down {count(fleet['down_bytes'])} B, {count(fleet['wire_bytes'])} B "
             f"in {count(fleet['messages'])} messages" + again)

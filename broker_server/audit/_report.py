@@ -192,7 +192,9 @@ def fleet_total(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     own ledger), as the text, HTML and JSON (``fleet_total``) outputs give it.
 
     Returns:
-        ``federation``, ``runs`` (the number of ledgers), ``up_bytes``, ``down_bytes``,
+        ``federation``, ``runs`` (the number of device ledgers: those with device-link rows; a
+        server's folder adds none), ``ledgers`` (every ledger summed, those without device-link
+        rows included), ``up_bytes``, ``down_bytes``,
         ``wire_bytes`` (device links, wire bytes), ``messages`` (their rows, control packets
         included), ``repeat_bytes`` and ``repeat_messages`` (what the devices sent or received
         again: the sums of each report's ``repeats`` ``all``, :func:`repeat_bytes`; a ledger
@@ -206,13 +208,27 @@ def fleet_total(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         return None
     dev = [r["totals"]["device"] for r in reports]
     again = [r["repeats"] for r in reports if r.get("repeats")]
-    return {"federation": feds.pop(), "runs": len(reports),
+    return {"federation": feds.pop(), "runs": sum(1 for d in dev if d["all"]["messages"]), "ledgers": len(reports),
             "up_bytes": sum(d["up"]["wire_bytes"] for d in dev),
             "down_bytes": sum(d["down"]["wire_bytes"] for d in dev),
             "wire_bytes": sum(d["all"]["wire_bytes"] for d in dev), "messages": sum(d["all"]["messages"] for d in dev),
             "repeat_bytes": sum(a["all"]["wire_bytes"] for a in again),
             "repeat_messages": sum(a["all"]["messages"] for a in again),
             "repeat_unknown": sorted({n for a in again for n in a.get("without_control", [])})}
+
+
+def fleet_total_omitted(reports: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why several runs have no fleet total (:func:`fleet_total` is ``None``), in one line; ``None``
+    for a single run, or when they have one."""
+    if len(reports) < 2 or fleet_total(reports) is not None:
+        return None
+    feds = [r["run"].get("federation") for r in reports]
+    unknown = sum(1 for f in feds if f is None)
+    if unknown:
+        return (f"No fleet total: {unknown} of the {len(reports)} ledgers record no federation, so they cannot be "
+                "told to be of one fleet")
+    return (f"No fleet total: the ledgers are of {len(set(feds))} federations ({', '.join(sorted(set(feds)))}); "
+            "a fleet total sums the ledgers of one")
 
 
 def device_ledger(report: Mapping[str, Any]) -> bool:

@@ -42,7 +42,7 @@ from ._format import (
     unsent_line,
 )
 from ._queries import VIEWS, round_label
-from ._report import comparison_row, fleet_total, resume_view
+from ._report import comparison_row, fleet_total, fleet_total_omitted, resume_view
 
 
 def _console() -> tuple[Any, io.StringIO]:
@@ -273,6 +273,8 @@ def render_comparison_text(reports: Sequence[Mapping[str, Any]]) -> str:
                   "recorded before that round's last row.")
     if (fleet := fleet_total(reports)) is not None:
         console.print(fleet_line(fleet))
+    elif (why := fleet_total_omitted(reports)) is not None:
+        console.print(why)
     console.print()
     console.print("Model tensors vs extras per client per round (bytes; each message as its sender encoded it"
                   + ("; a resumed run's include the messages it sent again)" if resumed else ")"))

@@ -398,7 +398,7 @@ def test_json_fleet_total_is_the_sum_of_the_folders_and_what_the_text_prints(fle
     assert main_audit([str(f) for f in fleet] + ["--json"]) == 0
     reps = json.loads(capsys.readouterr().out)
     assert [r["run"]["path"] for r in reps] == [str(f) for f in fleet]
-    expected = {"federation": FED, "runs": 3, "up_bytes": up, "down_bytes": down, "wire_bytes": up + down,
+    expected = {"federation": FED, "runs": 3, "ledgers": 3, "up_bytes": up, "down_bytes": down, "wire_bytes": up + down,
                 "messages": messages, "repeat_bytes": A_AGAIN + B_AGAIN + B_DUP + B_RECONNECT,
                 "repeat_messages": 6 + 13, "repeat_unknown": []}
     assert all(r["fleet_total"] == expected for r in reps)  # the same object in every report
@@ -406,7 +406,7 @@ def test_json_fleet_total_is_the_sum_of_the_folders_and_what_the_text_prints(fle
 
     assert main_audit([str(f) for f in fleet]) == 0
     flat = " ".join(capsys.readouterr().out.split())
-    m = re.search(r"Fleet total of federation (\S+) \((\d+) ledgers, e\.g\. one per device\): up ([\d,]+) B, down "
+    m = re.search(r"Fleet total of federation (\S+) \((\d+) device ledgers\): up ([\d,]+) B, down "
                   r"([\d,]+) B, ([\d,]+) B in ([\d,]+) messages; sent or received again \(resume/reconnect cost\): "
                   r"([\d,]+) B in ([\d,]+) messages", flat)
     assert m, flat[flat.find("Fleet total"):][:300]
@@ -426,4 +426,23 @@ def test_json_fleet_total_is_null_for_one_folder_or_folders_of_other_federations
     assert main_audit([str(fleet[0]), str(other), "--json"]) == 0
     assert [r["fleet_total"] for r in json.loads(capsys.readouterr().out)] == [None, None]
     assert main_audit([str(fleet[0]), str(other)]) == 0
-    assert "Fleet total" not in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Fleet total" not in text
+    assert ("No fleet total: the ledgers are of 2 federations (fleet-x, fleet-y); a fleet total sums the ledgers "
+            "of one") in text
+
+
+def test_a_server_folder_in_the_fleet_adds_no_device_ledger(fleet, tmp_path: Path, capsys) -> None:
+    """The three devices' folders and a server's (dev-c's rows as the server side writes them: no
+    device-link row): the fleet total is the three devices' sum, ``runs`` counts the 3 device
+    ledgers, ``ledgers`` all 4, and the text says the fourth adds nothing."""
+    server = _write(tmp_path / "server", [replace(r, side="server", node="server") for r in dev_c_rows()])
+    devices = fleet_total([audit_report(f) for f in fleet])
+    assert devices is not None and devices["runs"] == devices["ledgers"] == 3
+    assert main_audit([*(str(f) for f in fleet), str(server), "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)[0]["fleet_total"]
+    assert total == {**devices, "runs": 3, "ledgers": 4}
+    assert main_audit([*(str(f) for f in fleet), str(server)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"Fleet total of federation {FED} (3 device ledgers; 1 other ledger, without device-link rows (a "
+            f"server's), adds nothing): up {devices['up_bytes']:,} B") in text
