@@ -1765,13 +1765,21 @@ def report(results: dict[str, dict], jobs: list[Job], *, out: Path, datasets: li
         if sweep_verdicts:
             lines += ["", "Per key, against the default on the seeds both have:", "", *sweep_verdicts]
         if rs.get("FedDO-all"):
-            full = [_acc(r) for r in sweep if r.get("sweep_key") == "participation" and r["method"] == "FedAvg"
-                    and float(r["value"]) == 1.0]
+            full_rs = [r for r in sweep if r.get("sweep_key") == "participation" and r["method"] == "FedAvg"
+                       and float(r["value"]) == 1.0]
+            full = [_acc(r) for r in full_rs]
+            by_seed = {int(r["seed"]): _acc(r) for r in rs["FedDO-all"]}
+            pairs = [(by_seed[int(r["seed"])], _acc(r)) for r in full_rs if int(r["seed"]) in by_seed]
+            same = sum(a == b for a, b in pairs)
             lines.append("\nFedAvg at participation 1.0 and FedDO-all run the same rounds (every device on its "
-                         "whole shard, |D_k| weights) with other shuffles: FedDO-all "
+                         "whole shard, |D_k| weights): FedDO-all "
                          f"{pm([_acc(r) for r in rs['FedDO-all']], plain_single=True)} % in the main grid"
-                         + (f", FedAvg at 1.0 {pm(full, plain_single=True)} % in the sweep." if full
-                            else "; FedAvg at 1.0 is not on record yet."))
+                         + (f", FedAvg at 1.0 {pm(full, plain_single=True)} % in the sweep; "
+                            + (f"the same final accuracy on each of the {len(pairs)} seeds both have (the same "
+                               "run: a check that FedDO at d = 1 is FedAvg at participation 1.0)."
+                               if pairs and same == len(pairs) else
+                               f"the same final accuracy on {same} of the {len(pairs)} seeds both have.")
+                            if full else "; FedAvg at 1.0 is not on record yet."))
     # agent sizes
     sizes = agent_sizes()
     lines += ["", f"## Agent parameters (hidden 256 × 3, rank {TABLE_RANK}, 4 global state features)", "",
