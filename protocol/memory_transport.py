@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .errors import TransportError
-from .transport_base import Incoming, LinkLost, Will
+from .transport_base import Incoming, LinkLost, Will, tell_link_listeners
 
 log = logging.getLogger(__name__)
 
@@ -396,11 +396,7 @@ class MemoryTransport:
     def _tell_lost(self, reason: str) -> None:
         """Call the disconnect listeners: the connection ``connects`` is lost, for ``reason``."""
         lost = LinkLost(self.connects, reason)
-        for lost_listener in list(self._lost_listeners):
-            try:
-                lost_listener(lost)
-            except Exception:  # as on paho's thread: a listener never breaks the transport
-                log.exception("%s: disconnect listener failed", self.client_id)
+        tell_link_listeners(self._lost_listeners, lost, client_id=self.client_id, what="disconnect")
 
     def _come_back(self) -> None:
         """Connect again: ``connects`` + 1, every subscription renewed (its retained messages
@@ -412,11 +408,7 @@ class MemoryTransport:
         for f, q in list(self._filters.items()):
             for topic, payload, rq in self.broker._retained_for(f):
                 self._deliver(Incoming(topic, payload, min(rq, q), True, time.monotonic()))
-        for listener in list(self._listeners):
-            try:
-                listener(self.connects)
-            except Exception:  # as on paho's thread: a listener never breaks the transport
-                log.exception("%s: connect listener failed", self.client_id)
+        tell_link_listeners(self._listeners, self.connects, client_id=self.client_id, what="connect")
 
     # ------------------------------------------------------------------ called by the broker
 

@@ -74,7 +74,16 @@ except ImportError as exc:  # the codec works without paho; only the MQTT transp
 from .errors import ConnectError, OfflineBufferFull, PublishDropped, PublishRefused, PublishTimeout, TransportError
 from .memory_transport import check_filter
 from .mqtt_bytes import MQTT_V5, MQTT_V311, publish_size
-from .transport_base import PACKET_TYPES, Incoming, LinkEvents, LinkLost, PacketEvent, Transport, Will
+from .transport_base import (
+    PACKET_TYPES,
+    Incoming,
+    LinkEvents,
+    LinkLost,
+    PacketEvent,
+    Transport,
+    Will,
+    tell_link_listeners,
+)
 from .transport_tls import tls_context
 
 __all__ = ["ACK_CLOSE_S", "MQTT_VERSIONS", "OVERSIZE_STRIKES", "PACKET_TYPES", "ConnectRetry", "Incoming",
@@ -977,11 +986,7 @@ class MqttTransport:
         self._disconnect_listeners.append(listener)
 
     def _call_connect_listeners(self, n: int) -> None:
-        for listener in list(self._connect_listeners):
-            try:
-                listener(n)
-            except Exception:  # a listener must never break paho's network thread
-                log.exception("%s: connect listener failed", self.client_id)
+        tell_link_listeners(self._connect_listeners, n, client_id=self.client_id, what="connect")
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         """A SUBACK: once every subscription renewed on this connection is acknowledged, the
@@ -1146,11 +1151,7 @@ class MqttTransport:
                 held, held_bytes = self.buffered
                 lost = LinkLost(self.connects, str(reason_code),
                                 bool(getattr(flags, "is_disconnect_packet_from_server", False)), held, held_bytes)
-                for listener in list(self._disconnect_listeners):
-                    try:
-                        listener(lost)
-                    except Exception:  # a listener must never break paho's network thread
-                        log.exception("%s: disconnect listener failed", self.client_id)
+                tell_link_listeners(self._disconnect_listeners, lost, client_id=self.client_id, what="disconnect")
 
     def _ack_close(self, client: _CountingClient, last: tuple[mqtt.MQTTMessageInfo, int, str, float] | None,
                    why: str) -> bool:

@@ -10,9 +10,12 @@ the link to the broker is lost (:class:`LinkLost`) and when a connection is made
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,18 @@ class LinkEvents(Protocol):
         """Call ``listener(lost)`` when a connection that was up is lost, before the reconnect;
         never for the transport's own ``close`` or ``abort``, nor for a connect attempt that
         fails."""
+
+
+def tell_link_listeners(listeners: list, event: object, *, client_id: str, what: str) -> None:
+    """Call each of ``listeners`` with ``event`` (a connection's number, or a :class:`LinkLost`),
+    on the caller's thread (paho's network thread for the MQTT transport): a listener that raises
+    is logged (``"{client_id}: {what} listener failed"``) and never breaks the transport or the
+    listeners after it."""
+    for listener in list(listeners):
+        try:
+            listener(event)
+        except Exception:  # a listener must never break the transport's thread
+            log.exception("%s: %s listener failed", client_id, what)
 
 
 class Transport(Protocol):
