@@ -2,7 +2,8 @@
 
 * The rule by hand: per device iff 2·Σ G_c < (N + 1)·G (:func:`choose_delivery`).
 * Eight real agents in memory, two selected a round: delivered per device (forced, or chosen by
-  ``auto``), the unselected devices' ledger has no ``global`` row, ``global_receipts`` is 2, and
+  ``auto``), the unselected devices' ledger has no ``global`` row, ``global_receipts`` is 2 (a
+  broadcast: all 8 devices confirm it, those in before the round closes are counted), and
   the devices' download bytes are those of the broadcast run's ledger with its eight global rows
   replaced by two copies, each the broadcast row plus the longer topic (``/{client}``).
 * Every device selected: ``auto`` broadcasts, and the round's ``global`` and ``round_start`` are
@@ -76,7 +77,15 @@ def test_per_device_delivery_reaches_only_the_selected(tmp_path: Path, digits) -
     runs = {d: _run(tmp_path, digits, d, rate=0.25, cids=CIDS, rounds=2) for d in ("broadcast", "per_device", "auto")}
     b_srv, b_down, _, _ = runs["broadcast"]
     assert [m["global_delivery"] for m in b_srv.metrics] == ["broadcast"] * 2
-    assert [m["global_receipts"] for m in b_srv.metrics] == [8, 8]  # every online device took it, 2 of them to train
+    b_hub = runs["broadcast"][3]
+    for r, m in enumerate(b_srv.metrics, start=1):
+        # every online device took the broadcast and confirmed it, 2 of them to train; the metric
+        # counts the receipts in before the round closed: the 2 trained devices' (each sent before
+        # its update, on the same link) and any of the 6 others' that beat the last update
+        confirmed = {env.sender for env in (decode(x.payload).envelope for x in b_hub.published)
+                     if env.round == r and env.kind is Kind.RECEIPT and env.body.ref_kind == Kind.GLOBAL}
+        assert confirmed == set(CIDS)
+        assert 2 <= m["global_receipts"] <= 8
     for delivery in ("per_device", "auto"):
         srv, down, sent, hub = runs[delivery]
         assert [m["global_delivery"] for m in srv.metrics] == ["per_device"] * 2
