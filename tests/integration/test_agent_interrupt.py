@@ -8,57 +8,24 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers.scripted_server import ScriptedServer
 from helpers.waiting import wait_for
 
 from broker_server.embedded_broker import EmbeddedBroker
 from edge_agent.cli import EXIT_INTERRUPTED, interrupted_line
-from protocol import topics
-from protocol.channel import Channel, Received
-from protocol.messages import Join, Status
-from protocol.transport import MqttTransport
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "FEDFLEET_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 FED = "fed-ctrl-c"
 
 
-class _Listener:
-    """A server channel over the broker that never answers: it records the joins it gets and the
-    agents' statuses as ``(state, detail)``."""
-
-    def __init__(self, port: int) -> None:
-        tr = MqttTransport(f"{FED}-listener", "127.0.0.1", port)
-        tr.connect()
-        tr.subscribe(topics.server_filters(FED), qos=1)
-        self.ch = Channel(tr, node_id="server", side="server", federation=FED, ledger=None)
-        self.joins = 0
-        self.statuses: list[tuple[str, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            item = self.ch.receive(0.2)
-            if isinstance(item, Received) and isinstance(item.envelope.body, Join):
-                self.joins += 1
-            elif isinstance(item, Received) and isinstance(item.envelope.body, Status):
-                self.statuses.append((item.envelope.body.state, item.envelope.body.detail))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.ch.close()
-
-
 def test_ctrl_c_to_an_agent_awaiting_its_join_answer_ends_it_in_one_line_with_exit_130(tmp_path: Path) -> None:
     with EmbeddedBroker(kind="auto", workdir=tmp_path / "broker") as broker:
-        listener = _Listener(broker.port)
+        listener = ScriptedServer(broker.port, FED, "listen")
         proc = subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "--broker", broker.url, "--federation", FED,
                                  "--client-id", "dev-1", "--dataset", "digits", "--shard", "0/2", "--seed", "3",
                                  "--out", str(tmp_path / "dev-1")], cwd=tmp_path, env=ENV,
@@ -68,7 +35,8 @@ def test_ctrl_c_to_an_agent_awaiting_its_join_answer_ends_it_in_one_line_with_ex
             assert proc.poll() is None, proc.communicate()
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=120)
-            assert wait_for(lambda: ("offline", "stopped by a signal") in listener.statuses, 30), listener.statuses
+            stopped = (0, "offline", "stopped by a signal")  # (round, state, detail): before any round
+            assert wait_for(lambda: stopped in listener.statuses, 30), listener.statuses
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -24,12 +24,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.scripted_server import ScriptedServer
 from helpers.waiting import wait_for
 
 from broker_server import config as config_mod
@@ -40,9 +40,7 @@ from edge_agent.agent import data_announcement, param_value
 from edge_agent.cli import EXIT_BROKER, EXIT_FAILED, EXIT_NOT_JOINED, build_parser
 from edge_agent.cli import main as agent_main
 from protocol import topics
-from protocol.channel import Channel, Received
-from protocol.messages import Finish, Global, Join, Kind, Receipt, RoundStart, Status
-from protocol.transport import MqttTransport
+from protocol.messages import Kind
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "FEDFLEET_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -302,46 +300,7 @@ def test_fedmcp_fleet_with_param_finishes_and_a_fedavg_agent_is_refused(tmp_path
         assert "trained 2 rounds, 2 updates acknowledged, finished=True" in logs[f"d{i}"].read_text()
 
 
-# ------------------------------------------------------------------------ a scripted server
-
-
-class ScriptedServer:
-    """A server channel over the broker that answers each join as ``mode`` says:
-    ``"silent"``: never acknowledge it, end the run with ``finish``; ``"mismatch"``: accept it,
-    then send round 1 with a global of 0 tensors (what a FedMCP++ server sends) selecting the
-    agent. Records the agents' status messages as ``(round, state, detail)``."""
-
-    def __init__(self, port: int, federation: str, mode: str) -> None:
-        self.fed, self.mode = federation, mode
-        tr = MqttTransport(f"{federation}-scripted", "127.0.0.1", port)
-        tr.connect()
-        tr.subscribe(topics.server_filters(federation), qos=1)
-        self.ch = Channel(tr, node_id="server", side="server", federation=federation, ledger=None)
-        self.statuses: list[tuple[int, str, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            item = self.ch.receive(0.2)
-            if not isinstance(item, Received):
-                continue
-            env = item.envelope
-            if isinstance(env.body, Status):
-                self.statuses.append((env.round, env.body.state, env.body.detail))
-            elif isinstance(env.body, Join) and self.mode == "silent":
-                self.ch.send(topics.down(self.fed, Kind.FINISH), Finish("done", 1), round=1)
-            elif isinstance(env.body, Join):
-                self.ch.send(topics.down_to(self.fed, env.sender, Kind.RECEIPT),
-                             Receipt(ref_kind=int(Kind.JOIN), ref_seq=env.seq, accepted=True), round=0)
-                self.ch.send(topics.down(self.fed, Kind.GLOBAL), Global(tensors=()), round=1)
-                self.ch.send(topics.down(self.fed, Kind.ROUND_START), RoundStart((env.sender,), 30.0, {}), round=1)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.ch.close()
+# ------------------------------------------------------------ agents against a scripted server
 
 
 def _agent(broker, fed: str, tmp: Path, *extra: str) -> list[str]:
