@@ -299,15 +299,19 @@ def _sessions_before(resumes: Sequence[Mapping[str, Any]]) -> str:
 
 def _rerun_text(resumes: Sequence[Mapping[str, Any]]) -> str:
     """What the re-sent bytes are: ``"round 3's first attempt"``, or that no round had begun (or
-    that the run had finished)."""
+    that the run had finished); then the update copies the devices sent again before the resumed
+    server opened their round (``early_updates``), when there are any."""
     rounds = sorted({r for x in resumes for r in x["rerun_rounds"]})
+    early = sum(x.get("early_updates") or 0 for x in resumes)
+    also = (f", and {count(early)} update {'copy' if early == 1 else 'copies'} sent again before the resumed server "
+            f"opened {'its' if early == 1 else 'their'} round" if early else "")
     if not rounds and resumes and all(x.get("finished") for x in resumes):
-        return "the run had finished: no round was run again"
+        return "the run had finished: no round was run again" + also
     if not rounds:
         if all(x["after_round"] == 0 for x in resumes):
-            return "no round had begun before it stopped"
-        return "no round after the checkpoint had begun before it stopped"
-    return f"{rounds_text(rounds)}'s first attempt, sent again after the resume"
+            return "no round had begun before it stopped" + also
+        return "no round after the checkpoint had begun before it stopped" + also
+    return f"{rounds_text(rounds)}'s first attempt, sent again after the resume" + also
 
 
 def _rejoin_text(resumes: Sequence[Mapping[str, Any]]) -> str:
@@ -433,6 +437,10 @@ def resume_cells(report: Mapping[str, Any]) -> list[list[str]]:
             rerun = (f"re-sent: {rounds_text(x['rerun_rounds'])}'s first attempt" if x["rerun_rounds"]
                      else "re-sent: nothing (the run had finished)" if x.get("finished")
                      else "re-sent: nothing (no round had begun)")
+            if x.get("early_updates"):
+                n = x["early_updates"]
+                rerun += (f"; {count(n)} update {'copy' if n == 1 else 'copies'} sent again before "
+                          f"{'its' if n == 1 else 'their'} round opened")
             out.append(cells(after, rerun, x["rerun"]))
             out.append(cells(after, f"continued after its finish: the finish and goodbyes of {_sessions_before([x])}"
                              if x.get("finished") else "ending the interrupted session", x["ending"]))
@@ -482,13 +490,14 @@ def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
         out.append(f"{name} ({_LINK[view]} bytes), by kind: {_kinds_text(kinds)}"
                    + (f"; in the per-round table: {rows}" if rows else "") + ".")
     out.append("Re-sent: the interrupted session's rows of the rounds after the checkpoint it was resumed from (the "
-               "resumed session ran those rounds again). Ending: that session's rows without a round (control "
-               "packets, statuses) after the first of them, or after its last row of the rounds kept where that "
-               "comes first, and its finish; a control packet names no message, so an acknowledgement (4 B) may "
-               "fall on either side. Reconnecting: the resumed session's rows without a round (connections, joins, "
-               "statuses: the interrupted devices' last wills among them) before its first download of a round "
-               "after the checkpoint; an uninterrupted run connects and joins once. Every attempt's bytes stay in "
-               "the totals: they crossed the wire.")
+               "resumed session ran those rounds again), and the copies of its updates the devices sent again to the"
+               " resumed session before it opened their round (not answered: sent once more when it opened). Ending:"
+               " that session's rows without a round (control packets, statuses) after the first of them, or after "
+               "its last row of the rounds kept where that comes first, and its finish; a control packet names no "
+               "message, so an acknowledgement (4 B) may fall on either side. Reconnecting: the resumed session's "
+               "rows without a round (connections, joins, statuses: the interrupted devices' last wills among them) "
+               "before its first download of a round after the checkpoint; an uninterrupted run connects and joins "
+               "once. Every attempt's bytes stay in the totals: they crossed the wire.")
     if any(x.get("finished") for x in rb["resumes"]):
         out.append("A run continued after its finish (resumed with more rounds): its finish and the goodbyes after "
                    "it (offline statuses, DISCONNECTs) count as its ending; nothing is re-sent.")

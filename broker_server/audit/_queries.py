@@ -555,7 +555,11 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
 
     ``rerun``
         re-sent: the rows of session k−1 of rounds after R, the rounds the resumed session ran
-        again (their ``global``, ``round_start``, updates, receipts …).
+        again (their ``global``, ``round_start``, updates, receipts …); and the update copies of
+        session k received (server view) or sent (device view) before session k's first download
+        of their round: a device sending again an update of the interrupted session (its
+        receipt timeout) to a resumed server that has not opened that round yet (the server's
+        ``early``, not answered; the device sends it once more when the round starts).
     ``ending``
         the end of session k−1: its rows without a training round (``round`` NULL or 0: MQTT
         control packets, statuses) recorded after its first row of a round after R, or after its
@@ -591,7 +595,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
         ``after_id``, ``refused`` (bool), ``from_session`` (the session it goes on from: 0 the
         first, k−1 …; None when refused), ``finished`` (that session had a ``finish``: the run
         was continued after it had finished), ``rerun_rounds`` (the rounds after R that session
-        had begun), ``rerun``, ``ending``, ``rejoin`` and ``refusal`` (each: ``messages``,
+        had begun), ``early_updates`` (the early update rows counted in ``rerun``: chunk rows
+        each), ``rerun``, ``ending``, ``rejoin`` and ``refusal`` (each: ``messages``,
         ``up_bytes``, ``down_bytes``, ``wire_bytes``, ``control_messages``; ``kinds``: per
         ``kind`` and ``direction``, ``control``, ``messages``, ``wire_bytes``; ``rounds``: per
         ``round`` (None: the session row of :func:`by_round`), ``messages``, ``wire_bytes``),
@@ -618,8 +623,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
             hi, nxt, r = bounds[k], bounds[k + 1], m["after_round"]
             if m["refused"]:
                 refusal = _part(db, with_v, params, "id > ? AND id <= ?", (hi, nxt))
-                out.append({**m, "from_session": None, "finished": False, "rerun_rounds": [], "rerun": nothing,
-                            "ending": nothing, "rejoin": nothing,
+                out.append({**m, "from_session": None, "finished": False, "rerun_rounds": [], "early_updates": 0,
+                            "rerun": nothing, "ending": nothing, "rejoin": nothing,
                             "refusal": refusal, "messages": refusal["messages"],
                             "wire_bytes": refusal["wire_bytes"]})
                 continue
@@ -632,7 +637,15 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
             last_kept = one(db, "SELECT MAX(id) FROM v WHERE id > ? AND id <= ? AND round BETWEEN 1 AND ? "
                                 "AND kind != 'finish'", lo, end, r)
             marks_end = [i for i in (first_again, last_kept) if i is not None]
-            rerun = _part(db, with_v, params, "id > ? AND id <= ? AND round > ?", (lo, end, r))
+            # a device's copy of an update it had sent the interrupted session, sent again to the resumed
+            # one before that session opened its round (the server's "early", not answered)
+            early_where = ("id > ? AND id <= ? AND kind = 'update' AND dir = 'up' AND round > ? AND id < COALESCE("
+                           "(SELECT MIN(d.id) FROM v d WHERE d.id > ? AND d.id <= ? AND d.dir = 'down' "
+                           "AND d.round = v.round), ?)")
+            early_params = (hi, nxt, r, hi, nxt, _NO_ID)
+            early = one(db, f"SELECT COUNT(*) FROM v WHERE {early_where} AND NOT ctl", *early_params)
+            rerun = _part(db, with_v, params, f"(id > ? AND id <= ? AND round > ?) OR ({early_where})",
+                          (lo, end, r, *early_params))
             ending = _part(db, with_v, params, "id > ? AND id <= ? AND (kind = 'finish' OR ((round IS NULL OR "
                                                "round < 1) AND id > ?))", (lo, end, min(marks_end, default=end)))
             if r == 0:  # no checkpoint: the resumed session is a whole run, the interrupted one's joins are extra
@@ -647,6 +660,7 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
                                                "AND round > ? ORDER BY round", (*params, lo, end, r))]
             parts = (rerun, ending, rejoin)
             out.append({**m, "from_session": session, "finished": bool(finished), "rerun_rounds": rounds,
+                        "early_updates": early,
                         "rerun": rerun, "ending": ending, "rejoin": rejoin,
                         "refusal": nothing, "messages": sum(p["messages"] for p in parts),
                         "wire_bytes": sum(p["wire_bytes"] for p in parts)})

@@ -1517,6 +1517,47 @@ def test_a_finished_run_resumed_with_more_rounds_ends_with_its_finish_and_goodby
     assert y["finished"] is False
 
 
+def test_an_update_sent_again_before_the_resumed_server_opened_its_round_counts_as_re_sent():
+    """Killed after sending round 2's global: a1's round-2 update never reached it. a1 sends that
+    update again (its receipt timeout) to the resumed server (checkpoint round 1) before it has
+    opened round 2 (not answered: the server's ``early``), then once more when round 2 opens.
+    Server link: the early copy is one more than an uninterrupted run receives; device link: a1
+    sent round 2's update three times, once in an uninterrupted run. Both are re-sent bytes, and
+    the resume's bytes equal the difference to the uninterrupted twin on either link."""
+    from broker_server.audit import resume_bytes
+    from broker_server.audit._format import resume_cells, resume_line
+
+    def server(kind, rnd=0):
+        return _join("server", "received") if kind == "join" else _srv(kind, "sent" if kind == "global" else
+                                                                          "received", rnd)
+
+    def agent(kind, rnd=0):
+        return _join("agent", "sent") if kind == "join" else _a1(kind, "sent" if kind == "update" else
+                                                                 "received", rnd)
+
+    cases = {"server": (server, [("join",), ("global", 1), ("update", 1), ("global", 2)],
+                        [("join",), ("update", 2), ("global", 2), ("update", 2)], G2 + U2A1, 1),
+             "device": (agent, [("join",), ("global", 1), ("update", 1), ("global", 2), ("update", 2)],
+                        [("join",), ("update", 2), ("global", 2), ("update", 2)], G2 + 2 * U2A1, 1)}
+    twin_of = [("join",), ("global", 1), ("update", 1), ("global", 2), ("update", 2)]
+    for view, (make, first, second, rerun, early) in cases.items():
+        rows = [make(*k) for k in first + second]
+        ledger = [{**asdict(r), "id": i} for i, r in enumerate(rows, start=1)]
+        got = resume_bytes(ledger, [{"after_round": 1, "after_id": len(first)}], view)
+        (x,) = got["resumes"]
+        assert (x["rerun_rounds"], x["early_updates"], x["rerun"]["wire_bytes"]) == ([2], early, rerun), view
+        assert x["rerun"]["rounds"] == [{"round": 2, "messages": len(first) - 3 + early, "wire_bytes": rerun}], view
+        assert (x["ending"]["wire_bytes"], x["rejoin"]["wire_bytes"]) == (0, JOIN), view
+        twin = totals([asdict(make(*k)) for k in twin_of], view)["all"]["wire_bytes"]
+        assert totals(ledger, view)["all"]["wire_bytes"] - twin == got["all"]["wire_bytes"] == rerun + JOIN, view
+        report = {"resume": {"noted": True, "after_rounds": [1], "count": 1, view: got},
+                  "totals": {"device": totals(ledger, view), "server": totals(ledger, view)}}
+        assert ("re-sent (round 2's first attempt, sent again after the resume, and 1 update copy sent again "
+                "before the resumed server opened its round)") in resume_line(report, view)
+        assert resume_cells(report)[0][2] == "re-sent: round 2's first attempt; 1 update copy sent again before its " \
+                                             "round opened"
+
+
 def _set_resumes(run, value):
     """``meta.resumes`` of ``run``'s ledger set by hand to ``value`` (any SQLite value: text, a blob,
     NULL), as someone editing the file would; the folder is returned."""
