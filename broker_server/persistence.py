@@ -1,5 +1,6 @@
 """What the server writes to its run folder: ``metrics.jsonl`` (one line per round), the per-round
-checkpoints (``checkpoints.sqlite``) and the final model, and what ``--resume`` reads back."""
+checkpoints (``checkpoints.sqlite``), the final model and ``broker.json`` (the broker its latest
+session used), and what ``--resume`` reads back."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import json
 import logging
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from protocol.broker_url import BrokerAddress, parse_broker_url
 from protocol.files import write_atomically
 
 from .checkpoint import Checkpoint, CheckpointStore
@@ -47,6 +50,97 @@ def read_summary(run_dir: Path) -> dict:
     if (bad := restore_non_finite(record)) is not None:
         raise ValueError(f"{Path(run_dir) / 'summary.json'}: {bad}")
     return record
+
+
+#: The run folder's record of the broker its server's latest session used (:func:`write_broker_record`).
+BROKER_RECORD = "broker.json"
+
+
+@dataclass(frozen=True)
+class BrokerRecord:
+    """The broker a ``fedfleet server`` session used, as its run folder's ``broker.json`` keeps it.
+
+    Attributes:
+        url: ``scheme://host:port`` (:func:`public_broker_url`: no user name or password).
+        embedded: the session started this broker itself (an embedded broker, on a free port of
+            127.0.0.1: it stopped with that session); ``False``: a broker it was given
+            (``--broker``, ``[broker] url``), which may still be running.
+        credentials_removed: the URL the session was given carried a user name or password,
+            which the record does not keep.
+    """
+
+    url: str
+    embedded: bool
+    credentials_removed: bool = False
+
+
+def public_broker_url(url: str | BrokerAddress) -> str:
+    """``url`` as ``scheme://host:port`` without its user name and password (an IPv6 host in
+    brackets; the scheme's default port written out): the form ``broker.json`` records and
+    messages name.
+
+    Raises:
+        ValueError: ``url`` is not a broker URL (:func:`protocol.broker_url.parse_broker_url`;
+            the message never contains the password).
+    """
+    addr = url if isinstance(url, BrokerAddress) else parse_broker_url(url)
+    host = f"[{addr.host}]" if ":" in addr.host else addr.host
+    return f"{addr.scheme}://{host}:{addr.port}"
+
+
+def broker_record(url: str, *, embedded: bool) -> BrokerRecord:
+    """The :class:`BrokerRecord` of a session that used the broker at ``url`` (``embedded``: one
+    it started itself).
+
+    Raises:
+        ValueError: ``url`` is not a broker URL (:func:`protocol.broker_url.parse_broker_url`).
+    """
+    addr = parse_broker_url(url)
+    return BrokerRecord(url=public_broker_url(addr), embedded=embedded,
+                        credentials_removed=addr.username is not None or addr.password is not None)
+
+
+def write_broker_record(run_dir: Path, record: BrokerRecord) -> None:
+    """``run_dir/broker.json``: ``record`` as a JSON object (``url``, ``embedded``,
+    ``credentials_removed``), written whole or not at all (:func:`protocol.files.write_atomically`).
+
+    Raises:
+        OSError: the folder cannot be written (full disk, read-only); the previous file is kept.
+    """
+    text = json.dumps({"url": record.url, "embedded": record.embedded,
+                       "credentials_removed": record.credentials_removed}, indent=1)
+    write_atomically(Path(run_dir) / BROKER_RECORD, (text + "\n").encode("utf-8"))
+
+
+def read_broker_record(run_dir: Path) -> BrokerRecord | None:
+    """The :class:`BrokerRecord` in ``run_dir/broker.json`` (:func:`write_broker_record`), or
+    ``None`` when the run folder holds none (written before it was kept, or a ``fedfleet
+    simulate`` run's). A ``url`` edited to hold a user name or password is given back without them.
+
+    Raises:
+        OSError: the file is there but cannot be read.
+        ValueError: not JSON, not an object, a ``url`` that is not a broker URL, or an
+            ``embedded`` / ``credentials_removed`` that is not a boolean: the message says which.
+    """
+    path = Path(run_dir) / BROKER_RECORD
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text ({exc.reason})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    url, embedded, removed = data.get("url"), data.get("embedded"), data.get("credentials_removed", False)
+    if not isinstance(url, str):
+        raise ValueError(f"'url' must be a string, got {url!r}")
+    if not isinstance(embedded, bool):
+        raise ValueError(f"'embedded' must be true or false, got {embedded!r}")
+    if not isinstance(removed, bool):
+        raise ValueError(f"'credentials_removed' must be true or false, got {removed!r}")
+    return BrokerRecord(url=public_broker_url(url), embedded=embedded, credentials_removed=removed)
 
 
 class RunStore:

@@ -22,7 +22,15 @@ from protocol.ledger import Ledger
 from .config import AgentsSection, Config, _toml_value
 from .embedded_broker import EmbeddedBroker
 from .errors import ConfigError
-from .persistence import write_summary
+from .persistence import (
+    BROKER_RECORD,
+    BrokerRecord,
+    broker_record,
+    public_broker_url,
+    read_broker_record,
+    write_broker_record,
+    write_summary,
+)
 from .resumes import note_fresh_run, note_resume, refused_if_raises
 from .run_end import (
     FinishedRun,
@@ -230,6 +238,124 @@ def security_text(cfg: Config) -> str:
     return "signed (Ed25519) + encrypted uploads (AES-256-GCM)" if cfg.security.encrypt else "signed (Ed25519)"
 
 
+@dataclass(frozen=True)
+class SessionBroker:
+    """The broker a ``fedfleet server`` session goes on with (:func:`session_broker`).
+
+    Attributes:
+        url: the broker's URL as given (credentials included); ``None``: the session starts an
+            embedded broker.
+        given: where ``url`` comes from, as messages name it: ``"--broker"``, ``"[broker] url"``
+            (the run's configuration), ``"broker.json"`` (the run folder's record of its earlier
+            session's broker) or ``""`` (an embedded broker).
+        run_dir: the run folder.
+        resumed: the session resumes the run.
+        earlier: resumed, the broker of the earlier session as ``broker.json`` records it
+            (``None``: unknown, see ``unknown``).
+        unknown: resumed without a usable record, why: no ``broker.json``, or why it cannot be read.
+        note: the line said before the server connects when it goes on with the recorded broker
+            (naming its URL), else ``None``.
+    """
+
+    url: str | None
+    given: str
+    run_dir: Path
+    resumed: bool = False
+    earlier: BrokerRecord | None = None
+    unknown: str | None = None
+    note: str | None = None
+
+    def warning(self, url: str) -> str | None:
+        """The WARNING a resumed session logs once its broker is known (``url``: the one it
+        connects to, a new embedded broker's included), or ``None`` when it goes on with the
+        broker its earlier session used: its earlier session's broker unknown (said with what this
+        session does), its own embedded broker gone (agents must reconnect: both URLs named), or
+        another broker than the recorded one (a moved broker: both named)."""
+        if not self.resumed or self.given == BROKER_RECORD:
+            return None
+        try:
+            now = public_broker_url(url)
+        except ValueError:  # a malformed --broker: the transport refuses it, naming why
+            return None
+        run = f"--resume {self.run_dir}"
+        if self.earlier is None:
+            what = {"--broker": f"uses --broker {now}, as given",
+                    "[broker] url": f"uses [broker] url {now} of its config.toml"}.get(
+                self.given, f"started a new embedded broker on {now}: agents still running against the earlier "
+                            f"session's broker will not reach this server; start each again with --broker {now}, "
+                            "or resume with --broker URL of the broker they are on")
+            return f"{run}: the broker of the run's earlier session is unknown ({self.unknown}); this session {what}"
+        old = self.earlier.url
+        if old == now:
+            return None
+        restart = f"agents still running against {old} will not reach this server; start each again with --broker {now}"
+        if self.earlier.embedded and not self.given:
+            return (f"{run}: the run's earlier session used its own embedded broker {old}, which stopped with it; "
+                    f"this session started a new embedded broker on {now}: {restart}")
+        by = f"--broker {now}" if self.given == "--broker" else f"[broker] url {now} (its config.toml)"
+        was = f"its own embedded broker {old}, which stopped with it" if self.earlier.embedded else old
+        moved = "" if self.earlier.embedded else "unless that broker moved there, "
+        return (f"{run}: {by} is not the broker of the run's earlier session ({was}; {BROKER_RECORD}): "
+                f"{moved}{restart}")
+
+
+def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
+                   resume: bool = False) -> SessionBroker:
+    """The broker a ``fedfleet server`` session of ``cfg`` in ``run_dir`` goes on with: ``broker_url``
+    (``--broker``), else the configuration's ``[broker] url``, else an embedded broker it starts.
+
+    Resumed without ``--broker``, a run whose earlier session used a broker it was given (the run
+    folder's ``broker.json``, :func:`~broker_server.persistence.read_broker_record`) goes on with
+    that broker, where its agents still are: the returned ``note`` says so, naming its URL (the
+    configuration's ``[broker] url`` when it names the same broker, its credentials with it). A
+    run whose earlier session started its own embedded broker starts a new one (that one stopped
+    with the session); :meth:`SessionBroker.warning` says what agents must do, as it does for a
+    ``--broker`` other than the recorded one and for a run folder without a usable record.
+
+    Raises:
+        ConfigError: resumed without ``--broker`` where the recorded broker's URL carried a user
+            name or password (``broker.json`` does not keep them) and ``[broker] url`` is not that
+            broker: the message names the recorded URL and the ``--broker`` option to pass.
+    """
+    out = Path(run_dir)
+    config_url = cfg.broker.url or None
+    if not resume:
+        url = broker_url or config_url
+        return SessionBroker(url, "--broker" if broker_url else "[broker] url" if url else "", out)
+    earlier: BrokerRecord | None = None
+    unknown: str | None = None
+    try:
+        earlier = read_broker_record(out)
+        if earlier is None:
+            unknown = f"no {BROKER_RECORD}: a run folder from before the broker was recorded"
+    except (OSError, ValueError) as exc:
+        unknown = f"{out / BROKER_RECORD} cannot be read: {exc}"
+    if broker_url:
+        return SessionBroker(broker_url, "--broker", out, True, earlier, unknown)
+    if earlier is None or earlier.embedded:
+        return SessionBroker(config_url, "[broker] url" if config_url else "", out, True, earlier, unknown)
+    same = False
+    if config_url:
+        try:
+            same = public_broker_url(config_url) == earlier.url
+        except ValueError:  # a malformed [broker] url: not the recorded broker
+            pass
+    if not same and earlier.credentials_removed:
+        scheme, address = earlier.url.split("://", 1)
+        raise ConfigError(f"--resume {out}: the run's broker {earlier.url} ({BROKER_RECORD}) was given with a user "
+                          f"name or password in its URL, which the run folder does not keep; pass it again: --broker "
+                          f"{scheme}://USER:PASSWORD@{address}")
+    other = ""
+    if config_url and not same:
+        try:
+            other = f" (not [broker] url {public_broker_url(config_url)} of its config.toml)"
+        except ValueError:
+            other = " (not the [broker] url of its config.toml)"
+    note = (f"fedfleet server: --resume without --broker: going on with the run's broker {earlier.url}{other}, which "
+            f"its earlier session used ({BROKER_RECORD}) and its agents are on; --broker URL to use another")
+    return SessionBroker(config_url if same else earlier.url, BROKER_RECORD, out, True, earlier, None, note)
+
+
 def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,
                resume: bool = False, say: Callable[[str], None] = log.info,
                on_round: Callable[[dict], None] | None = None,
@@ -239,7 +365,10 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
 
     The federation id (the topic level agents must use, ``fedfleet-agent --federation``) is the
     run folder's name. Without a broker URL an embedded broker on 127.0.0.1 is started (useful
-    to try agents on the same machine).
+    to try agents on the same machine). Once connected, the server records its broker in the run
+    folder's ``broker.json`` (:func:`~broker_server.persistence.write_broker_record`: its URL
+    without credentials, and whether it was the embedded one); ``resume`` without ``broker_url``
+    goes on with the broker recorded there, or says why it cannot (:func:`session_broker`).
 
     Args:
         say: where the start-up text (the agent command line, printed once the server is
@@ -257,6 +386,8 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
 
     Raises:
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
+        ConfigError: also a ``resume`` that cannot go on with its recorded broker without credentials
+            the run folder does not keep (:func:`session_broker`).
     """
     out = Path(run_dir) if run_dir else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
     check_real_fleet(cfg)
@@ -279,9 +410,10 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
                     "them: each device takes its own (fedfleet-agent --profile)", cfg.source, ", ".join(ignored))
     if resume and (fin := finished_run(out, cfg.run.rounds)) is not None:  # no round left: no broker, no agents
         return _served_finished(cfg, ds, fin, federation, broker=broker_url or cfg.broker.url, say=say)
+    broker = session_broker(cfg, out, broker_url=broker_url, resume=resume)  # refused: before anything is written
     before = run_folder_entries(out)
     try:
-        return _serve_run(cfg, ds, record, out, federation, broker_url=broker_url, resume=resume, say=say,
+        return _serve_run(cfg, ds, record, out, federation, broker=broker, resume=resume, say=say,
                           on_round=on_round, on_start=on_start, on_event=on_event)
     except STARTUP_ERRORS:
         if not resume:
@@ -308,27 +440,32 @@ def _served_finished(cfg: Config, ds, fin: FinishedRun, federation: str, *, brok
     return ServedRun(summary=summary, run_dir=fin.run_dir, federation=federation)
 
 
-def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, broker_url: str | None, resume: bool,
+def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, broker: SessionBroker, resume: bool,
                say: Callable[[str], None], on_round: Callable[[dict], None] | None,
                on_start: Callable[[str, str], None] | None,
                on_event: Callable[[str, int, str | None, dict], None] | None) -> ServedRun:
     """The body of :func:`run_server` once the data set is loaded: write the run folder, start or
-    reach the broker, connect the server, print the agent command, run the rounds."""
+    reach the broker (``broker``: :func:`session_broker`), connect the server, record its broker
+    (``broker.json``), print the agent command, run the rounds."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     (out / "partition.json").write_text(json.dumps(
         {**record, "note": "the split each agent must take (--shard i/n)"}, indent=1), encoding="utf-8")
-    broker = None
+    embedded = None
     ledger = None
     server = None
     tracker = None
     finished = False
     try:
-        url = broker_url or cfg.broker.url or None
+        if broker.note:
+            say(broker.note)
+        url = broker.url
         if url is None:
-            broker = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
-            broker.start()
-            url = broker.url
+            embedded = EmbeddedBroker(kind=cfg.broker.kind, workdir=out / "broker")
+            embedded.start()
+            url = embedded.url
+        if (warning := broker.warning(url)):
+            log.warning("%s", warning)
         ledger = Ledger(out / "ledger.sqlite")
         before_id = ledger.last_row_id()  # the rows of earlier sessions (a --resume's) end here
         ledger.set_meta("federation", federation)
@@ -349,6 +486,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
                 server.resume(ckpt)
             say(f"fedfleet server: resuming {out} after round {ckpt.round} of {cfg.run.rounds} (rounds "
                 f"{ckpt.round + 1}..{cfg.run.rounds} to go)")
+        write_broker_record(out, broker_record(url, embedded=embedded is not None))  # what a --resume goes on with
         # the server is connected and subscribed: only now are the agents told how to join
         say(f"fedfleet server: federation {federation!r} on {url} ({security_text(cfg)}); data {ds.name} from "
             f"{ds.source}; waiting for {plural(cfg.data.clients, 'agent')} "
@@ -388,8 +526,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             server.channel.close()
         if ledger is not None:
             ledger.close()
-        if broker is not None:
-            broker.stop()
+        if embedded is not None:
+            embedded.stop()
     if tracker is not None:
         tracker.finish()
     return ServedRun(summary=summary, run_dir=out, federation=federation)

@@ -1,0 +1,271 @@
+"""Which broker a resumed ``fedfleet server`` goes on with.
+
+A server session records its broker in the run folder's ``broker.json`` once it is connected:
+the URL without user name or password, and whether it was the embedded broker it started
+itself. ``--resume`` without ``--broker`` goes on with a recorded broker it was given (said in
+one line naming the URL; refused, naming the ``--broker`` option to pass, when the URL's
+credentials are needed and not kept); a run whose own embedded broker stopped with it starts a
+new one and says in a WARNING that the agents must be started again with its URL, naming both;
+a ``--broker`` other than the recorded one is said in a WARNING naming both; a run folder
+without a record (written before it was kept), or with one that cannot be read, is said to have
+an unknown broker, with what the session does instead.
+
+The servers here are real (``fedfleet server`` through :func:`broker_server.cli.main`, on the
+embedded broker or one started by the test): each session stops as Ctrl-C would once its
+fleet would have joined (``AggregationServer.run`` replaced: the round-0 checkpoint written,
+then ``KeyboardInterrupt``), so no agent is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+from helpers.brokers import require_mosquitto
+
+from broker_server import cli
+from broker_server.config import load
+from broker_server.embedded_broker import EmbeddedBroker
+from broker_server.errors import ConfigError
+from broker_server.persistence import (
+    BrokerRecord,
+    broker_record,
+    public_broker_url,
+    read_broker_record,
+    write_broker_record,
+)
+from broker_server.server import AggregationServer
+from broker_server.server_main import session_broker
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"
+
+
+@pytest.fixture
+def stopped_after_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every server session ends as a Ctrl-C once its fleet joined: its round-0 checkpoint written."""
+
+    def run(self: AggregationServer) -> NoReturn:
+        if self.round == 0:
+            self._checkpoint(accuracy=None)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AggregationServer, "run", run)
+
+
+def _serve(*argv: str) -> int:
+    return cli.main(["server", *argv])
+
+
+def _record(run: Path) -> dict:
+    return json.loads((run / "broker.json").read_text(encoding="utf-8"))
+
+
+def _served_on(out: str, run: Path) -> str:
+    """The broker URL of the session's ``federation 'NAME' on URL`` line."""
+    found = re.findall(rf"federation '{run.name}' on (\S+) \(unsigned\)", out)
+    assert len(found) == 1, out
+    return found[0]
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    said = [r.getMessage() for r in caplog.records if r.name == "broker_server.server_main"
+            and r.levelno == logging.WARNING]
+    caplog.clear()
+    return said
+
+
+def _files(run: Path) -> dict[str, str]:
+    """Each file's SHA-256 but SQLite's shared-memory index (``-shm``: a reader of a store an
+    interrupted session left in WAL mode changes it, not the store)."""
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file() and not p.name.endswith("-shm")}
+
+
+def test_a_resume_of_a_run_on_its_own_embedded_broker_names_the_old_and_the_new_url(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    assert _serve("--config", str(QUICKSTART), "--out", str(run)) == cli.EXIT_INTERRUPTED
+    old = _served_on(capsys.readouterr().out, run)
+    assert re.fullmatch(r"mqtt://127\.0\.0\.1:\d+", old)
+    assert _record(run) == {"url": old, "embedded": True, "credentials_removed": False}
+    assert _warnings(caplog) == []
+
+    assert _serve("--resume", str(run)) == cli.EXIT_INTERRUPTED
+    out = capsys.readouterr().out
+    new = _served_on(out, run)
+    assert new != old and "going on with the run's broker" not in out
+    assert _record(run) == {"url": new, "embedded": True, "credentials_removed": False}
+    assert _warnings(caplog) == [
+        f"--resume {run}: the run's earlier session used its own embedded broker {old}, which stopped with it; this "
+        f"session started a new embedded broker on {new}: agents still running against {old} will not reach this "
+        f"server; start each again with --broker {new}"]
+
+
+def test_a_resume_goes_on_with_the_broker_the_run_was_given_and_a_moved_one_is_said(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    with EmbeddedBroker(workdir=tmp_path / "fleet-broker") as fleet, \
+            EmbeddedBroker(workdir=tmp_path / "moved-broker") as moved:
+        assert _serve("--config", str(QUICKSTART), "--broker", fleet.url, "--out", str(run)) == cli.EXIT_INTERRUPTED
+        first = capsys.readouterr().out
+        assert _served_on(first, run) == fleet.url
+        assert f"fedfleet server --resume {run} --broker {fleet.url}" in first  # the interruption's hint
+        assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": False}
+        assert not (run / "broker").exists()  # no embedded broker was started
+
+        # without --broker: the recorded broker, named in one line before the server connects
+        assert _serve("--resume", str(run)) == cli.EXIT_INTERRUPTED
+        out = capsys.readouterr().out
+        note = (f"fedfleet server: --resume without --broker: going on with the run's broker {fleet.url}, which its "
+                "earlier session used (broker.json) and its agents are on; --broker URL to use another")
+        assert [line for line in out.splitlines() if "--resume without --broker" in line] == [note]
+        assert out.index(note) < out.index(f"federation '{run.name}' on")
+        assert _served_on(out, run) == fleet.url
+        assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": False}
+        assert not (run / "broker").exists() and _warnings(caplog) == []
+
+        # the recorded broker given again: nothing to say
+        assert _serve("--resume", str(run), "--broker", fleet.url) == cli.EXIT_INTERRUPTED
+        assert "--resume without --broker" not in capsys.readouterr().out and _warnings(caplog) == []
+
+        # another broker (the fleet's moved): allowed, said with both URLs, and recorded
+        assert _serve("--resume", str(run), "--broker", moved.url) == cli.EXIT_INTERRUPTED
+        assert _served_on(capsys.readouterr().out, run) == moved.url
+        assert _warnings(caplog) == [
+            f"--resume {run}: --broker {moved.url} is not the broker of the run's earlier session ({fleet.url}; "
+            f"broker.json): unless that broker moved there, agents still running against {fleet.url} will not reach "
+            f"this server; start each again with --broker {moved.url}"]
+        assert _record(run) == {"url": moved.url, "embedded": False, "credentials_removed": False}
+
+
+def test_credentials_are_not_recorded_and_a_resume_that_needs_them_is_refused_naming_the_option(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    require_mosquitto()  # a broker that takes any user name and password (amqtt's may not)
+    run = tmp_path / "run"
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "fleet-broker") as fleet:
+        port = fleet.url.rsplit(":", 1)[1]
+        login = f"mqtt://fleet-op:s3cr%40t@127.0.0.1:{port}"
+        assert _serve("--config", str(QUICKSTART), "--broker", login, "--out", str(run)) == cli.EXIT_INTERRUPTED
+        capsys.readouterr()
+        text = (run / "broker.json").read_text(encoding="utf-8")
+        assert json.loads(text) == {"url": fleet.url, "embedded": False, "credentials_removed": True}
+        assert "fleet-op" not in text and "s3cr" not in text
+        files = _files(run)
+
+        assert _serve("--resume", str(run)) == cli.EXIT_USAGE
+        out, err = capsys.readouterr()
+        assert err == (f"fedfleet: configuration error: --resume {run}: the run's broker {fleet.url} (broker.json) was "
+                       "given with a user name or password in its URL, which the run folder does not keep; pass it "
+                       f"again: --broker mqtt://USER:PASSWORD@127.0.0.1:{port}\n")
+        assert "federation" not in out and _files(run) == files  # no broker, no ledger session, nothing written
+        with pytest.raises(ConfigError, match=r"pass it again: --broker mqtt://USER:PASSWORD@127\.0\.0\.1:"):
+            session_broker(load(run / "config.toml"), run, resume=True)
+
+        # passed again as the message says: the same broker, nothing more to say
+        assert _serve("--resume", str(run), "--broker", login) == cli.EXIT_INTERRUPTED
+        capsys.readouterr()
+        assert _warnings(caplog) == []
+        assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": True}
+
+
+def test_a_run_folder_without_a_usable_record_is_said_to_have_an_unknown_broker(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    assert _serve("--config", str(QUICKSTART), "--out", str(run)) == cli.EXIT_INTERRUPTED
+    capsys.readouterr()
+    (run / "broker.json").unlink()  # as a run folder written before the broker was recorded
+    assert _serve("--resume", str(run)) == cli.EXIT_INTERRUPTED
+    new = _served_on(capsys.readouterr().out, run)
+    assert _warnings(caplog) == [
+        f"--resume {run}: the broker of the run's earlier session is unknown (no broker.json: a run folder from before "
+        f"the broker was recorded); this session started a new embedded broker on {new}: agents still running against "
+        f"the earlier session's broker will not reach this server; start each again with --broker {new}, or resume "
+        "with --broker URL of the broker they are on"]
+    assert _record(run) == {"url": new, "embedded": True, "credentials_removed": False}  # recorded from now on
+
+    (run / "broker.json").write_text('{"url": "mqtt://127.0.0.1:1883", "embedded": "yes"}', encoding="utf-8")
+    with EmbeddedBroker(workdir=tmp_path / "fleet-broker") as fleet:
+        assert _serve("--resume", str(run), "--broker", fleet.url) == cli.EXIT_INTERRUPTED
+        assert _served_on(capsys.readouterr().out, run) == fleet.url
+    assert _warnings(caplog) == [
+        f"--resume {run}: the broker of the run's earlier session is unknown ({run / 'broker.json'} cannot be read: "
+        f"'embedded' must be true or false, got 'yes'); this session uses --broker {fleet.url}, as given"]
+    assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": False}
+
+
+@pytest.mark.parametrize(("url", "public", "removed"), [
+    ("mqtt://127.0.0.1:1883", "mqtt://127.0.0.1:1883", False),
+    ("mqtt://fleet:pw@Broker.Example.org:1884/", "mqtt://broker.example.org:1884", True),
+    ("mqtt://fleet@broker.example.org", "mqtt://broker.example.org:1883", True),
+    ("MQTTS://broker.example.org", "mqtts://broker.example.org:8883", False),
+    ("mqtt://u:p@[::1]:1883", "mqtt://[::1]:1883", True),
+])
+def test_the_record_keeps_the_address_and_never_the_credentials(tmp_path: Path, url: str, public: str,
+                                                                removed: bool) -> None:
+    rec = broker_record(url, embedded=False)
+    assert rec == BrokerRecord(url=public, embedded=False, credentials_removed=removed)
+    assert public_broker_url(url) == public
+    write_broker_record(tmp_path, rec)
+    assert json.loads((tmp_path / "broker.json").read_text()) == {"url": public, "embedded": False,
+                                                                  "credentials_removed": removed}
+    assert read_broker_record(tmp_path) == rec
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("{", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("[]", "expected a JSON object, got list"),
+    ('{"embedded": true}', "'url' must be a string, got None"),
+    ('{"url": "http://h:1", "embedded": true}',
+     "unsupported broker URL 'http://h:1': scheme must be 'mqtt' or 'mqtts', got 'http'"),
+    ('{"url": "mqtt://h:1", "embedded": true, "credentials_removed": 1}',
+     "'credentials_removed' must be true or false, got 1"),
+])
+def test_a_damaged_record_says_why(tmp_path: Path, text: str, error: str) -> None:
+    assert read_broker_record(tmp_path) is None
+    (tmp_path / "broker.json").write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError) as exc:
+        read_broker_record(tmp_path)
+    assert str(exc.value) == error
+
+
+def test_the_configurations_broker_url_is_used_when_it_names_the_recorded_broker(tmp_path: Path) -> None:
+    """``[broker] url`` in the run's config.toml naming the recorded broker: its URL (with the
+    credentials the record does not keep) is the one used; naming another, the recorded broker
+    is, and the line says the configuration's is not; an embedded record with ``[broker] url``
+    set (the config edited since) is said as a broker other than the earlier one."""
+    write_broker_record(tmp_path, broker_record("mqtt://op:pw@fleet.example:1883", embedded=False))
+    same = session_broker(load(QUICKSTART, {("broker", "url"): "mqtt://op:pw@fleet.example"}), tmp_path, resume=True)
+    assert (same.url, same.given) == ("mqtt://op:pw@fleet.example", "broker.json")
+    assert same.note == ("fedfleet server: --resume without --broker: going on with the run's broker "
+                         "mqtt://fleet.example:1883, which its earlier session used (broker.json) and its agents are "
+                         "on; --broker URL to use another")
+    assert same.warning("mqtt://op:pw@fleet.example") is None
+
+    write_broker_record(tmp_path, broker_record("mqtt://fleet.example:1883", embedded=False))
+    other = session_broker(load(QUICKSTART, {("broker", "url"): "mqtt://old.example"}), tmp_path, resume=True)
+    assert other.url == "mqtt://fleet.example:1883"
+    assert other.note == ("fedfleet server: --resume without --broker: going on with the run's broker "
+                          "mqtt://fleet.example:1883 (not [broker] url mqtt://old.example:1883 of its config.toml), "
+                          "which its earlier session used (broker.json) and its agents are on; --broker URL to use "
+                          "another")
+
+    write_broker_record(tmp_path, broker_record("mqtt://127.0.0.1:40001", embedded=True))
+    edited = session_broker(load(QUICKSTART, {("broker", "url"): "mqtt://fleet.example"}), tmp_path, resume=True)
+    assert (edited.url, edited.given, edited.note) == ("mqtt://fleet.example", "[broker] url", None)
+    assert edited.warning("mqtt://fleet.example") == (
+        f"--resume {tmp_path}: [broker] url mqtt://fleet.example:1883 (its config.toml) is not the broker of the "
+        "run's earlier session (its own embedded broker mqtt://127.0.0.1:40001, which stopped with it; broker.json): "
+        "agents still running against mqtt://127.0.0.1:40001 will not reach this server; start each again with "
+        "--broker mqtt://fleet.example:1883")
+
+    fresh = session_broker(load(QUICKSTART), tmp_path)  # not a resume: the record is not read, nothing said
+    assert (fresh.url, fresh.given, fresh.note, fresh.warning("mqtt://127.0.0.1:40002")) == (None, "", None, None)
