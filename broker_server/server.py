@@ -1226,9 +1226,19 @@ class AggregationServer:
 
     def _send_global(self, r: int, glob: Global, packet: int, chunk: int) -> None:
         """Broadcast round ``r``'s global in packets of at most ``packet`` bytes (0: the channel's
-        limit) and note every hash a device's receipt may confirm it by."""
+        limit) and note every hash a device's receipt may confirm it by.
+
+        Chunked, it is cut with room for the longest joined device's own topic
+        (``down/{id}/global``: ``budget_topic`` of :meth:`protocol.channel.Channel.send`), so a
+        chunk a device asks for again goes to it alone on that topic and still fits the limit
+        (:meth:`protocol.channel.Channel._publish_resend`); a device that joins later with a
+        longer id gets such chunks on the broadcast topic. Costs a few data bytes per chunk
+        (``len("/" + id)``), at times one chunk more."""
+        longest = max(self.devices.records, key=len, default="")
+        room = topics.down_to(self.fed, longest, Kind.GLOBAL) if longest else ""
         enc = self.channel.send(topics.down(self.fed, Kind.GLOBAL), glob, round=r, codec=self.global_codec,
-                                extra_codecs=self._extra_codecs, max_packet_bytes=packet, chunk_bytes=chunk)
+                                extra_codecs=self._extra_codecs, max_packet_bytes=packet, chunk_bytes=chunk,
+                                budget_topic=room)
         o = self.open
         o.global_sha256 = payload_sha256(enc.payload)  # receipts confirm this copy
         self._note_global_hashes(enc.payload)

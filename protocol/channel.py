@@ -155,6 +155,7 @@ class _Outgoing:
     retain: bool
     max_packet_bytes: int
     chunk_bytes: int
+    budget_topic: str = ""
     generation: int = 0
     pending: int = 0
     tries: int = 0
@@ -258,7 +259,8 @@ class Channel:
         resent_chunks: chunks published again on ``resend`` requests (each copy counted).
         resent_on_broadcast: of them, chunks of a broadcast ``global`` published again on the
             broadcast topic, not on the requester's own, because their PUBLISH on the longer
-            per-device topic would not fit the packet limit the transfer was cut for (see
+            per-device topic would not fit the packet limit the transfer was cut for (cut without
+            room for the requester's id: see ``budget_topic`` of :meth:`send` and
             :meth:`_publish_resend`).
         last_payload: the encoded (unsealed) payload of the last message sent.
     """
@@ -365,7 +367,7 @@ class Channel:
     def send(self, topic: str, body: Body, *, round: int, retain: bool = False,
              wait_s: float | None = None, recipient: str = "*", codec: Any = None,
              extra_codecs: Mapping[str, Any] | None = None, max_packet_bytes: int = 0,
-             chunk_bytes: int = 0) -> Encoded:
+             chunk_bytes: int = 0, budget_topic: str = "") -> Encoded:
         """Encode ``body``, publish it on ``topic`` (as a chunked transfer when it is larger than
         the chunk size or the packet limit) and record its ledger rows.
 
@@ -418,6 +420,17 @@ class Channel:
             max_packet_bytes: the recipients' own packet limit (bytes, whole PUBLISH); 0 = none.
             chunk_bytes: the recipients' chunk size (bytes; the smaller of it and the channel's
                 applies); 0 = the channel's.
+            budget_topic: a longer topic a chunk of this message may be published on again
+                (a broadcast ``global``'s ``down/{client}/global``, on a device's ``resend``
+                request: :meth:`_publish_resend`); "" = none. When the message goes as a
+                transfer under a packet limit, its chunk data budget
+                (:func:`~protocol.chunking.chunk_data_budget`) is computed for the longer (in
+                UTF-8 bytes) of ``topic`` and this one, so such a chunk's PUBLISH there fits the
+                limit too: a few bytes less data per chunk (the topic's extra bytes), at times
+                one chunk more. A message sent whole, or chunked with no packet limit, is
+                unaffected; so is one under a limit that leaves less than :data:`MIN_CHUNK_DATA`
+                bytes of data on the longer topic (cut for ``topic``: a resend then falls back to
+                ``topic``).
 
         Raises:
             PublishRefused: with ``wait_s``, the broker refused it and no smaller packets can
@@ -450,7 +463,8 @@ class Channel:
                         seq=env.seq, client=client, codec=codec_name, fields=fields, body_bytes=enc.body_bytes,
                         raw_bytes=enc.raw_tensor_bytes, retain=retain,
                         max_packet_bytes=max_packet_bytes if max_packet_bytes > 0 else _NO_LIMIT,
-                        chunk_bytes=min(chunk_bytes, self.chunk_bytes) if chunk_bytes > 0 else self.chunk_bytes)
+                        chunk_bytes=min(chunk_bytes, self.chunk_bytes) if chunk_bytes > 0 else self.chunk_bytes,
+                        budget_topic=budget_topic)
         self.last_payload = enc.payload if self.keep_last_payload else None
         out.sent = _Sent(topic, out.kind, round, out)
         with self._delivery_lock:
@@ -550,11 +564,7 @@ class Channel:
             return wire
         budget = out.chunk_bytes
         if limit < _NO_LIMIT:
-            try:
-                budget = min(budget, chunk_data_budget(out.topic, limit, qos=self.qos, sender=self.node_id,
-                                                       round=out.round, protocol=protocol) - seal_max)
-            except ValueError:
-                budget = 0
+            budget = min(budget, self._data_budget(out, limit, protocol, seal_max))
         if budget < (MIN_CHUNK_DATA if out.tries else 1):
             why = (f"{self.node_id}: {out.kind} of round {out.round} ({len(out.payload):,} bytes) on {out.topic} "
                    f"cannot be sent: max_packet_bytes {limit:,} leaves no room for chunk data "
@@ -587,6 +597,25 @@ class Channel:
             self.refused += 1
             self._refused_again(out, gen, exc.packet_bytes, exc.limit_bytes, exc.reason, wait_s, sent=False)
         return None
+
+    def _data_budget(self, out: _Outgoing, limit: int, protocol: int, seal_max: int) -> int:
+        """Chunk data bytes a PUBLISH of ``out``'s under ``limit`` may carry, after ``seal_max``
+        bytes of seal: :func:`~protocol.chunking.chunk_data_budget` on the longer (UTF-8 bytes)
+        of ``out.topic`` and ``out.budget_topic`` (:meth:`send`); on ``out.topic`` alone when the
+        longer one leaves under :data:`MIN_CHUNK_DATA` bytes (≤ 0: no room at all)."""
+        cut_on = [out.topic]
+        if len(out.budget_topic.encode("utf-8")) > len(out.topic.encode("utf-8")):
+            cut_on.insert(0, out.budget_topic)
+        budget = 0
+        for topic in cut_on:
+            try:
+                budget = chunk_data_budget(topic, limit, qos=self.qos, sender=self.node_id, round=out.round,
+                                           protocol=protocol) - seal_max
+            except ValueError:
+                budget = 0
+            if budget >= MIN_CHUNK_DATA:
+                break
+        return budget
 
     def encoded_size(self, body: Body, codec: Any = None, extra_codecs: Mapping[str, Any] | None = None) -> int:
         """Payload bytes ``body`` would take (for link emulation; encodes once, sends nothing)."""
@@ -1426,14 +1455,18 @@ class Channel:
         but a broadcast ``global``'s (``down/global``) go to the device that asked alone, on its
         own topic (``down/{requester}/global``, which every agent subscribes to; sealed for that
         topic when signing is on; ledger ``client`` the requester): answered on the broadcast
-        topic, every online device would download them again. A chunk whose PUBLISH on that longer
-        topic would not fit the packet limit the transfer was cut for (a transfer cut to the limit:
-        the topic adds the requester's id and a ``/``) goes on the broadcast topic as before
-        (counted in :attr:`resent_on_broadcast`, said at INFO): a packet above a device's limit
-        never reaches it. Chunks cut before the broker's limit became known may be above it now:
-        the transport refuses them unsent (:class:`~protocol.errors.PublishRefused`), and the
-        message they belong to, when it is one of the last sent, is sent again smaller (as after
-        a refusal); never raised to the receiver of the request."""
+        topic, every online device would download them again. The longer topic adds the
+        requester's id and a ``/``: a broadcast sent with ``budget_topic`` (:meth:`send`; the
+        server passes its longest joined device's ``down/{id}/global``) was cut with that room, so
+        its chunks fit there for every device whose id is no longer. A chunk whose PUBLISH on the
+        requester's topic would still not fit the packet limit the transfer was cut for (cut to
+        the limit without that room, or a device that joined later with a longer id) goes on the
+        broadcast topic as before (counted in :attr:`resent_on_broadcast`, said at INFO): a packet
+        above a device's limit never reaches it. Chunks cut before the broker's limit became
+        known may be above it now: the transport refuses them unsent
+        (:class:`~protocol.errors.PublishRefused`), and the message they belong to, when it is
+        one of the last sent, is sent again smaller (as after a refusal); never raised to the
+        receiver of the request."""
         chunks, meta, requester = plan
         if not chunks:
             return

@@ -60,7 +60,9 @@ to that peer, for indices the transfer has, and within a per-peer budget of rese
 refused request (a sender that no longer holds the transfer included) is a ``rejected`` ledger
 row with its reason, and the receiver's transfer then expires. A broadcast ``global``'s chunks go
 again to the device that asked alone, on its own topic (``down/{client}/global``), unless their
-PUBLISH would not fit there (:meth:`protocol.channel.Channel._publish_resend`). Resent chunks are
+PUBLISH would not fit there (:meth:`protocol.channel.Channel._publish_resend`); the server cuts
+such a broadcast with :func:`chunk_data_budget` on its longest joined device's own topic
+(``budget_topic`` of :meth:`protocol.channel.Channel.send`), so that they do. Resent chunks are
 ordinary chunks to the receiver (duplicates included).
 
 Units: bytes for every size, seconds for every duration.
@@ -229,7 +231,9 @@ def chunk_data_budget(topic: str, max_packet_bytes: int, *, qos: int, sender: st
     limit. The answer is maximal for the probe: one more byte of data exceeds the limit.
 
     Args:
-        topic: the chunked message's topic (the chunks are published there).
+        topic: the chunked message's topic (the chunks are published there), or a longer topic
+            they may also be published on (a broadcast's per-device topic, for resends): the
+            budget holds on every topic no longer than this one, in UTF-8 bytes.
         max_packet_bytes: the broker's maximum packet size (whole PUBLISH packet, bytes).
         qos: 0, 1 or 2.
         sender: envelope sender of the chunks (its UTF-8 length counts).

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from protocol import chunking, membership, messages, security, tensors, topics  # noqa: E402
-from protocol.channel import MAX_RESEND  # noqa: E402
+from protocol.channel import MAX_RESEND, MIN_CHUNK_DATA  # noqa: E402
 from protocol.security import sealing  # noqa: E402
 from protocol.test_vectors import (  # noqa: E402
     DECODE_ONLY,
@@ -530,6 +530,9 @@ vbi(R)     = 1 if R < 128, 2 if R < 16,384, 3 if R < 2,097,152, else 4   (MQTT v
 The probe puts every field the sender does not fix at its widest form (`seq` and
 `timestamp_ms` as `uint64`; `index`, `count`, `offset`, `total_bytes` as `uint32`), so a real
 chunk is never longer. A sender with `L < 1` cannot send the message (an error, not a transfer).
+`topic` is the message's topic, except for a broadcast `global`: the server computes `B` on the
+longest own topic of its joined devices, `down/{{client_id}}/global` (when that leaves at least
+{MIN_CHUNK_DATA} bytes of data), so that a chunk asked for again fits there too (see *Resend*).
 
 **Envelopes.** Each chunk is a message of its own: envelope `sender` and `round` of the chunked
 message, a fresh `seq` per chunk (§2), published on the chunked message's topic (chunks of a
@@ -573,12 +576,14 @@ after a refusal) is not answered and not a refusal: it is ledgered as received. 
 limit and the budget are each requester's own. The chunks go again on the transfer's topic, except
 a broadcast `global`'s (`down/global`): the server publishes those to the device that asked alone,
 on its own `down/{{client_id}}/global` (which every agent subscribes to, §1; sealed for that topic
-when signing is on), so that no other device downloads them again; a chunk whose PUBLISH on that
-longer topic would exceed the packet limit its transfer was cut for (the budget above, on the
-broadcast topic) goes on the broadcast topic, as does every chunk of a `round_start` or `finish`
-broadcast. Resent chunks are ordinary chunks to the receiver (duplicates included). A receiver that
-keys transfers by (`sender`, `transfer_id`) as above, whatever the topic, completes a transfer from
-chunks on both topics; so did every earlier fedfleet agent, which subscribes to its own topics.
+when signing is on), so that no other device downloads them again. The transfer was cut for the
+longest such topic of the devices joined when it went out (*Slice length*); a chunk whose PUBLISH
+on the requester's topic would still exceed the packet limit its transfer was cut for (a device
+that joined later with a longer id) goes on the broadcast topic, as does every chunk of a
+`round_start` or `finish` broadcast. Resent chunks are ordinary chunks to the receiver (duplicates
+included). A receiver that keys transfers by (`sender`, `transfer_id`) as above, whatever the
+topic, completes a transfer from chunks on both topics; so did every earlier fedfleet agent, which
+subscribes to its own topics.
 
 Units: bytes for every size, seconds for every duration.
 """

@@ -34,7 +34,7 @@ from edge_agent.state import state_arrays
 from protocol import topics
 from protocol.ledger import Ledger
 from protocol.memory_transport import MemoryBroker
-from protocol.messages import Chunk, Envelope, Global, Kind, Receipt, RoundStart, decode, encode
+from protocol.messages import Chunk, Envelope, Global, Kind, Receipt, Resend, RoundStart, decode, encode
 
 FED = "mem"
 CIDS = [f"dev-{k}" for k in "abcdefgh"]
@@ -256,3 +256,53 @@ def test_a_device_global_with_nan_stops_the_run(tmp_path: Path) -> None:
     srv.settings = dataclasses.replace(srv.settings, global_delivery="per_device")
     with pytest.raises(RunError, match=r"device_global for 'client-b': tensors\[0\], .* contain NaN or Inf"):
         srv.run_round(1)
+
+
+def test_a_chunked_broadcast_leaves_room_for_the_longest_joined_devices_own_topic(tmp_path: Path) -> None:
+    """Three devices joined with the rpi4 profile's limits (max_packet_bytes = chunk_bytes =
+    131,072), ids of 1, 18 and 20 characters. The round's global (the light CNN, fp32) is broadcast
+    in chunks cut with room for the longest id's ``down/{id}/global`` (48 bytes, 21 more than
+    ``down/global``). By hand (the chunk budget formula, PROTOCOL.md §5: sender "server", round 1,
+    data ≥ 65,536 bytes; MQTT 5 framing under a device's limit, QoS 1): packet(D) = D + 121 +
+    len(topic), so D = 131,072 − 121 − 48 = 130,903 data bytes per full chunk (130,924 cut for
+    ``down/global`` alone). The 20-character device asks for all 4 chunks: each goes to it alone,
+    on its own topic, within the limit; none on the broadcast topic."""
+    limit, longest = 131_072, "rpi4-field-unit-0001"
+    cids = ["a", "rpi4-field-unit-07", longest]
+    model = build_model("lightcnn", in_channels=1, image_size=28, num_classes=10)
+    like = list(state_arrays(model))
+    rng = np.random.default_rng(0)
+    bcast, own = topics.down(FED, Kind.GLOBAL), topics.down_to(FED, longest, Kind.GLOBAL)
+    assert (len(bcast), len(own)) == (27, 48)
+    d = limit - 121 - len(own)
+    state = {"asked": False, "done": False}
+
+    def feed():
+        sent = srv.channel.transport.sent
+        chunks = [decode(p).envelope.body for t, p in sent if t == bcast]
+        if not chunks or len(chunks) < chunks[0].count or state["done"]:
+            return None
+        if not state["asked"]:
+            state["asked"] = True
+            req = Resend(chunks[0].transfer_id, tuple(range(chunks[0].count)))
+            return incoming(topics.up(FED, longest, Kind.RESEND),
+                            encode(Envelope(round=0, sender=longest, seq=2, body=req)).payload)
+        state["done"] = True
+        return [incoming(*update_payload(FED, c, 1, 3, like, rng)) for c in cids]
+
+    srv = memory_server(tmp_path, model=model, clients=cids, rounds=1, feed=feed, fed=FED)
+    srv.settings = dataclasses.replace(srv.settings, global_delivery="broadcast")
+    for c in cids:
+        srv.devices.records[c].info.update(max_packet_bytes=limit, chunk_bytes=limit)
+    m = srv.run_round(1)
+    assert (m["global_delivery"], m["clients_reported"]) == ("broadcast", 3)
+    tr = srv.channel.transport
+    first = [decode(p).envelope.body for t, p in tr.sent if t == bcast]
+    total = first[0].total_bytes
+    assert len(first) == first[0].count == -(-total // d) == 4  # no chunk went on down/global again
+    assert [len(c.data) for c in first] == [d, d, d, total - 3 * d]
+    again = [(decode(p).envelope.body, len(p)) for t, p in tr.sent if t == own]
+    assert [(c.index, len(c.data)) for c, _ in again] == [(0, d), (1, d), (2, d), (3, total - 3 * d)]
+    for _, payload in again:  # MQTT 5, QoS 1: 1 + remaining length (3 bytes) + 2 + topic + 2 + 1 + payload
+        assert 1 + 3 + 2 + len(own) + 2 + 1 + payload <= limit
+    assert (srv.channel.resent_chunks, srv.channel.resent_on_broadcast) == (4, 0)

@@ -225,10 +225,11 @@ def test_a_partial_transfer_of_another_kind_or_a_later_round_is_kept(tmp_path: P
 DEVICES = ("client-001", "client-002", "client-003")
 
 
-def _fleet(tmp_path: Path, *, signed: bool = False, devices: tuple[str, ...] = DEVICES, **server_opts):
-    """A server channel and the ``devices``' channels (by id) on one memory broker, each
-    subscribed as it is in a federation (topics.server_filters / agent_filters), each with its own
-    ledger."""
+def _fleet(tmp_path: Path, *, signed: bool = False, devices: tuple[str, ...] = DEVICES, chunk_bytes: int = 1000,
+           **server_opts):
+    """A server channel (chunks of at most ``chunk_bytes`` data bytes) and the ``devices``'
+    channels (by id) on one memory broker, each subscribed as it is in a federation
+    (topics.server_filters / agent_filters), each with its own ledger."""
     from protocol.memory_transport import MemoryBroker
 
     broker = MemoryBroker()
@@ -245,7 +246,7 @@ def _fleet(tmp_path: Path, *, signed: bool = False, devices: tuple[str, ...] = D
     st = broker.connect(topics.mqtt_client_id(FED, "server"))
     st.subscribe(topics.server_filters(FED))
     server = Channel(st, node_id="server", side="server", federation=FED, ledger=Ledger(tmp_path / "server.sqlite"),
-                     chunk_bytes=1000, transfer_filter=lambda s: s in devices, security=sec.get("server"),
+                     chunk_bytes=chunk_bytes, transfer_filter=lambda s: s in devices, security=sec.get("server"),
                      **server_opts)
     channels = {}
     for d in devices:
@@ -404,3 +405,131 @@ def test_a_chunk_on_a_topic_of_another_kind_than_its_transfer_is_refused(tmp_pat
     assert isinstance(wrong, Rejected) and "a topic of another kind" in wrong.reason
     got = [agent.accept(Incoming(t, p, 1, False, now)) for t, p in chunks[1:]]
     assert got[-1].envelope.kind is Kind.GLOBAL and got[-1].topic == topics.down(FED, Kind.GLOBAL)
+
+
+# ---------------------------------------------------------------------------------------------
+# A broadcast cut with room for the devices' own topics (Channel.send's budget_topic), at the
+# rpi4 profile's limit (firmware_profiles/rpi4.toml: max_packet_bytes = chunk_bytes = 131,072)
+
+RPI4_LIMIT = 131_072
+IDS20 = tuple(f"rpi4-field-unit-{i:04d}" for i in (1, 2, 3))  # 20 characters each
+
+
+def _big_global() -> Global:
+    return Global((np.arange(100_000, dtype=np.float32),), {"manifest_hash": "0" * 16})  # 400,000 raw bytes
+
+
+# By hand, from the chunk budget formula (PROTOCOL.md §5; the probe's seq and timestamp_ms uint64,
+# index, count, offset, total_bytes uint32): sender "server" (str 7 bytes), round 1 (1 byte), data
+# D ≥ 65,536 (bin32: D + 5), body(D) = 73 + D + 5 (bin32 again: + 5), so payload(D) = 1 + 1 + 1
+# + 1 + 7 + 9 + 9 + (D + 83) = D + 112; the PUBLISH under a recipient's limit is sized for MQTT 5
+# (QoS 1: 2 bytes topic length, 2 packet id, 1 properties length; remaining length ≥ 16,384: 3
+# bytes): packet(D) = 1 + 3 + 2 + len(topic) + 2 + 1 + payload(D) = D + 121 + len(topic).
+BCAST_TOPIC_BYTES = len("fedfleet/v1/fed-resend/down/global")  # 34
+OWN_TOPIC_BYTES = BCAST_TOPIC_BYTES + len("/rpi4-field-unit-0002")  # 55
+D_ROOM = RPI4_LIMIT - 121 - OWN_TOPIC_BYTES  # 130,896: cut for down/{20-character id}/global
+D_BCAST = RPI4_LIMIT - 121 - BCAST_TOPIC_BYTES  # 130,917: cut for down/global alone (no room)
+
+
+def _bin(n: int) -> int:
+    """msgpack ``bin`` of ``n`` bytes: bin8, bin16 or bin32 header and the bytes."""
+    return n + 2 if n < 256 else n + 3 if n < 65_536 else n + 5
+
+
+def _real_packet(d: int, index: int, topic_bytes: int) -> int:
+    """The ledger's ``wire_bytes`` (MQTT 3.1.1 framing, as the memory transport counts: the limit
+    is checked for MQTT 5, 1 byte more) of a real chunk with ``d`` bytes of data at ``index`` of a
+    4-chunk transfer of round 1 from "server" (seq < 128: 1 byte; timestamp_ms uint64: 9), offset
+    0 (1 byte) or ≥ 65,536 (uint32: 5), total_bytes uint32: by hand, as above."""
+    body = 1 + 18 + 1 + 1 + (1 if index == 0 else 5) + 5 + 34 + _bin(d)
+    payload = 1 + 1 + 1 + 1 + 7 + 1 + 9 + _bin(body)
+    remaining = 2 + topic_bytes + 2 + payload
+    return 1 + (2 if remaining < 16_384 else 3) + remaining
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room", "no-room"])
+def test_a_broadcast_cut_with_room_for_20_character_ids_is_answered_on_the_askers_topic(
+        tmp_path: Path, room: bool) -> None:
+    """The server broadcasts a 400,074-byte global under the rpi4 limit to three devices whose ids
+    have 20 characters; the second loses chunks 0, 1 and 3 and asks for them. Cut with room for
+    ``down/{id}/global`` (``budget_topic``), every full chunk carries 21 bytes less data
+    (130,896, not 130,917: still 4 chunks) and every chunk asked for goes to the device alone, on
+    its own topic, each PUBLISH within the limit: nothing on the broadcast topic. Cut without the
+    room (as before), the full chunks' PUBLISH on the 21-byte longer topic would exceed the limit
+    by 5 (chunk 1) and 1 byte (chunk 0, whose offset 0 is 4 bytes shorter): they go on the broadcast
+    topic again, to every device (``resent_on_broadcast``); only the short last chunk fits."""
+    server, devices = _fleet(tmp_path, devices=IDS20, chunk_bytes=RPI4_LIMIT)
+    bcast, own = topics.down(FED, Kind.GLOBAL), topics.down_to(FED, IDS20[1], Kind.GLOBAL)
+    assert (len(bcast), len(own)) == (BCAST_TOPIC_BYTES, OWN_TOPIC_BYTES)
+    room_topic = topics.down_to(FED, max(IDS20, key=len), Kind.GLOBAL) if room else ""
+    server.send(bcast, _big_global(), round=1, max_packet_bytes=RPI4_LIMIT, chunk_bytes=RPI4_LIMIT,
+                budget_topic=room_topic)
+    d = D_ROOM if room else D_BCAST
+    sent = server.ledger.rows("event='sent' AND chunk_index IS NOT NULL")
+    total = 400_074  # the envelope of the global (its timestamp_ms: uint64) and 400,000 raw bytes
+    assert len(sent) == -(-total // d) == 4
+    assert [r.body_bytes for r in sent] == [d, d, d, total - 3 * d]  # 7,386 or 7,323 in the last
+    assert [r.wire_bytes for r in sent] == [_real_packet(r.body_bytes, i, BCAST_TOPIC_BYTES)
+                                            for i, r in enumerate(sent)]
+    assert all(r.wire_bytes + 1 <= RPI4_LIMIT for r in sent)
+
+    asker = devices[IDS20[1]]
+    for ch in devices.values():
+        _drain(ch, lose=(0, 1, 3) if ch is asker else ())
+    asker._maintain()
+    inc = server.transport.get(0.0)
+    assert inc is not None and decode(inc.payload).envelope.body.indices == (0, 1, 3)
+    assert server.accept(inc) is None
+    after = {dev: _drain(ch) for dev, ch in devices.items()}
+    rows = _chunk_rows_received(asker)[1:]  # after chunk 2 of the broadcast
+    on_own = [(r.chunk_index, r.wire_bytes) for r in rows if r.topic == own]
+    own_packets = {i: _real_packet(d if i < 3 else total - 3 * d, i, OWN_TOPIC_BYTES) for i in (0, 1, 3)}
+    if room:
+        # 131,051 / 131,055 / 7,540 bytes (MQTT 5: 1 more), all within 131,072; nobody else downloads
+        assert server.resent_on_broadcast == 0 and server.resent_chunks == 3
+        assert on_own == [(i, own_packets[i]) for i in (0, 1, 3)] == [(0, 131_051), (1, 131_055), (3, 7_540)]
+        assert all(n + 1 <= RPI4_LIMIT for _, n in on_own)
+        assert after[IDS20[0]] == [] and after[IDS20[2]] == []
+    else:
+        # on its own topic, chunks 0 and 1 would be 131,073 and 131,077 bytes (MQTT 5): above the limit
+        assert (own_packets[0] + 1, own_packets[1] + 1) == (131_073, 131_077)
+        assert server.resent_on_broadcast == 2 and server.resent_chunks == 3
+        assert on_own == [(3, own_packets[3])]
+        assert [(r.chunk_index, r.topic) for r in rows if r.topic != own] == [(0, bcast), (1, bcast)]
+        assert after[IDS20[0]] == after[IDS20[2]] == [None, None]  # a duplicate of chunks 0 and 1 each
+    assert [type(g).__name__ for g in after[IDS20[1]]][-1] == "Received"
+    assert after[IDS20[1]][-1].envelope.body.tensors[0].shape == (100_000,)
+
+
+def test_a_device_whose_id_is_longer_than_the_room_still_gets_its_chunks_on_the_broadcast_topic(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The broadcast was cut with room for 20-character ids (the devices joined when it went out);
+    a device with a 45-character id (one that joined later) asks for chunks 0 and 1: on its own
+    topic, 25 bytes longer than the room, their PUBLISH would be 131,077 and 131,081 bytes (MQTT 5),
+    above the 131,072-byte limit, so they go on the broadcast topic as before, counted and said at
+    INFO; the short last chunk fits and goes to it alone."""
+    late = "greenhouse-sensor-node-with-a-long-name-00004"
+    assert len(late) == 45
+    server, devices = _fleet(tmp_path, devices=(*IDS20, late), chunk_bytes=RPI4_LIMIT)
+    bcast, own = topics.down(FED, Kind.GLOBAL), topics.down_to(FED, late, Kind.GLOBAL)
+    server.send(bcast, _big_global(), round=1, max_packet_bytes=RPI4_LIMIT, chunk_bytes=RPI4_LIMIT,
+                budget_topic=topics.down_to(FED, IDS20[0], Kind.GLOBAL))
+    assert [r.body_bytes for r in server.ledger.rows("event='sent' AND chunk_index IS NOT NULL")][0] == D_ROOM
+    total = 400_074  # the envelope of the global (its timestamp_ms: uint64) and 400,000 raw bytes
+    assert [_real_packet(D_ROOM, i, len(own)) + 1 for i in (0, 1)] == [131_077, 131_081]
+    assert _real_packet(total - 3 * D_ROOM, 3, len(own)) + 1 <= RPI4_LIMIT
+    asker = devices[late]
+    for ch in devices.values():
+        _drain(ch, lose=(0, 1, 3) if ch is asker else ())
+    asker._maintain()
+    inc = server.transport.get(0.0)
+    with caplog.at_level("INFO", logger="protocol.channel"):
+        assert server.accept(inc) is None
+    assert (server.resent_chunks, server.resent_on_broadcast) == (3, 2)
+    assert any("chunks 1-2 of 4" in r.getMessage() and late in r.getMessage() and r.levelname == "INFO"
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    after = {dev: _drain(ch) for dev, ch in devices.items()}
+    assert all(after[dev] == [None, None] for dev in IDS20)  # chunks 0 and 1 again, at every device
+    rows = _chunk_rows_received(asker)[1:]
+    assert [(r.chunk_index, r.topic) for r in rows] == [(3, own), (0, bcast), (1, bcast)]
+    assert after[late][-1].envelope.kind is Kind.GLOBAL
