@@ -199,7 +199,7 @@ def _cmd_simulate(args) -> int:
         if (out / "checkpoints.sqlite").exists():
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"
             print(f"fedfleet simulate: {why}; continue the run from its last checkpoint with\n"
-                  f"  fedfleet simulate --resume {shlex.quote(str(out))}", flush=True)
+                  f"  fedfleet simulate --resume {shlex.quote(str(out))}{_login_broker_option(cfg)}", flush=True)
         raise
     from .server import final_accuracy_source
 
@@ -218,6 +218,20 @@ def _cmd_simulate(args) -> int:
     if failed := read_summary(res.run_dir).get("agent_errors"):
         print(f"fedfleet simulate: {len(failed)} agent(s) failed: {'; '.join(failed)}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _login_broker_option(cfg) -> str:  # noqa: ANN001  (a Config)
+    """`` --broker scheme://USER:PASSWORD@host:port`` when ``cfg``'s ``[broker] url`` has a user
+    name or password, which the run folder's config.toml leaves out (a ``--resume`` needs them
+    again), else ``""``."""
+    from protocol.broker_url import has_login, login_placeholder_url
+
+    url = cfg.broker.url
+    try:
+        login = bool(url) and has_login(url)
+    except ValueError:  # not a broker URL: refused before anything ran
+        return ""
+    return f" --broker {login_placeholder_url(url)}" if login else ""
 
 
 def _print_summary(run_dir: Path, accuracy: float, rounds: int, seconds: float, broker: str, *,

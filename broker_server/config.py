@@ -39,6 +39,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from edge_agent.partition import CLIENT_TEST_FRACTION_RANGE
+from protocol.broker_url import has_login, login_placeholder_url, public_broker_url, shown_broker_url
 
 from .errors import ConfigError
 
@@ -352,17 +353,41 @@ class Config:
         return cfg
 
     def to_toml(self) -> str:
-        """The resolved configuration as TOML text (written to the run folder)."""
+        """The resolved configuration as TOML text (written to the run folder, and to TensorBoard).
+
+        A ``[broker] url`` holding a user name or password is written without them
+        (:func:`protocol.broker_url.public_broker_url`), under a :data:`BROKER_LOGIN_LEFT_OUT`
+        comment naming the ``--broker`` a ``--resume`` needs; one that is not a broker URL has its
+        password, if any, written as ``***``."""
         lines = [f"# resolved fedfleet configuration (from {self.source})"]
         for sec in _SECTIONS:
             lines.append(f"\n[{sec}]")
             for f in dataclasses.fields(getattr(self, sec)):
                 v = getattr(getattr(self, sec), f.name)
+                if (sec, f.name) == ("broker", "url") and v:
+                    v = _broker_url_line(v, lines)
                 lines.append(f"{f.name} = {_toml_value(v)}")
         if self.algorithm:
             lines.append("\n[algorithm]")
             lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(self.algorithm.items())]
         return "\n".join(lines) + "\n"
+
+
+#: The comment above a run folder's ``config.toml`` ``[broker] url`` whose URL was given with a
+#: user name or password, left out of that copy (:meth:`Config.to_toml`).
+BROKER_LOGIN_LEFT_OUT = "# url: the user name and password it was given with are left out of this copy"
+
+
+def _broker_url_line(url: str, lines: list[str]) -> str:
+    """``[broker] url`` as :meth:`Config.to_toml` writes it: without its login, the
+    :data:`BROKER_LOGIN_LEFT_OUT` comment appended to ``lines`` where it had one."""
+    try:
+        login = has_login(url)
+    except ValueError:  # not a broker URL: the transport refuses it; its password is not written
+        return shown_broker_url(url)
+    if login:
+        lines.append(f"{BROKER_LOGIN_LEFT_OUT}; a --resume needs --broker {login_placeholder_url(url)}")
+    return public_broker_url(url)
 
 
 _SECTIONS = ("run", "data", "train", "server", "broker", "protocol", "agents", "security", "model", "tracking")

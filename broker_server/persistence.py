@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from protocol.broker_url import BrokerAddress, parse_broker_url
+from protocol.broker_url import has_login, parse_broker_url, public_broker_url
 from protocol.files import write_atomically
 
 from .checkpoint import Checkpoint, CheckpointStore
@@ -61,7 +61,8 @@ class BrokerRecord:
     """The broker a ``fedfleet server`` session used, as its run folder's ``broker.json`` keeps it.
 
     Attributes:
-        url: ``scheme://host:port`` (:func:`public_broker_url`: no user name or password).
+        url: ``scheme://host:port`` (:func:`protocol.broker_url.public_broker_url`: no user name or
+            password).
         embedded: the session started this broker itself (an embedded broker, on a free port of
             127.0.0.1: it stopped with that session); ``False``: a broker it was given
             (``--broker``, ``[broker] url``), which may still be running.
@@ -74,20 +75,6 @@ class BrokerRecord:
     credentials_removed: bool = False
 
 
-def public_broker_url(url: str | BrokerAddress) -> str:
-    """``url`` as ``scheme://host:port`` without its user name and password (an IPv6 host in
-    brackets; the scheme's default port written out): the form ``broker.json`` records and
-    messages name.
-
-    Raises:
-        ValueError: ``url`` is not a broker URL (:func:`protocol.broker_url.parse_broker_url`;
-            the message never contains the password).
-    """
-    addr = url if isinstance(url, BrokerAddress) else parse_broker_url(url)
-    host = f"[{addr.host}]" if ":" in addr.host else addr.host
-    return f"{addr.scheme}://{host}:{addr.port}"
-
-
 def broker_record(url: str, *, embedded: bool) -> BrokerRecord:
     """The :class:`BrokerRecord` of a session that used the broker at ``url`` (``embedded``: one
     it started itself).
@@ -96,8 +83,7 @@ def broker_record(url: str, *, embedded: bool) -> BrokerRecord:
         ValueError: ``url`` is not a broker URL (:func:`protocol.broker_url.parse_broker_url`).
     """
     addr = parse_broker_url(url)
-    return BrokerRecord(url=public_broker_url(addr), embedded=embedded,
-                        credentials_removed=addr.username is not None or addr.password is not None)
+    return BrokerRecord(url=public_broker_url(addr), embedded=embedded, credentials_removed=has_login(addr))
 
 
 def write_broker_record(run_dir: Path, record: BrokerRecord) -> None:

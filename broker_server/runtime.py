@@ -17,7 +17,7 @@ from edge_agent.assembly import AgentSpec
 from edge_agent.data import Dataset
 from edge_agent.errors import ModelError
 from edge_agent.models import make_model
-from protocol.broker_url import parse_broker_url
+from protocol.broker_url import parse_broker_url, public_broker_url
 from protocol.channel import Channel
 from protocol.errors import SecurityConfigError
 from protocol.ledger import Ledger
@@ -56,7 +56,7 @@ def open_transport(client_id: str, cfg: Config, url: str, will: Will | None = No
     username = addr.username or (cfg.broker.username or None)
     b = cfg.broker
     if not addr.tls and (b.cert_file or b.ca_file) and url.lower().startswith("mqtt://"):
-        raise ConfigError(f"[broker] ca_file/cert_file are set but the broker URL {url.split('@')[-1]} is plain "
+        raise ConfigError(f"[broker] ca_file/cert_file are set but the broker URL {public_broker_url(addr)} is plain "
                           f"mqtt://: use mqtts:// for TLS")
     try:
         return MqttTransport(client_id, addr.host, addr.port, username=username, password=password, tls=addr.tls,

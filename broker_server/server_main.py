@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edge_agent.data import load_dataset
-from protocol.broker_url import parse_broker_url
+from protocol.broker_url import has_login, login_placeholder_url, parse_broker_url, public_broker_url, shown_broker_url
 from protocol.errors import TransportError
 from protocol.ledger import Ledger
 
@@ -26,7 +26,6 @@ from .persistence import (
     BROKER_RECORD,
     BrokerRecord,
     broker_record,
-    public_broker_url,
     read_broker_record,
     write_broker_record,
     write_summary,
@@ -68,11 +67,23 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
     key options when ``[security] sign`` is on, and ``--model`` / ``--feature-dim`` when ``[model]``
     is not the default light CNN. ``DEVICE_ID``, ``DEVICE_KEYS``, the ``i`` of ``--shard i/K`` and,
     for a model group of several architectures, ``MODEL`` (see :func:`model_assignment`) are
-    placeholders the operator fills in."""
+    placeholders the operator fills in.
+
+    The broker is named without the user name and password of ``url``
+    (:func:`protocol.broker_url.public_broker_url`): where the server logs in (``url``'s own
+    login, or ``[broker] username`` / ``password_file``), ``--username USER --password-file
+    PASSWORD_FILE`` follow it, placeholders too (:func:`agent_login_note` says so in a line).
+
+    Raises:
+        ValueError: ``url`` is not a broker URL.
+    """
     d = cfg.data
     q = shlex.quote
-    words = ["fedfleet-agent", "--broker", url, "--federation", federation, "--client-id", "DEVICE_ID",
-             "--dataset", d.dataset, "--shard", f"i/{d.clients}", "--partition", d.partition]
+    words = ["fedfleet-agent", "--broker", public_broker_url(url)]
+    if server_logs_in(cfg, url):
+        words += ["--username", "USER", "--password-file", "PASSWORD_FILE"]
+    words += ["--federation", federation, "--client-id", "DEVICE_ID",
+              "--dataset", d.dataset, "--shard", f"i/{d.clients}", "--partition", d.partition]
     if d.partition == "dirichlet":
         words += ["--alpha", repr(float(d.alpha)), "--min-samples", str(d.min_samples)]
     if d.partition == "domain-silo" and d.domain_clients:
@@ -98,6 +109,41 @@ def agent_command(cfg: Config, url: str, federation: str) -> str:
         if cfg.security.encrypt:
             words.append("--encrypt")
     return " ".join(q(w) for w in words)
+
+
+def server_logs_in(cfg: Config, url: str) -> bool:
+    """Whether the server logs in to the broker at ``url``: a user name or password in ``url``,
+    or ``[broker] username`` / ``password_file`` (its agents then need a login too).
+
+    Raises:
+        ValueError: ``url`` is not a broker URL.
+    """
+    return has_login(url) or bool(cfg.broker.username or cfg.broker.password_file)
+
+
+def agent_login_note(cfg: Config, url: str) -> str:
+    """The line the server prints under its agent command (:func:`agent_command`) when it logs in
+    to the broker (:func:`server_logs_in`): the login is not printed, ``USER`` and
+    ``PASSWORD_FILE`` stand for each agent's. ``""`` when the server does not log in.
+
+    Raises:
+        ValueError: ``url`` is not a broker URL.
+    """
+    if not server_logs_in(cfg, url):
+        return ""
+    return ("  the broker's user name and password are left out: USER is each agent's MQTT user name, PASSWORD_FILE "
+            "a file holding its password")
+
+
+def resume_broker_option(url: str) -> str:
+    """The ``--broker`` value a printed ``--resume`` command gives for the broker at ``url``: its
+    URL without user name and password (:func:`protocol.broker_url.shown_broker_url`), or, where
+    ``url`` has them, ``scheme://USER:PASSWORD@host:port`` (placeholders: a run folder does not
+    keep them, and no output shows them)."""
+    try:
+        return login_placeholder_url(url) if has_login(url) else public_broker_url(url)
+    except (TypeError, ValueError):  # not a broker URL: as messages show it
+        return shown_broker_url(url)
 
 
 def local_agents_hint(url: str, agents: int, cores: int | None = None) -> str:
@@ -156,7 +202,7 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
     otherwise; ``verbose``: per device), a line per round, and at the end the server link's byte
     summary. Interrupted (Ctrl-C), or stopped by the broker link (a broker that stopped
     acknowledging: :class:`~protocol.errors.TransportError`), after its first checkpoint, it says
-    how to resume.
+    how to resume (``--broker`` without its user name and password: :func:`resume_broker_option`).
 
     Raises:
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`run_server`.
@@ -173,7 +219,8 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
                                 on_event=prog.on_event)
     except (KeyboardInterrupt, TransportError) as exc:
         if (out / "checkpoints.sqlite").exists():
-            broker = f" --broker {broker_url or cfg.broker.url}" if (broker_url or cfg.broker.url) else ""
+            given = broker_url or cfg.broker.url
+            broker = f" --broker {resume_broker_option(given)}" if given else ""
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"
             print(f"fedfleet server: {why}; the run continues from its last checkpoint with\n"
                   f"  fedfleet server --resume {shlex.quote(str(out))}{broker}", flush=True)
@@ -307,7 +354,8 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
     Resumed without ``--broker``, a run whose earlier session used a broker it was given (the run
     folder's ``broker.json``, :func:`~broker_server.persistence.read_broker_record`) goes on with
     that broker, where its agents still are: the returned ``note`` says so, naming its URL (the
-    configuration's ``[broker] url`` when it names the same broker, its credentials with it). A
+    configuration's ``[broker] url`` when it names the same broker, its credentials with it; the
+    run folder's own ``config.toml`` keeps none, :meth:`~broker_server.config.Config.to_toml`). A
     run whose earlier session started its own embedded broker starts a new one (that one stopped
     with the session); :meth:`SessionBroker.warning` says what agents must do, as it does for a
     ``--broker`` other than the recorded one and for a run folder without a usable record.
@@ -315,7 +363,9 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
     Raises:
         ConfigError: resumed without ``--broker`` where the recorded broker's URL carried a user
             name or password (``broker.json`` does not keep them) and ``[broker] url`` is not that
-            broker: the message names the recorded URL and the ``--broker`` option to pass.
+            broker with them (another broker, or that broker without a login, as the run folder's
+            ``config.toml`` writes it): the message names the recorded URL and the ``--broker``
+            option to pass.
     """
     out = Path(run_dir)
     config_url = cfg.broker.url or None
@@ -340,11 +390,10 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
             same = public_broker_url(config_url) == earlier.url
         except ValueError:  # a malformed [broker] url: not the recorded broker
             pass
-    if not same and earlier.credentials_removed:
-        scheme, address = earlier.url.split("://", 1)
+    if earlier.credentials_removed and not (same and config_url and has_login(config_url)):
         raise ConfigError(f"--resume {out}: the run's broker {earlier.url} ({BROKER_RECORD}) was given with a user "
                           f"name or password in its URL, which the run folder does not keep; pass it again: --broker "
-                          f"{scheme}://USER:PASSWORD@{address}")
+                          f"{login_placeholder_url(earlier.url)}")
     other = ""
     if config_url and not same:
         try:
@@ -375,7 +424,8 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
             connected to the broker) and the final line go.
         on_round: called with each round's metrics dict.
         on_start: called with ``(federation, broker URL)`` once the server is connected to the
-            broker and subscribed, before it waits for joins (start agents from here).
+            broker and subscribed, before it waits for joins (start agents from here); the URL is
+            the one connected to, its user name and password included.
         on_event: the server's progress events (:mod:`broker_server.progress`).
 
     A start-up failure (:data:`~broker_server.simulate.STARTUP_ERRORS`: a configuration error, a
@@ -409,7 +459,8 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
         log.warning("%s: [agents] %s: simulation settings (fedfleet simulate); fedfleet server does not use "
                     "them: each device takes its own (fedfleet-agent --profile)", cfg.source, ", ".join(ignored))
     if resume and (fin := finished_run(out, cfg.run.rounds)) is not None:  # no round left: no broker, no agents
-        return _served_finished(cfg, ds, fin, federation, broker=broker_url or cfg.broker.url, say=say)
+        given = broker_url or cfg.broker.url
+        return _served_finished(cfg, ds, fin, federation, broker=shown_broker_url(given) if given else "", say=say)
     broker = session_broker(cfg, out, broker_url=broker_url, resume=resume)  # refused: before anything is written
     before = run_folder_entries(out)
     try:
@@ -488,10 +539,13 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
                 f"{ckpt.round + 1}..{cfg.run.rounds} to go)")
         write_broker_record(out, broker_record(url, embedded=embedded is not None))  # what a --resume goes on with
         # the server is connected and subscribed: only now are the agents told how to join
-        say(f"fedfleet server: federation {federation!r} on {url} ({security_text(cfg)}); data {ds.name} from "
+        public = public_broker_url(url)  # what is printed and written: no user name or password
+        say(f"fedfleet server: federation {federation!r} on {public} ({security_text(cfg)}); data {ds.name} from "
             f"{ds.source}; waiting for {plural(cfg.data.clients, 'agent')} "
             f"(join timeout {cfg.server.join_timeout_s:g} s). Start each agent i = 0..{cfg.data.clients - 1} with\n"
             f"  {agent_command(cfg, url, federation)}")
+        if (login := agent_login_note(cfg, url)):
+            say(login)
         if (hint := local_agents_hint(url, cfg.data.clients)):
             say(hint)
         if (assignment := model_assignment(cfg)):
@@ -503,7 +557,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         server.channel.close()
         write_summary(out, summary_record(
             cfg, ds, federation=federation, final_accuracy=summary.final_accuracy,
-            rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=url,
+            rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=public,
             refusals=server.refusal_totals(), onnx=server.onnx_result, strategy=server.strategy,
             resumed_after=ckpt.round if ckpt else None,
             ignored_settings=[f"[agents] {t}" for t in simulation_only_settings(cfg)],

@@ -41,7 +41,7 @@ from edge_agent.partition import ClientSplits, client_splits, describe
 from edge_agent.runtime import agent_runtime
 from edge_agent.slots import TrainingSlots
 from edge_agent.state_store import DeviceStateStore
-from protocol.broker_url import parse_broker_url
+from protocol.broker_url import parse_broker_url, public_broker_url
 from protocol.channel import Channel
 from protocol.errors import ConnectError, LedgerError, SecurityConfigError
 from protocol.ledger import Ledger, read_meta
@@ -122,7 +122,8 @@ class SimulationResult:
         metrics: one dict per round (as in ``metrics.jsonl``).
         agents: per-agent summaries.
         seconds: wall time of the whole run.
-        broker: ``"mosquitto"``, ``"amqtt"`` or the external URL.
+        broker: ``"mosquitto"``, ``"amqtt"`` or the external broker's URL without its user name and
+            password (:func:`protocol.broker_url.public_broker_url`).
     """
 
     run_dir: Path
@@ -618,7 +619,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         url = broker.url
         broker_name = broker.kind
     else:
-        broker_name = url.split("@")[-1]
+        broker_name = public_broker_url(url)  # as summary.json and the ledger name it: no user name or password
     ledger = Ledger(out / "ledger.sqlite")
     before_id = ledger.last_row_id()  # the rows of earlier sessions (a --resume's) end here
     ledger.set_meta("federation", federation)

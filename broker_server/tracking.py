@@ -93,14 +93,21 @@ def round_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _params(cfg: Config) -> dict[str, str]:
+    """``cfg`` as MLflow parameters, ``section.key`` to its text (500 characters at most);
+    ``broker.url`` without its user name and password (:func:`protocol.broker_url.shown_broker_url`)."""
     import dataclasses
+
+    from protocol.broker_url import shown_broker_url
 
     out = {}
     for f in dataclasses.fields(cfg):
         sec = getattr(cfg, f.name)
         if dataclasses.is_dataclass(sec):
             for g in dataclasses.fields(sec):
-                out[f"{f.name}.{g.name}"] = str(getattr(sec, g.name))[:500]
+                value = getattr(sec, g.name)
+                if (f.name, g.name) == ("broker", "url") and value:
+                    value = shown_broker_url(value)
+                out[f"{f.name}.{g.name}"] = str(value)[:500]
     for key, value in cfg.algorithm.items():
         out[f"algorithm.{key}"] = str(value)[:500]
     return out

@@ -303,7 +303,7 @@ def interrupted_line(agent) -> str:
 
 def _main(argv: list[str] | None) -> int:
     """:func:`main` inside its stdout guard."""
-    from protocol.broker_url import parse_broker_url
+    from protocol.broker_url import parse_broker_url, public_broker_url
     from protocol.channel import Channel
     from protocol.errors import ConnectError, FieldError, TransportError
     from protocol.ledger import Ledger
@@ -439,7 +439,7 @@ def _main(argv: list[str] | None) -> int:
           + (f", domain {info['domain']}" if "domain" in info else "")
           + (f"; {held} more held out as its local test set" if held else "")
           + f"), model {args.model} (d = {args.feature_dim}), algorithm {args.algorithm}; joining federation "
-          f"{args.federation!r} on {args.broker} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
+          f"{args.federation!r} on {public_broker_url(addr)} (idle timeout {args.idle_timeout_s:g} s)", flush=True)
     agent = None
     warn = None
     try:

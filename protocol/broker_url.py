@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["DEFAULT_PORTS", "BrokerAddress", "parse_broker_url"]
+__all__ = ["DEFAULT_PORTS", "BrokerAddress", "has_login", "login_placeholder_url", "parse_broker_url",
+           "public_broker_url", "shown_broker_url"]
 
 #: Default TCP port per URL scheme (IANA: 1883 plain MQTT, 8883 MQTT over TLS).
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
@@ -102,3 +103,50 @@ def parse_broker_url(url: str) -> BrokerAddress:
             raise ValueError(f"broker URL {shown!r} has a password but no user name")
         username = None
     return BrokerAddress(scheme=scheme, host=host, port=port, username=username, password=password)
+
+
+def public_broker_url(url: str | BrokerAddress) -> str:
+    """``url`` as ``scheme://host:port`` without its user name and password (an IPv6 host in
+    brackets; the scheme's default port written out): the form every message, file and log of
+    fedfleet names a broker by (``broker.json``, ``summary.json``, the printed agent command).
+
+    Raises:
+        TypeError: ``url`` is neither a ``str`` nor a :class:`BrokerAddress`.
+        ValueError: ``url`` is not a broker URL (:func:`parse_broker_url`; the message never
+            contains the password).
+    """
+    addr = url if isinstance(url, BrokerAddress) else parse_broker_url(url)
+    host = f"[{addr.host}]" if ":" in addr.host else addr.host
+    return f"{addr.scheme}://{host}:{addr.port}"
+
+
+def shown_broker_url(url: str) -> str:
+    """``url`` as a message may show it, never raising: :func:`public_broker_url` for a broker
+    URL, and any other text with its password replaced by ``***`` (as the errors of
+    :func:`parse_broker_url` show it)."""
+    try:
+        return public_broker_url(url)
+    except (TypeError, ValueError):
+        return _redact(str(url))
+
+
+def has_login(url: str | BrokerAddress) -> bool:
+    """Whether ``url`` carries a user name or a password (which :func:`public_broker_url` leaves out).
+
+    Raises:
+        TypeError, ValueError: as :func:`public_broker_url`.
+    """
+    addr = url if isinstance(url, BrokerAddress) else parse_broker_url(url)
+    return addr.username is not None or addr.password is not None
+
+
+def login_placeholder_url(url: str | BrokerAddress) -> str:
+    """``url`` with ``USER:PASSWORD`` in place of its login, whatever it carries:
+    ``mqtt://USER:PASSWORD@host:port``, the ``--broker`` a printed command line asks for where the
+    broker's credentials are left out.
+
+    Raises:
+        TypeError, ValueError: as :func:`public_broker_url`.
+    """
+    scheme, address = public_broker_url(url).split("://", 1)
+    return f"{scheme}://USER:PASSWORD@{address}"

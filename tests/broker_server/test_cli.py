@@ -1,6 +1,7 @@
 """The ``fedfleet`` command line's small promises: ``-v`` after the command, the header's
 grammar and security, ``keys list`` without a key folder, a broker or configuration error that
-leaves no half-made run folder behind, and ``fedfleet server`` refusing what only a simulation
+leaves no half-made run folder behind, the printed agent command and ``--resume`` asking for
+the broker's login without showing it, and ``fedfleet server`` refusing what only a simulation
 runs (``[data] partition = "classes"``), and the end-of-run line naming the final accuracy by
 where it came from (the global model, the devices' own models, the algorithm's own evaluation;
 none measured said in words, not ``nan``)."""
@@ -8,17 +9,28 @@ none measured said in words, not ``nan``)."""
 from __future__ import annotations
 
 import pickle
+import shlex
 import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.brokers import require_mosquitto
 
 from broker_server import cli
 from broker_server import simulate as simulate_mod
 from broker_server.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from broker_server.config import load
-from broker_server.server_main import local_agents_hint, security_text, simulation_only_settings
+from broker_server.embedded_broker import EmbeddedBroker
+from broker_server.persistence import read_summary
+from broker_server.server_main import (
+    agent_command,
+    agent_login_note,
+    local_agents_hint,
+    resume_broker_option,
+    security_text,
+    simulation_only_settings,
+)
 from broker_server.simulate import discard_unstarted, run_folder_entries
 from edge_agent.cli import build_parser as agent_parser
 
@@ -88,6 +100,60 @@ def test_a_broker_error_leaves_no_run_folder(tmp_path: Path, capsys: pytest.Capt
     assert code == cli.EXIT_BROKER
     assert "broker error" in capsys.readouterr().err
     assert not out.exists() and (tmp_path / "runs").is_dir()  # the folder --out named, only
+
+
+def test_the_agent_command_leaves_the_brokers_login_out_and_asks_for_each_agents_own() -> None:
+    cfg = load(QUICKSTART)
+    login = "mqtt://fleet-op:s3cr%40t@Broker.lan:1884"
+    words = shlex.split(agent_command(cfg, login, "fed"))
+    assert words[:9] == ["fedfleet-agent", "--broker", "mqtt://broker.lan:1884", "--username", "USER",
+                         "--password-file", "PASSWORD_FILE", "--federation", "fed"]
+    args = agent_parser().parse_args(words[1:])  # the agent takes them as they are printed
+    assert (args.broker, args.username, args.password_file) == ("mqtt://broker.lan:1884", "USER", "PASSWORD_FILE")
+    note = ("  the broker's user name and password are left out: USER is each agent's MQTT user name, PASSWORD_FILE "
+            "a file holding its password")
+    assert agent_login_note(cfg, login) == note
+    # the server's login from [broker] username / password_file: its agents need one too
+    by_file = load(QUICKSTART, {("broker", "username"): "fleet-op", ("broker", "password_file"): "/etc/fed/pw"})
+    assert shlex.split(agent_command(by_file, "mqtt://broker.lan:1884", "fed"))[:7] == words[:7]
+    assert agent_login_note(by_file, "mqtt://broker.lan:1884") == note
+    # no login: none asked for
+    plain = agent_command(cfg, "mqtt://broker.lan", "fed")
+    assert plain.startswith("fedfleet-agent --broker mqtt://broker.lan:1883 --federation fed --client-id DEVICE_ID ")
+    assert "--username" not in plain and agent_login_note(cfg, "mqtt://broker.lan") == ""
+
+
+def test_a_simulation_over_a_broker_with_a_login_names_the_broker_without_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``[broker] url`` with a user name and password: ``fedfleet simulate``'s lines, its
+    ``summary.json`` and every file of its run folder name the broker without them; a
+    ``--resume`` it prints asks for them in placeholders."""
+    require_mosquitto()  # a broker that takes any user name and password (amqtt's may not)
+    run = tmp_path / "run"
+    config = tmp_path / "login.toml"
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker") as broker:
+        config.write_text(f'{QUICKSTART.read_text(encoding="utf-8")}\n[broker]\n'
+                          f'url = "mqtt://fleet-op:s3cr%40t@127.0.0.1:{broker.port}"\n', encoding="utf-8")
+        code = cli.main(["simulate", "--config", str(config), "--rounds", "1", "--clients", "2", "--out", str(run),
+                         "-q"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_OK, err
+    assert f" s over {broker.url}; final " in out and read_summary(run)["broker"] == broker.url
+    seen = [p.name for p in run.rglob("*")
+            if p.is_file() and (b"fleet-op" in (data := p.read_bytes()) or b"s3cr" in data)]
+    assert seen == [] and "s3cr" not in out + err and "fleet-op" not in out + err
+    assert cli._login_broker_option(load(config)) == f" --broker mqtt://USER:PASSWORD@127.0.0.1:{broker.port}"
+    assert cli._login_broker_option(load(QUICKSTART)) == ""
+
+
+@pytest.mark.parametrize(("url", "option"), [
+    ("mqtt://fleet-op:s3cret@broker.lan:1884", "mqtt://USER:PASSWORD@broker.lan:1884"),
+    ("mqtts://fleet-op@broker.lan", "mqtts://USER:PASSWORD@broker.lan:8883"),
+    ("mqtt://broker.lan", "mqtt://broker.lan:1883"),
+    ("http://fleet-op:s3cret@broker.lan", "http://fleet-op:***@broker.lan"),  # not a broker URL: no password either
+])
+def test_a_printed_resume_asks_for_the_brokers_login_without_showing_it(url: str, option: str) -> None:
+    assert resume_broker_option(url) == option
 
 
 def test_discard_unstarted_removes_only_what_the_run_wrote(tmp_path: Path) -> None:

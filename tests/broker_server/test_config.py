@@ -274,6 +274,24 @@ def test_to_toml_round_trips_defaults_and_awkward_values(tmp_path: Path) -> None
     assert_same_sections(default_again, C.Config())
 
 
+@pytest.mark.parametrize(("url", "written"), [
+    ("mqtt://fleet-op:s3cr%40t@Broker.lan:1884",
+     '# url: the user name and password it was given with are left out of this copy; a --resume needs --broker '
+     'mqtt://USER:PASSWORD@broker.lan:1884\nurl = "mqtt://broker.lan:1884"\n'),
+    ("mqtts://fleet-op@broker.lan",
+     '# url: the user name and password it was given with are left out of this copy; a --resume needs --broker '
+     'mqtts://USER:PASSWORD@broker.lan:8883\nurl = "mqtts://broker.lan:8883"\n'),
+    ("mqtt://broker.lan", 'url = "mqtt://broker.lan:1883"\n'),
+    ("http://fleet-op:s3cret@broker.lan", 'url = "http://fleet-op:***@broker.lan"\n'),  # the transport refuses it
+])
+def test_to_toml_leaves_the_brokers_login_out(url: str, written: str) -> None:
+    """The run folder's copy of a configuration holds no broker password: ``[broker] url`` without
+    its user name and password, under a comment naming what a --resume needs instead."""
+    text = C.load(REPO / "examples" / "quickstart.toml", {("broker", "url"): url}).to_toml()
+    assert f"\n[broker]\n{written}kind = " in text
+    assert "s3cr" not in text
+
+
 def test_to_toml_round_trips_control_characters(tmp_path: Path) -> None:
     cfg = C.load(write(tmp_path, '[run]\nname = "line1\\nline2\\u0001"\n'))
     assert cfg.run.name == "line1\nline2\x01"

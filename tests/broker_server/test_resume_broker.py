@@ -8,7 +8,9 @@ credentials are needed and not kept); a run whose own embedded broker stopped wi
 new one and says in a WARNING that the agents must be started again with its URL, naming both;
 a ``--broker`` other than the recorded one is said in a WARNING naming both; a run folder
 without a record (written before it was kept), or with one that cannot be read, is said to have
-an unknown broker, with what the session does instead.
+an unknown broker, with what the session does instead. A user name or password in the broker's
+URL is in nothing a session prints, logs or writes (the run folder's config.toml included): where
+a resume needs them, the command it is told asks for them in placeholders.
 
 The servers here are real (``fedfleet server`` through :func:`broker_server.cli.main`, on the
 embedded broker or one started by the test): each session stops as Ctrl-C would once its
@@ -35,12 +37,13 @@ from broker_server.errors import ConfigError
 from broker_server.persistence import (
     BrokerRecord,
     broker_record,
-    public_broker_url,
     read_broker_record,
+    read_summary,
     write_broker_record,
 )
-from broker_server.server import AggregationServer
+from broker_server.server import AggregationServer, RunSummary
 from broker_server.server_main import session_broker
+from protocol.broker_url import has_login, login_placeholder_url, public_broker_url, shown_broker_url
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"
 
@@ -145,6 +148,43 @@ def test_a_resume_goes_on_with_the_broker_the_run_was_given_and_a_moved_one_is_s
         assert _record(run) == {"url": moved.url, "embedded": False, "credentials_removed": False}
 
 
+def _login_seen(run: Path, *said: str) -> list[str]:
+    """Where the login ``fleet-op`` / ``s3cr@t`` (``s3cr%40t`` in its URL) shows: in ``said`` (the
+    texts printed and logged), or in a file of the run folder."""
+    seen = [text for text in said if "fleet-op" in text or "s3cr" in text]
+    return seen + [str(p) for p in sorted(run.rglob("*")) if p.is_file()
+                   and (b"fleet-op" in (data := p.read_bytes()) or b"s3cr" in data)]
+
+
+def test_a_login_in_the_brokers_url_is_in_nothing_a_session_prints_logs_or_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The server session given ``--broker mqtt://USER:PASSWORD@HOST:PORT`` names the broker as
+    ``mqtt://HOST:PORT`` where it says where it runs, in the agent command (which asks for each
+    agent's own login, in placeholders, and says so in a line) and in ``summary.json``; no line
+    it prints or logs (at DEBUG) and no file of its run folder holds the user name or password."""
+    require_mosquitto()  # a broker that takes any user name and password (amqtt's may not)
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setattr(AggregationServer, "run", lambda self: RunSummary(0, float("nan"), float("nan"), []))
+    run = tmp_path / "run"
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "fleet-broker") as fleet:
+        login = f"mqtt://fleet-op:s3cr%40t@127.0.0.1:{fleet.port}"
+        assert _serve("--config", str(QUICKSTART), "--broker", login, "--out", str(run)) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    start = lines.index(f"fedfleet server: federation 'run' on {fleet.url} (unsigned); data digits from sklearn; "
+                        "waiting for 4 agents (join timeout 60 s). Start each agent i = 0..3 with")
+    assert lines[start + 1:start + 3] == [
+        f"  fedfleet-agent --broker {fleet.url} --username USER --password-file PASSWORD_FILE --federation run "
+        "--client-id DEVICE_ID --dataset digits --shard i/4 --partition dirichlet --alpha 1.0 --min-samples 10 "
+        "--seed 0 --algorithm fedavg",
+        "  the broker's user name and password are left out: USER is each agent's MQTT user name, PASSWORD_FILE a "
+        "file holding its password"]
+    assert read_summary(run)["broker"] == fleet.url
+    assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": True}
+    assert _login_seen(run, out, err, *(r.getMessage() for r in caplog.records)) == []
+
+
 def test_credentials_are_not_recorded_and_a_resume_that_needs_them_is_refused_naming_the_option(
         tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -154,7 +194,10 @@ def test_credentials_are_not_recorded_and_a_resume_that_needs_them_is_refused_na
         port = fleet.url.rsplit(":", 1)[1]
         login = f"mqtt://fleet-op:s3cr%40t@127.0.0.1:{port}"
         assert _serve("--config", str(QUICKSTART), "--broker", login, "--out", str(run)) == cli.EXIT_INTERRUPTED
-        capsys.readouterr()
+        out = capsys.readouterr().out
+        assert out.endswith("fedfleet server: interrupted; the run continues from its last checkpoint with\n"
+                            f"  fedfleet server --resume {run} --broker mqtt://USER:PASSWORD@127.0.0.1:{port}\n")
+        assert _login_seen(run, out) == []
         text = (run / "broker.json").read_text(encoding="utf-8")
         assert json.loads(text) == {"url": fleet.url, "embedded": False, "credentials_removed": True}
         assert "fleet-op" not in text and "s3cr" not in text
@@ -174,6 +217,38 @@ def test_credentials_are_not_recorded_and_a_resume_that_needs_them_is_refused_na
         capsys.readouterr()
         assert _warnings(caplog) == []
         assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": True}
+
+
+def test_a_login_in_the_configurations_broker_url_is_left_out_of_the_run_folder_and_a_resume_asks_for_it(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture) -> None:
+    """``[broker] url`` with a user name and password: the run folder's config.toml names the
+    broker without them, under a comment naming the ``--broker`` a resume needs; the run's own
+    config.toml naming that broker without its login, a ``--resume`` without ``--broker`` is
+    refused as for a ``--broker`` that had one, and goes on with the login passed again."""
+    require_mosquitto()  # a broker that takes any user name and password (amqtt's may not)
+    run = tmp_path / "run"
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "fleet-broker") as fleet:
+        login = f"mqtt://fleet-op:s3cr%40t@127.0.0.1:{fleet.port}"
+        asks = f"--broker mqtt://USER:PASSWORD@127.0.0.1:{fleet.port}"
+        config = tmp_path / "fleet.toml"
+        config.write_text(f'{QUICKSTART.read_text(encoding="utf-8")}\n[broker]\nurl = "{login}"\n', encoding="utf-8")
+        assert _serve("--config", str(config), "--out", str(run)) == cli.EXIT_INTERRUPTED
+        out = capsys.readouterr().out
+        assert out.endswith(f"  fedfleet server --resume {run} {asks}\n")  # the interruption's hint
+        text = (run / "config.toml").read_text(encoding="utf-8")
+        assert ("\n[broker]\n# url: the user name and password it was given with are left out of this copy; a "
+                f'--resume needs {asks}\nurl = "{fleet.url}"\nkind = "auto"\n') in text
+        assert load(run / "config.toml").broker.url == fleet.url and _login_seen(run, out) == []
+        files = _files(run)
+
+        assert _serve("--resume", str(run)) == cli.EXIT_USAGE
+        assert capsys.readouterr().err == (
+            f"fedfleet: configuration error: --resume {run}: the run's broker {fleet.url} (broker.json) was given "
+            f"with a user name or password in its URL, which the run folder does not keep; pass it again: {asks}\n")
+        assert _files(run) == files  # nothing written
+
+        assert _serve("--resume", str(run), "--broker", login) == cli.EXIT_INTERRUPTED
+        assert _served_on(capsys.readouterr().out, run) == fleet.url
 
 
 def test_a_run_folder_without_a_usable_record_is_said_to_have_an_unknown_broker(
@@ -213,7 +288,9 @@ def test_the_record_keeps_the_address_and_never_the_credentials(tmp_path: Path, 
                                                                 removed: bool) -> None:
     rec = broker_record(url, embedded=False)
     assert rec == BrokerRecord(url=public, embedded=False, credentials_removed=removed)
-    assert public_broker_url(url) == public
+    assert public_broker_url(url) == shown_broker_url(url) == public and has_login(url) == removed
+    scheme, address = public.split("://")
+    assert login_placeholder_url(url) == f"{scheme}://USER:PASSWORD@{address}"
     write_broker_record(tmp_path, rec)
     assert json.loads((tmp_path / "broker.json").read_text()) == {"url": public, "embedded": False,
                                                                   "credentials_removed": removed}

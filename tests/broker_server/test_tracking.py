@@ -16,7 +16,7 @@ from broker_server import cli
 from broker_server.audit import by_round, open_ledger
 from broker_server.config import from_dict
 from broker_server.errors import ConfigError
-from broker_server.tracking import check_tracking, round_scalars
+from broker_server.tracking import _params, check_tracking, round_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.toml"
@@ -37,6 +37,17 @@ def test_tracking_off_by_default_and_the_section_checked() -> None:
     check_tracking(cfg)  # nothing asked: nothing imported, no error
     with pytest.raises(ConfigError, match=r"unknown key \[tracking\] tensorbaord"):
         from_dict({"tracking": {"tensorbaord": True}})
+
+
+def test_the_mlflow_parameters_name_the_broker_without_its_login() -> None:
+    """MLflow's parameters are the configuration's keys (TensorBoard gets its config.toml text,
+    :meth:`~broker_server.config.Config.to_toml`, which leaves the login out as well)."""
+    cfg = from_dict({"broker": {"url": "mqtt://fleet-op:s3cret@broker.lan:1884"}})
+    params = _params(cfg)
+    assert params["broker.url"] == "mqtt://broker.lan:1884"
+    assert not [key for key, text in params.items() if "s3cret" in text or "fleet-op" in text]
+    assert "s3cret" not in cfg.to_toml()
+    assert _params(from_dict({}))["broker.url"] == ""
 
 
 @pytest.mark.parametrize("flag, module", [("--tensorboard", "tensorboard"), ("--mlflow", "mlflow")])

@@ -10,7 +10,8 @@ processes started with the very command line the server prints.
   does not wait for it;
 - an agent whose join is never answered exits 5 with the likely causes; an agent handed a global
   that does not fit its algorithm's share withdraws from the round and exits 1 with a clear
-  message (a scripted server channel over the embedded broker);
+  message (a scripted server channel over the embedded broker); an agent given a login in its
+  ``--broker`` URL names the broker without it;
 - the printed command, parsed by ``fedfleet-agent``'s own parser, announces exactly what the
   server expects (:func:`broker_server.runtime.expected_data`), for every option it prints.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.brokers import require_mosquitto
 from helpers.scripted_server import ScriptedServer
 from helpers.waiting import wait_for
 
@@ -322,6 +324,21 @@ def test_an_unanswered_join_exits_5_with_the_likely_causes(tmp_path: Path, broke
     assert "never acknowledged the join" in err and "the federation finished" in err
     assert "finished=True" not in cap.out  # not a run this device took part in
     assert "not enrolled" in err and "--server-pubkey" in err and "--federation" in err
+
+
+def test_an_agent_names_its_broker_without_the_login_its_url_carries(tmp_path: Path, capsys) -> None:
+    """``--broker mqtt://USER:PASSWORD@HOST:PORT``: the agent logs in with them, and its lines (and
+    its ledger folder) name the broker as ``mqtt://HOST:PORT``."""
+    require_mosquitto()  # a broker that takes any user name and password (amqtt's may not)
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker") as b:
+        code = agent_main(["--broker", f"mqtt://fleet-op:s3cr%40t@127.0.0.1:{b.port}", "--federation", "fed-login",
+                           "--client-id", "dev-1", "--dataset", "digits", "--shard", "0/2", "--seed", "3",
+                           "--out", str(tmp_path / "dev-1"), "--join-timeout-s", "0.5"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_NOT_JOINED  # connected (logged in), nobody answered its join
+    assert f"joining federation 'fed-login' on {b.url} (idle timeout 3600 s)\n" in out
+    said = [text for text in (out, err) if "fleet-op" in text or "s3cr" in text]
+    assert said + [p.name for p in (tmp_path / "dev-1").rglob("*") if p.is_file() and b"s3cr" in p.read_bytes()] == []
 
 
 def test_no_server_at_all_exits_5_after_the_idle_timeout(tmp_path: Path, broker, capsys) -> None:
