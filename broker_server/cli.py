@@ -154,7 +154,7 @@ def run_header(cfg, command: str = "simulate", resumed_after: int | None = None)
 
 
 def _cmd_simulate(args) -> int:
-    from protocol.errors import TransportError
+    from protocol.errors import ConnectError, TransportError
 
     from .progress import make_progress
     from .simulate import DEVICE_STATE_FILE, kept_device_state, make_run_id, progress_printer, simulate
@@ -196,7 +196,8 @@ def _cmd_simulate(args) -> int:
                            on_event=None if args.quiet else prog.on_event, resume=bool(args.resume),
                            on_plan=lambda plan: print(plan.describe(), flush=True), on_start=started)
     except (KeyboardInterrupt, TransportError) as exc:
-        if (out / "checkpoints.sqlite").exists():
+        # a broker it could not connect to at the start stopped nothing: the error alone says it
+        if not isinstance(exc, ConnectError) and (out / "checkpoints.sqlite").exists():
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"
             print(f"fedfleet simulate: {why}; continue the run from its last checkpoint with\n"
                   f"  fedfleet simulate --resume {shlex.quote(str(out))}{_login_broker_option(cfg)}", flush=True)

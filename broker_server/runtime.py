@@ -19,7 +19,7 @@ from edge_agent.errors import ModelError
 from edge_agent.models import make_model
 from protocol.broker_url import parse_broker_url, public_broker_url
 from protocol.channel import Channel
-from protocol.errors import SecurityConfigError
+from protocol.errors import ConnectError, SecurityConfigError
 from protocol.ledger import Ledger
 from protocol.messages import SERVER_ID
 from protocol.security import AllowList, ChannelSecurity, Identity, PublicIdentity, load_identity
@@ -411,14 +411,21 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
 
     Raises:
         ConfigError: unknown algorithm; unusable keys or TLS files.
-        ConnectError: the broker did not accept the server.
+        ConnectError: the server could not connect to the broker (nothing listening, no answer, a
+            refused login or certificate): the message names the broker's URL without its user
+            name and password (:func:`protocol.broker_url.public_broker_url`), then the
+            transport's reason.
     """
     if strategy is None:
         strategy = make_strategy(cfg, ds, resuming=resuming)
     if security is None:
         security = server_security(cfg)
     tr = open_transport(mqtt_client_id(federation, SERVER_ID), cfg, url)
-    tr.connect()
+    try:
+        tr.connect()
+    except ConnectError as exc:
+        raise ConnectError(f"the server could not connect to the broker at {public_broker_url(url)}: {exc}",
+                           client_id=exc.client_id, transient=exc.transient, attempts=exc.attempts) from exc
     ch = Channel(tr, node_id=SERVER_ID, side="server", federation=federation, ledger=ledger, **channel_options(cfg),
                  security=security)
     return AggregationServer(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from edge_agent.data import load_dataset
 from protocol.broker_url import has_login, login_placeholder_url, parse_broker_url, public_broker_url, shown_broker_url
-from protocol.errors import TransportError
+from protocol.errors import ConnectError, TransportError
 from protocol.ledger import Ledger
 
 from .config import AgentsSection, Config, _toml_value
@@ -203,9 +203,12 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
     summary. Interrupted (Ctrl-C), or stopped by the broker link (a broker that stopped
     acknowledging: :class:`~protocol.errors.TransportError`), after its first checkpoint, it says
     how to resume (``--broker`` without its user name and password: :func:`resume_broker_option`).
+    A broker it cannot connect to at the start (:class:`~protocol.errors.ConnectError`) is no
+    stopped run: the error alone says it.
 
     Raises:
-        DataError, ConfigError, BrokerStartError, ConnectError: as :func:`run_server`.
+        DataError, ConfigError, BrokerStartError, ConnectError: as :func:`run_server` (a
+            ``ConnectError`` names the broker's URL, its user name and password left out).
         TransportError: the broker link failed during the run.
     """
     from .progress import make_progress
@@ -218,7 +221,7 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
                                 say=lambda text: print(text, flush=True), on_round=prog.on_round,
                                 on_event=prog.on_event)
     except (KeyboardInterrupt, TransportError) as exc:
-        if (out / "checkpoints.sqlite").exists():
+        if not isinstance(exc, ConnectError) and (out / "checkpoints.sqlite").exists():
             given = broker_url or cfg.broker.url
             broker = f" --broker {resume_broker_option(given)}" if given else ""
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by the broker link"

@@ -1,7 +1,8 @@
 """The ``fedfleet`` command line's small promises: ``-v`` after the command, the header's
 grammar and security, ``keys list`` without a key folder, a broker or configuration error that
-leaves no half-made run folder behind, the printed agent command and ``--resume`` asking for
-the broker's login without showing it, and ``fedfleet server`` refusing what only a simulation
+leaves no half-made run folder behind, a broker not reachable at the start said as such (its URL
+without its login, exit 4), the printed agent command and ``--resume`` asking for the broker's
+login without showing it, and ``fedfleet server`` refusing what only a simulation
 runs (``[data] partition = "classes"``), and the end-of-run line naming the final accuracy by
 where it came from (the global model, the devices' own models, the algorithm's own evaluation;
 none measured said in words, not ``nan``)."""
@@ -23,6 +24,7 @@ from broker_server.checkpoint import Checkpoint, CheckpointError, CheckpointStor
 from broker_server.config import load
 from broker_server.embedded_broker import EmbeddedBroker
 from broker_server.persistence import read_summary
+from broker_server.server import AggregationServer
 from broker_server.server_main import (
     agent_command,
     agent_login_note,
@@ -93,13 +95,48 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed once the with ends: nobody listens there
 
 
+def _unreachable(port: int) -> str:
+    """What ``fedfleet`` says of a broker at 127.0.0.1:``port``, where nothing listens, at the start."""
+    return (f"fedfleet: broker error: the server could not connect to the broker at mqtt://127.0.0.1:{port}: cannot "
+            f"reach the MQTT broker at 127.0.0.1:{port}: Connection refused. Is the broker running, and are the host "
+            "and port right?\n")
+
+
 def test_a_broker_error_leaves_no_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "runs" / "trial"
+    port = _closed_port()
     code = cli.main(["simulate", "--config", str(QUICKSTART), "--rounds", "1", "--broker",
-                     f"mqtt://127.0.0.1:{_closed_port()}", "--out", str(out)])
+                     f"mqtt://fleet-op:s3cret@127.0.0.1:{port}", "--out", str(out)])
     assert code == cli.EXIT_BROKER
-    assert "broker error" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.err == _unreachable(port)  # the URL without its login
+    assert "s3cret" not in captured.out and "stopped by the broker link" not in captured.out
     assert not out.exists() and (tmp_path / "runs").is_dir()  # the folder --out named, only
+
+
+def test_a_broker_the_server_cannot_reach_at_the_start_is_said_so_not_as_a_stopped_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Nothing listens at the ``--broker`` given: ``fedfleet server`` says, in one line, that it
+    could not connect to the broker at that URL (its login left out) and why, and exits 4; a
+    ``--resume`` (a run folder holding a checkpoint) is no run "stopped by the broker link", and
+    gets no line saying how to continue it (it did not start)."""
+    header = "fedfleet server: digits, 4 clients (dirichlet, α=1), fedavg, 5 rounds, unsigned\n"
+    run = tmp_path / "run"
+    port = _closed_port()
+    login = f"mqtt://fleet-op:s3cret@127.0.0.1:{port}"
+    assert cli.main(["server", "--config", str(QUICKSTART), "--broker", login, "--out", str(run)]) == cli.EXIT_BROKER
+    assert capsys.readouterr() == (header, _unreachable(port))
+    assert not run.exists()
+
+    def stop_after_joins(self: AggregationServer):
+        self._checkpoint(accuracy=None)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AggregationServer, "run", stop_after_joins)
+    assert cli.main(["server", "--config", str(QUICKSTART), "--out", str(run)]) == cli.EXIT_INTERRUPTED
+    assert "fedfleet server: interrupted;" in capsys.readouterr().out  # a run folder with its round-0 checkpoint
+    assert cli.main(["server", "--resume", str(run), "--broker", login]) == cli.EXIT_BROKER
+    assert capsys.readouterr() == (header, _unreachable(port))
 
 
 def test_the_agent_command_leaves_the_brokers_login_out_and_asks_for_each_agents_own() -> None:
