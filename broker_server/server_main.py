@@ -581,6 +581,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             tracker.close(status="FAILED")
         if server is not None:  # every exit path closes what it opened; a second close is a no-op
             server.channel.close()
+            server.store.close()  # checkpoints.sqlite whole (no -wal left), not when it is garbage-collected
         if ledger is not None:
             ledger.close()
         if embedded is not None:

@@ -779,6 +779,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             t.join(timeout=5)
         for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):
             ch.close()  # every exit path closes what it opened; a second close is a no-op
+        if server is not None:
+            server.store.close()  # checkpoints.sqlite whole (no -wal left), not when it is garbage-collected
         ledger.close()
         if state_store is not None:
             state_store.close()
