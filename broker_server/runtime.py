@@ -28,7 +28,7 @@ from protocol.transport import MqttTransport, Will
 
 from .config import Config, section_hint
 from .errors import ConfigError
-from .server import AggregationServer, ServerSettings
+from .server import AggregationServer, ServerSettings, server_will
 from .strategies import Strategy, get_strategy_class
 
 
@@ -420,7 +420,8 @@ def make_server(cfg: Config, ds: Dataset, url: str, *, federation: str, run_dir:
         strategy = make_strategy(cfg, ds, resuming=resuming)
     if security is None:
         security = server_security(cfg)
-    tr = open_transport(mqtt_client_id(federation, SERVER_ID), cfg, url)
+    # its last will: the retained offline status agents hold their re-sends on (server_will)
+    tr = open_transport(mqtt_client_id(federation, SERVER_ID), cfg, url, will=server_will(federation, security))
     try:
         tr.connect()
     except ConnectError as exc:

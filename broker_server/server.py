@@ -103,7 +103,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -122,6 +122,8 @@ from protocol.link_log import LinkLog
 from protocol.membership import JOIN_INFO_KEY, encode_members
 from protocol.messages import (
     MAX_STR,
+    SERVER_ID,
+    Envelope,
     Finish,
     Global,
     Join,
@@ -130,11 +132,13 @@ from protocol.messages import (
     RoundStart,
     Status,
     Update,
+    encode,
     parse_extras_codec,
     payload_sha256,
 )
 from protocol.phases import PhaseClock
 from protocol.tensors import Codec, TensorLimits, decode_tensor, encode_tensor
+from protocol.transport_base import Will
 
 from .admission import admit, model_requirement
 from .checkpoint import Checkpoint
@@ -158,9 +162,13 @@ from .strategies import (
 from .strategies._base import _guarded, _not_finite, checked_figures, classifier_shape
 from .text import plural, round_list
 
-__all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "OVERLAP_EVALUATIONS", "RoundStats", "RunSummary",
-           "ServerSettings", "client_eval_figures", "evaluate", "export_final_onnx", "final_accuracy_source",
-           "final_accuracy_text", "final_figures", "run_troubles_text", "write_final_model"]
+if TYPE_CHECKING:
+    from protocol.security import ChannelSecurity
+
+__all__ = ["AggregationServer", "ClientRecord", "EVAL_METRICS", "OVERLAP_EVALUATIONS", "PRESENCE_WAIT_S", "RoundStats",
+           "RunSummary", "ServerSettings", "client_eval_figures", "evaluate", "export_final_onnx",
+           "final_accuracy_source", "final_accuracy_text", "final_figures", "run_troubles_text", "server_will",
+           "write_final_model"]
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +345,28 @@ MAX_ROUND_RESENDS = 3
 
 #: Seconds :meth:`AggregationServer.run` waits for the broker's acknowledgement of its ``finish``.
 FINISH_WAIT_S = 10.0
+
+#: Seconds :meth:`AggregationServer.close` waits for the broker's acknowledgement of the server's
+#: retained ``offline`` status.
+PRESENCE_WAIT_S = 5.0
+
+
+def server_will(federation: str, security: ChannelSecurity | None = None) -> Will:
+    """The MQTT last will of the server: its retained ``offline`` status on ``down/status``
+    (:func:`protocol.topics.server_status`; QoS 1, ``seq`` 0, round 0, detail ``connection
+    lost``), sealed with the server's keys when it signs, as an agent's own
+    (:func:`edge_agent.assembly.offline_will`). The broker publishes it when the server's
+    connection ends without DISCONNECT (a crash, a killed process, a lost link): the agents then
+    hold their re-sends until the server says ``online`` again (:class:`edge_agent.agent.EdgeAgent`).
+
+    Raises:
+        FieldError: ``federation`` is not a valid topic level.
+    """
+    topic = topics.server_status(federation)
+    payload = encode(Envelope(round=0, sender=SERVER_ID, seq=0, body=Status("offline", "connection lost"))).payload
+    if security is not None:
+        payload = security.seal(topic, payload).payload
+    return Will(topic, payload, qos=1, retain=True)
 
 
 @dataclass(frozen=True)
@@ -668,7 +698,14 @@ class AggregationServer:
         #: (:meth:`_heard_again` says each once; a join is said as a join); empty without a resume
         self.not_back: set[str] = set()
         self._resumed_after = 0
+        #: the server's presence as it last said it on ``down/status`` (``"online"``, ``"offline"``;
+        #: ``None``: not said yet), and the reconnect whose ``online`` is still to be said (0: none)
+        self.presence: str | None = None
+        self._announce = 0
         channel.transport.subscribe(topics.server_filters(self.fed), qos=channel.qos)
+        # serving from here on: agents that saw this federation's server go away (its last will,
+        # live) send what they held back, and one started before it sends its join again now
+        self._say_presence("online", "serving", wait_s=PRESENCE_WAIT_S)
 
     @property
     def registry(self) -> dict[str, ClientRecord]:
@@ -1179,7 +1216,39 @@ class AggregationServer:
             return
         o.resent[client] = o.resent.get(client, 0) + 1
 
+    def _say_presence(self, state: str, detail: str, wait_s: float | None = None) -> None:
+        """Publish the server's retained presence ``state`` on ``down/status``
+        (:func:`protocol.topics.server_status`): ``online`` once its subscriptions are made (at
+        construction, before it waits for joins) and again after each reconnect (the broker
+        published its last will, ``offline``, when the link broke), ``offline`` when it stops
+        (:meth:`close`). An ``online`` says where the rounds are: ``global_round`` = the last
+        round completed (:attr:`round`), ``start_round`` = the round collecting updates now (0:
+        none), ``update_round`` = 0, so that an agent back from holding its re-sends sends its
+        update at once only where it can count or be answered (not into a round a resumed server
+        has still to open, whose ``round_start`` asks for it). A failure is logged, never raised:
+        the agents then go on re-sending on their timeouts, as with a server that says nothing."""
+        body = (Status(state, detail, global_round=self.round, start_round=self.open.collecting or 0, update_round=0)
+                if state == "online" else Status(state, detail))
+        try:
+            self.channel.send(topics.server_status(self.fed), body, round=0, retain=True, wait_s=wait_s)
+        except TransportError as exc:
+            log.warning("could not say %s on %s: %s", state, topics.server_status(self.fed), exc)
+            return
+        self.presence = state
+
+    def close(self, detail: str = "stopped") -> None:
+        """Say ``offline`` (retained, waiting up to :data:`PRESENCE_WAIT_S` seconds for the broker's
+        acknowledgement; not when the link is down: the broker published the last will then, nor
+        when said already) and close the channel (idempotent). A clean DISCONNECT fires no last
+        will: without this the agents would not learn that the server went (a finished run, a
+        stopped one to be resumed) and would keep re-sending into nothing."""
+        if self.presence != "offline" and getattr(self.channel.transport, "connected", True):
+            self._say_presence("offline", detail, wait_s=PRESENCE_WAIT_S)
+        self.channel.close()
+
     def _on_reconnect(self, n: int) -> None:
+        if n > 1:
+            self._announce = n  # said online again from the round-loop thread (pump), after any resync
         if n > 1 and getattr(self.channel.transport, "closed_for_refusal", False):
             # the broker closed the link for a PUBLISH it refused (a size limit it does not announce):
             # the channel sends that message again smaller, paho the rest of its queue; the fleet's
@@ -1377,6 +1446,11 @@ class AggregationServer:
         while True:
             if self._resync:
                 self._resync_round()
+            if self._announce:
+                # after the round's round_start copies: an agent that held its re-sends while the
+                # server was away (its last will) answers those first, then finds nothing pending
+                self._announce = 0
+                self._say_presence("online", "reconnected")
             self._confirm_global()
             self._send_deferred()
             item = self.channel.receive(max(0.0, min(deadline - time.monotonic(), 1.0)))

@@ -557,7 +557,7 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
             on_start(federation, url)
         t0 = time.monotonic()
         summary = server.run()
-        server.channel.close()
+        server.close("run finished")  # its retained offline status, then DISCONNECT
         write_summary(out, summary_record(
             cfg, ds, federation=federation, final_accuracy=summary.final_accuracy,
             rounds_completed=summary.rounds_completed, seconds=time.monotonic() - t0, broker=public,
@@ -579,8 +579,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
     finally:
         if tracker is not None and not finished:
             tracker.close(status="FAILED")
-        if server is not None:  # every exit path closes what it opened; a second close is a no-op
-            server.channel.close()
+        if server is not None:  # every exit path closes what it opened (saying offline); a second close is a no-op
+            server.close()
             server.store.close()  # checkpoints.sqlite whole (no -wal left), not when it is garbage-collected
         if ledger is not None:
             ledger.close()

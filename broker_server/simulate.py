@@ -766,7 +766,7 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
         summary = server.run()
         for t in threads:
             t.join(timeout=30)
-        server.channel.close()
+        server.close("run finished")  # its retained offline status, then DISCONNECT
         finished = True
     finally:
         if tracker is not None and not finished:
@@ -777,6 +777,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             slots.close()  # trainings still waiting (a failed run) end with SlotsClosed
         for t in threads:
             t.join(timeout=5)
+        if server is not None:  # its offline status (a stopped run), unless said at the end of a finished one
+            server.close()
         for ch in [a.channel for a in agents] + ([server.channel] if server is not None else []):
             ch.close()  # every exit path closes what it opened; a second close is a no-op
         if server is not None:

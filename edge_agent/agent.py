@@ -372,6 +372,47 @@ class EdgeAgent:
     client's reason, the messages then awaiting the broker's acknowledgement and an update still
     awaiting its receipt) and when it is back (``INFO``, the connection's number and the seconds
     it was down): :attr:`link_log`, :class:`protocol.link_log.LinkLog`.
+
+    **Server presence.** The server says ``online`` / ``offline`` (retained) on ``down/status``
+    (:func:`protocol.topics.server_status`), which this agent's ``down/+`` subscription takes, and
+    registers ``offline`` there as its MQTT last will. The rule:
+
+    * The agent **holds** (does not publish) its update re-sends (:meth:`_maybe_resend`) and its
+      join re-sends only while the server is known offline, and it is known offline only from an
+      ``offline`` delivered **live** (MQTT retain flag 0 on delivery) on this agent's connection:
+      the broker publishing the server's last will (a crash, a lost link) or the server's own
+      ``offline`` at its stop, seen as they happen. A **retained** ``offline`` (handed over on
+      subscribing, or again after a reconnect) is never a hold: it is a fact about some earlier
+      moment, possibly about the server of an earlier run under the same federation id on a
+      shared broker, and a new agent that held on it would wait for a server that may never say
+      ``online`` (a server of an older version says nothing). The first join is never held.
+    * The hold ends on any ``online`` of the server, live or retained (a retained one comes
+      after this agent's own reconnect when the server came back meanwhile), and on any other
+      message from the server delivered live (its messages reach the broker before its last will,
+      so one after it comes from a server that is back); the server publishes ``online`` once
+      its subscriptions are made, before it waits for joins, and again after each of its own
+      reconnects, after re-sending the open round's ``round_start`` copies.
+    * On the ``online`` that ends a hold the agent sends at once what is pending: its join when
+      no join was answered yet, and its update still without a receipt (one re-send, within
+      ``max_resends`` and before its round's deadline, not while its last copy is still being
+      delivered), instead of waiting out its timeout, unless the ``online`` says the server
+      neither collects nor completed that update's round (its round fields: the last round
+      completed, the round collecting): a resumed server runs that round again and its
+      ``round_start`` asks for the update, while a copy before it would go unanswered (the
+      receipt timeout then counts from the ``online``). A live ``online`` while this agent's
+      join is not answered (a server started after the join, which then went to no one) sends
+      the join again at once too.
+    * Held copies do not use up ``max_resends``: each receipt timeout that passes while the server
+      is offline holds one copy the timeout would have sent (counted in :attr:`held_resends`,
+      within ``max_resends``), and the join's re-send schedule (5 s doubling to 30 s) goes on
+      counting held joins. The first hold of an outage is said once (``WARNING``); the end of the
+      outage says how long it lasted, how many re-sends were held and what goes at once
+      (``INFO``; :attr:`sent_on_online`). An update's first copy is never held (it goes when its
+      training ends), nor a receipt, a withdrawal or a status.
+
+    An agent that does not know the server's presence (an older version) receives its status on
+    ``down/+`` and ignores it; with a server that says nothing (an older version) this agent never
+    holds.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -493,6 +534,19 @@ class EdgeAgent:
         # when the receipt brings the member index
         self._before_join: tuple[int, RoundStart, float] | None = None
         self.finished = False
+        # the server's presence (down/status): monotonic time since which it is known offline (a live
+        # offline: its last will or its stop), None while it is not; see the class docstring
+        self._server_gone_at: float | None = None
+        self._server_gone_why = ""
+        self._held_now = {"update": 0, "join": 0}  # re-sends held in the current outage
+        self._held_update = 0  # re-sends of the update now awaiting its receipt held (not sent)
+        #: re-sends held over the run because the server was offline (not published): ``update``, ``join``
+        self.held_resends = {"update": 0, "join": 0}
+        #: messages sent at once when the server said ``online`` again (``update``, ``join``)
+        self.sent_on_online = {"update": 0, "join": 0}
+        #: seconds before an unanswered join is first sent again (run(): the period doubles to 30 s)
+        self.join_resend_s = 5.0
+        self._join_every_s = 5.0  # the join's re-send period now
         #: where the device keeps what it carries between rounds (None: memory only, lost on a restart)
         self.state_store: DeviceStateStore | None = None
         self._state_round = 0  # the round of the last accepted update the kept state is as of (0: initial)
@@ -939,7 +993,7 @@ class EdgeAgent:
         """
         self.join()
         last = time.monotonic()
-        join_every_s = 5.0
+        self._join_every_s = self.join_resend_s
         while not self._stop.is_set():
             if (not self.joined and self.join_timeout_s is not None
                     and time.monotonic() - self._joining_since > self.join_timeout_s):
@@ -949,14 +1003,15 @@ class EdgeAgent:
             if item is None:
                 if time.monotonic() - last > self.idle_timeout_s:
                     raise AgentError(f"{self.client_id}: nothing from the server for {self.idle_timeout_s:g} s")
-                if not self.joined and time.monotonic() - self._join_sent_at >= join_every_s:
-                    log.info("%s: join not answered after %.0f s: sent again", self.client_id, join_every_s)
-                    try:
-                        self._send_join(wait_s=5.0)
-                    except TransportError as exc:
-                        log.warning("%s: could not send the join again: %s", self.client_id, exc)
+                if not self.joined and time.monotonic() - self._join_sent_at >= self._join_every_s:
+                    if self._server_gone_at is not None:  # into nothing: held until the server's online
+                        self._hold("join")
                         self._join_sent_at = time.monotonic()
-                    join_every_s = min(2 * join_every_s, 30.0)
+                    else:
+                        log.info("%s: join not answered after %.0f s: sent again", self.client_id,
+                                 self._join_every_s)
+                        self._resend_join()
+                    self._join_every_s = min(2 * self._join_every_s, 30.0)
                 self._maybe_resend()
                 continue
             last = time.monotonic()
@@ -981,6 +1036,15 @@ class EdgeAgent:
         body = env.body
         if env.sender != "server":
             return False
+        if isinstance(body, Status):
+            if item.topic_info.direction == "down" and item.topic_info.client_id is None:  # down/status
+                self._server_status(body, retained=item.retain)
+            return False
+        if self._server_gone_at is not None and not item.retain:
+            # the server's messages reach the broker before its last will: one after it is from a
+            # server that is back (one that said nothing of its presence, say): the hold ends here,
+            # and what this message asks for is answered as usual
+            self._server_back(f"its {env.kind.label}", send_pending=False)
         if isinstance(body, Global):
             if self.emulate_link:
                 self._emulate("down", item.decoded.payload_bytes)
@@ -1068,6 +1132,101 @@ class EdgeAgent:
             self.finished = True
             return True
         return False
+
+    @property
+    def server_offline(self) -> bool:
+        """Whether the server is known offline now (a live ``offline``, not yet followed by its
+        ``online`` or another message of it): this agent's re-sends are held."""
+        return self._server_gone_at is not None
+
+    def _server_status(self, body: Status, *, retained: bool) -> None:
+        """The server's presence (``down/status``): hold on a live ``offline``, end the hold on any
+        ``online`` (the rule: the class docstring, *Server presence*)."""
+        if body.state == "offline":
+            if retained:
+                # kept by the broker from some earlier moment, perhaps from an earlier server of this
+                # federation name: no fact about the server this device is to meet, never a hold
+                log.debug("%s: the server's retained offline status (%s) is not taken as its presence",
+                          self.client_id, body.detail)
+            elif self._server_gone_at is None:
+                self._server_gone_at = time.monotonic()
+                self._server_gone_why = body.detail
+                self._held_now = {"update": 0, "join": 0}
+                log.info("%s: the server is offline (%s): its re-sends wait for its online", self.client_id,
+                         body.detail or "no reason given")
+        elif body.state == "online":
+            if self._server_gone_at is not None:
+                self._server_back("its online status" + (" (kept by the broker)" if retained else ""),
+                                  send_pending=True, rounds=body.holds)
+            elif not retained and not self.joined and self._join_seqs and self.join_refused is None:
+                # a server that (re)started after this device's join: that join went to no one
+                log.info("%s: the server says online and the join is not answered yet: sent again now",
+                         self.client_id)
+                self._resend_join(on_online=True)
+
+    def _hold(self, what: str) -> None:
+        """One re-send of ``what`` (``"update"``, ``"join"``) held while the server is offline;
+        the first of an outage is said (WARNING)."""
+        if not any(self._held_now.values()):
+            log.warning("%s: holds its %s re-send: the server is offline (%s); what is pending goes at once when "
+                        "it says online again", self.client_id, what, self._server_gone_why or "no reason given")
+        self._held_now[what] += 1
+        self.held_resends[what] += 1
+
+    def _server_back(self, how: str, *, send_pending: bool,
+                     rounds: tuple[int, int, int] | None = None) -> None:
+        """The server known offline is back (``how``: what said so): the hold ends; with
+        ``send_pending`` (its ``online``), the join not answered yet, or the update still without
+        a receipt, goes at once (a re-send, within ``max_resends``) instead of at its timeout.
+        ``rounds``: where the server's ``online`` says the rounds are (the last round it
+        completed, the round it collects now or 0; ``None``: not said): an update of a round the
+        server has neither completed nor opened (a resumed server that runs it again) is not sent
+        now, its ``round_start`` asks for it; its receipt timeout starts again from now."""
+        assert self._server_gone_at is not None, "called only while the server is known offline"
+        now = time.monotonic()
+        gone_s = now - self._server_gone_at
+        held, self._held_now = self._held_now, {"update": 0, "join": 0}
+        self._server_gone_at = None
+        self._held_update = 0
+        join = send_pending and not self.joined and bool(self._join_seqs) and self.join_refused is None
+        unacked = self._unacked if send_pending else None
+        if unacked is not None and (now > unacked[5] or unacked[4] >= self.max_resends
+                                    or (self._update_seq is not None and self.channel.in_flight(self._update_seq))):
+            # its round's deadline passed (a resumed server's round_start asks for it again), no re-send
+            # is left, or its last copy is still being delivered (this device's own link is down)
+            unacked = None
+        waits = ""
+        if unacked is not None and rounds is not None and unacked[0] > rounds[0] and unacked[0] != rounds[1]:
+            # the server will open that round and ask for the update (its round_start): a copy now
+            # would come before the round and go unanswered
+            waits = (f"; its update of round {unacked[0]} waits for the server's round_start (the server completed "
+                     f"round {rounds[0]} and collects {f'round {rounds[1]}' if rounds[1] else 'none'})")
+            self._unacked = unacked[:3] + (now,) + unacked[4:]
+            unacked = None
+        pending = (["join"] if join else []) + ([f"update of round {unacked[0]}"] if unacked is not None else [])
+        log.info("%s: the server is back (%s) after %.1f s offline; %d update and %d join re-send(s) were held%s%s",
+                 self.client_id, how, gone_s, held["update"], held["join"],
+                 f"; sending its {' and '.join(pending)} at once" if pending else "", waits)
+        if join:
+            self._resend_join(on_online=True)
+        if unacked is not None:
+            rnd, update, codec, _, tries, deadline_at, extra_codecs = unacked
+            self._unacked = (rnd, update, codec, time.monotonic(), tries + 1, deadline_at, extra_codecs)
+            self._resend_update(rnd, update, codec, extra_codecs)
+            self.sent_on_online["update"] += 1
+
+    def _resend_join(self, *, on_online: bool = False) -> None:
+        """Send the join again (:meth:`_send_join`); ``on_online``: at once on the server's
+        ``online``, and the re-send period starts again at :attr:`join_resend_s`."""
+        try:
+            self._send_join(wait_s=5.0)
+        except TransportError as exc:
+            log.warning("%s: could not send the join again: %s", self.client_id, exc)
+            self._join_sent_at = time.monotonic()
+            return
+        if on_online:
+            self.sent_on_online["join"] += 1
+            self._join_every_s = self.join_resend_s
 
     def _take_round(self, rnd: int, start: RoundStart, received_at: float) -> None:
         """Make round ``rnd`` (whose ``start`` selects this device) the one to train next,
@@ -1174,6 +1333,7 @@ class EdgeAgent:
                         metrics=metrics, delta=delta, extras=result.extras)
         deadline_at = self._pending_at + start.deadline_s
         self._unacked = (rnd, update, codec, time.monotonic(), 0, deadline_at, extra_codecs)
+        self._held_update = 0
         self._last_update = (rnd, update, codec, extra_codecs)
         self._counted_rounds.discard(rnd)  # a new update of the round (trained again): its receipt counts
         try:
@@ -1341,6 +1501,14 @@ class EdgeAgent:
             self._unacked = (rnd, update, codec, now, tries, deadline_at, extra_codecs)
             return
         if now - sent_at < self.receipt_timeout_s:
+            return
+        if self._server_gone_at is not None and tries < self.max_resends:
+            # the server is offline: a copy now goes into nothing; held (one for each copy the timeout
+            # would send, within max_resends), the update goes at once when the server says online
+            if tries + self._held_update < self.max_resends:
+                self._held_update += 1
+                self._hold("update")
+            self._unacked = (rnd, update, codec, now, tries, deadline_at, extra_codecs)
             return
         if tries >= self.max_resends:  # the last copy had its receipt_timeout_s too
             self._unacked = None

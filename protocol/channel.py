@@ -54,7 +54,7 @@ from .tensors import DEFAULT_LIMITS, TensorLimits, raw_nbytes
 from .transport_base import Incoming, PacketEvent, Transport
 
 if TYPE_CHECKING:
-    from .security import ChannelSecurity
+    from .security import ChannelSecurity, Opened
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +307,9 @@ class Channel:
         self.resent_on_broadcast = 0
         self.incomplete_transfers = 0
         self._resend_asked: dict[tuple[str, bytes], float] = {}
+        # status topic -> (payload, what the security checks made of it) of the last message accepted
+        # there: a retained copy of it handed to a renewed subscription is that message again
+        self._status_opened: dict[str, tuple[bytes, Opened]] = {}
         # (sender, transfer_id) of a transfer in progress -> (kind label, round, topic) of its first chunk
         self._transfer_msgs: dict[tuple[str, bytes], tuple[str, int, str]] = {}
         self.superseded_copies = 0
@@ -1199,6 +1202,12 @@ class Channel:
     def accept(self, inc: Incoming) -> Received | Rejected | None:
         """Decode one incoming payload and write its ledger row (never raises on bad bytes).
 
+        With security on, a ``status`` delivered retained that is byte for byte the last message
+        accepted on its topic (the broker's retained copy, handed again to a renewed
+        subscription: the server's presence after an agent's reconnect, an agent's after the
+        server's) is that message again: taken as the security checks took it then, not refused
+        as a replay (its ``seq`` was seen).
+
         Returns:
             the message, a :class:`Rejected` record, or ``None`` for a chunk that did not
             complete its transfer (or a handled ``resend`` request).
@@ -1218,7 +1227,15 @@ class Channel:
                 raise FieldError(f"empty payload on a {info.kind_label} topic: no message to decode", field="payload")
             opened = None
             if self.security is not None:  # verified (and decrypted) before the body is decoded
-                opened = self.security.open(inc.topic, info.client_id, info.direction, inc.payload)
+                kept = self._status_opened.get(inc.topic) if inc.retain else None
+                if kept is not None and kept[0] == inc.payload:
+                    # the broker's retained copy of the very message accepted last on this status topic
+                    # (handed again to a renewed subscription): verified then, not a replay to refuse
+                    opened = kept[1]
+                else:
+                    opened = self.security.open(inc.topic, info.client_id, info.direction, inc.payload)
+                    if info.kind_label == Kind.STATUS.label:
+                        self._status_opened[inc.topic] = (bytes(inc.payload), opened)
             plain = opened.payload if opened is not None else inc.payload
         except ProtocolError as exc:
             return self._reject(inc, exc)

@@ -249,7 +249,11 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Status:
-    """Presence of a device (kind 6), published retained; also the MQTT last will.
+    """Presence of a device (kind 6), published retained; also the MQTT last will. The server
+    says its own presence with it too (``online`` / ``offline``, retained, its last will
+    ``offline``) on ``down/status`` (:func:`protocol.topics.server_status`); in its ``online``
+    the three round fields say where its rounds are: ``global_round`` the last round it
+    completed, ``start_round`` the round it collects updates for (0: none), ``update_round`` 0.
 
     Attributes:
         state: one of :data:`STATUS_STATES`.

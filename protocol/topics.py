@@ -2,7 +2,8 @@
 
 ::
 
-    fedfleet/v1/{federation}/down/{kind}                server → all agents (round_start, global, finish)
+    fedfleet/v1/{federation}/down/{kind}                server → all agents (round_start, global, finish,
+                                                        status: the server's retained presence + last will)
     fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent (receipt, resend, round_start, global)
     fedfleet/v1/{federation}/up/{client_id}/{kind}      agent → server (join, update)
     fedfleet/v1/{federation}/status/{client_id}         retained presence + last will (status)
@@ -37,6 +38,13 @@ def down(federation: str, kind: Kind) -> str:
 def down_to(federation: str, client_id: str, kind: Kind) -> str:
     """Topic of a message from the server to one agent (``receipt``)."""
     return f"{PREFIX}/{_check(federation, 'federation')}/down/{_check(client_id, 'client_id')}/{kind.label}"
+
+
+def server_status(federation: str) -> str:
+    """Retained presence topic of the server (``down/status``; also its MQTT last will): every
+    agent's ``down/+`` subscription takes it, so an agent of a version that does not read it
+    receives a ``status`` from ``server`` there, which it ignores."""
+    return down(federation, Kind.STATUS)
 
 
 def up(federation: str, client_id: str, kind: Kind) -> str:

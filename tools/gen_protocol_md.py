@@ -215,6 +215,13 @@ implementation's constants and documentation; it is not edited by hand.
   envelope `seq` is 0 and `round` 0, so the server marks it offline when it vanishes. With
   signing on, the will is sealed like any other message of the device (§6), encrypted too when
   the device encrypts.
+* The server says its own presence the same way, on `down/status`: a retained `status`
+  `online` once its subscriptions are made (before it waits for joins) and again after each of
+  its reconnects, its MQTT last will a retained `status` `offline` (`seq` 0, `round` 0, detail
+  `connection lost`; sealed when it signs), and a retained `offline` when it stops. Its
+  `online` says where its rounds are (§3, `status`). Agents receive it on their `down/+`
+  subscription; how an agent holds its re-sends on it is §8 (*Server presence*). An agent that
+  does not read it ignores a `status` on `down/status`.
 * A client that reconnects renews its subscriptions and publishes what answers the reconnect
   (an agent's `online`) only once the broker acknowledged them (SUBACK): a broker may route a
   client's PUBLISH before it put in place the SUBSCRIBE that client sent just before it, and the
@@ -225,7 +232,7 @@ implementation's constants and documentation; it is not edited by hand.
 ### Topics
 
 ```text
-fedfleet/v1/{federation}/down/{kind}                server → all agents   round_start, global, finish
+fedfleet/v1/{federation}/down/{kind}                server → all agents   round_start, global, finish, status
 fedfleet/v1/{federation}/down/{client_id}/{kind}    server → one agent    receipt, resend, round_start, global
 fedfleet/v1/{federation}/up/{client_id}/{kind}      agent → server        join, update, receipt, resend
 fedfleet/v1/{federation}/status/{client_id}         agent presence        status (retained; last will)
@@ -241,6 +248,7 @@ or a device that came back during the round; §8) | server → agents |
 | `update` | `up/{client_id}/update` | agent → server |
 | `finish` | `down/finish` | server → all agents |
 | `status` | `status/{client_id}` (retained when `online`; the last will) | agent → server |
+| `status` | `down/status` (retained; the last will): the server's presence, `online` / `offline` | server → agents |
 | `receipt` | `down/{client_id}/receipt` (answers a `join` or an `update`); `up/{client_id}/receipt` (answers a \
 `global`) | both |
 | `chunk` | the topic of the message it carries; a broadcast `global`'s chunks asked for again: the asking \
@@ -386,7 +394,9 @@ their deltas, §8) |
 holds, trains or trained (0: none) |
 | status | (update_round) | uint | with `online` only: the round of the agent's last `update` whose receipt it has not \
 read (0: none). The three are sent together or not at all (an `online` without them says nothing of what the agent \
-holds, as one from an older agent); receivers ignore them beside another state |
+holds, as one from an older agent); receivers ignore them beside another state. In the server's `online` \
+(`down/status`) they say where its rounds are: `global_round` the last round it completed, `start_round` the round \
+it collects updates for (0: none), `update_round` 0 |
 | receipt | ref_kind | uint ≤ 255 | kind number of the acknowledged message |
 | receipt | ref_seq | uint | envelope `seq` of the acknowledged message; for a chunked message, the inner message's \
 `seq` (§2), never a chunk's |
@@ -675,8 +685,10 @@ seen in this epoch, or older than the replay window ({security.DEFAULT_REPLAY_WI
 [`replayed`]; finally the AEAD tag [`decrypt_failed`]. Only then is the body decoded. `seq` 0 is
 the last will's, which the broker may deliver once per lost connection: a `status` message with
 `seq` 0 is exempt from the replay window, but is accepted only from the sender's newest session
-and once until the sender sends another message [`replayed`]. No check uses a clock:
-`timestamp_ms` stays informational.
+and once until the sender sends another message [`replayed`]. A `status` delivered retained
+(the broker hands its retained message to a renewed subscription) that is byte for byte the last
+message the receiver accepted on that topic is that message again: taken as it was verified
+then, not refused as [`replayed`]. No check uses a clock: `timestamp_ms` stays informational.
 
 **Replay state survives restarts.** A receiver keeps each sender's newest epoch, the sequence
 numbers seen in it and whether its will was taken on disk, so a restarted server still refuses a
@@ -740,6 +752,7 @@ SEMANTICS = """
 A federation, message by message (agent `c`; topics without the `fedfleet/v1/{federation}/` prefix):
 
 ```text
+server → all     down/status            status online (retained)            round 0
 agent → server   status/c               status online (retained)            round 0
 agent → server   up/c/join              join                                round 0
 server → agent   down/c/receipt         receipt (ref_kind 1, accepted or not) round 0
@@ -754,6 +767,8 @@ server → agent   down/c/receipt         receipt (ref_kind 4)                ro
 server → all     down/finish            finish                              round of the last one
 agent → server   status/c               status offline                      round 0
 (broker)         status/c               the last will (status offline, seq 0) if c vanished
+server → all     down/status            status offline (retained)           round 0
+(broker)         down/status            the server's last will (status offline, seq 0) if it vanished
 ```
 
 * `seq` is per sender (§2), so duplicates and replays can be recognised.
@@ -854,6 +869,26 @@ agent → server   status/c               status offline                      ro
   updates than the quorum it is closed without aggregation (global model unchanged); an
   aggregate containing NaN/Inf is discarded. Updates for a closed round are refused.
 * `finish` ends the run; agents publish `status` `offline` and disconnect.
+* **Server presence.** An agent holds (does not publish) its `update` re-sends (the receipt
+  timeout's) and its `join` re-sends while the server is known offline, and the server is known
+  offline only from a `status` `offline` on `down/status` delivered **live** (MQTT retain flag 0
+  on delivery) on the agent's connection: the server's last will or its `offline` at its stop,
+  as they happen. A **retained** `offline` (delivered on subscribing, or again after a
+  reconnect) never holds anything: it may be left by the server of an earlier run under the
+  same federation id, and a new agent that held on it would wait for a server that may never
+  say `online`. The first `join` is never held. The hold ends on any `online` on `down/status`,
+  live or retained, and on any other message from the server delivered live (the server's
+  messages reach the broker before its last will, so one after it comes from a server that is
+  back). On the `online` that ends a hold the agent sends at once what is pending: its `join`
+  when none was answered, and its last `update` still without a receipt (one re-send, within
+  its re-send limit and its round's deadline), instead of waiting out its timeout, unless the
+  `online` says the server neither collects nor completed that update's round (a resumed server
+  that runs it again: its `round_start` asks for the update, and a copy before it would go
+  unanswered; the receipt timeout then counts from the `online`); a live `online` while its
+  `join` is unanswered (a server started after that join) sends the `join` again at once too.
+  A held copy does not use up the re-send limit. After its own reconnect the
+  server sends the open round's `round_start` copies (above) before its `online`, so an agent
+  answers those and finds nothing pending when the `online` comes.
 
 ## 9. Receivers, errors and evolution
 

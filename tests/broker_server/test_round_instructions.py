@@ -22,7 +22,7 @@ from edge_agent.data import ArraySplit
 from edge_agent.models import build_model
 from protocol.channel import Channel
 from protocol.ledger import Ledger
-from protocol.messages import Global, decode
+from protocol.messages import Global, Status, decode
 
 EPOCHS = {"dev-a": 1, "dev-b": 3}
 N, BATCH = 20, 10  # 2 optimizer steps per epoch
@@ -140,9 +140,11 @@ def test_resync_sends_every_per_device_round_start_again(memory_hub, tmp_path) -
     server._on_reconnect(2)
     server._resync_round()
     sent = [(m.topic, decode(m.payload).envelope.body) for m in memory_hub.published if m.sender == "server"]
-    assert [t.rsplit("/", 2)[-2:] for t, _ in sent] == [["dev-a", "global"], ["dev-b", "global"],
+    # first the server's retained online status, said once at construction (down/status)
+    assert [t.rsplit("/", 2)[-2:] for t, _ in sent] == [["down", "status"], ["dev-a", "global"], ["dev-b", "global"],
                                                        ["dev-a", "round_start"], ["dev-b", "round_start"]]
-    assert [dict(b.instructions) for _, b in sent[2:]] == [{"local_epochs": 1}, {"local_epochs": 3}]
+    assert sent[0][1] == Status("online", "serving", global_round=0, start_round=0, update_round=0)
+    assert [dict(b.instructions) for _, b in sent[3:]] == [{"local_epochs": 1}, {"local_epochs": 3}]
     assert server.resyncs == 1
 
 
