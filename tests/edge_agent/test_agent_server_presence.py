@@ -170,7 +170,6 @@ def test_a_stale_retained_offline_never_holds_a_new_agents_join() -> None:
     assert wait_for(lambda: len(_on_wire(hub, Kind.JOIN)) >= 3)  # the first join and two re-sends
     assert not agent.server_offline and agent.held_resends == {"update": 0, "join": 0}
     # a server of an older version subscribes (no status at all) and answers the next join
-    agent.join_resend_s = 3600.0  # no re-send after the one it answers (the period restarts from it)
     old = Channel(hub.connect("server"), node_id="server", side="server", federation=FED, ledger=None)
     old.transport.subscribe(topics.server_filters(FED))
     item = None
