@@ -41,16 +41,29 @@ class BrokerAddress:
         return self.scheme == "mqtts"
 
 
+def _raw_login(url: str) -> str | None:
+    """The text of ``url`` between its ``://`` and its last ``@`` (its user name and password as
+    typed, percent-encoded or not), or ``None`` when it has no ``@`` after a ``://``. Unlike
+    :func:`urllib.parse.urlsplit`, a ``/``, ``?`` or ``#`` typed in a password does not end it
+    there: the password is everything up to the last ``@``."""
+    start = url.find("://")
+    if start < 0:
+        return None
+    at = url.rfind("@", start + 3)
+    return url[start + 3:at] if at >= 0 else None
+
+
 def _redact(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for error messages)."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
+    """``url`` with any password replaced by ``***`` (for error messages): the text between the
+    first ``:`` after ``scheme://`` and the last ``@`` (:func:`_raw_login`), so that a password
+    holding characters a URL must percent-encode (``/``, ``?``, ``#``, ``@``), typed as they are,
+    is hidden whole too."""
+    login = _raw_login(url)
+    if login is None or ":" not in login:
         return url
-    if password:
-        return url.replace(f":{password}@", ":***@", 1)
-    return url
+    start = url.find("://") + 3
+    user = login.split(":", 1)[0]
+    return f"{url[:start]}{user}:***{url[start + len(login):]}"
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
@@ -63,13 +76,19 @@ def parse_broker_url(url: str) -> BrokerAddress:
         TypeError: ``url`` is not a ``str``.
         ValueError: the scheme is not ``mqtt`` or ``mqtts``; the host is missing; the port is not
             an integer in 1..65535; the URL has a path, query or fragment; or it has a password
-            without a user name (MQTT 3.1.1 §3.1.2.9 forbids that). The message never contains
-            the password.
+            without a user name (MQTT 3.1.1 §3.1.2.9 forbids that); its user name or password
+            holds a ``/``, ``?``, ``#``, ``[`` or ``]`` not percent-encoded (which would end the
+            URL's host part there). The message never contains the password.
     """
     if not isinstance(url, str):
         raise TypeError(f"broker URL must be a str, got {type(url).__name__}")
     text = url.strip()
     shown = _redact(text)
+    login = _raw_login(text)
+    if login is not None and any(c in login for c in "/?#[]"):
+        raise ValueError(f"broker URL {shown!r}: its user name or password holds '/', '?', '#', '[' or ']', which "
+                         "a URL must percent-encode (%2F, %3F, %23, %5B, %5D; '@' %40, ':' %3A, '%' %25), e.g. "
+                         "with urllib.parse.quote(password, safe='')")
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
     if scheme not in DEFAULT_PORTS:

@@ -34,6 +34,7 @@ from broker_server.embedded_broker import (
     parse_broker_url,
 )
 from broker_server.errors import BrokerStartError, FedfleetServerError
+from protocol.broker_url import shown_broker_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0  # a bound on waits for what must come (never on what must not): generous for a loaded machine
@@ -519,3 +520,42 @@ def test_parse_broker_url_never_shows_the_password():
     assert "topsecret" not in repr(parse_broker_url("mqtt://alice:topsecret@host"))
     with pytest.raises(TypeError):
         parse_broker_url(b"mqtt://host")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param("mqtt://fleet-op:abc/def@127.0.0.1:18831", id="slash"),  # urlsplit: host 'fleet-op', port 'abc'
+        pytest.param("mqtt://fleet-op:S3cr@t:p%w/x@127.0.0.1:18831", id="at-colon-percent-slash"),
+        pytest.param("mqtt://fleet-op:ab#cd@h:1", id="hash"),  # urlsplit: the rest is a fragment
+        pytest.param("mqtt://fleet-op:ab?cd@h:1", id="question-mark"),  # urlsplit: the rest is a query
+        pytest.param("mqtt://fleet-op:12/x@h", id="digits-slash"),  # urlsplit: port 12 and a path
+        pytest.param("mqtt://fleet-op:p[x@h:1", id="bracket"),  # urlsplit: "Invalid IPv6 URL"
+    ],
+)
+def test_parse_broker_url_password_not_percent_encoded(url):
+    """A password typed with a character a URL must percent-encode is named as such, and never
+    shown, not even the part after that character (urlsplit ends the host part there)."""
+    password = url.split("fleet-op:", 1)[1].rsplit("@", 1)[0]
+    with pytest.raises(ValueError, match="percent-encode") as info:
+        parse_broker_url(url)
+    text = str(info.value)
+    assert "fleet-op:***@" in text
+    for piece in {password, *password.replace("@", "/").split("/")} - {""}:
+        if len(piece) > 2:
+            assert piece not in text, (piece, text)
+    assert password not in shown_broker_url(url) and "***" in shown_broker_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "password"),
+    [
+        ("mqtt://fleet-op:S3cr%40t%3Ap%25w%2Fx@127.0.0.1:18831", "S3cr@t:p%w/x"),
+        ("mqtt://fleet-op:a@b:c@127.0.0.1:18831", "a@b:c"),  # '@' and ':' typed as they are still parse
+    ],
+)
+def test_parse_broker_url_password_with_special_characters(url, password):
+    address = parse_broker_url(url)
+    assert (address.username, address.password, address.host, address.port) == ("fleet-op", password,
+                                                                                 "127.0.0.1", 18831)
+    assert shown_broker_url(url) == "mqtt://127.0.0.1:18831"
