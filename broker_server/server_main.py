@@ -540,7 +540,13 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
                 server.resume(ckpt)
             say(f"fedfleet server: resuming {out} after round {ckpt.round} of {cfg.run.rounds} (rounds "
                 f"{ckpt.round + 1}..{cfg.run.rounds} to go)")
-        write_broker_record(out, broker_record(url, embedded=embedded is not None))  # what a --resume goes on with
+        try:  # what a --resume goes on with
+            write_broker_record(out, broker_record(url, embedded=embedded is not None))
+        except OSError as exc:  # a folder in its place, a full disk: the run goes on, a resume names its broker
+            then = ("starts a new embedded broker, as this session did" if embedded is not None else
+                    f"needs --broker {resume_broker_option(url)}")
+            log.warning("%s cannot be written (%s): a --resume of this run will not know its broker and %s",
+                        out / BROKER_RECORD, exc, then)
         # the server is connected and subscribed: only now are the agents told how to join
         public = public_broker_url(url)  # what is printed and written: no user name or password
         say(f"fedfleet server: federation {federation!r} on {public} ({security_text(cfg)}); data {ds.name} from "

@@ -280,6 +280,36 @@ def test_a_run_folder_without_a_usable_record_is_said_to_have_an_unknown_broker(
     assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": False}
 
 
+def test_a_record_that_cannot_be_written_is_said_and_the_session_goes_on(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A folder where broker.json should be: unreadable (an unknown broker, said) and unwritable
+    (said, naming what a resume needs), and the session goes on: no traceback, no exit 1."""
+    run = tmp_path / "run"
+    assert _serve("--config", str(QUICKSTART), "--out", str(run)) == cli.EXIT_INTERRUPTED
+    capsys.readouterr()
+    _warnings(caplog)
+    (run / "broker.json").unlink()
+    (run / "broker.json").mkdir()
+    with EmbeddedBroker(workdir=tmp_path / "fleet-broker") as fleet:
+        login = fleet.url.replace("mqtt://", "mqtt://fleet-op:s3cret@")
+        assert _serve("--resume", str(run), "--broker", login) == cli.EXIT_INTERRUPTED
+        assert _served_on(capsys.readouterr().out, run) == fleet.url
+    said = _warnings(caplog)
+    assert len(said) == 2 and "cannot be read" in said[0], said
+    assert said[1].startswith(f"{run / 'broker.json'} cannot be written (")
+    assert said[1].endswith("): a --resume of this run will not know its broker and needs --broker "
+                            f"{login_placeholder_url(login)}"), said[1]
+    assert "s3cret" not in " ".join(said)
+    assert (run / "broker.json").is_dir() and not list(run.glob(".broker.json.*"))
+
+    assert _serve("--resume", str(run)) == cli.EXIT_INTERRUPTED  # its own embedded broker this time
+    capsys.readouterr()
+    said = _warnings(caplog)
+    assert len(said) == 2 and said[1].endswith("a --resume of this run will not know its broker and starts a new "
+                                               "embedded broker, as this session did"), said
+
+
 @pytest.mark.parametrize(("url", "public", "removed"), [
     ("mqtt://127.0.0.1:1883", "mqtt://127.0.0.1:1883", False),
     ("mqtt://fleet:pw@Broker.Example.org:1884/", "mqtt://broker.example.org:1884", True),
