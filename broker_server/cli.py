@@ -114,7 +114,8 @@ def _not_a_run_folder(given: str, run: Path) -> str | None:
 
 def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
     """``cfg`` with the ``[algorithm]`` keys its algorithm names as file paths (a strategy's
-    ``path_keys``: FedDO's ``policy``) made absolute against the current folder, ``~`` expanded
+    ``path_keys``: FedDO's ``policy``) and its own file keys (:data:`FILE_KEYS`: ``[broker]
+    password_file`` …) made absolute against the current folder, ``~`` expanded
     (:func:`os.path.abspath`: ``..`` is resolved by name), so that the run folder's config.toml
     names the file wherever a ``--resume`` is started from; a relative one remembers it was
     (:class:`~broker_server.given_paths.GivenPath`: an error reading it says so). An unknown
@@ -124,6 +125,11 @@ def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
     from .given_paths import absolute_path
     from .strategies import get_strategy_class
 
+    for section, names in FILE_KEYS.items():
+        part = getattr(cfg, section)
+        given = {k: absolute_path(v) for k in names if (v := getattr(part, k))}
+        if given:
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **given)})
     try:
         keys = getattr(get_strategy_class(cfg.train.algorithm), "path_keys", ())
     except Exception:  # noqa: BLE001 - said with its reason by make_strategy
@@ -132,6 +138,13 @@ def absolute_path_keys(cfg):  # noqa: ANN001, ANN201  (a Config)
     if not found:
         return cfg
     return dataclasses.replace(cfg, algorithm={**cfg.algorithm, **{k: absolute_path(v) for k, v in found.items()}})
+
+
+#: The configuration's own file and folder keys, per section, made absolute with the strategy's
+#: path keys (:func:`absolute_path_keys`): what a ``--resume`` from another folder must still find
+#: (the broker's login and TLS files, the key folder, the data folder).
+FILE_KEYS = {"broker": ("password_file", "ca_file", "cert_file", "key_file"), "security": ("key_dir",),
+             "data": ("data_dir",)}
 
 
 def run_header(cfg, command: str = "simulate", resumed_after: int | None = None) -> str:
@@ -425,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("server", help="run the aggregation server for real agents (fedfleet-agent)")
     common(s)
-    s.add_argument("--clients", type=int, help="start round 1 once this many agents joined")
+    s.add_argument("--clients", type=int, help="override [data] clients: the number of shards (each agent's "
+                   "--shard i/N); round 1 starts once that many agents joined (or, at [server] join_timeout_s, "
+                   "with the quorum)")
     s.set_defaults(func=_cmd_server)
 
     from .audit import add_audit_arguments

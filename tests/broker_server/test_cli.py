@@ -430,6 +430,24 @@ def test_a_relative_path_key_is_made_absolute_for_the_run_folder(tmp_path: Path,
     assert cli.absolute_path_keys(plain) is plain
 
 
+def test_the_configuration_s_own_file_keys_are_made_absolute_for_a_resume_from_elsewhere(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """The broker's login and TLS files, the key folder and the data folder are read from the
+    current folder: the run's config.toml names them absolute, so a ``--resume`` started from
+    another folder still finds them; absolute and empty ones are left as given."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "c.toml"
+    path.write_text(QUICKSTART.read_text(encoding="utf-8")
+                    + '\n[broker]\nusername = "op"\npassword_file = "pw"\nca_file = "/etc/ca.pem"\n'
+                      '[security]\nkey_dir = "../keys"\n', encoding="utf-8")
+    made = cli.absolute_path_keys(load(path))
+    assert (made.broker.password_file, made.broker.ca_file, made.broker.cert_file) == (
+        str(tmp_path / "pw"), "/etc/ca.pem", "")
+    assert made.security.key_dir == str(tmp_path.parent / "keys")
+    assert getattr(made.broker.password_file, "given", None) == "pw"
+    assert f'password_file = "{tmp_path / "pw"}"' in made.to_toml()
+
+
 @pytest.mark.parametrize(("url", "agents", "cores"), [
     ("mqtt://127.0.0.1:1883", 4, 2),
     ("mqtt://LOCALHOST.:1883", 4, 16),  # host names are matched in lower case, a final dot dropped
