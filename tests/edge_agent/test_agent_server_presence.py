@@ -97,20 +97,28 @@ def _joined_and_trained(hub: MemoryBroker, agent: EdgeAgent, server: ScriptedSer
     assert len(_on_wire(hub, Kind.UPDATE)) == 1
 
 
+def _trained_then_server_gone(rounds: tuple[int, int] | None = None):
+    """A server that said online (``rounds``: what its online says of its rounds), an agent that
+    joined and sent round 1's update, then the server's process dies: its last will reaches the
+    agent live. Returns (hub, server, agent, thread, box)."""
+    hub = MemoryBroker()
+    server = ScriptedServer(hub)
+    server.say("online", rounds)
+    agent = _agent(hub)
+    t, box = _start(agent)
+    _joined_and_trained(hub, agent, server)
+    server.transport.abort()
+    assert wait_for(lambda: agent.server_offline)
+    return hub, server, agent, t, box
+
+
 @pytest.mark.parametrize("rounds", [None, (0, 1), (1, 0)], ids=["rounds-not-said", "round-collecting", "round-done"])
 def test_update_resends_are_held_while_the_server_is_offline_and_the_update_goes_at_once_on_its_online(
         rounds: tuple[int, int] | None) -> None:
     """``rounds``: what the server's online says (nothing; round 1 collecting; round 1 completed,
     the update perhaps counted and its receipt lost): each time the update goes at once."""
-    hub = MemoryBroker()
-    server = ScriptedServer(hub)
-    server.say("online")
-    agent = _agent(hub)
-    t, box = _start(agent)
-    _joined_and_trained(hub, agent, server)
     # the server's process dies: the broker publishes its last will, delivered live
-    server.transport.abort()
-    assert wait_for(lambda: agent.server_offline)
+    hub, server, agent, t, box = _trained_then_server_gone()
     agent.receipt_timeout_s = 0.05  # from now the receipt timeout runs out again and again
     # each copy the timeout would send is held, at most max_resends (3), and none reaches the broker
     assert wait_for(lambda: agent.held_resends["update"] == 3)
@@ -234,14 +242,7 @@ def test_a_live_message_of_the_server_ends_the_hold() -> None:
     """A server back without saying online (its messages reach the broker before its last will,
     so one after the will is from a server that is back): its round_start of the round already
     trained ends the hold and is answered with the update, once."""
-    hub = MemoryBroker()
-    server = ScriptedServer(hub)
-    server.say("online")
-    agent = _agent(hub)
-    t, box = _start(agent)
-    _joined_and_trained(hub, agent, server)
-    server.transport.abort()
-    assert wait_for(lambda: agent.server_offline)
+    hub, server, agent, t, box = _trained_then_server_gone()
     back = ScriptedServer(hub)
     back.channel.send(topics.down(FED, Kind.ROUND_START), RoundStart(selected=(CID,), deadline_s=600.0), round=1)
     item = back.next_of(Update)
@@ -259,14 +260,7 @@ def test_an_update_of_a_round_the_server_has_not_opened_waits_for_its_round_star
     """A resumed server says online having completed no round since its checkpoint and
     collecting none: the held update of round 1 is not sent at once (it would come before the
     round and go unanswered); the round_start of round 1 asks for it, and it goes once."""
-    hub = MemoryBroker()
-    server = ScriptedServer(hub)
-    server.say("online", (0, 1))
-    agent = _agent(hub)
-    t, box = _start(agent)
-    _joined_and_trained(hub, agent, server)
-    server.transport.abort()
-    assert wait_for(lambda: agent.server_offline)
+    hub, server, agent, t, box = _trained_then_server_gone((0, 1))
     agent.receipt_timeout_s = 0.05
     assert wait_for(lambda: agent.held_resends["update"] == 3)
     agent.receipt_timeout_s = 3600.0
