@@ -534,7 +534,9 @@ def test_mqtt5_a_flapping_link_is_not_taken_for_a_packet_limit_below_an_acknowle
             acked = tr.publish("t/acked", b"a" * 80_000, qos=1)
             assert wait_for(lambda: (acked, "acked") in outcomes, 10.0), outcomes
             assert tr.kept_packet_bytes == publish_size("t/acked", 80_000, 1, protocol=5).packet_bytes
-            relay.hold(first)  # the read under way when it is held still goes through: a QoS 0 PUBLISH for it
+            # held after its next read (a QoS 0 PUBLISH for it): a plain hold() raced the relay's thread, which
+            # may not yet have gone back to its read after the CONNECT when the CONNACK had already come back
+            relay.hold(first, after_bytes=relay.parsers[(first, "up")].bytes + 1)
             before = relay.packets(first)["PUBLISH"]
             tr.publish("t/read", b"r", qos=0)
             assert wait_for(lambda: relay.packets(first)["PUBLISH"] == before + 1, 10.0)
@@ -579,7 +581,9 @@ def test_close_on_a_stalled_link_closes_without_the_disconnect_and_the_will_is_p
             tr.connect(timeout_s=10.0)
             first = relay.connections - 1
             tr._client.socket().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16_384)
-            relay.hold(first)  # the read under way when it is held still goes through: a QoS 0 PUBLISH for it
+            # held after its next read (a QoS 0 PUBLISH for it): a plain hold() raced the relay's thread, which
+            # may not yet have gone back to its read after the CONNECT when the CONNACK had already come back
+            relay.hold(first, after_bytes=relay.parsers[(first, "up")].bytes + 1)
             tr.publish("t/read", b"r", qos=0)
             assert wait_for(lambda: relay.packets(first)["PUBLISH"] == 1, 10.0)
             for i in range(3):
