@@ -159,7 +159,9 @@ class TransportError(FedfleetProtocolError):
 
 
 class ConnectError(TransportError):
-    """The broker did not accept the MQTT CONNECT within the timeout.
+    """The broker could not be reached, refused the MQTT CONNECT (its CONNACK's reason: "refused
+    the login" for a bad user name or password, never showing them), or did not accept it within
+    the timeout (only then does the message name a time limit).
 
     Attributes:
         transient: whether the cause may pass by itself (nothing listening yet, no CONNACK in time,

@@ -123,6 +123,27 @@ _PUBACK_VALID = frozenset(PUBACK_REFUSALS) - {0x95}
 #: trying again later (:class:`ConnectRetry`); any other refusal (bad login, not authorised) is not.
 TRANSIENT_CONNACK_CODES = frozenset({0x03, 0x88, 0x89, 0x97, 0x9F})
 
+#: CONNACK reason codes that refuse the client's login: 0x86 Bad user name or password (MQTT 3.1.1's
+#: return code 4), 0x87 Not authorized (return code 5), 0x8C Bad authentication method. A
+#: :class:`~protocol.errors.ConnectError` says "refused the login" for them.
+LOGIN_CONNACK_CODES = frozenset({0x86, 0x87, 0x8C})
+
+
+def _refusal_text(where: str, client_id: str, level: str, code: int, name: str) -> str:
+    """What a :class:`~protocol.errors.ConnectError` says of a CONNACK that refused the connection
+    of ``client_id`` (``where``: ``the MQTT broker at HOST:PORT``; ``level``: ``"5"`` or
+    ``"3.1.1"``; ``code``: its reason code, ``name`` its text, ``Not authorized``). No time limit is
+    named: the broker answered. A login refusal (:data:`LOGIN_CONNACK_CODES`) says so; the user
+    name and password are never in it."""
+    said = f"{name} (MQTT {level} CONNACK reason code {code:#04x})"
+    if code in LOGIN_CONNACK_CODES:
+        return (f"{where} refused the login of {client_id!r}: {said}; check the user name and password it was given "
+                "(neither is shown here) and the broker's password file and ACL")
+    hint = ("the broker may be overloaded or still starting" if code in TRANSIENT_CONNACK_CODES
+            else "check the client id, the credentials and the TLS settings")
+    return f"{where} refused the connection of {client_id!r}: {said}; {hint}"
+
+
 _POLL_READ = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | select.POLLNVAL
 _POLL_WRITE = select.POLLOUT | select.POLLERR | select.POLLHUP
 
@@ -832,6 +853,7 @@ class MqttTransport:
         self._retired: list[_CountingClient] = []  # clients replaced by connect() whose threads may still end
         self._refused: str | None = None
         self._refused_code = 0
+        self._refused_name = ""
         #: connects tried by the last :meth:`connect` (1 when the first succeeded)
         self.connect_attempts = 0
         #: seconds waited before each retry of :meth:`connect` (:class:`ConnectRetry`)
@@ -1100,6 +1122,7 @@ class MqttTransport:
         if reason_code.is_failure:
             self._refused = f"{reason_code} ({reason_code.value:#04x})"
             self._refused_code = int(reason_code.value)
+            self._refused_name = str(reason_code)
             trial = self.mqtt_choice == "auto" and self.mqtt_version == MQTT_V5 and not self.connects
             (log.info if trial else log.warning)("%s: broker refused the MQTT %s connection: %s", self.client_id,
                                                  "5" if self.mqtt_version == MQTT_V5 else "3.1.1", reason_code)
@@ -1472,7 +1495,9 @@ class MqttTransport:
                 if self._closed:
                     raise
                 silent = self._refused is None and not self._closed_before_connack
-                if not silent and not self._closed_before_connack and not _unsupported_version(self._refused):
+                # refused for another reason than the protocol level (a bad login): final, also when the
+                # broker's close after its CONNACK was seen first (that is no sign of a 3.1.1-only broker)
+                if self._refused is not None and not _unsupported_version(self._refused):
                     raise
                 if silent and time.monotonic() >= deadline:
                     raise
@@ -1523,15 +1548,17 @@ class MqttTransport:
             else:
                 self._client.loop_stop()
             _close_socket(self._client)
-            reason = self._refused or ("closed before CONNACK" if self._closed_before_connack else "no CONNACK")
             level = "5" if version == MQTT_V5 else "3.1.1"
             # unanswered, or answered "unavailable / busy": a broker overloaded by a connect storm, worth
             # trying again; any other refusal (login, authorisation) is not
             transient = self._refused is None or self._refused_code in TRANSIENT_CONNACK_CODES
-            hint = ("the broker may be overloaded or still starting" if transient
-                    else "check credentials and TLS settings")
-            raise ConnectError(f"the MQTT broker at {self.host}:{self.port} did not accept the MQTT {level} connection "
-                               f"of {self.client_id!r} within {timeout_s:g} s ({reason}); {hint}",
+            where = f"the MQTT broker at {self.host}:{self.port}"
+            if self._refused is not None:  # its CONNACK said no: no timeout was waited out
+                raise ConnectError(_refusal_text(where, self.client_id, level, self._refused_code, self._refused_name),
+                                   client_id=self.client_id, transient=transient)
+            reason = "closed before CONNACK" if self._closed_before_connack else "no CONNACK"
+            raise ConnectError(f"{where} did not accept the MQTT {level} connection of {self.client_id!r} within "
+                               f"{timeout_s:g} s ({reason}); the broker may be overloaded or still starting",
                                client_id=self.client_id, transient=transient)
 
     def _tls_probe(self, sock: socket.socket) -> None:

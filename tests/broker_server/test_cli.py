@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.brokers import require_mosquitto
+from helpers.brokers import password_file, require_mosquitto
 
 from broker_server import cli
 from broker_server import simulate as simulate_mod
@@ -137,6 +137,28 @@ def test_a_broker_the_server_cannot_reach_at_the_start_is_said_so_not_as_a_stopp
     assert "fedfleet server: interrupted;" in capsys.readouterr().out  # a run folder with its round-0 checkpoint
     assert cli.main(["server", "--resume", str(run), "--broker", login]) == cli.EXIT_BROKER
     assert capsys.readouterr() == (header, _unreachable(port))
+
+
+def test_a_wrong_password_is_said_as_the_brokers_refusal_not_as_a_timeout(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Mosquitto with a password file refuses the server's wrong password at once: ``fedfleet
+    server`` says the broker refused the login, with its CONNACK's reason and no time limit (none
+    was waited out), exits 4 and leaves no run folder; neither the user name nor the password is
+    printed."""
+    require_mosquitto()
+    pw = password_file(tmp_path / "passwd", "fleet-op", "s3cret-pw")
+    run = tmp_path / "run"
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker",
+                        extra_config=[f"password_file {pw}", "allow_anonymous false"]) as broker:
+        login = f"mqtt://fleet-op:wr0ng-pw@127.0.0.1:{broker.port}"
+        code = cli.main(["server", "--config", str(QUICKSTART), "--broker", login, "--out", str(run)])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_BROKER
+    assert err == (f"fedfleet: broker error: the server could not connect to the broker at {broker.url}: the MQTT "
+                   f"broker at 127.0.0.1:{broker.port} refused the login of 'run:server': Not authorized (MQTT 5 "
+                   "CONNACK reason code 0x87); check the user name and password it was given (neither is shown "
+                   "here) and the broker's password file and ACL\n")
+    assert "fleet-op" not in out + err and "wr0ng" not in out + err and not run.exists()
 
 
 def test_the_agent_command_leaves_the_brokers_login_out_and_asks_for_each_agents_own() -> None:

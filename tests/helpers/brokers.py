@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -21,3 +26,18 @@ def require_mosquitto() -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; Mosquitto is required when CI=true", pytrace=False)
     pytest.skip(reason=reason)
+
+
+def password_file(path: Path, user: str, password: str) -> Path:
+    """A Mosquitto password file (``password_file`` in mosquitto.conf) holding ``user`` with
+    ``password``: made by mosquitto_passwd when installed, else written in its PBKDF2-SHA512 format
+    (``user:$7$101$salt$hash``, base64)."""
+    tool = shutil.which("mosquitto_passwd")
+    if tool:
+        subprocess.run([tool, "-c", "-b", str(path), user, password], check=True, capture_output=True)
+    else:
+        salt = os.urandom(12)
+        digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, 101)
+        path.write_text(f"{user}:$7$101${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}\n")
+    os.chmod(path, 0o600)
+    return path

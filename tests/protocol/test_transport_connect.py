@@ -12,6 +12,7 @@ import random
 import resource
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from protocol import transport
 from protocol.errors import ConnectError, FieldError
 from protocol.mqtt_bytes import MQTT_V311, publish_size
 from protocol.transport import ConnectRetry, MqttTransport
-from tests.helpers.brokers import require_mosquitto
+from tests.helpers.brokers import password_file, require_mosquitto
 
 
 def _free_port() -> int:
@@ -125,6 +126,8 @@ def test_connect_gives_up_after_its_attempts_when_no_connack_comes() -> None:
     assert tr.connect_delays == expected
     assert caught.value.attempts == 3 and caught.value.transient
     assert "no CONNACK" in str(caught.value) and "gave up after 3 attempts" in str(caught.value)
+    assert "did not accept the MQTT 3.1.1 connection of " in str(caught.value)  # a timeout waited out: named
+    assert " within 0.3 s (no CONNACK); the broker may be overloaded or still starting" in str(caught.value)
 
 
 def test_a_refused_login_fails_at_once_whatever_the_retry_policy(tmp_path: Path) -> None:
@@ -140,6 +143,38 @@ def test_a_refused_login_fails_at_once_whatever_the_retry_policy(tmp_path: Path)
     assert caught.value.attempts == 1 and not caught.value.transient
     assert tr.connect_delays == []
     assert "not authori" in str(caught.value).lower()
+
+
+@pytest.mark.parametrize("version", ["5", "3.1.1"])
+def test_a_wrong_password_is_said_as_the_brokers_refusal_without_a_timeout_or_the_login(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, version: str) -> None:
+    """Mosquitto with a password file refuses a wrong password in its CONNACK at once: the error
+    says the broker refused the login, with the CONNACK's reason, and names no time limit it did
+    not wait out; neither the user name nor the password is in it or in the log. (Mosquitto 2
+    answers a wrong password with Not authorized under both protocol levels.)"""
+    require_mosquitto()
+    caplog.set_level(logging.DEBUG)
+    pw = password_file(tmp_path / "passwd", "fleet-op", "s3cret-pw")
+    with EmbeddedBroker(kind="mosquitto", workdir=tmp_path / "broker",
+                        extra_config=[f"password_file {pw}", "allow_anonymous false"]) as broker:
+        good = MqttTransport("good-login", broker.host, broker.port, mqtt_version=version, username="fleet-op",
+                             password="s3cret-pw")
+        good.connect(timeout_s=30.0)
+        good.close()
+        tr = MqttTransport("bad-login", broker.host, broker.port, mqtt_version=version, username="fleet-op",
+                           password="wrong-pw")
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError) as caught:
+            tr.connect(timeout_s=30.0)
+        waited = time.monotonic() - t0
+        tr.close()
+    assert str(caught.value) == (
+        f"the MQTT broker at 127.0.0.1:{broker.port} refused the login of 'bad-login': Not authorized (MQTT {version} "
+        "CONNACK reason code 0x87); check the user name and password it was given (neither is shown here) "
+        "and the broker's password file and ACL")
+    assert waited < 15.0 and not caught.value.transient  # not the 30 s timeout: the CONNACK's answer
+    said = [str(caught.value), *(r.getMessage() for r in caplog.records)]
+    assert [t for t in said if "fleet-op" in t or "s3cret" in t or "wrong-pw" in t or "within" in t] == []
 
 
 @pytest.mark.parametrize("kwargs", [{"attempts": 0}, {"base_s": 0.0}, {"base_s": 2.0, "cap_s": 1.0}])
