@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from protocol.broker_url import has_login, parse_broker_url, public_broker_url
+from protocol.broker_url import has_login, parse_broker_url, public_broker_url, typed_login, without_login
 from protocol.files import write_atomically
 
 from .checkpoint import Checkpoint, CheckpointStore
@@ -68,11 +68,15 @@ class BrokerRecord:
             (``--broker``, ``[broker] url``), which may still be running.
         credentials_removed: the URL the session was given carried a user name or password,
             which the record does not keep.
+        login_in_file: the file's ``url`` itself holds a user name or password (an edited record:
+            :func:`write_broker_record` never writes them): read as a record of a broker that had a
+            login (``credentials_removed``), the login itself neither kept nor shown.
     """
 
     url: str
     embedded: bool
     credentials_removed: bool = False
+    login_in_file: bool = False
 
 
 def broker_record(url: str, *, embedded: bool) -> BrokerRecord:
@@ -101,12 +105,15 @@ def write_broker_record(run_dir: Path, record: BrokerRecord) -> None:
 def read_broker_record(run_dir: Path) -> BrokerRecord | None:
     """The :class:`BrokerRecord` in ``run_dir/broker.json`` (:func:`write_broker_record`), or
     ``None`` when the run folder holds none (written before it was kept, or a ``fedfleet
-    simulate`` run's). A ``url`` edited to hold a user name or password is given back without them.
+    simulate`` run's). A ``url`` edited to hold a user name or password is read as the record of a
+    broker that had a login (``credentials_removed`` and ``login_in_file`` true), its URL given
+    back without them: a ``--resume`` asks for the login as for one the server left out.
 
     Raises:
         OSError: the file is there but cannot be read.
         ValueError: not JSON, not an object, a ``url`` that is not a broker URL, or an
-            ``embedded`` / ``credentials_removed`` that is not a boolean: the message says which.
+            ``embedded`` / ``credentials_removed`` that is not a boolean: the message says which,
+            and never shows a user name or password of the file's ``url``.
     """
     path = Path(run_dir) / BROKER_RECORD
     if not path.exists() and not path.is_symlink():
@@ -120,13 +127,41 @@ def read_broker_record(run_dir: Path) -> BrokerRecord | None:
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     url, embedded, removed = data.get("url"), data.get("embedded"), data.get("credentials_removed", False)
-    if not isinstance(url, str):
-        raise ValueError(f"'url' must be a string, got {url!r}")
+    if not isinstance(url, str):  # its type only: a value not a string may still hold a login
+        raise ValueError(f"'url' must be a string, got {_json_kind(url)}")
+    login = typed_login(url)
+    try:
+        addr = parse_broker_url(url)
+    except ValueError:
+        if not login:
+            raise
+        try:  # the same error, said of the URL without its login
+            parse_broker_url(without_login(url))
+        except ValueError as bare:
+            raise ValueError(f"{bare} (its user name and password left out here)") from None
+        raise ValueError("'url' holds a user name or password that is not valid in a broker URL (left out "
+                         "here: a '/', '?', '#', '[' or ']' not percent-encoded, or a password without a user "
+                         "name)") from None
     if not isinstance(embedded, bool):
         raise ValueError(f"'embedded' must be true or false, got {embedded!r}")
     if not isinstance(removed, bool):
         raise ValueError(f"'credentials_removed' must be true or false, got {removed!r}")
-    return BrokerRecord(url=public_broker_url(url), embedded=embedded, credentials_removed=removed)
+    login = login and has_login(addr)
+    return BrokerRecord(url=public_broker_url(addr), embedded=embedded, credentials_removed=removed or login,
+                        login_in_file=login)
+
+
+def _json_kind(value: object) -> str:
+    """What JSON value ``value`` is, as a message names it without showing it: ``null``, ``a list`` …"""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "a list"
+    return "an object" if isinstance(value, dict) else type(value).__name__
 
 
 class RunStore:

@@ -365,7 +365,9 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
 
     Raises:
         ConfigError: resumed without ``--broker`` where the recorded broker's URL carried a user
-            name or password (``broker.json`` does not keep them) and ``[broker] url`` is not that
+            name or password (``broker.json`` does not keep them; a record edited to hold them in its
+            ``url`` is read as one that had them, and said in a WARNING naming the file, the login
+            not shown nor used) and ``[broker] url`` is not that
             broker with them (another broker, or that broker without a login, as the run folder's
             ``config.toml`` writes it): the message names the recorded URL and the ``--broker``
             option to pass.
@@ -384,8 +386,10 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
     except (OSError, ValueError) as exc:
         unknown = f"{out / BROKER_RECORD} cannot be read: {exc}"
     if broker_url:
+        _said_edited_login(out, earlier)
         return SessionBroker(broker_url, "--broker", out, True, earlier, unknown)
     if earlier is None or earlier.embedded:
+        _said_edited_login(out, earlier)
         return SessionBroker(config_url, "[broker] url" if config_url else "", out, True, earlier, unknown)
     same = False
     if config_url:
@@ -394,9 +398,15 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
         except ValueError:  # a malformed [broker] url: not the recorded broker
             pass
     if earlier.credentials_removed and not (same and config_url and has_login(config_url)):
+        if earlier.login_in_file:
+            raise ConfigError(f"--resume {out}: the run's broker {earlier.url} ({BROKER_RECORD}) is recorded with a "
+                              "user name or password in its url, which fedfleet never writes there and does not take "
+                              f"from the file; pass the login with the option: --broker "
+                              f"{login_placeholder_url(earlier.url)}")
         raise ConfigError(f"--resume {out}: the run's broker {earlier.url} ({BROKER_RECORD}) was given with a user "
                           f"name or password in its URL, which the run folder does not keep; pass it again: --broker "
                           f"{login_placeholder_url(earlier.url)}")
+    _said_edited_login(out, earlier)
     other = ""
     if config_url and not same:
         try:
@@ -406,6 +416,16 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
     note = (f"fedfleet server: --resume without --broker: going on with the run's broker {earlier.url}{other}, which "
             f"its earlier session used ({BROKER_RECORD}) and its agents are on; --broker URL to use another")
     return SessionBroker(config_url if same else earlier.url, BROKER_RECORD, out, True, earlier, None, note)
+
+
+def _said_edited_login(run_dir: Path, record: BrokerRecord | None) -> None:
+    """A WARNING, when ``record`` was read from a ``broker.json`` whose ``url`` holds a user name or
+    password (:attr:`~broker_server.persistence.BrokerRecord.login_in_file`), naming the file and
+    the broker without them: the login is not used, and this session's record leaves it out."""
+    if record is not None and record.login_in_file:
+        log.warning("%s: its url holds a user name or password, which fedfleet never writes there (an edited "
+                    "record): read as the broker %s with a login, not taken from the file; the record this session "
+                    "writes once connected leaves it out", run_dir / BROKER_RECORD, record.url)
 
 
 def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathLike | None = None,

@@ -10,7 +10,7 @@ import dataclasses
 from urllib.parse import unquote, urlsplit
 
 __all__ = ["DEFAULT_PORTS", "BrokerAddress", "has_login", "login_placeholder_url", "parse_broker_url",
-           "public_broker_url", "shown_broker_url"]
+           "public_broker_url", "shown_broker_url", "typed_login", "without_login"]
 
 #: Default TCP port per URL scheme (IANA: 1883 plain MQTT, 8883 MQTT over TLS).
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
@@ -51,6 +51,26 @@ def _raw_login(url: str) -> str | None:
         return None
     at = url.rfind("@", start + 3)
     return url[start + 3:at] if at >= 0 else None
+
+
+def typed_login(url: str) -> bool:
+    """Whether the text ``url`` has a login part, a user name or password typed before an ``@``
+    after its ``scheme://`` (:func:`has_login` of a URL that parses; this also for one that does
+    not, so that a message about it can leave the login out: :func:`without_login`). Never raises
+    for a ``str``."""
+    return bool(_raw_login(url))
+
+
+def without_login(url: str) -> str:
+    """The text ``url`` with its login part (everything between ``scheme://`` and the last ``@``,
+    the ``@`` included) removed, the rest as typed: what a message may show of a URL that holds a
+    login and may not parse (``mqtt://op:pw@host:99999`` → ``mqtt://host:99999``). Never raises for
+    a ``str``."""
+    login = _raw_login(url)
+    if login is None:
+        return url
+    start = url.find("://") + 3
+    return f"{url[:start]}{url[start + len(login) + 1:]}"
 
 
 def _redact(url: str) -> str:

@@ -333,7 +333,7 @@ def test_the_record_keeps_the_address_and_never_the_credentials(tmp_path: Path, 
 @pytest.mark.parametrize(("text", "error"), [
     ("{", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("[]", "expected a JSON object, got list"),
-    ('{"embedded": true}', "'url' must be a string, got None"),
+    ('{"embedded": true}', "'url' must be a string, got null"),
     ('{"url": "http://h:1", "embedded": true}',
      "unsupported broker URL 'http://h:1': scheme must be 'mqtt' or 'mqtts', got 'http'"),
     ('{"url": "mqtt://h:1", "embedded": true, "credentials_removed": 1}',
@@ -345,6 +345,88 @@ def test_a_damaged_record_says_why(tmp_path: Path, text: str, error: str) -> Non
     with pytest.raises(ValueError) as exc:
         read_broker_record(tmp_path)
     assert str(exc.value) == error
+
+
+@pytest.mark.parametrize(("url", "public"), [
+    ("mqtt://fleet-op:s3cr%40t@broker.lan:1884", "mqtt://broker.lan:1884"),
+    ("mqtt://fleet-op@Broker.lan", "mqtt://broker.lan:1883"),
+    ("mqtts://fleet-op:s3cr@[::1]", "mqtts://[::1]:8883"),
+])
+@pytest.mark.parametrize("removed", [False, True])
+def test_an_edited_record_whose_url_holds_a_login_is_read_as_one_that_had_a_login(
+        tmp_path: Path, url: str, public: str, removed: bool) -> None:
+    (tmp_path / "broker.json").write_text(json.dumps({"url": url, "embedded": False, "credentials_removed": removed}),
+                                          encoding="utf-8")
+    rec = read_broker_record(tmp_path)
+    assert rec == BrokerRecord(url=public, embedded=False, credentials_removed=True, login_in_file=True)
+    assert "fleet-op" not in repr(rec) and "s3cr" not in repr(rec)
+    with pytest.raises(ConfigError) as caught:  # resumed without --broker: the login is asked for, not taken
+        session_broker(load(QUICKSTART), tmp_path, resume=True)
+    scheme, address = public.split("://")
+    assert str(caught.value) == (
+        f"--resume {tmp_path}: the run's broker {public} (broker.json) is recorded with a user name or password in "
+        "its url, which fedfleet never writes there and does not take from the file; pass the login with the option: "
+        f"--broker {scheme}://USER:PASSWORD@{address}")
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ('{"url": "mqtt://fleet-op:s3cr@h:99999", "embedded": false}',
+     "broker URL 'mqtt://h:99999' has a bad port (Port out of range 0-65535); expected an integer in 1..65535 (its "
+     "user name and password left out here)"),
+    ('{"url": "mqtt://fleet-op:s3cr@h:1/x", "embedded": false}',
+     "broker URL 'mqtt://h:1/x' has a path, query or fragment; an MQTT broker URL is "
+     "mqtt://[USER[:PASSWORD]@]HOST[:PORT] (its user name and password left out here)"),
+    ('{"url": "mqtt://:s3cr@h:1", "embedded": false}',
+     "'url' holds a user name or password that is not valid in a broker URL (left out here: a '/', '?', '#', '[' or "
+     "']' not percent-encoded, or a password without a user name)"),
+    ('{"url": "mqtt://fleet-op:s3/cr@h:1", "embedded": false}',
+     "'url' holds a user name or password that is not valid in a broker URL (left out here: a '/', '?', '#', '[' or "
+     "']' not percent-encoded, or a password without a user name)"),
+    ('{"url": ["mqtt://fleet-op:s3cr@h:1"], "embedded": false}', "'url' must be a string, got a list"),
+    ('{"url": {"user": "fleet-op"}, "embedded": false}', "'url' must be a string, got an object"),
+])
+def test_a_damaged_record_holding_a_login_says_why_without_it(tmp_path: Path, text: str, error: str) -> None:
+    (tmp_path / "broker.json").write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError) as exc:
+        read_broker_record(tmp_path)
+    assert str(exc.value) == error
+
+
+def test_a_resume_of_a_run_whose_record_was_edited_to_hold_a_login_asks_for_it_and_never_shows_it(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``broker.json`` edited by hand to hold the broker's login in its ``url``: a ``--resume``
+    without ``--broker`` is refused as for a recorded login, naming the ``--broker`` to pass (exit
+    2, nothing written); with ``--broker`` it goes on, a WARNING naming the file says the login
+    there is not used, and the session's record leaves it out. The login is in no output."""
+    run = tmp_path / "run"
+    with EmbeddedBroker(workdir=tmp_path / "fleet-broker") as fleet:
+        assert _serve("--config", str(QUICKSTART), "--broker", fleet.url, "--out", str(run)) == cli.EXIT_INTERRUPTED
+        capsys.readouterr()
+        _warnings(caplog)
+        edited = fleet.url.replace("mqtt://", "mqtt://fleet-op:s3cr%40t@")
+        (run / "broker.json").write_text(json.dumps({"url": edited, "embedded": False}), encoding="utf-8")
+        files = _files(run)
+
+        assert _serve("--resume", str(run)) == cli.EXIT_USAGE
+        out, err = capsys.readouterr()
+        assert err == (f"fedfleet: configuration error: --resume {run}: the run's broker {fleet.url} (broker.json) is "
+                       "recorded with a user name or password in its url, which fedfleet never writes there and does "
+                       "not take from the file; pass the login with the option: --broker "
+                       f"{login_placeholder_url(fleet.url)}\n")
+        assert _files(run) == files and _warnings(caplog) == []  # nothing written, one line
+        said = [out, err]
+
+        assert _serve("--resume", str(run), "--broker", fleet.url) == cli.EXIT_INTERRUPTED
+        out, err = capsys.readouterr()
+        assert _served_on(out, run) == fleet.url
+        warnings = _warnings(caplog)
+        assert warnings == [
+            f"{run / 'broker.json'}: its url holds a user name or password, which fedfleet never writes there (an "
+            f"edited record): read as the broker {fleet.url} with a login, not taken from the file; the record this "
+            "session writes once connected leaves it out"]
+        assert _record(run) == {"url": fleet.url, "embedded": False, "credentials_removed": False}
+    assert _login_seen(run, *said, out, err, *warnings) == []
 
 
 def test_the_configurations_broker_url_is_used_when_it_names_the_recorded_broker(tmp_path: Path) -> None:
