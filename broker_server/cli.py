@@ -2,7 +2,9 @@
 ``feddo pretrain``.
 
 Exit codes (never reused): 0 success; 1 the run failed; 2 bad usage or configuration (the
-message says what to fix); 3 data set not found; 4 broker not reachable or not started; 130 stopped
+message says what to fix); 3 data set not found; 4 broker not reachable or not started; 5 the run
+folder is in use by another process (a server, simulation or resume writing it: the message names
+the folder and that process's pid, host and start time; nothing was written); 130 stopped
 by Ctrl-C (SIGINT, 128 + 2 as a shell reports it; SIGTERM exits 143): one line says so and, for a
 run with a checkpoint, how to continue it.
 """
@@ -28,6 +30,13 @@ EXIT_INTERRUPTED = 130
 EXIT_USAGE = 2
 EXIT_DATA = 3
 EXIT_BROKER = 4
+#: another process holds the run folder (:mod:`broker_server.run_lock`)
+EXIT_BUSY = 5
+
+#: The exit codes as ``fedfleet --help`` lists them.
+EXIT_CODES_HELP = ("exit codes: 0 success, 1 the run failed, 2 bad usage or configuration, 3 data set not found, "
+                   "4 broker not reachable or not started, 5 the run folder is in use by another process (its pid, "
+                   "host and start time named), 130 Ctrl-C (SIGTERM: 143)")
 
 
 def _overrides(args) -> dict:
@@ -170,10 +179,12 @@ def _cmd_simulate(args) -> int:
     from protocol.errors import ConnectError, TransportError
 
     from .progress import make_progress
+    from .run_lock import check_not_held
     from .simulate import DEVICE_STATE_FILE, kept_device_state, make_run_id, progress_printer, simulate
 
     cfg = _load(args)
     out = Path(args.out) if args.out else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
+    check_not_held(out)  # a folder another process holds: refused before the first line (simulate holds the lock)
     fin = _finished(args, cfg)
     if fin is not None and fin.complete:
         from .run_end import nothing_to_resume
@@ -293,9 +304,12 @@ def _finished(args, cfg):
 
 
 def _cmd_server(args) -> int:
+    from .run_lock import check_not_held
     from .server_main import serve
 
     cfg = _load(args)
+    if args.out:  # a folder another process holds: refused before the first line (run_server holds the lock)
+        check_not_held(args.out)
     fin = _finished(args, cfg)
     if fin is not None and fin.complete:  # one line, nothing written: no data set loaded, no broker
         from .run_end import nothing_to_resume
@@ -406,7 +420,8 @@ def unrecognized_text(extras: Sequence[str], options: Iterable[str]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``fedfleet``: each command's own parser reports the arguments it
     does not know (:class:`_CommandParser`)."""
-    p = argparse.ArgumentParser(prog="fedfleet", description="Federated learning for edge fleets over MQTT.")
+    p = argparse.ArgumentParser(prog="fedfleet", description="Federated learning for edge fleets over MQTT.",
+                                epilog=EXIT_CODES_HELP)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
@@ -486,7 +501,7 @@ def _main(argv: list[str] | None) -> int:
     from edge_agent.errors import DataError, EdgeAgentError
     from protocol.errors import ConnectError, TransportError
 
-    from .errors import BrokerStartError, FedfleetServerError
+    from .errors import BrokerStartError, FedfleetServerError, RunFolderBusy
 
     args = build_parser().parse_args(argv)
     args.verbose += getattr(args, "sub_verbose", 0)
@@ -512,6 +527,9 @@ def _main(argv: list[str] | None) -> int:
     except TransportError as exc:  # the link failed during a run (a broker that stopped acknowledging)
         print(f"fedfleet: broker link error: {exc}", file=sys.stderr)
         return EXIT_BROKER
+    except RunFolderBusy as exc:
+        print(f"fedfleet: {exc}", file=sys.stderr)
+        return EXIT_BUSY
     except FedfleetServerError as exc:
         print(f"fedfleet: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -8,7 +8,10 @@ Grouped by what the caller can do about them::
     │                              message carries the tail of the broker's log: read it,
     │                              then retry, choose another port or another broker kind
     ├── ConfigError                a configuration file or value is wrong; fix the config
-    └── RunError                   the federation could not run (no agents joined in time …)
+    ├── RunError                   the federation could not run (no agents joined in time …)
+    └── RunFolderBusy              another process (its pid, host and start time named) holds
+                                   the run folder (:mod:`broker_server.run_lock`): wait for it
+                                   to end or stop it, then try again; nothing was written
 
 Foreign exceptions (``OSError`` from ``subprocess``, paho errors, ...) are converted once, at the
 boundary where they happen, with ``raise ... from exc``. Programming errors (a bad argument type
@@ -17,7 +20,13 @@ or value passed to a constructor) raise the usual ``ValueError`` / ``TypeError``
 
 from __future__ import annotations
 
-__all__ = ["BrokerStartError", "ConfigError", "FedfleetServerError", "RunError"]
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .run_lock import Holder
+
+__all__ = ["BrokerStartError", "ConfigError", "FedfleetServerError", "RunError", "RunFolderBusy"]
 
 
 class FedfleetServerError(Exception):
@@ -57,3 +66,23 @@ class ConfigError(FedfleetServerError):
 
 class RunError(FedfleetServerError):
     """The federation could not run: too few agents joined before the join timeout, say."""
+
+
+class RunFolderBusy(FedfleetServerError):
+    """Another process holds the run folder's lock (:mod:`broker_server.run_lock`): a server, a
+    simulation or a grid writes it now. Raised at once, before this process wrote anything there.
+
+    Attributes:
+        run_dir: the folder.
+        holder: the process that holds it, as it wrote itself into the lock file
+            (:class:`~broker_server.run_lock.Holder`), or None when it has not written itself yet
+            (it is starting).
+    """
+
+    def __init__(self, run_dir: Path, holder: Holder | None) -> None:
+        self.run_dir = Path(run_dir)
+        self.holder = holder
+        who = (f"another process ({holder.describe()})" if holder is not None
+               else "another process (starting: it has not written its pid, host and start time yet)")
+        super().__init__(f"run folder {self.run_dir} is in use by {who}; one process at a time writes a run folder: "
+                         "wait for that one to end or stop it (a killed one frees the folder at once), then try again")

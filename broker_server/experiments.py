@@ -65,6 +65,7 @@ import numpy as np
 from protocol.files import write_atomically
 
 from .metrics_file import restore_non_finite, strict_json
+from .run_lock import hold_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -550,7 +551,11 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
     Returns:
         key → result record for every job of the grid (new and earlier ones).
 
+    The call holds the grid folder's lock (:mod:`broker_server.run_lock`): a second grid in the
+    same folder meanwhile is refused at once (each cell's run folder is locked by its simulation).
+
     Raises:
+        RunFolderBusy: another process (a grid) holds ``out_dir``.
         RecordsError: a finished record's ``config_sha256`` differs from its job's configuration
             (the grid folder holds another configuration's cell under that key: use a fresh
             folder, or remove that record), or a line of ``results.jsonl`` is not a record.
@@ -562,7 +567,14 @@ def run_grid(jobs: Iterable[Job], out_dir: str | Path, *, workers: int = 2,
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = list(jobs)
+    with hold_run_folder(out, "a reproduction grid"):  # two grids in one folder would run and append the same cells
+        return _run_grid(list(jobs), out, stop_at, workers=workers, on_result=on_result, stamp=stamp,
+                         numerics=numerics)
+
+
+def _run_grid(jobs: list[Job], out: Path, stop_at: float | None, *, workers: int,
+              on_result: Callable[[dict], None] | None, stamp: dict | None, numerics: str) -> dict[str, dict]:
+    """:func:`run_grid` in the grid folder ``out``, whose lock this process holds."""
     _mend_tail(out / "results.jsonl")
     done = {k: v for k, v in load_results(out).items() if "error" not in v}
     mismatched = records_of_other_configs(jobs, out, done)

@@ -40,6 +40,7 @@ from .run_end import (
     summary_record,
     write_final_files,
 )
+from .run_lock import hold_run_folder
 from .runtime import check_server_keys, make_server
 from .server import RunSummary, final_accuracy_source, final_accuracy_text, final_figures, run_troubles_text
 from .simulate import (
@@ -207,6 +208,7 @@ def serve(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.PathL
     stopped run: the error alone says it.
 
     Raises:
+        RunFolderBusy: another process holds the run folder (:mod:`broker_server.run_lock`).
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`run_server` (a
             ``ConnectError`` names the broker's URL, its user name and password left out).
         TransportError: the broker link failed during the run.
@@ -455,15 +457,30 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
     broker that cannot be started or reached) leaves no run folder behind (what this call wrote
     is removed; a ``--resume``d folder is left as it was); what a real fleet cannot run is
     refused before anything is written (:func:`check_real_fleet`). ``resume`` of a run with no
-    round left starts no broker (:mod:`broker_server.run_end`).
+    round left starts no broker (:mod:`broker_server.run_end`). The call holds the run folder's
+    lock (:mod:`broker_server.run_lock`) from before it reads the folder to its return: a second
+    server, simulation or resume in that folder meanwhile is refused at once.
 
     Raises:
+        RunFolderBusy: another process holds the run folder (nothing read or written).
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
         ConfigError: also a ``resume`` that cannot go on with its recorded broker without credentials
             the run folder does not keep (:func:`session_broker`).
     """
     out = Path(run_dir) if run_dir else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
     check_real_fleet(cfg)
+    before = run_folder_entries(out)
+    with hold_run_folder(out, "fedfleet server"):  # one process at a time writes the folder
+        return _run_server_locked(cfg, out, before, broker_url=broker_url, resume=resume, say=say,
+                                  on_round=on_round, on_start=on_start, on_event=on_event)
+
+
+def _run_server_locked(cfg: Config, out: Path, before: set[str] | None, *, broker_url: str | None, resume: bool,
+                       say: Callable[[str], None], on_round: Callable[[dict], None] | None,
+                       on_start: Callable[[str, str], None] | None,
+                       on_event: Callable[[str, int, str | None, dict], None] | None) -> ServedRun:
+    """:func:`run_server` in the run folder ``out``, whose lock this process holds (``before``:
+    its entries before this call, :func:`~broker_server.simulate.run_folder_entries`)."""
     if resume and not (out / "checkpoints.sqlite").exists():
         raise ConfigError(f"--resume {out}: no checkpoints.sqlite there (not a run folder, or it never started)")
     if resume:
@@ -485,7 +502,6 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
         given = broker_url or cfg.broker.url
         return _served_finished(cfg, ds, fin, federation, broker=shown_broker_url(given) if given else "", say=say)
     broker = session_broker(cfg, out, broker_url=broker_url, resume=resume)  # refused: before anything is written
-    before = run_folder_entries(out)
     try:
         return _serve_run(cfg, ds, record, out, federation, broker=broker, resume=resume, say=say,
                           on_round=on_round, on_start=on_start, on_event=on_event)

@@ -57,6 +57,7 @@ from .errors import BrokerStartError, ConfigError
 from .persistence import write_summary
 from .resumes import note_fresh_run, note_resume, refused_if_raises
 from .run_end import FinishedRun, finished_run, last_checkpoint_round, resume_metrics, summary_record, write_final_files
+from .run_lock import LOCK_NAME, hold_run_folder
 from .runtime import (
     agent_spec,
     channel_options,
@@ -156,7 +157,8 @@ def discard_unstarted(out: Path, before: set[str] | None) -> None:
     """Remove what a run that never started (a :data:`STARTUP_ERRORS` error: its configuration,
     its broker) wrote to ``out``: the folder itself when it did not exist before (``before`` is
     ``None``), else the entries not in ``before``. A folder holding a checkpoint (a store with a
-    row, or one that cannot be read) is a run that started: left alone. Said in the log, so that
+    row, or one that cannot be read) is a run that started: left alone. The run folder's lock file
+    (:data:`~broker_server.run_lock.LOCK_NAME`) is its holder's to remove. Said in the log, so that
     nothing disappears without a word."""
     if not out.is_dir() or (before is not None and "checkpoints.sqlite" in before):
         return
@@ -167,7 +169,7 @@ def discard_unstarted(out: Path, before: set[str] | None) -> None:
                 return
         except ConfigError:  # not readable: kept, as a run's
             return
-    made = sorted(p.name for p in out.iterdir() if before is None or p.name not in before)
+    made = sorted(p.name for p in out.iterdir() if (before is None or p.name not in before) and p.name != LOCK_NAME)
     for name in made:
         path = out / name
         if path.is_dir() and not path.is_symlink():
@@ -179,7 +181,8 @@ def discard_unstarted(out: Path, before: set[str] | None) -> None:
             out.rmdir()
         except OSError:  # something else appeared there meanwhile: left
             pass
-    log.warning("the run never started: removed what it had written to %s (%s)", out, ", ".join(made) or "nothing")
+    if made:
+        log.warning("the run never started: removed what it had written to %s (%s)", out, ", ".join(made))
 
 
 def client_data(ds, cfg: Config) -> ClientSplits:
@@ -538,7 +541,11 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
             ``[algorithm]``, fleet size, tracking, keys, models), before anything is written:
             ``fedfleet simulate`` prints its first line there, so a configuration error comes alone.
 
+    The call holds the run folder's lock (:mod:`broker_server.run_lock`) from before it reads the
+    folder to its return: a second simulation, server or resume in that folder is refused at once.
+
     Raises:
+        RunFolderBusy: another process holds the run folder (nothing read or written).
         ConfigError: unknown algorithm, data set or partition settings.
         DataError: the data set cannot be found.
         BrokerStartError: the embedded broker did not start.
@@ -547,8 +554,9 @@ def simulate(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.Pa
     out = Path(run_dir) if run_dir is not None else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
     before = run_folder_entries(out)
     try:
-        return _simulate(cfg, out, broker_url=broker_url, on_round=on_round, agent_hook=agent_hook, resume=resume,
-                         on_event=on_event, on_plan=on_plan, on_start=on_start)
+        with hold_run_folder(out, "fedfleet simulate"):  # one process at a time writes the folder
+            return _simulate(cfg, out, broker_url=broker_url, on_round=on_round, agent_hook=agent_hook,
+                             resume=resume, on_event=on_event, on_plan=on_plan, on_start=on_start)
     except STARTUP_ERRORS:  # nothing ran: no half-made run folder that --resume refuses
         if not resume:
             discard_unstarted(out, before)

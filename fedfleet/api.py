@@ -104,8 +104,8 @@ def run_simulation(config: Config | Mapping[str, Any] | str | os.PathLike[str], 
         The run's :class:`History`.
 
     Raises:
-        ConfigError, DataError, BrokerStartError, ConnectError: as
-            :func:`broker_server.simulate.simulate`.
+        ConfigError, DataError, BrokerStartError, ConnectError, RunFolderBusy: as
+            :func:`broker_server.simulate.simulate` (``RunFolderBusy``: another process holds the run folder).
     """
     from broker_server.simulate import simulate
 
@@ -130,7 +130,8 @@ def run_server(config: Config | Mapping[str, Any] | str | os.PathLike[str], *,
         their own ledgers).
 
     Raises:
-        ConfigError, DataError, BrokerStartError, ConnectError, RunError: as ``fedfleet server``.
+        ConfigError, DataError, BrokerStartError, ConnectError, RunError, RunFolderBusy: as ``fedfleet server``
+            (``RunFolderBusy``: another process holds the run folder).
     """
     from broker_server.server_main import run_server as _run_server
 
