@@ -77,8 +77,8 @@ class RunFolderLock:
     (:func:`hold_run_folder` is both around a block).
 
     Args:
-        run_dir: the folder (created, with its parents, when missing; a folder it created and
-            that is empty at :meth:`release` is removed again).
+        run_dir: the folder (created, with its parents, when missing; the folders it created
+            that are empty at :meth:`release` are removed again, the run folder first).
         command: what the holder runs, as a refusal names it (:attr:`Holder.command`).
     """
 
@@ -87,7 +87,7 @@ class RunFolderLock:
         self.command = command
         self.path = self.run_dir / LOCK_NAME
         self._fd: int | None = None
-        self._created = False
+        self._created: list[Path] = []
 
     @property
     def held(self) -> bool:
@@ -104,9 +104,10 @@ class RunFolderLock:
         """
         if self._fd is not None:
             raise RuntimeError(f"{self.path}: this lock is held already")
+        missing = [d for d in (self.run_dir, *self.run_dir.parents) if not d.exists()]
         try:
             self.run_dir.mkdir(parents=True)
-            self._created = True
+            self._created = missing  # this call made them (another process may have made some meanwhile)
         except FileExistsError:
             pass
         except OSError as exc:
@@ -155,7 +156,7 @@ class RunFolderLock:
 
     def release(self) -> None:
         """Give the lock back: the lock file is removed (when it is still this lock's), then closed,
-        and a folder :meth:`acquire` made that is left empty is removed. A second call does nothing."""
+        and the folders :meth:`acquire` made that are left empty are removed. A second call does nothing."""
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
@@ -164,12 +165,12 @@ class RunFolderLock:
             except OSError:
                 pass
             os.close(fd)
-        if self._created:
-            self._created = False
+        made, self._created = self._created, []
+        for folder in made:  # the run folder first, then the parents made for it
             try:
-                self.run_dir.rmdir()
+                folder.rmdir()
             except OSError:  # not empty (the run wrote its files), or gone
-                pass
+                break
 
 
 @contextmanager

@@ -123,7 +123,7 @@ def test_the_lock_file_names_its_holder_while_held_and_goes_with_it(tmp_path: Pa
         assert caught.value.holder == holder
         with pytest.raises(RunFolderBusy):
             check_not_held(run)
-    assert not run.exists() and (tmp_path / "new").is_dir()  # the folder it made, left empty, goes
+    assert not (tmp_path / "new").exists()  # the folders it made, left empty, go
     check_not_held(run)  # nothing there: not held, nothing made
 
     kept = tmp_path / "kept"
@@ -131,6 +131,9 @@ def test_the_lock_file_names_its_holder_while_held_and_goes_with_it(tmp_path: Pa
     with hold_run_folder(kept, "fedfleet server"):
         (kept / "metrics.jsonl").write_text("{}\n")
     assert sorted(p.name for p in kept.iterdir()) == ["metrics.jsonl"]
+    with hold_run_folder(kept / "a" / "b", "fedfleet server"):
+        (kept / "a" / "notes.txt").write_text("")
+    assert sorted(p.name for p in (kept / "a").iterdir()) == ["notes.txt"]  # a parent with a file stays
 
 
 def test_a_stale_record_of_a_dead_holder_does_not_block(tmp_path: Path) -> None:
