@@ -10,16 +10,24 @@ session from the other; this module's note does:
 
 ``meta.resumes`` = a JSON list, one object per resume in the order they happened::
 
-    {"after_round": R, "after_id": L, "at": T}
+    {"after_round": R, "after_id": L, "at": T, "registry": N}
 
 ``after_round``
-    the checkpoint's round the resumed session went on from (0 when the run had none yet: it
-    started again from round 1).
+    the checkpoint's round the resumed session went on from (0 when the run had none yet, or
+    when its checkpoint was round 0's, written once the devices had joined: either way it went
+    on with round 1).
 ``after_id``
     the id of the newest ledger row when the resumed session opened the ledger (0: none). Rows
     of that session and later have larger ids (:meth:`protocol.ledger.Ledger.last_row_id`).
 ``at``
     Unix seconds at which it was noted.
+``registry``
+    the number of devices in the registry of the checkpoint the resumed session took back (0: it
+    took none back, so every device had to join it again). After round 0 this is what tells the
+    two resumes apart: with no checkpoint the resumed session is a whole run again from its
+    joins; from round 0's checkpoint it knows the devices that had joined, which come back (their
+    ``online`` status) as after any later round. Absent in notes written before it was noted:
+    the audit then reads it from the resumed session's rows (:func:`broker_server.audit.resume_bytes`).
 ``refused``
     (only when true) the resume was refused once noted (the checkpoint did not fit the
     configuration: :func:`refused_if_raises`): its session only connected, and the session before
@@ -64,7 +72,8 @@ def note_fresh_run(ledger: Ledger) -> None:
     ledger.set_meta(RESUMES_META, "[]")
 
 
-def note_resume(ledger: Ledger, *, after_round: int, after_id: int) -> list[dict[str, Any]]:
+def note_resume(ledger: Ledger, *, after_round: int, after_id: int,
+                registry: int | None = None) -> list[dict[str, Any]]:
     """Append one resume to ``ledger``'s ``resumes`` (see the module docstring) and return the list.
 
     Args:
@@ -72,6 +81,8 @@ def note_resume(ledger: Ledger, *, after_round: int, after_id: int) -> list[dict
         after_round: the checkpoint's round the session goes on from (0 without a checkpoint).
         after_id: :meth:`~protocol.ledger.Ledger.last_row_id` as the session opened the ledger,
             before it recorded anything.
+        registry: the number of devices in the registry of the checkpoint it goes on from (0
+            without a checkpoint); None: not noted.
 
     When the ledger notes no resumes (written before resumes were noted) or its note cannot be
     used (:func:`read_resumes`) and it already holds rows, the list starts again with this resume,
@@ -84,6 +95,8 @@ def note_resume(ledger: Ledger, *, after_round: int, after_id: int) -> list[dict
     note = read_resumes(read_meta(ledger.path))
     marks = list(note.marks) if note.state == "noted" and note.marks is not None else []
     mark: dict[str, Any] = {"after_round": int(after_round), "after_id": int(after_id), "at": round(time.time(), 3)}
+    if registry is not None:
+        mark["registry"] = int(registry)
     if note.state != "noted" and after_id > 0:
         mark["earlier_unknown"] = True
     marks.append(mark)
@@ -129,10 +142,11 @@ def ledger_resumes(meta: Mapping[str, str]) -> list[dict[str, Any]] | None:
     ``marks`` of :func:`read_resumes`.
 
     Returns:
-        A list of ``{"after_round": int, "after_id": int, "at": float | None}`` (``[]``: the run
-        was never resumed); ``None`` when the ledger notes nothing (written before resumes were
-        noted, or not a server's: a device's own ledger) or the entry is unreadable or
-        implausible by itself (see :func:`read_resumes`).
+        A list of ``{"after_round": int, "after_id": int, "at": float | None}`` (with
+        ``"registry": int`` where noted; ``[]``: the run was never resumed); ``None`` when the
+        ledger notes nothing (written before resumes were noted, or not a server's: a device's
+        own ledger) or the entry is unreadable or implausible by itself (see
+        :func:`read_resumes`).
     """
     return read_resumes(meta).marks
 
@@ -204,7 +218,7 @@ def _whole(entry: Mapping[str, Any], key: str, n: int) -> int:
 def _mark(entry: Any, n: int) -> dict[str, Any]:
     """One entry of the note as ``{"after_round", "after_id", "at"}`` (``at`` None when it is not
     a finite number: the attribution does not use it, so a bad one costs nothing else), with
-    each of :data:`FLAGS` that is true.
+    ``registry`` where the entry has one, and each of :data:`FLAGS` that is true.
 
     Raises:
         _Bad: see :func:`_whole`; or the entry is not a JSON object.
@@ -218,6 +232,8 @@ def _mark(entry: Any, n: int) -> dict[str, Any]:
         seconds = None
     mark = {"after_round": _whole(entry, "after_round", n), "after_id": _whole(entry, "after_id", n),
             "at": seconds if seconds is not None and math.isfinite(seconds) else None}
+    if "registry" in entry:
+        mark["registry"] = _whole(entry, "registry", n)
     for flag in FLAGS:
         value = entry.get(flag, False)
         if not isinstance(value, bool):

@@ -570,7 +570,8 @@ def _serve_run(cfg: Config, ds, record: dict, out: Path, federation: str, *, bro
         server.on_event = on_event
         ckpt = server.checkpoints.load() if resume else None
         if resume:  # where this session's rows begin, for the audit
-            note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id)
+            note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id,
+                        registry=len(ckpt.registry) if ckpt is not None else 0)
         if ckpt is not None:
             with refused_if_raises(ledger, after_id=before_id):  # a checkpoint that does not load: noted so
                 server.resume(ckpt)

@@ -680,7 +680,8 @@ def _simulate(cfg: Config, out: Path, *, broker_url: str | None, on_round: Calla
             ckpt = server.checkpoints.load()
             # where this session's rows begin, for the audit (before the checkpoint is taken back:
             # a resume refused from here on still wrote its connection's rows)
-            note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id)
+            note_resume(ledger, after_round=ckpt.round if ckpt is not None else 0, after_id=before_id,
+                        registry=len(ckpt.registry) if ckpt is not None else 0)
             if ckpt is not None:
                 with refused_if_raises(ledger, after_id=before_id):  # a checkpoint that does not load: noted so
                     server.resume(ckpt)

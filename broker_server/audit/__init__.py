@@ -111,10 +111,20 @@ rows of the rounds after that checkpoint, run again after the resume), *ending* 
 control packets and statuses after them, and its ``finish``) and *reconnecting* (the resumed
 session's connections, joins and statuses before it sends the first download of a round after
 the checkpoint); a refused ``--resume`` attempt (its checkpoint did not load) adds its
-session's rows, its connections, and continues nothing. The report's ``resume``
+session's rows, its connections, and continues nothing. After round 0 the note's ``registry``
+(the devices of the checkpoint taken back) tells two resumes apart: with none (no checkpoint
+yet) the resumed session is the whole run again, every device joining it, so the *interrupted*
+session's connections and joins are the extra ones; from round 0's checkpoint (written once the
+devices had joined, with their registry) the devices come back through their ``online`` status
+as after any later round, so the interrupted session's joins are the run's own and only what
+the resumed session added (its connections, statuses, a join made again) is extra. A note
+without ``registry`` (written before it was noted) is read from the resumed session's rows: a
+``join`` there, everyone joined again; none, the devices came back. The report's ``resume``
 (:func:`resume_report`) holds them per view; the text, HTML and comparison say them in a line
 ("Resumed after round 2 (1 resume): … bytes belong to it: … re-sent (round 3's first attempt,
-sent again after the resume), … ending the interrupted session … and … reconnecting …") and a
+sent again after the resume), … ending the interrupted session … and … reconnecting …"; after
+round 0, "Resumed before its first checkpoint (1 resume: the run started again from round 1)"
+or "Resumed after round 0 (1 resume: its checkpoint held the devices that had joined)") and a
 table. A ledger written before resumes were noted, of a run whose ``summary.json`` names a
 resume, is said to be resumed with the attribution unknown; a note that is there but unreadable,
 or implausible (beyond the ledger's last round or row, negative, repeated), is said to be so,

@@ -272,16 +272,23 @@ def rounds_text(rounds: Sequence[int]) -> str:
     return "rounds " + ", ".join(map(str, rs[:-1])) + f" and {rs[-1]}"
 
 
-def _after_text(after_rounds: Sequence[int], earlier_unknown: bool = False) -> str:
+def _after_text(after_rounds: Sequence[int], earlier_unknown: bool = False, from_start: bool = True) -> str:
     """``"resumed after round 2 (1 resume)"``, ``"resumed 2 times (after rounds 2 and 5)"``; with
     ``earlier_unknown``: ``"resumed after round 2 (1 resume noted)"``, ``"resumed after rounds 2
-    and 5 (2 resumes noted)"``. Round 0 is no checkpoint yet: ``"resumed before its first
-    checkpoint (1 resume: the run started again from round 1)"``."""
+    and 5 (2 resumes noted)"``. Round 0 of a resume ``from_start`` (some resume after round 0
+    started the run again from its joins: no registry to go on from) is no checkpoint yet:
+    ``"resumed before its first checkpoint (1 resume: the run started again from round 1)"``;
+    else round 0 is the checkpoint of the devices that had joined: ``"resumed after round 0 (1
+    resume: its checkpoint held the devices that had joined)"``."""
     n = len(after_rounds)
-    if list(after_rounds) == [0]:
+    if list(after_rounds) == [0] and from_start:
         return ("resumed before its first checkpoint ("
                 + ("1 resume noted)" if earlier_unknown else "1 resume: the run started again from round 1)"))
-    none_yet = "; round 0: no checkpoint yet" if 0 in after_rounds else ""
+    if list(after_rounds) == [0]:
+        return ("resumed after round 0 ("
+                + ("1 resume noted)" if earlier_unknown else "1 resume: its checkpoint held the devices that had "
+                                                             "joined)"))
+    none_yet = "; round 0: no checkpoint yet" if 0 in after_rounds and from_start else ""
     if earlier_unknown:
         return f"resumed after {rounds_text(after_rounds)} ({n} resume{'s' if n != 1 else ''} noted{none_yet})"
     if n == 1:
@@ -314,14 +321,29 @@ def _rerun_text(resumes: Sequence[Mapping[str, Any]]) -> str:
     return f"{rounds_text(rounds)}'s first attempt, sent again after the resume" + also
 
 
+def _from_start(x: Mapping[str, Any]) -> bool:
+    """Whether resume ``x`` (of :func:`resume_bytes`) started the run again from its joins (no
+    registry to go on from); a dict without ``from_start`` (made before it was told): after round 0."""
+    return bool(x.get("from_start", x["after_round"] == 0))
+
+
+def _joined_again(x: Mapping[str, Any]) -> bool:
+    """Whether resume ``x``'s reconnecting part holds a ``join`` (a device joined again)."""
+    return any(k["kind"] == "join" for k in x["rejoin"]["kinds"])
+
+
 def _rejoin_text(resumes: Sequence[Mapping[str, Any]]) -> str:
-    """What the reconnecting bytes are: the resumed session's connections and joins, or, for a
-    resume with no checkpoint yet (the resumed session is a whole run), the interrupted one's."""
-    from_start = {x["after_round"] == 0 for x in resumes}
+    """What the reconnecting bytes are: the resumed session's connections and joins (its
+    connections and statuses where no device joined again: they came back), or, for a resume
+    from the start (no registry to go on from: the resumed session is a whole run), the
+    interrupted one's."""
+    from_start = {_from_start(x) for x in resumes}
     if from_start == {True}:
         return ("the interrupted session's connections and joins: with no checkpoint, the resumed session connected "
                 "and joined again from the start")
     if from_start == {False}:
+        if not any(_joined_again(x) for x in resumes):
+            return "the resumed session's connections and statuses: its devices came back without joining again"
         return "the resumed session's connections and joins"
     return "connections and joins made again"
 
@@ -374,8 +396,8 @@ def resume_line(report: Mapping[str, Any], view: str) -> str | None:
     if not went_on:
         return (f"Not resumed: {_attempts(refused)} added {count(added)} of the {count(wire)} {_LINK[view]} bytes "
                 f"({'its' if refused == 1 else 'their'} connections); {tail}")
-    after = _after_text(resume["after_rounds"], earlier_unknown)
     went = [x for x in rb["resumes"] if not x.get("refused")]
+    after = _after_text(resume["after_rounds"], earlier_unknown, from_start=any(_from_start(x) for x in went))
     finished = all(x.get("finished") for x in went)  # each continued a run that had finished
     if finished:
         after += f", continued after {'its finish' if len(went) == 1 else 'each finish'}"
@@ -445,7 +467,8 @@ def resume_cells(report: Mapping[str, Any]) -> list[list[str]]:
             out.append(cells(after, f"continued after its finish: the finish and goodbyes of {_sessions_before([x])}"
                              if x.get("finished") else "ending the interrupted session", x["ending"]))
             out.append(cells(after, "reconnecting: the interrupted session's connections and joins"
-                             if x["after_round"] == 0 else "reconnecting and joining again", x["rejoin"]))
+                             if _from_start(x) else "reconnecting and joining again" if _joined_again(x)
+                             else "reconnecting (its devices came back without joining again)", x["rejoin"]))
         out.append(cells("all", "total", rb["all"]))
     return out
 
@@ -501,11 +524,16 @@ def resume_notes(report: Mapping[str, Any], view: str) -> list[str]:
     if any(x.get("finished") for x in rb["resumes"]):
         out.append("A run continued after its finish (resumed with more rounds): its finish and the goodbyes after "
                    "it (offline statuses, DISCONNECTs) count as its ending; nothing is re-sent.")
-    if any(x["after_round"] == 0 and not x.get("refused") for x in rb["resumes"]):
+    if any(_from_start(x) and not x.get("refused") for x in rb["resumes"]):
         out.append("A resume after round 0 had no checkpoint to go on from: the resumed session ran the run again "
                    "from its connections and joins, as an uninterrupted run does, so every row of the interrupted "
                    "session is extra: its rounds re-sent, its ending, and its connections and joins (counted as "
                    "reconnecting).")
+    if any(x["after_round"] == 0 and not _from_start(x) and not x.get("refused") for x in rb["resumes"]):
+        out.append("A resume after round 0 whose checkpoint held the devices that had joined (round 0's registry) "
+                   "went on from their joins, as after any later round: the interrupted session's connections and "
+                   "joins are the run's own, and what the resumed session added before its first round (its "
+                   "connections, the devices' statuses as they came back, any join made again) is reconnecting.")
     if refused:
         out.append("A refused --resume attempt (its checkpoint did not load: nothing was continued) added all its "
                    "session's rows, its connections; the next resume, if any, goes on from the session before it, "

@@ -543,6 +543,17 @@ def _sum_parts(parts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return out
 
 
+def _from_start(db: sqlite3.Connection, registry: int | None, lo: int, hi: int) -> bool:
+    """Whether a resume after round 0 whose session holds the rows ``lo`` < id ≤ ``hi`` started the
+    run again from its joins (see :func:`resume_bytes`, ``rejoin``): its note's ``registry`` is 0
+    (no checkpoint: every device had to join again), or, where the note does not say (None), a
+    device joined that session (a ``join`` sent or received, whichever side wrote it)."""
+    if registry is not None:
+        return registry == 0
+    return bool(db.execute("SELECT EXISTS (SELECT 1 FROM ledger WHERE id > ? AND id <= ? AND kind = 'join' "
+                           "AND event IN ('sent', 'received'))", (lo, hi)).fetchone()[0])
+
+
 def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view: str = "device") -> dict[str, Any]:
     """The bytes of ``view`` that the resumes of a run added to its ledger (bytes = wire bytes).
 
@@ -572,10 +583,19 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
         reconnecting: the resumed session's rows without a training round (connections, joins,
         statuses: the last wills of the interrupted session's devices among them) recorded before
         its first download of a round after R (an uninterrupted run connects and joins once).
-        After round 0 (no checkpoint yet) the resumed session starts the run again from its
-        joins: it sends what an uninterrupted run sends, and the interrupted session is the one
-        whose connections and joins are extra: its rows without a training round up to where
-        ``ending`` begins (with ``rerun`` and ``ending``: every row of that session).
+        A resume *from the start* (``from_start``: after round 0 with no registry to go on from)
+        is the exception: the resumed session starts the run again from its joins, it sends what
+        an uninterrupted run sends, and the interrupted session is the one whose connections and
+        joins are extra: its rows without a training round up to where ``ending`` begins (with
+        ``rerun`` and ``ending``: every row of that session). A resume after round 0 is from the
+        start when its note says the checkpoint it took back held no registry (``registry`` 0:
+        there was no checkpoint, every device had to join again); one whose checkpoint held the
+        devices that had joined (round 0's, written once they had) goes on from their joins as
+        after any later round: the devices come back (their ``online`` status) and only what
+        the resumed session adds is extra, a join of a device that joins again included. A note
+        that does not say (written before ``registry`` was noted) is from the start when the
+        resumed session has a ``join`` row (a device joined again: without a registry every one
+        must), and not when it has none (the devices came back: the registry was restored).
     ``refusal``
         a refused ``--resume`` attempt (a note with ``refused`` true: the checkpoint did not load,
         :func:`broker_server.resumes.refused_if_raises`): every row of its session, its
@@ -592,7 +612,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
 
     Returns:
         ``view``; ``resumes``: one dict per resume in ``after_id`` order, with ``after_round``,
-        ``after_id``, ``refused`` (bool), ``from_session`` (the session it goes on from: 0 the
+        ``after_id``, ``refused`` (bool), ``registry`` (the note's, None where it has none),
+        ``from_start`` (bool: see ``rejoin``), ``from_session`` (the session it goes on from: 0 the
         first, k−1 …; None when refused), ``finished`` (that session had a ``finish``: the run
         was continued after it had finished), ``rerun_rounds`` (the rounds after R that session
         had begun), ``early_updates`` (the early update rows counted in ``rerun``: chunk rows
@@ -608,8 +629,11 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
         ValueError: unknown ``view``.
     """
     with_v, params = _view(view)
-    marks = sorted(({"after_round": _sqlite_int(m["after_round"]), "after_id": _sqlite_int(m["after_id"]),
-                     "refused": bool(m.get("refused"))} for m in resumes), key=lambda m: m["after_id"])
+    marks: list[dict[str, Any]] = sorted(
+        ({"after_round": _sqlite_int(m["after_round"]), "after_id": _sqlite_int(m["after_id"]),
+          "refused": bool(m.get("refused")),
+          "registry": None if m.get("registry") is None else _sqlite_int(m["registry"])} for m in resumes),
+        key=lambda m: m["after_id"])
     bounds = [0] + [m["after_id"] for m in marks] + [_NO_ID]
     out: list[dict[str, Any]] = []
 
@@ -623,7 +647,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
             hi, nxt, r = bounds[k], bounds[k + 1], m["after_round"]
             if m["refused"]:
                 refusal = _part(db, with_v, params, "id > ? AND id <= ?", (hi, nxt))
-                out.append({**m, "from_session": None, "finished": False, "rerun_rounds": [], "early_updates": 0,
+                out.append({**m, "from_start": False, "from_session": None, "finished": False, "rerun_rounds": [],
+                            "early_updates": 0,
                             "rerun": nothing, "ending": nothing, "rejoin": nothing,
                             "refusal": refusal, "messages": refusal["messages"],
                             "wire_bytes": refusal["wire_bytes"]})
@@ -648,7 +673,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
                           (lo, end, r, *early_params))
             ending = _part(db, with_v, params, "id > ? AND id <= ? AND (kind = 'finish' OR ((round IS NULL OR "
                                                "round < 1) AND id > ?))", (lo, end, min(marks_end, default=end)))
-            if r == 0:  # no checkpoint: the resumed session is a whole run, the interrupted one's joins are extra
+            from_start = r == 0 and _from_start(db, m["registry"], hi, nxt)
+            if from_start:  # no registry: the resumed session is a whole run, the interrupted one's joins are extra
                 rejoin = _part(db, with_v, params, "id > ? AND id <= ? AND (round IS NULL OR round < 1) AND kind != "
                                                    "'finish'", (lo, min(marks_end, default=end)))
             else:
@@ -659,7 +685,8 @@ def resume_bytes(rows: LedgerSource, resumes: Iterable[Mapping[str, Any]], view:
             rounds = [x for (x,) in db.execute(f"{with_v} SELECT DISTINCT round FROM v WHERE id > ? AND id <= ? "
                                                "AND round > ? ORDER BY round", (*params, lo, end, r))]
             parts = (rerun, ending, rejoin)
-            out.append({**m, "from_session": session, "finished": bool(finished), "rerun_rounds": rounds,
+            out.append({**m, "from_start": from_start, "from_session": session, "finished": bool(finished),
+                        "rerun_rounds": rounds,
                         "early_updates": early,
                         "rerun": rerun, "ending": ending, "rejoin": rejoin,
                         "refusal": nothing, "messages": sum(p["messages"] for p in parts),

@@ -1922,6 +1922,74 @@ def test_a_resume_before_the_first_checkpoint_adds_the_interrupted_session_whole
         assert dev["rejoin"]["wire_bytes"] == CONNECT_B + STATUS + JOIN and "0 re-sent (no round had begun" in flat
 
 
+def _server_status() -> LedgerRow:
+    """a1's ``online`` status as the broker delivers it to the server (kept for it: a1 kept running)."""
+    return _row("server", "server", "received", "up", "status", 0, "a1", T_STATUS, 20, 10)
+
+
+@pytest.mark.parametrize("registry", [1, None])  # noted; or a note from before it was (no join: came back)
+def test_a_round_0_resume_whose_devices_came_back_adds_the_resumed_session_s_reconnection(tmp_path, registry):
+    """Killed once round 1 had begun after round 0's checkpoint (its registry: a1, which had
+    joined), resumed: a1 kept running and comes back through its online status, without joining
+    again. The interrupted session's connections and joins are the run's own (an uninterrupted run
+    makes them once); the resumed session's connection and a1's status are extra. Without the
+    attributed bytes the run is its twin on either link; the text says the devices came back."""
+    from broker_server.audit._format import resume_line
+
+    first = _whole_run()[:7]  # the connections, a1's status and join, round 1's global sent and received
+    second = [_ctrl("server", "server", "sent", "down", "CONNECT", CONNECT_B), _server_status(),
+              *_whole_run()[5:]]
+    mark = {"after_round": 0, "after_id": 1, **({} if registry is None else {"registry": registry})}
+    run = _sessions_run(tmp_path / "run-0", [first, second], [mark])
+    rep = audit_report(run)
+    for view in ("device", "server"):
+        got = rep["resume"][view]
+        (x,) = got["resumes"]
+        assert (x["from_start"], x["registry"], x["rerun_rounds"]) == (False, registry, [1]), view
+        twin = totals([asdict(r) for r in _whole_run()], view)["all"]["wire_bytes"]
+        assert rep["totals"][view]["all"]["wire_bytes"] - got["all"]["wire_bytes"] == twin, view
+        assert got["rejoin"]["wire_bytes"] == (CONNECT_B + STATUS if view == "server" else 0), view
+    srv = rep["resume"]["server"]
+    assert (f"Resumed after round 0 (1 resume: its checkpoint held the devices that had joined): "
+            f"{srv['all']['wire_bytes']:,} of the {rep['totals']['server']['all']['wire_bytes']:,} server-link bytes "
+            f"belong to it: {srv['rerun']['wire_bytes']:,} re-sent (round 1's first attempt, sent again after the "
+            f"resume), 0 ending the interrupted session (control packets, statuses, finish) and "
+            f"{CONNECT_B + STATUS:,} reconnecting (the resumed session's connections and statuses: its devices came "
+            "back without joining again);") in (resume_line(rep, "server") or "")
+
+
+def test_a_round_0_resume_noted_without_a_registry_adds_the_interrupted_session_s_joins(tmp_path):
+    """The note says the resumed session took back no registry (``registry`` 0: there was no
+    checkpoint): it is the whole run again, its joins the run's own; the interrupted session's
+    connections and joins are extra, as a note from before ``registry`` was noted reads a
+    resumed session with joins."""
+    first = _whole_run()[:4]  # killed while a1 joined
+    for registry in (0, None):
+        mark = {"after_round": 0, "after_id": 1, **({} if registry is None else {"registry": registry})}
+        run = _sessions_run(tmp_path / f"run-{registry}", [first, _whole_run()], [mark])
+        rep = audit_report(run)
+        (x,) = rep["resume"]["device"]["resumes"]
+        assert (x["from_start"], x["rejoin"]["wire_bytes"]) == (True, CONNECT_B + STATUS + JOIN)
+        assert "Resumed before its first checkpoint" in " ".join(render_text(rep).split())
+
+
+def test_a_resume_s_registry_is_noted_and_read_back(tmp_path):
+    """``note_resume`` notes the registry's size; a note whose registry is not a whole number is
+    unreadable, a negative one implausible."""
+    from broker_server.resumes import note_fresh_run, note_resume, read_resumes
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        note_fresh_run(ledger)
+        (mark,) = note_resume(ledger, after_round=0, after_id=0, registry=3)
+    assert (mark["after_round"], mark["registry"]) == (0, 3)
+    (back,) = read_resumes({"resumes": json.dumps([mark])}).marks or []
+    assert back["registry"] == 3
+    assert "registry" not in (read_resumes({"resumes": '[{"after_round": 0, "after_id": 4}]'}).marks or [{}])[0]
+    bad = read_resumes({"resumes": '[{"after_round": 0, "after_id": 4, "registry": "3"}]'})
+    assert (bad.state, bad.why) == ("unreadable", 'entry 1\'s registry is "3", not a whole number')
+    assert read_resumes({"resumes": '[{"after_round": 0, "after_id": 4, "registry": -1}]'}).state == "implausible"
+
+
 def _wire_row(r: LedgerRow) -> int:
     return r.mqtt_header_bytes + r.topic_bytes + r.payload_bytes
 
