@@ -18,7 +18,9 @@ use from :class:`~protocol.transport.MqttTransport`: ``client_id``, ``subscribe`
 (``abort``: vanish, the broker publishes the last will; ``drop_link``: the link breaks and comes
 back, the disconnect listeners are called, the will is published, subscriptions are renewed and
 the connect listeners called), and of the broker (:meth:`MemoryBroker.restart`: every link
-breaks, no will, retained messages lost, the clients come back one by one). It reports no
+breaks, no will, retained messages lost, the clients come back one by one) and of a broker
+that drops a message for one subscriber (:meth:`MemoryBroker.drop_deliveries`: Mosquitto does
+so, acknowledging the PUBLISH, when that client's queue is full). It reports no
 MQTT control packets (no ``set_packet_listener``), so a channel on it ledgers PUBLISH rows only.
 
 Example::
@@ -130,6 +132,8 @@ class MemoryBroker:
 
     Attributes:
         published: every PUBLISH received, in order (last wills included, sender = the client id).
+        dropped: (subscriber's client id, message) of every delivery the broker dropped
+            (:meth:`drop_deliveries`), in order.
     """
 
     def __init__(self) -> None:
@@ -137,6 +141,8 @@ class MemoryBroker:
         self._clients: dict[str, MemoryTransport] = {}
         self._retained: dict[str, tuple[bytes, int]] = {}
         self.published: list[Published] = []
+        self.dropped: list[tuple[str, Published]] = []
+        self._drop: Callable[[str, Published], bool] | None = None
 
     def connect(self, client_id: str, *, will: Will | None = None, keep_sent: bool = True,
                 on_idle: Callable[[], None] | None = None) -> MemoryTransport:
@@ -192,20 +198,39 @@ class MemoryBroker:
         for cid in ids:
             was[cid]._come_back()
 
+    def drop_deliveries(self, rule: Callable[[str, Published], bool] | None) -> None:
+        """From now on, drop each live delivery for which ``rule(subscriber's client id, message)``
+        is true, as a broker whose queue for that client is full drops it (Mosquitto's
+        ``max_queued_messages``): the PUBLISH is received (in :attr:`published`, its sender's
+        ``publish`` returns normally), the other subscribers get it, and the dropped delivery is
+        recorded in :attr:`dropped`. Retained messages handed to a new subscription are never
+        dropped. ``rule`` runs on the publisher's thread, under the broker's lock; ``None``: drop
+        nothing."""
+        with self._lock:
+            self._drop = rule
+
     # ------------------------------------------------------------------ called by the transports
 
     def _route(self, sender: str, topic: str, payload: bytes, qos: int, retain: bool) -> None:
+        message = Published(sender, topic, payload, qos, retain)
         with self._lock:
-            self.published.append(Published(sender, topic, payload, qos, retain))
+            self.published.append(message)
             if retain:
                 if payload:
                     self._retained[topic] = (payload, qos)
                 else:
                     self._retained.pop(topic, None)
-            targets = [(c, c._granted(topic)) for c in self._clients.values() if c._connected]
+            targets = []
+            for c in list(self._clients.values()):
+                granted = c._granted(topic) if c._connected else None
+                if granted is None:
+                    continue
+                if self._drop is not None and self._drop(c.client_id, message):
+                    self.dropped.append((c.client_id, message))
+                    continue
+                targets.append((c, granted))
         for client, granted in targets:
-            if granted is not None:
-                client._deliver(Incoming(topic, payload, min(qos, granted), False, time.monotonic()))
+            client._deliver(Incoming(topic, payload, min(qos, granted), False, time.monotonic()))
 
     def _retained_for(self, topic_filter: str) -> list[tuple[str, bytes, int]]:
         with self._lock:

@@ -76,6 +76,30 @@ def test_delivery_to_matching_subscribers_only_once_each_at_the_granted_qos() ->
     assert (c.sent, c.sent_count, c.sent_bytes) == ([("x/y", b"hello")], 1, 5)
 
 
+def test_a_dropped_delivery_reaches_no_one_it_names_and_is_recorded() -> None:
+    """``drop_deliveries``: the broker takes the PUBLISH (published, retained) and drops it for the
+    subscribers the rule names only; a retained copy handed to a new subscription is not dropped;
+    ``None`` ends the dropping."""
+    broker = MemoryBroker()
+    a, b = broker.connect("a"), broker.connect("b")
+    for c in (a, b):
+        c.subscribe(["x/#"])
+    broker.drop_deliveries(lambda client, m: client == "a" and m.topic == "x/start")
+    b.publish("x/start", b"go", retain=True)
+    b.publish("x/other", b"hi")
+    assert [i.topic for i in iter(lambda: a.get(0), None)] == ["x/other"]
+    assert [i.topic for i in iter(lambda: b.get(0), None)] == ["x/start", "x/other"]
+    assert [(cid, m.sender, m.topic, m.payload) for cid, m in broker.dropped] == [("a", "b", "x/start", b"go")]
+    assert [m.topic for m in broker.published] == ["x/start", "x/other"]
+    late = broker.connect("a2")
+    broker.drop_deliveries(lambda client, m: True)
+    late.subscribe(["x/#"])  # the retained copy: never dropped
+    assert late.get(0).payload == b"go"
+    broker.drop_deliveries(None)
+    b.publish("x/start", b"again")
+    assert a.get(0).payload == b"again" and len(broker.dropped) == 1
+
+
 def test_retained_message_reaches_later_subscribers_and_empty_payload_clears_it() -> None:
     broker = MemoryBroker()
     pub = broker.connect("pub")
