@@ -1053,7 +1053,8 @@ def _same(x: Any, y: Any) -> bool:
 #: Metrics of the wire's delivery, not of the training: a resend under load (a receipt late by
 #: more than the resend interval) changes them and nothing the devices computed.
 DELIVERY_METRICS = frozenset({"bytes_up", "bytes_down", "duplicates", "late", "global_receipts", "global_resends",
-                              "global_delivery", "resent_to", "unsolicited", "early", "undeliverable",
+                              "global_delivery", "resent_to", "round_start_resends", "round_start_asks",
+                              "unsolicited", "early", "undeliverable",
                               "broker_refusals"})
 
 

@@ -17,7 +17,12 @@ class RoundStats:
 
     ``dropped``: selected devices that went offline (last will or ``offline`` status) and were
     not back within the grace period; ``resent_to``: selected devices that said ``online`` again
-    while the round was open and were sent its ``global`` and ``round_start`` again;
+    while the round was open and were sent its ``global`` and ``round_start`` again (or the
+    ``round_start`` alone); ``round_start_resends``: client → ``round_start`` copies sent to it on
+    its own topic after the round opened (an answer to its ``online``, selected or not, and the
+    copies after the server's own reconnect); ``round_start_asks``: client → ``online`` statuses
+    of a device the server held online that said it holds the round's ``global`` but no
+    ``round_start`` of it (an agent asking for a ``round_start`` the broker dropped);
     ``unreported``: selected devices the round waited for until its deadline in vain.
     ``global_receipts`` counts devices (not receipts) that confirmed a copy of the round's global."""
 
@@ -37,6 +42,8 @@ class RoundStats:
     skip_reason: str = ""
     dropped: list[str] = field(default_factory=list)
     resent_to: list[str] = field(default_factory=list)
+    round_start_resends: dict[str, int] = field(default_factory=dict)
+    round_start_asks: dict[str, int] = field(default_factory=dict)
     unreported: list[str] = field(default_factory=list)
 
 
@@ -62,7 +69,15 @@ class RoundState:
         offline_since: selected devices still awaited whose ``offline`` status (last will)
             arrived: client → (``time.monotonic()`` of its arrival, its detail).
         dropped: selected devices not awaited any more: offline for longer than the grace period.
-        resent: client → how many times the round was sent to it again after it came back.
+        resent: client → how many times the round was sent to it again after it came back
+            (or asked for its ``round_start``).
+        start_resends: client → ``round_start`` copies sent to it on its own topic since the round
+            opened (each answer to its ``online``, selected or not, and each copy after the
+            server's own reconnect).
+        start_asks: client → ``online`` statuses from a device already online that said it holds
+            the round's global but not its ``round_start``.
+        told_unselected: unselected devices that asked for the round's ``round_start``: client →
+            how many times they were sent one naming nobody (at most ``MAX_ROUND_RESENDS``).
         global_bytes, global_sent_at, global_seq: the global's payload size, when it was last
             sent (``time.monotonic()``) and its envelope seq, for sending it again smaller when no
             device confirms it.
@@ -97,6 +112,9 @@ class RoundState:
     offline_since: dict[str, tuple[float, str]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
     resent: dict[str, int] = field(default_factory=dict)
+    start_resends: dict[str, int] = field(default_factory=dict)
+    start_asks: dict[str, int] = field(default_factory=dict)
+    told_unselected: dict[str, int] = field(default_factory=dict)
     global_bytes: int = 0
     global_sent_at: float = 0.0
     global_seq: int = 0

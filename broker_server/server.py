@@ -25,7 +25,14 @@ and computes (``aggregate``). A round, as data (DESIGN.md §2):
    that copy is still on its way, answered as a duplicate). After the server's own reconnect
    the ``round_start`` goes again to each device the round awaits, on its own topic, the
    ``global`` only to those that do not say what they hold
-   (:meth:`AggregationServer._resync_round`). A selected device whose last will (an
+   (:meth:`AggregationServer._resync_round`). **A lost round_start**: a device the server holds
+   online whose ``online`` says it holds the open round's ``global`` but no ``round_start`` of it
+   asks for one the broker dropped (:class:`edge_agent.agent.EdgeAgent`): a selected device is
+   sent the ``round_start`` alone on its own topic (at most :data:`MAX_ROUND_RESENDS` times a
+   round, as a device that comes back), an unselected one a ``round_start`` naming nobody on its
+   own topic (as often at most), so it stops asking; ``round_start_asks`` and
+   ``round_start_resends`` in ``metrics.jsonl`` count the asks and every ``round_start`` copy
+   sent to one device, per device. A selected device whose last will (an
    ``offline`` status) arrives and that does not say ``online`` within ``offline_grace_s`` is
    **dropped**: the round no longer waits for it (``dropped`` in ``metrics.jsonl``);
    **refusals**: every refused update is answered with a receipt saying why and is a
@@ -177,7 +184,8 @@ log = logging.getLogger(__name__)
 #: (``aggregate_metrics``, ``evaluate``) never replace them (``evaluate`` may give accuracy and loss).
 DRIVER_KEYS = ("round", "accuracy", "loss", "accuracy_source", "test_evaluated", "share", "clients_selected",
                "clients_reported", "bytes_up", "bytes_down", "seconds", "skipped", "skip_reason", "duplicates", "late",
-               "invalid", "global_receipts", "unsolicited", "withdrawn", "dropped", "resent_to", "unreported",
+               "invalid", "global_receipts", "unsolicited", "withdrawn", "dropped", "resent_to", "round_start_resends",
+               "round_start_asks", "unreported",
                "rejected_by_reason", "train_loss", "clients_train_s", "phase_s", "metrics_refused",
                "global_delivery", "non_finite")
 
@@ -846,6 +854,8 @@ class AggregationServer:
             self._event("joined", env.sender, profile=body.profile, samples=body.num_samples,
                         online=len(self._online()))
         elif isinstance(body, Status):
+            before = self.devices.get(env.sender)
+            was_online = before is not None and before.online and env.sender not in self.open.offline_since
             rec = self.devices.set_status(env.sender, body.state, now)
             if rec is not None and not rec.online:
                 log.info("%s is offline (%s)", env.sender, body.detail)
@@ -865,7 +875,7 @@ class AggregationServer:
                 # a live "online", or a retained one this server never handled (published while its
                 # own link was down: a broker restart the device was back from first); any other
                 # retained one is only a copy handed to a new subscription
-                self._came_back(env.sender, body.detail, holds)
+                self._came_back(env.sender, body.detail, holds, was_online=was_online)
             if (body.state == "idle" and env.round and env.round == o.collecting
                     and env.sender in o.awaited()):
                 # the device says it will not contribute to the open round (no samples, training
@@ -1088,8 +1098,12 @@ class AggregationServer:
                                 "the round goes on without it", o.collecting, client, detail or "no detail",
                                 self.settings.offline_grace_s)
 
-    def _came_back(self, client: str, detail: str, holds: tuple[int, int, int] | None = None) -> None:
-        """A device says ``online`` again: it may have missed messages while its link was down.
+    def _came_back(self, client: str, detail: str, holds: tuple[int, int, int] | None = None, *,
+                   was_online: bool = False) -> None:
+        """A device says ``online`` again: it may have missed messages while its link was down,
+        or, ``was_online`` (this server held it online: no ``offline`` of it since), it asks for a
+        ``round_start`` the broker dropped (:class:`edge_agent.agent.EdgeAgent`, *A lost
+        round_start*): its ``holds`` name the open round's global and an older ``round_start``.
 
         ``holds``: what its status says it holds of the rounds (:attr:`protocol.messages.Status.holds`:
         global, round_start, update still without a receipt), ``None`` when it does not say (an
@@ -1103,8 +1117,19 @@ class AggregationServer:
         trains. Without ``holds``, both are sent, as to every device before. When the round's
         global it lacks went out after this server's own reconnect, it may still reach the device
         (:meth:`_global_may_follow`): its own copy then waits until ``global_confirm_s`` passed
-        without the device confirming that one (:meth:`_send_deferred`)."""
+        without the device confirming that one (:meth:`_send_deferred`).
+
+        An **unselected** device that asks (``was_online``, holding the open round's global but no
+        ``round_start`` of it: a broadcast ``round_start`` dropped by the broker) is sent one
+        naming nobody on its own topic (:meth:`_tell_unselected`), so that it stops asking; one
+        that comes back is sent nothing (it asks if it lacks it). Every ask is counted
+        (``round_start_asks`` in ``metrics.jsonl``)."""
         o = self.open
+        r_open = o.collecting
+        asks = (was_online and holds is not None and r_open is not None and holds[0] >= r_open > holds[1]
+                and client not in o.results)
+        if asks:
+            o.start_asks[client] = o.start_asks.get(client, 0) + 1
         if holds is not None and holds[2] and (copy := self._counted.copy(holds[2], client)) is not None:
             log.info("%s is back online (%s): its update of round %d was counted; its receipt is sent again",
                      client, detail or "no detail", holds[2])
@@ -1112,6 +1137,9 @@ class AggregationServer:
                 self._send_receipt(client, Kind.UPDATE, copy[0], holds[2], True, "", copy[1])
             except TransportError as exc:
                 log.error("the receipt of %s's update of round %d could not be sent again: %s", client, holds[2], exc)
+        if asks and client not in o.selected and o.messages is not None and time.monotonic() < o.deadline:
+            self._tell_unselected(client, detail)
+            return
         if (o.collecting is None or o.messages is None or client not in o.selected or client in o.results
                 or client in o.withdrawn or time.monotonic() >= o.deadline):
             return
@@ -1131,7 +1159,36 @@ class AggregationServer:
                          "confirm that one within %g s (global_confirm_s)", client, r, detail or "no detail",
                          self.settings.global_confirm_s)
             return
-        self._send_lacking(client, detail, lacks_global)
+        self._send_lacking(client, detail, lacks_global, asked=asks)
+
+    def _tell_unselected(self, client: str, detail: str) -> None:
+        """``client``, not selected in the open round, asked for its ``round_start`` (the broadcast
+        one did not reach it): send it one naming nobody on ``down/{client}/round_start`` (no
+        ``config``, no ``members``; ``deadline_s`` the time left), at most
+        :data:`MAX_ROUND_RESENDS` times a round. A transport failure is logged, never raised."""
+        o = self.open
+        r = o.collecting
+        assert r is not None  # checked by the caller
+        told = o.told_unselected.get(client, 0)
+        if told >= MAX_ROUND_RESENDS:
+            if (r, client) not in self._resend_capped:
+                self._resend_capped.add((r, client))
+                log.warning("%s, not selected in round %d, asks for its round_start again (%s): it was answered %d "
+                            "times already, nothing more is sent to it this round", client, r, detail or "no detail",
+                            MAX_ROUND_RESENDS)
+            return
+        log.warning("%s, not selected in round %d, lacks the round_start (%s): sending it one naming nobody", client,
+                    r, detail or "no detail")
+        packet, chunk = self._limits([client])
+        try:
+            self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
+                              RoundStart(selected=(), deadline_s=max(0.1, o.deadline - time.monotonic())),
+                              round=r, recipient=client, max_packet_bytes=packet, chunk_bytes=chunk)
+        except TransportError as exc:
+            log.error("round %d: the round_start naming nobody could not be sent to %s: %s", r, client, exc)
+            return
+        o.told_unselected[client] = told + 1
+        o.start_resends[client] = o.start_resends.get(client, 0) + 1
 
     def _global_may_follow(self, client: str) -> bool:
         """Whether the open round's global copy for ``client`` (the broadcast, or its own with
@@ -1164,9 +1221,10 @@ class AggregationServer:
                             "it its own copy", client, o.collecting, self.settings.global_confirm_s)
                 self._send_lacking(client, "no confirmation", True)
 
-    def _send_lacking(self, client: str, detail: str, lacks_global: bool) -> None:
+    def _send_lacking(self, client: str, detail: str, lacks_global: bool, *, asked: bool = False) -> None:
         """Send ``client`` what it lacks of the open round (:meth:`_send_round_to`), at most
-        :data:`MAX_ROUND_RESENDS` times a round."""
+        :data:`MAX_ROUND_RESENDS` times a round; ``asked``: it did not come back, it asks for the
+        ``round_start`` it lacks (said so in the log)."""
         o = self.open
         r = o.collecting
         assert r is not None  # checked by the callers
@@ -1174,12 +1232,17 @@ class AggregationServer:
         if sent >= MAX_ROUND_RESENDS:  # a flapping link (or a forged status) costs at most this many models
             if (r, client) not in self._resend_capped:  # said once per device and round
                 self._resend_capped.add((r, client))
-                log.warning("%s is back online during round %d again (%s): it was sent the round %d times "
-                            "already, nothing more is sent to it this round", client, o.collecting,
+                log.warning("%s %s during round %d again (%s): it was sent the round %d times already, nothing "
+                            "more is sent to it this round", client,
+                            "asks for the round_start" if asked else "is back online", o.collecting,
                             detail or "no detail", MAX_ROUND_RESENDS)
             return
-        log.warning("%s is back online during round %d (%s): sending it the round's %s again", client, r,
-                    detail or "no detail", "global and round_start" if lacks_global else "round_start")
+        if asked:
+            log.warning("%s holds round %d's global but lacks the round_start (%s): sending it the round_start "
+                        "again (%d/%d)", client, r, detail or "no detail", sent + 1, MAX_ROUND_RESENDS)
+        else:
+            log.warning("%s is back online during round %d (%s): sending it the round's %s again", client, r,
+                        detail or "no detail", "global and round_start" if lacks_global else "round_start")
         self._send_round_to(client, with_global=lacks_global)
 
     def _send_round_to(self, client: str, *, with_global: bool = True) -> None:
@@ -1215,6 +1278,7 @@ class AggregationServer:
             log.error("round %d could not be sent again to %s: %s", r, client, exc)
             return
         o.resent[client] = o.resent.get(client, 0) + 1
+        o.start_resends[client] = o.start_resends.get(client, 0) + 1
 
     def _say_presence(self, state: str, detail: str, wait_s: float | None = None) -> None:
         """Publish the server's retained presence ``state`` on ``down/status``
@@ -1265,9 +1329,11 @@ class AggregationServer:
         (:meth:`_send_global_to`, the path of a device that came back). The ``round_start``: one
         broadcast on ``down/round_start``, or, when the plan has per-device instructions, one per
         selected device on ``down/{client}/round_start`` carrying only that device's
-        instructions; when both go per device and some online device was not selected, a
+        instructions; when it goes per device and some online device was not selected, a
         broadcast ``round_start`` naming nobody goes too, so that every device still hears from
-        the server each round (an agent gives up after ``idle_timeout_s`` of silence)."""
+        the server each round (an agent gives up after ``idle_timeout_s`` of silence) and every
+        device that gets the broadcast global gets a ``round_start`` of its round (a device that
+        holds a round's global without its ``round_start`` asks for it: the broker dropped it)."""
         o = self.open
         assert o.messages is not None  # called only for the open round, after its messages are made
         glob, starts = o.messages
@@ -1278,12 +1344,12 @@ class AggregationServer:
         if o.delivery == "per_device":
             for device in sorted(o.device_globals):
                 self._send_global_to(device, r, note=True)
-            if all(c is not None for c, _ in starts) and set(self._online()) - o.selected:
-                self.channel.send(topics.down(self.fed, Kind.ROUND_START),
-                                  RoundStart(selected=(), deadline_s=self.settings.round_deadline_s), round=r,
-                                  max_packet_bytes=packet, chunk_bytes=chunk)
         else:
             self._send_global(r, glob, packet, chunk)
+        if all(c is not None for c, _ in starts) and set(self._online()) - o.selected:
+            self.channel.send(topics.down(self.fed, Kind.ROUND_START),
+                              RoundStart(selected=(), deadline_s=self.settings.round_deadline_s), round=r,
+                              max_packet_bytes=packet, chunk_bytes=chunk)
         for client, start in starts:
             if client is None:
                 self.channel.send(topics.down(self.fed, Kind.ROUND_START), start, round=r, max_packet_bytes=packet,
@@ -1436,6 +1502,7 @@ class AggregationServer:
             self.channel.send(topics.down_to(self.fed, client, Kind.ROUND_START),
                               dataclasses.replace(start, selected=(client,), deadline_s=remaining, members=b""),
                               round=r, recipient=client, max_packet_bytes=p1, chunk_bytes=c1)
+            o.start_resends[client] = o.start_resends.get(client, 0) + 1
 
     def pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
         """Handle every message that arrives within ``timeout_s`` seconds (at least one wait),
@@ -1729,6 +1796,8 @@ class AggregationServer:
         results = [o.results[c] for c in sorted(o.results)]
         o.stats.clients_reported = len(results)
         o.stats.dropped, o.stats.resent_to = sorted(o.dropped), sorted(o.resent)
+        o.stats.round_start_resends = dict(sorted(o.start_resends.items()))
+        o.stats.round_start_asks = dict(sorted(o.start_asks.items()))
         acc_round, o.accumulator = o.accumulator, None
         if len(results) < self.settings.quorum:
             o.stats.skipped = True
@@ -1815,6 +1884,7 @@ class AggregationServer:
             "global_resends": st.global_resends, "broker_refusals": self.channel.refused - refused0,
             "undeliverable": self.channel.undeliverable - undeliverable0, "unsolicited": st.unsolicited,
             "early": st.early, "withdrawn": st.withdrawn, "dropped": st.dropped, "resent_to": st.resent_to,
+            "round_start_resends": st.round_start_resends, "round_start_asks": st.round_start_asks,
             "unreported": st.unreported, "global_delivery": o.delivery,
             "rejected_by_reason": self.rejected_by_reason,
             "train_loss": float(np.average([loss for _, loss, _ in results], weights=[n for n, _, _ in results]))
@@ -1969,7 +2039,9 @@ class AggregationServer:
         for c in missing:
             rec = self.devices.get(c)
             facts = [f"global confirmed: {'yes' if c in o.global_confirmed else 'no'}",
+                     f"asked for the round_start: {o.start_asks.get(c, 0)}x",
                      f"round sent again: {o.resent.get(c, 0)}x",
+                     f"round_start sent again: {o.start_resends.get(c, 0)}x",
                      "online" if rec is not None and rec.online else "offline"]
             if c in o.offline_since:
                 facts.append(f"offline since {time.monotonic() - o.offline_since[c][0]:.1f} s "

@@ -63,6 +63,17 @@ log = logging.getLogger(__name__)
 EVAL_BATCH = 256
 
 
+#: seconds after taking a round's ``global`` without a ``round_start`` of that round before the agent
+#: first asks the server for it (:class:`EdgeAgent`'s ``round_start_wait_s``, ``fedfleet-agent
+#: --round-start-wait-s``): the server's ``global_confirm_s`` default. A ``round_start`` follows its
+#: global within milliseconds; one not there after this long was dropped by the broker.
+ROUND_START_WAIT_S = 10.0
+#: asks for one round's missing ``round_start`` at most, the k-th (k = 1, 2, …) after
+#: (2^k − 1) · ``round_start_wait_s`` (10, 30, 70 s by default); the server answers at most
+#: ``broker_server.server.MAX_ROUND_RESENDS`` (3) of them a round
+MAX_ROUND_START_ASKS = 3
+
+
 #: ``join.info`` key of a device whose algorithm keeps state between rounds: the newest round its
 #: kept state is as of (0: its initial state; :mod:`edge_agent.state_store`), so that a server
 #: that has counted this device's updates can tell a restart that lost that state
@@ -313,6 +324,9 @@ class EdgeAgent:
         on_trained: called with (round, result, payload bytes) after each published update.
         receipt_timeout_s: an update without a receipt after this long is sent again …
         max_resends: … at most this many times, and only before the round's deadline.
+        round_start_wait_s: seconds after taking a round's ``global`` without any ``round_start``
+            of that round (selecting it or not) before the agent asks the server for it (*A lost
+            round_start* below; default :data:`ROUND_START_WAIT_S`); > 0.
         runtime: the firmware profile fitted to this hardware (:mod:`edge_agent.runtime`): caps
             the batch size, may force a cheaper update codec, and is announced in ``join``.
         emulate_link: make each transfer take the time the profile's link needs (simulated
@@ -413,6 +427,21 @@ class EdgeAgent:
     An agent that does not know the server's presence (an older version) receives its status on
     ``down/+`` and ignores it; with a server that says nothing (an older version) this agent never
     holds.
+
+    **A lost round_start.** The server sends every device that gets a round's ``global`` a
+    ``round_start`` of that round right after it (broadcast, on the device's own topic, or one
+    naming nobody), so a device that holds round r's global (the newest it took, a round it has
+    not trained) and has seen no ``round_start`` of round r ``round_start_wait_s`` seconds after it
+    took that global lost it: a broker dropped it (Mosquitto drops messages for a client whose
+    queue is full, ``max_queued_messages``, without telling anyone). It asks the server for it by
+    saying ``online`` again (retained, as after a reconnect) with its holdings (:meth:`holdings`:
+    global round r, an older ``round_start``), which the server answers on this device's own topic
+    with the ``round_start`` alone (selected) or one naming nobody (not selected); a WARNING says
+    each ask. At most :data:`MAX_ROUND_START_ASKS` asks a round, the k-th after
+    (2^k − 1)·``round_start_wait_s``; none while the server is known offline (its ``round_start``
+    copies come after its reconnect), before the join is answered, or once a newer global or any
+    ``round_start`` of round r came. A device whose ``round_start`` arrives sends nothing extra.
+    :attr:`round_start_asks` counts the asks per round.
     """
 
     def __init__(self, *, channel: Channel, model: torch.nn.Module, algorithm: ClientAlgorithm, x: np.ndarray,
@@ -425,7 +454,10 @@ class EdgeAgent:
                  runtime: AgentRuntime | None = None, emulate_link: bool = False,
                  eval_x: np.ndarray | None = None, eval_y: np.ndarray | None = None,
                  indices: np.ndarray | None = None, slots: TrainingSlots | None = None,
-                 state_store: DeviceStateStore | None = None) -> None:
+                 state_store: DeviceStateStore | None = None,
+                 round_start_wait_s: float = ROUND_START_WAIT_S) -> None:
+        if not round_start_wait_s > 0:
+            raise ValueError(f"round_start_wait_s must be > 0 seconds, got {round_start_wait_s!r}")
         self.channel = channel
         # seconds per phase over the run: wait_slot, train, evaluate, prepare_update, send_update
         # (encode, chunk, publish) and receive (the channel's decoding of what arrives)
@@ -487,6 +519,12 @@ class EdgeAgent:
         if slots is not None and algorithm.borrows_model:
             self._lend(model, info)
         self._global: tuple[int, SharedGlobal] | None = None  # the round of the last global and its arrays
+        self._global_at = 0.0  # time.monotonic() when this agent took the global of the round in _global
+        self._start_seen = 0  # the newest round of which any round_start arrived (selecting this device or not)
+        #: seconds after taking a round's global without its round_start before asking for it (the class docstring)
+        self.round_start_wait_s = round_start_wait_s
+        #: round → asks sent for its missing round_start (*A lost round_start*)
+        self.round_start_asks: dict[int, int] = {}
         self._pending: tuple[int, RoundStart] | None = None
         self._stop = threading.Event()
         self._join_seq = -1
@@ -1013,6 +1051,7 @@ class EdgeAgent:
                         self._resend_join()
                     self._join_every_s = min(2 * self._join_every_s, 30.0)
                 self._maybe_resend()
+                self._maybe_ask_round_start()
                 continue
             last = time.monotonic()
             done = False
@@ -1028,6 +1067,7 @@ class EdgeAgent:
                 break
             self._answer_again()
             self._maybe_train()
+            self._maybe_ask_round_start()
         self._leave()
         return AgentSummary(self.client_id, self.rounds_trained, self.receipts_accepted, self.finished, self.link_s)
 
@@ -1050,12 +1090,17 @@ class EdgeAgent:
                 self._emulate("down", item.decoded.payload_bytes)
             # the newest round's global, unless that round was trained already (a copy sent again)
             if env.round > self._last_trained_round and (self._global is None or env.round >= self._global[0]):
+                if self._global is None or env.round != self._global[0]:
+                    # taken now (not when it arrived: a global queued while this device trained
+                    # is handled with the round_start behind it)
+                    self._global_at = time.monotonic()
                 self._global = (env.round, shared_global(item.sha256, body.tensors, dict(body.extras)))
             # confirm the (possibly chunked) transfer with its hash, as the protocol asks
             self.channel.send(topics.up(self.fed, self.client_id, Kind.RECEIPT),
                               Receipt(ref_kind=int(Kind.GLOBAL), ref_seq=env.seq, accepted=True, sha256=item.sha256),
                               round=env.round)
         elif isinstance(body, RoundStart):
+            self._start_seen = max(self._start_seen, env.round)
             if env.round <= self._last_trained_round:
                 # already trained: the server re-sent it after a reconnect, or a server resumed
                 # from an older checkpoint runs it again (answered once the batch is handled)
@@ -1227,6 +1272,34 @@ class EdgeAgent:
         if on_online:
             self.sent_on_online["join"] += 1
             self._join_every_s = self.join_resend_s
+
+    def _maybe_ask_round_start(self) -> None:
+        """Ask the server for a ``round_start`` the broker dropped (the class docstring, *A lost
+        round_start*): when this device holds round r's global, untrained, and no ``round_start``
+        of round r came within (2^k − 1)·:attr:`round_start_wait_s` seconds of taking it (k − 1
+        asks sent for r so far, k ≤ :data:`MAX_ROUND_START_ASKS`), say ``online`` again with what
+        it holds (retained, on its status topic). A transport failure is logged; the ask counts."""
+        held = self._global
+        if (held is None or not self.joined or self.finished or self._server_gone_at is not None
+                or self._stop.is_set()):
+            return
+        rnd = held[0]
+        if rnd <= self._start_seen or rnd <= self._last_trained_round or rnd <= self._training_round:
+            return
+        asked = self.round_start_asks.get(rnd, 0)
+        if asked >= MAX_ROUND_START_ASKS:
+            return
+        waited_s = time.monotonic() - self._global_at
+        if waited_s < self.round_start_wait_s * (2 ** (asked + 1) - 1):
+            return
+        self.round_start_asks[rnd] = asked + 1
+        detail = f"no round_start of round {rnd}"  # free text, in the server's log: kept short (bytes)
+        log.warning("%s: %s %.0f s after its global (lost by the broker?): asks the server for it (%d/%d)",
+                    self.client_id, detail, waited_s, asked + 1, MAX_ROUND_START_ASKS)
+        try:
+            self.channel.send(topics.status(self.fed, self.client_id), self._online(detail), round=0, retain=True)
+        except TransportError as exc:
+            log.warning("%s: could not ask for the round_start of round %d: %s", self.client_id, rnd, exc)
 
     def _take_round(self, rnd: int, start: RoundStart, received_at: float) -> None:
         """Make round ``rnd`` (whose ``start`` selects this device) the one to train next,

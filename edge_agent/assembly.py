@@ -224,7 +224,8 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
                 train_lock: threading.Semaphore | threading.Lock | None = None, emulate_link: bool = False,
                 on_trained: Callable[[int, LocalResult, int], None] | None = None,
                 slots: TrainingSlots | None = None, state_store: DeviceStateStore | None = None,
-                receipt_timeout_s: float = 10.0, max_resends: int = 3) -> EdgeAgent:
+                receipt_timeout_s: float = 10.0, max_resends: int = 3,
+                round_start_wait_s: float = 10.0) -> EdgeAgent:
     """The :class:`~edge_agent.agent.EdgeAgent` of a prepared agent on ``channel``.
 
     Args:
@@ -247,6 +248,12 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
         receipt_timeout_s: seconds after the broker acknowledged an update's last copy before,
             without a receipt, it is sent again (``fedfleet-agent --receipt-timeout-s``).
         max_resends: at most this many such re-sends (``fedfleet-agent --max-resends``).
+        round_start_wait_s: seconds holding a round's global without its ``round_start`` before
+            asking the server for it (``fedfleet-agent --round-start-wait-s``; the agent's
+            :data:`~edge_agent.agent.ROUND_START_WAIT_S`).
+
+    Raises:
+        ValueError: ``round_start_wait_s`` is not > 0.
     """
     from .agent import EdgeAgent
     from .algorithms import TrainConfig
@@ -262,7 +269,8 @@ def build_agent(prepared: PreparedAgent, channel: Channel, *, runtime: AgentRunt
                      device=device, runtime=runtime, emulate_link=emulate_link, train_lock=train_lock,
                      idle_timeout_s=spec.idle_timeout_s, info=dict(prepared.info), on_trained=on_trained,
                      slots=slots, state_store=state_store, receipt_timeout_s=receipt_timeout_s,
-                     max_resends=max_resends)
+                     max_resends=max_resends,
+                     round_start_wait_s=round_start_wait_s)
 
 
 def offline_will(federation: str, client_id: str, security: ChannelSecurity | None = None) -> Will:

@@ -76,6 +76,11 @@ RECEIPT_TIMEOUT_S = 10.0
 """Default ``--receipt-timeout-s`` (:class:`~edge_agent.agent.EdgeAgent`'s ``receipt_timeout_s``): seconds
 after the broker acknowledged an update's last copy before, without a receipt, it is sent again."""
 
+ROUND_START_WAIT_S = 10.0
+"""Default ``--round-start-wait-s`` (:class:`~edge_agent.agent.EdgeAgent`'s ``round_start_wait_s``): seconds
+holding a round's global without a round_start of that round before asking the server for it (the broker
+dropped it); the server's ``[server] global_confirm_s`` default."""
+
 MAX_RESENDS = 3
 """Default ``--max-resends`` (:class:`~edge_agent.agent.EdgeAgent`'s ``max_resends``): re-sends of an update
 without a receipt, each after ``--receipt-timeout-s``, only while its round is open."""
@@ -243,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-resends", type=non_negative_count, default=MAX_RESENDS, metavar="N",
                    help="at most this many re-sends of an update without a receipt, only while its round is open "
                         "(>= 0; after the last, it is sent again only when the server starts its round again)")
+    p.add_argument("--round-start-wait-s", type=positive_seconds, default=ROUND_START_WAIT_S, metavar="S",
+                   help="holding a round's global without its round_start (dropped by the broker) this many "
+                        "seconds, ask the server for it (> 0; at most 3 asks a round, after S, 3·S and 7·S)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 
@@ -445,6 +453,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         agent = build_agent(prepared, ch, runtime=rt, device=rt.plan.device, state_store=state,
                             receipt_timeout_s=args.receipt_timeout_s, max_resends=args.max_resends,
+                            round_start_wait_s=args.round_start_wait_s,
                             on_trained=lambda rnd, res, nbytes: print(
                                 f"round {rnd}: trained {res.num_samples} samples in "
                                 f"{res.metrics.get('train_seconds', 0):.1f} s, loss {res.train_loss:.4f}, "

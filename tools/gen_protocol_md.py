@@ -793,9 +793,11 @@ server → all     down/status            status offline (retained)           ro
   model for that round); each copy may carry that agent's own tensors and extras (same shapes
   as the round's; an agent's delta update is taken against the copy it got). An agent treats a
   `global` on its own topic exactly like the broadcast one and confirms it the same way. When
-  the round's `round_start` also goes per device (per-device instructions), the server
-  broadcasts a `round_start` whose `selected` and `members` are empty as well, which selects
-  nobody: every agent hears from the server each round.
+  the round's `round_start` goes per device (per-device instructions) and some online agent
+  was not selected, the server broadcasts a `round_start` whose `selected` and `members` are
+  empty as well, which selects nobody (whether the `global` went per device or broadcast):
+  every agent hears from the server each round, and every agent that gets a round's `global`
+  gets a `round_start` of that round (see *A lost round_start*).
 * **Devices that come back.** An agent whose link came back publishes `status` `online`
   (retained) with `global_round`, `start_round` and `update_round` (§3), once its subscriptions
   are acknowledged (§1). The server takes it up when it arrives live, or retained when it
@@ -820,6 +822,23 @@ server → all     down/status            status offline (retained)           ro
   made since the device's link came back, or the copy arrived before its last copy of the
   update was sent). A selected device whose `status` `offline` (its last will) arrives and that
   does not say `online` within the server's grace period is no longer waited for.
+* **A lost round_start.** A broker may drop a message for one subscriber without telling anyone
+  (Mosquitto does when that client's queue is full). An agent that holds round *r*'s `global`
+  (the newest it took; a round it has not trained) and has received no `round_start` of round
+  *r* at all (broadcast or on its own topic, selecting it or not) for a wait *W* after it took
+  that global (10 s by default, the server's default confirmation timeout; configurable on the
+  agent) asks for it: it publishes `status` `online` again (retained, as after a reconnect;
+  `detail` free text) with `global_round` = *r* and `start_round` < *r*. It asks at most 3 times
+  a round, the *k*-th after (2^*k* − 1) × *W* (10, 30, 70 s by default), not before its `join`
+  is answered, not while the server is known offline (*Server presence*: the server's
+  `round_start` copies come after its reconnect), and never once any `round_start` of round *r*
+  or a newer `global` came; an agent whose `round_start` arrives sends nothing more. The server
+  takes such an `online` from an agent it holds online (no `offline` of it since) as an ask and
+  answers as for a device that comes back: a selected agent gets the `round_start` alone on
+  `down/{client_id}/round_start` (naming only it, `deadline_s` the time left in the round), an
+  agent it did not select gets a `round_start` there whose `selected` and `members` are empty,
+  so that it stops asking; at most 3 answers per agent and round, none after the round's
+  deadline.
 * **Per-device instructions.** When a round's plan gives devices their own settings, the server
   sends no broadcast `round_start` for that round: each selected device gets its own on
   `down/{client_id}/round_start`, whose `selected` names only it and whose fourth body field

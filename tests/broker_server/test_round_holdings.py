@@ -214,3 +214,47 @@ def test_a_global_sent_after_the_servers_reconnect_is_not_copied_to_a_device_it_
     assert copies == ((0, 0) if confirms else (1, 1))
     assert len(sent_on(tr, "/down/global")) == 1 and m["global_resends"] == 0
     assert m["clients_reported"] == 2 and m["global_receipts"] == (2 if confirms else 1)
+
+
+@pytest.mark.parametrize("selected", [True, False], ids=["selected", "not-selected"])
+def test_asks_for_a_lost_round_start_are_answered_at_most_max_round_resends_times(tmp_path: Path,
+                                                                                  selected: bool) -> None:
+    """Five asks for round 1's round_start (live ``online`` statuses holding global 1 and
+    round_start 0, from a device the server holds online: an agent whose round_start the broker
+    dropped). The server answers at most ``MAX_ROUND_RESENDS`` (3) of them, each with a
+    round_start on the device's own topic (naming it when it is selected, nobody when not:
+    client-c joins after round 1's selection), never with the global, and counts the five asks
+    (``round_start_asks``) and the three answers (``round_start_resends``)."""
+    from broker_server.server import MAX_ROUND_RESENDS
+    from protocol.messages import Join
+
+    model, like = _model()
+    rng = np.random.default_rng(9)
+    asker = "client-a" if selected else "client-c"
+    holder: dict = {}
+
+    def join_c():
+        srv = holder["srv"]
+        body = Join(profile="x86-cpu", manifest_hash=srv.manifest_hash, num_samples=100,
+                    class_histogram=(100,) + (0,) * 9)
+        return incoming(topics.up(FED, "client-c", Kind.JOIN),
+                        encode(Envelope(round=0, sender="client-c", seq=1, body=body)).payload)
+
+    asks = [lambda k=k: incoming(*status_payload(FED, asker, "online", "no round_start of round 1", seq=10 + k,
+                                                 holds=(1, 0, 0))) for k in range(5)]
+    steps: deque = deque([*([] if selected else [join_c]), *asks,
+                          lambda: incoming(*update_payload(FED, "client-a", 1, 30, like, rng)),
+                          lambda: incoming(*update_payload(FED, "client-b", 1, 2, like, rng))])
+    srv = memory_server(tmp_path, model=model, clients=["client-a", "client-b"], rounds=1, fed=FED,
+                        feed=lambda: steps.popleft()() if steps else None)
+    holder["srv"] = srv
+    m = srv.run_round(1)
+    tr = srv.channel.transport
+    starts = sent_on(tr, f"/down/{asker}/round_start")
+    assert len(starts) == MAX_ROUND_RESENDS == 3
+    assert {(e.round, e.body.selected, e.body.members) for e in starts} == {(1, (asker,) if selected else (), b"")}
+    assert all(0 < e.body.deadline_s <= 600.0 for e in starts)
+    assert sent_on(tr, f"/down/{asker}/global") == []
+    assert m["round_start_asks"] == {asker: 5} and m["round_start_resends"] == {asker: 3}
+    assert m["resent_to"] == ([asker] if selected else [])
+    assert m["clients_reported"] == 2 and not m["skipped"]
