@@ -25,7 +25,6 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 from helpers.brokers import require_mosquitto
@@ -46,18 +45,6 @@ from broker_server.server_main import session_broker
 from protocol.broker_url import has_login, login_placeholder_url, public_broker_url, shown_broker_url
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"
-
-
-@pytest.fixture
-def stopped_after_joins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every server session ends as a Ctrl-C once its fleet joined: its round-0 checkpoint written."""
-
-    def run(self: AggregationServer) -> NoReturn:
-        if self.round == 0:
-            self._checkpoint(accuracy=None)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(AggregationServer, "run", run)
 
 
 def _serve(*argv: str) -> int:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
@@ -28,24 +27,11 @@ from broker_server.config import load
 from broker_server.errors import ConfigError, RunFolderBusy
 from broker_server.experiments import run_grid
 from broker_server.run_lock import LOCK_NAME, Holder, RunFolderLock, check_not_held, hold_run_folder
-from broker_server.server import AggregationServer
 from broker_server.server_main import run_server
 from broker_server.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.toml"
-
-
-@pytest.fixture
-def stopped_after_joins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every in-process server session ends as a Ctrl-C once its fleet joined: its round-0 checkpoint written."""
-
-    def run(self: AggregationServer) -> NoReturn:
-        if self.round == 0:
-            self._checkpoint(accuracy=None)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(AggregationServer, "run", run)
 
 
 def _holder(run: Path) -> Holder | None:

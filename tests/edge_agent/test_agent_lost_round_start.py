@@ -6,8 +6,10 @@ agent's own topic; every count is of the PUBLISHes the broker received (``hub.pu
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 from helpers.memory_federation import Device, federation_server, start_agents
 from helpers.waiting import wait_for
@@ -123,12 +125,10 @@ def _agent(hub: MemoryBroker, digits, cid: str = "dev-a") -> EdgeAgent:
                      round_start_wait_s=0.2)
 
 
-def test_asks_stop_after_the_limit_when_nothing_answers(digits, memory_hub) -> None:
-    """Nothing answers (every round_start is dropped): the agent asks
-    :data:`~edge_agent.agent.MAX_ROUND_START_ASKS` times for round 1, each time naming the
-    global of round 1 and no round_start, then no more; it trains nothing."""
-    hub = memory_hub
-    hub.drop_deliveries(lambda client, m: m.topic.endswith("/round_start"))
+@contextlib.contextmanager
+def _agent_given_global_of_round_1(hub: MemoryBroker, digits, selected: tuple[str, ...]) -> Iterator[EdgeAgent]:
+    """A running agent ``dev-a`` whose join :class:`_SilentServer` answered, sent round 1's
+    global and a broadcast round_start selecting ``selected``; stopped on exit."""
     server = _SilentServer(hub)
     agent = _agent(hub, digits)
     thread = threading.Thread(target=agent.run, daemon=True)
@@ -138,15 +138,25 @@ def test_asks_stop_after_the_limit_when_nothing_answers(digits, memory_hub) -> N
         wait_for(lambda: agent.joined, 30)
         model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
         server.channel.send(topics.down(FED, Kind.GLOBAL), Global(tensors=tuple(state_arrays(model))), round=1)
-        server.channel.send(topics.down(FED, Kind.ROUND_START), RoundStart(("dev-a",), 60.0), round=1)
+        server.channel.send(topics.down(FED, Kind.ROUND_START), RoundStart(selected, 60.0), round=1)
+        yield agent
+    finally:
+        agent.stop()
+        thread.join(10)
+
+
+def test_asks_stop_after_the_limit_when_nothing_answers(digits, memory_hub) -> None:
+    """Nothing answers (every round_start is dropped): the agent asks
+    :data:`~edge_agent.agent.MAX_ROUND_START_ASKS` times for round 1, each time naming the
+    global of round 1 and no round_start, then no more; it trains nothing."""
+    hub = memory_hub
+    hub.drop_deliveries(lambda client, m: m.topic.endswith("/round_start"))
+    with _agent_given_global_of_round_1(hub, digits, ("dev-a",)) as agent:
         assert wait_for(lambda: agent.round_start_asks.get(1) == MAX_ROUND_START_ASKS, 30)
         time.sleep(8 * agent.round_start_wait_s)  # the next ask would be due after 8 waits more
         asks = [s for s in _statuses(hub, "dev-a") if s.state == "online" and s.holds == (1, 0, 0)]
         assert len(asks) == MAX_ROUND_START_ASKS == 3 and agent.round_start_asks == {1: 3}
         assert agent.rounds_trained == 0
-    finally:
-        agent.stop()
-        thread.join(10)
 
 
 def test_no_ask_with_the_round_start_of_the_round_held_even_naming_others(digits, memory_hub) -> None:
@@ -154,20 +164,8 @@ def test_no_ask_with_the_round_start_of_the_round_held_even_naming_others(digits
     round_start of its global's round, so it does not ask; nothing but its online, its join and
     the global's receipt."""
     hub = memory_hub
-    server = _SilentServer(hub)
-    agent = _agent(hub, digits)
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    try:
-        server.answer_join()
-        wait_for(lambda: agent.joined, 30)
-        model = build_model("lightcnn", in_channels=1, image_size=8, num_classes=10)
-        server.channel.send(topics.down(FED, Kind.GLOBAL), Global(tensors=tuple(state_arrays(model))), round=1)
-        server.channel.send(topics.down(FED, Kind.ROUND_START), RoundStart(("dev-z",), 60.0), round=1)
+    with _agent_given_global_of_round_1(hub, digits, ("dev-z",)) as agent:
         assert wait_for(lambda: any(m.sender == "dev-a" and m.topic.endswith("/receipt") for m in hub.published), 30)
         time.sleep(8 * agent.round_start_wait_s)  # two asks would be due by now
         assert agent.round_start_asks == {}
         assert _kinds(hub, "dev-a") == [("status", 0), ("join", 0), ("receipt", 1)]
-    finally:
-        agent.stop()
-        thread.join(10)
