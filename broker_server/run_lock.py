@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -100,7 +101,9 @@ class RunFolderLock:
         Raises:
             RunFolderBusy: another process holds the folder (its holder named, when it wrote itself).
             ConfigError: the folder or its lock file cannot be made or opened (a file in its place,
-                a folder this user may not write): the message names the path and why.
+                a folder this user may not write), or the lock file is not a regular file (a
+                symbolic link, which is never followed, a FIFO, a folder …): the message names the
+                path and why; nothing is written.
         """
         if self._fd is not None:
             raise RuntimeError(f"{self.path}: this lock is held already")
@@ -120,7 +123,7 @@ class RunFolderLock:
             return
         for _ in range(20):  # the file replaced between open and flock: a holder just removed it
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                fd = _open_lock_file(self.path, os.O_RDWR | os.O_CREAT)
             except OSError as exc:
                 raise ConfigError(f"{self.path}: the run folder's lock file cannot be opened "
                                   f"({exc.strerror or exc})") from exc
@@ -196,12 +199,14 @@ def check_not_held(run_dir: str | os.PathLike) -> None:
 
     Raises:
         RunFolderBusy: another process holds ``run_dir`` (its holder named, when it wrote itself).
+        ConfigError: its lock file is not a regular file (a symbolic link, a FIFO, a folder …):
+            the message names the path and what is there; nothing is opened through it.
     """
     if fcntl is None:  # pragma: no cover - Windows: not locked
         return
     path = Path(run_dir) / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = _open_lock_file(path, os.O_RDONLY)
     except OSError:  # no lock file (not held), or one this user cannot read: the lock itself says
         return
     try:
@@ -211,6 +216,71 @@ def check_not_held(run_dir: str | os.PathLike) -> None:
             raise RunFolderBusy(Path(run_dir), _read_holder(fd)) from None
     finally:
         os.close(fd)
+
+
+#: Flags of every open of a lock file: close-on-exec (a child does not keep the lock), no symbolic
+#: link followed (a ``run.lock`` linked to another file would have that file truncated and
+#: overwritten), no waiting (a FIFO in its place would block the open until a writer came).
+_OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def _open_lock_file(path: Path, flags: int) -> int:
+    """``path`` opened with ``flags`` (and :data:`_OPEN_FLAGS`) when it is a regular file (or
+    ``flags`` created it one). Anything else in its place (a symbolic link, a FIFO, a folder, a
+    device, a socket) is refused, never written to: not opened, or closed again at once.
+
+    Raises:
+        ConfigError: not a regular file: the message names the path and what is there (a link's
+            target too).
+        OSError: it cannot be opened otherwise (none there, no permission), as :func:`os.open`.
+    """
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS, 0o644)
+    except OSError:
+        if (kind := _kind_of(path)) is not None:  # a symbolic link (ELOOP), a FIFO with no reader (ENXIO) …
+            raise _not_regular(path, kind) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(path, _kind_name(mode))
+    return fd
+
+
+def _not_regular(path: Path, kind: str) -> ConfigError:
+    """The refusal of a lock file ``path`` that is ``kind``, not a regular file."""
+    return ConfigError(f"{path}: the run folder's lock file is {kind}, not a regular file; fedfleet neither "
+                       "follows nor writes it: remove it (or choose another run folder) and try again")
+
+
+def _kind_of(path: Path) -> str | None:
+    """What is at ``path`` when it is not a regular file (``"a symbolic link to ..."``, ``"a FIFO"``
+    ...), ``None`` for a regular file or nothing (or a path that cannot be looked at)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            return "a symbolic link"
+        return f"a symbolic link (to {target})"
+    return None if stat.S_ISREG(st.st_mode) else _kind_name(st.st_mode)
+
+
+def _kind_name(mode: int) -> str:
+    """The kind of file ``mode`` says, as a message names it (``"a folder"``, ``"a FIFO"`` ...)."""
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -174,3 +174,51 @@ def test_simulate_and_a_grid_hold_their_folders(tmp_path: Path, capsys: pytest.C
             run_grid([], grid)
         assert sorted(p.name for p in grid.iterdir()) == [LOCK_NAME]
     assert run_grid([], grid) == {}  # free again
+
+
+@pytest.mark.parametrize("how", ["resume", "fresh"])
+def test_a_symlinked_lock_file_is_refused_and_its_target_left_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture, how: str) -> None:
+    """A ``run.lock`` that is a symbolic link is never followed: the file it points to is neither
+    truncated nor written (nor made, when it is missing); the command says what is there (exit 2)."""
+    run = tmp_path / "run"
+    if how == "resume":
+        run.mkdir()
+        (run / "config.toml").write_text(QUICKSTART.read_text(encoding="utf-8"), encoding="utf-8")
+        argv = ["simulate", "--resume", str(run)]
+    else:
+        run.mkdir()
+        argv = ["simulate", "--config", str(QUICKSTART), "--out", str(run)]
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n", encoding="utf-8")
+    (run / LOCK_NAME).symlink_to(victim)
+    refusal = (f"fedfleet: configuration error: {run / LOCK_NAME}: the run folder's lock file is a symbolic link "
+               f"(to {victim}), not a regular file; fedfleet neither follows nor writes it: remove it (or choose "
+               "another run folder) and try again\n")
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert capsys.readouterr() == ("", refusal)
+    assert victim.read_text(encoding="utf-8") == "precious\n"
+    for call in (lambda: RunFolderLock(run, "fedfleet server").acquire(), lambda: check_not_held(run)):
+        with pytest.raises(ConfigError, match="lock file is a symbolic link"):
+            call()
+    assert victim.read_text(encoding="utf-8") == "precious\n"
+    victim.unlink()  # a dangling link: the open does not make its target
+    with pytest.raises(ConfigError, match="lock file is a symbolic link"):
+        RunFolderLock(run, "fedfleet server").acquire()
+    assert not victim.exists() and (run / LOCK_NAME).is_symlink()
+
+
+def test_a_fifo_lock_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO in place of ``run.lock`` is refused without waiting for a writer (an open that blocked
+    would hang the command for ever); the process bound is only a guard against that hang."""
+    os.mkfifo(tmp_path / LOCK_NAME)
+    code = ("import sys\nfrom broker_server.errors import ConfigError\n"
+            "from broker_server.run_lock import RunFolderLock, check_not_held\n"
+            "for call in (lambda: check_not_held(sys.argv[1]), lambda: RunFolderLock(sys.argv[1], 'x').acquire()):\n"
+            "    try:\n        call()\n    except ConfigError as exc:\n        print(exc)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    refusal = (f"{tmp_path / LOCK_NAME}: the run folder's lock file is a FIFO (named pipe), not a regular file; "
+               "fedfleet neither follows nor writes it: remove it (or choose another run folder) and try again")
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"{refusal}\n{refusal}\n", "")
