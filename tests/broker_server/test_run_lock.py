@@ -222,3 +222,35 @@ def test_a_fifo_lock_file_is_refused_at_once(tmp_path: Path) -> None:
     refusal = (f"{tmp_path / LOCK_NAME}: the run folder's lock file is a FIFO (named pipe), not a regular file; "
                "fedfleet neither follows nor writes it: remove it (or choose another run folder) and try again")
     assert (done.returncode, done.stdout, done.stderr) == (0, f"{refusal}\n{refusal}\n", "")
+
+
+def test_a_held_folder_that_holds_a_run_is_refused_as_busy_not_as_a_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A fresh ``simulate --out F`` or ``server --out F`` into a folder another process holds is
+    refused as busy (exit 5, naming the holder) even once the folder holds a run (its
+    ``metrics.jsonl``): the lock is checked before the folder is read."""
+    run = tmp_path / "run"
+    code = ("import sys, time\nfrom pathlib import Path\nfrom broker_server.run_lock import hold_run_folder\n"
+            "run = Path(sys.argv[1])\nwith hold_run_folder(run, 'fedfleet server'):\n"
+            "    (run / 'metrics.jsonl').write_text('{}\\n')\n    print('held', flush=True)\n    sys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    holder_proc = subprocess.Popen([sys.executable, "-c", code, str(run)], env=env, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder_proc.stdout is not None and holder_proc.stdout.readline() == "held\n"
+        holder = _holder(run)
+        assert holder is not None and holder.pid == holder_proc.pid
+        for command in ("simulate", "server"):
+            assert cli.main([command, "--config", str(QUICKSTART), "--out", str(run)]) == cli.EXIT_BUSY
+            assert capsys.readouterr() == ("", _busy(run, holder))
+        with pytest.raises(RunFolderBusy):
+            simulate(load(QUICKSTART), run_dir=run)
+        with pytest.raises(RunFolderBusy):
+            run_server(load(QUICKSTART), run_dir=run)
+        assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", LOCK_NAME]
+    finally:
+        holder_proc.communicate("", timeout=60)
+    assert holder_proc.returncode == 0
+    assert cli.main(["simulate", "--config", str(QUICKSTART), "--out", str(run)]) == cli.EXIT_USAGE  # free now
+    assert capsys.readouterr().err == (f"fedfleet: configuration error: {run} already holds a run (metrics.jsonl); "
+                                       "choose another --out, or --resume it\n")
