@@ -74,16 +74,31 @@ def without_login(url: str) -> str:
 
 
 def _redact(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for error messages): the text between the
-    first ``:`` after ``scheme://`` and the last ``@`` (:func:`_raw_login`), so that a password
-    holding characters a URL must percent-encode (``/``, ``?``, ``#``, ``@``), typed as they are,
-    is hidden whole too."""
-    login = _raw_login(url)
-    if login is None or ":" not in login:
-        return url
-    start = url.find("://") + 3
-    user = login.split(":", 1)[0]
-    return f"{url[:start]}{user}:***{url[start + len(login):]}"
+    """What a message shows of the text ``url``, which may hold a secret where it does not parse:
+    its scheme, its user name (a password as ``***``: the text between the first ``:`` after
+    ``scheme://`` and the last ``@``, :func:`_raw_login`, so that a password holding characters a
+    URL must percent-encode, typed as they are, is hidden whole too), its host and port; never its
+    path, query or fragment (``?password=...`` is a secret too), which are left out, nor a port
+    that is not a number (``***``: ``mqtt://user:password`` with the ``@host`` forgotten)."""
+    start = url.find("://")
+    head, rest = (url[:start + 3], url[start + 3:]) if start >= 0 else ("", url)
+    at = rest.rfind("@")
+    login = ""
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        login = f"{user}:***@" if colon else f"{user}@"
+        rest = rest[at + 1:]
+    for c in "/?#":  # the address ends at its path, query or fragment: none is shown
+        rest = rest.split(c, 1)[0]
+    if rest.startswith("["):
+        close = rest.find("]") + 1 or len(rest)
+        host, port = rest[:close], rest[close:]
+    else:
+        host, colon, number = rest.partition(":")
+        port = colon + number
+    if port and not (port.startswith(":") and port[1:].isdigit()):
+        port = ":***" if port.startswith(":") else "***"
+    return f"{head}{login}{host}{port}"
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
@@ -98,7 +113,9 @@ def parse_broker_url(url: str) -> BrokerAddress:
             an integer in 1..65535; the URL has a path, query or fragment; or it has a password
             without a user name (MQTT 3.1.1 §3.1.2.9 forbids that); its user name or password
             holds a ``/``, ``?``, ``#``, ``[`` or ``]`` not percent-encoded (which would end the
-            URL's host part there). The message never contains the password.
+            URL's host part there). The message never contains the password, nor the URL's path,
+            query or fragment, nor a port that is not a number (any of them may hold a secret:
+            ``?password=...``): it says that the URL has one, not what it is.
     """
     if not isinstance(url, str):
         raise TypeError(f"broker URL must be a str, got {type(url).__name__}")
@@ -112,27 +129,28 @@ def parse_broker_url(url: str) -> BrokerAddress:
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
     if scheme not in DEFAULT_PORTS:
-        hint = "" if "://" in text else " (did you forget the 'mqtt://' prefix?)"
-        raise ValueError(
-            f"unsupported broker URL {shown!r}: scheme must be 'mqtt' or 'mqtts', "
-            f"got {parts.scheme!r}{hint}"
-        )
+        if "://" in text:
+            got = f"got {parts.scheme!r}"
+        else:  # what urlsplit reads as a scheme may be a user name or a host: not echoed
+            got = "got none (did you forget the 'mqtt://' prefix?)"
+        raise ValueError(f"unsupported broker URL {shown!r}: scheme must be 'mqtt' or 'mqtts', {got}")
     host = parts.hostname
     if not host:
         raise ValueError(f"broker URL {shown!r} has no host; expected {scheme}://HOST[:PORT]")
     try:
         port = parts.port
-    except ValueError as exc:
+    except ValueError as exc:  # its text is not shown: 'user:password' with the '@host' forgotten reads as one
+        why = str(exc) if "out of range" in str(exc) else "not a number"
         raise ValueError(
-            f"broker URL {shown!r} has a bad port ({exc}); expected an integer in 1..65535"
-        ) from exc
+            f"broker URL {shown!r} has a bad port ({why}); expected an integer in 1..65535"
+        ) from None
     if port is None:
         port = DEFAULT_PORTS[scheme]
     elif not 1 <= port <= 65535:
         raise ValueError(f"broker URL {shown!r} has port {port}; expected an integer in 1..65535")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError(
-            f"broker URL {shown!r} has a path, query or fragment; an MQTT broker URL is "
+            f"broker URL {shown!r} has a path, query or fragment (not shown here); an MQTT broker URL is "
             f"{scheme}://[USER[:PASSWORD]@]HOST[:PORT]"
         )
     username = unquote(parts.username) if parts.username is not None else None
@@ -161,8 +179,8 @@ def public_broker_url(url: str | BrokerAddress) -> str:
 
 def shown_broker_url(url: str) -> str:
     """``url`` as a message may show it, never raising: :func:`public_broker_url` for a broker
-    URL, and any other text with its password replaced by ``***`` (as the errors of
-    :func:`parse_broker_url` show it)."""
+    URL, and any other text as the errors of :func:`parse_broker_url` show it: its password
+    replaced by ``***``, its path, query and fragment left out."""
     try:
         return public_broker_url(url)
     except (TypeError, ValueError):

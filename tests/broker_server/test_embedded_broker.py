@@ -523,6 +523,32 @@ def test_parse_broker_url_never_shows_the_password():
 
 
 @pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        pytest.param("mqtt://127.0.0.1:18833?password=Zq9SECRETpw", "'mqtt://127.0.0.1:18833' has a path, query",
+                     id="query"),
+        pytest.param("mqtt://h:1/Zq9SECRETpw", "'mqtt://h:1' has a path, query", id="path"),
+        pytest.param("mqtts://h#Zq9SECRETpw", "'mqtts://h' has a path, query", id="fragment"),
+        pytest.param("mqtt://op:pw@[::1]:1/x?Zq9SECRETpw", "'mqtt://op:***@[::1]:1' has a path, query",
+                     id="ipv6-login"),
+        pytest.param("http://h/?Zq9SECRETpw", "'http://h': scheme must be", id="scheme-and-query"),
+        pytest.param("mqtt://fleet-op:Zq9SECRETpw", "'mqtt://fleet-op:***' has a bad port (not a number)",
+                     id="login-without-host"),  # urlsplit reads the password as the port
+        pytest.param("fleet-op:Zq9SECRETpw@h", "'fleet-op:***@h': scheme must be 'mqtt' or 'mqtts', got none",
+                     id="no-scheme-login"),
+    ],
+)
+def test_parse_broker_url_never_echoes_a_path_query_fragment_or_password(url, shown):
+    """The URL's path, query and fragment (``?password=...``) and a port that is not a number are
+    never shown in an error: the message says the URL has one, not what it is."""
+    with pytest.raises(ValueError) as info:
+        parse_broker_url(url)
+    text = str(info.value)
+    assert shown in text
+    assert "Zq9SECRETpw" not in text and "Zq9SECRETpw" not in shown_broker_url(url)
+
+
+@pytest.mark.parametrize(
     "url",
     [
         pytest.param("mqtt://fleet-op:abc/def@127.0.0.1:18831", id="slash"),  # urlsplit: host 'fleet-op', port 'abc'
