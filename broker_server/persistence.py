@@ -107,13 +107,16 @@ def read_broker_record(run_dir: Path) -> BrokerRecord | None:
     ``None`` when the run folder holds none (written before it was kept, or a ``fedfleet
     simulate`` run's). A ``url`` edited to hold a user name or password is read as the record of a
     broker that had a login (``credentials_removed`` and ``login_in_file`` true), its URL given
-    back without them: a ``--resume`` asks for the login as for one the server left out.
+    back without them: a ``--resume`` asks for the login as for one the server left out. So is a
+    ``url`` with a malformed login (any text before an ``@`` after its ``scheme://``: a password
+    without a user name, a ``#`` or ``/`` not percent-encoded) whose address part is valid.
 
     Raises:
         OSError: the file is there but cannot be read.
-        ValueError: not JSON, not an object, a ``url`` that is not a broker URL, or an
-            ``embedded`` / ``credentials_removed`` that is not a boolean: the message says which,
-            and never shows a user name or password of the file's ``url``.
+        ValueError: not JSON, not an object, a ``url`` that is not a broker URL (its address
+            part, a login left aside), or an ``embedded`` / ``credentials_removed`` that is not a
+            boolean: the message says which, and never shows a user name or password of the file's
+            ``url``, nor its path, query or fragment.
     """
     path = Path(run_dir) / BROKER_RECORD
     if not path.exists() and not path.is_symlink():
@@ -135,18 +138,16 @@ def read_broker_record(run_dir: Path) -> BrokerRecord | None:
     except ValueError:
         if not login:
             raise
-        try:  # the same error, said of the URL without its login
-            parse_broker_url(without_login(url))
-        except ValueError as bare:
+        try:  # a malformed login ('mqtt://:PW@host', a '#' not percent-encoded): still a broker that had one
+            addr = parse_broker_url(without_login(url))
+        except ValueError as bare:  # the same error, said of the URL without its login
             raise ValueError(f"{bare} (its user name and password left out here)") from None
-        raise ValueError("'url' holds a user name or password that is not valid in a broker URL (left out "
-                         "here: a '/', '?', '#', '[' or ']' not percent-encoded, or a password without a user "
-                         "name)") from None
+    else:
+        login = login and has_login(addr)
     if not isinstance(embedded, bool):
         raise ValueError(f"'embedded' must be true or false, got {embedded!r}")
     if not isinstance(removed, bool):
         raise ValueError(f"'credentials_removed' must be true or false, got {removed!r}")
-    login = login and has_login(addr)
     return BrokerRecord(url=public_broker_url(addr), embedded=embedded, credentials_removed=removed or login,
                         login_in_file=login)
 

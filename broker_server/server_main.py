@@ -365,8 +365,16 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
     with the session); :meth:`SessionBroker.warning` says what agents must do, as it does for a
     ``--broker`` other than the recorded one and for a run folder without a usable record.
 
+    A resumed run folder whose ``broker.json`` is there but cannot be read (not JSON, a ``url``
+    that is not a broker URL, a file this user may not read) is refused without ``--broker``: the
+    record is not replaced by that of a broker the user did not name (with ``--broker`` it is; a
+    folder in its place, which no record replaces, is a run whose broker is unknown, as a missing
+    file).
+
     Raises:
-        ConfigError: resumed without ``--broker`` where the recorded broker's URL carried a user
+        ConfigError: resumed without ``--broker`` where ``broker.json`` cannot be read (the message
+            names the file and why, no login nor a URL's path, query or fragment shown); or where
+            the recorded broker's URL carried a user
             name or password (``broker.json`` does not keep them; a record edited to hold them in its
             ``url`` is read as one that had them, and said in a WARNING naming the file, the login
             not shown nor used) and ``[broker] url`` is not that
@@ -387,6 +395,12 @@ def session_broker(cfg: Config, run_dir: Path, *, broker_url: str | None = None,
             unknown = f"no {BROKER_RECORD}: a run folder from before the broker was recorded"
     except (OSError, ValueError) as exc:
         unknown = f"{out / BROKER_RECORD} cannot be read: {exc}"
+        if not broker_url and not (out / BROKER_RECORD).is_dir():  # a record this session would replace
+            raise ConfigError(
+                f"--resume {out}: {out / BROKER_RECORD}, the record of the broker the run's agents are on, cannot be "
+                f"read ({exc}); a resume without --broker would go on with another broker and replace the record: "
+                f"pass --broker URL of the run's broker (this session's record then replaces the file), or move "
+                f"{BROKER_RECORD} away to go on as a run whose broker is unknown") from None
     if broker_url:
         _said_edited_login(out, earlier)
         return SessionBroker(broker_url, "--broker", out, True, earlier, unknown)
@@ -465,7 +479,8 @@ def run_server(cfg: Config, *, broker_url: str | None = None, run_dir: str | os.
         RunFolderBusy: another process holds the run folder (nothing read or written).
         DataError, ConfigError, BrokerStartError, ConnectError: as :func:`~broker_server.simulate.simulate`.
         ConfigError: also a ``resume`` that cannot go on with its recorded broker without credentials
-            the run folder does not keep (:func:`session_broker`).
+            the run folder does not keep, or without ``broker_url`` where its record cannot be read
+            (:func:`session_broker`; nothing written).
     """
     out = Path(run_dir) if run_dir else Path(cfg.run.out) / make_run_id(cfg.run.name, cfg.run.seed)
     check_real_fleet(cfg)

@@ -338,6 +338,10 @@ def test_a_damaged_record_says_why(tmp_path: Path, text: str, error: str) -> Non
     ("mqtt://fleet-op:s3cr%40t@broker.lan:1884", "mqtt://broker.lan:1884"),
     ("mqtt://fleet-op@Broker.lan", "mqtt://broker.lan:1883"),
     ("mqtts://fleet-op:s3cr@[::1]", "mqtts://[::1]:8883"),
+    # malformed logins: a password without a user name, a '/' or '#' not percent-encoded (still a login)
+    ("mqtt://:s3cr@h:1", "mqtt://h:1"),
+    ("mqtt://fleet-op:s3/cr@h:1", "mqtt://h:1"),
+    ("mqtt://fleet-op:s3cr#x/y@h", "mqtt://h:1883"),
 ])
 @pytest.mark.parametrize("removed", [False, True])
 def test_an_edited_record_whose_url_holds_a_login_is_read_as_one_that_had_a_login(
@@ -361,14 +365,11 @@ def test_an_edited_record_whose_url_holds_a_login_is_read_as_one_that_had_a_logi
      "broker URL 'mqtt://h:99999' has a bad port (Port out of range 0-65535); expected an integer in 1..65535 (its "
      "user name and password left out here)"),
     ('{"url": "mqtt://fleet-op:s3cr@h:1/x", "embedded": false}',
-     "broker URL 'mqtt://h:1/x' has a path, query or fragment; an MQTT broker URL is "
+     "broker URL 'mqtt://h:1' has a path, query or fragment (not shown here); an MQTT broker URL is "
      "mqtt://[USER[:PASSWORD]@]HOST[:PORT] (its user name and password left out here)"),
-    ('{"url": "mqtt://:s3cr@h:1", "embedded": false}',
-     "'url' holds a user name or password that is not valid in a broker URL (left out here: a '/', '?', '#', '[' or "
-     "']' not percent-encoded, or a password without a user name)"),
-    ('{"url": "mqtt://fleet-op:s3/cr@h:1", "embedded": false}',
-     "'url' holds a user name or password that is not valid in a broker URL (left out here: a '/', '?', '#', '[' or "
-     "']' not percent-encoded, or a password without a user name)"),
+    ('{"url": "mqtt://fleet-op:s3cr@h:1?s3cr", "embedded": false}',
+     "broker URL 'mqtt://h:1' has a path, query or fragment (not shown here); an MQTT broker URL is "
+     "mqtt://[USER[:PASSWORD]@]HOST[:PORT] (its user name and password left out here)"),
     ('{"url": ["mqtt://fleet-op:s3cr@h:1"], "embedded": false}', "'url' must be a string, got a list"),
     ('{"url": {"user": "fleet-op"}, "embedded": false}', "'url' must be a string, got an object"),
 ])
@@ -377,6 +378,61 @@ def test_a_damaged_record_holding_a_login_says_why_without_it(tmp_path: Path, te
     with pytest.raises(ValueError) as exc:
         read_broker_record(tmp_path)
     assert str(exc.value) == error
+
+
+SECRET = "Zq9SECRETpw"
+
+
+def test_a_record_that_cannot_be_read_or_holds_a_malformed_login_is_refused_and_kept(
+        tmp_path: Path, stopped_after_joins: None, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``broker.json`` edited by hand: a ``url`` with a query (a password in it), a malformed login
+    (a password without a user name, a ``#`` not percent-encoded), not JSON. A ``--resume`` without
+    ``--broker`` is refused (exit 2) before anything is written: a malformed login as a clean one
+    (the login neither shown nor used), an unreadable record naming the file and why; the record
+    is never replaced by a new embedded broker's. The secret is in no output."""
+    run = tmp_path / "run"
+    assert _serve("--config", str(QUICKSTART), "--out", str(run)) == cli.EXIT_INTERRUPTED
+    capsys.readouterr()
+    caplog.clear()
+    placeholder = "mqtt://USER:PASSWORD@127.0.0.1:18833"
+    login_refusal = (f"fedfleet: configuration error: --resume {run}: the run's broker mqtt://127.0.0.1:18833 "
+                     "(broker.json) is recorded with a user name or password in its url, which fedfleet never writes "
+                     f"there and does not take from the file; pass the login with the option: --broker {placeholder}\n")
+
+    def unreadable(why: str) -> str:
+        return (f"fedfleet: configuration error: --resume {run}: {run / 'broker.json'}, the record of the broker the "
+                f"run's agents are on, cannot be read ({why}); a resume without --broker would go on with another "
+                "broker and replace the record: pass --broker URL of the run's broker (this session's record then "
+                "replaces the file), or move broker.json away to go on as a run whose broker is unknown\n")
+
+    said: list[str] = []
+    for url, err in [
+        (f"mqtt://127.0.0.1:18833?password={SECRET}", unreadable(
+            "broker URL 'mqtt://127.0.0.1:18833' has a path, query or fragment (not shown here); an MQTT broker URL "
+            "is mqtt://[USER[:PASSWORD]@]HOST[:PORT]")),
+        (f"mqtt://127.0.0.1:18833/{SECRET}#{SECRET}", unreadable(
+            "broker URL 'mqtt://127.0.0.1:18833' has a path, query or fragment (not shown here); an MQTT broker URL "
+            "is mqtt://[USER[:PASSWORD]@]HOST[:PORT]")),
+        (f"mqtt://fleet-op:{SECRET}@127.0.0.1:18833/x", unreadable(
+            "broker URL 'mqtt://127.0.0.1:18833' has a path, query or fragment (not shown here); an MQTT broker URL "
+            "is mqtt://[USER[:PASSWORD]@]HOST[:PORT] (its user name and password left out here)")),
+        (f"mqtt://fleet-op:{SECRET}", unreadable(
+            "broker URL 'mqtt://fleet-op:***' has a bad port (not a number); expected an integer in 1..65535")),
+        (f"mqtt://:{SECRET}@127.0.0.1:18833", login_refusal),
+        (f"mqtt://fleet-op:{SECRET}#x/y@127.0.0.1:18833", login_refusal),
+        (None, unreadable("not valid JSON (Expecting value: line 1 column 1 (char 0))")),
+    ]:
+        text = json.dumps({"url": url, "embedded": False}) if url is not None else f"password={SECRET}"
+        (run / "broker.json").write_text(text, encoding="utf-8")
+        files = _files(run)
+        assert _serve("--resume", str(run)) == cli.EXIT_USAGE, url
+        out, got = capsys.readouterr()
+        assert got == err, url
+        assert _files(run) == files  # nothing written: the record is the one edited
+        said += [out, got, *(r.getMessage() for r in caplog.records)]
+        caplog.clear()
+    assert [text for text in said if SECRET in text] == []
 
 
 def test_a_resume_of_a_run_whose_record_was_edited_to_hold_a_login_asks_for_it_and_never_shows_it(
