@@ -129,14 +129,33 @@ TRANSIENT_CONNACK_CODES = frozenset({0x03, 0x88, 0x89, 0x97, 0x9F})
 LOGIN_CONNACK_CODES = frozenset({0x86, 0x87, 0x8C})
 
 
-def _refusal_text(where: str, client_id: str, level: str, code: int, name: str) -> str:
+#: MQTT 3.1.1 CONNACK return codes (§3.2.2.3) of the reason codes paho 2.x reports them as
+#: (``paho.mqtt._packet.convert_connack_rc_to_reason_code``): 1 unacceptable protocol version,
+#: 2 identifier rejected, 3 server unavailable, 4 bad user name or password, 5 not authorized.
+#: A return code above 5 (reserved) paho reports as 0x80 Unspecified error, the code itself lost.
+V311_RETURN_CODES = {0x84: 1, 0x85: 2, 0x88: 3, 0x86: 4, 0x87: 5}
+
+
+def _refusal_text(where: str, client_id: str, level: str, code: int, name: str, *, login: bool = True) -> str:
     """What a :class:`~protocol.errors.ConnectError` says of a CONNACK that refused the connection
     of ``client_id`` (``where``: ``the MQTT broker at HOST:PORT``; ``level``: ``"5"`` or
-    ``"3.1.1"``; ``code``: its reason code, ``name`` its text, ``Not authorized``). No time limit is
-    named: the broker answered. A login refusal (:data:`LOGIN_CONNACK_CODES`) says so; the user
-    name and password are never in it."""
-    said = f"{name} (MQTT {level} CONNACK reason code {code:#04x})"
+    ``"3.1.1"``; ``code``: the reason code paho reports, ``name`` its text, ``Not authorized``;
+    ``login``: whether the client gave a user name). An MQTT 5 refusal names its reason code
+    (``0x87``), an MQTT 3.1.1 one its return code (``5``, :data:`V311_RETURN_CODES`). No time
+    limit is named: the broker answered. A login refusal (:data:`LOGIN_CONNACK_CODES`) says so,
+    and, when the client gave no login, that the broker asks for one; the user name and password
+    are never in it."""
+    if level == "5":
+        said = f"{name} (MQTT 5 CONNACK reason code {code:#04x})"
+    elif code in V311_RETURN_CODES:
+        said = f"{name} (MQTT 3.1.1 CONNACK return code {V311_RETURN_CODES[code]})"
+    else:
+        said = f"{name} (MQTT 3.1.1 CONNACK return code above 5, reserved)"
     if code in LOGIN_CONNACK_CODES:
+        if not login:
+            return (f"{where} refused the connection of {client_id!r}: {said}; the broker asks for a login and none "
+                    "was given: pass a user name and password (--username/--password-file, or USER:PASSWORD@ in "
+                    "the --broker URL)")
         return (f"{where} refused the login of {client_id!r}: {said}; check the user name and password it was given "
                 "(neither is shown here) and the broker's password file and ACL")
     hint = ("the broker may be overloaded or still starting" if code in TRANSIENT_CONNACK_CODES
@@ -1554,7 +1573,8 @@ class MqttTransport:
             transient = self._refused is None or self._refused_code in TRANSIENT_CONNACK_CODES
             where = f"the MQTT broker at {self.host}:{self.port}"
             if self._refused is not None:  # its CONNACK said no: no timeout was waited out
-                raise ConnectError(_refusal_text(where, self.client_id, level, self._refused_code, self._refused_name),
+                raise ConnectError(_refusal_text(where, self.client_id, level, self._refused_code, self._refused_name,
+                                                 login=self._username is not None),
                                    client_id=self.client_id, transient=transient)
             reason = "closed before CONNACK" if self._closed_before_connack else "no CONNACK"
             raise ConnectError(f"{where} did not accept the MQTT {level} connection of {self.client_id!r} within "

@@ -142,7 +142,40 @@ def test_a_refused_login_fails_at_once_whatever_the_retry_policy(tmp_path: Path)
         tr.close()
     assert caught.value.attempts == 1 and not caught.value.transient
     assert tr.connect_delays == []
-    assert "not authori" in str(caught.value).lower()
+    assert str(caught.value) == (  # no login given: the hint says the broker asks for one
+        f"the MQTT broker at 127.0.0.1:{broker.port} refused the connection of 'no-login': Not authorized (MQTT 5 "
+        "CONNACK reason code 0x87); the broker asks for a login and none was given: pass a user name and password "
+        "(--username/--password-file, or USER:PASSWORD@ in the --broker URL)")
+
+
+@pytest.mark.parametrize(("level", "code", "name", "said"), [
+    ("5", 0x87, "Not authorized", "Not authorized (MQTT 5 CONNACK reason code 0x87)"),
+    ("5", 0x86, "Bad user name or password", "Bad user name or password (MQTT 5 CONNACK reason code 0x86)"),
+    ("3.1.1", 0x87, "Not authorized", "Not authorized (MQTT 3.1.1 CONNACK return code 5)"),
+    ("3.1.1", 0x86, "Bad user name or password", "Bad user name or password (MQTT 3.1.1 CONNACK return code 4)"),
+    ("3.1.1", 0x88, "Server unavailable", "Server unavailable (MQTT 3.1.1 CONNACK return code 3)"),
+    ("3.1.1", 0x85, "Client identifier not valid", "Client identifier not valid (MQTT 3.1.1 CONNACK return code 2)"),
+    ("3.1.1", 0x84, "Unsupported protocol version",
+     "Unsupported protocol version (MQTT 3.1.1 CONNACK return code 1)"),
+    ("3.1.1", 0x80, "Unspecified error", "Unspecified error (MQTT 3.1.1 CONNACK return code above 5, reserved)"),
+])
+def test_a_refusal_names_an_mqtt_311_return_code_not_a_reason_code(level: str, code: int, name: str,
+                                                                    said: str) -> None:
+    """paho 2.x reports an MQTT 3.1.1 CONNACK return code as an MQTT 5 reason code (5 Not
+    authorized as 0x87): the message names the code the broker sent, as its protocol level has it."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    assert ReasonCode(PacketTypes.CONNACK, name).value == code  # paho's name of that code
+    where = "the MQTT broker at h:1"
+    text = transport._refusal_text(where, "c", level, code, name)
+    assert text.startswith(f"{where} refused the ") and f": {said}; " in text
+    if code in (0x86, 0x87):
+        assert text.endswith("check the user name and password it was given (neither is shown here) and the "
+                             "broker's password file and ACL")
+        assert transport._refusal_text(where, "c", level, code, name, login=False) == (
+            f"{where} refused the connection of 'c': {said}; the broker asks for a login and none was given: pass a "
+            "user name and password (--username/--password-file, or USER:PASSWORD@ in the --broker URL)")
 
 
 @pytest.mark.parametrize("version", ["5", "3.1.1"])
@@ -168,9 +201,10 @@ def test_a_wrong_password_is_said_as_the_brokers_refusal_without_a_timeout_or_th
             tr.connect(timeout_s=30.0)
         waited = time.monotonic() - t0
         tr.close()
+    code = "reason code 0x87" if version == "5" else "return code 5"  # MQTT 3.1.1's CONNACK has return codes 0-5
     assert str(caught.value) == (
         f"the MQTT broker at 127.0.0.1:{broker.port} refused the login of 'bad-login': Not authorized (MQTT {version} "
-        "CONNACK reason code 0x87); check the user name and password it was given (neither is shown here) "
+        f"CONNACK {code}); check the user name and password it was given (neither is shown here) "
         "and the broker's password file and ACL")
     assert waited < 15.0 and not caught.value.transient  # not the 30 s timeout: the CONNACK's answer
     said = [str(caught.value), *(r.getMessage() for r in caplog.records)]
