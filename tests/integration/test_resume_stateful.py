@@ -78,7 +78,9 @@ def _kill_and_resume(tmp_path: Path, cfg, *, kill_after: int = 1, agent_hook=Non
 
 def _resume_cfg(name: str, **over):
     sections = {"run": {"rounds": 2}, "data": {"clients": 2}, "train": {"algorithm": name},
-                "server": {"quorum": 2, "round_deadline_s": 30.0}}
+                # rounds start once both agents joined; a wide join window for a loaded machine (no agent had
+                # joined a resumed run within the default 60 s there)
+                "server": {"quorum": 2, "round_deadline_s": 30.0, "join_timeout_s": 300.0}}
     for k, v in over.items():
         sections.setdefault(k, {}).update(v)
     return small_config(**sections)
